@@ -1,0 +1,135 @@
+"""Strategy: which parallelism to use and how to cut the work (partitions, replicas, micro-batches)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+KINDS = ("data", "model", "hybrid", "auto")
+SCHEDULES = ("gpipe", "1f1b")
+BALANCES = ("layers", "params", "flops", "time")
+
+
+def _check_positive_int(name: str, value, hint: str) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"Strategy {name}={value!r} must be a positive integer; {hint}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    """How `hf.fit` spreads training over ranks, in HyPar-Flow's terms.
+
+    `partitions` pipeline stages each replicated `replicas` times; `partitions * replicas` must
+    equal the MPI world size. Fields left as None are filled in by `resolve(world_size)`.
+
+    Example:
+        >>> hf.Strategy("hybrid", partitions=2, replicas=2, microbatches=4, schedule="1f1b")
+    """
+
+    kind: str = "auto"
+    partitions: int | None = None
+    replicas: int | None = None
+    microbatches: int = 1
+    schedule: str = "gpipe"
+    balance: str | list = "layers"
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(
+                f"Unknown strategy kind {self.kind!r}; use one of {', '.join(map(repr, KINDS))}."
+            )
+        hint = "pass e.g. 1, 2 or 4."
+        _check_positive_int("partitions", self.partitions, hint)
+        _check_positive_int("replicas", self.replicas, hint)
+        _check_positive_int("microbatches", self.microbatches, hint)
+        if self.schedule not in SCHEDULES:
+            raise ValueError(
+                f"Unknown schedule {self.schedule!r}; use one of {', '.join(map(repr, SCHEDULES))}."
+            )
+        if isinstance(self.balance, str) and self.balance not in BALANCES:
+            raise ValueError(
+                f"Unknown balance {self.balance!r}; use one of {', '.join(map(repr, BALANCES))} "
+                "or a list of layer names where new stages begin."
+            )
+        if self.kind == "data" and self.partitions not in (None, 1):
+            raise ValueError(
+                f"strategy 'data' keeps the whole model on every rank, but partitions="
+                f"{self.partitions}; use strategy 'model' or 'hybrid' to split the model."
+            )
+        if self.kind == "model" and self.replicas not in (None, 1):
+            raise ValueError(
+                f"strategy 'model' is one pipeline, but replicas={self.replicas}; "
+                "use strategy 'hybrid' to replicate the pipeline."
+            )
+
+    def resolve(self, world_size: int) -> Strategy:
+        """Return a copy with partitions and replicas fixed for `world_size` ranks.
+
+        Rule for "auto" (until the cost model chooses): data parallel over all ranks, unless
+        `partitions` is given, in which case the rest of the ranks become replicas.
+        """
+        partitions, replicas = self.partitions, self.replicas
+        if self.kind == "data":
+            partitions = 1
+            replicas = world_size if replicas is None else replicas
+        elif self.kind == "model":
+            replicas = 1
+            partitions = world_size if partitions is None else partitions
+        else:  # hybrid or auto: derive the missing factor
+            if partitions is None and replicas is None:
+                if self.kind == "hybrid":
+                    raise ValueError(
+                        "strategy 'hybrid' needs num_partitions or num_replicas "
+                        f"(their product must be the world size, {world_size})."
+                    )
+                partitions = 1
+            if partitions is None:
+                partitions = _exact_quotient(world_size, replicas, "replicas", "num_partitions")
+            if replicas is None:
+                replicas = _exact_quotient(world_size, partitions, "partitions", "num_replicas")
+        if partitions * replicas != world_size:
+            raise ValueError(
+                f"partitions ({partitions}) x replicas ({replicas}) = {partitions * replicas} "
+                f"but the job has {world_size} MPI ranks; launch with "
+                f"`mpirun -np {partitions * replicas}` or change num_partitions/num_replicas."
+            )
+        kind = self.kind
+        if kind == "auto":
+            kind = "data" if partitions == 1 else ("model" if replicas == 1 else "hybrid")
+        return dataclasses.replace(self, kind=kind, partitions=partitions, replicas=replicas)
+
+
+def _exact_quotient(world_size: int, divisor: int, name: str, other: str) -> int:
+    if world_size % divisor:
+        raise ValueError(
+            f"{name}={divisor} does not divide the world size {world_size}; launch a multiple "
+            f"of {divisor} ranks or pass {other} explicitly."
+        )
+    return world_size // divisor
+
+
+def make_strategy(strategy, num_partitions=None, num_replicas=None, num_microbatches=None):
+    """Build a Strategy from `hf.fit`'s `strategy=` argument and HyPar-Flow's keyword names."""
+    if isinstance(strategy, Strategy):
+        overrides = {
+            k: v
+            for k, v in (
+                ("partitions", num_partitions),
+                ("replicas", num_replicas),
+                ("microbatches", num_microbatches),
+            )
+            if v is not None
+        }
+        return dataclasses.replace(strategy, **overrides) if overrides else strategy
+    if not isinstance(strategy, str):
+        raise ValueError(
+            f"strategy must be a string or hf.Strategy, got {type(strategy).__name__}; "
+            "use 'data', 'model', 'hybrid' or 'auto'."
+        )
+    return Strategy(
+        strategy,
+        partitions=num_partitions,
+        replicas=num_replicas,
+        microbatches=1 if num_microbatches is None else num_microbatches,
+    )

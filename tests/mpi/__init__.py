@@ -1,0 +1,1 @@
+"""Scenario modules run under a real `mpirun` by tests/mpirun.py; each rank reports JSON."""

@@ -1,0 +1,28 @@
+"""What a scenario rank calls to hand its JSON result back to the launching test."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def out_dir() -> str:
+    """The folder the launching test collects results from (first command-line argument)."""
+    return sys.argv[1]
+
+
+def args() -> list[str]:
+    """The scenario's own arguments, after the result folder."""
+    return sys.argv[2:]
+
+
+def report(result: dict) -> None:
+    """Write this rank's result as `rank<N>.json` in the result folder."""
+    from mpi4py import MPI
+
+    rank = MPI.COMM_WORLD.Get_rank()
+    path = os.path.join(out_dir(), f"rank{rank}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(result, f)
+    os.replace(path + ".tmp", path)

@@ -1,0 +1,88 @@
+"""Launch a scenario under a real `mpirun -np N` and collect every rank's JSON result."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Run as root, more ranks than cores, and one compute thread per rank so ranks don't fight.
+MPI_ENV = {
+    "OMPI_ALLOW_RUN_AS_ROOT": "1",
+    "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+    "OMPI_MCA_rmaps_base_oversubscribe": "1",
+    "TF_CPP_MIN_LOG_LEVEL": "2",
+    "TF_NUM_INTRAOP_THREADS": "1",
+    "TF_NUM_INTEROP_THREADS": "1",
+    "OMP_NUM_THREADS": "1",
+    "PYTHONPATH": REPO,
+}
+
+
+@dataclass
+class MpiRun:
+    """Outcome of one launch: exit code, per-rank results and per-rank stdout/stderr."""
+
+    returncode: int
+    results: list[dict | None]
+    stdout: list[str]
+    stderr: list[str]
+
+    def describe(self, tail: int = 3000) -> str:
+        parts = [f"mpirun exit code {self.returncode}"]
+        for r, (out, err) in enumerate(zip(self.stdout, self.stderr)):
+            parts.append(f"--- rank {r} stdout (tail) ---\n{out[-tail:]}")
+            parts.append(f"--- rank {r} stderr (tail) ---\n{err[-tail:]}")
+        return "\n".join(parts)
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()
+    except FileNotFoundError:
+        return ""
+
+
+def launch(scenario: str, np: int, *args: str, timeout: float = 300, env=None) -> MpiRun:
+    """Run `python -m tests.mpi.<scenario> OUT args...` on `np` ranks; never raises on failure."""
+    with tempfile.TemporaryDirectory(prefix=f"hf-{scenario}-") as tmp:
+        out, logs = os.path.join(tmp, "results"), os.path.join(tmp, "logs")
+        os.makedirs(out)
+        cmd = [
+            "mpirun", "-np", str(np), "--oversubscribe", "--bind-to", "none",
+            "--output-filename", logs,
+            sys.executable, "-m", f"tests.mpi.{scenario}", out, *args,
+        ]  # fmt: skip
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, env={**os.environ, **MPI_ENV, **(env or {})}, start_new_session=True
+        )
+        try:
+            returncode = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            returncode = -9
+        results, stdout, stderr = [], [], []
+        for r in range(np):
+            path = os.path.join(out, f"rank{r}.json")
+            results.append(json.load(open(path)) if os.path.exists(path) else None)
+            rank_dir = glob.glob(os.path.join(logs, "*", f"rank.{r}"))
+            stdout.append(_read(os.path.join(rank_dir[0], "stdout")) if rank_dir else "")
+            stderr.append(_read(os.path.join(rank_dir[0], "stderr")) if rank_dir else "")
+        return MpiRun(returncode, results, stdout, stderr)
+
+
+def run_scenario(scenario: str, np: int, *args: str, timeout: float = 300, env=None) -> list:
+    """Launch and require success: every rank exits 0 and reports; else fail with all tails."""
+    run = launch(scenario, np, *args, timeout=timeout, env=env)
+    if run.returncode != 0 or any(r is None for r in run.results):
+        raise AssertionError(f"scenario {scenario} failed on {np} ranks\n{run.describe()}")
+    return run.results
