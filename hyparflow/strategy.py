@@ -1,4 +1,4 @@
-"""Strategy: which parallelism to use and how to cut the work (partitions, replicas, micro-batches)."""
+"""Strategy: which parallelism to use and how to cut the work over ranks."""
 
 from __future__ import annotations
 

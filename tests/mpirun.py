@@ -51,6 +51,13 @@ def _read(path: str) -> str:
         return ""
 
 
+def _load_json(path: str):
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
 def launch(scenario: str, np: int, *args: str, timeout: float = 300, env=None) -> MpiRun:
     """Run `python -m tests.mpi.<scenario> OUT args...` on `np` ranks; never raises on failure."""
     with tempfile.TemporaryDirectory(prefix=f"hf-{scenario}-") as tmp:
@@ -73,7 +80,7 @@ def launch(scenario: str, np: int, *args: str, timeout: float = 300, env=None) -
         results, stdout, stderr = [], [], []
         for r in range(np):
             path = os.path.join(out, f"rank{r}.json")
-            results.append(json.load(open(path)) if os.path.exists(path) else None)
+            results.append(_load_json(path))
             rank_dir = glob.glob(os.path.join(logs, "*", f"rank.{r}"))
             stdout.append(_read(os.path.join(rank_dir[0], "stdout")) if rank_dir else "")
             stderr.append(_read(os.path.join(rank_dir[0], "stderr")) if rank_dir else "")

@@ -15,6 +15,4 @@ received = np.empty(6, dtype=np.float32)
 comm.Sendrecv(sent, dest=(rank + 1) % size, recvbuf=received, source=(rank - 1) % size)
 total = np.empty(6, dtype=np.float32)
 comm.Allreduce(sent.numpy(), total)
-report(
-    {"rank": rank, "size": size, "received": received.tolist(), "allreduced": total.tolist()}
-)
+report({"rank": rank, "size": size, "received": received.tolist(), "allreduced": total.tolist()})

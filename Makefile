@@ -1,0 +1,44 @@
+# hyparflow: `make demo` runs the main job, `make test` the tests; both set everything up first.
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+NP ?= 4
+
+# Open MPI: allow root, allow more ranks than cores, one compute thread per rank.
+export OMPI_ALLOW_RUN_AS_ROOT := 1
+export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
+export OMPI_MCA_rmaps_base_oversubscribe := 1
+export TF_CPP_MIN_LOG_LEVEL := 2
+
+.PHONY: setup mpi demo test lint format clean
+
+setup: mpi $(STAMP)
+
+mpi:
+	@scripts/ensure_mpi.sh
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	@touch $(STAMP)
+
+demo: setup
+	$(PY) examples/demo.py
+
+test: setup
+	$(VENV)/bin/ruff check hyparflow tests benchmarks examples
+	$(VENV)/bin/ruff format --check hyparflow tests benchmarks examples
+	$(PY) -m pytest
+
+lint: setup
+	$(VENV)/bin/ruff check hyparflow tests benchmarks examples
+	$(VENV)/bin/ruff format --check hyparflow tests benchmarks examples
+
+format: setup
+	$(VENV)/bin/ruff format hyparflow tests benchmarks examples
+	$(VENV)/bin/ruff check --fix hyparflow tests benchmarks examples
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,90 @@
+"""hf.fit on one process is model.fit: same final weights and the same History."""
+
+import keras
+import numpy as np
+import pytest
+
+import hyparflow as hf
+
+
+def _model():
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(8, activation="relu", kernel_regularizer="l2")(inputs)
+    hidden = keras.layers.Dropout(0.2)(hidden)
+    outputs = keras.layers.Dense(3, activation="softmax")(hidden)
+    model = keras.Model(inputs, outputs)
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-2),
+        loss="sparse_categorical_crossentropy",
+        metrics=["accuracy"],
+    )
+    return model
+
+
+def _data():
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(100, 6)).astype("float32")
+    y = rng.integers(0, 3, size=100)
+    w = rng.uniform(0.5, 1.5, size=100).astype("float32")
+    return x, y, w
+
+
+def _train(fit, **kwargs):
+    keras.utils.set_random_seed(7)
+    model = _model()
+    x, y, w = _data()
+    keras.utils.set_random_seed(11)  # same shuffling and dropout masks for both runs
+    history = fit(model, x, y, **kwargs, sample_weight=w)
+    return model.get_weights(), history
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(batch_size=16, epochs=3, shuffle=True, validation_split=0.2),
+        dict(batch_size=32, epochs=4, initial_epoch=1, shuffle=False, steps_per_epoch=2),
+    ],
+    ids=["shuffle-validation", "initial-epoch-steps"],
+)
+def test_hf_fit_equals_model_fit(kwargs):
+    args = dict(kwargs, verbose=0)
+    ref_weights, ref_history = _train(lambda m, x, y, **kw: m.fit(x, y, **kw), **args)
+    hf_weights, hf_history = _train(hf.fit, **args)
+    assert isinstance(hf_history, keras.callbacks.History)
+    assert len(ref_weights) == len(hf_weights)
+    for ref, got in zip(ref_weights, hf_weights):
+        np.testing.assert_array_equal(got, ref)
+    assert hf_history.history.keys() == ref_history.history.keys()
+    for key, values in ref_history.history.items():
+        np.testing.assert_allclose(hf_history.history[key], values, rtol=0, atol=0)
+    assert hf_history.epoch == ref_history.epoch
+
+
+def test_hf_fit_runs_callbacks_and_validation_data():
+    seen = []
+    x, y, _ = _data()
+    keras.utils.set_random_seed(3)
+    model = _model()
+    history = hf.fit(
+        model,
+        x,
+        y,
+        batch_size=25,
+        epochs=2,
+        verbose=0,
+        validation_data=(x[:20], y[:20]),
+        callbacks=[keras.callbacks.LambdaCallback(on_epoch_end=lambda e, logs: seen.append(e))],
+    )
+    assert seen == [0, 1]
+    assert {"loss", "accuracy", "val_loss", "val_accuracy"} <= set(history.history)
+
+
+def test_uncompiled_model_is_a_clear_error():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    with pytest.raises(ValueError, match="model.compile"):
+        hf.fit(model, np.zeros((4, 3)), np.zeros((4, 1)))
+
+
+def test_rank_and_size_without_launcher():
+    assert hf.rank() == 0
+    assert hf.size() == 1

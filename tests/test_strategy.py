@@ -1,0 +1,58 @@
+"""Strategy validation and resolution against a world size."""
+
+import pytest
+
+from hyparflow import Strategy
+from hyparflow.strategy import make_strategy
+
+
+@pytest.mark.parametrize(
+    "strategy, world, expected",
+    [
+        (Strategy("data"), 4, ("data", 1, 4)),
+        (Strategy("model"), 4, ("model", 4, 1)),
+        (Strategy("hybrid", partitions=2), 8, ("hybrid", 2, 4)),
+        (Strategy("hybrid", replicas=2), 8, ("hybrid", 4, 2)),
+        (Strategy("hybrid", partitions=2, replicas=2), 4, ("hybrid", 2, 2)),
+        (Strategy("auto"), 3, ("data", 1, 3)),
+        (Strategy("auto", partitions=3), 3, ("model", 3, 1)),
+        (Strategy("auto", partitions=2), 4, ("hybrid", 2, 2)),
+        (Strategy("auto"), 1, ("data", 1, 1)),
+    ],
+)
+def test_resolve(strategy, world, expected):
+    resolved = strategy.resolve(world)
+    assert (resolved.kind, resolved.partitions, resolved.replicas) == expected
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: Strategy("pipeline"), "Unknown strategy kind 'pipeline'"),
+        (lambda: Strategy("model", partitions=0), "positive integer"),
+        (lambda: Strategy("model", partitions=2.0), "positive integer"),
+        (lambda: Strategy("hybrid", replicas=True), "positive integer"),
+        (lambda: Strategy("data", microbatches=-1), "positive integer"),
+        (lambda: Strategy("model", schedule="zigzag"), "Unknown schedule"),
+        (lambda: Strategy("model", balance="random"), "Unknown balance"),
+        (lambda: Strategy("data", partitions=2), "use strategy 'model' or 'hybrid'"),
+        (lambda: Strategy("model", replicas=2), "use strategy 'hybrid'"),
+        (lambda: Strategy("hybrid", partitions=2, replicas=3).resolve(4), "mpirun -np 6"),
+        (lambda: Strategy("hybrid", partitions=3).resolve(4), "does not divide"),
+        (lambda: Strategy("hybrid").resolve(4), "needs num_partitions or num_replicas"),
+        (lambda: Strategy("model", partitions=2).resolve(4), "mpirun -np 2"),
+        (lambda: make_strategy(42), "must be a string or hf.Strategy"),
+    ],
+)
+def test_invalid_strategies_name_the_fix(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_hyparflow_keyword_names_fill_the_strategy():
+    s = make_strategy("hybrid", num_partitions=2, num_replicas=3, num_microbatches=4)
+    assert (s.partitions, s.replicas, s.microbatches) == (2, 3, 4)
+    base = Strategy("model", schedule="1f1b")
+    s = make_strategy(base, num_microbatches=8)
+    assert (s.kind, s.schedule, s.microbatches) == ("model", "1f1b", 8)
+    assert make_strategy(base) is base
