@@ -20,25 +20,22 @@ mpi:
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
 	@touch $(STAMP)
 
 demo: setup
 	$(PY) examples/demo.py
 
-test: setup
-	$(VENV)/bin/ruff check hyparflow tests benchmarks examples
-	$(VENV)/bin/ruff format --check hyparflow tests benchmarks examples
+test: lint
 	$(PY) -m pytest
 
 lint: setup
-	$(VENV)/bin/ruff check hyparflow tests benchmarks examples
-	$(VENV)/bin/ruff format --check hyparflow tests benchmarks examples
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 format: setup
-	$(VENV)/bin/ruff format hyparflow tests benchmarks examples
-	$(VENV)/bin/ruff check --fix hyparflow tests benchmarks examples
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
