@@ -1,0 +1,1 @@
+"""The training engine: pipeline schedules, stage execution and the training loop."""

@@ -1,0 +1,138 @@
+"""Pipeline schedules as data: completeness, ordering, memory bound and simulated bubble."""
+
+import doctest
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hyparflow.engine import schedule as sched
+from hyparflow.engine.schedule import (
+    Action,
+    B,
+    DeadlockError,
+    F,
+    forward_only,
+    gpipe,
+    make_schedule,
+    one_f_one_b,
+    peak_in_flight,
+    simulate,
+    theoretical_bubble,
+)
+
+stages = st.integers(min_value=1, max_value=8)
+microbatches = st.integers(min_value=1, max_value=16)
+names = st.sampled_from(["gpipe", "1f1b"])
+
+
+def test_docstring_examples_hold():
+    assert doctest.testmod(sched).failed == 0
+
+
+def test_action_repr_equality_and_validation():
+    assert repr(Action("forward", 3)) == "F3" and repr(Action("backward", 3)) == "B3"
+    assert F(2) == Action("forward", 2) and F(2) != B(2)
+    assert len({F(1), F(1), B(1)}) == 2
+    with pytest.raises(ValueError, match="kind"):
+        Action("fwd", 0)
+    with pytest.raises(ValueError, match="microbatch"):
+        Action("forward", -1)
+
+
+def test_known_small_schedules():
+    assert gpipe(2, 2) == [[F(0), F(1), B(0), B(1)]] * 2
+    assert one_f_one_b(3, 4) == [
+        [F(0), F(1), F(2), B(0), F(3), B(1), B(2), B(3)],
+        [F(0), F(1), B(0), F(2), B(1), F(3), B(2), B(3)],
+        [F(0), B(0), F(1), B(1), F(2), B(2), F(3), B(3)],
+    ]
+    # Fewer micro-batches than warm-up slots: the warm-up is capped at m.
+    assert one_f_one_b(4, 2)[0] == [F(0), F(1), B(0), B(1)]
+
+
+def test_bad_arguments_name_what_to_change():
+    with pytest.raises(ValueError, match="unknown pipeline schedule 'pipedream'.*1f1b"):
+        make_schedule("pipedream", 2, 2)
+    with pytest.raises(ValueError, match="num_stages"):
+        gpipe(0, 2)
+    with pytest.raises(ValueError, match="num_microbatches"):
+        one_f_one_b(2, 0)
+    with pytest.raises(ValueError, match="num_stages"):
+        make_schedule("gpipe", True, 2)
+
+
+@given(names, stages, microbatches)
+def test_every_microbatch_forwarded_then_backwarded_once_per_stage(name, p, m):
+    schedule = make_schedule(name, p, m)
+    assert len(schedule) == p
+    for actions in schedule:
+        assert sorted(a.microbatch for a in actions if a.is_forward) == list(range(m))
+        assert sorted(a.microbatch for a in actions if not a.is_forward) == list(range(m))
+        for i in range(m):
+            assert actions.index(F(i)) < actions.index(B(i))
+
+
+@given(names, stages, microbatches)
+def test_simulation_respects_dependencies_and_never_deadlocks(name, p, m):
+    schedule = make_schedule(name, p, m)
+    times = simulate(schedule, comm_time=0.5).times
+    for s in range(p):
+        for i in range(m):
+            if s > 0:
+                assert times[s, F(i)][0] >= times[s - 1, F(i)][1] + 0.5
+            if s < p - 1:
+                assert times[s, B(i)][0] >= times[s + 1, B(i)][1] + 0.5
+            assert times[s, B(i)][0] >= times[s, F(i)][1]
+        spans = [times[s, a] for a in schedule[s]]
+        assert all(prev[1] <= nxt[0] for prev, nxt in zip(spans, spans[1:]))
+
+
+@given(stages, microbatches)
+def test_1f1b_in_flight_is_min_of_remaining_stages_and_microbatches(p, m):
+    for s, actions in enumerate(one_f_one_b(p, m)):
+        assert peak_in_flight(actions) == min(p - s, m) <= p
+
+
+@given(stages, microbatches)
+def test_gpipe_keeps_every_microbatch_in_flight(p, m):
+    assert all(peak_in_flight(actions) == m for actions in gpipe(p, m))
+
+
+@given(stages, microbatches, st.sampled_from([0.5, 1.0, 3.0]))
+def test_gpipe_bubble_matches_formula_and_1f1b_matches_gpipe(p, m, time):
+    bubble = theoretical_bubble(p, m)
+    equal = simulate(gpipe(p, m), forward_time=time, backward_time=time)
+    assert equal.makespan == pytest.approx(2 * time * (m + p - 1))
+    assert equal.bubble == pytest.approx(bubble)
+    # 1F1B saves memory, not time: same makespan as GPipe, also with backward = 2 x forward.
+    for f, b in [(time, time), (1.0, 2.0)]:
+        assert simulate(one_f_one_b(p, m), f, b).makespan == pytest.approx(
+            simulate(gpipe(p, m), f, b).makespan
+        )
+
+
+def test_single_stage_has_no_bubble_and_per_stage_times():
+    assert simulate(gpipe(1, 4)).bubble == 0.0
+    slow_last = simulate(gpipe(2, 1), forward_time=[1.0, 3.0], backward_time=[1.0, 3.0])
+    assert slow_last.makespan == 8.0 and slow_last.busy == [2.0, 6.0]
+    with pytest.raises(ValueError, match="forward_time has 3 entries"):
+        simulate(gpipe(2, 1), forward_time=[1.0, 1.0, 1.0])
+
+
+def test_forward_only_schedule_simulates():
+    sim = simulate(forward_only(3, 4), forward_time=1.0)
+    assert sim.makespan == 6.0 and peak_in_flight(forward_only(3, 4)[0]) == 4
+
+
+def test_deadlocks_are_detected():
+    # The last stage lists B0 before the F0 it depends on.
+    with pytest.raises(DeadlockError, match="stage 1 waits at B0"):
+        simulate([[F(0), B(0)], [B(0), F(0)]])
+    # Opposite orders across stages: stage 0 needs B1 from stage 1, which waits for F1 first.
+    with pytest.raises(DeadlockError, match="stage 0 waits at B1"):
+        simulate([[F(0), B(1), F(1), B(0)], [F(0), F(1), B(0), B(1)]])
+    with pytest.raises(DeadlockError, match="waits at F0"):
+        simulate([[], [F(0)]])  # depends on an action never scheduled
+    with pytest.raises(ValueError, match="twice"):
+        simulate([[F(0), F(0)]])
