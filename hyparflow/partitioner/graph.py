@@ -1,0 +1,332 @@
+"""The user's Keras model as a flat DAG of operation calls, in a topological order."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+import keras
+import numpy as np
+from keras import tree
+from keras.src.models.functional import Functional
+from keras.src.models.sequential import Sequential
+
+# Keras records a nested model's call with these keyword arguments; with any other value the
+# nested model is kept as one node, so that Keras's own handling of them stays exact.
+_FLATTENABLE_CALL_KWARGS = frozenset({"training", "mask"})
+
+NOT_GRAPH_MESSAGE = (
+    "Model parallelism needs a functional or Sequential Keras model (a graph of layer calls); "
+    "got {kind}. Rewrite the model with the functional API or keras.Sequential, or train it "
+    'with strategy="data", which works for any model.'
+)
+
+
+@dataclass
+class GraphTensor:
+    """A tensor flowing between nodes: produced by one node (or a model input), read by others."""
+
+    index: int
+    name: str
+    keras_tensor: object  # reference KerasTensor of the user's graph: shape and dtype
+    producer: int  # position of the producing node; -1 for a model input
+    consumers: list[int] = field(default_factory=list)
+
+    @property
+    def shape(self) -> tuple:
+        """Shape without the batch dimension (None where unknown)."""
+        return tuple(self.keras_tensor.shape[1:])
+
+    @property
+    def dtype(self) -> str:
+        return str(self.keras_tensor.dtype)
+
+    @property
+    def bytes_per_sample(self) -> int:
+        """Bytes of one sample of this tensor; unknown dimensions count as 1."""
+        elements = math.prod(1 if d is None else int(d) for d in self.shape)
+        return elements * np.dtype(_numpy_dtype(self.dtype)).itemsize
+
+
+@dataclass
+class GraphNode:
+    """One call of one operation (a layer, a `keras.ops` call or an opaque nested model)."""
+
+    position: int
+    name: str  # unique: the layer name, plus "#k" when the layer is called several times
+    layer_name: str  # the operation's name, qualified by nested models ("block/conv")
+    operation: object
+    arguments: object  # keras SymbolicArguments of the recorded call
+    argument_tensors: dict[int, int]  # id(KerasTensor in arguments) -> tensor index
+    inputs: list[int]  # distinct tensor indices read, in argument order
+    outputs: list[int]  # tensor indices written, in the order Keras flattens outputs
+    is_layer: bool
+
+
+@dataclass
+class LayerGraph:
+    """Flat DAG of a model: nodes in topological order, tensors, model inputs and outputs."""
+
+    model: object  # the user's model
+    root: object  # the Functional that runs it (the Sequential's inner one for Sequential)
+    nodes: list[GraphNode]
+    tensors: list[GraphTensor]
+    inputs: list[int]  # tensor indices of `model.inputs`, in order
+    outputs: list[int]  # tensor indices of `model.outputs`, in order (may repeat)
+
+    def last_use(self) -> np.ndarray:
+        """Per tensor, the last node position reading it; len(nodes) for model outputs."""
+        last = np.full(len(self.tensors), -1, dtype=np.int64)
+        for tensor in self.tensors:
+            if tensor.consumers:
+                last[tensor.index] = max(tensor.consumers)
+        last[self.outputs] = len(self.nodes)
+        return last
+
+
+def root_functional(model):
+    """The Functional graph that computes `model`, or a ValueError saying what to change."""
+    if isinstance(model, Sequential):
+        if type(model).call is not Sequential.call:
+            raise ValueError(NOT_GRAPH_MESSAGE.format(kind=_kind(model)))
+        if model._functional is None:
+            raise ValueError(
+                f"Sequential model '{model.name}' is not built, so its layer graph is unknown. "
+                "Build it first: start it with keras.Input(shape), or call "
+                "model.build((None, *input_shape)), or call it once on a batch."
+            )
+        return model._functional
+    if isinstance(model, Functional):
+        if type(model).call is not Functional.call:
+            raise ValueError(NOT_GRAPH_MESSAGE.format(kind=_kind(model) + " overriding call()"))
+        return model
+    raise ValueError(NOT_GRAPH_MESSAGE.format(kind=_kind(model)))
+
+
+def build_graph(model) -> LayerGraph:
+    """Flatten `model` (nested Functional/Sequential models inlined) into a `LayerGraph`.
+
+    Iterative throughout: graph depth never becomes Python recursion depth.
+    """
+    root = root_functional(model)
+    builder = _Builder()
+    mapping = {id(kt): builder.add_model_input(kt) for kt in root.inputs}
+    builder.expand(root, "", mapping)
+    outputs = [mapping[id(kt)] for kt in root.outputs]
+    nodes, tensors = _prune_dead(builder.nodes, builder.tensors, outputs)
+    nodes, tensors = _order_depth_first(nodes, tensors)
+    _name_nodes_and_tensors(nodes, tensors)
+    inputs = [mapping[id(kt)] for kt in root.inputs]
+    return LayerGraph(model, root, nodes, tensors, inputs, outputs)
+
+
+class _Builder:
+    """Collects nodes and tensors while walking Keras graphs, inlining nested models."""
+
+    def __init__(self):
+        self.nodes: list[GraphNode] = []
+        self.tensors: list[GraphTensor] = []
+
+    def add_model_input(self, keras_tensor) -> int:
+        name = keras_tensor._keras_history.operation.name
+        return self._add_tensor(name, keras_tensor, producer=-1)
+
+    def _add_tensor(self, name, keras_tensor, producer) -> int:
+        index = len(self.tensors)
+        self.tensors.append(GraphTensor(index, name, keras_tensor, producer))
+        return index
+
+    def expand(self, functional, prefix, mapping):
+        """Add the nodes of `functional`; `mapping` (id of KerasTensor -> tensor index) must
+        cover its inputs and receives every tensor it computes.
+
+        Nested models push their own walk on an explicit stack instead of recursing.
+        """
+        stack = [(_nodes_in_order(functional), prefix, mapping, None)]
+        while stack:
+            keras_nodes, prefix, mapping, on_done = stack[-1]
+            keras_node = next(keras_nodes, None)
+            if keras_node is None:
+                stack.pop()
+                if on_done is not None:
+                    on_done()
+                continue
+            if keras_node.is_input:
+                continue  # an input of this (sub)graph, already mapped
+            inner = _flattenable_model(keras_node)
+            if inner is None:
+                self._add_leaf(keras_node, prefix, mapping)
+                continue
+            inner_mapping = {
+                id(inner_kt): mapping[id(outer_kt)]
+                for inner_kt, outer_kt in zip(inner.inputs, _call_inputs(keras_node, inner))
+            }
+
+            def map_outputs(
+                keras_node=keras_node, inner=inner, mapping=mapping, inner_mapping=inner_mapping
+            ):
+                for outer_kt, inner_kt in zip(keras_node.outputs, inner.outputs):
+                    mapping[id(outer_kt)] = inner_mapping[id(inner_kt)]
+
+            inner_prefix = f"{prefix}{keras_node.operation.name}/"
+            stack.append((_nodes_in_order(inner), inner_prefix, inner_mapping, map_outputs))
+
+    def _add_leaf(self, keras_node, prefix, mapping):
+        position = len(self.nodes)
+        argument_tensors = {id(kt): mapping[id(kt)] for kt in keras_node.arguments.keras_tensors}
+        inputs = list(dict.fromkeys(argument_tensors[id(kt)] for kt in keras_node.input_tensors))
+        operation = keras_node.operation
+        layer_name = prefix + operation.name
+        outputs = []
+        for kt in keras_node.outputs:
+            index = self._add_tensor(layer_name, kt, producer=position)
+            mapping[id(kt)] = index
+            outputs.append(index)
+        for index in inputs:
+            self.tensors[index].consumers.append(position)
+        is_layer = isinstance(operation, keras.layers.Layer)  # keras.ops calls are not
+        self.nodes.append(
+            GraphNode(
+                position,
+                layer_name,
+                layer_name,
+                operation,
+                keras_node.arguments,
+                argument_tensors,
+                inputs,
+                outputs,
+                is_layer,
+            )
+        )
+
+
+def _nodes_in_order(functional):
+    """Keras nodes of `functional` from inputs to outputs (decreasing depth is topological)."""
+    by_depth = functional._nodes_by_depth
+    return iter([node for depth in sorted(by_depth, reverse=True) for node in by_depth[depth]])
+
+
+def _flattenable_model(keras_node):
+    """The Functional to inline for a call of a nested model, or None to keep it one node."""
+    operation = keras_node.operation
+    if isinstance(operation, Sequential) and type(operation).call is Sequential.call:
+        inner = operation._functional
+    elif isinstance(operation, Functional) and type(operation).call is Functional.call:
+        inner = operation
+    else:
+        return None
+    if inner is None:
+        return None
+    kwargs = keras_node.arguments.kwargs
+    if any(k not in _FLATTENABLE_CALL_KWARGS or v is not None for k, v in kwargs.items()):
+        return None  # e.g. training=False, an explicit mask: keep Keras's semantics exactly
+    if len(keras_node.arguments.args) != 1:
+        return None
+    if _call_inputs(keras_node, inner) is None:
+        return None
+    if len(keras_node.outputs) != len(inner.outputs):
+        return None
+    return inner
+
+
+def _call_inputs(keras_node, inner):
+    """The outer KerasTensors fed to `inner.inputs`, in that order, or None if unclear."""
+    argument = keras_node.arguments.args[0]
+    structure = inner._inputs_struct
+    if isinstance(argument, dict) and not isinstance(structure, dict):
+        by_name = {kt.name: kt for kt in tree.flatten(structure)}
+        if set(argument) != set(by_name):
+            return None
+        order = {name: i for i, name in enumerate(kt.name for kt in inner.inputs)}
+        flat = [argument[name] for name in sorted(argument, key=order.__getitem__)]
+    else:
+        flat = tree.flatten(argument)
+    if len(flat) != len(inner.inputs) or not all(hasattr(x, "_keras_history") for x in flat):
+        return None
+    return flat
+
+
+def _prune_dead(nodes, tensors, outputs):
+    """Drop nodes none of whose results reach a model output (unused outputs of nested
+    models); the stage sub-models would not compute them either."""
+    needed_tensors = set(outputs)
+    live = [False] * len(nodes)
+    for node in reversed(nodes):  # nodes are topological, so consumers come first here
+        if any(t in needed_tensors for t in node.outputs):
+            live[node.position] = True
+            needed_tensors.update(node.inputs)
+    if all(live):
+        return nodes, tensors
+    kept = [node for node in nodes if live[node.position]]
+    for tensor in tensors:
+        tensor.consumers = [c for c in tensor.consumers if live[c]]
+    return _renumber(kept, tensors)
+
+
+def _order_depth_first(nodes, tensors):
+    """Re-sort topologically, running a node's consumers as soon as they are ready.
+
+    Kahn's algorithm with a stack: one branch is followed to its merge before the next starts,
+    so few tensors are alive at any point and contiguous stage cuts send little.
+    """
+    pending = [0] * len(nodes)
+    for node in nodes:
+        pending[node.position] = len({tensors[t].producer for t in node.inputs} - {-1})
+    consumers_of = [
+        list(dict.fromkeys(c for t in node.outputs for c in tensors[t].consumers)) for node in nodes
+    ]
+    ready = [node.position for node in reversed(nodes) if pending[node.position] == 0]
+    order = []
+    while ready:
+        position = ready.pop()
+        order.append(nodes[position])
+        for consumer in reversed(consumers_of[position]):
+            pending[consumer] -= 1
+            if pending[consumer] == 0:
+                ready.append(consumer)
+    assert len(order) == len(nodes), "the Keras graph has a cycle"
+    return _renumber(order, tensors)
+
+
+def _renumber(ordered_nodes, tensors):
+    """Give nodes positions 0..n-1 in the given order and update tensor references."""
+    new_position = {node.position: i for i, node in enumerate(ordered_nodes)}
+    for i, node in enumerate(ordered_nodes):
+        node.position = i
+    for tensor in tensors:
+        if tensor.producer >= 0:
+            tensor.producer = new_position.get(tensor.producer, -2)
+        tensor.consumers = sorted(new_position[c] for c in tensor.consumers)
+    return ordered_nodes, tensors
+
+
+def _name_nodes_and_tensors(nodes, tensors):
+    """Unique names: "#k" tells apart the calls of a shared layer, ":i" a node's outputs."""
+    canonical = {}  # a layer reached through two nested models keeps its first name
+    for node in nodes:
+        node.layer_name = canonical.setdefault(id(node.operation), node.layer_name)
+    calls = {}
+    for node in nodes:
+        calls[node.layer_name] = calls.get(node.layer_name, 0) + 1
+    seen = {}
+    for node in nodes:
+        if calls[node.layer_name] > 1:
+            k = seen.get(node.layer_name, 0)
+            seen[node.layer_name] = k + 1
+            node.name = f"{node.layer_name}#{k}"
+        for i, t in enumerate(node.outputs):
+            tensors[t].name = node.name if len(node.outputs) == 1 else f"{node.name}:{i}"
+
+
+def _kind(model) -> str:
+    return f"{type(model).__module__}.{type(model).__qualname__}"
+
+
+def _numpy_dtype(dtype: str) -> str:
+    return {"bfloat16": "float16", "string": "object"}.get(dtype, dtype)
+
+
+def safe_name(name: str) -> str:
+    """`name` with only characters Keras accepts in layer names."""
+    return re.sub(r"[^A-Za-z0-9_.\-]", "_", name)

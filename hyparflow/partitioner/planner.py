@@ -1,0 +1,134 @@
+"""`partition()`: from a Keras model to a balanced `Plan` of pipeline stages."""
+
+from __future__ import annotations
+
+from hyparflow.partitioner.plan import Plan
+
+BALANCES = ("layers", "params", "flops", "time")
+_COST_UNITS = {"layers": "layers", "params": "params", "flops": "FLOP", "time": "s"}
+
+
+def partition(
+    model,
+    num_partitions: int,
+    balance="layers",
+    sample=None,
+    input_shape=None,
+    batch_size: int | None = None,
+    bandwidth: float | None = None,
+) -> Plan:
+    """Split a functional or Sequential Keras model into `num_partitions` pipeline stages.
+
+    Each stage is a `keras.Model` that calls the user's own layer objects (weights are shared,
+    not copied); stage i+1 takes exactly the outputs of stage i, tensors needed further on are
+    forwarded, and chaining all stages computes `model(x)`.
+
+    Args:
+        model: a functional or Sequential `keras.Model` (built). Nested functional/Sequential
+            models are inlined, so their layers can go to different stages.
+        num_partitions: number of stages (>= 1, at most the number of layer calls).
+        balance: what to equalize across stages: "layers" (layer calls), "params", "flops"
+            (analytic estimate), "time" (each layer timed forward+backward on a sample batch;
+            the stages are then timed too, see `Plan.summary()`), or a list of
+            `num_partitions - 1` layer names where stages 1, 2, ... begin.
+        sample: a batch of inputs (anything `model` accepts) for balance="time".
+        input_shape: input shape(s) without the batch dimension, for balance="time" when the
+            model's input shapes have unknown dimensions and no `sample` is given.
+        batch_size: samples per batch for the profiling sample (default 32) and for the
+            communication cost (default: the sample's batch, else 1).
+        bandwidth: if given, a stage's cost also includes the bytes it receives and sends,
+            divided by `bandwidth` (bytes per unit of cost: bytes/second with "time").
+
+    Returns:
+        A `Plan`: `plan.stages[i].model`, `.receives`, `.sends`, `.layers`, `.cost`;
+        `plan.run(x)`, `plan.summary()`, `plan.to_json()`.
+
+    Example:
+        >>> plan = hyparflow.partition(model, 4, balance="time", batch_size=64)
+        >>> plan.summary()
+        >>> assert np.allclose(plan.run(x), model(x))
+    """
+    from hyparflow.partitioner import balance as balancing
+    from hyparflow.partitioner import cost
+    from hyparflow.partitioner.graph import build_graph
+    from hyparflow.partitioner.stages import build_stages
+
+    if not isinstance(num_partitions, int) or num_partitions < 1:
+        raise ValueError(f"num_partitions must be an integer >= 1, got {num_partitions!r}.")
+    explicit = isinstance(balance, (list, tuple))
+    if not explicit and balance not in BALANCES:
+        raise ValueError(
+            f"balance must be one of {BALANCES} or a list of layer names where stages begin; "
+            f"got {balance!r}."
+        )
+    graph = build_graph(model)
+    n = len(graph.nodes)
+    if num_partitions > n:
+        raise ValueError(
+            f"Cannot split '{model.name}' into {num_partitions} stages: it has only {n} layer "
+            f"calls. Use num_partitions <= {n} (or more replicas instead of more stages)."
+        )
+
+    inputs = None
+    if explicit or balance == "layers":
+        node_costs = cost.layer_costs(graph)
+    elif balance == "params":
+        node_costs = cost.param_costs(graph)
+    elif balance == "flops":
+        node_costs = cost.flop_costs(graph)
+    else:
+        from hyparflow.partitioner import profile
+
+        inputs = profile.make_sample(graph, sample, input_shape, batch_size)
+        node_costs = profile.node_times(graph, inputs)
+
+    samples = batch_size or (int(inputs[0].shape[0]) if inputs else 1)
+    cut_costs = cost.cut_costs(graph, samples, bandwidth) if bandwidth else None
+    if explicit:
+        starts = _starts_from_names(graph, list(balance), num_partitions)
+    else:
+        starts = balancing.split_contiguous(node_costs, num_partitions, cut_costs)
+
+    stages, shared = build_stages(graph, starts, node_costs, cut_costs)
+    plan = Plan(
+        model=model,
+        stages=stages,
+        balance=balance,
+        shared_layers=shared,
+        cost_unit="layers" if explicit else _COST_UNITS[balance],
+        batch_size=samples if (inputs is not None or batch_size) else None,
+        bandwidth=bandwidth,
+        _graph=graph,
+    )
+    if inputs is not None:
+        plan.profile(sample=inputs)
+    return plan
+
+
+def _starts_from_names(graph, names, num_partitions) -> list[int]:
+    """Node positions where stages begin, from layer (or node) names."""
+    if len(names) != num_partitions - 1:
+        raise ValueError(
+            f"An explicit split for {num_partitions} stages needs {num_partitions - 1} layer "
+            f"names (where stages 1..{num_partitions - 1} begin); got {len(names)}."
+        )
+    first_position = {}
+    for node in graph.nodes:
+        first_position.setdefault(node.name, node.position)
+        first_position.setdefault(node.layer_name, node.position)
+    unknown = [name for name in names if name not in first_position]
+    if unknown:
+        raise ValueError(
+            f"Unknown layer names in the explicit split: {unknown}. Use names from the model's "
+            "layers (nested layers as 'outer/inner'); see "
+            "partition(model, 1).stages[0].nodes for the order."
+        )
+    starts = [0] + sorted(first_position[name] for name in names)
+    if len(set(starts)) != len(starts):
+        where = [name for name in names if first_position[name] == 0] or names
+        raise ValueError(
+            f"The explicit split {names} gives an empty stage (a stage beginning at the first "
+            f"layer, or two stages beginning at the same layer: {where}). Name distinct layers "
+            "after the first one."
+        )
+    return starts

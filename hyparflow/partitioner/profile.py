@@ -1,0 +1,172 @@
+"""Measured costs: forward+backward time of each node, and of each stage, on a sample batch."""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+
+import numpy as np
+import tensorflow as tf
+from keras import tree
+
+from hyparflow.partitioner.graph import LayerGraph
+
+DEFAULT_PROFILE_BATCH = 32
+
+
+def make_sample(graph: LayerGraph, sample=None, input_shape=None, batch_size=None) -> list:
+    """Flat list of input tensors (model.inputs order) to profile on.
+
+    `sample` is anything the model accepts; otherwise random inputs are made from
+    `input_shape` (one shape without the batch dimension, or a list of them, one per input) or
+    the model's input shapes, with `batch_size` rows (default 32).
+    """
+    if sample is not None:
+        return list(graph.root._standardize_inputs(sample))
+    specs = [graph.tensors[t].keras_tensor for t in graph.inputs]
+    if input_shape is not None:
+        shapes = [input_shape] if _is_single_shape(input_shape) else list(input_shape)
+        if len(shapes) != len(specs):
+            raise ValueError(
+                f"input_shape gives {len(shapes)} shapes but the model has {len(specs)} inputs; "
+                "pass one shape (without the batch dimension) per input."
+            )
+    else:
+        shapes = [tuple(spec.shape[1:]) for spec in specs]
+    batch = batch_size or DEFAULT_PROFILE_BATCH
+    rng = np.random.default_rng(0)
+    values = []
+    for spec, shape in zip(specs, shapes):
+        if any(d is None for d in shape):
+            raise ValueError(
+                f"Model input '{spec.name}' has unknown dimensions {tuple(spec.shape)}; pass "
+                "input_shape=(...) without the batch dimension, or sample=a batch of inputs."
+            )
+        full = (batch, *shape)
+        if np.dtype(_numpy_name(spec.dtype)).kind == "f":
+            array = rng.standard_normal(full).astype(_numpy_name(spec.dtype))
+        else:
+            array = np.zeros(full, dtype=_numpy_name(spec.dtype))  # safe for embeddings/lookups
+        values.append(tf.convert_to_tensor(array, dtype=spec.dtype))
+    return values
+
+
+def node_times(graph: LayerGraph, inputs: list, repeats: int = 5) -> np.ndarray:
+    """Seconds of forward plus backward of each node on `inputs` (training mode), each compiled
+    alone with tf.function; the cost of an empty compiled call is subtracted."""
+    overhead = _median_time(tf.function(lambda xs: [tf.identity(x) for x in xs]), inputs, repeats)
+    values = dict(zip(graph.inputs, inputs))
+    times = np.zeros(len(graph.nodes))
+    with preserved_state(graph.model):
+        for node in graph.nodes:
+            node_inputs = [values[t] for t in node.inputs]
+            outputs = _node_call(node)(node_inputs)
+            values.update(zip(node.outputs, outputs))
+            step = _forward_backward(_node_call(node), _trainable(node.operation))
+            times[node.position] = max(0.0, _median_time(step, node_inputs, repeats) - overhead)
+            for t in node.inputs:  # free activations nobody reads any more
+                if graph.tensors[t].consumers[-1] == node.position and t not in graph.outputs:
+                    values.pop(t, None)
+    return times
+
+
+def stage_times(stages, inputs: list, model, repeats: int = 5) -> list[float]:
+    """Seconds of forward plus backward of each stage's model, fed by the previous stage."""
+    times = []
+    with preserved_state(model):
+        for stage in stages:
+            step = _forward_backward(
+                lambda xs, m=stage.model: _as_list(m(xs, training=True)),
+                stage.model.trainable_variables,
+            )
+            times.append(_median_time(step, inputs, repeats))
+            inputs = stage.forward(inputs, training=True)
+    return times
+
+
+@contextlib.contextmanager
+def preserved_state(model):
+    """Restore every variable (BatchNormalization statistics, RNG seeds) after profiling."""
+    saved = [(v, v.numpy()) for v in model.variables]
+    try:
+        yield
+    finally:
+        for variable, value in saved:
+            variable.assign(value)
+
+
+def _node_call(node):
+    """Function running one node on the list of its input tensors, in training mode."""
+    positions = {t: i for i, t in enumerate(node.inputs)}
+    operation = node.operation
+
+    def call(inputs):
+        lookup = {kt_id: inputs[positions[t]] for kt_id, t in node.argument_tensors.items()}
+        args, kwargs = node.arguments.fill_in(lookup)
+        # as Keras's Functional does: hand the training flag to operations that take it
+        if "training" in getattr(operation, "_call_context_args", ()):
+            kwargs = {**kwargs, "training": True}
+        return tree.flatten(operation(*args, **kwargs))
+
+    return call
+
+
+def _forward_backward(call, variables):
+    """Compiled forward and backward: gradients of all outputs (seeded with ones) with respect
+    to the floating-point inputs and `variables`."""
+
+    @tf.function
+    def step(inputs):
+        floats = [x for x in inputs if x.dtype.is_floating]
+        with tf.GradientTape() as tape:
+            tape.watch(floats)
+            outputs = call(inputs)
+        targets = [y for y in outputs if y.dtype.is_floating]
+        sources = floats + list(variables)
+        if not targets or not sources:
+            return outputs
+        seeds = [tf.ones_like(y) for y in targets]
+        grads = tape.gradient(targets, sources, output_gradients=seeds)
+        return outputs, [g for g in grads if g is not None]
+
+    return step
+
+
+def _median_time(function, inputs, repeats):
+    _sync(function(inputs))  # trace and warm up
+    start = time.perf_counter()
+    _sync(function(inputs))
+    single = time.perf_counter() - start
+    calls = int(min(20, max(1, 2e-3 / max(single, 1e-9))))  # time >= ~2 ms per sample
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            result = function(inputs)
+        _sync(result)
+        samples.append((time.perf_counter() - start) / calls)
+    return statistics.median(samples)
+
+
+def _sync(result):
+    """Wait for asynchronous (GPU) work behind `result`."""
+    flat = [x for x in tree.flatten(result) if hasattr(x, "numpy")]
+    if flat:
+        tf.reshape(flat[0], [-1])[:1].numpy()
+
+
+def _trainable(operation):
+    return list(getattr(operation, "trainable_variables", []))
+
+
+def _as_list(x):
+    return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+def _is_single_shape(shape) -> bool:
+    return all(d is None or isinstance(d, (int, np.integer)) for d in shape)
+
+
+def _numpy_name(dtype) -> str:
+    return {"bfloat16": "float32"}.get(str(dtype), str(dtype))

@@ -1,0 +1,191 @@
+"""Stage sub-models for a contiguous split: boundary tensors, forwarding, shared layer objects."""
+
+from __future__ import annotations
+
+import warnings
+
+import keras
+
+# Keras's graph node. Stage graphs are made of new nodes that call the user's own layer
+# objects on new symbolic tensors: exactly what Keras does when a layer is reused, without
+# re-running shape inference (which would cost seconds on a 5,000-layer model).
+from keras.src.ops.node import Node
+
+from hyparflow.partitioner.graph import LayerGraph, safe_name
+from hyparflow.partitioner.plan import BoundaryTensor, Stage
+
+
+def build_stages(
+    graph: LayerGraph, starts: list[int], node_costs, cut_costs=None
+) -> tuple[list[Stage], dict[str, list[int]]]:
+    """One `Stage` per contiguous range of node positions beginning at each of `starts`, and
+    the layers shared by several stages (name -> stage indices).
+
+    The stages form a linear chain. Every tensor still needed after a stage (read by a later
+    stage, or a model output) is in that stage's `sends`: computed there, or received and
+    forwarded unchanged. Stage 0 receives the model inputs; the last stage sends exactly the
+    model outputs, in order.
+    """
+    n = len(graph.nodes)
+    bounds = [*starts, n]
+    num_stages = len(starts)
+    stage_of = [0] * n
+    for k in range(num_stages):
+        for position in range(bounds[k], bounds[k + 1]):
+            stage_of[position] = k
+    reader_stages = [sorted({stage_of[c] for c in t.consumers}) for t in graph.tensors]
+    is_output = set(graph.outputs)
+    source_stage = [stage_of[t.producer] if t.producer >= 0 else -1 for t in graph.tensors]
+
+    def needed_after(t, k):
+        return t in is_output or (reader_stages[t] and reader_stages[t][-1] > k)
+
+    def boundary(t, k, name=None):
+        tensor = graph.tensors[t]
+        return BoundaryTensor(
+            name=name or tensor.name,
+            shape=tensor.shape,
+            dtype=tensor.dtype,
+            source_stage=source_stage[t],
+            dest_stage=-1 if t in is_output else reader_stages[t][-1],
+            forwarded=source_stage[t] != k,
+            consumer_stages=tuple(reader_stages[t]),
+        )
+
+    owner = _owner_stages(graph, stage_of)
+    shared = _shared_layers(graph, stage_of)
+    stages = []
+    receives_ids = list(graph.inputs)
+    receives = [
+        BoundaryTensor(
+            name=graph.tensors[t].name,
+            shape=graph.tensors[t].shape,
+            dtype=graph.tensors[t].dtype,
+            source_stage=-1,
+            dest_stage=-1 if t in is_output else (reader_stages[t] or [0])[-1],
+            consumer_stages=tuple(reader_stages[t]),
+        )
+        for t in graph.inputs
+    ]
+    for k in range(num_stages):
+        nodes = graph.nodes[bounds[k] : bounds[k + 1]]
+        if k == num_stages - 1:
+            send_ids = list(graph.outputs)
+            sends = _unique_names([boundary(t, k) for t in send_ids])
+        else:
+            produced = [t for node in nodes for t in node.outputs]
+            send_ids = [t for t in receives_ids + produced if needed_after(t, k)]
+            sends = [boundary(t, k) for t in send_ids]
+        _warn_about_masks(graph, send_ids if k < num_stages - 1 else [])
+        model = stage_model(graph, k, nodes, receives_ids, send_ids)
+        layer_objects = {}
+        for node in nodes:
+            if node.is_layer:
+                layer_objects.setdefault(node.layer_name, node.operation)
+        ops = list(dict.fromkeys(node.layer_name for node in nodes if not node.is_layer))
+        compute_cost = float(sum(node_costs[bounds[k] : bounds[k + 1]]))
+        comm_cost = 0.0
+        if cut_costs is not None:
+            comm_cost = float(cut_costs[bounds[k]] + cut_costs[bounds[k + 1]])
+        stages.append(
+            Stage(
+                index=k,
+                model=model,
+                layers=list(layer_objects),
+                ops=ops,
+                nodes=[node.name for node in nodes],
+                receives=receives,
+                sends=sends,
+                cost=compute_cost + comm_cost,
+                comm_cost=comm_cost,
+                param_count=sum(layer.count_params() for layer in layer_objects.values()),
+                owned_layers=[name for name in layer_objects if owner[name] == k],
+                _layer_objects=layer_objects,
+            )
+        )
+        receives_ids, receives = send_ids, sends
+    return stages, shared
+
+
+def stage_model(graph: LayerGraph, k: int, nodes, receives_ids, send_ids):
+    """A `keras.Model` from the received tensors to the sent ones, calling the user's layers.
+
+    Stage 0 takes the user's own `model.inputs`; later stages take new `keras.Input`s of the
+    received shapes. A forwarded tensor is an input returned as an output unchanged.
+    """
+    if k == 0:
+        inputs = list(graph.root.inputs)
+    else:
+        inputs = [
+            keras.Input(
+                batch_shape=graph.tensors[t].keras_tensor.shape,
+                dtype=graph.tensors[t].keras_tensor.dtype,
+                sparse=graph.tensors[t].keras_tensor.sparse,
+                name=f"stage{k}_in{i}_{safe_name(graph.tensors[t].name)}",
+            )
+            for i, t in enumerate(receives_ids)
+        ]
+    symbolic = dict(zip(receives_ids, inputs))
+    for node in nodes:
+        lookup = {kt_id: symbolic[t] for kt_id, t in node.argument_tensors.items()}
+        args, kwargs = node.arguments.fill_in(lookup)
+        outputs = [_like(graph.tensors[t].keras_tensor) for t in node.outputs]
+        Node(node.operation, call_args=args, call_kwargs=kwargs, outputs=outputs)
+        symbolic.update(zip(node.outputs, outputs))
+    name = f"{safe_name(graph.model.name)}_stage{k}"
+    return keras.Model(inputs=inputs, outputs=[symbolic[t] for t in send_ids], name=name)
+
+
+def _like(keras_tensor):
+    """A new symbolic tensor with the shape and dtype of `keras_tensor`."""
+    return keras.KerasTensor(
+        shape=keras_tensor.shape,
+        dtype=keras_tensor.dtype,
+        sparse=keras_tensor.sparse,
+        ragged=getattr(keras_tensor, "ragged", False),
+    )
+
+
+def _owner_stages(graph, stage_of) -> dict[str, int]:
+    """The first stage calling each layer: it owns the layer's regularization losses."""
+    owner = {}
+    for node in graph.nodes:
+        if node.is_layer:
+            owner.setdefault(node.layer_name, stage_of[node.position])
+    return owner
+
+
+def _shared_layers(graph, stage_of) -> dict[str, list[int]]:
+    """Layers called from more than one stage, with those stages."""
+    stages_of_layer = {}
+    for node in graph.nodes:
+        if node.is_layer:
+            stages_of_layer.setdefault(node.layer_name, set()).add(stage_of[node.position])
+    return {name: sorted(s) for name, s in stages_of_layer.items() if len(s) > 1}
+
+
+def _unique_names(boundaries):
+    """Model outputs may repeat a tensor; give repeats distinct names."""
+    seen = {}
+    result = []
+    for b in boundaries:
+        count = seen.get(b.name, 0)
+        seen[b.name] = count + 1
+        if count:
+            b = BoundaryTensor(**{**b.__dict__, "name": f"{b.name}~{count}"})
+        result.append(b)
+    return result
+
+
+def _warn_about_masks(graph, tensor_ids):
+    masked = [
+        graph.tensors[t].name
+        for t in tensor_ids
+        if getattr(graph.tensors[t].keras_tensor, "_keras_mask", None) is not None
+    ]
+    if masked:
+        warnings.warn(
+            f"Tensors {masked} carry a Keras mask, which does not cross stage boundaries; "
+            "keep the masking layer and its consumers in one stage (explicit balance list).",
+            stacklevel=3,
+        )
