@@ -1,0 +1,260 @@
+"""Gradient reduction across replicas in fused, reusable buckets (one MPI call per bucket).
+
+Gradients are copied into a few contiguous buffers (one series of buckets per dtype; float16 and
+bfloat16 are reduced in float32), each bucket is reduced in place with one `Iallreduce` as soon
+as its last gradient arrives, and results come back as views of the buckets in the original
+shapes and order. Buckets are allocated once and reused every step. Fusing follows Horovod's
+tensor fusion and PyTorch DDP's gradient buckets (Li et al. 2020, "PyTorch Distributed").
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import tensorflow as tf
+
+from hyparflow.comm.dlpack import ALIGNMENT, aligned_empty, wrap_host_buffer
+
+# Like PyTorch DDP's default: big enough that per-call latency is amortized, small enough that
+# the first buckets can be reduced while later gradients are still being computed.
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+
+OPS = ("sum", "mean")
+
+
+def reduction_dtype(dtype) -> np.dtype:
+    """The dtype a gradient is reduced in: half-precision floats go up to float32.
+
+    MPI has no float16/bfloat16 sum, and summing many halves loses precision anyway.
+
+    Example:
+        >>> reduction_dtype(tf.bfloat16), reduction_dtype("float64")
+        (dtype('float32'), dtype('float64'))
+    """
+    dtype = tf.as_dtype(dtype)
+    if dtype in (tf.float16, tf.bfloat16):
+        return np.dtype(np.float32)
+    return np.dtype(dtype.as_numpy_dtype)
+
+
+@dataclass
+class Slot:
+    """Where gradient `index` lives: bucket, element offset and its original shape and dtype."""
+
+    index: int
+    bucket: int
+    offset: int
+    shape: tuple[int, ...]
+    dtype: tf.DType
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass
+class Bucket:
+    """One contiguous buffer of one dtype holding several gradients, reduced by one MPI call."""
+
+    dtype: np.dtype
+    indices: list[int] = field(default_factory=list)
+    length: int = 0  # elements, including alignment padding
+
+    @property
+    def nbytes(self) -> int:
+        return self.length * self.dtype.itemsize
+
+
+def plan_buckets(specs: Sequence, bucket_bytes: int) -> tuple[list[Slot], list[Bucket]]:
+    """Assign gradients, in order, to buckets of one dtype holding about `bucket_bytes` each.
+
+    A bucket closes once it reaches `bucket_bytes`; a gradient larger than that gets a bucket of
+    its own. Offsets are padded to 64 bytes so each gradient can be wrapped as an aligned tensor.
+
+    Example:
+        >>> slots, buckets = plan_buckets([((4,), "float32"), ((2,), "float64")] * 2, 64)
+        >>> [(s.bucket, s.offset) for s in slots], [b.length for b in buckets]
+        ([(0, 0), (1, 0), (0, 16), (1, 8)], [20, 10])
+    """
+    slots, buckets, open_bucket = [], [], {}
+    for index, spec in enumerate(specs):
+        shape, dtype = (spec.shape, spec.dtype) if hasattr(spec, "dtype") else spec
+        shape, dtype = tuple(tf.TensorShape(shape).as_list()), tf.as_dtype(dtype)
+        kind = reduction_dtype(dtype)
+        if kind not in open_bucket:
+            open_bucket[kind] = len(buckets)
+            buckets.append(Bucket(kind))
+        number = open_bucket[kind]
+        bucket = buckets[number]
+        pad = ALIGNMENT // kind.itemsize
+        offset = -(-bucket.length // pad) * pad
+        slot = Slot(index, number, offset, shape, dtype)
+        bucket.indices.append(index)
+        bucket.length = offset + slot.size
+        slots.append(slot)
+        if bucket.nbytes >= bucket_bytes:
+            del open_bucket[kind]
+    return slots, buckets
+
+
+class GradientReducer:
+    """Sum or average a fixed list of gradients across `comm`, fused into few MPI calls.
+
+    - `specs`: the gradients' `(shape, dtype)` in order (variables work too); if omitted, the
+      first `reduce` call fixes them. `start` needs them up front.
+    - `op`: "mean" (divide by the number of ranks) or "sum".
+    - `bucket_bytes`: target bucket size; list gradients in the order they become ready so
+      buckets fill, and start reducing, early.
+
+    Returned gradients are views of the reused buckets (numpy arrays for numpy inputs, TF tensors
+    for tensors, wrapped without a copy): use them before the next step. If one is still
+    referenced when its bucket is next written, that bucket is reallocated rather than
+    overwritten (counted in `allocations`). `mpi_calls` counts reductions issued. On a
+    one-rank communicator everything is returned as given, with no MPI call.
+
+    Example:
+        reducer = GradientReducer(topo.stage_comm, specs=model.trainable_variables)
+        grads = reducer.reduce(grads)                # blocking, or:
+        for i in reversed(range(n)): reducer.start(i, grads[i])
+        grads = reducer.finish()
+    """
+
+    def __init__(
+        self,
+        comm,
+        specs: Sequence | None = None,
+        *,
+        op: str = "mean",
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ):
+        if op not in OPS:
+            raise ValueError(f"op must be one of {OPS}, got {op!r}")
+        if bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+        self.comm, self.op, self.bucket_bytes = comm, op, bucket_bytes
+        self.size = comm.Get_size()
+        self.mpi_calls = 0
+        self.allocations = 0
+        self.slots: list[Slot] | None = None
+        self.buckets: list[Bucket] = []
+        self._buffers: list[np.ndarray] = []
+        self._outputs: list[list[weakref.ref]] = []
+        self._reset_step()
+        if specs is not None:
+            self._plan(specs)
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self.buckets)
+
+    def reduce(self, grads: Sequence) -> list:
+        """Reduce every gradient (blocking); the result has the inputs' order, shapes, dtypes."""
+        if self.slots is None:
+            self._plan([_spec_of(g) for g in grads])
+        if len(grads) != len(self.slots):
+            raise ValueError(f"expected {len(self.slots)} gradients, got {len(grads)}")
+        for index, grad in enumerate(grads):
+            self.start(index, grad)
+        return self.finish()
+
+    def start(self, index: int, grad) -> None:
+        """Hand over gradient `index` (None means no gradient); its bucket starts when full."""
+        if self.slots is None:
+            raise RuntimeError("GradientReducer needs specs (or one reduce call) before start")
+        if not 0 <= index < len(self.slots) or index in self._given:
+            raise ValueError(f"gradient {index} is out of range or was already started this step")
+        slot = self.slots[index]
+        if isinstance(grad, tf.IndexedSlices):  # e.g. an embedding's gradient: reduce it dense
+            grad = tf.convert_to_tensor(grad)
+        self._given[index] = grad
+        if self.size == 1:
+            return
+        if grad is not None and tuple(grad.shape) != slot.shape:
+            raise ValueError(f"gradient {index} has shape {tuple(grad.shape)}, not {slot.shape}")
+        if not self._filled[slot.bucket]:
+            self._prepare_bucket(slot.bucket)
+        view = self._view(slot)
+        if grad is None:
+            view[...] = 0
+        else:
+            view[...] = np.asarray(grad)  # the one copy fusion needs (a view for CPU tensors)
+        self._filled[slot.bucket] += 1
+        if self._filled[slot.bucket] == len(self.buckets[slot.bucket].indices):
+            self._launch(slot.bucket)
+
+    def finish(self) -> list:
+        """Wait for every bucket and return the reduced gradients in their original order."""
+        from mpi4py import MPI
+
+        missing = [i for i in range(len(self.slots or [])) if i not in self._given]
+        if missing:
+            raise RuntimeError(f"finish() before gradients {missing} were started")
+        given = self._given
+        if self.size == 1:
+            self._reset_step()
+            return [given[i] for i in range(len(self.slots))]
+        MPI.Request.Waitall([r for r in self._requests if r is not None])
+        if self.op == "mean":
+            for buffer in self._buffers:
+                np.divide(buffer, self.size, out=buffer)
+        results = [self._result(slot, given[slot.index]) for slot in self.slots]
+        self._outputs = [[] for _ in self.buckets]
+        for slot, result in zip(self.slots, results):
+            if result is not None:
+                self._outputs[slot.bucket].append(weakref.ref(result))
+        self._reset_step()
+        return results
+
+    def _plan(self, specs: Sequence) -> None:
+        self.slots, self.buckets = plan_buckets(specs, self.bucket_bytes)
+        for slot in self.slots:
+            if self.op == "mean" and not slot.dtype.is_floating:
+                raise ValueError(f"gradient {slot.index} is {slot.dtype.name}: mean needs floats")
+        self._buffers = [None] * len(self.buckets)  # allocated on first use
+        self._outputs = [[] for _ in self.buckets]
+        self._reset_step()
+
+    def _reset_step(self) -> None:
+        self._given: dict[int, object] = {}
+        self._filled = [0] * len(self.buckets)
+        self._requests = [None] * len(self.buckets)
+
+    def _prepare_bucket(self, number: int) -> None:
+        """Before a bucket's first write this step: reuse it unless last step's results live."""
+        alive = any(ref() is not None for ref in self._outputs[number])
+        if self._buffers[number] is None or alive:
+            bucket = self.buckets[number]
+            self._buffers[number] = aligned_empty((bucket.length,), bucket.dtype)
+            self._buffers[number][...] = 0  # padding is reduced too: keep it finite
+            self.allocations += 1
+        self._outputs[number] = []
+
+    def _launch(self, number: int) -> None:
+        from mpi4py import MPI
+
+        self._requests[number] = self.comm.Iallreduce(MPI.IN_PLACE, self._buffers[number])
+        self.mpi_calls += 1
+
+    def _view(self, slot: Slot) -> np.ndarray:
+        flat = self._buffers[slot.bucket][slot.offset : slot.offset + slot.size]
+        return flat.reshape(slot.shape)
+
+    def _result(self, slot: Slot, grad):
+        if grad is None:
+            return None
+        view = self._view(slot)
+        if not tf.is_tensor(grad):
+            return view.astype(grad.dtype, copy=False)
+        if np.dtype(slot.dtype.as_numpy_dtype) != view.dtype:
+            return tf.cast(wrap_host_buffer(view, tf.as_dtype(view.dtype)), slot.dtype)
+        return wrap_host_buffer(view, slot.dtype)
+
+
+def _spec_of(grad):
+    if grad is None:
+        raise ValueError("the first reduce call cannot contain None: pass specs to the reducer")
+    return tuple(grad.shape), grad.dtype

@@ -1,0 +1,267 @@
+"""Four ranks as 2 partitions x 2 replicas: topology, pipeline p2p and fused gradient reduction.
+
+Each rank checks what it can see and reports facts (lists, counts, max errors) for
+tests/test_comm.py to assert on. Any exception aborts the whole job so no rank hangs.
+"""
+
+import sys
+import traceback
+
+import numpy as np
+import tensorflow as tf
+from mpi4py import MPI
+
+from hyparflow.comm.allreduce import GradientReducer
+from hyparflow.comm.p2p import BACKWARD, FORWARD, PipeChannel
+from hyparflow.comm.topology import Topology
+from tests.mpi.report import report
+
+MAX_BATCH = 4
+SIZES = [MAX_BATCH, MAX_BATCH, 2]  # the last micro-batch of the "epoch" is smaller
+FORWARD_SPECS = [
+    ((MAX_BATCH, 3), "float32"),
+    ((MAX_BATCH, 2, 2), "bfloat16"),
+    ((MAX_BATCH,), "int32"),
+    ((MAX_BATCH, 5), "float16"),
+]
+BACKWARD_SPECS = [FORWARD_SPECS[0], FORWARD_SPECS[3]]  # only float tensors have gradients
+
+
+def payload(specs, microbatch, direction, replica, batch):
+    """Distinct, exactly representable values for every (micro-batch, tensor, direction, pipe)."""
+    tensors = []
+    for index, (shape, dtype) in enumerate(specs):
+        shape = (batch, *shape[1:])
+        base = 1000 * replica + 100 * microbatch + 10 * index + (5 if direction == BACKWARD else 0)
+        values = base % 2000 + np.arange(np.prod(shape)) % 7
+        tensors.append(tf.constant(values.reshape(shape), dtype=dtype))
+    return tensors
+
+
+def same(received, expected) -> bool:
+    return all(
+        r.dtype == e.dtype and r.shape == e.shape and np.array_equal(np.asarray(r), np.asarray(e))
+        for r, e in zip(received, expected)
+    )
+
+
+def address(x) -> int:
+    array = x._numpy() if tf.is_tensor(x) else x
+    return array.__array_interface__["data"][0]
+
+
+def check_topology(topo):
+    grid = topo.grid
+    return {
+        "stage": topo.stage,
+        "replica": topo.replica,
+        "pipeline_members": topo.pipeline_comm.allgather(topo.rank),
+        "expected_pipeline": grid.pipeline_ranks(topo.replica),
+        "stage_members": topo.stage_comm.allgather(topo.rank),
+        "expected_stage": grid.stage_ranks(topo.stage),
+        "pipeline_rank": topo.pipeline_comm.Get_rank(),
+        "stage_comm_rank": topo.stage_comm.Get_rank(),
+        "prev_next": [topo.prev_rank, topo.next_rank],
+        "sizes": [topo.num_stages, topo.num_replicas],
+    }
+
+
+def check_pipeline(topo, transport):
+    """Out-of-order sends, differently ordered receives, a small last batch, zero copy, reuse."""
+    first = topo.is_first_stage
+    peer = topo.next_rank if first else topo.prev_rank
+    pipe = topo.replica  # values carry the pipeline, so crossed pipelines would show
+    channel = PipeChannel(
+        topo.pipeline_comm,
+        peer,
+        FORWARD_SPECS,
+        len(SIZES),
+        backward_specs=BACKWARD_SPECS,
+        transport=transport,
+    )
+    out = {"values_ok": [], "zero_copy": [], "mutation_visible": []}
+
+    def expect(mb, direction):
+        specs = FORWARD_SPECS if direction == FORWARD else BACKWARD_SPECS
+        return payload(specs, mb, direction, pipe, SIZES[mb])
+
+    def receive(mb, direction, **kw):
+        got = channel.recv(mb, direction, **kw)
+        out["values_ok"].append(same(got, expect(mb, direction)))
+        buffers = [channel.receive_buffer(mb, direction, i) for i in range(len(got))]
+        shares = all(address(t) == address(b) for t, b in zip(got, buffers))
+        out["zero_copy"].append([SIZES[mb], shares])
+        return got, buffers
+
+    for step in range(2):  # the second step must reuse every buffer
+        if first:
+            handles = [channel.isend(expect(mb, FORWARD), mb, FORWARD) for mb in (2, 0, 1)]
+            for mb in (2, 1, 0):
+                receive(mb, BACKWARD)
+            for handle in handles:
+                handle.wait()
+        else:
+            kept = {}
+            for mb in (1, 2, 0):
+                kept[mb], buffers = receive(mb, FORWARD, batch_size=SIZES[mb])
+                if transport == "host" and step == 0:
+                    buffers[0].reshape(-1)[0] = -1.0  # writes to the buffer show in the tensor
+                    out["mutation_visible"].append(float(kept[mb][0][0, 0]) == -1.0)
+            out["small_batch_shape"] = [list(t.shape) for t in kept[2]]
+            del kept
+            for mb in (0, 2, 1):
+                channel.isend(expect(mb, BACKWARD), mb, BACKWARD)
+            channel.wait_sends()
+        if step == 0:
+            out["allocations_after_step0"] = channel.allocations
+    out["allocations_after_step1"] = channel.allocations
+
+    # Held tensors are never overwritten: the slot gets fresh buffers instead.
+    if first:
+        channel.isend(expect(0, FORWARD), 0, FORWARD).wait()
+        channel.isend(payload(FORWARD_SPECS, 0, FORWARD, 7, MAX_BATCH), 0, FORWARD).wait()
+    else:
+        held = channel.recv(0, FORWARD)
+        before = channel.allocations
+        again = channel.recv(0, FORWARD)
+        out["held_intact"] = same(held, expect(0, FORWARD)) and same(
+            again, payload(FORWARD_SPECS, 0, FORWARD, 7, MAX_BATCH)
+        )
+        out["held_reallocated"] = channel.allocations - before
+        out["held_distinct"] = address(held[0]) != address(again[0])
+        del held, again
+
+    # Both directions at once between the same two ranks, same sizes: only the tag's
+    # direction bit keeps them apart.
+    twin = PipeChannel(topo.pipeline_comm, peer, BACKWARD_SPECS, 1, transport=transport)
+    mine, theirs = topo.stage, 1 - topo.stage
+    sends = [
+        twin.isend(payload(BACKWARD_SPECS, 0, d, 10 * mine, MAX_BATCH), 0, d)
+        for d in (FORWARD, BACKWARD)
+    ]
+    out["directions_ok"] = [
+        same(twin.recv(0, d), payload(BACKWARD_SPECS, 0, d, 10 * theirs, MAX_BATCH))
+        for d in (BACKWARD, FORWARD)
+    ]
+    for handle in sends:
+        handle.wait()
+
+    # A receiver expecting another batch size says so.
+    if first:
+        channel.isend(expect(2, FORWARD), 2, FORWARD).wait()
+    else:
+        try:
+            channel.recv(2, FORWARD, batch_size=MAX_BATCH)
+            out["wrong_batch_error"] = ""
+        except RuntimeError as error:
+            out["wrong_batch_error"] = str(error)
+    channel.close()
+    twin.close()
+    return out
+
+
+def gradients(seed, float_dtypes=("float32", "float64")):
+    rng = np.random.default_rng(seed)
+    shapes = [(3, 4), (7,), (2, 2, 2), (1,), (5, 3), (4,), (6, 1)]
+    return [
+        rng.standard_normal(shape).astype(float_dtypes[i % len(float_dtypes)])
+        for i, shape in enumerate(shapes)
+    ]
+
+
+def max_error(results, expected):
+    return max(float(np.max(np.abs(np.asarray(r) - e))) for r, e in zip(results, expected))
+
+
+def check_allreduce(topo):
+    world, comm = topo.world, topo.stage_comm
+    members = comm.allgather(topo.rank)
+    out = {}
+
+    # Numpy inputs, many small buckets, mean over the stage's replicas; then a second step.
+    reducer = GradientReducer(comm, bucket_bytes=128)
+    for step in range(2):
+        grads = gradients(100 * step + topo.rank)
+        mean = [
+            sum(arrays) / len(members)
+            for arrays in zip(*[gradients(100 * step + r) for r in members])
+        ]
+        results = reducer.reduce(grads)
+        out[f"small_buckets_error_{step}"] = max_error(results, mean)
+        out[f"small_buckets_dtypes_{step}"] = [str(r.dtype) for r in results] == [
+            str(g.dtype) for g in grads
+        ]
+        out[f"small_buckets_shapes_{step}"] = [r.shape for r in results] == [g.shape for g in grads]
+        del results
+    out["small_buckets"] = [reducer.num_buckets, reducer.mpi_calls, len(grads)]
+    out["small_buckets_allocations"] = reducer.allocations
+
+    # TF tensors over the whole world, default buckets: one call per dtype, sum.
+    reducer = GradientReducer(world, op="sum")
+    grads = [tf.constant(g) for g in gradients(topo.rank)]
+    total = [sum(arrays) for arrays in zip(*[gradients(r) for r in range(world.Get_size())])]
+    results = reducer.reduce(grads)
+    out["world_sum_error"] = max_error(results, total)
+    out["world_sum_tensors"] = all(tf.is_tensor(r) for r in results)
+    out["world_calls"] = [reducer.num_buckets, reducer.mpi_calls]
+
+    # Nonblocking start in reverse order with a None gradient and half precision.
+    specs = [((3,), "float16"), ((2, 2), "bfloat16"), ((4,), "float32"), ((2,), "float32")]
+    reducer = GradientReducer(comm, specs, bucket_bytes=1)  # every gradient its own bucket
+    local = [tf.constant(np.arange(3) + topo.rank, tf.float16), tf.ones((2, 2), tf.bfloat16)]
+    local += [None, tf.constant([topo.rank, 1.0])]
+    calls = []
+    for index in reversed(range(len(specs))):
+        reducer.start(index, local[index])
+        calls.append(reducer.mpi_calls)  # a full bucket starts right away
+    results = reducer.finish()
+    replicas = np.array(members, dtype=np.float64)
+    out["async_calls"] = calls
+    out["async_none"] = results[2] is None
+    out["async_dtypes"] = [r.dtype.name for r in results if r is not None]
+    out["async_error"] = max(
+        float(
+            np.max(np.abs(np.asarray(results[0], np.float64) - (np.arange(3) + replicas.mean())))
+        ),
+        float(np.max(np.abs(np.asarray(results[1], np.float64) - 1.0))),
+        float(np.max(np.abs(np.asarray(results[3]) - [replicas.mean(), 1.0]))),
+    )
+    try:
+        incomplete = GradientReducer(comm, specs)  # one bucket: start(0) alone launches nothing
+        incomplete.start(0, local[0])
+        incomplete.finish()
+        out["finish_missing_error"] = ""
+    except RuntimeError as error:
+        out["finish_missing_error"] = str(error)
+
+    # One rank: nothing to do, inputs come back as they are.
+    single = GradientReducer(MPI.COMM_SELF)
+    grads = gradients(0)
+    out["single_rank_identity"] = all(r is g for r, g in zip(single.reduce(grads), grads))
+    out["single_rank_calls"] = single.mpi_calls
+    return out
+
+
+def main():
+    world = MPI.COMM_WORLD
+    topo = Topology.create(world, partitions=2, replicas=2)
+    result = {"rank": topo.rank, "topology": check_topology(topo)}
+    result["p2p_host"] = check_pipeline(topo, "host")
+    result["p2p_device"] = check_pipeline(topo, "device")  # the GPU code path, on CPU tensors
+    result["allreduce"] = check_allreduce(topo)
+    try:
+        Topology.create(world, partitions=3, replicas=1)
+        result["bad_grid_error"] = ""
+    except ValueError as error:
+        result["bad_grid_error"] = str(error)
+    topo.free()
+    report(result)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)

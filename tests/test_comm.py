@@ -1,0 +1,239 @@
+"""Communication building blocks: pure pieces in-process, the rest under a real 4-rank mpirun."""
+
+import ast
+import pathlib
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from hypothesis import given
+from hypothesis import strategies as st
+from mpi4py import MPI
+
+from hyparflow.comm import dlpack
+from hyparflow.comm.allreduce import GradientReducer, plan_buckets, reduction_dtype
+from hyparflow.comm.p2p import (
+    DIRECTIONS,
+    FORWARD,
+    BoundarySpec,
+    PipeChannel,
+    batch_from_bytes,
+    message_tag,
+)
+from tests.mpirun import run_scenario
+
+COMM_DIR = pathlib.Path(__file__).parent.parent / "hyparflow" / "comm"
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    """One 4-rank launch (2 partitions x 2 replicas) shared by every multi-rank assertion."""
+    return run_scenario("comm_checks", 4, timeout=240)
+
+
+# ---- pure pieces -------------------------------------------------------------------------
+
+
+@given(st.integers(1, 64), st.integers(1, 8))
+def test_tags_are_unique_per_microbatch_tensor_and_direction(num_microbatches, num_tensors):
+    tags = [
+        message_tag(mb, index, direction, num_tensors)
+        for mb in range(num_microbatches)
+        for index in range(num_tensors)
+        for direction in DIRECTIONS
+    ]
+    assert len(set(tags)) == len(tags)
+    assert min(tags) == 0 and max(tags) == len(tags) - 1  # dense: the bound is tight
+
+
+class FakeComm:
+    def __init__(self, tag_ub):
+        self.tag_ub = tag_ub
+
+    def Get_size(self):
+        return 2
+
+    def Get_rank(self):
+        return 0
+
+    def Get_attr(self, key):
+        return self.tag_ub
+
+
+def test_channel_refuses_tags_beyond_tag_ub_and_bad_arguments():
+    spec = [((2, 3), "float32")]
+    PipeChannel(FakeComm(32767), 1, spec, 16384)  # largest tag 32767: fits
+    with pytest.raises(ValueError, match="above this MPI's TAG_UB 32767"):
+        PipeChannel(FakeComm(32767), 1, spec, 16385)
+    with pytest.raises(ValueError, match="peer 0 is not another rank"):
+        PipeChannel(FakeComm(32767), 0, spec, 2)
+    with pytest.raises(ValueError, match="transport must be one of"):
+        PipeChannel(FakeComm(32767), 1, spec, 2, transport="rdma")
+    with pytest.raises(ValueError, match="fully known"):
+        PipeChannel(FakeComm(32767), 1, [((None, 3), "float32")], 2)
+    channel = PipeChannel(FakeComm(32767), 1, spec, 2)
+    with pytest.raises(ValueError, match="micro-batch 2 is outside"):
+        channel.recv(2, FORWARD)
+    with pytest.raises(ValueError, match="direction must be"):
+        channel.recv(0, "sideways")
+    with pytest.raises(ValueError, match=r"does not fit the boundary spec \(2, 3\) float32"):
+        channel.isend([tf.zeros((3, 3))], 0, FORWARD)
+    with pytest.raises(ValueError, match="does not fit"):
+        channel.isend([tf.zeros((2, 3), tf.float64)], 0, FORWARD)
+
+
+def test_batch_size_is_read_from_the_message_length():
+    spec = BoundarySpec.of(((8, 3, 2), "bfloat16"))
+    assert spec.row_bytes == 12 and spec.max_batch == 8
+    assert batch_from_bytes(12 * 5, spec) == 5 and batch_from_bytes(0, spec) == 0
+    with pytest.raises(RuntimeError, match="not a whole number"):
+        batch_from_bytes(13, spec)
+    assert BoundarySpec.of(tf.TensorSpec((4, 2), tf.int8)).row_bytes == 2
+
+
+def test_gpu_tensors_take_the_dlpack_adapter_path():
+    gpu, cpu = "/job:localhost/replica:0/task:0/device:GPU:0", "/job:localhost/device:CPU:0"
+    assert dlpack.uses_device_path(gpu, "auto") and dlpack.uses_device_path(cpu, "device")
+    assert not dlpack.uses_device_path(cpu, "auto") and not dlpack.uses_device_path(gpu, "host")
+    assert not dlpack.uses_device_path(None, "device")  # numpy arrays: buffer protocol
+    assert dlpack.tensor_device(np.ones(2)) is None
+    assert dlpack.tensor_device(tf.ones(2)).endswith("CPU:0")
+    assert isinstance(dlpack.mpi_send_buffer(tf.ones(2), True)[0], dlpack.DLPackAdapter)
+    assert not isinstance(dlpack.mpi_send_buffer(tf.ones(2), False)[0], dlpack.DLPackAdapter)
+
+
+def test_receives_land_on_the_gpu_when_tf_has_one(monkeypatch):
+    fake_gpu = tf.config.LogicalDevice("/job:localhost/replica:0/task:0/device:GPU:0", "GPU")
+    monkeypatch.setattr(tf.config, "list_logical_devices", lambda kind=None: [fake_gpu])
+    assert dlpack.default_device() == fake_gpu.name
+    channel = PipeChannel(FakeComm(32767), 1, [((2, 3), "float32")], 2)
+    assert channel.receives_on_device and channel.device == fake_gpu.name
+    assert not PipeChannel(
+        FakeComm(32767), 1, [((2, 3), "float32")], 2, transport="host"
+    ).receives_on_device
+
+
+def test_adapter_offers_unversioned_dlpack_that_mpi4py_accepts():
+    """mpi4py through the adapter, in one process: send and receive into TF-owned memory."""
+    source = tf.constant(np.arange(6, dtype=np.float32).reshape(2, 3), tf.bfloat16)
+    target = dlpack.device_empty((2, 3), tf.bfloat16, "/CPU:0")
+    adapter = dlpack.DLPackAdapter(source)
+    assert adapter.__dlpack_device__() == (1, 0)  # kDLCPU
+    with pytest.raises(TypeError):
+        adapter.__dlpack__(max_version=(1, 0))  # why mpi4py falls back to the legacy capsule
+    request = MPI.COMM_SELF.Isend(dlpack.mpi_send_buffer(source, True), 0, 0)
+    MPI.COMM_SELF.Recv([dlpack.DLPackAdapter(target), MPI.BYTE], 0, 0)
+    request.Wait()
+    np.testing.assert_array_equal(np.asarray(target), np.asarray(source))
+
+
+@pytest.mark.parametrize("dtype", [tf.float32, tf.float16, tf.bfloat16, tf.int8, tf.bool])
+def test_host_buffers_are_aligned_and_wrapped_without_copy(dtype):
+    buffer = dlpack.aligned_empty((3, 5), dlpack.storage_dtype(dtype))
+    assert buffer.ctypes.data % dlpack.ALIGNMENT == 0
+    buffer[...] = 0
+    tensor = dlpack.wrap_host_buffer(buffer, dtype)
+    assert tensor.dtype == dtype and tensor.shape == (3, 5)
+    assert np.shares_memory(tensor._numpy(), buffer)
+    buffer.view(dtype.as_numpy_dtype)[...] = 1  # the tensor is the buffer
+    assert np.asarray(tf.cast(tensor, tf.float32)).sum() == 15
+
+
+def test_buckets_group_by_dtype_align_offsets_and_respect_the_size():
+    specs = [((3,), "float32"), ((2,), "float64"), ((5,), "float16"), ((100,), "float32")]
+    slots, buckets = plan_buckets(specs, bucket_bytes=64)
+    assert [b.dtype for b in buckets] == [np.float32, np.float64, np.float32]
+    assert [(s.bucket, s.offset) for s in slots] == [(0, 0), (1, 0), (0, 16), (2, 0)]
+    assert buckets[0].indices == [0, 2] and buckets[2].indices == [3]  # bucket 0 full at 84 B
+    assert all((s.offset * buckets[s.bucket].dtype.itemsize) % 64 == 0 for s in slots)
+    _, one = plan_buckets(specs, bucket_bytes=2**20)
+    assert len(one) == 2  # one bucket per reduction dtype
+    assert reduction_dtype(tf.float16) == np.float32 and reduction_dtype("int32") == np.int32
+
+
+def test_reducer_on_one_rank_is_a_no_op_and_validates():
+    grads = [np.ones((2, 2), np.float32), tf.ones(3)]
+    reducer = GradientReducer(MPI.COMM_SELF)
+    assert all(r is g for r, g in zip(reducer.reduce(grads), grads))
+    assert reducer.mpi_calls == 0
+    with pytest.raises(ValueError, match="op must be one of"):
+        GradientReducer(MPI.COMM_SELF, op="max")
+    with pytest.raises(ValueError, match="mean needs floats"):
+        GradientReducer(MPI.COMM_SELF, [((2,), "int32")])
+    with pytest.raises(ValueError, match="expected 2 gradients"):
+        reducer.reduce(grads[:1])
+    with pytest.raises(RuntimeError, match="needs specs"):
+        GradientReducer(MPI.COMM_SELF).start(0, grads[0])
+
+
+def test_comm_package_never_imports_keras():
+    for path in COMM_DIR.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            assert not any(n == "keras" or n.startswith(("keras.", "tf_keras")) for n in names), (
+                f"{path.name} imports {names}"
+            )
+
+
+# ---- under mpirun ------------------------------------------------------------------------
+
+
+def test_topology_communicators(ranks):
+    for r in ranks:
+        t = r["topology"]
+        assert t["sizes"] == [2, 2]
+        assert (t["stage"], t["replica"]) == (r["rank"] % 2, r["rank"] // 2)
+        assert (
+            t["pipeline_members"]
+            == t["expected_pipeline"]
+            == [2 * t["replica"], 2 * t["replica"] + 1]
+        )
+        assert t["stage_members"] == t["expected_stage"] == [t["stage"], t["stage"] + 2]
+        assert t["pipeline_rank"] == t["stage"] and t["stage_comm_rank"] == t["replica"]
+        assert t["prev_next"] == ([None, 1] if t["stage"] == 0 else [0, None])
+        assert r["bad_grid_error"].startswith("4 ranks cannot form 3 partitions x 1 replicas")
+
+
+@pytest.mark.parametrize("transport", ["host", "device"])
+def test_pipeline_p2p_values_order_and_small_last_batch(ranks, transport):
+    for r in ranks:
+        p2p = r[f"p2p_{transport}"]
+        assert p2p["values_ok"] == [True] * 6  # 3 micro-batches x 2 steps, out of order
+        assert p2p["directions_ok"] == [True, True]
+        # Buffers are allocated in the first step (one set per micro-batch) and then reused.
+        assert p2p["allocations_after_step0"] == p2p["allocations_after_step1"] == 3
+        if r["topology"]["stage"] == 1:
+            assert p2p["small_batch_shape"] == [[2, 3], [2, 2, 2], [2], [2, 5]]
+            assert p2p["held_intact"] and p2p["held_distinct"] and p2p["held_reallocated"] == 1
+            assert "arrived with batch sizes [2] but 4 was expected" in p2p["wrong_batch_error"]
+
+
+def test_pipeline_receives_are_zero_copy(ranks):
+    for r in ranks:
+        assert all(shares for _, shares in r["p2p_host"]["zero_copy"])
+        # The device path shares memory too, except TF's slice of the smaller last batch.
+        assert all(shares == (batch == 4) for batch, shares in r["p2p_device"]["zero_copy"])
+        if r["topology"]["stage"] == 1:
+            assert r["p2p_host"]["mutation_visible"] == [True] * 3
+
+
+def test_fused_allreduce_matches_numpy(ranks):
+    for r in ranks:
+        a = r["allreduce"]
+        for step in range(2):
+            assert a[f"small_buckets_error_{step}"] < 1e-12
+            assert a[f"small_buckets_dtypes_{step}"] and a[f"small_buckets_shapes_{step}"]
+        num_buckets, calls, num_grads = a["small_buckets"]
+        assert 1 < num_buckets < num_grads and calls == 2 * num_buckets  # fused, two steps
+        assert a["small_buckets_allocations"] == num_buckets  # reused in the second step
+        assert a["world_sum_error"] < 1e-5 and a["world_sum_tensors"]
+        assert a["world_calls"] == [2, 2]  # 7 gradients, 2 dtypes: 2 MPI calls
+        assert a["async_calls"] == [1, 2, 3, 4]  # each bucket started as soon as it filled
+        assert a["async_none"] and a["async_dtypes"] == ["float16", "bfloat16", "float32"]
+        assert a["async_error"] < 1e-2
+        assert a["finish_missing_error"] == "finish() before gradients [1, 2, 3] were started"
+        assert a["single_rank_identity"] and a["single_rank_calls"] == 0
