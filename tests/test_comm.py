@@ -230,7 +230,8 @@ def test_fused_allreduce_matches_numpy(ranks):
         num_buckets, calls, num_grads = a["small_buckets"]
         assert 1 < num_buckets < num_grads and calls == 2 * num_buckets  # fused, two steps
         assert a["small_buckets_allocations"] == num_buckets  # reused in the second step
-        assert a["world_sum_error"] < 1e-5 and a["world_sum_tensors"]
+        assert a["held_error"] < 1e-12 and a["held_reallocated"] == num_buckets
+        assert a["world_sum_error"] < 1e-5 and a["world_sum_tensors"] and a["world_views_bucket"]
         assert a["world_calls"] == [2, 2]  # 7 gradients, 2 dtypes: 2 MPI calls
         assert a["async_calls"] == [1, 2, 3, 4]  # each bucket started as soon as it filled
         assert a["async_none"] and a["async_dtypes"] == ["float16", "bfloat16", "float32"]

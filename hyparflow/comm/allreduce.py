@@ -201,11 +201,13 @@ class GradientReducer:
         if self.op == "mean":
             for buffer in self._buffers:
                 np.divide(buffer, self.size, out=buffer)
-        results = [self._result(slot, given[slot.index]) for slot in self.slots]
+        results = []
         self._outputs = [[] for _ in self.buckets]
-        for slot, result in zip(self.slots, results):
-            if result is not None:
+        for slot in self.slots:
+            result, is_view = self._result(slot, given[slot.index])
+            if is_view:  # only views pin the bucket; converted copies are independent
                 self._outputs[slot.bucket].append(weakref.ref(result))
+            results.append(result)
         self._reset_step()
         return results
 
@@ -243,15 +245,17 @@ class GradientReducer:
         flat = self._buffers[slot.bucket][slot.offset : slot.offset + slot.size]
         return flat.reshape(slot.shape)
 
-    def _result(self, slot: Slot, grad):
+    def _result(self, slot: Slot, grad) -> tuple[object, bool]:
+        """The reduced gradient in `grad`'s kind and dtype, and whether it views the bucket."""
         if grad is None:
-            return None
+            return None, False
         view = self._view(slot)
+        same_dtype = np.dtype(slot.dtype.as_numpy_dtype) == view.dtype
         if not tf.is_tensor(grad):
-            return view.astype(grad.dtype, copy=False)
-        if np.dtype(slot.dtype.as_numpy_dtype) != view.dtype:
-            return tf.cast(wrap_host_buffer(view, tf.as_dtype(view.dtype)), slot.dtype)
-        return wrap_host_buffer(view, slot.dtype)
+            return view.astype(grad.dtype, copy=False), same_dtype
+        if not same_dtype:  # half precision was reduced in float32
+            return tf.cast(wrap_host_buffer(view, tf.as_dtype(view.dtype)), slot.dtype), False
+        return wrap_host_buffer(view, slot.dtype), True
 
 
 def _spec_of(grad):

@@ -145,6 +145,7 @@ class RecvHandle:
         specs = channel.specs(self._direction)
         batches = {batch_from_bytes(s.Get_count(MPI.BYTE), sp) for s, sp in zip(statuses, specs)}
         if len(batches) != 1 or (batch_size is not None and batches != {batch_size}):
+            channel._claim_slot(self._direction, self._microbatch, [])  # the slot is free again
             raise RuntimeError(
                 f"micro-batch {self._microbatch} ({self._direction}) arrived with batch sizes "
                 f"{sorted(batches)} but {batch_size or 'one common size'} was expected"

@@ -195,6 +195,15 @@ def check_allreduce(topo):
         del results
     out["small_buckets"] = [reducer.num_buckets, reducer.mpi_calls, len(grads)]
     out["small_buckets_allocations"] = reducer.allocations
+    # Results still referenced are never overwritten: their buckets are reallocated.
+    held = reducer.reduce(gradients(300 + topo.rank))
+    reducer.reduce(gradients(400 + topo.rank))
+    held_mean = [
+        sum(arrays) / len(members) for arrays in zip(*[gradients(300 + r) for r in members])
+    ]
+    out["held_error"] = max_error(held, held_mean)
+    out["held_reallocated"] = reducer.allocations - reducer.num_buckets
+    del held
 
     # TF tensors over the whole world, default buckets: one call per dtype, sum.
     reducer = GradientReducer(world, op="sum")
@@ -203,6 +212,9 @@ def check_allreduce(topo):
     results = reducer.reduce(grads)
     out["world_sum_error"] = max_error(results, total)
     out["world_sum_tensors"] = all(tf.is_tensor(r) for r in results)
+    out["world_views_bucket"] = all(
+        any(np.shares_memory(r._numpy(), bucket) for bucket in reducer._buffers) for r in results
+    )
     out["world_calls"] = [reducer.num_buckets, reducer.mpi_calls]
 
     # Nonblocking start in reverse order with a None gradient and half precision.
