@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from hyparflow.comm.world import size
+import numpy as np
+
+from hyparflow.comm.world import size, world
 from hyparflow.strategy import make_strategy
 
 
@@ -11,6 +13,77 @@ def _check_compiled(model) -> None:
         raise ValueError(
             "The model is not compiled; call model.compile(optimizer=..., loss=...) before hf.fit."
         )
+
+
+def _check_loss_reductions(model) -> None:
+    """The engine weights each micro-batch's mean loss by its share of the global batch, which
+    is exact for Keras's default "sum_over_batch_size" reduction (and for "sum")."""
+    compile_loss = getattr(model, "_compile_loss", None)
+    if compile_loss is None:
+        raise ValueError("The model was compiled without a loss; pass loss=... to compile().")
+    from keras import tree
+
+    for loss_fn in tree.flatten(model.loss):
+        reduction = getattr(loss_fn, "reduction", "sum_over_batch_size")
+        if reduction not in ("sum_over_batch_size", "mean"):
+            raise ValueError(
+                f"Loss {getattr(loss_fn, 'name', loss_fn)!r} uses reduction {reduction!r}; "
+                "multi-rank training needs reduction='sum_over_batch_size' (Keras's default)."
+            )
+
+
+def _build_plan(model, strategy, comm):
+    """Partition the model identically on every rank (time-balanced plans are cut on rank 0)."""
+    from hyparflow.comm.agree import agree
+    from hyparflow.partitioner import partition
+
+    if strategy.partitions == 1:
+        return None
+    balance = strategy.balance
+    if balance == "time":
+        plan = agree(comm, lambda: partition(model, strategy.partitions, balance) if
+                     comm.Get_rank() == 0 else None)  # fmt: skip
+        starts = comm.bcast(
+            [s.layers[0] for s in plan.stages[1:]] if plan is not None else None, root=0
+        )
+        balance = starts
+    return agree(comm, partition, model, strategy.partitions, balance)
+
+
+def _resolve(model, strategy, num_partitions, num_replicas, num_microbatches):
+    resolved = make_strategy(strategy, num_partitions, num_replicas, num_microbatches).resolve(
+        size()
+    )
+    _check_compiled(model)
+    return resolved
+
+
+def _shuffle_seed(comm) -> int:
+    """A seed drawn on rank 0 (so `keras.utils.set_random_seed` there fixes it) for all ranks."""
+    return comm.bcast(int(np.random.randint(2**31 - 1)) if comm.Get_rank() == 0 else None)
+
+
+def _make_trainer(model, resolved, comm, needs_loss=True):
+    from hyparflow.comm.agree import agree
+    from hyparflow.engine.trainer import Trainer
+
+    if needs_loss:
+        agree(comm, _check_loss_reductions, model)
+    # The partitioner rejects models that are not graphs, naming strategy="data" as the fix.
+    plan = _build_plan(model, resolved, comm)
+    return Trainer(model, resolved, comm, plan)
+
+
+def _run(comm, trainer, work):
+    """Run a collective loop; an error mid-step cannot be agreed on, so it ends the job."""
+    from hyparflow.comm.agree import abort_on_error
+
+    try:
+        return work()
+    except Exception as error:  # noqa: BLE001
+        abort_on_error(comm, error, "training step")
+    finally:
+        trainer.close()
 
 
 def fit(
@@ -28,23 +101,145 @@ def fit(
 ):
     """Train `model` like `model.fit`, spread over the MPI ranks by `strategy`.
 
-    Accepts every keyword of `keras.Model.fit` (validation_data, callbacks, shuffle, verbose,
-    sample_weight, initial_epoch, steps_per_epoch, ...) and returns a `keras.callbacks.History`.
-    Without a launcher (world size 1) this is exactly `model.fit`.
+    Accepts every keyword of `keras.Model.fit` (validation_data, validation_split, callbacks,
+    shuffle, verbose, sample_weight, class_weight, initial_epoch, steps_per_epoch, ...) and
+    returns a `keras.callbacks.History`, identical on every rank. Without a launcher (world size
+    1) this is exactly `model.fit`. Under `mpirun -np N`, `strategy` is "data", "model",
+    "hybrid" or "auto" (or an `hf.Strategy`), with HyPar-Flow's `num_partitions`,
+    `num_replicas` and `num_microbatches`. When it returns, every rank's `model` holds the
+    trained weights (optimizer state stays with the stage that owns each variable).
 
     Example:
-        >>> model.compile(optimizer="adam", loss="mse")
-        >>> history = hf.fit(model, x, y, batch_size=64, epochs=3, strategy="data")
+        >>> model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+        >>> history = hf.fit(model, x, y, batch_size=64, epochs=3,
+        ...                  strategy="hybrid", num_partitions=2, num_replicas=2)
     """
-    world_size = size()
-    plan = make_strategy(strategy, num_partitions, num_replicas, num_microbatches).resolve(
-        world_size
-    )
-    _check_compiled(model)
-    if world_size == 1:
+    resolved = _resolve(model, strategy, num_partitions, num_replicas, num_microbatches)
+    if size() == 1:
         # One rank, one partition, one replica: the embedded default is plain Keras.
         return model.fit(x, y, batch_size=batch_size, epochs=epochs, **fit_kwargs)
-    raise NotImplementedError(
-        f"multi-rank training ({plan.kind}, {plan.partitions} x {plan.replicas}) arrives with "
-        "the engine; run without mpirun for now."
+    return _distributed_fit(model, x, y, batch_size, epochs, resolved, **fit_kwargs)
+
+
+_FIT_KEYS = {
+    "verbose", "callbacks", "validation_split", "validation_data", "shuffle", "class_weight",
+    "sample_weight", "initial_epoch", "steps_per_epoch", "validation_steps",
+    "validation_batch_size", "validation_freq",
+}  # fmt: skip
+
+
+def _distributed_fit(model, x, y, batch_size, epochs, resolved, **kwargs):
+    from hyparflow.comm.agree import agree
+    from hyparflow.data import check_divisible, make_source, unpack
+    from hyparflow.engine.loops import fit_loop
+
+    comm = world()
+    unknown = set(kwargs) - _FIT_KEYS
+    if unknown:
+        raise TypeError(f"hf.fit got unexpected keyword arguments {sorted(unknown)}")
+    sample_weight = kwargs.get("sample_weight")
+    seed = _shuffle_seed(comm)
+
+    def prepare():
+        nonlocal x, y, sample_weight
+        validation_data = kwargs.get("validation_data")
+        split = kwargs.get("validation_split", 0.0)
+        if split and validation_data is None:
+            from keras.src.trainers.data_adapters.array_slicing import train_validation_split
+
+            (x, y, sample_weight), validation_data = train_validation_split(
+                (x, y, sample_weight), validation_split=split
+            )
+        class_weight = kwargs.get("class_weight")
+        if class_weight is not None:
+            from keras.src.trainers.data_adapters.data_adapter_utils import (
+                class_weight_to_sample_weights,
+            )
+
+            weights = class_weight_to_sample_weights(np.asarray(y), class_weight)
+            sample_weight = weights if sample_weight is None else sample_weight * weights
+        source = make_source(
+            x, y, sample_weight, batch_size=batch_size, shuffle=kwargs.get("shuffle", True),
+            seed=seed,
+        )  # fmt: skip
+        if hasattr(source, "batch_size"):
+            check_divisible(source.batch_size, resolved.replicas, resolved.microbatches)
+        validation_source = None
+        if validation_data is not None:
+            vx, vy, vsw = unpack(tuple(validation_data))
+            validation_source = make_source(
+                vx, vy, vsw, batch_size=kwargs.get("validation_batch_size") or batch_size
+            )
+        return source, validation_source
+
+    source, validation_source = agree(comm, prepare)
+    trainer = _make_trainer(model, resolved, comm)
+    return _run(
+        comm,
+        trainer,
+        lambda: fit_loop(
+            trainer,
+            source,
+            epochs=epochs,
+            initial_epoch=kwargs.get("initial_epoch", 0),
+            steps_per_epoch=kwargs.get("steps_per_epoch"),
+            callbacks=kwargs.get("callbacks"),
+            verbose=kwargs.get("verbose", "auto"),
+            validation_source=validation_source,
+            validation_steps=kwargs.get("validation_steps"),
+            validation_freq=kwargs.get("validation_freq", 1),
+        ),
     )
+
+
+def evaluate(
+    model, x=None, y=None, *, batch_size=None, sample_weight=None, steps=None, callbacks=None,
+    return_dict=False, verbose="auto", strategy="auto", num_partitions=None, num_replicas=None,
+    num_microbatches=None,
+):  # fmt: skip
+    """Loss and metrics of `model` on the data, like `model.evaluate`, on every strategy.
+
+    Example:
+        >>> loss, accuracy = hf.evaluate(model, x_test, y_test, batch_size=128, strategy="model")
+    """
+    resolved = _resolve(model, strategy, num_partitions, num_replicas, num_microbatches)
+    if size() == 1:
+        return model.evaluate(
+            x, y, batch_size=batch_size, sample_weight=sample_weight, steps=steps,
+            callbacks=callbacks, return_dict=return_dict, verbose=verbose,
+        )  # fmt: skip
+    from hyparflow.comm.agree import agree
+    from hyparflow.data import make_source
+    from hyparflow.engine.loops import evaluate_loop
+
+    comm = world()
+    source = agree(comm, make_source, x, y, sample_weight, batch_size=batch_size)
+    trainer = _make_trainer(model, resolved, comm)
+    logs = _run(comm, trainer, lambda: evaluate_loop(trainer, source, steps=steps))
+    if return_dict:
+        return logs
+    return model._flatten_metrics_in_order(logs)
+
+
+def predict(
+    model, x, *, batch_size=None, steps=None, verbose="auto", strategy="auto",
+    num_partitions=None, num_replicas=None, num_microbatches=None,
+):  # fmt: skip
+    """The model's outputs for `x`, like `model.predict`, identical on every rank.
+
+    Example:
+        >>> probabilities = hf.predict(model, x_test, batch_size=256, strategy="model")
+    """
+    resolved = make_strategy(strategy, num_partitions, num_replicas, num_microbatches).resolve(
+        size()
+    )
+    if size() == 1:
+        return model.predict(x, batch_size=batch_size, steps=steps, verbose=verbose)
+    from hyparflow.comm.agree import agree
+    from hyparflow.data import make_source
+    from hyparflow.engine.loops import predict_loop
+
+    comm = world()
+    source = agree(comm, make_source, x, batch_size=batch_size)
+    trainer = _make_trainer(model, resolved, comm, needs_loss=False)
+    return _run(comm, trainer, lambda: predict_loop(trainer, source, steps=steps))

@@ -1,0 +1,120 @@
+"""Epoch and step loops of fit, evaluate and predict, with Keras callbacks, on every rank."""
+
+from __future__ import annotations
+
+import numpy as np
+from keras import callbacks as keras_callbacks
+from keras import tree
+
+
+def _steps_of(source, steps):
+    if steps is not None:
+        return steps
+    try:
+        return len(source)
+    except TypeError:
+        return None
+
+
+def fit_loop(
+    trainer,
+    source,
+    *,
+    epochs,
+    initial_epoch=0,
+    steps_per_epoch=None,
+    callbacks=None,
+    verbose=1,
+    validation_source=None,
+    validation_steps=None,
+    validation_freq=1,
+):
+    """Train for `epochs` epochs; every rank runs the same callbacks with the same logs."""
+    model = trainer.model
+    rank = trainer.topology.rank
+    if not isinstance(callbacks, keras_callbacks.CallbackList):
+        callbacks = keras_callbacks.CallbackList(
+            callbacks,
+            add_history=True,
+            add_progbar=verbose != 0 and rank == 0,
+            verbose=1 if verbose == "auto" else verbose,
+            epochs=epochs,
+            steps=_steps_of(source, steps_per_epoch),
+            model=model,
+        )
+    model.stop_training = False
+    callbacks.on_train_begin()
+    logs = {}
+    for epoch in range(initial_epoch, epochs):
+        model.reset_metrics()
+        callbacks.on_epoch_begin(epoch)
+        for step, batch in enumerate(source.epoch(epoch)):
+            if steps_per_epoch is not None and step >= steps_per_epoch:
+                break
+            callbacks.on_train_batch_begin(step)
+            trainer.train_step(batch)
+            logs = trainer.logs()
+            callbacks.on_train_batch_end(step, logs)
+            if trainer.agree_any(model.stop_training):
+                break
+        epoch_logs = dict(logs)
+        trainer.sync_weights()  # callbacks at epoch end see (and may save) the full model
+        if validation_source is not None and _should_eval(epoch, validation_freq):
+            val_logs = evaluate_loop(trainer, validation_source, steps=validation_steps)
+            epoch_logs.update({"val_" + name: value for name, value in val_logs.items()})
+        callbacks.on_epoch_end(epoch, epoch_logs)
+        logs = epoch_logs
+        model.stop_training = trainer.agree_any(model.stop_training)
+        if model.stop_training:
+            break
+    trainer.sync_weights()
+    callbacks.on_train_end(logs)
+    return model.history
+
+
+def _should_eval(epoch: int, validation_freq) -> bool:
+    if isinstance(validation_freq, int):
+        return (epoch + 1) % validation_freq == 0
+    return (epoch + 1) in validation_freq
+
+
+def evaluate_loop(trainer, source, *, steps=None, callbacks=None) -> dict:
+    """Loss and metrics over `source`, forward-only through the pipeline; same on every rank."""
+    model = trainer.model
+    model.reset_metrics()
+    reg_value = trainer.regularization()
+    logs = {}
+    if callbacks is not None:
+        callbacks.on_test_begin()
+    for step, batch in enumerate(source.epoch(0)):
+        if steps is not None and step >= steps:
+            break
+        if callbacks is not None:
+            callbacks.on_test_batch_begin(step)
+        trainer.eval_step(batch, reg_value)
+        if callbacks is not None:
+            logs = trainer.logs()
+            callbacks.on_test_batch_end(step, logs)
+    logs = trainer.logs()
+    if callbacks is not None:
+        callbacks.on_test_end(logs)
+    return logs
+
+
+def predict_loop(trainer, source, *, steps=None):
+    """Model outputs for every sample of `source`, in order, on every rank."""
+    shards = []
+    for step, batch in enumerate(source.epoch(0)):
+        if steps is not None and step >= steps:
+            break
+        shards.append(trainer.predict_step(batch))
+    topo = trainer.topology
+    last_stage_ranks = [topo.grid.rank_of(topo.num_stages - 1, r) for r in range(topo.num_replicas)]
+    gathered = topo.world.allgather(shards if trainer.is_last else None)
+    pieces = []
+    for step in range(len(shards)):
+        for r in last_stage_ranks:
+            pieces.extend(gathered[r][step])  # micro-batch outputs of replica r, in order
+    if not pieces:
+        raise ValueError("predict got no samples; pass at least one sample.")
+    return tree.map_structure(lambda *parts: np.concatenate(parts, axis=0), *pieces)

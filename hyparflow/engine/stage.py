@@ -1,0 +1,118 @@
+"""One stage's forward and backward over micro-batches, compiled once with tf.function.
+
+The forward runs as a `tf.function` under an eager `tf.GradientTape`; TensorFlow then records
+the call as one op and differentiates it with the function's compiled backward graph, keeping
+only that micro-batch's activations alive until its backward (GPipe's activation stash).
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+from keras import tree
+
+
+def _is_float(tensor) -> bool:
+    return tensor.dtype.is_floating
+
+
+class StageRunner:
+    """Forward, backward and gradient accumulation of one pipeline stage.
+
+    `call(inputs, training)` computes the stage's outputs; `variables` are the trainable
+    variables it differentiates; `loss(y, y_pred, sample_weight)` (last stage only) turns its
+    outputs into the compiled loss, a mean over the micro-batch.
+
+    Example:
+        >>> runner = StageRunner(lambda x, training: model(x, training=training),
+        ...                      model.trainable_variables, loss=model._compile_loss)
+        >>> runner.forward(0, x, targets=(y, None), scale=1.0); runner.backward(0)
+        >>> grads = runner.take_gradients()
+    """
+
+    def __init__(self, call, variables, loss=None):
+        self.variables = list(variables)
+        # The tf.Variable behind each Keras variable: what a tape can watch and differentiate.
+        self._sources = [getattr(v, "value", v) for v in self.variables]
+        self.is_last = loss is not None
+        self._call = call
+        self._loss = loss
+        self._pending = {}
+        self._grads = None
+        # Static shapes: one trace per distinct micro-batch size (usually two: full and last).
+        self._forward_fn = tf.function(self._forward_body)
+        self._loss_forward_fn = tf.function(self._loss_forward_body)
+        self._infer_fn = tf.function(self._infer_body)
+
+    def _forward_body(self, inputs):
+        return self._call(inputs, True)
+
+    def _loss_forward_body(self, inputs, y, sample_weight, scale):
+        y_pred = self._call(inputs, True)
+        loss = self._loss(y, y_pred, sample_weight)
+        return y_pred, loss, loss * scale
+
+    def _infer_body(self, inputs):
+        return self._call(inputs, False)
+
+    def forward(self, microbatch: int, inputs, targets=None, scale=1.0):
+        """Run the forward of `microbatch`, keeping what its backward needs.
+
+        Returns the outputs; at the last stage `(y_pred, loss)` where `loss` is the micro-batch
+        mean and `scale` (its share of the global batch) weights its gradient.
+        """
+        watched = [t for t in tree.flatten(inputs) if _is_float(t)]
+        with tf.GradientTape(watch_accessed_variables=False) as tape:
+            tape.watch(watched)
+            tape.watch(self._sources)
+            if self.is_last:
+                y, sample_weight = targets
+                y_pred, loss, scaled = self._loss_forward_fn(
+                    inputs, y, sample_weight, tf.constant(scale, tf.float32)
+                )
+                result = (y_pred, loss)
+                targets_to_differentiate = scaled
+            else:
+                result = self._forward_fn(inputs)
+                targets_to_differentiate = [t for t in tree.flatten(result) if _is_float(t)]
+        self._pending[microbatch] = (tape, inputs, watched, targets_to_differentiate)
+        return result
+
+    def backward(self, microbatch: int, output_grads=None):
+        """Backward of `microbatch`: accumulate variable gradients, return input gradients.
+
+        `output_grads` are the gradients of the float outputs, in `forward`'s flattened order
+        (None at the last stage). Input gradients come back in the order of the flattened
+        inputs, None for integer inputs. The micro-batch's activations are released here.
+        """
+        tape, inputs, watched, targets = self._pending.pop(microbatch)
+        grads = tape.gradient(
+            targets,
+            watched + self._sources,
+            output_gradients=None if self.is_last else list(output_grads),
+            unconnected_gradients=tf.UnconnectedGradients.ZERO,
+        )
+        input_grads, var_grads = grads[: len(watched)], grads[len(watched) :]
+        var_grads = [tf.convert_to_tensor(g) for g in var_grads]  # IndexedSlices -> dense
+        if self._grads is None:
+            self._grads = var_grads
+        else:
+            self._grads = [a + g for a, g in zip(self._grads, var_grads)]
+        by_input = iter(input_grads)
+        return [next(by_input) if _is_float(t) else None for t in tree.flatten(inputs)]
+
+    def infer(self, inputs):
+        """Forward without gradients, in inference mode (validation, evaluate, predict)."""
+        return self._infer_fn(inputs)
+
+    def take_gradients(self) -> list:
+        """Summed variable gradients of the micro-batches since the last call (zeros if none)."""
+        grads = self._grads
+        self._grads = None
+        if grads is None:
+            grads = [tf.zeros_like(v) for v in self.variables]
+        return grads
+
+    @property
+    def in_flight(self) -> int:
+        """Micro-batches forwarded whose backward has not run yet."""
+        return len(self._pending)

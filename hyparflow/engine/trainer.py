@@ -1,0 +1,359 @@
+"""One rank's share of training: its stage of its replica's pipeline, step by step.
+
+A step walks the stage's schedule (GPipe or 1F1B) over the micro-batches of its replica's
+shard, then sums gradients across the stages that share a layer and across replicas, adds
+weight regularization once, and applies the compiled optimizer to the stage's variables.
+The loss of each micro-batch is its mean times its share of the global batch, so the summed
+gradient is exactly the gradient of Keras's loss on the whole global batch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+from keras import tree
+
+from hyparflow.comm.allreduce import GradientReducer
+from hyparflow.comm.p2p import BACKWARD, FORWARD, PipeChannel
+from hyparflow.comm.topology import Topology
+from hyparflow.data import GlobalBatch, piece_bounds
+from hyparflow.engine.metrics import reduced_results
+from hyparflow.engine.schedule import forward_only, make_schedule
+from hyparflow.engine.stage import StageRunner
+
+
+def model_input_list(model, x) -> list:
+    """The user's `x` (array, list or dict) as a list in `model.inputs` order."""
+    if isinstance(x, dict):
+        names = [t._keras_history.operation.name for t in model.inputs]
+        if set(names) <= set(x):
+            return [x[name] for name in names]
+        return tree.flatten(x)
+    return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+def _as_tensors(structure):
+    return tree.map_structure(lambda a: None if a is None else tf.convert_to_tensor(a), structure)
+
+
+class Trainer:
+    """Training, evaluation and prediction steps for this rank's (stage, replica).
+
+    `plan` is None for data parallelism (the whole user model is the only stage, so any model
+    works, subclassed ones included); otherwise the partitioner's `Plan`.
+    """
+
+    def __init__(self, model, strategy, comm, plan=None):
+        self.model = model
+        self.strategy = strategy
+        self.topology = Topology.create(comm, strategy.partitions, strategy.replicas)
+        topo = self.topology
+        self.plan = plan
+        self.is_first = topo.is_first_stage
+        self.is_last = topo.is_last_stage
+        if plan is None:
+            self.stage = None
+            self.variables = list(model.trainable_variables)
+            call = self._call_whole_model
+            self.owned = list(self.variables)
+        else:
+            self.stage = plan.stages[topo.stage]
+            self.variables = list(self.stage.model.trainable_variables)
+            call = self._call_stage
+            self.owned = _owned_variables(plan, topo.stage)
+        self.runner = StageRunner(call, self.variables, loss=self._loss if self.is_last else None)
+        self._update_metrics_fn = tf.function(self._update_metrics)
+        self._regularized = [v for v in self.owned if getattr(v, "regularizer", None)]
+        self._reg_fn = tf.function(self._regularization_and_grads)
+        self._has_regularizers = bool(
+            topo.pipeline_comm.allreduce(len(self._regularized) > 0, op=_mpi_op("LOR"))
+        )
+        self._shared = self._shared_variable_indices()
+        self.replica_reducer = GradientReducer(topo.stage_comm, specs=self.variables, op="sum")
+        self.shared_reducer = (
+            GradientReducer(topo.pipeline_comm, specs=self._shared_specs(), op="sum")
+            if self._shared is not None
+            else None
+        )
+        self._channels: dict[int, tuple] = {}
+        self._log_root = topo.grid.rank_of(topo.num_stages - 1, 0)
+
+    # --- what a stage computes ------------------------------------------------------------
+    def _call_whole_model(self, x, training):
+        return self.model(x, training=training)
+
+    def _call_stage(self, inputs, training):
+        outputs = self.stage.forward(inputs, training=training)
+        flat = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
+        if self.is_last:
+            return tree.pack_sequence_as(self.model._outputs_struct, flat)
+        return flat
+
+    def _loss(self, y, y_pred, sample_weight):
+        return self.model._compile_loss(y, y_pred, sample_weight)
+
+    def _update_metrics(self, y, y_pred, sample_weight):
+        if self.model._compile_metrics is not None:
+            self.model._compile_metrics.update_state(y, y_pred, sample_weight)
+
+    def _regularization_and_grads(self):
+        with tf.GradientTape() as tape:
+            total = tf.add_n([tf.reduce_sum(v.regularizer(v)) for v in self._regularized])
+        return total, tape.gradient(total, self._regularized)
+
+    # --- sharing ---------------------------------------------------------------------------
+    def _shared_variable_indices(self):
+        """Indices (into this stage's variables) of variables that other stages also use."""
+        if self.plan is None or not self.plan.shared_layers:
+            return None
+        ids = {}
+        for stage in self.plan.stages:
+            for v in stage.model.trainable_variables:
+                ids.setdefault(id(v), set()).add(stage.index)
+        shared_all = [
+            v for v in self.model.trainable_variables if len(ids.get(id(v), ())) > 1
+        ]  # one agreed order on every stage
+        if not shared_all:
+            return None
+        mine = {id(v): i for i, v in enumerate(self.variables)}
+        self._shared_all = shared_all
+        return [mine.get(id(v)) for v in shared_all]
+
+    def _shared_specs(self):
+        return [(tuple(v.shape), v.dtype) for v in self._shared_all]
+
+    def _sum_shared(self, grads: list) -> list:
+        """Sum the gradients of layers used by several stages over the pipeline."""
+        contributions = [
+            grads[i] if i is not None else tf.zeros(v.shape, v.dtype)
+            for i, v in zip(self._shared, self._shared_all)
+        ]
+        summed = self.shared_reducer.reduce(contributions)
+        grads = list(grads)
+        for i, total in zip(self._shared, summed):
+            if i is not None:
+                grads[i] = tf.convert_to_tensor(total)
+        return grads
+
+    # --- pipeline links ------------------------------------------------------------------
+    def _links(self, max_microbatch: int, num_microbatches: int):
+        """Channels to the previous and next stage sized for micro-batches of this size."""
+        key = (max_microbatch, num_microbatches)
+        if key not in self._channels:
+            topo, stage = self.topology, self.stage
+            prev = nxt = None
+            if not self.is_first:
+                specs = [((max_microbatch, *t.shape), t.dtype) for t in stage.receives]
+                prev = PipeChannel(
+                    topo.pipeline_comm, topo.prev_rank, specs, num_microbatches,
+                    backward_specs=[s for s in specs if tf.as_dtype(s[1]).is_floating],
+                )  # fmt: skip
+            if not self.is_last:
+                specs = [((max_microbatch, *t.shape), t.dtype) for t in stage.sends]
+                nxt = PipeChannel(
+                    topo.pipeline_comm, topo.next_rank, specs, num_microbatches,
+                    backward_specs=[s for s in specs if tf.as_dtype(s[1]).is_floating],
+                )  # fmt: skip
+            self._channels[key] = (prev, nxt)
+        return self._channels[key]
+
+    # --- the shard and its micro-batches -----------------------------------------------------
+    def _microbatches(self, batch: GlobalBatch, microbatches: int):
+        """This replica's shard of `batch` cut into micro-batches: [(x, y, sw, size)], and the
+        largest micro-batch size any replica uses for a full batch of this size."""
+        topo = self.topology
+        start, stop = piece_bounds(batch.size, topo.num_replicas, topo.replica)
+        shard = stop - start
+        if shard == 0:
+            return []
+        x, y, sw = batch.part(start, stop)
+        count = min(microbatches, shard)
+        pieces = []
+        for k in range(count):
+            a, b = piece_bounds(shard, count, k)
+            cut = slice(a, b)
+            pieces.append(
+                (
+                    _as_tensors(tree.map_structure(lambda t, c=cut: t[c], x))
+                    if self.is_first
+                    else None,
+                    _as_tensors(tree.map_structure(lambda t, c=cut: t[c], y))
+                    if self.is_last and y is not None
+                    else None,
+                    tf.convert_to_tensor(sw[cut]) if self.is_last and sw is not None else None,
+                    b - a,
+                )
+            )
+        return pieces
+
+    def _first_stage_inputs(self, x):
+        return x if self.plan is None else model_input_list(self.model, x)
+
+    # --- steps ---------------------------------------------------------------------------
+    def train_step(self, batch: GlobalBatch) -> None:
+        """One optimizer step on one global batch (collective over every rank)."""
+        pieces = self._microbatches(batch, self.strategy.microbatches)
+        losses = self._run_schedule(pieces, batch.size, train=True)
+        grads = self.runner.take_gradients()
+        if self.shared_reducer is not None:
+            grads = self._sum_shared(grads)
+        grads = [tf.convert_to_tensor(g) for g in self.replica_reducer.reduce(grads)]
+        reg_value = 0.0
+        if self._regularized:
+            value, reg_grads = self._reg_fn()
+            reg_value = float(value)
+            position = {id(v): i for i, v in enumerate(self.variables)}
+            for v, g in zip(self._regularized, reg_grads):
+                grads[position[id(v)]] = grads[position[id(v)]] + g
+        if self._has_regularizers:
+            reg_value = self.topology.pipeline_comm.allreduce(reg_value)
+        self.model.optimizer.apply_gradients(zip(grads, self.variables))
+        self._track_loss(losses, reg_value)
+
+    def eval_step(self, batch: GlobalBatch, reg_value: float) -> None:
+        """Forward-only pass of one batch: loss and metrics accumulate at the last stage."""
+        pieces = self._microbatches(batch, self.strategy.microbatches)
+        losses = self._run_schedule(pieces, batch.size, train=False)
+        self._track_loss(losses, reg_value)
+
+    def predict_step(self, batch: GlobalBatch) -> list | None:
+        """Forward-only pass; the last stage returns its shard's outputs (micro-batch list)."""
+        pieces = self._microbatches(batch, self.strategy.microbatches)
+        return self._run_schedule(pieces, batch.size, train=False, predict=True)
+
+    def regularization(self) -> float:
+        """The model's total weight regularization (collective over the pipeline)."""
+        local = float(self._reg_fn()[0]) if self._regularized else 0.0
+        if not self._has_regularizers:
+            return 0.0
+        return self.topology.pipeline_comm.allreduce(local)
+
+    def _track_loss(self, losses, reg_value: float) -> None:
+        """Feed Keras's loss tracker so that its mean equals Keras's (loss + regularization)."""
+        if not self.is_last or not losses:
+            return
+        count = sum(n for _, n in losses)
+        mean = sum(float(loss) * n for loss, n in losses) / count
+        self.model._loss_tracker.update_state(mean + reg_value, sample_weight=count)
+
+    def _run_schedule(self, pieces, global_size: int, *, train: bool, predict=False):
+        """Walk this stage's actions for the micro-batches; return the last stage's results."""
+        if not pieces:
+            return []
+        topo = self.topology
+        count = len(pieces)
+        if self.plan is None:
+            prev = nxt = None
+        else:
+            largest = max(n for *_, n in pieces)
+            prev, nxt = self._links(largest, count)
+        if train:
+            actions = make_schedule(self.strategy.schedule, topo.num_stages, count)[topo.stage]
+        else:
+            actions = forward_only(topo.num_stages, count)[topo.stage]
+        results = []
+        for action in actions:
+            k = action.microbatch
+            x, y, sw, n = pieces[k]
+            if action.is_forward:
+                inputs = self._first_stage_inputs(x) if self.is_first else prev.recv(k, FORWARD, n)
+                if train:
+                    out = self.runner.forward(k, inputs, (y, sw), scale=n / global_size)
+                else:
+                    out = self.runner.infer(inputs)
+                if self.is_last:
+                    results.append(self._finish_forward(out, y, sw, n, train, predict))
+                else:
+                    nxt.isend(out, k, FORWARD)
+            else:
+                grads = None if self.is_last else nxt.recv(k, BACKWARD, n)
+                input_grads = self.runner.backward(k, grads)
+                if not self.is_first:
+                    prev.isend([g for g in input_grads if g is not None], k, BACKWARD)
+        for channel in (prev, nxt):
+            if channel is not None:
+                channel.wait_sends()
+        return results
+
+    def _finish_forward(self, out, y, sw, n, train, predict):
+        if predict:
+            return tree.map_structure(np.asarray, out)
+        if train:
+            y_pred, loss = out
+        else:
+            y_pred = out
+            loss = self._eval_loss_fn(y, y_pred, sw)
+        self._update_metrics_fn(y, y_pred, sw)
+        return loss, n
+
+    @property
+    def _eval_loss_fn(self):
+        if not hasattr(self, "_eval_loss_compiled"):
+            self._eval_loss_compiled = tf.function(self._loss)
+        return self._eval_loss_compiled
+
+    # --- results shared by every rank ------------------------------------------------------
+    def logs(self) -> dict:
+        """Loss and metrics of the data seen since the last reset, identical on every rank."""
+        logs = reduced_results(self.model, self.topology.stage_comm) if self.is_last else None
+        return self.topology.world.bcast(logs, root=self._log_root)
+
+    def agree_any(self, flag) -> bool:
+        """True on every rank if `flag` is true on any rank (early stop, NaN stop)."""
+        return bool(self.topology.world.allreduce(bool(flag), op=_mpi_op("LOR")))
+
+    def sync_weights(self) -> None:
+        """Give every rank the full model: each stage broadcasts the weights it owns."""
+        if self.plan is None:
+            return  # replicas stay identical: every one applies the same reduced gradients
+        comm = self.topology.pipeline_comm
+        owners = _weight_owners(self.plan, self.model)
+        for root in range(self.topology.num_stages):
+            mine = [v for v, owner in zip(self.model.weights, owners) if owner == root]
+            if not mine:
+                continue
+            if comm.Get_rank() == root:
+                flat = np.concatenate([np.asarray(v.numpy(), np.float64).ravel() for v in mine])
+            else:
+                flat = np.empty(sum(int(np.prod(v.shape)) for v in mine), np.float64)
+            comm.Bcast(flat, root=root)
+            if comm.Get_rank() != root:
+                offset = 0
+                for v in mine:
+                    size = int(np.prod(v.shape))
+                    v.assign(flat[offset : offset + size].reshape(v.shape).astype(v.dtype))
+                    offset += size
+
+    def close(self) -> None:
+        for channels in self._channels.values():
+            for channel in channels:
+                if channel is not None:
+                    channel.close()
+        self.topology.free()
+
+
+def _owned_variables(plan, stage_index: int) -> list:
+    """Trainable variables whose regularization this stage counts: those first used here."""
+    first_user = {}
+    for stage in plan.stages:
+        for v in stage.model.trainable_variables:
+            first_user.setdefault(id(v), stage.index)
+    return [
+        v for v in plan.stages[stage_index].model.trainable_variables
+        if first_user[id(v)] == stage_index
+    ]  # fmt: skip
+
+
+def _weight_owners(plan, model) -> list:
+    """For each of `model.weights`, the first stage that uses it (it holds the latest value)."""
+    first_user = {}
+    for stage in plan.stages:
+        for v in stage.model.weights:
+            first_user.setdefault(id(v), stage.index)
+    return [first_user.get(id(v), 0) for v in model.weights]
+
+
+def _mpi_op(name: str):
+    from mpi4py import MPI
+
+    return getattr(MPI, name)

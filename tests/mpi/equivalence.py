@@ -1,0 +1,73 @@
+"""Train configurations with hf.fit and with plain Keras from the same weights; report diffs.
+
+Arguments: configurations "model:optimizer:strategy:partitions:replicas:microbatches:schedule".
+Every rank trains the single-process Keras reference itself (tiny models), so each rank can
+compare its own copy of the trained model, which must hold the full weights.
+"""
+
+import keras
+import numpy as np
+
+import hyparflow as hf
+from tests.mpi.models import compiled, data
+from tests.mpi.report import args, report
+
+BATCH, EPOCHS = 16, 2
+
+
+def relative_difference(got, expected) -> float:
+    """Largest weight error relative to its tensor's magnitude (tensors below 0.01 count as
+    0.01, so near-zero tensors such as fresh biases compare absolutely)."""
+    worst = 0.0
+    for g, e in zip(got, expected):
+        scale = max(float(np.max(np.abs(e))), 1e-2)
+        worst = max(worst, float(np.max(np.abs(g - e))) / scale)
+    return worst
+
+
+def history_difference(got: dict, expected: dict) -> float:
+    if set(got) != set(expected):
+        return float("inf")
+    return max(
+        float(np.max(np.abs(np.asarray(got[k]) - np.asarray(expected[k]))))
+        / max(1e-6, float(np.max(np.abs(expected[k]))))
+        for k in expected
+    )
+
+
+def run(config: str) -> dict:
+    name, optimizer, kind, partitions, replicas, microbatches, schedule = config.split(":")
+    x, y = data(name)
+    vx, vy = data(name, n=20, seed=1)
+    reference = compiled(name, optimizer)
+    # Keras's compiled train step retraces with an unknown batch size for the last, smaller
+    # batch, and its per-output loss trackers then stop weighting by batch size; eager Keras
+    # weights them exactly (as hyparflow does). Same math otherwise.
+    reference.run_eagerly = name == "multi_io"
+    ref_history = reference.fit(
+        x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0, validation_data=(vx, vy)
+    )
+    model = compiled(name, optimizer)
+    strategy = hf.Strategy(
+        kind,
+        partitions=int(partitions),
+        replicas=int(replicas),
+        microbatches=int(microbatches),
+        schedule=schedule,
+    )
+    history = hf.fit(
+        model, x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
+        validation_data=(vx, vy), strategy=strategy,
+    )  # fmt: skip
+    return {
+        "config": config,
+        "weights": relative_difference(model.get_weights(), reference.get_weights()),
+        "history": history_difference(history.history, ref_history.history),
+        "keys": sorted(history.history),
+        "ref_keys": sorted(ref_history.history),
+        "optimizer_variables": len(model.optimizer.variables),
+    }
+
+
+keras.config.disable_interactive_logging()
+report({"rank": hf.rank(), "results": [run(c) for c in args()]})
