@@ -268,23 +268,38 @@ def _order_depth_first(nodes, tensors):
     """Re-sort topologically, running a node's consumers as soon as they are ready.
 
     Kahn's algorithm with a stack: one branch is followed to its merge before the next starts,
-    so few tensors are alive at any point and contiguous stage cuts send little.
+    so few tensors are alive at any point and contiguous stage cuts send little. Among nodes
+    ready together the one closest to a model output runs first, so that a side head (an
+    auxiliary classifier) is computed where its input is, instead of that input being
+    forwarded to the last stage.
     """
-    pending = [0] * len(nodes)
-    for node in nodes:
-        pending[node.position] = len({tensors[t].producer for t in node.inputs} - {-1})
     consumers_of = [
         list(dict.fromkeys(c for t in node.outputs for c in tensors[t].consumers)) for node in nodes
     ]
-    ready = [node.position for node in reversed(nodes) if pending[node.position] == 0]
+    to_output = [0] * len(nodes)  # longest path to a model output, in nodes
+    for node in reversed(nodes):
+        to_output[node.position] = max(
+            (to_output[c] + 1 for c in consumers_of[node.position]), default=0
+        )
+    pending = [0] * len(nodes)
+    for node in nodes:
+        pending[node.position] = len({tensors[t].producer for t in node.inputs} - {-1})
+
+    def push_in_turn(positions):  # the last pushed (closest to an output) is popped first
+        ready.extend(sorted(positions, key=lambda p: (-to_output[p], -p)))
+
+    ready = []
+    push_in_turn([node.position for node in nodes if pending[node.position] == 0])
     order = []
     while ready:
         position = ready.pop()
         order.append(nodes[position])
-        for consumer in reversed(consumers_of[position]):
+        newly_ready = []
+        for consumer in consumers_of[position]:
             pending[consumer] -= 1
             if pending[consumer] == 0:
-                ready.append(consumer)
+                newly_ready.append(consumer)
+        push_in_turn(newly_ready)
     assert len(order) == len(nodes), "the Keras graph has a cycle"
     return _renumber(order, tensors)
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from hyparflow.partitioner.plan import Plan
 
 BALANCES = ("layers", "params", "flops", "time")
+TIME_REFINEMENTS = 3  # extra split-and-measure rounds for balance="time"
+TIME_IMBALANCE_GOAL = 1.05  # stop refining once the slowest stage is this close to the mean
 _COST_UNITS = {"layers": "layers", "params": "params", "flops": "FLOP", "time": "s"}
 
 
@@ -69,7 +71,6 @@ def partition(
             f"calls. Use num_partitions <= {n} (or more replicas instead of more stages)."
         )
 
-    inputs = None
     if explicit or balance == "layers":
         node_costs = cost.layer_costs(graph)
     elif balance == "params":
@@ -77,32 +78,82 @@ def partition(
     elif balance == "flops":
         node_costs = cost.flop_costs(graph)
     else:
-        from hyparflow.partitioner import profile
+        return _partition_by_time(graph, num_partitions, sample, input_shape, batch_size, bandwidth)
 
-        inputs = profile.make_sample(graph, sample, input_shape, batch_size)
-        node_costs = profile.node_times(graph, inputs)
-
-    samples = batch_size or (int(inputs[0].shape[0]) if inputs else 1)
-    cut_costs = cost.cut_costs(graph, samples, bandwidth) if bandwidth else None
+    cut_costs = cost.cut_costs(graph, batch_size or 1, bandwidth) if bandwidth else None
     if explicit:
         starts = _starts_from_names(graph, list(balance), num_partitions)
     else:
         starts = balancing.split_contiguous(node_costs, num_partitions, cut_costs)
-
     stages, shared = build_stages(graph, starts, node_costs, cut_costs)
-    plan = Plan(
+    return Plan(
         model=model,
         stages=stages,
         balance=balance,
         shared_layers=shared,
         cost_unit="layers" if explicit else _COST_UNITS[balance],
-        batch_size=samples if (inputs is not None or batch_size) else None,
+        batch_size=batch_size,
         bandwidth=bandwidth,
         _graph=graph,
     )
-    if inputs is not None:
-        plan.profile(sample=inputs)
-    return plan
+
+
+def _partition_by_time(graph, num_partitions, sample, input_shape, batch_size, bandwidth):
+    """Split by profiled node times, then time the stages and correct the split with them.
+
+    Layers timed alone do not add up exactly to a stage timed whole (caches, fusion, memory
+    traffic), so each round scales the node times of every stage by measured / estimated and
+    splits again; the plan with the lowest measured imbalance is kept.
+    """
+    from hyparflow.partitioner import balance as balancing
+    from hyparflow.partitioner import cost, profile
+    from hyparflow.partitioner.stages import build_stages
+
+    inputs = profile.make_sample(graph, sample, input_shape, batch_size)
+    samples = int(inputs[0].shape[0])
+    node_costs = profile.node_times(graph, inputs)
+    cut_costs = cost.cut_costs(graph, samples, bandwidth) if bandwidth else None
+    best = None
+    tried = set()
+    for _ in range(1 + TIME_REFINEMENTS):
+        starts = balancing.split_contiguous(node_costs, num_partitions, cut_costs)
+        if tuple(starts) in tried:
+            break
+        tried.add(tuple(starts))
+        stages, shared = build_stages(graph, starts, node_costs, cut_costs)
+        times = profile.stage_times(stages, inputs, graph.model)
+        imbalance = max(times) / (sum(times) / len(times))
+        if best is None or imbalance < best[0]:
+            best = (imbalance, stages, shared, times)
+        if imbalance <= TIME_IMBALANCE_GOAL:
+            break
+        node_costs = _rescaled(node_costs, starts, stages, times)
+    _, stages, shared, times = best
+    for stage, seconds in zip(stages, times):
+        stage.measured_time = seconds
+    return Plan(
+        model=graph.model,
+        stages=stages,
+        balance="time",
+        shared_layers=shared,
+        cost_unit="s",
+        batch_size=samples,
+        bandwidth=bandwidth,
+        _graph=graph,
+    )
+
+
+def _rescaled(node_costs, starts, stages, times):
+    """Node costs scaled per stage so that each stage's compute sums to its measured time."""
+    scaled = node_costs.copy()
+    bounds = [*starts, len(node_costs)]
+    for k, stage in enumerate(stages):
+        a, b = bounds[k], bounds[k + 1]
+        estimated = node_costs[a:b].sum()
+        measured_compute = max(times[k] - stage.comm_cost, 0.0)
+        if estimated > 0:
+            scaled[a:b] *= measured_compute / estimated
+    return scaled
 
 
 def _starts_from_names(graph, names, num_partitions) -> list[int]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import statistics
 import time
 
 import numpy as np
@@ -55,7 +54,7 @@ def make_sample(graph: LayerGraph, sample=None, input_shape=None, batch_size=Non
 def node_times(graph: LayerGraph, inputs: list, repeats: int = 5) -> np.ndarray:
     """Seconds of forward plus backward of each node on `inputs` (training mode), each compiled
     alone with tf.function; the cost of an empty compiled call is subtracted."""
-    overhead = _median_time(tf.function(lambda xs: [tf.identity(x) for x in xs]), inputs, repeats)
+    overhead = _best_time(tf.function(lambda xs: [tf.identity(x) for x in xs]), inputs, repeats)
     values = dict(zip(graph.inputs, inputs))
     times = np.zeros(len(graph.nodes))
     with preserved_state(graph.model):
@@ -64,7 +63,7 @@ def node_times(graph: LayerGraph, inputs: list, repeats: int = 5) -> np.ndarray:
             outputs = _node_call(node)(node_inputs)
             values.update(zip(node.outputs, outputs))
             step = _forward_backward(_node_call(node), _trainable(node.operation))
-            times[node.position] = max(0.0, _median_time(step, node_inputs, repeats) - overhead)
+            times[node.position] = max(0.0, _best_time(step, node_inputs, repeats) - overhead)
             for t in node.inputs:  # free activations nobody reads any more
                 if graph.tensors[t].consumers[-1] == node.position and t not in graph.outputs:
                     values.pop(t, None)
@@ -72,17 +71,26 @@ def node_times(graph: LayerGraph, inputs: list, repeats: int = 5) -> np.ndarray:
 
 
 def stage_times(stages, inputs: list, model, repeats: int = 5) -> list[float]:
-    """Seconds of forward plus backward of each stage's model, fed by the previous stage."""
-    times = []
+    """Seconds of forward plus backward of each stage's model, fed by the previous stage.
+
+    Stages are timed in turns, so a slow spell on a shared machine hits all of them alike.
+    """
+    steps, stage_inputs = [], []
     with preserved_state(model):
         for stage in stages:
             step = _forward_backward(
                 lambda xs, m=stage.model: _as_list(m(xs, training=True)),
                 stage.model.trainable_variables,
             )
-            times.append(_median_time(step, inputs, repeats))
+            calls = _calibrate(step, inputs)
+            steps.append((step, inputs, calls))
+            stage_inputs.append(inputs)
             inputs = stage.forward(inputs, training=True)
-    return times
+        samples = [[] for _ in stages]
+        for _ in range(repeats):
+            for i, (step, step_inputs, calls) in enumerate(steps):
+                samples[i].append(_time_calls(step, step_inputs, calls))
+    return [min(s) for s in samples]
 
 
 @contextlib.contextmanager
@@ -133,20 +141,25 @@ def _forward_backward(call, variables):
     return step
 
 
-def _median_time(function, inputs, repeats):
-    _sync(function(inputs))  # trace and warm up
-    start = time.perf_counter()
+def _best_time(function, inputs, repeats):
+    """Fastest of `repeats` timings: interference on a shared machine only ever adds time."""
+    calls = _calibrate(function, inputs)
+    return min(_time_calls(function, inputs, calls) for _ in range(repeats))
+
+
+def _calibrate(function, inputs) -> int:
+    """Trace and warm up `function`; returns how many calls make one timing of >= ~2 ms."""
     _sync(function(inputs))
-    single = time.perf_counter() - start
-    calls = int(min(20, max(1, 2e-3 / max(single, 1e-9))))  # time >= ~2 ms per sample
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            result = function(inputs)
-        _sync(result)
-        samples.append((time.perf_counter() - start) / calls)
-    return statistics.median(samples)
+    single = _time_calls(function, inputs, 1)
+    return int(min(20, max(1, 2e-3 / max(single, 1e-9))))
+
+
+def _time_calls(function, inputs, calls) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        result = function(inputs)
+    _sync(result)
+    return (time.perf_counter() - start) / calls
 
 
 def _sync(result):

@@ -1,0 +1,90 @@
+"""The `hyparflow` command line: `hyparflow plan MODEL.keras --partitions 4` and friends."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv=None) -> int:
+    """Run the `hyparflow` command; returns the exit status.
+
+    Example:
+        $ hyparflow plan model.keras --partitions 4 --balance time --batch-size 64
+    """
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not hasattr(args, "run"):
+        parser.print_help()
+        return 2
+    return args.run(args)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hyparflow",
+        description="Plan and inspect data, model and hybrid parallel training of Keras models.",
+    )
+    commands = parser.add_subparsers(title="commands", metavar="COMMAND")
+    _add_plan_command(commands)
+    return parser
+
+
+def _add_plan_command(commands):
+    plan = commands.add_parser(
+        "plan",
+        help="split a saved model into pipeline stages and print the plan",
+        description="Split a saved Keras model into balanced pipeline stages; print the table.",
+    )
+    plan.add_argument("model", help="a saved Keras model (.keras file)")
+    plan.add_argument("--partitions", "-p", type=int, required=True, help="number of stages")
+    plan.add_argument(
+        "--balance",
+        default="layers",
+        help='"layers" (default), "params", "flops", "time", or comma-separated layer names '
+        "where stages 1, 2, ... begin",
+    )
+    plan.add_argument("--batch-size", type=int, help="samples per batch (profiling, traffic)")
+    plan.add_argument(
+        "--input-shape",
+        type=_shape,
+        help='input shape without the batch dimension, e.g. "224,224,3" (for --balance time)',
+    )
+    plan.add_argument(
+        "--bandwidth", type=float, help="bytes per unit of cost; adds communication to stages"
+    )
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON instead")
+    plan.set_defaults(run=_run_plan)
+
+
+def _run_plan(args) -> int:
+    import keras
+
+    from hyparflow.partitioner import partition
+
+    model = keras.saving.load_model(args.model, compile=False)
+    balance = args.balance
+    if balance not in ("layers", "params", "flops", "time"):
+        balance = [name.strip() for name in balance.split(",") if name.strip()]
+    try:
+        plan = partition(
+            model,
+            args.partitions,
+            balance=balance,
+            input_shape=args.input_shape,
+            batch_size=args.batch_size,
+            bandwidth=args.bandwidth,
+        )
+    except ValueError as error:
+        print(f"hyparflow plan: {error}", file=sys.stderr)
+        return 1
+    print(plan.to_json() if args.json else plan.summary(print_fn=None))
+    return 0
+
+
+def _shape(text: str) -> tuple:
+    return tuple(None if d.strip() in ("", "None") else int(d) for d in text.split(","))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
