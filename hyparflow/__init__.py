@@ -1,9 +1,10 @@
 """hyparflow: data, model (pipeline) and hybrid parallel training of Keras 3 models over MPI."""
 
-from hyparflow.api import fit
+from hyparflow.api import evaluate, fit, predict
 from hyparflow.comm.world import rank, size
+from hyparflow.partitioner import Plan, partition
 from hyparflow.strategy import Strategy
 
 __version__ = "0.1.0"
 
-__all__ = ["Strategy", "fit", "rank", "size", "__version__"]
+__all__ = ["Plan", "Strategy", "evaluate", "fit", "partition", "predict", "rank", "size"]

@@ -277,7 +277,8 @@ class Trainer:
 
     def _finish_forward(self, out, y, sw, n, train, predict):
         if predict:
-            return tree.map_structure(np.asarray, out)
+            # Copy: forwarded outputs may be views of receive buffers reused next step.
+            return tree.map_structure(lambda t: np.array(t, copy=True), out)
         if train:
             y_pred, loss = out
         else:

@@ -59,8 +59,17 @@ def run(config: str) -> dict:
         model, x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
         validation_data=(vx, vy), strategy=strategy,
     )  # fmt: skip
+    predicted = hf.predict(model, vx, batch_size=8, strategy=strategy)
+    expected = reference.predict(vx, batch_size=8, verbose=0)
+    evaluated = hf.evaluate(model, vx, vy, batch_size=8, strategy=strategy, return_dict=True)
+    ref_evaluated = reference.evaluate(vx, vy, batch_size=8, verbose=0, return_dict=True)
     return {
         "config": config,
+        "predict": relative_difference(keras.tree.flatten(predicted), keras.tree.flatten(expected)),
+        "evaluate": history_difference(
+            {k: [v] for k, v in evaluated.items()}, {k: [v] for k, v in ref_evaluated.items()}
+        ),
+        "reference_optimizer_variables": len(reference.optimizer.variables),
         "weights": relative_difference(model.get_weights(), reference.get_weights()),
         "history": history_difference(history.history, ref_history.history),
         "keys": sorted(history.history),

@@ -1,0 +1,105 @@
+"""hf.fit under a real mpirun gives the weights and History of single-process Keras.
+
+Each launch trains many small configurations; every rank also trains the Keras reference
+from the same initial weights and compares its own copy of the trained model.
+"""
+
+import pytest
+
+from tests.mpirun import launch, run_scenario
+
+# model:optimizer:strategy:partitions:replicas:microbatches:schedule
+TWO_RANKS = [
+    "mlp:sgd:data:1:2:1:gpipe",
+    "cnn:adam:data:1:2:1:gpipe",
+    "resnet:sgd:data:1:2:1:gpipe",
+    "multi_io:adam:data:1:2:1:gpipe",
+    "shared:sgd:data:1:2:1:gpipe",
+    "l2_mlp:adam:data:1:2:1:gpipe",
+    "mlp:sgd:model:2:1:1:gpipe",
+    "mlp:adam:model:2:1:4:1f1b",
+    "cnn:sgd:model:2:1:2:1f1b",
+    "resnet:adam:model:2:1:2:gpipe",
+    "resnet:sgd:model:2:1:4:1f1b",
+    "multi_io:adam:model:2:1:2:1f1b",
+    "multi_io:sgd:model:2:1:1:gpipe",
+    "shared:sgd:model:2:1:2:1f1b",
+    "shared:adam:model:2:1:4:gpipe",
+    "l2_mlp:sgd:model:2:1:2:gpipe",
+    "l2_mlp:adam:model:2:1:1:1f1b",
+    "batchnorm:sgd:model:2:1:1:gpipe",
+    "batchnorm:adam:model:2:1:1:1f1b",
+]
+FOUR_RANKS = [
+    "mlp:adam:data:1:4:1:gpipe",
+    "cnn:sgd:data:1:4:1:gpipe",
+    "resnet:adam:data:1:4:1:gpipe",
+    "multi_io:sgd:data:1:4:1:gpipe",
+    "l2_mlp:sgd:data:1:4:1:gpipe",
+    "mlp:sgd:model:4:1:4:gpipe",
+    "mlp:adam:model:4:1:2:1f1b",
+    "resnet:adam:model:4:1:4:1f1b",
+    "resnet:sgd:model:4:1:1:gpipe",
+    "cnn:adam:model:4:1:2:gpipe",
+    "multi_io:adam:model:4:1:2:1f1b",
+    "shared:sgd:model:4:1:4:1f1b",
+    "l2_mlp:adam:model:4:1:2:gpipe",
+    "batchnorm:sgd:model:4:1:1:1f1b",
+    "mlp:adam:hybrid:2:2:2:1f1b",
+    "resnet:sgd:hybrid:2:2:2:gpipe",
+    "cnn:adam:hybrid:2:2:1:1f1b",
+    "multi_io:sgd:hybrid:2:2:2:1f1b",
+    "shared:adam:hybrid:2:2:2:gpipe",
+    "l2_mlp:sgd:hybrid:2:2:2:1f1b",
+]
+TOLERANCE = 1e-5
+
+
+def _check(results, configs):
+    for rank_result in results:
+        assert [r["config"] for r in rank_result["results"]] == configs
+        for r in rank_result["results"]:
+            where = f"rank {rank_result['rank']}, {r['config']}"
+            assert r["weights"] < TOLERANCE, f"{where}: weights differ by {r['weights']:.2e}"
+            assert r["keys"] == r["ref_keys"], f"{where}: History keys differ"
+            assert r["history"] < TOLERANCE, f"{where}: History differs by {r['history']:.2e}"
+            assert r["predict"] < TOLERANCE, f"{where}: predict differs by {r['predict']:.2e}"
+            assert r["evaluate"] < TOLERANCE, f"{where}: evaluate differs by {r['evaluate']:.2e}"
+            partitions = int(r["config"].split(":")[3])
+            if partitions > 1:  # optimizer state lives only with the stage's own variables
+                assert r["optimizer_variables"] < r["reference_optimizer_variables"], where
+
+
+@pytest.mark.timeout(600)
+def test_two_ranks_match_keras():
+    _check(run_scenario("equivalence", 2, *TWO_RANKS, timeout=540), TWO_RANKS)
+
+
+@pytest.mark.timeout(900)
+def test_four_ranks_match_keras():
+    _check(run_scenario("equivalence", 4, *FOUR_RANKS, timeout=840), FOUR_RANKS)
+
+
+MISUSE = {
+    "wrong_world_size": "mpirun -np 6",
+    "batch_not_divisible": "use a multiple of 4",
+    "subclassed_model_parallel": 'strategy="data"',
+    "uncompiled": "model.compile",
+    "unknown_strategy": "Unknown strategy kind 'pipeline'",
+    "mismatched_lengths": "same number of samples",
+}
+
+
+def test_misuse_is_a_clear_error_on_every_rank():
+    results = run_scenario("misuse", 2, *MISUSE, timeout=180)
+    for rank_result in results:
+        for case, fix in MISUSE.items():
+            outcome = rank_result["outcomes"][case]
+            assert outcome["error"] is not None, f"{case} did not raise"
+            assert fix in outcome["error"], f"rank {rank_result['rank']} {case}: {outcome}"
+
+
+def test_an_uncaught_misuse_ends_the_whole_job():
+    run = launch("misuse", 2, "uncaught:subclassed_model_parallel", timeout=120)
+    assert run.returncode not in (0, -9), run.describe()  # failed, and not by our timeout
+    assert all(r is None for r in run.results)
