@@ -1,6 +1,7 @@
 """Communication building blocks: pure pieces in-process, the rest under a real 4-rank mpirun."""
 
 import ast
+import doctest
 import pathlib
 
 import numpy as np
@@ -10,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from mpi4py import MPI
 
-from hyparflow.comm import dlpack
+from hyparflow.comm import allreduce, dlpack, p2p
 from hyparflow.comm.allreduce import GradientReducer, plan_buckets, reduction_dtype
 from hyparflow.comm.p2p import (
     DIRECTIONS,
@@ -32,6 +33,11 @@ def ranks():
 
 
 # ---- pure pieces -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("module", [dlpack, p2p, allreduce])
+def test_docstring_examples_hold(module):
+    assert doctest.testmod(module).failed == 0
 
 
 @given(st.integers(1, 64), st.integers(1, 8))
@@ -137,6 +143,12 @@ def test_host_buffers_are_aligned_and_wrapped_without_copy(dtype):
     assert np.shares_memory(tensor._numpy(), buffer)
     buffer.view(dtype.as_numpy_dtype)[...] = 1  # the tensor is the buffer
     assert np.asarray(tf.cast(tensor, tf.float32)).sum() == 15
+
+
+def test_unaligned_buffers_are_refused_rather_than_crashing_tf():
+    raw = dlpack.aligned_empty((80,), np.uint8)
+    with pytest.raises(ValueError, match="not 64-byte aligned"):
+        dlpack.wrap_host_buffer(raw[4:68].view(np.float32), tf.float32)
 
 
 def test_buckets_group_by_dtype_align_offsets_and_respect_the_size():

@@ -122,11 +122,19 @@ def aligned_empty(shape, dtype, alignment: int = ALIGNMENT) -> np.ndarray:
 def wrap_host_buffer(array: np.ndarray, dtype: tf.DType) -> tf.Tensor:
     """A TF tensor of `dtype` that *is* `array`'s memory: later writes to `array` show through.
 
+    `array` must start on a 64-byte boundary (`aligned_empty`): TF imports an unaligned buffer
+    but later aborts the whole process ("Check failed: IsAligned()") when a kernel maps it.
+
     Example:
-        >>> buf = np.zeros(2, np.float32); t = wrap_host_buffer(buf, tf.float32); buf[0] = 7
-        >>> float(t[0])
+        >>> buf = aligned_empty((2,), np.float32); t = wrap_host_buffer(buf, tf.float32)
+        >>> buf[0] = 7; float(t[0])
         7.0
     """
+    if array.size and array.ctypes.data % ALIGNMENT:
+        raise ValueError(
+            f"buffer at {array.ctypes.data:#x} is not {ALIGNMENT}-byte aligned; TF would abort "
+            "on it: allocate receive buffers with aligned_empty"
+        )
     tensor = tf.experimental.dlpack.from_dlpack(array.__dlpack__())
     dtype = tf.as_dtype(dtype)
     if tensor.dtype != dtype:
