@@ -339,3 +339,15 @@ def test_unbuilt_sequential_is_refused_with_advice():
 
 def _top_names(model):
     return {op.name for op in model.operations if not isinstance(op, keras.layers.InputLayer)}
+
+
+def test_repeated_outputs_and_an_input_returned_as_output():
+    x = keras.Input((4,), name="x")
+    h = layers.Dense(4)(x)
+    y = layers.Dense(3)(layers.Dense(4)(h))
+    model = keras.Model(x, [y, h, y, x])
+    plan = partition(model, 3)
+    names = [b.name for b in plan.stages[-1].sends]
+    assert len(set(names)) == 4
+    assert plan.stages[-1].sends[3].source_stage == -1 and plan.stages[-1].sends[3].forwarded
+    check_plan(model, plan, rand(2, 4), 3)
