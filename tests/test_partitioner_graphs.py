@@ -351,3 +351,15 @@ def test_repeated_outputs_and_an_input_returned_as_output():
     assert len(set(names)) == 4
     assert plan.stages[-1].sends[3].source_stage == -1 and plan.stages[-1].sends[3].forwarded
     check_plan(model, plan, rand(2, 4), 3)
+
+
+def test_user_model_still_saves_and_loads_after_partitioning(tmp_path):
+    model = nested_models()
+    for k in (2, 3):
+        partition(model, k)
+    x = rand(2, 6)
+    path = tmp_path / "model.keras"
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    np.testing.assert_allclose(np.asarray(loaded(x)), np.asarray(model(x)), atol=1e-6)
+    assert len(loaded.layers) == len(model.layers)
