@@ -78,11 +78,13 @@ def shared():
 
 
 def batchnorm():
+    # No bias before BatchNormalization: its true gradient is zero, and Adam would turn the
+    # float noise in it into full-size steps that no two implementations share.
     inputs = keras.Input((FEATURES,))
-    x = keras.layers.Dense(8)(inputs)
+    x = keras.layers.Dense(8, use_bias=False)(inputs)
     x = keras.layers.BatchNormalization()(x)
     x = keras.layers.Activation("relu")(x)
-    x = keras.layers.Dense(8)(x)
+    x = keras.layers.Dense(8, use_bias=False)(x)
     x = keras.layers.BatchNormalization()(x)
     outputs = keras.layers.Dense(3, activation="softmax")(x)
     return keras.Model(inputs, outputs, name="batchnorm")
