@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+
 from hyparflow.partitioner.plan import Plan
 
 BALANCES = ("layers", "params", "flops", "time")
@@ -55,8 +57,9 @@ def partition(
     from hyparflow.partitioner.graph import build_graph
     from hyparflow.partitioner.stages import build_stages
 
-    if not isinstance(num_partitions, int) or num_partitions < 1:
+    if not isinstance(num_partitions, numbers.Integral) or num_partitions < 1:
         raise ValueError(f"num_partitions must be an integer >= 1, got {num_partitions!r}.")
+    num_partitions = int(num_partitions)
     explicit = isinstance(balance, (list, tuple))
     if not explicit and balance not in BALANCES:
         raise ValueError(
