@@ -363,3 +363,19 @@ def test_user_model_still_saves_and_loads_after_partitioning(tmp_path):
     loaded = keras.saving.load_model(path)
     np.testing.assert_allclose(np.asarray(loaded(x)), np.asarray(model(x)), atol=1e-6)
     assert len(loaded.layers) == len(model.layers)
+
+
+def test_models_nested_two_deep_with_dict_inputs_and_an_unused_output():
+    p, q = keras.Input((4,), name="p"), keras.Input((4,), name="q")
+    unused_head = layers.Dense(3, name="unused_head")
+    two_io = keras.Model({"p": p, "q": q}, [layers.Dense(4)(p), unused_head(q)], name="two_io")
+    middle_in = keras.Input((4,))
+    y, _ = two_io({"p": middle_in, "q": layers.Dense(4, name="to_q")(middle_in)})
+    middle = keras.Model(middle_in, layers.Add()([y, middle_in]), name="middle")
+    x = keras.Input((4,))
+    model = keras.Model(x, layers.Dense(2)(middle(layers.Dense(4)(x))))
+    dead = {"middle/two_io/unused_head", "middle/to_q"}  # they compute nothing used
+    assert dead < leaf_layer_names(model)
+    expected = leaf_layer_names(model) - dead
+    for k in (2, 3, 4):
+        check_plan(model, partition(model, k), rand(3, 4), k, training=True, expected=expected)

@@ -143,14 +143,17 @@ class _Builder:
 
         Nested models push their own walk on an explicit stack instead of recursing.
         """
+        # entries: (remaining Keras nodes, name prefix, tensor mapping, outer call or None)
         stack = [(_nodes_in_order(functional), prefix, mapping, None)]
         while stack:
-            keras_nodes, prefix, mapping, on_done = stack[-1]
+            keras_nodes, prefix, mapping, outer_call = stack[-1]
             keras_node = next(keras_nodes, None)
             if keras_node is None:
                 stack.pop()
-                if on_done is not None:
-                    on_done()
+                if outer_call is not None:  # map the nested call's outputs to inner results
+                    outer_node, inner, outer_mapping = outer_call
+                    for outer_kt, inner_kt in zip(outer_node.outputs, inner.outputs):
+                        outer_mapping[id(outer_kt)] = mapping[id(inner_kt)]
                 continue
             if keras_node.is_input:
                 continue  # an input of this (sub)graph, already mapped
@@ -162,15 +165,9 @@ class _Builder:
                 id(inner_kt): mapping[id(outer_kt)]
                 for inner_kt, outer_kt in zip(inner.inputs, _call_inputs(keras_node, inner))
             }
-
-            def map_outputs(
-                keras_node=keras_node, inner=inner, mapping=mapping, inner_mapping=inner_mapping
-            ):
-                for outer_kt, inner_kt in zip(keras_node.outputs, inner.outputs):
-                    mapping[id(outer_kt)] = inner_mapping[id(inner_kt)]
-
             inner_prefix = f"{prefix}{keras_node.operation.name}/"
-            stack.append((_nodes_in_order(inner), inner_prefix, inner_mapping, map_outputs))
+            outer_call = (keras_node, inner, mapping)
+            stack.append((_nodes_in_order(inner), inner_prefix, inner_mapping, outer_call))
 
     def _add_leaf(self, keras_node, prefix, mapping):
         position = len(self.nodes)
@@ -219,7 +216,10 @@ def _flattenable_model(keras_node):
     if inner is None:
         return None
     kwargs = keras_node.arguments.kwargs
-    if any(k not in _FLATTENABLE_CALL_KWARGS or v is not None for k, v in kwargs.items()):
+    if any(
+        k not in _FLATTENABLE_CALL_KWARGS or any(x is not None for x in tree.flatten(v))
+        for k, v in kwargs.items()
+    ):
         return None  # e.g. training=False, an explicit mask: keep Keras's semantics exactly
     if len(keras_node.arguments.args) != 1:
         return None

@@ -68,6 +68,13 @@ class Stage:
     measured_time: float | None = None
     _layer_objects: dict = field(default_factory=dict, repr=False)
 
+    def __repr__(self) -> str:
+        return (
+            f"Stage({self.index}: {len(self.layers)} layers, {len(self.ops)} ops, "
+            f"{self.param_count:,} params, cost {self.cost:.4g}, "
+            f"receives {len(self.receives)}, sends {len(self.sends)})"
+        )
+
     def forward(self, inputs: list, training=None) -> list:
         """Run the stage on the list of received tensors; returns the list of sent tensors."""
         outputs = self.model(list(inputs), training=training)
@@ -134,6 +141,12 @@ class Plan:
     batch_size: int | None = None
     bandwidth: float | None = None
     _graph: object = field(default=None, repr=False)
+
+    def __repr__(self) -> str:
+        return (
+            f"Plan('{self.model.name}', {self.num_partitions} stages, balance="
+            f"{self._balance_label()}, estimated imbalance {self.estimated_imbalance:.3f})"
+        )
 
     @property
     def num_partitions(self) -> int:
