@@ -207,7 +207,8 @@ class Trainer:
                 grads[position[id(v)]] = grads[position[id(v)]] + g
         if self._has_regularizers:
             reg_value = self.topology.pipeline_comm.allreduce(reg_value)
-        self.model.optimizer.apply_gradients(zip(grads, self.variables))
+        if self.variables:  # a stage of only Add/Activation layers has nothing to update
+            self.model.optimizer.apply_gradients(zip(grads, self.variables))
         self._track_loss(losses, reg_value)
 
     def eval_step(self, batch: GlobalBatch, reg_value: float) -> None:
