@@ -24,7 +24,8 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 demo: setup
-	$(PY) examples/demo.py
+	TF_NUM_INTRAOP_THREADS=1 TF_NUM_INTEROP_THREADS=1 \
+	  mpirun -np $(NP) --oversubscribe --bind-to none $(PY) examples/demo.py
 
 test: lint
 	$(PY) -m pytest

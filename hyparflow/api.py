@@ -63,18 +63,36 @@ def _shuffle_seed(comm) -> int:
     return comm.bcast(int(np.random.randint(2**31 - 1)) if comm.Get_rank() == 0 else None)
 
 
+_TRAINER_ATTRIBUTE = "_hyparflow_trainer"
+
+
 def _make_trainer(model, resolved, comm, needs_loss=True):
+    """This rank's Trainer for `model`, reused by later fit/evaluate/predict calls with the same
+    strategy and compilation (so stages are cut and functions traced only once)."""
     from hyparflow.comm.agree import agree
     from hyparflow.engine.trainer import Trainer
 
     if needs_loss:
         agree(comm, _check_loss_reductions, model)
+    key = (
+        repr(resolved),
+        id(getattr(model, "optimizer", None)),
+        id(getattr(model, "_compile_loss", None)),
+        comm.Get_size(),
+    )
+    cached = getattr(model, _TRAINER_ATTRIBUTE, None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    if cached is not None:
+        cached[1].close()
     # The partitioner rejects models that are not graphs, naming strategy="data" as the fix.
     plan = _build_plan(model, resolved, comm)
-    return Trainer(model, resolved, comm, plan)
+    trainer = Trainer(model, resolved, comm, plan)
+    object.__setattr__(model, _TRAINER_ATTRIBUTE, (key, trainer))  # not a tracked attribute
+    return trainer
 
 
-def _run(comm, trainer, work):
+def _run(comm, work):
     """Run a collective loop; an error mid-step cannot be agreed on, so it ends the job."""
     from hyparflow.comm.agree import abort_on_error
 
@@ -82,8 +100,6 @@ def _run(comm, trainer, work):
         return work()
     except Exception as error:  # noqa: BLE001
         abort_on_error(comm, error, "training step")
-    finally:
-        trainer.close()
 
 
 def fit(
@@ -176,7 +192,6 @@ def _distributed_fit(model, x, y, batch_size, epochs, resolved, **kwargs):
     trainer = _make_trainer(model, resolved, comm)
     return _run(
         comm,
-        trainer,
         lambda: fit_loop(
             trainer,
             source,
@@ -215,7 +230,7 @@ def evaluate(
     comm = world()
     source = agree(comm, make_source, x, y, sample_weight, batch_size=batch_size)
     trainer = _make_trainer(model, resolved, comm)
-    logs = _run(comm, trainer, lambda: evaluate_loop(trainer, source, steps=steps))
+    logs = _run(comm, lambda: evaluate_loop(trainer, source, steps=steps))
     if return_dict:
         return logs
     return model._flatten_metrics_in_order(logs)
@@ -242,4 +257,4 @@ def predict(
     comm = world()
     source = agree(comm, make_source, x, batch_size=batch_size)
     trainer = _make_trainer(model, resolved, comm, needs_loss=False)
-    return _run(comm, trainer, lambda: predict_loop(trainer, source, steps=steps))
+    return _run(comm, lambda: predict_loop(trainer, source, steps=steps))

@@ -29,6 +29,7 @@ TWO_RANKS = [
     "l2_mlp:adam:model:2:1:1:1f1b",
     "batchnorm:sgd:model:2:1:1:gpipe",
     "batchnorm:adam:model:2:1:1:1f1b",
+    "resnet:schedule:model:2:1:2:1f1b",
 ]
 FOUR_RANKS = [
     "mlp:adam:data:1:4:1:gpipe",
@@ -51,6 +52,7 @@ FOUR_RANKS = [
     "multi_io:sgd:hybrid:2:2:2:1f1b",
     "shared:adam:hybrid:2:2:2:gpipe",
     "l2_mlp:sgd:hybrid:2:2:2:1f1b",
+    "cnn:schedule:hybrid:2:2:2:gpipe",
 ]
 TOLERANCE = 1e-5
 
@@ -103,3 +105,16 @@ def test_an_uncaught_misuse_ends_the_whole_job():
     run = launch("misuse", 2, "uncaught:subclassed_model_parallel", timeout=120)
     assert run.returncode not in (0, -9), run.describe()  # failed, and not by our timeout
     assert all(r is None for r in run.results)
+
+
+def test_every_input_kind_matches_keras():
+    results = run_scenario("data_inputs", 2, "data", "model", timeout=300)
+    for rank_result in results:
+        assert len(rank_result["results"]) == 10
+        for r in rank_result["results"]:
+            where = f"rank {rank_result['rank']}, {r['case']}"
+            assert r["weights"] < TOLERANCE, f"{where}: weights differ by {r['weights']:.2e}"
+            assert r["keys"] == r["ref_keys"], where
+            assert r["history"] < TOLERANCE, f"{where}: History differs by {r['history']:.2e}"
+            # one trace per distinct micro-batch size (full, last partial), not one per step
+            assert r["traces"] <= 2, f"{where}: traced {r['traces']} times"

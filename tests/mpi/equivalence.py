@@ -6,33 +6,13 @@ compare its own copy of the trained model, which must hold the full weights.
 """
 
 import keras
-import numpy as np
 
 import hyparflow as hf
+from tests.mpi.compare import history_difference, relative_difference
 from tests.mpi.models import compiled, data
 from tests.mpi.report import args, report
 
 BATCH, EPOCHS = 16, 2
-
-
-def relative_difference(got, expected) -> float:
-    """Largest weight error relative to its tensor's magnitude (tensors below 0.01 count as
-    0.01, so near-zero tensors such as fresh biases compare absolutely)."""
-    worst = 0.0
-    for g, e in zip(got, expected):
-        scale = max(float(np.max(np.abs(e))), 1e-2)
-        worst = max(worst, float(np.max(np.abs(g - e))) / scale)
-    return worst
-
-
-def history_difference(got: dict, expected: dict) -> float:
-    if set(got) != set(expected):
-        return float("inf")
-    return max(
-        float(np.max(np.abs(np.asarray(got[k]) - np.asarray(expected[k]))))
-        / max(1e-6, float(np.max(np.abs(expected[k]))))
-        for k in expected
-    )
 
 
 def run(config: str) -> dict:
@@ -78,5 +58,6 @@ def run(config: str) -> dict:
     }
 
 
-keras.config.disable_interactive_logging()
-report({"rank": hf.rank(), "results": [run(c) for c in args()]})
+if __name__ == "__main__":
+    keras.config.disable_interactive_logging()
+    report({"rank": hf.rank(), "results": [run(c) for c in args()]})

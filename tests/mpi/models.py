@@ -115,11 +115,15 @@ def compiled(name: str, optimizer: str):
     """A freshly built, compiled model with weights fixed by a seed."""
     keras.utils.set_random_seed(1234)
     model = BUILDERS[name]()
-    opt = (
-        keras.optimizers.SGD(0.05, momentum=0.9)
-        if optimizer == "sgd"
-        else keras.optimizers.Adam(0.01)
-    )
+    opt = {
+        "sgd": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
+        "adam": lambda: keras.optimizers.Adam(0.01),
+        # a learning-rate schedule: every stage must step it identically
+        "schedule": lambda: keras.optimizers.SGD(
+            keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=2, decay_rate=0.5),
+            momentum=0.5,
+        ),
+    }[optimizer]()
     if name == "multi_io":
         model.compile(
             optimizer=opt,

@@ -1,0 +1,23 @@
+"""How far a trained model and its History are from the single-process Keras reference."""
+
+import numpy as np
+
+
+def relative_difference(got, expected) -> float:
+    """Largest weight error relative to its tensor's magnitude (tensors below 0.01 count as
+    0.01, so near-zero tensors such as fresh biases compare absolutely)."""
+    worst = 0.0
+    for g, e in zip(got, expected):
+        scale = max(float(np.max(np.abs(e))), 1e-2)
+        worst = max(worst, float(np.max(np.abs(g - e))) / scale)
+    return worst
+
+
+def history_difference(got: dict, expected: dict) -> float:
+    if set(got) != set(expected):
+        return float("inf")
+    return max(
+        float(np.max(np.abs(np.asarray(got[k]) - np.asarray(expected[k]))))
+        / max(1e-6, float(np.max(np.abs(expected[k]))))
+        for k in expected
+    )

@@ -1,0 +1,85 @@
+"""Global batches, replica shards and micro-batches: every sample exactly once per epoch."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hyparflow.data import (
+    ArraySource,
+    check_divisible,
+    epoch_order,
+    piece_bounds,
+    split_sizes,
+    unpack,
+)
+
+
+@given(st.integers(0, 500), st.integers(1, 17))
+def test_split_sizes_are_even_and_complete(total, parts):
+    sizes = split_sizes(total, parts)
+    assert sum(sizes) == total and len(sizes) == parts
+    assert max(sizes) - min(sizes) <= 1
+    assert sizes == sorted(sizes, reverse=True)
+    bounds = [piece_bounds(total, parts, i) for i in range(parts)]
+    assert bounds[0][0] == 0 and bounds[-1][1] == total
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    num_samples=st.integers(1, 300),
+    batch_per_piece=st.integers(1, 6),
+    replicas=st.integers(1, 4),
+    microbatches=st.integers(1, 4),
+    shuffle=st.booleans(),
+    epoch=st.integers(0, 3),
+)
+def test_each_sample_lands_in_exactly_one_microbatch_per_epoch(
+    num_samples, batch_per_piece, replicas, microbatches, shuffle, epoch
+):
+    batch_size = batch_per_piece * replicas * microbatches
+    ids = np.arange(num_samples)
+    source = ArraySource(ids, ids * 10, batch_size=batch_size, shuffle=shuffle, seed=42)
+    seen = []
+    for batch in source.epoch(epoch):
+        for replica in range(replicas):
+            start, stop = piece_bounds(batch.size, replicas, replica)
+            x, y, _ = batch.part(start, stop)
+            np.testing.assert_array_equal(y, x * 10)  # targets travel with their inputs
+            count = min(microbatches, stop - start)
+            for k in range(count):
+                a, b = piece_bounds(stop - start, count, k)
+                assert b > a  # no empty micro-batch
+                seen.extend(x[a:b].tolist())
+    assert sorted(seen) == ids.tolist()
+    assert len(source) == -(-num_samples // batch_size)
+
+
+def test_shuffled_order_is_shared_and_changes_per_epoch():
+    first = epoch_order(100, True, seed=7, epoch=0)
+    assert np.array_equal(first, epoch_order(100, True, seed=7, epoch=0))  # every rank agrees
+    assert not np.array_equal(first, epoch_order(100, True, seed=7, epoch=1))
+    assert np.array_equal(epoch_order(5, False, seed=7, epoch=3), np.arange(5))
+
+
+def test_batch_must_split_into_replicas_and_microbatches():
+    check_divisible(16, 2, 4)
+    with pytest.raises(ValueError, match="use a multiple of 8"):
+        check_divisible(12, 2, 4)
+
+
+def test_inputs_of_different_lengths_are_rejected():
+    with pytest.raises(ValueError, match="same number of samples"):
+        ArraySource(np.zeros((5, 2)), np.zeros(4))
+    with pytest.raises(ValueError, match="empty"):
+        ArraySource(np.zeros((0, 2)), np.zeros(0))
+
+
+def test_unpack_follows_keras_conventions():
+    assert unpack((1,)) == (1, None, None)
+    assert unpack((1, 2)) == (1, 2, None)
+    assert unpack((1, 2, 3)) == (1, 2, 3)
+    assert unpack({"a": 1}) == ({"a": 1}, None, None)
+    with pytest.raises(ValueError, match="sample_weight"):
+        unpack((1, 2, 3, 4))
