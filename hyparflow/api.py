@@ -17,7 +17,8 @@ def _check_compiled(model) -> None:
 
 def _check_loss_reductions(model) -> None:
     """The engine weights each micro-batch's mean loss by its share of the global batch, which
-    is exact for Keras's default "sum_over_batch_size" reduction (and for "sum")."""
+    is exact for Keras's default "sum_over_batch_size" reduction; activity regularizers would
+    need the same treatment and are refused until they get it."""
     compile_loss = getattr(model, "_compile_loss", None)
     if compile_loss is None:
         raise ValueError("The model was compiled without a loss; pass loss=... to compile().")
@@ -29,6 +30,12 @@ def _check_loss_reductions(model) -> None:
             raise ValueError(
                 f"Loss {getattr(loss_fn, 'name', loss_fn)!r} uses reduction {reduction!r}; "
                 "multi-rank training needs reduction='sum_over_batch_size' (Keras's default)."
+            )
+    for layer in model._flatten_layers(include_self=False):
+        if getattr(layer, "activity_regularizer", None) is not None:
+            raise ValueError(
+                f"Layer {layer.name!r} has an activity_regularizer, which multi-rank training "
+                "does not support yet; remove it or train on one process."
             )
 
 

@@ -89,6 +89,8 @@ MISUSE = {
     "uncompiled": "model.compile",
     "unknown_strategy": "Unknown strategy kind 'pipeline'",
     "mismatched_lengths": "same number of samples",
+    "activity_regularizer": "activity_regularizer",
+    "sum_reduction": "reduction='sum_over_batch_size'",
 }
 
 

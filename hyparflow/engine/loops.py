@@ -42,6 +42,9 @@ def fit_loop(
             steps=_steps_of(source, steps_per_epoch),
             model=model,
         )
+    for callback in callbacks.callbacks:
+        if hasattr(callback, "attach_trainer"):  # hyparflow-aware callbacks (profiler)
+            callback.attach_trainer(trainer)
     model.stop_training = False
     callbacks.on_train_begin()
     logs = {}

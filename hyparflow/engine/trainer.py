@@ -17,6 +17,7 @@ from hyparflow.comm.allreduce import GradientReducer
 from hyparflow.comm.p2p import BACKWARD, FORWARD, PipeChannel
 from hyparflow.comm.topology import Topology
 from hyparflow.data import GlobalBatch, piece_bounds
+from hyparflow.engine import events
 from hyparflow.engine.metrics import reduced_results
 from hyparflow.engine.schedule import forward_only, make_schedule
 from hyparflow.engine.stage import StageRunner
@@ -77,6 +78,13 @@ class Trainer:
         )
         self._channels: dict[int, tuple] = {}
         self._log_root = topo.grid.rank_of(topo.num_stages - 1, 0)
+        self.attach_recorder(None)
+
+    def attach_recorder(self, recorder: events.Recorder | None) -> None:
+        """Record timed spans of each training step into `recorder` (None: record nothing)."""
+        self.recorder = recorder
+        self._span = events.no_span if recorder is None else recorder.span
+        self._step_span = events.no_step if recorder is None else recorder.step
 
     # --- what a stage computes ------------------------------------------------------------
     def _call_whole_model(self, x, training):
@@ -193,11 +201,19 @@ class Trainer:
     def train_step(self, batch: GlobalBatch) -> None:
         """One optimizer step on one global batch (collective over every rank)."""
         pieces = self._microbatches(batch, self.strategy.microbatches)
-        losses = self._run_schedule(pieces, batch.size, train=True)
-        grads = self.runner.take_gradients()
-        if self.shared_reducer is not None:
-            grads = self._sum_shared(grads)
-        grads = [tf.convert_to_tensor(g) for g in self.replica_reducer.reduce(grads)]
+        with self._step_span(batch.size, len(pieces)):
+            losses = self._run_schedule(pieces, batch.size, train=True)
+            with self._span(events.ALLREDUCE):
+                grads = self.runner.take_gradients()
+                if self.shared_reducer is not None:
+                    grads = self._sum_shared(grads)
+                grads = [tf.convert_to_tensor(g) for g in self.replica_reducer.reduce(grads)]
+            with self._span(events.OPTIMIZER):
+                reg_value = self._apply(grads)
+        self._track_loss(losses, reg_value)
+
+    def _apply(self, grads: list) -> float:
+        """Add regularization gradients, step the optimizer; return the total regularization."""
         reg_value = 0.0
         if self._regularized:
             value, reg_grads = self._reg_fn()
@@ -209,7 +225,7 @@ class Trainer:
             reg_value = self.topology.pipeline_comm.allreduce(reg_value)
         if self.variables:  # a stage of only Add/Activation layers has nothing to update
             self.model.optimizer.apply_gradients(zip(grads, self.variables))
-        self._track_loss(losses, reg_value)
+        return reg_value
 
     def eval_step(self, batch: GlobalBatch, reg_value: float) -> None:
         """Forward-only pass of one batch: loss and metrics accumulate at the last stage."""

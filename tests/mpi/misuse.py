@@ -31,6 +31,20 @@ def subclassed():
     return model
 
 
+def with_activity_regularizer():
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(4, activity_regularizer="l2")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(3, activation="softmax")(hidden))
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    return model
+
+
+def with_sum_reduction():
+    model = compiled("mlp", "sgd")
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(reduction="sum"))
+    return model
+
+
 CASES = {
     "wrong_world_size": lambda x, y: hf.fit(
         compiled("mlp", "sgd"), x, y, batch_size=8, strategy="hybrid",
@@ -48,6 +62,10 @@ CASES = {
     "mismatched_lengths": lambda x, y: hf.fit(
         compiled("mlp", "sgd"), x, y[:-3], batch_size=8, strategy="data"
     ),
+    "activity_regularizer": lambda x, y: hf.fit(
+        with_activity_regularizer(), x, y, batch_size=8, strategy="data"
+    ),
+    "sum_reduction": lambda x, y: hf.fit(with_sum_reduction(), x, y, batch_size=8),
 }  # fmt: skip
 
 
