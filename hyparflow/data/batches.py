@@ -142,6 +142,9 @@ def make_source(x, y=None, sample_weight=None, *, batch_size=None, shuffle=False
     import keras
     import tensorflow as tf
 
+    if hasattr(x, "as_source"):  # hyparflow's own readers (e.g. hf.data.HDF5) batch themselves
+        _no_separate_targets(y, sample_weight, None, type(x).__name__)
+        return x.as_source(batch_size=batch_size or 32, shuffle=shuffle, seed=seed)
     if isinstance(x, tf.data.Dataset):
         _no_separate_targets(y, sample_weight, batch_size, "a tf.data.Dataset")
         cardinality = int(x.cardinality())
