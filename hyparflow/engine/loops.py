@@ -6,6 +6,37 @@ import numpy as np
 from keras import callbacks as keras_callbacks
 from keras import tree
 
+from hyparflow.callbacks.progress import ThroughputProgbarLogger
+
+# Keras callbacks that write files or talk to the outside: they run on rank 0 only, which holds
+# the full model at every epoch end (and after each batch they save on).
+RANK_ZERO_ONLY = (
+    keras_callbacks.ModelCheckpoint,
+    keras_callbacks.CSVLogger,
+    keras_callbacks.TensorBoard,
+    keras_callbacks.BackupAndRestore,
+    keras_callbacks.RemoteMonitor,
+)
+
+
+def callbacks_for_rank(callbacks, rank: int) -> list:
+    """The user's callbacks this rank runs: all on rank 0; elsewhere all but file writers
+    (and callbacks that set `rank_zero_only = True`)."""
+    return [
+        cb
+        for cb in callbacks or []
+        if rank == 0
+        or not (isinstance(cb, RANK_ZERO_ONLY) or getattr(cb, "rank_zero_only", False))
+    ]
+
+
+def _saves_mid_epoch(callbacks) -> bool:
+    """A checkpoint saved every N batches needs the full weights on rank 0 after each batch."""
+    return any(
+        isinstance(cb, keras_callbacks.ModelCheckpoint) and cb.save_freq != "epoch"
+        for cb in callbacks or []
+    )
+
 
 def _steps_of(source, steps):
     if steps is not None:
@@ -32,16 +63,17 @@ def fit_loop(
     """Train for `epochs` epochs; every rank runs the same callbacks with the same logs."""
     model = trainer.model
     rank = trainer.topology.rank
-    if not isinstance(callbacks, keras_callbacks.CallbackList):
-        callbacks = keras_callbacks.CallbackList(
-            callbacks,
-            add_history=True,
-            add_progbar=verbose != 0 and rank == 0,
-            verbose=1 if verbose == "auto" else verbose,
-            epochs=epochs,
-            steps=_steps_of(source, steps_per_epoch),
-            model=model,
-        )
+    sync_every_batch = _saves_mid_epoch(callbacks)
+    mine = callbacks_for_rank(callbacks, rank)
+    progbar = ThroughputProgbarLogger() if verbose != 0 and rank == 0 else None
+    callbacks = keras_callbacks.CallbackList(
+        mine + ([progbar] if progbar else []),
+        add_history=True,
+        verbose=1 if verbose == "auto" else verbose,
+        epochs=epochs,
+        steps=_steps_of(source, steps_per_epoch),
+        model=model,
+    )
     for callback in callbacks.callbacks:
         if hasattr(callback, "attach_trainer"):  # hyparflow-aware callbacks (profiler)
             callback.attach_trainer(trainer)
@@ -57,6 +89,10 @@ def fit_loop(
             callbacks.on_train_batch_begin(step)
             trainer.train_step(batch)
             logs = trainer.logs()
+            if sync_every_batch:
+                trainer.sync_weights()
+            if progbar is not None:
+                progbar.count(batch.size)
             callbacks.on_train_batch_end(step, logs)
             if trainer.agree_any(model.stop_training):
                 break
