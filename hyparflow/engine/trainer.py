@@ -16,6 +16,7 @@ from keras import tree
 from hyparflow.comm.allreduce import GradientReducer
 from hyparflow.comm.p2p import BACKWARD, FORWARD, PipeChannel
 from hyparflow.comm.topology import Topology
+from hyparflow.comm.watchdog import NoWatchdog, Watchdog
 from hyparflow.data import GlobalBatch, piece_bounds
 from hyparflow.engine import events
 from hyparflow.engine.metrics import reduced_results
@@ -44,11 +45,15 @@ class Trainer:
     works, subclassed ones included); otherwise the partitioner's `Plan`.
     """
 
-    def __init__(self, model, strategy, comm, plan=None):
+    def __init__(self, model, strategy, comm, plan=None, watchdog_timeout: float = 0.0):
         self.model = model
         self.strategy = strategy
         self.topology = Topology.create(comm, strategy.partitions, strategy.replicas)
         topo = self.topology
+        self.step = 0  # optimizer steps taken through this trainer
+        self.watchdog = (
+            Watchdog(topo.world, watchdog_timeout) if watchdog_timeout > 0 else NoWatchdog()
+        )
         self.plan = plan
         self.is_first = topo.is_first_stage
         self.is_last = topo.is_last_stage
@@ -203,7 +208,8 @@ class Trainer:
         pieces = self._microbatches(batch, self.strategy.microbatches)
         with self._step_span(batch.size, len(pieces)):
             losses = self._run_schedule(pieces, batch.size, train=True)
-            with self._span(events.ALLREDUCE):
+            guard = self.watchdog.guard("reduce gradients across stages and replicas")
+            with self._span(events.ALLREDUCE), guard:
                 grads = self.runner.take_gradients()
                 if self.shared_reducer is not None:
                     grads = self._sum_shared(grads)
@@ -211,6 +217,8 @@ class Trainer:
             with self._span(events.OPTIMIZER):
                 reg_value = self._apply(grads)
         self._track_loss(losses, reg_value)
+        self.step += 1
+        self.watchdog.step = self.step
 
     def _apply(self, grads: list) -> float:
         """Add regularization gradients, step the optimizer; return the total regularization."""
@@ -222,7 +230,8 @@ class Trainer:
             for v, g in zip(self._regularized, reg_grads):
                 grads[position[id(v)]] = grads[position[id(v)]] + g
         if self._has_regularizers:
-            reg_value = self.topology.pipeline_comm.allreduce(reg_value)
+            with self.watchdog.guard("sum regularization over the pipeline"):
+                reg_value = self.topology.pipeline_comm.allreduce(reg_value)
         if self.variables:  # a stage of only Add/Activation layers has nothing to update
             self.model.optimizer.apply_gradients(zip(grads, self.variables))
         return reg_value
@@ -243,7 +252,8 @@ class Trainer:
         local = float(self._reg_fn()[0]) if self._regularized else 0.0
         if not self._has_regularizers:
             return 0.0
-        return self.topology.pipeline_comm.allreduce(local)
+        with self.watchdog.guard("sum regularization over the pipeline"):
+            return self.topology.pipeline_comm.allreduce(local)
 
     def _track_loss(self, losses, reg_value: float) -> None:
         """Feed Keras's loss tracker so that its mean equals Keras's (loss + regularization)."""
@@ -268,28 +278,45 @@ class Trainer:
             actions = make_schedule(self.strategy.schedule, topo.num_stages, count)[topo.stage]
         else:
             actions = forward_only(topo.num_stages, count)[topo.stage]
+        guard = self.watchdog.guard
+        grid = topo.grid
+        before = grid.rank_of(topo.stage - 1, topo.replica) if not self.is_first else None
+        after = grid.rank_of(topo.stage + 1, topo.replica) if not self.is_last else None
+        span = self._span
         results = []
         for action in actions:
             k = action.microbatch
             x, y, sw, n = pieces[k]
             if action.is_forward:
-                inputs = self._first_stage_inputs(x) if self.is_first else prev.recv(k, FORWARD, n)
-                if train:
-                    out = self.runner.forward(k, inputs, (y, sw), scale=n / global_size)
+                if self.is_first:
+                    inputs = self._first_stage_inputs(x)
                 else:
-                    out = self.runner.infer(inputs)
-                if self.is_last:
-                    results.append(self._finish_forward(out, y, sw, n, train, predict))
-                else:
-                    nxt.isend(out, k, FORWARD)
+                    with span(events.RECV, k), guard("receive activations", before, k):
+                        inputs = prev.recv(k, FORWARD, n)
+                with span(events.FORWARD, k):
+                    if train:
+                        out = self.runner.forward(k, inputs, (y, sw), scale=n / global_size)
+                    else:
+                        out = self.runner.infer(inputs)
+                    if self.is_last:
+                        results.append(self._finish_forward(out, y, sw, n, train, predict))
+                if not self.is_last:
+                    with span(events.SEND, k):
+                        nxt.isend(out, k, FORWARD)
             else:
-                grads = None if self.is_last else nxt.recv(k, BACKWARD, n)
-                input_grads = self.runner.backward(k, grads)
+                grads = None
+                if not self.is_last:
+                    with span(events.RECV, k), guard("receive gradients", after, k):
+                        grads = nxt.recv(k, BACKWARD, n)
+                with span(events.BACKWARD, k):
+                    input_grads = self.runner.backward(k, grads)
                 if not self.is_first:
-                    prev.isend([g for g in input_grads if g is not None], k, BACKWARD)
-        for channel in (prev, nxt):
-            if channel is not None:
-                channel.wait_sends()
+                    with span(events.SEND, k):
+                        prev.isend([g for g in input_grads if g is not None], k, BACKWARD)
+        with span(events.SEND), guard("complete sends to pipeline neighbours"):
+            for channel in (prev, nxt):
+                if channel is not None:
+                    channel.wait_sends()
         return results
 
     def _finish_forward(self, out, y, sw, n, train, predict):
@@ -313,12 +340,14 @@ class Trainer:
     # --- results shared by every rank ------------------------------------------------------
     def logs(self) -> dict:
         """Loss and metrics of the data seen since the last reset, identical on every rank."""
-        logs = reduced_results(self.model, self.topology.stage_comm) if self.is_last else None
-        return self.topology.world.bcast(logs, root=self._log_root)
+        with self.watchdog.guard("share loss and metrics", peer=self._log_root):
+            logs = reduced_results(self.model, self.topology.stage_comm) if self.is_last else None
+            return self.topology.world.bcast(logs, root=self._log_root)
 
     def agree_any(self, flag) -> bool:
         """True on every rank if `flag` is true on any rank (early stop, NaN stop)."""
-        return bool(self.topology.world.allreduce(bool(flag), op=_mpi_op("LOR")))
+        with self.watchdog.guard("agree on stopping"):
+            return bool(self.topology.world.allreduce(bool(flag), op=_mpi_op("LOR")))
 
     def sync_weights(self) -> None:
         """Give every rank the full model: each stage broadcasts the weights it owns."""
@@ -334,7 +363,8 @@ class Trainer:
                 flat = np.concatenate([np.asarray(v.numpy(), np.float64).ravel() for v in mine])
             else:
                 flat = np.empty(sum(int(np.prod(v.shape)) for v in mine), np.float64)
-            comm.Bcast(flat, root=root)
+            with self.watchdog.guard("share trained weights", peer=root):
+                comm.Bcast(flat, root=root)
             if comm.Get_rank() != root:
                 offset = 0
                 for v in mine:
@@ -343,6 +373,7 @@ class Trainer:
                     offset += size
 
     def close(self) -> None:
+        self.watchdog.close()
         for channels in self._channels.values():
             for channel in channels:
                 if channel is not None:
