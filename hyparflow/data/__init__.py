@@ -13,11 +13,13 @@ from hyparflow.data.batches import (
     take,
     unpack,
 )
+from hyparflow.data.hdf5 import HDF5
 
 __all__ = [
     "ArraySource",
     "BatchedSource",
     "GlobalBatch",
+    "HDF5",
     "check_divisible",
     "epoch_order",
     "make_source",
