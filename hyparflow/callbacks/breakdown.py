@@ -1,0 +1,114 @@
+"""Where one rank's training step went: compute, waits, reductions and the rest."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from hyparflow.engine import events
+
+# The span kinds a breakdown reports, in table order.
+KINDS = events.KINDS
+
+
+@dataclass(frozen=True)
+class StepBreakdown:
+    """Seconds one rank spent on each kind of work in one step, and what follows from them.
+
+    `seconds` maps every span kind (forward, backward, recv, send, allreduce, optimizer) to its
+    total in the step; it is None when the engine recorded no spans (a single process, where
+    `hf.fit` is plain `model.fit` and only the step's wall time is known). `samples` is the
+    global batch size (None when unknown); `microbatches` is how many this rank's replica ran.
+
+    Example:
+        >>> b = StepBreakdown(3, 0.0, 0.010, 64, 4, dict(forward=0.004, backward=0.004,
+        ...     recv=0.001, send=0.0, allreduce=0.0, optimizer=0.0005))
+        >>> round(b.idle * 1e3, 3), round(b.bubble(), 3), b.throughput
+        (0.5, 0.158, 6400.0)
+    """
+
+    step: int
+    start: float  # seconds, this rank's clock
+    wall: float
+    samples: int | None
+    microbatches: int
+    seconds: dict[str, float] | None
+
+    @property
+    def detailed(self) -> bool:
+        return self.seconds is not None
+
+    @property
+    def compute(self) -> float | None:
+        """Forward plus backward: the work a pipeline stage exists to do."""
+        if self.seconds is None:
+            return None
+        return self.seconds[events.FORWARD] + self.seconds[events.BACKWARD]
+
+    @property
+    def idle(self) -> float | None:
+        """Wall time covered by no span: the engine's own bookkeeping between actions."""
+        if self.seconds is None:
+            return None
+        return max(0.0, self.wall - sum(self.seconds.values()))
+
+    @property
+    def pipeline_time(self) -> float | None:
+        """The step without its final gradient reduction and optimizer update, i.e. the
+        pipeline's fill-run-drain phase that the bubble formula describes."""
+        if self.seconds is None:
+            return None
+        return self.wall - self.seconds[events.ALLREDUCE] - self.seconds[events.OPTIMIZER]
+
+    def bubble(self, makespan: float | None = None) -> float | None:
+        """Share of the pipeline's makespan this rank was not computing: `1 - compute/makespan`.
+
+        `makespan` is the longest pipeline phase among the stages of this rank's pipeline in
+        this step (see `aggregate.makespans`); alone, a rank can only use its own.
+        """
+        makespan = self.pipeline_time if makespan is None else makespan
+        if self.seconds is None or makespan is None or makespan <= 0:
+            return None
+        return min(1.0, max(0.0, 1.0 - self.compute / makespan))
+
+    @property
+    def throughput(self) -> float | None:
+        """Global samples per second if every step took as long as this rank's."""
+        if not self.samples or self.wall <= 0:
+            return None
+        return self.samples / self.wall
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> StepBreakdown:
+        return cls(**data)
+
+
+def breakdown(record: events.StepRecord) -> StepBreakdown:
+    """Sum a recorded step's spans by kind.
+
+    Overlapping spans of different kinds would be counted twice; the engine's spans follow
+    each other (a rank does one thing at a time), which the unit tests pin down.
+
+    Example:
+        >>> span = events.Span("forward", 0, 0, 1.0, 1.5)
+        >>> breakdown(events.StepRecord(0, 1.0, 2.0, 8, 1, (span,))).seconds["forward"]
+        0.5
+    """
+    seconds = dict.fromkeys(KINDS, 0.0)
+    for span in record.spans:
+        seconds[span.kind] = seconds.get(span.kind, 0.0) + span.duration
+    return StepBreakdown(
+        step=record.step,
+        start=record.start,
+        wall=record.end - record.start,
+        samples=record.samples,
+        microbatches=record.microbatches,
+        seconds=seconds,
+    )
+
+
+def wall_only(step: int, start: float, end: float, samples: int | None) -> StepBreakdown:
+    """A step known only from callback hooks (one process): wall time and throughput."""
+    return StepBreakdown(step, start, end - start, samples, 1, None)

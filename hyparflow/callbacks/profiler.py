@@ -1,0 +1,289 @@
+"""`ScalingProfiler`: a Keras callback showing where each rank's step time goes, in TensorBoard."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import keras
+
+from hyparflow.callbacks import gantt, scalars, timeline
+from hyparflow.callbacks.aggregate import job_step
+from hyparflow.callbacks.breakdown import breakdown, wall_only
+from hyparflow.callbacks.clock import clock_offset
+from hyparflow.callbacks.summary import SUMMARY_FILE, RunSummary, write_summary
+from hyparflow.engine.events import Recorder
+
+logger = logging.getLogger(__name__)
+
+AGGREGATE_RUN = "aggregate"
+TIMELINE_STEPS = 9  # default timeline: steps 0-8, step 0 (tracing) dropped if others exist
+
+
+def rank_run(rank: int) -> str:
+    """The TensorBoard run (sub-folder of `log_dir`) of one rank."""
+    return f"rank_{rank}"
+
+
+class ScalingProfiler(keras.callbacks.Callback):
+    """Per step and rank: compute, point-to-point wait, send, allreduce, optimizer and idle
+    time, throughput and the pipeline bubble, as TensorBoard scalars, a timeline and a summary.
+
+    Writes under `log_dir` (every rank must be able to write there):
+
+    - `rank_<r>/`: one TensorBoard run per rank;
+    - `aggregate/`: the job's run: throughput, the measured bubble next to the theoretical
+      `(p-1)/(m+p-1)`, and scaling efficiency against `baseline_throughput` (the samples/s of
+      one rank training alone), when given;
+    - `profile.json`: the run's summary, which `hyparflow report LOG_DIR` prints;
+    - `timeline.json` (Chrome/Perfetto trace) and `timeline.png` (Gantt chart), unless
+      `timeline` is False. `timeline=True` covers steps 1-8; `(first, last)` picks the steps.
+
+    `profile_steps=(first, last)` captures a `tf.profiler` trace of those steps on every rank
+    (TensorBoard's profile tab, run `rank_<r>`). Steps count from 0 over the whole fit; ranges
+    are inclusive. Scalars are written at each epoch end (a small gather to rank 0).
+
+    On one process `hf.fit` is plain `model.fit` and nothing records spans: only step time and,
+    given `batch_size` (samples per step), throughput and efficiency are written.
+
+    Example:
+        >>> profiler = hf.callbacks.ScalingProfiler("logs/run1", baseline_throughput=1800.0)
+        >>> hf.fit(model, x, y, batch_size=256, strategy="model", num_microbatches=8,
+        ...        callbacks=[profiler])
+        >>> # then: tensorboard --logdir logs/run1   or   hyparflow report logs/run1
+    """
+
+    def __init__(
+        self,
+        log_dir,
+        profile_steps=None,
+        baseline_throughput=None,
+        timeline=True,
+        batch_size=None,
+    ):
+        super().__init__()
+        self.log_dir = os.fspath(log_dir)
+        self.profile_steps = _step_range(profile_steps, "profile_steps")
+        if baseline_throughput is not None and not baseline_throughput > 0:
+            raise ValueError(
+                f"baseline_throughput={baseline_throughput!r} must be the samples/s of one "
+                "rank (a positive number), or None."
+            )
+        self.baseline_throughput = baseline_throughput
+        if timeline in (True, False):
+            self.timeline = timeline
+        else:
+            self.timeline = _step_range(timeline, "timeline")
+        self.batch_size = batch_size
+        self._trainer = None
+
+    # --- hooks -----------------------------------------------------------------------------
+    def attach_trainer(self, trainer) -> None:
+        """Called by `hf.fit` on every rank before training: record that rank's spans."""
+        self._trainer = trainer
+
+    def on_train_begin(self, logs=None):
+        trainer = self._trainer
+        self._step = 0
+        self._step_start = None
+        self._single_steps = []
+        self._profiling = False
+        self._step_trace = None
+        self._kept = []  # this rank's timeline steps, on rank 0's clock
+        if trainer is None:
+            self._comm, self.rank = None, 0
+            layout = {"world_size": 1, "kind": "single process", "stages": 1, "replicas": 1,
+                      "microbatches": 1, "schedule": None}  # fmt: skip
+            ranks = [{"rank": 0, "stage": 0, "replica": 0}]
+            self._num_stages = 1
+        else:
+            topo, strategy = trainer.topology, trainer.strategy
+            self._comm = topo.world.Dup()  # our gathers and ping-pongs never meet the engine's
+            self.rank = topo.rank
+            layout = {
+                "world_size": topo.world.Get_size(),
+                "kind": strategy.kind,
+                "stages": topo.num_stages,
+                "replicas": topo.num_replicas,
+                "microbatches": strategy.microbatches,
+                "schedule": strategy.schedule,
+            }
+            ranks = []
+            for r in range(layout["world_size"]):
+                stage, replica = topo.grid.coords(r)
+                ranks.append({"rank": r, "stage": stage, "replica": replica})
+            self._num_stages = topo.num_stages
+            self._recorder = Recorder()
+            trainer.attach_recorder(self._recorder)
+        self._layout, self._ranks = layout, ranks
+        self._writer = _file_writer(os.path.join(self.log_dir, rank_run(self.rank)))
+        if self.rank == 0:
+            self._aggregate_writer = _file_writer(os.path.join(self.log_dir, AGGREGATE_RUN))
+            self._summary = RunSummary(layout, ranks, self.baseline_throughput)
+            self._tracks = {r["rank"]: (r, []) for r in ranks}
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self.profile_steps is not None and self._step == self.profile_steps[0]:
+            self._start_tf_profiler()
+        if self._profiling:
+            import tensorflow as tf
+
+            self._step_trace = tf.profiler.experimental.Trace("train", step_num=self._step, _r=1)
+            self._step_trace.__enter__()
+        if self._trainer is None:
+            self._step_start = time.perf_counter()
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self._trainer is None and self._step_start is not None:
+            self._single_steps.append(
+                wall_only(self._step, self._step_start, time.perf_counter(), self.batch_size)
+            )
+        if self._step_trace is not None:
+            self._step_trace.__exit__(None, None, None)
+            self._step_trace = None
+        if self.profile_steps is not None and self._step == self.profile_steps[1]:
+            self._stop_tf_profiler()
+        self._step += 1
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._flush()
+
+    def on_train_end(self, logs=None):
+        self._flush()
+        self._stop_tf_profiler()
+        try:
+            if self.rank == 0:
+                self._write_files()
+        finally:
+            self._close()
+
+    # --- collecting ------------------------------------------------------------------------
+    def _flush(self) -> None:
+        """Gather the new steps on rank 0 for the job's view, then let every rank write its
+        own scalars with its bubble (which needs its pipeline's makespan). Collective."""
+        if self._trainer is None:
+            steps, self._single_steps = self._single_steps, []
+            records = []
+        else:
+            records = self._recorder.take()
+            steps = [breakdown(r) for r in records]
+        window = self._timeline_window()
+        kept = [r for r in records if _within(r.step, window)]
+        if kept:  # every rank records the same steps, so all ranks take part or none
+            offset = clock_offset(self._comm)
+            kept = [timeline.aligned(r, offset) for r in kept]
+        if self._comm is None:
+            bubbles = self._combine([(steps, kept)])[0]
+        else:
+            gathered = self._comm.gather((steps, kept), root=0)
+            bubbles = self._comm.scatter(
+                self._combine(gathered) if self.rank == 0 else None, root=0
+            )
+        for b in steps:
+            scalars.write(self._writer, b.step, scalars.rank_values(b, bubbles.get(b.step)))
+        self._writer.flush()
+
+    def _combine(self, gathered) -> list[dict]:
+        """On rank 0: the job's steps into the aggregate run and the summary; returns each
+        rank's bubble per step."""
+        by_step = {}
+        for rank, (steps, kept) in enumerate(gathered):
+            self._tracks[rank][1].extend(kept)
+            for b in steps:
+                by_step.setdefault(b.step, [None] * len(gathered))[rank] = b
+        replicas = [r["replica"] for r in self._ranks]
+        bubbles = [{} for _ in gathered]
+        for step in sorted(by_step):
+            ranks = by_step[step]
+            if None in ranks:  # every rank records every step; skip rather than guess
+                logger.warning("profiler: step %d is missing on some ranks; skipped", step)
+                continue
+            job = job_step(ranks, replicas, self._num_stages, self.baseline_throughput)
+            scalars.write(self._aggregate_writer, step, scalars.job_values(job))
+            self._summary.add(job, ranks)
+            for rank, bubble in enumerate(job.bubbles):
+                bubbles[rank][step] = bubble
+        self._aggregate_writer.flush()
+        return bubbles
+
+    def _timeline_window(self):
+        if self.timeline is False:
+            return None
+        if self.timeline is not True:
+            return self.timeline
+        return (0, TIMELINE_STEPS - 1)
+
+    # --- files -----------------------------------------------------------------------------
+    def _write_files(self) -> None:
+        write_summary(self._summary.to_dict(), os.path.join(self.log_dir, SUMMARY_FILE))
+        tracks = [self._tracks[r["rank"]] for r in self._ranks]
+        if not any(steps for _, steps in tracks):
+            return
+        if self.timeline is True:
+            tracks = _without_tracing_step(tracks)
+        trace = timeline.to_trace(tracks, self._layout)
+        timeline.write(trace, os.path.join(self.log_dir, timeline.TIMELINE_FILE))
+        try:
+            gantt.draw(trace, os.path.join(self.log_dir, gantt.GANTT_FILE))
+        except ImportError:
+            logger.warning("profiler: matplotlib is not installed; timeline.png not drawn")
+
+    # --- tf.profiler -----------------------------------------------------------------------
+    def _start_tf_profiler(self) -> None:
+        import tensorflow as tf
+
+        if self._profiling:
+            return
+        tf.profiler.experimental.start(os.path.join(self.log_dir, rank_run(self.rank)))
+        self._profiling = True
+
+    def _stop_tf_profiler(self) -> None:
+        import tensorflow as tf
+
+        if self._step_trace is not None:
+            self._step_trace.__exit__(None, None, None)
+            self._step_trace = None
+        if self._profiling:
+            tf.profiler.experimental.stop()
+            self._profiling = False
+
+    def _close(self) -> None:
+        self._writer.close()
+        if self.rank == 0:
+            self._aggregate_writer.close()
+        if self._trainer is not None:
+            self._trainer.attach_recorder(None)  # a later fit without the profiler pays nothing
+            self._comm.Free()
+        self._trainer = None
+
+
+def _file_writer(path: str):
+    import tensorflow as tf
+
+    return tf.summary.create_file_writer(path)
+
+
+def _within(step: int, window) -> bool:
+    return window is not None and window[0] <= step <= window[1]
+
+
+def _without_tracing_step(tracks):
+    """Drop step 0 (it traces the stage functions and dwarfs the rest) if later steps exist."""
+    if not any(r.step > 0 for _, steps in tracks for r in steps):
+        return tracks
+    return [(info, [r for r in steps if r.step > 0]) for info, steps in tracks]
+
+
+def _step_range(value, name: str):
+    if value is None:
+        return None
+    try:
+        first, last = (int(v) for v in value)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"{name}={value!r} must be a pair (first, last) of step numbers, e.g. (10, 12)."
+        ) from None
+    if not 0 <= first <= last:
+        raise ValueError(f"{name}={value!r} needs 0 <= first <= last, e.g. (10, 12).")
+    return first, last

@@ -1,0 +1,67 @@
+"""hf.fit with a ScalingProfiler under mpirun; the test reads back what it wrote.
+
+Arguments: a log root folder, then configurations "kind:partitions:replicas:microbatches:
+schedule". Each trains a four-layer MLP with equal stage costs and profiles it into
+`<log root>/<configuration with _ for :>`.
+"""
+
+import os
+
+import keras
+import numpy as np
+
+import hyparflow as hf
+from hyparflow.callbacks import ScalingProfiler
+from tests.mpi.report import args, report
+
+FEATURES, WIDTH, CLASSES = 16, 1024, 8
+BATCH, SAMPLES, EPOCHS = 512, 512 * 4, 2
+BASELINE = 1000.0  # samples/s of "one rank": any positive number, the test checks the ratio
+
+
+def equal_stages_mlp():
+    """Split 2-way by layer count, each stage has one WIDTH x WIDTH matmul forward and two
+    backward (the first stage's needs no input gradient, but its first layer is narrow, as is
+    the second stage's classifier), so the stages cost the same."""
+    inputs = keras.Input((FEATURES,))
+    x = keras.layers.Dense(WIDTH, activation="relu")(inputs)
+    x = keras.layers.Dense(WIDTH, activation="relu")(x)
+    x = keras.layers.Dense(WIDTH, activation="relu")(x)
+    outputs = keras.layers.Dense(CLASSES, activation="softmax")(x)
+    model = keras.Model(inputs, outputs)
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    return model
+
+
+def run(log_root: str, config: str) -> dict:
+    kind, partitions, replicas, microbatches, schedule = config.split(":")
+    keras.utils.set_random_seed(5)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(SAMPLES, FEATURES)).astype("float32")
+    y = rng.integers(0, CLASSES, size=SAMPLES)
+    model = equal_stages_mlp()
+    strategy = hf.Strategy(
+        kind,
+        partitions=int(partitions),
+        replicas=int(replicas),
+        microbatches=int(microbatches),
+        schedule=schedule,
+    )
+    log_dir = os.path.join(log_root, config.replace(":", "_"))
+    profiler = ScalingProfiler(log_dir, baseline_throughput=BASELINE, profile_steps=(2, 3))
+    hf.fit(model, x, y, batch_size=BATCH, epochs=EPOCHS, verbose=0, strategy=strategy,
+           callbacks=[profiler])  # fmt: skip
+    trainer = model._hyparflow_trainer[1]
+    return {
+        "config": config,
+        "log_dir": log_dir,
+        "stage": trainer.topology.stage,
+        "replica": trainer.topology.replica,
+        "detached": trainer.recorder is None,  # profiling off again after fit
+    }
+
+
+if __name__ == "__main__":
+    keras.config.disable_interactive_logging()
+    log_root, *configs = args()
+    report({"rank": hf.rank(), "results": [run(log_root, c) for c in configs]})
