@@ -1,10 +1,23 @@
 """hyparflow: data, model (pipeline) and hybrid parallel training of Keras 3 models over MPI."""
 
+from hyparflow import callbacks
 from hyparflow.api import evaluate, fit, predict
+from hyparflow.checkpoint import export
 from hyparflow.comm.world import rank, size
 from hyparflow.partitioner import Plan, partition
 from hyparflow.strategy import Strategy
 
 __version__ = "0.1.0"
 
-__all__ = ["Plan", "Strategy", "evaluate", "fit", "partition", "predict", "rank", "size"]
+__all__ = [
+    "Plan",
+    "Strategy",
+    "callbacks",
+    "evaluate",
+    "export",
+    "fit",
+    "partition",
+    "predict",
+    "rank",
+    "size",
+]

@@ -100,12 +100,15 @@ def _make_trainer(model, resolved, comm, needs_loss=True):
 
 
 def _run(comm, work):
-    """Run a collective loop; an error mid-step cannot be agreed on, so it ends the job."""
-    from hyparflow.comm.agree import abort_on_error
+    """Run a collective loop. Errors raised on every rank at the same point (agreed) propagate;
+    any other error mid-step cannot be agreed on, so it ends the whole job."""
+    from hyparflow.comm.agree import abort_on_error, is_agreed
 
     try:
         return work()
     except Exception as error:  # noqa: BLE001
+        if is_agreed(error):
+            raise
         abort_on_error(comm, error, "training step")
 
 
@@ -120,6 +123,10 @@ def fit(
     num_partitions=None,
     num_replicas=None,
     num_microbatches=None,
+    resume=False,
+    resume_from=None,
+    check_numerics=False,
+    watchdog_timeout=None,
     **fit_kwargs,
 ):
     """Train `model` like `model.fit`, spread over the MPI ranks by `strategy`.
@@ -132,16 +139,28 @@ def fit(
     `num_replicas` and `num_microbatches`. When it returns, every rank's `model` holds the
     trained weights (optimizer state stays with the stage that owns each variable).
 
+    Reliability options: `resume=True` continues from the latest checkpoint of the
+    `hf.callbacks.Checkpoint` among `callbacks` (or starts fresh if there is none);
+    `resume_from=DIR` continues from DIR's latest checkpoint (which must exist), with any
+    partitioning. `check_numerics=True` stops every rank on NaN/Inf data, loss or gradients.
+    `watchdog_timeout` (seconds, default $HYPARFLOW_WATCHDOG_TIMEOUT or 300; 0 disables) ends
+    the job when a rank waits on MPI longer than that.
+
     Example:
         >>> model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
         >>> history = hf.fit(model, x, y, batch_size=64, epochs=3,
         ...                  strategy="hybrid", num_partitions=2, num_replicas=2)
     """
     resolved = _resolve(model, strategy, num_partitions, num_replicas, num_microbatches)
-    if size() == 1:
+    options = dict(
+        resume=resume, resume_from=resume_from, check_numerics=check_numerics,
+        watchdog_timeout=watchdog_timeout,
+    )  # fmt: skip
+    needs_engine = resume or resume_from or check_numerics or _checkpoints(fit_kwargs)
+    if size() == 1 and not needs_engine:
         # One rank, one partition, one replica: the embedded default is plain Keras.
         return model.fit(x, y, batch_size=batch_size, epochs=epochs, **fit_kwargs)
-    return _distributed_fit(model, x, y, batch_size, epochs, resolved, **fit_kwargs)
+    return _distributed_fit(model, x, y, batch_size, epochs, resolved, options, **fit_kwargs)
 
 
 _FIT_KEYS = {
@@ -151,8 +170,62 @@ _FIT_KEYS = {
 }  # fmt: skip
 
 
-def _distributed_fit(model, x, y, batch_size, epochs, resolved, **kwargs):
+def _checkpoints(fit_kwargs) -> list:
+    from hyparflow.callbacks.checkpoint import Checkpoint
+
+    return [cb for cb in fit_kwargs.get("callbacks") or [] if isinstance(cb, Checkpoint)]
+
+
+def _resume_folder(options, fit_kwargs):
+    """The checkpoint folder to resume from, or None to start fresh."""
+    from hyparflow.checkpoint import find
+
+    if options["resume_from"]:
+        return find(options["resume_from"], required=True)
+    if options["resume"]:
+        checkpoints = _checkpoints(fit_kwargs)
+        if not checkpoints:
+            raise ValueError(
+                "resume=True needs an hf.callbacks.Checkpoint in callbacks (its directory is "
+                "where to resume from); or pass resume_from=DIR."
+            )
+        return find(checkpoints[0].directory, required=False)
+    return None
+
+
+def _check_inputs(model, x, check_numerics: bool, *arrays) -> None:
+    """Refuse inputs whose shapes the model cannot take, and NaN/Inf when asked to check."""
+    from hyparflow.engine.trainer import model_input_list
+
+    if isinstance(x, np.ndarray | list | tuple | dict) and getattr(model, "inputs", None):
+        given = model_input_list(model, x)
+        if len(given) == len(model.inputs):
+            for array, expected in zip(given, model.inputs):
+                shape, want = tuple(np.shape(array))[1:], tuple(expected.shape)[1:]
+                if len(shape) != len(want) or any(
+                    w is not None and w != s for s, w in zip(shape, want)
+                ):
+                    raise ValueError(
+                        f"Input of shape {tuple(np.shape(array))} does not fit the model input "
+                        f"{expected.name!r} of shape {tuple(expected.shape)}; reshape the data "
+                        "or build the model for it."
+                    )
+    if check_numerics:
+        from keras import tree
+
+        for array in tree.flatten([x, *arrays]):
+            a = np.asarray(array) if array is not None else None
+            if a is not None and a.dtype.kind == "f" and not np.all(np.isfinite(a)):
+                raise ValueError(
+                    f"The data holds NaN or Inf ({int(np.sum(~np.isfinite(a)))} values in an "
+                    f"array of shape {a.shape}); clean it, or pass check_numerics=False."
+                )
+
+
+def _distributed_fit(model, x, y, batch_size, epochs, resolved, options, **kwargs):
+    from hyparflow import checkpoint
     from hyparflow.comm.agree import agree
+    from hyparflow.comm.watchdog import resolve_timeout
     from hyparflow.data import check_divisible, make_source, unpack
     from hyparflow.engine.loops import fit_loop
 
@@ -161,7 +234,10 @@ def _distributed_fit(model, x, y, batch_size, epochs, resolved, **kwargs):
     if unknown:
         raise TypeError(f"hf.fit got unexpected keyword arguments {sorted(unknown)}")
     sample_weight = kwargs.get("sample_weight")
-    seed = _shuffle_seed(comm)
+    timeout = agree(comm, resolve_timeout, options["watchdog_timeout"])
+    folder = agree(comm, _resume_folder, options, kwargs)
+    manifest = agree(comm, checkpoint.store.manifests.read, folder) if folder else None
+    seed = manifest.seed if manifest else _shuffle_seed(comm)
 
     def prepare():
         nonlocal x, y, sample_weight
@@ -181,6 +257,7 @@ def _distributed_fit(model, x, y, batch_size, epochs, resolved, **kwargs):
 
             weights = class_weight_to_sample_weights(np.asarray(y), class_weight)
             sample_weight = weights if sample_weight is None else sample_weight * weights
+        _check_inputs(model, x, options["check_numerics"], y, sample_weight)
         source = make_source(
             x, y, sample_weight, batch_size=batch_size, shuffle=kwargs.get("shuffle", True),
             seed=seed,
@@ -197,13 +274,22 @@ def _distributed_fit(model, x, y, batch_size, epochs, resolved, **kwargs):
 
     source, validation_source = agree(comm, prepare)
     trainer = _make_trainer(model, resolved, comm)
+    trainer.use_watchdog(timeout)
+    trainer.check_numerics = options["check_numerics"]
+    trainer.seed = seed
+    initial_epoch, start_batch = kwargs.get("initial_epoch", 0), 0
+    if folder:
+        saved, state = agree(comm, checkpoint.read_checked, folder, model)
+        agree(comm, checkpoint.restore, trainer, saved, state)
+        initial_epoch, start_batch = saved.epoch, saved.batch
     return _run(
         comm,
         lambda: fit_loop(
             trainer,
             source,
             epochs=epochs,
-            initial_epoch=kwargs.get("initial_epoch", 0),
+            initial_epoch=initial_epoch,
+            start_batch=start_batch,
             steps_per_epoch=kwargs.get("steps_per_epoch"),
             callbacks=kwargs.get("callbacks"),
             verbose=kwargs.get("verbose", "auto"),

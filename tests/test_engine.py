@@ -89,34 +89,25 @@ MISUSE = {
     "uncompiled": "model.compile",
     "unknown_strategy": "Unknown strategy kind 'pipeline'",
     "mismatched_lengths": "same number of samples",
+    "wrong_input_shape": "does not fit the model input",
+    "missing_split_layer": "no_such_layer",
+    "empty_dataset": "Pass at least one batch",
+    "nonfinite_data": "NaN or Inf",
     "activity_regularizer": "activity_regularizer",
     "sum_reduction": "reduction='sum_over_batch_size'",
+    "foreign_checkpoint": "different model",
+    "corrupted_checkpoint": "corrupted",
+    "missing_checkpoint": "No complete checkpoint",
+    "resume_without_checkpoint_callback": "hf.callbacks.Checkpoint",
+    "negative_watchdog": "watchdog_timeout must be >= 0",
 }
 
 
-def test_misuse_is_a_clear_error_on_every_rank():
-    results = run_scenario("misuse", 2, *MISUSE, timeout=180)
-    for rank_result in results:
-        for case, fix in MISUSE.items():
-            outcome = rank_result["outcomes"][case]
-            assert outcome["error"] is not None, f"{case} did not raise"
-            assert fix in outcome["error"], f"rank {rank_result['rank']} {case}: {outcome}"
-
-
-def test_an_uncaught_misuse_ends_the_whole_job():
-    run = launch("misuse", 2, "uncaught:subclassed_model_parallel", timeout=120)
-    assert run.returncode not in (0, -9), run.describe()  # failed, and not by our timeout
-    assert all(r is None for r in run.results)
-
-
-def test_every_input_kind_matches_keras():
-    results = run_scenario("data_inputs", 2, "data", "model", timeout=300)
-    for rank_result in results:
-        assert len(rank_result["results"]) == 10
-        for r in rank_result["results"]:
-            where = f"rank {rank_result['rank']}, {r['case']}"
-            assert r["weights"] < TOLERANCE, f"{where}: weights differ by {r['weights']:.2e}"
-            assert r["keys"] == r["ref_keys"], where
-            assert r["history"] < TOLERANCE, f"{where}: History differs by {r['history']:.2e}"
-            # one trace per distinct micro-batch size (full, last partial), not one per step
-            assert r["traces"] <= 2, f"{where}: traced {r['traces']} times"
+@pytest.mark.parametrize("case", MISUSE)
+def test_misuse_is_a_clear_error_on_every_rank_and_ends_the_job(case, tmp_path):
+    run = launch("misuse", 2, case, str(tmp_path), timeout=60)
+    assert run.returncode not in (0, -9), f"{case}: exit {run.returncode}\n{run.describe()}"
+    for rank, result in enumerate(run.results):
+        assert result is not None, f"{case}: rank {rank} reported nothing\n{run.describe()}"
+        assert result["error"] is not None, f"{case} did not raise on rank {rank}"
+        assert MISUSE[case] in result["error"], f"{case}, rank {rank}: {result}"

@@ -10,6 +10,16 @@ class RemoteRankError(RuntimeError):
     """Raised on ranks whose own work succeeded when another rank failed."""
 
 
+def AgreedError(error: Exception) -> Exception:  # noqa: N802 - reads like the exception it marks
+    """Mark `error` as raised identically on every rank at the same point (no abort needed)."""
+    error.agreed = True
+    return error
+
+
+def is_agreed(error: BaseException) -> bool:
+    return getattr(error, "agreed", False) or isinstance(error, RemoteRankError)
+
+
 def agree(comm, work, *args, **kwargs):
     """Run `work(*args, **kwargs)` on every rank of `comm`; if it raised anywhere, raise everywhere.
 
@@ -29,7 +39,7 @@ def agree(comm, work, *args, **kwargs):
     if not failed:
         return result
     if error is not None:
-        raise error
+        raise AgreedError(error)
     rank, first = failed[0]
     raise RemoteRankError(f"rank {rank} failed: {first}")
 

@@ -7,6 +7,7 @@ from keras import callbacks as keras_callbacks
 from keras import tree
 
 from hyparflow.callbacks.progress import ThroughputProgbarLogger
+from hyparflow.comm.agree import AgreedError
 
 # Keras callbacks that write files or talk to the outside: they run on rank 0 only, which holds
 # the full model at every epoch end (and after each batch they save on).
@@ -25,8 +26,7 @@ def callbacks_for_rank(callbacks, rank: int) -> list:
     return [
         cb
         for cb in callbacks or []
-        if rank == 0
-        or not (isinstance(cb, RANK_ZERO_ONLY) or getattr(cb, "rank_zero_only", False))
+        if rank == 0 or not (isinstance(cb, RANK_ZERO_ONLY) or getattr(cb, "rank_zero_only", False))
     ]
 
 
@@ -59,8 +59,13 @@ def fit_loop(
     validation_source=None,
     validation_steps=None,
     validation_freq=1,
+    start_batch=0,
 ):
-    """Train for `epochs` epochs; every rank runs the same callbacks with the same logs."""
+    """Train for `epochs` epochs; every rank runs the same callbacks with the same logs.
+
+    `initial_epoch`/`start_batch` is where a resumed run continues: the batches before it are
+    skipped (same shared order), and the epoch's metric sums come from the checkpoint.
+    """
     model = trainer.model
     rank = trainer.topology.rank
     sync_every_batch = _saves_mid_epoch(callbacks)
@@ -82,10 +87,17 @@ def fit_loop(
     logs = {}
     for epoch in range(initial_epoch, epochs):
         model.reset_metrics()
+        skip = start_batch if epoch == initial_epoch else 0
+        if skip:
+            trainer.restore_metric_states()
         callbacks.on_epoch_begin(epoch)
+        ran = 0
         for step, batch in enumerate(source.epoch(epoch)):
             if steps_per_epoch is not None and step >= steps_per_epoch:
                 break
+            ran += 1
+            if step < skip:
+                continue
             callbacks.on_train_batch_begin(step)
             trainer.train_step(batch)
             logs = trainer.logs()
@@ -96,6 +108,13 @@ def fit_loop(
             callbacks.on_train_batch_end(step, logs)
             if trainer.agree_any(model.stop_training):
                 break
+        if ran == 0:
+            raise AgreedError(
+                ValueError(
+                    f"Epoch {epoch} got no batches: the data is empty. Pass at least one batch "
+                    "(check the dataset's length and steps_per_epoch)."
+                )
+            )
         epoch_logs = dict(logs)
         trainer.sync_weights()  # callbacks at epoch end see (and may save) the full model
         if validation_source is not None and _should_eval(epoch, validation_freq):

@@ -13,6 +13,7 @@ import numpy as np
 import tensorflow as tf
 from keras import tree
 
+from hyparflow.comm.agree import AgreedError
 from hyparflow.comm.allreduce import GradientReducer
 from hyparflow.comm.p2p import BACKWARD, FORWARD, PipeChannel
 from hyparflow.comm.topology import Topology
@@ -51,9 +52,11 @@ class Trainer:
         self.topology = Topology.create(comm, strategy.partitions, strategy.replicas)
         topo = self.topology
         self.step = 0  # optimizer steps taken through this trainer
-        self.watchdog = (
-            Watchdog(topo.world, watchdog_timeout) if watchdog_timeout > 0 else NoWatchdog()
-        )
+        self.seed = 0  # the shared shuffle seed of the current fit (checkpoints record it)
+        self.pending_metric_states: list = []
+        self.check_numerics = False
+        self.watchdog = NoWatchdog()
+        self.use_watchdog(watchdog_timeout)
         self.plan = plan
         self.is_first = topo.is_first_stage
         self.is_last = topo.is_last_stage
@@ -84,6 +87,13 @@ class Trainer:
         self._channels: dict[int, tuple] = {}
         self._log_root = topo.grid.rank_of(topo.num_stages - 1, 0)
         self.attach_recorder(None)
+
+    def use_watchdog(self, timeout: float) -> None:
+        """Guard blocking MPI waits with a `timeout`-second watchdog (0: none)."""
+        if getattr(self.watchdog, "timeout", 0) == timeout:
+            return
+        self.watchdog.close()
+        self.watchdog = Watchdog(self.topology.world, timeout) if timeout > 0 else NoWatchdog()
 
     def attach_recorder(self, recorder: events.Recorder | None) -> None:
         """Record timed spans of each training step into `recorder` (None: record nothing)."""
@@ -214,11 +224,38 @@ class Trainer:
                 if self.shared_reducer is not None:
                     grads = self._sum_shared(grads)
                 grads = [tf.convert_to_tensor(g) for g in self.replica_reducer.reduce(grads)]
+            if self.check_numerics:
+                self._check_finite(losses, grads)
             with self._span(events.OPTIMIZER):
                 reg_value = self._apply(grads)
         self._track_loss(losses, reg_value)
         self.step += 1
         self.watchdog.step = self.step
+
+    def _check_finite(self, losses, grads) -> None:
+        """Stop every rank together, naming step, rank and stage, on a NaN/Inf loss or gradient."""
+        problem = None
+        if any(not np.isfinite(float(loss)) for loss, _ in losses):
+            problem = "loss"
+        elif any(not bool(tf.reduce_all(tf.math.is_finite(g))) for g in grads):
+            bad = next(v for v, g in zip(self.variables, grads) if not tf.reduce_all(
+                tf.math.is_finite(g)))  # fmt: skip
+            problem = f"gradient of {bad.path}"
+        topo = self.topology
+        with self.watchdog.guard("agree on numerics"):
+            reports = topo.world.allgather(
+                None if problem is None else (topo.rank, topo.stage, problem)
+            )
+        found = [r for r in reports if r is not None]
+        if found:
+            rank, stage, what = found[0]
+            raise AgreedError(
+                FloatingPointError(
+                    f"Non-finite {what} at step {self.step} on rank {rank} (pipeline stage "
+                    f"{stage}); check the inputs for NaN/Inf, lower the learning rate, or use "
+                    "gradient clipping."
+                )
+            )
 
     def _apply(self, grads: list) -> float:
         """Add regularization gradients, step the optimizer; return the total regularization."""
@@ -343,6 +380,37 @@ class Trainer:
         with self.watchdog.guard("share loss and metrics", peer=self._log_root):
             logs = reduced_results(self.model, self.topology.stage_comm) if self.is_last else None
             return self.topology.world.bcast(logs, root=self._log_root)
+
+    # --- what a checkpoint needs --------------------------------------------------------
+    def owned_weight_indices(self) -> list[int]:
+        """Indices in `model.weights` whose latest value this stage holds (it writes them)."""
+        if self.plan is None:
+            return list(range(len(self.model.weights))) if self.is_first else []
+        owners = _weight_owners(self.plan, self.model)
+        return [i for i, owner in enumerate(owners) if owner == self.topology.stage]
+
+    def runs_layer(self, layer) -> bool:
+        """Whether this stage calls `layer` (so its random state advances here)."""
+        if self.plan is None:
+            return self.is_first
+        if not hasattr(self, "_layer_ids"):
+            self._layer_ids = {id(x) for x in self.stage.model._flatten_layers()}
+        return id(layer) in self._layer_ids
+
+    def summed_metric_states(self) -> list:
+        """The last stage's metric states summed over replicas ([] on other stages)."""
+        if not self.is_last:
+            return []
+        local = [np.asarray(v.numpy()) for v in self.model.metrics_variables]
+        with self.watchdog.guard("sum metric states over replicas"):
+            return [self.topology.stage_comm.allreduce(a) for a in local]
+
+    def restore_metric_states(self) -> None:
+        """Put back the metric sums of a resumed epoch (once, on the last stage's replica 0)."""
+        states, self.pending_metric_states = self.pending_metric_states, []
+        if self.is_last and self.topology.replica == 0 and states:
+            for variable, value in zip(self.model.metrics_variables, states):
+                variable.assign(value)
 
     def agree_any(self, flag) -> bool:
         """True on every rank if `flag` is true on any rank (early stop, NaN stop)."""

@@ -1,13 +1,16 @@
-"""Misconfigurations: each must raise a clear error on every rank, with no rank left blocked.
+"""One misconfiguration, uncaught: it must raise a clear error on every rank, which then exits
+non-zero by itself, with no rank left blocked in MPI.
 
-Arguments: case names. Each case's error is caught and reported per rank; the final argument
-"uncaught:<case>" lets one case escape, to show that the whole job then ends non-zero.
+Arguments: the case name and a scratch folder shared by the ranks. Each rank records the
+exception that ends it (through `sys.excepthook`) before Python exits with status 1.
 """
 
+import os
 import sys
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 import hyparflow as hf
 from tests.mpi.models import compiled, data
@@ -45,44 +48,88 @@ def with_sum_reduction():
     return model
 
 
+def checkpointed(folder, name="mlp"):
+    """A real checkpoint of model `name` in `folder` (trained for one epoch)."""
+    x, y = data(name, n=32)
+    hf.fit(
+        compiled(name, "sgd"), x, y, batch_size=8, verbose=0, strategy="model",
+        callbacks=[hf.callbacks.Checkpoint(folder)],
+    )  # fmt: skip
+    return folder
+
+
+def corrupt(folder):
+    from mpi4py import MPI
+
+    if hf.rank() == 0:
+        from hyparflow.checkpoint.manifest import latest
+
+        with open(os.path.join(latest(folder), "stage-1.npz"), "r+b") as f:
+            f.seek(100)
+            f.write(b"garbage")
+    MPI.COMM_WORLD.Barrier()
+    return folder
+
+
+def fit(model, x, y, **kwargs):
+    kwargs.setdefault("batch_size", 8)
+    return hf.fit(model, x, y, verbose=0, **kwargs)
+
+
 CASES = {
-    "wrong_world_size": lambda x, y: hf.fit(
-        compiled("mlp", "sgd"), x, y, batch_size=8, strategy="hybrid",
-        num_partitions=2, num_replicas=3,
+    "wrong_world_size": lambda x, y, tmp: fit(
+        compiled("mlp", "sgd"), x, y, strategy="hybrid", num_partitions=2, num_replicas=3
     ),
-    "batch_not_divisible": lambda x, y: hf.fit(
+    "batch_not_divisible": lambda x, y, tmp: fit(
         compiled("mlp", "sgd"), x, y, batch_size=10, strategy="model", num_microbatches=4
     ),
-    "subclassed_model_parallel": lambda x, y: hf.fit(
-        subclassed(), x, y, batch_size=8, strategy="model"
+    "subclassed_model_parallel": lambda x, y, tmp: fit(subclassed(), x, y, strategy="model"),
+    "uncompiled": lambda x, y, tmp: fit(
+        keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)]), x, y
     ),
-    "uncompiled": lambda x, y: hf.fit(keras.Sequential([keras.Input((6,)),
-                                                          keras.layers.Dense(3)]), x, y),
-    "unknown_strategy": lambda x, y: hf.fit(compiled("mlp", "sgd"), x, y, strategy="pipeline"),
-    "mismatched_lengths": lambda x, y: hf.fit(
-        compiled("mlp", "sgd"), x, y[:-3], batch_size=8, strategy="data"
+    "unknown_strategy": lambda x, y, tmp: fit(compiled("mlp", "sgd"), x, y, strategy="pipeline"),
+    "mismatched_lengths": lambda x, y, tmp: fit(compiled("mlp", "sgd"), x, y[:-3]),
+    "wrong_input_shape": lambda x, y, tmp: fit(compiled("mlp", "sgd"), x[:, :5], y),
+    "missing_split_layer": lambda x, y, tmp: fit(
+        compiled("mlp", "sgd"), x, y, strategy=hf.Strategy("model", balance=["no_such_layer"])
     ),
-    "activity_regularizer": lambda x, y: hf.fit(
-        with_activity_regularizer(), x, y, batch_size=8, strategy="data"
+    "empty_dataset": lambda x, y, tmp: hf.fit(
+        compiled("mlp", "sgd"), tf.data.Dataset.from_tensor_slices((x[:0], y[:0])).batch(8),
+        verbose=0, strategy="data",
     ),
-    "sum_reduction": lambda x, y: hf.fit(with_sum_reduction(), x, y, batch_size=8),
+    "nonfinite_data": lambda x, y, tmp: fit(
+        compiled("mlp", "sgd"), np.where(np.arange(len(x))[:, None] == 5, np.nan, x), y,
+        check_numerics=True,
+    ),
+    "activity_regularizer": lambda x, y, tmp: fit(with_activity_regularizer(), x, y),
+    "sum_reduction": lambda x, y, tmp: fit(with_sum_reduction(), x, y),
+    "foreign_checkpoint": lambda x, y, tmp: fit(
+        compiled("mlp", "sgd"), x, y, strategy="model",
+        resume_from=checkpointed(os.path.join(tmp, "cnn"), "cnn"),
+    ),
+    "corrupted_checkpoint": lambda x, y, tmp: fit(
+        compiled("mlp", "sgd"), x, y, strategy="model",
+        resume_from=corrupt(checkpointed(os.path.join(tmp, "mlp"))),
+    ),
+    "missing_checkpoint": lambda x, y, tmp: fit(
+        compiled("mlp", "sgd"), x, y, resume_from=os.path.join(tmp, "nothing-here")
+    ),
+    "resume_without_checkpoint_callback": lambda x, y, tmp: fit(
+        compiled("mlp", "sgd"), x, y, resume=True
+    ),
+    "negative_watchdog": lambda x, y, tmp: fit(compiled("mlp", "sgd"), x, y, watchdog_timeout=-1),
 }  # fmt: skip
 
 
-def main():
-    x, y = data("mlp", n=40)
-    outcomes = {}
-    for case in args():
-        if case.startswith("uncaught:"):
-            CASES[case.split(":", 1)[1]](x, y)
-            continue
-        try:
-            CASES[case](x, y)
-            outcomes[case] = {"error": None}
-        except Exception as error:  # noqa: BLE001 - the scenario reports any error
-            outcomes[case] = {"type": type(error).__name__, "error": str(error)}
-    report({"rank": hf.rank(), "outcomes": outcomes})
+def record_and_exit(kind, error, trace):
+    report({"rank": hf.rank(), "type": kind.__name__, "error": str(error)})
+    sys.__excepthook__(kind, error, trace)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    case, tmp = args()
+    keras.config.disable_interactive_logging()
+    x, y = data("mlp", n=40)
+    sys.excepthook = record_and_exit
+    CASES[case](x, y, tmp)
+    report({"rank": hf.rank(), "error": None})

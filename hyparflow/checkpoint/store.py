@@ -1,0 +1,137 @@
+"""Collective save and load of a distributed training state (every rank calls them together)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from hyparflow.checkpoint import manifest as manifests
+from hyparflow.checkpoint.atomic import sha256, write_atomic
+from hyparflow.checkpoint.state import (
+    layers_of_seed_keys,
+    optimizer_state,
+    restore_optimizer,
+    seed_generators,
+    weight_specs,
+)
+
+ARCHITECTURE = "model.json"
+
+
+def save(trainer, directory: str, *, epoch: int, batch: int, keep: int = 3, complete=None) -> str:
+    """Write this step's checkpoint: each stage (replica 0) its own state, rank 0 the manifest.
+
+    `epoch`/`batch` locate the next batch to run. `complete(folder, manifest)` writes the
+    manifest (the moment the checkpoint becomes loadable); tests replace it to simulate a crash.
+    """
+    topo, model = trainer.topology, trainer.model
+    world = topo.world
+    folder = os.path.join(directory, manifests.folder_name(trainer.step))
+    with trainer.watchdog.guard("prepare checkpoint folder"):
+        if world.Get_rank() == 0:
+            os.makedirs(folder, exist_ok=True)
+            stale = os.path.join(folder, manifests.MANIFEST)
+            if os.path.exists(stale):  # re-saving a step (e.g. epoch end after a step save)
+                os.remove(stale)
+        world.Barrier()
+    metric_sums = trainer.summed_metric_states()  # collective over the last stage's replicas
+    files = {}
+    if topo.replica == 0:
+        state = _stage_state(trainer)
+        if trainer.is_last:
+            state.update({f"m/{i}": value for i, value in enumerate(metric_sums)})
+        name = f"stage-{topo.stage}.npz"
+        path = os.path.join(folder, name)
+        write_atomic(path, lambda f: np.savez(f, **state))
+        files[name] = sha256(path)
+    with trainer.watchdog.guard("collect checkpoint files"):
+        gathered = world.gather(files, root=0)
+    if world.Get_rank() == 0:
+        for part in gathered:
+            files.update(part)
+        architecture = _write_architecture(model, folder, files)
+        manifest = manifests.Manifest(
+            step=trainer.step, epoch=epoch, batch=batch, seed=trainer.seed,
+            partitions=topo.num_stages, replicas=topo.num_replicas,
+            weights=weight_specs(model), files=files, architecture=architecture,
+        )  # fmt: skip
+        (complete or manifests.write)(folder, manifest)
+        manifests.prune(directory, keep, folder)
+    with trainer.watchdog.guard("finish checkpoint"):
+        world.Barrier()
+    return folder
+
+
+def _stage_state(trainer) -> dict:
+    """What this stage owns: its weights, its optimizer slots, its layers' seed states."""
+    model = trainer.model
+    state = {f"w/{i}": np.asarray(model.weights[i].numpy()) for i in trainer.owned_weight_indices()}
+    if trainer.variables and model.optimizer.built:
+        state.update(optimizer_state(model, model.optimizer))
+    owners = layers_of_seed_keys(model)
+    for key, variable in seed_generators(model):
+        if trainer.runs_layer(owners[key]):
+            state[key] = np.asarray(variable.numpy())
+    return state
+
+
+def _write_architecture(model, folder: str, files: dict) -> str | None:
+    try:
+        text = model.to_json()
+    except Exception:  # noqa: BLE001 - subclassed models have no config: export needs model=
+        return None
+    path = os.path.join(folder, ARCHITECTURE)
+    write_atomic(path, lambda f: f.write(text.encode()))
+    files[ARCHITECTURE] = sha256(path)
+    return ARCHITECTURE
+
+
+def find(directory: str, required: bool) -> str | None:
+    """The latest complete checkpoint in `directory` (None, or an error if `required`)."""
+    folder = manifests.latest(directory)
+    if folder is None and required:
+        raise ValueError(
+            f"No complete checkpoint in {directory!r} (a folder ckpt-<step> with manifest.json); "
+            "check resume_from, or use resume=True to start fresh when there is none."
+        )
+    return folder
+
+
+def read_checked(folder: str, model) -> tuple[manifests.Manifest, dict]:
+    """The manifest and all stage states of `folder`, verified against `model` and checksums."""
+    manifest = manifests.read(folder)
+    mismatch = manifests.describe_mismatch(manifest.weights, weight_specs(model))
+    if mismatch:
+        raise ValueError(
+            f"The checkpoint {folder!r} was written for a different model: {mismatch}. Point "
+            "resume_from at a checkpoint of this model, or start without resume."
+        )
+    state = {}
+    for name, digest in sorted(manifest.files.items()):
+        path = os.path.join(folder, name)
+        if not os.path.exists(path) or sha256(path) != digest:
+            raise ValueError(
+                f"Checkpoint file {path!r} is missing or corrupted (checksum mismatch). Delete "
+                f"{folder!r} to resume from the previous checkpoint."
+            )
+        if name.endswith(".npz"):
+            with np.load(path) as arrays:
+                state.update({key: arrays[key] for key in arrays.files})
+    return manifest, state
+
+
+def restore(trainer, manifest, state: dict) -> None:
+    """Load the full model everywhere, this stage's optimizer slots, and the step counter."""
+    model = trainer.model
+    for i, variable in enumerate(model.weights):
+        variable.assign(state[f"w/{i}"])
+    for key, variable in seed_generators(model):
+        if key in state:
+            variable.assign(state[key])
+    if trainer.variables:
+        restore_optimizer(model, model.optimizer, trainer.variables, state)
+    trainer.step = manifest.step
+    trainer.pending_metric_states = [
+        state[f"m/{i}"] for i in range(len(model.metrics_variables)) if f"m/{i}" in state
+    ]

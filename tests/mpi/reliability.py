@@ -1,0 +1,167 @@
+"""Checkpoints, resume, crashes and stalls under a real mpirun.
+
+Usage: `python -m tests.mpi.reliability OUT MODE FOLDER` with MODE one of
+  crash        train with checkpoints; rank 1 kills itself (SIGKILL) in the middle of epoch 2
+  resume       resume that run with resume=True; also train the same run uninterrupted
+  torn_save    rank 0 is killed during the second checkpoint save, before its manifest
+  after_torn   resume from the folder the torn save left
+  reshape      checkpoint a 2x2 hybrid run, resume it as 4x1, 1x4 and 2x2; export it
+  stall        rank 1 stops answering; the watchdog must end the job
+"""
+
+import os
+import signal
+import time
+
+import keras
+import numpy as np
+
+import hyparflow as hf
+from tests.mpi.compare import relative_difference
+from tests.mpi.models import data
+from tests.mpi.report import args, report
+
+EPOCHS, BATCH = 3, 16
+
+
+def model_with_dropout(dropout=0.3):
+    """Dropout makes exact resume depend on restored random state; its masks depend on the
+    micro-batch shapes, so runs with another partitioning use dropout=0."""
+    keras.utils.set_random_seed(7)
+    inputs = keras.Input((6,))
+    x = keras.layers.Dense(8, activation="relu")(inputs)
+    x = keras.layers.Dropout(dropout)(x)
+    x = keras.layers.Dense(8, activation="tanh")(x)
+    outputs = keras.layers.Dense(3, activation="softmax")(x)
+    model = keras.Model(inputs, outputs)
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.01),
+        loss="sparse_categorical_crossentropy",
+        metrics=["accuracy"],
+    )
+    return model
+
+
+def train(folder, callbacks=(), strategy="model", epochs=EPOCHS, dropout=0.3, **kwargs):
+    x, y = data("mlp", n=64)
+    model = model_with_dropout(dropout)
+    np.random.seed(123)  # rank 0 draws the shuffle seed from numpy: same seed in every run
+    history = hf.fit(
+        model, x, y, batch_size=BATCH, epochs=epochs, shuffle=True, verbose=0,
+        callbacks=[hf.callbacks.Checkpoint(folder, every_n_steps=2), *callbacks],
+        strategy=strategy, watchdog_timeout=30, **kwargs,
+    )  # fmt: skip
+    return model, history
+
+
+class KillRank(keras.callbacks.Callback):
+    """SIGKILL one rank after a given global batch (a node dying mid-training)."""
+
+    def __init__(self, rank, after_batches):
+        super().__init__()
+        self.rank, self.after, self.seen = rank, after_batches, 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen += 1
+        if self.seen == self.after and hf.rank() == self.rank:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class TornCheckpoint(hf.callbacks.Checkpoint):
+    """Rank 0 dies while completing the second save: stage files written, manifest not."""
+
+    saves = 0
+
+    def _complete(self, folder, manifest):
+        TornCheckpoint.saves += 1
+        if TornCheckpoint.saves == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        super()._complete(folder, manifest)
+
+
+def main():
+    mode, folder = args()
+    keras.config.disable_interactive_logging()
+    if mode == "crash":
+        train(folder, callbacks=[KillRank(1, after_batches=7)])  # 4 batches per epoch
+        report({"finished": True})  # must never happen
+    elif mode == "resume":
+        resumed, history = train(folder, resume=True)
+        reference, ref_history = train(folder + "-uninterrupted")
+        report(
+            {
+                "rank": hf.rank(),
+                "weights": relative_difference(resumed.get_weights(), reference.get_weights()),
+                "bitwise": all(
+                    np.array_equal(a, b)
+                    for a, b in zip(resumed.get_weights(), reference.get_weights())
+                ),
+                "resumed_epochs": history.epoch,
+                "last_loss": history.history["loss"][-1],
+                "ref_last_loss": ref_history.history["loss"][-1],
+            }
+        )
+    elif mode == "torn_save":
+        x, y = data("mlp", n=64)
+        hf.fit(
+            model_with_dropout(), x, y, batch_size=BATCH, epochs=EPOCHS, verbose=0,
+            callbacks=[TornCheckpoint(folder, every_n_steps=2, every_epoch=False)],
+            strategy="model", watchdog_timeout=30,
+        )  # fmt: skip
+        report({"finished": True})  # must never happen
+    elif mode == "after_torn":
+        from hyparflow.checkpoint import manifest
+
+        found = [step for step, _ in manifest.complete_checkpoints(folder)]
+        partial = sorted(n for n in os.listdir(folder) if n.startswith("ckpt-"))
+        model, history = train(folder, resume=True)
+        report({"rank": hf.rank(), "complete": found, "folders": partial, "epochs": history.epoch})
+    elif mode == "reshape":
+        first, _ = train(folder, strategy=hf.Strategy("hybrid", partitions=2, replicas=2),
+                         epochs=2, dropout=0.0)  # fmt: skip
+        results = {}
+        for name, strategy in {
+            "same": hf.Strategy("hybrid", partitions=2, replicas=2),
+            "model4": hf.Strategy("model", partitions=4),
+            "data4": hf.Strategy("data"),
+        }.items():
+            x, y = data("mlp", n=64)
+            model = model_with_dropout(0.0)
+            hf.fit(
+                model, x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=True, verbose=0,
+                strategy=strategy, resume_from=folder,
+            )  # fmt: skip
+            results[name] = model.get_weights()
+        exported = os.path.join(folder, "exported.keras")
+        if hf.rank() == 0:
+            hf.export(folder, exported)
+        from mpi4py import MPI
+
+        MPI.COMM_WORLD.Barrier()
+        loaded = keras.saving.load_model(exported)
+        report(
+            {
+                "rank": hf.rank(),
+                "model4": relative_difference(results["model4"], results["same"]),
+                "data4": relative_difference(results["data4"], results["same"]),
+                "export": relative_difference(loaded.get_weights(), first.get_weights()),
+            }
+        )
+    elif mode == "stall":
+
+        class Hang(keras.callbacks.Callback):
+            def on_train_batch_end(self, batch, logs=None):
+                if batch == 1 and hf.rank() == 1:
+                    time.sleep(600)
+
+        start = time.time()
+        x, y = data("mlp", n=64)
+        hf.fit(
+            model_with_dropout(), x, y, batch_size=BATCH, epochs=EPOCHS, verbose=0,
+            callbacks=[Hang()], strategy="model", watchdog_timeout=5,
+        )  # fmt: skip
+        report({"finished": True, "elapsed": time.time() - start})  # must never happen
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""Checkpoint folders, manifests and atomic writes (no MPI, no TensorFlow)."""
+
+import os
+import time
+
+import pytest
+
+from hyparflow.checkpoint import manifest as manifests
+from hyparflow.checkpoint.atomic import sha256, write_atomic
+from hyparflow.comm.watchdog import Watchdog, resolve_timeout
+
+
+def _manifest(step):
+    return manifests.Manifest(
+        step=step, epoch=0, batch=step, seed=1, partitions=2, replicas=1,
+        weights=[["d/kernel", [2, 3], "float32"]], files={},
+    )  # fmt: skip
+
+
+def _checkpoint(directory, step, complete=True):
+    folder = os.path.join(directory, manifests.folder_name(step))
+    os.makedirs(folder)
+    if complete:
+        manifests.write(folder, _manifest(step))
+    return folder
+
+
+def test_only_folders_with_a_manifest_count_and_the_newest_wins(tmp_path):
+    d = str(tmp_path)
+    assert manifests.latest(d) is None
+    _checkpoint(d, 2)
+    _checkpoint(d, 10)
+    _checkpoint(d, 12, complete=False)  # a save that died before its manifest
+    assert [s for s, _ in manifests.complete_checkpoints(d)] == [2, 10]
+    assert manifests.latest(d).endswith("ckpt-000000010")
+    assert manifests.read(manifests.latest(d)) == _manifest(10)
+
+
+def test_prune_keeps_the_newest_and_drops_torn_saves(tmp_path):
+    d = str(tmp_path)
+    for step in (1, 2, 3):
+        _checkpoint(d, step)
+    torn = _checkpoint(d, 4, complete=False)
+    current = _checkpoint(d, 5)
+    manifests.prune(d, keep=2, current=current)
+    assert sorted(os.listdir(d)) == ["ckpt-000000003", "ckpt-000000005"]
+    assert not os.path.exists(torn)
+
+
+def test_atomic_write_leaves_nothing_behind_when_the_writer_fails(tmp_path):
+    path = str(tmp_path / "file.bin")
+
+    def fail(f):
+        f.write(b"half")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError):
+        write_atomic(path, fail)
+    assert not os.path.exists(path)
+    write_atomic(path, lambda f: f.write(b"whole"))
+    with open(path, "rb") as f:
+        assert f.read() == b"whole"
+    assert len(sha256(path)) == 64
+
+
+def test_weight_mismatch_is_described():
+    saved = [["a/kernel", [2, 3], "float32"], ["a/bias", [3], "float32"]]
+    assert manifests.describe_mismatch(saved, saved) is None
+    assert "holds 2 weights" in manifests.describe_mismatch(saved, saved[:1])
+    other = [["b/kernel", [2, 4], "float32"], ["b/bias", [3], "float32"]]
+    assert "(2, 3) float32 in the checkpoint" in manifests.describe_mismatch(saved, other)
+    renamed = [["x/kernel", [2, 3], "float32"], ["x/bias", [3], "float32"]]
+    assert manifests.describe_mismatch(saved, renamed) is None  # names may differ per process
+
+
+class _Comm:
+    def Get_rank(self):
+        return 3
+
+
+def test_watchdog_reports_the_operation_peer_and_step_after_the_timeout(monkeypatch):
+    aborted = []
+    dog = Watchdog(_Comm(), timeout=0.2, abort=lambda: aborted.append(True), poll=0.02)
+    dog.step = 7
+    with dog.guard("receive gradients", peer=2, microbatch=1):
+        assert dog.report() is None  # not yet
+        deadline = time.monotonic() + 5
+        while not aborted and time.monotonic() < deadline:
+            time.sleep(0.02)
+        message = dog.report()
+    dog.close()
+    assert aborted == [True]
+    assert "rank 3" in message and "receive gradients" in message
+    assert "step 7" in message and "micro-batch 1" in message and "peer rank 2" in message
+    assert dog.report() is None  # no operation in progress any more
+
+
+def test_watchdog_timeout_comes_from_argument_then_environment(monkeypatch):
+    monkeypatch.setenv("HYPARFLOW_WATCHDOG_TIMEOUT", "42")
+    assert resolve_timeout(None) == 42.0
+    assert resolve_timeout(5) == 5.0
+    monkeypatch.delenv("HYPARFLOW_WATCHDOG_TIMEOUT")
+    assert resolve_timeout(None) == 300.0
+    with pytest.raises(ValueError, match=">= 0"):
+        resolve_timeout(-1)

@@ -1,0 +1,56 @@
+"""Crashes, stalls, torn checkpoint saves, exact and reshaped resume, under a real mpirun."""
+
+import json
+import os
+import time
+
+import pytest
+
+from tests.mpirun import launch, run_scenario
+
+
+def test_killed_rank_ends_the_job_and_resume_matches_an_uninterrupted_run(tmp_path):
+    folder = str(tmp_path / "checkpoints")
+    start = time.monotonic()
+    crash = launch("reliability", 2, "crash", folder, timeout=120)
+    assert crash.returncode not in (0, -9), crash.describe()  # ended by the kill, not our timeout
+    assert time.monotonic() - start < 60  # well within the 30 s watchdog plus start-up
+    assert all(r is None for r in crash.results)
+    assert sorted(os.listdir(folder)) == ["ckpt-000000002", "ckpt-000000004", "ckpt-000000006"]
+    for r in run_scenario("reliability", 2, "resume", folder, timeout=180):
+        assert r["resumed_epochs"] == [1, 2]  # step 6 = epoch 1, batch 2 (4 batches an epoch)
+        assert r["bitwise"], f"rank {r['rank']}: resumed weights differ by {r['weights']:.2e}"
+        assert r["last_loss"] == r["ref_last_loss"]  # the resumed epoch's metric sums came back
+
+
+def test_a_save_torn_by_a_kill_leaves_the_previous_checkpoint_loadable(tmp_path):
+    folder = str(tmp_path / "checkpoints")
+    torn = launch("reliability", 2, "torn_save", folder, timeout=120)
+    assert torn.returncode not in (0, -9), torn.describe()
+    manifest = os.path.join(folder, "ckpt-000000004", "manifest.json")
+    assert os.path.exists(os.path.join(folder, "ckpt-000000004", "stage-0.npz"))
+    assert not os.path.exists(manifest)  # the second save died before completing
+    with open(os.path.join(folder, "ckpt-000000002", "manifest.json")) as f:
+        assert json.load(f)["step"] == 2
+    for r in run_scenario("reliability", 2, "after_torn", folder, timeout=180):
+        assert r["complete"] == [2]
+        assert r["epochs"] == [0, 1, 2]  # resumed inside epoch 0, from step 2
+
+
+def test_resume_with_another_partitioning_and_export(tmp_path):
+    results = run_scenario("reliability", 4, "reshape", str(tmp_path / "ckpt"), timeout=300)
+    for r in results:
+        assert r["model4"] < 1e-6, f"4x1 resume differs from 2x2 by {r['model4']:.2e}"
+        assert r["data4"] < 1e-6, f"1x4 resume differs from 2x2 by {r['data4']:.2e}"
+        assert r["export"] == 0.0  # the exported .keras holds the checkpoint's weights
+
+
+@pytest.mark.timeout(120)
+def test_a_stalled_rank_is_reported_and_the_job_aborted(tmp_path):
+    start = time.monotonic()
+    run = launch("reliability", 2, "stall", str(tmp_path / "ckpt"), timeout=100)
+    elapsed = time.monotonic() - start
+    assert run.returncode not in (0, -9), run.describe()
+    assert elapsed < 60  # 5 s watchdog, not the 600 s sleep
+    assert "stalled" in run.stderr[0] and "step 2" in run.stderr[0], run.describe()
+    assert "HYPARFLOW_WATCHDOG_TIMEOUT" in run.stderr[0]
