@@ -100,6 +100,7 @@ MISUSE = {
     "missing_checkpoint": "No complete checkpoint",
     "resume_without_checkpoint_callback": "hf.callbacks.Checkpoint",
     "negative_watchdog": "watchdog_timeout must be >= 0",
+    "diverging_training": "Non-finite",
 }
 
 
@@ -111,3 +112,5 @@ def test_misuse_is_a_clear_error_on_every_rank_and_ends_the_job(case, tmp_path):
         assert result is not None, f"{case}: rank {rank} reported nothing\n{run.describe()}"
         assert result["error"] is not None, f"{case} did not raise on rank {rank}"
         assert MISUSE[case] in result["error"], f"{case}, rank {rank}: {result}"
+    if case == "diverging_training":  # the step, rank and stage are named
+        assert all("at step" in r["error"] and "pipeline stage" in r["error"] for r in run.results)

@@ -76,6 +76,15 @@ def fit(model, x, y, **kwargs):
     return hf.fit(model, x, y, verbose=0, **kwargs)
 
 
+def diverging():
+    """A linear regression with a learning rate that overflows the weights within steps."""
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(8)(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(1)(hidden))
+    model.compile(optimizer=keras.optimizers.SGD(1e20), loss="mse")
+    return model
+
+
 CASES = {
     "wrong_world_size": lambda x, y, tmp: fit(
         compiled("mlp", "sgd"), x, y, strategy="hybrid", num_partitions=2, num_replicas=3
@@ -116,6 +125,10 @@ CASES = {
     ),
     "resume_without_checkpoint_callback": lambda x, y, tmp: fit(
         compiled("mlp", "sgd"), x, y, resume=True
+    ),
+    "diverging_training": lambda x, y, tmp: fit(
+        diverging(), x, y.astype("float32"), strategy="model", epochs=3,
+        check_numerics=True,
     ),
     "negative_watchdog": lambda x, y, tmp: fit(compiled("mlp", "sgd"), x, y, watchdog_timeout=-1),
 }  # fmt: skip
