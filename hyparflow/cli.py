@@ -27,6 +27,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(title="commands", metavar="COMMAND")
     _add_plan_command(commands)
+    _add_report_command(commands)
     return parser
 
 
@@ -80,6 +81,39 @@ def _run_plan(args) -> int:
         return 1
     print(plan.to_json() if args.json else plan.summary(print_fn=None))
     return 0
+
+
+def _add_report_command(commands):
+    report = commands.add_parser(
+        "report",
+        help="print a profiled run's per-rank table and draw its pipeline Gantt chart",
+        description="Summarize what hf.callbacks.ScalingProfiler wrote to LOG_DIR: time per "
+        "step on each rank, pipeline bubble, throughput, scaling efficiency; draw the PNG.",
+    )
+    report.add_argument("log_dir", help="the log_dir given to ScalingProfiler")
+    report.add_argument("--png", help="where to write the Gantt chart (LOG_DIR/timeline.png)")
+    report.add_argument(
+        "--steps", type=_steps, help='timeline steps to draw, e.g. "3" or "2-4" (first three)'
+    )
+    report.set_defaults(run=_run_report)
+
+
+def _run_report(args) -> int:
+    from hyparflow.callbacks.report import report
+
+    try:
+        text, png = report(args.log_dir, png=args.png, steps=args.steps)
+    except (FileNotFoundError, ValueError) as error:
+        print(f"hyparflow report: {error}", file=sys.stderr)
+        return 1
+    print(text)
+    print(f"Gantt chart: {png}" if png else "No timeline.json: no Gantt chart drawn.")
+    return 0
+
+
+def _steps(text: str) -> list[int]:
+    first, _, last = text.partition("-")
+    return list(range(int(first), int(last or first) + 1))
 
 
 def _shape(text: str) -> tuple:

@@ -1,11 +1,16 @@
-"""Each rank's `time.perf_counter()` offset from rank 0's, estimated by ping-pong (as NTP does).
+"""Each rank's `time.perf_counter()` offset from rank 0's: zero on rank 0's host, by ping-pong
+(as NTP does) from other hosts.
+
+`perf_counter` reads the host's monotonic clock (CLOCK_MONOTONIC on Linux), which every process
+on a host shares, so ranks on one host need no estimate: an estimate would only add the error
+of a round trip, which on a busy host can be milliseconds. Across hosts, each host's lowest
+rank measures its offset against rank 0 and shares it with the ranks of its host.
 
 Rank 0 sends a message at `t0` on its clock, the peer answers with its own clock reading
 `t_peer`, and the answer arrives at `t1`. If the two legs take equally long, the peer read its
 clock at rank 0's `(t0 + t1) / 2`, so `offset = t_peer - (t0 + t1) / 2` and a peer time `t`
 reads `t - offset` on rank 0's clock. The error is at most half the round trip's asymmetry, so
-the round with the shortest round trip is kept. On one node every rank reads the same monotonic
-clock and the offsets come out at a few microseconds.
+the round with the shortest round trip is kept.
 """
 
 from __future__ import annotations
@@ -30,10 +35,46 @@ def offset_from_rounds(rounds: Sequence[tuple[float, float, float]]) -> float:
     return round(peer - (t0 + t1) / 2, 9)  # nanoseconds: finer is noise
 
 
-def clock_offset(comm, rounds: int = ROUNDS, clock=time.perf_counter) -> float:
-    """This rank's clock offset from rank 0's in seconds (0.0 on rank 0); collective on `comm`.
+class ClockAligner:
+    """Offsets of every rank's clock from rank 0's over `comm`, host by host.
 
-    Subtract it from a local `perf_counter()` reading to get rank 0's time.
+    Creating it and `offset()` are collective over `comm`; `free()` releases its communicators.
+
+    Example:
+        >>> aligner = ClockAligner(MPI.COMM_WORLD)
+        >>> on_rank0_clock = time.perf_counter() - aligner.offset()
+    """
+
+    def __init__(self, comm):
+        from mpi4py import MPI
+
+        # Ranks sharing a host (key: lowest rank first, so rank 0 leads its host).
+        self.host = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+        leads = self.host.Get_rank() == 0
+        self.leaders = comm.Split(0 if leads else MPI.UNDEFINED, comm.Get_rank())
+
+    def offset(self, rounds: int = ROUNDS, clock=time.perf_counter) -> float:
+        """This rank's offset from rank 0's clock in seconds (0.0 on rank 0's host)."""
+        from mpi4py import MPI
+
+        offset = 0.0
+        if self.leaders != MPI.COMM_NULL and self.leaders.Get_size() > 1:
+            offset = ping_pong_offset(self.leaders, rounds, clock)
+        return self.host.bcast(offset, root=0)
+
+    def free(self) -> None:
+        from mpi4py import MPI
+
+        if self.leaders != MPI.COMM_NULL:
+            self.leaders.Free()
+        self.host.Free()
+
+
+def ping_pong_offset(comm, rounds: int = ROUNDS, clock=time.perf_counter) -> float:
+    """This rank's clock offset from rank 0's in seconds (0.0 on rank 0), measured by
+    `rounds` ping-pongs with rank 0; collective on `comm`.
+
+    Subtract it from a local `clock()` reading to get rank 0's time.
     """
     rank, size = comm.Get_rank(), comm.Get_size()
     offsets = [0.0] * size

@@ -11,7 +11,7 @@ import keras
 from hyparflow.callbacks import gantt, scalars, timeline
 from hyparflow.callbacks.aggregate import job_step
 from hyparflow.callbacks.breakdown import breakdown, wall_only
-from hyparflow.callbacks.clock import clock_offset
+from hyparflow.callbacks.clock import ClockAligner
 from hyparflow.callbacks.summary import SUMMARY_FILE, RunSummary, write_summary
 from hyparflow.engine.events import Recorder
 
@@ -100,6 +100,7 @@ class ScalingProfiler(keras.callbacks.Callback):
         else:
             topo, strategy = trainer.topology, trainer.strategy
             self._comm = topo.world.Dup()  # our gathers and ping-pongs never meet the engine's
+            self._clock = ClockAligner(self._comm)
             self.rank = topo.rank
             layout = {
                 "world_size": topo.world.Get_size(),
@@ -171,7 +172,7 @@ class ScalingProfiler(keras.callbacks.Callback):
         window = self._timeline_window()
         kept = [r for r in records if _within(r.step, window)]
         if kept:  # every rank records the same steps, so all ranks take part or none
-            offset = clock_offset(self._comm)
+            offset = self._clock.offset()
             kept = [timeline.aligned(r, offset) for r in kept]
         if self._comm is None:
             bubbles = self._combine([(steps, kept)])[0]
@@ -254,6 +255,7 @@ class ScalingProfiler(keras.callbacks.Callback):
             self._aggregate_writer.close()
         if self._trainer is not None:
             self._trainer.attach_recorder(None)  # a later fit without the profiler pays nothing
+            self._clock.free()
             self._comm.Free()
         self._trainer = None
 

@@ -1,8 +1,8 @@
 """hf.fit with a ScalingProfiler under mpirun; the test reads back what it wrote.
 
 Arguments: a log root folder, then configurations "kind:partitions:replicas:microbatches:
-schedule". Each trains a four-layer MLP with equal stage costs and profiles it into
-`<log root>/<configuration with _ for :>`.
+schedule:width". Each trains a four-layer MLP whose two halves cost the same and profiles it
+into `<log root>/<configuration with _ for :>`.
 """
 
 import os
@@ -14,19 +14,19 @@ import hyparflow as hf
 from hyparflow.callbacks import ScalingProfiler
 from tests.mpi.report import args, report
 
-FEATURES, WIDTH, CLASSES = 16, 1024, 8
+FEATURES, CLASSES = 16, 8
 BATCH, SAMPLES, EPOCHS = 512, 512 * 4, 2
 BASELINE = 1000.0  # samples/s of "one rank": any positive number, the test checks the ratio
 
 
-def equal_stages_mlp():
-    """Split 2-way by layer count, each stage has one WIDTH x WIDTH matmul forward and two
+def equal_stages_mlp(width: int):
+    """Split 2-way by layer count, each stage has one width x width matmul forward and two
     backward (the first stage's needs no input gradient, but its first layer is narrow, as is
     the second stage's classifier), so the stages cost the same."""
     inputs = keras.Input((FEATURES,))
-    x = keras.layers.Dense(WIDTH, activation="relu")(inputs)
-    x = keras.layers.Dense(WIDTH, activation="relu")(x)
-    x = keras.layers.Dense(WIDTH, activation="relu")(x)
+    x = keras.layers.Dense(width, activation="relu")(inputs)
+    x = keras.layers.Dense(width, activation="relu")(x)
+    x = keras.layers.Dense(width, activation="relu")(x)
     outputs = keras.layers.Dense(CLASSES, activation="softmax")(x)
     model = keras.Model(inputs, outputs)
     model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
@@ -34,12 +34,12 @@ def equal_stages_mlp():
 
 
 def run(log_root: str, config: str) -> dict:
-    kind, partitions, replicas, microbatches, schedule = config.split(":")
+    kind, partitions, replicas, microbatches, schedule, width = config.split(":")
     keras.utils.set_random_seed(5)
     rng = np.random.default_rng(0)
     x = rng.normal(size=(SAMPLES, FEATURES)).astype("float32")
     y = rng.integers(0, CLASSES, size=SAMPLES)
-    model = equal_stages_mlp()
+    model = equal_stages_mlp(int(width))
     strategy = hf.Strategy(
         kind,
         partitions=int(partitions),
