@@ -1,0 +1,150 @@
+"""`hyparflow report LOG_DIR`: a profiled run's per-rank table and bubble/efficiency summary.
+
+It reads `profile.json` (the profiler's own summary: it holds the rank layout, which the
+TensorBoard event files do not) and redraws the Gantt chart from `timeline.json`.
+"""
+
+from __future__ import annotations
+
+import os
+
+from hyparflow.callbacks import gantt, timeline
+from hyparflow.callbacks.summary import SUMMARY_FILE, load_summary
+
+# (header, key in ms_per_step) of the time columns, each shown as "ms (share of the step)".
+TIME_COLUMNS = (
+    ("compute", "compute"),
+    ("p2p wait", "p2p_wait"),
+    ("send", "send"),
+    ("allreduce", "allreduce"),
+    ("optimizer", "optimizer"),
+    ("idle", "idle"),
+)
+KIND_NAMES = {"data": "data parallel", "model": "model parallel", "hybrid": "hybrid parallel"}
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
+
+
+def _number(value: float | None, digits: int = 0) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def _time_cell(ms: dict, key: str) -> str:
+    value, step = ms.get(key), ms.get("step")
+    if value is None:
+        return "-"
+    share = f" ({100 * value / step:.0f}%)" if step else ""
+    return f"{value:.2f}{share}"
+
+
+def describe_layout(layout: dict) -> str:
+    """e.g. "model parallel, 2 stages x 1 replica, 4 micro-batches (gpipe), 2 ranks"."""
+    kind = layout.get("kind")
+    if kind == "single process":
+        return "single process (plain model.fit: only step times are known)"
+    grid = f"{_count(layout.get('stages'), 'stage')} x {_count(layout.get('replicas'), 'replica')}"
+    return ", ".join(
+        [
+            KIND_NAMES.get(kind, str(kind)),
+            grid,
+            f"{_count(layout.get('microbatches'), 'micro-batch')} ({layout.get('schedule')})",
+            _count(layout.get("world_size"), "rank"),
+        ]
+    )
+
+
+def _count(n, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "es" if noun.endswith("ch") else "s")
+
+
+def format_report(summary: dict) -> str:
+    """The per-rank table and the job's bubble, throughput and efficiency, as text.
+
+    Example:
+        >>> print(format_report(load_summary("logs/run1/profile.json")))
+    """
+    steps = summary["steps"]
+    excluded = steps.get("warmup_excluded") or []
+    lines = [
+        f"Profiled run: {describe_layout(summary['layout'])}",
+        f"{steps['summarized']} of {steps['recorded']} steps summarized"
+        + (f" (warm-up steps {', '.join(map(str, excluded))} left out)" if excluded else "")
+        + "; times are ms per step (share of the step)",
+        "",
+    ]
+    header = ["rank", "stage", "replica", "step ms", *(h for h, _ in TIME_COLUMNS), "bubble",
+              "samples/s"]  # fmt: skip
+    rows = []
+    for r in summary["ranks"]:
+        ms = r["ms_per_step"]
+        rows.append(
+            [str(r["rank"]), str(r["stage"]), str(r["replica"]), _number(ms["step"], 2),
+             *(_time_cell(ms, key) for _, key in TIME_COLUMNS), _percent(r["bubble"]),
+             _number(r["throughput"])]
+        )  # fmt: skip
+    job = summary["job"]
+    ms = job["ms_per_step"]
+    rows.append(
+        ["job", "", "", _number(ms["step"], 2), *(_time_cell(ms, key) for _, key in TIME_COLUMNS),
+         _percent(job["bubble_measured"]), _number(job["throughput"])]
+    )  # fmt: skip
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    for row in [header, *rows]:
+        lines.append("  ".join(cell.rjust(w) for cell, w in zip(row, widths)).rstrip())
+    lines.append("")
+    lines.append(_bubble_line(job, summary["layout"]))
+    lines.append(_throughput_line(summary))
+    return "\n".join(lines)
+
+
+def _bubble_line(job: dict, layout: dict) -> str:
+    measured, formula = job.get("bubble_measured"), job.get("bubble_theoretical")
+    if layout.get("stages") == 1:
+        idle = "" if measured is None else f"; measured non-compute share: {_percent(measured)}"
+        return f"Pipeline bubble: none in theory (one stage){idle}"
+    if measured is None:
+        return f"Pipeline bubble: not measured; theoretical (p-1)/(m+p-1) = {_percent(formula)}"
+    line = (
+        f"Pipeline bubble: measured {_percent(measured)} vs theoretical (p-1)/(m+p-1) = "
+        f"{_percent(formula)}"
+    )
+    simulated = job.get("bubble_simulated")
+    if simulated is not None:
+        line += f" (ideal machine with these stage times: {_percent(simulated)})"
+    return line
+
+
+def _throughput_line(summary: dict) -> str:
+    job, baseline = summary["job"], summary.get("baseline_throughput")
+    line = f"Throughput: {_number(job['throughput'])} samples/s"
+    if job.get("efficiency") is not None:
+        world = summary["layout"].get("world_size")
+        line += (
+            f"; scaling efficiency {_percent(job['efficiency'])} of {world} x "
+            f"{_number(baseline)} samples/s (baseline: one rank)"
+        )
+    else:
+        line += "; scaling efficiency: pass baseline_throughput= to the profiler to see it"
+    return line
+
+
+def report(log_dir: str, png: str | None = None, steps=None) -> tuple[str, str | None]:
+    """The text report of `log_dir` and the Gantt chart PNG written (None without a timeline).
+
+    `png` defaults to `LOG_DIR/timeline.png`; `steps` picks the timeline steps to draw.
+    """
+    summary_path = os.path.join(log_dir, SUMMARY_FILE)
+    if not os.path.exists(summary_path):
+        raise FileNotFoundError(
+            f"{summary_path} does not exist; point at the log_dir given to ScalingProfiler, "
+            "after training ended (the summary is written at the end of fit)."
+        )
+    text = format_report(load_summary(summary_path))
+    trace_path = os.path.join(log_dir, timeline.TIMELINE_FILE)
+    if not os.path.exists(trace_path):
+        return text, None
+    png = png or os.path.join(log_dir, gantt.GANTT_FILE)
+    gantt.draw(timeline.load(trace_path), png, steps=steps)
+    return text, png
