@@ -73,28 +73,32 @@ def _shuffle_seed(comm) -> int:
 _TRAINER_ATTRIBUTE = "_hyparflow_trainer"
 
 
-def _make_trainer(model, resolved, comm, needs_loss=True):
+def _make_trainer(model, resolved, comm, needs_loss=True, comm_backend=None):
     """This rank's Trainer for `model`, reused by later fit/evaluate/predict calls with the same
-    strategy and compilation (so stages are cut and functions traced only once)."""
+    strategy, compilation and gradient-reduction backend (so stages are cut and functions traced
+    only once). `comm_backend=None` (evaluate, predict: no gradients) takes any cached one."""
     from hyparflow.comm.agree import agree
     from hyparflow.engine.trainer import Trainer
 
     if needs_loss:
         agree(comm, _check_loss_reductions, model)
+    cached = getattr(model, _TRAINER_ATTRIBUTE, None)
+    if comm_backend is None:
+        comm_backend = cached[0][-1] if cached is not None else "mpi"
     key = (
         repr(resolved),
         id(getattr(model, "optimizer", None)),
         id(getattr(model, "_compile_loss", None)),
         comm.Get_size(),
+        comm_backend,
     )
-    cached = getattr(model, _TRAINER_ATTRIBUTE, None)
     if cached is not None and cached[0] == key:
         return cached[1]
     if cached is not None:
         cached[1].close()
     # The partitioner rejects models that are not graphs, naming strategy="data" as the fix.
     plan = _build_plan(model, resolved, comm)
-    trainer = Trainer(model, resolved, comm, plan)
+    trainer = Trainer(model, resolved, comm, plan, comm_backend=comm_backend)
     object.__setattr__(model, _TRAINER_ATTRIBUTE, (key, trainer))  # not a tracked attribute
     return trainer
 
@@ -127,6 +131,7 @@ def fit(
     resume_from=None,
     check_numerics=False,
     watchdog_timeout=None,
+    comm="mpi",
     **fit_kwargs,
 ):
     """Train `model` like `model.fit`, spread over the MPI ranks by `strategy`.
@@ -146,6 +151,10 @@ def fit(
     `watchdog_timeout` (seconds, default $HYPARFLOW_WATCHDOG_TIMEOUT or 300; 0 disables) ends
     the job when a rank waits on MPI longer than that.
 
+    `comm` picks how gradients are summed across replicas: "mpi" (hyparflow's fused buckets,
+    the default) or "horovod" (Horovod's grouped allreduce; Horovod must be built, see
+    docs/horovod.md). Point-to-point pipeline traffic always goes over MPI.
+
     Example:
         >>> model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
         >>> history = hf.fit(model, x, y, batch_size=64, epochs=3,
@@ -154,13 +163,21 @@ def fit(
     resolved = _resolve(model, strategy, num_partitions, num_replicas, num_microbatches)
     options = dict(
         resume=resume, resume_from=resume_from, check_numerics=check_numerics,
-        watchdog_timeout=watchdog_timeout,
+        watchdog_timeout=watchdog_timeout, comm=_check_comm(comm),
     )  # fmt: skip
     needs_engine = resume or resume_from or check_numerics or _checkpoints(fit_kwargs)
     if size() == 1 and not needs_engine:
         # One rank, one partition, one replica: the embedded default is plain Keras.
         return model.fit(x, y, batch_size=batch_size, epochs=epochs, **fit_kwargs)
     return _distributed_fit(model, x, y, batch_size, epochs, resolved, options, **fit_kwargs)
+
+
+def _check_comm(backend: str) -> str:
+    """The gradient-reduction backend, checked on every rank (a rank without Horovod stops all)."""
+    from hyparflow.comm.agree import agree
+    from hyparflow.comm.backends import check_backend
+
+    return agree(world(), check_backend, backend)
 
 
 _FIT_KEYS = {
@@ -273,7 +290,7 @@ def _distributed_fit(model, x, y, batch_size, epochs, resolved, options, **kwarg
         return source, validation_source
 
     source, validation_source = agree(comm, prepare)
-    trainer = _make_trainer(model, resolved, comm)
+    trainer = _make_trainer(model, resolved, comm, comm_backend=options["comm"])
     trainer.use_watchdog(timeout)
     trainer.check_numerics = options["check_numerics"]
     trainer.seed = seed

@@ -15,6 +15,7 @@ from keras import tree
 
 from hyparflow.comm.agree import AgreedError
 from hyparflow.comm.allreduce import GradientReducer
+from hyparflow.comm.backends import make_reducer
 from hyparflow.comm.p2p import BACKWARD, FORWARD, PipeChannel
 from hyparflow.comm.topology import Topology
 from hyparflow.comm.watchdog import NoWatchdog, Watchdog
@@ -46,7 +47,10 @@ class Trainer:
     works, subclassed ones included); otherwise the partitioner's `Plan`.
     """
 
-    def __init__(self, model, strategy, comm, plan=None, watchdog_timeout: float = 0.0):
+    def __init__(
+        self, model, strategy, comm, plan=None, watchdog_timeout: float = 0.0,
+        comm_backend: str = "mpi",
+    ):  # fmt: skip
         self.model = model
         self.strategy = strategy
         self.topology = Topology.create(comm, strategy.partitions, strategy.replicas)
@@ -78,7 +82,7 @@ class Trainer:
             topo.pipeline_comm.allreduce(len(self._regularized) > 0, op=_mpi_op("LOR"))
         )
         self._shared = self._shared_variable_indices()
-        self.replica_reducer = GradientReducer(topo.stage_comm, specs=self.variables, op="sum")
+        self.replica_reducer = make_reducer(comm_backend, topo, self.variables, op="sum")
         self.shared_reducer = (
             GradientReducer(topo.pipeline_comm, specs=self._shared_specs(), op="sum")
             if self._shared is not None
