@@ -23,6 +23,9 @@ class Strategy:
     `partitions` pipeline stages each replicated `replicas` times; `partitions * replicas` must
     equal the MPI world size. Fields left as None are filled in by `resolve(world_size)`.
 
+    `recompute=True` trades compute for memory: activations inside a stage are recomputed in
+    the backward pass instead of kept from the forward.
+
     Example:
         >>> hf.Strategy("hybrid", partitions=2, replicas=2, microbatches=4, schedule="1f1b")
     """
@@ -33,6 +36,7 @@ class Strategy:
     microbatches: int = 1
     schedule: str = "gpipe"
     balance: str | list = "layers"
+    recompute: bool = False
 
     def __post_init__(self):
         if self.kind not in KINDS:

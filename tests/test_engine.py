@@ -30,6 +30,9 @@ TWO_RANKS = [
     "batchnorm:sgd:model:2:1:1:gpipe",
     "batchnorm:adam:model:2:1:1:1f1b",
     "resnet:schedule:model:2:1:2:1f1b",
+    "l2_mlp:adam16:model:2:1:2:1f1b",
+    "batchnorm:adam:model:2:1:1:1f1b-recompute",
+    "resnet:sgd:model:2:1:4:gpipe-recompute",
 ]
 FOUR_RANKS = [
     "mlp:adam:data:1:4:1:gpipe",
@@ -53,8 +56,13 @@ FOUR_RANKS = [
     "shared:adam:hybrid:2:2:2:gpipe",
     "l2_mlp:sgd:hybrid:2:2:2:1f1b",
     "cnn:schedule:hybrid:2:2:2:gpipe",
+    "resnet:adam16:hybrid:2:2:2:gpipe",
+    "cnn:adam:hybrid:2:2:2:1f1b-recompute",
 ]
 TOLERANCE = 1e-5
+# mixed_float16: Keras and the pipeline round float16 activations of different micro-batch
+# shapes differently; weights agree to about 1e-3, and the dynamic loss scale exactly.
+MIXED_TOLERANCE = 5e-3
 
 
 def _check(results, configs):
@@ -62,11 +70,13 @@ def _check(results, configs):
         assert [r["config"] for r in rank_result["results"]] == configs
         for r in rank_result["results"]:
             where = f"rank {rank_result['rank']}, {r['config']}"
-            assert r["weights"] < TOLERANCE, f"{where}: weights differ by {r['weights']:.2e}"
+            tol = MIXED_TOLERANCE if "16:" in r["config"] else TOLERANCE
+            assert r["weights"] < tol, f"{where}: weights differ by {r['weights']:.2e}"
             assert r["keys"] == r["ref_keys"], f"{where}: History keys differ"
-            assert r["history"] < TOLERANCE, f"{where}: History differs by {r['history']:.2e}"
-            assert r["predict"] < TOLERANCE, f"{where}: predict differs by {r['predict']:.2e}"
-            assert r["evaluate"] < TOLERANCE, f"{where}: evaluate differs by {r['evaluate']:.2e}"
+            assert r["history"] < tol, f"{where}: History differs by {r['history']:.2e}"
+            assert r["predict"] < tol, f"{where}: predict differs by {r['predict']:.2e}"
+            assert r["evaluate"] < tol, f"{where}: evaluate differs by {r['evaluate']:.2e}"
+            assert r["loss_scale"] == r["ref_loss_scale"], f"{where}: loss scales differ"
             partitions = int(r["config"].split(":")[3])
             if partitions > 1:  # optimizer state lives only with the stage's own variables
                 assert r["optimizer_variables"] < r["reference_optimizer_variables"], where

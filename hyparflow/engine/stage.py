@@ -7,6 +7,7 @@ only that micro-batch's activations alive until its backward (GPipe's activation
 
 from __future__ import annotations
 
+import numpy as np
 import tensorflow as tf
 from keras import tree
 
@@ -22,6 +23,10 @@ class StageRunner:
     variables it differentiates; `loss(y, y_pred, sample_weight)` (last stage only) turns its
     outputs into the compiled loss, a mean over the micro-batch.
 
+    `recompute=True` keeps only each micro-batch's inputs between forward and backward and
+    recomputes its activations in the backward (Chen et al. 2016, "Training Deep Nets with
+    Sublinear Memory Cost"; GPipe's re-materialization).
+
     Example:
         >>> runner = StageRunner(lambda x, training: model(x, training=training),
         ...                      model.trainable_variables, loss=model._compile_loss)
@@ -29,8 +34,12 @@ class StageRunner:
         >>> grads = runner.take_gradients()
     """
 
-    def __init__(self, call, variables, loss=None):
+    def __init__(self, call, variables, loss=None, recompute=False, state_variables=()):
         self.variables = list(variables)
+        self.recompute = recompute
+        # What a forward changes besides activations (BatchNormalization statistics, Dropout
+        # seeds): put back around a recomputation so that it replays the first forward exactly.
+        self.state_variables = list(state_variables)
         # The tf.Variable behind each Keras variable: what a tape can watch and differentiate.
         self._sources = [getattr(v, "value", v) for v in self.variables]
         self.is_last = loss is not None
@@ -58,24 +67,47 @@ class StageRunner:
         """Run the forward of `microbatch`, keeping what its backward needs.
 
         Returns the outputs; at the last stage `(y_pred, loss)` where `loss` is the micro-batch
-        mean and `scale` (its share of the global batch) weights its gradient.
+        mean and `scale` (its share of the global batch) weights its gradient. With
+        `recompute`, only the inputs and the stage's random/statistics state are kept, and the
+        backward runs the forward again.
         """
-        watched = [t for t in tree.flatten(inputs) if _is_float(t)]
+        scale = tf.constant(scale, tf.float32)
+        if self.recompute:
+            snapshot = [np.array(v.numpy()) for v in self.state_variables]
+            result, _ = self._taped_forward(inputs, targets, scale, tape=None)
+            self._pending[microbatch] = (None, (inputs, targets, scale, snapshot))
+            return result
         with tf.GradientTape(watch_accessed_variables=False) as tape:
+            result, differentiate = self._taped_forward(inputs, targets, scale, tape)
+        self._pending[microbatch] = (tape, differentiate)
+        return result
+
+    def _taped_forward(self, inputs, targets, scale, tape):
+        """The forward; under `tape`, also what to differentiate: (watched inputs, targets)."""
+        watched = [t for t in tree.flatten(inputs) if _is_float(t)]
+        if tape is not None:
             tape.watch(watched)
             tape.watch(self._sources)
-            if self.is_last:
-                y, sample_weight = targets
-                y_pred, loss, scaled = self._loss_forward_fn(
-                    inputs, y, sample_weight, tf.constant(scale, tf.float32)
-                )
-                result = (y_pred, loss)
-                targets_to_differentiate = scaled
-            else:
-                result = self._forward_fn(inputs)
-                targets_to_differentiate = [t for t in tree.flatten(result) if _is_float(t)]
-        self._pending[microbatch] = (tape, inputs, watched, targets_to_differentiate)
-        return result
+        if self.is_last:
+            y, sample_weight = targets
+            y_pred, loss, scaled = self._loss_forward_fn(inputs, y, sample_weight, scale)
+            return (y_pred, loss), (inputs, watched, scaled)
+        result = self._forward_fn(inputs)
+        return result, (inputs, watched, [t for t in tree.flatten(result) if _is_float(t)])
+
+    def _recomputed(self, inputs, targets, scale, snapshot):
+        """Run the forward again under a tape, from the state it first saw (same Dropout masks,
+        no second BatchNormalization update)."""
+        current = [np.array(v.numpy()) for v in self.state_variables]
+        for variable, value in zip(self.state_variables, snapshot):
+            variable.assign(value)
+        try:
+            with tf.GradientTape(watch_accessed_variables=False) as tape:
+                _, differentiate = self._taped_forward(inputs, targets, scale, tape)
+        finally:
+            for variable, value in zip(self.state_variables, current):
+                variable.assign(value)
+        return tape, differentiate
 
     def backward(self, microbatch: int, output_grads=None):
         """Backward of `microbatch`: accumulate variable gradients, return input gradients.
@@ -84,7 +116,10 @@ class StageRunner:
         (None at the last stage). Input gradients come back in the order of the flattened
         inputs, None for integer inputs. The micro-batch's activations are released here.
         """
-        tape, inputs, watched, targets = self._pending.pop(microbatch)
+        tape, kept = self._pending.pop(microbatch)
+        if tape is None:
+            tape, kept = self._recomputed(*kept)
+        inputs, watched, targets = kept
         grads = tape.gradient(
             targets,
             watched + self._sources,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 from keras import tree
+from keras.optimizers import LossScaleOptimizer
 
 from hyparflow.comm.agree import AgreedError
 from hyparflow.comm.allreduce import GradientReducer
@@ -74,7 +75,13 @@ class Trainer:
             self.variables = list(self.stage.model.trainable_variables)
             call = self._call_stage
             self.owned = _owned_variables(plan, topo.stage)
-        self.runner = StageRunner(call, self.variables, loss=self._loss if self.is_last else None)
+        self.runner = StageRunner(
+            call,
+            self.variables,
+            loss=self._loss if self.is_last else None,
+            recompute=strategy.recompute,
+            state_variables=self._forward_state() if strategy.recompute else (),
+        )
         self._update_metrics_fn = tf.function(self._update_metrics)
         self._regularized = [v for v in self.owned if getattr(v, "regularizer", None)]
         self._reg_fn = tf.function(self._regularization_and_grads)
@@ -261,6 +268,24 @@ class Trainer:
                 )
             )
 
+    def _loss_scale(self) -> float:
+        """Keras's dynamic loss scale under mixed_float16 (a LossScaleOptimizer), else 1."""
+        optimizer = self.model.optimizer
+        if isinstance(optimizer, LossScaleOptimizer):
+            return float(optimizer.scale_loss(tf.constant(1.0)))
+        return 1.0
+
+    def _agree_finite_for_loss_scaling(self, grads: list) -> list:
+        """Under loss scaling, every stage must skip an overflowing step together: if any rank
+        saw Inf/NaN, all hand NaN gradients to their LossScaleOptimizer, which then skips the
+        step and lowers the scale identically everywhere."""
+        finite = all(bool(tf.reduce_all(tf.math.is_finite(g))) for g in grads)
+        with self.watchdog.guard("agree on finite scaled gradients"):
+            finite = self.topology.world.allreduce(finite, op=_mpi_op("LAND"))
+        if finite:
+            return grads
+        return [tf.fill(tf.shape(g), tf.constant(float("nan"), g.dtype)) for g in grads]
+
     def _apply(self, grads: list) -> float:
         """Add regularization gradients, step the optimizer; return the total regularization."""
         reg_value = 0.0
@@ -268,11 +293,14 @@ class Trainer:
             value, reg_grads = self._reg_fn()
             reg_value = float(value)
             position = {id(v): i for i, v in enumerate(self.variables)}
+            scale = self._loss_scale()  # the stage gradients are of the scaled loss
             for v, g in zip(self._regularized, reg_grads):
-                grads[position[id(v)]] = grads[position[id(v)]] + g
+                grads[position[id(v)]] = grads[position[id(v)]] + g * scale
         if self._has_regularizers:
             with self.watchdog.guard("sum regularization over the pipeline"):
                 reg_value = self.topology.pipeline_comm.allreduce(reg_value)
+        if isinstance(self.model.optimizer, LossScaleOptimizer):
+            grads = self._agree_finite_for_loss_scaling(grads)
         if self.variables:  # a stage of only Add/Activation layers has nothing to update
             self.model.optimizer.apply_gradients(zip(grads, self.variables))
         return reg_value
@@ -324,6 +352,7 @@ class Trainer:
         before = grid.rank_of(topo.stage - 1, topo.replica) if not self.is_first else None
         after = grid.rank_of(topo.stage + 1, topo.replica) if not self.is_last else None
         span = self._span
+        loss_scale = self._loss_scale() if train and self.is_last else 1.0
         results = []
         for action in actions:
             k = action.microbatch
@@ -336,7 +365,9 @@ class Trainer:
                         inputs = prev.recv(k, FORWARD, n)
                 with span(events.FORWARD, k):
                     if train:
-                        out = self.runner.forward(k, inputs, (y, sw), scale=n / global_size)
+                        out = self.runner.forward(
+                            k, inputs, (y, sw), scale=n / global_size * loss_scale
+                        )
                     else:
                         out = self.runner.infer(inputs)
                     if self.is_last:
@@ -384,6 +415,15 @@ class Trainer:
         with self.watchdog.guard("share loss and metrics", peer=self._log_root):
             logs = reduced_results(self.model, self.topology.stage_comm) if self.is_last else None
             return self.topology.world.bcast(logs, root=self._log_root)
+
+    def _forward_state(self) -> list:
+        """Variables a forward pass of this stage changes: statistics and random seed states."""
+        from hyparflow.checkpoint.state import layers_of_seed_keys, seed_generators
+
+        model = self.model if self.plan is None else self.stage.model
+        owners = layers_of_seed_keys(self.model)
+        seeds = [var for key, var in seed_generators(self.model) if self.runs_layer(owners[key])]
+        return list(model.non_trainable_variables) + seeds
 
     # --- what a checkpoint needs --------------------------------------------------------
     def owned_weight_indices(self) -> list[int]:

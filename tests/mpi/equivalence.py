@@ -1,6 +1,7 @@
 """Train configurations with hf.fit and with plain Keras from the same weights; report diffs.
 
-Arguments: configurations "model:optimizer:strategy:partitions:replicas:microbatches:schedule".
+Arguments: configurations "model:optimizer:strategy:partitions:replicas:microbatches:schedule"
+(schedule "1f1b-recompute" also turns on activation recomputation).
 Every rank trains the single-process Keras reference itself (tiny models), so each rank can
 compare its own copy of the trained model, which must hold the full weights.
 """
@@ -33,7 +34,8 @@ def run(config: str) -> dict:
         partitions=int(partitions),
         replicas=int(replicas),
         microbatches=int(microbatches),
-        schedule=schedule,
+        schedule=schedule.removesuffix("-recompute"),
+        recompute=schedule.endswith("-recompute"),
     )
     history = hf.fit(
         model, x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
@@ -50,6 +52,8 @@ def run(config: str) -> dict:
             {k: [v] for k, v in evaluated.items()}, {k: [v] for k, v in ref_evaluated.items()}
         ),
         "reference_optimizer_variables": len(reference.optimizer.variables),
+        "loss_scale": float(getattr(model.optimizer, "dynamic_scale", 1.0)),
+        "ref_loss_scale": float(getattr(reference.optimizer, "dynamic_scale", 1.0)),
         "weights": relative_difference(model.get_weights(), reference.get_weights()),
         "history": history_difference(history.history, ref_history.history),
         "keys": sorted(history.history),

@@ -112,9 +112,19 @@ def data(name: str, n: int = 70, seed: int = 0):
 
 
 def compiled(name: str, optimizer: str):
-    """A freshly built, compiled model with weights fixed by a seed."""
+    """A freshly built, compiled model with weights fixed by a seed.
+
+    An optimizer name ending in "16" ("adam16") builds the model under Keras's mixed_float16
+    policy (float16 compute and activations, float32 weights, dynamic loss scaling).
+    """
     keras.utils.set_random_seed(1234)
-    model = BUILDERS[name]()
+    mixed = optimizer.endswith("16")
+    optimizer = optimizer.removesuffix("16")
+    keras.config.set_dtype_policy("mixed_float16" if mixed else "float32")
+    try:
+        model = BUILDERS[name]()
+    finally:
+        keras.config.set_dtype_policy("float32")
     opt = {
         "sgd": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
         "adam": lambda: keras.optimizers.Adam(0.01),

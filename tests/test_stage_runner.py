@@ -1,0 +1,86 @@
+"""StageRunner on one process: gradients, micro-batch accumulation and recomputation."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from hyparflow.engine.stage import StageRunner
+
+
+def _model():
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((5,))
+    x = keras.layers.Dense(8, use_bias=False)(inputs)
+    x = keras.layers.BatchNormalization()(x)
+    x = keras.layers.Dropout(0.4)(x)
+    outputs = keras.layers.Dense(2)(x)
+    model = keras.Model(inputs, outputs)
+    model.compile(loss="mse", optimizer="sgd")
+    return model
+
+
+def _state(model):
+    layers = model._flatten_layers(include_self=False)
+    seeds = [g.state for layer in layers for g in getattr(layer, "_seed_generators", [])]
+    return list(model.non_trainable_variables) + seeds
+
+
+def _run(recompute: bool):
+    model = _model()
+    x = np.random.default_rng(0).normal(size=(12, 5)).astype("float32")
+    y = np.random.default_rng(1).normal(size=(12, 2)).astype("float32")
+    runner = StageRunner(
+        lambda inputs, training: model(inputs, training=training),
+        model.trainable_variables,
+        loss=lambda yt, yp, sw: model._compile_loss(yt, yp, sw),
+        recompute=recompute,
+        state_variables=_state(model) if recompute else (),
+    )
+    for k, part in enumerate((slice(0, 8), slice(8, 12))):
+        runner.forward(k, tf.constant(x[part]), (tf.constant(y[part]), None), scale=1.0)
+    kept_tapes = [tape is not None for tape, _ in runner._pending.values()]
+    for k in (1, 0):
+        runner.backward(k)
+    stats = [np.array(v.numpy()) for v in model.non_trainable_variables]
+    return runner.take_gradients(), stats, kept_tapes
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return _run(recompute=False), _run(recompute=True)
+
+
+def test_recompute_keeps_no_tape_between_forward_and_backward(runs):
+    (_, _, stored), (_, _, recomputed) = runs
+    assert stored == [True, True]
+    assert recomputed == [False, False]
+
+
+def test_recompute_gives_the_same_gradients_dropout_masks_included(runs):
+    (plain, _, _), (again, _, _) = runs
+    for a, b in zip(plain, again):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6, atol=1e-7)
+
+
+def test_recompute_does_not_update_batchnorm_statistics_twice(runs):
+    (_, plain_stats, _), (_, recomputed_stats, _) = runs
+    for a, b in zip(plain_stats, recomputed_stats):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+def test_take_gradients_hands_over_the_sum_and_resets():
+    model = _model()
+    model.layers[3].rate = 0.0  # no dropout: compare with one full-batch gradient
+    x = tf.random.stateless_normal((6, 5), seed=(1, 2))
+    y = tf.random.stateless_normal((6, 2), seed=(3, 4))
+    runner = StageRunner(
+        lambda inputs, training: model(inputs, training=training),
+        model.trainable_variables,
+        loss=lambda yt, yp, sw: model._compile_loss(yt, yp, sw),
+    )
+    runner.forward(0, x, (y, None), scale=1.0)
+    runner.backward(0)
+    (whole,) = [runner.take_gradients()]
+    assert all(float(tf.reduce_sum(tf.abs(g))) == 0 for g in runner.take_gradients())
+    assert len(whole) == len(model.trainable_variables)
