@@ -175,19 +175,16 @@ class Trainer:
         key = (max_microbatch, num_microbatches)
         if key not in self._channels:
             topo, stage = self.topology, self.stage
-            prev = nxt = None
-            if not self.is_first:
-                specs = [((max_microbatch, *t.shape), t.dtype) for t in stage.receives]
-                prev = PipeChannel(
-                    topo.pipeline_comm, topo.prev_rank, specs, num_microbatches,
-                    backward_specs=[s for s in specs if tf.as_dtype(s[1]).is_floating],
-                )  # fmt: skip
-            if not self.is_last:
-                specs = [((max_microbatch, *t.shape), t.dtype) for t in stage.sends]
-                nxt = PipeChannel(
-                    topo.pipeline_comm, topo.next_rank, specs, num_microbatches,
-                    backward_specs=[s for s in specs if tf.as_dtype(s[1]).is_floating],
-                )  # fmt: skip
+
+            def channel(peer, boundary):
+                specs = [((max_microbatch, *t.shape), t.dtype) for t in boundary]
+                floats = [s for s in specs if tf.as_dtype(s[1]).is_floating]  # carry gradients
+                return PipeChannel(
+                    topo.pipeline_comm, peer, specs, num_microbatches, backward_specs=floats
+                )
+
+            prev = None if self.is_first else channel(topo.prev_rank, stage.receives)
+            nxt = None if self.is_last else channel(topo.next_rank, stage.sends)
             self._channels[key] = (prev, nxt)
         return self._channels[key]
 
