@@ -1,0 +1,114 @@
+"""hf.fit through a real single-node Slurm: `srun --mpi=pmix` and `sbatch` running mpirun.
+
+The fixture starts munged, slurmctld and slurmd (tests/slurm_cluster.py) and stops them after.
+Slurm must be installed (`apt-get install slurm-wlm munge`, as root): without it these tests
+fail with that instruction rather than skip.
+"""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.mpirun import MPI_ENV, REPO
+from tests.slurm_cluster import INSTALL_HINT, missing_tools, start_cluster
+
+TOLERANCE = 1e-5
+SBATCH = os.path.join(REPO, "examples", "slurm", "train.sbatch")
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    missing = missing_tools()
+    if missing:
+        pytest.fail(f"Slurm is not installed (missing {', '.join(missing)}): {INSTALL_HINT}")
+    if os.geteuid() != 0:
+        pytest.fail("the Slurm tests start slurmd and munged as root: run them as root")
+    cluster = start_cluster(extra_env=MPI_ENV)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def _run_job(slurm, command, out_dir, timeout=400):
+    try:
+        done = slurm.run(command, timeout=timeout, cwd=REPO)
+    except subprocess.TimeoutExpired:
+        slurm.run(["scancel", "--full", "--user=root"], timeout=30)
+        pytest.fail(f"{command[0]} did not finish in {timeout} s\n{slurm.logs()}")
+    results = []
+    for path in sorted(glob.glob(os.path.join(out_dir, "rank*.json"))):
+        with open(path) as f:
+            results.append(json.load(f))
+    return done, results
+
+
+def _check_training(results, describe):
+    assert [r["rank"] for r in results] == [0, 1], describe()
+    for r in results:
+        assert r["size"] == 2, describe()
+        for kind, difference in r["weights"].items():
+            assert difference < TOLERANCE, f"rank {r['rank']} {kind}: {difference:.2e}"
+    assert len({r["job_id"] for r in results}) == 1
+    assert sorted(r["local_rank"] for r in results) == [0, 1]
+
+
+def test_srun_pmix_runs_hf_fit_directly(slurm, tmp_path):
+    command = [
+        "srun", "-n", "2", "-c", "1", "--mpi=pmix", "--time=10", "--job-name=hf-srun",
+        sys.executable, "-m", "tests.mpi.slurm_fit", str(tmp_path),
+    ]  # fmt: skip
+    done, results = _run_job(slurm, command, tmp_path)
+
+    def describe():
+        output = f"{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
+        return f"srun exit {done.returncode}\n{output}\n{slurm.logs()}"
+
+    assert done.returncode == 0, describe()
+    _check_training(results, describe)
+    for r in results:
+        assert r["step_id"] == "0" and r["slurm_procid"] == str(r["rank"])
+        assert r["job"].endswith("step 0: 1 node(s) localhost, 2 task(s), 1 CPU(s) per task")
+        assert r["cpus_per_rank"] == 1
+
+
+def test_sbatch_script_runs_mpirun_in_the_allocation(slurm, tmp_path):
+    log = tmp_path / "job.out"
+    command = [
+        "sbatch", "--wait", "--nodes=1", "--ntasks=2", "--ntasks-per-node=2",
+        "--cpus-per-task=1", "--time=10", f"--output={log}", SBATCH,
+        sys.executable, "-m", "tests.mpi.slurm_fit", str(tmp_path),
+    ]  # fmt: skip
+    done, results = _run_job(slurm, command, tmp_path)
+
+    def describe():
+        job_log = log.read_text() if log.exists() else "(no job output)"
+        output = f"{done.stderr[-2000:]}\njob output:\n{job_log[-5000:]}"
+        return f"sbatch exit {done.returncode}\n{output}\n{slurm.logs()}"
+
+    assert done.returncode == 0, describe()
+    _check_training(results, describe)
+    for r in results:
+        assert r["step_id"] is None, "mpirun's ranks run in the batch step"
+        assert r["job"].endswith("batch: 1 node(s) localhost, 2 task(s), 1 CPU(s) per task")
+        assert r["intra_op_threads"] == "1", "the script sizes TF's threads to --cpus-per-task"
+    assert "hyparflow: job" in log.read_text()
+
+
+def test_a_fresh_cluster_ignores_one_left_running(slurm):
+    """The fixture's cluster plays a stale one from an earlier run: a new one still works."""
+    fresh = start_cluster(extra_env=MPI_ENV)
+    try:
+        assert (fresh.root, fresh.name) != (slurm.root, slurm.name)
+        for cluster in (slurm, fresh):
+            done = cluster.run(["srun", "-n", "1", "printenv", "SLURM_CLUSTER_NAME"], timeout=60)
+            assert done.returncode == 0, done.stderr
+            assert done.stdout.strip() == cluster.name
+    finally:
+        fresh.stop()
+    assert not os.path.exists(fresh.root)
+    assert all(proc.poll() is not None for proc in fresh.daemons.values())
