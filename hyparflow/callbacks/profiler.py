@@ -104,7 +104,7 @@ class ScalingProfiler(keras.callbacks.Callback):
             self.rank = topo.rank
             layout = {
                 "world_size": topo.world.Get_size(),
-                "kind": strategy.kind,
+                "kind": _kind(topo.num_stages, topo.num_replicas),  # "auto" resolved
                 "stages": topo.num_stages,
                 "replicas": topo.num_replicas,
                 "microbatches": strategy.microbatches,
@@ -118,9 +118,10 @@ class ScalingProfiler(keras.callbacks.Callback):
             self._recorder = Recorder()
             trainer.attach_recorder(self._recorder)
         self._layout, self._ranks = layout, ranks
-        self._writer = _file_writer(os.path.join(self.log_dir, rank_run(self.rank)))
+        os.makedirs(self.log_dir, exist_ok=True)
+        self._writer = scalars.ScalarWriter(os.path.join(self.log_dir, rank_run(self.rank)))
         if self.rank == 0:
-            self._aggregate_writer = _file_writer(os.path.join(self.log_dir, AGGREGATE_RUN))
+            self._aggregate_writer = scalars.ScalarWriter(os.path.join(self.log_dir, AGGREGATE_RUN))
             self._summary = RunSummary(layout, ranks, self.baseline_throughput)
             self._tracks = {r["rank"]: (r, []) for r in ranks}
 
@@ -181,9 +182,7 @@ class ScalingProfiler(keras.callbacks.Callback):
             bubbles = self._comm.scatter(
                 self._combine(gathered) if self.rank == 0 else None, root=0
             )
-        for b in steps:
-            scalars.write(self._writer, b.step, scalars.rank_values(b, bubbles.get(b.step)))
-        self._writer.flush()
+        self._writer.write([(b.step, scalars.rank_values(b, bubbles.get(b.step))) for b in steps])
 
     def _combine(self, gathered) -> list[dict]:
         """On rank 0: the job's steps into the aggregate run and the summary; returns each
@@ -195,17 +194,18 @@ class ScalingProfiler(keras.callbacks.Callback):
                 by_step.setdefault(b.step, [None] * len(gathered))[rank] = b
         replicas = [r["replica"] for r in self._ranks]
         bubbles = [{} for _ in gathered]
+        rows = []
         for step in sorted(by_step):
             ranks = by_step[step]
             if None in ranks:  # every rank records every step; skip rather than guess
                 logger.warning("profiler: step %d is missing on some ranks; skipped", step)
                 continue
             job = job_step(ranks, replicas, self._num_stages, self.baseline_throughput)
-            scalars.write(self._aggregate_writer, step, scalars.job_values(job))
+            rows.append((step, scalars.job_values(job)))
             self._summary.add(job, ranks)
             for rank, bubble in enumerate(job.bubbles):
                 bubbles[rank][step] = bubble
-        self._aggregate_writer.flush()
+        self._aggregate_writer.write(rows)
         return bubbles
 
     def _timeline_window(self):
@@ -260,10 +260,10 @@ class ScalingProfiler(keras.callbacks.Callback):
         self._trainer = None
 
 
-def _file_writer(path: str):
-    import tensorflow as tf
-
-    return tf.summary.create_file_writer(path)
+def _kind(stages: int, replicas: int) -> str:
+    if stages > 1:
+        return "hybrid" if replicas > 1 else "model"
+    return "data"
 
 
 def _within(step: int, window) -> bool:

@@ -65,10 +65,60 @@ def job_values(j: JobStep) -> dict[str, float]:
     return values
 
 
-def write(writer, step: int, values: dict[str, float]) -> None:
-    """Write `values` as scalars at `step` with a `tf.summary` file writer."""
-    import tensorflow as tf
+class ScalarWriter:
+    """A `tf.summary` file writer for one run that writes many steps in one compiled call.
 
-    with writer.as_default():
-        for tag, value in values.items():
-            tf.summary.scalar(tag, value, step=step)
+    Eager `tf.summary.scalar` costs about 0.2 ms a scalar on a busy CPU, i.e. milliseconds per
+    step with a dozen tags; inside one `tf.function` per flush it costs microseconds.
+    """
+
+    def __init__(self, path: str):
+        import tensorflow as tf
+
+        self._writer = tf.summary.create_file_writer(path)
+        self._functions = {}  # tag tuple -> compiled writer of rows with those tags
+
+    def write(self, rows: list[tuple[int, dict[str, float]]]) -> None:
+        """Write `(step, {tag: value})` rows and flush them to disk."""
+        import numpy as np
+        import tensorflow as tf
+
+        by_tags: dict[tuple, list] = {}
+        for step, values in rows:
+            by_tags.setdefault(tuple(values), []).append((step, values))
+        for tags, group in by_tags.items():
+            if tags not in self._functions:
+                self._functions[tags] = self._compile(tags)
+            steps = np.array([step for step, _ in group], np.int64)
+            values = np.array([[v[tag] for tag in tags] for _, v in group], np.float32)
+            self._functions[tags](tf.constant(steps), tf.constant(values))
+        self._writer.flush()
+
+    def _compile(self, tags: tuple):
+        import tensorflow as tf
+        from tensorboard.plugins.scalar import metadata
+
+        writer = self._writer
+        # What tf.summary.scalar writes, minus its name scope: in a while loop that would
+        # turn every tag into "while/<tag>".
+        scalar = metadata.create_summary_metadata(display_name=None, description=None)
+
+        signature = (
+            tf.TensorSpec([None], tf.int64),
+            tf.TensorSpec([None, len(tags)], tf.float32),
+        )  # any number of rows, one trace
+
+        @tf.function(autograph=False, input_signature=signature)
+        def write_rows(steps, values):
+            def body(i):
+                for j, tag in enumerate(tags):
+                    tf.summary.write(tag, values[i, j], step=steps[i], metadata=scalar)
+                return (i + 1,)
+
+            with writer.as_default():
+                tf.while_loop(lambda i: i < tf.shape(steps)[0], body, (tf.constant(0),))
+
+        return write_rows
+
+    def close(self) -> None:
+        self._writer.close()
