@@ -1,0 +1,76 @@
+"""hf.fit with comm="horovod" against comm="mpi" and single-process Keras, or its missing error.
+
+Arguments: "missing" (report the error hf.fit(comm="horovod") raises where Horovod is absent), or
+configurations "model:optimizer:strategy:partitions:replicas:microbatches:schedule". All
+configurations run in one launch, so later Trainers reuse the Horovod process sets of earlier
+ones with the same grid and add those of new grids.
+"""
+
+import keras
+
+import hyparflow as hf
+from tests.mpi.compare import history_difference, relative_difference
+from tests.mpi.models import compiled, data
+from tests.mpi.report import args, report
+
+BATCH, EPOCHS = 16, 2
+
+
+def train(config: str, comm: str):
+    """Model, History and predictions of hf.fit with one gradient-reduction backend."""
+    name, optimizer, kind, partitions, replicas, microbatches, schedule = config.split(":")
+    x, y = data(name)
+    strategy = hf.Strategy(
+        kind,
+        partitions=int(partitions),
+        replicas=int(replicas),
+        microbatches=int(microbatches),
+        schedule=schedule,
+    )
+    model = compiled(name, optimizer)
+    history = hf.fit(
+        model, x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
+        strategy=strategy, comm=comm,
+    )  # fmt: skip
+    predicted = hf.predict(model, data(name, n=20, seed=1)[0], batch_size=8, strategy=strategy)
+    return model, history.history, predicted
+
+
+def run(config: str) -> dict:
+    name, optimizer = config.split(":")[:2]
+    x, y = data(name)
+    reference = compiled(name, optimizer)
+    ref_history = reference.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+    mpi_model, mpi_history, mpi_predicted = train(config, "mpi")
+    hvd_model, hvd_history, hvd_predicted = train(config, "horovod")
+    reducer = hvd_model._hyparflow_trainer[1].replica_reducer  # predict reused fit's Trainer
+    return {
+        "config": config,
+        "reducer": type(reducer).__name__,
+        "horovod_calls": getattr(reducer, "calls", 0),
+        "horovod_vs_mpi": relative_difference(hvd_model.get_weights(), mpi_model.get_weights()),
+        "horovod_vs_keras": relative_difference(hvd_model.get_weights(), reference.get_weights()),
+        "mpi_vs_keras": relative_difference(mpi_model.get_weights(), reference.get_weights()),
+        "history_vs_keras": history_difference(hvd_history, ref_history.history),
+        "predict_vs_mpi": relative_difference(
+            keras.tree.flatten(hvd_predicted), keras.tree.flatten(mpi_predicted)
+        ),
+    }
+
+
+def missing() -> dict:
+    name = "mlp"
+    x, y = data(name)
+    try:
+        hf.fit(compiled(name, "sgd"), x, y, batch_size=BATCH, verbose=0, comm="horovod")
+    except Exception as error:  # noqa: BLE001 - the test checks which error
+        return {"rank": hf.rank(), "error": f"{type(error).__name__}: {error}"}
+    return {"rank": hf.rank(), "error": None}
+
+
+if __name__ == "__main__":
+    keras.config.disable_interactive_logging()
+    if args() == ["missing"]:
+        report(missing())
+    else:
+        report({"rank": hf.rank(), "results": [run(c) for c in args()]})

@@ -1,0 +1,69 @@
+"""hf.fit(comm="horovod") trains to the weights of comm="mpi" and of Keras; without Horovod it
+is a clear error on every rank.
+
+The equivalence tests need Horovod, which only `make test-compat` builds (in .venv-compat, on
+TensorFlow 2.17); the main venv runs the missing-Horovod test instead.
+"""
+
+import importlib.util
+
+import pytest
+
+from tests.mpirun import run_scenario
+
+HAVE_HOROVOD = importlib.util.find_spec("horovod") is not None
+needs_horovod = pytest.mark.skipif(
+    not HAVE_HOROVOD,
+    reason="Horovod is not installed in this venv; `make test-compat` builds it and runs this",
+)
+
+# model:optimizer:strategy:partitions:replicas:microbatches:schedule
+TWO_RANKS = [
+    "mlp:sgd:data:1:2:1:gpipe",
+    "cnn:adam:data:1:2:1:gpipe",
+    "shared:sgd:data:1:2:1:gpipe",
+]
+FOUR_RANKS = [
+    "mlp:adam:hybrid:2:2:2:1f1b",
+    "resnet:sgd:hybrid:2:2:2:gpipe",
+    "mlp:adam:data:1:4:1:gpipe",  # a second grid in the same processes: new process sets
+    "l2_mlp:sgd:hybrid:2:2:1:1f1b",  # the first grid again: its process sets are reused
+    "mlp:sgd:model:4:1:2:gpipe",  # one replica per stage: nothing for Horovod to sum
+]
+TOLERANCE = 1e-5
+
+
+def _check(results, configs):
+    for rank_result in results:
+        assert [r["config"] for r in rank_result["results"]] == configs
+        for r in rank_result["results"]:
+            where = f"rank {rank_result['rank']}, {r['config']}"
+            assert r["reducer"] == "HorovodReducer", where
+            replicas = int(r["config"].split(":")[4])
+            assert (r["horovod_calls"] > 0) == (replicas > 1), f"{where}: {r['horovod_calls']}"
+            for key in ("horovod_vs_mpi", "horovod_vs_keras", "mpi_vs_keras", "history_vs_keras"):
+                assert r[key] < TOLERANCE, f"{where}: {key} is {r[key]:.2e}"
+            assert r["predict_vs_mpi"] < TOLERANCE, f"{where}: predict {r['predict_vs_mpi']:.2e}"
+
+
+@needs_horovod
+@pytest.mark.timeout(600)
+def test_horovod_data_parallel_two_ranks_matches_mpi_and_keras():
+    _check(run_scenario("horovod_fit", 2, *TWO_RANKS, timeout=540), TWO_RANKS)
+
+
+@needs_horovod
+@pytest.mark.timeout(900)
+def test_horovod_hybrid_four_ranks_matches_mpi_and_keras():
+    _check(run_scenario("horovod_fit", 4, *FOUR_RANKS, timeout=840), FOUR_RANKS)
+
+
+@pytest.mark.skipif(HAVE_HOROVOD, reason="Horovod is installed here, so it cannot be missing")
+@pytest.mark.timeout(120)
+def test_missing_horovod_is_a_clear_error_on_every_rank():
+    results = run_scenario("horovod_fit", 2, "missing", timeout=100)
+    for rank, result in enumerate(results):
+        error = result["error"]
+        assert error is not None, f"rank {rank} trained without Horovod"
+        assert error.startswith("ImportError: comm='horovod' needs Horovod"), error
+        assert "scripts/build_horovod.sh" in error and "docs/horovod.md" in error, error
