@@ -11,12 +11,15 @@ export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 export OMPI_MCA_rmaps_base_oversubscribe := 1
 export TF_CPP_MIN_LOG_LEVEL := 2
 
-.PHONY: setup mpi demo test lint format clean
+.PHONY: setup mpi test-tools demo test lint format containers clean
 
 setup: mpi $(STAMP)
 
 mpi:
 	@scripts/ensure_mpi.sh
+
+test-tools:
+	@scripts/ensure_test_tools.sh
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -27,7 +30,7 @@ demo: setup
 	TF_NUM_INTRAOP_THREADS=1 TF_NUM_INTEROP_THREADS=1 \
 	  mpirun -np $(NP) --oversubscribe --bind-to none $(PY) examples/demo.py
 
-test: lint
+test: lint test-tools
 	$(PY) -m pytest
 
 lint: setup
@@ -37,6 +40,9 @@ lint: setup
 format: setup
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
+
+containers: setup
+	$(PY) containers/generate.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -1,6 +1,6 @@
 """hyparflow: data, model (pipeline) and hybrid parallel training of Keras 3 models over MPI."""
 
-from hyparflow import callbacks
+from hyparflow import callbacks, data, launch
 from hyparflow.api import evaluate, fit, predict
 from hyparflow.checkpoint import export
 from hyparflow.comm.world import rank, size
@@ -13,9 +13,11 @@ __all__ = [
     "Plan",
     "Strategy",
     "callbacks",
+    "data",
     "evaluate",
     "export",
     "fit",
+    "launch",
     "partition",
     "predict",
     "rank",

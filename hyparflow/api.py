@@ -168,6 +168,14 @@ def fit(
     needs_engine = resume or resume_from or check_numerics or _checkpoints(fit_kwargs)
     if size() == 1 and not needs_engine:
         # One rank, one partition, one replica: the embedded default is plain Keras.
+        if hasattr(x, "as_keras"):  # hyparflow readers (hf.data.HDF5) as a Keras PyDataset
+            x = x.as_keras(
+                batch_size=batch_size or 32,
+                shuffle=fit_kwargs.pop("shuffle", True),
+                seed=int(np.random.randint(2**31 - 1)),
+            )
+            batch_size = None
+            fit_kwargs["shuffle"] = False  # the reader shuffles samples itself
         return model.fit(x, y, batch_size=batch_size, epochs=epochs, **fit_kwargs)
     return _distributed_fit(model, x, y, batch_size, epochs, resolved, options, **fit_kwargs)
 
@@ -283,7 +291,11 @@ def _distributed_fit(model, x, y, batch_size, epochs, resolved, options, **kwarg
             check_divisible(source.batch_size, resolved.replicas, resolved.microbatches)
         validation_source = None
         if validation_data is not None:
-            vx, vy, vsw = unpack(tuple(validation_data))
+            vx, vy, vsw = (
+                (validation_data, None, None)
+                if hasattr(validation_data, "as_source")
+                else unpack(tuple(validation_data))
+            )
             validation_source = make_source(
                 vx, vy, vsw, batch_size=kwargs.get("validation_batch_size") or batch_size
             )
@@ -329,6 +341,8 @@ def evaluate(
     """
     resolved = _resolve(model, strategy, num_partitions, num_replicas, num_microbatches)
     if size() == 1:
+        if hasattr(x, "as_keras"):
+            x, batch_size = x.as_keras(batch_size=batch_size or 32), None
         return model.evaluate(
             x, y, batch_size=batch_size, sample_weight=sample_weight, steps=steps,
             callbacks=callbacks, return_dict=return_dict, verbose=verbose,
@@ -359,6 +373,8 @@ def predict(
         size()
     )
     if size() == 1:
+        if hasattr(x, "as_keras"):
+            x, batch_size = x.as_keras(batch_size=batch_size or 32), None
         return model.predict(x, batch_size=batch_size, steps=steps, verbose=verbose)
     from hyparflow.comm.agree import agree
     from hyparflow.data import make_source

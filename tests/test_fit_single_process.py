@@ -88,3 +88,25 @@ def test_uncompiled_model_is_a_clear_error():
 def test_rank_and_size_without_launcher():
     assert hf.rank() == 0
     assert hf.size() == 1
+
+
+def test_hf_fit_reads_hdf5_on_one_process_like_arrays(tmp_path):
+    import h5py
+
+    x, y, _ = _data()
+    path = str(tmp_path / "train.h5")
+    with h5py.File(path, "w") as f:
+        f["x"], f["y"] = x, y
+    keras.utils.set_random_seed(7)
+    model = _model()
+    model.layers[2].rate = 0.0  # same math without dropout masks
+    keras.utils.set_random_seed(7)
+    reference = _model()
+    reference.layers[2].rate = 0.0
+    reference.fit(x, y, batch_size=20, epochs=2, shuffle=False, verbose=0)
+    with hf.data.HDF5(path, x="x", y="y") as data:
+        hf.fit(model, data, batch_size=20, epochs=2, shuffle=False, verbose=0)
+        evaluated = hf.evaluate(model, data, batch_size=20, verbose=0)
+    for ref, got in zip(reference.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-7)
+    assert np.isfinite(evaluated).all()

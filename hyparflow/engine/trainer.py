@@ -37,6 +37,17 @@ def model_input_list(model, x) -> list:
     return list(x) if isinstance(x, (list, tuple)) else [x]
 
 
+def pack_model_outputs(model, flat: list):
+    """The last stage's flat outputs in the structure `model(x)` returns (tensor, list, dict)."""
+    struct = getattr(model, "_outputs_struct", None)  # functional models
+    if struct is None:
+        functional = getattr(model, "_functional", None)  # Sequential wraps a functional model
+        struct = getattr(functional, "_outputs_struct", None)
+    if struct is None:
+        return flat[0] if len(flat) == 1 else list(flat)
+    return tree.pack_sequence_as(struct, flat)
+
+
 def _as_tensors(structure):
     return tree.map_structure(lambda a: None if a is None else tf.convert_to_tensor(a), structure)
 
@@ -120,7 +131,7 @@ class Trainer:
         outputs = self.stage.forward(inputs, training=training)
         flat = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
         if self.is_last:
-            return tree.pack_sequence_as(self.model._outputs_struct, flat)
+            return pack_model_outputs(self.model, flat)
         return flat
 
     def _loss(self, y, y_pred, sample_weight):

@@ -15,6 +15,19 @@ def mlp():
     return keras.Model(inputs, outputs, name="mlp")
 
 
+def sequential():
+    return keras.Sequential(
+        [
+            keras.Input((FEATURES,)),
+            keras.layers.Dense(8, activation="tanh"),
+            keras.layers.Dense(8, activation="relu"),
+            keras.layers.Dense(6, activation="tanh"),
+            keras.layers.Dense(3, activation="softmax"),
+        ],
+        name="sequential",
+    )
+
+
 def l2_mlp():
     reg = keras.regularizers.L2(0.01)
     inputs = keras.Input((FEATURES,))
@@ -90,7 +103,9 @@ def batchnorm():
     return keras.Model(inputs, outputs, name="batchnorm")
 
 
-BUILDERS = {f.__name__: f for f in (mlp, l2_mlp, cnn, resnet, multi_io, shared, batchnorm)}
+BUILDERS = {
+    f.__name__: f for f in (mlp, sequential, l2_mlp, cnn, resnet, multi_io, shared, batchnorm)
+}
 
 
 def data(name: str, n: int = 70, seed: int = 0):
