@@ -90,7 +90,6 @@ class ScalingProfiler(keras.callbacks.Callback):
         self._single_steps = []
         self._profiling = False
         self._step_trace = None
-        self._kept = []  # this rank's timeline steps, on rank 0's clock
         if trainer is None:
             self._comm, self.rank = None, 0
             layout = {"world_size": 1, "kind": "single process", "stages": 1, "replicas": 1,
