@@ -6,7 +6,8 @@ Run: .venv/bin/python benchmarks/profiler_overhead.py [--rounds 4] [--width 512]
 Prints, on rank 0, median times and ratios of:
 
 1. recording inside the step: one fit in which the engine's recorder is attached on every
-   other step, so on and off steps interleave and a busy machine's drift cancels out;
+   other step, so on and off steps interleave and a busy machine's drift cancels out; and,
+   free of that noise, the recorder alone timed on a step's worth of empty spans;
 2. the profiler's epoch-end work (gather, bubble, TensorBoard writing) per step, timed by
    callbacks just before and after it, from the second epoch on (the first also traces the
    scalar writers: reported as a one-time cost, like the files written at the end of fit);
@@ -129,6 +130,23 @@ def _callbacks():
     return StepTimer, EpochEndStart, AlternateRecorder
 
 
+def _recorder_step_seconds(spans: int) -> float:
+    """A recorded step with `spans` empty spans: what recording adds to a step, alone."""
+    from hyparflow.engine.events import Recorder
+
+    recorder = Recorder()
+
+    def one():
+        with recorder.step(samples=256, microbatches=4):
+            for k in range(spans):
+                with recorder.span("forward", k):
+                    pass
+
+    seconds = min(timeit.repeat(one, number=2_000, repeat=5)) / 2_000
+    recorder.take()
+    return seconds
+
+
 def _no_op_span_seconds() -> float:
     from hyparflow.engine import events
 
@@ -194,6 +212,7 @@ def main(argv=None) -> None:
     epoch_end = median(epoch_end_work)
     span = _no_op_span_seconds()
     spans_per_step = 4 * args.microbatches + 3  # recv, compute, send per action; 3 per step
+    recording = _recorder_step_seconds(spans_per_step)
     print(
         f"profiler overhead: {hf.size()} ranks, 2-stage pipeline (1f1b), "
         f"{args.microbatches} micro-batches, batch {args.batch_size}, MLP {args.layers} x "
@@ -202,6 +221,10 @@ def main(argv=None) -> None:
     print(
         f"1. recording in the step (median of {len(alternate.off)} interleaved steps each): "
         f"off {1e3 * off_step:.3f} ms, on {1e3 * on_step:.3f} ms, on/off {on_step / off_step:.4f}"
+    )
+    print(
+        f"   the recorder alone: {1e6 * recording:.1f} us per step of {spans_per_step} spans = "
+        f"{100 * recording / off_step:.3f}% of a step"
     )
     print(
         f"2. epoch-end work per step (median of {len(epoch_end_work)} epochs): "
