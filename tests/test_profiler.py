@@ -410,6 +410,8 @@ def test_single_process_fit_writes_step_times(tmp_path):
     assert result["layout"]["kind"] == "single process"
     assert result["steps"] == {"recorded": 8, "summarized": 7, "warmup_excluded": [0]}
     assert not (tmp_path / tl.TIMELINE_FILE).exists()  # no spans, nothing to draw
+    text, png = report.report(str(tmp_path))
+    assert png is None and "single process" in text and "Pipeline bubble: none" in text
 
 
 # --- under mpirun ------------------------------------------------------------------------
