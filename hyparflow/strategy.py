@@ -24,7 +24,8 @@ class Strategy:
     equal the MPI world size. Fields left as None are filled in by `resolve(world_size)`.
 
     `recompute=True` trades compute for memory: activations inside a stage are recomputed in
-    the backward pass instead of kept from the forward.
+    the backward pass instead of kept from the forward. `overlap_p2p` posts a step's receives
+    up front so that activations and gradients arrive while the stage computes.
 
     Example:
         >>> hf.Strategy("hybrid", partitions=2, replicas=2, microbatches=4, schedule="1f1b")
@@ -37,6 +38,7 @@ class Strategy:
     schedule: str = "gpipe"
     balance: str | list = "layers"
     recompute: bool = False
+    overlap_p2p: bool = True
 
     def __post_init__(self):
         if self.kind not in KINDS:

@@ -34,6 +34,7 @@ TWO_RANKS = [
     "l2_mlp:adam16:model:2:1:2:1f1b",
     "batchnorm:adam:model:2:1:1:1f1b-recompute",
     "resnet:sgd:model:2:1:4:gpipe-recompute",
+    "multi_io:adam:model:2:1:4:1f1b-blocking",
 ]
 FOUR_RANKS = [
     "mlp:adam:data:1:4:1:gpipe",
@@ -60,6 +61,7 @@ FOUR_RANKS = [
     "cnn:schedule:hybrid:2:2:2:gpipe",
     "resnet:adam16:hybrid:2:2:2:gpipe",
     "cnn:adam:hybrid:2:2:2:1f1b-recompute",
+    "resnet:adam:model:4:1:4:gpipe-blocking",
 ]
 TOLERANCE = 1e-5
 # mixed_float16: Keras and the pipeline round float16 activations of different micro-batch

@@ -361,6 +361,7 @@ class Trainer:
         after = grid.rank_of(topo.stage + 1, topo.replica) if not self.is_last else None
         span = self._span
         loss_scale = self._loss_scale() if train and self.is_last else 1.0
+        posted = self._post_receives(prev, nxt, count, train)
         results = []
         for action in actions:
             k = action.microbatch
@@ -370,7 +371,7 @@ class Trainer:
                     inputs = self._first_stage_inputs(x)
                 else:
                     with span(events.RECV, k), guard("receive activations", before, k):
-                        inputs = prev.recv(k, FORWARD, n)
+                        inputs = posted.pop((FORWARD, k)).wait(n)
                 with span(events.FORWARD, k):
                     if train:
                         out = self.runner.forward(
@@ -387,7 +388,7 @@ class Trainer:
                 grads = None
                 if not self.is_last:
                     with span(events.RECV, k), guard("receive gradients", after, k):
-                        grads = nxt.recv(k, BACKWARD, n)
+                        grads = posted.pop((BACKWARD, k)).wait(n)
                 with span(events.BACKWARD, k):
                     input_grads = self.runner.backward(k, grads)
                 if not self.is_first:
@@ -398,6 +399,28 @@ class Trainer:
                 if channel is not None:
                     channel.wait_sends()
         return results
+
+    def _post_receives(self, prev, nxt, count: int, train: bool) -> dict:
+        """Receives for the whole step, posted up front (`overlap_p2p`) so that transfers land
+        while this stage computes; otherwise each is posted when its action needs it."""
+
+        class Deferred:  # posts at wait(): the blocking receive of the plain path
+            def __init__(self, channel, k, direction):
+                self.channel, self.k, self.direction = channel, k, direction
+
+            def wait(self, n):
+                return self.channel.recv(self.k, self.direction, n)
+
+        early = self.strategy.overlap_p2p
+        posted = {}
+        for channel, direction in ((prev, FORWARD), (nxt if train else None, BACKWARD)):
+            if channel is None:
+                continue
+            for k in range(count):
+                posted[direction, k] = (
+                    channel.irecv(k, direction) if early else Deferred(channel, k, direction)
+                )
+        return posted
 
     def _finish_forward(self, out, y, sw, n, train, predict):
         if predict:

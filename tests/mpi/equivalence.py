@@ -1,7 +1,8 @@
 """Train configurations with hf.fit and with plain Keras from the same weights; report diffs.
 
 Arguments: configurations "model:optimizer:strategy:partitions:replicas:microbatches:schedule"
-(schedule "1f1b-recompute" also turns on activation recomputation).
+(schedule flags after "-": "1f1b-recompute" recomputes activations, "gpipe-blocking" posts
+each receive only when its action needs it).
 Every rank trains the single-process Keras reference itself (tiny models), so each rank can
 compare its own copy of the trained model, which must hold the full weights.
 """
@@ -34,8 +35,9 @@ def run(config: str) -> dict:
         partitions=int(partitions),
         replicas=int(replicas),
         microbatches=int(microbatches),
-        schedule=schedule.removesuffix("-recompute"),
-        recompute=schedule.endswith("-recompute"),
+        schedule=schedule.split("-")[0],
+        recompute="recompute" in schedule.split("-")[1:],
+        overlap_p2p="blocking" not in schedule.split("-")[1:],
     )
     history = hf.fit(
         model, x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
