@@ -8,7 +8,11 @@ TensorFlow 2.17); the main venv runs the missing-Horovod test instead.
 import importlib.util
 
 import pytest
+from mpi4py import MPI
 
+from hyparflow.comm.allreduce import GradientReducer
+from hyparflow.comm.backends import check_backend, make_reducer
+from hyparflow.comm.topology import Topology
 from tests.mpirun import run_scenario
 
 HAVE_HOROVOD = importlib.util.find_spec("horovod") is not None
@@ -56,6 +60,23 @@ def test_horovod_data_parallel_two_ranks_matches_mpi_and_keras():
 @pytest.mark.timeout(900)
 def test_horovod_hybrid_four_ranks_matches_mpi_and_keras():
     _check(run_scenario("horovod_fit", 4, *FOUR_RANKS, timeout=840), FOUR_RANKS)
+
+
+def test_backends_are_checked_and_mpi_is_the_fused_reducer():
+    with pytest.raises(ValueError, match=r"comm must be one of \('mpi', 'horovod'\)"):
+        check_backend("nccl")
+    reducer = make_reducer("mpi", Topology.create(MPI.COMM_SELF, 1, 1), [((2,), "float32")])
+    assert isinstance(reducer, GradientReducer) and reducer.op == "sum"
+
+
+@needs_horovod
+@pytest.mark.timeout(300)
+def test_horovod_reducer_handles_none_half_precision_and_sparse_like_mpi():
+    for result in run_scenario("horovod_fit", 2, "reducer", timeout=240):
+        for op in ("sum", "mean"):
+            assert result[op]["equal"], (result["rank"], op, result[op])
+            assert result[op]["none_kept"]
+            assert result[op]["dtypes"] == ["float32", None, "float16", "float32"]
 
 
 @pytest.mark.skipif(HAVE_HOROVOD, reason="Horovod is installed here, so it cannot be missing")

@@ -1,12 +1,15 @@
 """hf.fit with comm="horovod" against comm="mpi" and single-process Keras, or its missing error.
 
-Arguments: "missing" (report the error hf.fit(comm="horovod") raises where Horovod is absent), or
-configurations "model:optimizer:strategy:partitions:replicas:microbatches:schedule". All
-configurations run in one launch, so later Trainers reuse the Horovod process sets of earlier
-ones with the same grid and add those of new grids.
+Arguments: "missing" (report the error hf.fit(comm="horovod") raises where Horovod is absent),
+"reducer" (HorovodReducer against GradientReducer on awkward gradients), or configurations
+"model:optimizer:strategy:partitions:replicas:microbatches:schedule". All configurations run in
+one launch, so later Trainers reuse the Horovod process sets of earlier ones with the same grid
+and add those of new grids.
 """
 
 import keras
+import numpy as np
+import tensorflow as tf
 
 import hyparflow as hf
 from tests.mpi.compare import history_difference, relative_difference
@@ -68,9 +71,41 @@ def missing() -> dict:
     return {"rank": hf.rank(), "error": None}
 
 
+def reducer_cases() -> dict:
+    """HorovodReducer and GradientReducer on the same awkward gradients, for "sum" and "mean"."""
+    from hyparflow.comm.backends import make_reducer
+    from hyparflow.comm.topology import Topology
+    from hyparflow.comm.world import world
+
+    topology = Topology.create(world(), partitions=1, replicas=world().Get_size())
+    rank = topology.rank
+    specs = [((2, 3), "float32"), ((4,), "float32"), ((3,), "float16"), ((5, 2), "float32")]
+    grads = [
+        tf.fill((2, 3), float(rank + 1)),
+        None,  # a variable the loss does not reach
+        tf.constant([0.5, 1.5, rank + 0.25], tf.float16),
+        tf.IndexedSlices(tf.fill((1, 2), float(rank + 1)), tf.constant([rank]), (5, 2)),
+    ]
+    out = {}
+    for op in ("sum", "mean"):
+        got = make_reducer("horovod", topology, specs, op=op).reduce(grads)
+        want = make_reducer("mpi", topology, specs, op=op).reduce(grads)
+        out[op] = {
+            "none_kept": got[1] is None,
+            "dtypes": [None if g is None else g.dtype.name for g in got],
+            "equal": all(
+                (g is None and w is None) or np.array_equal(np.asarray(g), np.asarray(w))
+                for g, w in zip(got, want)
+            ),
+        }
+    return out
+
+
 if __name__ == "__main__":
     keras.config.disable_interactive_logging()
     if args() == ["missing"]:
         report(missing())
+    elif args() == ["reducer"]:
+        report({"rank": hf.rank(), **reducer_cases()})
     else:
         report({"rank": hf.rank(), "results": [run(c) for c in args()]})
