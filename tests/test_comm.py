@@ -243,6 +243,8 @@ def test_fused_allreduce_matches_numpy(ranks):
         assert 1 < num_buckets < num_grads and calls == 2 * num_buckets  # fused, two steps
         assert a["small_buckets_allocations"] == num_buckets  # reused in the second step
         assert a["held_error"] < 1e-12 and a["held_reallocated"] == num_buckets
+        assert a["background_error"] < 1e-12
+        assert a["background_calls"][1] == 2 * a["background_calls"][0]
         assert a["world_sum_error"] < 1e-5 and a["world_sum_tensors"] and a["world_views_bucket"]
         assert a["world_calls"] == [2, 2]  # 7 gradients, 2 dtypes: 2 MPI calls
         assert a["async_calls"] == [1, 2, 3, 4]  # each bucket started as soon as it filled

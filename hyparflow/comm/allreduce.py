@@ -109,6 +109,8 @@ class GradientReducer:
     - `op`: "mean" (divide by the number of ranks) or "sum".
     - `bucket_bytes`: target bucket size; list gradients in the order they become ready so
       buckets fill, and start reducing, early.
+    - `background`: reduce full buckets on a helper thread (blocking Allreduce there) instead
+      of a nonblocking Iallreduce, so that they progress while the caller keeps computing.
 
     Returned gradients are views of the reused buckets (numpy arrays for numpy inputs, TF tensors
     for tensors, wrapped without a copy): use them before the next step. If one is still
@@ -130,6 +132,7 @@ class GradientReducer:
         *,
         op: str = "mean",
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        background: bool = False,
     ):
         if op not in OPS:
             raise ValueError(f"op must be one of {OPS}, got {op!r}")
@@ -139,6 +142,8 @@ class GradientReducer:
         self.size = comm.Get_size()
         self.mpi_calls = 0
         self.allocations = 0
+        self.background = background
+        self._thread = None
         self.slots: list[Slot] | None = None
         self.buckets: list[Bucket] = []
         self._buffers: list[np.ndarray] = []
@@ -198,6 +203,8 @@ class GradientReducer:
             self._reset_step()
             return [given[i] for i in range(len(self.slots))]
         MPI.Request.Waitall([r for r in self._requests if r is not None])
+        if self._thread is not None:
+            self._thread.drain()
         if self.op == "mean":
             for buffer in self._buffers:
                 np.divide(buffer, self.size, out=buffer)
@@ -238,8 +245,25 @@ class GradientReducer:
     def _launch(self, number: int) -> None:
         from mpi4py import MPI
 
-        self._requests[number] = self.comm.Iallreduce(MPI.IN_PLACE, self._buffers[number])
         self.mpi_calls += 1
+        if self.background:
+            # MPI only progresses a nonblocking collective inside MPI calls; a thread blocked in
+            # Allreduce progresses it while the main thread computes the rest of the backward.
+            self._worker().submit(number)
+            return
+        self._requests[number] = self.comm.Iallreduce(MPI.IN_PLACE, self._buffers[number])
+
+    def _worker(self) -> _ReductionThread:
+        if self._thread is None:
+            self._thread = _ReductionThread(self.comm, self._buffers)
+        self._thread.buffers = self._buffers
+        return self._thread
+
+    def close(self) -> None:
+        """Stop the background reduction thread, if any."""
+        if self._thread is not None:
+            self._thread.stop()
+            self._thread = None
 
     def _view(self, slot: Slot) -> np.ndarray:
         flat = self._buffers[slot.bucket][slot.offset : slot.offset + slot.size]
@@ -256,6 +280,51 @@ class GradientReducer:
         if not same_dtype:  # half precision was reduced in float32
             return tf.cast(wrap_host_buffer(view, tf.as_dtype(view.dtype)), slot.dtype), False
         return wrap_host_buffer(view, slot.dtype), True
+
+
+class _ReductionThread:
+    """Runs blocking in-place Allreduces of buckets, in submission order, off the main thread.
+
+    Every rank submits buckets in the same order, so the collectives match across ranks.
+    Requires MPI_THREAD_MULTIPLE (mpi4py's default), as the main thread keeps using MPI.
+    """
+
+    def __init__(self, comm, buffers):
+        import queue
+        import threading
+
+        self.comm, self.buffers = comm, buffers
+        self._queue: queue.Queue = queue.Queue()
+        self._error = None
+        self._thread = threading.Thread(target=self._run, name="hyparflow-allreduce", daemon=True)
+        self._thread.start()
+
+    def submit(self, number: int) -> None:
+        self._queue.put(number)
+
+    def drain(self) -> None:
+        """Wait until every submitted bucket is reduced; re-raise a failure of the thread."""
+        self._queue.join()
+        if self._error is not None:
+            raise self._error
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        from mpi4py import MPI
+
+        while True:
+            number = self._queue.get()
+            try:
+                if number is None:
+                    return
+                self.comm.Allreduce(MPI.IN_PLACE, self.buffers[number])
+            except Exception as error:  # noqa: BLE001 - handed to the main thread in drain()
+                self._error = error
+            finally:
+                self._queue.task_done()
 
 
 def _spec_of(grad):

@@ -204,6 +204,22 @@ def check_allreduce(topo):
     out["held_error"] = max_error(held, held_mean)
     out["held_reallocated"] = reducer.allocations - reducer.num_buckets
     del held
+    # The same reduction on a background thread, two steps, while this thread keeps using MPI.
+    specs = [(g.shape, g.dtype) for g in gradients(0)]
+    threaded = GradientReducer(comm, specs, bucket_bytes=128, background=True)
+    errors = []
+    for step in range(2):
+        mean = [
+            sum(arrays) / len(members)
+            for arrays in zip(*[gradients(500 + step + r) for r in members])
+        ]
+        for index, grad in enumerate(gradients(500 + step + topo.rank)):
+            threaded.start(index, grad)
+        world.Barrier()  # main-thread MPI traffic while buckets reduce (THREAD_MULTIPLE)
+        errors.append(max_error(threaded.finish(), mean))
+    threaded.close()
+    out["background_error"] = max(errors)
+    out["background_calls"] = [threaded.num_buckets, threaded.mpi_calls]
 
     # TF tensors over the whole world, default buckets: one call per dtype, sum.
     reducer = GradientReducer(world, op="sum")
