@@ -26,6 +26,8 @@ class Strategy:
     `recompute=True` trades compute for memory: activations inside a stage are recomputed in
     the backward pass instead of kept from the forward. `overlap_p2p` posts a step's receives
     up front so that activations and gradients arrive while the stage computes.
+    `overlap_groups=G` (> 1) cuts each stage's backward into G groups and reduces a group's
+    gradients across replicas while the earlier groups are still in backward.
 
     Example:
         >>> hf.Strategy("hybrid", partitions=2, replicas=2, microbatches=4, schedule="1f1b")
@@ -39,6 +41,7 @@ class Strategy:
     balance: str | list = "layers"
     recompute: bool = False
     overlap_p2p: bool = True
+    overlap_groups: int = 1
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -49,6 +52,7 @@ class Strategy:
         _check_positive_int("partitions", self.partitions, hint)
         _check_positive_int("replicas", self.replicas, hint)
         _check_positive_int("microbatches", self.microbatches, hint)
+        _check_positive_int("overlap_groups", self.overlap_groups, hint)
         if self.schedule not in SCHEDULES:
             raise ValueError(
                 f"Unknown schedule {self.schedule!r}; use one of {', '.join(map(repr, SCHEDULES))}."

@@ -35,6 +35,7 @@ TWO_RANKS = [
     "batchnorm:adam:model:2:1:1:1f1b-recompute",
     "resnet:sgd:model:2:1:4:gpipe-recompute",
     "multi_io:adam:model:2:1:4:1f1b-blocking",
+    "cnn:sgd:data:1:2:2:1f1b-overlap",
 ]
 FOUR_RANKS = [
     "mlp:adam:data:1:4:1:gpipe",
@@ -62,6 +63,9 @@ FOUR_RANKS = [
     "resnet:adam16:hybrid:2:2:2:gpipe",
     "cnn:adam:hybrid:2:2:2:1f1b-recompute",
     "resnet:adam:model:4:1:4:gpipe-blocking",
+    "mlp:adam:data:1:4:2:gpipe-overlap",
+    "resnet:sgd:hybrid:2:2:2:1f1b-overlap",
+    "multi_io:adam:hybrid:2:2:2:gpipe-overlap-recompute",
 ]
 TOLERANCE = 1e-5
 # mixed_float16: Keras and the pipeline round float16 activations of different micro-batch
@@ -81,6 +85,8 @@ def _check(results, configs):
             assert r["predict"] < tol, f"{where}: predict differs by {r['predict']:.2e}"
             assert r["evaluate"] < tol, f"{where}: evaluate differs by {r['evaluate']:.2e}"
             assert r["loss_scale"] == r["ref_loss_scale"], f"{where}: loss scales differ"
+            if "overlap" in r["config"]:  # reductions really started inside the backward
+                assert r["overlap_early_starts"], f"{where}: no gradient reduced early"
             partitions = int(r["config"].split(":")[3])
             if partitions > 1:  # optimizer state lives only with the stage's own variables
                 assert r["optimizer_variables"] < r["reference_optimizer_variables"], where

@@ -24,6 +24,7 @@ from hyparflow.data import GlobalBatch, piece_bounds
 from hyparflow.engine import events
 from hyparflow.engine.metrics import reduced_results
 from hyparflow.engine.schedule import forward_only, make_schedule
+from hyparflow.engine.segments import SegmentedRunner
 from hyparflow.engine.stage import StageRunner
 
 
@@ -100,7 +101,23 @@ class Trainer:
             topo.pipeline_comm.allreduce(len(self._regularized) > 0, op=_mpi_op("LOR"))
         )
         self._shared = self._shared_variable_indices()
-        self.replica_reducer = make_reducer(comm_backend, topo, self.variables, op="sum")
+        self._overlap = None
+        if (
+            strategy.overlap_groups > 1
+            and topo.num_replicas > 1
+            and self._shared is None
+            and comm_backend == "mpi"
+        ):
+            self._overlap = self._segment_stage(strategy.overlap_groups)
+        if self._overlap is not None:
+            self.replica_reducer = GradientReducer(
+                topo.stage_comm,
+                specs=[self.variables[i] for i in self._overlap.order],
+                op="sum",
+                background=True,
+            )
+        else:
+            self.replica_reducer = make_reducer(comm_backend, topo, self.variables, op="sum")
         self.shared_reducer = (
             GradientReducer(topo.pipeline_comm, specs=self._shared_specs(), op="sum")
             if self._shared is not None
@@ -109,6 +126,65 @@ class Trainer:
         self._channels: dict[int, tuple] = {}
         self._log_root = topo.grid.rank_of(topo.num_stages - 1, 0)
         self.attach_recorder(None)
+
+    def _segment_stage(self, groups: int):
+        """Run this stage as `groups` segments so reductions overlap the backward (None when
+        the stage cannot be cut, e.g. a subclassed model or too few layers)."""
+        from hyparflow.partitioner import partition
+
+        graph = self.model if self.plan is None else self.stage.model
+        for count in range(groups, 1, -1):
+            try:
+                sub = partition(graph, count, balance="params")
+                break
+            except ValueError:
+                continue
+        else:
+            return None
+        last = len(sub.stages) - 1
+        runners = []
+        for j, segment in enumerate(sub.stages):
+            packs = j == last and self.is_last
+
+            def call(inputs, training, segment=segment, packs=packs):
+                flat = segment.forward(inputs, training=training)
+                return pack_model_outputs(self.model, flat) if packs else flat
+
+            runners.append(
+                StageRunner(
+                    call,
+                    segment.model.trainable_variables,
+                    loss=self._loss if packs else None,
+                    recompute=self.strategy.recompute,
+                    state_variables=(
+                        self._forward_state(segment.model) if self.strategy.recompute else ()
+                    ),
+                )
+            )
+        self.runner = SegmentedRunner(runners, self.variables)
+        return _Overlap.plan(sub, self.variables)
+
+    def _on_segment_done(self, j: int) -> None:
+        """Last micro-batch's backward finished segment j: reduce what is now final."""
+        self.runner.collect(j)
+        for position, variable in self._overlap.ready_at.get(j, []):
+            self.replica_reducer.start(position, self.runner.total(variable))
+            self._overlap.started.add(position)
+            self._overlap.early_starts += 1
+
+    def _finish_overlapped_reduction(self) -> list:
+        """Start whatever is left (nothing ran, or unused variables), wait, restore order."""
+        overlap = self._overlap
+        for position, i in enumerate(overlap.order):
+            if position not in overlap.started:
+                self.replica_reducer.start(position, self.runner.total(self.variables[i]))
+        reduced = self.replica_reducer.finish()
+        overlap.started = set()
+        self.runner.reset()
+        grads = [None] * len(self.variables)
+        for position, i in enumerate(overlap.order):
+            grads[i] = tf.convert_to_tensor(reduced[position])
+        return grads
 
     def use_watchdog(self, timeout: float) -> None:
         """Guard blocking MPI waits with a `timeout`-second watchdog (0: none)."""
@@ -229,7 +305,8 @@ class Trainer:
         return pieces
 
     def _first_stage_inputs(self, x):
-        return x if self.plan is None else model_input_list(self.model, x)
+        whole = self.plan is None and self._overlap is None  # the user's model, any structure
+        return x if whole else model_input_list(self.model, x)
 
     # --- steps ---------------------------------------------------------------------------
     def train_step(self, batch: GlobalBatch) -> None:
@@ -239,10 +316,13 @@ class Trainer:
             losses = self._run_schedule(pieces, batch.size, train=True)
             guard = self.watchdog.guard("reduce gradients across stages and replicas")
             with self._span(events.ALLREDUCE), guard:
-                grads = self.runner.take_gradients()
-                if self.shared_reducer is not None:
-                    grads = self._sum_shared(grads)
-                grads = [tf.convert_to_tensor(g) for g in self.replica_reducer.reduce(grads)]
+                if self._overlap is not None:
+                    grads = self._finish_overlapped_reduction()
+                else:
+                    grads = self.runner.take_gradients()
+                    if self.shared_reducer is not None:
+                        grads = self._sum_shared(grads)
+                    grads = [tf.convert_to_tensor(g) for g in self.replica_reducer.reduce(grads)]
             if self.check_numerics:
                 self._check_finite(losses, grads)
             with self._span(events.OPTIMIZER):
@@ -363,7 +443,10 @@ class Trainer:
         loss_scale = self._loss_scale() if train and self.is_last else 1.0
         posted = self._post_receives(prev, nxt, count, train)
         results = []
-        for action in actions:
+        final_backward = max(
+            (i for i, a in enumerate(actions) if not a.is_forward), default=-1
+        )  # the step's last backward: every gradient of this stage is final after it
+        for index, action in enumerate(actions):
             k = action.microbatch
             x, y, sw, n = pieces[k]
             if action.is_forward:
@@ -390,7 +473,10 @@ class Trainer:
                     with span(events.RECV, k), guard("receive gradients", after, k):
                         grads = posted.pop((BACKWARD, k)).wait(n)
                 with span(events.BACKWARD, k):
-                    input_grads = self.runner.backward(k, grads)
+                    if self._overlap is not None and index == final_backward:
+                        input_grads = self.runner.backward(k, grads, self._on_segment_done)
+                    else:
+                        input_grads = self.runner.backward(k, grads)
                 if not self.is_first:
                     with span(events.SEND, k):
                         prev.isend([g for g in input_grads if g is not None], k, BACKWARD)
@@ -447,14 +533,17 @@ class Trainer:
             logs = reduced_results(self.model, self.topology.stage_comm) if self.is_last else None
             return self.topology.world.bcast(logs, root=self._log_root)
 
-    def _forward_state(self) -> list:
-        """Variables a forward pass of this stage changes: statistics and random seed states."""
+    def _forward_state(self, graph=None) -> list:
+        """Variables a forward pass of `graph` (default: this stage) changes: statistics and
+        random seed states of its layers."""
         from hyparflow.checkpoint.state import layers_of_seed_keys, seed_generators
 
-        model = self.model if self.plan is None else self.stage.model
+        if graph is None:
+            graph = self.model if self.plan is None else self.stage.model
+        layers = {id(layer) for layer in graph._flatten_layers()}
         owners = layers_of_seed_keys(self.model)
-        seeds = [var for key, var in seed_generators(self.model) if self.runs_layer(owners[key])]
-        return list(model.non_trainable_variables) + seeds
+        seeds = [var for key, var in seed_generators(self.model) if id(owners[key]) in layers]
+        return list(graph.non_trainable_variables) + seeds
 
     # --- what a checkpoint needs --------------------------------------------------------
     def owned_weight_indices(self) -> list[int]:
@@ -522,6 +611,30 @@ class Trainer:
                 if channel is not None:
                     channel.close()
         self.topology.free()
+
+
+class _Overlap:
+    """Which gradients are final after which segment, and the reduction order that follows."""
+
+    def __init__(self, order: list[int], ready_at: dict):
+        self.order = order  # stage variable indices, in the order they become final
+        self.ready_at = ready_at  # segment -> [(position in order, variable)]
+        self.started: set[int] = set()
+        self.early_starts = 0  # gradients handed to the reducer during a backward (all steps)
+
+    @classmethod
+    def plan(cls, sub_plan, variables: list) -> _Overlap:
+        first_segment = {}
+        for j, segment in enumerate(sub_plan.stages):
+            for v in segment.model.trainable_variables:
+                first_segment.setdefault(id(v), j)  # backward reaches lower segments later
+        ready = [first_segment.get(id(v), -1) for v in variables]
+        order = sorted(range(len(variables)), key=lambda i: (-ready[i], i))
+        ready_at: dict = {}
+        for position, i in enumerate(order):
+            if ready[i] >= 0:
+                ready_at.setdefault(ready[i], []).append((position, variables[i]))
+        return cls(order, ready_at)
 
 
 def _owned_variables(plan, stage_index: int) -> list:

@@ -2,7 +2,8 @@
 
 Arguments: configurations "model:optimizer:strategy:partitions:replicas:microbatches:schedule"
 (schedule flags after "-": "1f1b-recompute" recomputes activations, "gpipe-blocking" posts
-each receive only when its action needs it).
+each receive only when its action needs it, "1f1b-overlap" reduces gradients in 3 groups
+overlapping the backward).
 Every rank trains the single-process Keras reference itself (tiny models), so each rank can
 compare its own copy of the trained model, which must hold the full weights.
 """
@@ -38,6 +39,7 @@ def run(config: str) -> dict:
         schedule=schedule.split("-")[0],
         recompute="recompute" in schedule.split("-")[1:],
         overlap_p2p="blocking" not in schedule.split("-")[1:],
+        overlap_groups=3 if "overlap" in schedule.split("-")[1:] else 1,
     )
     history = hf.fit(
         model, x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
@@ -55,6 +57,7 @@ def run(config: str) -> dict:
         ),
         "reference_optimizer_variables": len(reference.optimizer.variables),
         "loss_scale": float(getattr(model.optimizer, "dynamic_scale", 1.0)),
+        "overlap_early_starts": getattr(model._hyparflow_trainer[1]._overlap, "early_starts", None),
         "ref_loss_scale": float(getattr(reference.optimizer, "dynamic_scale", 1.0)),
         "weights": relative_difference(model.get_weights(), reference.get_weights()),
         "history": history_difference(history.history, ref_history.history),

@@ -1,0 +1,72 @@
+"""A stage run as a chain of segments, so that the gradients of its last layers are final, and
+their reduction across replicas can start, while earlier layers are still in backward.
+
+This is the bucketed overlap of PyTorch DDP (Li et al., VLDB 2020) applied per pipeline stage:
+the stage's sub-graph is cut into contiguous segments with the partitioner, each segment runs
+as its own `StageRunner`, and during the last micro-batch's backward each finished segment
+hands its variables' summed gradients to the reducer.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+
+class SegmentedRunner:
+    """`StageRunner`'s interface over a chain of segment runners (same results, finer steps).
+
+    `variables` is the stage's variable list; `take_gradients` returns their gradients in that
+    order, summing the parts of a variable used by several segments.
+    """
+
+    def __init__(self, segments: list, variables: list):
+        self.segments = segments
+        self.variables = list(variables)
+        self.is_last = segments[-1].is_last
+        self._accumulated: dict[int, object] = {}
+
+    def forward(self, microbatch: int, inputs, targets=None, scale=1.0):
+        for segment in self.segments[:-1]:
+            inputs = segment.forward(microbatch, inputs)
+        return self.segments[-1].forward(microbatch, inputs, targets, scale)
+
+    def backward(self, microbatch: int, output_grads=None, on_segment_done=None):
+        """Backward through the segments, last first; `on_segment_done(j)` after segment j."""
+        grads = output_grads
+        for j in reversed(range(len(self.segments))):
+            grads = self.segments[j].backward(microbatch, grads)
+            if on_segment_done is not None:
+                on_segment_done(j)
+            if j:  # the previous segment wants gradients of its float outputs only
+                grads = [g for g in grads if g is not None]
+        return grads
+
+    def infer(self, inputs):
+        for segment in self.segments[:-1]:
+            inputs = segment.infer(inputs)
+        return self.segments[-1].infer(inputs)
+
+    def collect(self, j: int) -> None:
+        """Move segment j's summed gradients into the per-variable totals."""
+        segment = self.segments[j]
+        for variable, grad in zip(segment.variables, segment.take_gradients()):
+            key = id(variable)
+            self._accumulated[key] = grad if key not in self._accumulated else (
+                self._accumulated[key] + grad
+            )  # fmt: skip
+
+    def total(self, variable):
+        """The summed gradient of `variable` collected so far (zeros if none)."""
+        grad = self._accumulated.get(id(variable))
+        return tf.zeros_like(variable) if grad is None else grad
+
+    def take_gradients(self) -> list:
+        for j in range(len(self.segments)):
+            self.collect(j)
+        grads = [self.total(v) for v in self.variables]
+        self._accumulated = {}
+        return grads
+
+    def reset(self) -> None:
+        """Forget collected totals (after they were handed to the reducer)."""
+        self._accumulated = {}
