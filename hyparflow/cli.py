@@ -28,6 +28,7 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(title="commands", metavar="COMMAND")
     _add_plan_command(commands)
     _add_report_command(commands)
+    _add_simulate_command(commands)
     return parser
 
 
@@ -109,6 +110,21 @@ def _run_report(args) -> int:
     print(text)
     print(f"Gantt chart: {png}" if png else "No timeline.json: no Gantt chart drawn.")
     return 0
+
+
+def _add_simulate_command(commands):
+    from hyparflow.simulate import command
+
+    simulate = commands.add_parser(
+        "simulate",
+        help="predict step time, throughput and efficiency of P partitions x R replicas",
+        description="Predict hyparflow's training throughput and scaling efficiency for P "
+        "partitions x R replicas on N nodes, from per-layer costs (measured here from a .keras "
+        "model, or read from a costs file) and a latency/bandwidth network model (given or "
+        "measured). See docs/simulate.md.",
+    )
+    command.add_arguments(simulate)
+    simulate.set_defaults(run=command.run)
 
 
 def _steps(text: str) -> list[int]:

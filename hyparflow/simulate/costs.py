@@ -1,0 +1,247 @@
+"""What a model costs to train, per layer and per engine call, as data that can be saved.
+
+Times are affine in the batch (`fixed + per_sample * batch`): a layer's kernels scale with the
+samples, while launching them costs the same for 4 samples or 400, which matters for the small
+micro-batches of a pipeline. `measure.py` fills this in on a real machine; the projection to
+the paper's setup builds it from FLOPs. Pure Python and numpy: no MPI, no TensorFlow.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Affine:
+    """Seconds as a function of the batch: `fixed + per_sample * batch`.
+
+    Example:
+        >>> Affine(0.001, 0.0001).at(64)
+        0.0074
+    """
+
+    fixed: float = 0.0
+    per_sample: float = 0.0
+
+    def at(self, batch: float) -> float:
+        return self.fixed + self.per_sample * batch
+
+    def __add__(self, other: Affine) -> Affine:
+        return Affine(self.fixed + other.fixed, self.per_sample + other.per_sample)
+
+    def scaled(self, factor: float) -> Affine:
+        return Affine(self.fixed * factor, self.per_sample * factor)
+
+    @classmethod
+    def through(cls, batch_a: float, time_a: float, batch_b: float, time_b: float) -> Affine:
+        """The line through two measurements, kept non-negative in both terms (timing noise
+        can tilt a line through two points below zero at batch 0).
+
+        Example:
+            >>> Affine.through(32, 0.004, 128, 0.013)
+            Affine(fixed=0.001, per_sample=9.375e-05)
+        """
+        if batch_a == batch_b:
+            return cls(0.0, max(time_a, time_b, 0.0) / batch_a)
+        slope = (time_b - time_a) / (batch_b - batch_a)
+        fixed = time_a - slope * batch_a
+        if slope < 0:
+            return cls(max(0.0, (time_a + time_b) / 2), 0.0)
+        if fixed < 0:
+            return cls(0.0, max(time_b, 0.0) / batch_b)
+        return cls(round(fixed, 12), round(slope, 15))
+
+    @classmethod
+    def of(cls, value) -> Affine:
+        """From an Affine, a `[fixed, per_sample]` pair or a dict with those keys."""
+        if isinstance(value, Affine):
+            return value
+        if isinstance(value, dict):
+            return cls(float(value["fixed"]), float(value["per_sample"]))
+        fixed, per_sample = value
+        return cls(float(fixed), float(per_sample))
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One layer call (a node of the partitioner's graph): its forward and backward time and
+    the trainable parameters it owns (counted at its first call only)."""
+
+    name: str
+    forward: Affine
+    backward: Affine
+    param_bytes: int = 0
+    variables: int = 0
+
+
+@dataclass(frozen=True)
+class EngineCosts:
+    """What hyparflow's engine adds around the layers, per call, on top of their kernels.
+
+    - `forward_call` / `backward_call`: one stage's compiled forward under a tape, and the
+      tape's backward, beyond the layers' own time (Python, dispatch, tape bookkeeping).
+    - `loss`: the last stage's loss and metric update per micro-batch.
+    - `accumulate_per_variable`: adding one micro-batch's gradient to the running sum, per
+      variable (eager), paid by every micro-batch after the first.
+    - `optimizer_*`: the eager `optimizer.apply_gradients` of a stage's variables.
+    - `step_fixed`: per step and rank, cutting the batch into micro-batches and walking the
+      schedule.
+    """
+
+    forward_call: float = 0.0
+    backward_call: float = 0.0
+    loss: Affine = Affine()
+    accumulate_per_variable: float = 0.0
+    optimizer_fixed: float = 0.0
+    optimizer_per_variable: float = 0.0
+    optimizer_per_byte: float = 0.0
+    step_fixed: float = 0.0
+
+    def optimizer(self, variables: int, nbytes: float) -> float:
+        if variables == 0:
+            return 0.0  # the engine skips stages without trainable variables
+        return (
+            self.optimizer_fixed
+            + self.optimizer_per_variable * variables
+            + self.optimizer_per_byte * nbytes
+        )
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """A contiguous run of layers at one micro-batch size: compute seconds and what it owns."""
+
+    forward: float
+    backward: float
+    param_bytes: int
+    variables: int
+
+
+@dataclass
+class ModelCosts:
+    """Per-layer costs of one model on one machine, plus the engine's costs around them.
+
+    `cut_bytes[j]` are the bytes per sample of every tensor alive across the cut before layer
+    `j` (what crosses a stage boundary there, skips forwarded included); entries 0 and `n` are
+    0. `single_process` is a plain `model.fit` step (what hyparflow runs on one rank) at a
+    given batch, when measured. `measured` records where and how the numbers were taken.
+    """
+
+    name: str
+    layers: list[LayerCost]
+    cut_bytes: list[float]
+    engine: EngineCosts = field(default_factory=EngineCosts)
+    single_process: Affine | None = None
+    measured: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if len(self.cut_bytes) != len(self.layers) + 1:
+            raise ValueError(
+                f"cut_bytes needs one entry per cut ({len(self.layers) + 1}), "
+                f"got {len(self.cut_bytes)}"
+            )
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(layer.param_bytes for layer in self.layers)
+
+    @property
+    def variables(self) -> int:
+        return sum(layer.variables for layer in self.layers)
+
+    def layer_times(self, batch: float) -> np.ndarray:
+        """Forward plus backward seconds of every layer at `batch` samples; the loss counts
+        with the last layer (it always runs on the last stage)."""
+        times = np.array([lc.forward.at(batch) + lc.backward.at(batch) for lc in self.layers])
+        times[-1] += self.engine.loss.at(batch)
+        return times
+
+    def split(self, partitions: int, batch: float) -> list[int]:
+        """Where stages begin when balancing by time at `batch` samples per micro-batch, as
+        the partitioner's `balance="time"` does (same exact dynamic programme)."""
+        from hyparflow.partitioner.balance import split_contiguous
+
+        return split_contiguous(self.layer_times(batch), partitions)
+
+    def stage(self, start: int, end: int, batch: float) -> StageCost:
+        """Layers `start` to `end - 1` at `batch` samples (compute only, no engine costs)."""
+        layers = self.layers[start:end]
+        return StageCost(
+            forward=sum(lc.forward.at(batch) for lc in layers),
+            backward=sum(lc.backward.at(batch) for lc in layers),
+            param_bytes=sum(lc.param_bytes for lc in layers),
+            variables=sum(lc.variables for lc in layers),
+        )
+
+    def start_names(self, starts: list[int]) -> list[str]:
+        """Names of the layers where stages 1, 2, ... begin: `hf.Strategy(balance=...)`."""
+        return [self.layers[s].name for s in starts[1:]]
+
+    def scaled(self, compute: float) -> ModelCosts:
+        """These costs on a machine whose kernels run `compute` times as long."""
+        layers = [
+            LayerCost(
+                lc.name, lc.forward.scaled(compute), lc.backward.scaled(compute),
+                lc.param_bytes, lc.variables,
+            )
+            for lc in self.layers
+        ]  # fmt: skip
+        single = None if self.single_process is None else self.single_process.scaled(compute)
+        return ModelCosts(self.name, layers, list(self.cut_bytes), self.engine, single,
+                          dict(self.measured))  # fmt: skip
+
+    # --- files ----------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {
+            "format": "hyparflow-costs",
+            "version": FORMAT_VERSION,
+            "name": self.name,
+            "measured": self.measured,
+            "engine": asdict(self.engine),
+            "single_process": None if self.single_process is None else asdict(self.single_process),
+            "cut_bytes": [float(b) for b in self.cut_bytes],
+            "layers": [asdict(lc) for lc in self.layers],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> ModelCosts:
+        if data.get("format") != "hyparflow-costs":
+            raise ValueError(
+                "not a hyparflow costs file (no 'format': 'hyparflow-costs'); write one with "
+                "`hyparflow simulate MODEL.keras --save-costs FILE`"
+            )
+        engine = dict(data.get("engine", {}))
+        engine["loss"] = Affine.of(engine.get("loss", (0.0, 0.0)))
+        layers = [
+            LayerCost(
+                name=layer["name"],
+                forward=Affine.of(layer["forward"]),
+                backward=Affine.of(layer["backward"]),
+                param_bytes=int(layer.get("param_bytes", 0)),
+                variables=int(layer.get("variables", 0)),
+            )
+            for layer in data["layers"]
+        ]
+        single = data.get("single_process")
+        return cls(
+            name=data.get("name", "model"),
+            layers=layers,
+            cut_bytes=[float(b) for b in data["cut_bytes"]],
+            engine=EngineCosts(**engine),
+            single_process=None if single is None else Affine.of(single),
+            measured=dict(data.get("measured", {})),
+        )
+
+    def save(self, path) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=1)
+
+    @classmethod
+    def load(cls, path) -> ModelCosts:
+        with open(path) as f:
+            return cls.from_dict(json.load(f))

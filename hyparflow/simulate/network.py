@@ -1,0 +1,240 @@
+"""Time to move bytes: Hockney latency/bandwidth links and MPI allreduce algorithm costs.
+
+A message of `n` bytes over a link costs `alpha + n / beta` (Hockney, "The communication
+challenge for MPP: Intel Paragon and Meiko CS-2", Parallel Computing 20(3), 1994), plus a
+per-message CPU overhead `o` on each side as in LogP (Culler et al., PPoPP 1993). Allreduce
+costs follow Thakur, Rabenseifner and Gropp, "Optimization of Collective Communication
+Operations in MPICH", IJHPCA 19(1), 2005, whose model adds `gamma`, the time per byte of the
+local reduction arithmetic; the library is assumed to pick the fastest of its algorithms for
+each size, as MPICH and Open MPI do with their size-based selection rules.
+
+Pure Python: no MPI, no TensorFlow.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+
+@dataclass(frozen=True)
+class Link:
+    """One point-to-point path: `latency` seconds (alpha) and `bandwidth` bytes/s (beta).
+
+    Example:
+        >>> Link(latency=2e-6, bandwidth=10e9).time(10_000_000)
+        0.001002
+    """
+
+    latency: float
+    bandwidth: float
+
+    def __post_init__(self):
+        if self.latency < 0 or not self.bandwidth > 0:
+            raise ValueError(
+                f"a link needs latency >= 0 and bandwidth > 0, got {self.latency}, {self.bandwidth}"
+            )
+
+    def time(self, nbytes: float) -> float:
+        """Seconds for one message of `nbytes` to arrive: `latency + nbytes / bandwidth`."""
+        return self.latency + nbytes / self.bandwidth
+
+    def shared(self, flows: int) -> Link:
+        """This link with its bandwidth split evenly among `flows` simultaneous transfers."""
+        return replace(self, bandwidth=self.bandwidth / max(1, flows))
+
+    def to_dict(self) -> dict:
+        return {"latency": self.latency, "bandwidth": self.bandwidth}
+
+
+def ring_allreduce(nbytes: float, ranks: int, link: Link, reduce_rate: float = math.inf) -> float:
+    """Reduce-scatter then allgather around a ring: `2(p-1) alpha + 2 (p-1)/p n/beta +
+    (p-1)/p n/reduce_rate` (bandwidth-optimal; Patarasuk and Yuan, JPDC 69(2), 2009).
+
+    Example:
+        >>> round(ring_allreduce(8e6, 4, Link(1e-6, 1e9)), 9)
+        0.012006
+    """
+    if ranks <= 1:
+        return 0.0
+    share = (ranks - 1) / ranks
+    return (
+        2 * (ranks - 1) * link.latency
+        + 2 * share * nbytes / link.bandwidth
+        + (share * nbytes / reduce_rate)
+    )
+
+
+def recursive_doubling_allreduce(
+    nbytes: float, ranks: int, link: Link, reduce_rate: float = math.inf
+) -> float:
+    """Exchange whole vectors with partners at distance 1, 2, 4, ...:
+    `ceil(log2 p) (alpha + n/beta + n/reduce_rate)` (latency-optimal, for short messages).
+
+    Example:
+        >>> round(recursive_doubling_allreduce(8, 8, Link(1e-6, 1e9)), 12)
+        3.024e-06
+    """
+    if ranks <= 1:
+        return 0.0
+    rounds = math.ceil(math.log2(ranks))
+    return rounds * (link.latency + nbytes / link.bandwidth + nbytes / reduce_rate)
+
+
+def rabenseifner_allreduce(
+    nbytes: float, ranks: int, link: Link, reduce_rate: float = math.inf
+) -> float:
+    """Reduce-scatter by recursive halving, allgather by recursive doubling:
+    `2 ceil(log2 p) alpha + 2 (p-1)/p n/beta + (p-1)/p n/reduce_rate`.
+
+    Example:
+        >>> round(rabenseifner_allreduce(8e6, 4, Link(1e-6, 1e9)), 9)
+        0.012004
+    """
+    if ranks <= 1:
+        return 0.0
+    share = (ranks - 1) / ranks
+    rounds = math.ceil(math.log2(ranks))
+    return (
+        2 * rounds * link.latency
+        + 2 * share * nbytes / link.bandwidth
+        + (share * nbytes / reduce_rate)
+    )
+
+
+ALLREDUCE_ALGORITHMS = {
+    "ring": ring_allreduce,
+    "recursive doubling": recursive_doubling_allreduce,
+    "rabenseifner": rabenseifner_allreduce,
+}
+
+
+def allreduce(
+    nbytes: float, ranks: int, link: Link, reduce_rate: float = math.inf
+) -> tuple[float, str]:
+    """Seconds of the fastest allreduce algorithm for this size, and its name.
+
+    Example:
+        >>> allreduce(8, 8, Link(1e-6, 1e9))[1], allreduce(8e6, 8, Link(1e-6, 1e9))[1]
+        ('recursive doubling', 'rabenseifner')
+    """
+    if ranks <= 1:
+        return 0.0, "none"
+    times = {name: f(nbytes, ranks, link, reduce_rate) for name, f in ALLREDUCE_ALGORITHMS.items()}
+    name = min(times, key=times.get)
+    return times[name], name
+
+
+def bucketed_allreduce(
+    nbytes: float,
+    ranks: int,
+    link: Link,
+    reduce_rate: float = math.inf,
+    bucket_bytes: float = 25 * 2**20,
+) -> float:
+    """Seconds to reduce `nbytes` of gradients fused into buckets of `bucket_bytes`, one
+    allreduce each, one after another (they share the same link, so they add up).
+
+    Example:
+        >>> round(bucketed_allreduce(60e6, 2, Link(0.0, 1e9), bucket_bytes=25e6), 6)
+        0.06
+    """
+    if ranks <= 1 or nbytes <= 0:
+        return 0.0
+    full, rest = divmod(nbytes, bucket_bytes)
+    total = full * allreduce(bucket_bytes, ranks, link, reduce_rate)[0]
+    if rest > 0:
+        total += allreduce(rest, ranks, link, reduce_rate)[0]
+    return total
+
+
+@dataclass(frozen=True)
+class Network:
+    """Links inside a node and between nodes, plus the costs MPI and hyparflow add per message.
+
+    - `intra`: between ranks on one node (shared memory); `inter`: between nodes (the NIC,
+      whose bandwidth the ranks of a node share when they talk off-node at the same time).
+    - `reduce_rate`: bytes/s of the reduction arithmetic inside allreduce (1/gamma).
+    - `overhead`: CPU seconds each side spends per point-to-point message (posting it,
+      matching it, wrapping the buffer), LogP's `o`.
+    - `copy_rate`: bytes/s at which hyparflow copies gradients into its fusion buckets.
+
+    Example:
+        >>> net = Network(intra=Link(1e-6, 10e9), inter=Link(2e-6, 12e9))
+        >>> net.link(crosses_nodes=True).bandwidth
+        12000000000.0
+    """
+
+    intra: Link
+    inter: Link | None = None
+    reduce_rate: float = math.inf
+    overhead: float = 0.0
+    copy_rate: float = math.inf
+    source: dict = field(default_factory=dict, compare=False)  # how it was obtained
+
+    def link(self, crosses_nodes: bool) -> Link:
+        """The link between two ranks: `inter` when they are on different nodes."""
+        if not crosses_nodes:
+            return self.intra
+        if self.inter is None:
+            raise ValueError(
+                "this layout spans several nodes but the network has no inter-node link; "
+                "give one (e.g. --latency 2e-6 --bandwidth 12e9)"
+            )
+        return self.inter
+
+    def p2p(self, nbytes: float, crosses_nodes: bool) -> float:
+        """Wire time of one point-to-point message (without the CPU `overhead`)."""
+        return self.link(crosses_nodes).time(nbytes)
+
+    def gradient_allreduce(
+        self,
+        nbytes: float,
+        ranks: int,
+        crosses_nodes: bool,
+        flows: int = 1,
+        cpu_slowdown: float = 1.0,
+    ) -> float:
+        """hyparflow's fused gradient sum: copy into buckets, then one allreduce per bucket
+        over the intra- or inter-node link, whose bandwidth `flows` reductions share.
+
+        `cpu_slowdown` stretches what the processors do (copies, reduction arithmetic, and
+        inside a node the shared-memory transfers themselves) when ranks share cores.
+        """
+        if ranks <= 1 or nbytes <= 0:
+            return 0.0
+        link = self.link(crosses_nodes).shared(flows)
+        if not crosses_nodes:
+            link = Link(link.latency * cpu_slowdown, link.bandwidth / cpu_slowdown)
+        copy = nbytes / self.copy_rate * cpu_slowdown
+        return copy + bucketed_allreduce(nbytes, ranks, link, self.reduce_rate / cpu_slowdown)
+
+    def to_dict(self) -> dict:
+        return {
+            "intra": self.intra.to_dict(),
+            "inter": None if self.inter is None else self.inter.to_dict(),
+            "reduce_rate": _finite_or_none(self.reduce_rate),
+            "overhead": self.overhead,
+            "copy_rate": _finite_or_none(self.copy_rate),
+            "source": self.source,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Network:
+        inter = data.get("inter")
+        return cls(
+            intra=Link(**data["intra"]),
+            inter=None if inter is None else Link(**inter),
+            reduce_rate=_none_to_inf(data.get("reduce_rate")),
+            overhead=float(data.get("overhead", 0.0)),
+            copy_rate=_none_to_inf(data.get("copy_rate")),
+            source=dict(data.get("source", {})),
+        )
+
+
+def _finite_or_none(value: float):
+    return None if math.isinf(value) else value
+
+
+def _none_to_inf(value) -> float:
+    return math.inf if value is None else float(value)

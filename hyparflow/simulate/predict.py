@@ -1,0 +1,250 @@
+"""Step time, throughput and efficiency of P partitions x R replicas, from costs and a network.
+
+A training step of hyparflow's engine (docs/engine.md) is, on every rank: the pipeline
+schedule over the micro-batches (activations forward, gradients backward between neighbour
+stages), then the sum of the stage's gradients across its replicas (fused buckets), then the
+optimizer. The pipeline part is the schedule simulator of `engine/schedule.py` run with
+per-stage forward and backward times (GPipe, Huang et al. 2019; 1F1B, Narayanan et al.,
+"Memory-Efficient Pipeline-Parallel DNN Training", ICML 2021); the reduction is the allreduce
+model of `network.py`; the step is set by the slowest stage.
+
+Ranks that outnumber a node's cores share them: every CPU-bound part of the step is stretched by
+`ranks on the node / cores` (waiting ranks count, since MPI polls while it waits).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hyparflow.engine.schedule import make_schedule, simulate
+from hyparflow.simulate.costs import ModelCosts
+from hyparflow.simulate.network import Network
+from hyparflow.simulate.placement import Placement
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the job is laid out: HyPar-Flow's partitions and replicas, the pipeline's
+    micro-batches and schedule, and how many ranks share a node (None: one node for all).
+
+    Example:
+        >>> Layout(partitions=4, replicas=2, microbatches=8, ranks_per_node=4).nodes
+        2
+    """
+
+    partitions: int = 1
+    replicas: int = 1
+    microbatches: int = 1
+    schedule: str = "1f1b"
+    ranks_per_node: int | None = None
+
+    @property
+    def world(self) -> int:
+        return self.partitions * self.replicas
+
+    @property
+    def placement(self) -> Placement:
+        return Placement(self.partitions, self.replicas, self.ranks_per_node or self.world)
+
+    @property
+    def nodes(self) -> int:
+        return self.placement.nodes
+
+    @property
+    def label(self) -> str:
+        return f"{self.partitions}x{self.replicas}"
+
+
+@dataclass(frozen=True)
+class Machine:
+    """The nodes' processors: `cores_per_node` (None: never short of cores) and the cores
+    other jobs keep busy (`background`, e.g. a shared development machine's load)."""
+
+    cores_per_node: int | None = None
+    background: float = 0.0
+
+    def slowdown(self, ranks_on_node: int) -> float:
+        """How much longer CPU work takes when `ranks_on_node` ranks share the node's cores."""
+        if self.cores_per_node is None:
+            return 1.0
+        return max(1.0, (ranks_on_node + self.background) / self.cores_per_node)
+
+
+@dataclass
+class Prediction:
+    """One configuration's predicted step and its parts (seconds, slowest stage's)."""
+
+    layout: Layout
+    global_batch: int
+    step_time: float
+    pipeline_time: float
+    allreduce_time: float
+    optimizer_time: float
+    bubble: float
+    slowdown: float
+    stage_starts: list[int] = field(default_factory=list)
+    stage_names: list[str] = field(default_factory=list)
+    stage_compute: list[float] = field(default_factory=list)  # forward + backward per step
+    single_process: bool = False  # one rank runs plain model.fit
+
+    @property
+    def throughput(self) -> float:
+        """Samples per second."""
+        return self.global_batch / self.step_time
+
+    @property
+    def nodes(self) -> int:
+        return self.layout.nodes
+
+    def to_dict(self) -> dict:
+        layout = self.layout
+        return {
+            "partitions": layout.partitions,
+            "replicas": layout.replicas,
+            "microbatches": layout.microbatches,
+            "schedule": layout.schedule,
+            "ranks_per_node": layout.ranks_per_node or layout.world,
+            "nodes": self.nodes,
+            "global_batch": self.global_batch,
+            "step_time": self.step_time,
+            "throughput": self.throughput,
+            "pipeline_time": self.pipeline_time,
+            "allreduce_time": self.allreduce_time,
+            "optimizer_time": self.optimizer_time,
+            "bubble": self.bubble,
+            "slowdown": self.slowdown,
+            "stage_names": self.stage_names,
+            "stage_compute": self.stage_compute,
+            "single_process": self.single_process,
+        }
+
+
+def microbatch_size(global_batch: int, layout: Layout) -> int:
+    """Samples per micro-batch; the engine needs the global batch to split evenly."""
+    pieces = layout.replicas * layout.microbatches
+    if global_batch % pieces:
+        valid = max(pieces, global_batch // pieces * pieces)
+        raise ValueError(
+            f"a global batch of {global_batch} does not split into {layout.replicas} replicas "
+            f"x {layout.microbatches} micro-batches; use a multiple of {pieces}, e.g. {valid}"
+        )
+    return global_batch // pieces
+
+
+def predict(
+    costs: ModelCosts,
+    network: Network,
+    layout: Layout,
+    global_batch: int,
+    machine: Machine = Machine(),
+    starts: list[int] | None = None,
+) -> Prediction:
+    """Predict one training step of `layout` on `global_batch` samples.
+
+    One rank in all runs plain `model.fit` (as `hf.fit` does), timed by
+    `costs.single_process` when it was measured. `starts` fixes where stages begin (layer
+    indices); by default the layers are balanced by time like `balance="time"`.
+
+    Example:
+        >>> p = predict(costs, Network(intra=Link(1e-6, 10e9)), Layout(2, 2, 4), 256)
+        >>> p.step_time, p.throughput, p.bubble
+    """
+    if layout.world == 1 and costs.single_process is not None:
+        return _single_process(costs, global_batch, machine)
+    batch = microbatch_size(global_batch, layout)
+    p, m = layout.partitions, layout.microbatches
+    if p > len(costs.layers):
+        raise ValueError(
+            f"{costs.name} has {len(costs.layers)} layers: it cannot be cut into {p} stages; "
+            "use fewer partitions"
+        )
+    where = layout.placement
+    slow = machine.slowdown(where.busiest_node_ranks)
+    engine = costs.engine
+    starts = list(starts) if starts is not None else costs.split(p, batch)
+    bounds = [*starts, len(costs.layers)]
+    stages = [costs.stage(a, b, batch) for a, b in zip(bounds[:-1], bounds[1:])]
+
+    forward, backward, transfers = [], [], []
+    for s, stage in enumerate(stages):
+        has_prev, has_next = s > 0, s < p - 1
+        f = stage.forward + engine.forward_call + (engine.loss.at(batch) if not has_next else 0)
+        b = stage.backward + engine.backward_call
+        b += engine.accumulate_per_variable * stage.variables * (m - 1) / m
+        # CPU overhead of the receive and send of each action, on the stage's own timeline
+        f += network.overhead * (has_prev + has_next)
+        b += network.overhead * (has_prev + has_next)
+        forward.append(f * slow)
+        backward.append(b * slow)
+        if has_next:
+            crosses = where.pipeline_link_crosses_nodes(s)
+            wire = network.p2p(costs.cut_bytes[bounds[s + 1]] * batch, crosses)
+            transfers.append(wire if crosses else wire * slow)
+    # the schedule simulator takes one link delay; the slowest link is the safe choice
+    sim = simulate(
+        make_schedule(layout.schedule, p, m), forward, backward, max(transfers, default=0.0)
+    )
+    finish = [0.0] * p
+    for (s, _), (_, end) in sim.times.items():
+        finish[s] = max(finish[s], end)
+
+    flows = where.offnode_reductions_per_node()
+    step, parts = 0.0, (0.0, 0.0, 0.0)
+    for s, stage in enumerate(stages):
+        crosses = where.stage_nodes(s) > 1
+        reduce = network.gradient_allreduce(
+            stage.param_bytes, layout.replicas, crosses, flows if crosses else 1, slow
+        )
+        update = slow * (engine.optimizer(stage.variables, stage.param_bytes) + engine.step_fixed)
+        if finish[s] + reduce + update > step:
+            step = finish[s] + reduce + update
+            parts = (finish[s], reduce, update)
+    return Prediction(
+        layout=layout,
+        global_batch=global_batch,
+        step_time=step,
+        pipeline_time=parts[0],
+        allreduce_time=parts[1],
+        optimizer_time=parts[2],
+        bubble=sim.bubble if p > 1 else 0.0,
+        slowdown=slow,
+        stage_starts=starts,
+        stage_names=costs.start_names(starts),
+        stage_compute=[m * (f + b) for f, b in zip(forward, backward)],
+    )
+
+
+def _single_process(costs: ModelCosts, global_batch: int, machine: Machine) -> Prediction:
+    slow = machine.slowdown(1)
+    step = costs.single_process.at(global_batch) * slow
+    return Prediction(
+        layout=Layout(),
+        global_batch=global_batch,
+        step_time=step,
+        pipeline_time=step,
+        allreduce_time=0.0,
+        optimizer_time=0.0,
+        bubble=0.0,
+        slowdown=slow,
+        stage_starts=[0],
+        stage_compute=[step],
+        single_process=True,
+    )
+
+
+def speedup(prediction: Prediction, baseline: Prediction) -> float:
+    """Throughput relative to `baseline` (samples/s over samples/s)."""
+    return prediction.throughput / baseline.throughput
+
+
+def efficiency(prediction: Prediction, baseline: Prediction) -> float:
+    """Speed-up per unit of resources, relative to what the baseline used: per rank when the
+    baseline is one rank, per node when it fills one node."""
+    base_units, units = _units(baseline, prediction)
+    return speedup(prediction, baseline) * base_units / units
+
+
+def _units(baseline: Prediction, prediction: Prediction) -> tuple[int, int]:
+    if baseline.layout.world == 1:
+        return 1, prediction.layout.world
+    return baseline.nodes, prediction.nodes

@@ -1,0 +1,351 @@
+"""The scaling model: network costs, placement, pipeline step, costs files and the CLI."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hyparflow.engine.schedule import theoretical_bubble
+from hyparflow.simulate import (
+    Affine,
+    EngineCosts,
+    LayerCost,
+    Layout,
+    Link,
+    Machine,
+    ModelCosts,
+    Network,
+    Placement,
+    predict,
+)
+from hyparflow.simulate.netbench import fit_network
+from hyparflow.simulate.network import (
+    allreduce,
+    bucketed_allreduce,
+    rabenseifner_allreduce,
+    recursive_doubling_allreduce,
+    ring_allreduce,
+)
+
+FAST = Link(0.0, 1e30)  # a network that costs nothing
+
+
+def uniform_costs(layers=8, forward=1e-4, backward=2e-4, param_bytes=4000, cut_bytes=1000.0):
+    """`layers` identical layers, seconds per sample forward and backward, no engine costs."""
+    return ModelCosts(
+        name="uniform",
+        layers=[
+            LayerCost(f"l{i}", Affine(0.0, forward), Affine(0.0, backward), param_bytes, 2)
+            for i in range(layers)
+        ],
+        cut_bytes=[0.0] + [cut_bytes] * (layers - 1) + [0.0],
+    )
+
+
+# --- network ------------------------------------------------------------------------------
+
+
+def test_point_to_point_is_latency_plus_bytes_over_bandwidth():
+    assert Link(2e-6, 10e9).time(0) == 2e-6
+    assert Link(2e-6, 10e9).time(10e9) == pytest.approx(1.0 + 2e-6)
+    net = Network(intra=Link(1e-6, 20e9), inter=Link(5e-6, 10e9))
+    assert net.p2p(1e6, crosses_nodes=False) == pytest.approx(1e-6 + 1e6 / 20e9)
+    assert net.p2p(1e6, crosses_nodes=True) == pytest.approx(5e-6 + 1e6 / 10e9)
+
+
+def test_allreduce_algorithms_on_known_cases():
+    link = Link(1e-6, 1e9)
+    # p = 4, 8 MB: ring 2(p-1) alpha + 2 (p-1)/p n / beta, plus (p-1)/p n / rate
+    assert ring_allreduce(8e6, 4, link) == pytest.approx(6e-6 + 0.012)
+    assert ring_allreduce(8e6, 4, link, reduce_rate=6e9) == pytest.approx(6e-6 + 0.012 + 0.001)
+    assert rabenseifner_allreduce(8e6, 4, link) == pytest.approx(4e-6 + 0.012)
+    assert recursive_doubling_allreduce(8e6, 4, link) == pytest.approx(2 * (1e-6 + 0.008))
+    # non-power-of-two rounds up the log
+    assert recursive_doubling_allreduce(8, 5, link) == pytest.approx(3 * (1e-6 + 8e-9))
+    for f in (ring_allreduce, rabenseifner_allreduce, recursive_doubling_allreduce):
+        assert f(1e9, 1, link) == 0.0
+    assert allreduce(8, 64, link)[1] == "recursive doubling"
+    assert allreduce(64e6, 64, link)[1] == "rabenseifner"
+    assert allreduce(64e6, 64, Link(0.0, 1e9))[0] == pytest.approx(2 * 63 / 64 * 0.064)
+
+
+def test_buckets_add_their_latencies():
+    link = Link(1e-3, 1e12)
+    one = bucketed_allreduce(100e6, 2, link, bucket_bytes=200e6)
+    four = bucketed_allreduce(100e6, 2, link, bucket_bytes=25e6)
+    assert four - one == pytest.approx(3 * 1e-3)  # three more latencies, same bytes
+    assert bucketed_allreduce(0, 8, link) == 0.0
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    nbytes=st.floats(1, 1e9),
+    ranks=st.integers(1, 4096),
+    bandwidth=st.floats(1e6, 1e11),
+    factor=st.floats(1.0, 100.0),
+)
+def test_more_bandwidth_or_less_latency_is_never_slower(nbytes, ranks, bandwidth, factor):
+    slow, fast = Link(5e-6, bandwidth), Link(5e-6, bandwidth * factor)
+    assert allreduce(nbytes, ranks, fast)[0] <= allreduce(nbytes, ranks, slow)[0] * (1 + 1e-12)
+    near = Link(1e-6, bandwidth)
+    far = Link(1e-6 * factor, bandwidth)
+    assert allreduce(nbytes, ranks, near)[0] <= allreduce(nbytes, ranks, far)[0] * (1 + 1e-12)
+
+
+def test_shared_link_splits_bandwidth_only():
+    assert Link(1e-6, 12e9).shared(4) == Link(1e-6, 3e9)
+    assert Link(1e-6, 12e9).shared(0) == Link(1e-6, 12e9)
+
+
+def test_network_file_round_trip():
+    net = Network(Link(1e-6, 9e9), Link(2e-6, 12e9), reduce_rate=5e9, overhead=1e-5)
+    assert Network.from_dict(json.loads(json.dumps(net.to_dict()))) == net
+    alone = Network(Link(1e-6, 9e9))
+    assert Network.from_dict(json.loads(json.dumps(alone.to_dict()))) == alone
+    with pytest.raises(ValueError, match="inter-node"):
+        alone.link(crosses_nodes=True)
+
+
+def test_network_fit_recovers_a_synthetic_machine():
+    alpha, beta, rate, overhead, copy = 1e-6, 8e9, 4e9, 20e-6, 5e9
+    pingpong = {n: alpha + n / beta for n in (8, 1024, 1 << 20, 4 << 20, 16 << 20)}
+    allreduces = {n: 2 * alpha + n / beta + n / 2 / rate for n in (1 << 20, 4 << 20, 16 << 20)}
+    channel = {n: pingpong[n] + 2 * overhead for n in (1024, 1 << 20)}
+    reducer = {n: allreduces[n] + n / copy for n in (1 << 20, 16 << 20)}
+    fitted = fit_network(pingpong, allreduces, channel, reducer, ranks=2)
+    assert fitted["intra"]["latency"] == pytest.approx(alpha, rel=0.01)
+    assert fitted["intra"]["bandwidth"] == pytest.approx(beta, rel=1e-6)
+    assert fitted["reduce_rate"] == pytest.approx(rate, rel=1e-3)
+    assert fitted["overhead"] == pytest.approx(overhead, rel=1e-6)
+    assert fitted["copy_rate"] == pytest.approx(copy, rel=1e-6)
+
+
+# --- placement ----------------------------------------------------------------------------
+
+
+def test_placement_follows_the_engine_grid():
+    where = Placement(partitions=2, replicas=3, ranks_per_node=2)  # one pipeline per node
+    assert where.nodes == 3
+    assert not where.pipeline_link_crosses_nodes(0)
+    assert where.stage_nodes(0) == where.stage_nodes(1) == 3
+    assert where.offnode_reductions_per_node() == 2
+    spread = Placement(partitions=4, replicas=1, ranks_per_node=2)
+    assert [spread.pipeline_link_crosses_nodes(s) for s in range(3)] == [False, True, False]
+    assert spread.stage_nodes(0) == 1 and spread.offnode_reductions_per_node() == 0
+    assert Placement(3, 1, ranks_per_node=2).ranks_on_node(1) == 1
+
+
+def test_links_are_chosen_by_placement():
+    costs = uniform_costs(layers=4)
+    net = Network(intra=Link(1e-6, 1e12), inter=Link(1e-6, 1e6))  # inter is very slow
+    grads = costs.param_bytes / 2  # each of 2 stages owns half
+    one_node = predict(costs, net, Layout(2, 2, 1, ranks_per_node=4), 64)
+    assert one_node.allreduce_time == pytest.approx(net.gradient_allreduce(grads, 2, False))
+    pipeline_per_node = predict(costs, net, Layout(2, 2, 1, ranks_per_node=2), 64)
+    shared = net.gradient_allreduce(grads, 2, crosses_nodes=True, flows=2)
+    assert pipeline_per_node.allreduce_time == pytest.approx(shared)
+    assert shared == pytest.approx(net.gradient_allreduce(grads, 2, True) * 2, rel=1e-3)
+    # a pipeline split over nodes pays the slow link between its stages
+    split = predict(costs, net, Layout(2, 1, 1, ranks_per_node=1), 64)
+    together = predict(costs, net, Layout(2, 1, 1, ranks_per_node=2), 64)
+    wire = 2 * 1000.0 * 64 * (1 / 1e6 - 1 / 1e12)  # forward and backward message
+    assert split.step_time - together.step_time == pytest.approx(wire, rel=1e-6)
+
+
+# --- the step -----------------------------------------------------------------------------
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    partitions=st.sampled_from([1, 2, 4, 8]),
+    microbatches=st.integers(1, 12),
+    schedule=st.sampled_from(["gpipe", "1f1b"]),
+)
+def test_equal_stages_without_communication_follow_the_formula(partitions, microbatches, schedule):
+    costs = uniform_costs(layers=8, forward=1e-4, backward=2e-4)
+    batch = 8 * microbatches
+    p = predict(costs, Network(FAST), Layout(partitions, 1, microbatches, schedule), batch)
+    per_stage = (8 // partitions) * 8 * 3e-4  # layers x samples x (forward + backward)
+    assert p.step_time == pytest.approx((microbatches + partitions - 1) * per_stage)
+    assert p.bubble == pytest.approx(
+        theoretical_bubble(partitions, microbatches) * (partitions > 1)
+    )
+    assert p.throughput == pytest.approx(batch / p.step_time)
+
+
+def test_data_parallel_step_is_compute_plus_allreduce_plus_optimizer():
+    costs = uniform_costs(layers=4)
+    costs.engine = EngineCosts(optimizer_fixed=1e-3, optimizer_per_byte=1e-9)
+    net = Network(intra=Link(1e-5, 1e9), reduce_rate=2e9, copy_rate=4e9)
+    p = predict(costs, net, Layout(1, 4), 256)
+    compute = 4 * 64 * 3e-4
+    reduce = costs.param_bytes / 4e9 + allreduce(costs.param_bytes, 4, net.intra, 2e9)[0]
+    assert p.allreduce_time == pytest.approx(reduce)
+    assert p.step_time == pytest.approx(compute + reduce + 1e-3 + 1e-9 * costs.param_bytes)
+
+
+def test_engine_costs_land_where_the_engine_pays_them():
+    costs = uniform_costs(layers=2)
+    base = predict(costs, Network(FAST), Layout(2, 1, 4), 32).step_time
+    costs.engine = EngineCosts(forward_call=1e-3)
+    # 4 micro-batches through 2 stages: (m + p - 1) forward slots on the critical path
+    with_calls = predict(costs, Network(FAST), Layout(2, 1, 4), 32).step_time
+    assert with_calls - base == pytest.approx(5 * 1e-3)
+    costs.engine = EngineCosts(accumulate_per_variable=1e-3)
+    accumulating = predict(costs, Network(FAST), Layout(1, 1, 4), 32).step_time
+    assert accumulating - predict(uniform_costs(2), Network(FAST), Layout(1, 1, 4), 32).step_time \
+        == pytest.approx(3 * 4 * 1e-3)  # fmt: skip
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    partitions=st.sampled_from([1, 2, 4]),
+    replicas=st.sampled_from([1, 2, 8, 64]),
+    per_node=st.sampled_from([1, 2, 4, 16]),
+    bandwidth=st.floats(1e7, 1e11),
+    factor=st.floats(1.0, 50.0),
+)
+def test_more_bandwidth_never_slows_a_step(partitions, replicas, per_node, bandwidth, factor):
+    costs = uniform_costs(layers=8)
+    layout = Layout(partitions, replicas, 4 if partitions > 1 else 1, ranks_per_node=per_node)
+    batch = replicas * 4 * 8
+
+    def step(beta):
+        net = Network(intra=Link(1e-6, beta), inter=Link(3e-6, beta / 2), overhead=1e-6)
+        return predict(costs, net, layout, batch).step_time
+
+    assert step(bandwidth * factor) <= step(bandwidth) * (1 + 1e-9)
+
+
+def test_sharing_cores_stretches_the_step():
+    costs = uniform_costs(layers=4)
+    net = Network(FAST)
+    alone = predict(costs, net, Layout(1, 4), 64, Machine(cores_per_node=4))
+    shared = predict(costs, net, Layout(1, 4), 64, Machine(cores_per_node=2))
+    assert shared.slowdown == 2.0 and alone.slowdown == 1.0
+    assert shared.step_time == pytest.approx(2 * alone.step_time)
+    busy = predict(costs, net, Layout(1, 4), 64, Machine(cores_per_node=4, background=2.0))
+    assert busy.step_time == pytest.approx(1.5 * alone.step_time)
+
+
+def test_one_rank_is_plain_fit_when_measured():
+    costs = uniform_costs(layers=2)
+    costs.single_process = Affine(0.002, 1e-4)
+    p = predict(costs, Network(FAST), Layout(), 100)
+    assert p.single_process and p.step_time == pytest.approx(0.012)
+
+
+def test_unsplittable_batches_and_too_many_stages_are_refused():
+    costs = uniform_costs(layers=4)
+    with pytest.raises(ValueError, match="multiple of 12"):
+        predict(costs, Network(FAST), Layout(2, 3, 4), 100)
+    with pytest.raises(ValueError, match="fewer partitions"):
+        predict(costs, Network(FAST), Layout(8, 1, 1), 8)
+
+
+def test_time_balanced_split_and_stage_names():
+    costs = uniform_costs(layers=6)
+    slow = LayerCost("slow", Affine(0, 5e-4), Affine(0, 1e-3), 0, 0)
+    costs.layers[0] = slow
+    p = predict(costs, Network(FAST), Layout(2, 1, 2), 16)
+    assert p.stage_starts == [0, 1] and p.stage_names == ["l1"]
+
+
+# --- costs --------------------------------------------------------------------------------
+
+
+def test_affine_through_two_points_stays_non_negative():
+    assert Affine.through(32, 0.004, 128, 0.013) == Affine(0.001, 9.375e-05)
+    assert Affine.through(32, 0.001, 128, 0.009).fixed == 0.0  # line would cross below zero
+    assert Affine.through(32, 0.005, 128, 0.004).per_sample == 0.0  # noise: slope < 0
+    assert Affine(0.001, 1e-4).at(10) == pytest.approx(0.002)
+
+
+def test_costs_file_round_trip(tmp_path):
+    costs = uniform_costs(layers=3)
+    costs.engine = EngineCosts(forward_call=1e-4, loss=Affine(1e-5, 1e-7), optimizer_fixed=2e-4)
+    costs.single_process = Affine(0.003, 2e-5)
+    costs.measured = {"cores": 2}
+    path = tmp_path / "costs.json"
+    costs.save(path)
+    again = ModelCosts.load(path)
+    assert again.to_dict() == costs.to_dict()
+    assert again.engine == costs.engine and again.layers == costs.layers
+    with pytest.raises(ValueError, match="hyparflow costs"):
+        ModelCosts.from_dict({"layers": []})
+    with pytest.raises(ValueError, match="cut_bytes"):
+        ModelCosts("bad", costs.layers, [0.0])
+
+
+# --- the command line ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def saved_model(tmp_path_factory):
+    import keras
+    from keras import layers
+
+    x = keras.Input((16,))
+    h = layers.Dense(32, activation="relu", name="first")(x)
+    h = layers.Dense(32, activation="relu", name="second")(h)
+    h = layers.Dense(32, activation="relu", name="third")(h)
+    model = keras.Model(x, layers.Dense(4, activation="softmax", name="head")(h))
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    path = tmp_path_factory.mktemp("simulate") / "tiny.keras"
+    model.save(path)
+    return path
+
+
+def test_simulate_command_measures_a_saved_model_and_prints_the_table(saved_model, tmp_path):
+    costs_file = tmp_path / "costs.json"
+    command = [
+        sys.executable, "-m", "hyparflow.cli", "simulate", str(saved_model),
+        "--batch-size", "16", "--partitions", "1,2", "--replicas", "1,2", "--microbatches", "2",
+        "--latency", "2e-6", "--bandwidth", "12e9", "--profile-batch-sizes", "4,8",
+        "--save-costs", str(costs_file),
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:3] == ["P", "R", "M"])
+    rows = [line.split() for line in lines[header + 1 : header + 5]]
+    assert [(r[0], r[1], r[2]) for r in rows] == [
+        ("1", "1", "1"), ("1", "2", "1"), ("2", "1", "2"), ("2", "2", "2"),
+    ]  # fmt: skip
+    assert rows[0][7] == "1.00" and rows[0][8] == "100.0%"  # the baseline is one rank
+    assert all(float(r[5]) > 0 for r in rows)
+    saved = ModelCosts.load(costs_file)
+    assert [lc.name for lc in saved.layers] == ["first", "second", "third", "head"]
+    assert saved.single_process is not None and saved.single_process.at(16) > 0
+    assert saved.layers[0].param_bytes == (16 * 32 + 32) * 4 and saved.layers[0].variables == 2
+
+
+def test_simulate_command_reads_costs_and_prints_json(tmp_path, capsys):
+    from hyparflow.cli import main
+
+    path = tmp_path / "costs.json"
+    uniform_costs(layers=8).save(path)
+    argv = ["simulate", str(path), "--batch-size", "64", "-p", "1,4", "-r", "1,2", "-m", "4",
+            "--latency", "2e-6", "--bandwidth", "12e9", "--ranks-per-node", "4",
+            "--json"]  # fmt: skip
+    assert main(argv) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["partitions"], r["replicas"], r["nodes"]) for r in rows] == [
+        (1, 1, 1), (1, 2, 1), (4, 1, 1), (4, 2, 2),
+    ]  # fmt: skip
+    assert rows[0]["speedup"] == 1.0
+    assert rows[1]["speedup"] > 1.0 and rows[3]["efficiency"] < 1.0
+    assert math.isclose(rows[3]["throughput"], 64 / rows[3]["step_time"])
+
+
+def test_simulate_command_needs_a_network(tmp_path, capsys):
+    from hyparflow.cli import main
+
+    path = tmp_path / "costs.json"
+    uniform_costs(layers=2).save(path)
+    assert main(["simulate", str(path), "--batch-size", "8"]) == 1
+    assert "--latency" in capsys.readouterr().err
