@@ -184,7 +184,10 @@ def _check_comm(backend: str) -> str:
     """The gradient-reduction backend, checked on every rank (a rank without Horovod stops all)."""
     from hyparflow.comm.agree import agree
     from hyparflow.comm.backends import check_backend
+    from hyparflow.comm.world import launched
 
+    if not launched():  # one process: no MPI to start (see comm/world.py)
+        return check_backend(backend)
     return agree(world(), check_backend, backend)
 
 

@@ -110,3 +110,38 @@ def test_hf_fit_reads_hdf5_on_one_process_like_arrays(tmp_path):
     for ref, got in zip(reference.get_weights(), model.get_weights()):
         np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-7)
     assert np.isfinite(evaluated).all()
+
+
+def test_one_process_does_not_start_mpi_so_mpirun_from_it_works():
+    """A process that started MPI as a singleton breaks any mpirun it launches; hf.fit on one
+    process must therefore never start MPI (checked in a clean child interpreter)."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    from tests.mpirun import MPI_ENV
+
+    script = textwrap.dedent(
+        """
+        import subprocess, sys
+        import keras, numpy as np
+        import hyparflow as hf
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+        hf.fit(model, np.zeros((8, 3)), np.zeros((8, 1)), verbose=0)
+        assert hf.rank() == 0 and hf.size() == 1
+        assert "mpi4py.MPI" not in sys.modules or not sys.modules["mpi4py.MPI"].Is_initialized()
+        out = subprocess.run(
+            ["mpirun", "-np", "2", "--oversubscribe", sys.executable, "-c",
+             "from mpi4py import MPI; print(MPI.COMM_WORLD.Get_size())"],
+            capture_output=True, text=True,
+        )
+        assert out.returncode == 0 and out.stdout.split() == ["2", "2"], out
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX"))}
+    result = subprocess.run(
+        [sys.executable, "-c", script], env={**env, **MPI_ENV}, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-3000:]

@@ -11,7 +11,8 @@ def export(checkpoint_dir: str, path: str, model=None) -> str:
     """Write the latest checkpoint in `checkpoint_dir` as a single Keras model file at `path`.
 
     The architecture comes from the checkpoint (models with a config) or from `model` (any
-    model, e.g. subclassed: pass a freshly built one). Optimizer state is not included.
+    model, e.g. subclassed: pass a freshly built one). The model is compiled as it was for
+    training (so `evaluate` works on the loaded file); optimizer state is not included.
 
     Example:
         >>> hf.export("checkpoints/", "trained.keras")
@@ -29,8 +30,13 @@ def export(checkpoint_dir: str, path: str, model=None) -> str:
             )
         with open(os.path.join(folder, manifest.architecture)) as f:
             model = keras.models.model_from_json(f.read())
-    _, state = store.read_checked(folder, model)
+    manifest, state = store.read_checked(folder, model)
     for i, variable in enumerate(model.weights):
         variable.assign(state[f"w/{i}"])
+    if manifest.compile_config and not getattr(model, "compiled", False):
+        import json
+
+        with open(os.path.join(folder, manifest.compile_config)) as f:
+            model.compile_from_config(json.load(f))
     model.save(path)
     return path

@@ -32,6 +32,7 @@ class Manifest:
     weights: list  # [path, shape, dtype] of every model weight, in model order
     files: dict  # file name -> sha256
     architecture: str | None = None  # file holding model.to_json(), if the model has one
+    compile_config: str | None = None  # file holding model.get_compile_config()
     format: int = FORMAT
 
     def to_json(self) -> str:

@@ -17,6 +17,7 @@ from hyparflow.checkpoint.state import (
 )
 
 ARCHITECTURE = "model.json"
+COMPILE_CONFIG = "compile.json"
 
 
 def save(trainer, directory: str, *, epoch: int, batch: int, keep: int = 3, complete=None) -> str:
@@ -51,10 +52,12 @@ def save(trainer, directory: str, *, epoch: int, batch: int, keep: int = 3, comp
         for part in gathered:
             files.update(part)
         architecture = _write_architecture(model, folder, files)
+        compile_config = _write_compile_config(model, folder, files)
         manifest = manifests.Manifest(
             step=trainer.step, epoch=epoch, batch=batch, seed=trainer.seed,
             partitions=topo.num_stages, replicas=topo.num_replicas,
             weights=weight_specs(model), files=files, architecture=architecture,
+            compile_config=compile_config,
         )  # fmt: skip
         (complete or manifests.write)(folder, manifest)
         manifests.prune(directory, keep, folder)
@@ -85,6 +88,20 @@ def _write_architecture(model, folder: str, files: dict) -> str | None:
     write_atomic(path, lambda f: f.write(text.encode()))
     files[ARCHITECTURE] = sha256(path)
     return ARCHITECTURE
+
+
+def _write_compile_config(model, folder: str, files: dict) -> str | None:
+    """How the model was compiled (optimizer, loss, metrics), so an export can be evaluated."""
+    import json
+
+    try:
+        text = json.dumps(model.get_compile_config())
+    except Exception:  # noqa: BLE001 - custom objects that do not serialize: export uncompiled
+        return None
+    path = os.path.join(folder, COMPILE_CONFIG)
+    write_atomic(path, lambda f: f.write(text.encode()))
+    files[COMPILE_CONFIG] = sha256(path)
+    return COMPILE_CONFIG
 
 
 def find(directory: str, required: bool) -> str | None:

@@ -145,6 +145,7 @@ def main():
                 "model4": relative_difference(results["model4"], results["same"]),
                 "data4": relative_difference(results["data4"], results["same"]),
                 "export": relative_difference(loaded.get_weights(), first.get_weights()),
+                "export_compiled": loaded.compiled and loaded.optimizer.__class__.__name__,
             }
         )
     elif mode == "stall":
