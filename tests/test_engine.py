@@ -32,6 +32,7 @@ TWO_RANKS = [
     "batchnorm:adam:model:2:1:1:1f1b",
     "resnet:schedule:model:2:1:2:1f1b",
     "l2_mlp:adam16:model:2:1:2:1f1b",
+    "l2_mlp:adambf16:model:2:1:1:gpipe",
     "batchnorm:adam:model:2:1:1:1f1b-recompute",
     "resnet:sgd:model:2:1:4:gpipe-recompute",
     "multi_io:adam:model:2:1:4:1f1b-blocking",

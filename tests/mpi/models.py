@@ -130,12 +130,16 @@ def compiled(name: str, optimizer: str):
     """A freshly built, compiled model with weights fixed by a seed.
 
     An optimizer name ending in "16" ("adam16") builds the model under Keras's mixed_float16
-    policy (float16 compute and activations, float32 weights, dynamic loss scaling).
+    policy (float16 compute and activations, float32 weights, dynamic loss scaling), one ending
+    in "bf16" under mixed_bfloat16.
     """
     keras.utils.set_random_seed(1234)
-    mixed = optimizer.endswith("16")
-    optimizer = optimizer.removesuffix("16")
-    keras.config.set_dtype_policy("mixed_float16" if mixed else "float32")
+    policy = "float32"
+    if optimizer.endswith("bf16"):
+        policy, optimizer = "mixed_bfloat16", optimizer.removesuffix("bf16")
+    elif optimizer.endswith("16"):
+        policy, optimizer = "mixed_float16", optimizer.removesuffix("16")
+    keras.config.set_dtype_policy(policy)
     try:
         model = BUILDERS[name]()
     finally:
