@@ -1,0 +1,27 @@
+"""The command line every figure script shares: driver mode, or worker mode under a launcher."""
+
+from __future__ import annotations
+
+import argparse
+
+from benchmarks.harness.records import emit
+
+
+def parser(doc: str, repeats: int = 7) -> argparse.ArgumentParser:
+    """Common options: `--repeats` (after warm-up), `--quick` (a smoke run), `--out` (JSON)."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=repeats, help="measured repeats after warm-up")
+    p.add_argument("--quick", action="store_true", help="tiny sizes and 2 repeats: a smoke test")
+    p.add_argument("--out", help="also write the records to this JSON file")
+    p.add_argument("--worker-out", help=argparse.SUPPRESS)  # set by harness.launch
+    return p
+
+
+def entry(args, worker, run) -> list[dict] | None:
+    """Run as a worker when launched by the harness, else drive the figure and print records."""
+    if args.worker_out:
+        worker(args)
+        return None
+    if args.quick:
+        args.repeats = min(args.repeats, 2)
+    return emit(run(args), args.out)

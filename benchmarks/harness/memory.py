@@ -1,0 +1,31 @@
+"""This process's resident memory: now, and its peak since the last reset (Linux /proc)."""
+
+from __future__ import annotations
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def rss_bytes() -> int:
+    """Resident set size now."""
+    return _status_kib("VmRSS") * 1024
+
+
+def peak_rss_bytes() -> int:
+    """Highest resident set size since the process started or `reset_peak` was called."""
+    return _status_kib("VmHWM") * 1024
+
+
+def reset_peak() -> bool:
+    """Start a new peak from the current RSS (writing 5 to clear_refs); False if refused."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False

@@ -1,0 +1,78 @@
+"""One PNG per figure from its records: lines over `x` per series, else bars of medians.
+
+Error bars span each record's lowest and highest repeat. Drawn with matplotlib's Agg canvas
+(no pyplot, no display needed).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+
+def _canvas(rows: int):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(8, 3.2 * rows), dpi=100)
+    FigureCanvasAgg(figure)
+    return figure
+
+
+def _error(records):
+    return [
+        [r["median"] - r["low"] for r in records],
+        [r["high"] - r["median"] for r in records],
+    ]
+
+
+def _draw_lines(axes, records, unit):
+    series = defaultdict(list)
+    for record in records:
+        series[record.get("series", record["name"])].append(record)
+    xs = [r["x"] for r in records]
+    for label, points in series.items():
+        points.sort(key=lambda r: r["x"])
+        axes.errorbar(
+            [r["x"] for r in points], [r["median"] for r in points], yerr=_error(points),
+            marker="o", capsize=3, label=label,
+        )  # fmt: skip
+    if min(xs) > 0 and max(xs) / min(xs) >= 8:
+        axes.set_xscale("log", base=2)
+    axes.set_ylabel(unit)
+    axes.legend(fontsize=8)
+    axes.grid(alpha=0.3)
+
+
+def _draw_bars(axes, records, unit):
+    names = [r["name"] for r in records]
+    positions = list(range(len(records)))
+    axes.barh(positions, [r["median"] for r in records], xerr=_error(records), capsize=3,
+              color="#4c72b0")  # fmt: skip
+    axes.set_yticks(positions, names, fontsize=8)
+    axes.invert_yaxis()
+    axes.set_xlabel(unit)
+    axes.grid(axis="x", alpha=0.3)
+    for record in records:
+        if "goal" in record:
+            axes.axvline(float(record["goal"].split()[1]), color="red", linestyle="--", lw=1)
+
+
+def plot_figure(title: str, records: list[dict], path: str) -> str | None:
+    """Draw `records` (grouped by unit, one panel each) into the PNG at `path`; None if empty."""
+    if not records:
+        return None
+    by_unit = defaultdict(list)
+    for record in records:
+        by_unit[record["unit"]].append(record)
+    figure = _canvas(len(by_unit))
+    for row, (unit, group) in enumerate(by_unit.items(), start=1):
+        axes = figure.add_subplot(len(by_unit), 1, row)
+        if all("x" in r for r in group):
+            _draw_lines(axes, group, unit)
+        else:
+            _draw_bars(axes, group, unit)
+        if row == 1:
+            axes.set_title(title, fontsize=10)
+    figure.tight_layout()
+    figure.savefig(path)
+    return path

@@ -1,0 +1,130 @@
+"""Figure 1, overhead on one rank: epoch time of hf.fit and of the engine vs model.fit.
+
+Run: .venv/bin/python benchmarks/one_rank_overhead.py [--repeats 7] [--out FILE]
+
+One process (no launcher), one model, one data set, three ways per round, interleaved so that
+a busy spell on the shared machine hits all three alike:
+
+- `model.fit`: plain Keras;
+- `hf.fit`: what a user calls; on one process it delegates to `model.fit`;
+- the engine: `hf.fit`'s multi-rank path run on this one rank. `hf.fit` takes it on one process
+  only when it needs it (`check_numerics=True`, a `hf.callbacks.Checkpoint`, resuming); this
+  benchmark calls it directly through `hyparflow.api._distributed_fit` (benchmark-only use of
+  a private function: it is what `hf.fit` runs on every rank of a 1-partition job).
+
+Each way trains one epoch per call after a warm-up call (tracing); the figure is the epoch's
+wall time (Keras's epoch begin to end), the target the paired ratio per round.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+from benchmarks.harness import cli  # noqa: E402
+from benchmarks.harness.launch import run_worker, write_result  # noqa: E402
+from benchmarks.harness.records import measurement, target  # noqa: E402
+from benchmarks.harness.stats import paired_ratios  # noqa: E402
+
+FIGURE = "overhead"
+TITLE = "(1) Overhead on one rank: hf.fit and the engine vs model.fit"
+WAYS = ("model.fit", "hf.fit", "engine")
+
+
+def build(width: int, depth: int):
+    import keras
+
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((784,))
+    x = inputs
+    for _ in range(depth):
+        x = keras.layers.Dense(width, activation="relu")(x)
+    model = keras.Model(inputs, keras.layers.Dense(10, activation="softmax")(x))
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    return model
+
+
+def worker(args) -> None:
+    import keras
+    import numpy as np
+
+    import hyparflow as hf
+    from benchmarks.harness.timing import epoch_timer
+    from hyparflow.api import _distributed_fit, _resolve
+
+    keras.config.disable_interactive_logging()
+    model = build(args.width, args.depth)
+    rng = np.random.default_rng(0)
+    samples = args.batch_size * args.steps
+    x = rng.normal(size=(samples, 784)).astype("float32")
+    y = rng.integers(0, 10, size=samples)
+    fit = dict(batch_size=args.batch_size, epochs=1, verbose=0)
+    resolved = _resolve(model, "data", None, None, None)
+    options = dict(resume=False, resume_from=None, check_numerics=False, watchdog_timeout=None,
+                   comm="mpi")  # fmt: skip
+
+    def one_epoch(way: str) -> tuple[float, float]:
+        timer = epoch_timer()
+        if way == "model.fit":
+            model.fit(x, y, callbacks=[timer], **fit)
+        elif way == "hf.fit":
+            hf.fit(model, x, y, callbacks=[timer], **fit)
+        else:
+            _distributed_fit(model, x, y, args.batch_size, 1, resolved, options, verbose=0,
+                             callbacks=[timer])  # fmt: skip
+        return timer.seconds[0], timer.cpu_share[0]
+
+    for way in WAYS:  # warm-up: trace, build the engine's Trainer
+        one_epoch(way)
+    seconds = {way: [] for way in WAYS}
+    shares = []
+    for round_ in range(args.repeats):
+        order = WAYS if round_ % 2 == 0 else WAYS[::-1]
+        for way in order:
+            wall, share = one_epoch(way)
+            seconds[way].append(wall)
+            shares.append(share)
+    write_result(args.worker_out, 0, {"seconds": seconds, "cpu_share": shares})
+
+
+def run(args) -> list[dict]:
+    (result,) = run_worker(__file__, _worker_args(args))
+    seconds = result["seconds"]
+    params = dict(width=args.width, depth=args.depth, batch_size=args.batch_size,
+                  steps=args.steps, min_cpu_share=round(min(result["cpu_share"]), 3))  # fmt: skip
+    records = [
+        measurement(FIGURE, f"{way}: s per epoch", seconds[way], "s", **params) for way in WAYS
+    ]
+    base = seconds["model.fit"]
+    records.append(target(FIGURE, "hf.fit / model.fit", paired_ratios(seconds["hf.fit"], base),
+                          "<= 1.05"))  # fmt: skip
+    records.append(target(FIGURE, "engine on one rank / model.fit",
+                          paired_ratios(seconds["engine"], base), "<= 1.05"))  # fmt: skip
+    return records
+
+
+def _worker_args(args) -> list[str]:
+    return ["--repeats", args.repeats, "--width", args.width, "--depth", args.depth,
+            "--batch-size", args.batch_size, "--steps", args.steps]  # fmt: skip
+
+
+def arguments(argv=None):
+    p = cli.parser(__doc__)
+    p.add_argument("--width", type=int, default=512)
+    p.add_argument("--depth", type=int, default=3)
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--steps", type=int, default=50, help="steps per epoch")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.steps, args.width = 5, 64
+    return args
+
+
+def main(argv=None):
+    args = arguments(argv)
+    return cli.entry(args, worker, run)
+
+
+if __name__ == "__main__":
+    main()
