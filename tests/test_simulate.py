@@ -114,13 +114,22 @@ def test_network_fit_recovers_a_synthetic_machine():
     alpha, beta, rate, overhead, copy = 1e-6, 8e9, 4e9, 20e-6, 5e9
     pingpong = {n: alpha + n / beta for n in (8, 1024, 1 << 20, 4 << 20, 16 << 20)}
     allreduces = {n: 2 * alpha + n / beta + n / 2 / rate for n in (1 << 20, 4 << 20, 16 << 20)}
-    channel = {n: pingpong[n] + 2 * overhead for n in (1024, 1 << 20)}
     reducer = {n: allreduces[n] + n / copy for n in (1 << 20, 16 << 20)}
-    fitted = fit_network(pingpong, allreduces, channel, reducer, ranks=2)
+    handoff, handoff_bandwidth = 5e-5, 2e9
+
+    def hop(nbytes):  # sends and handoffs seen at one boundary size
+        wait = alpha + handoff + nbytes / handoff_bandwidth
+        return {"send_s": [overhead, overhead / 2, 2 * overhead],
+                "handoff_s": [wait - 1e-5, wait, wait + 2e-5]}  # fmt: skip
+
+    hops = {4096: hop(4096), 1 << 19: hop(1 << 19)}
+    fitted = fit_network(pingpong, allreduces, reducer, hops, ranks=2)
     assert fitted["intra"]["latency"] == pytest.approx(alpha, rel=0.01)
     assert fitted["intra"]["bandwidth"] == pytest.approx(beta, rel=1e-6)
     assert fitted["reduce_rate"] == pytest.approx(rate, rel=1e-3)
-    assert fitted["overhead"] == pytest.approx(overhead, rel=1e-6)
+    assert fitted["overhead"] == pytest.approx(overhead, rel=1e-6)  # medians
+    assert fitted["handoff"] == pytest.approx(handoff, rel=1e-3)
+    assert fitted["handoff_bandwidth"] == pytest.approx(handoff_bandwidth, rel=1e-6)
     assert fitted["copy_rate"] == pytest.approx(copy, rel=1e-6)
 
 
@@ -195,10 +204,10 @@ def test_engine_costs_land_where_the_engine_pays_them():
     # 4 micro-batches through 2 stages: (m + p - 1) forward slots on the critical path
     with_calls = predict(costs, Network(FAST), Layout(2, 1, 4), 32).step_time
     assert with_calls - base == pytest.approx(5 * 1e-3)
-    costs.engine = EngineCosts(accumulate_per_variable=1e-3)
+    costs.engine = EngineCosts(accumulate_per_byte=1e-6)
     accumulating = predict(costs, Network(FAST), Layout(1, 1, 4), 32).step_time
-    assert accumulating - predict(uniform_costs(2), Network(FAST), Layout(1, 1, 4), 32).step_time \
-        == pytest.approx(3 * 4 * 1e-3)  # fmt: skip
+    plain = predict(uniform_costs(2), Network(FAST), Layout(1, 1, 4), 32).step_time
+    assert accumulating - plain == pytest.approx(3 * costs.param_bytes * 1e-6)  # 3 additions
 
 
 @settings(max_examples=40, deadline=None)

@@ -86,8 +86,9 @@ class EngineCosts:
     - `forward_call` / `backward_call`: one stage's compiled forward under a tape, and the
       tape's backward, beyond the layers' own time (Python, dispatch, tape bookkeeping).
     - `loss`: the last stage's loss and metric update per micro-batch.
-    - `accumulate_per_variable`: adding one micro-batch's gradient to the running sum, per
-      variable (eager), paid by every micro-batch after the first.
+    - `accumulate_per_byte`: adding one micro-batch's gradients to the running sum (eager,
+      memory-bound), per byte of the stage's parameters, paid by every micro-batch after the
+      first.
     - `optimizer_*`: the eager `optimizer.apply_gradients` of a stage's variables.
     - `step_fixed`: per step and rank, cutting the batch into micro-batches and walking the
       schedule.
@@ -96,7 +97,7 @@ class EngineCosts:
     forward_call: float = 0.0
     backward_call: float = 0.0
     loss: Affine = Affine()
-    accumulate_per_variable: float = 0.0
+    accumulate_per_byte: float = 0.0
     optimizer_fixed: float = 0.0
     optimizer_per_variable: float = 0.0
     optimizer_per_byte: float = 0.0

@@ -1,16 +1,26 @@
 """Measure a Keras model's `ModelCosts` on this machine (TensorFlow; one process, no MPI).
 
-Per layer: the forward, and the forward plus backward, of each layer call compiled alone and
-timed on random inputs at two batch sizes (the partitioner's profiler, `balance="time"`; the
-fastest of several timings, since interference only adds time), giving each an affine cost in
-the batch. Around the layers: the engine's own `StageRunner` on the whole model, its gradient
-accumulation and the eager optimizer update, compared with the layers' sum, give the engine's
-per-call costs. A plain `model.fit` step on a copy of the model gives the one-rank baseline.
+1. Per layer: the forward, and the forward plus backward, of each layer call compiled alone
+   and timed on random inputs at two batch sizes (as the partitioner's `balance="time"` does;
+   fastest of several timings, since interference only adds time). Their growth with the
+   batch is the layer's per-sample cost. A layer timed alone carries call overheads it does
+   not have inside a stage, so these numbers only say how the work is *distributed*.
+2. Per stage, as the engine runs a step: hyparflow's `StageRunner` over several micro-batches
+   (forward under a tape, backward, gradients summed), then the eager optimizer update, on
+   the whole model and on the stages of 2- and 4-way splits, at both batch sizes. Medians of
+   several repetitions, fitted by non-negative least squares (see `_fit_stages`): a call costs
+   a fixed part, a part per layer, and the layers' per-sample costs times one scale, which
+   turns step 1 into what the engine pays; summing a micro-batch's gradients costs per byte;
+   the optimizer costs a fixed part, per variable and per byte.
+3. The last stage's loss and metrics, and one plain `model.fit` step (the one-rank baseline)
+   on a copy of the model.
+
 Run it with the thread settings the training ranks will use (`TF_NUM_INTRAOP_THREADS`).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import platform
@@ -22,6 +32,7 @@ import numpy as np
 from hyparflow.simulate.costs import Affine, EngineCosts, LayerCost, ModelCosts
 
 DEFAULT_BATCH_SIZES = (16, 64)
+SPLITS = (2, 4)  # stage variants the engine costs are fitted on (besides the whole model)
 
 
 def measure_model(
@@ -33,7 +44,7 @@ def measure_model(
 ) -> ModelCosts:
     """Per-layer and engine costs of a compiled functional or Sequential Keras `model`.
 
-    The model's weights and optimizer are left as they were (the fit baseline trains a copy).
+    The model's weights are restored afterwards; the fit baseline trains a copy.
 
     Example:
         >>> costs = measure_model(model, batch_sizes=(16, 64))
@@ -48,49 +59,71 @@ def measure_model(
     if getattr(model, "optimizer", None) is None:
         raise ValueError("measure_model needs a compiled model (model.compile(...) first)")
     small, large = sorted(int(b) for b in batch_sizes)
+    if small == large:
+        raise ValueError(f"batch_sizes needs two different sizes, got {batch_sizes}")
+    started = (time.process_time(), time.perf_counter())
     graph = build_graph(model)
-    forward, both = {}, {}
-    for batch in (small, large):
-        inputs = profile.make_sample(graph, input_shape=input_shape, batch_size=batch)
-        forward[batch] = _forward_times(graph, inputs, repeats)
-        both[batch] = profile.node_times(graph, inputs, repeats)
-    layers = []
-    seen = set()
+    samples = {b: profile.make_sample(graph, input_shape=input_shape, batch_size=b)
+               for b in (small, large)}  # fmt: skip
+    forward, backward = {}, {}
+    with profile.preserved_state(model):
+        for b in (small, large):
+            forward[b] = _forward_times(graph, samples[b], repeats)
+            backward[b] = np.maximum(profile.node_times(graph, samples[b], repeats) - forward[b], 0)
+        slopes = {
+            "forward": np.maximum(forward[large] - forward[small], 0) / (large - small),
+            "backward": np.maximum(backward[large] - backward[small], 0) / (large - small),
+        }
+        fit = _fit_stages(model, samples, slopes, repeats)
+        loss = _loss_cost(model, samples, repeats)
+    forward_fit, backward_fit, optimizer_fit = fit["forward"], fit["backward"], fit["optimizer"]
+    layers, seen = [], set()
     for node in graph.nodes:
-        i = node.position
         variables = []
         if node.is_layer and id(node.operation) not in seen:
             seen.add(id(node.operation))
             variables = list(node.operation.trainable_variables)
-        backward = {b: max(0.0, both[b][i] - forward[b][i]) for b in (small, large)}
+        i = node.position
         layers.append(
             LayerCost(
                 name=node.name,
-                forward=Affine.through(small, forward[small][i], large, forward[large][i]),
-                backward=Affine.through(small, backward[small], large, backward[large]),
+                forward=Affine(forward_fit[1], forward_fit[2] * slopes["forward"][i]),
+                backward=Affine(backward_fit[1], backward_fit[2] * slopes["backward"][i]),
                 param_bytes=sum(_nbytes(v) for v in variables),
                 variables=len(variables),
             )
-        )
-    costs = ModelCosts(
+        )  # fmt: skip
+    engine = EngineCosts(
+        forward_call=forward_fit[0],
+        backward_call=backward_fit[0],
+        loss=loss,
+        accumulate_per_byte=backward_fit[3],
+        optimizer_fixed=optimizer_fit[0],
+        optimizer_per_variable=optimizer_fit[1],
+        optimizer_per_byte=optimizer_fit[2],
+    )
+    return ModelCosts(
         name=model.name,
         layers=layers,
         cut_bytes=[float(b) for b in cost.cut_bytes_per_sample(graph)],
+        engine=engine,
+        single_process=_fit_step(model, (small, large), fit_steps, input_shape),
+        measured={
+            "host": platform.node(),
+            "processor": platform.processor() or platform.machine(),
+            "cores": os.cpu_count(),
+            "intra_op_threads": os.environ.get("TF_NUM_INTRAOP_THREADS", "default"),
+            "tensorflow": tf.__version__,
+            "keras": keras.__version__,
+            "batch_sizes": [small, large],
+            # CPU this process got over the wall time (about 1 on an otherwise idle core):
+            # lower means other jobs shared the core and the timings are inflated
+            "cpu_share": (time.process_time() - started[0]) / (time.perf_counter() - started[1]),
+            # coefficients of the stage fit (see _fit_stages), the last is the relative residual
+            "stage_fit": {part: list(coefficients) for part, coefficients in fit.items()},
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        },
     )
-    with profile.preserved_state(model):
-        costs.engine = _engine_costs(model, graph, costs, (small, large), repeats, input_shape)
-    costs.single_process = _fit_step(model, (small, large), fit_steps, input_shape)
-    costs.measured = {
-        "host": platform.node(),
-        "processor": platform.processor() or platform.machine(),
-        "cores": os.cpu_count(),
-        "intra_op_threads": tf.config.threading.get_intra_op_parallelism_threads(),
-        "tensorflow": tf.__version__,
-        "keras": keras.__version__,
-        "batch_sizes": [small, large],
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-    }
-    return costs
 
 
 def _forward_times(graph, inputs, repeats) -> np.ndarray:
@@ -103,118 +136,172 @@ def _forward_times(graph, inputs, repeats) -> np.ndarray:
     overhead = profile._best_time(empty, inputs, repeats)
     values = dict(zip(graph.inputs, inputs))
     times = np.zeros(len(graph.nodes))
-    with profile.preserved_state(graph.model):
-        for node in graph.nodes:
-            node_inputs = [values[t] for t in node.inputs]
-            call = profile._node_call(node)
-            values.update(zip(node.outputs, call(node_inputs)))
-            elapsed = profile._best_time(tf.function(call), node_inputs, repeats)
-            times[node.position] = max(0.0, elapsed - overhead)
-            for t in node.inputs:  # free activations nobody reads any more
-                if graph.tensors[t].consumers[-1] == node.position and t not in graph.outputs:
-                    values.pop(t, None)
+    for node in graph.nodes:
+        node_inputs = [values[t] for t in node.inputs]
+        call = profile._node_call(node)
+        values.update(zip(node.outputs, call(node_inputs)))
+        elapsed = profile._best_time(tf.function(call), node_inputs, repeats)
+        times[node.position] = max(0.0, elapsed - overhead)
+        for t in node.inputs:  # free activations nobody reads any more
+            if graph.tensors[t].consumers[-1] == node.position and t not in graph.outputs:
+                values.pop(t, None)
     return times
 
 
-def _engine_costs(model, graph, costs, batch_sizes, repeats, input_shape) -> EngineCosts:
-    """The engine's costs around the layers, from its own StageRunner on the whole model.
+def _fit_stages(model, samples, slopes, repeats) -> dict:
+    """Run the engine's StageRunner the way a step does, on the whole model and on the
+    stages of 2- and 4-way splits (balanced by layer count): `M` micro-batches, each forward
+    then backward (gradients summed over micro-batches), then the optimizer on the stage's
+    variables, for (small batch, 4 micro-batches), (small, 1) and (large, 1). Fit, by
+    non-negative least squares over all of them,
 
-    A middle stage (no loss; output gradients given) shows the per-call costs of the forward
-    and the backward; the last stage's forward adds the loss and metrics.
+        forward   = M (per call + per layer x layers + scale x batch x sum of per-sample costs)
+        backward  = the same with its own coefficients + (M - 1) x per byte x parameter bytes
+        optimizer = fixed + per variable x variables + per byte x parameter bytes
+
+    Returns {"forward"|"backward"|"optimizer": (coefficients..., relative residual)}.
     """
+    from hyparflow.partitioner import partition
+
+    n = len(slopes["forward"])
+    variants = [(0, n, None, 0)]
+    for parts in SPLITS:
+        if parts <= n:
+            plan = partition(model, parts, balance="layers")
+            bounds = np.cumsum([0] + [len(stage.nodes) for stage in plan.stages])
+            variants += [
+                (int(a), int(b), plan, k) for k, (a, b) in enumerate(zip(bounds, bounds[1:]))
+            ]
+    small, large = sorted(samples)
+    rows = {"forward": [], "backward": [], "optimizer": []}
+    seconds = {"forward": [], "backward": [], "optimizer": []}
+    for a, b, plan, k in variants:
+        call, variables, before = _stage(model, plan, k)
+        nbytes = sum(_nbytes(v) for v in variables)
+        for batch, micro in ((small, 4), (small, 1), (large, 1)):
+            x = before(samples[batch])
+            f, bwd, opt = _stage_step(model, call, variables, x, micro, repeats)
+            rows["forward"].append(
+                [micro, micro * (b - a), micro * batch * slopes["forward"][a:b].sum()]
+            )
+            rows["backward"].append(
+                [micro, micro * (b - a), micro * batch * slopes["backward"][a:b].sum(),
+                 (micro - 1) * nbytes]
+            )  # fmt: skip
+            seconds["forward"].append(f)
+            seconds["backward"].append(bwd)
+            if variables:
+                rows["optimizer"].append([1.0, len(variables), nbytes])
+                seconds["optimizer"].append(opt)
+    fits = {}
+    for part in rows:
+        matrix, target = np.array(rows[part]), np.array(seconds[part])
+        coefficients = _nonnegative_least_squares(matrix, target)
+        residual = np.abs(matrix @ coefficients - target).sum() / max(target.sum(), 1e-12)
+        fits[part] = (*(float(c) for c in coefficients), float(residual))
+    return fits
+
+
+def _stage(model, plan, k):
+    """A stage's call, its variables, and how to make its inputs from the model's."""
+    if plan is None:
+        call = lambda xs, training: model(xs, training=training)  # noqa: E731
+        return call, model.trainable_variables, lambda inputs: _unlisted(inputs)
+    stage = plan.stages[k]
+
+    def before(inputs):
+        for earlier in plan.stages[:k]:
+            inputs = earlier.forward(inputs, training=True)
+        return inputs
+
+    call = lambda xs, training: stage.forward(xs, training=training)  # noqa: E731
+    return call, stage.model.trainable_variables, before
+
+
+def _stage_step(model, call, variables, x, microbatches, repeats) -> tuple[float, float, float]:
+    """Median seconds of the forwards, the backwards and the optimizer update of one step of
+    one stage over `microbatches` micro-batches (as a middle stage: output gradients given)."""
+    import keras
     import tensorflow as tf
 
     from hyparflow.engine.stage import StageRunner
-    from hyparflow.partitioner import profile
+
+    runner = StageRunner(call, variables)
+    optimizer = keras.optimizers.deserialize(keras.optimizers.serialize(model.optimizer))
+    copies = [keras.Variable(v.numpy(), dtype=v.dtype) for v in variables]
+    seeds = None
+    timings = []
+    for i in range(repeats + 1):
+        forward = backward = 0.0
+        for k in range(microbatches):
+            start = time.perf_counter()
+            outputs = runner.forward(k, x)
+            forward += time.perf_counter() - start
+            if seeds is None:
+                seeds = [tf.ones_like(t) for t in tf.nest.flatten(outputs)]
+            start = time.perf_counter()
+            runner.backward(k, seeds)
+            backward += time.perf_counter() - start
+        grads = runner.take_gradients()
+        start = time.perf_counter()
+        if copies:
+            optimizer.apply_gradients(zip(grads, copies))
+            copies[0].numpy()
+        update = time.perf_counter() - start
+        if i:  # the first round traces and builds the optimizer
+            timings.append((forward, backward, update))
+    return tuple(statistics.median(t[j] for t in timings) for j in range(3))
+
+
+def _nonnegative_least_squares(matrix, target) -> np.ndarray:
+    """Least squares with every coefficient >= 0, by trying each set of free coefficients
+    (three unknowns: eight sets)."""
+    best, best_error = np.zeros(matrix.shape[1]), float(np.sum(target**2))
+    for size in range(1, matrix.shape[1] + 1):
+        for free in itertools.combinations(range(matrix.shape[1]), size):
+            solution = np.zeros(matrix.shape[1])
+            solution[list(free)] = np.linalg.lstsq(matrix[:, free], target, rcond=None)[0]
+            error = float(np.sum((matrix @ solution - target) ** 2))
+            if (solution >= 0).all() and error < best_error:
+                best, best_error = solution, error
+    return best
+
+
+def _loss_cost(model, samples, repeats) -> Affine:
+    """The last stage's extra forward work: the loss and the metric update."""
+    import tensorflow as tf
+
+    from hyparflow.engine.stage import StageRunner
 
     variables = list(model.trainable_variables)
     call = lambda xs, training: model(xs, training=training)  # noqa: E731
     middle = StageRunner(call, variables)
     last = StageRunner(call, variables, loss=model._compile_loss)
     metrics = tf.function(_metric_update(model))
-    forward_call, backward_call, loss = [], [], {}
-    for batch in batch_sizes:
-        inputs = profile.make_sample(graph, input_shape=input_shape, batch_size=batch)
-        x = inputs if len(inputs) > 1 else inputs[0]
-        y_pred = model(x, training=False)
-        y = _targets(y_pred)
-        seeds = [tf.ones_like(t) for t in tf.nest.flatten(y_pred)]
+    loss = {}
+    for batch, inputs in samples.items():
+        x = _unlisted(inputs)
+        y = _targets(model(x, training=False))
 
-        def middle_step(x=x, seeds=seeds):
-            t0 = time.perf_counter()
-            middle.forward(0, x)
-            t1 = time.perf_counter()
-            middle.backward(0, seeds)
-            middle.take_gradients()[0].numpy()
-            return t1 - t0, time.perf_counter() - t1
-
-        def last_forward(x=x, y=y):
-            t0 = time.perf_counter()
+        def with_loss(x=x, y=y):
             y_pred, value = last.forward(0, x, (y, None), 1.0)
             metrics(y, y_pred)
             float(value)
-            elapsed = time.perf_counter() - t0
             last._pending.clear()
-            return elapsed
 
-        timings = _repeat(middle_step, repeats, timed_by_itself=True)
-        f_layers = sum(lc.forward.at(batch) for lc in costs.layers)
-        b_layers = sum(lc.backward.at(batch) for lc in costs.layers)
-        forward_call.append(min(t[0] for t in timings) - f_layers)
-        backward_call.append(min(t[1] for t in timings) - b_layers)
-        loss[batch] = min(_repeat(last_forward, repeats, timed_by_itself=True)) - min(
-            t[0] for t in timings
-        )
-    small, large = batch_sizes
-    grads = [tf.zeros_like(v) for v in variables]
-    accumulate = min(_repeat(lambda: [a + g for a, g in zip(grads, grads)], repeats))
-    optimizer = _optimizer_costs(model, repeats)
-    return EngineCosts(
-        forward_call=max(0.0, statistics.mean(forward_call)),
-        backward_call=max(0.0, statistics.mean(backward_call)),
-        loss=Affine.through(small, loss[small], large, loss[large]),
-        accumulate_per_variable=accumulate / max(1, len(grads)),
-        **optimizer,
-    )
+        def without(x=x):
+            tf.nest.flatten(middle.forward(0, x))[0].numpy()
+            middle._pending.clear()
 
-
-def _optimizer_costs(model, repeats) -> dict:
-    """Eager `apply_gradients` on several subsets of the variables (a fresh copy of the
-    optimizer each, as each stage has its own), fitted as fixed + per variable + per byte."""
-    import keras
-    import tensorflow as tf
-
-    variables = list(model.trainable_variables)
-    if not variables:
-        return {}
-    by_size = sorted(variables, key=_nbytes)
-    subsets = [variables, by_size[: max(1, len(by_size) // 2)], by_size[len(by_size) // 2 :]]
-    subsets += [by_size[-1:], by_size[:1]]
-    rows, seconds = [], []
-    for subset in subsets:
-        optimizer = keras.optimizers.deserialize(keras.optimizers.serialize(model.optimizer))
-        grads = [tf.zeros_like(v) for v in subset]
-        copies = [keras.Variable(v.numpy(), dtype=v.dtype) for v in subset]
-
-        def update(optimizer=optimizer, grads=grads, copies=copies):
-            optimizer.apply_gradients(zip(grads, copies))
-
-        update()  # builds the optimizer's slots
-        rows.append([1.0, len(subset), sum(_nbytes(v) for v in subset)])
-        seconds.append(min(_repeat(update, repeats)))
-    fixed, per_variable, per_byte = np.linalg.lstsq(np.array(rows), np.array(seconds), rcond=None)[
-        0
-    ]
-    return {
-        "optimizer_fixed": max(0.0, float(fixed)),
-        "optimizer_per_variable": max(0.0, float(per_variable)),
-        "optimizer_per_byte": max(0.0, float(per_byte)),
-    }
+        with_ = statistics.median(_repeat(with_loss, repeats))
+        loss[batch] = max(0.0, with_ - statistics.median(_repeat(without, repeats)))
+    small, large = sorted(loss)
+    return Affine.through(small, loss[small], large, loss[large])
 
 
 def _fit_step(model, batch_sizes, steps, input_shape) -> Affine:
     """Seconds of one `model.fit` step (batch begin to batch end, as the profiler times a
-    single process) on a copy of the model, at both batch sizes."""
+    single process) on a copy of the model, at both batch sizes (median of the steps)."""
     import keras
 
     from hyparflow.partitioner import profile
@@ -223,40 +310,37 @@ def _fit_step(model, batch_sizes, steps, input_shape) -> Affine:
     clone = keras.models.clone_model(model)
     clone.compile_from_config(model.get_compile_config())
     graph = build_graph(clone)
-    timer = _StepTimer()
-    medians = {}
+    timer = _step_timer()
+    typical = {}
     for batch in batch_sizes:
         inputs = profile.make_sample(graph, input_shape=input_shape, batch_size=batch * steps)
         x = [np.asarray(t) for t in inputs]
-        y = _targets(clone(x[0] if len(x) == 1 else x, training=False), as_numpy=True)
         x = x[0] if len(x) == 1 else x
+        y = _targets(clone(x, training=False), as_numpy=True)
         clone.fit(x, y, batch_size=batch, epochs=1, verbose=0)  # traces
         timer.times = []
         clone.fit(x, y, batch_size=batch, epochs=2, verbose=0, callbacks=[timer])
-        medians[batch] = statistics.median(timer.times)
+        typical[batch] = statistics.median(timer.times)
     small, large = batch_sizes
-    return Affine.through(small, medians[small], large, medians[large])
+    return Affine.through(small, typical[small], large, typical[large])
 
 
-class _StepTimer:
-    """A Keras callback recording each batch's begin-to-end seconds (built lazily so that
-    importing this module does not import Keras)."""
+def _step_timer():
+    """A Keras callback recording each batch's begin-to-end seconds."""
+    import keras
 
-    def __new__(cls):
-        import keras
+    class StepTimer(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.times, self._start = [], 0.0
 
-        class StepTimer(keras.callbacks.Callback):
-            def __init__(self):
-                super().__init__()
-                self.times, self._start = [], 0.0
+        def on_train_batch_begin(self, batch, logs=None):
+            self._start = time.perf_counter()
 
-            def on_train_batch_begin(self, batch, logs=None):
-                self._start = time.perf_counter()
+        def on_train_batch_end(self, batch, logs=None):
+            self.times.append(time.perf_counter() - self._start)
 
-            def on_train_batch_end(self, batch, logs=None):
-                self.times.append(time.perf_counter() - self._start)
-
-        return StepTimer()
+    return StepTimer()
 
 
 def _metric_update(model):
@@ -273,9 +357,8 @@ def _targets(y_pred, as_numpy=False):
     (random data: only the costs matter)."""
     import tensorflow as tf
 
-    outputs = tf.nest.flatten(y_pred)
     made = []
-    for out in outputs:
+    for out in tf.nest.flatten(y_pred):
         if len(out.shape) == 2 and out.shape[-1] > 1:
             value = np.zeros(out.shape[0], dtype="int64")
         else:
@@ -284,22 +367,21 @@ def _targets(y_pred, as_numpy=False):
     return made[0] if len(made) == 1 else made
 
 
-def _repeat(function, repeats, timed_by_itself=False):
-    """Seconds of `repeats` calls after a warm-up (tracing) call; `timed_by_itself`: the
-    function returns its own timing instead."""
+def _unlisted(inputs):
+    return inputs[0] if isinstance(inputs, list) and len(inputs) == 1 else inputs
+
+
+def _repeat(function, repeats):
+    """Seconds of `repeats` calls after a warm-up (tracing) call."""
     function()
-    results = []
+    seconds = []
     for _ in range(repeats):
         start = time.perf_counter()
-        result = function()
-        results.append(result if timed_by_itself else time.perf_counter() - start)
-    return results
+        function()
+        seconds.append(time.perf_counter() - start)
+    return seconds
 
 
 def _nbytes(variable) -> int:
-    return math.prod(variable.shape) * np.dtype(_numpy_dtype(variable.dtype)).itemsize
-
-
-def _numpy_dtype(dtype) -> str:
-    name = getattr(dtype, "name", str(dtype))
-    return {"bfloat16": "float16"}.get(name, name)
+    name = getattr(variable.dtype, "name", str(variable.dtype))
+    return math.prod(variable.shape) * np.dtype({"bfloat16": "float16"}.get(name, name)).itemsize

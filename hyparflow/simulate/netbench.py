@@ -6,14 +6,22 @@ hyparflow.simulate.netbench OUT.json`); rank 0 writes the JSON that `Network.fro
 - latency and bandwidth: ping-pong of numpy buffers from 8 B to 16 MiB; the one-way time of
   the smallest message is the latency, a line through the large ones gives the bandwidth.
 - reduce rate: in-place `Allreduce` from 64 KiB to 16 MiB, less what the links explain.
-- per-message overhead: the same ping-pong through hyparflow's `PipeChannel` (TF tensors,
-  tags, zero-copy wrapping), less the raw one, per send or receive.
 - copy rate: hyparflow's `GradientReducer` on a list of gradients, less one raw allreduce of
   the same bytes.
+- engine overhead and handoff: tiny two-stage pipelines (4 KiB and 512 KiB per micro-batch
+  between the stages) trained with `hf.fit` and the engine's span recorder: the sender's time
+  posting each message, and the time from there to the waiting receiver holding the tensors,
+  as a fixed handoff plus the bytes at an effective bandwidth.
 
-The two ranks share a node, so this measures the intra-node link only; give the inter-node
-one from the network's specification (or run this with one rank on each of two nodes and use
-its intra figures as the inter link).
+Latency and bandwidth are the fastest of 30 repetitions (what the link can do); the
+reductions and the engine's costs are medians, like the step times they add up to. With
+`--oversubscribed` (more ranks than cores: `launch()` starts twice as many ranks as cores
+when there are at most 8), pairs of ranks ping-pong at once and the median one-way time less
+the latency is the scheduling wait of an oversubscribed node.
+
+The ranks share a node, so this measures the intra-node link only; give the inter-node one
+from the network's specification (or run this with one rank on each of two nodes and use its
+intra figures as the inter link).
 """
 
 from __future__ import annotations
@@ -40,21 +48,39 @@ MPI_ENV = {
 
 
 def launch(out_path: str, python: str = sys.executable, timeout: float = 600) -> dict:
-    """Run this benchmark on two local ranks with `mpirun`; returns the network dict."""
-    command = ["mpirun", "-np", "2", "--bind-to", "none", python, "-m", __name__, out_path]
+    """Run this benchmark on two local ranks with `mpirun` (and, on a machine of at most 8
+    cores, once more oversubscribed); returns the network dict."""
+    _mpirun(2, [out_path], python, timeout)
+    with open(out_path) as f:
+        network = json.load(f)
+    cores = os.cpu_count() or 1
+    if cores <= 8:
+        extra = out_path + ".oversubscribed"
+        _mpirun(2 * cores, [extra, "--oversubscribed"], python, timeout)
+        with open(extra) as f:
+            one_way = json.load(f)["one_way_s"]
+        latency = network["intra"]["latency"]
+        network["oversubscribed_latency"] = max(0.0, one_way - latency)
+        network["source"]["oversubscribed_one_way_s"] = one_way
+        network["source"]["oversubscribed_ranks"] = 2 * cores
+        with open(out_path, "w") as f:
+            json.dump(network, f, indent=1)
+    return network
+
+
+def _mpirun(ranks: int, args: list[str], python: str, timeout: float) -> None:
+    command = ["mpirun", "-np", str(ranks), "--bind-to", "none", python, "-m", __name__, *args]
     result = subprocess.run(
         command, env={**os.environ, **MPI_ENV}, capture_output=True, text=True, timeout=timeout
     )
-    if result.returncode != 0 or not os.path.exists(out_path):
+    if result.returncode != 0:
         raise RuntimeError(
             f"network benchmark failed ({' '.join(command)}):\n{result.stderr[-3000:]}"
         )
-    with open(out_path) as f:
-        return json.load(f)
 
 
 def one_way(comm, nbytes: int, repeats: int) -> float:
-    """Median one-way time of a raw mpi4py ping-pong of `nbytes` between ranks 0 and 1."""
+    """Fastest one-way time of a raw mpi4py ping-pong of `nbytes` between ranks 0 and 1."""
     buffer = np.zeros(max(1, nbytes), dtype=np.uint8)
     peer = 1 - comm.Get_rank()
     samples = []
@@ -69,7 +95,7 @@ def one_way(comm, nbytes: int, repeats: int) -> float:
             comm.Send(buffer, dest=peer, tag=7)
         if i >= 2:  # the first rounds set up the connection and buffers
             samples.append((time.perf_counter() - start) / 2)
-    return statistics.median(samples)
+    return min(samples)
 
 
 def allreduce_time(comm, nbytes: int, repeats: int) -> float:
@@ -88,31 +114,62 @@ def allreduce_time(comm, nbytes: int, repeats: int) -> float:
     return statistics.median(samples)
 
 
-def channel_one_way(comm, nbytes: int, repeats: int) -> float:
-    """Median one-way time of the same ping-pong through hyparflow's `PipeChannel`."""
-    import tensorflow as tf
+def engine_hops(comm, steps: int = 12, widths=(64, 8192)) -> dict:
+    """Tiny two-stage pipelines (a Dense layer of `width` units, then the head) trained with
+    `hf.fit`, their spans recorded on both ranks: per boundary size, the sender's seconds per
+    message posted and, when the receiver was already waiting, the seconds from the post to
+    the receiver holding the tensors. Rank 0 gets {bytes: {"send_s": [...], "handoff_s":
+    [...]}}."""
+    import keras
 
-    from hyparflow.comm.p2p import BACKWARD, FORWARD, PipeChannel
+    import hyparflow as hf
+    from hyparflow.engine import events
 
-    rows = max(1, nbytes // 4 // 16)
-    spec = [((rows, 16), "float32")]
-    channel = PipeChannel(comm, 1 - comm.Get_rank(), spec, num_microbatches=1)
-    tensor = tf.ones((rows, 16), tf.float32)
-    samples = []
-    for i in range(repeats + 2):
-        comm.Barrier()
-        start = time.perf_counter()
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64 * steps, 64)).astype("float32")
+    y = rng.integers(0, 8, size=64 * steps)
+    results = {}
+    for width in widths:
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((64,))
+        wide = keras.layers.Dense(width, activation="relu", name="wide")(inputs)
+        outputs = keras.layers.Dense(8, activation="softmax", name="head")(wide)
+        model = keras.Model(inputs, outputs)
+        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+        recorder = events.Recorder()
+
+        class Record(keras.callbacks.Callback):
+            def attach_trainer(self, trainer, recorder=recorder):
+                self.trainer = trainer
+                trainer.attach_recorder(recorder)
+
+            def on_train_end(self, logs=None):
+                self.trainer.attach_recorder(None)
+
+        strategy = hf.Strategy("model", microbatches=4, schedule="1f1b", balance=["head"])
+        hf.fit(model, x, y, batch_size=64, epochs=2, verbose=0, strategy=strategy,
+               callbacks=[Record()])  # fmt: skip
+        steps_by_rank = comm.gather(recorder.take(), root=0)
         if comm.Get_rank() == 0:
-            channel.isend([tensor], 0, FORWARD)
-            channel.recv(0, BACKWARD)
-        else:
-            (received,) = channel.recv(0, FORWARD)
-            channel.isend([received], 0, BACKWARD)
-        channel.wait_sends()
-        if i >= 2:
-            samples.append((time.perf_counter() - start) / 2)
-    channel.close()
-    return statistics.median(samples)
+            results[16 * width * 4] = _hops(steps_by_rank)
+    return results
+
+
+def _hops(steps_by_rank) -> dict:
+    from hyparflow.engine import events
+
+    sends, waits = [], []
+    for first, second in list(zip(*steps_by_rank))[2:]:  # the first steps trace
+        for sender, receiver in ((first, second), (second, first)):
+            posted = {s.microbatch: s for s in sender.spans if s.kind == events.SEND}
+            for span in receiver.spans:
+                if span.kind != events.RECV or span.microbatch not in posted:
+                    continue
+                send = posted[span.microbatch]
+                sends.append(send.duration)
+                if span.start < send.end:  # the receiver was waiting for it
+                    waits.append(span.end - send.end)
+    return {"send_s": sends, "handoff_s": waits}
 
 
 def reducer_time(comm, nbytes: int, repeats: int, pieces: int = 16) -> float:
@@ -136,8 +193,9 @@ def reducer_time(comm, nbytes: int, repeats: int, pieces: int = 16) -> float:
     return statistics.median(samples)
 
 
-def fit_network(pingpong: dict, allreduce: dict, channel: dict, reducer: dict, ranks: int) -> dict:
-    """Turn the timings (seconds by size in bytes) into `Network.from_dict` fields."""
+def fit_network(pingpong: dict, allreduce: dict, reducer: dict, hops: dict, ranks: int) -> dict:
+    """Turn the timings (seconds by size in bytes; `hops` from `engine_hops`) into
+    `Network.from_dict` fields."""
     sizes = sorted(pingpong)
     latency = pingpong[sizes[0]]
     large = [n for n in sizes if n >= 1 << 20]
@@ -149,14 +207,21 @@ def fit_network(pingpong: dict, allreduce: dict, channel: dict, reducer: dict, r
     arithmetic = [(share * n, allreduce[n] - wire[n]) for n in sorted(allreduce)]
     per_byte = np.polyfit([a for a, _ in arithmetic], [t for _, t in arithmetic], 1)[0]
     reduce_rate = 1.0 / per_byte if per_byte > 0 else None
-    overheads = [(channel[n] - pingpong[n]) / 2 for n in channel]
+    # the engine's transfer: a fixed handoff plus the bytes at an effective bandwidth
+    (small, small_hops), (large, large_hops) = sorted(hops.items())
+    handoff_small = statistics.median(small_hops["handoff_s"])
+    handoff_large = statistics.median(large_hops["handoff_s"])
+    handoff_slope = max(0.0, (handoff_large - handoff_small) / (large - small))
+    handoff = max(0.0, handoff_small - handoff_slope * small - latency)
     copies = [(reducer[n] - allreduce[n]) / n for n in reducer]
     copy_per_byte = statistics.median(copies)
     return {
         "intra": {"latency": latency, "bandwidth": bandwidth},
         "inter": None,
         "reduce_rate": reduce_rate,
-        "overhead": max(0.0, statistics.median(overheads)),
+        "overhead": statistics.median(small_hops["send_s"] + large_hops["send_s"]),
+        "handoff": handoff,
+        "handoff_bandwidth": 1.0 / handoff_slope if handoff_slope > 0 else None,
         "copy_rate": 1.0 / copy_per_byte if copy_per_byte > 0 else None,
         "source": {
             "measured": "hyparflow.simulate.netbench",
@@ -164,7 +229,7 @@ def fit_network(pingpong: dict, allreduce: dict, channel: dict, reducer: dict, r
             "date": time.strftime("%Y-%m-%d %H:%M:%S"),
             "pingpong_one_way_s": {str(n): t for n, t in pingpong.items()},
             "allreduce_s": {str(n): t for n, t in allreduce.items()},
-            "channel_one_way_s": {str(n): t for n, t in channel.items()},
+            "engine_hops": {str(n): h for n, h in hops.items()},
             "reducer_s": {str(n): t for n, t in reducer.items()},
         },
     }
@@ -174,11 +239,32 @@ def run(comm, repeats: int = 30) -> dict | None:
     """Every measurement on ranks 0 and 1 of `comm`; rank 0 returns the fitted network."""
     pingpong = {n: one_way(comm, n, repeats) for n in PINGPONG_SIZES}
     allreduce = {n: allreduce_time(comm, n, repeats) for n in ALLREDUCE_SIZES}
-    channel = {n: channel_one_way(comm, n, repeats) for n in (1024, 1 << 20)}
     reducer = {n: reducer_time(comm, n, repeats) for n in (1 << 20, 16 << 20)}
+    hops = engine_hops(comm)
     if comm.Get_rank() != 0:
         return None
-    return fit_network(pingpong, allreduce, channel, reducer, comm.Get_size())
+    return fit_network(pingpong, allreduce, reducer, hops, comm.Get_size())
+
+
+def oversubscribed_one_way(comm, repeats: int = 200) -> float | None:
+    """Ranks ping-pong in pairs (0-1, 2-3, ...) all at once, 8 bytes; rank 0 returns the
+    median one-way time (scheduling waits included: the median, not the fastest)."""
+    buffer = np.zeros(1, dtype=np.uint8)
+    rank = comm.Get_rank()
+    peer = rank ^ 1
+    samples = []
+    comm.Barrier()
+    for i in range(repeats + 10):
+        start = time.perf_counter()
+        if rank % 2 == 0:
+            comm.Send(buffer, dest=peer, tag=9)
+            comm.Recv(buffer, source=peer, tag=9)
+        else:
+            comm.Recv(buffer, source=peer, tag=9)
+            comm.Send(buffer, dest=peer, tag=9)
+        if i >= 10:
+            samples.append((time.perf_counter() - start) / 2)
+    return statistics.median(samples) if rank == 0 else None
 
 
 def main(argv=None) -> int:
@@ -186,6 +272,15 @@ def main(argv=None) -> int:
 
     argv = sys.argv[1:] if argv is None else argv
     comm = MPI.COMM_WORLD
+    if "--oversubscribed" in argv:
+        if comm.Get_size() % 2:
+            print("--oversubscribed needs an even number of ranks", file=sys.stderr)
+            return 2
+        one_way = oversubscribed_one_way(comm)
+        if comm.Get_rank() == 0:
+            with open(argv[0], "w") as f:
+                json.dump({"one_way_s": one_way, "ranks": comm.Get_size()}, f)
+        return 0
     if comm.Get_size() != 2:
         print("netbench needs exactly 2 ranks: mpirun -np 2 python -m", __name__, file=sys.stderr)
         return 2

@@ -155,8 +155,14 @@ class Network:
     - `intra`: between ranks on one node (shared memory); `inter`: between nodes (the NIC,
       whose bandwidth the ranks of a node share when they talk off-node at the same time).
     - `reduce_rate`: bytes/s of the reduction arithmetic inside allreduce (1/gamma).
-    - `overhead`: CPU seconds each side spends per point-to-point message (posting it,
-      matching it, wrapping the buffer), LogP's `o`.
+    - `overhead`: CPU seconds the sender spends posting a point-to-point message (LogP's `o`).
+    - `handoff`, `handoff_bandwidth`: what a pipeline message adds to the critical path
+      beyond the link's latency inside a node: a fixed part (the waiting receiver noticing
+      it, wrapping the buffers as tensors) and the bytes at the rate the engine really moves
+      them (measured on the engine's own transfers; the link's bandwidth if not measured).
+    - `oversubscribed_latency`: what each message (a transfer, a step of an allreduce) waits
+      for the operating system to run the rank it needs, when a node has more ranks than
+      cores (scheduling, not wires).
     - `copy_rate`: bytes/s at which hyparflow copies gradients into its fusion buckets.
 
     Example:
@@ -169,6 +175,9 @@ class Network:
     inter: Link | None = None
     reduce_rate: float = math.inf
     overhead: float = 0.0
+    handoff: float = 0.0
+    handoff_bandwidth: float = math.inf
+    oversubscribed_latency: float = 0.0
     copy_rate: float = math.inf
     source: dict = field(default_factory=dict, compare=False)  # how it was obtained
 
@@ -186,6 +195,17 @@ class Network:
     def p2p(self, nbytes: float, crosses_nodes: bool) -> float:
         """Wire time of one point-to-point message (without the CPU `overhead`)."""
         return self.link(crosses_nodes).time(nbytes)
+
+    def pipeline_transfer(self, nbytes: float, crosses_nodes: bool, cpu_slowdown: float = 1.0):
+        """From a stage posting a micro-batch's tensors to the waiting neighbour holding them:
+        handoff plus wire; inside a node both are processor work, stretched by
+        `cpu_slowdown`, plus a scheduling wait when ranks outnumber cores."""
+        if crosses_nodes:
+            return self.handoff * cpu_slowdown + self.p2p(nbytes, True)
+        busy = self.oversubscribed_latency if cpu_slowdown > 1 else 0.0
+        rate = min(self.intra.bandwidth, self.handoff_bandwidth)
+        wire = self.intra.latency + nbytes / rate
+        return (self.handoff + wire) * cpu_slowdown + busy
 
     def gradient_allreduce(
         self,
@@ -205,7 +225,8 @@ class Network:
             return 0.0
         link = self.link(crosses_nodes).shared(flows)
         if not crosses_nodes:
-            link = Link(link.latency * cpu_slowdown, link.bandwidth / cpu_slowdown)
+            busy = self.oversubscribed_latency if cpu_slowdown > 1 else 0.0
+            link = Link(link.latency * cpu_slowdown + busy, link.bandwidth / cpu_slowdown)
         copy = nbytes / self.copy_rate * cpu_slowdown
         return copy + bucketed_allreduce(nbytes, ranks, link, self.reduce_rate / cpu_slowdown)
 
@@ -215,6 +236,9 @@ class Network:
             "inter": None if self.inter is None else self.inter.to_dict(),
             "reduce_rate": _finite_or_none(self.reduce_rate),
             "overhead": self.overhead,
+            "handoff": self.handoff,
+            "handoff_bandwidth": _finite_or_none(self.handoff_bandwidth),
+            "oversubscribed_latency": self.oversubscribed_latency,
             "copy_rate": _finite_or_none(self.copy_rate),
             "source": self.source,
         }
@@ -227,6 +251,9 @@ class Network:
             inter=None if inter is None else Link(**inter),
             reduce_rate=_none_to_inf(data.get("reduce_rate")),
             overhead=float(data.get("overhead", 0.0)),
+            handoff=float(data.get("handoff", 0.0)),
+            handoff_bandwidth=_none_to_inf(data.get("handoff_bandwidth")),
+            oversubscribed_latency=float(data.get("oversubscribed_latency", 0.0)),
             copy_rate=_none_to_inf(data.get("copy_rate")),
             source=dict(data.get("source", {})),
         )

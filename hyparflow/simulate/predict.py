@@ -170,16 +170,16 @@ def predict(
         has_prev, has_next = s > 0, s < p - 1
         f = stage.forward + engine.forward_call + (engine.loss.at(batch) if not has_next else 0)
         b = stage.backward + engine.backward_call
-        b += engine.accumulate_per_variable * stage.variables * (m - 1) / m
-        # CPU overhead of the receive and send of each action, on the stage's own timeline
-        f += network.overhead * (has_prev + has_next)
-        b += network.overhead * (has_prev + has_next)
+        b += engine.accumulate_per_byte * stage.param_bytes * (m - 1) / m
+        # posting the sends: the forward's activations, the backward's input gradients
+        f += network.overhead * has_next
+        b += network.overhead * has_prev
         forward.append(f * slow)
         backward.append(b * slow)
         if has_next:
             crosses = where.pipeline_link_crosses_nodes(s)
-            wire = network.p2p(costs.cut_bytes[bounds[s + 1]] * batch, crosses)
-            transfers.append(wire if crosses else wire * slow)
+            nbytes = costs.cut_bytes[bounds[s + 1]] * batch
+            transfers.append(network.pipeline_transfer(nbytes, crosses, slow))
     # the schedule simulator takes one link delay; the slowest link is the safe choice
     sim = simulate(
         make_schedule(layout.schedule, p, m), forward, backward, max(transfers, default=0.0)
