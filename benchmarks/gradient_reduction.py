@@ -1,0 +1,193 @@
+"""Figure 3, gradient reduction: GradientReducer vs one raw MPI.Allreduce vs Horovod.
+
+Run: .venv/bin/python benchmarks/gradient_reduction.py [--repeats 7] [--models resnet110,resnet50]
+     (starts `mpirun -np 2` itself, once in .venv and once in .venv-compat, which has Horovod)
+
+Gradients are random float32 tensors shaped like a model's trainable variables (ResNet-110
+for CIFAR: 335 tensors, 6.6 MiB; ResNet-50: 161 tensors, 90 MiB). Each rank sums them over
+both ranks, in blocks of reductions per way, the ways interleaved (order rotated each repeat):
+
+- GradientReducer: hyparflow's fused buckets (25 MiB, `Iallreduce` in place), what the engine
+  runs per step (`op="sum"`), TF tensors in and out;
+- GradientReducer, background thread: the same buckets reduced by blocking `Allreduce` on a
+  helper thread (what `overlap_groups` uses);
+- raw MPI.Allreduce: one in-place `Allreduce` of a single numpy buffer of the same bytes: the
+  floor for moving these bytes, with no per-tensor work at all;
+- Horovod (compat venv only): `hvd.grouped_allreduce(op=hvd.Sum)` eagerly, and compiled inside
+  a `tf.function` as a Horovod training step would call it; with the raw floor timed beside it.
+
+Horovod runs in its own launches, alternating with hyparflow's: an initialized Horovod runs a
+negotiation collective on its background thread every cycle, which slows every other MPI call
+of the process (the "raw, with Horovod initialized" row shows how much). Targets: GradientReducer
+/ raw <= 1.1 and GradientReducer / Horovod (its faster way) < 1, in the compat venv; the main
+venv is shown too.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+from benchmarks.harness import cli  # noqa: E402
+from benchmarks.harness.launch import run_worker, write_result  # noqa: E402
+from benchmarks.harness.records import measurement, target  # noqa: E402
+from benchmarks.harness.stats import paired_ratios  # noqa: E402
+
+FIGURE = "allreduce"
+TITLE = "(3) Gradient reduction: GradientReducer vs raw MPI.Allreduce vs Horovod"
+LABELS = {
+    "reducer": "GradientReducer",
+    "reducer_thread": "GradientReducer, background thread",
+    "raw": "raw MPI.Allreduce, one buffer",
+    "horovod": "Horovod grouped_allreduce (eager)",
+    "horovod_function": "Horovod grouped_allreduce (tf.function)",
+    "raw_beside_horovod": "raw MPI.Allreduce, with Horovod initialized",
+}
+
+
+def variables_of(name: str):
+    import warnings
+
+    import keras
+
+    from benchmarks.models import cifar_resnet
+
+    if name == "resnet50":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return keras.applications.ResNet50(weights=None).trainable_variables
+    if name.startswith("resnet"):
+        return cifar_resnet(int(name[len("resnet") :])).trainable_variables
+    raise ValueError(f"unknown model {name!r}: resnet50 or resnet<depth> (CIFAR)")
+
+
+def ways_for(comm, variables, grads, horovod: bool) -> dict:
+    """One callable per way, each reducing `grads` once (blocking). With `horovod`, only
+    Horovod's ways and the raw floor: Horovod's background thread runs an MPI negotiation every
+    cycle, which slows the process's other MPI calls, so hyparflow's are timed without it."""
+    import numpy as np
+    import tensorflow as tf
+    from mpi4py import MPI
+
+    from hyparflow.comm.allreduce import GradientReducer
+
+    flat = np.concatenate([g.numpy().ravel() for g in grads])
+    if horovod:
+        import horovod.tensorflow as hvd
+
+        hvd.init(comm=comm)
+        compiled = tf.function(lambda gs: hvd.grouped_allreduce(gs, op=hvd.Sum))
+        return {
+            "horovod": lambda: hvd.grouped_allreduce(grads, op=hvd.Sum),
+            "horovod_function": lambda: compiled(grads),
+            "raw_beside_horovod": lambda: comm.Allreduce(MPI.IN_PLACE, flat),
+        }
+    reducer = GradientReducer(comm, specs=variables, op="sum")
+    threaded = GradientReducer(comm, specs=variables, op="sum", background=True)
+    return {
+        "reducer": lambda: reducer.reduce(grads),
+        "reducer_thread": lambda: threaded.reduce(grads),
+        "raw": lambda: comm.Allreduce(MPI.IN_PLACE, flat),
+    }
+
+
+def worker(args) -> None:
+    import numpy as np
+    import tensorflow as tf
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    results = {}
+    for name in args.models.split(","):
+        variables = variables_of(name)
+        rng = np.random.default_rng(comm.Get_rank())
+        grads = [tf.constant(rng.normal(size=v.shape).astype("float32")) for v in variables]
+        ways = ways_for(comm, variables, grads, args.horovod)
+        per_block = max(3, int(args.block_mib * 2**20 / sum(g.numpy().nbytes for g in grads)))
+        for way in ways.values():  # warm-up: buckets, connections, Horovod's fusion buffer
+            way()
+        seconds = {way: [] for way in ways}
+        names = list(ways)
+        for repeat in range(args.repeats):
+            order = names[repeat % len(names) :] + names[: repeat % len(names)]
+            for way in order:
+                comm.Barrier()
+                start = time.perf_counter()
+                for _ in range(per_block):
+                    ways[way]()
+                seconds[way].append((time.perf_counter() - start) / per_block)
+        results[name] = {
+            "ms": {way: [1e3 * s for s in values] for way, values in seconds.items()},
+            "tensors": len(grads),
+            "mib": sum(g.numpy().nbytes for g in grads) / 2**20,
+            "per_block": per_block,
+        }
+    if comm.Get_rank() == 0:
+        write_result(args.worker_out, 0, results)
+
+
+def _launch(args, venv: str, horovod: bool, repeats: int) -> dict:
+    worker_args = ["--repeats", repeats, "--models", args.models, "--block-mib", args.block_mib]
+    return run_worker(__file__, worker_args + (["--horovod"] if horovod else []), np=2,
+                      venv=venv)[0]  # fmt: skip
+
+
+def run(args) -> list[dict]:
+    from benchmarks.harness.launch import COMPAT_PYTHON
+
+    records = []
+    venvs = ["main"] + (["compat"] if COMPAT_PYTHON.exists() else [])
+    for venv in venvs:
+        # hyparflow's ways and Horovod's run in separate launches (see ways_for), alternating.
+        kinds = (False, True) if venv == "compat" else (False,)
+        rounds = args.rounds if venv == "compat" else 1
+        repeats = max(1, args.repeats // rounds)
+        merged: dict = {}
+        for round_ in range(rounds):
+            for horovod in kinds if round_ % 2 == 0 else kinds[::-1]:
+                for model, r in _launch(args, venv, horovod, repeats).items():
+                    entry = merged.setdefault(model, {**r, "ms": {}})
+                    for way, values in r["ms"].items():
+                        entry["ms"].setdefault(way, []).extend(values)
+        records += _records(merged, venv)
+    return records
+
+
+def _records(result: dict, venv: str) -> list[dict]:
+    records = []
+    for model, r in result.items():
+        where = f"{model} ({r['tensors']} tensors, {r['mib']:.1f} MiB), {venv} venv"
+        ms = r["ms"]
+        for way, values in ms.items():
+            records.append(measurement(FIGURE, f"{LABELS[way]}: {where}", values, "ms", venv=venv,
+                                       reductions_per_repeat=r["per_block"]))  # fmt: skip
+        ratios = paired_ratios(ms["reducer"], ms["raw"])
+        records.append(target(FIGURE, f"GradientReducer / raw Allreduce: {where}", ratios,
+                              "<= 1.1"))  # fmt: skip
+        if "horovod" in ms:
+            best = [min(a, b) for a, b in zip(ms["horovod"], ms["horovod_function"])]
+            records.append(target(FIGURE, f"GradientReducer / Horovod (faster way): {where}",
+                                  paired_ratios(ms["reducer"], best), "< 1.0"))  # fmt: skip
+    return records
+
+
+def arguments(argv=None):
+    p = cli.parser(__doc__)
+    p.add_argument("--models", default="resnet110,resnet50")
+    p.add_argument("--horovod", action="store_true", help="worker: also time Horovod")
+    p.add_argument("--block-mib", type=float, default=400, help="MiB reduced per timed block")
+    p.add_argument("--rounds", type=int, default=2, help="alternating launch pairs (compat)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.models, args.block_mib = "resnet20", 20
+    return args
+
+
+def main(argv=None):
+    return cli.entry(arguments(argv), worker, run)
+
+
+if __name__ == "__main__":
+    main()
