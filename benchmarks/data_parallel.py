@@ -1,0 +1,187 @@
+"""Figure 4, data parallel end to end: hyparflow vs a Horovod training loop vs one process.
+
+Run: .venv/bin/python benchmarks/data_parallel.py [--rounds 3] [--models mlp,resnet20]
+     (starts `mpirun` itself; everything runs in .venv-compat, which has Horovod)
+
+Same model, same global batch, same data, samples/s over the epochs after the first (which
+traces). Ways, each in its own launch, alternating within a round:
+
+- hyparflow: `hf.fit(model, x, y, strategy="data")` on N ranks;
+- Horovod: the loop a Horovod user writes for Keras 3 (whose `DistributedOptimizer` does not
+  reduce, docs/horovod.md): one `tf.function` step computing the rank's shard's gradients,
+  `hvd.grouped_allreduce(op=hvd.Average)` on them, and the Keras optimizer's `apply`; the
+  shard is sliced from a shuffled global batch as hyparflow does;
+- Keras: `model.fit` in one process, with one compute thread (one rank's share) and with one
+  thread per core (the whole machine).
+
+Every rank uses one TensorFlow compute thread. The target: hyparflow / Horovod samples/s >= 1
+at equal ranks (paired per round).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+from benchmarks.harness import cli  # noqa: E402
+from benchmarks.harness.launch import run_worker, write_result  # noqa: E402
+from benchmarks.harness.records import measurement, target  # noqa: E402
+from benchmarks.harness.stats import paired_ratios  # noqa: E402
+
+FIGURE = "data_parallel"
+TITLE = "(4) Data parallel end to end: hyparflow vs Horovod loop vs single-process Keras"
+MODELS = {  # name: (builder arguments, global batch size)
+    "mlp": ({"kind": "mlp", "width": 1024, "depth": 3, "inputs": 784}, 256),
+    "resnet20": ({"kind": "resnet", "depth": 20}, 64),
+}
+
+
+def build(name: str):
+    from benchmarks.models import cifar_resnet, mlp
+
+    spec = dict(MODELS[name][0])
+    kind = spec.pop("kind")
+    return mlp(**spec) if kind == "mlp" else cifar_resnet(**spec)
+
+
+def horovod_epochs(model, x, y, batch: int, epochs: int, steps: int) -> list[float]:
+    """Train with Horovod's allreduce in a compiled step; seconds of each epoch."""
+    import horovod.tensorflow as hvd
+    import numpy as np
+    import tensorflow as tf
+
+    hvd.init()
+    loss_fn = model.loss if callable(model.loss) else None
+    loss_fn = loss_fn or __import__("keras").losses.get(model.loss)
+    optimizer = model.optimizer
+    variables = model.trainable_variables
+    optimizer.build(variables)
+
+    @tf.function
+    def step(xb, yb):
+        with tf.GradientTape() as tape:
+            predictions = model(xb, training=True)
+            loss = tf.reduce_mean(loss_fn(yb, predictions))
+        grads = tape.gradient(loss, variables)
+        grads = hvd.grouped_allreduce(grads, op=hvd.Average)
+        optimizer.apply(grads, variables)
+        return loss
+
+    shard = batch // hvd.size()
+    seconds = []
+    for epoch in range(epochs):
+        order = np.random.default_rng(epoch).permutation(len(x))
+        start = time.perf_counter()
+        for s in range(steps):
+            mine = order[s * batch + hvd.rank() * shard : s * batch + (hvd.rank() + 1) * shard]
+            step(tf.convert_to_tensor(x[mine]), tf.convert_to_tensor(y[mine]))
+        seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+def worker(args) -> None:
+    import keras
+
+    import hyparflow as hf
+    from benchmarks.harness.timing import epoch_timer
+    from benchmarks.models import synthetic_data
+
+    keras.config.disable_interactive_logging()
+    model = build(args.model)
+    batch = MODELS[args.model][1]
+    x, y = synthetic_data(model, batch * args.steps)
+    if args.way == "horovod":
+        seconds = horovod_epochs(model, x, y, batch, args.epochs, args.steps)
+        rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
+    else:
+        timer = epoch_timer()
+        fit = dict(batch_size=batch, epochs=args.epochs, verbose=0, callbacks=[timer])
+        if args.way == "hyparflow":
+            hf.fit(model, x, y, strategy="data", **fit)
+        else:
+            model.fit(x, y, **fit)
+        seconds, rank = timer.seconds, hf.rank()
+    if rank == 0:
+        samples = batch * args.steps
+        write_result(args.worker_out, 0, [samples / s for s in seconds[1:]])
+
+
+def _launch(args, model: str, way: str, ranks: int, threads: int = 1) -> list[float]:
+    worker_args = ["--model", model, "--way", way, "--steps", args.steps, "--epochs", args.epochs]
+    np = 1 if way == "keras" else ranks
+    return run_worker(__file__, worker_args, np=np, venv="compat", threads=threads)[0]
+
+
+def run(args) -> list[dict]:
+    cores = os.cpu_count() or 1
+    records = []
+    for model in args.models.split(","):
+        batch = MODELS[model][1]
+        for ranks in args.ranks:
+            rates = {"hyparflow": [], "horovod": []}
+            for round_ in range(args.rounds):
+                for way in (
+                    ("hyparflow", "horovod") if round_ % 2 == 0 else ("horovod", "hyparflow")
+                ):
+                    rates[way].append(_median(_launch(args, model, way, ranks)))
+            note = " (oversubscribed)" if ranks > cores else ""
+            for way, label in (("hyparflow", "hyparflow hf.fit"), ("horovod", "Horovod loop")):
+                records.append(
+                    measurement(
+                        FIGURE,
+                        f"{label}, {model}, {ranks} ranks{note}",
+                        rates[way],
+                        "samples/s",
+                        batch=batch,
+                        ranks=ranks,
+                    )
+                )
+            name = f"hyparflow / Horovod samples/s, {model}, {ranks} ranks{note}"
+            ratios = paired_ratios(rates["hyparflow"], rates["horovod"])
+            records.append(target(FIGURE, name, ratios, ">= 1.0"))
+        for threads in sorted({1, cores}):
+            values = [
+                _median(_launch(args, model, "keras", 1, threads)) for _ in range(args.rounds)
+            ]
+            records.append(
+                measurement(
+                    FIGURE,
+                    f"Keras model.fit, {model}, 1 process, {threads} thread(s)",
+                    values,
+                    "samples/s",
+                    batch=batch,
+                )
+            )
+    return records
+
+
+def _median(values):
+    import statistics
+
+    return statistics.median(values)
+
+
+def arguments(argv=None):
+    p = cli.parser(__doc__)
+    p.add_argument("--models", default="mlp,resnet20")
+    p.add_argument("--ranks", type=int, nargs="+", default=[2])
+    p.add_argument("--rounds", type=int, default=3, help="alternating launches per way")
+    p.add_argument("--steps", type=int, default=20, help="steps per epoch")
+    p.add_argument("--epochs", type=int, default=4, help="the first (tracing) is not counted")
+    p.add_argument("--model", help="worker: which model")
+    p.add_argument("--way", choices=["hyparflow", "horovod", "keras"], help="worker: how")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.models, args.rounds, args.steps, args.epochs = "mlp", 1, 3, 2
+    return args
+
+
+def main(argv=None):
+    return cli.entry(arguments(argv), worker, run)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,177 @@
+"""Figure 5, pipeline: measured bubble vs (p-1)/(m+p-1), GPipe and 1F1B; peak memory per rank.
+
+Run: .venv/bin/python benchmarks/pipeline_bubble.py [--rounds 3] [--microbatches 1 2 4 8 16]
+     (starts `mpirun -np 2` itself)
+
+Bubble: a balanced 2-stage pipeline (an MLP of equal Dense layers, two per stage; the last
+stage also computes the loss) trained with `hf.fit(strategy="model")` and the
+`ScalingProfiler`, for each schedule and micro-batch count m; one launch per round runs every
+configuration, in an order reversed every round. The profiler's measured bubble is
+`1 - compute / makespan` over the steady steps (docs/profiling.md); the formula is
+(p-1)/(m+p-1); the "simulated" bubble is the schedule on an ideal machine with the measured
+stage times (it differs from the formula only by the stages' imbalance). Target: 1F1B within 5
+percentage points of the formula.
+
+Memory: GPipe keeps every micro-batch's activations until the backward; 1F1B at most p per
+stage. Each schedule runs in its own launch (alternating) with larger activations (bigger
+batch, m = 8), and each rank reports its peak resident memory (VmHWM) and its growth over the
+resident memory before training.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+from benchmarks.harness import cli  # noqa: E402
+from benchmarks.harness.launch import run_worker, write_result  # noqa: E402
+from benchmarks.harness.records import measurement, target  # noqa: E402
+
+FIGURE = "pipeline"
+TITLE = "(5) Pipeline: measured bubble vs formula (GPipe, 1F1B), memory per rank"
+SCHEDULES = ("gpipe", "1f1b")
+MIB = 2**20
+
+
+def bubble_worker(args) -> None:
+    import keras
+    from mpi4py import MPI
+
+    import hyparflow as hf
+    from benchmarks.models import mlp, synthetic_data
+
+    keras.config.disable_interactive_logging()
+    model = mlp(args.width, 4)
+    x, y = synthetic_data(model, args.batch_size * args.steps)
+    configs = [(s, m) for m in args.microbatches for s in SCHEDULES]
+    if args.reverse:
+        configs.reverse()
+    root = MPI.COMM_WORLD.bcast(tempfile.mkdtemp(prefix="hf-bubble-") if hf.rank() == 0 else None)
+    results = []
+    for schedule, m in configs:
+        strategy = hf.Strategy("model", microbatches=m, schedule=schedule)
+        log_dir = os.path.join(root, f"{schedule}-{m}")
+        profiler = hf.callbacks.ScalingProfiler(log_dir, timeline=False)
+        hf.fit(model, x, y, batch_size=args.batch_size, epochs=args.epochs, verbose=0,
+               strategy=strategy, callbacks=[profiler])  # fmt: skip
+        if hf.rank() == 0:
+            with open(os.path.join(log_dir, "profile.json")) as f:
+                job = json.load(f)["job"]
+            results.append({"schedule": schedule, "microbatches": m,
+                            "measured": job["bubble_measured"],
+                            "theoretical": job["bubble_theoretical"],
+                            "simulated": job["bubble_simulated"],
+                            "step_ms": job["ms_per_step"]["step"]})  # fmt: skip
+    if hf.rank() == 0:
+        write_result(args.worker_out, 0, results)
+
+
+def memory_worker(args) -> None:
+    import keras
+
+    import hyparflow as hf
+    from benchmarks.harness.memory import peak_rss_bytes, rss_bytes
+    from benchmarks.models import mlp, synthetic_data
+
+    keras.config.disable_interactive_logging()
+    model = mlp(args.width, 4)
+    x, y = synthetic_data(model, args.memory_batch * 3)
+    before = rss_bytes()
+    strategy = hf.Strategy("model", microbatches=args.memory_microbatches, schedule=args.schedule)
+    hf.fit(model, x, y, batch_size=args.memory_batch, epochs=2, verbose=0, strategy=strategy)
+    write_result(args.worker_out, hf.rank(),
+                 {"peak": peak_rss_bytes(), "growth": peak_rss_bytes() - before})  # fmt: skip
+
+
+def worker(args) -> None:
+    (memory_worker if args.schedule else bubble_worker)(args)
+
+
+def _bubble_records(args) -> list[dict]:
+    runs = []
+    for round_ in range(args.rounds):
+        worker_args = _common(args) + ["--microbatches", *args.microbatches]
+        runs += run_worker(__file__, worker_args + (["--reverse"] if round_ % 2 else []), np=2)[0]
+    records = []
+    for m in args.microbatches:
+        mine = [r for r in runs if r["microbatches"] == m]
+        formula = mine[0]["theoretical"]
+        records.append(measurement(FIGURE, f"formula (p-1)/(m+p-1), m={m}", [formula], "bubble",
+                                   series="formula", x=m))  # fmt: skip
+        for schedule in SCHEDULES:
+            runs_s = [r for r in mine if r["schedule"] == schedule]
+            label = {"gpipe": "GPipe", "1f1b": "1F1B"}[schedule]
+            for kind in ("measured", "simulated"):
+                values = [r[kind] for r in runs_s]
+                records.append(measurement(FIGURE, f"{label} {kind}, m={m}", values, "bubble",
+                                           series=f"{label} {kind}", x=m))  # fmt: skip
+            records.append(measurement(FIGURE, f"{label} step time, m={m}",
+                                       [r["step_ms"] for r in runs_s], "ms per step",
+                                       series=label, x=m))  # fmt: skip
+            if schedule == "1f1b" and m > 1:
+                excess = [r["measured"] - formula for r in runs_s]
+                records.append(target(FIGURE, f"1F1B bubble minus formula (points/100), m={m}",
+                                      excess, "<= 0.05"))  # fmt: skip
+    return records
+
+
+def _memory_records(args) -> list[dict]:
+    peaks = {s: {0: [], 1: []} for s in SCHEDULES}
+    growth = {s: {0: [], 1: []} for s in SCHEDULES}
+    for round_ in range(args.rounds):
+        for schedule in SCHEDULES if round_ % 2 == 0 else SCHEDULES[::-1]:
+            worker_args = _common(args) + ["--schedule", schedule]
+            for rank, r in enumerate(run_worker(__file__, worker_args, np=2)):
+                peaks[schedule][rank].append(r["peak"] / MIB)
+                growth[schedule][rank].append(r["growth"] / MIB)
+    records = []
+    m = args.memory_microbatches
+    for schedule in SCHEDULES:
+        label = {"gpipe": "GPipe", "1f1b": "1F1B"}[schedule]
+        for rank in (0, 1):
+            where = f"{label}, stage {rank}, m={m}, batch {args.memory_batch}"
+            records.append(measurement(FIGURE, f"peak RSS, {where}", peaks[schedule][rank], "MiB"))
+            records.append(measurement(FIGURE, f"peak RSS minus RSS before fit, {where}",
+                                       growth[schedule][rank], "MiB"))  # fmt: skip
+    return records
+
+
+def run(args) -> list[dict]:
+    return _bubble_records(args) + _memory_records(args)
+
+
+def _common(args) -> list:
+    return ["--width", args.width, "--batch-size", args.batch_size, "--steps", args.steps,
+            "--epochs", args.epochs, "--memory-batch", args.memory_batch,
+            "--memory-microbatches", args.memory_microbatches]  # fmt: skip
+
+
+def arguments(argv=None):
+    p = cli.parser(__doc__)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--microbatches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--batch-size", type=int, default=512)
+    p.add_argument("--steps", type=int, default=10, help="steps per epoch")
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--memory-batch", type=int, default=4096)
+    p.add_argument("--memory-microbatches", type=int, default=8)
+    p.add_argument("--schedule", choices=SCHEDULES, help="worker: memory run of one schedule")
+    p.add_argument("--reverse", action="store_true", help="worker: configurations reversed")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.rounds, args.microbatches, args.steps, args.width = 1, [1, 4], 3, 128
+        args.memory_batch = 512
+    return args
+
+
+def main(argv=None):
+    return cli.entry(arguments(argv), worker, run)
+
+
+if __name__ == "__main__":
+    main()
