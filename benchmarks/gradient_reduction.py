@@ -130,8 +130,9 @@ def worker(args) -> None:
 
 def _launch(args, venv: str, horovod: bool, repeats: int) -> dict:
     worker_args = ["--repeats", repeats, "--models", args.models, "--block-mib", args.block_mib]
-    return run_worker(__file__, worker_args + (["--horovod"] if horovod else []), np=2,
-                      venv=venv)[0]  # fmt: skip
+    return run_worker(__file__, worker_args + (["--horovod"] if horovod else []), np=2, venv=venv)[
+        0
+    ]
 
 
 def run(args) -> list[dict]:
@@ -161,15 +162,30 @@ def _records(result: dict, venv: str) -> list[dict]:
         where = f"{model} ({r['tensors']} tensors, {r['mib']:.1f} MiB), {venv} venv"
         ms = r["ms"]
         for way, values in ms.items():
-            records.append(measurement(FIGURE, f"{LABELS[way]}: {where}", values, "ms", venv=venv,
-                                       reductions_per_repeat=r["per_block"]))  # fmt: skip
+            records.append(
+                measurement(
+                    FIGURE,
+                    f"{LABELS[way]}: {where}",
+                    values,
+                    "ms",
+                    venv=venv,
+                    reductions_per_repeat=r["per_block"],
+                )
+            )
         ratios = paired_ratios(ms["reducer"], ms["raw"])
-        records.append(target(FIGURE, f"GradientReducer / raw Allreduce: {where}", ratios,
-                              "<= 1.1"))  # fmt: skip
+        records.append(
+            target(FIGURE, f"GradientReducer / raw Allreduce: {where}", ratios, "<= 1.1")
+        )
         if "horovod" in ms:
             best = [min(a, b) for a, b in zip(ms["horovod"], ms["horovod_function"])]
-            records.append(target(FIGURE, f"GradientReducer / Horovod (faster way): {where}",
-                                  paired_ratios(ms["reducer"], best), "< 1.0"))  # fmt: skip
+            records.append(
+                target(
+                    FIGURE,
+                    f"GradientReducer / Horovod (faster way): {where}",
+                    paired_ratios(ms["reducer"], best),
+                    "< 1.0",
+                )
+            )
     return records
 
 

@@ -8,8 +8,15 @@ ResNet-1001 (pre-activation bottleneck blocks, 9n+2 layers: depth 1001 = 111 per
 from __future__ import annotations
 
 
-def mlp(width: int, depth: int, inputs: int | None = None, classes: int = 10, *,
-        optimizer="sgd", seed: int = 0):  # fmt: skip
+def mlp(
+    width: int,
+    depth: int,
+    inputs: int | None = None,
+    classes: int = 10,
+    *,
+    optimizer="sgd",
+    seed: int = 0,
+):
     """`depth` Dense(width, relu) layers and a softmax; compiled with sparse cross-entropy."""
     import keras
 
@@ -26,8 +33,9 @@ def mlp(width: int, depth: int, inputs: int | None = None, classes: int = 10, *,
 def _basic_block(x, width: int, stride: int, name: str):
     from keras import layers
 
-    y = layers.Conv2D(width, 3, strides=stride, padding="same", use_bias=False,
-                      name=f"{name}_conv1")(x)  # fmt: skip
+    y = layers.Conv2D(
+        width, 3, strides=stride, padding="same", use_bias=False, name=f"{name}_conv1"
+    )(x)
     y = layers.BatchNormalization(name=f"{name}_bn1")(y)
     y = layers.Activation("relu", name=f"{name}_relu1")(y)
     y = layers.Conv2D(width, 3, padding="same", use_bias=False, name=f"{name}_conv2")(y)
@@ -50,16 +58,24 @@ def _bottleneck_block(x, width: int, stride: int, name: str):
     y = layers.Conv2D(width, 1, use_bias=False, name=f"{name}_conv1")(y)
     y = layers.BatchNormalization(name=f"{name}_bn2")(y)
     y = layers.Activation("relu", name=f"{name}_relu2")(y)
-    y = layers.Conv2D(width, 3, strides=stride, padding="same", use_bias=False,
-                      name=f"{name}_conv2")(y)  # fmt: skip
+    y = layers.Conv2D(
+        width, 3, strides=stride, padding="same", use_bias=False, name=f"{name}_conv2"
+    )(y)
     y = layers.BatchNormalization(name=f"{name}_bn3")(y)
     y = layers.Activation("relu", name=f"{name}_relu3")(y)
     y = layers.Conv2D(4 * width, 1, use_bias=False, name=f"{name}_conv3")(y)
     return layers.Add(name=f"{name}_add")([x, y])
 
 
-def cifar_resnet(depth: int = 110, *, image: int = 32, classes: int = 10, base: int = 16,
-                 optimizer="sgd", seed: int = 0):  # fmt: skip
+def cifar_resnet(
+    depth: int = 110,
+    *,
+    image: int = 32,
+    classes: int = 10,
+    base: int = 16,
+    optimizer="sgd",
+    seed: int = 0,
+):
     """CIFAR ResNet-`depth`: basic blocks when depth = 6n+2 (20, 56, 110), pre-activation
     bottlenecks when depth = 9n+2 (164, 1001). `image` scales the input (32 is CIFAR).
 

@@ -61,8 +61,9 @@ def worker(args) -> None:
     y = rng.integers(0, 10, size=samples)
     fit = dict(batch_size=args.batch_size, epochs=1, verbose=0)
     resolved = _resolve(model, "data", None, None, None)
-    options = dict(resume=False, resume_from=None, check_numerics=False, watchdog_timeout=None,
-                   comm="mpi")  # fmt: skip
+    options = dict(
+        resume=False, resume_from=None, check_numerics=False, watchdog_timeout=None, comm="mpi"
+    )
 
     def one_epoch(way: str) -> tuple[float, float]:
         timer = epoch_timer()
@@ -71,8 +72,9 @@ def worker(args) -> None:
         elif way == "hf.fit":
             hf.fit(model, x, y, callbacks=[timer], **fit)
         else:
-            _distributed_fit(model, x, y, args.batch_size, 1, resolved, options, verbose=0,
-                             callbacks=[timer])  # fmt: skip
+            _distributed_fit(
+                model, x, y, args.batch_size, 1, resolved, options, verbose=0, callbacks=[timer]
+            )
         return timer.seconds[0], timer.cpu_share[0]
 
     for way in WAYS:  # warm-up: trace, build the engine's Trainer
@@ -91,22 +93,44 @@ def worker(args) -> None:
 def run(args) -> list[dict]:
     (result,) = run_worker(__file__, _worker_args(args))
     seconds = result["seconds"]
-    params = dict(width=args.width, depth=args.depth, batch_size=args.batch_size,
-                  steps=args.steps, min_cpu_share=round(min(result["cpu_share"]), 3))  # fmt: skip
+    params = dict(
+        width=args.width,
+        depth=args.depth,
+        batch_size=args.batch_size,
+        steps=args.steps,
+        min_cpu_share=round(min(result["cpu_share"]), 3),
+    )
     records = [
         measurement(FIGURE, f"{way}: s per epoch", seconds[way], "s", **params) for way in WAYS
     ]
     base = seconds["model.fit"]
-    records.append(target(FIGURE, "hf.fit / model.fit", paired_ratios(seconds["hf.fit"], base),
-                          "<= 1.05"))  # fmt: skip
-    records.append(target(FIGURE, "engine on one rank / model.fit",
-                          paired_ratios(seconds["engine"], base), "<= 1.05"))  # fmt: skip
+    records.append(
+        target(FIGURE, "hf.fit / model.fit", paired_ratios(seconds["hf.fit"], base), "<= 1.05")
+    )
+    records.append(
+        target(
+            FIGURE,
+            "engine on one rank / model.fit",
+            paired_ratios(seconds["engine"], base),
+            "<= 1.05",
+        )
+    )
     return records
 
 
 def _worker_args(args) -> list[str]:
-    return ["--repeats", args.repeats, "--width", args.width, "--depth", args.depth,
-            "--batch-size", args.batch_size, "--steps", args.steps]  # fmt: skip
+    return [
+        "--repeats",
+        args.repeats,
+        "--width",
+        args.width,
+        "--depth",
+        args.depth,
+        "--batch-size",
+        args.batch_size,
+        "--steps",
+        args.steps,
+    ]
 
 
 def arguments(argv=None):

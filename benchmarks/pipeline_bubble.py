@@ -56,16 +56,29 @@ def bubble_worker(args) -> None:
         strategy = hf.Strategy("model", microbatches=m, schedule=schedule)
         log_dir = os.path.join(root, f"{schedule}-{m}")
         profiler = hf.callbacks.ScalingProfiler(log_dir, timeline=False)
-        hf.fit(model, x, y, batch_size=args.batch_size, epochs=args.epochs, verbose=0,
-               strategy=strategy, callbacks=[profiler])  # fmt: skip
+        hf.fit(
+            model,
+            x,
+            y,
+            batch_size=args.batch_size,
+            epochs=args.epochs,
+            verbose=0,
+            strategy=strategy,
+            callbacks=[profiler],
+        )
         if hf.rank() == 0:
             with open(os.path.join(log_dir, "profile.json")) as f:
                 job = json.load(f)["job"]
-            results.append({"schedule": schedule, "microbatches": m,
-                            "measured": job["bubble_measured"],
-                            "theoretical": job["bubble_theoretical"],
-                            "simulated": job["bubble_simulated"],
-                            "step_ms": job["ms_per_step"]["step"]})  # fmt: skip
+            results.append(
+                {
+                    "schedule": schedule,
+                    "microbatches": m,
+                    "measured": job["bubble_measured"],
+                    "theoretical": job["bubble_theoretical"],
+                    "simulated": job["bubble_simulated"],
+                    "step_ms": job["ms_per_step"]["step"],
+                }
+            )
     if hf.rank() == 0:
         write_result(args.worker_out, 0, results)
 
@@ -83,8 +96,9 @@ def memory_worker(args) -> None:
     before = rss_bytes()
     strategy = hf.Strategy("model", microbatches=args.memory_microbatches, schedule=args.schedule)
     hf.fit(model, x, y, batch_size=args.memory_batch, epochs=2, verbose=0, strategy=strategy)
-    write_result(args.worker_out, hf.rank(),
-                 {"peak": peak_rss_bytes(), "growth": peak_rss_bytes() - before})  # fmt: skip
+    write_result(
+        args.worker_out, hf.rank(), {"peak": peak_rss_bytes(), "growth": peak_rss_bytes() - before}
+    )
 
 
 def worker(args) -> None:
@@ -100,22 +114,43 @@ def _bubble_records(args) -> list[dict]:
     for m in args.microbatches:
         mine = [r for r in runs if r["microbatches"] == m]
         formula = mine[0]["theoretical"]
-        records.append(measurement(FIGURE, f"formula (p-1)/(m+p-1), m={m}", [formula], "bubble",
-                                   series="formula", x=m))  # fmt: skip
+        records.append(
+            measurement(
+                FIGURE, f"formula (p-1)/(m+p-1), m={m}", [formula], "bubble", series="formula", x=m
+            )
+        )
         for schedule in SCHEDULES:
             runs_s = [r for r in mine if r["schedule"] == schedule]
             label = {"gpipe": "GPipe", "1f1b": "1F1B"}[schedule]
             for kind in ("measured", "simulated"):
                 values = [r[kind] for r in runs_s]
-                records.append(measurement(FIGURE, f"{label} {kind}, m={m}", values, "bubble",
-                                           series=f"{label} {kind}", x=m))  # fmt: skip
-            records.append(measurement(FIGURE, f"{label} step time, m={m}",
-                                       [r["step_ms"] for r in runs_s], "ms per step",
-                                       series=label, x=m))  # fmt: skip
+                records.append(
+                    measurement(
+                        FIGURE,
+                        f"{label} {kind}, m={m}",
+                        values,
+                        "bubble",
+                        series=f"{label} {kind}",
+                        x=m,
+                    )
+                )
+            records.append(
+                measurement(
+                    FIGURE,
+                    f"{label} step time, m={m}",
+                    [r["step_ms"] for r in runs_s],
+                    "ms per step",
+                    series=label,
+                    x=m,
+                )
+            )
             if schedule == "1f1b" and m > 1:
                 excess = [r["measured"] - formula for r in runs_s]
-                records.append(target(FIGURE, f"1F1B bubble minus formula (points/100), m={m}",
-                                      excess, "<= 0.05"))  # fmt: skip
+                records.append(
+                    target(
+                        FIGURE, f"1F1B bubble minus formula (points/100), m={m}", excess, "<= 0.05"
+                    )
+                )
     return records
 
 
@@ -135,8 +170,11 @@ def _memory_records(args) -> list[dict]:
         for rank in (0, 1):
             where = f"{label}, stage {rank}, m={m}, batch {args.memory_batch}"
             records.append(measurement(FIGURE, f"peak RSS, {where}", peaks[schedule][rank], "MiB"))
-            records.append(measurement(FIGURE, f"peak RSS minus RSS before fit, {where}",
-                                       growth[schedule][rank], "MiB"))  # fmt: skip
+            records.append(
+                measurement(
+                    FIGURE, f"peak RSS minus RSS before fit, {where}", growth[schedule][rank], "MiB"
+                )
+            )
     return records
 
 
@@ -145,9 +183,20 @@ def run(args) -> list[dict]:
 
 
 def _common(args) -> list:
-    return ["--width", args.width, "--batch-size", args.batch_size, "--steps", args.steps,
-            "--epochs", args.epochs, "--memory-batch", args.memory_batch,
-            "--memory-microbatches", args.memory_microbatches]  # fmt: skip
+    return [
+        "--width",
+        args.width,
+        "--batch-size",
+        args.batch_size,
+        "--steps",
+        args.steps,
+        "--epochs",
+        args.epochs,
+        "--memory-batch",
+        args.memory_batch,
+        "--memory-microbatches",
+        args.memory_microbatches,
+    ]
 
 
 def arguments(argv=None):

@@ -57,9 +57,15 @@ def mpirun_command(np: int, argv: list[str]) -> list[str]:
 
 
 def run_worker(
-    script: str, args: list[str], *, np: int = 1, venv: str = "main", threads: int | None = None,
-    timeout: float = 1800, env: dict | None = None,
-) -> list[dict]:  # fmt: skip
+    script: str,
+    args: list[str],
+    *,
+    np: int = 1,
+    venv: str = "main",
+    threads: int | None = None,
+    timeout: float = 1800,
+    env: dict | None = None,
+) -> list[dict]:
     """Run `script --worker-out DIR args...` on `np` ranks (np=1: no mpirun); every rank's
     JSON result, in rank order. Raises with the tail of stderr when the run fails."""
     with tempfile.TemporaryDirectory(prefix="hf-bench-") as folder:
@@ -68,9 +74,14 @@ def run_worker(
         full_env = {**os.environ, **MPI_ENV, **thread_env(threads or INTRAOP_THREADS)}
         full_env.update(env or {})
         process = subprocess.Popen(
-            command, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True, start_new_session=True,
-        )  # fmt: skip
+            command,
+            cwd=REPO,
+            env=full_env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         try:
             stdout, stderr = process.communicate(timeout=timeout)
         except subprocess.TimeoutExpired as error:

@@ -33,9 +33,13 @@ def _draw_lines(axes, records, unit):
     for label, points in series.items():
         points.sort(key=lambda r: r["x"])
         axes.errorbar(
-            [r["x"] for r in points], [r["median"] for r in points], yerr=_error(points),
-            marker="o", capsize=3, label=label,
-        )  # fmt: skip
+            [r["x"] for r in points],
+            [r["median"] for r in points],
+            yerr=_error(points),
+            marker="o",
+            capsize=3,
+            label=label,
+        )
     if min(xs) > 0 and max(xs) / min(xs) >= 8:
         axes.set_xscale("log", base=2)
     axes.set_ylabel(unit)
@@ -46,8 +50,9 @@ def _draw_lines(axes, records, unit):
 def _draw_bars(axes, records, unit):
     names = [r["name"] for r in records]
     positions = list(range(len(records)))
-    axes.barh(positions, [r["median"] for r in records], xerr=_error(records), capsize=3,
-              color="#4c72b0")  # fmt: skip
+    axes.barh(
+        positions, [r["median"] for r in records], xerr=_error(records), capsize=3, color="#4c72b0"
+    )
     axes.set_yticks(positions, names, fontsize=8)
     axes.invert_yaxis()
     axes.set_xlabel(unit)

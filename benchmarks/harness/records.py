@@ -12,9 +12,15 @@ GOALS = {"<=": operator.le, ">=": operator.ge, "<": operator.lt, ">": operator.g
 
 
 def measurement(
-    figure: str, name: str, values: Sequence[float], unit: str, *, series: str | None = None,
-    x: float | None = None, **params,
-) -> dict:  # fmt: skip
+    figure: str,
+    name: str,
+    values: Sequence[float],
+    unit: str,
+    *,
+    series: str | None = None,
+    x: float | None = None,
+    **params,
+) -> dict:
     """One measured quantity over repeats; `series` and `x` place it on a line plot.
 
     Example:

@@ -90,9 +90,14 @@ def figure_section(figure: dict, plot: str | None, relative_to: Path) -> list[st
 
 
 def write_results(
-    path: str, plots_dir: str, machine: dict, figures: list[dict], *, preamble: str = "",
+    path: str,
+    plots_dir: str,
+    machine: dict,
+    figures: list[dict],
+    *,
+    preamble: str = "",
     appendix: list[tuple[str, str]] = (),
-) -> list[str]:  # fmt: skip
+) -> list[str]:
     """Write the results markdown at `path` and one PNG per figure into `plots_dir`.
 
     `figures`: dicts with `figure` (a short key), `records`, and optionally `title`, `about`

@@ -1,0 +1,129 @@
+"""Figure 7, memory: per-rank parameter + optimizer bytes and peak RSS for 1, 2 and 4 partitions.
+
+Run: .venv/bin/python benchmarks/memory_partitions.py [--partitions 1 2 4] [--rounds 2]
+     (starts `mpirun` itself; 4 ranks oversubscribe 2 cores, which does not change memory)
+
+A parameter-heavy MLP (8 Dense layers of 2048 units, 33.6 M parameters, Adam) trained for a
+few steps: with 1 partition by `model.fit` in one process (what `hf.fit` runs there), with P
+partitions by `hf.fit(strategy="model")` on P ranks. Each rank reports the bytes of the
+trainable variables its stage updates, of the optimizer state it built for them, of every
+weight in the user's model object (which each rank holds: the script builds the whole model on
+every rank and `hf.fit` leaves the trained weights in it), its resident memory before training
+and its peak resident memory (VmHWM). Rows show the largest rank.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+from benchmarks.harness import cli  # noqa: E402
+from benchmarks.harness.launch import run_worker, write_result  # noqa: E402
+from benchmarks.harness.records import measurement  # noqa: E402
+
+FIGURE = "memory"
+TITLE = "(7) Memory per rank: parameters, optimizer state and peak RSS for 1, 2, 4 partitions"
+MIB = 2**20
+
+
+def _bytes(variables) -> int:
+    import numpy as np
+
+    return int(sum(np.prod(v.shape) * np.dtype(v.dtype).itemsize for v in variables))
+
+
+def worker(args) -> None:
+    import keras
+
+    import hyparflow as hf
+    from benchmarks.harness.memory import peak_rss_bytes, rss_bytes
+    from benchmarks.models import mlp, synthetic_data
+
+    keras.config.disable_interactive_logging()
+    model = mlp(args.width, args.depth, optimizer="adam")
+    x, y = synthetic_data(model, args.batch_size * args.steps)
+    before = rss_bytes()
+    fit = dict(batch_size=args.batch_size, epochs=1, verbose=0)
+    if args.partitions == 1:
+        model.fit(x, y, **fit)
+        stage_variables = model.trainable_variables
+    else:
+        strategy = hf.Strategy("model", microbatches=args.microbatches, schedule="1f1b")
+        hf.fit(model, x, y, strategy=strategy, **fit)
+        stage_variables = model._hyparflow_trainer[1].variables  # this rank's stage
+    write_result(
+        args.worker_out,
+        hf.rank(),
+        {
+            "params": _bytes(stage_variables),
+            "optimizer": _bytes(model.optimizer.variables),
+            "model_weights": _bytes(model.weights),
+            "rss_before": before,
+            "peak": peak_rss_bytes(),
+        },
+    )
+
+
+def run(args) -> list[dict]:
+    rows: dict = {}
+    for round_ in range(args.rounds):
+        order = args.partitions if round_ % 2 == 0 else args.partitions[::-1]
+        for partitions in order:
+            worker_args = [
+                "--partitions",
+                partitions,
+                "--width",
+                args.width,
+                "--depth",
+                args.depth,
+                "--batch-size",
+                args.batch_size,
+                "--steps",
+                args.steps,
+                "--microbatches",
+                args.microbatches,
+            ]
+            ranks = run_worker(__file__, worker_args, np=partitions)
+            largest = max(ranks, key=lambda r: r["params"] + r["optimizer"])
+            for key, value in largest.items():
+                rows.setdefault(partitions, {}).setdefault(key, []).append(value / MIB)
+    records = []
+    for partitions, values in rows.items():
+        where = f"{partitions} partition(s), largest rank"
+        for key, name in (
+            ("params", "stage parameters"),
+            ("optimizer", "optimizer state (Adam)"),
+            ("model_weights", "whole model's weights held by the rank"),
+            ("rss_before", "RSS before training"),
+            ("peak", "peak RSS"),
+        ):
+            records.append(
+                measurement(
+                    FIGURE, f"{name}, {where}", values[key], "MiB", series=name, x=partitions
+                )
+            )
+    return records
+
+
+def arguments(argv=None):
+    p = cli.parser(__doc__)
+    p.add_argument("--partitions", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--width", type=int, default=2048)
+    p.add_argument("--depth", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--microbatches", type=int, default=4)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.rounds, args.width, args.partitions = 1, 256, [1, 2]
+    return args
+
+
+def main(argv=None):
+    return cli.entry(arguments(argv), worker, run)
+
+
+if __name__ == "__main__":
+    main()

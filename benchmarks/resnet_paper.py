@@ -1,0 +1,195 @@
+"""Figure 6, the paper's shape of work: a deep, narrow CIFAR ResNet, hybrid/model parallel vs
+Horovod data parallel and vs one process.
+
+Run: .venv/bin/python benchmarks/resnet_paper.py [--depth 110] [--image 32] [--batch-size 32]
+     [--rounds 2] [--ranks 2 4]   (starts `mpirun` itself; runs in .venv-compat, with Horovod)
+
+HyPar-Flow (Awan et al. 2020) reports 1.6x over Horovod for ResNet-1001 (hybrid, many nodes)
+and 3.1x for model parallel over sequential on ResNet-110 (one 48-core node). This figure runs
+the same shapes of work, scaled to seconds: samples/s over the epochs after the first, for
+
+- Keras `model.fit` in one process with 1 compute thread and with one per core;
+- hyparflow model parallel (P stages, 1F1B, m micro-batches, stages balanced by measured
+  layer time) and data parallel, and hybrid P x R where the ranks allow;
+- the Horovod loop of figure 4 (`benchmarks/data_parallel.py`), data parallel.
+
+Ranks above the core count oversubscribe the cores: those rows measure overheads, not
+scaling. Configurations alternate within a round; the ratios are paired per round.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+from benchmarks.harness import cli  # noqa: E402
+from benchmarks.harness.launch import run_worker, write_result  # noqa: E402
+from benchmarks.harness.records import measurement  # noqa: E402
+from benchmarks.harness.stats import paired_ratios  # noqa: E402
+
+FIGURE = "resnet"
+TITLE = "(6) The paper's shape of work: CIFAR ResNet, hyparflow vs Horovod vs one process"
+
+
+def configurations(ranks_list, cores: int) -> list[dict]:
+    """Every measured configuration: (way, partitions, replicas, threads)."""
+    configs = [{"way": "keras", "p": 1, "r": 1, "threads": t} for t in sorted({1, cores})]
+    for ranks in ranks_list:
+        configs.append({"way": "horovod", "p": 1, "r": ranks, "threads": 1})
+        configs.append({"way": "hyparflow", "p": 1, "r": ranks, "threads": 1})
+        configs.append({"way": "hyparflow", "p": ranks, "r": 1, "threads": 1})
+        if ranks >= 4:
+            configs.append({"way": "hyparflow", "p": 2, "r": ranks // 2, "threads": 1})
+    return configs
+
+
+def label(config: dict, cores: int) -> str:
+    p, r, ranks = config["p"], config["r"], config["p"] * config["r"]
+    if config["way"] == "keras":
+        return f"Keras model.fit, 1 process, {config['threads']} thread(s)"
+    over = " (oversubscribed)" if ranks > cores else ""
+    if config["way"] == "horovod":
+        return f"Horovod loop, data parallel {ranks} ranks{over}"
+    kind = "data parallel" if p == 1 else ("model parallel" if r == 1 else "hybrid")
+    return f"hyparflow {kind} {p}x{r}{over}"
+
+
+def worker(args) -> None:
+    import keras
+
+    import hyparflow as hf
+    from benchmarks.data_parallel import horovod_epochs
+    from benchmarks.harness.timing import epoch_timer
+    from benchmarks.models import cifar_resnet, synthetic_data
+
+    keras.config.disable_interactive_logging()
+    model = cifar_resnet(args.depth, image=args.image)
+    x, y = synthetic_data(model, args.batch_size * args.steps)
+    if args.way == "horovod":
+        seconds = horovod_epochs(model, x, y, args.batch_size, args.epochs, args.steps)
+        rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
+    else:
+        timer = epoch_timer()
+        fit = dict(batch_size=args.batch_size, epochs=args.epochs, verbose=0, callbacks=[timer])
+        if args.way == "keras":
+            model.fit(x, y, **fit)
+        else:
+            kind = "data" if args.p == 1 else ("model" if args.r == 1 else "hybrid")
+            m = args.microbatches if args.p > 1 else 1
+            strategy = hf.Strategy(
+                kind,
+                partitions=args.p,
+                replicas=args.r,
+                microbatches=m,
+                schedule="1f1b",
+                balance="time",
+            )
+            hf.fit(model, x, y, strategy=strategy, **fit)
+        seconds, rank = timer.seconds, hf.rank()
+    if rank == 0:
+        write_result(args.worker_out, 0, [args.batch_size * args.steps / s for s in seconds[1:]])
+
+
+def run(args) -> list[dict]:
+    cores = os.cpu_count() or 1
+    configs = configurations(args.ranks, cores)
+    rates = {label(c, cores): [] for c in configs}
+    for round_ in range(args.rounds):
+        for config in configs if round_ % 2 == 0 else configs[::-1]:
+            worker_args = [
+                "--way",
+                config["way"],
+                "--p",
+                config["p"],
+                "--r",
+                config["r"],
+                *_shape(args),
+            ]
+            result = run_worker(
+                __file__,
+                worker_args,
+                np=config["p"] * config["r"],
+                venv="compat",
+                threads=config["threads"],
+                timeout=3600,
+            )
+            rates[label(config, cores)].append(statistics.median(result[0]))
+    shape = f"ResNet-{args.depth}, {args.image}x{args.image} images, batch {args.batch_size}"
+    records = [
+        measurement(FIGURE, f"{name} ({shape})", values, "samples/s")
+        for name, values in rates.items()
+    ]
+    one = rates[label({"way": "keras", "p": 1, "r": 1, "threads": 1}, cores)]
+    whole = rates[label({"way": "keras", "p": 1, "r": 1, "threads": cores}, cores)]
+    for ranks in args.ranks:
+        model_parallel = rates[label({"way": "hyparflow", "p": ranks, "r": 1}, cores)]
+        horovod = rates[label({"way": "horovod", "p": 1, "r": ranks}, cores)]
+        best = model_parallel
+        if ranks >= 4:
+            best = rates[label({"way": "hyparflow", "p": 2, "r": ranks // 2}, cores)]
+        kind = "hybrid" if ranks >= 4 else "model parallel"
+        pairs = [
+            (
+                f"model parallel {ranks}x1 / Keras 1 thread (paper: 3.1x on ResNet-110)",
+                paired_ratios(model_parallel, one),
+            ),
+            (
+                f"model parallel {ranks}x1 / Keras {cores} threads",
+                paired_ratios(model_parallel, whole),
+            ),
+            (
+                f"hyparflow {kind} / Horovod, {ranks} ranks (paper: 1.6x on ResNet-1001)",
+                paired_ratios(best, horovod),
+            ),
+        ]
+        for name, ratios in pairs:
+            records.append(measurement(FIGURE, name, ratios, "ratio", depth=args.depth))
+    return records
+
+
+def _shape(args) -> list:
+    return [
+        "--depth",
+        args.depth,
+        "--image",
+        args.image,
+        "--batch-size",
+        args.batch_size,
+        "--steps",
+        args.steps,
+        "--epochs",
+        args.epochs,
+        "--microbatches",
+        args.microbatches,
+    ]
+
+
+def arguments(argv=None):
+    p = cli.parser(__doc__)
+    p.add_argument("--depth", type=int, default=110, help="6n+2 (basic) or 9n+2 (bottleneck)")
+    p.add_argument("--image", type=int, default=32, help="image side (CIFAR: 32)")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--steps", type=int, default=6, help="steps per epoch")
+    p.add_argument("--epochs", type=int, default=3, help="the first (tracing) is not counted")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--way", choices=["keras", "hyparflow", "horovod"], help="worker: how")
+    p.add_argument("--p", type=int, default=1, help="worker: partitions")
+    p.add_argument("--r", type=int, default=1, help="worker: replicas")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.depth, args.image, args.batch_size, args.steps, args.epochs = 20, 16, 16, 2, 2
+        args.rounds, args.ranks = 1, [2]
+    return args
+
+
+def main(argv=None):
+    return cli.entry(arguments(argv), worker, run)
+
+
+if __name__ == "__main__":
+    main()
