@@ -100,7 +100,13 @@ def run(args) -> list[dict]:
         ):
             records.append(
                 measurement(
-                    FIGURE, f"{name}, {where}", values[key], "MiB", series=name, x=partitions
+                    FIGURE,
+                    f"{name}, {where}",
+                    values[key],
+                    "MiB",
+                    series=name,
+                    x=partitions,
+                    x_label="partitions",
                 )
             )
     return records

@@ -147,6 +147,7 @@ def run(args) -> list[dict]:
                         "GB/s",
                         series=label + suffix,
                         x=size / 2**20,
+                        x_label="message size (MiB)",
                         round_trips=round_trips(size),
                     )
                 )

@@ -116,7 +116,13 @@ def _bubble_records(args) -> list[dict]:
         formula = mine[0]["theoretical"]
         records.append(
             measurement(
-                FIGURE, f"formula (p-1)/(m+p-1), m={m}", [formula], "bubble", series="formula", x=m
+                FIGURE,
+                f"formula (p-1)/(m+p-1), m={m}",
+                [formula],
+                "bubble",
+                series="formula",
+                x=m,
+                x_label="micro-batches m",
             )
         )
         for schedule in SCHEDULES:
@@ -132,6 +138,7 @@ def _bubble_records(args) -> list[dict]:
                         "bubble",
                         series=f"{label} {kind}",
                         x=m,
+                        x_label="micro-batches m",
                     )
                 )
             records.append(
@@ -142,6 +149,7 @@ def _bubble_records(args) -> list[dict]:
                     "ms per step",
                     series=label,
                     x=m,
+                    x_label="micro-batches m",
                 )
             )
             if schedule == "1f1b" and m > 1:

@@ -9,13 +9,20 @@ from __future__ import annotations
 from collections import defaultdict
 
 
-def _canvas(rows: int):
+def _canvas(heights: list[float]):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    figure = Figure(figsize=(8, 3.2 * rows), dpi=100)
+    figure = Figure(figsize=(11, sum(heights)), dpi=100)
     FigureCanvasAgg(figure)
     return figure
+
+
+def _height(group: list[dict]) -> float:
+    """Inches for a panel: lines get a fixed height, bars grow with their count."""
+    if all("x" in r for r in group):
+        return 3.5
+    return max(2.0, 0.3 * len(group) + 1.0)
 
 
 def _error(records):
@@ -41,8 +48,13 @@ def _draw_lines(axes, records, unit):
             label=label,
         )
     if min(xs) > 0 and max(xs) / min(xs) >= 8:
+        from matplotlib.ticker import FixedLocator, ScalarFormatter
+
         axes.set_xscale("log", base=2)
+        axes.xaxis.set_major_locator(FixedLocator(sorted(set(xs))))
+        axes.xaxis.set_major_formatter(ScalarFormatter())
     axes.set_ylabel(unit)
+    axes.set_xlabel(next((r["x_label"] for r in records if "x_label" in r), ""))
     axes.legend(fontsize=8)
     axes.grid(alpha=0.3)
 
@@ -69,14 +81,16 @@ def plot_figure(title: str, records: list[dict], path: str) -> str | None:
     by_unit = defaultdict(list)
     for record in records:
         by_unit[record["unit"]].append(record)
-    figure = _canvas(len(by_unit))
-    for row, (unit, group) in enumerate(by_unit.items(), start=1):
-        axes = figure.add_subplot(len(by_unit), 1, row)
+    heights = [_height(group) for group in by_unit.values()]
+    figure = _canvas(heights)
+    grid = figure.add_gridspec(len(heights), 1, height_ratios=heights)
+    for row, (unit, group) in enumerate(by_unit.items()):
+        axes = figure.add_subplot(grid[row])
         if all("x" in r for r in group):
             _draw_lines(axes, group, unit)
         else:
             _draw_bars(axes, group, unit)
-        if row == 1:
+        if row == 0:
             axes.set_title(title, fontsize=10)
     figure.tight_layout()
     figure.savefig(path)

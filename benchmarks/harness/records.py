@@ -19,9 +19,11 @@ def measurement(
     *,
     series: str | None = None,
     x: float | None = None,
+    x_label: str | None = None,
     **params,
 ) -> dict:
-    """One measured quantity over repeats; `series` and `x` place it on a line plot.
+    """One measured quantity over repeats; `series` and `x` (named `x_label`) place it on a line
+    plot.
 
     Example:
         >>> measurement("p2p", "raw 4 MiB", [10.0, 12.0], "GB/s", series="raw", x=4)["median"]
@@ -32,6 +34,8 @@ def measurement(
         record["series"] = series
     if x is not None:
         record["x"] = x
+    if x_label is not None:
+        record["x_label"] = x_label
     if params:
         record["params"] = params
     return record

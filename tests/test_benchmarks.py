@@ -1,0 +1,129 @@
+"""The benchmark suite's reporting code on fake records: statistics, targets, markdown, plots.
+
+Pure: no MPI, no TensorFlow, no timing asserted. The benchmarks themselves run in `make bench`.
+"""
+
+import doctest
+import json
+
+import pytest
+
+from benchmarks import run_all
+from benchmarks.harness import records as records_module
+from benchmarks.harness import stats
+from benchmarks.harness.records import emit, measurement, target
+from benchmarks.harness.report import write_results
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("module", [stats, records_module], ids=lambda m: m.__name__)
+def test_doctests(module):
+    assert doctest.testmod(module).failed == 0
+
+
+def test_summary_and_paired_ratios():
+    summary = stats.summarize([3.0, 1.0, 2.0, 10.0])
+    assert summary["median"] == 2.5 and (summary["low"], summary["high"]) == (1.0, 10.0)
+    assert summary["n"] == 4 and summary["spread"] == pytest.approx(9 / 5)
+    assert stats.paired_ratios([2, 9], [1, 3]) == [2.0, 3.0]
+    with pytest.raises(ValueError):
+        stats.paired_ratios([1], [1, 2])
+    with pytest.raises(ValueError):
+        stats.summarize([])
+
+
+@pytest.mark.parametrize(
+    "goal, ratios, met",
+    [
+        ("<= 1.05", [1.0, 1.04], True),
+        ("<= 1.05", [1.2, 1.3], False),
+        (">= 0.9", [0.95], True),
+        ("< 1.0", [1.0], False),
+    ],
+)
+def test_target_met(goal, ratios, met):
+    record = target("fig", "a / b", ratios, goal)
+    assert record["met"] is met and record["kind"] == "target" and record["unit"] == "ratio"
+
+
+def _figures():
+    lines = [
+        measurement("p2p", f"{way}, {size} MiB", [v, v * 1.1], "GB/s", series=way, x=size)
+        for way in ("raw", "channel")
+        for size, v in ((0.0625, 3.0), (1, 10.0), (64, 12.0))
+    ]
+    lines.append(target("p2p", "channel / raw, 64 MiB", [0.95, 0.97], ">= 0.9"))
+    bars = [
+        measurement("overhead", "model.fit", [1.0, 1.1, 0.9], "s", width=8),
+        measurement("overhead", "hf.fit", [1.02, 1.0, 1.01], "s"),
+        target("overhead", "engine / model.fit", [1.4, 1.5], "<= 1.05"),
+    ]
+    return [
+        {
+            "figure": "p2p",
+            "title": "(2) P2P",
+            "about": "Ping-pong.",
+            "records": lines,
+            "conditions": {"load before": "0.4"},
+        },
+        {"figure": "overhead", "records": bars},
+    ]
+
+
+def _check_png(path):
+    with open(path, "rb") as f:
+        assert f.read(8) == PNG_SIGNATURE
+
+
+def test_results_markdown_and_plots(tmp_path):
+    machine = {
+        "cores": 2,
+        "cpu": "Test CPU",
+        "memory_gib": 4.0,
+        "open_mpi": "4.1.4",
+        "venvs": {"main": {"python": "3.11", "tensorflow": "2.21.0", "horovod": None}},
+    }
+    path = tmp_path / "results.md"
+    plots = write_results(
+        str(path),
+        str(tmp_path / "plots"),
+        machine,
+        _figures(),
+        preamble="Fake run.",
+        appendix=[("Other", "printed text")],
+    )
+    text = path.read_text()
+    assert text.startswith("# hyparflow benchmark results")
+    assert "Fake run." in text and "Test CPU" in text and "| main | 3.11 | 2.21.0 |" in text
+    assert "| p2p | channel / raw, 64 MiB | >= 0.9 | 0.960 |" in text and "**met**" in text
+    assert "| overhead | engine / model.fit | <= 1.05 | 1.450 |" in text and "**missed**" in text
+    assert "## (2) P2P" in text and "Ping-pong." in text and "load before 0.4" in text
+    assert "| raw, 1 MiB | 10.5 |" in text
+    assert "![p2p](plots/p2p.png)" in text and "![overhead](plots/overhead.png)" in text
+    assert "## Other" in text and "printed text" in text
+    assert sorted(p.rsplit("/", 1)[-1] for p in plots) == ["overhead.png", "p2p.png"]
+    for plot in plots:
+        _check_png(plot)
+
+
+def test_emit_prints_and_writes(tmp_path, capsys):
+    records = _figures()[1]["records"]
+    out = tmp_path / "records.json"
+    assert emit(records, str(out)) is records
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert printed == records == json.loads(out.read_text())
+
+
+def test_driver_report_from_stored_records(tmp_path):
+    figures = {f["figure"]: {**f, "conditions": {"load before": "0.50"}} for f in _figures()}
+    store = {
+        "figures": figures,
+        "others": [["Plan: `plan.py`", "3 stages"]],
+        "machine": {"cores": 2},
+    }
+    plots = run_all.write_report(store, str(tmp_path / "results.md"), str(tmp_path / "plots"))
+    text = (tmp_path / "results.md").read_text()
+    assert "TF_NUM_INTRAOP_THREADS=1" in text and "0.50 to 0.50" in text
+    assert text.index("## overhead") < text.index("## (2) P2P")  # the driver's order
+    assert "3 stages" in text and len(plots) == 2
