@@ -11,7 +11,7 @@ export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 export OMPI_MCA_rmaps_base_oversubscribe := 1
 export TF_CPP_MIN_LOG_LEVEL := 2
 
-.PHONY: setup mpi test-tools demo test test-compat lint format containers clean
+.PHONY: setup mpi test-tools demo test test-compat bench lint format containers clean
 
 setup: mpi $(STAMP)
 
@@ -36,6 +36,10 @@ test: lint test-tools
 # TensorFlow 2.17 + tensorflow-io + Horovod 0.28.1 (source build) in .venv-compat.
 test-compat: mpi
 	scripts/test_compat.sh
+
+# Benchmarks (never part of `make test`): writes benchmarks/results.md and benchmarks/plots/.
+bench: setup
+	$(PY) benchmarks/run_all.py
 
 lint: setup
 	$(VENV)/bin/ruff check .
