@@ -45,7 +45,7 @@ def worker(args) -> None:
     x, y = synthetic_data(model, args.batch_size * args.steps)
     before = rss_bytes()
     fit = dict(batch_size=args.batch_size, epochs=1, verbose=0)
-    if args.partitions == 1:
+    if args.partitions == [1]:  # the worker gets one count
         model.fit(x, y, **fit)
         stage_variables = model.trainable_variables
     else:
