@@ -102,7 +102,9 @@ def test_shared_link_splits_bandwidth_only():
 
 
 def test_network_file_round_trip():
-    net = Network(Link(1e-6, 9e9), Link(2e-6, 12e9), reduce_rate=5e9, overhead=1e-5)
+    net = Network(Link(1e-6, 9e9), Link(2e-6, 12e9), reduce_rate=5e9, overhead=1e-5,
+                  handoff=2e-5, handoff_bandwidth=3e9, oversubscribed_latency=1e-6,
+                  per_tensor=4e-5)  # fmt: skip
     assert Network.from_dict(json.loads(json.dumps(net.to_dict()))) == net
     alone = Network(Link(1e-6, 9e9))
     assert Network.from_dict(json.loads(json.dumps(alone.to_dict()))) == alone
@@ -114,7 +116,9 @@ def test_network_fit_recovers_a_synthetic_machine():
     alpha, beta, rate, overhead, copy = 1e-6, 8e9, 4e9, 20e-6, 5e9
     pingpong = {n: alpha + n / beta for n in (8, 1024, 1 << 20, 4 << 20, 16 << 20)}
     allreduces = {n: 2 * alpha + n / beta + n / 2 / rate for n in (1 << 20, 4 << 20, 16 << 20)}
-    reducer = {n: allreduces[n] + n / copy for n in (1 << 20, 16 << 20)}
+    per_tensor = 3e-5
+    reducer = {(n, k): allreduces[n] + n / copy + k * per_tensor
+               for n, k in ((1 << 20, 4), (1 << 20, 64), (16 << 20, 16))}  # fmt: skip
     handoff, handoff_bandwidth = 5e-5, 2e9
 
     def hop(nbytes):  # sends and handoffs seen at one boundary size
@@ -131,6 +135,7 @@ def test_network_fit_recovers_a_synthetic_machine():
     assert fitted["handoff"] == pytest.approx(handoff, rel=1e-3)
     assert fitted["handoff_bandwidth"] == pytest.approx(handoff_bandwidth, rel=1e-6)
     assert fitted["copy_rate"] == pytest.approx(copy, rel=1e-6)
+    assert fitted["per_tensor"] == pytest.approx(per_tensor, rel=1e-6)
 
 
 # --- placement ----------------------------------------------------------------------------
@@ -189,10 +194,11 @@ def test_equal_stages_without_communication_follow_the_formula(partitions, micro
 def test_data_parallel_step_is_compute_plus_allreduce_plus_optimizer():
     costs = uniform_costs(layers=4)
     costs.engine = EngineCosts(optimizer_fixed=1e-3, optimizer_per_byte=1e-9)
-    net = Network(intra=Link(1e-5, 1e9), reduce_rate=2e9, copy_rate=4e9)
+    net = Network(intra=Link(1e-5, 1e9), reduce_rate=2e9, copy_rate=4e9, per_tensor=1e-4)
     p = predict(costs, net, Layout(1, 4), 256)
     compute = 4 * 64 * 3e-4
-    reduce = costs.param_bytes / 4e9 + allreduce(costs.param_bytes, 4, net.intra, 2e9)[0]
+    copies = costs.param_bytes / 4e9 + costs.variables * 1e-4
+    reduce = copies + allreduce(costs.param_bytes, 4, net.intra, 2e9)[0]
     assert p.allreduce_time == pytest.approx(reduce)
     assert p.step_time == pytest.approx(compute + reduce + 1e-3 + 1e-9 * costs.param_bytes)
 

@@ -41,10 +41,15 @@ def measure_model(
     input_shape=None,
     repeats: int = 7,
     fit_steps: int = 8,
+    stage_repeats: int = 15,
+    fit_batch_sizes: tuple[int, int] | None = None,
 ) -> ModelCosts:
     """Per-layer and engine costs of a compiled functional or Sequential Keras `model`.
 
-    The model's weights are restored afterwards; the fit baseline trains a copy.
+    The model's weights are restored afterwards; the fit baseline trains a copy. `repeats`
+    timings per layer (the fastest counts), `stage_repeats` per stage step (the median
+    counts), `fit_steps` steps of the fit baseline per batch size, at `fit_batch_sizes`
+    (default `batch_sizes`; give the sizes one rank will train at).
 
     Example:
         >>> costs = measure_model(model, batch_sizes=(16, 64))
@@ -74,8 +79,8 @@ def measure_model(
             "forward": np.maximum(forward[large] - forward[small], 0) / (large - small),
             "backward": np.maximum(backward[large] - backward[small], 0) / (large - small),
         }
-        fit = _fit_stages(model, samples, slopes, repeats)
-        loss = _loss_cost(model, samples, repeats)
+        fit = _fit_stages(model, samples, slopes, stage_repeats)
+        loss = _loss_cost(model, samples, stage_repeats)
     forward_fit, backward_fit, optimizer_fit = fit["forward"], fit["backward"], fit["optimizer"]
     layers, seen = [], set()
     for node in graph.nodes:
@@ -107,7 +112,9 @@ def measure_model(
         layers=layers,
         cut_bytes=[float(b) for b in cost.cut_bytes_per_sample(graph)],
         engine=engine,
-        single_process=_fit_step(model, (small, large), fit_steps, input_shape),
+        single_process=_fit_step(
+            model, tuple(sorted(fit_batch_sizes or (small, large))), fit_steps, input_shape
+        ),
         measured={
             "host": platform.node(),
             "processor": platform.processor() or platform.machine(),

@@ -6,8 +6,9 @@ hyparflow.simulate.netbench OUT.json`); rank 0 writes the JSON that `Network.fro
 - latency and bandwidth: ping-pong of numpy buffers from 8 B to 16 MiB; the one-way time of
   the smallest message is the latency, a line through the large ones gives the bandwidth.
 - reduce rate: in-place `Allreduce` from 64 KiB to 16 MiB, less what the links explain.
-- copy rate: hyparflow's `GradientReducer` on a list of gradients, less one raw allreduce of
-  the same bytes.
+- per-tensor cost and copy rate: hyparflow's `GradientReducer` (and the trainer's conversion
+  of its results) on 1 MiB in 4 and in 64 gradients, and on 16 MiB in 16, less one raw
+  allreduce of the same bytes.
 - engine overhead and handoff: tiny two-stage pipelines (4 KiB and 512 KiB per micro-batch
   between the stages) trained with `hf.fit` and the engine's span recorder: the sender's time
   posting each message, and the time from there to the waiting receiver holding the tensors,
@@ -185,7 +186,7 @@ def reducer_time(comm, nbytes: int, repeats: int, pieces: int = 16) -> float:
     for i in range(repeats + 2):
         comm.Barrier()
         start = time.perf_counter()
-        result = reducer.reduce(grads)
+        result = [tf.convert_to_tensor(g) for g in reducer.reduce(grads)]  # as the trainer does
         elapsed = comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
         del result
         if i >= 2:
@@ -213,8 +214,10 @@ def fit_network(pingpong: dict, allreduce: dict, reducer: dict, hops: dict, rank
     handoff_large = statistics.median(large_hops["handoff_s"])
     handoff_slope = max(0.0, (handoff_large - handoff_small) / (large - small))
     handoff = max(0.0, handoff_small - handoff_slope * small - latency)
-    copies = [(reducer[n] - allreduce[n]) / n for n in reducer]
-    copy_per_byte = statistics.median(copies)
+    # hyparflow's reduction: per gradient (copy in, wrap out) and per byte (the copies)
+    one_mib, large = 1 << 20, 16 << 20
+    per_tensor = max(0.0, (reducer[one_mib, 64] - reducer[one_mib, 4]) / 60)
+    copy_per_byte = (reducer[large, 16] - allreduce[large] - 16 * per_tensor) / large
     return {
         "intra": {"latency": latency, "bandwidth": bandwidth},
         "inter": None,
@@ -223,6 +226,7 @@ def fit_network(pingpong: dict, allreduce: dict, reducer: dict, hops: dict, rank
         "handoff": handoff,
         "handoff_bandwidth": 1.0 / handoff_slope if handoff_slope > 0 else None,
         "copy_rate": 1.0 / copy_per_byte if copy_per_byte > 0 else None,
+        "per_tensor": per_tensor,
         "source": {
             "measured": "hyparflow.simulate.netbench",
             "ranks": ranks,
@@ -230,20 +234,29 @@ def fit_network(pingpong: dict, allreduce: dict, reducer: dict, hops: dict, rank
             "pingpong_one_way_s": {str(n): t for n, t in pingpong.items()},
             "allreduce_s": {str(n): t for n, t in allreduce.items()},
             "engine_hops": {str(n): h for n, h in hops.items()},
-            "reducer_s": {str(n): t for n, t in reducer.items()},
+            "reducer_s": {f"{n} bytes in {k}": t for (n, k), t in reducer.items()},
         },
     }
 
 
 def run(comm, repeats: int = 30) -> dict | None:
-    """Every measurement on ranks 0 and 1 of `comm`; rank 0 returns the fitted network."""
+    """Every measurement on ranks 0 and 1 of `comm`; rank 0 returns the fitted network, with
+    the cores the two ranks got over the run in its source (about 2 when nobody else ran)."""
+    started = (time.process_time(), time.perf_counter())
     pingpong = {n: one_way(comm, n, repeats) for n in PINGPONG_SIZES}
-    allreduce = {n: allreduce_time(comm, n, repeats) for n in ALLREDUCE_SIZES}
-    reducer = {n: reducer_time(comm, n, repeats) for n in (1 << 20, 16 << 20)}
+    allreduce = {n: allreduce_time(comm, n, 2 * repeats) for n in ALLREDUCE_SIZES}
+    reducer = {
+        (n, pieces): reducer_time(comm, n, 2 * repeats, pieces)
+        for n, pieces in ((1 << 20, 4), (1 << 20, 64), (16 << 20, 16))
+    }
     hops = engine_hops(comm)
+    share = (time.process_time() - started[0]) / (time.perf_counter() - started[1])
+    cores_got = comm.allreduce(share)
     if comm.Get_rank() != 0:
         return None
-    return fit_network(pingpong, allreduce, reducer, hops, comm.Get_size())
+    network = fit_network(pingpong, allreduce, reducer, hops, comm.Get_size())
+    network["source"]["cores_got"] = cores_got
+    return network
 
 
 def oversubscribed_one_way(comm, repeats: int = 200) -> float | None:

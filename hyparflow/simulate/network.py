@@ -163,7 +163,8 @@ class Network:
     - `oversubscribed_latency`: what each message (a transfer, a step of an allreduce) waits
       for the operating system to run the rank it needs, when a node has more ranks than
       cores (scheduling, not wires).
-    - `copy_rate`: bytes/s at which hyparflow copies gradients into its fusion buckets.
+    - `copy_rate`: bytes/s at which hyparflow copies gradients into its fusion buckets;
+      `per_tensor`: seconds per gradient tensor it handles (copying in, wrapping out).
 
     Example:
         >>> net = Network(intra=Link(1e-6, 10e9), inter=Link(2e-6, 12e9))
@@ -179,6 +180,7 @@ class Network:
     handoff_bandwidth: float = math.inf
     oversubscribed_latency: float = 0.0
     copy_rate: float = math.inf
+    per_tensor: float = 0.0
     source: dict = field(default_factory=dict, compare=False)  # how it was obtained
 
     def link(self, crosses_nodes: bool) -> Link:
@@ -214,9 +216,11 @@ class Network:
         crosses_nodes: bool,
         flows: int = 1,
         cpu_slowdown: float = 1.0,
+        tensors: int = 0,
     ) -> float:
-        """hyparflow's fused gradient sum: copy into buckets, then one allreduce per bucket
-        over the intra- or inter-node link, whose bandwidth `flows` reductions share.
+        """hyparflow's fused gradient sum of `tensors` gradients: copy into buckets, then one
+        allreduce per bucket over the intra- or inter-node link, whose bandwidth `flows`
+        reductions share.
 
         `cpu_slowdown` stretches what the processors do (copies, reduction arithmetic, and
         inside a node the shared-memory transfers themselves) when ranks share cores.
@@ -227,7 +231,7 @@ class Network:
         if not crosses_nodes:
             busy = self.oversubscribed_latency if cpu_slowdown > 1 else 0.0
             link = Link(link.latency * cpu_slowdown + busy, link.bandwidth / cpu_slowdown)
-        copy = nbytes / self.copy_rate * cpu_slowdown
+        copy = (nbytes / self.copy_rate + tensors * self.per_tensor) * cpu_slowdown
         return copy + bucketed_allreduce(nbytes, ranks, link, self.reduce_rate / cpu_slowdown)
 
     def to_dict(self) -> dict:
@@ -240,6 +244,7 @@ class Network:
             "handoff_bandwidth": _finite_or_none(self.handoff_bandwidth),
             "oversubscribed_latency": self.oversubscribed_latency,
             "copy_rate": _finite_or_none(self.copy_rate),
+            "per_tensor": self.per_tensor,
             "source": self.source,
         }
 
@@ -255,6 +260,7 @@ class Network:
             handoff_bandwidth=_none_to_inf(data.get("handoff_bandwidth")),
             oversubscribed_latency=float(data.get("oversubscribed_latency", 0.0)),
             copy_rate=_none_to_inf(data.get("copy_rate")),
+            per_tensor=float(data.get("per_tensor", 0.0)),
             source=dict(data.get("source", {})),
         )
 

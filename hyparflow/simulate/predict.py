@@ -193,8 +193,9 @@ def predict(
     for s, stage in enumerate(stages):
         crosses = where.stage_nodes(s) > 1
         reduce = network.gradient_allreduce(
-            stage.param_bytes, layout.replicas, crosses, flows if crosses else 1, slow
-        )
+            stage.param_bytes, layout.replicas, crosses, flows if crosses else 1, slow,
+            tensors=stage.variables,
+        )  # fmt: skip
         update = slow * (engine.optimizer(stage.variables, stage.param_bytes) + engine.step_fixed)
         if finish[s] + reduce + update > step:
             step = finish[s] + reduce + update

@@ -1,0 +1,259 @@
+"""Where hyparflow would land on the HyPar-Flow paper's ResNet-1001 runs (110x on 128 Stampede2
+nodes, 481x on 512 Frontera nodes, speed-up over one node), by the scaling model.
+
+Run: .venv/bin/python benchmarks/paper_projection.py [--remeasure]
+
+Every assumption is an argument with its default printed, and docs/simulate.md lists them:
+
+- Model: ResNet-1001 for CIFAR-10 (He et al., "Identity Mappings in Deep Residual Networks",
+  ECCV 2016): pre-activation bottleneck blocks, 3 stages of 111 blocks, 16/32/64 bottleneck
+  channels (x4 out), 32x32x3 inputs, 10.3 M parameters, about 3,400 layer calls.
+- Per-layer costs: measured here (`hyparflow.simulate.measure`, one core, one thread) on a
+  "unit cell" of the same network (each stage's projection block and one regular block), the
+  regular block's costs repeated to 111 blocks per stage, then multiplied by `--compute-scale`
+  for the paper's cores (nominal AVX-512 FP32 peak per core: this machine's Zen 5 core about
+  190 GFLOP/s, Stampede2's Xeon Platinum 8160 about 130, Frontera's Platinum 8280 about 155,
+  hence 1.5 and 1.25). The measured cell is cached in benchmarks/resnet1001_cell_costs.json.
+- Layouts, one rank per core, one TensorFlow thread each, 1F1B; weak scaling at 8 samples
+  per core and step (384 per Stampede2 node, 448 per Frontera node):
+  "pipeline per node": P = cores per node (48, 56), R = N, 64 micro-batches;
+  "hybrid 8 x cores/8": P = 8, cores/8 replicas per node, 16 micro-batches;
+  "data parallel": P = 1, R = cores x N.
+  Speed-up = throughput on N nodes / throughput of the same layout on one node.
+- Network: inter-node Hockney link alpha 1.5 us, beta 12 GB/s (Omni-Path and InfiniBand
+  HDR-100, 100 Gb/s); intra-node (shared memory) 0.5 us, 10 GB/s; the reduction arithmetic,
+  bucket copies and the engine's per-message costs as measured on this machine by
+  `hyparflow.simulate.netbench` (cached in benchmarks/network_here.json), multiplied by the
+  compute scale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run from a checkout
+
+CELL_COSTS = REPO / "benchmarks" / "resnet1001_cell_costs.json"
+NETWORK_HERE = REPO / "benchmarks" / "network_here.json"
+SAMPLES_PER_CORE = 8
+BLOCKS_PER_STAGE = 111  # depth 9 x 111 + 2 = 1001
+PAPER = {"Stampede2": (128, 110.0, 48, 1.5), "Frontera": (512, 481.0, 56, 1.25)}
+
+
+def _arguments(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--remeasure", action="store_true", help="time the unit cell and the network again"
+    )
+    parser.add_argument("--latency", type=float, default=1.5e-6, help="inter-node seconds")
+    parser.add_argument("--bandwidth", type=float, default=12e9, help="inter-node bytes/s")
+    parser.add_argument("--intra-latency", type=float, default=0.5e-6)
+    parser.add_argument("--intra-bandwidth", type=float, default=10e9)
+    parser.add_argument(
+        "--compute-scale", type=float, help="override both systems' per-core slowdown vs here"
+    )
+    parser.add_argument("--json", help="also write the tables to this JSON file")
+    parser.add_argument("--measure-cell", metavar="OUT", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def cell_model():
+    """ResNet-1001's unit cell: stem, per stage the projection block and one regular block,
+    head. Layer names say stage and block (s1b1_conv2), so blocks can be repeated."""
+    import keras
+    from keras import layers
+
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((32, 32, 3), name="images")
+    x = layers.Conv2D(16, 3, padding="same", use_bias=False, name="stem")(inputs)
+    for stage, (width, stride) in enumerate(((16, 1), (32, 2), (64, 2))):
+        for block in range(2):
+            name = f"s{stage}b{block}"
+            pre = layers.BatchNormalization(name=f"{name}_bn1")(x)
+            pre = layers.Activation("relu", name=f"{name}_relu1")(pre)
+            step = stride if block == 0 else 1
+            if block == 0:
+                shortcut = layers.Conv2D(4 * width, 1, strides=step, use_bias=False,
+                                         name=f"{name}_proj")(pre)  # fmt: skip
+            else:
+                shortcut = x
+            y = layers.Conv2D(width, 1, use_bias=False, name=f"{name}_conv1")(pre)
+            y = layers.BatchNormalization(name=f"{name}_bn2")(y)
+            y = layers.Activation("relu", name=f"{name}_relu2")(y)
+            y = layers.Conv2D(width, 3, strides=step, padding="same", use_bias=False,
+                              name=f"{name}_conv2")(y)  # fmt: skip
+            y = layers.BatchNormalization(name=f"{name}_bn3")(y)
+            y = layers.Activation("relu", name=f"{name}_relu3")(y)
+            y = layers.Conv2D(4 * width, 1, use_bias=False, name=f"{name}_conv3")(y)
+            x = layers.Add(name=f"{name}_add")([shortcut, y])
+    x = layers.BatchNormalization(name="final_bn")(x)
+    x = layers.Activation("relu", name="final_relu")(x)
+    x = layers.GlobalAveragePooling2D(name="pool")(x)
+    outputs = layers.Dense(10, activation="softmax", name="classes")(x)
+    model = keras.Model(inputs, outputs, name="resnet1001_cell")
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    return model
+
+
+def expand_to_resnet1001(cell, blocks: int = BLOCKS_PER_STAGE):
+    """ResNet-1001's costs from its cell's: each stage's regular block (`s<k>b1_*`) repeated
+    `blocks - 1` times, its cut sizes with it."""
+    from hyparflow.simulate import ModelCosts
+
+    layers, cuts = [], []
+    n = len(cell.layers)
+    i = 0
+    while i < n:
+        name = cell.layers[i].name
+        stage_block = name.split("_")[0]
+        if len(stage_block) == 4 and stage_block[0] == "s" and stage_block[2:] == "b1":
+            end = i
+            while end < n and cell.layers[end].name.startswith(stage_block + "_"):
+                end += 1
+            for copy in range(1, blocks):
+                for j in range(i, end):
+                    layer = cell.layers[j]
+                    renamed = layer.name.replace(stage_block, f"{stage_block[:2]}b{copy}", 1)
+                    layers.append(dataclasses.replace(layer, name=renamed))
+                    cuts.append(cell.cut_bytes[j])
+            i = end
+        else:
+            layers.append(cell.layers[i])
+            cuts.append(cell.cut_bytes[i])
+            i += 1
+    cuts.append(0.0)
+    return ModelCosts("resnet1001", layers, cuts, cell.engine, None, dict(cell.measured))
+
+
+def scaled_costs(costs, factor: float):
+    """Per-layer and engine costs on a core `factor` times slower than this one."""
+    engine = costs.engine
+    slower = dataclasses.replace(
+        engine,
+        forward_call=engine.forward_call * factor,
+        backward_call=engine.backward_call * factor,
+        loss=engine.loss.scaled(factor),
+        accumulate_per_byte=engine.accumulate_per_byte * factor,
+        optimizer_fixed=engine.optimizer_fixed * factor,
+        optimizer_per_variable=engine.optimizer_per_variable * factor,
+        optimizer_per_byte=engine.optimizer_per_byte * factor,
+        step_fixed=engine.step_fixed * factor,
+    )
+    scaled = costs.scaled(factor)
+    scaled.engine = slower
+    return scaled
+
+
+def load_network_here(remeasure: bool) -> dict:
+    if remeasure or not NETWORK_HERE.exists():
+        from hyparflow.simulate.netbench import launch
+
+        launch(str(NETWORK_HERE))
+    with open(NETWORK_HERE) as f:
+        return json.load(f)
+
+
+def load_cell(remeasure: bool):
+    from hyparflow.simulate import ModelCosts
+
+    if remeasure or not CELL_COSTS.exists():
+        env = {**os.environ, "TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1",
+               "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": str(REPO)}  # fmt: skip
+        command = [sys.executable, __file__, "--measure-cell", str(CELL_COSTS)]
+        subprocess.run(["taskset", "-c", "0", *command], env=env, check=True)
+    return ModelCosts.load(CELL_COSTS)
+
+
+def layouts(cores: int) -> dict:
+    """The per-node layouts compared: name -> (partitions, replicas per node, micro-batches)."""
+    return {
+        "pipeline per node": (cores, 1, 64),
+        f"hybrid 8 x {cores // 8}": (8, cores // 8, 16),
+        "data parallel": (1, cores, 1),
+    }
+
+
+def project(costs, network, cores: int, shape, nodes_list) -> list[dict]:
+    """Weak scaling of one per-node layout over `nodes_list` nodes."""
+    from hyparflow.simulate import Layout, Machine, predict
+
+    partitions, replicas_per_node, microbatches = shape
+    machine = Machine(cores_per_node=cores)
+    rows, base = [], None
+    for nodes in nodes_list:
+        layout = Layout(partitions, replicas_per_node * nodes, microbatches, "1f1b",
+                        ranks_per_node=cores)  # fmt: skip
+        p = predict(costs, network, layout, SAMPLES_PER_CORE * cores * nodes, machine)
+        base = base or p
+        speedup = p.throughput / base.throughput
+        rows.append({
+            "nodes": nodes, "ranks": layout.world, "step_s": p.step_time,
+            "allreduce_ms": p.allreduce_time * 1e3, "bubble": p.bubble,
+            "throughput": p.throughput, "speedup": speedup, "efficiency": speedup / nodes,
+        })  # fmt: skip
+    return rows
+
+
+def main(argv=None) -> None:
+    args = _arguments(argv)
+    if args.measure_cell:
+        from hyparflow.simulate.measure import measure_model
+
+        measure_model(cell_model(), batch_sizes=(4, 16)).save(args.measure_cell)
+        return
+    from hyparflow.simulate import Link, Network
+
+    cell = load_cell(args.remeasure)
+    here = load_network_here(args.remeasure)
+    resnet = expand_to_resnet1001(cell)
+    dates = cell.measured.get("date", "?"), here["source"].get("date", "?")
+    print(f"ResNet-1001: {len(resnet.layers)} layer calls, "
+          f"{resnet.param_bytes / 4 / 1e6:.2f} M parameters; unit cell measured {dates[0]}, "
+          f"network here {dates[1]}")  # fmt: skip
+    report = {"assumptions": vars(args), "systems": {}}
+    for system, (nodes, paper, cores, default_scale) in PAPER.items():
+        factor = args.compute_scale or default_scale
+        costs = scaled_costs(resnet, factor)
+        network = Network(
+            intra=Link(args.intra_latency, args.intra_bandwidth),
+            inter=Link(args.latency, args.bandwidth),
+            reduce_rate=(here["reduce_rate"] or float("inf")) / factor,
+            overhead=here["overhead"] * factor,
+            handoff=here["handoff"] * factor,
+            copy_rate=(here["copy_rate"] or float("inf")) / factor,
+            per_tensor=here.get("per_tensor", 0.0) * factor,
+        )
+        counts = [n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if n <= nodes]
+        report["systems"][system] = {"paper_speedup": paper, "nodes": nodes, "cores": cores,
+                                     "compute_scale": factor, "layouts": {}}  # fmt: skip
+        print(f"\n{system}: {cores} cores per node, one rank per core, "
+              f"{SAMPLES_PER_CORE * cores} samples per node and step; cores {factor}x slower "
+              f"than here; paper: {paper:.0f}x on {nodes} nodes ({paper / nodes:.0%})")  # fmt: skip
+        print(f"{'layout':>22} {'P':>3} {'R/node':>6} {'M':>3} {'1-node step s':>14} "
+              + " ".join(f"{n:>6}" for n in counts[1:]))  # fmt: skip
+        for name, shape in layouts(cores).items():
+            rows = project(costs, network, cores, shape, counts)
+            report["systems"][system]["layouts"][name] = {"shape": shape, "rows": rows}
+            speedups = " ".join(f"{r['speedup']:>6.1f}" for r in rows[1:])
+            print(f"{name:>22} {shape[0]:>3} {shape[1]:>6} {shape[2]:>3} "
+                  f"{rows[0]['step_s']:>14.3f} {speedups}")  # fmt: skip
+            last = rows[-1]
+            extra = last["step_s"] * (last["speedup"] / paper - 1)
+            print(f"{'':>22} -> {last['speedup']:.0f}x on {nodes} nodes "
+                  f"({last['efficiency']:.1%}); allreduce {last['allreduce_ms']:.1f} ms of a "
+                  f"{last['step_s'] * 1e3:.0f} ms step; the paper's {paper:.0f}x would need "
+                  f"{extra * 1e3:+.0f} ms per step more")  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
