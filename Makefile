@@ -42,8 +42,8 @@ bench: setup
 	$(PY) benchmarks/run_all.py
 
 lint: setup
-	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check --no-cache .
+	$(VENV)/bin/ruff format --check --no-cache .
 
 format: setup
 	$(VENV)/bin/ruff format .
