@@ -180,17 +180,17 @@ def layouts(cores: int) -> dict:
     }
 
 
-def project(costs, network, cores: int, shape, nodes_list) -> list[dict]:
+def project(costs, network, cores: int, shape, nodes_list, per_core=SAMPLES_PER_CORE, jitter=0.0):
     """Weak scaling of one per-node layout over `nodes_list` nodes."""
     from hyparflow.simulate import Layout, Machine, predict
 
     partitions, replicas_per_node, microbatches = shape
-    machine = Machine(cores_per_node=cores)
+    machine = Machine(cores_per_node=cores, jitter=jitter)
     rows, base = [], None
     for nodes in nodes_list:
         layout = Layout(partitions, replicas_per_node * nodes, microbatches, "1f1b",
                         ranks_per_node=cores)  # fmt: skip
-        p = predict(costs, network, layout, SAMPLES_PER_CORE * cores * nodes, machine)
+        p = predict(costs, network, layout, per_core * cores * nodes, machine)
         base = base or p
         speedup = p.throughput / base.throughput
         rows.append({
@@ -250,9 +250,39 @@ def main(argv=None) -> None:
                   f"({last['efficiency']:.1%}); allreduce {last['allreduce_ms']:.1f} ms of a "
                   f"{last['step_s'] * 1e3:.0f} ms step; the paper's {paper:.0f}x would need "
                   f"{extra * 1e3:+.0f} ms per step more")  # fmt: skip
+        report["systems"][system]["sensitivity"] = sensitivity(costs, network, cores, nodes)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
+
+
+def sensitivity(costs, network, cores: int, nodes: int) -> dict:
+    """Speed-up of the pipeline-per-node layout on `nodes` nodes when one assumption moves."""
+    inter = network.inter
+    variants = {
+        "as above": (network, SAMPLES_PER_CORE, 0.0),
+        "10x less bandwidth (1.2 GB/s)": (
+            dataclasses.replace(network, inter=dataclasses.replace(inter, bandwidth=1.2e9)),
+            SAMPLES_PER_CORE, 0.0,
+        ),
+        "10x more latency (15 us)": (
+            dataclasses.replace(network, inter=dataclasses.replace(inter, latency=15e-6)),
+            SAMPLES_PER_CORE, 0.0,
+        ),
+        "1 sample per core, 8 micro-batches": (network, 1, 0.0),
+        "jitter 1% per rank and step": (network, SAMPLES_PER_CORE, 0.01),
+        "jitter 2%": (network, SAMPLES_PER_CORE, 0.02),
+        "jitter 5%": (network, SAMPLES_PER_CORE, 0.05),
+    }  # fmt: skip
+    results = {}
+    print(f"{'':>22} sensitivity on {nodes} nodes (pipeline per node):")
+    for name, (net, per_core, jitter) in variants.items():
+        shape = (cores, 1, 64 if per_core == SAMPLES_PER_CORE else 8)
+        rows = project(costs, net, cores, shape, [1, nodes], per_core, jitter)
+        results[name] = rows[-1]["speedup"]
+        print(f"{'':>24}{name:<40} {rows[-1]['speedup']:>6.1f}x "
+              f"({rows[-1]['efficiency']:.1%})")  # fmt: skip
+    return results
 
 
 if __name__ == "__main__":

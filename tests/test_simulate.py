@@ -247,6 +247,21 @@ def test_sharing_cores_stretches_the_step():
     assert busy.step_time == pytest.approx(1.5 * alone.step_time)
 
 
+def test_jitter_makes_replicas_wait_for_the_slowest():
+    from hyparflow.simulate.predict import expected_maximum
+
+    assert expected_maximum(1) == 0.0
+    assert expected_maximum(2) == pytest.approx(1 / math.sqrt(math.pi), rel=1e-4)
+    assert expected_maximum(4) == pytest.approx(1.0294, abs=1e-4)
+    costs, net = uniform_costs(layers=4), Network(FAST)
+    for replicas in (1, 2, 64):
+        steady = predict(costs, net, Layout(1, replicas), 64 * replicas)
+        noisy = predict(costs, net, Layout(1, replicas), 64 * replicas, Machine(jitter=0.05))
+        lag = 0.05 * expected_maximum(replicas)
+        assert noisy.step_time == pytest.approx(steady.step_time * (1 + lag))
+    assert expected_maximum(512) > expected_maximum(64) > expected_maximum(8)
+
+
 def test_one_rank_is_plain_fit_when_measured():
     costs = uniform_costs(layers=2)
     costs.single_process = Affine(0.002, 1e-4)

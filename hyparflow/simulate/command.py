@@ -44,6 +44,13 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--background", type=float, default=0.0, help="cores kept busy by other jobs"
     )
+    parser.add_argument(
+        "--jitter",
+        type=float,
+        default=0.0,
+        help="coefficient of variation of a rank's compute per step (e.g. 0.02): replicas "
+        "wait for the slowest at their allreduce",
+    )
     net = parser.add_argument_group("network (Hockney alpha-beta links)")
     net.add_argument("--latency", type=float, help="inter-node latency in seconds, e.g. 2e-6")
     net.add_argument("--bandwidth", type=float, help="inter-node bytes/s, e.g. 12e9")
@@ -83,7 +90,7 @@ def run(args) -> int:
         print(f"hyparflow simulate: {error}", file=sys.stderr)
         return 1
     cores = args.cores_per_node or costs.measured.get("cores")
-    machine = Machine(cores_per_node=cores, background=args.background)
+    machine = Machine(cores_per_node=cores, background=args.background, jitter=args.jitter)
     rows, skipped = [], []
     for partitions in args.partitions:
         for replicas in args.replicas:

@@ -112,7 +112,7 @@ def measure_model(
         layers=layers,
         cut_bytes=[float(b) for b in cost.cut_bytes_per_sample(graph)],
         engine=engine,
-        single_process=_fit_step(
+        single_process=fit_step(
             model, tuple(sorted(fit_batch_sizes or (small, large))), fit_steps, input_shape
         ),
         measured={
@@ -306,9 +306,14 @@ def _loss_cost(model, samples, repeats) -> Affine:
     return Affine.through(small, loss[small], large, loss[large])
 
 
-def _fit_step(model, batch_sizes, steps, input_shape) -> Affine:
-    """Seconds of one `model.fit` step (batch begin to batch end, as the profiler times a
-    single process) on a copy of the model, at both batch sizes (median of the steps)."""
+def fit_step(model, batch_sizes, steps: int = 8, input_shape=None) -> Affine:
+    """Seconds of one plain `model.fit` step (batch begin to batch end, as the profiler times
+    a single process) on a copy of the model, at two batch sizes (median of the steps): the
+    one-rank baseline, `ModelCosts.single_process`.
+
+    Example:
+        >>> costs.single_process = fit_step(model, (128, 256))
+    """
     import keras
 
     from hyparflow.partitioner import profile

@@ -9,12 +9,19 @@ per-stage forward and backward times (GPipe, Huang et al. 2019; 1F1B, Narayanan 
 model of `network.py`; the step is set by the slowest stage.
 
 Ranks that outnumber a node's cores share them: every CPU-bound part of the step is stretched by
-`ranks on the node / cores` (waiting ranks count, since MPI polls while it waits).
+`ranks on the node / cores` (waiting ranks count, since MPI polls while it waits). With compute
+jitter, the replicas of a stage meet at their allreduce when the slowest arrives (the expected
+maximum of R normal variables, as in stragglers studies, e.g. Dean and Barroso, "The Tail at
+Scale", CACM 56(2), 2013).
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from hyparflow.engine.schedule import make_schedule, simulate
 from hyparflow.simulate.costs import ModelCosts
@@ -57,11 +64,14 @@ class Layout:
 
 @dataclass(frozen=True)
 class Machine:
-    """The nodes' processors: `cores_per_node` (None: never short of cores) and the cores
-    other jobs keep busy (`background`, e.g. a shared development machine's load)."""
+    """The nodes' processors: `cores_per_node` (None: never short of cores), the cores other
+    jobs keep busy (`background`, e.g. a shared development machine's load), and `jitter`,
+    the coefficient of variation of a rank's compute per step (operating-system noise,
+    interference): the replicas of a stage wait for the slowest at their allreduce."""
 
     cores_per_node: int | None = None
     background: float = 0.0
+    jitter: float = 0.0
 
     def slowdown(self, ranks_on_node: int) -> float:
         """How much longer CPU work takes when `ranks_on_node` ranks share the node's cores."""
@@ -189,6 +199,8 @@ def predict(
         finish[s] = max(finish[s], end)
 
     flows = where.offnode_reductions_per_node()
+    straggle = 1.0 + machine.jitter * expected_maximum(layout.replicas)
+    finish = [f * straggle for f in finish]
     step, parts = 0.0, (0.0, 0.0, 0.0)
     for s, stage in enumerate(stages):
         crosses = where.stage_nodes(s) > 1
@@ -231,6 +243,25 @@ def _single_process(costs: ModelCosts, global_batch: int, machine: Machine) -> P
         stage_compute=[step],
         single_process=True,
     )
+
+
+@functools.cache
+def expected_maximum(count: int) -> float:
+    """Expected largest of `count` independent standard normal variables (0 for one): how
+    many standard deviations above the mean the slowest of `count` jittery replicas lands.
+
+    Example:
+        >>> round(expected_maximum(2), 4), round(expected_maximum(512), 2)
+        (0.5642, 3.04)
+    """
+    if count <= 1:
+        return 0.0
+    x = np.linspace(-12.0, 12.0, 24001)
+    below = 0.5 * (1.0 + np.array([math.erf(v / math.sqrt(2.0)) for v in x]))
+    density = np.exp(-0.5 * x * x) / math.sqrt(2.0 * math.pi)
+    values = x * count * density * below ** (count - 1)
+    step = x[1] - x[0]
+    return float(step * (values.sum() - 0.5 * (values[0] + values[-1])))  # trapezoidal rule
 
 
 def speedup(prediction: Prediction, baseline: Prediction) -> float:
