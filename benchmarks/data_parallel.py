@@ -1,7 +1,8 @@
 """Figure 4, data parallel end to end: hyparflow vs a Horovod training loop vs one process.
 
 Run: .venv/bin/python benchmarks/data_parallel.py [--rounds 3] [--models mlp,resnet20]
-     (starts `mpirun` itself; everything runs in .venv-compat, which has Horovod)
+     (starts `mpirun` itself; everything runs in .venv-compat, which has Horovod; without
+     it, in .venv and without the Horovod rows)
 
 Same model, same global batch, same data, samples/s over the epochs after the first (which
 traces). Ways, each in its own launch, alternating within a round:
@@ -14,8 +15,9 @@ traces). Ways, each in its own launch, alternating within a round:
 - Keras: `model.fit` in one process, with one compute thread (one rank's share) and with one
   thread per core (the whole machine).
 
-Every rank uses one TensorFlow compute thread. The target: hyparflow / Horovod samples/s >= 1
-at equal ranks (paired per round).
+Every rank uses one TensorFlow compute thread. Every way runs once per round, the order
+rotated each round. The target: hyparflow / Horovod samples/s >= 1 at equal ranks (paired per
+round).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 from benchmarks.harness import cli  # noqa: E402
-from benchmarks.harness.launch import run_worker, write_result  # noqa: E402
+from benchmarks.harness.launch import has_horovod, run_worker, write_result  # noqa: E402
 from benchmarks.harness.records import measurement, target  # noqa: E402
 from benchmarks.harness.stats import paired_ratios  # noqa: E402
 
@@ -109,52 +111,41 @@ def worker(args) -> None:
         write_result(args.worker_out, 0, [samples / s for s in seconds[1:]])
 
 
-def _launch(args, model: str, way: str, ranks: int, threads: int = 1) -> list[float]:
+def _launch(args, model: str, way: str, ranks: int, threads: int) -> list[float]:
     worker_args = ["--model", model, "--way", way, "--steps", args.steps, "--epochs", args.epochs]
-    np = 1 if way == "keras" else ranks
-    return run_worker(__file__, worker_args, np=np, venv="compat", threads=threads)[0]
+    venv = "compat" if has_horovod() else "main"
+    return run_worker(__file__, worker_args, np=ranks, venv=venv, threads=threads)[0]
+
+
+def _label(way: str, ranks: int, threads: int, cores: int) -> str:
+    if way == "keras":
+        return f"Keras model.fit, 1 process, {threads} thread(s)"
+    note = " (oversubscribed)" if ranks > cores else ""
+    return f"{'hyparflow hf.fit' if way == 'hyparflow' else 'Horovod loop'}, {ranks} ranks{note}"
 
 
 def run(args) -> list[dict]:
     cores = os.cpu_count() or 1
+    ways = [("hyparflow", ranks, 1) for ranks in args.ranks]
+    if has_horovod():
+        ways += [("horovod", ranks, 1) for ranks in args.ranks]
+    ways += [("keras", 1, threads) for threads in sorted({1, cores})]
     records = []
     for model in args.models.split(","):
         batch = MODELS[model][1]
-        for ranks in args.ranks:
-            rates = {"hyparflow": [], "horovod": []}
-            for round_ in range(args.rounds):
-                for way in (
-                    ("hyparflow", "horovod") if round_ % 2 == 0 else ("horovod", "hyparflow")
-                ):
-                    rates[way].append(_median(_launch(args, model, way, ranks)))
-            note = " (oversubscribed)" if ranks > cores else ""
-            for way, label in (("hyparflow", "hyparflow hf.fit"), ("horovod", "Horovod loop")):
-                records.append(
-                    measurement(
-                        FIGURE,
-                        f"{label}, {model}, {ranks} ranks{note}",
-                        rates[way],
-                        "samples/s",
-                        batch=batch,
-                        ranks=ranks,
-                    )
-                )
-            name = f"hyparflow / Horovod samples/s, {model}, {ranks} ranks{note}"
-            ratios = paired_ratios(rates["hyparflow"], rates["horovod"])
+        rates = {way: [] for way in ways}
+        for round_ in range(args.rounds):
+            shift = round_ % len(ways)  # every way goes first in some round
+            for way in ways[shift:] + ways[:shift]:
+                rates[way].append(_median(_launch(args, model, *way)))
+        for way, values in rates.items():
+            name = f"{_label(*way, cores)}, {model}"
+            records.append(measurement(FIGURE, name, values, "samples/s", batch=batch))
+        for ranks in args.ranks if has_horovod() else ():
+            ratios = paired_ratios(rates["hyparflow", ranks, 1], rates["horovod", ranks, 1])
+            over = " (oversubscribed)" if ranks > cores else ""
+            name = f"hyparflow / Horovod samples/s, {model}, {ranks} ranks{over}"
             records.append(target(FIGURE, name, ratios, ">= 1.0"))
-        for threads in sorted({1, cores}):
-            values = [
-                _median(_launch(args, model, "keras", 1, threads)) for _ in range(args.rounds)
-            ]
-            records.append(
-                measurement(
-                    FIGURE,
-                    f"Keras model.fit, {model}, 1 process, {threads} thread(s)",
-                    values,
-                    "samples/s",
-                    batch=batch,
-                )
-            )
     return records
 
 

@@ -47,6 +47,11 @@ def python_for(venv: str) -> str:
     return str(path) if path.exists() else sys.executable
 
 
+def has_horovod() -> bool:
+    """Whether the compatibility venv (TF 2.17 + Horovod, `scripts/test_compat.sh`) exists."""
+    return COMPAT_PYTHON.exists()
+
+
 def under_mpirun() -> bool:
     """Whether this process was started by a launcher (so it is a rank, not the driver)."""
     return "OMPI_COMM_WORLD_SIZE" in os.environ or "PMI_SIZE" in os.environ

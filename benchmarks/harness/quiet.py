@@ -51,7 +51,7 @@ def wait_for_quiet(
 ) -> dict:
     """Block until the machine is quiet (or `patience` s passed); returns what it saw."""
     start = time.monotonic()
-    waited_for = set()
+    last_log = -60.0
     while True:
         others = others_running()
         load = os.getloadavg()[0]
@@ -61,9 +61,9 @@ def wait_for_quiet(
         if time.monotonic() - start > patience:
             log(f"machine still busy after {patience:.0f} s (load {load:.2f}); measuring anyway")
             break
-        reason = "other benchmark running" if others else f"load {load:.2f}"
-        if reason not in waited_for:
-            log(f"waiting for a quiet machine: {reason}")
-            waited_for.add(reason)
+        if time.monotonic() - last_log >= 60:  # say so once a minute
+            reason = "another benchmark is running" if others else f"load {load:.2f}"
+            log(f"waiting for a quiet machine: {reason}", flush=True)
+            last_log = time.monotonic()
         time.sleep(10)
     return {"load1": os.getloadavg()[0], "busy": busy, "waited_s": time.monotonic() - start}
