@@ -8,8 +8,9 @@ For each model (an MLP and a small ResNet-style CNN, steps of tens of millisecon
 1. calibrate, each in fresh processes with one TensorFlow thread like the training ranks:
    the network (`hyparflow.simulate.netbench`, mpi4py ping-pong and allreduce, the engine's
    own transfers, on 2 ranks), then the model's per-layer and engine costs
-   (`hyparflow.simulate.measure`, one process per core at once: a rank's core has its
-   neighbour busy) and the one-rank `model.fit` baseline (alone);
+   (`hyparflow.simulate.measure`, one process on one core), the one-rank `model.fit`
+   baseline, and the co-run factor: the model's compute step timed alone, then while a twin
+   process runs it on the other core (in a multi-rank job every core is busy);
 2. predict one rank (plain model.fit), data parallel 1x2 and 1x4, model parallel 2x1 and 4x1,
    hybrid 2x2 (P partitions x R replicas) with the simulator, on 2 cores;
 3. measure the same configurations with `hf.fit` under `mpirun` and the `ScalingProfiler`
@@ -84,6 +85,8 @@ def _arguments(argv=None):
     parser.add_argument("--worker", nargs=4, metavar=("MODEL", "CONFIG", "LOG_DIR", "STARTS"))
     parser.add_argument("--calibrate", nargs=2, metavar=("MODEL", "COSTS"))
     parser.add_argument("--calibrate-fit", nargs=2, metavar=("MODEL", "COSTS"))
+    parser.add_argument("--corun", nargs=2, metavar=("MODEL", "OUT"))
+    parser.add_argument("--corun-twin", nargs=2, metavar=("MODEL", "READY"))
     return parser.parse_args(argv)
 
 
@@ -205,12 +208,79 @@ def calibrate_fit(args) -> None:
 
     model_path, costs_path = args.calibrate_fit
     costs = ModelCosts.load(costs_path)
-    started = (time.process_time(), time.perf_counter())
     model = keras.saving.load_model(model_path)
+    started = (time.process_time(), time.perf_counter())
     costs.single_process = fit_step(model, (args.batch_size // 2, args.batch_size))
     share = (time.process_time() - started[0]) / (time.perf_counter() - started[1])
     costs.measured["single_process_cpu_share"] = share
     costs.save(costs_path)
+
+
+def _compute_loop(model_path: str):
+    """One engine compute step of the whole model (forward and backward of a micro-batch of
+    128, the engine's StageRunner), ready to be timed."""
+    import keras
+    import tensorflow as tf
+
+    from hyparflow.engine.stage import StageRunner
+
+    model = keras.saving.load_model(model_path)
+    runner = StageRunner(lambda xs, training: model(xs, training=training),
+                         model.trainable_variables, loss=model._compile_loss)  # fmt: skip
+    x, y = (tf.convert_to_tensor(a) for a in _data(model, 128))
+
+    def step():
+        runner.forward(0, x, (y, None), 1.0)
+        runner.backward(0)
+        runner.take_gradients()[0].numpy()
+
+    for _ in range(5):  # traces, warms up
+        step()
+    return step
+
+
+def corun(args) -> None:
+    """How much slower a core computes while the other core computes too: the model's step
+    timed alone for 4 s, then for 4 s while a twin process runs the same on the next core."""
+    model_path, out = args.corun
+    step = _compute_loop(model_path)
+
+    def median_seconds(duration=4.0):
+        times, end = [], time.perf_counter() + duration
+        while time.perf_counter() < end:
+            start = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    alone = median_seconds()
+    ready = out + ".ready"
+    own = min(os.sched_getaffinity(0))
+    neighbour = (own + 1) % CORES
+    twin = subprocess.Popen(
+        ["taskset", "-c", str(neighbour), sys.executable, __file__, "--corun-twin",
+         model_path, ready],
+        env={**os.environ, **ENV}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        while not os.path.exists(ready) and twin.poll() is None:
+            time.sleep(0.1)
+        together = median_seconds()
+    finally:
+        twin.kill()
+        twin.wait()
+    with open(out, "w") as f:
+        json.dump({"alone_s": alone, "together_s": together, "corun": together / alone}, f)
+
+
+def corun_twin(args) -> None:
+    """The busy neighbour: the same step in a loop until killed."""
+    model_path, ready = args.corun_twin
+    step = _compute_loop(model_path)
+    with open(ready, "w") as f:
+        f.write("ready")
+    while True:
+        step()
 
 
 # --- the driver ---------------------------------------------------------------------------------
@@ -288,6 +358,10 @@ def main(argv=None) -> None:
         return calibrate(args)
     if args.calibrate_fit:
         return calibrate_fit(args)
+    if args.corun:
+        return corun(args)
+    if args.corun_twin:
+        return corun_twin(args)
     from hyparflow.simulate import Layout, Machine, predict
 
     folder = tempfile.mkdtemp(prefix="hf-simulator-validation-")
@@ -313,7 +387,8 @@ def main(argv=None) -> None:
             order = CONFIGS if round_ % 2 == 0 else CONFIGS[::-1]
             for key in order:
                 layout = layouts[key]
-                p = predict(costs, network, layout, args.batch_size, Machine(CORES))
+                machine = Machine(CORES, corun=costs.measured["corun"]["corun"])
+                p = predict(costs, network, layout, args.batch_size, machine)
                 config = (layout.partitions, layout.replicas, layout.microbatches)
                 result = measure_quietly(args, model_path, config, p.stage_names, folder)
                 result.update(
@@ -392,41 +467,34 @@ def network_quietly(folder: str, tries: int):
 
 
 def calibrate_quietly(model_path: str, costs_path: str, tries: int, batch_size: int):
-    """Measure the costs as the ranks will run: one core each, with every core busy. Two
-    calibrations run at once, one pinned to each core (a core alone runs 10-20% faster here
-    than with its neighbour busy, as in every multi-rank job); the first core's is kept. The
-    one-rank baseline is then measured alone, as one rank runs. Again while someone else's
-    job shared the machine (a process got under 93% of its core)."""
+    """Measure the costs as one rank has them (one core, `measure.py`), the one-rank
+    baseline, and how much slower a core computes while its neighbour computes too
+    (`corun`); again while someone else's job shared the machine (the calibration's process
+    got under 93% of its core)."""
     from hyparflow.simulate import ModelCosts
 
-    twin = costs_path + ".core1"
     for attempt in range(tries):
         wait_for_quiet()
-        command = [sys.executable, __file__, "--calibrate", model_path, "{}",
-                   "--batch-size", str(batch_size)]  # fmt: skip
-        processes = [
-            subprocess.Popen(
-                ["taskset", "-c", str(core), *(a.format(path) for a in command)],
-                env={**os.environ, **ENV},
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-                text=True,
-            )  # fmt: skip
-            for core, path in ((0, costs_path), (1 % CORES, twin))
-        ]
-        for process in processes:
-            _, err = process.communicate(timeout=1800)
-            if process.returncode != 0:
-                raise RuntimeError(f"calibration failed:\n{err[-4000:]}")
+        _run(["taskset", "-c", "0", sys.executable, __file__, "--calibrate", model_path,
+              costs_path, "--batch-size", str(batch_size)])  # fmt: skip
         wait_for_quiet()
         _run(["taskset", "-c", "0", sys.executable, __file__, "--calibrate-fit", model_path,
               costs_path, "--batch-size", str(batch_size)])  # fmt: skip
-        costs, other = ModelCosts.load(costs_path), ModelCosts.load(twin)
-        shares = (costs.measured["cpu_share"], other.measured["cpu_share"],
-                  costs.measured["single_process_cpu_share"])  # fmt: skip
-        print(f"calibration {attempt}: cpu shares {', '.join(f'{v:.2f}' for v in shares)}",
-              flush=True)  # fmt: skip
-        if min(shares) >= 0.93:
+        factors = []
+        for core in range(min(2, CORES)):  # each core in turn: others' jobs only add time
+            wait_for_quiet()
+            corun_path = f"{costs_path}.corun{core}"
+            _run(["taskset", "-c", str(core), sys.executable, __file__, "--corun", model_path,
+                  corun_path])  # fmt: skip
+            with open(corun_path) as f:
+                factors.append(json.load(f))
+        costs = ModelCosts.load(costs_path)
+        costs.measured["corun"] = min(factors, key=lambda f: f["corun"])
+        costs.measured["corun_measurements"] = factors
+        share = costs.measured["cpu_share"]
+        print(f"calibration {attempt}: cpu share {share:.2f}, corun "
+              f"{costs.measured['corun']['corun']:.2f}", flush=True)  # fmt: skip
+        if share >= 0.93:
             break
     costs.measured["calibration_attempts"] = attempt + 1
     return costs

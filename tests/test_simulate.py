@@ -245,6 +245,10 @@ def test_sharing_cores_stretches_the_step():
     assert shared.step_time == pytest.approx(2 * alone.step_time)
     busy = predict(costs, net, Layout(1, 4), 64, Machine(cores_per_node=4, background=2.0))
     assert busy.step_time == pytest.approx(1.5 * alone.step_time)
+    neighbours = predict(costs, net, Layout(1, 4), 64, Machine(cores_per_node=4, corun=1.2))
+    assert neighbours.step_time == pytest.approx(1.2 * alone.step_time)
+    single = predict(costs, net, Layout(1, 1), 16, Machine(cores_per_node=4, corun=1.2))
+    assert single.slowdown == 1.0  # a rank alone on its node has no busy neighbours
 
 
 def test_jitter_makes_replicas_wait_for_the_slowest():

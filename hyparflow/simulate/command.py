@@ -45,6 +45,13 @@ def add_arguments(parser) -> None:
         "--background", type=float, default=0.0, help="cores kept busy by other jobs"
     )
     parser.add_argument(
+        "--corun",
+        type=float,
+        default=1.0,
+        help="how much slower a core computes while the node's other cores run ranks too "
+        "(measured: benchmarks/simulator_validation.py; 1.0: not at all)",
+    )
+    parser.add_argument(
         "--jitter",
         type=float,
         default=0.0,
@@ -90,7 +97,9 @@ def run(args) -> int:
         print(f"hyparflow simulate: {error}", file=sys.stderr)
         return 1
     cores = args.cores_per_node or costs.measured.get("cores")
-    machine = Machine(cores_per_node=cores, background=args.background, jitter=args.jitter)
+    machine = Machine(
+        cores_per_node=cores, background=args.background, jitter=args.jitter, corun=args.corun
+    )
     rows, skipped = [], []
     for partitions in args.partitions:
         for replicas in args.replicas:

@@ -65,19 +65,25 @@ class Layout:
 @dataclass(frozen=True)
 class Machine:
     """The nodes' processors: `cores_per_node` (None: never short of cores), the cores other
-    jobs keep busy (`background`, e.g. a shared development machine's load), and `jitter`,
-    the coefficient of variation of a rank's compute per step (operating-system noise,
-    interference): the replicas of a stage wait for the slowest at their allreduce."""
+    jobs keep busy (`background`, e.g. a shared development machine's load), `jitter`, the
+    coefficient of variation of a rank's compute per step (operating-system noise,
+    interference: the replicas of a stage wait for the slowest at their allreduce), and
+    `corun`, how much slower a core runs a rank while the node's other cores run ranks too."""
 
     cores_per_node: int | None = None
     background: float = 0.0
     jitter: float = 0.0
+    corun: float = 1.0
 
     def slowdown(self, ranks_on_node: int) -> float:
-        """How much longer CPU work takes when `ranks_on_node` ranks share the node's cores."""
+        """How much longer CPU work takes when `ranks_on_node` ranks share the node: `corun`
+        when several run at once (each core computes slower while its neighbours are busy:
+        shared caches, memory bandwidth, clocks), times `ranks / cores` when they outnumber
+        the cores."""
+        neighbours = self.corun if ranks_on_node > 1 else 1.0
         if self.cores_per_node is None:
-            return 1.0
-        return max(1.0, (ranks_on_node + self.background) / self.cores_per_node)
+            return neighbours
+        return neighbours * max(1.0, (ranks_on_node + self.background) / self.cores_per_node)
 
 
 @dataclass
