@@ -65,7 +65,9 @@ def run_figure(key: str, quick: bool, wait: bool) -> dict:
     module = importlib.import_module(f"benchmarks.{FIGURES[key]}")
     seen = quiet.wait_for_quiet() if wait else {"load1": os.getloadavg()[0]}
     start = time.monotonic()
+    launch.HISTORY.clear()
     records = module.run(module.arguments(["--quick"] if quick else []))
+    history = list(launch.HISTORY)
     return {
         "figure": key,
         "title": module.TITLE,
@@ -76,7 +78,13 @@ def run_figure(key: str, quick: bool, wait: bool) -> dict:
             "load before": f"{seen['load1']:.2f}",
             "load after": f"{os.getloadavg()[0]:.2f}",
             "minutes": f"{(time.monotonic() - start) / 60:.1f}",
+            "launches": len(history),
+            "repeated for foreign load": sum(h["attempts"] > 1 for h in history),
+            "foreign cores (worst launch kept)": max(
+                (h["foreign_cores"] for h in history), default=0.0
+            ),
         },
+        "launches": history,
     }
 
 
@@ -113,8 +121,13 @@ repeats after warm-up; "range" is the lowest and highest repeat, "spread" half t
 the median; A/B comparisons are interleaved (alternating order) and their ratios paired per
 repeat. The machine is shared with other engineers: before each figure the driver waited for a
 1-minute load average under 1.0 and under 15% of the cores busy (loads seen before the figures:
-{min(loads, default=0):.2f} to {max(loads, default=0):.2f}; each figure lists its own). Rows
-with more ranks than cores oversubscribe the machine and measure overheads, not scaling."""
+{min(loads, default=0):.2f} to {max(loads, default=0):.2f}; each figure lists its own), and it
+measured, during every launch, the CPU that processes other than its own took (/proc/stat
+minus its process tree): a launch during which they averaged more than
+{launch.MAX_FOREIGN_CORES} cores was repeated after waiting for quiet (up to {launch.TRIES}
+times, the least disturbed kept; each figure's conditions give the count and the worst
+kept). Rows with more ranks than cores oversubscribe the machine and measure overheads, not
+scaling."""
 
 
 def main(argv=None) -> None:

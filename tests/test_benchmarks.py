@@ -127,3 +127,14 @@ def test_driver_report_from_stored_records(tmp_path):
     assert "TF_NUM_INTRAOP_THREADS=1" in text and "0.50 to 0.50" in text
     assert text.index("## overhead") < text.index("## (2) P2P")  # the driver's order
     assert "3 stages" in text and len(plots) == 2
+
+
+def test_foreign_load_arithmetic():
+    from benchmarks.harness import monitor
+
+    cores = monitor.CORES
+    # 10 s of wall on every core; the machine was busy 6 core-seconds, ours 4: 0.2 cores foreign
+    before, after = (100.0, 1000.0, 50.0), (106.0, 1000.0 + 10 * cores, 54.0)
+    assert monitor._foreign_cores(before, after) == pytest.approx(0.2)
+    assert monitor._foreign_cores(after, after) == 0.0
+    assert monitor.our_cpu_seconds() > 0  # this process's own CPU time, from /proc

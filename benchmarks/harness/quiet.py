@@ -47,16 +47,18 @@ def others_running(ours: int | None = None) -> list[str]:
 
 
 def wait_for_quiet(
-    max_load: float = 1.0, max_busy: float = 0.15, patience: float = 3600, log=print
+    max_load: float | None = 1.0, max_busy: float = 0.15, patience: float = 7200, log=print
 ) -> dict:
-    """Block until the machine is quiet (or `patience` s passed); returns what it saw."""
+    """Block until the machine is quiet (or `patience` s passed); returns what it saw.
+    `max_load=None` skips the load average (which lags a minute behind our own last run)."""
     start = time.monotonic()
     last_log = -60.0
     while True:
         others = others_running()
         load = os.getloadavg()[0]
-        busy = busy_fraction() if not others and load < max_load else None
-        if not others and load < max_load and busy is not None and busy < max_busy:
+        calm = not others and (max_load is None or load < max_load)
+        busy = busy_fraction() if calm else None
+        if calm and busy < max_busy:
             break
         if time.monotonic() - start > patience:
             log(f"machine still busy after {patience:.0f} s (load {load:.2f}); measuring anyway")
