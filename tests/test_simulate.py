@@ -104,7 +104,7 @@ def test_shared_link_splits_bandwidth_only():
 def test_network_file_round_trip():
     net = Network(Link(1e-6, 9e9), Link(2e-6, 12e9), reduce_rate=5e9, overhead=1e-5,
                   handoff=2e-5, handoff_bandwidth=3e9, oversubscribed_latency=1e-6,
-                  per_tensor=4e-5)  # fmt: skip
+                  oversubscribed_collective_latency=3e-4, per_tensor=4e-5)  # fmt: skip
     assert Network.from_dict(json.loads(json.dumps(net.to_dict()))) == net
     alone = Network(Link(1e-6, 9e9))
     assert Network.from_dict(json.loads(json.dumps(alone.to_dict()))) == alone
@@ -136,6 +136,20 @@ def test_network_fit_recovers_a_synthetic_machine():
     assert fitted["handoff_bandwidth"] == pytest.approx(handoff_bandwidth, rel=1e-6)
     assert fitted["copy_rate"] == pytest.approx(copy, rel=1e-6)
     assert fitted["per_tensor"] == pytest.approx(per_tensor, rel=1e-6)
+
+
+def test_collective_wait_recovers_a_scheduling_delay():
+    from hyparflow.simulate.netbench import collective_wait
+    from hyparflow.simulate.network import latency_steps
+
+    network = Network(Link(1e-6, 10e9), reduce_rate=4e9, copy_rate=5e9, per_tensor=1e-5)
+    wait = 4e-4
+    crowded = Network(Link(1e-6, 10e9), reduce_rate=4e9, copy_rate=5e9, per_tensor=1e-5,
+                      oversubscribed_collective_latency=wait)  # fmt: skip
+    reducer = {n: crowded.gradient_allreduce(n, 4, False, 1, 2.0, tensors=16)
+               for n in (1 << 20, 4 << 20, 16 << 20)}  # fmt: skip
+    assert collective_wait(network.to_dict(), reducer, ranks=4, cores=2) == pytest.approx(wait)
+    assert latency_steps("ring", 4) == 6 and latency_steps("recursive doubling", 5) == 3
 
 
 # --- placement ----------------------------------------------------------------------------

@@ -17,8 +17,10 @@ hyparflow.simulate.netbench OUT.json`); rank 0 writes the JSON that `Network.fro
 Latency and bandwidth are the fastest of 30 repetitions (what the link can do); the
 reductions and the engine's costs are medians, like the step times they add up to. With
 `--oversubscribed` (more ranks than cores: `launch()` starts twice as many ranks as cores
-when there are at most 8), pairs of ranks ping-pong at once and the median one-way time less
-the latency is the scheduling wait of an oversubscribed node.
+when there are at most 8), pairs of ranks ping-pong at once (the median one-way time less the
+latency is a message's scheduling wait on an oversubscribed node), and all ranks reduce 1, 4
+and 16 MiB with hyparflow's reducer (what exceeds the model, per step of the allreduce, is a
+collective step's wait).
 
 The ranks share a node, so this measures the intra-node link only; give the inter-node one
 from the network's specification (or run this with one rank on each of two nodes and use its
@@ -59,14 +61,37 @@ def launch(out_path: str, python: str = sys.executable, timeout: float = 600) ->
         extra = out_path + ".oversubscribed"
         _mpirun(2 * cores, [extra, "--oversubscribed"], python, timeout)
         with open(extra) as f:
-            one_way = json.load(f)["one_way_s"]
+            crowded = json.load(f)
         latency = network["intra"]["latency"]
-        network["oversubscribed_latency"] = max(0.0, one_way - latency)
-        network["source"]["oversubscribed_one_way_s"] = one_way
+        network["oversubscribed_latency"] = max(0.0, crowded["one_way_s"] - latency)
+        reducer = {int(n): t for n, t in crowded["reducer_s"].items()}
+        network["oversubscribed_collective_latency"] = collective_wait(
+            network, reducer, 2 * cores, cores
+        )
+        network["source"]["oversubscribed_one_way_s"] = crowded["one_way_s"]
+        network["source"]["oversubscribed_reducer_s"] = crowded["reducer_s"]
         network["source"]["oversubscribed_ranks"] = 2 * cores
         with open(out_path, "w") as f:
             json.dump(network, f, indent=1)
     return network
+
+
+def collective_wait(network: dict, reducer: dict, ranks: int, cores: int) -> float:
+    """Seconds each step of an allreduce waits for the scheduler on an oversubscribed node:
+    the measured reduction (`reducer`: seconds by bytes, 16 gradients, all `ranks`) less what
+    the model says without that wait, per step of the algorithm it picks (ranks busy copying
+    and adding do not yield their core, so a step waits for a time slice, not a yield)."""
+    from hyparflow.simulate.network import Network, allreduce, latency_steps
+
+    model = Network.from_dict({**network, "oversubscribed_collective_latency": 0.0})
+    slow = ranks / cores
+    waits = []
+    for nbytes, seconds in reducer.items():
+        predicted = model.gradient_allreduce(nbytes, ranks, False, 1, slow, tensors=16)
+        link = model.intra
+        _, name = allreduce(nbytes, ranks, type(link)(link.latency * slow, link.bandwidth / slow))
+        waits.append((seconds - predicted) / latency_steps(name, ranks))
+    return max(0.0, statistics.median(waits))
 
 
 def _mpirun(ranks: int, args: list[str], python: str, timeout: float) -> None:
@@ -290,9 +315,11 @@ def main(argv=None) -> int:
             print("--oversubscribed needs an even number of ranks", file=sys.stderr)
             return 2
         one_way = oversubscribed_one_way(comm)
+        reducer = {n: reducer_time(comm, n, 20, 16) for n in (1 << 20, 4 << 20, 16 << 20)}
         if comm.Get_rank() == 0:
             with open(argv[0], "w") as f:
-                json.dump({"one_way_s": one_way, "ranks": comm.Get_size()}, f)
+                json.dump({"one_way_s": one_way, "reducer_s": reducer, "ranks": comm.Get_size()},
+                          f)  # fmt: skip
         return 0
     if comm.Get_size() != 2:
         print("netbench needs exactly 2 ranks: mpirun -np 2 python -m", __name__, file=sys.stderr)

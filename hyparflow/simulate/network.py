@@ -102,6 +102,19 @@ def rabenseifner_allreduce(
     )
 
 
+def latency_steps(algorithm: str, ranks: int) -> int:
+    """Messages on the critical path of `algorithm` (how many latencies it pays).
+
+    Example:
+        >>> latency_steps("ring", 4), latency_steps("rabenseifner", 4)
+        (6, 4)
+    """
+    if ranks <= 1:
+        return 0
+    rounds = math.ceil(math.log2(ranks))
+    return {"ring": 2 * (ranks - 1), "rabenseifner": 2 * rounds}.get(algorithm, rounds)
+
+
 ALLREDUCE_ALGORITHMS = {
     "ring": ring_allreduce,
     "recursive doubling": recursive_doubling_allreduce,
@@ -160,9 +173,10 @@ class Network:
       beyond the link's latency inside a node: a fixed part (the waiting receiver noticing
       it, wrapping the buffers as tensors) and the bytes at the rate the engine really moves
       them (measured on the engine's own transfers; the link's bandwidth if not measured).
-    - `oversubscribed_latency`: what each message (a transfer, a step of an allreduce) waits
-      for the operating system to run the rank it needs, when a node has more ranks than
-      cores (scheduling, not wires).
+    - `oversubscribed_latency`, `oversubscribed_collective_latency`: what a pipeline message,
+      and each step of an allreduce, waits for the operating system to run the rank it
+      needs when a node has more ranks than cores (scheduling, not wires; measured apart
+      because a waiting pipeline rank yields its core at once, a reducing one does not).
     - `copy_rate`: bytes/s at which hyparflow copies gradients into its fusion buckets;
       `per_tensor`: seconds per gradient tensor it handles (copying in, wrapping out).
 
@@ -179,6 +193,7 @@ class Network:
     handoff: float = 0.0
     handoff_bandwidth: float = math.inf
     oversubscribed_latency: float = 0.0
+    oversubscribed_collective_latency: float = 0.0
     copy_rate: float = math.inf
     per_tensor: float = 0.0
     source: dict = field(default_factory=dict, compare=False)  # how it was obtained
@@ -229,7 +244,7 @@ class Network:
             return 0.0
         link = self.link(crosses_nodes).shared(flows)
         if not crosses_nodes:
-            busy = self.oversubscribed_latency if cpu_slowdown > 1 else 0.0
+            busy = self.oversubscribed_collective_latency if cpu_slowdown > 1 else 0.0
             link = Link(link.latency * cpu_slowdown + busy, link.bandwidth / cpu_slowdown)
         copy = (nbytes / self.copy_rate + tensors * self.per_tensor) * cpu_slowdown
         return copy + bucketed_allreduce(nbytes, ranks, link, self.reduce_rate / cpu_slowdown)
@@ -243,6 +258,7 @@ class Network:
             "handoff": self.handoff,
             "handoff_bandwidth": _finite_or_none(self.handoff_bandwidth),
             "oversubscribed_latency": self.oversubscribed_latency,
+            "oversubscribed_collective_latency": self.oversubscribed_collective_latency,
             "copy_rate": _finite_or_none(self.copy_rate),
             "per_tensor": self.per_tensor,
             "source": self.source,
@@ -259,6 +275,9 @@ class Network:
             handoff=float(data.get("handoff", 0.0)),
             handoff_bandwidth=_none_to_inf(data.get("handoff_bandwidth")),
             oversubscribed_latency=float(data.get("oversubscribed_latency", 0.0)),
+            oversubscribed_collective_latency=float(
+                data.get("oversubscribed_collective_latency", 0.0)
+            ),
             copy_rate=_none_to_inf(data.get("copy_rate")),
             per_tensor=float(data.get("per_tensor", 0.0)),
             source=dict(data.get("source", {})),
