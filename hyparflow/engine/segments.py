@@ -19,6 +19,8 @@ class SegmentedRunner:
     order, summing the parts of a variable used by several segments.
     """
 
+    updates_metrics = False  # the trainer updates metrics from the outputs
+
     def __init__(self, segments: list, variables: list):
         self.segments = segments
         self.variables = list(variables)

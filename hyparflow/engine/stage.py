@@ -34,6 +34,8 @@ class StageRunner:
         >>> grads = runner.take_gradients()
     """
 
+    updates_metrics = False  # the trainer updates metrics from the outputs
+
     def __init__(self, call, variables, loss=None, recompute=False, state_variables=()):
         self.variables = list(variables)
         self.recompute = recompute
