@@ -252,3 +252,7 @@ def test_fused_allreduce_matches_numpy(ranks):
         assert a["async_error"] < 1e-2
         assert a["finish_missing_error"] == "finish() before gradients [1, 2, 3] were started"
         assert a["single_rank_identity"] and a["single_rank_calls"] == 0
+        # Flat path: exact sums, input never written, one call per step, held result kept.
+        assert a["flat_error"] < 1e-5
+        assert a["flat_input_untouched_0"] and a["flat_input_untouched_1"]
+        assert a["flat_calls_allocations"] == [2, 2] and a["flat_held_intact"]

@@ -113,3 +113,19 @@ def test_fused_runner_matches_the_taped_stage_runner_and_updates_metrics():
         np.testing.assert_allclose(got.numpy(), want, rtol=1e-6)
     zeros = runner.take_gradients()  # nothing forwarded since: zeros
     assert all(not np.any(g.numpy()) for g in zeros)
+
+
+def test_flat_layout_round_trips_gradients_with_aligned_pieces():
+    import doctest
+
+    from hyparflow.engine import flat
+
+    assert doctest.testmod(flat).failed == 0
+    layout = flat.FlatLayout([tf.TensorSpec((3,)), tf.TensorSpec((2, 5)), tf.TensorSpec(())])
+    assert all(slot.offset % 16 == 0 for slot in layout.slots)  # 64-byte aligned float32
+    grads = [tf.random.normal(s.shape) for s in layout.slots]
+    packed = layout.flatten(grads)
+    assert packed.shape == (layout.length,)
+    for got, want in zip(layout.unflatten_fn(packed), grads):
+        np.testing.assert_array_equal(got.numpy(), want.numpy())
+    assert not flat.FlatLayout([tf.TensorSpec((2,), tf.float16)]).usable

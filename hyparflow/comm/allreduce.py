@@ -148,6 +148,8 @@ class GradientReducer:
         self.buckets: list[Bucket] = []
         self._buffers: list[np.ndarray] = []
         self._outputs: list[list[weakref.ref]] = []
+        self._flat_buffer: np.ndarray | None = None
+        self._flat_result: weakref.ref | None = None
         self._reset_step()
         if specs is not None:
             self._plan(specs)
@@ -217,6 +219,31 @@ class GradientReducer:
             results.append(result)
         self._reset_step()
         return results
+
+    def reduce_flat(self, flat):
+        """Reduce one contiguous gradient tensor with one blocking `Allreduce`.
+
+        The tensor is sent as it is (no copy into a bucket: the compiled step built it, see
+        `hyparflow.engine.flat`) and the result lands in a reused aligned buffer, returned as a
+        TF tensor viewing it; the rules of `reduce`'s results apply. Out of place on purpose:
+        a graph's output may share memory with a tensor TF keeps (a folded constant), so it is
+        never written. On a one-rank communicator `flat` is returned as given.
+        """
+        if self.size == 1:
+            return flat
+        source = np.asarray(flat)  # a view of a CPU tensor's memory
+        buffer = self._flat_buffer
+        alive = self._flat_result is not None and self._flat_result() is not None
+        if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype or alive:
+            buffer = self._flat_buffer = aligned_empty(source.shape, source.dtype)
+            self.allocations += 1
+        self.mpi_calls += 1
+        self.comm.Allreduce(source, buffer)
+        if self.op == "mean":
+            np.divide(buffer, self.size, out=buffer)
+        result = wrap_host_buffer(buffer, tf.as_dtype(buffer.dtype))
+        self._flat_result = weakref.ref(result)
+        return result
 
     def _plan(self, specs: Sequence) -> None:
         self.slots, self.buckets = plan_buckets(specs, self.bucket_bytes)

@@ -20,7 +20,8 @@ class FusedRunner:
     them to the step's total; `backward` has nothing left to do. `call(inputs, training)`,
     `variables` and `loss(y, y_pred, sample_weight)` mean what they mean for `StageRunner`;
     `metrics(y, y_pred, sample_weight)`, if given, updates the compiled metrics in the same
-    call (`updates_metrics` tells the caller not to).
+    call (`updates_metrics` tells the caller not to). With a `layout` (`FlatLayout`), the
+    step's gradients are kept as one flat tensor (`take_flat_gradients`).
 
     Example:
         >>> runner = FusedRunner(lambda x, training: model(x, training=training),
@@ -29,8 +30,9 @@ class FusedRunner:
         >>> grads = runner.take_gradients()
     """
 
-    def __init__(self, call, variables, loss, metrics=None):
+    def __init__(self, call, variables, loss, metrics=None, layout=None):
         self.variables = list(variables)
+        self.layout = layout
         self._metrics = metrics
         self.updates_metrics = metrics is not None
         self._sources = [getattr(v, "value", v) for v in self.variables]
@@ -53,13 +55,18 @@ class FusedRunner:
         grads = tape.gradient(
             scaled, self._sources, unconnected_gradients=tf.UnconnectedGradients.ZERO
         )
-        return y_pred, loss, [tf.convert_to_tensor(g) for g in grads]  # IndexedSlices -> dense
+        grads = [tf.convert_to_tensor(g) for g in grads]  # IndexedSlices -> dense
+        if self.layout is not None:
+            return y_pred, loss, self.layout.flatten(grads)
+        return y_pred, loss, grads
 
     def _first_body(self, inputs, y, sample_weight, scale):
         return self._gradients(inputs, y, sample_weight, scale)
 
     def _accumulate_body(self, inputs, y, sample_weight, scale, totals):
         y_pred, loss, grads = self._gradients(inputs, y, sample_weight, scale)
+        if self.layout is not None:
+            return y_pred, loss, totals + grads
         return y_pred, loss, [t + g for t, g in zip(totals, grads)]
 
     def _infer_body(self, inputs):
@@ -90,10 +97,17 @@ class FusedRunner:
 
     def take_gradients(self) -> list:
         """Summed variable gradients of the micro-batches since the last call (zeros if none)."""
+        if self.layout is not None:
+            return self.layout.unflatten_fn(self.take_flat_gradients())
         grads, self._grads = self._grads, None
         if grads is None:
             grads = [tf.zeros_like(v) for v in self.variables]
         return grads
+
+    def take_flat_gradients(self):
+        """`take_gradients` as the layout's one flat tensor (needs a `layout`)."""
+        flat, self._grads = self._grads, None
+        return tf.zeros([self.layout.length], tf.float32) if flat is None else flat
 
     @property
     def in_flight(self) -> int:

@@ -22,6 +22,7 @@ from hyparflow.comm.topology import Topology
 from hyparflow.comm.watchdog import NoWatchdog, Watchdog
 from hyparflow.data import GlobalBatch, piece_bounds
 from hyparflow.engine import events
+from hyparflow.engine.flat import FlatLayout
 from hyparflow.engine.fused import FusedRunner
 from hyparflow.engine.metrics import reduced_results
 from hyparflow.engine.schedule import forward_only, make_schedule
@@ -89,8 +90,16 @@ class Trainer:
             call = self._call_stage
             self.owned = _owned_variables(plan, topo.stage)
         if plan is None:  # nothing lives between forward and backward: one compiled call
+            layout = FlatLayout(self.variables)
             self.runner = FusedRunner(
-                call, self.variables, loss=self._loss, metrics=self._update_metrics
+                call,
+                self.variables,
+                loss=self._loss,
+                metrics=self._update_metrics,
+                # Flat only where it pays: an MPI reduction across replicas.
+                layout=layout
+                if layout.usable and comm_backend == "mpi" and topo.num_replicas > 1
+                else None,
             )
         else:
             self.runner = StageRunner(
@@ -329,6 +338,9 @@ class Trainer:
             with self._span(events.ALLREDUCE), guard:
                 if self._overlap is not None:
                     grads = self._finish_overlapped_reduction()
+                elif getattr(self.runner, "layout", None) is not None:  # one flat tensor
+                    flat = self.replica_reducer.reduce_flat(self.runner.take_flat_gradients())
+                    grads = self.runner.layout.unflatten_fn(flat)
                 else:
                     grads = self.runner.take_gradients()
                     if self.shared_reducer is not None:

@@ -1,0 +1,75 @@
+"""A stage's gradients as one contiguous float32 tensor, so one MPI call reduces them all.
+
+PyTorch DDP gets its speed by letting gradients *be* views of its communication buckets (Li et
+al. 2020, "PyTorch Distributed", `gradient_as_bucket_view`). TensorFlow cannot write a
+gradient into a given buffer, but the compiled step can concatenate its gradients as its last
+op: the copy then runs inside the step (no per-tensor Python work), the reduction is one
+`Allreduce` of one buffer, and the optimizer's step splits the result back into views
+without copying (TF's Split along the first dimension shares the buffer of aligned pieces).
+Every piece starts on a 64-byte boundary for that reason.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from hyparflow.comm.allreduce import plan_buckets
+
+NO_SPLIT = 2**62  # bucket size that puts every gradient in one bucket
+
+
+class FlatLayout:
+    """Where each of `variables`' gradients lives in the flat tensor (offsets padded to 64 B).
+
+    `variables`: anything with `shape` and `dtype` (variables, `tf.TensorSpec`s).
+
+    `usable` is False when a variable is not float32 (the flat tensor has one dtype); callers
+    then keep gradients as a list.
+
+    Example:
+        >>> layout = FlatLayout(model.trainable_variables)
+        >>> flat = layout.flatten(grads)          # inside the compiled step
+        >>> grads = layout.unflatten_fn(flat)     # views of `flat`, in variable order
+    """
+
+    def __init__(self, variables):
+        specs = [(tuple(v.shape), v.dtype) for v in variables]
+        self.slots, buckets = plan_buckets(specs, NO_SPLIT)
+        self.usable = bool(specs) and all(tf.as_dtype(dtype) == tf.float32 for _, dtype in specs)
+        self.length = buckets[0].length if buckets else 0
+        self.unflatten_fn = tf.function(self.unflatten)
+
+    def pieces(self) -> list[tuple[int, int | None]]:
+        """(size, slot index or None for padding) of every piece of the flat tensor, in order.
+
+        Example:
+            >>> FlatLayout([tf.TensorSpec((3,)), tf.TensorSpec((2, 2))]).pieces()
+            [(3, 0), (13, None), (4, 1)]
+        """
+        pieces, position = [], 0
+        for number, slot in enumerate(self.slots):
+            if slot.offset > position:
+                pieces.append((slot.offset - position, None))
+            pieces.append((slot.size, number))
+            position = slot.offset + slot.size
+        return pieces
+
+    def flatten(self, grads) -> tf.Tensor:
+        """The gradients concatenated in layout order, zeros in the padding (graph ops)."""
+        parts = []
+        for size, number in self.pieces():
+            if number is None:
+                parts.append(tf.zeros([size], tf.float32))
+            else:
+                parts.append(tf.reshape(tf.cast(grads[number], tf.float32), [-1]))
+        return tf.concat(parts, axis=0)
+
+    def unflatten(self, flat) -> list:
+        """The gradients back in their shapes and order, as views of `flat` (graph ops)."""
+        pieces = self.pieces()
+        parts = tf.split(flat, [size for size, _ in pieces], axis=0)
+        grads = [None] * len(self.slots)
+        for part, (_, number) in zip(parts, pieces):
+            if number is not None:
+                grads[number] = tf.reshape(part, self.slots[number].shape)
+        return grads
