@@ -27,9 +27,9 @@ class FlatLayout:
     then keep gradients as a list.
 
     Example:
-        >>> layout = FlatLayout(model.trainable_variables)
-        >>> flat = layout.flatten(grads)          # inside the compiled step
-        >>> grads = layout.unflatten_fn(flat)     # views of `flat`, in variable order
+        layout = FlatLayout(model.trainable_variables)
+        flat = layout.flatten(grads)          # inside the compiled step
+        grads = layout.unflatten_fn(flat)     # views of `flat`, in variable order
     """
 
     def __init__(self, variables):
