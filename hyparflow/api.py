@@ -96,6 +96,10 @@ def _make_trainer(model, resolved, comm, needs_loss=True, comm_backend=None):
         return cached[1]
     if cached is not None:
         cached[1].close()
+    if comm.Get_size() > 1:  # ranks share nodes: no page faults on every step's temporaries
+        from hyparflow.launch.malloc import keep_temporaries_in_heap
+
+        keep_temporaries_in_heap()
     # The partitioner rejects models that are not graphs, naming strategy="data" as the fix.
     plan = _build_plan(model, resolved, comm)
     trainer = Trainer(model, resolved, comm, plan, comm_backend=comm_backend)

@@ -124,8 +124,9 @@ def test_flat_layout_round_trips_gradients_with_aligned_pieces():
     layout = flat.FlatLayout([tf.TensorSpec((3,)), tf.TensorSpec((2, 5)), tf.TensorSpec(())])
     assert all(slot.offset % 16 == 0 for slot in layout.slots)  # 64-byte aligned float32
     grads = [tf.random.normal(s.shape) for s in layout.slots]
-    packed = layout.flatten(grads)
-    assert packed.shape == (layout.length,)
+    packed = layout.flatten(grads, tf.constant(2.5))
+    assert packed.shape == (layout.length,) and layout.length % 16 == 0
+    assert np.all(packed.numpy()[layout.tail_offset :] == 2.5)
     for got, want in zip(layout.unflatten_fn(packed), grads):
         np.testing.assert_array_equal(got.numpy(), want.numpy())
     assert not flat.FlatLayout([tf.TensorSpec((2,), tf.float16)]).usable

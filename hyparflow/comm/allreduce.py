@@ -1,10 +1,12 @@
 """Gradient reduction across replicas in fused, reusable buckets (one MPI call per bucket).
 
 Gradients are copied into a few contiguous buffers (one series of buckets per dtype; float16 and
-bfloat16 are reduced in float32), each bucket is reduced in place with one `Iallreduce` as soon
-as its last gradient arrives, and results come back as views of the buckets in the original
-shapes and order. Buckets are allocated once and reused every step. Fusing follows Horovod's
-tensor fusion and PyTorch DDP's gradient buckets (Li et al. 2020, "PyTorch Distributed").
+bfloat16 are reduced in float32), each bucket is reduced in place with one MPI call (a
+nonblocking `Iallreduce` as soon as its last gradient arrives when started one by one, a
+blocking `Allreduce` in `reduce`), and results come back as views of the buckets in the original
+shapes and order. `reduce_flat` reduces gradients that already are one buffer. Buckets are
+allocated once and reused every step. Fusing follows Horovod's tensor fusion and PyTorch DDP's
+gradient buckets (Li et al. 2020, "PyTorch Distributed").
 """
 
 from __future__ import annotations
@@ -148,8 +150,7 @@ class GradientReducer:
         self.buckets: list[Bucket] = []
         self._buffers: list[np.ndarray] = []
         self._outputs: list[list[weakref.ref]] = []
-        self._flat_buffer: np.ndarray | None = None
-        self._flat_result: weakref.ref | None = None
+        self._blocking = False
         self._reset_step()
         if specs is not None:
             self._plan(specs)
@@ -164,9 +165,15 @@ class GradientReducer:
             self._plan([_spec_of(g) for g in grads])
         if len(grads) != len(self.slots):
             raise ValueError(f"expected {len(self.slots)} gradients, got {len(grads)}")
-        for index, grad in enumerate(grads):
-            self.start(index, grad)
-        return self.finish()
+        # Nothing to overlap with here: blocking Allreduces in finish() use Open MPI's tuned
+        # algorithms, which beat its nonblocking ones by 4x on 25 MiB buckets (docs/comm.md).
+        self._blocking = True
+        try:
+            for index, grad in enumerate(grads):
+                self.start(index, grad)
+            return self.finish()
+        finally:
+            self._blocking = False
 
     def start(self, index: int, grad) -> None:
         """Hand over gradient `index` (None means no gradient); its bucket starts when full."""
@@ -204,6 +211,8 @@ class GradientReducer:
         if self.size == 1:
             self._reset_step()
             return [given[i] for i in range(len(self.slots))]
+        for number in self._deferred:
+            self.comm.Allreduce(MPI.IN_PLACE, self._buffers[number])
         MPI.Request.Waitall([r for r in self._requests if r is not None])
         if self._thread is not None:
             self._thread.drain()
@@ -221,29 +230,33 @@ class GradientReducer:
         return results
 
     def reduce_flat(self, flat):
-        """Reduce one contiguous gradient tensor with one blocking `Allreduce`.
+        """Reduce one contiguous gradient tensor in place, `bucket_bytes` per blocking call.
 
-        The tensor is sent as it is (no copy into a bucket: the compiled step built it, see
-        `hyparflow.engine.flat`) and the result lands in a reused aligned buffer, returned as a
-        TF tensor viewing it; the rules of `reduce`'s results apply. Out of place on purpose:
-        a graph's output may share memory with a tensor TF keeps (a folded constant), so it is
-        never written. On a one-rank communicator `flat` is returned as given.
+        `flat` must be memory this process alone owns: the fresh output of a compiled step
+        (`hyparflow.engine.flat`), whose last piece depends on the step's data so that it can
+        never be a folded constant. Its own buffer receives the sums (no copy in or out), in
+        slices of `bucket_bytes`: Open MPI reduces 25 MiB slices faster than one 100 MiB call.
+        Returns `flat`. On a one-rank communicator nothing happens.
         """
+        from mpi4py import MPI
+
         if self.size == 1:
             return flat
-        source = np.asarray(flat)  # a view of a CPU tensor's memory
-        buffer = self._flat_buffer
-        alive = self._flat_result is not None and self._flat_result() is not None
-        if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype or alive:
-            buffer = self._flat_buffer = aligned_empty(source.shape, source.dtype)
-            self.allocations += 1
-        self.mpi_calls += 1
-        self.comm.Allreduce(source, buffer)
+        view = np.asarray(flat)  # a CPU tensor's own memory (numpy marks it read-only)
+        if view.dtype != np.float32 or view.ndim != 1:
+            raise ValueError(
+                f"reduce_flat needs a 1-D float32 tensor, got {view.dtype} {view.shape}"
+            )
+        step = max(1, self.bucket_bytes // view.itemsize)
+        for start in range(0, view.size, step):
+            count = min(step, view.size - start)
+            # Written through its address: numpy will not hand out a writable view of it.
+            memory = MPI.buffer.fromaddress(view.ctypes.data + 4 * start, 4 * count)
+            self.mpi_calls += 1
+            self.comm.Allreduce(MPI.IN_PLACE, [memory, count, MPI.FLOAT])
         if self.op == "mean":
-            np.divide(buffer, self.size, out=buffer)
-        result = wrap_host_buffer(buffer, tf.as_dtype(buffer.dtype))
-        self._flat_result = weakref.ref(result)
-        return result
+            return flat / self.size
+        return flat
 
     def _plan(self, specs: Sequence) -> None:
         self.slots, self.buckets = plan_buckets(specs, self.bucket_bytes)
@@ -258,6 +271,7 @@ class GradientReducer:
         self._given: dict[int, object] = {}
         self._filled = [0] * len(self.buckets)
         self._requests = [None] * len(self.buckets)
+        self._deferred: list[int] = []  # full buckets reduce() leaves to finish()
 
     def _prepare_bucket(self, number: int) -> None:
         """Before a bucket's first write this step: reuse it unless last step's results live."""
@@ -273,6 +287,9 @@ class GradientReducer:
         from mpi4py import MPI
 
         self.mpi_calls += 1
+        if self._blocking and not self.background:
+            self._deferred.append(number)
+            return
         if self.background:
             # MPI only progresses a nonblocking collective inside MPI calls; a thread blocked in
             # Allreduce progresses it while the main thread computes the rest of the backward.

@@ -7,6 +7,10 @@ op: the copy then runs inside the step (no per-tensor Python work), the reductio
 `Allreduce` of one buffer, and the optimizer's step splits the result back into views
 without copying (TF's Split along the first dimension shares the buffer of aligned pieces).
 Every piece starts on a 64-byte boundary for that reason.
+
+The reduction writes the sums into the step's own output buffer (no copy in or out). That is
+safe because the tensor is a fresh Concat output that TF never shares, and it ends in a
+`TAIL`-element piece holding the step's loss, so Grappler can never fold it into a constant.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import tensorflow as tf
 from hyparflow.comm.allreduce import plan_buckets
 
 NO_SPLIT = 2**62  # bucket size that puts every gradient in one bucket
+TAIL = 16  # 64 bytes of float32 after the gradients, holding a data-dependent value
 
 
 class FlatLayout:
@@ -28,7 +33,7 @@ class FlatLayout:
 
     Example:
         layout = FlatLayout(model.trainable_variables)
-        flat = layout.flatten(grads)          # inside the compiled step
+        flat = layout.flatten(grads, loss)    # inside the compiled step
         grads = layout.unflatten_fn(flat)     # views of `flat`, in variable order
     """
 
@@ -36,7 +41,9 @@ class FlatLayout:
         specs = [(tuple(v.shape), v.dtype) for v in variables]
         self.slots, buckets = plan_buckets(specs, NO_SPLIT)
         self.usable = bool(specs) and all(tf.as_dtype(dtype) == tf.float32 for _, dtype in specs)
-        self.length = buckets[0].length if buckets else 0
+        gradients_end = buckets[0].length if buckets else 0
+        self.tail_offset = -(-gradients_end // TAIL) * TAIL
+        self.length = self.tail_offset + TAIL
         self.unflatten_fn = tf.function(self.unflatten)
 
     def pieces(self) -> list[tuple[int, int | None]]:
@@ -44,7 +51,7 @@ class FlatLayout:
 
         Example:
             >>> FlatLayout([tf.TensorSpec((3,)), tf.TensorSpec((2, 2))]).pieces()
-            [(3, 0), (13, None), (4, 1)]
+            [(3, 0), (13, None), (4, 1), (12, None), (16, None)]
         """
         pieces, position = [], 0
         for number, slot in enumerate(self.slots):
@@ -52,16 +59,22 @@ class FlatLayout:
                 pieces.append((slot.offset - position, None))
             pieces.append((slot.size, number))
             position = slot.offset + slot.size
+        if self.tail_offset > position:
+            pieces.append((self.tail_offset - position, None))
+        pieces.append((TAIL, None))
         return pieces
 
-    def flatten(self, grads) -> tf.Tensor:
-        """The gradients concatenated in layout order, zeros in the padding (graph ops)."""
+    def flatten(self, grads, tail) -> tf.Tensor:
+        """The gradients concatenated in layout order, zeros in the padding and the scalar
+        `tail` (a value computed from the step's data, e.g. its loss) in the last piece."""
+        pieces = self.pieces()
         parts = []
-        for size, number in self.pieces():
+        for size, number in pieces[:-1]:
             if number is None:
                 parts.append(tf.zeros([size], tf.float32))
             else:
                 parts.append(tf.reshape(tf.cast(grads[number], tf.float32), [-1]))
+        parts.append(tf.fill([TAIL], tf.cast(tail, tf.float32)))
         return tf.concat(parts, axis=0)
 
     def unflatten(self, flat) -> list:

@@ -57,7 +57,7 @@ class FusedRunner:
         )
         grads = [tf.convert_to_tensor(g) for g in grads]  # IndexedSlices -> dense
         if self.layout is not None:
-            return y_pred, loss, self.layout.flatten(grads)
+            return y_pred, loss, self.layout.flatten(grads, scaled)
         return y_pred, loss, grads
 
     def _first_body(self, inputs, y, sample_weight, scale):

@@ -184,6 +184,11 @@ class Trainer:
         self.runner = SegmentedRunner(runners, self.variables)
         return _Overlap.plan(sub, self.variables)
 
+    @property
+    def _flat_layout(self):
+        """The flat gradient layout when this stage reduces one flat tensor, else None."""
+        return getattr(self.runner, "layout", None)
+
     def _on_segment_done(self, j: int) -> None:
         """Last micro-batch's backward finished segment j: reduce what is now final."""
         self.runner.collect(j)
@@ -336,20 +341,24 @@ class Trainer:
             losses = self._run_schedule(pieces, batch.size, train=True)
             guard = self.watchdog.guard("reduce gradients across stages and replicas")
             with self._span(events.ALLREDUCE), guard:
-                if self._overlap is not None:
-                    grads = self._finish_overlapped_reduction()
-                elif getattr(self.runner, "layout", None) is not None:  # one flat tensor
+                if self._flat_layout is not None:  # data parallel: one flat tensor
                     flat = self.replica_reducer.reduce_flat(self.runner.take_flat_gradients())
-                    grads = self.runner.layout.unflatten_fn(flat)
+                elif self._overlap is not None:
+                    grads = self._finish_overlapped_reduction()
                 else:
                     grads = self.runner.take_gradients()
                     if self.shared_reducer is not None:
                         grads = self._sum_shared(grads)
                     grads = [tf.convert_to_tensor(g) for g in self.replica_reducer.reduce(grads)]
+            if self._flat_layout is not None:
+                grads = None if not self.check_numerics else self._flat_layout.unflatten_fn(flat)
             if self.check_numerics:
                 self._check_finite(losses, grads)
             with self._span(events.OPTIMIZER):
-                reg_value = self._apply(grads)
+                if self._flat_layout is not None:
+                    reg_value = self._apply_flat(flat)
+                else:
+                    reg_value = self._apply(grads)
         self._track_loss(losses, reg_value)
         self.step += 1
         self.watchdog.step = self.step
@@ -415,6 +424,31 @@ class Trainer:
         if self.variables:  # a stage of only Add/Activation layers has nothing to update
             self._optimizer_step(grads)
         return reg_value
+
+    def _apply_flat(self, flat) -> float:
+        """`_apply` for reduced flat gradients, as one compiled call: split into views, add
+        regularization, step the optimizer. The model is not partitioned, so every rank holds
+        the same sums and needs no agreement (a loss-scale overflow is seen everywhere)."""
+        optimizer = self.model.optimizer
+        if not optimizer.built:
+            optimizer.build(self.variables)
+        if getattr(self, "_flat_apply_for", None) is not optimizer:
+            self._flat_apply_fn = tf.function(self._flat_apply_body)
+            self._flat_apply_for = optimizer
+        value = self._flat_apply_fn(flat, tf.constant(self._loss_scale(), tf.float32))
+        return float(value) if self._regularized else 0.0
+
+    def _flat_apply_body(self, flat, loss_scale):
+        grads = self.runner.layout.unflatten(flat)
+        value = tf.constant(0.0)
+        if self._regularized:
+            value, reg_grads = self._regularization_and_grads()
+            position = {id(v): i for i, v in enumerate(self.variables)}
+            for v, g in zip(self._regularized, reg_grads):
+                i = position[id(v)]
+                grads[i] = grads[i] + tf.cast(g, grads[i].dtype) * loss_scale
+        self.model.optimizer.apply(grads, self.variables)
+        return value
 
     def _optimizer_step(self, grads: list) -> None:
         """The optimizer's update as one compiled call, as Keras's own train step runs it.

@@ -1,0 +1,53 @@
+"""Keep TensorFlow's large CPU temporaries in glibc's heap, so ranks sharing a node keep pace.
+
+TensorFlow's CPU allocator takes every temporary (activations, gradients, concatenations)
+from `malloc`. glibc serves blocks above its mmap threshold (128 KiB, rising adaptively to at
+most 32 MiB) with a fresh `mmap` and returns them with `munmap`, so each step faults all of its
+activation pages in again; two training processes doing so at once contend in the kernel. On
+the development VM two ranks training a small CNN ran at 0.43x the speed of one
+(docs/simulate.md); with the thresholds below they ran as fast as one alone. The fix is
+`mallopt`, which changes the running process (the `MALLOC_MMAP_THRESHOLD_` environment
+variables would need to be set before Python starts).
+
+Set `HYPARFLOW_MALLOC_TUNING=0` to leave glibc's defaults alone.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+
+M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers (malloc.h)
+M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD = 32 * 2**20  # glibc's own upper bound for its adaptive threshold
+TRIM_THRESHOLD = 2**31 - 1  # keep freed heap memory for the next step
+
+_applied: bool | None = None
+
+
+def keep_temporaries_in_heap() -> bool:
+    """Raise glibc's mmap and trim thresholds in this process, once; True if now in effect.
+
+    Does nothing (False) off glibc (macOS, musl) or with `HYPARFLOW_MALLOC_TUNING=0`.
+    Blocks above 32 MiB are still mapped and unmapped (glibc's maximum threshold).
+    """
+    global _applied
+    if _applied is not None:
+        return _applied
+    _applied = False
+    if os.environ.get("HYPARFLOW_MALLOC_TUNING", "1") == "0":
+        return False
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError, TypeError):
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    # mallopt returns 1 on success.
+    _applied = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
+        mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+    )
+    return _applied
