@@ -1,6 +1,7 @@
 """Run the benchmark suite and write benchmarks/results.md and benchmarks/plots/ (`make bench`).
 
-Run: .venv/bin/python benchmarks/run_all.py [--only p2p allreduce ...] [--skip-others] [--quick]
+Run: .venv/bin/python benchmarks/run_all.py [--only p2p allreduce ...] [--skip-others]
+     [--others-only] [--quick]
 
 Every figure script is run in turn (each launches its own `mpirun` and workers); before each,
 the driver waits for a quiet machine (1-minute load under 1.0, under 15% of the cores busy, no
@@ -134,6 +135,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="+", choices=sorted(FIGURES), help="figures to rerun")
     parser.add_argument("--skip-others", action="store_true", help="only the figure scripts")
+    parser.add_argument("--others-only", action="store_true", help="only the text benchmarks")
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny sizes, 1-2 repeats")
     parser.add_argument("--no-wait", action="store_true", help="do not wait for a quiet machine")
     parser.add_argument("--results", default=str(HERE / "results.md"))
@@ -145,11 +147,11 @@ def main(argv=None) -> None:
         with open(args.json) as f:
             store = json.load(f)
     wait = not args.no_wait
-    for key in args.only or FIGURES:
+    for key in [] if args.others_only else args.only or FIGURES:
         print(f"== {key}", flush=True)
         store["figures"][key] = run_figure(key, args.quick, wait)
         _save(store, args.json)
-    if not args.skip_others and not args.only:
+    if args.others_only or not (args.skip_others or args.only):
         others = [run_other(*other, wait=wait) for other in OTHERS]
         store["others"] = [o for o in others if o is not None]
     store["machine"] = machine.describe(

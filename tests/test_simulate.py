@@ -217,6 +217,20 @@ def test_data_parallel_step_is_compute_plus_allreduce_plus_optimizer():
     assert p.step_time == pytest.approx(compute + reduce + 1e-3 + 1e-9 * costs.param_bytes)
 
 
+def test_unpartitioned_model_runs_the_measured_fused_step_and_reduces_one_tensor():
+    costs = uniform_costs(layers=4)
+    costs.fused = Affine(1e-3, 1e-5)
+    costs.engine = EngineCosts(forward_call=5e-3, backward_call=5e-3)  # not paid when fused
+    net = Network(intra=Link(1e-5, 1e9), reduce_rate=2e9, copy_rate=4e9, per_tensor=1e-4)
+    p = predict(costs, net, Layout(1, 4), 256)
+    compute = 1e-3 + 1e-5 * 64  # one fused call on the rank's 64 samples
+    reduce = allreduce(costs.param_bytes, 4, net.intra, 2e9)[0]  # in place: no copies
+    assert p.pipeline_time == pytest.approx(compute)
+    assert p.allreduce_time == pytest.approx(reduce)
+    piped = predict(costs, net, Layout(2, 2), 256)  # stages still run forward + backward
+    assert piped.stage_compute[0] > 5e-3
+
+
 def test_engine_costs_land_where_the_engine_pays_them():
     costs = uniform_costs(layers=2)
     base = predict(costs, Network(FAST), Layout(2, 1, 4), 32).step_time
@@ -317,6 +331,7 @@ def test_costs_file_round_trip(tmp_path):
     costs = uniform_costs(layers=3)
     costs.engine = EngineCosts(forward_call=1e-4, loss=Affine(1e-5, 1e-7), optimizer_fixed=2e-4)
     costs.single_process = Affine(0.003, 2e-5)
+    costs.fused = Affine(0.001, 1e-5)
     costs.measured = {"cores": 2}
     path = tmp_path / "costs.json"
     costs.save(path)

@@ -130,7 +130,9 @@ class ModelCosts:
     `cut_bytes[j]` are the bytes per sample of every tensor alive across the cut before layer
     `j` (what crosses a stage boundary there, skips forwarded included); entries 0 and `n` are
     0. `single_process` is a plain `model.fit` step (what hyparflow runs on one rank) at a
-    given batch, when measured. `measured` records where and how the numbers were taken.
+    given batch, when measured; `fused` the engine's one-call step of the whole model per
+    micro-batch (what a data-parallel rank computes), when measured. `measured` records where
+    and how the numbers were taken.
     """
 
     name: str
@@ -139,6 +141,7 @@ class ModelCosts:
     engine: EngineCosts = field(default_factory=EngineCosts)
     single_process: Affine | None = None
     measured: dict = field(default_factory=dict)
+    fused: Affine | None = None
 
     def __post_init__(self):
         if len(self.cut_bytes) != len(self.layers) + 1:
@@ -193,8 +196,9 @@ class ModelCosts:
             for lc in self.layers
         ]  # fmt: skip
         single = None if self.single_process is None else self.single_process.scaled(compute)
+        fused = None if self.fused is None else self.fused.scaled(compute)
         return ModelCosts(self.name, layers, list(self.cut_bytes), self.engine, single,
-                          dict(self.measured))  # fmt: skip
+                          dict(self.measured), fused)  # fmt: skip
 
     # --- files ----------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -205,6 +209,7 @@ class ModelCosts:
             "measured": self.measured,
             "engine": asdict(self.engine),
             "single_process": None if self.single_process is None else asdict(self.single_process),
+            "fused": None if self.fused is None else asdict(self.fused),
             "cut_bytes": [float(b) for b in self.cut_bytes],
             "layers": [asdict(lc) for lc in self.layers],
         }
@@ -229,12 +234,14 @@ class ModelCosts:
             for layer in data["layers"]
         ]
         single = data.get("single_process")
+        fused = data.get("fused")
         return cls(
             name=data.get("name", "model"),
             layers=layers,
             cut_bytes=[float(b) for b in data["cut_bytes"]],
             engine=EngineCosts(**engine),
             single_process=None if single is None else Affine.of(single),
+            fused=None if fused is None else Affine.of(fused),
             measured=dict(data.get("measured", {})),
         )
 

@@ -6,14 +6,15 @@
    batch is the layer's per-sample cost. A layer timed alone carries call overheads it does
    not have inside a stage, so these numbers only say how the work is *distributed*.
 2. Per stage, as the engine runs a step: hyparflow's `StageRunner` over several micro-batches
-   (forward under a tape, backward, gradients summed), then the eager optimizer update, on
+   (forward under a tape, backward, gradients summed), then the compiled optimizer update, on
    the whole model and on the stages of 2- and 4-way splits, at both batch sizes. Medians of
    several repetitions, fitted by non-negative least squares (see `_fit_stages`): a call costs
    a fixed part, a part per layer, and the layers' per-sample costs times one scale, which
    turns step 1 into what the engine pays; summing a micro-batch's gradients costs per byte;
    the optimizer costs a fixed part, per variable and per byte.
-3. The last stage's loss and metrics, and one plain `model.fit` step (the one-rank baseline)
-   on a copy of the model.
+3. The last stage's loss and metrics, the whole model's fused step (`FusedRunner`: forward,
+   loss, metrics and gradients in one compiled call, gradients flattened, as data parallelism
+   runs it), and one plain `model.fit` step (the one-rank baseline) on a copy of the model.
 
 Run it with the thread settings the training ranks will use (`TF_NUM_INTRAOP_THREADS`).
 """
@@ -81,6 +82,7 @@ def measure_model(
         }
         fit = _fit_stages(model, samples, slopes, stage_repeats)
         loss = _loss_cost(model, samples, stage_repeats)
+        fused = _fused_cost(model, samples, stage_repeats)
     forward_fit, backward_fit, optimizer_fit = fit["forward"], fit["backward"], fit["optimizer"]
     layers, seen = [], set()
     for node in graph.nodes:
@@ -112,6 +114,7 @@ def measure_model(
         layers=layers,
         cut_bytes=[float(b) for b in cost.cut_bytes_per_sample(graph)],
         engine=engine,
+        fused=fused,
         single_process=fit_step(
             model, tuple(sorted(fit_batch_sizes or (small, large))), fit_steps, input_shape
         ),
@@ -236,6 +239,9 @@ def _stage_step(model, call, variables, x, microbatches, repeats) -> tuple[float
     runner = StageRunner(call, variables)
     optimizer = keras.optimizers.deserialize(keras.optimizers.serialize(model.optimizer))
     copies = [keras.Variable(v.numpy(), dtype=v.dtype) for v in variables]
+    if copies:
+        optimizer.build(copies)
+    apply = tf.function(lambda grads: optimizer.apply(grads, copies))
     seeds = None
     timings = []
     for i in range(repeats + 1):
@@ -249,10 +255,10 @@ def _stage_step(model, call, variables, x, microbatches, repeats) -> tuple[float
             start = time.perf_counter()
             runner.backward(k, seeds)
             backward += time.perf_counter() - start
-        grads = runner.take_gradients()
+        grads = [tf.convert_to_tensor(g) for g in runner.take_gradients()]
         start = time.perf_counter()
         if copies:
-            optimizer.apply_gradients(zip(grads, copies))
+            apply(grads)  # compiled, as the engine's optimizer step
             copies[0].numpy()
         update = time.perf_counter() - start
         if i:  # the first round traces and builds the optimizer
@@ -304,6 +310,40 @@ def _loss_cost(model, samples, repeats) -> Affine:
         loss[batch] = max(0.0, with_ - statistics.median(_repeat(without, repeats)))
     small, large = sorted(loss)
     return Affine.through(small, loss[small], large, loss[large])
+
+
+def _fused_cost(model, samples, repeats) -> Affine:
+    """Seconds of one micro-batch of the unpartitioned engine step: forward, loss, metrics and
+    flat gradients in one compiled call (`engine/fused.py`)."""
+    from hyparflow.engine.flat import FlatLayout
+    from hyparflow.engine.fused import FusedRunner
+
+    variables = list(model.trainable_variables)
+    layout = FlatLayout(variables)
+    update = _metric_update(model)
+    runner = FusedRunner(
+        lambda xs, training: model(xs, training=training),
+        variables,
+        loss=model._compile_loss,
+        metrics=lambda y, y_pred, sample_weight: update(y, y_pred),
+        layout=layout if layout.usable else None,
+    )
+    seconds = {}
+    for batch, inputs in samples.items():
+        x = _unlisted(inputs)
+        y = _targets(model(x, training=False))
+
+        def step(x=x, y=y):
+            _, value = runner.forward(0, x, (y, None), 1.0)
+            runner.backward(0)
+            runner.take_gradients() if layout.usable is False else runner.take_flat_gradients()
+            float(value)
+
+        seconds[batch] = statistics.median(_repeat(step, repeats))
+    for metric in model.metrics:
+        metric.reset_state()
+    small, large = sorted(seconds)
+    return Affine.through(small, seconds[small], large, seconds[large])
 
 
 def fit_step(model, batch_sizes, steps: int = 8, input_shape=None) -> Affine:

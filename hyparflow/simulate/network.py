@@ -232,10 +232,12 @@ class Network:
         flows: int = 1,
         cpu_slowdown: float = 1.0,
         tensors: int = 0,
+        in_place: bool = False,
     ) -> float:
         """hyparflow's fused gradient sum of `tensors` gradients: copy into buckets, then one
         allreduce per bucket over the intra- or inter-node link, whose bandwidth `flows`
-        reductions share.
+        reductions share. `in_place`: the gradients already are one flat buffer (the
+        data-parallel step's, packed inside its compiled call): no copies.
 
         `cpu_slowdown` stretches what the processors do (copies, reduction arithmetic, and
         inside a node the shared-memory transfers themselves) when ranks share cores.
@@ -246,7 +248,8 @@ class Network:
         if not crosses_nodes:
             busy = self.oversubscribed_collective_latency if cpu_slowdown > 1 else 0.0
             link = Link(link.latency * cpu_slowdown + busy, link.bandwidth / cpu_slowdown)
-        copy = (nbytes / self.copy_rate + tensors * self.per_tensor) * cpu_slowdown
+        copy = 0.0 if in_place else (nbytes / self.copy_rate + tensors * self.per_tensor)
+        copy *= cpu_slowdown
         return copy + bucketed_allreduce(nbytes, ranks, link, self.reduce_rate / cpu_slowdown)
 
     def to_dict(self) -> dict:

@@ -182,10 +182,13 @@ def predict(
     stages = [costs.stage(a, b, batch) for a, b in zip(bounds[:-1], bounds[1:])]
 
     forward, backward, transfers = [], [], []
+    fused = p == 1 and costs.fused is not None  # the engine's one-call step, flat gradients
     for s, stage in enumerate(stages):
         has_prev, has_next = s > 0, s < p - 1
         f = stage.forward + engine.forward_call + (engine.loss.at(batch) if not has_next else 0)
         b = stage.backward + engine.backward_call
+        if fused:
+            f, b = costs.fused.at(batch), 0.0
         b += engine.accumulate_per_byte * stage.param_bytes * (m - 1) / m
         # posting the sends: the forward's activations, the backward's input gradients
         f += network.overhead * has_next
@@ -212,7 +215,7 @@ def predict(
         crosses = where.stage_nodes(s) > 1
         reduce = network.gradient_allreduce(
             stage.param_bytes, layout.replicas, crosses, flows if crosses else 1, slow,
-            tensors=stage.variables,
+            tensors=stage.variables, in_place=fused,
         )  # fmt: skip
         update = slow * (engine.optimizer(stage.variables, stage.param_bytes) + engine.step_fixed)
         if finish[s] + reduce + update > step:
