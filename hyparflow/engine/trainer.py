@@ -412,10 +412,8 @@ class Trainer:
         if self._regularized:
             value, reg_grads = self._reg_fn()
             reg_value = float(value)
-            position = {id(v): i for i, v in enumerate(self.variables)}
-            scale = self._loss_scale()  # the stage gradients are of the scaled loss
-            for v, g in zip(self._regularized, reg_grads):
-                grads[position[id(v)]] = grads[position[id(v)]] + g * scale
+            # the stage gradients are of the scaled loss
+            grads = self._add_regularization(grads, reg_grads, self._loss_scale())
         if self._has_regularizers:
             with self.watchdog.guard("sum regularization over the pipeline"):
                 reg_value = self.topology.pipeline_comm.allreduce(reg_value)
@@ -425,17 +423,21 @@ class Trainer:
             self._optimizer_step(grads)
         return reg_value
 
+    def _add_regularization(self, grads: list, reg_grads: list, loss_scale) -> list:
+        """`grads` with the owned variables' regularization gradients (times the loss scale)."""
+        grads = list(grads)
+        position = {id(v): i for i, v in enumerate(self.variables)}
+        for v, g in zip(self._regularized, reg_grads):
+            i = position[id(v)]
+            grads[i] = grads[i] + tf.cast(g, grads[i].dtype) * loss_scale
+        return grads
+
     def _apply_flat(self, flat) -> float:
         """`_apply` for reduced flat gradients, as one compiled call: split into views, add
         regularization, step the optimizer. The model is not partitioned, so every rank holds
         the same sums and needs no agreement (a loss-scale overflow is seen everywhere)."""
-        optimizer = self.model.optimizer
-        if not optimizer.built:
-            optimizer.build(self.variables)
-        if getattr(self, "_flat_apply_for", None) is not optimizer:
-            self._flat_apply_fn = tf.function(self._flat_apply_body)
-            self._flat_apply_for = optimizer
-        value = self._flat_apply_fn(flat, tf.constant(self._loss_scale(), tf.float32))
+        update = self._compiled_update(self._flat_apply_body)
+        value = update(flat, tf.constant(self._loss_scale(), tf.float32))
         return float(value) if self._regularized else 0.0
 
     def _flat_apply_body(self, flat, loss_scale):
@@ -443,10 +445,7 @@ class Trainer:
         value = tf.constant(0.0)
         if self._regularized:
             value, reg_grads = self._regularization_and_grads()
-            position = {id(v): i for i, v in enumerate(self.variables)}
-            for v, g in zip(self._regularized, reg_grads):
-                i = position[id(v)]
-                grads[i] = grads[i] + tf.cast(g, grads[i].dtype) * loss_scale
+            grads = self._add_regularization(grads, reg_grads, loss_scale)
         self.model.optimizer.apply(grads, self.variables)
         return value
 
@@ -454,17 +453,25 @@ class Trainer:
         """The optimizer's update as one compiled call, as Keras's own train step runs it.
 
         Run eagerly, Keras's optimizers dispatch a few dozen ops per variable (Adam: ~60% of a
-        small model's step); traced once, the update is one graph call. The function is keyed
-        by the optimizer object (a recompiled model gets a new one).
+        small model's step); traced once, the update is one graph call.
         """
+        update = self._compiled_update(self._optimizer_body)
+        update([tf.convert_to_tensor(g) for g in grads])
+
+    def _optimizer_body(self, grads):
+        self.model.optimizer.apply(grads, self.variables)
+
+    def _compiled_update(self, body):
+        """`body` as a `tf.function`, traced anew for each optimizer object (a recompiled model
+        gets a new one), the optimizer built first: variables cannot be created in a trace."""
         optimizer = self.model.optimizer
-        if not optimizer.built:  # variables cannot be created inside the traced function
+        if not optimizer.built:
             optimizer.build(self.variables)
-        if getattr(self, "_optimizer_fn_for", None) is not optimizer:
-            variables = self.variables
-            self._optimizer_fn = tf.function(lambda g: optimizer.apply(g, variables))
-            self._optimizer_fn_for = optimizer
-        self._optimizer_fn([tf.convert_to_tensor(g) for g in grads])
+        compiled = self.__dict__.setdefault("_compiled_updates", {})
+        name = body.__name__
+        if name not in compiled or compiled[name][0] is not optimizer:
+            compiled[name] = (optimizer, tf.function(body))
+        return compiled[name][1]
 
     def eval_step(self, batch: GlobalBatch, reg_value: float) -> None:
         """Forward-only pass of one batch: loss and metrics accumulate at the last stage."""
