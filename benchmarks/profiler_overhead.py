@@ -30,15 +30,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout
-
-MPI_ENV = {
-    "OMPI_ALLOW_RUN_AS_ROOT": "1",
-    "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-    "OMPI_MCA_rmaps_base_oversubscribe": "1",
-    "TF_CPP_MIN_LOG_LEVEL": "2",
-    "TF_NUM_INTRAOP_THREADS": "1",
-    "TF_NUM_INTEROP_THREADS": "1",
-}
+from benchmarks.harness.launch import MPI_ENV, thread_env  # noqa: E402
 
 
 def _arguments(argv=None):
@@ -55,7 +47,7 @@ def _arguments(argv=None):
 
 def _relaunch_under_mpirun() -> int:
     command = ["mpirun", "-np", "2", "--bind-to", "none", sys.executable, *sys.argv]
-    return subprocess.call(command, env={**os.environ, **MPI_ENV})
+    return subprocess.call(command, env={**os.environ, **MPI_ENV, **thread_env(1)})
 
 
 def _model(args):

@@ -52,16 +52,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout
+from benchmarks.harness.launch import MPI_ENV, thread_env  # noqa: E402
+from benchmarks.harness.quiet import busy_fraction  # noqa: E402
 
 ENV = {
-    "OMPI_ALLOW_RUN_AS_ROOT": "1",
-    "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-    "OMPI_MCA_rmaps_base_oversubscribe": "1",
-    "TF_CPP_MIN_LOG_LEVEL": "2",
-    "TF_NUM_INTRAOP_THREADS": "1",
-    "TF_NUM_INTEROP_THREADS": "1",
-    "OMP_NUM_THREADS": "1",
-    "PYTHONPATH": str(REPO),
+    **MPI_ENV,
+    **thread_env(1),
     # glibc hands TensorFlow's large temporaries (> 128 KiB) out by mmap and back by munmap,
     # so every step faults their pages in again; two ranks doing so at once on this VM slowed
     # each other 2.3x (the CNN). Keeping them in the heap removes that (docs/simulate.md).
@@ -219,28 +215,13 @@ def calibrate_fit(args) -> None:
 # --- the driver ---------------------------------------------------------------------------------
 
 
-def machine_busy(seconds: float = 2.0) -> float:
-    """Fraction of all cores busy over the next `seconds` (every process, from /proc/stat)."""
-
-    def sample():
-        with open("/proc/stat") as f:
-            fields = [int(v) for v in f.readline().split()[1:]]
-        idle = fields[3] + fields[4]  # idle + iowait
-        return sum(fields) - idle, sum(fields)
-
-    busy0, total0 = sample()
-    time.sleep(seconds)
-    busy1, total1 = sample()
-    return (busy1 - busy0) / max(1, total1 - total0)
-
-
 def wait_for_quiet(limit: float = 0.15, patience: float = 1200) -> float:
     """Wait (up to `patience` s) until under `limit` of the machine is busy; returns the last
     reading."""
     deadline = time.monotonic() + patience
-    busy = machine_busy()
+    busy = busy_fraction()
     while busy >= limit and time.monotonic() < deadline:
-        busy = machine_busy()
+        busy = busy_fraction()
     return busy
 
 
