@@ -251,7 +251,8 @@ class GradientReducer:
         for start in range(0, view.size, step):
             count = min(step, view.size - start)
             # Written through its address: numpy will not hand out a writable view of it.
-            memory = MPI.buffer.fromaddress(view.ctypes.data + 4 * start, 4 * count)
+            address = view.ctypes.data + view.itemsize * start
+            memory = MPI.buffer.fromaddress(address, view.itemsize * count)
             self.mpi_calls += 1
             self.comm.Allreduce(MPI.IN_PLACE, [memory, count, MPI.FLOAT])
         if self.op == "mean":

@@ -20,6 +20,7 @@ class SegmentedRunner:
     """
 
     updates_metrics = False  # the trainer updates metrics from the outputs
+    layout = None  # gradients stay a list (FusedRunner may keep them flat)
 
     def __init__(self, segments: list, variables: list):
         self.segments = segments

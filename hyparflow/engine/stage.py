@@ -35,6 +35,7 @@ class StageRunner:
     """
 
     updates_metrics = False  # the trainer updates metrics from the outputs
+    layout = None  # gradients stay a list (FusedRunner may keep them flat)
 
     def __init__(self, call, variables, loss=None, recompute=False, state_variables=()):
         self.variables = list(variables)

@@ -184,11 +184,6 @@ class Trainer:
         self.runner = SegmentedRunner(runners, self.variables)
         return _Overlap.plan(sub, self.variables)
 
-    @property
-    def _flat_layout(self):
-        """The flat gradient layout when this stage reduces one flat tensor, else None."""
-        return getattr(self.runner, "layout", None)
-
     def _on_segment_done(self, j: int) -> None:
         """Last micro-batch's backward finished segment j: reduce what is now final."""
         self.runner.collect(j)
@@ -340,8 +335,9 @@ class Trainer:
         with self._step_span(batch.size, len(pieces)):
             losses = self._run_schedule(pieces, batch.size, train=True)
             guard = self.watchdog.guard("reduce gradients across stages and replicas")
+            layout = self.runner.layout  # data parallel: gradients are one flat tensor
             with self._span(events.ALLREDUCE), guard:
-                if self._flat_layout is not None:  # data parallel: one flat tensor
+                if layout is not None:
                     flat = self.replica_reducer.reduce_flat(self.runner.take_flat_gradients())
                 elif self._overlap is not None:
                     grads = self._finish_overlapped_reduction()
@@ -350,15 +346,10 @@ class Trainer:
                     if self.shared_reducer is not None:
                         grads = self._sum_shared(grads)
                     grads = [tf.convert_to_tensor(g) for g in self.replica_reducer.reduce(grads)]
-            if self._flat_layout is not None:
-                grads = None if not self.check_numerics else self._flat_layout.unflatten_fn(flat)
             if self.check_numerics:
-                self._check_finite(losses, grads)
+                self._check_finite(losses, grads if layout is None else layout.unflatten_fn(flat))
             with self._span(events.OPTIMIZER):
-                if self._flat_layout is not None:
-                    reg_value = self._apply_flat(flat)
-                else:
-                    reg_value = self._apply(grads)
+                reg_value = self._apply(grads) if layout is None else self._apply_flat(flat)
         self._track_loss(losses, reg_value)
         self.step += 1
         self.watchdog.step = self.step

@@ -336,7 +336,7 @@ def _fused_cost(model, samples, repeats) -> Affine:
         def step(x=x, y=y):
             _, value = runner.forward(0, x, (y, None), 1.0)
             runner.backward(0)
-            runner.take_gradients() if layout.usable is False else runner.take_flat_gradients()
+            runner.take_flat_gradients() if runner.layout else runner.take_gradients()
             float(value)
 
         seconds[batch] = statistics.median(_repeat(step, repeats))
