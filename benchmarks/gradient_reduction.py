@@ -122,6 +122,10 @@ def worker(args) -> None:
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
+    if not args.horovod:  # what hf.fit does in every multi-rank process
+        from hyparflow.launch.malloc import keep_temporaries_in_heap
+
+        keep_temporaries_in_heap()
     results = {}
     for name in args.models.split(","):
         variables = variables_of(name)
@@ -129,10 +133,14 @@ def worker(args) -> None:
         grads = [tf.constant(rng.normal(size=v.shape).astype("float32")) for v in variables]
         ways = ways_for(comm, variables, grads, args.horovod)
         per_block = max(3, int(args.block_mib * 2**20 / sum(g.numpy().nbytes for g in grads)))
-        for way, call in ways.items():  # warm-up: buckets, connections, Horovod's fusion buffer
+        # Warm-up: buckets, connections, Horovod's fusion buffer, and a whole block of the
+        # engine's fresh tensors (whose heap pages a training run reuses every step).
+        for way, call in ways.items():
+            count = per_block if way in PREPARE else 1
             if way in PREPARE:
-                PREPARE[way](1)
-            call()
+                PREPARE[way](count)
+            for _ in range(count):
+                call()
         seconds = {way: [] for way in ways}
         names = list(ways)
         for repeat in range(args.repeats):

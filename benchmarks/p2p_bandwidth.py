@@ -95,7 +95,9 @@ def worker(args) -> None:
     from mpi4py import MPI
 
     from hyparflow.comm.p2p import PipeChannel
+    from hyparflow.launch.malloc import keep_temporaries_in_heap
 
+    keep_temporaries_in_heap()  # what hf.fit does in every multi-rank process
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
     results = {way: {} for way in WAYS}

@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from mpi4py import MPI
 
-from hyparflow.comm import allreduce, dlpack, p2p
+from hyparflow.comm import allreduce, dlpack, hugepages, p2p
 from hyparflow.comm.allreduce import GradientReducer, plan_buckets, reduction_dtype
 from hyparflow.comm.p2p import (
     DIRECTIONS,
@@ -22,6 +22,7 @@ from hyparflow.comm.p2p import (
     message_tag,
 )
 from tests.mpirun import run_scenario
+from tests.test_hugepages import hugepages_expected
 
 COMM_DIR = pathlib.Path(__file__).parent.parent / "hyparflow" / "comm"
 
@@ -35,7 +36,7 @@ def ranks():
 # ---- pure pieces -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("module", [dlpack, p2p, allreduce])
+@pytest.mark.parametrize("module", [dlpack, p2p, allreduce, hugepages])
 def test_docstring_examples_hold(module):
     assert doctest.testmod(module).failed == 0
 
@@ -231,6 +232,20 @@ def test_pipeline_receives_are_zero_copy(ranks):
         assert all(shares == (batch == 4) for batch, shares in r["p2p_device"]["zero_copy"])
         if r["topology"]["stage"] == 1:
             assert r["p2p_host"]["mutation_visible"] == [True] * 3
+
+
+def test_large_messages_travel_from_huge_pages(ranks):
+    expected = hugepages_expected()
+    for r in ranks:
+        h = r["huge_pages"]
+        assert h["values_ok"] == [True] * 3
+        assert h["enabled"] == expected, h["reason"]
+        if expected:
+            assert h["buffer_alignment"] == 0  # receive buffers start on a huge page
+            # Receive buffers and the first sends collapse pages; later steps mostly reuse them.
+            assert h["collapsed"][0] >= 3
+        else:
+            assert h["collapsed"] == [0, 0, 0]
 
 
 def test_fused_allreduce_matches_numpy(ranks):

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import tensorflow as tf
 
-from hyparflow.comm.dlpack import ALIGNMENT, aligned_empty, wrap_host_buffer
+from hyparflow.comm.dlpack import ALIGNMENT, wrap_host_buffer
+from hyparflow.comm.hugepages import huge_zeros, promote_tensor
 
 # Like PyTorch DDP's default: big enough that per-call latency is amortized, small enough that
 # the first buckets can be reduced while later gradients are still being computed.
@@ -247,6 +248,7 @@ class GradientReducer:
             raise ValueError(
                 f"reduce_flat needs a 1-D float32 tensor, got {view.dtype} {view.shape}"
             )
+        promote_tensor(view)  # Open MPI's shared-memory copies read huge pages faster
         step = max(1, self.bucket_bytes // view.itemsize)
         for start in range(0, view.size, step):
             count = min(step, view.size - start)
@@ -279,8 +281,8 @@ class GradientReducer:
         alive = any(ref() is not None for ref in self._outputs[number])
         if self._buffers[number] is None or alive:
             bucket = self.buckets[number]
-            self._buffers[number] = aligned_empty((bucket.length,), bucket.dtype)
-            self._buffers[number][...] = 0  # padding is reduced too: keep it finite
+            # Zeroed: padding is reduced too, so it must be finite.
+            self._buffers[number] = huge_zeros((bucket.length,), bucket.dtype)
             self.allocations += 1
         self._outputs[number] = []
 

@@ -9,6 +9,8 @@ unversioned capsule), so device tensors go through `DLPackAdapter`, whose `__dlp
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import tensorflow as tf
 
@@ -36,6 +38,7 @@ class DLPackAdapter:
         return self.tensor.__dlpack_device__()
 
 
+@functools.lru_cache(maxsize=64)  # asked per message; a process has few device strings
 def is_gpu_device(device: str | None) -> bool:
     """Whether a TF device string (e.g. ".../device:GPU:0") names a GPU.
 

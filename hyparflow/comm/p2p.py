@@ -16,6 +16,7 @@ told the size it expects, and then checks it).
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from collections.abc import Sequence
@@ -25,7 +26,6 @@ import tensorflow as tf
 
 from hyparflow.comm.dlpack import (
     DLPackAdapter,
-    aligned_empty,
     check_transport,
     default_device,
     device_empty,
@@ -37,6 +37,7 @@ from hyparflow.comm.dlpack import (
     uses_device_path,
     wrap_host_buffer,
 )
+from hyparflow.comm.hugepages import huge_zeros, promote_tensor
 
 FORWARD = "forward"
 BACKWARD = "backward"
@@ -66,7 +67,7 @@ class BoundarySpec:
     def max_batch(self) -> int:
         return self.shape[0]
 
-    @property
+    @functools.cached_property  # read per received message
     def row_bytes(self) -> int:
         """Bytes per sample: what one unit of batch size adds to the message."""
         return math.prod(self.shape[1:]) * self.dtype.size
@@ -235,10 +236,12 @@ class PipeChannel:
         if len(tensors) != len(specs):
             raise ValueError(f"expected {len(specs)} {direction} tensors, got {len(tensors)}")
         device_path = [uses_device_path(tensor_device(t), self.transport) for t in tensors]
-        for tensor, spec in zip(tensors, specs):
-            _check_tensor(tensor, spec, direction)
+        sizes = [_check_tensor(tensor, spec, direction) for tensor, spec in zip(tensors, specs)]
         if any(on and is_gpu_device(tensor_device(t)) for on, t in zip(device_path, tensors)):
             synchronize_devices()  # the producing kernels must have written the buffers
+        for tensor, on_device, nbytes in zip(tensors, device_path, sizes):
+            if not on_device:
+                promote_tensor(tensor, nbytes)  # the receiver's copy reads huge pages faster
         requests = [
             self.comm.Isend(
                 mpi_send_buffer(tensor, on_device),
@@ -315,7 +318,7 @@ class PipeChannel:
     def _allocate(self, spec: BoundarySpec):
         if self.receives_on_device:
             return device_empty(spec.shape, spec.dtype, self.device)
-        return aligned_empty(spec.shape, storage_dtype(spec.dtype))
+        return huge_zeros(spec.shape, storage_dtype(spec.dtype))
 
     def _post(self, direction: str, microbatch: int) -> list:
         """Mark the slot as receiving and return its buffers; refuse a slot already receiving."""
@@ -349,10 +352,12 @@ def _check_direction(direction: str) -> None:
         raise ValueError(f"direction must be {FORWARD!r} or {BACKWARD!r}, got {direction!r}")
 
 
-def _check_tensor(tensor, spec: BoundarySpec, direction: str) -> None:
+def _check_tensor(tensor, spec: BoundarySpec, direction: str) -> int:
+    """Raise unless `tensor` fits `spec`; return its byte count."""
     shape, dtype = tuple(tensor.shape), tf.as_dtype(tensor.dtype)
     if dtype != spec.dtype or shape[1:] != spec.shape[1:] or not 0 <= shape[0] <= spec.max_batch:
         raise ValueError(
             f"{direction} tensor of shape {shape} and dtype {dtype.name} does not fit the "
             f"boundary spec {spec.shape} {spec.dtype.name} (batch may only be smaller)"
         )
+    return shape[0] * spec.row_bytes

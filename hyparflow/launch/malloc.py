@@ -9,6 +9,12 @@ the development VM two ranks training a small CNN ran at 0.43x the speed of one
 `mallopt`, which changes the running process (the `MALLOC_MMAP_THRESHOLD_` environment
 variables would need to be set before Python starts).
 
+Blocks above the largest threshold glibc accepts (32 MiB: big activations, flat gradients)
+are kept in the heap too, by allowing no separate mappings at all (`M_MMAP_MAX` 0): their
+pages then stay mapped from step to step, which also lets `hyparflow.comm.hugepages` back
+them with huge pages once. The price is that freed memory stays with the process (glibc
+still returns a free top of the heap beyond 2 GiB).
+
 Set `HYPARFLOW_MALLOC_TUNING=0` to leave glibc's defaults alone.
 """
 
@@ -20,6 +26,7 @@ import os
 
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers (malloc.h)
 M_MMAP_THRESHOLD = -3
+M_MMAP_MAX = -4
 MMAP_THRESHOLD = 32 * 2**20  # glibc's own upper bound for its adaptive threshold
 TRIM_THRESHOLD = 2**31 - 1  # keep freed heap memory for the next step
 
@@ -27,10 +34,9 @@ _applied: bool | None = None
 
 
 def keep_temporaries_in_heap() -> bool:
-    """Raise glibc's mmap and trim thresholds in this process, once; True if now in effect.
+    """Keep large blocks in glibc's heap in this process, once; True if now in effect.
 
     Does nothing (False) off glibc (macOS, musl) or with `HYPARFLOW_MALLOC_TUNING=0`.
-    Blocks above 32 MiB are still mapped and unmapped (glibc's maximum threshold).
     """
     global _applied
     if _applied is not None:
@@ -47,7 +53,12 @@ def keep_temporaries_in_heap() -> bool:
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
     # mallopt returns 1 on success.
-    _applied = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
-        mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+    _applied = all(
+        mallopt(parameter, value) == 1
+        for parameter, value in (
+            (M_MMAP_THRESHOLD, MMAP_THRESHOLD),  # kept for blocks glibc must still map
+            (M_TRIM_THRESHOLD, TRIM_THRESHOLD),
+            (M_MMAP_MAX, 0),
+        )
     )
     return _applied

@@ -299,6 +299,35 @@ def check_allreduce(topo):
     return out
 
 
+def check_huge_pages(topo):
+    """A 6 MiB activation and its gradient: exact values, promoted pages, huge receive buffers."""
+    from hyparflow.comm import hugepages
+
+    first = topo.is_first_stage
+    peer = topo.next_rank if first else topo.prev_rank
+    shape = (6 * 256, 1024)  # 6 MiB of float32
+    channel = PipeChannel(topo.pipeline_comm, peer, [(shape, "float32")], 1)
+    worker = hugepages.promoter()
+    out = {"enabled": worker.enabled, "reason": worker.reason, "values_ok": [], "collapsed": []}
+    base = tf.reshape(tf.range(np.prod(shape), dtype=tf.float32), shape)
+    for step in range(3):
+        value = base * float(step + 1 + topo.replica)  # a fresh TF tensor each step
+        if first:
+            channel.isend([value], 0, FORWARD).wait()
+            (got,) = channel.recv(0, BACKWARD)
+        else:
+            (got,) = channel.recv(0, FORWARD)
+            channel.isend([got * 2.0], 0, BACKWARD).wait()
+        expected = value * 2.0 if first else value
+        out["values_ok"].append(bool(tf.reduce_all(got == expected)))
+        out["collapsed"].append(worker.collapsed)
+        del got
+    direction = BACKWARD if first else FORWARD
+    out["buffer_alignment"] = address(channel.receive_buffer(0, direction, 0)) % (2 * 2**20)
+    channel.close()
+    return out
+
+
 def main():
     world = MPI.COMM_WORLD
     topo = Topology.create(world, partitions=2, replicas=2)
@@ -306,6 +335,7 @@ def main():
     result["p2p_host"] = check_pipeline(topo, "host")
     result["p2p_device"] = check_pipeline(topo, "device")  # the GPU code path, on CPU tensors
     result["allreduce"] = check_allreduce(topo)
+    result["huge_pages"] = check_huge_pages(topo)
     try:
         Topology.create(world, partitions=3, replicas=1)
         result["bad_grid_error"] = ""

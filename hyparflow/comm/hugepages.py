@@ -1,0 +1,199 @@
+"""Back the host memory that MPI copies between ranks with transparent huge pages.
+
+Open MPI moves a large message between ranks of one node with one `process_vm_readv` (CMA) by
+the receiver, which walks the sender's pages: on the development VM a 16 MiB tensor in 4 KiB
+pages crossed at 10 GB/s, the same bytes in 2 MiB pages at 17-18 GB/s (docs/comm.md). numpy
+backs its large arrays with huge pages; TensorFlow's tensors come from glibc's `malloc` in
+4 KiB pages (the process cannot change that after start: glibc reads `glibc.malloc.hugetlb`
+only from the environment of a starting process).
+
+`promote` asks the kernel to rebuild the 2 MiB pages under a buffer as huge pages
+(`madvise(MADV_COLLAPSE)`, Linux 6.1+), once per page. That pays off because the pages stay:
+with `hyparflow.launch.malloc` in effect, glibc serves every block from heap memory it keeps,
+and a training step reuses the same heap addresses as the last, so a pipeline collapses its
+pages in its first steps and never again (without that tuning, glibc would unmap a large
+block when freed, and a collapse would cost a copy per step: promotion is then off). A
+collapse costs about a copy of the page (~1-2 ms per 2 MiB page here). Set
+`HYPARFLOW_HUGEPAGES=0` to turn this off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import math
+import os
+import sys
+import threading
+
+import numpy as np
+
+HUGE_PAGE = 2 * 2**20  # x86-64 and aarch64 (4 KiB base pages) PMD size
+MIN_BYTES = 4 * 2**20  # numpy's own threshold for huge pages; smaller messages gain little
+MADV_COLLAPSE = 25  # linux/mman.h, Linux 6.1
+THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+def covered_pages(address: int, nbytes: int, page: int = HUGE_PAGE) -> range:
+    """Start addresses of the `page`-aligned pages that hold any byte of `[address, +nbytes)`.
+
+    Example:
+        >>> [hex(p) for p in covered_pages(0x1ff000, 0x202000)]
+        ['0x0', '0x200000', '0x400000']
+    """
+    if nbytes <= 0:
+        return range(0)
+    first = address // page * page
+    end = -(-(address + nbytes) // page) * page
+    return range(first, end, page)
+
+
+def thp_allowed(setting: str) -> bool:
+    """Whether the kernel's THP mode (the sysfs line, e.g. `always [madvise] never`) allows them.
+
+    Example:
+        >>> thp_allowed("always [madvise] never"), thp_allowed("always madvise [never]")
+        (True, False)
+    """
+    return "[never]" not in setting
+
+
+def _collapse_works(madvise) -> bool:
+    """Whether this kernel collapses a huge page of a private anonymous mapping of our own."""
+    import mmap
+
+    with mmap.mmap(-1, 2 * HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS) as region:
+        view = (ctypes.c_char * len(region)).from_buffer(region)
+        try:
+            address = ctypes.addressof(view)
+            page = -(-address // HUGE_PAGE) * HUGE_PAGE  # the whole huge page inside it
+            view[page - address] = b"\1"  # the kernel collapses only pages with something in
+            return madvise(page, HUGE_PAGE, MADV_COLLAPSE) == 0
+        finally:
+            del view  # the mapping cannot close while exported
+
+
+class HugePagePromoter:
+    """Collapse the heap pages under sent buffers into huge pages, each page at most once."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._seen_buffers: set[tuple[int, int]] = set()
+        self._pages: set[int] = set()  # pages already collapsed, or found not collapsible
+        self._madvise = None
+        self.enabled = False
+        self.collapsed = 0  # pages this process collapsed
+        self.failed = 0  # pages the kernel would not collapse (not anonymous, no free huge page)
+        self.reason = "not started"
+
+    def start(self) -> bool:
+        """Find `madvise` and check that THP and the heap tuning are on; True if promoting."""
+        from hyparflow.launch.malloc import keep_temporaries_in_heap
+
+        self.enabled = False
+        if os.environ.get("HYPARFLOW_HUGEPAGES", "1") == "0":
+            self.reason = "HYPARFLOW_HUGEPAGES=0"
+            return False
+        if not sys.platform.startswith("linux"):
+            self.reason = f"not Linux ({sys.platform})"
+            return False
+        try:
+            with open(THP_SETTING) as file:
+                setting = file.read()
+        except OSError:
+            self.reason = f"no {THP_SETTING}"
+            return False
+        if not thp_allowed(setting):
+            self.reason = "transparent huge pages are off (never)"
+            return False
+        if not keep_temporaries_in_heap():
+            self.reason = "glibc heap tuning not in effect (hyparflow.launch.malloc)"
+            return False
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+            madvise = libc.madvise
+        except (OSError, AttributeError, TypeError):
+            self.reason = "no madvise in the C library"
+            return False
+        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        madvise.restype = ctypes.c_int
+        if not _collapse_works(madvise):
+            self.reason = "the kernel cannot collapse pages (MADV_COLLAPSE needs Linux 6.1)"
+            return False
+        self._madvise, self.enabled, self.reason = madvise, True, "on"
+        return True
+
+    def promote(self, address: int, nbytes: int) -> int:
+        """Collapse the pages under `[address, +nbytes)` not handled before; returns how many.
+
+        Pages at the ends are collapsed whole: the rest of such a page is other heap memory of
+        this process, whose contents a collapse keeps. Buffers under MIN_BYTES are left alone.
+        """
+        if not self.enabled or nbytes < MIN_BYTES:
+            return 0
+        key = (address, nbytes)
+        if key in self._seen_buffers:
+            return 0
+        done = 0
+        with self._lock:
+            self._seen_buffers.add(key)
+            for page in covered_pages(address, nbytes):
+                if page in self._pages:
+                    continue
+                self._pages.add(page)
+                if self._madvise(page, HUGE_PAGE, MADV_COLLAPSE) == 0:
+                    done += 1
+                else:  # no huge page free, or the page is not all anonymous heap memory
+                    self.failed += 1
+            self.collapsed += done
+        return done
+
+
+_promoter: HugePagePromoter | None = None
+
+
+def promoter() -> HugePagePromoter:
+    """This process's promoter, started on first use."""
+    global _promoter
+    if _promoter is None:
+        _promoter = HugePagePromoter()
+        _promoter.start()
+    return _promoter
+
+
+def promote_tensor(tensor, nbytes: int | None = None) -> int:
+    """Collapse the pages under a host tensor's or array's buffer (see `HugePagePromoter`).
+
+    `nbytes`, when the caller knows it, saves asking the tensor.
+    """
+    worker = _promoter if _promoter is not None else promoter()
+    if not worker.enabled:
+        return 0
+    if nbytes is None:
+        if isinstance(tensor, np.ndarray):
+            nbytes = tensor.nbytes
+        else:  # a TF tensor: sized before asking TF for its buffer
+            nbytes = tensor.shape.num_elements() * tensor.dtype.size
+    if nbytes < MIN_BYTES:
+        return 0
+    view = np.asarray(tensor)  # a CPU tensor's own memory, no copy
+    return worker.promote(view.ctypes.data, view.nbytes)
+
+
+def huge_zeros(shape, dtype):
+    """A long-lived zeroed host buffer for MPI to copy into and out of.
+
+    Large buffers (MIN_BYTES and up) start on a huge-page boundary and are promoted, so that
+    every page of them is huge (an unaligned buffer's first and last pages share 2 MiB with
+    other memory, which the kernel may refuse to collapse); smaller ones are 64-byte aligned.
+    Zeroing first gives the kernel pages to collapse (it refuses pages never touched).
+    """
+    from hyparflow.comm.dlpack import ALIGNMENT, aligned_empty
+
+    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+    large = nbytes >= MIN_BYTES and promoter().enabled
+    buffer = aligned_empty(shape, dtype, HUGE_PAGE if large else ALIGNMENT)
+    buffer[...] = 0
+    if large:
+        promote_tensor(buffer)
+    return buffer

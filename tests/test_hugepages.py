@@ -1,0 +1,97 @@
+"""Huge pages under MPI's buffers: page arithmetic, and real collapses checked in /proc."""
+
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+
+from hyparflow.comm.hugepages import THP_SETTING, covered_pages, thp_allowed
+
+
+def hugepages_expected() -> bool:
+    """Whether promotion must be on here: Linux 6.1+ with THP not "never" and glibc."""
+    if not sys.platform.startswith("linux") or not os.path.exists(THP_SETTING):
+        return False
+    major, minor = (int(part) for part in platform.release().split(".")[:2])
+    with open(THP_SETTING) as file:
+        allowed = thp_allowed(file.read())
+    return allowed and (major, minor) >= (6, 1) and platform.libc_ver()[0] == "glibc"
+
+
+def test_covered_pages_round_outward():
+    page = 2 * 2**20
+    assert list(covered_pages(page, page)) == [page]
+    assert list(covered_pages(page + 1, page)) == [page, 2 * page]
+    assert list(covered_pages(0, 0)) == []
+    assert len(covered_pages(123, 6 * 2**20)) == 4
+
+
+PROBE = """
+import json, numpy as np, tensorflow as tf
+from hyparflow.comm import hugepages
+
+def anon_huge_kib(address):
+    # AnonHugePages of the mapping that holds `address` (/proc/self/smaps).
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1])
+    return 0
+
+worker = hugepages.promoter()
+out = {"enabled": worker.enabled, "reason": worker.reason}
+if worker.enabled:
+    tensor = tf.random.normal((8 * 2**20 // 4,))  # 8 MiB from TF's allocator (glibc's heap)
+    address = np.asarray(tensor).ctypes.data
+    before = anon_huge_kib(address)
+    out["first"] = hugepages.promote_tensor(tensor)
+    out["gained_kib"] = anon_huge_kib(address) - before
+    out["again"] = hugepages.promote_tensor(tensor)
+    out["small"] = hugepages.promote_tensor(tf.ones((1000,)))
+    buffer = hugepages.huge_zeros((5 * 2**20 // 4,), "float32")
+    out["buffer"] = [buffer.ctypes.data % (2 * 2**20), float(abs(buffer).max())]
+print(json.dumps(out))
+"""
+
+
+def _probe(**env):
+    import json
+
+    result = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_tensor_pages_are_collapsed_once_and_opt_out_works():
+    out = _probe()
+    assert out["enabled"] == hugepages_expected(), out["reason"]
+    if out["enabled"]:
+        assert out["first"] >= 4  # 8 MiB unaligned: 4 or 5 pages hold some of it
+        assert out["gained_kib"] >= 8 * 1024  # the kernel now maps them as huge pages
+        assert out["again"] == 0 and out["small"] == 0
+        assert out["buffer"] == [0, 0.0]
+    off = _probe(HYPARFLOW_HUGEPAGES="0")
+    assert off == {"enabled": False, "reason": "HYPARFLOW_HUGEPAGES=0"}
+    untuned = _probe(HYPARFLOW_MALLOC_TUNING="0")
+    assert not untuned["enabled"]
+    if hugepages_expected():
+        assert "heap tuning" in untuned["reason"]
+
+
+@pytest.mark.skipif(not hugepages_expected(), reason="needs Linux 6.1+ with THP")
+def test_kernel_probe_finds_collapse():
+    from hyparflow.comm.hugepages import HugePagePromoter
+
+    assert HugePagePromoter().start()
