@@ -3,14 +3,21 @@
 Run: .venv/bin/python benchmarks/pipeline_bubble.py [--rounds 3] [--microbatches 1 2 4 8 16]
      (starts `mpirun -np 2` itself)
 
-Bubble: a balanced 2-stage pipeline (an MLP of equal Dense layers, two per stage; the last
-stage also computes the loss) trained with `hf.fit(strategy="model")` and the
+Bubble: a balanced 2-stage pipeline (an MLP of equal Dense layers, two per stage) trained
+with `hf.fit(strategy="model")` and the
 `ScalingProfiler`, for each schedule and micro-batch count m; one launch per round runs every
 configuration, in an order reversed every round. The profiler's measured bubble is
 `1 - compute / makespan` over the steady steps (docs/profiling.md); the formula is
 (p-1)/(m+p-1); the "simulated" bubble is the schedule on an ideal machine with the measured
 stage times (it differs from the formula only by the stages' imbalance). Target: 1F1B within 5
 percentage points of the formula.
+
+Balance is measured, not assumed: the first stage computes no input gradient and the last one
+also computes the head and the loss, so with equal layers the last stage is the slower. Each
+launch first times both stages (profiler) with the first layer's input as wide as the others
+and twice as wide, for each m (the last stage's fixed costs per micro-batch weigh more when
+micro-batches are small), and then widens it to where the stages' compute times meet (stage
+0's time grows linearly with that width). The "simulated" rows show what imbalance is left.
 
 Memory: GPipe keeps every micro-batch's activations until the backward; 1F1B at most p per
 stage. Each schedule runs in its own launch (alternating) with larger activations (bigger
@@ -45,17 +52,14 @@ def bubble_worker(args) -> None:
     from benchmarks.models import mlp, synthetic_data
 
     keras.config.disable_interactive_logging()
-    model = mlp(args.width, 4)
-    x, y = synthetic_data(model, args.batch_size * args.steps)
-    configs = [(s, m) for m in args.microbatches for s in SCHEDULES]
-    if args.reverse:
-        configs.reverse()
     root = MPI.COMM_WORLD.bcast(tempfile.mkdtemp(prefix="hf-bubble-") if hf.rank() == 0 else None)
-    results = []
-    for schedule, m in configs:
-        strategy = hf.Strategy("model", microbatches=m, schedule=schedule)
-        log_dir = os.path.join(root, f"{schedule}-{m}")
-        profiler = hf.callbacks.ScalingProfiler(log_dir, timeline=False)
+
+    def profiled_fit(inputs, schedule, m, name):
+        """Train the MLP with `inputs` input features; rank 0 gets the profile's job row and
+        each stage's compute (ms per step)."""
+        model = mlp(args.width, 4, inputs=inputs)
+        x, y = synthetic_data(model, args.batch_size * args.steps)
+        log_dir = os.path.join(root, name)
         hf.fit(
             model,
             x,
@@ -63,12 +67,26 @@ def bubble_worker(args) -> None:
             batch_size=args.batch_size,
             epochs=args.epochs,
             verbose=0,
-            strategy=strategy,
-            callbacks=[profiler],
+            strategy=hf.Strategy("model", microbatches=m, schedule=schedule),
+            callbacks=[hf.callbacks.ScalingProfiler(log_dir, timeline=False)],
         )
+        if hf.rank() != 0:
+            return None, None
+        with open(os.path.join(log_dir, "profile.json")) as f:
+            profile = json.load(f)
+        compute = {r["rank"]: r["ms_per_step"]["compute"] for r in profile["ranks"]}
+        return profile["job"], [compute[0], compute[1]]
+
+    # Per micro-batch count: the last stage's fixed per-micro-batch costs (loss, head) weigh
+    # more the smaller the micro-batches, so one width cannot balance every m.
+    inputs = {m: balanced_inputs(args.width, m, profiled_fit) for m in args.microbatches}
+    configs = [(s, m) for m in args.microbatches for s in SCHEDULES]
+    if args.reverse:
+        configs.reverse()
+    results = []
+    for schedule, m in configs:
+        job, _ = profiled_fit(inputs[m], schedule, m, f"{schedule}-{m}")
         if hf.rank() == 0:
-            with open(os.path.join(log_dir, "profile.json")) as f:
-                job = json.load(f)["job"]
             results.append(
                 {
                     "schedule": schedule,
@@ -77,10 +95,27 @@ def bubble_worker(args) -> None:
                     "theoretical": job["bubble_theoretical"],
                     "simulated": job["bubble_simulated"],
                     "step_ms": job["ms_per_step"]["step"],
+                    "inputs": inputs[m],
                 }
             )
     if hf.rank() == 0:
         write_result(args.worker_out, 0, results)
+
+
+def balanced_inputs(width: int, m: int, profiled_fit) -> int:
+    """The first layer's input width at which both stages' measured compute per step meet
+    with `m` micro-batches."""
+    from mpi4py import MPI
+
+    calibration = {d: profiled_fit(d, "1f1b", m, f"balance-{m}-{d}")[1] for d in (width, 2 * width)}
+    inputs = None
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        (narrow0, narrow1), (wide0, wide1) = calibration[width], calibration[2 * width]
+        per_feature = (wide0 - narrow0) / width  # stage 0's compute per input feature
+        last_stage = (narrow1 + wide1) / 2  # does not depend on the first layer
+        exact = width + (last_stage - narrow0) / per_feature if per_feature > 0 else width
+        inputs = int(min(4 * width, max(width // 2, round(exact / 64) * 64)))
+    return MPI.COMM_WORLD.bcast(inputs)
 
 
 def memory_worker(args) -> None:
@@ -113,6 +148,14 @@ def _bubble_records(args) -> list[dict]:
     records = []
     for m in args.microbatches:
         mine = [r for r in runs if r["microbatches"] == m]
+        records.append(
+            measurement(
+                FIGURE,
+                f"first layer's input width chosen for balance (one per launch), m={m}",
+                [r["inputs"] for r in mine if r["schedule"] == SCHEDULES[0]],
+                "features",
+            )
+        )
         formula = mine[0]["theoretical"]
         records.append(
             measurement(

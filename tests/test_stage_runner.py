@@ -130,3 +130,73 @@ def test_flat_layout_round_trips_gradients_with_aligned_pieces():
     for got, want in zip(layout.unflatten_fn(packed), grads):
         np.testing.assert_array_equal(got.numpy(), want.numpy())
     assert not flat.FlatLayout([tf.TensorSpec((2,), tf.float16)]).usable
+
+
+def _dense_stage():
+    keras.utils.set_random_seed(5)
+    inputs = keras.Input((6,))
+    outputs = keras.layers.Dense(3)(keras.layers.Dense(4, activation="tanh")(inputs))
+    model = keras.Model(inputs, outputs)
+    model.compile(loss="mse", optimizer="sgd", metrics=["mae"])
+    return model
+
+
+def test_first_stage_skips_input_gradients_and_keeps_variable_gradients():
+    model = _dense_stage()
+    x = tf.constant(np.random.default_rng(2).normal(size=(5, 6)).astype("float32"))
+    upstream = [tf.ones((5, 3))]
+    results = []
+    for input_grads in (True, False):
+        runner = StageRunner(
+            lambda inputs, training: model(inputs, training=training),
+            model.trainable_variables,
+            input_grads=input_grads,
+        )
+        runner.forward(0, x)
+        returned = runner.backward(0, upstream)
+        results.append((returned, runner.take_gradients()))
+    (with_inputs, grads), (without, same_grads) = results
+    assert with_inputs[0] is not None and with_inputs[0].shape == (5, 6)
+    assert without == [None]
+    for a, b in zip(grads, same_grads):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6)
+    # The backward graph no longer holds the input gradient at all (not just discards it).
+    runner = StageRunner(
+        lambda inputs, training: model(inputs, training=training),
+        model.trainable_variables,
+        input_grads=False,
+    )
+    graph = runner._forward_fn.get_concrete_function(x).graph
+    assert any(op.type == "StopGradient" for op in graph.get_operations())
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_last_stage_updates_metrics_inside_its_call_once_per_forward(recompute):
+    model = _dense_stage()
+    x = tf.constant(np.random.default_rng(3).normal(size=(4, 6)).astype("float32"))
+    y = tf.constant(np.random.default_rng(4).normal(size=(4, 3)).astype("float32"))
+    calls = []
+
+    def metrics(yt, yp, sw):
+        calls.append(1)  # traced once per signature; the update below runs per call
+        model._compile_metrics.update_state(yt, yp, sw)
+
+    runner = StageRunner(
+        lambda inputs, training: model(inputs, training=training),
+        model.trainable_variables,
+        loss=lambda yt, yp, sw: model._compile_loss(yt, yp, sw),
+        metrics=metrics,
+        recompute=recompute,
+        state_variables=(),
+    )
+    model._compile_metrics.build(y, y)  # the trainer builds it before the first step
+    for k in range(2):
+        runner.forward(k, x, (y, None), scale=0.5)
+    for k in range(2):
+        runner.backward(k)
+    if recompute:  # the backward replays the forward: the trainer updates metrics instead
+        assert not runner.updates_metrics and not calls
+        return
+    assert runner.updates_metrics
+    (count,) = [v for v in model._compile_metrics.variables if "count" in v.name]
+    assert float(count.numpy()) == 2 * 4  # two forwards of 4 samples, none doubled

@@ -16,12 +16,26 @@ def _is_float(tensor) -> bool:
     return tensor.dtype.is_floating
 
 
+def _constant(tensor):
+    """`tensor` cut off from differentiation (None stays None)."""
+    return None if tensor is None else tf.stop_gradient(tensor)
+
+
 class StageRunner:
     """Forward, backward and gradient accumulation of one pipeline stage.
 
     `call(inputs, training)` computes the stage's outputs; `variables` are the trainable
     variables it differentiates; `loss(y, y_pred, sample_weight)` (last stage only) turns its
     outputs into the compiled loss, a mean over the micro-batch.
+
+    `metrics(y, y_pred, sample_weight)`, if given at the last stage, updates the compiled
+    metrics inside the loss forward's call (`updates_metrics` then tells the trainer not to),
+    saving a compiled call per micro-batch; not with `recompute`, whose backward replays the
+    forward.
+
+    `input_grads=False` (the first stage: nothing upstream) skips the gradients of the
+    inputs, which would otherwise cost the first layer's input-gradient product per
+    micro-batch; `backward` then returns None for every input.
 
     `recompute=True` keeps only each micro-batch's inputs between forward and backward and
     recomputes its activations in the backward (Chen et al. 2016, "Training Deep Nets with
@@ -37,9 +51,21 @@ class StageRunner:
     updates_metrics = False  # the trainer updates metrics from the outputs
     layout = None  # gradients stay a list (FusedRunner may keep them flat)
 
-    def __init__(self, call, variables, loss=None, recompute=False, state_variables=()):
+    def __init__(
+        self,
+        call,
+        variables,
+        loss=None,
+        recompute=False,
+        state_variables=(),
+        metrics=None,
+        input_grads=True,
+    ):
         self.variables = list(variables)
+        self.input_grads = input_grads
         self.recompute = recompute
+        self._metrics = metrics if loss is not None and not recompute else None
+        self.updates_metrics = self._metrics is not None
         # What a forward changes besides activations (BatchNormalization statistics, Dropout
         # seeds): put back around a recomputation so that it replays the first forward exactly.
         self.state_variables = list(state_variables)
@@ -55,12 +81,21 @@ class StageRunner:
         self._loss_forward_fn = tf.function(self._loss_forward_body)
         self._infer_fn = tf.function(self._infer_body)
 
+    def _differentiable(self, inputs):
+        # A taped function's backward graph computes the gradient of every float input unless
+        # the input is cut off from it here.
+        return inputs if self.input_grads else tree.map_structure(_constant, inputs)
+
     def _forward_body(self, inputs):
-        return self._call(inputs, True)
+        return self._call(self._differentiable(inputs), True)
 
     def _loss_forward_body(self, inputs, y, sample_weight, scale):
-        y_pred = self._call(inputs, True)
+        y_pred = self._call(self._differentiable(inputs), True)
+        # Targets, weights and scale are data: no gradient flows to them.
+        y, sample_weight, scale = tree.map_structure(_constant, (y, sample_weight, scale))
         loss = self._loss(y, y_pred, sample_weight)
+        if self._metrics is not None:
+            self._metrics(y, y_pred, sample_weight)
         return y_pred, loss, loss * scale
 
     def _infer_body(self, inputs):
@@ -87,7 +122,7 @@ class StageRunner:
 
     def _taped_forward(self, inputs, targets, scale, tape):
         """The forward; under `tape`, also what to differentiate: (watched inputs, targets)."""
-        watched = [t for t in tree.flatten(inputs) if _is_float(t)]
+        watched = [t for t in tree.flatten(inputs) if _is_float(t)] if self.input_grads else []
         if tape is not None:
             tape.watch(watched)
             tape.watch(self._sources)
@@ -135,6 +170,8 @@ class StageRunner:
             self._grads = var_grads
         else:
             self._grads = [a + g for a, g in zip(self._grads, var_grads)]
+        if not self.input_grads:
+            return [None] * len(tree.flatten(inputs))
         by_input = iter(input_grads)
         return [next(by_input) if _is_float(t) else None for t in tree.flatten(inputs)]
 

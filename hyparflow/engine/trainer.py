@@ -108,6 +108,8 @@ class Trainer:
                 loss=self._loss if self.is_last else None,
                 recompute=strategy.recompute,
                 state_variables=self._forward_state() if strategy.recompute else (),
+                metrics=self._update_metrics if self.is_last else None,
+                input_grads=not self.is_first,
             )
         self._update_metrics_fn = tf.function(self._update_metrics)
         # Compiled like Keras's own step: eager metric updates and results cost ~1 ms a step.
@@ -179,6 +181,7 @@ class Trainer:
                     state_variables=(
                         self._forward_state(segment.model) if self.strategy.recompute else ()
                     ),
+                    input_grads=j > 0 or not self.is_first,
                 )
             )
         self.runner = SegmentedRunner(runners, self.variables)
