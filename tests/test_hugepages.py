@@ -1,13 +1,14 @@
 """Huge pages under MPI's buffers: page arithmetic, and real collapses checked in /proc."""
 
+import json
 import os
 import platform
-import subprocess
 import sys
 
 import pytest
 
 from hyparflow.comm.hugepages import THP_SETTING, covered_pages, thp_allowed
+from tests.probe import python_output
 
 
 def hugepages_expected() -> bool:
@@ -61,17 +62,7 @@ print(json.dumps(out))
 
 
 def _probe(**env):
-    import json
-
-    result = subprocess.run(
-        [sys.executable, "-c", PROBE],
-        env={**os.environ, **env},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return json.loads(python_output(PROBE, **env).strip().splitlines()[-1])
 
 
 def test_tensor_pages_are_collapsed_once_and_opt_out_works():

@@ -1,10 +1,10 @@
 """glibc tuning for ranks sharing a node: large temporaries stay in the heap, opt-out works."""
 
-import os
-import subprocess
 import sys
 
 import pytest
+
+from tests.probe import python_output
 
 PROBE = """
 import ctypes, ctypes.util, sys
@@ -33,14 +33,7 @@ print(applied, mapped)
 
 
 def _probe(**env):
-    result = subprocess.run(
-        [sys.executable, "-c", PROBE],
-        env={**os.environ, **env},
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    applied, mapped = result.stdout.split()
+    applied, mapped = python_output(PROBE, **env).split()
     return applied == "True", int(mapped)
 
 
