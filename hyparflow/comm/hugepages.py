@@ -110,7 +110,7 @@ class HugePagePromoter:
             self.reason = "glibc heap tuning not in effect (hyparflow.launch.malloc)"
             return False
         try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+            libc = ctypes.CDLL(ctypes.util.find_library("c"))
             madvise = libc.madvise
         except (OSError, AttributeError, TypeError):
             self.reason = "no madvise in the C library"
@@ -166,7 +166,7 @@ def promote_tensor(tensor, nbytes: int | None = None) -> int:
 
     `nbytes`, when the caller knows it, saves asking the tensor.
     """
-    worker = _promoter if _promoter is not None else promoter()
+    worker = promoter()
     if not worker.enabled:
         return 0
     if nbytes is None:
