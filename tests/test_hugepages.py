@@ -86,3 +86,17 @@ def test_kernel_probe_finds_collapse():
     from hyparflow.comm.hugepages import HugePagePromoter
 
     assert HugePagePromoter().start()
+
+
+def test_buffer_shortcut_stays_bounded_and_pages_are_still_remembered():
+    from hyparflow.comm import hugepages
+
+    worker = hugepages.HugePagePromoter()
+    calls = []
+    worker._madvise = lambda page, size, advice: calls.append(page) or 0
+    worker.enabled = True  # a stand-in madvise: this checks the bookkeeping, not the kernel
+    size = hugepages.MIN_BYTES
+    for i in range(hugepages.SEEN_BUFFERS + 10):
+        worker.promote(i * 64, size)  # distinct buffers over the same few pages
+    assert len(worker._seen_buffers) <= hugepages.SEEN_BUFFERS
+    assert len(calls) == len(set(calls)) == worker.collapsed  # each page collapsed once

@@ -31,6 +31,7 @@ import numpy as np
 HUGE_PAGE = 2 * 2**20  # x86-64 and aarch64 (4 KiB base pages) PMD size
 MIN_BYTES = 4 * 2**20  # numpy's own threshold for huge pages; smaller messages gain little
 MADV_COLLAPSE = 25  # linux/mman.h, Linux 6.1
+SEEN_BUFFERS = 4096  # buffers remembered for the one-lookup shortcut (bounds its memory)
 THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
@@ -136,6 +137,8 @@ class HugePagePromoter:
             return 0
         done = 0
         with self._lock:
+            if len(self._seen_buffers) >= SEEN_BUFFERS:  # only a shortcut: `_pages` remembers
+                self._seen_buffers.clear()
             self._seen_buffers.add(key)
             for page in covered_pages(address, nbytes):
                 if page in self._pages:
