@@ -48,7 +48,6 @@ class StageRunner:
         >>> grads = runner.take_gradients()
     """
 
-    updates_metrics = False  # the trainer updates metrics from the outputs
     layout = None  # gradients stay a list (FusedRunner may keep them flat)
 
     def __init__(
@@ -65,6 +64,7 @@ class StageRunner:
         self.input_grads = input_grads
         self.recompute = recompute
         self._metrics = metrics if loss is not None and not recompute else None
+        # False: the trainer updates metrics from the outputs.
         self.updates_metrics = self._metrics is not None
         # What a forward changes besides activations (BatchNormalization statistics, Dropout
         # seeds): put back around a recomputation so that it replays the first forward exactly.
