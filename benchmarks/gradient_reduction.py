@@ -7,16 +7,19 @@ Gradients are random float32 tensors shaped like a model's trainable variables (
 for CIFAR: 335 tensors, 6.6 MiB; ResNet-50: 161 tensors, 90 MiB). Each rank sums them over
 both ranks, in blocks of reductions per way, the ways interleaved (order rotated each repeat):
 
-- hyparflow, data parallel: what the engine runs per step when the model is not partitioned.
-  The compiled step concatenates its gradients into one fresh flat tensor as its last op
-  (`FlatLayout.flatten`); `GradientReducer.reduce_flat` sums that tensor in place, 25 MiB per
-  blocking `Allreduce`, and the optimizer's compiled update splits it into views without
-  copying. Timed: `reduce_flat` of freshly packed tensors (made before each block, as the
-  step would). The packing is shown on its own as a separate compiled call, where each of its
-  hundreds of inputs costs ~12 µs of call overhead that the in-step concatenation does not
-  pay (it is part of the step's compute in figures 1, 4 and 6);
-- GradientReducer: hyparflow's fused buckets (25 MiB, `Iallreduce` in place), what the engine
-  runs per step for a pipeline stage with replicas (`op="sum"`), TF tensors in and out;
+- hyparflow engine (flat): what the engine runs per step, data parallel or pipeline stage
+  with replicas. The gradients are born as one fresh flat tensor: the data-parallel step
+  concatenates them as its last op (`FlatLayout.flatten`), a pipeline stage differentiates
+  one flat tensor of its variables' values, so its compiled backward ends in the same concat.
+  `GradientReducer.reduce_flat` sums that tensor in place, 25 MiB per blocking `Allreduce`,
+  and the optimizer's compiled update splits it into views without copying. Timed:
+  `reduce_flat` of freshly packed tensors (made before each block, as the step would). The
+  packing is shown on its own as a separate compiled call, where each of its hundreds of
+  inputs costs ~12 µs of call overhead that the in-step concatenation does not pay (it is
+  part of the step's compute in figures 1, 4 and 6);
+- GradientReducer: hyparflow's fused buckets of a list of tensors (25 MiB, in place), TF
+  tensors in and out: what the engine falls back to where gradients must stay a list
+  (layers shared by several stages, non-float32 variables);
 - GradientReducer, background thread: the same buckets reduced by blocking `Allreduce` on a
   helper thread (what `overlap_groups` uses);
 - raw MPI.Allreduce: one in-place `Allreduce` of a single numpy buffer of the same bytes: the
@@ -46,9 +49,9 @@ from benchmarks.harness.stats import paired_ratios  # noqa: E402
 FIGURE = "allreduce"
 TITLE = "(3) Gradient reduction: GradientReducer vs raw MPI.Allreduce vs Horovod"
 LABELS = {
-    "flat": "hyparflow data parallel: reduce_flat of the step's flat tensor",
+    "flat": "hyparflow engine: reduce_flat of the step's flat gradient tensor",
     "pack": "pack as a separate compiled call (in the engine: the step's last op)",
-    "reducer": "GradientReducer",
+    "reducer": "GradientReducer, list of tensors (shared layers, non-float32)",
     "reducer_thread": "GradientReducer, background thread",
     "raw": "raw MPI.Allreduce, one buffer",
     "horovod": "Horovod grouped_allreduce (eager)",
@@ -56,6 +59,7 @@ LABELS = {
     "raw_beside_horovod": "raw MPI.Allreduce, with Horovod initialized",
 }
 
+WAYS_WITH_TARGETS = (("flat", "engine (flat)"), ("reducer", "GradientReducer, list"))
 
 # Ways whose input the engine's step produces: made fresh before each timed block.
 PREPARE: dict = {}
@@ -207,14 +211,14 @@ def _records(result: dict, venv: str) -> list[dict]:
                     reductions_per_repeat=r["per_block"],
                 )
             )
-        for way, name in (("flat", "data parallel (flat)"), ("reducer", "GradientReducer")):
+        for way, name in WAYS_WITH_TARGETS:
             if way not in ms:
                 continue
             ratios = paired_ratios(ms[way], ms["raw"])
             records.append(target(FIGURE, f"{name} / raw Allreduce: {where}", ratios, "<= 1.1"))
         if "horovod" in ms:
             best = [min(a, b) for a, b in zip(ms["horovod"], ms["horovod_function"])]
-            for way, name in (("flat", "data parallel (flat)"), ("reducer", "GradientReducer")):
+            for way, name in WAYS_WITH_TARGETS:
                 records.append(
                     target(
                         FIGURE,

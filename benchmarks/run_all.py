@@ -47,6 +47,7 @@ OTHERS = [
     ("Partitioning a 5,000-layer model", "plan_5000_layers.py", "main", 1, []),
     ("ResNet-50 split with balance='time'", "resnet50_time_balance.py", "main", 1, []),
     ("ScalingProfiler overhead", "profiler_overhead.py", "main", 1, []),
+    ("Pipeline stage: per-variable vs flat gradients", "stage_gradients.py", "main", 1, []),
     ("Horovod vs GradientReducer, ResNet-50 gradients", "horovod_reduce.py", "compat", 2,
      ["--model", "resnet50"]),
     ("Scaling model vs measured runs", "simulator_validation.py", "main", 1,

@@ -89,6 +89,17 @@ def _check(results, configs):
             if "overlap" in r["config"]:  # reductions really started inside the backward
                 assert r["overlap_early_starts"], f"{where}: no gradient reduced early"
             partitions = int(r["config"].split(":")[3])
+            replicas = int(r["config"].split(":")[4])
+            # Gradients travel as one flat tensor unless a list is needed: layers shared by
+            # stages are summed per variable over the pipeline, overlap reduces per segment
+            # (and a stage of only pooling/reshaping layers has no gradients at all).
+            flat = (
+                (partitions > 1 or replicas > 1)
+                and r["stage_variables"] > 0
+                and "overlap" not in r["config"]
+                and not r["shared_across_stages"]
+            )
+            assert r["flat_gradients"] == flat, f"{where}: flat gradients {r['flat_gradients']}"
             if partitions > 1:  # optimizer state lives only with the stage's own variables
                 assert r["optimizer_variables"] < r["reference_optimizer_variables"], where
 

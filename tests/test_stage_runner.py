@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from hyparflow.engine.flat import FlatLayout
 from hyparflow.engine.stage import StageRunner
 
 
@@ -26,7 +27,7 @@ def _state(model):
     return list(model.non_trainable_variables) + seeds
 
 
-def _run(recompute: bool):
+def _run(recompute: bool, flat: bool = False):
     model = _model()
     x = np.random.default_rng(0).normal(size=(12, 5)).astype("float32")
     y = np.random.default_rng(1).normal(size=(12, 2)).astype("float32")
@@ -36,6 +37,7 @@ def _run(recompute: bool):
         loss=lambda yt, yp, sw: model._compile_loss(yt, yp, sw),
         recompute=recompute,
         state_variables=_state(model) if recompute else (),
+        layout=FlatLayout(model.trainable_variables) if flat else None,
     )
     for k, part in enumerate((slice(0, 8), slice(8, 12))):
         runner.forward(k, tf.constant(x[part]), (tf.constant(y[part]), None), scale=1.0)
@@ -67,6 +69,49 @@ def test_recompute_does_not_update_batchnorm_statistics_twice(runs):
     (_, plain_stats, _), (_, recomputed_stats, _) = runs
     for a, b in zip(plain_stats, recomputed_stats):
         np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_flat_layout_gives_the_same_gradients_statistics_and_dropout(runs, recompute):
+    """Variables read from views of one flat tensor: the gradient comes back flat and equal
+    to the per-variable one, BatchNormalization statistics and Dropout masks included."""
+    (plain, plain_stats, _) = runs[recompute]
+    grads, stats, _ = _run(recompute=recompute, flat=True)
+    for a, b in zip(plain, grads):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6, atol=1e-7)
+    for a, b in zip(plain_stats, stats):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+def test_flat_layout_middle_stage_and_fresh_values_each_step():
+    """A middle stage: same input gradients; the flat gradient is one tensor; after the
+    variables change between steps, the next step differentiates the new values."""
+    model = _dense_stage()
+    x = tf.constant(np.random.default_rng(6).normal(size=(5, 6)).astype("float32"))
+    upstream = [tf.constant(np.random.default_rng(7).normal(size=(5, 3)).astype("float32"))]
+    layout = FlatLayout(model.trainable_variables)
+    runners = [
+        StageRunner(lambda i, training: model(i, training=training), model.trainable_variables),
+        StageRunner(
+            lambda i, training: model(i, training=training),
+            model.trainable_variables,
+            layout=layout,
+        ),
+    ]
+    for _ in range(2):  # two steps
+        results = []
+        for runner in runners:
+            runner.forward(0, x)
+            results.append(runner.backward(0, upstream))
+        (plain_in,), (flat_in,) = results
+        np.testing.assert_allclose(plain_in.numpy(), flat_in.numpy(), rtol=1e-6)
+        packed = runners[1].take_flat_gradients()
+        assert packed.shape == (layout.length,)
+        for a, b in zip(runners[0].take_gradients(), layout.unflatten_fn(packed)):
+            np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6)
+        for v in model.trainable_variables:  # an optimizer step between the two steps
+            v.assign(v * 0.5 + 0.1)
+    assert not np.any(runners[1].take_flat_gradients().numpy())  # nothing since: zeros
 
 
 def test_take_gradients_hands_over_the_sum_and_resets():
@@ -166,7 +211,7 @@ def test_first_stage_skips_input_gradients_and_keeps_variable_gradients():
         model.trainable_variables,
         input_grads=False,
     )
-    graph = runner._forward_fn.get_concrete_function(x).graph
+    graph = runner._forward_fn.get_concrete_function(x, None).graph
     assert any(op.type == "StopGradient" for op in graph.get_operations())
 
 

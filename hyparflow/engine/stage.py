@@ -7,6 +7,7 @@ only that micro-batch's activations alive until its backward (GPipe's activation
 
 from __future__ import annotations
 
+import keras
 import numpy as np
 import tensorflow as tf
 from keras import tree
@@ -37,6 +38,13 @@ class StageRunner:
     inputs, which would otherwise cost the first layer's input-gradient product per
     micro-batch; `backward` then returns None for every input.
 
+    With a `layout` (`FlatLayout` of `variables`), the stage reads its variables from views
+    of one flat tensor of their values, packed once per step, and differentiates that tensor
+    instead: each backward then yields the stage's whole gradient as one flat tensor, built
+    inside the compiled backward (the split's gradient is a concat), so accumulating a
+    micro-batch is one add and the reduction across replicas is one `reduce_flat`, where a
+    list costs Python work per variable (docs/engine.md, "Flat pipeline gradients").
+
     `recompute=True` keeps only each micro-batch's inputs between forward and backward and
     recomputes its activations in the backward (Chen et al. 2016, "Training Deep Nets with
     Sublinear Memory Cost"; GPipe's re-materialization).
@@ -48,8 +56,6 @@ class StageRunner:
         >>> grads = runner.take_gradients()
     """
 
-    layout = None  # gradients stay a list (FusedRunner may keep them flat)
-
     def __init__(
         self,
         call,
@@ -59,8 +65,10 @@ class StageRunner:
         state_variables=(),
         metrics=None,
         input_grads=True,
+        layout=None,
     ):
         self.variables = list(variables)
+        self.layout = layout
         self.input_grads = input_grads
         self.recompute = recompute
         self._metrics = metrics if loss is not None and not recompute else None
@@ -76,6 +84,8 @@ class StageRunner:
         self._loss = loss
         self._pending = {}
         self._grads = None
+        self._params = None  # this step's flat variable values (with a layout)
+        self._pack_fn = tf.function(self._pack_body)
         # Static shapes: one trace per distinct micro-batch size (usually two: full and last).
         self._forward_fn = tf.function(self._forward_body)
         self._loss_forward_fn = tf.function(self._loss_forward_body)
@@ -86,11 +96,26 @@ class StageRunner:
         # the input is cut off from it here.
         return inputs if self.input_grads else tree.map_structure(_constant, inputs)
 
-    def _forward_body(self, inputs):
-        return self._call(self._differentiable(inputs), True)
+    def _pack_body(self):
+        return self.layout.flatten([tf.convert_to_tensor(s) for s in self._sources], 0.0)
 
-    def _loss_forward_body(self, inputs, y, sample_weight, scale):
-        y_pred = self._call(self._differentiable(inputs), True)
+    def _training_call(self, inputs, params):
+        """The stage's training forward; with `params`, its variables read views of it."""
+        inputs = self._differentiable(inputs)
+        if params is None:
+            return self._call(inputs, True)
+        views = self.layout.unflatten(params)
+        with _UpdateRecordingScope(zip(self.variables, views)) as scope:
+            outputs = self._call(inputs, True)
+        for variable, value in scope.updates.values():  # statistics, seeds: applied for real
+            variable.assign(value)
+        return outputs
+
+    def _forward_body(self, inputs, params):
+        return self._training_call(inputs, params)
+
+    def _loss_forward_body(self, inputs, y, sample_weight, scale, params):
+        y_pred = self._training_call(inputs, params)
         # Targets, weights and scale are data: no gradient flows to them.
         y, sample_weight, scale = tree.map_structure(_constant, (y, sample_weight, scale))
         loss = self._loss(y, y_pred, sample_weight)
@@ -121,17 +146,21 @@ class StageRunner:
         return result
 
     def _taped_forward(self, inputs, targets, scale, tape):
-        """The forward; under `tape`, also what to differentiate: (watched inputs, targets)."""
+        """The forward; under `tape`, also what to differentiate: (inputs, watched inputs,
+        sources, targets)."""
         watched = [t for t in tree.flatten(inputs) if _is_float(t)] if self.input_grads else []
+        params = self._parameters()
+        sources = self._sources if params is None else [params]
         if tape is not None:
             tape.watch(watched)
-            tape.watch(self._sources)
+            tape.watch(sources)
         if self.is_last:
             y, sample_weight = targets
-            y_pred, loss, scaled = self._loss_forward_fn(inputs, y, sample_weight, scale)
-            return (y_pred, loss), (inputs, watched, scaled)
-        result = self._forward_fn(inputs)
-        return result, (inputs, watched, [t for t in tree.flatten(result) if _is_float(t)])
+            y_pred, loss, scaled = self._loss_forward_fn(inputs, y, sample_weight, scale, params)
+            return (y_pred, loss), (inputs, watched, sources, scaled)
+        result = self._forward_fn(inputs, params)
+        floats = [t for t in tree.flatten(result) if _is_float(t)]
+        return result, (inputs, watched, sources, floats)
 
     def _recomputed(self, inputs, targets, scale, snapshot):
         """Run the forward again under a tape, from the state it first saw (same Dropout masks,
@@ -157,16 +186,19 @@ class StageRunner:
         tape, kept = self._pending.pop(microbatch)
         if tape is None:
             tape, kept = self._recomputed(*kept)
-        inputs, watched, targets = kept
+        inputs, watched, sources, targets = kept
         grads = tape.gradient(
             targets,
-            watched + self._sources,
+            watched + sources,
             output_gradients=None if self.is_last else list(output_grads),
             unconnected_gradients=tf.UnconnectedGradients.ZERO,
         )
         input_grads, var_grads = grads[: len(watched)], grads[len(watched) :]
         var_grads = [tf.convert_to_tensor(g) for g in var_grads]  # IndexedSlices -> dense
-        if self._grads is None:
+        if self.layout is not None:
+            (flat,) = var_grads
+            self._grads = flat if self._grads is None else self._grads + flat
+        elif self._grads is None:
             self._grads = var_grads
         else:
             self._grads = [a + g for a, g in zip(self._grads, var_grads)]
@@ -179,15 +211,44 @@ class StageRunner:
         """Forward without gradients, in inference mode (validation, evaluate, predict)."""
         return self._infer_fn(inputs)
 
+    def _parameters(self):
+        """This step's flat variable values (None without a layout), packed at its first
+        forward: variables change only between steps (optimizer, callbacks, restores)."""
+        if self.layout is None:
+            return None
+        if self._params is None:
+            self._params = self._pack_fn()
+        return self._params
+
     def take_gradients(self) -> list:
         """Summed variable gradients of the micro-batches since the last call (zeros if none)."""
+        if self.layout is not None:
+            return self.layout.unflatten_fn(self.take_flat_gradients())
         grads = self._grads
         self._grads = None
         if grads is None:
             grads = [tf.zeros_like(v) for v in self.variables]
         return grads
 
+    def take_flat_gradients(self):
+        """`take_gradients` as the layout's one flat tensor (needs a `layout`); the next
+        forward packs the variables anew."""
+        flat, self._grads, self._params = self._grads, None, None
+        return tf.zeros([self.layout.length], tf.float32) if flat is None else flat
+
     @property
     def in_flight(self) -> int:
         """Micro-batches forwarded whose backward has not run yet."""
         return len(self._pending)
+
+
+class _UpdateRecordingScope(keras.StatelessScope):
+    """A `keras.StatelessScope` that also remembers which variables were assigned in it."""
+
+    def __init__(self, mapping):
+        super().__init__(list(mapping), initialize_variables=False)
+        self.updates = {}
+
+    def add_update(self, update):
+        super().add_update(update)
+        self.updates[id(update[0])] = update

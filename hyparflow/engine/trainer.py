@@ -102,6 +102,7 @@ class Trainer:
                 else None,
             )
         else:
+            layout = FlatLayout(self.variables)
             self.runner = StageRunner(
                 call,
                 self.variables,
@@ -110,6 +111,13 @@ class Trainer:
                 state_variables=self._forward_state() if strategy.recompute else (),
                 metrics=self._update_metrics if self.is_last else None,
                 input_grads=not self.is_first,
+                # Flat unless gradients must be a list: shared layers (summed per variable over
+                # the pipeline) or Horovod's reducer (it takes a list).
+                layout=layout
+                if layout.usable
+                and not plan.shared_layers
+                and (comm_backend == "mpi" or topo.num_replicas == 1)
+                else None,
             )
         self._update_metrics_fn = tf.function(self._update_metrics)
         # Compiled like Keras's own step: eager metric updates and results cost ~1 ms a step.
@@ -338,10 +346,12 @@ class Trainer:
         with self._step_span(batch.size, len(pieces)):
             losses = self._run_schedule(pieces, batch.size, train=True)
             guard = self.watchdog.guard("reduce gradients across stages and replicas")
-            layout = self.runner.layout  # data parallel: gradients are one flat tensor
+            layout = self.runner.layout  # gradients are one flat tensor
             with self._span(events.ALLREDUCE), guard:
                 if layout is not None:
-                    flat = self.replica_reducer.reduce_flat(self.runner.take_flat_gradients())
+                    flat = self.runner.take_flat_gradients()
+                    if self.topology.num_replicas > 1:
+                        flat = self.replica_reducer.reduce_flat(flat)
                 elif self._overlap is not None:
                     grads = self._finish_overlapped_reduction()
                 else:
@@ -427,12 +437,18 @@ class Trainer:
         return grads
 
     def _apply_flat(self, flat) -> float:
-        """`_apply` for reduced flat gradients, as one compiled call: split into views, add
-        regularization, step the optimizer. The model is not partitioned, so every rank holds
-        the same sums and needs no agreement (a loss-scale overflow is seen everywhere)."""
+        """`_apply` for reduced flat gradients, the update one compiled call: split into views,
+        add regularization, step the optimizer. Pipeline stages agree on a loss-scale overflow
+        first (an unpartitioned model's replicas hold the same sums: they see it alike)."""
+        if self.plan is not None and isinstance(self.model.optimizer, LossScaleOptimizer):
+            (flat,) = self._agree_finite_for_loss_scaling([flat])
         update = self._compiled_update(self._flat_apply_body)
         value = update(flat, tf.constant(self._loss_scale(), tf.float32))
-        return float(value) if self._regularized else 0.0
+        reg_value = float(value) if self._regularized else 0.0
+        if self._has_regularizers:
+            with self.watchdog.guard("sum regularization over the pipeline"):
+                reg_value = self.topology.pipeline_comm.allreduce(reg_value)
+        return reg_value
 
     def _flat_apply_body(self, flat, loss_scale):
         grads = self.runner.layout.unflatten(flat)

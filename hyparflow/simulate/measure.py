@@ -234,9 +234,11 @@ def _stage_step(model, call, variables, x, microbatches, repeats) -> tuple[float
     import keras
     import tensorflow as tf
 
+    from hyparflow.engine.flat import FlatLayout
     from hyparflow.engine.stage import StageRunner
 
-    runner = StageRunner(call, variables)
+    layout = FlatLayout(variables)  # gradients as the engine keeps them: one flat tensor
+    runner = StageRunner(call, variables, layout=layout if layout.usable else None)
     optimizer = keras.optimizers.deserialize(keras.optimizers.serialize(model.optimizer))
     copies = [keras.Variable(v.numpy(), dtype=v.dtype) for v in variables]
     if copies:
@@ -255,7 +257,7 @@ def _stage_step(model, call, variables, x, microbatches, repeats) -> tuple[float
             start = time.perf_counter()
             runner.backward(k, seeds)
             backward += time.perf_counter() - start
-        grads = [tf.convert_to_tensor(g) for g in runner.take_gradients()]
+        grads = [tf.convert_to_tensor(g) for g in runner.take_gradients()]  # views if flat
         start = time.perf_counter()
         if copies:
             apply(grads)  # compiled, as the engine's optimizer step
