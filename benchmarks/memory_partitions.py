@@ -9,7 +9,10 @@ partitions by `hf.fit(strategy="model")` on P ranks. Each rank reports the bytes
 trainable variables its stage updates, of the optimizer state it built for them, of every
 weight in the user's model object (which each rank holds: the script builds the whole model on
 every rank and `hf.fit` leaves the trained weights in it), its resident memory before training
-and its peak resident memory (VmHWM). Rows show the largest rank.
+and its peak resident memory (VmHWM). Rows show the largest rank. With 2 or more
+partitions the fit runs again with `Strategy(flat_gradients=False)`: the peak RSS of
+per-variable gradients, against the default flat ones (a flat copy of the stage's parameter
+values and flat sums).
 """
 
 from __future__ import annotations
@@ -49,7 +52,12 @@ def worker(args) -> None:
         model.fit(x, y, **fit)
         stage_variables = model.trainable_variables
     else:
-        strategy = hf.Strategy("model", microbatches=args.microbatches, schedule="1f1b")
+        strategy = hf.Strategy(
+            "model",
+            microbatches=args.microbatches,
+            schedule="1f1b",
+            flat_gradients=not args.list_gradients,
+        )
         hf.fit(model, x, y, strategy=strategy, **fit)
         stage_variables = model._hyparflow_trainer[1].variables  # this rank's stage
     write_result(
@@ -67,9 +75,11 @@ def worker(args) -> None:
 
 def run(args) -> list[dict]:
     rows: dict = {}
+    variants = [(p, False) for p in args.partitions]
+    variants += [(p, True) for p in args.partitions if p > 1]
     for round_ in range(args.rounds):
-        order = args.partitions if round_ % 2 == 0 else args.partitions[::-1]
-        for partitions in order:
+        order = variants if round_ % 2 == 0 else variants[::-1]
+        for partitions, list_gradients in order:
             worker_args = [
                 "--partitions",
                 partitions,
@@ -83,14 +93,29 @@ def run(args) -> list[dict]:
                 args.steps,
                 "--microbatches",
                 args.microbatches,
-            ]
+            ] + (["--list-gradients"] if list_gradients else [])
             ranks = run_worker(__file__, worker_args, np=partitions)
             largest = max(ranks, key=lambda r: r["params"] + r["optimizer"])
             for key, value in largest.items():
-                rows.setdefault(partitions, {}).setdefault(key, []).append(value / MIB)
+                rows.setdefault((partitions, list_gradients), {}).setdefault(key, []).append(
+                    value / MIB
+                )
     records = []
-    for partitions, values in rows.items():
+    for (partitions, list_gradients), values in rows.items():
         where = f"{partitions} partition(s), largest rank"
+        if list_gradients:  # only the peak differs
+            records.append(
+                measurement(
+                    FIGURE,
+                    f"peak RSS, flat_gradients=False, {where}",
+                    values["peak"],
+                    "MiB",
+                    series="peak RSS, flat_gradients=False",
+                    x=partitions,
+                    x_label="partitions",
+                )
+            )
+            continue
         for key, name in (
             ("params", "stage parameters"),
             ("optimizer", "optimizer state (Adam)"),
@@ -121,6 +146,7 @@ def arguments(argv=None):
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--list-gradients", action="store_true", help="worker: flat_gradients=False")
     args = p.parse_args(argv)
     if args.quick:
         args.rounds, args.width, args.partitions = 1, 256, [1, 2]

@@ -28,6 +28,10 @@ class Strategy:
     up front so that activations and gradients arrive while the stage computes.
     `overlap_groups=G` (> 1) cuts each stage's backward into G groups and reduces a group's
     gradients across replicas while the earlier groups are still in backward.
+    `flat_gradients` (default) keeps each rank's gradients in one flat tensor (one add per
+    micro-batch, one reduction across replicas); False keeps them per variable, which peaks
+    about two copies of a pipeline stage's parameter bytes lower and runs slower on stages
+    with many variables (docs/engine.md).
 
     Example:
         >>> hf.Strategy("hybrid", partitions=2, replicas=2, microbatches=4, schedule="1f1b")
@@ -42,6 +46,7 @@ class Strategy:
     recompute: bool = False
     overlap_p2p: bool = True
     overlap_groups: int = 1
+    flat_gradients: bool = True
 
     def __post_init__(self):
         if self.kind not in KINDS:

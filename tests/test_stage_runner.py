@@ -114,6 +114,30 @@ def test_flat_layout_middle_stage_and_fresh_values_each_step():
     assert not np.any(runners[1].take_flat_gradients().numpy())  # nothing since: zeros
 
 
+def test_flat_layout_densifies_an_embedding_gradient():
+    """A gather's gradient is sparse (IndexedSlices); in the flat gradient it is dense."""
+    keras.utils.set_random_seed(8)
+    inputs = keras.Input((3,), dtype="int32")
+    x = keras.layers.Flatten()(keras.layers.Embedding(10, 4)(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(2)(x))
+    ids = tf.constant([[1, 2, 2], [7, 1, 0]])
+    upstream = [tf.ones((2, 2))]
+    grads = []
+    for layout in (None, FlatLayout(model.trainable_variables)):
+        runner = StageRunner(
+            lambda i, training: model(i, training=training),
+            model.trainable_variables,
+            input_grads=False,
+            layout=layout,
+        )
+        runner.forward(0, ids)
+        assert runner.backward(0, upstream) == [None]
+        grads.append(runner.take_gradients())
+    for a, b in zip(*grads):
+        np.testing.assert_allclose(tf.convert_to_tensor(a).numpy(), b.numpy(), rtol=1e-6)
+    assert not np.any(grads[1][0].numpy()[[3, 4, 5, 6, 8, 9]])  # rows never looked up
+
+
 def test_take_gradients_hands_over_the_sum_and_resets():
     model = _model()
     model.layers[3].rate = 0.0  # no dropout: compare with one full-batch gradient

@@ -90,7 +90,7 @@ class Trainer:
             call = self._call_stage
             self.owned = _owned_variables(plan, topo.stage)
         if plan is None:  # nothing lives between forward and backward: one compiled call
-            layout = FlatLayout(self.variables)
+            layout = FlatLayout(self.variables) if strategy.flat_gradients else None
             self.runner = FusedRunner(
                 call,
                 self.variables,
@@ -98,11 +98,14 @@ class Trainer:
                 metrics=self._update_metrics,
                 # Flat only where it pays: an MPI reduction across replicas.
                 layout=layout
-                if layout.usable and comm_backend == "mpi" and topo.num_replicas > 1
+                if layout is not None
+                and layout.usable
+                and comm_backend == "mpi"
+                and topo.num_replicas > 1
                 else None,
             )
         else:
-            layout = FlatLayout(self.variables)
+            layout = FlatLayout(self.variables) if strategy.flat_gradients else None
             self.runner = StageRunner(
                 call,
                 self.variables,
@@ -114,7 +117,8 @@ class Trainer:
                 # Flat unless gradients must be a list: shared layers (summed per variable over
                 # the pipeline) or Horovod's reducer (it takes a list).
                 layout=layout
-                if layout.usable
+                if layout is not None
+                and layout.usable
                 and not plan.shared_layers
                 and (comm_backend == "mpi" or topo.num_replicas == 1)
                 else None,

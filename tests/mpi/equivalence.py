@@ -3,7 +3,7 @@
 Arguments: configurations "model:optimizer:strategy:partitions:replicas:microbatches:schedule"
 (schedule flags after "-": "1f1b-recompute" recomputes activations, "gpipe-blocking" posts
 each receive only when its action needs it, "1f1b-overlap" reduces gradients in 3 groups
-overlapping the backward).
+overlapping the backward, "gpipe-listgrads" keeps gradients per variable).
 Every rank trains the single-process Keras reference itself (tiny models), so each rank can
 compare its own copy of the trained model, which must hold the full weights.
 """
@@ -40,6 +40,7 @@ def run(config: str) -> dict:
         recompute="recompute" in schedule.split("-")[1:],
         overlap_p2p="blocking" not in schedule.split("-")[1:],
         overlap_groups=3 if "overlap" in schedule.split("-")[1:] else 1,
+        flat_gradients="listgrads" not in schedule.split("-")[1:],
     )
     history = hf.fit(
         model, x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
