@@ -89,8 +89,9 @@ class Trainer:
             self.variables = list(self.stage.model.trainable_variables)
             call = self._call_stage
             self.owned = _owned_variables(plan, topo.stage)
+        layout = FlatLayout(self.variables) if strategy.flat_gradients else None
+        use_flat = layout is not None and layout.usable  # float32 variables, flat gradients wanted
         if plan is None:  # nothing lives between forward and backward: one compiled call
-            layout = FlatLayout(self.variables) if strategy.flat_gradients else None
             self.runner = FusedRunner(
                 call,
                 self.variables,
@@ -98,14 +99,10 @@ class Trainer:
                 metrics=self._update_metrics,
                 # Flat only where it pays: an MPI reduction across replicas.
                 layout=layout
-                if layout is not None
-                and layout.usable
-                and comm_backend == "mpi"
-                and topo.num_replicas > 1
+                if use_flat and comm_backend == "mpi" and topo.num_replicas > 1
                 else None,
             )
         else:
-            layout = FlatLayout(self.variables) if strategy.flat_gradients else None
             self.runner = StageRunner(
                 call,
                 self.variables,
@@ -117,8 +114,7 @@ class Trainer:
                 # Flat unless gradients must be a list: shared layers (summed per variable over
                 # the pipeline) or Horovod's reducer (it takes a list).
                 layout=layout
-                if layout is not None
-                and layout.usable
+                if use_flat
                 and not plan.shared_layers
                 and (comm_backend == "mpi" or topo.num_replicas == 1)
                 else None,
@@ -354,7 +350,7 @@ class Trainer:
             with self._span(events.ALLREDUCE), guard:
                 if layout is not None:
                     flat = self.runner.take_flat_gradients()
-                    if self.topology.num_replicas > 1:
+                    if self.topology.num_replicas > 1:  # (Horovod's reducer has no flat call)
                         flat = self.replica_reducer.reduce_flat(flat)
                 elif self._overlap is not None:
                     grads = self._finish_overlapped_reduction()
@@ -422,9 +418,7 @@ class Trainer:
             reg_value = float(value)
             # the stage gradients are of the scaled loss
             grads = self._add_regularization(grads, reg_grads, self._loss_scale())
-        if self._has_regularizers:
-            with self.watchdog.guard("sum regularization over the pipeline"):
-                reg_value = self.topology.pipeline_comm.allreduce(reg_value)
+        reg_value = self._sum_over_pipeline(reg_value)
         if isinstance(self.model.optimizer, LossScaleOptimizer):
             grads = self._agree_finite_for_loss_scaling(grads)
         if self.variables:  # a stage of only Add/Activation layers has nothing to update
@@ -448,11 +442,14 @@ class Trainer:
             (flat,) = self._agree_finite_for_loss_scaling([flat])
         update = self._compiled_update(self._flat_apply_body)
         value = update(flat, tf.constant(self._loss_scale(), tf.float32))
-        reg_value = float(value) if self._regularized else 0.0
-        if self._has_regularizers:
-            with self.watchdog.guard("sum regularization over the pipeline"):
-                reg_value = self.topology.pipeline_comm.allreduce(reg_value)
-        return reg_value
+        return self._sum_over_pipeline(float(value) if self._regularized else 0.0)
+
+    def _sum_over_pipeline(self, reg_value: float) -> float:
+        """This stage's regularization summed over its pipeline (as is, if no stage has any)."""
+        if not self._has_regularizers:
+            return reg_value
+        with self.watchdog.guard("sum regularization over the pipeline"):
+            return self.topology.pipeline_comm.allreduce(reg_value)
 
     def _flat_apply_body(self, flat, loss_scale):
         grads = self.runner.layout.unflatten(flat)
@@ -500,11 +497,7 @@ class Trainer:
 
     def regularization(self) -> float:
         """The model's total weight regularization (collective over the pipeline)."""
-        local = float(self._reg_fn()[0]) if self._regularized else 0.0
-        if not self._has_regularizers:
-            return 0.0
-        with self.watchdog.guard("sum regularization over the pipeline"):
-            return self.topology.pipeline_comm.allreduce(local)
+        return self._sum_over_pipeline(float(self._reg_fn()[0]) if self._regularized else 0.0)
 
     def _track_loss(self, losses, reg_value: float) -> None:
         """Feed Keras's loss tracker so that its mean equals Keras's (loss + regularization)."""
