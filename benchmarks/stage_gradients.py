@@ -1,20 +1,25 @@
 """A pipeline stage's step with per-variable gradients vs one flat gradient tensor.
 
-Run: .venv/bin/python benchmarks/stage_gradients.py [--depths 110,20] [--rounds 9]
+Run: .venv/bin/python benchmarks/stage_gradients.py [--models resnet110,resnet20,mlp1024]
+     [--rounds 9]
 
-One process, one TF thread. A CIFAR ResNet (the paper's shape of work) runs as a last
-pipeline stage (`StageRunner` with the loss) over 4 micro-batches per step: forward and
-backward of each, then the step's summed gradients handed over, as the trainer takes them
-before the replica reduction. Two runners alternate on the same model and data:
+One process, one TF thread. A model runs as a last pipeline stage (`StageRunner` with the
+loss) over 4 micro-batches per step: forward and backward of each, then the step's summed
+gradients handed over as one flat tensor, as the trainer takes them before the replica
+reduction. Three runners alternate on the same model and data:
 
 - per variable: the tape differentiates every variable; each backward returns one tensor per
-  variable, added to the step's total one eager op each;
-- flat (what the engine runs): the stage reads its variables from views of one flat tensor
-  of their values, packed once per step, and differentiates that tensor; each backward returns
-  one flat gradient (the concat runs inside the compiled backward), added in one op.
+  variable, added to the step's total one eager op each; the total is concatenated into the
+  flat tensor once, when taken (`flat_backward=False`);
+- flat backward: the stage reads its variables from views of one flat tensor of their
+  values, packed once per step, and differentiates that tensor; each backward returns one
+  flat gradient (the concat runs inside the compiled backward), added in one op;
+- auto: what the engine picks (`FlatLayout.flat_backward_pays`).
 
-Prints the median step time of each (and its spread), their ratio, and the largest
-difference between the two runners' gradients (they must agree).
+Models: CIFAR ResNets (`resnetN`: many small variables, the paper's shape of work) and the
+pipeline figure's MLP (`mlpW`: two Dense(W) layers and a head, few large variables).
+Prints the median step time of each (and its spread), the ratios to per variable, and the
+largest difference between the runners' gradients (they must agree).
 """
 
 from __future__ import annotations
@@ -32,8 +37,9 @@ MICROBATCHES = 4
 
 def _arguments(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--depths", default="110,20", help="CIFAR ResNet depths")
-    parser.add_argument("--microbatch", type=int, default=4, help="samples per micro-batch")
+    parser.add_argument("--models", default="resnet110,resnet20,mlp1024", help="models to run")
+    parser.add_argument("--microbatch", type=int, default=0, help="samples per micro-batch "
+                        "(default: 4 for ResNets, 32 for MLPs)")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=9, help="alternating timed steps")
     return parser.parse_args(argv)
 
@@ -42,16 +48,23 @@ def _runners(model):
     from hyparflow.engine.flat import FlatLayout
     from hyparflow.engine.stage import StageRunner
 
-    def runner(layout):
+    layout = FlatLayout(model.trainable_variables)
+
+    def runner(flat_backward):
         return StageRunner(
             lambda inputs, training: model(inputs, training=training),
             model.trainable_variables,
             loss=lambda y, y_pred, sw: model._compile_loss(y, y_pred, sw),
             input_grads=False,  # a whole model: nothing upstream
             layout=layout,
+            flat_backward=flat_backward,
         )
 
-    return {"per variable": runner(None), "flat": runner(FlatLayout(model.trainable_variables))}
+    return {
+        "per variable": runner(False),
+        "flat backward": runner(True),
+        "auto": runner(layout.flat_backward_pays),
+    }
 
 
 def _step(runner, x, y, size: int):
@@ -59,48 +72,65 @@ def _step(runner, x, y, size: int):
         part = slice(k * size, (k + 1) * size)
         runner.forward(k, x[part], (y[part], None), scale=1 / MICROBATCHES)
         runner.backward(k)
-    if runner.layout is not None:
-        return runner.layout.unflatten_fn(runner.take_flat_gradients())
-    return runner.take_gradients()
+    return runner.take_flat_gradients()
 
 
-def measure(depth: int, args) -> None:
-    import numpy as np
+def _model_and_data(name: str, microbatch: int):
     import tensorflow as tf
 
-    from benchmarks.models import cifar_resnet
+    from benchmarks.models import cifar_resnet, mlp
 
-    model = cifar_resnet(depth)
-    model.compile(loss="sparse_categorical_crossentropy", optimizer="sgd")
-    batch = MICROBATCHES * args.microbatch
-    x = tf.random.stateless_normal((batch, 32, 32, 3), seed=(1, 2))
+    if name.startswith("resnet"):
+        model = cifar_resnet(int(name[len("resnet") :]))
+        model.compile(loss="sparse_categorical_crossentropy", optimizer="sgd")
+        size = microbatch or 4
+        shape = (32, 32, 3)
+    elif name.startswith("mlp"):
+        width = int(name[len("mlp") :])
+        model, size, shape = mlp(width, 2), microbatch or 32, (width,)
+    else:
+        raise SystemExit(f"unknown model {name!r}: resnetN or mlpW")
+    batch = MICROBATCHES * size
+    x = tf.random.stateless_normal((batch, *shape), seed=(1, 2))
     y = tf.random.stateless_uniform((batch,), (3, 4), minval=0, maxval=10, dtype=tf.int32)
+    return model, x, y, size
+
+
+def measure(name: str, args) -> None:
+    import numpy as np
+
+    model, x, y, size = _model_and_data(name, args.microbatch)
     runners = _runners(model)
-    grads = {name: _step(r, x, y, args.microbatch) for name, r in runners.items()}  # traces
-    difference = max(float(np.max(np.abs(a.numpy() - b.numpy()))) for a, b in zip(*grads.values()))
-    seconds = {name: [] for name in runners}
+    grads = {key: _step(r, x, y, size).numpy() for key, r in runners.items()}  # traces
+    reference = grads["per variable"]
+    difference = max(float(np.max(np.abs(g - reference))) for g in grads.values())
+    seconds = {key: [] for key in runners}
     for round_ in range(args.rounds):
-        names = list(runners) if round_ % 2 == 0 else list(runners)[::-1]
-        for name in names:
+        keys = list(runners) if round_ % 2 == 0 else list(runners)[::-1]
+        for key in keys:
             start = time.perf_counter()
-            _step(runners[name], x, y, args.microbatch)
-            seconds[name].append(time.perf_counter() - start)
+            _step(runners[key], x, y, size).numpy()
+            seconds[key].append(time.perf_counter() - start)
+    variables = model.trainable_variables
+    megabytes = sum(int(np.prod(v.shape)) for v in variables) * 4 / 2**20
     print(
-        f"ResNet-{depth} as one stage: {len(model.trainable_variables)} variables, "
-        f"{MICROBATCHES} micro-batches of {args.microbatch}"
+        f"{name} as one stage: {len(variables)} variables, {megabytes:.1f} MiB, "
+        f"{MICROBATCHES} micro-batches of {size}; auto picks "
+        f"{'flat backward' if runners['auto'].flat_backward else 'per variable'}"
     )
-    for name, values in seconds.items():
+    for key, values in seconds.items():
         ms = [1e3 * v for v in values]
         print(
-            f"  {name:>12}: {statistics.median(ms):7.1f} ms/step "
+            f"  {key:>13}: {statistics.median(ms):7.1f} ms/step "
             f"(min {min(ms):.1f}, max {max(ms):.1f}, n={len(ms)})"
         )
-    ratios = [f / p for f, p in zip(seconds["flat"], seconds["per variable"])]
-    print(
-        f"  flat / per variable: {statistics.median(ratios):.3f} "
-        f"(range {min(ratios):.3f}-{max(ratios):.3f}); "
-        f"largest gradient difference {difference:.1e}"
-    )
+    for key in ("flat backward", "auto"):
+        ratios = [a / b for a, b in zip(seconds[key], seconds["per variable"])]
+        print(
+            f"  {key} / per variable: {statistics.median(ratios):.3f} "
+            f"(range {min(ratios):.3f}-{max(ratios):.3f})"
+        )
+    print(f"  largest gradient difference {difference:.1e}")
 
 
 def main(argv=None) -> None:
@@ -109,8 +139,8 @@ def main(argv=None) -> None:
 
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)
-    for depth in (int(d) for d in args.depths.split(",")):
-        measure(depth, args)
+    for name in args.models.split(","):
+        measure(name, args)
 
 
 if __name__ == "__main__":

@@ -69,6 +69,7 @@ FOUR_RANKS = [
     "resnet:sgd:hybrid:2:2:2:1f1b-overlap",
     "multi_io:adam:hybrid:2:2:2:gpipe-overlap-recompute",
     "l2_mlp:adam:hybrid:2:2:2:1f1b-listgrads",
+    "resnet:adam:hybrid:2:2:2:1f1b-varbackward",
 ]
 TOLERANCE = 1e-5
 # mixed_float16: Keras and the pipeline round float16 activations of different micro-batch
@@ -95,14 +96,20 @@ def _check(results, configs):
             # Gradients travel as one flat tensor unless a list is needed: layers shared by
             # stages are summed per variable over the pipeline, overlap reduces per segment
             # (and a stage of only pooling/reshaping layers has no gradients at all).
+            # Large variables (forced by "varbackward") are summed per variable and
+            # flattened once per step, only to be reduced across replicas.
+            per_variable = "varbackward" in r["config"]
             flat = (
                 (partitions > 1 or replicas > 1)
                 and r["stage_variables"] > 0
                 and "overlap" not in r["config"]
                 and "listgrads" not in r["config"]
                 and not r["shared_across_stages"]
+                and (replicas > 1 or not per_variable)
             )
             assert r["flat_gradients"] == flat, f"{where}: flat gradients {r['flat_gradients']}"
+            if flat and partitions > 1:
+                assert r["flat_backward"] == (not per_variable), f"{where}: flat backward"
             if partitions > 1:  # optimizer state lives only with the stage's own variables
                 assert r["optimizer_variables"] < r["reference_optimizer_variables"], where
 

@@ -84,7 +84,8 @@ def test_flat_layout_gives_the_same_gradients_statistics_and_dropout(runs, recom
 
 
 def test_flat_layout_middle_stage_and_fresh_values_each_step():
-    """A middle stage: same input gradients; the flat gradient is one tensor; after the
+    """A middle stage: same input gradients; the flat gradient is one tensor, whether the
+    backward differentiates it or the per-variable sums are flattened when taken; after the
     variables change between steps, the next step differentiates the new values."""
     model = _dense_stage()
     x = tf.constant(np.random.default_rng(6).normal(size=(5, 6)).astype("float32"))
@@ -97,21 +98,33 @@ def test_flat_layout_middle_stage_and_fresh_values_each_step():
             model.trainable_variables,
             layout=layout,
         ),
+        StageRunner(
+            lambda i, training: model(i, training=training),
+            model.trainable_variables,
+            layout=layout,
+            flat_backward=False,
+        ),
     ]
     for _ in range(2):  # two steps
         results = []
         for runner in runners:
-            runner.forward(0, x)
-            results.append(runner.backward(0, upstream))
-        (plain_in,), (flat_in,) = results
-        np.testing.assert_allclose(plain_in.numpy(), flat_in.numpy(), rtol=1e-6)
-        packed = runners[1].take_flat_gradients()
-        assert packed.shape == (layout.length,)
-        for a, b in zip(runners[0].take_gradients(), layout.unflatten_fn(packed)):
-            np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6)
+            for k in range(2):
+                runner.forward(k, x)
+                results.append(runner.backward(k, upstream))
+        plain_in = results[0][0].numpy()
+        for (other_in,) in results[1:]:
+            np.testing.assert_allclose(plain_in, other_in.numpy(), rtol=1e-6)
+        assert runners[2]._params is None  # per-variable backward: nothing packed
+        plain = runners[0].take_gradients()
+        for runner in runners[1:]:
+            packed = runner.take_flat_gradients()
+            assert packed.shape == (layout.length,)
+            for a, b in zip(plain, layout.unflatten_fn(packed)):
+                np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6)
         for v in model.trainable_variables:  # an optimizer step between the two steps
             v.assign(v * 0.5 + 0.1)
-    assert not np.any(runners[1].take_flat_gradients().numpy())  # nothing since: zeros
+    for runner in runners[1:]:
+        assert not np.any(runner.take_flat_gradients().numpy())  # nothing since: zeros
 
 
 def test_flat_layout_densifies_an_embedding_gradient():

@@ -19,6 +19,11 @@ import tensorflow as tf
 
 from hyparflow.comm.allreduce import plan_buckets
 
+# Mean gradient bytes per variable up to which a pipeline stage differentiates one flat
+# tensor per micro-batch (`flat_backward_pays`): a per-variable backward costs Python and
+# eager work per variable, a flat one copies every gradient byte once more (the concat).
+# Measured by benchmarks/stage_gradients.py (docs/engine.md, "Flat pipeline gradients").
+FLAT_BACKWARD_MAX_MEAN_BYTES = 128 * 1024
 NO_SPLIT = 2**62  # bucket size that puts every gradient in one bucket
 TAIL = 16  # 64 bytes of float32 after the gradients, holding a data-dependent value
 
@@ -45,6 +50,20 @@ class FlatLayout:
         self.tail_offset = -(-gradients_end // TAIL) * TAIL
         self.length = self.tail_offset + TAIL
         self.unflatten_fn = tf.function(self.unflatten)
+
+    @property
+    def flat_backward_pays(self) -> bool:
+        """Whether differentiating one flat tensor per micro-batch beats per-variable
+        gradients: many small variables (a deep CNN), not a few large ones (a wide MLP).
+
+        Example:
+            >>> FlatLayout([tf.TensorSpec((64,))] * 100).flat_backward_pays
+            True
+            >>> FlatLayout([tf.TensorSpec((1024, 1024)), tf.TensorSpec((1024,))]).flat_backward_pays
+            False
+        """
+        gradient_bytes = 4 * sum(slot.size for slot in self.slots)
+        return self.usable and gradient_bytes <= FLAT_BACKWARD_MAX_MEAN_BYTES * len(self.slots)
 
     def pieces(self) -> list[tuple[int, int | None]]:
         """(size, slot index or None for padding) of every piece of the flat tensor, in order.

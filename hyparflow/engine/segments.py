@@ -28,6 +28,11 @@ class SegmentedRunner:
         self.is_last = segments[-1].is_last
         self._accumulated: dict[int, object] = {}
 
+    def prepare(self) -> None:
+        """What each segment does before the step's first forward (see `StageRunner`)."""
+        for segment in self.segments:
+            segment.prepare()
+
     def forward(self, microbatch: int, inputs, targets=None, scale=1.0):
         for segment in self.segments[:-1]:
             inputs = segment.forward(microbatch, inputs)

@@ -38,12 +38,16 @@ class StageRunner:
     inputs, which would otherwise cost the first layer's input-gradient product per
     micro-batch; `backward` then returns None for every input.
 
-    With a `layout` (`FlatLayout` of `variables`), the stage reads its variables from views
-    of one flat tensor of their values, packed once per step, and differentiates that tensor
-    instead: each backward then yields the stage's whole gradient as one flat tensor, built
-    inside the compiled backward (the split's gradient is a concat), so accumulating a
-    micro-batch is one add and the reduction across replicas is one `reduce_flat`, where a
-    list costs Python work per variable (docs/engine.md, "Flat pipeline gradients").
+    With a `layout` (`FlatLayout` of `variables`), `take_flat_gradients` hands the step's
+    gradients over as the layout's one flat tensor (one `reduce_flat` across replicas).
+    With `flat_backward` as well, the stage reads its variables from views of one flat tensor
+    of their values, packed once per step, and differentiates that tensor instead: each
+    backward then yields the stage's whole gradient as one flat tensor, built inside the
+    compiled backward (the split's gradient is a concat), so accumulating a micro-batch is
+    one add where a list costs Python work per variable; but the concat copies every
+    gradient byte once per micro-batch. Without it the gradients are summed per variable and
+    concatenated once, when taken. `FlatLayout.flat_backward_pays` says which is cheaper
+    (docs/engine.md, "Flat pipeline gradients").
 
     `recompute=True` keeps only each micro-batch's inputs between forward and backward and
     recomputes its activations in the backward (Chen et al. 2016, "Training Deep Nets with
@@ -66,9 +70,11 @@ class StageRunner:
         metrics=None,
         input_grads=True,
         layout=None,
+        flat_backward=True,
     ):
         self.variables = list(variables)
         self.layout = layout
+        self.flat_backward = layout is not None and flat_backward
         self.input_grads = input_grads
         self.recompute = recompute
         self._metrics = metrics if loss is not None and not recompute else None
@@ -84,8 +90,9 @@ class StageRunner:
         self._loss = loss
         self._pending = {}
         self._grads = None
-        self._params = None  # this step's flat variable values (with a layout)
+        self._params = None  # this step's flat variable values (with flat_backward)
         self._pack_fn = tf.function(self._pack_body)
+        self._flatten_fn = tf.function(self._flatten_body)
         # Static shapes: one trace per distinct micro-batch size (usually two: full and last).
         self._forward_fn = tf.function(self._forward_body)
         self._loss_forward_fn = tf.function(self._loss_forward_body)
@@ -98,6 +105,9 @@ class StageRunner:
 
     def _pack_body(self):
         return self.layout.flatten([tf.convert_to_tensor(s) for s in self._sources], 0.0)
+
+    def _flatten_body(self, grads):
+        return self.layout.flatten(grads, 0.0)
 
     def _training_call(self, inputs, params):
         """The stage's training forward; with `params`, its variables read views of it."""
@@ -195,7 +205,7 @@ class StageRunner:
         )
         input_grads, var_grads = grads[: len(watched)], grads[len(watched) :]
         var_grads = [tf.convert_to_tensor(g) for g in var_grads]  # IndexedSlices -> dense
-        if self.layout is not None:
+        if self.flat_backward:
             (flat,) = var_grads
             self._grads = flat if self._grads is None else self._grads + flat
         elif self._grads is None:
@@ -212,17 +222,23 @@ class StageRunner:
         return self._infer_fn(inputs)
 
     def _parameters(self):
-        """This step's flat variable values (None without a layout), packed at its first
-        forward: variables change only between steps (optimizer, callbacks, restores)."""
-        if self.layout is None:
+        """This step's flat variable values (None unless `flat_backward`), packed at its
+        first forward (or `prepare`): variables change only between steps (optimizer,
+        callbacks, restores)."""
+        if not self.flat_backward:
             return None
         if self._params is None:
             self._params = self._pack_fn()
         return self._params
 
+    def prepare(self) -> None:
+        """Pack this step's flat variable values now (a no-op unless `flat_backward`), e.g. while
+        the stage waits for its first activations, instead of at its first forward."""
+        self._parameters()
+
     def take_gradients(self) -> list:
         """Summed variable gradients of the micro-batches since the last call (zeros if none)."""
-        if self.layout is not None:
+        if self.flat_backward:
             return self.layout.unflatten_fn(self.take_flat_gradients())
         grads = self._grads
         self._grads = None
@@ -233,6 +249,11 @@ class StageRunner:
     def take_flat_gradients(self):
         """`take_gradients` as the layout's one flat tensor (needs a `layout`); the next
         forward packs the variables anew."""
+        if not self.flat_backward:
+            grads, self._grads = self._grads, None
+            if grads is None:
+                return tf.zeros([self.layout.length], tf.float32)
+            return self._flatten_fn(grads)  # one copy per step, not per micro-batch
         flat, self._grads, self._params = self._grads, None, None
         return tf.zeros([self.layout.length], tf.float32) if flat is None else flat
 

@@ -111,13 +111,7 @@ class Trainer:
                 state_variables=self._forward_state() if strategy.recompute else (),
                 metrics=self._update_metrics if self.is_last else None,
                 input_grads=not self.is_first,
-                # Flat unless gradients must be a list: shared layers (summed per variable over
-                # the pipeline) or Horovod's reducer (it takes a list).
-                layout=layout
-                if use_flat
-                and not plan.shared_layers
-                and (comm_backend == "mpi" or topo.num_replicas == 1)
-                else None,
+                **self._stage_gradient_form(layout, use_flat, plan, comm_backend),
             )
         self._update_metrics_fn = tf.function(self._update_metrics)
         # Compiled like Keras's own step: eager metric updates and results cost ~1 ms a step.
@@ -154,8 +148,21 @@ class Trainer:
             else None
         )
         self._channels: dict[int, tuple] = {}
+        self._schedules: dict[tuple, tuple] = {}  # (train, micro-batches) -> this stage's actions
         self._log_root = topo.grid.rank_of(topo.num_stages - 1, 0)
         self.attach_recorder(None)
+
+    def _stage_gradient_form(self, layout, use_flat: bool, plan, comm_backend: str) -> dict:
+        """A pipeline stage's `layout` and `flat_backward`: flat unless gradients must be a
+        list (shared layers are summed per variable over the pipeline, Horovod's reducer
+        takes a list). Flat per micro-batch only where it pays (many small variables);
+        otherwise summed per variable and flattened once, when replicas reduce them."""
+        replicas = self.topology.num_replicas
+        if not use_flat or plan.shared_layers or (comm_backend != "mpi" and replicas > 1):
+            return {"layout": None}
+        if layout.flat_backward_pays:
+            return {"layout": layout, "flat_backward": True}
+        return {"layout": layout if replicas > 1 else None, "flat_backward": False}
 
     def _segment_stage(self, groups: int):
         """Run this stage as `groups` segments so reductions overlap the backward (None when
@@ -518,17 +525,18 @@ class Trainer:
         else:
             largest = max(n for *_, n in pieces)
             prev, nxt = self._links(largest, count)
-        if train:
-            actions = make_schedule(self.strategy.schedule, topo.num_stages, count)[topo.stage]
-        else:
-            actions = forward_only(topo.num_stages, count)[topo.stage]
+        actions = self._stage_actions(train, count)
         guard = self.watchdog.guard
         grid = topo.grid
         before = grid.rank_of(topo.stage - 1, topo.replica) if not self.is_first else None
         after = grid.rank_of(topo.stage + 1, topo.replica) if not self.is_last else None
         span = self._span
         loss_scale = self._loss_scale() if train and self.is_last else 1.0
-        posted = self._post_receives(prev, nxt, count, train)
+        posted = self._post_receives(prev, count)
+        if train and not self.is_first:
+            # While this stage waits for its first activations, not on the critical path.
+            with span(events.FORWARD):
+                self.runner.prepare()
         results = []
         final_backward = max(
             (i for i, a in enumerate(actions) if not a.is_forward), default=-1
@@ -554,6 +562,8 @@ class Trainer:
                 if not self.is_last:
                     with span(events.SEND, k):
                         nxt.isend(out, k, FORWARD)
+                        if train:  # its gradients cannot come back before it has gone
+                            posted[BACKWARD, k] = self._receive(nxt, k, BACKWARD)
             else:
                 grads = None
                 if not self.is_last:
@@ -573,27 +583,33 @@ class Trainer:
                     channel.wait_sends()
         return results
 
-    def _post_receives(self, prev, nxt, count: int, train: bool) -> dict:
-        """Receives for the whole step, posted up front (`overlap_p2p`) so that transfers land
-        while this stage computes; otherwise each is posted when its action needs it."""
+    def _stage_actions(self, train: bool, count: int) -> tuple:
+        """This stage's actions for a step of `count` micro-batches (built once per count)."""
+        key = (train, count)
+        if key not in self._schedules:
+            topo = self.topology
+            if train:
+                schedule = make_schedule(self.strategy.schedule, topo.num_stages, count)
+            else:
+                schedule = forward_only(topo.num_stages, count)
+            self._schedules[key] = tuple(schedule[topo.stage])
+        return self._schedules[key]
 
-        class Deferred:  # posts at wait(): the blocking receive of the plain path
-            def __init__(self, channel, k, direction):
-                self.channel, self.k, self.direction = channel, k, direction
+    def _post_receives(self, prev, count: int) -> dict:
+        """The step's activation receives, posted up front so that transfers land while this
+        stage computes (a gradient receive is posted when its activation leaves, by the
+        schedule walk: at the first stage, posting them all here would delay its first forward,
+        which every later stage waits for)."""
+        if prev is None:
+            return {}
+        return {(FORWARD, k): self._receive(prev, k, FORWARD) for k in range(count)}
 
-            def wait(self, n):
-                return self.channel.recv(self.k, self.direction, n)
-
-        early = self.strategy.overlap_p2p
-        posted = {}
-        for channel, direction in ((prev, FORWARD), (nxt if train else None, BACKWARD)):
-            if channel is None:
-                continue
-            for k in range(count):
-                posted[direction, k] = (
-                    channel.irecv(k, direction) if early else Deferred(channel, k, direction)
-                )
-        return posted
+    def _receive(self, channel, k: int, direction: str):
+        """Micro-batch `k`'s receive from `channel`: posted now with `overlap_p2p`, else a
+        blocking receive posted when waited for."""
+        if self.strategy.overlap_p2p:
+            return channel.irecv(k, direction)
+        return _DeferredReceive(channel, k, direction)
 
     def _finish_forward(self, out, y, sw, n, train, predict):
         if predict:
@@ -701,6 +717,16 @@ class Trainer:
                 if channel is not None:
                     channel.close()
         self.topology.free()
+
+
+class _DeferredReceive:
+    """A receive posted only when waited for: the blocking path (`overlap_p2p=False`)."""
+
+    def __init__(self, channel, k: int, direction: str):
+        self.channel, self.k, self.direction = channel, k, direction
+
+    def wait(self, n: int):
+        return self.channel.recv(self.k, self.direction, n)
 
 
 class _Overlap:

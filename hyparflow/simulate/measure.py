@@ -237,8 +237,13 @@ def _stage_step(model, call, variables, x, microbatches, repeats) -> tuple[float
     from hyparflow.engine.flat import FlatLayout
     from hyparflow.engine.stage import StageRunner
 
-    layout = FlatLayout(variables)  # gradients as the engine keeps them: one flat tensor
-    runner = StageRunner(call, variables, layout=layout if layout.usable else None)
+    layout = FlatLayout(variables)  # gradients as the engine keeps them
+    runner = StageRunner(
+        call,
+        variables,
+        layout=layout if layout.usable else None,
+        flat_backward=layout.flat_backward_pays,  # as a stage of these variables would
+    )
     optimizer = keras.optimizers.deserialize(keras.optimizers.serialize(model.optimizer))
     copies = [keras.Variable(v.numpy(), dtype=v.dtype) for v in variables]
     if copies:

@@ -3,7 +3,8 @@
 Arguments: configurations "model:optimizer:strategy:partitions:replicas:microbatches:schedule"
 (schedule flags after "-": "1f1b-recompute" recomputes activations, "gpipe-blocking" posts
 each receive only when its action needs it, "1f1b-overlap" reduces gradients in 3 groups
-overlapping the backward, "gpipe-listgrads" keeps gradients per variable).
+overlapping the backward, "gpipe-listgrads" keeps gradients per variable, "1f1b-varbackward"
+sums them per variable and flattens them once per step, as for a stage of large variables).
 Every rank trains the single-process Keras reference itself (tiny models), so each rank can
 compare its own copy of the trained model, which must hold the full weights.
 """
@@ -11,6 +12,7 @@ compare its own copy of the trained model, which must hold the full weights.
 import keras
 
 import hyparflow as hf
+from hyparflow.engine import flat
 from tests.mpi.compare import history_difference, relative_difference
 from tests.mpi.models import compiled, data
 from tests.mpi.report import args, report
@@ -19,6 +21,16 @@ BATCH, EPOCHS = 16, 2
 
 
 def run(config: str) -> dict:
+    threshold = flat.FLAT_BACKWARD_MAX_MEAN_BYTES
+    if "varbackward" in config.split(":")[-1].split("-")[1:]:
+        flat.FLAT_BACKWARD_MAX_MEAN_BYTES = 0  # every variable counts as large
+    try:
+        return _run(config)
+    finally:
+        flat.FLAT_BACKWARD_MAX_MEAN_BYTES = threshold
+
+
+def _run(config: str) -> dict:
     name, optimizer, kind, partitions, replicas, microbatches, schedule = config.split(":")
     x, y = data(name)
     vx, vy = data(name, n=20, seed=1)
@@ -60,6 +72,7 @@ def run(config: str) -> dict:
         "loss_scale": float(getattr(model.optimizer, "dynamic_scale", 1.0)),
         "overlap_early_starts": getattr(model._hyparflow_trainer[1]._overlap, "early_starts", None),
         "flat_gradients": model._hyparflow_trainer[1].runner.layout is not None,
+        "flat_backward": getattr(model._hyparflow_trainer[1].runner, "flat_backward", None),
         "shared_across_stages": model._hyparflow_trainer[1]._shared is not None,
         "stage_variables": len(model._hyparflow_trainer[1].variables),
         "ref_loss_scale": float(getattr(reference.optimizer, "dynamic_scale", 1.0)),
