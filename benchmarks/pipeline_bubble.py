@@ -16,8 +16,10 @@ Balance is measured, not assumed: the first stage computes no input gradient and
 also computes the head and the loss, so with equal layers the last stage is the slower. Each
 launch first times both stages (profiler) with the first layer's input as wide as the others
 and twice as wide, for each m (the last stage's fixed costs per micro-batch weigh more when
-micro-batches are small), and then widens it to where the stages' compute times meet (stage
-0's time grows linearly with that width). The "simulated" rows show what imbalance is left.
+micro-batches are small), and then widens it to where the stages' compute times meet: a
+secant step, a run at that width, and a second secant step from the two widths closest to
+balance (stage 0's time is only roughly linear in the width). The "simulated" rows show what
+imbalance is left.
 
 Memory: GPipe keeps every micro-batch's activations until the backward; 1F1B at most p per
 stage. Each schedule runs in its own launch (alternating) with larger activations (bigger
@@ -104,18 +106,35 @@ def bubble_worker(args) -> None:
 
 def balanced_inputs(width: int, m: int, profiled_fit) -> int:
     """The first layer's input width at which both stages' measured compute per step meet
-    with `m` micro-batches."""
+    with `m` micro-batches: a secant step from widths 1x and 2x the others, then one more
+    from the two measured widths closest to balance (stage 0's time is only roughly linear
+    in the width, and at m=16 the balanced width lies well beyond 2x)."""
     from mpi4py import MPI
 
-    calibration = {d: profiled_fit(d, "1f1b", m, f"balance-{m}-{d}")[1] for d in (width, 2 * width)}
+    rank0 = MPI.COMM_WORLD.Get_rank() == 0
+    lowest, highest = width // 2, 4 * width
+    measured = {d: profiled_fit(d, "1f1b", m, f"balance-{m}-{d}")[1] for d in (width, 2 * width)}
     inputs = None
-    if MPI.COMM_WORLD.Get_rank() == 0:
-        (narrow0, narrow1), (wide0, wide1) = calibration[width], calibration[2 * width]
-        per_feature = (wide0 - narrow0) / width  # stage 0's compute per input feature
-        last_stage = (narrow1 + wide1) / 2  # does not depend on the first layer
-        exact = width + (last_stage - narrow0) / per_feature if per_feature > 0 else width
-        inputs = int(min(4 * width, max(width // 2, round(exact / 64) * 64)))
+    for _ in range(2):
+        if rank0:
+            inputs = _secant_width(measured, lowest, highest)
+        inputs = MPI.COMM_WORLD.bcast(inputs)
+        if inputs in measured:
+            break
+        measured[inputs] = profiled_fit(inputs, "1f1b", m, f"balance-{m}-{inputs}")[1]
+    if rank0:
+        inputs = _secant_width(measured, lowest, highest)
     return MPI.COMM_WORLD.bcast(inputs)
+
+
+def _secant_width(measured: dict, lowest: int, highest: int) -> int:
+    """Where stage 0's compute (linear between the two measured widths whose imbalance is
+    smallest) meets the last stage's (their mean), rounded to 64 and clamped."""
+    gap = {d: times[0] - times[1] for d, times in measured.items()}  # stage 0 minus stage 1
+    a, b = sorted(sorted(gap, key=lambda d: abs(gap[d]))[:2])
+    slope = (gap[b] - gap[a]) / (b - a)
+    exact = a - gap[a] / slope if slope > 0 else a
+    return int(min(highest, max(lowest, round(exact / 64) * 64)))
 
 
 def memory_worker(args) -> None:

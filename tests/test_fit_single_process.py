@@ -134,7 +134,10 @@ def test_one_process_does_not_start_mpi_so_mpirun_from_it_works():
         assert "mpi4py.MPI" not in sys.modules or not sys.modules["mpi4py.MPI"].Is_initialized()
         out = subprocess.run(
             ["mpirun", "-np", "2", "--oversubscribe", sys.executable, "-c",
-             "from mpi4py import MPI; print(MPI.COMM_WORLD.Get_size())"],
+             # One write per rank: under PYTHONUNBUFFERED, print's two writes ("2", then
+             # the newline) of two ranks can interleave into "22\\n\\n".
+             "import sys; from mpi4py import MPI; "
+             "sys.stdout.write(f'{MPI.COMM_WORLD.Get_size()}\\\\n')"],
             capture_output=True, text=True,
         )
         assert out.returncode == 0 and out.stdout.split() == ["2", "2"], out

@@ -461,8 +461,13 @@ def test_profiled_fit_writes_every_documented_output(profiled_runs, config):
         assert timeline_steps == list(range(1, 8))  # default window, tracing step 0 dropped
         for kind in ("forward", "backward"):
             for step in timeline_steps:
-                done = sorted(s.microbatch for s in t.slices if s.kind == kind and s.step == step)
+                mine = [s for s in t.slices if s.kind == kind and s.step == step]
+                done = sorted(s.microbatch for s in mine if s.microbatch is not None)
                 assert done == list(range(microbatches)), (t.rank, kind, step)
+                # Besides: at most one forward of no micro-batch, a later stage packing its
+                # parameters while it waits for its first activations (StageRunner.prepare).
+                unnamed = len(mine) - len(done)
+                assert unnamed <= (1 if kind == "forward" and t.stage > 0 else 0), (t.rank, step)
     if stages > 1:  # aligned clocks: a stage receives a micro-batch after it was computed
         by_rank = {t.rank: t for t in tracks}
         for step in (1, 2):
