@@ -21,17 +21,13 @@ class SegmentedRunner:
 
     updates_metrics = False  # the trainer updates metrics from the outputs
     layout = None  # gradients stay a list (FusedRunner may keep them flat)
+    flat_backward = False  # nothing to pack before the first forward
 
     def __init__(self, segments: list, variables: list):
         self.segments = segments
         self.variables = list(variables)
         self.is_last = segments[-1].is_last
         self._accumulated: dict[int, object] = {}
-
-    def prepare(self) -> None:
-        """What each segment does before the step's first forward (see `StageRunner`)."""
-        for segment in self.segments:
-            segment.prepare()
 
     def forward(self, microbatch: int, inputs, targets=None, scale=1.0):
         for segment in self.segments[:-1]:

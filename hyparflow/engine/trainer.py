@@ -533,8 +533,8 @@ class Trainer:
         span = self._span
         loss_scale = self._loss_scale() if train and self.is_last else 1.0
         posted = self._post_receives(prev, count)
-        if train and not self.is_first:
-            # While this stage waits for its first activations, not on the critical path.
+        if train and not self.is_first and self.runner.flat_backward:
+            # Pack while this stage waits for its first activations, off the critical path.
             with span(events.FORWARD):
                 self.runner.prepare()
         results = []
