@@ -279,6 +279,82 @@ def test_sharing_cores_stretches_the_step():
     assert single.slowdown == 1.0  # a rank alone on its node has no busy neighbours
 
 
+@settings(max_examples=30, deadline=None)
+@given(
+    partitions=st.integers(1, 5),
+    microbatches=st.integers(1, 8),
+    schedule=st.sampled_from(["gpipe", "1f1b"]),
+    seed=st.integers(0, 1000),
+)
+def test_shared_cores_run_the_ideal_schedule_when_they_suffice_or_stretch_it_when_spinning(
+    partitions, microbatches, schedule, seed
+):
+    import random
+
+    from hyparflow.engine.schedule import make_schedule, simulate
+    from hyparflow.simulate.sharing import simulate_shared
+
+    rng = random.Random(seed)
+    forward = [rng.uniform(0.5, 2.0) for _ in range(partitions)]
+    backward = [rng.uniform(1.0, 3.0) for _ in range(partitions)]
+    plan = make_schedule(schedule, partitions, microbatches)
+    one_node = [{0: 1}] * partitions
+    ideal = simulate(plan, forward, backward, 0.1)
+    roomy = simulate_shared(plan, forward, backward, 0.1, one_node, cores=partitions)
+    assert roomy.makespan == pytest.approx(ideal.makespan)
+    assert all(roomy.times[k] == pytest.approx(v) for k, v in ideal.times.items())
+    # waiting ranks that spin take a full share: every rank runs partitions / cores slower
+    spinning = simulate_shared(plan, forward, backward, 0.0, one_node, cores=1, idle_share=1.0)
+    stretched = simulate(plan, [f * partitions for f in forward],
+                         [b * partitions for b in backward])  # fmt: skip
+    assert spinning.makespan == pytest.approx(stretched.makespan)
+    yielding = simulate_shared(plan, forward, backward, 0.0, one_node, cores=1, idle_share=0.0)
+    assert yielding.makespan <= spinning.makespan * (1 + 1e-9)
+
+
+def test_waiting_ranks_take_their_idle_share_of_a_core():
+    from hyparflow.engine.schedule import gpipe
+    from hyparflow.simulate.sharing import simulate_shared
+
+    # two stages on one core run one action at a time; the waiting one takes `share`
+    for share in (0.0, 0.25, 1.0):
+        sim = simulate_shared(gpipe(2, 1), [1.0, 2.0], [3.0, 4.0], 0.0, [{0: 1}, {0: 1}],
+                              cores=1, idle_share=share)  # fmt: skip
+        assert sim.makespan == pytest.approx(10.0 * (1 + share))
+    # a stage whose replicas span two nodes runs at its busier node's pace
+    crowded = simulate_shared(gpipe(1, 1), [1.0], [1.0], 0.0, [{0: 1, 1: 3}], cores=1)
+    assert crowded.makespan == pytest.approx(2.0 * 3)
+    busy = simulate_shared(gpipe(1, 1), [1.0], [1.0], 0.0, [{0: 1}], cores=2, background=3.0)
+    assert busy.makespan == pytest.approx(2.0 * 2)
+    assert Placement(2, 3, ranks_per_node=4).stage_node_ranks() == [{0: 2, 1: 1}, {0: 2, 1: 1}]
+
+
+def test_a_pipeline_on_too_few_cores_runs_faster_when_waiting_ranks_yield():
+    costs = uniform_costs(layers=4)
+    layout = Layout(4, 1, 4)
+    roomy = predict(costs, Network(FAST), layout, 64, Machine(cores_per_node=4))
+    spinning = predict(costs, Network(FAST, oversubscribed_idle_share=1.0), layout, 64,
+                       Machine(cores_per_node=2))  # fmt: skip
+    yielding = predict(costs, Network(FAST, oversubscribed_idle_share=0.0), layout, 64,
+                       Machine(cores_per_node=2))  # fmt: skip
+    assert spinning.step_time == pytest.approx(2 * roomy.step_time)
+    # the bubble leaves cores to the ranks that compute: faster, never faster than roomy
+    assert roomy.step_time < yielding.step_time < spinning.step_time
+    assert sum(yielding.stage_compute) > sum(roomy.stage_compute)  # computing, stretched
+
+
+def test_scheduling_waits_only_where_ranks_outnumber_cores():
+    costs = uniform_costs(layers=4)
+    waits = Network(FAST, oversubscribed_latency=1.0, oversubscribed_collective_latency=1.0)
+    neighbours = Machine(cores_per_node=2, corun=1.2)  # slower cores, but enough of them
+    for layout in (Layout(2, 1, 4), Layout(1, 2)):
+        calm = predict(costs, Network(FAST), layout, 64, neighbours)
+        assert predict(costs, waits, layout, 64, neighbours).step_time == calm.step_time
+    for layout in (Layout(4, 1, 4), Layout(1, 4)):
+        calm = predict(costs, Network(FAST), layout, 64, neighbours)
+        assert predict(costs, waits, layout, 64, neighbours).step_time > calm.step_time + 0.9
+
+
 def test_jitter_makes_replicas_wait_for_the_slowest():
     from hyparflow.simulate.predict import expected_maximum
 

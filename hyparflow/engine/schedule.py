@@ -205,7 +205,7 @@ def simulate(
         for stage, actions in enumerate(schedule):
             while next_index[stage] < len(actions):
                 action = actions[next_index[stage]]
-                ready = _ready_time(times, stage, action, num_stages, comm_time)
+                ready = ready_time(times, stage, action, num_stages, comm_time)
                 if ready is None:
                     break
                 start = max(ready, stage_free[stage])
@@ -229,8 +229,9 @@ def simulate(
     return Simulation(times=times, makespan=max(stage_free, default=0.0), busy=busy)
 
 
-def _ready_time(times, stage, action, num_stages, comm_time) -> float | None:
-    """When `action`'s dependencies are met on `stage`, or None if one has not run yet."""
+def ready_time(times, stage, action, num_stages, comm_time) -> float | None:
+    """When `action`'s dependencies are met on `stage` (`times`: the (start, end) of the
+    actions run so far), or None if one has not run yet."""
     deps = []
     if action.is_forward:
         if stage > 0:

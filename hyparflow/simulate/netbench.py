@@ -16,10 +16,12 @@ hyparflow.simulate.netbench OUT.json`); rank 0 writes the JSON that `Network.fro
 
 Latency and bandwidth are the fastest of 30 repetitions (what the link can do); the
 reductions and the engine's costs are medians, like the step times they add up to. With
-`--oversubscribed` (more ranks than cores: `launch()` starts twice as many ranks as cores
-when there are at most 8), pairs of ranks ping-pong at once (the median one-way time less the
-latency is a message's scheduling wait on an oversubscribed node), and all ranks reduce 1, 4
-and 16 MiB with hyparflow's reducer (what exceeds the model, per step of the allreduce, is a
+`--oversubscribed CORES` (more ranks than cores: `launch()` starts twice as many ranks as
+cores when there are at most 8), CORES ranks compute while the others ping-pong in pairs (the
+median one-way time less the latency is a pipeline message's scheduling wait on an
+oversubscribed node), then compute while the others sleep and while they wait in MPI (how
+much of a core a waiting rank still takes: the idle share), and all ranks reduce 1, 4 and
+16 MiB with hyparflow's reducer (what exceeds the model, per step of the allreduce, is a
 collective step's wait).
 
 The ranks share a node, so this measures the intra-node link only; give the inter-node one
@@ -59,18 +61,20 @@ def launch(out_path: str, python: str = sys.executable, timeout: float = 600) ->
     cores = os.cpu_count() or 1
     if cores <= 8:
         extra = out_path + ".oversubscribed"
-        _mpirun(2 * cores, [extra, "--oversubscribed"], python, timeout)
+        ranks = max(2 * cores, cores + 2)  # a pair to ping-pong beside every core's rank
+        _mpirun(ranks, [extra, "--oversubscribed", str(cores)], python, timeout)
         with open(extra) as f:
             crowded = json.load(f)
         latency = network["intra"]["latency"]
         network["oversubscribed_latency"] = max(0.0, crowded["one_way_s"] - latency)
         reducer = {int(n): t for n, t in crowded["reducer_s"].items()}
         network["oversubscribed_collective_latency"] = collective_wait(
-            network, reducer, 2 * cores, cores
+            network, reducer, ranks, cores
         )
+        network["oversubscribed_idle_share"] = crowded["idle_share"]
         network["source"]["oversubscribed_one_way_s"] = crowded["one_way_s"]
         network["source"]["oversubscribed_reducer_s"] = crowded["reducer_s"]
-        network["source"]["oversubscribed_ranks"] = 2 * cores
+        network["source"]["oversubscribed_ranks"] = ranks
         with open(out_path, "w") as f:
             json.dump(network, f, indent=1)
     return network
@@ -284,25 +288,96 @@ def run(comm, repeats: int = 30) -> dict | None:
     return network
 
 
-def oversubscribed_one_way(comm, repeats: int = 200) -> float | None:
-    """Ranks ping-pong in pairs (0-1, 2-3, ...) all at once, 8 bytes; rank 0 returns the
-    median one-way time (scheduling waits included: the median, not the fastest)."""
-    buffer = np.zeros(1, dtype=np.uint8)
-    rank = comm.Get_rank()
-    peer = rank ^ 1
+def _spin(buffer: np.ndarray, iterations: int) -> None:
+    """Processor work on one core (element-wise numpy: no BLAS threads)."""
+    for _ in range(iterations):
+        np.multiply(buffer, 1.000001, out=buffer)
+
+
+def oversubscribed_idle_share(comm, cores: int, repeats: int = 5) -> float | None:
+    """The first `cores` ranks compute a fixed amount while the others either sleep or wait
+    in MPI (a barrier, as a pipeline rank waits for its neighbour); rank 0 returns the share
+    of a core a waiting rank takes from the computing ones (median over `repeats`; 0: the
+    waiting ranks cost nothing, 1: each took as much as a computing rank)."""
+    rank, waiting = comm.Get_rank(), comm.Get_size() - cores
+    buffer = np.ones(16 * 1024, dtype=np.float32)  # 64 KiB: in cache, on one core
+    # how much work is about 0.2 s on a core (the others sleep meanwhile)
+    iterations = 0
+    if rank < cores:
+        start = time.perf_counter()
+        _spin(buffer, 2000)
+        iterations = int(2000 * 0.2 / max(time.perf_counter() - start, 1e-6))
+    else:
+        time.sleep(0.5)
+    iterations = comm.allreduce(iterations, op=_max())
+    ratios = []
+    for _ in range(repeats):
+        alone = _timed_spin(comm, rank < cores, buffer, iterations, sleep=True)
+        shared = _timed_spin(comm, rank < cores, buffer, iterations, sleep=False)
+        if rank == 0:
+            ratios.append(shared / alone)
+    if rank != 0:
+        return None
+    return min(1.0, max(0.0, (statistics.median(ratios) - 1.0) * cores / waiting))
+
+
+def _timed_spin(comm, computes: bool, buffer, iterations: int, sleep: bool) -> float:
+    """Seconds the computing ranks take for `iterations` while the others sleep through it
+    (`sleep`, 5x the expected time) or wait in a barrier."""
+    comm.Barrier()
+    seconds = 0.0
+    if computes:
+        start = time.perf_counter()
+        _spin(buffer, iterations)
+        seconds = time.perf_counter() - start
+    elif sleep:
+        time.sleep(1.0)
+    comm.Barrier()
+    return seconds
+
+
+def _max():
+    from mpi4py import MPI
+
+    return MPI.MAX
+
+
+def oversubscribed_one_way(comm, cores: int, repeats: int = 200) -> float | None:
+    """While the first `cores` ranks compute (as the other stages of a pipeline do), the rest
+    ping-pong 8 bytes in pairs; rank 0 returns the first pair's median one-way time:
+    a message's wait for the scheduler to run its receiver (the median, not the fastest)."""
+    from mpi4py import MPI
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    pingers = (size - cores) // 2 * 2
+    first = cores  # first pinging rank
     samples = []
     comm.Barrier()
-    for i in range(repeats + 10):
-        start = time.perf_counter()
-        if rank % 2 == 0:
-            comm.Send(buffer, dest=peer, tag=9)
-            comm.Recv(buffer, source=peer, tag=9)
-        else:
-            comm.Recv(buffer, source=peer, tag=9)
-            comm.Send(buffer, dest=peer, tag=9)
-        if i >= 10:
-            samples.append((time.perf_counter() - start) / 2)
-    return statistics.median(samples) if rank == 0 else None
+    if rank < cores:
+        buffer = np.ones(16 * 1024, dtype=np.float32)
+        while not comm.Iprobe(source=first, tag=10):
+            _spin(buffer, 20)
+        comm.recv(source=first, tag=10)
+    elif rank < first + pingers:
+        buffer = np.zeros(1, dtype=np.uint8)
+        me = rank - first
+        peer = first + (me ^ 1)
+        for i in range(repeats + 10):
+            start = time.perf_counter()
+            if me % 2 == 0:
+                comm.Send(buffer, dest=peer, tag=9)
+                comm.Recv(buffer, source=peer, tag=9)
+            else:
+                comm.Recv(buffer, source=peer, tag=9)
+                comm.Send(buffer, dest=peer, tag=9)
+            if i >= 10:
+                samples.append((time.perf_counter() - start) / 2)
+        if rank == first:
+            requests = [comm.isend(None, dest=r, tag=10) for r in range(cores)]
+            MPI.Request.Waitall(requests)
+    comm.Barrier()
+    median = comm.bcast(statistics.median(samples) if rank == first else None, root=first)
+    return median if rank == 0 else None
 
 
 def main(argv=None) -> int:
@@ -311,15 +386,14 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     comm = MPI.COMM_WORLD
     if "--oversubscribed" in argv:
-        if comm.Get_size() % 2:
-            print("--oversubscribed needs an even number of ranks", file=sys.stderr)
-            return 2
-        one_way = oversubscribed_one_way(comm)
+        cores = int(argv[argv.index("--oversubscribed") + 1])
+        one_way = oversubscribed_one_way(comm, cores)
+        idle_share = oversubscribed_idle_share(comm, cores)
         reducer = {n: reducer_time(comm, n, 20, 16) for n in (1 << 20, 4 << 20, 16 << 20)}
         if comm.Get_rank() == 0:
             with open(argv[0], "w") as f:
-                json.dump({"one_way_s": one_way, "reducer_s": reducer, "ranks": comm.Get_size()},
-                          f)  # fmt: skip
+                json.dump({"one_way_s": one_way, "idle_share": idle_share, "reducer_s": reducer,
+                           "ranks": comm.Get_size()}, f)  # fmt: skip
         return 0
     if comm.Get_size() != 2:
         print("netbench needs exactly 2 ranks: mpirun -np 2 python -m", __name__, file=sys.stderr)

@@ -177,6 +177,11 @@ class Network:
       and each step of an allreduce, waits for the operating system to run the rank it
       needs when a node has more ranks than cores (scheduling, not wires; measured apart
       because a waiting pipeline rank yields its core at once, a reducing one does not).
+      The pipeline message's wait is measured while other ranks compute, as they do in a
+      running pipeline (the receiver waits for the scheduler to take a core from them).
+    - `oversubscribed_idle_share`: the share of a core a rank waiting in MPI still takes
+      from computing ones on an oversubscribed node, as a fraction of a computing rank's
+      claim (Open MPI yields between polls there: 0 if it took nothing, 1 if it spun).
     - `copy_rate`: bytes/s at which hyparflow copies gradients into its fusion buckets;
       `per_tensor`: seconds per gradient tensor it handles (copying in, wrapping out).
 
@@ -194,6 +199,7 @@ class Network:
     handoff_bandwidth: float = math.inf
     oversubscribed_latency: float = 0.0
     oversubscribed_collective_latency: float = 0.0
+    oversubscribed_idle_share: float = 1.0
     copy_rate: float = math.inf
     per_tensor: float = 0.0
     source: dict = field(default_factory=dict, compare=False)  # how it was obtained
@@ -213,13 +219,21 @@ class Network:
         """Wire time of one point-to-point message (without the CPU `overhead`)."""
         return self.link(crosses_nodes).time(nbytes)
 
-    def pipeline_transfer(self, nbytes: float, crosses_nodes: bool, cpu_slowdown: float = 1.0):
+    def pipeline_transfer(
+        self,
+        nbytes: float,
+        crosses_nodes: bool,
+        cpu_slowdown: float = 1.0,
+        crowded: bool | None = None,
+    ) -> float:
         """From a stage posting a micro-batch's tensors to the waiting neighbour holding them:
         handoff plus wire; inside a node both are processor work, stretched by
-        `cpu_slowdown`, plus a scheduling wait when ranks outnumber cores."""
+        `cpu_slowdown`, plus a scheduling wait when ranks outnumber cores (`crowded`; by
+        default whenever `cpu_slowdown > 1`)."""
         if crosses_nodes:
             return self.handoff * cpu_slowdown + self.p2p(nbytes, True)
-        busy = self.oversubscribed_latency if cpu_slowdown > 1 else 0.0
+        crowded = cpu_slowdown > 1 if crowded is None else crowded
+        busy = self.oversubscribed_latency if crowded else 0.0
         rate = min(self.intra.bandwidth, self.handoff_bandwidth)
         wire = self.intra.latency + nbytes / rate
         return (self.handoff + wire) * cpu_slowdown + busy
@@ -233,6 +247,7 @@ class Network:
         cpu_slowdown: float = 1.0,
         tensors: int = 0,
         in_place: bool = False,
+        crowded: bool | None = None,
     ) -> float:
         """hyparflow's fused gradient sum of `tensors` gradients: copy into buckets, then one
         allreduce per bucket over the intra- or inter-node link, whose bandwidth `flows`
@@ -240,13 +255,16 @@ class Network:
         data-parallel step's, packed inside its compiled call): no copies.
 
         `cpu_slowdown` stretches what the processors do (copies, reduction arithmetic, and
-        inside a node the shared-memory transfers themselves) when ranks share cores.
+        inside a node the shared-memory transfers themselves) when ranks share cores; each
+        step of the collective also waits for the scheduler when they outnumber the cores
+        (`crowded`; by default whenever `cpu_slowdown > 1`).
         """
         if ranks <= 1 or nbytes <= 0:
             return 0.0
         link = self.link(crosses_nodes).shared(flows)
         if not crosses_nodes:
-            busy = self.oversubscribed_collective_latency if cpu_slowdown > 1 else 0.0
+            crowded = cpu_slowdown > 1 if crowded is None else crowded
+            busy = self.oversubscribed_collective_latency if crowded else 0.0
             link = Link(link.latency * cpu_slowdown + busy, link.bandwidth / cpu_slowdown)
         copy = 0.0 if in_place else (nbytes / self.copy_rate + tensors * self.per_tensor)
         copy *= cpu_slowdown
@@ -262,6 +280,7 @@ class Network:
             "handoff_bandwidth": _finite_or_none(self.handoff_bandwidth),
             "oversubscribed_latency": self.oversubscribed_latency,
             "oversubscribed_collective_latency": self.oversubscribed_collective_latency,
+            "oversubscribed_idle_share": self.oversubscribed_idle_share,
             "copy_rate": _finite_or_none(self.copy_rate),
             "per_tensor": self.per_tensor,
             "source": self.source,
@@ -281,6 +300,7 @@ class Network:
             oversubscribed_collective_latency=float(
                 data.get("oversubscribed_collective_latency", 0.0)
             ),
+            oversubscribed_idle_share=float(data.get("oversubscribed_idle_share", 1.0)),
             copy_rate=_none_to_inf(data.get("copy_rate")),
             per_tensor=float(data.get("per_tensor", 0.0)),
             source=dict(data.get("source", {})),

@@ -68,6 +68,14 @@ class Placement:
         """Number of nodes the replicas of `stage` span (its allreduce crosses nodes if > 1)."""
         return len({self.node_of(r) for r in self.grid.stage_ranks(stage)})
 
+    def stage_node_ranks(self) -> list[dict[int, int]]:
+        """For each stage, how many of its replicas each node holds."""
+        counts = []
+        for stage in range(self.partitions):
+            nodes = [self.node_of(rank) for rank in self.grid.stage_ranks(stage)]
+            counts.append({node: nodes.count(node) for node in sorted(set(nodes))})
+        return counts
+
     def offnode_reductions_per_node(self) -> int:
         """Most stage allreduces that leave one node: each stage with a rank on the node whose
         replicas span several nodes sends one flow through the node's network interface (a

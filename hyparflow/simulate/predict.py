@@ -27,6 +27,7 @@ from hyparflow.engine.schedule import make_schedule, simulate
 from hyparflow.simulate.costs import ModelCosts
 from hyparflow.simulate.network import Network
 from hyparflow.simulate.placement import Placement
+from hyparflow.simulate.sharing import simulate_shared
 
 
 @dataclass(frozen=True)
@@ -75,12 +76,22 @@ class Machine:
     jitter: float = 0.0
     corun: float = 1.0
 
+    def crowded(self, ranks_on_node: int) -> bool:
+        """Whether `ranks_on_node` ranks (with the background load) outnumber the cores."""
+        if self.cores_per_node is None:
+            return False
+        return ranks_on_node + self.background > self.cores_per_node
+
+    def co_running(self, ranks_on_node: int) -> float:
+        """`corun` when the node runs several ranks, else 1."""
+        return self.corun if ranks_on_node > 1 else 1.0
+
     def slowdown(self, ranks_on_node: int) -> float:
         """How much longer CPU work takes when `ranks_on_node` ranks share the node: `corun`
         when several run at once (each core computes slower while its neighbours are busy:
         shared caches, memory bandwidth, clocks), times `ranks / cores` when they outnumber
         the cores."""
-        neighbours = self.corun if ranks_on_node > 1 else 1.0
+        neighbours = self.co_running(ranks_on_node)
         if self.cores_per_node is None:
             return neighbours
         return neighbours * max(1.0, (ranks_on_node + self.background) / self.cores_per_node)
@@ -176,6 +187,10 @@ def predict(
         )
     where = layout.placement
     slow = machine.slowdown(where.busiest_node_ranks)
+    # short of cores: the pipeline's ranks share them by the moment (sharing.py), not by a
+    # uniform stretch; its actions then carry only the co-run factor
+    crowded = machine.crowded(where.busiest_node_ranks)
+    compute_slow = machine.co_running(where.busiest_node_ranks) if crowded else slow
     engine = costs.engine
     starts = list(starts) if starts is not None else costs.split(p, batch)
     bounds = [*starts, len(costs.layers)]
@@ -193,16 +208,21 @@ def predict(
         # posting the sends: the forward's activations, the backward's input gradients
         f += network.overhead * has_next
         b += network.overhead * has_prev
-        forward.append(f * slow)
-        backward.append(b * slow)
+        forward.append(f * compute_slow)
+        backward.append(b * compute_slow)
         if has_next:
             crosses = where.pipeline_link_crosses_nodes(s)
             nbytes = costs.cut_bytes[bounds[s + 1]] * batch
-            transfers.append(network.pipeline_transfer(nbytes, crosses, slow))
+            transfers.append(network.pipeline_transfer(nbytes, crosses, slow, crowded))
     # the schedule simulator takes one link delay; the slowest link is the safe choice
-    sim = simulate(
-        make_schedule(layout.schedule, p, m), forward, backward, max(transfers, default=0.0)
-    )
+    schedule = make_schedule(layout.schedule, p, m)
+    if crowded:
+        sim = simulate_shared(
+            schedule, forward, backward, max(transfers, default=0.0), where.stage_node_ranks(),
+            machine.cores_per_node, network.oversubscribed_idle_share, machine.background,
+        )  # fmt: skip
+    else:
+        sim = simulate(schedule, forward, backward, max(transfers, default=0.0))
     finish = [0.0] * p
     for (s, _), (_, end) in sim.times.items():
         finish[s] = max(finish[s], end)
@@ -215,7 +235,7 @@ def predict(
         crosses = where.stage_nodes(s) > 1
         reduce = network.gradient_allreduce(
             stage.param_bytes, layout.replicas, crosses, flows if crosses else 1, slow,
-            tensors=stage.variables, in_place=fused,
+            tensors=stage.variables, in_place=fused, crowded=crowded,
         )  # fmt: skip
         update = slow * (engine.optimizer(stage.variables, stage.param_bytes) + engine.step_fixed)
         if finish[s] + reduce + update > step:
@@ -232,7 +252,7 @@ def predict(
         slowdown=slow,
         stage_starts=starts,
         stage_names=costs.start_names(starts),
-        stage_compute=[m * (f + b) for f, b in zip(forward, backward)],
+        stage_compute=list(sim.busy),
     )
 
 
