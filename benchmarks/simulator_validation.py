@@ -9,10 +9,12 @@ For each model (an MLP and a small ResNet-style CNN, steps of tens of millisecon
    the network (`hyparflow.simulate.netbench`, mpi4py ping-pong and allreduce, the engine's
    own transfers, on 2 ranks), then the model's per-layer and engine costs
    (`hyparflow.simulate.measure`, one process on one core), the one-rank `model.fit`
-   baseline, and the co-run factor: one short data-parallel run on 2 ranks at half the
-   batch (not a validated configuration), its compute and optimizer time against the
-   prediction of the same parts (a job with every core busy runs 10-30% slower here than one
-   process alone, for reasons the one-process measurement cannot see);
+   baseline, and the co-run factor and jitter: one short data-parallel run on 2 ranks at
+   half the batch (not a validated configuration), its compute and optimizer time against
+   the prediction of the same parts (a job with every core busy runs 10-30% slower here than
+   one process alone, for reasons the one-process measurement cannot see), and its
+   allreduce beyond the prediction: the replicas waiting for each other, from which the
+   per-step variation of a rank's compute (`Machine.jitter`) follows;
 2. predict one rank (plain model.fit), data parallel 1x2 and 1x4, model parallel 2x1 and 4x1,
    hybrid 2x2 (P partitions x R replicas) with the simulator, on 2 cores;
 3. measure the same configurations with `hf.fit` under `mpirun` and the `ScalingProfiler`
@@ -297,7 +299,8 @@ def main(argv=None) -> None:
             order = CONFIGS if round_ % 2 == 0 else CONFIGS[::-1]
             for key in order:
                 layout = layouts[key]
-                machine = Machine(CORES, corun=costs.measured["corun"]["corun"])
+                calibrated = costs.measured["corun"]
+                machine = Machine(CORES, corun=calibrated["corun"], jitter=calibrated["jitter"])
                 p = predict(costs, network, layout, args.batch_size, machine)
                 config = (layout.partitions, layout.replicas, layout.microbatches)
                 result = measure_quietly(args, model_path, config, p.stage_names, folder)
@@ -396,7 +399,8 @@ def calibrate_quietly(args, model_path: str, costs_path: str, network, folder: s
             break
     costs.measured["calibration_attempts"] = attempt + 1
     costs.measured["corun"] = corun_factor(args, model_path, costs, network, folder)
-    print(f"co-run factor {costs.measured['corun']['corun']:.2f}", flush=True)
+    print(f"co-run factor {costs.measured['corun']['corun']:.2f}, "
+          f"jitter {costs.measured['corun']['jitter']:.3f}", flush=True)  # fmt: skip
     return costs
 
 
@@ -407,6 +411,7 @@ def corun_factor(args, model_path, costs, network, folder) -> dict:
     rank against the prediction of the same parts. Several effects the one-process
     measurement cannot see land in it; docs/simulate.md says what was tried."""
     from hyparflow.simulate import Layout, Machine, predict
+    from hyparflow.simulate.predict import expected_maximum
 
     small = argparse.Namespace(**{**vars(args), "batch_size": args.batch_size // 2,
                                   "epochs": 2})  # fmt: skip
@@ -415,8 +420,13 @@ def corun_factor(args, model_path, costs, network, folder) -> dict:
     measured = parts["compute"] + parts["optimizer"]
     p = predict(costs, network, Layout(1, 2), small.batch_size, Machine(CORES))
     predicted = (p.stage_compute[0] + p.optimizer_time) * 1e3
+    # the same run's allreduce (mean over ranks) beyond the model's is the wait for the
+    # other replica: E[max of 2] - mean = 0.56 sigma of a rank's step (Machine.jitter)
+    wait = max(0.0, parts["allreduce"] - p.allreduce_time * 1e3)
+    jitter = wait / (expected_maximum(2) * parts["compute"])
     return {"corun": max(1.0, measured / predicted), "measured_ms": measured,
-            "predicted_ms": predicted, "batch_size": small.batch_size}  # fmt: skip
+            "predicted_ms": predicted, "batch_size": small.batch_size, "jitter": jitter,
+            "allreduce_wait_ms": wait}  # fmt: skip
 
 
 def measure_quietly(args, model_path, config, starts, folder) -> dict:
