@@ -14,10 +14,7 @@ For each model (an MLP and a small ResNet-style CNN, steps of tens of millisecon
    the prediction of the same parts (a job with every core busy runs 10-30% slower here than
    one process alone, for reasons the one-process measurement cannot see), and its
    allreduce beyond the prediction: the replicas waiting for each other, from which the
-   per-step variation of a rank's compute (`Machine.jitter`) follows; and the idle share
-   (what a rank waiting in MPI costs the computing ones when ranks outnumber cores): one
-   short pipeline of cores + 1 stages at half the batch (3 on 2 cores, not a validated
-   configuration), fitted so that the processor-sharing model predicts its step;
+   per-step variation of a rank's compute (`Machine.jitter`) follows;
 2. predict one rank (plain model.fit), data parallel 1x2 and 1x4, model parallel 2x1 and 4x1,
    hybrid 2x2 (P partitions x R replicas) with the simulator, on 2 cores;
 3. measure the same configurations with `hf.fit` under `mpirun` and the `ScalingProfiler`
@@ -46,7 +43,6 @@ configuration compares the median prediction with the median measurement over th
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
@@ -305,9 +301,7 @@ def main(argv=None) -> None:
                 layout = layouts[key]
                 calibrated = costs.measured["corun"]
                 machine = Machine(CORES, corun=calibrated["corun"], jitter=calibrated["jitter"])
-                sharing = costs.measured["sharing"]["idle_share"]
-                shared = dataclasses.replace(network, oversubscribed_idle_share=sharing)
-                p = predict(costs, shared, layout, args.batch_size, machine)
+                p = predict(costs, network, layout, args.batch_size, machine)
                 config = (layout.partitions, layout.replicas, layout.microbatches)
                 result = measure_quietly(args, model_path, config, p.stage_names, folder)
                 result.update(
@@ -407,52 +401,7 @@ def calibrate_quietly(args, model_path: str, costs_path: str, network, folder: s
     costs.measured["corun"] = corun_factor(args, model_path, costs, network, folder)
     print(f"co-run factor {costs.measured['corun']['corun']:.2f}, "
           f"jitter {costs.measured['corun']['jitter']:.3f}", flush=True)  # fmt: skip
-    costs.measured["sharing"] = idle_share_fit(args, model_path, costs, network, folder)
-    print(f"idle share {costs.measured['sharing']['idle_share']:.2f} "
-          f"(netbench {network.oversubscribed_idle_share:.2f})", flush=True)  # fmt: skip
     return costs
-
-
-def idle_share_fit(args, model_path, costs, network, folder) -> dict:
-    """How much of a core a waiting rank takes from computing ones when this model's
-    pipeline has more stages than the machine has cores: one short pipeline of cores + 1
-    stages at half the validation batch (not a validated configuration), and the idle share
-    at which the processor-sharing model (`simulate/sharing.py`) predicts its measured step
-    (bisection; 0 and 1 bound it). netbench's synthetic figure is kept when the machine
-    has cores to spare for the validated layouts. Under oversubscription the kernel's
-    placement and wake-ups, not only polling, decide what waiting ranks cost, and that
-    depends on how long the model's actions are: so it is fitted per model, like `corun`."""
-    from hyparflow.simulate import Layout, Machine, predict
-
-    stages = CORES + 1
-    kept = {"idle_share": network.oversubscribed_idle_share, "fitted": False}
-    if stages > max(p * r for p, r in CONFIGS) or stages > len(costs.layers):
-        return kept
-    small = argparse.Namespace(**{**vars(args), "batch_size": args.batch_size // 2,
-                                  "epochs": 2})  # fmt: skip
-    calibrated = costs.measured["corun"]
-    machine = Machine(CORES, corun=calibrated["corun"], jitter=calibrated["jitter"])
-    layout = Layout(stages, 1, args.microbatches, "1f1b")
-
-    def step_ms(share: float) -> float:
-        shared = dataclasses.replace(network, oversubscribed_idle_share=share)
-        return predict(costs, shared, layout, small.batch_size, machine).step_time * 1e3
-
-    names = predict(costs, network, layout, small.batch_size, machine).stage_names
-    config = (stages, 1, args.microbatches)
-    measured = measure_quietly(small, model_path, config, names, folder)["step_ms"]
-    low, high = 0.0, 1.0
-    if measured <= step_ms(low):
-        share = low
-    elif measured >= step_ms(high):
-        share = high
-    else:
-        for _ in range(30):
-            middle = (low + high) / 2
-            low, high = (middle, high) if step_ms(middle) < measured else (low, middle)
-        share = (low + high) / 2
-    return {"idle_share": share, "fitted": True, "stages": stages, "measured_ms": measured,
-            "predicted_ms": step_ms(share), "batch_size": small.batch_size}  # fmt: skip
 
 
 def corun_factor(args, model_path, costs, network, folder) -> dict:

@@ -387,8 +387,14 @@ def main(argv=None) -> int:
     comm = MPI.COMM_WORLD
     if "--oversubscribed" in argv:
         cores = int(argv[argv.index("--oversubscribed") + 1])
+        # each waiting or pinging rank shares one core with a computing one, as the model
+        # places ranks (simulate/sharing.py; left alone the kernel may instead give the
+        # waiting ranks a core of their own for this launch)
+        unpinned = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, {sorted(unpinned)[comm.Get_rank() % cores % len(unpinned)]})
         one_way = oversubscribed_one_way(comm, cores)
         idle_share = oversubscribed_idle_share(comm, cores)
+        os.sched_setaffinity(0, unpinned)
         reducer = {n: reducer_time(comm, n, 20, 16) for n in (1 << 20, 4 << 20, 16 << 20)}
         if comm.Get_rank() == 0:
             with open(argv[0], "w") as f:

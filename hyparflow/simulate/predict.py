@@ -27,7 +27,7 @@ from hyparflow.engine.schedule import make_schedule, simulate
 from hyparflow.simulate.costs import ModelCosts
 from hyparflow.simulate.network import Network
 from hyparflow.simulate.placement import Placement
-from hyparflow.simulate.sharing import simulate_shared
+from hyparflow.simulate.sharing import shared_pipeline
 
 
 @dataclass(frozen=True)
@@ -187,8 +187,8 @@ def predict(
         )
     where = layout.placement
     slow = machine.slowdown(where.busiest_node_ranks)
-    # short of cores: the pipeline's ranks share them by the moment (sharing.py), not by a
-    # uniform stretch; its actions then carry only the co-run factor
+    # short of cores: the pipeline's ranks share the cores they are placed on by the moment
+    # (sharing.py), not by a uniform stretch; its actions then carry only the co-run factor
     crowded = machine.crowded(where.busiest_node_ranks)
     compute_slow = machine.co_running(where.busiest_node_ranks) if crowded else slow
     engine = costs.engine
@@ -216,16 +216,19 @@ def predict(
             transfers.append(network.pipeline_transfer(nbytes, crosses, slow, crowded))
     # the schedule simulator takes one link delay; the slowest link is the safe choice
     schedule = make_schedule(layout.schedule, p, m)
+    comm = max(transfers, default=0.0)
     if crowded:
-        sim = simulate_shared(
-            schedule, forward, backward, max(transfers, default=0.0), where.stage_node_ranks(),
-            machine.cores_per_node, network.oversubscribed_idle_share, machine.background,
+        rank_nodes = [[where.node_of(r) for r in where.grid.stage_ranks(s)] for s in range(p)]
+        run = shared_pipeline(
+            schedule, forward, backward, comm, rank_nodes, machine.cores_per_node,
+            network.oversubscribed_idle_share, machine.background,
         )  # fmt: skip
+        finish, busy, bubble = run.finish, run.busy, run.bubble
     else:
-        sim = simulate(schedule, forward, backward, max(transfers, default=0.0))
-    finish = [0.0] * p
-    for (s, _), (_, end) in sim.times.items():
-        finish[s] = max(finish[s], end)
+        sim = simulate(schedule, forward, backward, comm)
+        finish, busy, bubble = [0.0] * p, sim.busy, sim.bubble
+        for (s, _), (_, end) in sim.times.items():
+            finish[s] = max(finish[s], end)
 
     flows = where.offnode_reductions_per_node()
     straggle = 1.0 + machine.jitter * expected_maximum(layout.replicas)
@@ -248,11 +251,11 @@ def predict(
         pipeline_time=parts[0],
         allreduce_time=parts[1],
         optimizer_time=parts[2],
-        bubble=sim.bubble if p > 1 else 0.0,
+        bubble=bubble if p > 1 else 0.0,
         slowdown=slow,
         stage_starts=starts,
         stage_names=costs.start_names(starts),
-        stage_compute=list(sim.busy),
+        stage_compute=list(busy),
     )
 
 

@@ -1,19 +1,28 @@
 """A pipeline schedule run by ranks that share their node's cores (processor sharing).
 
-When a node holds more ranks than cores, the operating system time-slices them: at any moment
-the ranks computing on a node split its cores evenly (processor sharing, the standard model of
-a time-sharing scheduler; Kleinrock, "Time-Shared Systems: A Theoretical Analysis of
+When a node holds more ranks than cores, the operating system time-slices them: the ranks
+computing on one core split it evenly (processor sharing, the standard model of a
+time-sharing scheduler; Kleinrock, "Time-Shared Systems: A Theoretical Analysis of
 Commonly-Used Scheduling Disciplines", J. ACM 14(2), 1967). A rank that waits for a message
 does not compute, but it is not asleep either: Open MPI polls, yielding the processor between
 polls when it sees the node oversubscribed (`mpi_yield_when_idle`), so each waiting rank still
 holds `idle_share` of a computing one's claim (0: yields at once, 1: spins like a computing
-rank). In a deep pipeline many ranks wait at any time (the bubble), so the computing ones run
-faster than a uniform `ranks / cores` stretch says.
+rank). Linux balances run queues by how many tasks they hold, and a polling rank counts as
+one, so the ranks stay spread evenly over the cores and rarely move: a computing rank shares
+its core with the ranks placed there, busy or not, even while another core only has waiting
+ranks. Which ranks share a core is chance, so `shared_pipeline` averages the schedule over
+the even placements. In a deep pipeline many ranks wait at any time (the bubble), so the
+computing ones run faster than a uniform `ranks / cores` stretch says, but slower than if
+every idle core could take them.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
+import random
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from hyparflow.engine.schedule import DeadlockError, Schedule, Simulation, ready_time
 
@@ -113,3 +122,96 @@ def _rates(running, stage_nodes, nodes, cores, idle_share, background) -> dict[i
             load[node] += weight * count
     share = {n: min(1.0, cores / load[n]) if load[n] > 0 else 1.0 for n in nodes}
     return {s: min(share[n] for n in stage_nodes[s]) for s in running}
+
+
+@dataclass
+class SharedPipeline:
+    """A schedule's timing averaged over core placements: each stage's finish, its computing
+    time (`busy`), the bubble, and how many placements were averaged."""
+
+    finish: list[float]
+    busy: list[float]
+    bubble: float
+    placements: int
+
+
+def shared_pipeline(
+    schedule: Schedule,
+    forward_work: Sequence[float],
+    backward_work: Sequence[float],
+    comm_time: float,
+    rank_nodes: Sequence[Sequence[int]],
+    cores: int,
+    idle_share: float = 0.0,
+    background: float = 0.0,
+    limit: int = 64,
+) -> SharedPipeline:
+    """Run `schedule` with every node's ranks spread evenly over its `cores` cores, averaged
+    over the placements (all distinct ones when there are at most `limit`, else `limit`
+    drawn at random with a fixed seed). `rank_nodes[s][q]` is the node of stage `s`'s
+    replica `q`; `background` cores' worth of other work is spread over the cores.
+
+    Example:
+        >>> from hyparflow.engine.schedule import one_f_one_b
+        >>> run = shared_pipeline(one_f_one_b(4, 4), [1.0] * 4, [2.0] * 4, 0.0,
+        ...                       [[0]] * 4, cores=2)
+        >>> run.placements, 21.0 < max(run.finish) < 2 * 21.0
+        (3, True)
+    """
+    ranks = [(s, q) for s, nodes in enumerate(rank_nodes) for q in range(len(nodes))]
+    by_node: dict[int, list[tuple[int, int]]] = {}
+    for s, q in ranks:
+        by_node.setdefault(rank_nodes[s][q], []).append((s, q))
+    choices = [_even_placements(members, cores, limit) for members in by_node.values()]
+    if math.prod(len(c) for c in choices) <= limit:
+        combos = list(itertools.product(*choices))
+    else:
+        rng = random.Random(0)
+        combos = [tuple(rng.choice(c) for c in choices) for _ in range(limit)]
+    stages = len(schedule)
+    finish, busy, bubble = [0.0] * stages, [0.0] * stages, 0.0
+    for combo in combos:
+        core_of = {}
+        for n, groups in enumerate(combo):
+            for c, group in enumerate(groups):
+                core_of.update({rank: (n, c) for rank in group})
+        stage_cores = []
+        for s in range(stages):
+            counts: dict = {}
+            for q in range(len(rank_nodes[s])):
+                counts[core_of[s, q]] = counts.get(core_of[s, q], 0) + 1
+            stage_cores.append(counts)
+        ids = {core: i for i, core in enumerate(sorted({c for d in stage_cores for c in d}))}
+        sim = simulate_shared(
+            schedule, forward_work, backward_work, comm_time,
+            [{ids[c]: k for c, k in d.items()} for d in stage_cores], 1, idle_share,
+            background / cores,
+        )  # fmt: skip
+        ends = [0.0] * stages
+        for (s, _), (_, end) in sim.times.items():
+            ends[s] = max(ends[s], end)
+        finish = [f + e / len(combos) for f, e in zip(finish, ends)]
+        busy = [b + x / len(combos) for b, x in zip(busy, sim.busy)]
+        bubble += sim.bubble / len(combos)
+    return SharedPipeline(finish=finish, busy=busy, bubble=bubble, placements=len(combos))
+
+
+def _even_placements(members: list, cores: int, limit: int) -> list[tuple[tuple, ...]]:
+    """Ways to deal `members` to `cores` cores as evenly as the kernel balances them (core
+    order does not matter): all distinct ones up to `limit`, else `limit` random deals."""
+    used = min(cores, len(members))
+    sizes = [len(members) // used + (i < len(members) % used) for i in range(used)]
+
+    def deal(order) -> tuple[tuple, ...]:
+        groups, start = [], 0
+        for size in sizes:
+            groups.append(tuple(sorted(order[start : start + size])))
+            start += size
+        return tuple(sorted(groups))
+
+    if len(members) <= 8:
+        distinct = sorted({deal(order) for order in itertools.permutations(members)})
+        if len(distinct) <= limit:
+            return distinct
+    rng = random.Random(0)
+    return [deal(rng.sample(members, len(members))) for _ in range(limit)]
