@@ -215,6 +215,17 @@ def simulate(
                 next_index[stage] += 1
                 progressed = True
 
+    raise_if_blocked(schedule, next_index)
+    busy = [
+        sum(forward_times[s] if a.is_forward else backward_times[s] for a in actions)
+        for s, actions in enumerate(schedule)
+    ]
+    return Simulation(times=times, makespan=max(stage_free, default=0.0), busy=busy)
+
+
+def raise_if_blocked(schedule: Schedule, next_index: list[int]) -> None:
+    """Raise `DeadlockError` naming each stage that stopped short of its last action
+    (`next_index[s]`: the first action stage `s` never ran)."""
     blocked = [
         f"stage {s} waits at {actions[next_index[s]]}"
         for s, actions in enumerate(schedule)
@@ -222,11 +233,6 @@ def simulate(
     ]
     if blocked:
         raise DeadlockError("schedule deadlocks: " + "; ".join(blocked))
-    busy = [
-        sum(forward_times[s] if a.is_forward else backward_times[s] for a in actions)
-        for s, actions in enumerate(schedule)
-    ]
-    return Simulation(times=times, makespan=max(stage_free, default=0.0), busy=busy)
 
 
 def ready_time(times, stage, action, num_stages, comm_time) -> float | None:

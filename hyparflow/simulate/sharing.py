@@ -24,7 +24,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from hyparflow.engine.schedule import DeadlockError, Schedule, Simulation, ready_time
+from hyparflow.engine.schedule import Schedule, Simulation, raise_if_blocked, ready_time
 
 _EPSILON = 1e-12
 
@@ -102,13 +102,7 @@ def simulate_shared(
                 times[s, schedule[s][next_index[s]]] = (started[s], now)
                 next_index[s] += 1
                 remaining[s] = None
-    blocked = [
-        f"stage {s} waits at {actions[next_index[s]]}"
-        for s, actions in enumerate(schedule)
-        if next_index[s] < len(actions)
-    ]
-    if blocked:
-        raise DeadlockError("schedule deadlocks: " + "; ".join(blocked))
+    raise_if_blocked(schedule, next_index)
     return Simulation(times=times, makespan=now, busy=busy)
 
 
