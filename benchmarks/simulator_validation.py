@@ -68,6 +68,9 @@ ENV = {
 }
 CONFIGS = [(1, 1), (1, 2), (1, 4), (2, 1), (4, 1), (2, 2)]  # (partitions, replicas)
 CORES = os.cpu_count() or 1
+PROBE_BATCH = 64  # samples per fused step of the speed probe
+PROBE_SECONDS = 1.5  # per probe reading
+STEADY = 0.08  # largest change of speed between the probes around an accepted run
 
 
 def _arguments(argv=None):
@@ -85,6 +88,7 @@ def _arguments(argv=None):
     parser.add_argument("--worker", nargs=4, metavar=("MODEL", "CONFIG", "LOG_DIR", "STARTS"))
     parser.add_argument("--calibrate", nargs=2, metavar=("MODEL", "COSTS"))
     parser.add_argument("--calibrate-fit", nargs=2, metavar=("MODEL", "COSTS"))
+    parser.add_argument("--probe", metavar="MODEL")
     return parser.parse_args(argv)
 
 
@@ -214,6 +218,63 @@ def calibrate_fit(args) -> None:
     costs.save(costs_path)
 
 
+def probe_server(model_path: str) -> None:
+    """`--probe MODEL`: for each line on stdin, time the model's fused engine step for about
+    PROBE_SECONDS and print the median seconds: the machine's speed at that moment."""
+    import keras
+
+    from hyparflow.partitioner import profile
+    from hyparflow.partitioner.graph import build_graph
+    from hyparflow.simulate.measure import fused_step
+
+    model = keras.saving.load_model(model_path)
+    step = fused_step(model, profile.make_sample(build_graph(model), batch_size=PROBE_BATCH))
+    step()  # traces
+    print("ready", flush=True)
+    for _ in sys.stdin:
+        seconds, deadline = [], time.perf_counter() + PROBE_SECONDS
+        while len(seconds) < 5 or time.perf_counter() < deadline:
+            start = time.perf_counter()
+            step()
+            seconds.append(time.perf_counter() - start)
+        print(statistics.median(seconds), flush=True)
+
+
+class SpeedProbe:
+    """A resident one-thread process on core 0 that times the model's fused step on request.
+
+    It sleeps between requests, so it takes nothing from the runs it brackets; being one
+    process throughout, its readings differ only by the machine's speed."""
+
+    def __init__(self, model_path: str):
+        self.process = subprocess.Popen(
+            ["taskset", "-c", "0", sys.executable, __file__, "--probe", model_path],
+            env={**os.environ, **ENV}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL, text=True,
+        )  # fmt: skip
+        for line in self.process.stdout:
+            if line.strip() == "ready":
+                break
+        else:
+            raise RuntimeError(f"the speed probe for {model_path} exited before it was ready")
+
+    def seconds(self) -> float:
+        """Median seconds of one fused step now (on an otherwise idle machine)."""
+        self.process.stdin.write("\n")
+        self.process.stdin.flush()
+        return float(self.process.stdout.readline())
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait(timeout=60)
+
+
+def steady(before: float, after: float) -> bool:
+    """Whether the machine's speed held over a run: the probes around it agree within
+    STEADY."""
+    return abs(after / before - 1.0) <= STEADY
+
+
 # --- the driver ---------------------------------------------------------------------------------
 
 
@@ -235,7 +296,7 @@ def _run(command: list[str], timeout: float = 900) -> None:
         raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr[-4000:]}")
 
 
-def measure_config(args, model_path, config, starts, folder) -> dict:
+def measure_config(args, model_path, config, starts, folder, probe) -> dict:
     partitions, replicas, microbatches = config
     log_dir = os.path.join(folder, f"{partitions}x{replicas}-{time.monotonic_ns()}")
     label = f"{partitions}x{replicas}x{microbatches}"
@@ -248,7 +309,9 @@ def measure_config(args, model_path, config, starts, folder) -> dict:
     else:
         command = ["mpirun", "-np", str(world), "--bind-to", "none", *worker_args]
     wait_for_quiet()
+    before = probe.seconds()
     _run(command)
+    after = probe.seconds()
     with open(os.path.join(log_dir, "profile.json")) as f:
         profile = json.load(f)
     shares = []
@@ -263,6 +326,7 @@ def measure_config(args, model_path, config, starts, folder) -> dict:
         "cores_got": min(float(CORES), sum(shares)),
         "cpu_shares": shares,
         "steps": profile["steps"]["summarized"],
+        "probe_s": [before, after],
     }
 
 
@@ -274,6 +338,8 @@ def main(argv=None) -> None:
         return calibrate(args)
     if args.calibrate_fit:
         return calibrate_fit(args)
+    if args.probe:
+        return probe_server(args.probe)
     from hyparflow.simulate import Layout, Machine, predict
 
     folder = tempfile.mkdtemp(prefix="hf-simulator-validation-")
@@ -283,6 +349,7 @@ def main(argv=None) -> None:
     report = {"machine": {"cores": CORES}, "args": vars(args), "rounds": []}
     for kind in kinds:
         _save_model(kind, os.path.join(folder, f"{kind}.keras"))
+    probes = {kind: SpeedProbe(os.path.join(folder, f"{kind}.keras")) for kind in kinds}
     for round_ in range(args.rounds):
         # the machine's speed drifts (other tenants): calibrate again in every round and
         # compare each measurement with the prediction of its own round
@@ -294,19 +361,27 @@ def main(argv=None) -> None:
         for kind in kinds:
             model_path = os.path.join(folder, f"{kind}.keras")
             costs_path = os.path.join(folder, f"{kind}.json")
-            costs = calibrate_quietly(args, model_path, costs_path, network, folder)
+            probe = probes[kind]
+            costs = calibrate_quietly(args, model_path, costs_path, network, folder, probe)
             record["costs"][kind] = costs.to_dict()
             order = CONFIGS if round_ % 2 == 0 else CONFIGS[::-1]
             for key in order:
                 layout = layouts[key]
                 calibrated = costs.measured["corun"]
                 machine = Machine(CORES, corun=calibrated["corun"], jitter=calibrated["jitter"])
-                p = predict(costs, network, layout, args.batch_size, machine)
+                planned = predict(costs, network, layout, args.batch_size, machine)
                 config = (layout.partitions, layout.replicas, layout.microbatches)
-                result = measure_quietly(args, model_path, config, p.stage_names, folder)
+                result = measure_quietly(args, model_path, config, planned.stage_names, folder,
+                                         probe)  # fmt: skip
+                # the costs at the machine's speed around this run (same stage split)
+                speed = speed_of(result, costs)
+                p = predict(costs.scaled(speed), network, layout, args.batch_size, machine,
+                            starts=planned.stage_starts)  # fmt: skip
                 result.update(
                     round=round_,
+                    speed=speed,
                     predicted_ms=p.step_time * 1e3,
+                    predicted_at_calibration_ms=planned.step_time * 1e3,
                     predicted_parts_ms={
                         "pipeline": p.pipeline_time * 1e3,
                         "allreduce": p.allreduce_time * 1e3,
@@ -318,9 +393,12 @@ def main(argv=None) -> None:
                 runs[kind][key].append(result)
                 print(f"{kind} {key[0]}x{key[1]} round {round_}: measured "
                       f"{result['step_ms']:.2f} ms, predicted {result['predicted_ms']:.2f} ms "
-                      f"(cores got {result['cores_got']:.2f}, attempt {result['attempts']})",
+                      f"(speed {speed:.2f}, cores got {result['cores_got']:.2f}, "
+                      f"attempt {result['attempts']})",
                       flush=True)  # fmt: skip
         report["rounds"].append(record)
+    for probe in probes.values():
+        probe.close()
     report["models"] = {kind: _rows(runs[kind], layouts) for kind in kinds}
     for kind in kinds:
         print(_table(kind, report["models"][kind], args.batch_size))
@@ -342,6 +420,11 @@ def _rows(runs: dict, layouts: dict) -> list[dict]:
             "error": statistics.median(r["predicted_ms"] for r in results)
             / statistics.median(r["step_ms"] for r in results) - 1,
             "paired_error": statistics.median(errors),
+            # the same with the costs as calibrated, not rescaled to the speed around the run
+            "error_at_calibration": statistics.median(
+                r["predicted_at_calibration_ms"] for r in results
+            ) / statistics.median(r["step_ms"] for r in results) - 1,
+            "speed_all": [r["speed"] for r in results],
             "errors": errors,
             "measured_ms_all": [r["step_ms"] for r in results],
             "predicted_ms_all": [r["predicted_ms"] for r in results],
@@ -379,32 +462,43 @@ def network_quietly(folder: str, tries: int):
     return Network.from_dict(data)
 
 
-def calibrate_quietly(args, model_path: str, costs_path: str, network, folder: str):
+def calibrate_quietly(args, model_path: str, costs_path: str, network, folder: str, probe):
     """Measure the costs as one rank has them (one core, `measure.py`) and the one-rank
     baseline, again while someone else's job shared the machine (the process got under 93%
-    of its core); then the co-run factor (`corun_factor`)."""
+    of its core) or the machine's speed moved (the probes around it disagree); then the
+    co-run factor (`corun_factor`). The probes' mean is the speed the costs hold at."""
     from hyparflow.simulate import ModelCosts
 
     for attempt in range(args.tries):
         wait_for_quiet()
+        before = probe.seconds()
         _run(["taskset", "-c", "0", sys.executable, __file__, "--calibrate", model_path,
               costs_path, "--batch-size", str(args.batch_size)])  # fmt: skip
         wait_for_quiet()
         _run(["taskset", "-c", "0", sys.executable, __file__, "--calibrate-fit", model_path,
               costs_path, "--batch-size", str(args.batch_size)])  # fmt: skip
+        after = probe.seconds()
         costs = ModelCosts.load(costs_path)
         share = costs.measured["cpu_share"]
-        print(f"calibration {attempt}: cpu share {share:.2f}", flush=True)
-        if share >= 0.93:
+        print(f"calibration {attempt}: cpu share {share:.2f}, probes {before * 1e3:.1f} "
+              f"{after * 1e3:.1f} ms", flush=True)  # fmt: skip
+        if share >= 0.93 and steady(before, after):
             break
     costs.measured["calibration_attempts"] = attempt + 1
-    costs.measured["corun"] = corun_factor(args, model_path, costs, network, folder)
+    costs.measured["probe_s"] = (before + after) / 2
+    costs.measured["probe_pair_s"] = [before, after]
+    costs.measured["corun"] = corun_factor(args, model_path, costs, network, folder, probe)
     print(f"co-run factor {costs.measured['corun']['corun']:.2f}, "
           f"jitter {costs.measured['corun']['jitter']:.3f}", flush=True)  # fmt: skip
     return costs
 
 
-def corun_factor(args, model_path, costs, network, folder) -> dict:
+def speed_of(result: dict, costs) -> float:
+    """How much longer the machine's kernels took around a run than at the calibration."""
+    return statistics.mean(result["probe_s"]) / costs.measured["probe_s"]
+
+
+def corun_factor(args, model_path, costs, network, folder, probe) -> dict:
     """How much slower the engine's processor work runs in a job with every core busy than
     the one-process calibration says: one short data-parallel run on two ranks at half the
     validation batch (a configuration not validated), its compute and optimizer time per
@@ -415,10 +509,11 @@ def corun_factor(args, model_path, costs, network, folder) -> dict:
 
     small = argparse.Namespace(**{**vars(args), "batch_size": args.batch_size // 2,
                                   "epochs": 2})  # fmt: skip
-    result = measure_quietly(small, model_path, (1, 2, 1), [], folder)
+    result = measure_quietly(small, model_path, (1, 2, 1), [], folder, probe)
     parts = result["parts_ms"]
     measured = parts["compute"] + parts["optimizer"]
-    p = predict(costs, network, Layout(1, 2), small.batch_size, Machine(CORES))
+    speed = speed_of(result, costs)
+    p = predict(costs.scaled(speed), network, Layout(1, 2), small.batch_size, Machine(CORES))
     predicted = (p.stage_compute[0] + p.optimizer_time) * 1e3
     # the same run's allreduce (mean over ranks) beyond the model's is the wait for the
     # other replica: E[max of 2] - mean = 0.56 sigma of a rank's step (Machine.jitter)
@@ -426,17 +521,19 @@ def corun_factor(args, model_path, costs, network, folder) -> dict:
     jitter = wait / (expected_maximum(2) * parts["compute"])
     return {"corun": max(1.0, measured / predicted), "measured_ms": measured,
             "predicted_ms": predicted, "batch_size": small.batch_size, "jitter": jitter,
-            "allreduce_wait_ms": wait}  # fmt: skip
+            "allreduce_wait_ms": wait, "speed": speed}  # fmt: skip
 
 
-def measure_quietly(args, model_path, config, starts, folder) -> dict:
-    """A run on an otherwise idle machine: repeated while it got too few cores."""
+def measure_quietly(args, model_path, config, starts, folder, probe) -> dict:
+    """A run on an otherwise idle machine whose speed held: repeated while it got too few
+    cores or the probes around it disagree. `speed`: the probes' mean over the calibration's."""
     expected = min(config[0] * config[1], CORES)
     attempts = 0
     while True:
         attempts += 1
-        result = measure_config(args, model_path, config, starts, folder)
-        if result["cores_got"] >= 0.93 * expected or attempts >= args.tries:
+        result = measure_config(args, model_path, config, starts, folder, probe)
+        quiet = result["cores_got"] >= 0.93 * expected
+        if (quiet and steady(*result["probe_s"])) or attempts >= args.tries:
             result["attempts"] = attempts
             return result
 
@@ -458,9 +555,10 @@ def _table(kind: str, rows: list[dict], batch: int) -> str:
     lines = [
         f"\n{kind}: global batch {batch}, 1F1B, {CORES} cores; step = slowest rank's ms per "
         "step; medians over rounds (each round calibrated afresh); error = median predicted / "
-        "median measured - 1",
+        "median measured - 1, predictions from costs rescaled to the machine's speed around each "
+        "run (speed probe); uncorr. = the same from the costs as calibrated",
         f"{'P x R':>6} {'M':>3} {'measured':>9} {'range':>13} {'predicted':>10} "
-        f"{'range':>13} {'error':>7}   paired errors per round (median)",
+        f"{'range':>13} {'error':>7} {'uncorr.':>7}   paired errors per round (median)",
     ]
     for r in rows:
         low, high = min(r["measured_ms_all"]), max(r["measured_ms_all"])
@@ -469,7 +567,8 @@ def _table(kind: str, rows: list[dict], batch: int) -> str:
         lines.append(
             f"{r['partitions']:>2} x {r['replicas']:<2} {r['microbatches']:>3} "
             f"{r['measured_ms']:>9.2f} {f'{low:.1f}-{high:.1f}':>13} {r['predicted_ms']:>10.2f} "
-            f"{f'{p_low:.1f}-{p_high:.1f}':>13} {r['error']:>+7.1%}   {per_round} "
+            f"{f'{p_low:.1f}-{p_high:.1f}':>13} {r['error']:>+7.1%} "
+            f"{r['error_at_calibration']:>+7.1%}   {per_round} "
             f"({r['paired_error']:+.0%})"
         )
     return "\n".join(lines)

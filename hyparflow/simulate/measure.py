@@ -322,6 +322,24 @@ def _loss_cost(model, samples, repeats) -> Affine:
 def _fused_cost(model, samples, repeats) -> Affine:
     """Seconds of one micro-batch of the unpartitioned engine step: forward, loss, metrics and
     flat gradients in one compiled call (`engine/fused.py`)."""
+    seconds = {}
+    for batch, inputs in samples.items():
+        seconds[batch] = statistics.median(_repeat(fused_step(model, inputs), repeats))
+    for metric in model.metrics:
+        metric.reset_state()
+    small, large = sorted(seconds)
+    return Affine.through(small, seconds[small], large, seconds[large])
+
+
+def fused_step(model, inputs):
+    """A callable running one unpartitioned engine step of the compiled `model` on `inputs`
+    (forward, loss, metrics, flat gradients; the weights are not updated): what
+    `_fused_cost` times, and a steady probe of the machine's speed.
+
+    Example:
+        >>> step = fused_step(model, profile.make_sample(build_graph(model), batch_size=64))
+        >>> step()   # the first call traces
+    """
     from hyparflow.engine.flat import FlatLayout
     from hyparflow.engine.fused import FusedRunner
 
@@ -335,22 +353,16 @@ def _fused_cost(model, samples, repeats) -> Affine:
         metrics=lambda y, y_pred, sample_weight: update(y, y_pred),
         layout=layout if layout.usable else None,
     )
-    seconds = {}
-    for batch, inputs in samples.items():
-        x = _unlisted(inputs)
-        y = _targets(model(x, training=False))
+    x = _unlisted(inputs)
+    y = _targets(model(x, training=False))
 
-        def step(x=x, y=y):
-            _, value = runner.forward(0, x, (y, None), 1.0)
-            runner.backward(0)
-            runner.take_flat_gradients() if runner.layout else runner.take_gradients()
-            float(value)
+    def step():
+        _, value = runner.forward(0, x, (y, None), 1.0)
+        runner.backward(0)
+        runner.take_flat_gradients() if runner.layout else runner.take_gradients()
+        float(value)
 
-        seconds[batch] = statistics.median(_repeat(step, repeats))
-    for metric in model.metrics:
-        metric.reset_state()
-    small, large = sorted(seconds)
-    return Affine.through(small, seconds[small], large, seconds[large])
+    return step
 
 
 def fit_step(model, batch_sizes, steps: int = 8, input_shape=None) -> Affine:
