@@ -32,12 +32,19 @@ time of the timed epochs. Their sum is the number of cores the job had ("cores g
 poll while they wait for MPI, so an undisturbed job takes min(ranks, cores)). A run that got
 less than 93% of that shared the machine with someone else: it is discarded and repeated (up
 to --tries times; the count is reported). The calibration is checked the same way (its one
-process must have got 93% of its core). The machine's speed also drifts by tens of percent
-over minutes with nothing visible in it (other tenants of the host share its caches and
-memory), so every round starts with a fresh calibration (network, then each model's costs)
-and its measurements are compared with its own predictions; the error reported per
-configuration compares the median prediction with the median measurement over the rounds
-(the median of the paired per-round errors is printed too).
+process must have got 90% of core 0, which also serves the VM's interrupts). The machine's
+speed also drifts by tens of percent over minutes with nothing visible in it (other tenants
+of the host share its caches and memory; a calibration once ran 64% slower than the runs
+right after it). So a speed probe stays resident for each model: one process on core 0 that
+sleeps until asked, then times the model's fused engine step for 1.5 s (`SpeedProbe`). It is
+read before and after the calibration and every run; a calibration or run whose two readings
+differ by more than 8% (the speed moved during it) is repeated like a disturbed one, and
+each prediction uses the round's costs rescaled by the probe's mean around that run over its
+mean around the calibration (`ModelCosts.scaled`): the costs the machine had when the run
+ran, as a fresh calibration right before it would give. Every round also starts with a fresh
+calibration (network, then each model's costs). The error reported per configuration
+compares the median prediction with the median measurement over the rounds (the median of
+the paired per-round errors and the error without the rescaling are printed too).
 """
 
 from __future__ import annotations
@@ -71,6 +78,10 @@ CORES = os.cpu_count() or 1
 PROBE_BATCH = 64  # samples per fused step of the speed probe
 PROBE_SECONDS = 1.5  # per probe reading
 STEADY = 0.08  # largest change of speed between the probes around an accepted run
+# least share of core 0 an accepted calibration got: on this VM a calibration alone on an
+# idle machine gets 0.92-0.94 of it (core 0 also serves the VM's interrupts); the probes
+# around it catch a slowed machine
+CALIBRATION_SHARE = 0.90
 
 
 def _arguments(argv=None):
@@ -464,7 +475,7 @@ def network_quietly(folder: str, tries: int):
 
 def calibrate_quietly(args, model_path: str, costs_path: str, network, folder: str, probe):
     """Measure the costs as one rank has them (one core, `measure.py`) and the one-rank
-    baseline, again while someone else's job shared the machine (the process got under 93%
+    baseline, again while someone else's job shared the machine (the process got under 90%
     of its core) or the machine's speed moved (the probes around it disagree); then the
     co-run factor (`corun_factor`). The probes' mean is the speed the costs hold at."""
     from hyparflow.simulate import ModelCosts
@@ -482,7 +493,7 @@ def calibrate_quietly(args, model_path: str, costs_path: str, network, folder: s
         share = costs.measured["cpu_share"]
         print(f"calibration {attempt}: cpu share {share:.2f}, probes {before * 1e3:.1f} "
               f"{after * 1e3:.1f} ms", flush=True)  # fmt: skip
-        if share >= 0.93 and steady(before, after):
+        if share >= CALIBRATION_SHARE and steady(before, after):
             break
     costs.measured["calibration_attempts"] = attempt + 1
     costs.measured["probe_s"] = (before + after) / 2
