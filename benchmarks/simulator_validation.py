@@ -18,7 +18,10 @@ For each model (an MLP and a small ResNet-style CNN, steps of tens of millisecon
 2. predict one rank (plain model.fit), data parallel 1x2 and 1x4, model parallel 2x1 and 4x1,
    hybrid 2x2 (P partitions x R replicas) with the simulator, on 2 cores;
 3. measure the same configurations with `hf.fit` under `mpirun` and the `ScalingProfiler`
-   (job step time: the slowest rank's, warm-up steps left out), rounds interleaved so that a
+   (step time: from one step's start to the next on each rank, so the training loop's work
+   between steps counts as it does in a user's samples/s, mean over the ranks, the first
+   (traced) epoch left out; the profiler's step, the slowest rank's `train_step`, is kept
+   beside it with the profiler's parts), rounds interleaved so that a
    busy spell on the shared machine hits every configuration alike, and take the median;
    the pipelines use the simulator's stage split (passed as explicit layer names);
 4. print measured vs predicted and the relative error, and write everything to a JSON file
@@ -175,11 +178,33 @@ def worker(args) -> None:
         balance=starts.split(",") if starts != "-" else "layers",
     )
     profiler = hf.callbacks.ScalingProfiler(log_dir, timeline=False, batch_size=args.batch_size)
-    share = _cpu_share_callback()
+    share, period = _cpu_share_callback(), _step_period_callback()
     hf.fit(model, x, y, batch_size=args.batch_size, epochs=args.epochs, verbose=0,
-           strategy=strategy, callbacks=[profiler, share])  # fmt: skip
+           strategy=strategy, callbacks=[profiler, share, period])  # fmt: skip
     with open(os.path.join(log_dir, f"cpu_share_{hf.rank()}.json"), "w") as f:
-        json.dump({"cpu_share": share.share}, f)
+        json.dump({"cpu_share": share.share, "step_period": statistics.mean(period.periods)}, f)
+
+
+def _step_period_callback():
+    """Seconds from each step's start to the next within an epoch, from the second epoch
+    (the first traces): what a step costs the job, the loop's work between steps included."""
+    import keras
+
+    class StepPeriod(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.periods, self._start = [], None
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self._start, self._timed = None, epoch >= 1
+
+        def on_train_batch_begin(self, batch, logs=None):
+            now = time.perf_counter()
+            if self._timed and self._start is not None:
+                self.periods.append(now - self._start)
+            self._start = now
+
+    return StepPeriod()
 
 
 def _cpu_share_callback():
@@ -325,13 +350,16 @@ def measure_config(args, model_path, config, starts, folder, probe) -> dict:
     after = probe.seconds()
     with open(os.path.join(log_dir, "profile.json")) as f:
         profile = json.load(f)
-    shares = []
+    shares, periods = [], []
     for rank in range(world):
         with open(os.path.join(log_dir, f"cpu_share_{rank}.json")) as f:
-            shares.append(json.load(f)["cpu_share"])
+            recorded = json.load(f)
+        shares.append(recorded["cpu_share"])
+        periods.append(recorded["step_period"])
     job = profile["job"]
     return {
-        "step_ms": job["ms_per_step"]["step"],
+        "step_ms": 1e3 * statistics.mean(periods),
+        "profiler_step_ms": job["ms_per_step"]["step"],
         "parts_ms": {k: v for k, v in job["ms_per_step"].items() if v is not None},
         "bubble": job.get("bubble_measured"),
         "cores_got": min(float(CORES), sum(shares)),
@@ -397,6 +425,7 @@ def main(argv=None) -> None:
                         "pipeline": p.pipeline_time * 1e3,
                         "allreduce": p.allreduce_time * 1e3,
                         "optimizer": p.optimizer_time * 1e3,
+                        "between_steps": p.between_steps_time * 1e3,
                     },
                     bubble_predicted=p.bubble,
                     stage_names=p.stage_names,

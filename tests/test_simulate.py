@@ -4,6 +4,7 @@ import json
 import math
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -181,7 +182,23 @@ def test_links_are_chosen_by_placement():
     split = predict(costs, net, Layout(2, 1, 1, ranks_per_node=1), 64)
     together = predict(costs, net, Layout(2, 1, 1, ranks_per_node=2), 64)
     wire = 2 * 1000.0 * 64 * (1 / 1e6 - 1 / 1e12)  # forward and backward message
-    assert split.step_time - together.step_time == pytest.approx(wire, rel=1e-6)
+    logs = net.logs_sync(2, 1, crosses_nodes=True) - net.logs_sync(2, 1, crosses_nodes=False)
+    assert logs > 0  # the loop's agreement between steps crosses the slow link too
+    assert split.step_time - together.step_time == pytest.approx(wire + logs, rel=1e-6)
+    assert split.between_steps_time == pytest.approx(net.logs_sync(2, 1, True))
+
+
+def test_steps_wait_for_the_last_stage_logs():
+    costs = uniform_costs(layers=4)
+    net = Network(intra=Link(1e-6, 1e12))
+    layout = Layout(2, 2, 2)
+    before = predict(costs, net, layout, 64)
+    costs.engine = replace(costs.engine, step_fixed=0.25)  # a read-out longer than any step
+    after = predict(costs, net, layout, 64)
+    assert after.step_time > before.step_time + 0.2
+    assert after.between_steps_time == pytest.approx(
+        after.step_time - after.pipeline_time - after.allreduce_time - after.optimizer_time
+    )
 
 
 # --- the step -----------------------------------------------------------------------------
@@ -214,7 +231,9 @@ def test_data_parallel_step_is_compute_plus_allreduce_plus_optimizer():
     copies = costs.param_bytes / 4e9 + costs.variables * 1e-4
     reduce = copies + allreduce(costs.param_bytes, 4, net.intra, 2e9)[0]
     assert p.allreduce_time == pytest.approx(reduce)
-    assert p.step_time == pytest.approx(compute + reduce + 1e-3 + 1e-9 * costs.param_bytes)
+    logs = net.logs_sync(4, 4, crosses_nodes=False)  # metric sums, logs broadcast, stop vote
+    assert p.between_steps_time == pytest.approx(logs)
+    assert p.step_time == pytest.approx(compute + reduce + 1e-3 + 1e-9 * costs.param_bytes + logs)
 
 
 def test_unpartitioned_model_runs_the_measured_fused_step_and_reduces_one_tensor():

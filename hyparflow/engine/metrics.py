@@ -3,33 +3,74 @@
 from __future__ import annotations
 
 import numpy as np
+import tensorflow as tf
 
 
-def reduced_results(model, comm, results=None) -> dict:
+class ReplicaMetrics:
     """`model.get_metrics_result()` as if all replicas on `comm` had fed one metric set.
 
     Keras metric states (totals, counts, confusion counts) add up across disjoint data, so the
-    states are summed over `comm`, read out, and the local states put back untouched.
-    `results` replaces `model.get_metrics_result` (the trainer passes a compiled one).
+    states are summed over `comm`, read out, and the local states put back untouched. The
+    training loop asks for these logs after every step, so swapping the sums in, computing
+    the results and restoring are one compiled call after the `Allreduce`: done eagerly,
+    variable by variable, they took 0.5 ms a step here, 6% of a small data-parallel step;
+    this takes 0.2 ms (docs/engine.md).
+
+    Example:
+        >>> logs = ReplicaMetrics(model, topology.stage_comm)()  # {"loss": 0.31, ...}
     """
-    results = results or model.get_metrics_result
-    variables = list(model.metrics_variables)
-    if comm.Get_size() > 1 and variables:
-        local = [np.array(v.numpy()) for v in variables]
-        flat = np.concatenate([a.astype(np.float64).ravel() for a in local])
-        summed = np.empty_like(flat)
-        comm.Allreduce(flat, summed)
-        offset = 0
-        for variable, array in zip(variables, local):
-            part = summed[offset : offset + array.size].reshape(array.shape)
-            variable.assign(part.astype(array.dtype))
-            offset += array.size
-        try:
-            return to_floats(results())
-        finally:
-            for variable, array in zip(variables, local):
-                variable.assign(array)
-    return to_floats(results())
+
+    def __init__(self, model, comm) -> None:
+        self.model, self.comm = model, comm
+        self._results = tf.function(model.get_metrics_result)
+        self._built_for: tuple = ()
+
+    def __call__(self) -> dict:
+        if self.comm.Get_size() == 1 or not self.model.metrics_variables:
+            return to_floats(self._results())
+        local = self.local_states()
+        summed = np.empty_like(local)
+        self.comm.Allreduce(local, summed)
+        return self.results_with(summed)
+
+    def local_states(self) -> np.ndarray:
+        """This replica's metric states, flattened into one float64 vector."""
+        self._build()
+        return self._pack()
+
+    def results_with(self, summed: np.ndarray) -> dict:
+        """The results of the states `summed` (as `local_states` lays them out) as floats;
+        the local states are left as they were."""
+        self._build()
+        return to_floats(self._results_of(tf.constant(summed)))
+
+    def _build(self) -> None:
+        variables = list(self.model.metrics_variables)
+        if self._built_for == tuple(id(v) for v in variables):
+            return  # (metrics build lazily: rebuilt when their variables change)
+        sizes = [int(np.prod(v.shape)) for v in variables]
+
+        def pack():
+            return tf.concat([tf.reshape(tf.cast(v.value, tf.float64), [-1]) for v in variables], 0)
+
+        def read():  # a compiled call costs as much as reading ~6 variables one by one
+            return np.concatenate([np.asarray(v.numpy(), np.float64).ravel() for v in variables])
+
+        def results_of(summed):
+            # automatic control dependencies keep program order on each variable:
+            # read the local states, write the sums, read the results, write the states back
+            local = [tf.identity(v.value) for v in variables]
+            for variable, part in zip(variables, tf.split(summed, sizes)):
+                variable.assign(tf.cast(tf.reshape(part, variable.shape), variable.dtype))
+            results = self.model.get_metrics_result()
+            for variable, value in zip(variables, local):
+                variable.assign(value)
+            return results
+
+        compiled = tf.function(pack)
+        self._pack = read if len(variables) <= 6 else lambda: compiled().numpy()
+        self._results_of = tf.function(results_of)
+        self._built_for = tuple(id(v) for v in variables)
 
 
 def to_floats(logs: dict) -> dict:

@@ -24,7 +24,7 @@ from hyparflow.data import GlobalBatch, piece_bounds
 from hyparflow.engine import events
 from hyparflow.engine.flat import FlatLayout
 from hyparflow.engine.fused import FusedRunner
-from hyparflow.engine.metrics import reduced_results
+from hyparflow.engine.metrics import ReplicaMetrics
 from hyparflow.engine.schedule import forward_only, make_schedule
 from hyparflow.engine.segments import SegmentedRunner
 from hyparflow.engine.stage import StageRunner
@@ -118,7 +118,7 @@ class Trainer:
         self._loss_tracker_fn = tf.function(
             lambda value, count: model._loss_tracker.update_state(value, sample_weight=count)
         )
-        self._results_fn = tf.function(model.get_metrics_result)
+        self._replica_metrics = ReplicaMetrics(model, topo.stage_comm)
         self._regularized = [v for v in self.owned if getattr(v, "regularizer", None)]
         self._reg_fn = tf.function(self._regularization_and_grads)
         self._has_regularizers = bool(
@@ -636,7 +636,7 @@ class Trainer:
         with self.watchdog.guard("share loss and metrics", peer=self._log_root):
             logs = None
             if self.is_last:
-                logs = reduced_results(self.model, self.topology.stage_comm, self._results_fn)
+                logs = self._replica_metrics()
             return self.topology.world.bcast(logs, root=self._log_root)
 
     def _forward_state(self, graph=None) -> list:

@@ -90,8 +90,9 @@ class EngineCosts:
       memory-bound), per byte of the stage's parameters, paid by every micro-batch after the
       first.
     - `optimizer_*`: the eager `optimizer.apply_gradients` of a stage's variables.
-    - `step_fixed`: per step and rank, cutting the batch into micro-batches and walking the
-      schedule.
+    - `step_fixed`: per step, the training loop's work after it on the last stage: reading
+      the metric states out for the logs, taking the replicas' sums in, computing the
+      results (`ReplicaMetrics`).
     """
 
     forward_call: float = 0.0

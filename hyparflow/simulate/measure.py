@@ -14,7 +14,9 @@
    the optimizer costs a fixed part, per variable and per byte.
 3. The last stage's loss and metrics, the whole model's fused step (`FusedRunner`: forward,
    loss, metrics and gradients in one compiled call, gradients flattened, as data parallelism
-   runs it), and one plain `model.fit` step (the one-rank baseline) on a copy of the model.
+   runs it), the training loop's work between steps (the logs' metric read-out of replica
+   sums, `ReplicaMetrics`), and one plain `model.fit` step (the one-rank baseline, from one
+   step's start to the next) on a copy of the model.
 
 Run it with the thread settings the training ranks will use (`TF_NUM_INTRAOP_THREADS`).
 """
@@ -83,6 +85,7 @@ def measure_model(
         fit = _fit_stages(model, samples, slopes, stage_repeats)
         loss = _loss_cost(model, samples, stage_repeats)
         fused = _fused_cost(model, samples, stage_repeats)
+        between_steps = _logs_cost(model, stage_repeats)
     forward_fit, backward_fit, optimizer_fit = fit["forward"], fit["backward"], fit["optimizer"]
     layers, seen = [], set()
     for node in graph.nodes:
@@ -108,6 +111,7 @@ def measure_model(
         optimizer_fixed=optimizer_fit[0],
         optimizer_per_variable=optimizer_fit[1],
         optimizer_per_byte=optimizer_fit[2],
+        step_fixed=between_steps,
     )
     return ModelCosts(
         name=model.name,
@@ -365,10 +369,23 @@ def fused_step(model, inputs):
     return step
 
 
+def _logs_cost(model, repeats) -> float:
+    """Seconds the training loop spends on the logs after a step: the last stage reads its
+    metric states out, takes the replicas' sums in and computes the results (the
+    `Allreduce` between is the network's)."""
+    from hyparflow.engine.metrics import ReplicaMetrics, to_floats
+
+    if not model.metrics_variables:
+        results = model.get_metrics_result
+        return statistics.median(_repeat(lambda: to_floats(results()), repeats))
+    metrics = ReplicaMetrics(model, comm=None)
+    return statistics.median(_repeat(lambda: metrics.results_with(metrics.local_states()), repeats))
+
+
 def fit_step(model, batch_sizes, steps: int = 8, input_shape=None) -> Affine:
-    """Seconds of one plain `model.fit` step (batch begin to batch end, as the profiler times
-    a single process) on a copy of the model, at two batch sizes (median of the steps): the
-    one-rank baseline, `ModelCosts.single_process`.
+    """Seconds of one plain `model.fit` step (from one step's start to the next, so Keras's
+    work between steps counts) on a copy of the model, at two batch sizes (median of the
+    steps): the one-rank baseline, `ModelCosts.single_process`.
 
     Example:
         >>> costs.single_process = fit_step(model, (128, 256))
@@ -397,19 +414,23 @@ def fit_step(model, batch_sizes, steps: int = 8, input_shape=None) -> Affine:
 
 
 def _step_timer():
-    """A Keras callback recording each batch's begin-to-end seconds."""
+    """A Keras callback recording the seconds from each batch's start to the next's (within
+    an epoch)."""
     import keras
 
     class StepTimer(keras.callbacks.Callback):
         def __init__(self):
             super().__init__()
-            self.times, self._start = [], 0.0
+            self.times, self._start = [], None
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self._start = None
 
         def on_train_batch_begin(self, batch, logs=None):
-            self._start = time.perf_counter()
-
-        def on_train_batch_end(self, batch, logs=None):
-            self.times.append(time.perf_counter() - self._start)
+            now = time.perf_counter()
+            if self._start is not None:
+                self.times.append(now - self._start)
+            self._start = now
 
     return StepTimer()
 

@@ -138,6 +138,19 @@ def allreduce(
     return times[name], name
 
 
+def broadcast(nbytes: float, ranks: int, link: Link) -> float:
+    """Seconds of a binomial-tree broadcast of a short message, as MPI runs one: ceil(log2 p)
+    rounds of one message (Thakur, Rabenseifner and Gropp 2005).
+
+    Example:
+        >>> broadcast(8, 4, Link(1e-6, 1e9)), broadcast(8, 1, Link(1e-6, 1e9))
+        (2.016e-06, 0.0)
+    """
+    if ranks <= 1:
+        return 0.0
+    return math.ceil(math.log2(ranks)) * link.time(nbytes)
+
+
 def bucketed_allreduce(
     nbytes: float,
     ranks: int,
@@ -269,6 +282,28 @@ class Network:
         copy = 0.0 if in_place else (nbytes / self.copy_rate + tensors * self.per_tensor)
         copy *= cpu_slowdown
         return copy + bucketed_allreduce(nbytes, ranks, link, self.reduce_rate / cpu_slowdown)
+
+    def logs_sync(
+        self,
+        ranks: int,
+        replicas: int,
+        crosses_nodes: bool,
+        cpu_slowdown: float = 1.0,
+        crowded: bool | None = None,
+    ) -> float:
+        """The training loop's agreement after each step, a few bytes each: the last stage's
+        replicas sum their metric states (`replicas`), the logs go from the last stage to
+        every rank, and every rank says whether to stop (both over all `ranks`)."""
+        link = self.link(crosses_nodes)
+        crowded = cpu_slowdown > 1 if crowded is None else crowded
+        busy = self.oversubscribed_collective_latency if crowded else 0.0
+        link = Link(link.latency * cpu_slowdown + busy, link.bandwidth / cpu_slowdown)
+        small = 64.0  # bytes: a pickled flag or a few floats
+        return (
+            allreduce(small, replicas, link)[0]
+            + broadcast(small, ranks, link)
+            + allreduce(small, ranks, link)[0]
+        )
 
     def to_dict(self) -> dict:
         return {

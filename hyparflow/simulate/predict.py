@@ -3,10 +3,11 @@
 A training step of hyparflow's engine (docs/engine.md) is, on every rank: the pipeline
 schedule over the micro-batches (activations forward, gradients backward between neighbour
 stages), then the sum of the stage's gradients across its replicas (fused buckets), then the
-optimizer. The pipeline part is the schedule simulator of `engine/schedule.py` run with
-per-stage forward and backward times (GPipe, Huang et al. 2019; 1F1B, Narayanan et al.,
-"Memory-Efficient Pipeline-Parallel DNN Training", ICML 2021); the reduction is the allreduce
-model of `network.py`; the step is set by the slowest stage.
+optimizer; between steps the training loop waits for the last stage's logs (its metric
+read-out) and every rank agrees on them. The pipeline part is the schedule simulator of
+`engine/schedule.py` run with per-stage forward and backward times (GPipe, Huang et al.
+2019; 1F1B, Narayanan et al., "Memory-Efficient Pipeline-Parallel DNN Training", ICML 2021);
+the reduction is the allreduce model of `network.py`; the step is set by the slowest stage.
 
 Ranks that outnumber a node's cores share them: every CPU-bound part of the step is stretched by
 `ranks on the node / cores` (waiting ranks count, since MPI polls while it waits). With compute
@@ -109,6 +110,7 @@ class Prediction:
     optimizer_time: float
     bubble: float
     slowdown: float
+    between_steps_time: float = 0.0  # the loop's logs and agreement after the step
     stage_starts: list[int] = field(default_factory=list)
     stage_names: list[str] = field(default_factory=list)
     stage_compute: list[float] = field(default_factory=list)  # forward + backward per step
@@ -138,6 +140,7 @@ class Prediction:
             "pipeline_time": self.pipeline_time,
             "allreduce_time": self.allreduce_time,
             "optimizer_time": self.optimizer_time,
+            "between_steps_time": self.between_steps_time,
             "bubble": self.bubble,
             "slowdown": self.slowdown,
             "stage_names": self.stage_names,
@@ -233,24 +236,30 @@ def predict(
     flows = where.offnode_reductions_per_node()
     straggle = 1.0 + machine.jitter * expected_maximum(layout.replicas)
     finish = [f * straggle for f in finish]
-    step, parts = 0.0, (0.0, 0.0, 0.0)
+    ends, parts = [], []
     for s, stage in enumerate(stages):
         crosses = where.stage_nodes(s) > 1
         reduce = network.gradient_allreduce(
             stage.param_bytes, layout.replicas, crosses, flows if crosses else 1, slow,
             tensors=stage.variables, in_place=fused, crowded=crowded,
         )  # fmt: skip
-        update = slow * (engine.optimizer(stage.variables, stage.param_bytes) + engine.step_fixed)
-        if finish[s] + reduce + update > step:
-            step = finish[s] + reduce + update
-            parts = (finish[s], reduce, update)
+        update = slow * engine.optimizer(stage.variables, stage.param_bytes)
+        ends.append(finish[s] + reduce + update)
+        parts.append((finish[s], reduce, update))
+    slowest = max(range(p), key=ends.__getitem__)
+    # between steps every rank waits for the last stage's logs (its metric read-out), then
+    # all agree on them and on stopping
+    logs_ready = max(ends[slowest], ends[-1] + slow * engine.step_fixed)
+    sync = network.logs_sync(layout.world, layout.replicas, layout.nodes > 1, slow, crowded)
+    step = logs_ready + sync
     return Prediction(
         layout=layout,
         global_batch=global_batch,
         step_time=step,
-        pipeline_time=parts[0],
-        allreduce_time=parts[1],
-        optimizer_time=parts[2],
+        pipeline_time=parts[slowest][0],
+        allreduce_time=parts[slowest][1],
+        optimizer_time=parts[slowest][2],
+        between_steps_time=step - ends[slowest],
         bubble=bubble if p > 1 else 0.0,
         slowdown=slow,
         stage_starts=starts,
