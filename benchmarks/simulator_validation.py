@@ -17,11 +17,10 @@ For each model (an MLP and a small ResNet-style CNN, steps of tens of millisecon
    per-step variation of a rank's compute (`Machine.jitter`) follows;
 2. predict one rank (plain model.fit), data parallel 1x2 and 1x4, model parallel 2x1 and 4x1,
    hybrid 2x2 (P partitions x R replicas) with the simulator, on 2 cores;
-3. measure the same configurations with `hf.fit` under `mpirun` and the `ScalingProfiler`
-   (step time: from one step's start to the next on each rank, so the training loop's work
-   between steps counts as it does in a user's samples/s, mean over the ranks, the first
-   (traced) epoch left out; the profiler's step, the slowest rank's `train_step`, is kept
-   beside it with the profiler's parts), rounds interleaved so that a
+3. measure the same configurations with `hf.fit` under `mpirun` (verbose=0, callbacks that
+   read no batch logs, no profiler: the loop shares the logs once an epoch; step time: from
+   one step's start to the next on each rank, what a user's samples/s pays, mean over the
+   ranks, the first (traced) epoch left out), rounds interleaved so that a
    busy spell on the shared machine hits every configuration alike, and take the median;
    the pipelines use the simulator's stage split (passed as explicit layer names);
 4. print measured vs predicted and the relative error, and write everything to a JSON file
@@ -96,6 +95,9 @@ def _arguments(argv=None):
     parser.add_argument("--steps", type=int, default=12, help="steps per epoch")
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument(
+        "--profiled", action="store_true", help="(worker) run the ScalingProfiler too"
+    )
+    parser.add_argument(
         "--tries", type=int, default=6, help="runs before accepting a disturbed one"
     )
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "simulator_validation.json"))
@@ -158,7 +160,11 @@ def _data(model, samples: int):
 
 
 def worker(args) -> None:
-    """One measured run: hf.fit with the ScalingProfiler (every rank)."""
+    """One measured run: hf.fit, with the ScalingProfiler on every rank if `--profiled`.
+
+    The validated runs go without it: its per-step breakdown needs the steps kept apart, so it
+    makes the loop share the logs after every batch (three small collectives), which a job
+    whose callbacks read no batch logs does not pay (docs/engine.md, "Logs")."""
     import keras
 
     import hyparflow as hf
@@ -177,10 +183,14 @@ def worker(args) -> None:
         schedule="1f1b",
         balance=starts.split(",") if starts != "-" else "layers",
     )
-    profiler = hf.callbacks.ScalingProfiler(log_dir, timeline=False, batch_size=args.batch_size)
-    share, period = _cpu_share_callback(), _step_period_callback()
+    callbacks = [_cpu_share_callback(), _step_period_callback()]
+    share, period = callbacks
+    if args.profiled:
+        callbacks.append(hf.callbacks.ScalingProfiler(log_dir, timeline=False,
+                                                      batch_size=args.batch_size))  # fmt: skip
+    os.makedirs(log_dir, exist_ok=True)
     hf.fit(model, x, y, batch_size=args.batch_size, epochs=args.epochs, verbose=0,
-           strategy=strategy, callbacks=[profiler, share, period])  # fmt: skip
+           strategy=strategy, callbacks=callbacks)  # fmt: skip
     with open(os.path.join(log_dir, f"cpu_share_{hf.rank()}.json"), "w") as f:
         json.dump({"cpu_share": share.share, "step_period": statistics.mean(period.periods)}, f)
 
@@ -191,6 +201,8 @@ def _step_period_callback():
     import keras
 
     class StepPeriod(keras.callbacks.Callback):
+        needs_batch_logs = False  # it reads a clock, not the logs
+
         def __init__(self):
             super().__init__()
             self.periods, self._start = [], None
@@ -332,13 +344,14 @@ def _run(command: list[str], timeout: float = 900) -> None:
         raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr[-4000:]}")
 
 
-def measure_config(args, model_path, config, starts, folder, probe) -> dict:
+def measure_config(args, model_path, config, starts, folder, probe, profiled=False) -> dict:
     partitions, replicas, microbatches = config
     log_dir = os.path.join(folder, f"{partitions}x{replicas}-{time.monotonic_ns()}")
     label = f"{partitions}x{replicas}x{microbatches}"
     worker_args = [sys.executable, __file__, "--worker", model_path, label, log_dir,
                    ",".join(starts) or "-", "--batch-size", str(args.batch_size),
-                   "--steps", str(args.steps), "--epochs", str(args.epochs)]  # fmt: skip
+                   "--steps", str(args.steps), "--epochs", str(args.epochs),
+                   *(["--profiled"] if profiled else [])]  # fmt: skip
     world = partitions * replicas
     if world == 1:
         command = worker_args
@@ -348,25 +361,31 @@ def measure_config(args, model_path, config, starts, folder, probe) -> dict:
     before = probe.seconds()
     _run(command)
     after = probe.seconds()
-    with open(os.path.join(log_dir, "profile.json")) as f:
-        profile = json.load(f)
     shares, periods = [], []
     for rank in range(world):
         with open(os.path.join(log_dir, f"cpu_share_{rank}.json")) as f:
             recorded = json.load(f)
         shares.append(recorded["cpu_share"])
         periods.append(recorded["step_period"])
-    job = profile["job"]
-    return {
+    result = {
         "step_ms": 1e3 * statistics.mean(periods),
-        "profiler_step_ms": job["ms_per_step"]["step"],
-        "parts_ms": {k: v for k, v in job["ms_per_step"].items() if v is not None},
-        "bubble": job.get("bubble_measured"),
+        "parts_ms": {},
+        "bubble": None,
         "cores_got": min(float(CORES), sum(shares)),
         "cpu_shares": shares,
-        "steps": profile["steps"]["summarized"],
         "probe_s": [before, after],
     }
+    if profiled:
+        with open(os.path.join(log_dir, "profile.json")) as f:
+            profile = json.load(f)
+        job = profile["job"]
+        result.update(
+            profiler_step_ms=job["ms_per_step"]["step"],
+            parts_ms={k: v for k, v in job["ms_per_step"].items() if v is not None},
+            bubble=job.get("bubble_measured"),
+            steps=profile["steps"]["summarized"],
+        )
+    return result
 
 
 def main(argv=None) -> None:
@@ -549,7 +568,7 @@ def corun_factor(args, model_path, costs, network, folder, probe) -> dict:
 
     small = argparse.Namespace(**{**vars(args), "batch_size": args.batch_size // 2,
                                   "epochs": 2})  # fmt: skip
-    result = measure_quietly(small, model_path, (1, 2, 1), [], folder, probe)
+    result = measure_quietly(small, model_path, (1, 2, 1), [], folder, probe, profiled=True)
     parts = result["parts_ms"]
     measured = parts["compute"] + parts["optimizer"]
     speed = speed_of(result, costs)
@@ -564,14 +583,14 @@ def corun_factor(args, model_path, costs, network, folder, probe) -> dict:
             "allreduce_wait_ms": wait, "speed": speed}  # fmt: skip
 
 
-def measure_quietly(args, model_path, config, starts, folder, probe) -> dict:
+def measure_quietly(args, model_path, config, starts, folder, probe, profiled=False) -> dict:
     """A run on an otherwise idle machine whose speed held: repeated while it got too few
     cores or the probes around it disagree. `speed`: the probes' mean over the calibration's."""
     expected = min(config[0] * config[1], CORES)
     attempts = 0
     while True:
         attempts += 1
-        result = measure_config(args, model_path, config, starts, folder, probe)
+        result = measure_config(args, model_path, config, starts, folder, probe, profiled)
         quiet = result["cores_got"] >= 0.93 * expected
         if (quiet and steady(*result["probe_s"])) or attempts >= args.tries:
             result["attempts"] = attempts
@@ -587,16 +606,17 @@ def _save_model(kind: str, path: str) -> None:
 
 
 def _median_parts(runs) -> dict:
-    keys = runs[0]["parts_ms"].keys()
+    keys = runs[0]["parts_ms"].keys()  # (none for unprofiled runs)
     return {k: statistics.median(r["parts_ms"][k] for r in runs) for k in keys}
 
 
 def _table(kind: str, rows: list[dict], batch: int) -> str:
     lines = [
-        f"\n{kind}: global batch {batch}, 1F1B, {CORES} cores; step = slowest rank's ms per "
-        "step; medians over rounds (each round calibrated afresh); error = median predicted / "
-        "median measured - 1, predictions from costs rescaled to the machine's speed around each "
-        "run (speed probe); uncorr. = the same from the costs as calibrated",
+        f"\n{kind}: global batch {batch}, 1F1B, {CORES} cores; step = ms from one step's "
+        "start to the next (ranks' mean); medians over rounds (each round calibrated afresh); "
+        "error = median predicted / median measured - 1, predictions from costs rescaled to the "
+        "machine's speed around each run (speed probe); uncorr. = the same from the costs as "
+        "calibrated",
         f"{'P x R':>6} {'M':>3} {'measured':>9} {'range':>13} {'predicted':>10} "
         f"{'range':>13} {'error':>7} {'uncorr.':>7}   paired errors per round (median)",
     ]

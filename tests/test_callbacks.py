@@ -46,3 +46,52 @@ def test_terminate_on_nan_stops_every_rank(results):
         assert nan["stop_training"]
         assert nan["batches"] == nan["ref_batches"] == [0, 1, 2]
         assert nan["epochs"] == nan["ref_epochs"] == 1
+
+
+def test_batch_logs_reach_callbacks_every_batch_as_in_keras(results):
+    for r in results:
+        logs = r["batch_logs"]
+        assert len(logs["batches"]) == len(logs["ref_batches"]) == 2 * 3
+        assert logs["batches"] == pytest.approx(logs["ref_batches"], rel=1e-5)
+        assert logs["history"][0] == pytest.approx(logs["history"][1], rel=1e-5)
+        assert logs["quiet_history"][0] == pytest.approx(logs["quiet_history"][1], rel=1e-5)
+    assert results[0]["batch_logs"]["batches"] == results[1]["batch_logs"]["batches"]
+
+
+def test_only_callbacks_that_act_per_batch_need_each_batch_logs():
+    import keras
+
+    import hyparflow as hf
+    from hyparflow.engine.loops import needs_batch_logs
+
+    def progbar(verbose):
+        bar = keras.callbacks.ProgbarLogger()
+        bar.set_params({"verbose": verbose, "epochs": 1, "steps": 1})
+        return bar
+
+    class Custom(keras.callbacks.Callback):
+        def on_batch_end(self, batch, logs=None):
+            pass
+
+    quiet = [
+        keras.callbacks.History(),
+        keras.callbacks.EarlyStopping(),
+        keras.callbacks.CSVLogger("x.csv"),
+        keras.callbacks.ModelCheckpoint("x.keras"),
+        keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: None),
+        progbar(2),
+        hf.callbacks.Checkpoint("ckpt", every_n_steps=10),
+    ]
+    acting = [
+        keras.callbacks.TerminateOnNaN(),
+        keras.callbacks.ModelCheckpoint("x.keras", save_freq=5),
+        keras.callbacks.LambdaCallback(on_train_batch_begin=lambda batch, logs: None),
+        progbar(1),
+        Custom(),
+        hf.callbacks.ScalingProfiler("logs"),  # keeps steps apart for its bubble
+    ]
+    assert [needs_batch_logs(cb) for cb in quiet] == [False] * len(quiet)
+    assert [needs_batch_logs(cb) for cb in acting] == [True] * len(acting)
+    declared = Custom()
+    declared.needs_batch_logs = False
+    assert not needs_batch_logs(declared)

@@ -179,8 +179,8 @@ def test_links_are_chosen_by_placement():
     assert pipeline_per_node.allreduce_time == pytest.approx(shared)
     assert shared == pytest.approx(net.gradient_allreduce(grads, 2, True) * 2, rel=1e-3)
     # a pipeline split over nodes pays the slow link between its stages
-    split = predict(costs, net, Layout(2, 1, 1, ranks_per_node=1), 64)
-    together = predict(costs, net, Layout(2, 1, 1, ranks_per_node=2), 64)
+    split = predict(costs, net, Layout(2, 1, 1, ranks_per_node=1), 64, batch_logs=True)
+    together = predict(costs, net, Layout(2, 1, 1, ranks_per_node=2), 64, batch_logs=True)
     wire = 2 * 1000.0 * 64 * (1 / 1e6 - 1 / 1e12)  # forward and backward message
     logs = net.logs_sync(2, 1, crosses_nodes=True) - net.logs_sync(2, 1, crosses_nodes=False)
     assert logs > 0  # the loop's agreement between steps crosses the slow link too
@@ -192,10 +192,14 @@ def test_steps_wait_for_the_last_stage_logs():
     costs = uniform_costs(layers=4)
     net = Network(intra=Link(1e-6, 1e12))
     layout = Layout(2, 2, 2)
-    before = predict(costs, net, layout, 64)
+    before = predict(costs, net, layout, 64, batch_logs=True)
     costs.engine = replace(costs.engine, step_fixed=0.25)  # a read-out longer than any step
-    after = predict(costs, net, layout, 64)
+    after = predict(costs, net, layout, 64, batch_logs=True)
     assert after.step_time > before.step_time + 0.2
+    # callbacks that read no batch logs: the loop shares them once an epoch, not per step
+    quiet = predict(costs, net, layout, 64)
+    assert quiet.between_steps_time == 0.0
+    assert quiet.step_time == pytest.approx(after.step_time - after.between_steps_time)
     assert after.between_steps_time == pytest.approx(
         after.step_time - after.pipeline_time - after.allreduce_time - after.optimizer_time
     )
@@ -226,7 +230,7 @@ def test_data_parallel_step_is_compute_plus_allreduce_plus_optimizer():
     costs = uniform_costs(layers=4)
     costs.engine = EngineCosts(optimizer_fixed=1e-3, optimizer_per_byte=1e-9)
     net = Network(intra=Link(1e-5, 1e9), reduce_rate=2e9, copy_rate=4e9, per_tensor=1e-4)
-    p = predict(costs, net, Layout(1, 4), 256)
+    p = predict(costs, net, Layout(1, 4), 256, batch_logs=True)
     compute = 4 * 64 * 3e-4
     copies = costs.param_bytes / 4e9 + costs.variables * 1e-4
     reduce = copies + allreduce(costs.param_bytes, 4, net.intra, 2e9)[0]

@@ -21,6 +21,8 @@ class Checkpoint(keras.callbacks.Callback):
         >>> hf.fit(model, x, y, epochs=10, callbacks=[ckpt], resume=True, strategy="hybrid", ...)
     """
 
+    needs_batch_logs = False  # its batch hooks neither read the logs nor stop training
+
     def __init__(self, directory: str, every_n_steps: int | None = None, every_epoch=True, keep=3):
         super().__init__()
         if every_n_steps is not None and (not isinstance(every_n_steps, int) or every_n_steps < 1):

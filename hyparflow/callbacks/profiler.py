@@ -54,6 +54,10 @@ class ScalingProfiler(keras.callbacks.Callback):
         >>> # then: tensorboard --logdir logs/run1   or   hyparflow report logs/run1
     """
 
+    # Its batch hooks neither read the logs nor stop training, but its per-step breakdown (the
+    # bubble: fill and drain inside a step) needs the steps apart, as the shared logs keep them.
+    needs_batch_logs = True
+
     def __init__(
         self,
         log_dir,

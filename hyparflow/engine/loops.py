@@ -38,6 +38,30 @@ def _saves_mid_epoch(callbacks) -> bool:
     )
 
 
+_BATCH_HOOKS = ("on_train_batch_begin", "on_train_batch_end", "on_batch_begin", "on_batch_end")
+
+
+def needs_batch_logs(callback) -> bool:
+    """Whether `callback` may act on a batch's logs or stop training after a batch: then every
+    rank must share each batch's logs and agree on stopping after it (three small collectives
+    a step). A callback says so with `needs_batch_logs` (hyparflow's own say False); Keras's
+    progress bar needs them only when it draws every batch (verbose=1), its checkpoints only
+    when they save every N batches; any other callback that overrides a batch hook does."""
+    declared = getattr(callback, "needs_batch_logs", None)
+    if declared is not None:
+        return bool(declared)
+    if isinstance(callback, keras_callbacks.ProgbarLogger):
+        return callback.verbose == 1
+    if isinstance(callback, (keras_callbacks.ModelCheckpoint, keras_callbacks.BackupAndRestore)):
+        return callback.save_freq not in ("epoch", False)
+    base = keras_callbacks.Callback
+    for hook in _BATCH_HOOKS:
+        method = getattr(callback, hook)
+        if getattr(method, "__func__", method) is not getattr(base, hook):
+            return True
+    return False
+
+
 def _steps_of(source, steps):
     if steps is not None:
         return steps
@@ -83,6 +107,9 @@ def fit_loop(
         if hasattr(callback, "attach_trainer"):  # hyparflow-aware callbacks (profiler)
             callback.attach_trainer(trainer)
     model.stop_training = False
+    # Keras hands every batch's logs to the callbacks; when none on any rank looks at them,
+    # the loop shares the logs once an epoch instead (docs/engine.md, "Logs")
+    batch_logs = trainer.agree_any(any(needs_batch_logs(cb) for cb in callbacks.callbacks))
     callbacks.on_train_begin()
     logs = {}
     for epoch in range(initial_epoch, epochs):
@@ -100,13 +127,14 @@ def fit_loop(
                 continue
             callbacks.on_train_batch_begin(step)
             trainer.train_step(batch)
-            logs = trainer.logs()
+            if batch_logs:
+                logs = trainer.logs()
             if sync_every_batch:
                 trainer.sync_weights()
             if progbar is not None:
                 progbar.count(batch.size)
-            callbacks.on_train_batch_end(step, logs)
-            if trainer.agree_any(model.stop_training):
+            callbacks.on_train_batch_end(step, logs if batch_logs else {})
+            if batch_logs and trainer.agree_any(model.stop_training):
                 break
         if ran == 0:
             raise AgreedError(
@@ -115,7 +143,7 @@ def fit_loop(
                     "(check the dataset's length and steps_per_epoch)."
                 )
             )
-        epoch_logs = dict(logs)
+        epoch_logs = dict(logs) if batch_logs else trainer.logs()
         trainer.sync_weights()  # callbacks at epoch end see (and may save) the full model
         if validation_source is not None and _should_eval(epoch, validation_freq):
             val_logs = evaluate_loop(trainer, validation_source, steps=validation_steps)

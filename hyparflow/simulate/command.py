@@ -85,6 +85,12 @@ def add_arguments(parser) -> None:
         default="rank",
         help="speed-up over one rank (default) or over the same layout on one node",
     )
+    parser.add_argument(
+        "--batch-logs",
+        action="store_true",
+        help="callbacks read every batch's logs (verbose=1, ScalingProfiler): the loop shares "
+        "them after each step",
+    )
     parser.add_argument("--json", action="store_true", help="print the predictions as JSON")
 
 
@@ -105,7 +111,9 @@ def run(args) -> int:
         for replicas in args.replicas:
             layout = _layout(args, partitions, replicas)
             try:
-                prediction = predict(costs, network, layout, args.batch_size, machine)
+                prediction = predict(
+                    costs, network, layout, args.batch_size, machine, batch_logs=args.batch_logs
+                )
                 base = _baseline(args, costs, network, machine, layout)
             except ValueError as error:
                 skipped.append(f"{partitions}x{replicas}: {error}")
@@ -230,12 +238,14 @@ def _layout(args, partitions: int, replicas: int) -> Layout:
 
 def _baseline(args, costs, network, machine, layout: Layout) -> Prediction:
     if args.baseline == "rank":
-        return predict(costs, network, Layout(), args.batch_size, machine)
+        return predict(
+            costs, network, Layout(), args.batch_size, machine, batch_logs=args.batch_logs
+        )
     per_node = layout.ranks_per_node or layout.world
     replicas = max(1, per_node // layout.partitions)
     one_node = Layout(layout.partitions, replicas, layout.microbatches, layout.schedule, per_node)
     batch = args.batch_size * one_node.world // layout.world  # same batch per rank
-    return predict(costs, network, one_node, batch, machine)
+    return predict(costs, network, one_node, batch, machine, batch_logs=args.batch_logs)
 
 
 def _row_dict(prediction: Prediction, baseline: Prediction) -> dict:

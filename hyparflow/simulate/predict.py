@@ -3,11 +3,12 @@
 A training step of hyparflow's engine (docs/engine.md) is, on every rank: the pipeline
 schedule over the micro-batches (activations forward, gradients backward between neighbour
 stages), then the sum of the stage's gradients across its replicas (fused buckets), then the
-optimizer; between steps the training loop waits for the last stage's logs (its metric
-read-out) and every rank agrees on them. The pipeline part is the schedule simulator of
-`engine/schedule.py` run with per-stage forward and backward times (GPipe, Huang et al.
-2019; 1F1B, Narayanan et al., "Memory-Efficient Pipeline-Parallel DNN Training", ICML 2021);
-the reduction is the allreduce model of `network.py`; the step is set by the slowest stage.
+optimizer; when callbacks read every batch's logs, the training loop then waits for the
+last stage's logs (its metric read-out) and every rank agrees on them. The pipeline part is
+the schedule simulator of `engine/schedule.py` run with per-stage forward and backward
+times (GPipe, Huang et al. 2019; 1F1B, Narayanan et al., "Memory-Efficient Pipeline-Parallel
+DNN Training", ICML 2021); the reduction is the allreduce model of `network.py`; the step is
+set by the slowest stage.
 
 Ranks that outnumber a node's cores share them: every CPU-bound part of the step is stretched by
 `ranks on the node / cores` (waiting ranks count, since MPI polls while it waits). With compute
@@ -168,12 +169,15 @@ def predict(
     global_batch: int,
     machine: Machine = Machine(),
     starts: list[int] | None = None,
+    batch_logs: bool = False,
 ) -> Prediction:
     """Predict one training step of `layout` on `global_batch` samples.
 
     One rank in all runs plain `model.fit` (as `hf.fit` does), timed by
     `costs.single_process` when it was measured. `starts` fixes where stages begin (layer
     indices); by default the layers are balanced by time like `balance="time"`.
+    `batch_logs`: a callback reads every batch's logs (a progress bar at verbose=1, the
+    `ScalingProfiler`), so the loop shares them and agrees on stopping after each step.
 
     Example:
         >>> p = predict(costs, Network(intra=Link(1e-6, 10e9)), Layout(2, 2, 4), 256)
@@ -247,11 +251,13 @@ def predict(
         ends.append(finish[s] + reduce + update)
         parts.append((finish[s], reduce, update))
     slowest = max(range(p), key=ends.__getitem__)
-    # between steps every rank waits for the last stage's logs (its metric read-out), then
-    # all agree on them and on stopping
-    logs_ready = max(ends[slowest], ends[-1] + slow * engine.step_fixed)
-    sync = network.logs_sync(layout.world, layout.replicas, layout.nodes > 1, slow, crowded)
-    step = logs_ready + sync
+    step = ends[slowest]
+    if batch_logs:
+        # every rank waits for the last stage's logs (its metric read-out), then all agree
+        # on them and on stopping; without, the loop does so once an epoch
+        logs_ready = max(ends[slowest], ends[-1] + slow * engine.step_fixed)
+        sync = network.logs_sync(layout.world, layout.replicas, layout.nodes > 1, slow, crowded)
+        step = logs_ready + sync
     return Prediction(
         layout=layout,
         global_batch=global_batch,

@@ -130,6 +130,29 @@ def terminate_on_nan():
     }
 
 
+def batch_logs():
+    """Each batch's logs, as a callback that reads them sees them (the loop shares them every
+    batch), and the epoch logs of a run whose callbacks do not read them (shared once an
+    epoch): both as Keras's."""
+    seen = {"keras": [], "hf": []}
+
+    def callbacks(tag):
+        return [
+            keras.callbacks.LambdaCallback(
+                on_train_batch_end=lambda batch, logs: seen[tag].append(float(logs["loss"]))
+            )
+        ]
+
+    _, ref, _, got = both(callbacks, epochs=2)
+    _, quiet_ref, _, quiet = both(lambda tag: [keras.callbacks.History()], epochs=2)
+    return {
+        "batches": seen["hf"],
+        "ref_batches": seen["keras"],
+        "history": [got.history["loss"], ref.history["loss"]],
+        "quiet_history": [quiet.history["loss"], quiet_ref.history["loss"]],
+    }
+
+
 if __name__ == "__main__":
     keras.config.disable_interactive_logging()
     (folder,) = args()
@@ -140,5 +163,6 @@ if __name__ == "__main__":
             "files": checkpoint_and_csv(folder),
             "learning_rate": learning_rate_changes(),
             "terminate_on_nan": terminate_on_nan(),
+            "batch_logs": batch_logs(),
         }
     )
