@@ -530,6 +530,11 @@ def test_simulate_command_reads_costs_and_prints_json(tmp_path, capsys):
     assert rows[0]["speedup"] == 1.0
     assert rows[1]["speedup"] > 1.0 and rows[3]["efficiency"] < 1.0
     assert math.isclose(rows[3]["throughput"], 64 / rows[3]["step_time"])
+    assert all(r["between_steps_time"] == 0.0 for r in rows)
+    assert main([*argv, "--batch-logs"]) == 0  # the loop shares the logs after every step
+    logged = json.loads(capsys.readouterr().out)
+    assert all(r["between_steps_time"] > 0.0 for r in logged if r["partitions"] * r["replicas"] > 1)
+    assert logged[3]["step_time"] > rows[3]["step_time"]
 
 
 def test_simulate_command_needs_a_network(tmp_path, capsys):
