@@ -96,10 +96,12 @@ def _make_trainer(model, resolved, comm, needs_loss=True, comm_backend=None):
         return cached[1]
     if cached is not None:
         cached[1].close()
-    if comm.Get_size() > 1:  # ranks share nodes: no page faults on every step's temporaries
+    if comm.Get_size() > 1:
+        from hyparflow.launch.affinity import pin_if_oversubscribed
         from hyparflow.launch.malloc import keep_temporaries_in_heap
 
-        keep_temporaries_in_heap()
+        keep_temporaries_in_heap()  # ranks share nodes: no page faults on every step's temporaries
+        pin_if_oversubscribed(comm)  # more ranks than cores: a rank's threads on one core
     # The partitioner rejects models that are not graphs, naming strategy="data" as the fix.
     plan = _build_plan(model, resolved, comm)
     trainer = Trainer(model, resolved, comm, plan, comm_backend=comm_backend)

@@ -4,6 +4,8 @@ Each launch trains many small configurations; every rank also trains the Keras r
 from the same initial weights and compares its own copy of the trained model.
 """
 
+import os
+
 import pytest
 
 from tests.mpirun import launch, run_scenario
@@ -116,12 +118,22 @@ def _check(results, configs):
 
 @pytest.mark.timeout(600)
 def test_two_ranks_match_keras():
-    _check(run_scenario("equivalence", 2, *TWO_RANKS, timeout=540), TWO_RANKS)
+    results = run_scenario("equivalence", 2, *TWO_RANKS, timeout=540)
+    _check(results, TWO_RANKS)
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) >= 2:  # a core per rank: left where the launcher put them
+        assert all(r["thread_cores"] == [cores] for r in results)
 
 
 @pytest.mark.timeout(900)
 def test_four_ranks_match_keras():
-    _check(run_scenario("equivalence", 4, *FOUR_RANKS, timeout=840), FOUR_RANKS)
+    results = run_scenario("equivalence", 4, *FOUR_RANKS, timeout=840)
+    _check(results, FOUR_RANKS)
+    # more ranks than cores: hf.fit pinned every thread of rank r to core r mod cores
+    cores = sorted(os.sched_getaffinity(0))
+    for rank, result in enumerate(results):
+        expected = [[cores[rank % len(cores)]]] if len(cores) < 4 else [cores]
+        assert result["thread_cores"] == expected, f"rank {rank}: {result['thread_cores']}"
 
 
 MISUSE = {

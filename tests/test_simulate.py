@@ -352,12 +352,43 @@ def test_waiting_ranks_take_their_idle_share_of_a_core():
     assert Placement(2, 3, ranks_per_node=4).stage_node_ranks() == [{0: 2, 1: 1}, {0: 2, 1: 1}]
 
 
-def test_ranks_short_of_cores_are_averaged_over_their_even_placements():
+def test_pinned_ranks_short_of_cores_are_dealt_to_cores_in_rank_order():
     from hyparflow.engine.schedule import one_f_one_b
     from hyparflow.simulate.sharing import shared_pipeline, simulate_shared
 
     plan, forward, backward = one_f_one_b(4, 4), [1.0, 2.0, 1.5, 1.0], [2.0, 3.0, 2.0, 4.0]
     run = shared_pipeline(plan, forward, backward, 0.1, [[0]] * 4, cores=2, idle_share=0.2)
+    assert run.placements == 1
+    # ranks 0 and 2 on one core, 1 and 3 on the other (hyparflow.launch.affinity)
+    sim = simulate_shared(plan, forward, backward, 0.1, [{0: 1}, {1: 1}, {0: 1}, {1: 1}],
+                          cores=1, idle_share=0.2)  # fmt: skip
+    ends = [max(e for (st, _), (_, e) in sim.times.items() if st == s) for s in range(4)]
+    assert run.finish == pytest.approx(ends)
+    unpinned = shared_pipeline(plan, forward, backward, 0.1, [[0]] * 4, cores=2,
+                               idle_share=0.2, pinned=False)  # fmt: skip
+    assert run.finish != pytest.approx(unpinned.finish)
+    # 2 stages x 2 replicas: ranks 0, 2 are stage 0's replicas and share a core
+    hybrid = shared_pipeline(one_f_one_b(2, 4), [1.0, 3.0], [2.0, 6.0], 0.0, [[0, 0]] * 2,
+                             cores=2)  # fmt: skip
+    alone = simulate_shared(one_f_one_b(2, 4), [1.0, 3.0], [2.0, 6.0], 0.0, [{0: 2}, {1: 2}],
+                            cores=1)  # fmt: skip
+    assert max(hybrid.finish) == pytest.approx(alone.makespan)
+    # predict follows Machine.pinned
+    costs, layout = uniform_costs(layers=4), Layout(4, 1, 4)
+    network = Network(FAST, oversubscribed_idle_share=0.2)
+    skewed = Machine(cores_per_node=2)
+    assert predict(costs, network, layout, 64, skewed).step_time != pytest.approx(
+        predict(costs, network, layout, 64, Machine(cores_per_node=2, pinned=False)).step_time
+    )
+
+
+def test_unpinned_ranks_short_of_cores_are_averaged_over_their_even_placements():
+    from hyparflow.engine.schedule import one_f_one_b
+    from hyparflow.simulate.sharing import shared_pipeline, simulate_shared
+
+    plan, forward, backward = one_f_one_b(4, 4), [1.0, 2.0, 1.5, 1.0], [2.0, 3.0, 2.0, 4.0]
+    run = shared_pipeline(plan, forward, backward, 0.1, [[0]] * 4, cores=2, idle_share=0.2,
+                          pinned=False)  # fmt: skip
     assert run.placements == 3  # {01|23}, {02|13}, {03|12}
     expected = [0.0] * 4
     for pairs in ([0, 0, 1, 1], [0, 1, 0, 1], [0, 1, 1, 0]):
@@ -367,13 +398,15 @@ def test_ranks_short_of_cores_are_averaged_over_their_even_placements():
         expected = [x + e / 3 for x, e in zip(expected, ends)]
     assert run.finish == pytest.approx(expected)
     # three ranks on two cores: one core holds two of them, in three ways
-    three = shared_pipeline(one_f_one_b(3, 4), [1.0] * 3, [1.0] * 3, 0.0, [[0]] * 3, cores=2)
+    three = shared_pipeline(one_f_one_b(3, 4), [1.0] * 3, [1.0] * 3, 0.0, [[0]] * 3, cores=2,
+                            pinned=False)  # fmt: skip
     assert three.placements == 3
     # too many placements to enumerate: a fixed random sample, so the same answer each time
     wide = [[0, 0, 0, 0]] * 4  # 16 ranks (4 stages x 4 replicas) on a 4-core node
-    first = shared_pipeline(plan, forward, backward, 0.0, wide, cores=4, limit=16)
+    first = shared_pipeline(plan, forward, backward, 0.0, wide, cores=4, limit=16, pinned=False)
     assert first.placements == 16
-    assert first == shared_pipeline(plan, forward, backward, 0.0, wide, cores=4, limit=16)
+    assert first == shared_pipeline(plan, forward, backward, 0.0, wide, cores=4, limit=16,
+                                    pinned=False)  # fmt: skip
     roomy = shared_pipeline(plan, forward, backward, 0.0, wide, cores=16)
     spinning = shared_pipeline(plan, forward, backward, 0.0, wide, cores=4, idle_share=1.0)
     assert max(roomy.finish) < max(first.finish) < max(spinning.finish)

@@ -52,6 +52,12 @@ def add_arguments(parser) -> None:
         "(measured: benchmarks/simulator_validation.py; 1.0: not at all)",
     )
     parser.add_argument(
+        "--unpinned",
+        action="store_true",
+        help="ranks short of cores are not pinned (HYPARFLOW_PIN_RANKS=0): average over the "
+        "ways the kernel may place them",
+    )
+    parser.add_argument(
         "--jitter",
         type=float,
         default=0.0,
@@ -104,7 +110,11 @@ def run(args) -> int:
         return 1
     cores = args.cores_per_node or costs.measured.get("cores")
     machine = Machine(
-        cores_per_node=cores, background=args.background, jitter=args.jitter, corun=args.corun
+        cores_per_node=cores,
+        background=args.background,
+        jitter=args.jitter,
+        corun=args.corun,
+        pinned=not args.unpinned,
     )
     rows, skipped = [], []
     for partitions in args.partitions:

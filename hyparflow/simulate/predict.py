@@ -70,13 +70,16 @@ class Machine:
     """The nodes' processors: `cores_per_node` (None: never short of cores), the cores other
     jobs keep busy (`background`, e.g. a shared development machine's load), `jitter`, the
     coefficient of variation of a rank's compute per step (operating-system noise,
-    interference: the replicas of a stage wait for the slowest at their allreduce), and
-    `corun`, how much slower a core runs a rank while the node's other cores run ranks too."""
+    interference: the replicas of a stage wait for the slowest at their allreduce),
+    `corun`, how much slower a core runs a rank while the node's other cores run ranks too,
+    and `pinned`: on a node with more ranks than cores, each rank is pinned to one core in
+    node-local rank order, as hyparflow does unless `HYPARFLOW_PIN_RANKS=0`."""
 
     cores_per_node: int | None = None
     background: float = 0.0
     jitter: float = 0.0
     corun: float = 1.0
+    pinned: bool = True
 
     def crowded(self, ranks_on_node: int) -> bool:
         """Whether `ranks_on_node` ranks (with the background load) outnumber the cores."""
@@ -228,7 +231,7 @@ def predict(
         rank_nodes = [[where.node_of(r) for r in where.grid.stage_ranks(s)] for s in range(p)]
         run = shared_pipeline(
             schedule, forward, backward, comm, rank_nodes, machine.cores_per_node,
-            network.oversubscribed_idle_share, machine.background,
+            network.oversubscribed_idle_share, machine.background, pinned=machine.pinned,
         )  # fmt: skip
         finish, busy, bubble = run.finish, run.busy, run.bubble
     else:

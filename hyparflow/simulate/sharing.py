@@ -7,13 +7,14 @@ Commonly-Used Scheduling Disciplines", J. ACM 14(2), 1967). A rank that waits fo
 does not compute, but it is not asleep either: Open MPI polls, yielding the processor between
 polls when it sees the node oversubscribed (`mpi_yield_when_idle`), so each waiting rank still
 holds `idle_share` of a computing one's claim (0: yields at once, 1: spins like a computing
-rank). Linux balances run queues by how many tasks they hold, and a polling rank counts as
-one, so the ranks stay spread evenly over the cores and rarely move: a computing rank shares
-its core with the ranks placed there, busy or not, even while another core only has waiting
-ranks. Which ranks share a core is chance, so `shared_pipeline` averages the schedule over
-the even placements. In a deep pipeline many ranks wait at any time (the bubble), so the
-computing ones run faster than a uniform `ranks / cores` stretch says, but slower than if
-every idle core could take them.
+rank). hyparflow pins the ranks of such a node to its cores in node-local rank order
+(`hyparflow.launch.affinity`), so a computing rank shares its core with the ranks dealt to it,
+busy or not, even while another core only has waiting ranks; `shared_pipeline` runs that
+placement. Unpinned (`HYPARFLOW_PIN_RANKS=0`), Linux balances run queues by how many tasks
+they hold, a polling rank counts as one, and which ranks share a core is chance: the schedule
+is then averaged over the even placements. In a deep pipeline many ranks wait at any time
+(the bubble), so the computing ones run faster than a uniform `ranks / cores` stretch says,
+but slower than if every idle core could take them.
 """
 
 from __future__ import annotations
@@ -139,30 +140,39 @@ def shared_pipeline(
     idle_share: float = 0.0,
     background: float = 0.0,
     limit: int = 64,
+    pinned: bool = True,
 ) -> SharedPipeline:
-    """Run `schedule` with every node's ranks spread evenly over its `cores` cores, averaged
-    over the placements (all distinct ones when there are at most `limit`, else `limit`
-    drawn at random with a fixed seed). `rank_nodes[s][q]` is the node of stage `s`'s
-    replica `q`; `background` cores' worth of other work is spread over the cores.
+    """Run `schedule` with every node's ranks spread evenly over its `cores` cores.
+    `pinned`: as hyparflow pins them, the node's ranks in rank order (replica x stages +
+    stage) dealt round-robin to its cores; else averaged over the even placements (all
+    distinct ones when there are at most `limit`, else `limit` drawn at random with a fixed
+    seed). `rank_nodes[s][q]` is the node of stage `s`'s replica `q`; `background` cores'
+    worth of other work is spread over the cores.
 
     Example:
         >>> from hyparflow.engine.schedule import one_f_one_b
         >>> run = shared_pipeline(one_f_one_b(4, 4), [1.0] * 4, [2.0] * 4, 0.0,
         ...                       [[0]] * 4, cores=2)
         >>> run.placements, 21.0 < max(run.finish) < 2 * 21.0
-        (3, True)
+        (1, True)
+        >>> shared_pipeline(one_f_one_b(4, 4), [1.0] * 4, [2.0] * 4, 0.0, [[0]] * 4,
+        ...                 cores=2, pinned=False).placements
+        3
     """
     ranks = [(s, q) for s, nodes in enumerate(rank_nodes) for q in range(len(nodes))]
     by_node: dict[int, list[tuple[int, int]]] = {}
     for s, q in ranks:
         by_node.setdefault(rank_nodes[s][q], []).append((s, q))
-    choices = [_even_placements(members, cores, limit) for members in by_node.values()]
+    stages = len(schedule)
+    if pinned:
+        choices = [[_round_robin(members, cores, stages)] for members in by_node.values()]
+    else:
+        choices = [_even_placements(members, cores, limit) for members in by_node.values()]
     if math.prod(len(c) for c in choices) <= limit:
         combos = list(itertools.product(*choices))
     else:
         rng = random.Random(0)
         combos = [tuple(rng.choice(c) for c in choices) for _ in range(limit)]
-    stages = len(schedule)
     finish, busy, bubble = [0.0] * stages, [0.0] * stages, 0.0
     for combo in combos:
         core_of = {}
@@ -188,6 +198,19 @@ def shared_pipeline(
         busy = [b + x / len(combos) for b, x in zip(busy, sim.busy)]
         bubble += sim.bubble / len(combos)
     return SharedPipeline(finish=finish, busy=busy, bubble=bubble, placements=len(combos))
+
+
+def _round_robin(members: list, cores: int, stages: int) -> tuple[tuple, ...]:
+    """The pinned placement: a node's ranks (stage, replica) in rank order (replica x
+    `stages` + stage), the i-th on core i modulo `cores`.
+
+    Example:
+        >>> _round_robin([(0, 0), (1, 0), (0, 1), (1, 1)], 2, 2)
+        (((0, 0), (0, 1)), ((1, 0), (1, 1)))
+    """
+    ordered = sorted(members, key=lambda rank: rank[1] * stages + rank[0])
+    groups = [tuple(sorted(ordered[c::cores])) for c in range(min(cores, len(ordered)))]
+    return tuple(sorted(groups))
 
 
 def _even_placements(members: list, cores: int, limit: int) -> list[tuple[tuple, ...]]:

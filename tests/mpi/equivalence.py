@@ -9,6 +9,8 @@ Every rank trains the single-process Keras reference itself (tiny models), so ea
 compare its own copy of the trained model, which must hold the full weights.
 """
 
+import os
+
 import keras
 
 import hyparflow as hf
@@ -86,4 +88,7 @@ def _run(config: str) -> dict:
 
 if __name__ == "__main__":
     keras.config.disable_interactive_logging()
-    report({"rank": hf.rank(), "results": [run(c) for c in args()]})
+    results = [run(c) for c in args()]
+    # where hf.fit left this rank's threads (hyparflow.launch.affinity): one set for all
+    threads = {frozenset(os.sched_getaffinity(int(t))) for t in os.listdir("/proc/self/task")}
+    report({"rank": hf.rank(), "results": results, "thread_cores": sorted(map(sorted, threads))})

@@ -1,0 +1,53 @@
+"""Ranks short of cores are pinned one core each, in node-local rank order; others left alone."""
+
+import sys
+
+import pytest
+
+from hyparflow.launch.affinity import core_for_rank
+from tests.probe import python_output
+
+TWO_CORES = frozenset({2, 5})
+
+
+def test_more_ranks_than_shared_cores_are_dealt_round_robin():
+    assert [core_for_rank(i, [TWO_CORES] * 5) for i in range(5)] == [2, 5, 2, 5, 2]
+
+
+def test_a_core_per_rank_bound_ranks_and_the_opt_out_are_left_alone():
+    assert core_for_rank(0, [TWO_CORES] * 2) is None  # not oversubscribed
+    bound = [frozenset({2}), frozenset({5}), frozenset({2}), frozenset({5})]
+    assert core_for_rank(1, bound) is None  # the launcher placed them
+    assert core_for_rank(1, [TWO_CORES, TWO_CORES, frozenset({2}), TWO_CORES]) is None
+    assert core_for_rank(3, [TWO_CORES] * 4, {"HYPARFLOW_PIN_RANKS": "0"}) is None
+    assert core_for_rank(3, [TWO_CORES] * 4, {"HYPARFLOW_PIN_RANKS": "1"}) == 5
+    with pytest.raises(ValueError, match="local rank 4"):
+        core_for_rank(4, [TWO_CORES] * 4)
+
+
+PROBE = """
+import os, threading
+from hyparflow.launch.affinity import pin_process
+started, stop = threading.Event(), threading.Event()
+def before():
+    started.set()
+    stop.wait()
+    print(sorted(os.sched_getaffinity(0)))  # this thread's own mask
+early = threading.Thread(target=before)
+early.start()
+started.wait()
+core = max(os.sched_getaffinity(0))
+count = pin_process(core)
+later = threading.Thread(target=lambda: print(sorted(os.sched_getaffinity(0))))
+later.start(); later.join()
+stop.set(); early.join()
+print(count >= 2, core)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux thread affinity")
+def test_pinning_reaches_threads_started_before_and_after():
+    later, early, summary = python_output(PROBE).splitlines()
+    pinned, core = summary.split()
+    assert pinned == "True"
+    assert later == early == f"[{core}]"
