@@ -50,6 +50,8 @@ OTHERS = [
     ("Pipeline stage: per-variable vs flat gradients", "stage_gradients.py", "main", 1, []),
     ("Horovod vs GradientReducer, ResNet-50 gradients", "horovod_reduce.py", "compat", 2,
      ["--model", "resnet50"]),
+    ("Ranks short of cores: synthetic pipeline vs model", "shared_cores_pipeline.py", "main", 1,
+     []),
     ("Scaling model vs measured runs", "simulator_validation.py", "main", 1,
      ["--out", "benchmarks/out/simulator_validation.json"]),
     ("Scaling model: the paper's runs projected", "paper_projection.py", "main", 1,
