@@ -52,6 +52,8 @@ OTHERS = [
      ["--model", "resnet50"]),
     ("Ranks short of cores: synthetic pipeline vs model", "shared_cores_pipeline.py", "main", 1,
      []),
+    ("Hybrid on a node short of cores: rank placements", "hybrid_placement.py", "main", 1,
+     []),
     ("Scaling model vs measured runs", "simulator_validation.py", "main", 1,
      ["--out", "benchmarks/out/simulator_validation.json"]),
     ("Scaling model: the paper's runs projected", "paper_projection.py", "main", 1,

@@ -97,11 +97,14 @@ def _make_trainer(model, resolved, comm, needs_loss=True, comm_backend=None):
     if cached is not None:
         cached[1].close()
     if comm.Get_size() > 1:
+        from hyparflow.comm.topology import Grid
         from hyparflow.launch.affinity import pin_if_oversubscribed
         from hyparflow.launch.malloc import keep_temporaries_in_heap
 
         keep_temporaries_in_heap()  # ranks share nodes: no page faults on every step's temporaries
-        pin_if_oversubscribed(comm)  # more ranks than cores: a rank's threads on one core
+        # more ranks than cores: a rank's threads on one core, stages mixed on each core
+        stage, _ = Grid(resolved.partitions, resolved.replicas).coords(comm.Get_rank())
+        pin_if_oversubscribed(comm, stage)
     # The partitioner rejects models that are not graphs, naming strategy="data" as the fix.
     plan = _build_plan(model, resolved, comm)
     trainer = Trainer(model, resolved, comm, plan, comm_backend=comm_backend)

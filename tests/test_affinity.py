@@ -1,10 +1,10 @@
-"""Ranks short of cores are pinned one core each, in node-local rank order; others left alone."""
+"""Ranks short of cores are pinned one core each, stages mixed on every core; others left alone."""
 
 import sys
 
 import pytest
 
-from hyparflow.launch.affinity import core_for_rank
+from hyparflow.launch.affinity import core_for_rank, deal_to_cores
 from tests.probe import python_output
 
 TWO_CORES = frozenset({2, 5})
@@ -14,13 +14,33 @@ def test_more_ranks_than_shared_cores_are_dealt_round_robin():
     assert [core_for_rank(i, [TWO_CORES] * 5) for i in range(5)] == [2, 5, 2, 5, 2]
 
 
+def test_stages_are_mixed_on_each_core():
+    # 2 stages x 2 replicas (rank = replica x 2 + stage): not both first stages on one core
+    assert [core_for_rank(i, [TWO_CORES] * 4, [0, 1, 0, 1]) for i in range(4)] == [2, 5, 5, 2]
+    # a 4-stage pipeline keeps neighbours apart; 2 x 3 on 2 cores: 3 ranks each, both stages
+    assert deal_to_cores([0, 1, 2, 3], 2) == [0, 1, 0, 1]
+    dealt = deal_to_cores([0, 1, 0, 1, 0, 1], 2)
+    assert sorted(dealt) == [0, 0, 0, 1, 1, 1]
+    assert all({s for s, c in zip([0, 1] * 3, dealt) if c == core} == {0, 1} for core in (0, 1))
+    # 3 stages x 3 replicas on 4 cores: as even as can be, no core with one stage thrice
+    stages = [0, 1, 2] * 3
+    dealt = deal_to_cores(stages, 4)
+    assert sorted(dealt.count(c) for c in range(4)) == [2, 2, 2, 3]
+    assert all(
+        max([s for s, c in zip(stages, dealt) if c == core].count(s) for s in range(3)) < 3
+        for core in range(4)
+    )
+    with pytest.raises(ValueError, match="2 stages given for 4"):
+        core_for_rank(0, [TWO_CORES] * 4, [0, 1])
+
+
 def test_a_core_per_rank_bound_ranks_and_the_opt_out_are_left_alone():
     assert core_for_rank(0, [TWO_CORES] * 2) is None  # not oversubscribed
     bound = [frozenset({2}), frozenset({5}), frozenset({2}), frozenset({5})]
     assert core_for_rank(1, bound) is None  # the launcher placed them
     assert core_for_rank(1, [TWO_CORES, TWO_CORES, frozenset({2}), TWO_CORES]) is None
-    assert core_for_rank(3, [TWO_CORES] * 4, {"HYPARFLOW_PIN_RANKS": "0"}) is None
-    assert core_for_rank(3, [TWO_CORES] * 4, {"HYPARFLOW_PIN_RANKS": "1"}) == 5
+    assert core_for_rank(3, [TWO_CORES] * 4, environ={"HYPARFLOW_PIN_RANKS": "0"}) is None
+    assert core_for_rank(3, [TWO_CORES] * 4, environ={"HYPARFLOW_PIN_RANKS": "1"}) == 5
     with pytest.raises(ValueError, match="local rank 4"):
         core_for_rank(4, [TWO_CORES] * 4)
 

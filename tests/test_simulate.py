@@ -367,12 +367,18 @@ def test_pinned_ranks_short_of_cores_are_dealt_to_cores_in_rank_order():
     unpinned = shared_pipeline(plan, forward, backward, 0.1, [[0]] * 4, cores=2,
                                idle_share=0.2, pinned=False)  # fmt: skip
     assert run.finish != pytest.approx(unpinned.finish)
-    # 2 stages x 2 replicas: ranks 0, 2 are stage 0's replicas and share a core
-    hybrid = shared_pipeline(one_f_one_b(2, 4), [1.0, 3.0], [2.0, 6.0], 0.0, [[0, 0]] * 2,
+    # 2 stages x 2 replicas: each core holds one replica's stage 0 and the other's stage 1
+    hybrid = shared_pipeline(one_f_one_b(2, 4), [1.0, 1.0], [2.0, 2.0], 0.0, [[0, 0]] * 2,
                              cores=2)  # fmt: skip
-    alone = simulate_shared(one_f_one_b(2, 4), [1.0, 3.0], [2.0, 6.0], 0.0, [{0: 2}, {1: 2}],
-                            cores=1)  # fmt: skip
-    assert max(hybrid.finish) == pytest.approx(alone.makespan)
+    mixed = simulate_shared(one_f_one_b(2, 4), [1.0, 1.0], [2.0, 2.0], 0.0,
+                            [{0: 1, 1: 1}, {0: 1, 1: 1}], cores=1)  # fmt: skip
+    assert max(hybrid.finish) == pytest.approx(mixed.makespan)
+    # one replica's fill and drain run beside the other's steady state: no bubble is left
+    # (2 x 2 x 4 actions of 3 s on 2 cores), where stage-pure cores idle through both
+    assert max(hybrid.finish) == pytest.approx(24.0)
+    pure = simulate_shared(one_f_one_b(2, 4), [1.0, 1.0], [2.0, 2.0], 0.0, [{0: 2}, {1: 2}],
+                           cores=1)  # fmt: skip
+    assert pure.makespan == pytest.approx(30.0)
     # predict follows Machine.pinned
     costs, layout = uniform_costs(layers=4), Layout(4, 1, 4)
     network = Network(FAST, oversubscribed_idle_share=0.2)

@@ -7,14 +7,14 @@ Commonly-Used Scheduling Disciplines", J. ACM 14(2), 1967). A rank that waits fo
 does not compute, but it is not asleep either: Open MPI polls, yielding the processor between
 polls when it sees the node oversubscribed (`mpi_yield_when_idle`), so each waiting rank still
 holds `idle_share` of a computing one's claim (0: yields at once, 1: spins like a computing
-rank). hyparflow pins the ranks of such a node to its cores in node-local rank order
-(`hyparflow.launch.affinity`), so a computing rank shares its core with the ranks dealt to it,
-busy or not, even while another core only has waiting ranks; `shared_pipeline` runs that
-placement. Unpinned (`HYPARFLOW_PIN_RANKS=0`), Linux balances run queues by how many tasks
-they hold, a polling rank counts as one, and which ranks share a core is chance: the schedule
-is then averaged over the even placements. In a deep pipeline many ranks wait at any time
-(the bubble), so the computing ones run faster than a uniform `ranks / cores` stretch says,
-but slower than if every idle core could take them.
+rank). hyparflow pins the ranks of such a node to its cores in node-local rank order, mixing
+the stages on each core (`hyparflow.launch.affinity.deal_to_cores`), so a computing rank shares
+its core with the ranks dealt to it, busy or not, even while another core only has waiting
+ranks; `shared_pipeline` runs that placement. Unpinned (`HYPARFLOW_PIN_RANKS=0`), Linux
+balances run queues by how many tasks they hold, a polling rank counts as one, and which ranks
+share a core is chance: the schedule is then averaged over the even placements. In a deep
+pipeline many ranks wait at any time (the bubble), so the computing ones run faster than a
+uniform `ranks / cores` stretch says, but slower than if every idle core could take them.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hyparflow.engine.schedule import Schedule, Simulation, raise_if_blocked, ready_time
+from hyparflow.launch.affinity import deal_to_cores
 
 _EPSILON = 1e-12
 
@@ -144,7 +145,7 @@ def shared_pipeline(
 ) -> SharedPipeline:
     """Run `schedule` with every node's ranks spread evenly over its `cores` cores.
     `pinned`: as hyparflow pins them, the node's ranks in rank order (replica x stages +
-    stage) dealt round-robin to its cores; else averaged over the even placements (all
+    stage) dealt by `deal_to_cores`; else averaged over the even placements (all
     distinct ones when there are at most `limit`, else `limit` drawn at random with a fixed
     seed). `rank_nodes[s][q]` is the node of stage `s`'s replica `q`; `background` cores'
     worth of other work is spread over the cores.
@@ -165,7 +166,7 @@ def shared_pipeline(
         by_node.setdefault(rank_nodes[s][q], []).append((s, q))
     stages = len(schedule)
     if pinned:
-        choices = [[_round_robin(members, cores, stages)] for members in by_node.values()]
+        choices = [[_pinned_placement(members, cores, stages)] for members in by_node.values()]
     else:
         choices = [_even_placements(members, cores, limit) for members in by_node.values()]
     if math.prod(len(c) for c in choices) <= limit:
@@ -200,17 +201,20 @@ def shared_pipeline(
     return SharedPipeline(finish=finish, busy=busy, bubble=bubble, placements=len(combos))
 
 
-def _round_robin(members: list, cores: int, stages: int) -> tuple[tuple, ...]:
+def _pinned_placement(members: list, cores: int, stages: int) -> tuple[tuple, ...]:
     """The pinned placement: a node's ranks (stage, replica) in rank order (replica x
-    `stages` + stage), the i-th on core i modulo `cores`.
+    `stages` + stage) dealt to its cores as `hyparflow.launch.affinity` deals them.
 
     Example:
-        >>> _round_robin([(0, 0), (1, 0), (0, 1), (1, 1)], 2, 2)
-        (((0, 0), (0, 1)), ((1, 0), (1, 1)))
+        >>> _pinned_placement([(0, 0), (1, 0), (0, 1), (1, 1)], 2, 2)
+        (((0, 0), (1, 1)), ((0, 1), (1, 0)))
     """
     ordered = sorted(members, key=lambda rank: rank[1] * stages + rank[0])
-    groups = [tuple(sorted(ordered[c::cores])) for c in range(min(cores, len(ordered)))]
-    return tuple(sorted(groups))
+    dealt = deal_to_cores([stage for stage, _ in ordered], cores)
+    groups = [
+        tuple(sorted(r for r, c in zip(ordered, dealt) if c == core)) for core in range(cores)
+    ]
+    return tuple(sorted(group for group in groups if group))
 
 
 def _even_placements(members: list, cores: int, limit: int) -> list[tuple[tuple, ...]]:

@@ -60,12 +60,15 @@ def _run(config: str) -> dict:
         model, x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
         validation_data=(vx, vy), strategy=strategy,
     )  # fmt: skip
+    # where hf.fit left this rank's threads (hyparflow.launch.affinity): one set for all
+    threads = {frozenset(os.sched_getaffinity(int(t))) for t in os.listdir("/proc/self/task")}
     predicted = hf.predict(model, vx, batch_size=8, strategy=strategy)
     expected = reference.predict(vx, batch_size=8, verbose=0)
     evaluated = hf.evaluate(model, vx, vy, batch_size=8, strategy=strategy, return_dict=True)
     ref_evaluated = reference.evaluate(vx, vy, batch_size=8, verbose=0, return_dict=True)
     return {
         "config": config,
+        "thread_cores": sorted(map(sorted, threads)),
         "predict": relative_difference(keras.tree.flatten(predicted), keras.tree.flatten(expected)),
         "evaluate": history_difference(
             {k: [v] for k, v in evaluated.items()}, {k: [v] for k, v in ref_evaluated.items()}
@@ -88,7 +91,4 @@ def _run(config: str) -> dict:
 
 if __name__ == "__main__":
     keras.config.disable_interactive_logging()
-    results = [run(c) for c in args()]
-    # where hf.fit left this rank's threads (hyparflow.launch.affinity): one set for all
-    threads = {frozenset(os.sched_getaffinity(int(t))) for t in os.listdir("/proc/self/task")}
-    report({"rank": hf.rank(), "results": results, "thread_cores": sorted(map(sorted, threads))})
+    report({"rank": hf.rank(), "results": [run(c) for c in args()]})
