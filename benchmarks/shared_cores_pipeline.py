@@ -173,7 +173,7 @@ def main(argv=None) -> None:
                 measured = _run(command)["step_ms"]
                 predicted = predict_ms(args.ranks, action, pin == "pinned")
                 error = predicted / measured - 1
-                print(f" {work_kind:<6} {size:>5.1f}  {pin:<9} {measured:>11.1f} "
+                print(f" {work_kind:<6} {size:>5.2f}  {pin:<9} {measured:>11.1f} "
                       f"{predicted:>13.1f} {error:>+6.0%}", flush=True)  # fmt: skip
 
 
