@@ -113,6 +113,18 @@ def run_other(title: str, script: str, venv: str, ranks: int, args: list, wait: 
     return heading, text
 
 
+def describe_machine(previous: dict) -> dict:
+    """This machine and the versions in each venv; a venv that is absent now (the compat
+    one is built by `make test-compat`) keeps its last description rather than being
+    described by this interpreter."""
+    pythons = {"main": launch.python_for("main")}
+    if launch.has_horovod():
+        pythons["compat"] = launch.python_for("compat")
+    described = machine.describe(pythons)
+    described["venvs"] = {**previous.get("venvs", {}), **described["venvs"]}
+    return described
+
+
 def record_other(store: dict, script: str, output: str, note: str) -> None:
     """Put the output of a text benchmark run by hand into `store` as its appendix, in
     `OTHERS` order, replacing its last one."""
@@ -190,9 +202,7 @@ def main(argv=None) -> None:
     if args.others_only or not (args.skip_others or args.only):
         others = [run_other(*other, wait=wait) for other in OTHERS]
         store["others"] = [o for o in others if o is not None]
-    store["machine"] = machine.describe(
-        {"main": launch.python_for("main"), "compat": launch.python_for("compat")}
-    )
+    store["machine"] = describe_machine(store.get("machine", {}))
     _save(store, args.json)
     write_report(store, args.results, args.plots)
     print(f"written: {args.results}")
