@@ -72,8 +72,10 @@ class Machine:
     coefficient of variation of a rank's compute per step (operating-system noise,
     interference: the replicas of a stage wait for the slowest at their allreduce),
     `corun`, how much slower a core runs a rank while the node's other cores run ranks too,
-    and `pinned`: on a node with more ranks than cores, each rank is pinned to one core in
-    node-local rank order, as hyparflow does unless `HYPARFLOW_PIN_RANKS=0`."""
+    and `pinned`: on a node with more ranks than cores, each rank is pinned to one core,
+    dealt in node-local rank order with the stages mixed on each core
+    (`hyparflow.launch.affinity.deal_to_cores`), as hyparflow does unless
+    `HYPARFLOW_PIN_RANKS=0`."""
 
     cores_per_node: int | None = None
     background: float = 0.0
