@@ -12,10 +12,9 @@ The work is either
 
 - `python`: a loop of the rank's own thread that runs until it has used the given CPU time,
   one thread per rank, so the model's assumptions hold by construction; or
-- `tf`: a compiled TensorFlow call (a loop of 64 x 512 matmuls) sized to take that time;
-  TensorFlow runs the loop on its inter-op thread and the calling thread stays busy too (2.7
-  s of CPU on each in 3 s of calls, one process), so unpinned a rank can take more than a
-  core (the engine's own calls run mostly on the calling thread);
+- `tf`: a compiled TensorFlow call (a chain of 64 x 512 matmuls) sized to take that time,
+  which TensorFlow runs on its compute thread while the Python thread sleeps, as every engine
+  call does;
 
 each with the ranks unpinned (`mpirun --bind-to none`, the kernel places threads) and pinned
 the way `hf.fit` pins them (`hyparflow.launch.affinity`). The step is the median over 20 steps

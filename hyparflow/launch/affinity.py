@@ -1,15 +1,14 @@
 """Pin each rank to one core when a node runs more ranks than it has cores (and none is bound).
 
-A rank of hyparflow mostly runs on its Python thread: it drives the schedule, waits in MPI
-(Open MPI polls, yielding the core between polls when the node is oversubscribed) and, with
-one inter-op thread, TensorFlow runs most kernels of a compiled call inline on it. Some run on
-TensorFlow's inter-op thread, and in graphs with loops both threads can be busy at once (a
-synthetic looped call: 2.7 s of CPU on each in 3 s). Unbound, such a rank can take more than
-its core, and which ranks share a core is left to the kernel's balancer, which counts a
-polling rank as busy. Measured on the 2-core development VM with 4 ranks (benchmarks/
-analysis.md, 2026-11-25): a synthetic 4-stage pipeline of TensorFlow calls ran 5-15% slower
-unbound than pinned, and the validation MLP's 4-way data-parallel step 29.4 ms unbound
-against 22.7 ms pinned.
+A rank of hyparflow is two busy threads taking turns: the Python thread that drives the
+schedule and waits in MPI (Open MPI polls, yielding the core between polls when the node is
+oversubscribed), and TensorFlow's compute thread that runs each compiled call while the Python
+thread sleeps. Unbound, Linux places these threads independently, and because a polling thread
+is always runnable the load balancer sees every core equally busy: two ranks' polling threads
+can hold one core while two computing threads share the other. Measured on the 2-core
+development VM with 4 ranks (benchmarks/analysis.md, 2026-11-25): a synthetic 4-stage
+pipeline of TensorFlow calls ran 5-10% slower unbound than with each rank's threads on one
+core, and the validation MLP's 4-way data-parallel step 29.4 ms unbound against 22.7 ms pinned.
 
 So when the ranks on a node outnumber the cores they may all use and the launcher bound none
 of them (`mpirun --bind-to none`, or Open MPI's default once it oversubscribes), hyparflow deals
