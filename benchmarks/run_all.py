@@ -136,11 +136,11 @@ def record_other(store: dict, script: str, output: str, note: str) -> None:
     with open(output) as f:
         entry = [f"{title}: `{script}` ({note})", f.read()]
     kept = [o for o in store.get("others", []) if f"`{script}`" not in o[0]]
-    kept.append(entry)
-    position = {f"`{name}`": i for i, name in enumerate(order)}
-    store["others"] = sorted(
-        kept, key=lambda o: next((i for k, i in position.items() if k in o[0]), len(order))
-    )
+
+    def place(other) -> int:  # an appendix's script, from its heading, in OTHERS order
+        return next((i for i, name in enumerate(order) if f"`{name}`" in other[0]), len(order))
+
+    store["others"] = sorted([*kept, entry], key=place)
 
 
 def preamble(store: dict) -> str:

@@ -166,7 +166,7 @@ def shared_pipeline(
         by_node.setdefault(rank_nodes[s][q], []).append((s, q))
     stages = len(schedule)
     if pinned:
-        choices = [[_pinned_placement(members, cores, stages)] for members in by_node.values()]
+        choices = [[_pinned_placement(members, cores)] for members in by_node.values()]
     else:
         choices = [_even_placements(members, cores, limit) for members in by_node.values()]
     if math.prod(len(c) for c in choices) <= limit:
@@ -201,15 +201,15 @@ def shared_pipeline(
     return SharedPipeline(finish=finish, busy=busy, bubble=bubble, placements=len(combos))
 
 
-def _pinned_placement(members: list, cores: int, stages: int) -> tuple[tuple, ...]:
-    """The pinned placement: a node's ranks (stage, replica) in rank order (replica x
-    `stages` + stage) dealt to its cores as `hyparflow.launch.affinity` deals them.
+def _pinned_placement(members: list, cores: int) -> tuple[tuple, ...]:
+    """The pinned placement: a node's ranks (stage, replica) in rank order (by replica, then
+    stage: the engine's `Grid`) dealt to its cores as `hyparflow.launch.affinity` deals them.
 
     Example:
-        >>> _pinned_placement([(0, 0), (1, 0), (0, 1), (1, 1)], 2, 2)
+        >>> _pinned_placement([(0, 0), (1, 0), (0, 1), (1, 1)], 2)
         (((0, 0), (1, 1)), ((0, 1), (1, 0)))
     """
-    ordered = sorted(members, key=lambda rank: rank[1] * stages + rank[0])
+    ordered = sorted(members, key=lambda rank: (rank[1], rank[0]))
     dealt = deal_to_cores([stage for stage, _ in ordered], cores)
     groups = [
         tuple(sorted(r for r, c in zip(ordered, dealt) if c == core)) for core in range(cores)
