@@ -229,6 +229,9 @@ def main(argv=None) -> None:
             handoff=here["handoff"] * factor,
             copy_rate=(here["copy_rate"] or float("inf")) / factor,
             per_tensor=here.get("per_tensor", 0.0) * factor,
+            loop_first=here.get("loop_first", 0.0) * factor,
+            loop_last=here.get("loop_last", 0.0) * factor,
+            loop_unpartitioned=here.get("loop_unpartitioned", 0.0) * factor,
         )
         counts = [n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if n <= nodes]
         report["systems"][system] = {"paper_speedup": paper, "nodes": nodes, "cores": cores,

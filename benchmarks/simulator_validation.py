@@ -79,6 +79,8 @@ CONFIGS = [(1, 1), (1, 2), (1, 4), (2, 1), (4, 1), (2, 2)]  # (partitions, repli
 CORES = os.cpu_count() or 1
 PROBE_BATCH = 64  # samples per fused step of the speed probe
 PROBE_SECONDS = 1.5  # per probe reading
+TIMESLICE_SECONDS = 6.0  # timed steps per copy when measuring the switching cost
+TIMESLICE_WARMUP = 12.0  # seconds for the copies to start and trace before they are timed
 STEADY = 0.08  # largest change of speed between the probes around an accepted run
 # least share of core 0 an accepted calibration got: on this VM a calibration alone on an
 # idle machine gets 0.92-0.94 of it (core 0 also serves the VM's interrupts); the probes
@@ -105,6 +107,7 @@ def _arguments(argv=None):
     parser.add_argument("--calibrate", nargs=2, metavar=("MODEL", "COSTS"))
     parser.add_argument("--calibrate-fit", nargs=2, metavar=("MODEL", "COSTS"))
     parser.add_argument("--probe", metavar="MODEL")
+    parser.add_argument("--timeslice-probe", nargs=2, metavar=("MODEL", "START_AT"))
     return parser.parse_args(argv)
 
 
@@ -288,6 +291,61 @@ def probe_server(model_path: str) -> None:
         print(statistics.median(seconds), flush=True)
 
 
+def timeslice_probe(args) -> None:
+    """`--timeslice-probe MODEL START_AT`: from the wall-clock time START_AT, run the model's
+    fused engine step at the pipelines' micro-batch size for TIMESLICE_SECONDS; print the
+    processor seconds per step."""
+    import keras
+
+    from hyparflow.partitioner import profile
+    from hyparflow.partitioner.graph import build_graph
+    from hyparflow.simulate.measure import fused_step
+
+    model_path, start_at = args.timeslice_probe
+    model = keras.saving.load_model(model_path)
+    batch = args.batch_size // args.microbatches
+    step = fused_step(model, profile.make_sample(build_graph(model), batch_size=batch))
+    for _ in range(10):
+        step()  # traces, warms the caches
+    time.sleep(max(0.0, float(start_at) - time.time()))
+    steps, cpu, deadline = 0, time.process_time(), time.perf_counter() + TIMESLICE_SECONDS
+    while time.perf_counter() < deadline:
+        step()
+        steps += 1
+    print((time.process_time() - cpu) / steps, flush=True)
+
+
+def timeslice_factor(args, model_path: str) -> dict:
+    """How much more processor time the model's step takes while its core switches between
+    it and another computing rank (`Machine.timeslice`): two copies of it started together
+    on core 0, against one alone there before and after (the other core idle throughout)."""
+
+    def run_on_core_zero(copies: int) -> list[float]:
+        start_at = time.time() + TIMESLICE_WARMUP
+        command = ["taskset", "-c", "0", sys.executable, __file__, "--timeslice-probe",
+                   model_path, str(start_at), "--batch-size", str(args.batch_size),
+                   "--microbatches", str(args.microbatches)]  # fmt: skip
+        processes = [
+            subprocess.Popen(
+                command,
+                env={**os.environ, **ENV},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+            )  # fmt: skip
+            for _ in range(copies)
+        ]
+        outputs = [p.communicate(timeout=300)[0] for p in processes]
+        return [float(out.split()[-1]) for out in outputs]
+
+    wait_for_quiet()
+    alone = run_on_core_zero(1)
+    shared = run_on_core_zero(2)
+    alone += run_on_core_zero(1)
+    factor = statistics.mean(shared) / statistics.mean(alone)
+    return {"timeslice": max(1.0, factor), "alone_s": alone, "shared_s": shared}
+
+
 class SpeedProbe:
     """A resident one-thread process on core 0 that times the model's fused step on request.
 
@@ -398,6 +456,8 @@ def main(argv=None) -> None:
         return calibrate_fit(args)
     if args.probe:
         return probe_server(args.probe)
+    if args.timeslice_probe:
+        return timeslice_probe(args)
     from hyparflow.simulate import Layout, Machine, predict
 
     folder = tempfile.mkdtemp(prefix="hf-simulator-validation-")
@@ -426,7 +486,12 @@ def main(argv=None) -> None:
             for key in order:
                 layout = layouts[key]
                 calibrated = costs.measured["corun"]
-                machine = Machine(CORES, corun=calibrated["corun"], jitter=calibrated["jitter"])
+                machine = Machine(
+                    CORES,
+                    corun=calibrated["corun"],
+                    jitter=calibrated["jitter"],
+                    timeslice=costs.measured["timeslice"]["timeslice"],
+                )
                 planned = predict(costs, network, layout, args.batch_size, machine)
                 config = (layout.partitions, layout.replicas, layout.microbatches)
                 result = measure_quietly(args, model_path, config, planned.stage_names, folder,
@@ -547,8 +612,10 @@ def calibrate_quietly(args, model_path: str, costs_path: str, network, folder: s
     costs.measured["probe_s"] = (before + after) / 2
     costs.measured["probe_pair_s"] = [before, after]
     costs.measured["corun"] = corun_factor(args, model_path, costs, network, folder, probe)
+    costs.measured["timeslice"] = timeslice_factor(args, model_path)
     print(f"co-run factor {costs.measured['corun']['corun']:.2f}, "
-          f"jitter {costs.measured['corun']['jitter']:.3f}", flush=True)  # fmt: skip
+          f"jitter {costs.measured['corun']['jitter']:.3f}, "
+          f"timeslice {costs.measured['timeslice']['timeslice']:.2f}", flush=True)  # fmt: skip
     return costs
 
 

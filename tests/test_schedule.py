@@ -118,6 +118,11 @@ def test_single_stage_has_no_bubble_and_per_stage_times():
     assert slow_last.makespan == 8.0 and slow_last.busy == [2.0, 6.0]
     with pytest.raises(ValueError, match="forward_time has 3 entries"):
         simulate(gpipe(2, 1), forward_time=[1.0, 1.0, 1.0])
+    # each stage's setup runs before its first action; a later stage's hides while it waits
+    setup = simulate(gpipe(2, 1), 1.0, 1.0, setup_time=[0.5, 1.0])
+    assert setup.makespan == 4.5 and setup.busy == [2.0, 2.0]
+    late = simulate(gpipe(2, 1), 1.0, 1.0, setup_time=[0.5, 3.0])
+    assert late.times[1, F(0)] == (3.0, 4.0) and late.makespan == 6.0
 
 
 def test_forward_only_schedule_simulates():

@@ -105,7 +105,8 @@ def test_shared_link_splits_bandwidth_only():
 def test_network_file_round_trip():
     net = Network(Link(1e-6, 9e9), Link(2e-6, 12e9), reduce_rate=5e9, overhead=1e-5,
                   handoff=2e-5, handoff_bandwidth=3e9, oversubscribed_latency=1e-6,
-                  oversubscribed_collective_latency=3e-4, per_tensor=4e-5)  # fmt: skip
+                  oversubscribed_collective_latency=3e-4, per_tensor=4e-5, loop_first=3e-4,
+                  loop_last=6e-4, loop_unpartitioned=5e-4)  # fmt: skip
     assert Network.from_dict(json.loads(json.dumps(net.to_dict()))) == net
     alone = Network(Link(1e-6, 9e9))
     assert Network.from_dict(json.loads(json.dumps(alone.to_dict()))) == alone
@@ -128,7 +129,11 @@ def test_network_fit_recovers_a_synthetic_machine():
                 "handoff_s": [wait - 1e-5, wait, wait + 2e-5]}  # fmt: skip
 
     hops = {4096: hop(4096), 1 << 19: hop(1 << 19)}
-    fitted = fit_network(pingpong, allreduces, reducer, hops, ranks=2)
+    for h in hops.values():  # the loop's work per step on each stage, and unpartitioned
+        h.update(loop_first_s=[3e-4, 4e-4, 9e-4], loop_last_s=[7e-4, 6e-4, 5e-3])
+    fitted = fit_network(pingpong, allreduces, reducer, hops, 2, [5e-4, 4e-4, 6e-4, 1e-2])
+    assert (fitted["loop_first"], fitted["loop_last"]) == (4e-4, 7e-4)  # medians
+    assert fitted["loop_unpartitioned"] == pytest.approx(5.5e-4)
     assert fitted["intra"]["latency"] == pytest.approx(alpha, rel=0.01)
     assert fitted["intra"]["bandwidth"] == pytest.approx(beta, rel=1e-6)
     assert fitted["reduce_rate"] == pytest.approx(rate, rel=1e-3)
@@ -265,6 +270,16 @@ def test_engine_costs_land_where_the_engine_pays_them():
     accumulating = predict(costs, Network(FAST), Layout(1, 1, 4), 32).step_time
     plain = predict(uniform_costs(2), Network(FAST), Layout(1, 1, 4), 32).step_time
     assert accumulating - plain == pytest.approx(3 * costs.param_bytes * 1e-6)  # 3 additions
+    # the loop's work between steps: the first stage's delays the pipeline; the last stage's
+    # hides while it waits for its first activations; an unpartitioned rank pays its own
+    looping = Network(FAST, loop_first=1e-3, loop_last=1.5e-3, loop_unpartitioned=5e-4)
+    costs.engine = EngineCosts()
+    piped = predict(costs, looping, Layout(2, 1, 4), 32).step_time
+    assert piped - base == pytest.approx(1e-3)
+    replicated = predict(costs, looping, Layout(1, 2), 32).step_time
+    assert replicated - predict(costs, Network(FAST), Layout(1, 2), 32).step_time == (
+        pytest.approx(5e-4)
+    )
 
 
 @settings(max_examples=40, deadline=None)
@@ -320,12 +335,15 @@ def test_shared_cores_run_the_ideal_schedule_when_they_suffice_or_stretch_it_whe
     rng = random.Random(seed)
     forward = [rng.uniform(0.5, 2.0) for _ in range(partitions)]
     backward = [rng.uniform(1.0, 3.0) for _ in range(partitions)]
+    setup = [rng.choice([0.0, rng.uniform(0.1, 3.0)]) for _ in range(partitions)]
     plan = make_schedule(schedule, partitions, microbatches)
     one_node = [{0: 1}] * partitions
-    ideal = simulate(plan, forward, backward, 0.1)
-    roomy = simulate_shared(plan, forward, backward, 0.1, one_node, cores=partitions)
+    ideal = simulate(plan, forward, backward, 0.1, setup)
+    roomy = simulate_shared(plan, forward, backward, 0.1, one_node, cores=partitions,
+                            setup_work=setup, timeslice=1.5)  # fmt: skip
     assert roomy.makespan == pytest.approx(ideal.makespan)
     assert all(roomy.times[k] == pytest.approx(v) for k, v in ideal.times.items())
+    assert roomy.busy == pytest.approx(ideal.busy)
     # waiting ranks that spin take a full share: every rank runs partitions / cores slower
     spinning = simulate_shared(plan, forward, backward, 0.0, one_node, cores=1, idle_share=1.0)
     stretched = simulate(plan, [f * partitions for f in forward],
@@ -349,6 +367,19 @@ def test_waiting_ranks_take_their_idle_share_of_a_core():
     assert crowded.makespan == pytest.approx(2.0 * 3)
     busy = simulate_shared(gpipe(1, 1), [1.0], [1.0], 0.0, [{0: 1}], cores=2, background=3.0)
     assert busy.makespan == pytest.approx(2.0 * 2)
+    # switching between computing ranks costs `timeslice`, only while they outnumber cores
+    pair = [{0: 2}]
+    switching = simulate_shared(gpipe(1, 1), [1.0], [1.0], 0.0, pair, cores=1, timeslice=1.25)
+    assert switching.makespan == pytest.approx(2.0 * 2 * 1.25)
+    roomy = simulate_shared(gpipe(1, 1), [1.0], [1.0], 0.0, pair, cores=2, timeslice=1.25)
+    assert roomy.makespan == pytest.approx(2.0)
+    # one stage computes while the other waits: no switching between computing ranks
+    turns = simulate_shared(gpipe(2, 1), [1.0, 2.0], [3.0, 4.0], 0.0, [{0: 1}, {0: 1}],
+                            cores=1, timeslice=1.25)  # fmt: skip
+    assert turns.makespan == pytest.approx(10.0)
+    # setup work shares the core like an action: two ranks' setups on one core, then F, B
+    both = simulate_shared(gpipe(1, 1), [1.0], [1.0], 0.0, pair, cores=1, setup_work=[0.5])
+    assert both.makespan == pytest.approx(2 * 0.5 + 2 * 2.0) and both.busy == [4.0]
     assert Placement(2, 3, ranks_per_node=4).stage_node_ranks() == [{0: 2, 1: 1}, {0: 2, 1: 1}]
 
 

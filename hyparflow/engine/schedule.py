@@ -177,12 +177,15 @@ def simulate(
     forward_time: float | Sequence[float] = 1.0,
     backward_time: float | Sequence[float] = 2.0,
     comm_time: float = 0.0,
+    setup_time: float | Sequence[float] = 0.0,
 ) -> Simulation:
     """Execute `schedule` on an ideal machine and return when every action starts and ends.
 
     F(s, m) waits for F(s-1, m) plus `comm_time`; B(s, m) waits for F(s, m) and for B(s+1, m)
-    plus `comm_time`; each stage runs its list in order, one action at a time. Times may be one
-    number or one per stage. Raises `DeadlockError` if the stages can never finish.
+    plus `comm_time`; each stage runs its list in order, one action at a time, after
+    `setup_time` of its own work before its first action (a training loop's bookkeeping
+    between steps; not counted as busy). Times may be one number or one per stage. Raises
+    `DeadlockError` if the stages can never finish.
 
     Example:
         >>> sim = simulate(gpipe(4, 12), forward_time=1.0, backward_time=1.0)
@@ -192,13 +195,14 @@ def simulate(
     num_stages = len(schedule)
     forward_times = _per_stage(forward_time, num_stages, "forward_time")
     backward_times = _per_stage(backward_time, num_stages, "backward_time")
+    setup_times = _per_stage(setup_time, num_stages, "setup_time")
     for stage, actions in enumerate(schedule):
         if len(set(actions)) != len(actions):
             raise ValueError(f"stage {stage} lists an action twice: {actions}")
 
     times: dict[tuple[int, Action], tuple[float, float]] = {}
     next_index = [0] * num_stages
-    stage_free = [0.0] * num_stages
+    stage_free = list(setup_times)
     progressed = True
     while progressed:
         progressed = False

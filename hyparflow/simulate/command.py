@@ -52,6 +52,14 @@ def add_arguments(parser) -> None:
         "(measured: benchmarks/simulator_validation.py; 1.0: not at all)",
     )
     parser.add_argument(
+        "--timeslice",
+        type=float,
+        default=1.0,
+        help="how much more processor time a rank's work takes while its core switches "
+        "between it and other computing ranks (more ranks than cores; measured: "
+        "benchmarks/simulator_validation.py; 1.0: none)",
+    )
+    parser.add_argument(
         "--unpinned",
         action="store_true",
         help="ranks short of cores are not pinned (HYPARFLOW_PIN_RANKS=0): average over the "
@@ -115,6 +123,7 @@ def run(args) -> int:
         jitter=args.jitter,
         corun=args.corun,
         pinned=not args.unpinned,
+        timeslice=args.timeslice,
     )
     rows, skipped = [], []
     for partitions in args.partitions:

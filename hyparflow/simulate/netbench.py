@@ -13,6 +13,9 @@ hyparflow.simulate.netbench OUT.json`); rank 0 writes the JSON that `Network.fro
   between the stages) trained with `hf.fit` and the engine's span recorder: the sender's time
   posting each message, and the time from there to the waiting receiver holding the tensors,
   as a fixed handoff plus the bytes at an effective bandwidth.
+- the training loop's work per step on each rank: from one step's start to the next, less
+  every recorded span (compute, sends, receives, reduction, optimizer), on the first and last
+  stage of those pipelines and on the ranks of the same model trained data parallel.
 
 Latency and bandwidth are the fastest of 30 repetitions (what the link can do); the
 reductions and the engine's costs are medians, like the step times they add up to. With
@@ -148,8 +151,34 @@ def engine_hops(comm, steps: int = 12, widths=(64, 8192)) -> dict:
     """Tiny two-stage pipelines (a Dense layer of `width` units, then the head) trained with
     `hf.fit`, their spans recorded on both ranks: per boundary size, the sender's seconds per
     message posted and, when the receiver was already waiting, the seconds from the post to
-    the receiver holding the tensors. Rank 0 gets {bytes: {"send_s": [...], "handoff_s":
-    [...]}}."""
+    the receiver holding the tensors, and each stage's loop work per step (`loop_work`).
+    Rank 0 gets {bytes: {"send_s": [...], "handoff_s": [...], "loop_first_s": [...],
+    "loop_last_s": [...]}}."""
+    strategy = {"kind": "model", "microbatches": 4, "schedule": "1f1b", "balance": ["head"]}
+    results = {}
+    for width in widths:
+        steps_by_rank = _recorded_fit(comm, width, strategy, steps)
+        if comm.Get_rank() == 0:
+            first, last = (loop_work(records) for records in steps_by_rank)
+            results[16 * width * 4] = {
+                **_hops(steps_by_rank), "loop_first_s": first, "loop_last_s": last,
+            }  # fmt: skip
+    return results
+
+
+def unpartitioned_loop_work(comm, steps: int = 12) -> list | None:
+    """The same tiny model trained data parallel on both ranks: every rank's loop work per
+    step (`loop_work`), on rank 0."""
+    steps_by_rank = _recorded_fit(comm, 64, {"kind": "data"}, steps)
+    if comm.Get_rank() != 0:
+        return None
+    return [seconds for records in steps_by_rank for seconds in loop_work(records)]
+
+
+def _recorded_fit(comm, width: int, strategy: dict, steps: int) -> list | None:
+    """Train a Dense layer of `width` units and a head with `hf.fit` (2 epochs of `steps`
+    steps of 64 samples) under `strategy`, recording every rank's steps; rank 0 gets them
+    by rank."""
     import keras
 
     import hyparflow as hf
@@ -158,31 +187,48 @@ def engine_hops(comm, steps: int = 12, widths=(64, 8192)) -> dict:
     rng = np.random.default_rng(0)
     x = rng.normal(size=(64 * steps, 64)).astype("float32")
     y = rng.integers(0, 8, size=64 * steps)
-    results = {}
-    for width in widths:
-        keras.utils.set_random_seed(0)
-        inputs = keras.Input((64,))
-        wide = keras.layers.Dense(width, activation="relu", name="wide")(inputs)
-        outputs = keras.layers.Dense(8, activation="softmax", name="head")(wide)
-        model = keras.Model(inputs, outputs)
-        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
-        recorder = events.Recorder()
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((64,))
+    wide = keras.layers.Dense(width, activation="relu", name="wide")(inputs)
+    outputs = keras.layers.Dense(8, activation="softmax", name="head")(wide)
+    model = keras.Model(inputs, outputs)
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    recorder = events.Recorder()
 
-        class Record(keras.callbacks.Callback):
-            def attach_trainer(self, trainer, recorder=recorder):
-                self.trainer = trainer
-                trainer.attach_recorder(recorder)
+    class Record(keras.callbacks.Callback):
+        def attach_trainer(self, trainer, recorder=recorder):
+            self.trainer = trainer
+            trainer.attach_recorder(recorder)
 
-            def on_train_end(self, logs=None):
-                self.trainer.attach_recorder(None)
+        def on_train_end(self, logs=None):
+            self.trainer.attach_recorder(None)
 
-        strategy = hf.Strategy("model", microbatches=4, schedule="1f1b", balance=["head"])
-        hf.fit(model, x, y, batch_size=64, epochs=2, verbose=0, strategy=strategy,
-               callbacks=[Record()])  # fmt: skip
-        steps_by_rank = comm.gather(recorder.take(), root=0)
-        if comm.Get_rank() == 0:
-            results[16 * width * 4] = _hops(steps_by_rank)
-    return results
+    hf.fit(model, x, y, batch_size=64, epochs=2, verbose=0,
+           strategy=hf.Strategy(**strategy), callbacks=[Record()])  # fmt: skip
+    return comm.gather(recorder.take(), root=0)
+
+
+def loop_work(records, skip: int = 2) -> list[float]:
+    """Seconds per step a rank spent outside its recorded spans (compute, sends, receives,
+    reduction, optimizer): from one step's start to the next, less the spans. That is the
+    training loop's own work between steps (cutting the batch into micro-batches, tracking
+    the loss, the fit loop and callbacks): neither compiled calls nor waits. The first `skip`
+    steps (tracing) are left out, and so are pairs that are not consecutive.
+
+    Example:
+        >>> from hyparflow.engine.events import Span, StepRecord
+        >>> steps = [StepRecord(i, 10.0 * i, 10.0 * i + 9, 64, 1,
+        ...                     (Span("forward", i, 0, 10.0 * i, 10.0 * i + 8),))
+        ...          for i in range(5)]
+        >>> loop_work(steps)
+        [2.0, 2.0]
+    """
+    work = []
+    for step, following in zip(records[skip:], records[skip + 1 :]):
+        if following.step == step.step + 1:
+            spans = sum(span.duration for span in step.spans)
+            work.append(following.start - step.start - spans)
+    return work
 
 
 def _hops(steps_by_rank) -> dict:
@@ -223,9 +269,12 @@ def reducer_time(comm, nbytes: int, repeats: int, pieces: int = 16) -> float:
     return statistics.median(samples)
 
 
-def fit_network(pingpong: dict, allreduce: dict, reducer: dict, hops: dict, ranks: int) -> dict:
-    """Turn the timings (seconds by size in bytes; `hops` from `engine_hops`) into
-    `Network.from_dict` fields."""
+def fit_network(
+    pingpong: dict, allreduce: dict, reducer: dict, hops: dict, ranks: int,
+    unpartitioned: list | None = None,
+) -> dict:  # fmt: skip
+    """Turn the timings (seconds by size in bytes; `hops` from `engine_hops`, `unpartitioned`
+    from `unpartitioned_loop_work`) into `Network.from_dict` fields."""
     sizes = sorted(pingpong)
     latency = pingpong[sizes[0]]
     large = [n for n in sizes if n >= 1 << 20]
@@ -247,6 +296,9 @@ def fit_network(pingpong: dict, allreduce: dict, reducer: dict, hops: dict, rank
     one_mib, large = 1 << 20, 16 << 20
     per_tensor = max(0.0, (reducer[one_mib, 64] - reducer[one_mib, 4]) / 60)
     copy_per_byte = (reducer[large, 16] - allreduce[large] - 16 * per_tensor) / large
+    pipelines = [h for _, h in sorted(hops.items())]
+    first = [t for h in pipelines for t in h.get("loop_first_s", [])]
+    last = [t for h in pipelines for t in h.get("loop_last_s", [])]
     return {
         "intra": {"latency": latency, "bandwidth": bandwidth},
         "inter": None,
@@ -256,6 +308,9 @@ def fit_network(pingpong: dict, allreduce: dict, reducer: dict, hops: dict, rank
         "handoff_bandwidth": 1.0 / handoff_slope if handoff_slope > 0 else None,
         "copy_rate": 1.0 / copy_per_byte if copy_per_byte > 0 else None,
         "per_tensor": per_tensor,
+        "loop_first": statistics.median(first) if first else 0.0,
+        "loop_last": statistics.median(last) if last else 0.0,
+        "loop_unpartitioned": statistics.median(unpartitioned) if unpartitioned else 0.0,
         "source": {
             "measured": "hyparflow.simulate.netbench",
             "ranks": ranks,
@@ -279,11 +334,12 @@ def run(comm, repeats: int = 30) -> dict | None:
         for n, pieces in ((1 << 20, 4), (1 << 20, 64), (16 << 20, 16))
     }
     hops = engine_hops(comm)
+    unpartitioned = unpartitioned_loop_work(comm)
     share = (time.process_time() - started[0]) / (time.perf_counter() - started[1])
     cores_got = comm.allreduce(share)
     if comm.Get_rank() != 0:
         return None
-    network = fit_network(pingpong, allreduce, reducer, hops, comm.Get_size())
+    network = fit_network(pingpong, allreduce, reducer, hops, comm.Get_size(), unpartitioned)
     network["source"]["cores_got"] = cores_got
     return network
 

@@ -197,6 +197,10 @@ class Network:
       claim (Open MPI yields between polls there: 0 if it took nothing, 1 if it spun).
     - `copy_rate`: bytes/s at which hyparflow copies gradients into its fusion buckets;
       `per_tensor`: seconds per gradient tensor it handles (copying in, wrapping out).
+    - `loop_first`, `loop_last`, `loop_unpartitioned`: processor seconds per step a rank
+      spends in the training loop outside compiled calls and waits (cutting its
+      micro-batches, tracking the loss, the fit loop and callbacks), on a pipeline's first
+      and last stage and on an unpartitioned model's rank (`loop_work`).
 
     Example:
         >>> net = Network(intra=Link(1e-6, 10e9), inter=Link(2e-6, 12e9))
@@ -215,7 +219,28 @@ class Network:
     oversubscribed_idle_share: float = 1.0
     copy_rate: float = math.inf
     per_tensor: float = 0.0
+    loop_first: float = 0.0
+    loop_last: float = 0.0
+    loop_unpartitioned: float = 0.0
     source: dict = field(default_factory=dict, compare=False)  # how it was obtained
+
+    def loop_work(self, stage: int, stages: int) -> float:
+        """The training loop's work per step on a rank of `stage` of `stages`: measured on
+        the first and last stage and without partitions; a middle stage, which cuts neither
+        inputs nor targets and tracks no loss, does the smaller of the first and last's.
+
+        Example:
+            >>> net = Network(Link(1e-6, 1e10), loop_first=4e-4, loop_last=9e-4)
+            >>> [net.loop_work(s, 4) for s in range(4)]
+            [0.0004, 0.0004, 0.0004, 0.0009]
+        """
+        if stages == 1:
+            return self.loop_unpartitioned
+        if stage == 0:
+            return self.loop_first
+        if stage == stages - 1:
+            return self.loop_last
+        return min(self.loop_first, self.loop_last)
 
     def link(self, crosses_nodes: bool) -> Link:
         """The link between two ranks: `inter` when they are on different nodes."""
@@ -318,6 +343,9 @@ class Network:
             "oversubscribed_idle_share": self.oversubscribed_idle_share,
             "copy_rate": _finite_or_none(self.copy_rate),
             "per_tensor": self.per_tensor,
+            "loop_first": self.loop_first,
+            "loop_last": self.loop_last,
+            "loop_unpartitioned": self.loop_unpartitioned,
             "source": self.source,
         }
 
@@ -338,6 +366,9 @@ class Network:
             oversubscribed_idle_share=float(data.get("oversubscribed_idle_share", 1.0)),
             copy_rate=_none_to_inf(data.get("copy_rate")),
             per_tensor=float(data.get("per_tensor", 0.0)),
+            loop_first=float(data.get("loop_first", 0.0)),
+            loop_last=float(data.get("loop_last", 0.0)),
+            loop_unpartitioned=float(data.get("loop_unpartitioned", 0.0)),
             source=dict(data.get("source", {})),
         )
 

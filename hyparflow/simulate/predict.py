@@ -75,13 +75,16 @@ class Machine:
     and `pinned`: on a node with more ranks than cores, each rank is pinned to one core,
     dealt in node-local rank order with the stages mixed on each core
     (`hyparflow.launch.affinity.deal_to_cores`), as hyparflow does unless
-    `HYPARFLOW_PIN_RANKS=0`."""
+    `HYPARFLOW_PIN_RANKS=0`; `timeslice`, how much more processor time a rank's work takes
+    while its core switches between it and other computing ranks (caches refilled after
+    every switch; measured with two copies of the model's step on one core)."""
 
     cores_per_node: int | None = None
     background: float = 0.0
     jitter: float = 0.0
     corun: float = 1.0
     pinned: bool = True
+    timeslice: float = 1.0
 
     def crowded(self, ranks_on_node: int) -> bool:
         """Whether `ranks_on_node` ranks (with the background load) outnumber the cores."""
@@ -229,15 +232,18 @@ def predict(
     # the schedule simulator takes one link delay; the slowest link is the safe choice
     schedule = make_schedule(layout.schedule, p, m)
     comm = max(transfers, default=0.0)
+    # the loop's work between steps, before each rank's first action of the next
+    setup = [network.loop_work(s, p) * compute_slow for s in range(p)]
     if crowded:
         rank_nodes = [[where.node_of(r) for r in where.grid.stage_ranks(s)] for s in range(p)]
         run = shared_pipeline(
             schedule, forward, backward, comm, rank_nodes, machine.cores_per_node,
             network.oversubscribed_idle_share, machine.background, pinned=machine.pinned,
+            setup_work=setup, timeslice=machine.timeslice,
         )  # fmt: skip
         finish, busy, bubble = run.finish, run.busy, run.bubble
     else:
-        sim = simulate(schedule, forward, backward, comm)
+        sim = simulate(schedule, forward, backward, comm, setup)
         finish, busy, bubble = [0.0] * p, sim.busy, sim.bubble
         for (s, _), (_, end) in sim.times.items():
             finish[s] = max(finish[s], end)

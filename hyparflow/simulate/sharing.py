@@ -40,14 +40,21 @@ def simulate_shared(
     cores: int,
     idle_share: float = 0.0,
     background: float = 0.0,
+    setup_work: Sequence[float] | None = None,
+    timeslice: float = 1.0,
 ) -> Simulation:
     """Run `schedule` where stage `s` has `stage_nodes[s][n]` ranks on node `n` (its replicas,
     in lock-step) and each node has `cores` cores, `background` of them kept busy by others.
 
     `forward_work` and `backward_work` are each stage's processor seconds per micro-batch
-    with a core to itself. A computing rank on a node under load L (computing ranks, plus
-    `idle_share` per waiting rank, plus `background`) progresses at `min(1, cores / L)`; a
-    stage with replicas on several nodes at its slowest node's rate. Messages take
+    with a core to itself; `setup_work`, each stage's processor seconds before its first
+    action (the training loop's bookkeeping between steps), shares the cores like them. A
+    computing rank on a node under load L (computing ranks, plus `idle_share` per waiting
+    rank, plus `background`) progresses at `min(1, cores / L)`; a stage with replicas on
+    several nodes at its slowest node's rate. While more ranks compute on a node than it has
+    cores, the operating system switches between them every few milliseconds and each switch
+    costs the incoming rank its caches: their work then takes `timeslice` times the
+    processor time it takes alone. Messages take
     `comm_time` after the sending action ends, as in `engine.schedule.simulate`, which this
     equals when no node is short of cores. Action times are wall-clock; `busy` is the time
     each stage spent computing.
@@ -67,7 +74,10 @@ def simulate_shared(
     nodes = sorted({n for ranks in stage_nodes for n in ranks})
     times: dict = {}
     next_index = [0] * stages
-    remaining: list[float | None] = [None] * stages  # work left in the running action
+    # work left in the running action; the setup runs first, as an action of its own
+    setup = [float(w) for w in setup_work] if setup_work is not None else [0.0] * stages
+    in_setup = [w > 0 for w in setup]
+    remaining: list[float | None] = [w if w > 0 else None for w in setup]
     started = [0.0] * stages
     busy = [0.0] * stages
     now = 0.0
@@ -92,31 +102,44 @@ def simulate_shared(
                 now = min(upcoming)
                 continue
             break
-        rate = _rates(running, stage_nodes, nodes, cores, idle_share, background)
+        rate = _rates(running, stage_nodes, nodes, cores, idle_share, background, timeslice)
         finish = min(now + remaining[s] / rate[s] for s in running)
         until = min([finish, *upcoming])
         for s in running:
             remaining[s] -= rate[s] * (until - now)
-            busy[s] += until - now
+            if not in_setup[s]:
+                busy[s] += until - now
         now = until
         for s in running:
             if remaining[s] <= _EPSILON * max(1.0, now):
-                times[s, schedule[s][next_index[s]]] = (started[s], now)
-                next_index[s] += 1
+                if in_setup[s]:
+                    in_setup[s] = False
+                else:
+                    times[s, schedule[s][next_index[s]]] = (started[s], now)
+                    next_index[s] += 1
                 remaining[s] = None
     raise_if_blocked(schedule, next_index)
     return Simulation(times=times, makespan=now, busy=busy)
 
 
-def _rates(running, stage_nodes, nodes, cores, idle_share, background) -> dict[int, float]:
-    """Each running stage's progress per second: its slowest node's share of a core."""
+def _rates(
+    running, stage_nodes, nodes, cores, idle_share, background, timeslice=1.0
+) -> dict[int, float]:
+    """Each running stage's progress per second: its slowest node's share of a core, less
+    the switching cost (`timeslice`) where computing ranks outnumber the cores."""
     load = dict.fromkeys(nodes, background)
+    computing = dict.fromkeys(nodes, background)
     active = set(running)
     for s, ranks in enumerate(stage_nodes):
         weight = 1.0 if s in active else idle_share
         for node, count in ranks.items():
             load[node] += weight * count
-    share = {n: min(1.0, cores / load[n]) if load[n] > 0 else 1.0 for n in nodes}
+            computing[node] += count if s in active else 0
+    share = {
+        n: (min(1.0, cores / load[n]) if load[n] > 0 else 1.0)
+        / (timeslice if computing[n] > cores + _EPSILON else 1.0)
+        for n in nodes
+    }
     return {s: min(share[n] for n in stage_nodes[s]) for s in running}
 
 
@@ -142,13 +165,16 @@ def shared_pipeline(
     background: float = 0.0,
     limit: int = 64,
     pinned: bool = True,
+    setup_work: Sequence[float] | None = None,
+    timeslice: float = 1.0,
 ) -> SharedPipeline:
     """Run `schedule` with every node's ranks spread evenly over its `cores` cores.
     `pinned`: as hyparflow pins them, the node's ranks in rank order (replica x stages +
     stage) dealt by `deal_to_cores`; else averaged over the even placements (all
     distinct ones when there are at most `limit`, else `limit` drawn at random with a fixed
     seed). `rank_nodes[s][q]` is the node of stage `s`'s replica `q`; `background` cores'
-    worth of other work is spread over the cores.
+    worth of other work is spread over the cores; `setup_work` and `timeslice` as in
+    `simulate_shared`.
 
     Example:
         >>> from hyparflow.engine.schedule import one_f_one_b
@@ -190,7 +216,7 @@ def shared_pipeline(
         sim = simulate_shared(
             schedule, forward_work, backward_work, comm_time,
             [{ids[c]: k for c, k in d.items()} for d in stage_cores], 1, idle_share,
-            background / cores,
+            background / cores, setup_work, timeslice,
         )  # fmt: skip
         ends = [0.0] * stages
         for (s, _), (_, end) in sim.times.items():
