@@ -79,7 +79,8 @@ CONFIGS = [(1, 1), (1, 2), (1, 4), (2, 1), (4, 1), (2, 2)]  # (partitions, repli
 CORES = os.cpu_count() or 1
 PROBE_BATCH = 64  # samples per fused step of the speed probe
 PROBE_SECONDS = 1.5  # per probe reading
-TIMESLICE_SECONDS = 6.0  # timed steps per copy when measuring the switching cost
+TIMESLICE_SECONDS = 4.0  # per window when measuring the switching cost
+TIMESLICE_WINDOWS = 5  # alone, shared, alone, shared, alone
 TIMESLICE_WARMUP = 12.0  # seconds for the copies to start and trace before they are timed
 STEADY = 0.08  # largest change of speed between the probes around an accepted run
 # least share of core 0 an accepted calibration got: on this VM a calibration alone on an
@@ -107,7 +108,7 @@ def _arguments(argv=None):
     parser.add_argument("--calibrate", nargs=2, metavar=("MODEL", "COSTS"))
     parser.add_argument("--calibrate-fit", nargs=2, metavar=("MODEL", "COSTS"))
     parser.add_argument("--probe", metavar="MODEL")
-    parser.add_argument("--timeslice-probe", nargs=2, metavar=("MODEL", "START_AT"))
+    parser.add_argument("--timeslice-probe", nargs=3, metavar=("MODEL", "START_AT", "ROLE"))
     return parser.parse_args(argv)
 
 
@@ -292,56 +293,75 @@ def probe_server(model_path: str) -> None:
 
 
 def timeslice_probe(args) -> None:
-    """`--timeslice-probe MODEL START_AT`: from the wall-clock time START_AT, run the model's
-    fused engine step at the pipelines' micro-batch size for TIMESLICE_SECONDS; print the
-    processor seconds per step."""
+    """`--timeslice-probe MODEL START_AT ROLE`: run the model's fused engine step at the
+    pipelines' micro-batch size in TIMESLICE_WINDOWS windows of TIMESLICE_SECONDS from the
+    wall-clock time START_AT. The "host" computes through all of them and prints its
+    processor seconds per step in each (JSON); the "guest" computes through every second
+    one only, so that the host's core alternates between one computing rank and two."""
     import keras
 
     from hyparflow.partitioner import profile
     from hyparflow.partitioner.graph import build_graph
     from hyparflow.simulate.measure import fused_step
 
-    model_path, start_at = args.timeslice_probe
+    model_path, start_at, role = args.timeslice_probe
     model = keras.saving.load_model(model_path)
     batch = args.batch_size // args.microbatches
     step = fused_step(model, profile.make_sample(build_graph(model), batch_size=batch))
     for _ in range(10):
         step()  # traces, warms the caches
-    time.sleep(max(0.0, float(start_at) - time.time()))
-    steps, cpu, deadline = 0, time.process_time(), time.perf_counter() + TIMESLICE_SECONDS
-    while time.perf_counter() < deadline:
-        step()
-        steps += 1
-    print((time.process_time() - cpu) / steps, flush=True)
+    per_step = []
+    for window in range(TIMESLICE_WINDOWS):
+        begin = float(start_at) + window * TIMESLICE_SECONDS
+        end = begin + TIMESLICE_SECONDS
+        if role == "guest" and window % 2 == 0:
+            continue
+        time.sleep(max(0.0, begin - time.time()))
+        steps, cpu = 0, time.process_time()
+        while time.time() < end:
+            step()
+            steps += 1
+        per_step.append((time.process_time() - cpu) / steps)
+    if role == "host":
+        print(json.dumps(per_step), flush=True)
 
 
 def timeslice_factor(args, model_path: str) -> dict:
     """How much more processor time the model's step takes while its core switches between
-    it and another computing rank (`Machine.timeslice`): two copies of it started together
-    on core 0, against one alone there before and after (the other core idle throughout)."""
-
-    def run_on_core_zero(copies: int) -> list[float]:
-        start_at = time.time() + TIMESLICE_WARMUP
-        command = ["taskset", "-c", "0", sys.executable, __file__, "--timeslice-probe",
-                   model_path, str(start_at), "--batch-size", str(args.batch_size),
-                   "--microbatches", str(args.microbatches)]  # fmt: skip
-        processes = [
-            subprocess.Popen(
-                command,
-                env={**os.environ, **ENV},
-                stdout=subprocess.PIPE,
-                stderr=subprocess.DEVNULL,
-                text=True,
-            )  # fmt: skip
-            for _ in range(copies)
-        ]
-        outputs = [p.communicate(timeout=300)[0] for p in processes]
-        return [float(out.split()[-1]) for out in outputs]
-
+    it and another computing rank (`Machine.timeslice`): one copy of the step computes on
+    core 0 throughout while a second joins it there in every other window (the other core
+    idle); the first copy's processor time per step in the shared windows over that in
+    the windows alone. One process against itself, interleaved, so that neither the
+    machine's drift nor two processes' different memory tells in the ratio."""
     wait_for_quiet()
-    alone = run_on_core_zero(1)
-    shared = run_on_core_zero(2)
-    alone += run_on_core_zero(1)
+    start_at = time.time() + TIMESLICE_WARMUP
+    processes = {
+        role: subprocess.Popen(
+            [
+                "taskset",
+                "-c",
+                "0",
+                sys.executable,
+                __file__,
+                "--timeslice-probe",
+                model_path,
+                str(start_at),
+                role,
+                "--batch-size",
+                str(args.batch_size),
+                "--microbatches",
+                str(args.microbatches),
+            ],
+            env={**os.environ, **ENV},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )  # fmt: skip
+        for role in ("host", "guest")
+    }
+    outputs = {role: p.communicate(timeout=300)[0] for role, p in processes.items()}
+    per_step = json.loads(outputs["host"].strip().splitlines()[-1])
+    alone, shared = per_step[0::2], per_step[1::2]
     factor = statistics.mean(shared) / statistics.mean(alone)
     return {"timeslice": max(1.0, factor), "alone_s": alone, "shared_s": shared}
 
