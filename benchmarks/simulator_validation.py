@@ -649,7 +649,15 @@ def corun_factor(args, model_path, costs, network, folder, probe) -> dict:
     the one-process calibration says: one short data-parallel run on two ranks at half the
     validation batch (a configuration not validated), its compute and optimizer time per
     rank against the prediction of the same parts. Several effects the one-process
-    measurement cannot see land in it; docs/simulate.md says what was tried."""
+    measurement cannot see land in it; docs/simulate.md says what was tried. Taken twice,
+    the smaller kept: a disturbed run only reads slower (one read 1.52 where the rounds
+    around it read 1.13 and 1.38, and the validated runs after it did not slow down)."""
+    runs = [_corun_once(args, model_path, costs, network, folder, probe) for _ in range(2)]
+    kept = min(runs, key=lambda run: run["corun"])
+    return {**kept, "tries": [run["corun"] for run in runs]}
+
+
+def _corun_once(args, model_path, costs, network, folder, probe) -> dict:
     from hyparflow.simulate import Layout, Machine, predict
     from hyparflow.simulate.predict import expected_maximum
 
