@@ -47,6 +47,15 @@ def uniform_costs(layers=8, forward=1e-4, backward=2e-4, param_bytes=4000, cut_b
     )
 
 
+@pytest.mark.parametrize("name", ["network", "placement", "costs", "sharing", "netbench"])
+def test_docstring_examples_hold(name):
+    import doctest
+    import importlib
+
+    module = importlib.import_module(f"hyparflow.simulate.{name}")
+    assert doctest.testmod(module).failed == 0
+
+
 # --- network ------------------------------------------------------------------------------
 
 
