@@ -270,9 +270,8 @@ def calibrate_fit(args) -> None:
     costs.save(costs_path)
 
 
-def probe_server(model_path: str) -> None:
-    """`--probe MODEL`: for each line on stdin, time the model's fused engine step for about
-    PROBE_SECONDS and print the median seconds: the machine's speed at that moment."""
+def _saved_model_step(model_path: str, batch: int):
+    """The saved model's fused engine step on `batch` samples, as a callable."""
     import keras
 
     from hyparflow.partitioner import profile
@@ -280,7 +279,13 @@ def probe_server(model_path: str) -> None:
     from hyparflow.simulate.measure import fused_step
 
     model = keras.saving.load_model(model_path)
-    step = fused_step(model, profile.make_sample(build_graph(model), batch_size=PROBE_BATCH))
+    return fused_step(model, profile.make_sample(build_graph(model), batch_size=batch))
+
+
+def probe_server(model_path: str) -> None:
+    """`--probe MODEL`: for each line on stdin, time the model's fused engine step for about
+    PROBE_SECONDS and print the median seconds: the machine's speed at that moment."""
+    step = _saved_model_step(model_path, PROBE_BATCH)
     step()  # traces
     print("ready", flush=True)
     for _ in sys.stdin:
@@ -298,16 +303,8 @@ def timeslice_probe(args) -> None:
     wall-clock time START_AT. The "host" computes through all of them and prints its
     processor seconds per step in each (JSON); the "guest" computes through every second
     one only, so that the host's core alternates between one computing rank and two."""
-    import keras
-
-    from hyparflow.partitioner import profile
-    from hyparflow.partitioner.graph import build_graph
-    from hyparflow.simulate.measure import fused_step
-
     model_path, start_at, role = args.timeslice_probe
-    model = keras.saving.load_model(model_path)
-    batch = args.batch_size // args.microbatches
-    step = fused_step(model, profile.make_sample(build_graph(model), batch_size=batch))
+    step = _saved_model_step(model_path, args.batch_size // args.microbatches)
     for _ in range(10):
         step()  # traces, warms the caches
     per_step = []
@@ -335,30 +332,15 @@ def timeslice_factor(args, model_path: str) -> dict:
     machine's drift nor two processes' different memory tells in the ratio."""
     wait_for_quiet()
     start_at = time.time() + TIMESLICE_WARMUP
-    processes = {
-        role: subprocess.Popen(
-            [
-                "taskset",
-                "-c",
-                "0",
-                sys.executable,
-                __file__,
-                "--timeslice-probe",
-                model_path,
-                str(start_at),
-                role,
-                "--batch-size",
-                str(args.batch_size),
-                "--microbatches",
-                str(args.microbatches),
-            ],
-            env={**os.environ, **ENV},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )  # fmt: skip
-        for role in ("host", "guest")
-    }
+
+    def start(role: str) -> subprocess.Popen:
+        command = ["taskset", "-c", "0", sys.executable, __file__, "--timeslice-probe",
+                   model_path, str(start_at), role, "--batch-size", str(args.batch_size),
+                   "--microbatches", str(args.microbatches)]  # fmt: skip
+        return subprocess.Popen(command, env={**os.environ, **ENV}, stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, text=True)  # fmt: skip
+
+    processes = {role: start(role) for role in ("host", "guest")}
     outputs = {role: p.communicate(timeout=300)[0] for role, p in processes.items()}
     per_step = json.loads(outputs["host"].strip().splitlines()[-1])
     alone, shared = per_step[0::2], per_step[1::2]

@@ -296,9 +296,8 @@ def fit_network(
     one_mib, large = 1 << 20, 16 << 20
     per_tensor = max(0.0, (reducer[one_mib, 64] - reducer[one_mib, 4]) / 60)
     copy_per_byte = (reducer[large, 16] - allreduce[large] - 16 * per_tensor) / large
-    pipelines = [h for _, h in sorted(hops.items())]
-    first = [t for h in pipelines for t in h.get("loop_first_s", [])]
-    last = [t for h in pipelines for t in h.get("loop_last_s", [])]
+    first = [t for h in hops.values() for t in h.get("loop_first_s", [])]
+    last = [t for h in hops.values() for t in h.get("loop_last_s", [])]
     return {
         "intra": {"latency": latency, "bandwidth": bandwidth},
         "inter": None,

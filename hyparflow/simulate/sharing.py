@@ -54,10 +54,9 @@ def simulate_shared(
     several nodes at its slowest node's rate. While more ranks compute on a node than it has
     cores, the operating system switches between them every few milliseconds and each switch
     costs the incoming rank its caches: their work then takes `timeslice` times the
-    processor time it takes alone. Messages take
-    `comm_time` after the sending action ends, as in `engine.schedule.simulate`, which this
-    equals when no node is short of cores. Action times are wall-clock; `busy` is the time
-    each stage spent computing.
+    processor time it takes alone. Messages take `comm_time` after the sending action ends,
+    as in `engine.schedule.simulate`, which this equals when no node is short of cores.
+    Action times are wall-clock; `busy` is the time each stage spent computing.
 
     Example:
         >>> from hyparflow.engine.schedule import one_f_one_b
