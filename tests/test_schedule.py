@@ -123,6 +123,9 @@ def test_single_stage_has_no_bubble_and_per_stage_times():
     assert setup.makespan == 4.5 and setup.busy == [2.0, 2.0]
     late = simulate(gpipe(2, 1), 1.0, 1.0, setup_time=[0.5, 3.0])
     assert late.times[1, F(0)] == (3.0, 4.0) and late.makespan == 6.0
+    # the bubble leaves the setups out, as a profiler's step (begun after them) sees it
+    assert setup.span == 4.0 and setup.bubble == simulate(gpipe(2, 1), 1.0, 1.0).bubble
+    assert late.span == 5.5 and late.bubble == pytest.approx(1 - 4.0 / (2 * 5.5))
 
 
 def test_forward_only_schedule_simulates():

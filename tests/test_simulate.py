@@ -238,6 +238,12 @@ def test_equal_stages_without_communication_follow_the_formula(partitions, micro
         theoretical_bubble(partitions, microbatches) * (partitions > 1)
     )
     assert p.throughput == pytest.approx(batch / p.step_time)
+    # the training loop's work before each step lengthens it, not the pipeline's bubble
+    looping = Network(FAST, loop_first=per_stage, loop_last=per_stage / 2,
+                      loop_unpartitioned=per_stage / 3)  # fmt: skip
+    q = predict(costs, looping, Layout(partitions, 1, microbatches, schedule), batch)
+    assert q.step_time > p.step_time
+    assert q.bubble == pytest.approx(p.bubble)
 
 
 def test_data_parallel_step_is_compute_plus_allreduce_plus_optimizer():
@@ -353,6 +359,7 @@ def test_shared_cores_run_the_ideal_schedule_when_they_suffice_or_stretch_it_whe
     assert roomy.makespan == pytest.approx(ideal.makespan)
     assert all(roomy.times[k] == pytest.approx(v) for k, v in ideal.times.items())
     assert roomy.busy == pytest.approx(ideal.busy)
+    assert roomy.bubble == pytest.approx(ideal.bubble)
     # waiting ranks that spin take a full share: every rank runs partitions / cores slower
     spinning = simulate_shared(plan, forward, backward, 0.0, one_node, cores=1, idle_share=1.0)
     stretched = simulate(plan, [f * partitions for f in forward],

@@ -158,18 +158,25 @@ class DeadlockError(RuntimeError):
 
 @dataclass
 class Simulation:
-    """Timing of a schedule: each action's (start, end), the makespan, busy time and bubble."""
+    """Timing of a schedule: each action's (start, end), the makespan, busy time and bubble.
+
+    `span` is the longest time a stage took from the end of its own setup to its last
+    action's end (the makespan when there is no setup): what a profiler's step, which begins
+    once the loop has cut the micro-batches, sees of the pipeline."""
 
     times: dict[tuple[int, Action], tuple[float, float]]
     makespan: float
     busy: list[float]
+    span: float | None = None
 
     @property
     def bubble(self) -> float:
-        """Fraction of stage-time spent idle: `1 - sum(busy) / (num_stages * makespan)`."""
-        if self.makespan == 0:
+        """Fraction of stage-time spent idle in the pipeline, setups left out:
+        `1 - sum(busy) / (num_stages * span)`."""
+        span = self.makespan if self.span is None else self.span
+        if span == 0:
             return 0.0
-        return 1.0 - sum(self.busy) / (len(self.busy) * self.makespan)
+        return 1.0 - sum(self.busy) / (len(self.busy) * span)
 
 
 def simulate(
@@ -224,7 +231,8 @@ def simulate(
         sum(forward_times[s] if a.is_forward else backward_times[s] for a in actions)
         for s, actions in enumerate(schedule)
     ]
-    return Simulation(times=times, makespan=max(stage_free, default=0.0), busy=busy)
+    span = max((end - setup for end, setup in zip(stage_free, setup_times)), default=0.0)
+    return Simulation(times=times, makespan=max(stage_free, default=0.0), busy=busy, span=span)
 
 
 def raise_if_blocked(schedule: Schedule, next_index: list[int]) -> None:

@@ -79,6 +79,7 @@ def simulate_shared(
     remaining: list[float | None] = [w if w > 0 else None for w in setup]
     started = [0.0] * stages
     busy = [0.0] * stages
+    began, last = [0.0] * stages, [0.0] * stages  # each stage's setup end and last action end
     now = 0.0
     while True:
         # start every action whose inputs have arrived
@@ -112,13 +113,15 @@ def simulate_shared(
         for s in running:
             if remaining[s] <= _EPSILON * max(1.0, now):
                 if in_setup[s]:
-                    in_setup[s] = False
+                    in_setup[s], began[s], last[s] = False, now, now
                 else:
                     times[s, schedule[s][next_index[s]]] = (started[s], now)
                     next_index[s] += 1
+                    last[s] = now
                 remaining[s] = None
     raise_if_blocked(schedule, next_index)
-    return Simulation(times=times, makespan=now, busy=busy)
+    span = max((end - start for end, start in zip(last, began)), default=0.0)
+    return Simulation(times=times, makespan=now, busy=busy, span=span)
 
 
 def _rates(
