@@ -82,6 +82,8 @@ PROBE_SECONDS = 1.5  # per probe reading
 TIMESLICE_SECONDS = 4.0  # per window when measuring the switching cost
 TIMESLICE_WINDOWS = 5  # alone, shared, alone, shared, alone
 TIMESLICE_WARMUP = 12.0  # seconds for the copies to start and trace before they are timed
+CORUN_EPOCHS = 8  # per co-run run: the first traces, the other 7 x 12 steps are timed
+CORUN_TRIES = 3  # co-run runs per calibration, the median kept
 STEADY = 0.08  # largest change of speed between the probes around an accepted run
 # least share of core 0 an accepted calibration got: on this VM a calibration alone on an
 # idle machine gets 0.92-0.94 of it (core 0 also serves the VM's interrupts); the probes
@@ -628,15 +630,23 @@ def speed_of(result: dict, costs) -> float:
 
 def corun_factor(args, model_path, costs, network, folder, probe) -> dict:
     """How much slower the engine's processor work runs in a job with every core busy than
-    the one-process calibration says: one short data-parallel run on two ranks at half the
+    the one-process calibration says: a data-parallel run on two ranks at half the
     validation batch (a configuration not validated), its compute and optimizer time per
     rank against the prediction of the same parts. Several effects the one-process
-    measurement cannot see land in it; docs/simulate.md says what was tried. Taken twice,
-    the smaller kept: a disturbed run only reads slower (one read 1.52 where the rounds
-    around it read 1.13 and 1.38, and the validated runs after it did not slow down)."""
-    runs = [_corun_once(args, model_path, costs, network, folder, probe) for _ in range(2)]
-    kept = min(runs, key=lambda run: run["corun"])
-    return {**kept, "tries": [run["corun"] for run in runs]}
+    measurement cannot see land in it; docs/simulate.md says what was tried. The median of
+    CORUN_TRIES runs of CORUN_EPOCHS epochs each, factor and jitter apart: another core's
+    load slows this one by 0-20% from one few-second window to the next here, and runs of
+    2 epochs (a second of steps) read 1.01-1.57 a minute apart where runs of 8 read
+    0.98-1.13."""
+    runs = [_corun_once(args, model_path, costs, network, folder, probe)
+            for _ in range(CORUN_TRIES)]  # fmt: skip
+    middle = sorted(runs, key=lambda run: run["corun"])[len(runs) // 2]
+    return {
+        **middle,
+        "jitter": statistics.median(run["jitter"] for run in runs),
+        "tries": [run["corun"] for run in runs],
+        "jitters": [run["jitter"] for run in runs],
+    }
 
 
 def _corun_once(args, model_path, costs, network, folder, probe) -> dict:
@@ -644,7 +654,7 @@ def _corun_once(args, model_path, costs, network, folder, probe) -> dict:
     from hyparflow.simulate.predict import expected_maximum
 
     small = argparse.Namespace(**{**vars(args), "batch_size": args.batch_size // 2,
-                                  "epochs": 2})  # fmt: skip
+                                  "epochs": CORUN_EPOCHS})  # fmt: skip
     result = measure_quietly(small, model_path, (1, 2, 1), [], folder, probe, profiled=True)
     parts = result["parts_ms"]
     measured = parts["compute"] + parts["optimizer"]
