@@ -98,7 +98,8 @@ def _arguments(argv=None):
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--microbatches", type=int, default=4, help="for pipelines")
     parser.add_argument("--steps", type=int, default=12, help="steps per epoch")
-    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--epochs", type=int, default=8,
+                        help="per run; the first traces, the rest are timed")  # fmt: skip
     parser.add_argument(
         "--profiled", action="store_true", help="(worker) run the ScalingProfiler too"
     )

@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -114,8 +115,9 @@ def test_shared_link_splits_bandwidth_only():
 def test_network_file_round_trip():
     net = Network(Link(1e-6, 9e9), Link(2e-6, 12e9), reduce_rate=5e9, overhead=1e-5,
                   handoff=2e-5, handoff_bandwidth=3e9, oversubscribed_latency=1e-6,
-                  oversubscribed_collective_latency=3e-4, per_tensor=4e-5, loop_first=3e-4,
-                  loop_last=6e-4, loop_unpartitioned=5e-4)  # fmt: skip
+                  oversubscribed_collective_latency=3e-4, oversubscribed_wakeup=2e-3,
+                  per_tensor=4e-5, loop_first=3e-4, loop_last=6e-4,
+                  loop_unpartitioned=5e-4)  # fmt: skip
     assert Network.from_dict(json.loads(json.dumps(net.to_dict()))) == net
     alone = Network(Link(1e-6, 9e9))
     assert Network.from_dict(json.loads(json.dumps(alone.to_dict()))) == alone
@@ -165,6 +167,19 @@ def test_collective_wait_recovers_a_scheduling_delay():
                for n in (1 << 20, 4 << 20, 16 << 20)}  # fmt: skip
     assert collective_wait(network.to_dict(), reducer, ranks=4, cores=2) == pytest.approx(wait)
     assert latency_steps("ring", 4) == 6 and latency_steps("recursive doubling", 5) == 3
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to pin to")
+def test_a_rank_that_computes_between_mpi_calls_holds_its_core_for_a_time_slice():
+    from tests.mpirun import run_scenario
+
+    # the netbench measurements behind `oversubscribed_latency` and `oversubscribed_wakeup`,
+    # under a real mpirun: a message waits microseconds for its receiver beside a rank that
+    # yields in MPI, and a scheduler tick (milliseconds here) beside one that computes on
+    results = run_scenario("scheduling_waits", 4, timeout=120)
+    yielding, holding = results[0]["yielding_one_way_s"], results[0]["holding_one_way_s"]
+    assert 0 < yielding < 2e-4
+    assert holding > 5 * yielding
 
 
 # --- placement ----------------------------------------------------------------------------
@@ -399,6 +414,36 @@ def test_waiting_ranks_take_their_idle_share_of_a_core():
     assert Placement(2, 3, ranks_per_node=4).stage_node_ranks() == [{0: 2, 1: 1}, {0: 2, 1: 1}]
 
 
+def test_a_rank_woken_beside_a_computing_rank_waits_for_the_core_and_keeps_its_share():
+    from hyparflow.engine.schedule import F, gpipe
+    from hyparflow.simulate.sharing import simulate_shared, wake_wait
+
+    # stages 0 and 2 share core 0, stage 1 has core 1. Stage 2's first input arrives at 2.5
+    # while stage 0 still has 0.5 s of its second forward to run.
+    apart = [{0: 1}, {1: 1}, {0: 1}]
+    plan = gpipe(3, 2)
+    args = (plan, [1.5, 1.0, 1.0], [1.0, 1.0, 1.0], 0.0, apart, 1)
+    eager = simulate_shared(*args)
+    assert eager.times[2, F(0)] == pytest.approx((2.5, 4.0))  # shares at once: 0.5 each
+    woken = simulate_shared(*args, wakeup=1.0)
+    wait = wake_wait(0.5, 1.0)  # the tick may come before that forward ends
+    assert wait == pytest.approx(0.5 - 0.5**2 / 4)
+    start = 2.5 + wait
+    # meanwhile stage 0 still gets half the core (the waiting rank is owed its share), so
+    # its forward ends when it would have; stage 2 runs what is left of it alone after
+    assert woken.times[0, F(1)] == pytest.approx(eager.times[0, F(1)])
+    shared = 3.5 - start
+    assert woken.times[2, F(0)] == pytest.approx((start, 3.5 + 1.0 - shared / 2))
+    # a message to a rank whose core-mates wait too is taken at once
+    turns = simulate_shared(gpipe(2, 1), [1.0, 2.0], [3.0, 4.0], 0.0, [{0: 1}, {0: 1}], 1)
+    alone = simulate_shared(gpipe(2, 1), [1.0, 2.0], [3.0, 4.0], 0.0, [{0: 1}, {0: 1}], 1,
+                            wakeup=1.0)  # fmt: skip
+    assert alone.times == turns.times
+    # against a long action the wait is the measured mean; it never exceeds the action
+    assert wake_wait(5.0, 1.0) == 1.0
+    assert all(wake_wait(h, 1.0) <= h for h in (0.1, 0.5, 1.0, 1.9))
+
+
 def test_pinned_ranks_short_of_cores_are_dealt_to_cores_in_rank_order():
     from hyparflow.engine.schedule import one_f_one_b
     from hyparflow.simulate.sharing import shared_pipeline, simulate_shared
@@ -482,7 +527,8 @@ def test_a_pipeline_on_too_few_cores_runs_faster_when_waiting_ranks_yield():
 
 def test_scheduling_waits_only_where_ranks_outnumber_cores():
     costs = uniform_costs(layers=4)
-    waits = Network(FAST, oversubscribed_latency=1.0, oversubscribed_collective_latency=1.0)
+    waits = Network(FAST, oversubscribed_latency=1.0, oversubscribed_collective_latency=1.0,
+                    oversubscribed_wakeup=1.0)  # fmt: skip
     neighbours = Machine(cores_per_node=2, corun=1.2)  # slower cores, but enough of them
     for layout in (Layout(2, 1, 4), Layout(1, 2)):
         calm = predict(costs, Network(FAST), layout, 64, neighbours)

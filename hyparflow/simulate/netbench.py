@@ -22,10 +22,12 @@ reductions and the engine's costs are medians, like the step times they add up t
 `--oversubscribed CORES` (more ranks than cores: `launch()` starts twice as many ranks as
 cores when there are at most 8), CORES ranks compute while the others ping-pong in pairs (the
 median one-way time less the latency is a pipeline message's scheduling wait on an
-oversubscribed node), then compute while the others sleep and while they wait in MPI (how
-much of a core a waiting rank still takes: the idle share), and all ranks reduce 1, 4 and
-16 MiB with hyparflow's reducer (what exceeds the model, per step of the allreduce, is a
-collective step's wait).
+oversubscribed node), again computing without an MPI call for 50 ms at a time, as inside a
+TensorFlow call (the mean one-way time less the latency is how long a woken rank waits for
+the core: `oversubscribed_wakeup`), then compute while the others sleep and while they wait
+in MPI (how much of a core a waiting rank still takes: the idle share), and all ranks reduce
+1, 4 and 16 MiB with hyparflow's reducer (what exceeds the model, per step of the allreduce,
+is a collective step's wait).
 
 The ranks share a node, so this measures the intra-node link only; give the inter-node one
 from the network's specification (or run this with one rank on each of two nodes and use its
@@ -43,6 +45,7 @@ import time
 
 import numpy as np
 
+WAKEUP_CHUNK_S = 0.05  # a computing rank's work between MPI calls in `oversubscribed_wakeup`
 PINGPONG_SIZES = [8, 1024, 16 * 1024, 256 * 1024, 1 << 20, 4 << 20, 16 << 20]
 ALLREDUCE_SIZES = [64 * 1024, 1 << 20, 4 << 20, 16 << 20]
 MPI_ENV = {
@@ -75,7 +78,9 @@ def launch(out_path: str, python: str = sys.executable, timeout: float = 600) ->
             network, reducer, ranks, cores
         )
         network["oversubscribed_idle_share"] = crowded["idle_share"]
+        network["oversubscribed_wakeup"] = max(0.0, crowded["wakeup_one_way_s"] - latency)
         network["source"]["oversubscribed_one_way_s"] = crowded["one_way_s"]
+        network["source"]["oversubscribed_wakeup_one_way_s"] = crowded["wakeup_one_way_s"]
         network["source"]["oversubscribed_reducer_s"] = crowded["reducer_s"]
         network["source"]["oversubscribed_ranks"] = ranks
         with open(out_path, "w") as f:
@@ -435,6 +440,52 @@ def oversubscribed_one_way(comm, cores: int, repeats: int = 200) -> float | None
     return median if rank == 0 else None
 
 
+def oversubscribed_wakeup(comm, cores: int, repeats: int = 200) -> float | None:
+    """As `oversubscribed_one_way`, but the first `cores` ranks compute without making an MPI
+    call (which would yield) for WAKEUP_CHUNK_S at a time, as a rank inside a TensorFlow
+    call does, and the pingers pause a random fraction of a millisecond between round trips
+    so that messages arrive at any point of the computing rank's time slice; rank 0 returns
+    the first pair's mean one-way time: how long a woken rank waits for the scheduler to
+    take the core from a rank that keeps computing (`sharing.wake_wait`)."""
+    from mpi4py import MPI
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    pingers = (size - cores) // 2 * 2
+    first = cores
+    buffer = np.ones(16 * 1024, dtype=np.float32)
+    start = time.perf_counter()
+    _spin(buffer, 200)
+    per_spin = max((time.perf_counter() - start) / 200, 1e-9)
+    samples = []
+    comm.Barrier()
+    if rank < cores:
+        chunk = max(1, int(WAKEUP_CHUNK_S / per_spin))
+        while not comm.Iprobe(source=first, tag=12):
+            _spin(buffer, chunk)
+        comm.recv(source=first, tag=12)
+    elif rank < first + pingers:
+        token = np.zeros(1, dtype=np.uint8)
+        me = rank - first
+        peer = first + (me ^ 1)
+        pauses = np.random.default_rng(rank).uniform(0.0, 1e-3, repeats + 10)
+        for i in range(repeats + 10):
+            if me % 2 == 0:
+                _spin(buffer, int(pauses[i] / per_spin))
+                start = time.perf_counter()
+                comm.Send(token, dest=peer, tag=11)
+                comm.Recv(token, source=peer, tag=11)
+                if i >= 10:
+                    samples.append((time.perf_counter() - start) / 2)
+            else:
+                comm.Recv(token, source=peer, tag=11)
+                comm.Send(token, dest=peer, tag=11)
+        if rank == first:
+            MPI.Request.Waitall([comm.isend(None, dest=r, tag=12) for r in range(cores)])
+    comm.Barrier()
+    mean = comm.bcast(statistics.fmean(samples) if rank == first else None, root=first)
+    return mean if rank == 0 else None
+
+
 def main(argv=None) -> int:
     from mpi4py import MPI
 
@@ -448,13 +499,15 @@ def main(argv=None) -> int:
         unpinned = os.sched_getaffinity(0)
         os.sched_setaffinity(0, {sorted(unpinned)[comm.Get_rank() % cores % len(unpinned)]})
         one_way = oversubscribed_one_way(comm, cores)
+        wakeup = oversubscribed_wakeup(comm, cores)
         idle_share = oversubscribed_idle_share(comm, cores)
         os.sched_setaffinity(0, unpinned)
         reducer = {n: reducer_time(comm, n, 20, 16) for n in (1 << 20, 4 << 20, 16 << 20)}
         if comm.Get_rank() == 0:
             with open(argv[0], "w") as f:
-                json.dump({"one_way_s": one_way, "idle_share": idle_share, "reducer_s": reducer,
-                           "ranks": comm.Get_size()}, f)  # fmt: skip
+                json.dump({"one_way_s": one_way, "wakeup_one_way_s": wakeup,
+                       "idle_share": idle_share, "reducer_s": reducer,
+                       "ranks": comm.Get_size()}, f)  # fmt: skip
         return 0
     if comm.Get_size() != 2:
         print("netbench needs exactly 2 ranks: mpirun -np 2 python -m", __name__, file=sys.stderr)

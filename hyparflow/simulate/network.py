@@ -192,6 +192,9 @@ class Network:
       because a waiting pipeline rank yields its core at once, a reducing one does not).
       The pipeline message's wait is measured while other ranks compute, as they do in a
       running pipeline (the receiver waits for the scheduler to take a core from them).
+    - `oversubscribed_wakeup`: the mean wait of a rank whose message arrives while another
+      rank computes on its core without letting go (TensorFlow's calls do not yield): the
+      scheduler takes the core from it at its next tick (`sharing.wake_wait`).
     - `oversubscribed_idle_share`: the share of a core a rank waiting in MPI still takes
       from computing ones on an oversubscribed node, as a fraction of a computing rank's
       claim (Open MPI yields between polls there: 0 if it took nothing, 1 if it spun).
@@ -217,6 +220,7 @@ class Network:
     oversubscribed_latency: float = 0.0
     oversubscribed_collective_latency: float = 0.0
     oversubscribed_idle_share: float = 1.0
+    oversubscribed_wakeup: float = 0.0
     copy_rate: float = math.inf
     per_tensor: float = 0.0
     loop_first: float = 0.0
@@ -341,6 +345,7 @@ class Network:
             "oversubscribed_latency": self.oversubscribed_latency,
             "oversubscribed_collective_latency": self.oversubscribed_collective_latency,
             "oversubscribed_idle_share": self.oversubscribed_idle_share,
+            "oversubscribed_wakeup": self.oversubscribed_wakeup,
             "copy_rate": _finite_or_none(self.copy_rate),
             "per_tensor": self.per_tensor,
             "loop_first": self.loop_first,
@@ -364,6 +369,7 @@ class Network:
                 data.get("oversubscribed_collective_latency", 0.0)
             ),
             oversubscribed_idle_share=float(data.get("oversubscribed_idle_share", 1.0)),
+            oversubscribed_wakeup=float(data.get("oversubscribed_wakeup", 0.0)),
             copy_rate=_none_to_inf(data.get("copy_rate")),
             per_tensor=float(data.get("per_tensor", 0.0)),
             loop_first=float(data.get("loop_first", 0.0)),

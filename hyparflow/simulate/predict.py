@@ -240,6 +240,7 @@ def predict(
             schedule, forward, backward, comm, rank_nodes, machine.cores_per_node,
             network.oversubscribed_idle_share, machine.background, pinned=machine.pinned,
             setup_work=setup, timeslice=machine.timeslice,
+            wakeup=network.oversubscribed_wakeup,
         )  # fmt: skip
         finish, busy, bubble = run.finish, run.busy, run.bubble
     else:

@@ -42,6 +42,7 @@ def simulate_shared(
     background: float = 0.0,
     setup_work: Sequence[float] | None = None,
     timeslice: float = 1.0,
+    wakeup: float = 0.0,
 ) -> Simulation:
     """Run `schedule` where stage `s` has `stage_nodes[s][n]` ranks on node `n` (its replicas,
     in lock-step) and each node has `cores` cores, `background` of them kept busy by others.
@@ -56,7 +57,13 @@ def simulate_shared(
     costs the incoming rank its caches: their work then takes `timeslice` times the
     processor time it takes alone. Messages take `comm_time` after the sending action ends,
     as in `engine.schedule.simulate`, which this equals when no node is short of cores.
-    Action times are wall-clock; `busy` is the time each stage spent computing.
+    A message that finds its receiver waiting while another rank computes on the receiver's
+    core is picked up only when the scheduler takes the core from that rank: at its next
+    tick or at the end of its action, whichever comes first (`wakeup`: the mean wait when
+    that rank computes on; `wake_wait`). The wait is lost to both: the woken rank keeps its
+    share of the core meanwhile, because Linux's EEVDF scheduler repays a runnable rank the
+    time it did not get (its lag) once it runs, at its core-mate's expense. Action times are
+    wall-clock; `busy` is the time each stage spent computing.
 
     Example:
         >>> from hyparflow.engine.schedule import one_f_one_b
@@ -78,6 +85,7 @@ def simulate_shared(
     in_setup = [w > 0 for w in setup]
     remaining: list[float | None] = [w if w > 0 else None for w in setup]
     started = [0.0] * stages
+    waking: list[float | None] = [None] * stages  # when a woken stage gets its core
     busy = [0.0] * stages
     began, last = [0.0] * stages, [0.0] * stages  # each stage's setup end and last action end
     now = 0.0
@@ -91,18 +99,30 @@ def simulate_shared(
             ready = ready_time(times, s, action, stages, comm_time)
             if ready is None:
                 continue
-            if ready <= now + _EPSILON:
-                work = (forward_work if action.is_forward else backward_work)[s]
-                remaining[s], started[s] = float(work), now
-            else:
+            if ready > now + _EPSILON:
                 upcoming.append(ready)
+                continue
+            if wakeup > 0 and waking[s] is None and ready > last[s] + _EPSILON:
+                # it was waiting when its input arrived (now): does a core-mate hold the core?
+                held = _core_mates_work(s, remaining, stage_nodes)
+                if held > 0:
+                    waking[s] = now + wake_wait(held, wakeup)
+            if waking[s] is not None and waking[s] > now + _EPSILON:
+                upcoming.append(waking[s])
+                continue
+            waking[s] = None
+            work = (forward_work if action.is_forward else backward_work)[s]
+            remaining[s], started[s] = float(work), now
         running = [s for s in range(stages) if remaining[s] is not None]
         if not running:
             if upcoming:
                 now = min(upcoming)
                 continue
             break
-        rate = _rates(running, stage_nodes, nodes, cores, idle_share, background, timeslice)
+        # a woken stage keeps its claim on its cores while it waits for them (below)
+        woken = [s for s in range(stages) if waking[s] is not None]
+        rate = _rates(running, stage_nodes, nodes, cores, idle_share, background, timeslice,
+                      woken)  # fmt: skip
         finish = min(now + remaining[s] / rate[s] for s in running)
         until = min([finish, *upcoming])
         for s in running:
@@ -124,14 +144,45 @@ def simulate_shared(
     return Simulation(times=times, makespan=now, busy=busy, span=span)
 
 
+def wake_wait(held: float, wakeup: float) -> float:
+    """Expected wait of a rank woken on a core where another rank computes `held` more
+    seconds: the scheduler preempts that rank at its next tick, uniform over [0, 2 *
+    wakeup] (wakeup: the mean wait measured against a rank that never lets go), unless its
+    action ends first: E[min(held, U)].
+
+    Example:
+        >>> wake_wait(10.0, 2.0), wake_wait(2.0, 2.0)  # a long action: the mean; short: less
+        (2.0, 1.5)
+    """
+    if held >= 2 * wakeup:
+        return wakeup
+    return held - held * held / (4 * wakeup)
+
+
+def _core_mates_work(stage: int, remaining, stage_nodes) -> float:
+    """The most processor seconds any other stage computing on `stage`'s cores has left
+    in its running action (0 if none computes there)."""
+    mine = stage_nodes[stage].keys()
+    return max(
+        (
+            left
+            for q, left in enumerate(remaining)
+            if q != stage and left is not None and mine & stage_nodes[q].keys()
+        ),
+        default=0.0,
+    )
+
+
 def _rates(
-    running, stage_nodes, nodes, cores, idle_share, background, timeslice=1.0
+    running, stage_nodes, nodes, cores, idle_share, background, timeslice=1.0, woken=()
 ) -> dict[int, float]:
     """Each running stage's progress per second: its slowest node's share of a core, less
-    the switching cost (`timeslice`) where computing ranks outnumber the cores."""
+    the switching cost (`timeslice`) where computing ranks outnumber the cores. `woken`
+    stages count as computing: the scheduler owes them the time they wait (EEVDF's lag)
+    and takes it back from their core-mates once they run."""
     load = dict.fromkeys(nodes, background)
     computing = dict.fromkeys(nodes, background)
-    active = set(running)
+    active = set(running) | set(woken)
     for s, ranks in enumerate(stage_nodes):
         weight = 1.0 if s in active else idle_share
         for node, count in ranks.items():
@@ -169,14 +220,15 @@ def shared_pipeline(
     pinned: bool = True,
     setup_work: Sequence[float] | None = None,
     timeslice: float = 1.0,
+    wakeup: float = 0.0,
 ) -> SharedPipeline:
     """Run `schedule` with every node's ranks spread evenly over its `cores` cores.
     `pinned`: as hyparflow pins them, the node's ranks in rank order (replica x stages +
     stage) dealt by `deal_to_cores`; else averaged over the even placements (all
     distinct ones when there are at most `limit`, else `limit` drawn at random with a fixed
     seed). `rank_nodes[s][q]` is the node of stage `s`'s replica `q`; `background` cores'
-    worth of other work is spread over the cores; `setup_work` and `timeslice` as in
-    `simulate_shared`.
+    worth of other work is spread over the cores; `setup_work`, `timeslice` and `wakeup` as
+    in `simulate_shared`.
 
     Example:
         >>> from hyparflow.engine.schedule import one_f_one_b
@@ -218,7 +270,7 @@ def shared_pipeline(
         sim = simulate_shared(
             schedule, forward_work, backward_work, comm_time,
             [{ids[c]: k for c, k in d.items()} for d in stage_cores], 1, idle_share,
-            background / cores, setup_work, timeslice,
+            background / cores, setup_work, timeslice, wakeup,
         )  # fmt: skip
         ends = [0.0] * stages
         for (s, _), (_, end) in sim.times.items():
