@@ -27,9 +27,9 @@ import numpy as np
 
 from hyparflow.engine.schedule import make_schedule, simulate
 from hyparflow.simulate.costs import ModelCosts
-from hyparflow.simulate.network import Network
+from hyparflow.simulate.network import Network, allreduce, latency_steps
 from hyparflow.simulate.placement import Placement
-from hyparflow.simulate.sharing import shared_pipeline
+from hyparflow.simulate.sharing import shared_pipeline, wake_wait
 
 
 @dataclass(frozen=True)
@@ -252,16 +252,20 @@ def predict(
     flows = where.offnode_reductions_per_node()
     straggle = 1.0 + machine.jitter * expected_maximum(layout.replicas)
     finish = [f * straggle for f in finish]
-    ends, parts = [], []
-    for s, stage in enumerate(stages):
+    ends, parts = [None] * p, [None] * p
+    for s in sorted(range(p), key=finish.__getitem__):  # in the order the stages get there
+        stage = stages[s]
         crosses = where.stage_nodes(s) > 1
         reduce = network.gradient_allreduce(
             stage.param_bytes, layout.replicas, crosses, flows if crosses else 1, slow,
             tensors=stage.variables, in_place=fused, crowded=crowded,
         )  # fmt: skip
+        if crowded and p > 1 and layout.replicas > 1 and stage.param_bytes > 0:
+            reduce += _reduction_wakeups(s, stage.param_bytes, layout.replicas, finish, ends,
+                                         parts, network)  # fmt: skip
         update = slow * engine.optimizer(stage.variables, stage.param_bytes)
-        ends.append(finish[s] + reduce + update)
-        parts.append((finish[s], reduce, update))
+        ends[s] = finish[s] + reduce + update
+        parts[s] = (finish[s], reduce, update)
     slowest = max(range(p), key=ends.__getitem__)
     step = ends[slowest]
     if batch_logs:
@@ -284,6 +288,34 @@ def predict(
         stage_names=costs.start_names(starts),
         stage_compute=list(busy),
     )
+
+
+def _reduction_wakeups(s, nbytes, replicas, finish, ends, parts, network) -> float:
+    """What stage `s`'s reduction waits on a node short of cores, where its ranks share cores
+    with the other stages' (hyparflow deals them so): each message step of the allreduce
+    finds its receivers' cores held by core-mates still computing, until their next
+    scheduler tick or the end of their work (`sharing.wake_wait`). The core-mates compute
+    until their own pipeline ends (later stages of the order) or during their update (stages
+    already through their reduction). Stages are taken in the order they finish."""
+    steps = latency_steps(allreduce(nbytes, replicas, network.intra)[1], replicas)
+    start = finish[s]
+    held = 0.0
+    for q, end in enumerate(ends):
+        if q == s:
+            continue
+        if end is None:  # still in its pipeline: computing its last actions
+            held = max(held, finish[q] - start)
+        else:  # its update runs from ends[q] - update to ends[q]
+            update = parts[q][2]
+            held = max(held, end - max(start, end - update))
+    waited = 0.0
+    for _ in range(steps):
+        if held <= 0:
+            break
+        wait = wake_wait(held, network.oversubscribed_wakeup)
+        waited += wait
+        held -= wait
+    return waited
 
 
 def _single_process(costs: ModelCosts, global_batch: int, machine: Machine) -> Prediction:
