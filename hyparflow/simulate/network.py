@@ -190,8 +190,9 @@ class Network:
       and each step of an allreduce, waits for the operating system to run the rank it
       needs when a node has more ranks than cores (scheduling, not wires; measured apart
       because a waiting pipeline rank yields its core at once, a reducing one does not).
-      The pipeline message's wait is measured while other ranks compute, as they do in a
-      running pipeline (the receiver waits for the scheduler to take a core from them).
+      The pipeline message's wait is measured while other ranks compute and call MPI every
+      few microseconds, which yields (microseconds); `oversubscribed_wakeup` is the wait
+      beside ranks that do not.
     - `oversubscribed_wakeup`: the mean wait of a rank whose message arrives while another
       rank computes on its core without letting go (TensorFlow's calls do not yield): the
       scheduler takes the core from it at its next tick (`sharing.wake_wait`).
