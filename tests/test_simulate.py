@@ -546,16 +546,19 @@ def test_a_reduction_waits_for_core_mates_still_computing_on_a_crowded_node():
     net = Network(Link(1e-6, 1e9), oversubscribed_wakeup=1.0)
     finish, ends, parts = [10.0, 9.0], [None, None], [None, None]
     # stage 1 gets there first; stage 0 computes 1 s more on the cores they share
-    first = _reduction_wakeups(1, 8, 2, finish, ends, parts, net)
+    first = _reduction_wakeups(1, 8, 2, finish, ends, parts, net.intra, net, mates=[0])
     assert first == pytest.approx(wake_wait(1.0, 1.0)) and first == pytest.approx(0.75)
     # stage 0 reduces while stage 1 runs its 2 s update (from 9.76 to 11.76)
     ends[1], parts[1] = 9.0 + first + 0.01 + 2.0, (9.0, first + 0.01, 2.0)
-    assert _reduction_wakeups(0, 8, 2, finish, ends, parts, net) == pytest.approx(
+    assert _reduction_wakeups(0, 8, 2, finish, ends, parts, net.intra, net, [1]) == pytest.approx(
         wake_wait(1.76, 1.0)
     )
     # nobody computes any more: no wait
     ends[1] = 9.5
-    assert _reduction_wakeups(0, 8, 2, finish, ends, parts, net) == 0.0
+    assert _reduction_wakeups(0, 8, 2, finish, ends, parts, net.intra, net, [1]) == 0.0
+    # a stage on other nodes is no core-mate
+    ends[1] = 11.76
+    assert _reduction_wakeups(0, 8, 2, finish, ends, parts, net.intra, net, []) == 0.0
     # in a whole prediction: only the hybrid on too few cores pays it
     costs = uniform_costs(layers=4)
     woken = Network(FAST, oversubscribed_wakeup=1e-3)

@@ -506,8 +506,8 @@ def main(argv=None) -> int:
         if comm.Get_rank() == 0:
             with open(argv[0], "w") as f:
                 json.dump({"one_way_s": one_way, "wakeup_one_way_s": wakeup,
-                       "idle_share": idle_share, "reducer_s": reducer,
-                       "ranks": comm.Get_size()}, f)  # fmt: skip
+                           "idle_share": idle_share, "reducer_s": reducer,
+                           "ranks": comm.Get_size()}, f)  # fmt: skip
         return 0
     if comm.Get_size() != 2:
         print("netbench needs exactly 2 ranks: mpirun -np 2 python -m", __name__, file=sys.stderr)

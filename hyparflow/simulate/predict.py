@@ -253,6 +253,7 @@ def predict(
     straggle = 1.0 + machine.jitter * expected_maximum(layout.replicas)
     finish = [f * straggle for f in finish]
     ends, parts = [None] * p, [None] * p
+    stage_hosts = [{where.node_of(r) for r in where.grid.stage_ranks(s)} for s in range(p)]
     for s in sorted(range(p), key=finish.__getitem__):  # in the order the stages get there
         stage = stages[s]
         crosses = where.stage_nodes(s) > 1
@@ -261,8 +262,9 @@ def predict(
             tensors=stage.variables, in_place=fused, crowded=crowded,
         )  # fmt: skip
         if crowded and p > 1 and layout.replicas > 1 and stage.param_bytes > 0:
+            mates = [q for q in range(p) if q != s and stage_hosts[q] & stage_hosts[s]]
             reduce += _reduction_wakeups(s, stage.param_bytes, layout.replicas, finish, ends,
-                                         parts, network)  # fmt: skip
+                                         parts, network.link(crosses), network, mates)  # fmt: skip
         update = slow * engine.optimizer(stage.variables, stage.param_bytes)
         ends[s] = finish[s] + reduce + update
         parts[s] = (finish[s], reduce, update)
@@ -290,24 +292,22 @@ def predict(
     )
 
 
-def _reduction_wakeups(s, nbytes, replicas, finish, ends, parts, network) -> float:
+def _reduction_wakeups(s, nbytes, replicas, finish, ends, parts, link, network, mates) -> float:
     """What stage `s`'s reduction waits on a node short of cores, where its ranks share cores
-    with the other stages' (hyparflow deals them so): each message step of the allreduce
-    finds its receivers' cores held by core-mates still computing, until their next
-    scheduler tick or the end of their work (`sharing.wake_wait`). The core-mates compute
-    until their own pipeline ends (later stages of the order) or during their update (stages
-    already through their reduction). Stages are taken in the order they finish."""
-    steps = latency_steps(allreduce(nbytes, replicas, network.intra)[1], replicas)
+    with the ranks of the other stages on their nodes (`mates`; hyparflow deals every core a
+    mix of stages): each message step of the allreduce finds its receivers' cores held by
+    core-mates still computing, until their next scheduler tick or the end of their work
+    (`sharing.wake_wait`). A mate computes until its own pipeline ends (if it has not reached
+    its reduction yet: `ends[q]` None) or during its update (once through its reduction).
+    The caller takes the stages in the order they finish."""
+    steps = latency_steps(allreduce(nbytes, replicas, link)[1], replicas)
     start = finish[s]
     held = 0.0
-    for q, end in enumerate(ends):
-        if q == s:
-            continue
-        if end is None:  # still in its pipeline: computing its last actions
+    for q in mates:
+        if ends[q] is None:  # still in its pipeline: computing its last actions
             held = max(held, finish[q] - start)
         else:  # its update runs from ends[q] - update to ends[q]
-            update = parts[q][2]
-            held = max(held, end - max(start, end - update))
+            held = max(held, ends[q] - max(start, ends[q] - parts[q][2]))
     waited = 0.0
     for _ in range(steps):
         if held <= 0:
