@@ -54,6 +54,8 @@ OTHERS = [
      []),
     ("Hybrid on a node short of cores: rank placements", "hybrid_placement.py", "main", 1,
      []),
+    ("Pipelines on too few cores: recorded steps, the model replayed",
+     "crowded_pipeline_timeline.py", "main", 1, []),
     ("Scaling model vs measured runs", "simulator_validation.py", "main", 1,
      ["--out", "benchmarks/out/simulator_validation.json"]),
     ("Scaling model: the paper's runs projected", "paper_projection.py", "main", 1,
