@@ -37,15 +37,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout
-from benchmarks.harness.launch import MPI_ENV, thread_env  # noqa: E402
+from benchmarks.simulator_validation import ENV  # noqa: E402  (the validation's rank settings)
 
 CONFIGS = [(4, 1), (2, 2)]  # (partitions, replicas): 4 ranks on 2 cores
 MICROBATCHES = 4
 BATCH = 256
 STEPS = 12  # per epoch
 COMPUTE = ("forward", "backward")
-ENV = {**MPI_ENV, **thread_env(1), "MALLOC_MMAP_THRESHOLD_": str(32 << 20),
-       "MALLOC_TRIM_THRESHOLD_": str(1 << 31)}  # fmt: skip
 
 
 def _arguments(argv=None):

@@ -4,9 +4,6 @@ Each rank checks what it can see and reports facts (lists, counts, max errors) f
 tests/test_comm.py to assert on. Any exception aborts the whole job so no rank hangs.
 """
 
-import sys
-import traceback
-
 import numpy as np
 import tensorflow as tf
 from mpi4py import MPI
@@ -14,7 +11,7 @@ from mpi4py import MPI
 from hyparflow.comm.allreduce import GradientReducer
 from hyparflow.comm.p2p import BACKWARD, FORWARD, PipeChannel
 from hyparflow.comm.topology import Topology
-from tests.mpi.report import report
+from tests.mpi.report import report, run_or_abort
 
 MAX_BATCH = 4
 SIZES = [MAX_BATCH, MAX_BATCH, 2]  # the last micro-batch of the "epoch" is smaller
@@ -346,9 +343,4 @@ def main():
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except BaseException:
-        traceback.print_exc()
-        sys.stderr.flush()
-        MPI.COMM_WORLD.Abort(1)
+    run_or_abort(main)

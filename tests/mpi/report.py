@@ -26,3 +26,18 @@ def report(result: dict) -> None:
     with open(path + ".tmp", "w") as f:
         json.dump(result, f)
     os.replace(path + ".tmp", path)
+
+
+def run_or_abort(main) -> None:
+    """Run a scenario's `main`; on any exception print it and abort the whole job, so that
+    no rank is left blocked in MPI waiting for this one."""
+    import traceback
+
+    from mpi4py import MPI
+
+    try:
+        main()
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)

@@ -6,13 +6,11 @@ between MPI calls, as a rank inside a TensorFlow call does (`netbench`'s measure
 """
 
 import os
-import sys
-import traceback
 
 from mpi4py import MPI
 
 from hyparflow.simulate.netbench import oversubscribed_one_way, oversubscribed_wakeup
-from tests.mpi.report import report
+from tests.mpi.report import report, run_or_abort
 
 CORES = 2
 
@@ -27,9 +25,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except BaseException:
-        traceback.print_exc()
-        sys.stderr.flush()
-        MPI.COMM_WORLD.Abort(1)
+    run_or_abort(main)
