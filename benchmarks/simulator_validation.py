@@ -59,6 +59,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -79,6 +80,8 @@ CONFIGS = [(1, 1), (1, 2), (1, 4), (2, 1), (4, 1), (2, 2)]  # (partitions, repli
 CORES = os.cpu_count() or 1
 PROBE_BATCH = 64  # samples per fused step of the speed probe
 PROBE_SECONDS = 1.5  # per probe reading
+STATE_SECONDS = 1.0  # per in-run reading of the co-run state
+STATE_SLACK = 0.25  # s the idle ranks sleep beyond a state reading (a step may overrun it)
 TIMESLICE_SECONDS = 4.0  # per window when measuring the switching cost
 TIMESLICE_WINDOWS = 5  # alone, shared, alone, shared, alone
 TIMESLICE_WARMUP = 12.0  # seconds for the copies to start and trace before they are timed
@@ -103,6 +106,10 @@ def _arguments(argv=None):
     parser.add_argument(
         "--profiled", action="store_true", help="(worker) run the ScalingProfiler too"
     )
+    parser.add_argument(
+        "--corun-state", action="store_true",
+        help="(worker) read the co-run state before the timed epochs and after the last step",
+    )  # fmt: skip
     parser.add_argument(
         "--tries", type=int, default=6, help="runs before accepting a disturbed one"
     )
@@ -195,11 +202,18 @@ def worker(args) -> None:
     if args.profiled:
         callbacks.append(hf.callbacks.ScalingProfiler(log_dir, timeline=False,
                                                       batch_size=args.batch_size))  # fmt: skip
+    state = []
+    if args.corun_state:
+        # first at the timed epochs' start (before the other callbacks start their clocks),
+        # last at the end (after they stopped them)
+        first, last = _corun_state_callbacks(model_path, state)
+        callbacks = [first, *callbacks, last]
     os.makedirs(log_dir, exist_ok=True)
     hf.fit(model, x, y, batch_size=args.batch_size, epochs=args.epochs, verbose=0,
            strategy=strategy, callbacks=callbacks)  # fmt: skip
     with open(os.path.join(log_dir, f"cpu_share_{hf.rank()}.json"), "w") as f:
-        json.dump({"cpu_share": share.share, "step_period": statistics.mean(period.periods)}, f)
+        json.dump({"cpu_share": share.share, "step_period": statistics.mean(period.periods),
+                   "corun_state_s": state or None}, f)  # fmt: skip
 
 
 def _step_period_callback():
@@ -224,6 +238,70 @@ def _step_period_callback():
             self._start = now
 
     return StepPeriod()
+
+
+def probing_ranks(affinities: list[list[int]], cores: int) -> list[int]:
+    """The ranks that read the co-run state, one per core: each rank pinned to a core no
+    lower rank is pinned to; when none is pinned (no more ranks than cores), the first
+    `cores` ranks.
+
+    >>> probing_ranks([[0, 1], [0, 1]], 2)
+    [0, 1]
+    >>> probing_ranks([[0], [1], [0], [1]], 2)  # hyparflow pinned a crowded job
+    [0, 1]
+    >>> probing_ranks([[1], [1], [0], [0]], 2)
+    [0, 2]
+    """
+    chosen, taken = [], set()
+    for rank, allowed in enumerate(affinities):
+        if len(allowed) == 1 and allowed[0] not in taken:
+            chosen.append(rank)
+            taken.add(allowed[0])
+    return chosen or list(range(min(cores, len(affinities))))
+
+
+def _corun_state_callbacks(model_path: str, readings: list):
+    """Two callbacks that read the co-run state inside the run: at the start of the timed
+    epochs and after the last step, one rank per core times the speed probe's step for
+    STATE_SECONDS while the others sleep; each appends its median seconds (None when it
+    slept) to `readings`. Every core stays busy from the first reading to the last, so the
+    host keeps the placement the steps ran with (docs/simulate.md, "The co-run state")."""
+    import keras
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    step = _saved_model_step(model_path, PROBE_BATCH)
+    step()  # traces
+
+    def read() -> None:
+        affinities = comm.allgather(sorted(os.sched_getaffinity(0)))
+        deadline = comm.bcast(time.time() + STATE_SECONDS)
+        if comm.Get_rank() in probing_ranks(affinities, CORES):
+            seconds = []
+            while len(seconds) < 5 or time.time() < deadline:
+                start = time.perf_counter()
+                step()
+                seconds.append(time.perf_counter() - start)
+            readings.append(statistics.median(seconds))
+        else:
+            time.sleep(max(0.0, deadline + STATE_SLACK - time.time()))
+            readings.append(None)
+        comm.Barrier()
+
+    class AtStart(keras.callbacks.Callback):
+        needs_batch_logs = False
+
+        def on_epoch_begin(self, epoch, logs=None):
+            if epoch == 1:
+                read()
+
+    class AtEnd(keras.callbacks.Callback):
+        needs_batch_logs = False
+
+        def on_train_end(self, logs=None):
+            read()
+
+    return AtStart(), AtEnd()
 
 
 def _cpu_share_callback():
@@ -380,6 +458,32 @@ class SpeedProbe:
         self.process.wait(timeout=60)
 
 
+def corun_state(readings: list[list[float | None]], alone: float) -> list[float]:
+    """The co-run state at a run's start and end: the probe step's seconds on the ranks that
+    read it (one per core, all at once; `readings[rank]`, None where the rank slept) over
+    its seconds with the machine otherwise idle (`alone`, the speed probe around the run).
+
+    >>> corun_state([[1.25, 1.5], [None, None], [1.75, 1.5]], 2.0)
+    [0.75, 0.75]
+    """
+    return [statistics.mean(r[i] for r in readings if r[i] is not None) / alone for i in range(2)]
+
+
+def corun_of_run(calibrated: dict, state: list[float] | None) -> float:
+    """The co-run factor for a run whose cores were in co-run state `state`: the engine's
+    share of the calibration's factor (`engine`, its factor over its own run's state) times
+    the state; without a state (one rank), the calibration's factor.
+
+    >>> round(corun_of_run({"corun": 1.37, "engine": 1.1}, [1.0, 1.02]), 3)
+    1.111
+    >>> corun_of_run({"corun": 1.37, "engine": 0.95}, [1.0, 1.0])  # never below alone
+    1.0
+    """
+    if state is None:
+        return calibrated["corun"]
+    return max(1.0, calibrated["engine"] * statistics.mean(state))
+
+
 def steady(before: float, after: float) -> bool:
     """Whether the machine's speed held over a run: the probes around it agree within
     STEADY."""
@@ -416,6 +520,8 @@ def measure_config(args, model_path, config, starts, folder, probe, profiled=Fal
                    "--steps", str(args.steps), "--epochs", str(args.epochs),
                    *(["--profiled"] if profiled else [])]  # fmt: skip
     world = partitions * replicas
+    if world > 1:
+        worker_args.append("--corun-state")
     if world == 1:
         command = worker_args
     else:
@@ -424,12 +530,14 @@ def measure_config(args, model_path, config, starts, folder, probe, profiled=Fal
     before = probe.seconds()
     _run(command)
     after = probe.seconds()
-    shares, periods = [], []
+    shares, periods, states = [], [], []
     for rank in range(world):
         with open(os.path.join(log_dir, f"cpu_share_{rank}.json")) as f:
             recorded = json.load(f)
         shares.append(recorded["cpu_share"])
         periods.append(recorded["step_period"])
+        if recorded.get("corun_state_s"):
+            states.append(recorded["corun_state_s"])
     result = {
         "step_ms": 1e3 * statistics.mean(periods),
         "parts_ms": {},
@@ -437,6 +545,7 @@ def measure_config(args, model_path, config, starts, folder, probe, profiled=Fal
         "cores_got": min(float(CORES), sum(shares)),
         "cpu_shares": shares,
         "probe_s": [before, after],
+        "corun_state": corun_state(states, (before + after) / 2) if states else None,
     }
     if profiled:
         with open(os.path.join(log_dir, "profile.json")) as f:
@@ -501,13 +610,16 @@ def main(argv=None) -> None:
                 config = (layout.partitions, layout.replicas, layout.microbatches)
                 result = measure_quietly(args, model_path, config, planned.stage_names, folder,
                                          probe)  # fmt: skip
-                # the costs at the machine's speed around this run (same stage split)
+                # the costs at the machine's speed around this run (same stage split), the
+                # co-run factor for the state its cores were in
                 speed = speed_of(result, costs)
-                p = predict(costs.scaled(speed), network, layout, args.batch_size, machine,
-                            starts=planned.stage_starts)  # fmt: skip
+                corun = corun_of_run(calibrated, result["corun_state"])
+                p = predict(costs.scaled(speed), network, layout, args.batch_size,
+                            replace(machine, corun=corun), starts=planned.stage_starts)  # fmt: skip
                 result.update(
                     round=round_,
                     speed=speed,
+                    corun=corun,
                     predicted_ms=p.step_time * 1e3,
                     predicted_at_calibration_ms=planned.step_time * 1e3,
                     predicted_parts_ms={
@@ -522,7 +634,8 @@ def main(argv=None) -> None:
                 runs[kind][key].append(result)
                 print(f"{kind} {key[0]}x{key[1]} round {round_}: measured "
                       f"{result['step_ms']:.2f} ms, predicted {result['predicted_ms']:.2f} ms "
-                      f"(speed {speed:.2f}, cores got {result['cores_got']:.2f}, "
+                      f"(speed {speed:.2f}, co-run {corun:.2f}, "
+                      f"cores got {result['cores_got']:.2f}, "
                       f"attempt {result['attempts']})",
                       flush=True)  # fmt: skip
         report["rounds"].append(record)
@@ -554,6 +667,8 @@ def _rows(runs: dict, layouts: dict) -> list[dict]:
                 r["predicted_at_calibration_ms"] for r in results
             ) / statistics.median(r["step_ms"] for r in results) - 1,
             "speed_all": [r["speed"] for r in results],
+            "corun_all": [r["corun"] for r in results],
+            "corun_state_all": [r["corun_state"] for r in results],
             "errors": errors,
             "measured_ms_all": [r["step_ms"] for r in results],
             "predicted_ms_all": [r["predicted_ms"] for r in results],
@@ -618,7 +733,9 @@ def calibrate_quietly(args, model_path: str, costs_path: str, network, folder: s
     costs.measured["probe_pair_s"] = [before, after]
     costs.measured["corun"] = corun_factor(args, model_path, costs, network, folder, probe)
     costs.measured["timeslice"] = timeslice_factor(args, model_path)
-    print(f"co-run factor {costs.measured['corun']['corun']:.2f}, "
+    print(f"co-run factor {costs.measured['corun']['corun']:.2f} "
+          f"(engine {costs.measured['corun']['engine']:.2f}, "
+          f"state {costs.measured['corun']['state']:.2f}), "
           f"jitter {costs.measured['corun']['jitter']:.3f}, "
           f"timeslice {costs.measured['timeslice']['timeslice']:.2f}", flush=True)  # fmt: skip
     return costs
@@ -641,11 +758,13 @@ def corun_factor(args, model_path, costs, network, folder, probe) -> dict:
     0.98-1.13."""
     runs = [_corun_once(args, model_path, costs, network, folder, probe)
             for _ in range(CORUN_TRIES)]  # fmt: skip
-    middle = sorted(runs, key=lambda run: run["corun"])[len(runs) // 2]
+    middle = sorted(runs, key=lambda run: run["engine"])[len(runs) // 2]
     return {
         **middle,
         "jitter": statistics.median(run["jitter"] for run in runs),
         "tries": [run["corun"] for run in runs],
+        "engines": [run["engine"] for run in runs],
+        "states": [run["state"] for run in runs],
         "jitters": [run["jitter"] for run in runs],
     }
 
@@ -666,9 +785,13 @@ def _corun_once(args, model_path, costs, network, folder, probe) -> dict:
     # other replica: E[max of 2] - mean = 0.56 sigma of a rank's step (Machine.jitter)
     wait = max(0.0, parts["allreduce"] - p.allreduce_time * 1e3)
     jitter = wait / (expected_maximum(2) * parts["compute"])
-    return {"corun": max(1.0, measured / predicted), "measured_ms": measured,
-            "predicted_ms": predicted, "batch_size": small.batch_size, "jitter": jitter,
-            "allreduce_wait_ms": wait, "speed": speed}  # fmt: skip
+    # the host's placement of the cores (the co-run state) comes and goes between runs; the
+    # rest of the factor is the engine's own, carried to runs in other states
+    state = statistics.mean(result["corun_state"])
+    return {"corun": max(1.0, measured / predicted), "engine": measured / predicted / state,
+            "state": state, "measured_ms": measured, "predicted_ms": predicted,
+            "batch_size": small.batch_size, "jitter": jitter, "allreduce_wait_ms": wait,
+            "speed": speed}  # fmt: skip
 
 
 def measure_quietly(args, model_path, config, starts, folder, probe, profiled=False) -> dict:
@@ -680,7 +803,9 @@ def measure_quietly(args, model_path, config, starts, folder, probe, profiled=Fa
         attempts += 1
         result = measure_config(args, model_path, config, starts, folder, probe, profiled)
         quiet = result["cores_got"] >= 0.93 * expected
-        if (quiet and steady(*result["probe_s"])) or attempts >= args.tries:
+        # the host may move the cores between the state's readings (rare while all are busy)
+        held = result["corun_state"] is None or steady(*result["corun_state"])
+        if (quiet and held and steady(*result["probe_s"])) or attempts >= args.tries:
             result["attempts"] = attempts
             return result
 
