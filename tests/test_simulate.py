@@ -569,6 +569,37 @@ def test_a_reduction_waits_for_core_mates_still_computing_on_a_crowded_node():
         assert (late.step_time > calm.step_time) == grows
 
 
+def test_replicas_on_one_core_wait_for_the_first_out_of_their_reduction():
+    from hyparflow.simulate.sharing import replicas_share_a_core
+
+    # data parallel, 4 ranks on 2 cores: each core holds two replicas; the one out of the
+    # allreduce first computes on, and its core-mate's last message waits for its tick
+    costs = uniform_costs(layers=4, forward=1e-2)  # it computes far longer than 2 W
+    woken = Network(FAST, oversubscribed_wakeup=1e-3)
+    for pinned in (True, False):
+        machine = Machine(cores_per_node=2, pinned=pinned)
+        calm = predict(costs, Network(FAST), Layout(1, 4), 256, machine)
+        late = predict(costs, woken, Layout(1, 4), 256, machine)
+        assert late.pipeline_time == pytest.approx(calm.pipeline_time)
+        assert late.allreduce_time == pytest.approx(calm.allreduce_time + 1e-3)
+    # a wait far longer than the rank's update and first action: they end it (E[min(held, U)])
+    machine = Machine(cores_per_node=2)
+    extra = (
+        predict(costs, Network(FAST, oversubscribed_wakeup=10.0), Layout(1, 4), 256,
+                machine).allreduce_time
+        - predict(costs, Network(FAST), Layout(1, 4), 256, machine).allreduce_time
+    )  # fmt: skip
+    assert 0 < extra < 10.0
+    # a core for each replica: no such wait
+    for layout, cores in ((Layout(1, 4), 4), (Layout(1, 2), 2)):
+        machine = Machine(cores_per_node=cores)
+        calm = predict(costs, Network(FAST), layout, 256, machine)
+        assert predict(costs, woken, layout, 256, machine).step_time == calm.step_time
+    # 2 x 2 on 2 cores: each core holds one replica of each stage (stages mixed)
+    assert replicas_share_a_core([[0, 0], [0, 0]], cores=2) == [False, False]
+    assert replicas_share_a_core([[0, 0, 0]], cores=2, pinned=False) == [True]
+
+
 def test_jitter_makes_replicas_wait_for_the_slowest():
     from hyparflow.simulate.predict import expected_maximum
 

@@ -29,7 +29,7 @@ from hyparflow.engine.schedule import make_schedule, simulate
 from hyparflow.simulate.costs import ModelCosts
 from hyparflow.simulate.network import Network, allreduce, latency_steps
 from hyparflow.simulate.placement import Placement
-from hyparflow.simulate.sharing import shared_pipeline, wake_wait
+from hyparflow.simulate.sharing import replicas_share_a_core, shared_pipeline, wake_wait
 
 
 @dataclass(frozen=True)
@@ -234,8 +234,10 @@ def predict(
     comm = max(transfers, default=0.0)
     # the loop's work between steps, before each rank's first action of the next
     setup = [network.loop_work(s, p) * compute_slow for s in range(p)]
+    doubled = [False] * p  # two replicas of the stage on one core
     if crowded:
         rank_nodes = [[where.node_of(r) for r in where.grid.stage_ranks(s)] for s in range(p)]
+        doubled = replicas_share_a_core(rank_nodes, machine.cores_per_node, machine.pinned)
         run = shared_pipeline(
             schedule, forward, backward, comm, rank_nodes, machine.cores_per_node,
             network.oversubscribed_idle_share, machine.background, pinned=machine.pinned,
@@ -266,6 +268,12 @@ def predict(
             reduce += _reduction_wakeups(s, stage.param_bytes, layout.replicas, finish, ends,
                                          parts, network.link(crosses), network, mates)  # fmt: skip
         update = slow * engine.optimizer(stage.variables, stage.param_bytes)
+        if doubled[s] and stage.param_bytes > 0:
+            # replicas on one core leave the collective a message apart: the first out
+            # computes on (its update, then its next step's first action) and its core-mate's
+            # last message waits for that rank's scheduler tick (docs/simulate.md)
+            held = update + setup[s] + (forward[s] if s == 0 else 0.0)
+            reduce += wake_wait(held, network.oversubscribed_wakeup)
         ends[s] = finish[s] + reduce + update
         parts[s] = (finish[s], reduce, update)
     slowest = max(range(p), key=ends.__getitem__)

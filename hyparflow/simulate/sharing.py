@@ -240,10 +240,7 @@ def shared_pipeline(
         ...                 cores=2, pinned=False).placements
         3
     """
-    ranks = [(s, q) for s, nodes in enumerate(rank_nodes) for q in range(len(nodes))]
-    by_node: dict[int, list[tuple[int, int]]] = {}
-    for s, q in ranks:
-        by_node.setdefault(rank_nodes[s][q], []).append((s, q))
+    by_node = _ranks_by_node(rank_nodes)
     stages = len(schedule)
     if pinned:
         choices = [[_pinned_placement(members, cores)] for members in by_node.values()]
@@ -279,6 +276,42 @@ def shared_pipeline(
         busy = [b + x / len(combos) for b, x in zip(busy, sim.busy)]
         bubble += sim.bubble / len(combos)
     return SharedPipeline(finish=finish, busy=busy, bubble=bubble, placements=len(combos))
+
+
+def _ranks_by_node(rank_nodes: Sequence[Sequence[int]]) -> dict[int, list[tuple[int, int]]]:
+    """Each node's ranks as (stage, replica), from `rank_nodes[s][q]`, the node of stage `s`'s
+    replica `q`."""
+    by_node: dict[int, list[tuple[int, int]]] = {}
+    for s, nodes in enumerate(rank_nodes):
+        for q, node in enumerate(nodes):
+            by_node.setdefault(node, []).append((s, q))
+    return by_node
+
+
+def replicas_share_a_core(
+    rank_nodes: Sequence[Sequence[int]], cores: int, pinned: bool = True
+) -> list[bool]:
+    """For each stage, whether two of its replicas run on one core: as hyparflow pins a
+    node's ranks (stages mixed on each core), or, unpinned, wherever a node holds more of
+    them than it has cores (every placement then puts two on one core).
+
+    Example:
+        >>> replicas_share_a_core([[0, 0, 0, 0]], cores=2)  # data parallel, 4 ranks, 2 cores
+        [True]
+        >>> replicas_share_a_core([[0, 0], [0, 0]], cores=2)  # 2 x 2: each core holds both stages
+        [False, False]
+        >>> replicas_share_a_core([[0, 1], [0, 1]], cores=1)  # 2 x 2 over 2 nodes of 1 core
+        [False, False]
+    """
+    shared = [False] * len(rank_nodes)
+    for members in _ranks_by_node(rank_nodes).values():
+        groups = [members] if not pinned else _pinned_placement(members, cores)
+        most = 1 if pinned else cores
+        for group in groups:
+            stages = [s for s, _ in group]
+            for s in set(stages):
+                shared[s] = shared[s] or stages.count(s) > most
+    return shared
 
 
 def _pinned_placement(members: list, cores: int) -> tuple[tuple, ...]:
