@@ -14,7 +14,8 @@ For each model (an MLP and a small ResNet-style CNN, steps of tens of millisecon
    the prediction of the same parts (a job with every core busy runs 10-30% slower here than
    one process alone, for reasons the one-process measurement cannot see), and its
    allreduce beyond the prediction: the replicas waiting for each other, from which the
-   per-step variation of a rank's compute (`Machine.jitter`) follows;
+   per-step variation of a rank's compute (`Machine.jitter`) follows; the factor splits
+   into the co-run state those runs read (below) and the engine's own part;
 2. predict one rank (plain model.fit), data parallel 1x2 and 1x4, model parallel 2x1 and 4x1,
    hybrid 2x2 (P partitions x R replicas) with the simulator, on 2 cores;
 3. measure the same configurations with `hf.fit` under `mpirun` (verbose=0, callbacks that
@@ -23,6 +24,10 @@ For each model (an MLP and a small ResNet-style CNN, steps of tens of millisecon
    ranks, the first (traced) epoch left out), rounds interleaved so that a
    busy spell on the shared machine hits every configuration alike, and take the median;
    the pipelines use the simulator's stage split (passed as explicit layer names);
+   every multi-rank run also reads its co-run state inside the run (one rank per core times
+   the speed probe's step at once, at the timed epochs' start and after the last step, over
+   the probe's reading alone: the host's placement of the vCPUs, which holds while every
+   core is busy), and is predicted with `corun` = the engine's part times that state;
 4. print measured vs predicted and the relative error, and write everything to a JSON file
    (benchmarks/simulator_validation.json by default).
 
