@@ -282,12 +282,7 @@ def _corun_state_callbacks(model_path: str, readings: list):
         affinities = comm.allgather(sorted(os.sched_getaffinity(0)))
         deadline = comm.bcast(time.time() + STATE_SECONDS)
         if comm.Get_rank() in probing_ranks(affinities, CORES):
-            seconds = []
-            while len(seconds) < 5 or time.time() < deadline:
-                start = time.perf_counter()
-                step()
-                seconds.append(time.perf_counter() - start)
-            readings.append(statistics.median(seconds))
+            readings.append(median_step_seconds(step, deadline, time.time))
         else:
             time.sleep(max(0.0, deadline + STATE_SLACK - time.time()))
             readings.append(None)
@@ -368,6 +363,17 @@ def _saved_model_step(model_path: str, batch: int):
     return fused_step(model, profile.make_sample(build_graph(model), batch_size=batch))
 
 
+def median_step_seconds(step, deadline: float, clock) -> float:
+    """Median seconds of `step()` called back to back until `clock()` passes `deadline`
+    (at least 5 calls): the speed probe's reading, and the co-run state's."""
+    seconds = []
+    while len(seconds) < 5 or clock() < deadline:
+        start = time.perf_counter()
+        step()
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds)
+
+
 def probe_server(model_path: str) -> None:
     """`--probe MODEL`: for each line on stdin, time the model's fused engine step for about
     PROBE_SECONDS and print the median seconds: the machine's speed at that moment."""
@@ -375,12 +381,8 @@ def probe_server(model_path: str) -> None:
     step()  # traces
     print("ready", flush=True)
     for _ in sys.stdin:
-        seconds, deadline = [], time.perf_counter() + PROBE_SECONDS
-        while len(seconds) < 5 or time.perf_counter() < deadline:
-            start = time.perf_counter()
-            step()
-            seconds.append(time.perf_counter() - start)
-        print(statistics.median(seconds), flush=True)
+        deadline = time.perf_counter() + PROBE_SECONDS
+        print(median_step_seconds(step, deadline, time.perf_counter), flush=True)
 
 
 def timeslice_probe(args) -> None:
