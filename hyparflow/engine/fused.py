@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from hyparflow.engine import sparse as rows
+
 
 class FusedRunner:
     """`StageRunner`'s interface for a model that is the only stage of its pipeline.
@@ -30,9 +32,12 @@ class FusedRunner:
         >>> grads = runner.take_gradients()
     """
 
-    def __init__(self, call, variables, loss, metrics=None, layout=None):
+    def __init__(self, call, variables, loss, metrics=None, layout=None, sparse=()):
         self.variables = list(variables)
         self.layout = layout
+        self.sparse = sorted(sparse)
+        self.dense = sorted(set(range(len(self.variables))) - set(self.sparse))
+        self._sparse_pieces: list[list] = []  # per micro-batch, the row-sparse gradients
         self._metrics = metrics
         self.updates_metrics = metrics is not None
         self._sources = [getattr(v, "value", v) for v in self.variables]
@@ -55,19 +60,21 @@ class FusedRunner:
         grads = tape.gradient(
             scaled, self._sources, unconnected_gradients=tf.UnconnectedGradients.ZERO
         )
-        grads = [tf.convert_to_tensor(g) for g in grads]  # IndexedSlices -> dense
+        rows.check_kinds(grads, self.sparse, self.variables)
+        sparse = [grads[i] for i in self.sparse]
+        dense = [tf.convert_to_tensor(grads[i]) for i in self.dense]
         if self.layout is not None:
-            return y_pred, loss, self.layout.flatten(grads, scaled)
-        return y_pred, loss, grads
+            return y_pred, loss, self.layout.flatten(dense, scaled), sparse
+        return y_pred, loss, dense, sparse
 
     def _first_body(self, inputs, y, sample_weight, scale):
         return self._gradients(inputs, y, sample_weight, scale)
 
     def _accumulate_body(self, inputs, y, sample_weight, scale, totals):
-        y_pred, loss, grads = self._gradients(inputs, y, sample_weight, scale)
+        y_pred, loss, grads, sparse = self._gradients(inputs, y, sample_weight, scale)
         if self.layout is not None:
-            return y_pred, loss, totals + grads
-        return y_pred, loss, [t + g for t, g in zip(totals, grads)]
+            return y_pred, loss, totals + grads, sparse
+        return y_pred, loss, [t + g for t, g in zip(totals, grads)], sparse
 
     def _infer_body(self, inputs):
         return self._call(inputs, False)
@@ -78,11 +85,12 @@ class FusedRunner:
         y, sample_weight = targets
         scale = tf.constant(scale, tf.float32)
         if self._grads is None:
-            y_pred, loss, self._grads = self._first_fn(inputs, y, sample_weight, scale)
+            y_pred, loss, self._grads, sparse = self._first_fn(inputs, y, sample_weight, scale)
         else:
-            y_pred, loss, self._grads = self._accumulate_fn(
+            y_pred, loss, self._grads, sparse = self._accumulate_fn(
                 inputs, y, sample_weight, scale, self._grads
             )
+        self._sparse_pieces.append(sparse)
         self._forwarded.add(microbatch)
         return y_pred, loss
 
@@ -96,18 +104,34 @@ class FusedRunner:
         return self._infer_fn(inputs)
 
     def take_gradients(self) -> list:
-        """Summed variable gradients of the micro-batches since the last call (zeros if none)."""
+        """Summed variable gradients of the micro-batches since the last call (zeros if none);
+        row slices concatenated for the embedding tables."""
         if self.layout is not None:
-            return self.layout.unflatten_fn(self.take_flat_gradients())
-        grads, self._grads = self._grads, None
-        if grads is None:
-            grads = [tf.zeros_like(v) for v in self.variables]
+            dense = self.layout.unflatten_fn(self.take_flat_gradients())
+        else:
+            dense, self._grads = self._grads, None
+            if dense is None:
+                dense = [tf.zeros_like(self.variables[i]) for i in self.dense]
+        grads = [None] * len(self.variables)
+        for i, grad in zip(self.dense, dense):
+            grads[i] = grad
+        for i, grad in zip(self.sparse, self.take_sparse_gradients()):
+            grads[i] = grad
         return grads
 
     def take_flat_gradients(self):
-        """`take_gradients` as the layout's one flat tensor (needs a `layout`)."""
+        """The dense variables' summed gradients as the layout's one flat tensor (needs a
+        `layout`); take the tables' with `take_sparse_gradients`."""
         flat, self._grads = self._grads, None
         return tf.zeros([self.layout.length], tf.float32) if flat is None else flat
+
+    def take_sparse_gradients(self) -> list:
+        """The embedding tables' gradients since the last call, in `sparse` order."""
+        pieces, self._sparse_pieces = self._sparse_pieces, []
+        return [
+            rows.concat_rows([p[j] for p in pieces], self.variables[i])
+            for j, i in enumerate(self.sparse)
+        ]
 
     @property
     def in_flight(self) -> int:

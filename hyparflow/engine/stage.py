@@ -12,6 +12,8 @@ import numpy as np
 import tensorflow as tf
 from keras import tree
 
+from hyparflow.engine import sparse as rows
+
 
 def _is_float(tensor) -> bool:
     return tensor.dtype.is_floating
@@ -49,6 +51,10 @@ class StageRunner:
     concatenated once, when taken. `FlatLayout.flat_backward_pays` says which is cheaper
     (docs/engine.md, "Flat pipeline gradients").
 
+    `sparse`: positions of embedding tables, whose gradients stay row slices (`layout`, if
+    any, covers the other variables): each micro-batch's are kept as they come and
+    concatenated in order (`take_sparse_gradients`).
+
     `recompute=True` keeps only each micro-batch's inputs between forward and backward and
     recomputes its activations in the backward (Chen et al. 2016, "Training Deep Nets with
     Sublinear Memory Cost"; GPipe's re-materialization).
@@ -71,8 +77,12 @@ class StageRunner:
         input_grads=True,
         layout=None,
         flat_backward=True,
+        sparse=(),
     ):
         self.variables = list(variables)
+        self.sparse = sorted(sparse)
+        self.dense = sorted(set(range(len(self.variables))) - set(self.sparse))
+        self._sparse_pieces: list[list] = []  # per micro-batch, the row-sparse gradients
         self.layout = layout
         self.flat_backward = layout is not None and flat_backward
         self.input_grads = input_grads
@@ -104,7 +114,8 @@ class StageRunner:
         return inputs if self.input_grads else tree.map_structure(_constant, inputs)
 
     def _pack_body(self):
-        return self.layout.flatten([tf.convert_to_tensor(s) for s in self._sources], 0.0)
+        dense = [tf.convert_to_tensor(self._sources[i]) for i in self.dense]
+        return self.layout.flatten(dense, 0.0)
 
     def _flatten_body(self, grads):
         return self.layout.flatten(grads, 0.0)
@@ -115,7 +126,8 @@ class StageRunner:
         if params is None:
             return self._call(inputs, True)
         views = self.layout.unflatten(params)
-        with _UpdateRecordingScope(zip(self.variables, views)) as scope:
+        dense = [self.variables[i] for i in self.dense]  # tables are read as they are
+        with _UpdateRecordingScope(zip(dense, views)) as scope:
             outputs = self._call(inputs, True)
         for variable, value in scope.updates.values():  # statistics, seeds: applied for real
             variable.assign(value)
@@ -160,7 +172,10 @@ class StageRunner:
         sources, targets)."""
         watched = [t for t in tree.flatten(inputs) if _is_float(t)] if self.input_grads else []
         params = self._parameters()
-        sources = self._sources if params is None else [params]
+        if params is None:
+            sources = self._sources
+        else:
+            sources = [params] + [self._sources[i] for i in self.sparse]
         if tape is not None:
             tape.watch(watched)
             tape.watch(sources)
@@ -204,14 +219,18 @@ class StageRunner:
             unconnected_gradients=tf.UnconnectedGradients.ZERO,
         )
         input_grads, var_grads = grads[: len(watched)], grads[len(watched) :]
-        var_grads = [tf.convert_to_tensor(g) for g in var_grads]  # IndexedSlices -> dense
         if self.flat_backward:
-            (flat,) = var_grads
+            flat, sparse = var_grads[0], var_grads[1:]
             self._grads = flat if self._grads is None else self._grads + flat
-        elif self._grads is None:
-            self._grads = var_grads
         else:
-            self._grads = [a + g for a, g in zip(self._grads, var_grads)]
+            rows.check_kinds(var_grads, self.sparse, self.variables)
+            sparse = [var_grads[i] for i in self.sparse]
+            dense = [tf.convert_to_tensor(var_grads[i]) for i in self.dense]
+            if self._grads is None:
+                self._grads = dense
+            else:
+                self._grads = [a + g for a, g in zip(self._grads, dense)]
+        self._sparse_pieces.append(sparse)
         if not self.input_grads:
             return [None] * len(tree.flatten(inputs))
         by_input = iter(input_grads)
@@ -237,18 +256,33 @@ class StageRunner:
         self._parameters()
 
     def take_gradients(self) -> list:
-        """Summed variable gradients of the micro-batches since the last call (zeros if none)."""
+        """Summed variable gradients of the micro-batches since the last call (zeros if none);
+        row slices concatenated for the embedding tables."""
         if self.flat_backward:
-            return self.layout.unflatten_fn(self.take_flat_gradients())
-        grads = self._grads
-        self._grads = None
-        if grads is None:
-            grads = [tf.zeros_like(v) for v in self.variables]
+            dense = self.layout.unflatten_fn(self.take_flat_gradients())
+        else:
+            dense, self._grads = self._grads, None
+            if dense is None:
+                dense = [tf.zeros_like(self.variables[i]) for i in self.dense]
+        grads = [None] * len(self.variables)
+        for i, grad in zip(self.dense, dense):
+            grads[i] = grad
+        for i, grad in zip(self.sparse, self.take_sparse_gradients()):
+            grads[i] = grad
         return grads
 
+    def take_sparse_gradients(self) -> list:
+        """The embedding tables' gradients since the last call, in `sparse` order."""
+        pieces, self._sparse_pieces = self._sparse_pieces, []
+        return [
+            rows.concat_rows([p[j] for p in pieces], self.variables[i])
+            for j, i in enumerate(self.sparse)
+        ]
+
     def take_flat_gradients(self):
-        """`take_gradients` as the layout's one flat tensor (needs a `layout`); the next
-        forward packs the variables anew."""
+        """The dense variables' summed gradients as the layout's one flat tensor (needs a
+        `layout`; take the tables' with `take_sparse_gradients`); the next forward packs the
+        variables anew."""
         if not self.flat_backward:
             grads, self._grads = self._grads, None
             if grads is None:

@@ -9,9 +9,11 @@ gradient is exactly the gradient of Keras's loss on the whole global batch.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import tensorflow as tf
-from keras import tree
+from keras import ops, tree
 from keras.optimizers import LossScaleOptimizer
 
 from hyparflow.comm.agree import AgreedError
@@ -22,6 +24,7 @@ from hyparflow.comm.topology import Topology
 from hyparflow.comm.watchdog import NoWatchdog, Watchdog
 from hyparflow.data import GlobalBatch, piece_bounds
 from hyparflow.engine import events
+from hyparflow.engine import sparse as rows
 from hyparflow.engine.flat import FlatLayout
 from hyparflow.engine.fused import FusedRunner
 from hyparflow.engine.metrics import ReplicaMetrics
@@ -89,7 +92,12 @@ class Trainer:
             self.variables = list(self.stage.model.trainable_variables)
             call = self._call_stage
             self.owned = _owned_variables(plan, topo.stage)
-        layout = FlatLayout(self.variables) if strategy.flat_gradients else None
+        graph = model if plan is None else self.stage.model
+        # Embedding tables: their gradients stay row slices, apart from the flat dense ones.
+        self.sparse = rows.row_sparse_positions(self.variables, graph._flatten_layers())
+        self.dense = sorted(set(range(len(self.variables))) - set(self.sparse))
+        dense_variables = [self.variables[i] for i in self.dense]
+        layout = FlatLayout(dense_variables) if strategy.flat_gradients else None
         use_flat = layout is not None and layout.usable  # float32 variables, flat gradients wanted
         if plan is None:  # nothing lives between forward and backward: one compiled call
             self.runner = FusedRunner(
@@ -101,6 +109,7 @@ class Trainer:
                 layout=layout
                 if use_flat and comm_backend == "mpi" and topo.num_replicas > 1
                 else None,
+                sparse=self.sparse,
             )
         else:
             self.runner = StageRunner(
@@ -111,6 +120,7 @@ class Trainer:
                 state_variables=self._forward_state() if strategy.recompute else (),
                 metrics=self._update_metrics if self.is_last else None,
                 input_grads=not self.is_first,
+                sparse=self.sparse,
                 **self._stage_gradient_form(layout, use_flat, plan, comm_backend),
             )
         self._update_metrics_fn = tf.function(self._update_metrics)
@@ -125,12 +135,17 @@ class Trainer:
             topo.pipeline_comm.allreduce(len(self._regularized) > 0, op=_mpi_op("LOR"))
         )
         self._shared = self._shared_variable_indices()
+        # Keras clips by the norm of the whole model's gradient: stages must agree on it.
+        self._clips_across_stages = plan is not None and bool(
+            getattr(_inner(model.optimizer), "global_clipnorm", None)
+        )
         self._overlap = None
         if (
             strategy.overlap_groups > 1
             and topo.num_replicas > 1
             and self._shared is None
             and comm_backend == "mpi"
+            and not self.sparse  # segments keep gradients dense
         ):
             self._overlap = self._segment_stage(strategy.overlap_groups)
         if self._overlap is not None:
@@ -141,10 +156,10 @@ class Trainer:
                 background=True,
             )
         else:
-            self.replica_reducer = make_reducer(comm_backend, topo, self.variables, op="sum")
+            self.replica_reducer = make_reducer(comm_backend, topo, dense_variables, op="sum")
         self.shared_reducer = (
             GradientReducer(topo.pipeline_comm, specs=self._shared_specs(), op="sum")
-            if self._shared is not None
+            if self._shared is not None and self._shared_specs()
             else None
         )
         self._channels: dict[int, tuple] = {}
@@ -276,22 +291,33 @@ class Trainer:
             return None
         mine = {id(v): i for i, v in enumerate(self.variables)}
         self._shared_all = shared_all
+        tables = rows.row_sparse_positions(shared_all, self.model._flatten_layers())
+        self._shared_tables = [j in tables for j in range(len(shared_all))]
         return [mine.get(id(v)) for v in shared_all]
 
     def _shared_specs(self):
-        return [(tuple(v.shape), v.dtype) for v in self._shared_all]
+        return [
+            (tuple(v.shape), v.dtype)
+            for v, table in zip(self._shared_all, self._shared_tables)
+            if not table
+        ]
 
     def _sum_shared(self, grads: list) -> list:
-        """Sum the gradients of layers used by several stages over the pipeline."""
-        contributions = [
-            grads[i] if i is not None else tf.zeros(v.shape, v.dtype)
-            for i, v in zip(self._shared, self._shared_all)
-        ]
-        summed = self.shared_reducer.reduce(contributions)
+        """Sum the gradients of layers used by several stages over the pipeline (tables' row
+        slices gathered, as `reduce_rows` does across replicas)."""
+        dense, tables = [], []
+        for i, v, table in zip(self._shared, self._shared_all, self._shared_tables):
+            if table:
+                tables.append(grads[i] if i is not None else rows.empty_rows(v))
+            else:
+                dense.append(grads[i] if i is not None else tf.zeros(v.shape, v.dtype))
+        dense = iter(self.shared_reducer.reduce(dense) if dense else [])
+        tables = iter(rows.reduce_rows(self.topology.pipeline_comm, tables))
         grads = list(grads)
-        for i, total in zip(self._shared, summed):
+        for i, table in zip(self._shared, self._shared_tables):
+            total = next(tables) if table else tf.convert_to_tensor(next(dense))
             if i is not None:
-                grads[i] = tf.convert_to_tensor(total)
+                grads[i] = total
         return grads
 
     # --- pipeline links ------------------------------------------------------------------
@@ -359,29 +385,59 @@ class Trainer:
                     flat = self.runner.take_flat_gradients()
                     if self.topology.num_replicas > 1:  # (Horovod's reducer has no flat call)
                         flat = self.replica_reducer.reduce_flat(flat)
+                    tables = self._reduce_tables(self.runner.take_sparse_gradients())
                 elif self._overlap is not None:
                     grads = self._finish_overlapped_reduction()
                 else:
                     grads = self.runner.take_gradients()
-                    if self.shared_reducer is not None:
+                    if self._shared is not None:
                         grads = self._sum_shared(grads)
-                    grads = [tf.convert_to_tensor(g) for g in self.replica_reducer.reduce(grads)]
+                    grads = self._reduce_over_replicas(grads)
             if self.check_numerics:
-                self._check_finite(losses, grads if layout is None else layout.unflatten_fn(flat))
+                if layout is not None:
+                    grads = self._merge(layout.unflatten_fn(flat), tables)
+                self._check_finite(losses, grads)
             with self._span(events.OPTIMIZER):
-                reg_value = self._apply(grads) if layout is None else self._apply_flat(flat)
+                if layout is None:
+                    reg_value = self._apply(grads)
+                elif self._clips_across_stages:  # the norm is summed between two calls
+                    reg_value = self._apply(self._merge(layout.unflatten_fn(flat), tables))
+                else:
+                    reg_value = self._apply_flat(flat, tables)
         self._track_loss(losses, reg_value)
         self.step += 1
         self.watchdog.step = self.step
+
+    def _reduce_over_replicas(self, grads: list) -> list:
+        """Sum every gradient over this stage's replicas (tables' row slices gathered)."""
+        dense = self.replica_reducer.reduce([grads[i] for i in self.dense])
+        return self._merge(
+            [tf.convert_to_tensor(g) for g in dense],
+            self._reduce_tables([grads[i] for i in self.sparse]),
+        )
+
+    def _reduce_tables(self, tables: list) -> list:
+        """The embedding tables' gradients over this stage's replicas, as one process has them."""
+        if not tables or self.topology.num_replicas == 1:
+            return tables
+        return rows.reduce_rows(self.topology.stage_comm, tables)
+
+    def _merge(self, dense: list, tables: list) -> list:
+        """One gradient list in variable order from the dense ones and the tables'."""
+        grads = [None] * len(self.variables)
+        for i, grad in zip(self.dense, dense):
+            grads[i] = grad
+        for i, grad in zip(self.sparse, tables):
+            grads[i] = grad
+        return grads
 
     def _check_finite(self, losses, grads) -> None:
         """Stop every rank together, naming step, rank and stage, on a NaN/Inf loss or gradient."""
         problem = None
         if any(not np.isfinite(float(loss)) for loss, _ in losses):
             problem = "loss"
-        elif any(not bool(tf.reduce_all(tf.math.is_finite(g))) for g in grads):
-            bad = next(v for v, g in zip(self.variables, grads) if not tf.reduce_all(
-                tf.math.is_finite(g)))  # fmt: skip
+        elif any(not _finite(g) for g in grads):
+            bad = next(v for v, g in zip(self.variables, grads) if not _finite(g))
             problem = f"gradient of {bad.path}"
         topo = self.topology
         with self.watchdog.guard("agree on numerics"):
@@ -410,12 +466,15 @@ class Trainer:
         """Under loss scaling, every stage must skip an overflowing step together: if any rank
         saw Inf/NaN, all hand NaN gradients to their LossScaleOptimizer, which then skips the
         step and lowers the scale identically everywhere."""
-        finite = all(bool(tf.reduce_all(tf.math.is_finite(g))) for g in grads)
+        finite = all(_finite(g) for g in grads)
         with self.watchdog.guard("agree on finite scaled gradients"):
             finite = self.topology.world.allreduce(finite, op=_mpi_op("LAND"))
         if finite:
             return grads
-        return [tf.fill(tf.shape(g), tf.constant(float("nan"), g.dtype)) for g in grads]
+        return [
+            rows.like(g, tf.fill(tf.shape(rows.values_of(g)), tf.constant(float("nan"), g.dtype)))
+            for g in grads
+        ]
 
     def _apply(self, grads: list) -> float:
         """Add regularization gradients, step the optimizer; return the total regularization."""
@@ -428,9 +487,26 @@ class Trainer:
         reg_value = self._sum_over_pipeline(reg_value)
         if isinstance(self.model.optimizer, LossScaleOptimizer):
             grads = self._agree_finite_for_loss_scaling(grads)
+        norm = self._pipeline_norm(grads) if self._clips_across_stages else None
         if self.variables:  # a stage of only Add/Activation layers has nothing to update
-            self._optimizer_step(grads)
+            self._optimizer_step(grads, norm)
         return reg_value
+
+    def _pipeline_norm(self, grads: list):
+        """Keras's global gradient norm of the whole model (its `global_clipnorm`): squares of
+        the variables each stage owns, summed over the pipeline (a shared layer counts once).
+        Collective over the pipeline."""
+        owned = {id(v) for v in self.owned}
+        mine = [g for v, g in zip(self.variables, grads) if id(v) in owned]
+        squares = 0.0
+        if mine:
+            fn = self.__dict__.setdefault(
+                "_squares_fn", tf.function(_sum_of_squares, reduce_retracing=True)
+            )
+            squares = float(fn(mine, tf.constant(self._loss_scale(), tf.float32)))
+        with self.watchdog.guard("sum the gradient norm over the pipeline"):
+            total = self.topology.pipeline_comm.allreduce(squares)
+        return tf.constant(math.sqrt(total), tf.float32)
 
     def _add_regularization(self, grads: list, reg_grads: list, loss_scale) -> list:
         """`grads` with the owned variables' regularization gradients (times the loss scale)."""
@@ -438,17 +514,18 @@ class Trainer:
         position = {id(v): i for i, v in enumerate(self.variables)}
         for v, g in zip(self._regularized, reg_grads):
             i = position[id(v)]
-            grads[i] = grads[i] + tf.cast(g, grads[i].dtype) * loss_scale
+            # dense, as one process's tape sums a table's row slices and a dense gradient
+            grads[i] = tf.convert_to_tensor(grads[i]) + tf.cast(g, grads[i].dtype) * loss_scale
         return grads
 
-    def _apply_flat(self, flat) -> float:
+    def _apply_flat(self, flat, tables: list) -> float:
         """`_apply` for reduced flat gradients, the update one compiled call: split into views,
         add regularization, step the optimizer. Pipeline stages agree on a loss-scale overflow
         first (an unpartitioned model's replicas hold the same sums: they see it alike)."""
         if self.plan is not None and isinstance(self.model.optimizer, LossScaleOptimizer):
-            (flat,) = self._agree_finite_for_loss_scaling([flat])
+            (flat, *tables) = self._agree_finite_for_loss_scaling([flat, *tables])
         update = self._compiled_update(self._flat_apply_body)
-        value = update(flat, tf.constant(self._loss_scale(), tf.float32))
+        value = update(flat, tables, tf.constant(self._loss_scale(), tf.float32))
         return self._sum_over_pipeline(float(value) if self._regularized else 0.0)
 
     def _sum_over_pipeline(self, reg_value: float) -> float:
@@ -458,8 +535,8 @@ class Trainer:
         with self.watchdog.guard("sum regularization over the pipeline"):
             return self.topology.pipeline_comm.allreduce(reg_value)
 
-    def _flat_apply_body(self, flat, loss_scale):
-        grads = self.runner.layout.unflatten(flat)
+    def _flat_apply_body(self, flat, tables, loss_scale):
+        grads = self._merge(self.runner.layout.unflatten(flat), tables)
         value = tf.constant(0.0)
         if self._regularized:
             value, reg_grads = self._regularization_and_grads()
@@ -467,17 +544,31 @@ class Trainer:
         self.model.optimizer.apply(grads, self.variables)
         return value
 
-    def _optimizer_step(self, grads: list) -> None:
-        """The optimizer's update as one compiled call, as Keras's own train step runs it.
+    def _optimizer_step(self, grads: list, norm=None) -> None:
+        """The optimizer's update as one compiled call, as Keras's own train step runs it;
+        with `norm`, clipped by that global norm instead of the stage's own.
 
         Run eagerly, Keras's optimizers dispatch a few dozen ops per variable (Adam: ~60% of a
         small model's step); traced once, the update is one graph call.
         """
-        update = self._compiled_update(self._optimizer_body)
-        update([tf.convert_to_tensor(g) for g in grads])
+        if norm is None:
+            self._compiled_update(self._optimizer_body)(list(grads))
+        else:
+            self._compiled_update(self._clipped_optimizer_body)(list(grads), norm)
 
     def _optimizer_body(self, grads):
         self.model.optimizer.apply(grads, self.variables)
+
+    def _clipped_optimizer_body(self, grads, norm):
+        """Keras's `clip_by_global_norm` with the whole model's norm, then the update."""
+        optimizer = _inner(self.model.optimizer)
+        clip = optimizer.global_clipnorm
+        scale = clip * ops.minimum(1.0 / norm, 1.0 / clip) + (norm - norm)  # NaN if not finite
+        optimizer.global_clipnorm = None  # clipped here; the stage alone would see its own norm
+        try:
+            self.model.optimizer.apply([g * scale for g in grads], self.variables)
+        finally:
+            optimizer.global_clipnorm = clip
 
     def _compiled_update(self, body):
         """`body` as a `tf.function`, traced anew for each optimizer object (a recompiled model
@@ -488,7 +579,8 @@ class Trainer:
         compiled = self.__dict__.setdefault("_compiled_updates", {})
         name = body.__name__
         if name not in compiled or compiled[name][0] is not optimizer:
-            compiled[name] = (optimizer, tf.function(body))
+            # Tables' row counts vary by step: generalise shapes after a retrace, as Keras does.
+            compiled[name] = (optimizer, tf.function(body, reduce_retracing=True))
         return compiled[name][1]
 
     def eval_step(self, batch: GlobalBatch, reg_value: float) -> None:
@@ -772,6 +864,20 @@ def _weight_owners(plan, model) -> list:
         for v in stage.model.weights:
             first_user.setdefault(id(v), stage.index)
     return [first_user.get(id(v), 0) for v in model.weights]
+
+
+def _inner(optimizer):
+    """The optimizer that clips: a LossScaleOptimizer's inner one."""
+    return optimizer.inner_optimizer if isinstance(optimizer, LossScaleOptimizer) else optimizer
+
+
+def _sum_of_squares(grads, loss_scale):
+    """Keras's squared global norm of `grads` (row slices count each pair), unscaled."""
+    return ops.sum(ops.stack([ops.sum(ops.square(g)) for g in grads])) / ops.square(loss_scale)
+
+
+def _finite(grad) -> bool:
+    return bool(tf.reduce_all(tf.math.is_finite(rows.values_of(grad))))
 
 
 def _mpi_op(name: str):

@@ -1,0 +1,45 @@
+"""Train models users train (tests/mpi/zoo.py) with hf.fit and with plain Keras; report diffs.
+
+Arguments: configurations "model:optimizer:strategy:partitions:replicas:microbatches:schedule",
+the optimizer as zoo.optimizer names it ("adam+globalclip"). Every rank trains the Keras
+reference itself and compares its own copy of the trained model, which holds the full weights.
+"""
+
+import keras
+
+import hyparflow as hf
+from tests.mpi import zoo
+from tests.mpi.compare import history_difference, relative_difference
+from tests.mpi.report import args, report
+
+BATCH, EPOCHS = 16, 2
+
+
+def run(config: str) -> dict:
+    name, optimizer, kind, partitions, replicas, microbatches, schedule = config.split(":")
+    x, y = zoo.data(name)
+    reference = zoo.compiled(name, optimizer)
+    ref_history = reference.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+    model = zoo.compiled(name, optimizer)
+    strategy = hf.Strategy(
+        kind,
+        partitions=int(partitions),
+        replicas=int(replicas),
+        microbatches=int(microbatches),
+        schedule=schedule,
+    )
+    history = hf.fit(
+        model, x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0, strategy=strategy
+    )
+    return {
+        "config": config,
+        "weights": relative_difference(model.get_weights(), reference.get_weights()),
+        "history": history_difference(history.history, ref_history.history),
+        "keys": sorted(history.history),
+        "ref_keys": sorted(ref_history.history),
+    }
+
+
+if __name__ == "__main__":
+    keras.config.disable_interactive_logging()
+    report({"rank": hf.rank(), "results": [run(c) for c in args()]})
