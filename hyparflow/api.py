@@ -15,10 +15,50 @@ def _check_compiled(model) -> None:
         )
 
 
+_OWN_STEPS = ("train_step", "test_step", "compute_loss")
+
+
+def _check_standard_steps(model) -> None:
+    """Refuse a model that overrides Keras's step or loss: hf.fit runs its own distributed
+    step, so that custom logic would silently not run."""
+    import keras
+
+    if getattr(model, "preprocessor", None) is not None and hasattr(model, "preprocess_samples"):
+        raise ValueError(
+            f"{type(model).__name__} has a preprocessor, which its own fit runs on the data and "
+            "hf.fit would not: build the task with preprocessor=None and preprocess the data "
+            "first (e.g. dataset.map(preprocessor))."
+        )
+    for name in _OWN_STEPS:
+        if getattr(type(model), name, None) is not getattr(keras.Model, name):
+            raise ValueError(
+                f"{type(model).__name__} overrides Model.{name}, which hf.fit cannot run across "
+                "ranks (it runs its own pipeline step, so the override would be skipped); move "
+                "that logic into layers, losses or metrics, or train it with model.fit on one "
+                "process."
+            )
+
+
+def _check_random_layers(model, strategy) -> None:
+    """Refuse random layers whose draws depend on the batch they see when the global batch is
+    cut into pieces (replicas, micro-batches): their results would differ from Keras's."""
+    from hyparflow.engine.random_slices import unsliceable_random_layers
+
+    if strategy.replicas * strategy.microbatches == 1:
+        return
+    names = unsliceable_random_layers(model)
+    if names:
+        raise ValueError(
+            f"Layers {names} draw random numbers that hyparflow cannot split over replicas and "
+            "micro-batches as Keras draws them for the whole batch (Dropout and attention "
+            "dropout can); apply such augmentation or noise in the input pipeline, or use "
+            "one replica and num_microbatches=1."
+        )
+
+
 def _check_loss_reductions(model) -> None:
     """The engine weights each micro-batch's mean loss by its share of the global batch, which
-    is exact for Keras's default "sum_over_batch_size" reduction; activity regularizers would
-    need the same treatment and are refused until they get it."""
+    is exact for Keras's default "sum_over_batch_size" reduction."""
     compile_loss = getattr(model, "_compile_loss", None)
     if compile_loss is None:
         raise ValueError("The model was compiled without a loss; pass loss=... to compile().")
@@ -30,12 +70,6 @@ def _check_loss_reductions(model) -> None:
             raise ValueError(
                 f"Loss {getattr(loss_fn, 'name', loss_fn)!r} uses reduction {reduction!r}; "
                 "multi-rank training needs reduction='sum_over_batch_size' (Keras's default)."
-            )
-    for layer in model._flatten_layers(include_self=False):
-        if getattr(layer, "activity_regularizer", None) is not None:
-            raise ValueError(
-                f"Layer {layer.name!r} has an activity_regularizer, which multi-rank training "
-                "does not support yet; remove it or train on one process."
             )
 
 
@@ -82,6 +116,8 @@ def _make_trainer(model, resolved, comm, needs_loss=True, comm_backend=None):
 
     if needs_loss:
         agree(comm, _check_loss_reductions, model)
+        agree(comm, _check_standard_steps, model)
+    agree(comm, _check_random_layers, model, resolved)
     cached = getattr(model, _TRAINER_ATTRIBUTE, None)
     if comm_backend is None:
         comm_backend = cached[0][-1] if cached is not None else "mpi"

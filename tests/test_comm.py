@@ -19,6 +19,7 @@ from hyparflow.comm.p2p import (
     BoundarySpec,
     PipeChannel,
     batch_from_bytes,
+    header_tag,
     message_tag,
 )
 from tests.mpirun import run_scenario
@@ -31,6 +32,12 @@ COMM_DIR = pathlib.Path(__file__).parent.parent / "hyparflow" / "comm"
 def ranks():
     """One 4-rank launch (2 partitions x 2 replicas) shared by every multi-rank assertion."""
     return run_scenario("comm_checks", 4, timeout=240)
+
+
+@pytest.fixture(scope="module")
+def dynamic_ranks():
+    """One 2-rank launch sending tensors whose sequence length changes from step to step."""
+    return run_scenario("dynamic_p2p", 2, timeout=180)
 
 
 # ---- pure pieces -------------------------------------------------------------------------
@@ -76,7 +83,7 @@ def test_channel_refuses_tags_beyond_tag_ub_and_bad_arguments():
         PipeChannel(FakeComm(32767), 0, spec, 2)
     with pytest.raises(ValueError, match="transport must be one of"):
         PipeChannel(FakeComm(32767), 1, spec, 2, transport="rdma")
-    with pytest.raises(ValueError, match="fully known"):
+    with pytest.raises(ValueError, match="must start with a known batch size"):
         PipeChannel(FakeComm(32767), 1, [((None, 3), "float32")], 2)
     channel = PipeChannel(FakeComm(32767), 1, spec, 2)
     with pytest.raises(ValueError, match="micro-batch 2 is outside"):
@@ -87,6 +94,73 @@ def test_channel_refuses_tags_beyond_tag_ub_and_bad_arguments():
         channel.isend([tf.zeros((3, 3))], 0, FORWARD)
     with pytest.raises(ValueError, match="does not fit"):
         channel.isend([tf.zeros((2, 3), tf.float64)], 0, FORWARD)
+
+
+def test_boundary_specs_accept_unknown_dimensions_after_the_batch():
+    hidden = BoundarySpec.of(((8, None, 32), "float32"))
+    assert hidden.shape == (8, None, 32) and hidden.max_batch == 8 and hidden.dynamic
+    mask = BoundarySpec.of(tf.TensorSpec((8, None), tf.bool))
+    assert mask.dynamic and mask.dtype == tf.bool
+    assert not BoundarySpec.of(((8, 16), "int32")).dynamic
+    assert hidden.fits((3, 17, 32)) and hidden.fits((8, 0, 32))
+    assert not hidden.fits((9, 17, 32)) and not hidden.fits((3, 17, 31))
+    assert not hidden.fits((3, 17)) and not mask.fits((3, 17, 1))
+    for shape in [(None, 16), (None, None), ()]:
+        with pytest.raises(ValueError, match="must start with a known batch size"):
+            BoundarySpec.of((shape, "float32"))
+    with pytest.raises(ValueError, match="bytes per sample vary per message"):
+        hidden.row_bytes  # noqa: B018
+
+
+class RecordingComm(FakeComm):
+    """Records the nonblocking sends and receives a channel posts, without sending anything."""
+
+    def __init__(self, tag_ub=2**31 - 1):
+        super().__init__(tag_ub)
+        self.sends, self.receives = [], []
+
+    def Isend(self, message, dest, tag):
+        self.sends.append((tag, np.array(message[0], copy=True)))
+        return object()
+
+    def Irecv(self, message, source, tag):
+        self.receives.append((tag, message[0]))
+        return object()
+
+
+def test_only_dynamic_tensors_send_a_shape_header_in_its_own_tag_space():
+    specs = [((4, None, 3), "float32"), ((4, None), "int32"), ((4, 5), "float32")]
+    channel = PipeChannel(RecordingComm(), 1, specs, 3, backward_specs=[specs[2]])
+    assert channel.dynamic and header_tag(1, 0, FORWARD, 3, 3) == 18 + message_tag(1, 0, FORWARD, 3)
+    tensors = [tf.ones((2, 7, 3)), tf.ones((2, 7), tf.int32), tf.ones((2, 5))]
+    channel.isend(tensors, 1, FORWARD)
+    data = [message_tag(1, i, FORWARD, 3) for i in range(3)]
+    headers = [header_tag(1, i, FORWARD, 3, 3) for i in range(2)]
+    sent = channel.comm.sends
+    assert [tag for tag, _ in sent] == [headers[0], data[0], headers[1], data[1], data[2]]
+    assert sent[0][1].dtype == np.int64 and sent[0][1].tolist() == [2, 7, 3]
+    assert sent[2][1].tolist() == [2, 7]
+    assert min(headers) > max(message_tag(2, 2, d, 3) for d in DIRECTIONS)  # above every data tag
+    # irecv posts the headers of dynamic tensors and the data of static ones, nothing more.
+    channel.irecv(1, FORWARD)
+    assert [tag for tag, _ in channel.comm.receives] == [headers[0], headers[1], data[2]]
+    assert channel.receive_buffer(1, FORWARD, 0) is None  # sized by its first header
+    with pytest.raises(ValueError, match=r"does not fit the boundary spec \(4, None, 3\)"):
+        channel.isend([tf.ones((2, 7, 4)), *tensors[1:]], 0, FORWARD)
+
+    # A static channel sends exactly one message per tensor, as before.
+    static = PipeChannel(RecordingComm(), 1, [specs[2]], 3)
+    static.isend([tf.ones((4, 5))], 2, FORWARD)
+    static.irecv(2, FORWARD)
+    assert not static.dynamic
+    assert [tag for tag, _ in static.comm.sends] == [message_tag(2, 0, FORWARD, 1)]
+    assert [tag for tag, _ in static.comm.receives] == [message_tag(2, 0, FORWARD, 1)]
+
+    # Headers double the tags a dynamic channel needs, checked against TAG_UB.
+    PipeChannel(FakeComm(32767), 1, [specs[0]], 8192)
+    with pytest.raises(ValueError, match=r"need tag 32771 \(shape headers included\)"):
+        PipeChannel(FakeComm(32767), 1, [specs[0]], 8193)
+    PipeChannel(FakeComm(32767), 1, [specs[2]], 16384)
 
 
 def test_batch_size_is_read_from_the_message_length():
@@ -272,3 +346,40 @@ def test_fused_allreduce_matches_numpy(ranks):
         assert a["flat_tail_0"] and a["flat_tail_1"] and a["flat_mean_tail"]
         calls, slices_per_step = a["flat_calls"]
         assert calls == 2 * slices_per_step
+
+
+# ---- under mpirun, 2 ranks: unknown sequence length -------------------------------------
+
+
+@pytest.mark.parametrize("transport", ["host", "device"])
+def test_dynamic_shapes_arrive_exactly_with_buffers_reused_grown_and_held(dynamic_ranks, transport):
+    lengths = [7, 3, 12, 12, 1]
+    for r in dynamic_ranks:
+        d = r[transport]
+        receives_forward = r["rank"] == 1
+        assert d["values_ok"] == [[True] * 3] * 5
+        for length, shapes in zip(lengths, d["shapes"]):
+            for batch, got in zip([4, 4, 2], shapes):
+                forward = [[batch, length, 3], [batch, length], [batch, 5]]
+                assert got == (forward if receives_forward else [forward[0], forward[2]])
+        # Both receive styles in both directions (rank 1 receives forward, rank 0 backward).
+        assert sorted(set(d["modes"])) == ["irecv", "recv"]
+        if transport == "host":
+            assert d["zero_copy"] == [True] * 5
+        # Step 0 allocates a set per slot; step 1 (shorter) reuses them; step 2 (longer) grows
+        # slots 1-2 and gives slot 0 a fresh set (a step-1 tensor there is still held); step 3
+        # (same length) reuses slots 1-2 and again refreshes slot 0 (held); step 4 reuses all.
+        assert d["allocations"] == [3, 3, 6, 7, 7]
+        assert d["capacity"] == [[4 * n * 3] * 3 for n in (7, 7, 12, 12, 12)]
+        static = len(d["reused"][0][0]) - 1  # index of the static tensor
+        fresh, kept = [False] * (static + 1), [True] * (static + 1)
+        grown = [False] * static + [True]
+        assert d["reused"] == [[kept] * 3, [fresh, grown, grown], [fresh, kept, kept], [kept] * 3]
+        assert d["held_intact"] == [True, True]  # never overwritten, whether grown or reused
+        assert d["dynamic_nothing_pending"] and d["static_nothing_pending"]
+        if receives_forward:
+            assert d["wrong_batch_error"] == (
+                "micro-batch 2 (forward) arrived with batch sizes [2] but 4 was expected"
+            )
+            assert d["after_error_ok"]  # the refused message was still drained
+            assert d["static_ok"] and d["static_allocations"] == 1

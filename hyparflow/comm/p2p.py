@@ -12,6 +12,14 @@ step; a step's tags are reused by the next step, which MPI's in-order matching k
 Variable batch size: buffers hold the largest micro-batch; a smaller one is simply a shorter
 message, and the receiver reads its batch size from the received byte count (`recv` may also be
 told the size it expects, and then checks it).
+
+Unknown dimensions: a spec may leave non-batch dimensions None (e.g. `(8, None, 32)` for a
+transformer's hidden states). Such a "dynamic" tensor travels as two messages: a shape header
+(int64, one entry per dimension), then the data. Headers have their own tag space above every
+data tag, `header tag = data tag + 2 * num_microbatches * num_tensors`, so a header and a data
+message can never match each other's receive, whatever order receives are posted in (`irecv`
+posts header receives at once and data receives only once the header says how much room they
+need). Dynamic receive buffers are flat and grow on demand; static specs send no header.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import tensorflow as tf
 
 from hyparflow.comm.dlpack import (
@@ -46,20 +55,26 @@ DIRECTIONS = (FORWARD, BACKWARD)
 
 @dataclass(frozen=True)
 class BoundarySpec:
-    """Shape (leading dimension = largest micro-batch) and dtype of one boundary tensor."""
+    """Shape (leading dimension = largest micro-batch, later ones may be None) and dtype of one
+    boundary tensor."""
 
-    shape: tuple[int, ...]
+    shape: tuple[int | None, ...]
     dtype: tf.DType
 
     @classmethod
     def of(cls, spec) -> BoundarySpec:
-        """Accept a `(shape, dtype)` pair or anything with `.shape` and `.dtype`."""
+        """Accept a `(shape, dtype)` pair or anything with `.shape` and `.dtype`.
+
+        Example:
+            >>> BoundarySpec.of(((8, None, 32), "float32")).dynamic
+            True
+        """
         shape, dtype = (spec.shape, spec.dtype) if hasattr(spec, "dtype") else spec
         shape = tuple(tf.TensorShape(shape).as_list())
-        if not shape or any(d is None for d in shape):
+        if not shape or shape[0] is None:
             raise ValueError(
-                f"boundary tensor shape {shape} must be fully known and start with the largest "
-                "micro-batch size, e.g. (32, 128)"
+                f"boundary tensor shape {shape} must start with a known batch size, the largest "
+                "micro-batch's, e.g. (32, 128) or (32, None, 64): only later dimensions may be None"
             )
         return cls(shape, tf.as_dtype(dtype))
 
@@ -67,10 +82,35 @@ class BoundarySpec:
     def max_batch(self) -> int:
         return self.shape[0]
 
+    @functools.cached_property  # read per message
+    def dynamic(self) -> bool:
+        """Whether a non-batch dimension is unknown: each message then carries its shape."""
+        return None in self.shape[1:]
+
     @functools.cached_property  # read per received message
     def row_bytes(self) -> int:
-        """Bytes per sample: what one unit of batch size adds to the message."""
+        """Bytes per sample: what one unit of batch size adds to the message (static specs)."""
+        if self.dynamic:
+            raise ValueError(
+                f"boundary spec {self.shape} has unknown dimensions, so its bytes per sample "
+                "vary per message: use the received tensor's shape instead"
+            )
         return math.prod(self.shape[1:]) * self.dtype.size
+
+    def fits(self, shape) -> bool:
+        """Whether a tensor of `shape` may travel as this spec (None matches any size).
+
+        Example:
+            >>> spec = BoundarySpec.of(((8, None), "int32"))
+            >>> spec.fits((5, 17)), spec.fits((9, 17)), spec.fits((5,))
+            (True, False, False)
+        """
+        shape = tuple(shape)
+        return (
+            len(shape) == len(self.shape)
+            and 0 <= shape[0] <= self.max_batch
+            and all(want is None or want == got for want, got in zip(self.shape[1:], shape[1:]))
+        )
 
 
 def message_tag(microbatch: int, tensor_index: int, direction: str, num_tensors: int) -> int:
@@ -81,6 +121,19 @@ def message_tag(microbatch: int, tensor_index: int, direction: str, num_tensors:
         [4, 6, 5, 7]
     """
     return (microbatch * num_tensors + tensor_index) * 2 + DIRECTIONS.index(direction)
+
+
+def header_tag(
+    microbatch: int, tensor_index: int, direction: str, num_tensors: int, num_microbatches: int
+) -> int:
+    """The MPI tag of a dynamic tensor's shape header: above every data tag of the channel.
+
+    Example (3 micro-batches x 2 tensors use data tags 0..11):
+        >>> message_tag(1, 0, FORWARD, 2), header_tag(1, 0, FORWARD, 2, 3)
+        (4, 16)
+    """
+    data_tags = 2 * num_microbatches * num_tensors
+    return data_tags + message_tag(microbatch, tensor_index, direction, num_tensors)
 
 
 def batch_from_bytes(nbytes: int, spec: BoundarySpec) -> int:
@@ -96,12 +149,28 @@ def batch_from_bytes(nbytes: int, spec: BoundarySpec) -> int:
     return batch
 
 
+def shape_from_header(header: np.ndarray, count: int, spec: BoundarySpec) -> tuple[int, ...]:
+    """The shape a received header of `count` entries announces, checked against `spec`.
+
+    Example:
+        >>> shape_from_header(np.array([2, 7, 3]), 3, BoundarySpec.of(((4, None, 3), "int8")))
+        (2, 7, 3)
+    """
+    shape = tuple(int(d) for d in header[:count])
+    if count != len(spec.shape) or not spec.fits(shape):
+        raise RuntimeError(
+            f"received shape header {list(shape)} for {spec}: sender and receiver disagree on "
+            "the boundary tensor"
+        )
+    return shape
+
+
 class SendHandle:
     """Outstanding nonblocking sends; holds the tensors until `wait` so their memory stays put."""
 
     def __init__(self, requests, tensors):
         self._requests = requests
-        self._tensors = tensors
+        self._tensors = tensors  # and the shape headers of dynamic tensors
 
     def wait(self) -> None:
         """Block until every send has completed; the tensors may then be freed."""
@@ -127,14 +196,18 @@ class SendHandle:
 
 
 class RecvHandle:
-    """Posted receives of one micro-batch; `wait` returns its tensors."""
+    """Posted receives of one micro-batch; `wait` returns its tensors.
 
-    def __init__(self, channel, microbatch, direction, requests, buffers):
+    `requests` holds one receive per tensor: its data (static specs) or its shape header
+    (dynamic specs, `headers[i]` the header's array; None for static ones).
+    """
+
+    def __init__(self, channel, microbatch, direction, requests, headers):
         self._channel = channel
         self._microbatch = microbatch
         self._direction = direction
         self._requests = requests
-        self._buffers = buffers
+        self._headers = headers
 
     def wait(self, batch_size: int | None = None) -> list[tf.Tensor]:
         """Block until the micro-batch has arrived; check `batch_size` if given."""
@@ -142,18 +215,32 @@ class RecvHandle:
 
         statuses = [MPI.Status() for _ in self._requests]
         MPI.Request.Waitall(self._requests, statuses)
-        channel = self._channel
-        specs = channel.specs(self._direction)
-        batches = {batch_from_bytes(s.Get_count(MPI.BYTE), sp) for s, sp in zip(statuses, specs)}
+        channel, direction, microbatch = self._channel, self._direction, self._microbatch
+        specs = channel.specs(direction)
+        try:
+            shapes = [
+                (batch_from_bytes(s.Get_count(MPI.BYTE), spec), *spec.shape[1:])
+                if header is None
+                else shape_from_header(header, s.Get_count(MPI.INT64_T), spec)
+                for s, header, spec in zip(statuses, self._headers, specs)
+            ]
+            # Dynamic data is received even when the batch sizes disagree, so that no message
+            # is left behind to be matched by a later receive.
+            buffers = channel._receive_dynamic(direction, microbatch, shapes)
+        except BaseException:
+            channel._claim_slot(direction, microbatch, [])  # the slot is free again
+            raise
+        batches = {shape[0] for shape in shapes}
         if len(batches) != 1 or (batch_size is not None and batches != {batch_size}):
-            channel._claim_slot(self._direction, self._microbatch, [])  # the slot is free again
+            channel._claim_slot(direction, microbatch, [])
             raise RuntimeError(
-                f"micro-batch {self._microbatch} ({self._direction}) arrived with batch sizes "
+                f"micro-batch {microbatch} ({direction}) arrived with batch sizes "
                 f"{sorted(batches)} but {batch_size or 'one common size'} was expected"
             )
-        (batch,) = batches
-        tensors = [channel._as_tensor(buf, spec, batch) for buf, spec in zip(self._buffers, specs)]
-        channel._claim_slot(self._direction, self._microbatch, tensors)
+        tensors = [
+            channel._as_tensor(buf, spec, shape) for buf, spec, shape in zip(buffers, specs, shapes)
+        ]
+        channel._claim_slot(direction, microbatch, tensors)
         return tensors
 
 
@@ -161,13 +248,16 @@ class PipeChannel:
     """Move boundary tensors of many micro-batches to and from one pipeline neighbour.
 
     - `specs`: the boundary tensors as `(shape, dtype)` with the largest micro-batch first in the
-      shape; `backward_specs` (default: `specs`) are those whose gradients come back.
+      shape; later dimensions may be None (e.g. a sequence length that varies per batch): such
+      tensors send a small shape header before their data. `backward_specs` (default: `specs`)
+      are those whose gradients come back.
     - `num_microbatches`: micro-batches per step (bounds the tags).
     - `num_slots`: receive buffer sets per direction; micro-batch `i` lands in slot
       `i % num_slots`, whose buffers are reused once the tensors last received there are gone.
       While such a tensor is still referenced, the slot gets fresh buffers instead (counted in
       `allocations`), so a live tensor is never overwritten. Default `num_microbatches`; the
       stage's peak in-flight count (`schedule.peak_in_flight`) is enough for steady reuse.
+      Buffers of dynamic tensors grow when a message needs more room (also counted).
     - `transport`: "auto" (GPU tensors via DLPack for CUDA-aware MPI, host memory otherwise),
       "host" or "device" to force one. Receives land on `device` (default: TF's default device).
 
@@ -204,15 +294,16 @@ class PipeChannel:
             ],
         }
         self.num_tensors = max(1, *(len(s) for s in self._specs.values()))
-        largest = message_tag(
-            num_microbatches - 1, self.num_tensors - 1, BACKWARD, self.num_tensors
-        )
+        self.dynamic = any(s.dynamic for specs in self._specs.values() for s in specs)
+        last = (num_microbatches - 1, self.num_tensors - 1, BACKWARD, self.num_tensors)
+        largest = header_tag(*last, num_microbatches) if self.dynamic else message_tag(*last)
         # TAG_UB is attached to COMM_WORLD only; it holds for every communicator.
         tag_ub = comm.Get_attr(MPI.TAG_UB) or MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
         if largest > tag_ub:
             raise ValueError(
                 f"{num_microbatches} micro-batches x {self.num_tensors} boundary tensors need tag "
-                f"{largest}, above this MPI's TAG_UB {tag_ub}: use fewer micro-batches per step"
+                f"{largest}{' (shape headers included)' if self.dynamic else ''}, above this "
+                f"MPI's TAG_UB {tag_ub}: use fewer micro-batches per step"
             )
         self.num_slots = num_microbatches if num_slots is None else num_slots
         if self.num_slots < 1:
@@ -220,10 +311,12 @@ class PipeChannel:
         self.transport = check_transport(transport)
         self.device = device or default_device()
         self.receives_on_device = uses_device_path(self.device, transport)
-        self._buffers: dict[tuple[str, int], list] = {}  # allocated on first use, then reused
+        # Allocated on first use, then reused; a dynamic tensor's entry is a flat buffer (None
+        # until its first message says how large it must be).
+        self._buffers: dict[tuple[str, int], list] = {}
         self._slot_owner: dict[tuple[str, int], tuple[int, list[weakref.ref]]] = {}
         self._pending: list[SendHandle] = []
-        self.allocations = 0  # receive-buffer sets allocated (steady state: no growth)
+        self.allocations = 0  # receive-buffer sets allocated or grown (steady state: no growth)
 
     def specs(self, direction: str) -> list[BoundarySpec]:
         """The boundary tensors travelling in `direction`."""
@@ -232,6 +325,8 @@ class PipeChannel:
 
     def isend(self, tensors: Sequence, microbatch: int, direction: str) -> SendHandle:
         """Start sending `tensors` of `microbatch`; they must stay untouched until `wait`."""
+        from mpi4py import MPI
+
         specs = self._check_message(microbatch, direction)
         if len(tensors) != len(specs):
             raise ValueError(f"expected {len(specs)} {direction} tensors, got {len(tensors)}")
@@ -242,40 +337,51 @@ class PipeChannel:
         for tensor, on_device, nbytes in zip(tensors, device_path, sizes):
             if not on_device:
                 promote_tensor(tensor, nbytes)  # the receiver's copy reads huge pages faster
-        requests = [
-            self.comm.Isend(
-                mpi_send_buffer(tensor, on_device),
-                dest=self.peer,
-                tag=message_tag(microbatch, index, direction, self.num_tensors),
+        requests, keep = [], list(tensors)
+        for index, (tensor, spec, on_device) in enumerate(zip(tensors, specs, device_path)):
+            if spec.dynamic:
+                header = np.array(tuple(tensor.shape), dtype=np.int64)
+                keep.append(header)  # MPI reads it until the send completes
+                tag = self._header_tag(microbatch, index, direction)
+                requests.append(self.comm.Isend([header, MPI.INT64_T], dest=self.peer, tag=tag))
+            requests.append(
+                self.comm.Isend(
+                    mpi_send_buffer(tensor, on_device),
+                    dest=self.peer,
+                    tag=message_tag(microbatch, index, direction, self.num_tensors),
+                )
             )
-            for index, (tensor, on_device) in enumerate(zip(tensors, device_path))
-        ]
-        handle = SendHandle(requests, list(tensors))
+        handle = SendHandle(requests, keep)
         self._pending = [h for h in self._pending if not h.done] + [handle]
         return handle
 
     def irecv(self, microbatch: int, direction: str) -> RecvHandle:
-        """Post the receives of `microbatch` into its slot's buffers; `wait` returns tensors."""
+        """Post the receives of `microbatch` (data, or shape headers of dynamic tensors) into
+        its slot; `wait` receives the rest and returns tensors."""
         from mpi4py import MPI
 
-        self._check_message(microbatch, direction)
+        specs = self._check_message(microbatch, direction)
         buffers = self._post(direction, microbatch)
         if self.receives_on_device and is_gpu_device(self.device):
             synchronize_devices()  # kernels reading the slot's last contents must be done
-        requests = [
-            self.comm.Irecv(
-                [DLPackAdapter(buf) if self.receives_on_device else buf, MPI.BYTE],
-                source=self.peer,
-                tag=message_tag(microbatch, index, direction, self.num_tensors),
-            )
-            for index, buf in enumerate(buffers)
-        ]
-        return RecvHandle(self, microbatch, direction, requests, buffers)
+        requests, headers = [], []
+        for index, (spec, buf) in enumerate(zip(specs, buffers)):
+            if spec.dynamic:
+                header = np.empty(len(spec.shape), np.int64)
+                tag = self._header_tag(microbatch, index, direction)
+                message = [header, MPI.INT64_T]
+            else:
+                header, tag = None, message_tag(microbatch, index, direction, self.num_tensors)
+                message = [DLPackAdapter(buf) if self.receives_on_device else buf, MPI.BYTE]
+            headers.append(header)
+            requests.append(self.comm.Irecv(message, source=self.peer, tag=tag))
+        return RecvHandle(self, microbatch, direction, requests, headers)
 
     def recv(self, microbatch: int, direction: str, batch_size: int | None = None) -> list:
         """Receive `microbatch`'s tensors (blocking), zero-copy views of the slot's buffers.
 
-        The batch size is read from the message length; pass `batch_size` to have it checked.
+        The batch size is read from the message length (or a dynamic tensor's shape header);
+        pass `batch_size` to have it checked.
         """
         return self.irecv(microbatch, direction).wait(batch_size)
 
@@ -286,7 +392,10 @@ class PipeChannel:
         self._pending = []
 
     def receive_buffer(self, microbatch: int, direction: str, index: int):
-        """The buffer that `microbatch`'s tensor `index` last landed in (tests, inspection)."""
+        """The buffer that `microbatch`'s tensor `index` last landed in (tests, inspection).
+
+        A dynamic tensor's buffer is flat; the tensor views a prefix of it.
+        """
         return self._buffers[direction, microbatch % self.num_slots][index]
 
     def close(self) -> None:
@@ -303,6 +412,9 @@ class PipeChannel:
             )
         return self._specs[direction]
 
+    def _header_tag(self, microbatch: int, index: int, direction: str) -> int:
+        return header_tag(microbatch, index, direction, self.num_tensors, self.num_microbatches)
+
     def _slot_buffers(self, direction: str, slot: int) -> list:
         """The slot's buffers: reused, unless a tensor still wraps them (then fresh ones)."""
         key = (direction, slot)
@@ -312,13 +424,55 @@ class PipeChannel:
             # A live tensor keeps its old buffer alive (DLPack holds a reference), so replacing
             # the slot's buffer never invalidates it; `allocations` shows when this happens.
             self.allocations += 1
-            self._buffers[key] = [self._allocate(spec) for spec in self._specs[direction]]
+            self._buffers[key] = [
+                None if spec.dynamic else self._allocate(spec.shape, spec.dtype)
+                for spec in self._specs[direction]
+            ]
         return self._buffers[key]
 
-    def _allocate(self, spec: BoundarySpec):
+    def _allocate(self, shape, dtype: tf.DType):
         if self.receives_on_device:
-            return device_empty(spec.shape, spec.dtype, self.device)
-        return huge_zeros(spec.shape, storage_dtype(spec.dtype))
+            return device_empty(shape, dtype, self.device)
+        return huge_zeros(shape, storage_dtype(dtype))
+
+    def _receive_dynamic(self, direction: str, microbatch: int, shapes: list) -> list:
+        """Receive the dynamic tensors' data (shapes known from their headers) into the slot's
+        buffers, growing those too small; return the slot's buffers."""
+        from mpi4py import MPI
+
+        specs = self._specs[direction]
+        buffers = self._buffers[direction, microbatch % self.num_slots]
+        requests, expected, grown = [], [], False
+        for index, (spec, shape) in enumerate(zip(specs, shapes)):
+            if not spec.dynamic:
+                continue
+            count = math.prod(shape)
+            # Room for a full micro-batch of these rows: a smaller last micro-batch followed by
+            # a full one of the same length then needs no second allocation.
+            room = spec.max_batch * math.prod(shape[1:])
+            buf = buffers[index]
+            if buf is None or math.prod(buf.shape) < room:
+                # Only a buffer no live tensor wraps gets here (`_slot_buffers` made sure).
+                grown |= buf is not None
+                buf = buffers[index] = self._allocate((room,), spec.dtype)
+            # The host path receives into exactly the announced size, so a longer message is
+            # an MPI truncation error rather than silently accepted.
+            into = DLPackAdapter(buf) if self.receives_on_device else buf[:count]
+            tag = message_tag(microbatch, index, direction, self.num_tensors)
+            requests.append(self.comm.Irecv([into, MPI.BYTE], source=self.peer, tag=tag))
+            expected.append((count * spec.dtype.size, spec, shape))
+        self.allocations += grown
+        if requests:
+            statuses = [MPI.Status() for _ in requests]
+            MPI.Request.Waitall(requests, statuses)
+            for status, (nbytes, spec, shape) in zip(statuses, expected):
+                if status.Get_count(MPI.BYTE) != nbytes:
+                    raise RuntimeError(
+                        f"received {status.Get_count(MPI.BYTE)} bytes for a {list(shape)} "
+                        f"tensor of {spec} ({nbytes} expected): sender and receiver disagree "
+                        "on the boundary tensor"
+                    )
+        return buffers
 
     def _post(self, direction: str, microbatch: int) -> list:
         """Mark the slot as receiving and return its buffers; refuse a slot already receiving."""
@@ -338,7 +492,15 @@ class PipeChannel:
         refs = [weakref.ref(t) for t in tensors]
         self._slot_owner[direction, microbatch % self.num_slots] = (microbatch, refs)
 
-    def _as_tensor(self, buffer, spec: BoundarySpec, batch: int) -> tf.Tensor:
+    def _as_tensor(self, buffer, spec: BoundarySpec, shape: tuple[int, ...]) -> tf.Tensor:
+        batch = shape[0]
+        if spec.dynamic:
+            count = math.prod(shape)
+            if self.receives_on_device:
+                full = tf.identity(buffer)  # its own handle, as below
+                return tf.reshape(full if count == math.prod(buffer.shape) else full[:count], shape)
+            # A prefix of the flat buffer starts where the buffer does: aligned, contiguous.
+            return wrap_host_buffer(buffer[:count].reshape(shape), spec.dtype)
         if self.receives_on_device:
             # A new handle on the same memory (Identity forwards its input), so the returned
             # tensor's lifetime can be tracked apart from the channel's own reference.
@@ -355,9 +517,10 @@ def _check_direction(direction: str) -> None:
 def _check_tensor(tensor, spec: BoundarySpec, direction: str) -> int:
     """Raise unless `tensor` fits `spec`; return its byte count."""
     shape, dtype = tuple(tensor.shape), tf.as_dtype(tensor.dtype)
-    if dtype != spec.dtype or shape[1:] != spec.shape[1:] or not 0 <= shape[0] <= spec.max_batch:
+    if dtype != spec.dtype or not spec.fits(shape):
         raise ValueError(
             f"{direction} tensor of shape {shape} and dtype {dtype.name} does not fit the "
-            f"boundary spec {spec.shape} {spec.dtype.name} (batch may only be smaller)"
+            f"boundary spec {spec.shape} {spec.dtype.name} (batch may only be smaller; None "
+            "dimensions take any size)"
         )
-    return shape[0] * spec.row_bytes
+    return math.prod(shape) * spec.dtype.size

@@ -13,6 +13,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from hyparflow.engine import sparse as rows
+from hyparflow.engine.random_slices import slice_of
 
 
 class FusedRunner:
@@ -22,8 +23,12 @@ class FusedRunner:
     them to the step's total; `backward` has nothing left to do. `call(inputs, training)`,
     `variables` and `loss(y, y_pred, sample_weight)` mean what they mean for `StageRunner`;
     `metrics(y, y_pred, sample_weight)`, if given, updates the compiled metrics in the same
-    call (`updates_metrics` tells the caller not to). With a `layout` (`FlatLayout`), the
-    step's gradients are kept as one flat tensor (`take_flat_gradients`).
+    call (`updates_metrics` tells the caller not to). With a `layout` (`FlatLayout` of the
+    dense variables), their gradients are kept as one flat tensor (`take_flat_gradients`).
+
+    `sparse`: positions of embedding tables, whose gradients stay row slices: each
+    micro-batch's are kept as they come and concatenated in order (`take_sparse_gradients`).
+    `added_losses()` means what it means for `StageRunner` (`last_added`, `has_added_losses`).
 
     Example:
         >>> runner = FusedRunner(lambda x, training: model(x, training=training),
@@ -32,12 +37,17 @@ class FusedRunner:
         >>> grads = runner.take_gradients()
     """
 
-    def __init__(self, call, variables, loss, metrics=None, layout=None, sparse=()):
+    def __init__(
+        self, call, variables, loss, metrics=None, layout=None, sparse=(), added_losses=None
+    ):
         self.variables = list(variables)
         self.layout = layout
         self.sparse = sorted(sparse)
         self.dense = sorted(set(range(len(self.variables))) - set(self.sparse))
         self._sparse_pieces: list[list] = []  # per micro-batch, the row-sparse gradients
+        self._added_losses = added_losses
+        self.has_added_losses = False
+        self.last_added = None
         self._metrics = metrics
         self.updates_metrics = metrics is not None
         self._sources = [getattr(v, "value", v) for v in self.variables]
@@ -45,50 +55,67 @@ class FusedRunner:
         self._loss = loss
         self._grads = None
         self._forwarded: set[int] = set()
-        self._first_fn = tf.function(self._first_body)
-        self._accumulate_fn = tf.function(self._accumulate_body)
-        self._infer_fn = tf.function(self._infer_body)
+        self._first_fn = tf.function(self._first_body, reduce_retracing=True)
+        self._accumulate_fn = tf.function(self._accumulate_body, reduce_retracing=True)
+        self._infer_fn = tf.function(self._infer_body, reduce_retracing=True)
 
-    def _gradients(self, inputs, y, sample_weight, scale):
+    def _gradients(self, inputs, y, sample_weight, scale, piece):
         with tf.GradientTape(watch_accessed_variables=False) as tape:
             tape.watch(self._sources)
-            y_pred = self._call(inputs, True)
+            with slice_of(piece):  # dropout: this piece's rows of the global batch's masks
+                y_pred = self._call(inputs, True)
+            added = self._added()
             loss = self._loss(y, y_pred, sample_weight)
-            scaled = loss * scale
+            scaled = (loss + added) * scale
         if self._metrics is not None:
             self._metrics(y, y_pred, sample_weight)
         grads = tape.gradient(
-            scaled, self._sources, unconnected_gradients=tf.UnconnectedGradients.ZERO
+            scaled, self._sources, unconnected_gradients=tf.UnconnectedGradients.NONE
         )
         rows.check_kinds(grads, self.sparse, self.variables)
-        sparse = [grads[i] for i in self.sparse]
-        dense = [tf.convert_to_tensor(grads[i]) for i in self.dense]
+        # a table the loss does not read contributes no rows (zeros would be dense)
+        sparse = [rows.or_empty(grads[i], self.variables[i]) for i in self.sparse]
+        dense = [
+            tf.zeros_like(self._sources[i]) if grads[i] is None else tf.convert_to_tensor(grads[i])
+            for i in self.dense
+        ]
         if self.layout is not None:
-            return y_pred, loss, self.layout.flatten(dense, scaled), sparse
-        return y_pred, loss, dense, sparse
+            return y_pred, loss, added, self.layout.flatten(dense, scaled), sparse
+        return y_pred, loss, added, dense, sparse
 
-    def _first_body(self, inputs, y, sample_weight, scale):
-        return self._gradients(inputs, y, sample_weight, scale)
+    def _added(self):
+        added = self._added_losses() if self._added_losses is not None else None
+        if added is None:
+            return tf.zeros((), tf.float32)
+        self.has_added_losses = True
+        return added
 
-    def _accumulate_body(self, inputs, y, sample_weight, scale, totals):
-        y_pred, loss, grads, sparse = self._gradients(inputs, y, sample_weight, scale)
+    def _first_body(self, inputs, y, sample_weight, scale, piece):
+        return self._gradients(inputs, y, sample_weight, scale, piece)
+
+    def _accumulate_body(self, inputs, y, sample_weight, scale, piece, totals):
+        y_pred, loss, added, grads, sparse = self._gradients(inputs, y, sample_weight, scale, piece)
         if self.layout is not None:
-            return y_pred, loss, totals + grads, sparse
-        return y_pred, loss, [t + g for t, g in zip(totals, grads)], sparse
+            return y_pred, loss, added, totals + grads, sparse
+        return y_pred, loss, added, [t + g for t, g in zip(totals, grads)], sparse
 
     def _infer_body(self, inputs):
-        return self._call(inputs, False)
+        outputs = self._call(inputs, False)
+        return outputs, self._added()
 
-    def forward(self, microbatch: int, inputs, targets=None, scale=1.0):
+    def forward(self, microbatch: int, inputs, targets=None, scale=1.0, piece=None):
         """Outputs and loss of `microbatch` as `(y_pred, loss)`; its gradient, weighted by
-        `scale`, is added to the step's total."""
+        `scale`, is added to the step's total. `piece` means what it means for `StageRunner`."""
         y, sample_weight = targets
         scale = tf.constant(scale, tf.float32)
+        piece = None if piece is None else tf.constant(piece, tf.int32)
         if self._grads is None:
-            y_pred, loss, self._grads, sparse = self._first_fn(inputs, y, sample_weight, scale)
+            y_pred, loss, self.last_added, self._grads, sparse = self._first_fn(
+                inputs, y, sample_weight, scale, piece
+            )
         else:
-            y_pred, loss, self._grads, sparse = self._accumulate_fn(
-                inputs, y, sample_weight, scale, self._grads
+            y_pred, loss, self.last_added, self._grads, sparse = self._accumulate_fn(
+                inputs, y, sample_weight, scale, piece, self._grads
             )
         self._sparse_pieces.append(sparse)
         self._forwarded.add(microbatch)
@@ -101,7 +128,8 @@ class FusedRunner:
 
     def infer(self, inputs):
         """Forward without gradients, in inference mode (validation, evaluate, predict)."""
-        return self._infer_fn(inputs)
+        outputs, self.last_added = self._infer_fn(inputs)
+        return outputs
 
     def take_gradients(self) -> list:
         """Summed variable gradients of the micro-batches since the last call (zeros if none);

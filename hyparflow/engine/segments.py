@@ -29,10 +29,16 @@ class SegmentedRunner:
         self.is_last = segments[-1].is_last
         self._accumulated: dict[int, object] = {}
 
-    def forward(self, microbatch: int, inputs, targets=None, scale=1.0):
+    def forward(self, microbatch: int, inputs, targets=None, scale=1.0, piece=None):
         for segment in self.segments[:-1]:
-            inputs = segment.forward(microbatch, inputs)
-        return self.segments[-1].forward(microbatch, inputs, targets, scale)
+            inputs = segment.forward(microbatch, inputs, scale=scale, piece=piece)
+        outputs = self.segments[-1].forward(microbatch, inputs, targets, scale, piece)
+        self.last_added = tf.add_n([s.last_added for s in self.segments])
+        return outputs
+
+    @property
+    def has_added_losses(self) -> bool:
+        return any(s.has_added_losses for s in self.segments)
 
     def backward(self, microbatch: int, output_grads=None, on_segment_done=None):
         """Backward through the segments, last first; `on_segment_done(j)` after segment j."""
@@ -48,7 +54,9 @@ class SegmentedRunner:
     def infer(self, inputs):
         for segment in self.segments[:-1]:
             inputs = segment.infer(inputs)
-        return self.segments[-1].infer(inputs)
+        outputs = self.segments[-1].infer(inputs)
+        self.last_added = tf.add_n([s.last_added for s in self.segments])
+        return outputs
 
     def collect(self, j: int) -> None:
         """Move segment j's summed gradients into the per-variable totals."""

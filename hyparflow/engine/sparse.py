@@ -56,6 +56,11 @@ def empty_rows(variable) -> tf.IndexedSlices:
     )
 
 
+def or_empty(grad, variable):
+    """`grad`, or no rows where nothing connects `variable` to the loss."""
+    return empty_rows(variable) if grad is None else grad
+
+
 def concat_rows(pieces: list, variable):
     """One gradient from the micro-batches' pieces, as one call on their concatenated batch
     gives it: row slices concatenated in order; a dense sum if any piece is dense."""

@@ -13,10 +13,16 @@ import tensorflow as tf
 from keras import tree
 
 from hyparflow.engine import sparse as rows
+from hyparflow.engine.random_slices import slice_of
 
 
 def _is_float(tensor) -> bool:
     return tensor.dtype.is_floating
+
+
+def _or_zeros(grad, like):
+    """`grad`, or zeros shaped like `like` where nothing connects it to the loss."""
+    return tf.zeros_like(like) if grad is None else grad
 
 
 def _constant(tensor):
@@ -55,6 +61,11 @@ class StageRunner:
     any, covers the other variables): each micro-batch's are kept as they come and
     concatenated in order (`take_sparse_gradients`).
 
+    `added_losses()`, if given, returns (inside the stage's trace) the sum of the losses its
+    layers added during the call (`add_loss`, activity regularizers; None if none): it joins
+    the micro-batch's loss, weighted by `scale` like the compiled loss, and `last_added` holds
+    its value after each `forward` or `infer` (`has_added_losses` once any call added one).
+
     `recompute=True` keeps only each micro-batch's inputs between forward and backward and
     recomputes its activations in the backward (Chen et al. 2016, "Training Deep Nets with
     Sublinear Memory Cost"; GPipe's re-materialization).
@@ -78,11 +89,15 @@ class StageRunner:
         layout=None,
         flat_backward=True,
         sparse=(),
+        added_losses=None,
     ):
         self.variables = list(variables)
         self.sparse = sorted(sparse)
         self.dense = sorted(set(range(len(self.variables))) - set(self.sparse))
         self._sparse_pieces: list[list] = []  # per micro-batch, the row-sparse gradients
+        self._added_losses = added_losses
+        self.has_added_losses = False  # set while tracing a call whose layers added a loss
+        self.last_added = None
         self.layout = layout
         self.flat_backward = layout is not None and flat_backward
         self.input_grads = input_grads
@@ -103,10 +118,11 @@ class StageRunner:
         self._params = None  # this step's flat variable values (with flat_backward)
         self._pack_fn = tf.function(self._pack_body)
         self._flatten_fn = tf.function(self._flatten_body)
-        # Static shapes: one trace per distinct micro-batch size (usually two: full and last).
-        self._forward_fn = tf.function(self._forward_body)
-        self._loss_forward_fn = tf.function(self._loss_forward_body)
-        self._infer_fn = tf.function(self._infer_body)
+        # As Keras's own train function: a second shape (the last, smaller batch; another
+        # sequence length) retraces once with that dimension unknown, then never again.
+        self._forward_fn = tf.function(self._forward_body, reduce_retracing=True)
+        self._loss_forward_fn = tf.function(self._loss_forward_body, reduce_retracing=True)
+        self._infer_fn = tf.function(self._infer_body, reduce_retracing=True)
 
     def _differentiable(self, inputs):
         # A taped function's backward graph computes the gradient of every float input unless
@@ -120,54 +136,70 @@ class StageRunner:
     def _flatten_body(self, grads):
         return self.layout.flatten(grads, 0.0)
 
-    def _training_call(self, inputs, params):
-        """The stage's training forward; with `params`, its variables read views of it."""
+    def _training_call(self, inputs, piece, params):
+        """The stage's training forward and its layers' added loss (zero if none); with
+        `params`, its variables read views of it. `piece` ([offset, global batch size]) places
+        the micro-batch in the global batch, whose dropout masks it takes its rows of."""
         inputs = self._differentiable(inputs)
         if params is None:
-            return self._call(inputs, True)
+            with slice_of(piece):
+                outputs = self._call(inputs, True)
+            return outputs, self._added()
         views = self.layout.unflatten(params)
         dense = [self.variables[i] for i in self.dense]  # tables are read as they are
-        with _UpdateRecordingScope(zip(dense, views)) as scope:
+        with _UpdateRecordingScope(zip(dense, views)) as scope, slice_of(piece):
             outputs = self._call(inputs, True)
+            added = self._added()  # the scope collects what layers add
         for variable, value in scope.updates.values():  # statistics, seeds: applied for real
             variable.assign(value)
-        return outputs
+        return outputs, added
 
-    def _forward_body(self, inputs, params):
-        return self._training_call(inputs, params)
+    def _added(self):
+        added = self._added_losses() if self._added_losses is not None else None
+        if added is None:
+            return tf.zeros((), tf.float32)
+        self.has_added_losses = True
+        return added
 
-    def _loss_forward_body(self, inputs, y, sample_weight, scale, params):
-        y_pred = self._training_call(inputs, params)
+    def _forward_body(self, inputs, scale, piece, params):
+        outputs, added = self._training_call(inputs, piece, params)
+        return outputs, added, added * _constant(scale)
+
+    def _loss_forward_body(self, inputs, y, sample_weight, scale, piece, params):
+        y_pred, added = self._training_call(inputs, piece, params)
         # Targets, weights and scale are data: no gradient flows to them.
         y, sample_weight, scale = tree.map_structure(_constant, (y, sample_weight, scale))
         loss = self._loss(y, y_pred, sample_weight)
         if self._metrics is not None:
             self._metrics(y, y_pred, sample_weight)
-        return y_pred, loss, loss * scale
+        return y_pred, loss, added, (loss + added) * scale
 
     def _infer_body(self, inputs):
-        return self._call(inputs, False)
+        outputs = self._call(inputs, False)
+        return outputs, self._added()
 
-    def forward(self, microbatch: int, inputs, targets=None, scale=1.0):
+    def forward(self, microbatch: int, inputs, targets=None, scale=1.0, piece=None):
         """Run the forward of `microbatch`, keeping what its backward needs.
 
         Returns the outputs; at the last stage `(y_pred, loss)` where `loss` is the micro-batch
-        mean and `scale` (its share of the global batch) weights its gradient. With
-        `recompute`, only the inputs and the stage's random/statistics state are kept, and the
-        backward runs the forward again.
+        mean and `scale` (its share of the global batch) weights its gradient. `piece`
+        (offset, global batch size) says which rows of the global batch these are, so that
+        dropout applies Keras's full-batch mask. With `recompute`, only the inputs and the
+        stage's random/statistics state are kept, and the backward runs the forward again.
         """
         scale = tf.constant(scale, tf.float32)
+        piece = None if piece is None else tf.constant(piece, tf.int32)
         if self.recompute:
             snapshot = [np.array(v.numpy()) for v in self.state_variables]
-            result, _ = self._taped_forward(inputs, targets, scale, tape=None)
-            self._pending[microbatch] = (None, (inputs, targets, scale, snapshot))
+            result, _ = self._taped_forward(inputs, targets, scale, piece, tape=None)
+            self._pending[microbatch] = (None, (inputs, targets, scale, piece, snapshot))
             return result
         with tf.GradientTape(watch_accessed_variables=False) as tape:
-            result, differentiate = self._taped_forward(inputs, targets, scale, tape)
+            result, differentiate = self._taped_forward(inputs, targets, scale, piece, tape)
         self._pending[microbatch] = (tape, differentiate)
         return result
 
-    def _taped_forward(self, inputs, targets, scale, tape):
+    def _taped_forward(self, inputs, targets, scale, piece, tape):
         """The forward; under `tape`, also what to differentiate: (inputs, watched inputs,
         sources, targets)."""
         watched = [t for t in tree.flatten(inputs) if _is_float(t)] if self.input_grads else []
@@ -181,13 +213,17 @@ class StageRunner:
             tape.watch(sources)
         if self.is_last:
             y, sample_weight = targets
-            y_pred, loss, scaled = self._loss_forward_fn(inputs, y, sample_weight, scale, params)
+            y_pred, loss, self.last_added, scaled = self._loss_forward_fn(
+                inputs, y, sample_weight, scale, piece, params
+            )
             return (y_pred, loss), (inputs, watched, sources, scaled)
-        result = self._forward_fn(inputs, params)
+        result, self.last_added, added = self._forward_fn(inputs, scale, piece, params)
         floats = [t for t in tree.flatten(result) if _is_float(t)]
+        if self.has_added_losses:  # differentiated with the outputs (its gradient: 1)
+            floats.append(added)
         return result, (inputs, watched, sources, floats)
 
-    def _recomputed(self, inputs, targets, scale, snapshot):
+    def _recomputed(self, inputs, targets, scale, piece, snapshot):
         """Run the forward again under a tape, from the state it first saw (same Dropout masks,
         no second BatchNormalization update)."""
         current = [np.array(v.numpy()) for v in self.state_variables]
@@ -195,7 +231,7 @@ class StageRunner:
             variable.assign(value)
         try:
             with tf.GradientTape(watch_accessed_variables=False) as tape:
-                _, differentiate = self._taped_forward(inputs, targets, scale, tape)
+                _, differentiate = self._taped_forward(inputs, targets, scale, piece, tape)
         finally:
             for variable, value in zip(self.state_variables, current):
                 variable.assign(value)
@@ -212,20 +248,30 @@ class StageRunner:
         if tape is None:
             tape, kept = self._recomputed(*kept)
         inputs, watched, sources, targets = kept
+        if not self.is_last:
+            output_grads = list(output_grads)
+            if self.has_added_losses:
+                output_grads.append(tf.ones((), tf.float32))
         grads = tape.gradient(
             targets,
             watched + sources,
-            output_gradients=None if self.is_last else list(output_grads),
-            unconnected_gradients=tf.UnconnectedGradients.ZERO,
+            output_gradients=None if self.is_last else output_grads,
+            # None, not zeros: a table this stage does not read contributes no rows
+            unconnected_gradients=tf.UnconnectedGradients.NONE,
         )
-        input_grads, var_grads = grads[: len(watched)], grads[len(watched) :]
+        input_grads = [_or_zeros(g, t) for g, t in zip(grads[: len(watched)], watched)]
+        var_grads = grads[len(watched) :]
+        tables = [self.variables[i] for i in self.sparse]
         if self.flat_backward:
-            flat, sparse = var_grads[0], var_grads[1:]
+            flat = _or_zeros(var_grads[0], sources[0])
+            sparse = [rows.or_empty(g, v) for g, v in zip(var_grads[1:], tables)]
             self._grads = flat if self._grads is None else self._grads + flat
         else:
             rows.check_kinds(var_grads, self.sparse, self.variables)
-            sparse = [var_grads[i] for i in self.sparse]
-            dense = [tf.convert_to_tensor(var_grads[i]) for i in self.dense]
+            sparse = [rows.or_empty(var_grads[i], v) for i, v in zip(self.sparse, tables)]
+            dense = [
+                tf.convert_to_tensor(_or_zeros(var_grads[i], self._sources[i])) for i in self.dense
+            ]
             if self._grads is None:
                 self._grads = dense
             else:
@@ -238,7 +284,8 @@ class StageRunner:
 
     def infer(self, inputs):
         """Forward without gradients, in inference mode (validation, evaluate, predict)."""
-        return self._infer_fn(inputs)
+        outputs, self.last_added = self._infer_fn(inputs)
+        return outputs
 
     def _parameters(self):
         """This step's flat variable values (None unless `flat_backward`), packed at its
@@ -301,7 +348,7 @@ class _UpdateRecordingScope(keras.StatelessScope):
     """A `keras.StatelessScope` that also remembers which variables were assigned in it."""
 
     def __init__(self, mapping):
-        super().__init__(list(mapping), initialize_variables=False)
+        super().__init__(list(mapping), collect_losses=True, initialize_variables=False)
         self.updates = {}
 
     def add_update(self, update):

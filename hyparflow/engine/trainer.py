@@ -25,6 +25,7 @@ from hyparflow.comm.watchdog import NoWatchdog, Watchdog
 from hyparflow.data import GlobalBatch, piece_bounds
 from hyparflow.engine import events
 from hyparflow.engine import sparse as rows
+from hyparflow.engine.added_losses import added_loss
 from hyparflow.engine.flat import FlatLayout
 from hyparflow.engine.fused import FusedRunner
 from hyparflow.engine.metrics import ReplicaMetrics
@@ -97,6 +98,10 @@ class Trainer:
         self.sparse = rows.row_sparse_positions(self.variables, graph._flatten_layers())
         self.dense = sorted(set(range(len(self.variables))) - set(self.sparse))
         dense_variables = [self.variables[i] for i in self.dense]
+        layers = list(graph._flatten_layers())
+        added_losses = lambda: added_loss(layers)  # noqa: E731 - read inside each trace
+        self._added_parts: list = []  # this step's (micro-batch size, added loss)
+        self._any_added_losses = None  # whether any stage's layers add losses (agreed once)
         layout = FlatLayout(dense_variables) if strategy.flat_gradients else None
         use_flat = layout is not None and layout.usable  # float32 variables, flat gradients wanted
         if plan is None:  # nothing lives between forward and backward: one compiled call
@@ -110,6 +115,7 @@ class Trainer:
                 if use_flat and comm_backend == "mpi" and topo.num_replicas > 1
                 else None,
                 sparse=self.sparse,
+                added_losses=added_losses,
             )
         else:
             self.runner = StageRunner(
@@ -121,6 +127,7 @@ class Trainer:
                 metrics=self._update_metrics if self.is_last else None,
                 input_grads=not self.is_first,
                 sparse=self.sparse,
+                added_losses=added_losses,
                 **self._stage_gradient_form(layout, use_flat, plan, comm_backend),
             )
         self._update_metrics_fn = tf.function(self._update_metrics)
@@ -197,6 +204,7 @@ class Trainer:
         runners = []
         for j, segment in enumerate(sub.stages):
             packs = j == last and self.is_last
+            layers = list(segment.model._flatten_layers(include_self=False))
 
             def call(inputs, training, segment=segment, packs=packs):
                 flat = segment.forward(inputs, training=training)
@@ -212,6 +220,7 @@ class Trainer:
                         self._forward_state(segment.model) if self.strategy.recompute else ()
                     ),
                     input_grads=j > 0 or not self.is_first,
+                    added_losses=lambda layers=layers: added_loss(layers),
                 )
             )
         self.runner = SegmentedRunner(runners, self.variables)
@@ -341,8 +350,8 @@ class Trainer:
 
     # --- the shard and its micro-batches -----------------------------------------------------
     def _microbatches(self, batch: GlobalBatch, microbatches: int):
-        """This replica's shard of `batch` cut into micro-batches: [(x, y, sw, size)], and the
-        largest micro-batch size any replica uses for a full batch of this size."""
+        """This replica's shard of `batch` cut into micro-batches: [(x, y, sw, size, offset)],
+        offset being where the micro-batch starts in the global batch."""
         topo = self.topology
         start, stop = piece_bounds(batch.size, topo.num_replicas, topo.replica)
         shard = stop - start
@@ -364,6 +373,7 @@ class Trainer:
                     else None,
                     tf.convert_to_tensor(sw[cut]) if self.is_last and sw is not None else None,
                     b - a,
+                    start + a,
                 )
             )
         return pieces
@@ -404,7 +414,7 @@ class Trainer:
                     reg_value = self._apply(self._merge(layout.unflatten_fn(flat), tables))
                 else:
                     reg_value = self._apply_flat(flat, tables)
-        self._track_loss(losses, reg_value)
+        self._track_loss(losses, reg_value, self._added_total())
         self.step += 1
         self.watchdog.step = self.step
 
@@ -587,7 +597,7 @@ class Trainer:
         """Forward-only pass of one batch: loss and metrics accumulate at the last stage."""
         pieces = self._microbatches(batch, self.strategy.microbatches)
         losses = self._run_schedule(pieces, batch.size, train=False)
-        self._track_loss(losses, reg_value)
+        self._track_loss(losses, reg_value, self._added_total())
 
     def predict_step(self, batch: GlobalBatch) -> list | None:
         """Forward-only pass; the last stage returns its shard's outputs (micro-batch list)."""
@@ -598,12 +608,31 @@ class Trainer:
         """The model's total weight regularization (collective over the pipeline)."""
         return self._sum_over_pipeline(float(self._reg_fn()[0]) if self._regularized else 0.0)
 
-    def _track_loss(self, losses, reg_value: float) -> None:
-        """Feed Keras's loss tracker so that its mean equals Keras's (loss + regularization)."""
+    def _added_total(self) -> float:
+        """This step's added losses (`add_loss`, activity regularization) of this replica's
+        pipeline, each micro-batch's weighted by its size (collective over the pipeline once
+        any stage's layers add losses)."""
+        parts, self._added_parts = self._added_parts, []
+        if self._any_added_losses is None:  # known once every stage has traced its calls
+            with self.watchdog.guard("agree on added losses"):
+                self._any_added_losses = bool(
+                    self.topology.pipeline_comm.allreduce(
+                        bool(self.runner.has_added_losses), op=_mpi_op("LOR")
+                    )
+                )
+        if not self._any_added_losses:
+            return 0.0
+        local = sum(n * float(added) for n, added in parts)
+        with self.watchdog.guard("sum added losses over the pipeline"):
+            return self.topology.pipeline_comm.allreduce(local)
+
+    def _track_loss(self, losses, reg_value: float, added: float = 0.0) -> None:
+        """Feed Keras's loss tracker so that its mean equals Keras's (loss + added losses +
+        regularization)."""
         if not self.is_last or not losses:
             return
         count = sum(n for _, n in losses)
-        mean = sum(float(loss) * n for loss, n in losses) / count
+        mean = (sum(float(loss) * n for loss, n in losses) + added) / count
         self._loss_tracker_fn(tf.constant(mean + reg_value), tf.constant(float(count)))
 
     def _run_schedule(self, pieces, global_size: int, *, train: bool, predict=False):
@@ -615,7 +644,7 @@ class Trainer:
         if self.plan is None:
             prev = nxt = None
         else:
-            largest = max(n for *_, n in pieces)
+            largest = max(piece[3] for piece in pieces)
             prev, nxt = self._links(largest, count)
         actions = self._stage_actions(train, count)
         guard = self.watchdog.guard
@@ -623,8 +652,10 @@ class Trainer:
         before = grid.rank_of(topo.stage - 1, topo.replica) if not self.is_first else None
         after = grid.rank_of(topo.stage + 1, topo.replica) if not self.is_last else None
         span = self._span
-        loss_scale = self._loss_scale() if train and self.is_last else 1.0
+        # every stage: losses added in an earlier stage are scaled like the last stage's
+        loss_scale = self._loss_scale() if train else 1.0
         posted = self._post_receives(prev, count)
+        seeds = _SeedSnapshot(self._seed_states()) if train and count > 1 else None
         if train and not self.is_first and self.runner.flat_backward:
             # Pack while this stage waits for its first activations, off the critical path.
             with span(events.FORWARD):
@@ -635,8 +666,10 @@ class Trainer:
         )  # the step's last backward: every gradient of this stage is final after it
         for index, action in enumerate(actions):
             k = action.microbatch
-            x, y, sw, n = pieces[k]
+            x, y, sw, n, offset = pieces[k]
             if action.is_forward:
+                if seeds is not None:  # every micro-batch draws from the step's seeds
+                    seeds.restore()
                 if self.is_first:
                     inputs = self._first_stage_inputs(x)
                 else:
@@ -645,10 +678,16 @@ class Trainer:
                 with span(events.FORWARD, k):
                     if train:
                         out = self.runner.forward(
-                            k, inputs, (y, sw), scale=n / global_size * loss_scale
+                            k,
+                            inputs,
+                            (y, sw),
+                            scale=n / global_size * loss_scale,
+                            piece=(offset, global_size),
                         )
                     else:
                         out = self.runner.infer(inputs)
+                    if not predict:
+                        self._added_parts.append((n, self.runner.last_added))
                     if self.is_last:
                         results.append(self._finish_forward(out, y, sw, n, train, predict))
                 if not self.is_last:
@@ -731,6 +770,19 @@ class Trainer:
                 logs = self._replica_metrics()
             return self.topology.world.bcast(logs, root=self._log_root)
 
+    def _seed_states(self) -> list:
+        """The state variables of this stage's random layers' seed generators."""
+        if not hasattr(self, "_seed_variables"):
+            from hyparflow.checkpoint.state import layers_of_seed_keys, seed_generators
+
+            graph = self.model if self.plan is None else self.stage.model
+            layers = {id(layer) for layer in graph._flatten_layers()}
+            owners = layers_of_seed_keys(self.model)
+            self._seed_variables = [
+                var for key, var in seed_generators(self.model) if id(owners[key]) in layers
+            ]
+        return self._seed_variables
+
     def _forward_state(self, graph=None) -> list:
         """Variables a forward pass of `graph` (default: this stage) changes: statistics and
         random seed states of its layers."""
@@ -809,6 +861,19 @@ class Trainer:
                 if channel is not None:
                     channel.close()
         self.topology.free()
+
+
+class _SeedSnapshot:
+    """Seed generator states at a step's start, put back before each micro-batch's forward, so
+    that every piece draws from the seeds one full-batch call would draw from."""
+
+    def __init__(self, variables: list):
+        self.variables = variables
+        self.values = [tf.identity(v.value) for v in variables]
+
+    def restore(self) -> None:
+        for variable, value in zip(self.variables, self.values):
+            variable.assign(value)
 
 
 class _DeferredReceive:

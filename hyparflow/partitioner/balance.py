@@ -62,6 +62,35 @@ def split_contiguous(
     return sorted(set(starts[1:]))
 
 
+def split_between(
+    costs: Sequence[float],
+    num_parts: int,
+    cut_costs: Sequence[float] | None = None,
+    forbidden: Sequence[int] = (),
+) -> list[int]:
+    """`split_contiguous` where no stage may begin at a `forbidden` position: the items
+    between allowed cuts are split as one.
+
+    Example:
+        >>> split_between([1, 1, 1, 3], 2, forbidden=[3])
+        [0, 2]
+    """
+    n = len(costs)
+    no = set(forbidden)
+    groups = [0] + [p for p in range(1, n) if p not in no]
+    if num_parts > len(groups):
+        raise ValueError(
+            f"Cannot split into {num_parts} stages: only {len(groups) - 1} places to cut do "
+            "not separate a Keras mask from the layers that read it; use fewer stages."
+        )
+    bounds = [*groups, n]
+    group_costs = [float(np.sum(costs[a:b])) for a, b in zip(bounds[:-1], bounds[1:])]
+    group_cuts = None
+    if cut_costs is not None:
+        group_cuts = [cut_costs[p] for p in bounds]
+    return [groups[g] for g in split_contiguous(group_costs, num_parts, group_cuts)]
+
+
 def stage_costs(
     costs: Sequence[float], starts: Sequence[int], cut_costs: Sequence[float] | None = None
 ) -> list[float]:

@@ -84,6 +84,19 @@ class LayerGraph:
         last[self.outputs] = len(self.nodes)
         return last
 
+    def masked_cuts(self) -> set[int]:
+        """Positions where no stage may begin: a tensor carrying a Keras mask (e.g. after
+        `Embedding(mask_zero=True)`) is alive across them, and a mask is metadata that only
+        travels with its tensor inside one Keras call, so cutting there would drop it."""
+        last = self.last_use()
+        cuts = set()
+        for tensor in self.tensors:
+            if getattr(tensor.keras_tensor, "_keras_mask", None) is None:
+                continue
+            end = min(int(last[tensor.index]), len(self.nodes) - 1)  # outputs: to the end
+            cuts.update(range(max(tensor.producer, 0) + 1, end + 1))
+        return cuts
+
 
 def root_functional(model):
     """The Functional graph that computes `model`, or a ValueError saying what to change."""

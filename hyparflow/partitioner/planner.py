@@ -84,10 +84,12 @@ def partition(
         return _partition_by_time(graph, num_partitions, sample, input_shape, batch_size, bandwidth)
 
     cut_costs = cost.cut_costs(graph, batch_size or 1, bandwidth) if bandwidth else None
+    masked = graph.masked_cuts()
     if explicit:
         starts = _starts_from_names(graph, list(balance), num_partitions)
+        _check_masks(graph, starts, masked)
     else:
-        starts = balancing.split_contiguous(node_costs, num_partitions, cut_costs)
+        starts = balancing.split_between(node_costs, num_partitions, cut_costs, masked)
     stages, shared = build_stages(graph, starts, node_costs, cut_costs)
     return Plan(
         model=model,
@@ -115,11 +117,12 @@ def _partition_by_time(graph, num_partitions, sample, input_shape, batch_size, b
     inputs = profile.make_sample(graph, sample, input_shape, batch_size)
     samples = int(inputs[0].shape[0])
     node_costs = profile.node_times(graph, inputs)
+    masked = graph.masked_cuts()
     cut_costs = cost.cut_costs(graph, samples, bandwidth) if bandwidth else None
     best = None
     tried = set()
     for _ in range(1 + TIME_REFINEMENTS):
-        starts = balancing.split_contiguous(node_costs, num_partitions, cut_costs)
+        starts = balancing.split_between(node_costs, num_partitions, cut_costs, masked)
         if tuple(starts) in tried:
             break
         tried.add(tuple(starts))
@@ -157,6 +160,18 @@ def _rescaled(node_costs, starts, stages, times):
         if estimated > 0:
             scaled[a:b] *= measured_compute / estimated
     return scaled
+
+
+def _check_masks(graph, starts, masked) -> None:
+    """Refuse an explicit split that would cut a Keras mask off from the layers reading it."""
+    bad = [graph.nodes[p].name for p in starts if p in masked]
+    if bad:
+        raise ValueError(
+            f"A stage beginning at {bad} would separate a Keras mask (e.g. from "
+            "Embedding(mask_zero=True) or Masking) from the layers that read it, and masks do "
+            "not cross stage boundaries; begin the stage before the masking layer or after "
+            "the last layer reading the mask."
+        )
 
 
 def _starts_from_names(graph, names, num_partitions) -> list[int]:

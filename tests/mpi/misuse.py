@@ -34,9 +34,23 @@ def subclassed():
     return model
 
 
-def with_activity_regularizer():
+class OwnStep(keras.Model):
+    """A functional model with its own train_step (hf.fit would skip it)."""
+
+    def train_step(self, data):
+        return super().train_step(data)
+
+
+def with_own_train_step():
     inputs = keras.Input((6,))
-    hidden = keras.layers.Dense(4, activity_regularizer="l2")(inputs)
+    model = OwnStep(inputs, keras.layers.Dense(3, activation="softmax")(inputs))
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    return model
+
+
+def with_noise():
+    inputs = keras.Input((6,))
+    hidden = keras.layers.GaussianNoise(0.1, name="noise")(inputs)
     model = keras.Model(inputs, keras.layers.Dense(3, activation="softmax")(hidden))
     model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
     return model
@@ -110,7 +124,8 @@ CASES = {
         compiled("mlp", "sgd"), np.where(np.arange(len(x))[:, None] == 5, np.nan, x), y,
         check_numerics=True,
     ),
-    "activity_regularizer": lambda x, y, tmp: fit(with_activity_regularizer(), x, y),
+    "own_train_step": lambda x, y, tmp: fit(with_own_train_step(), x, y),
+    "unsliceable_noise": lambda x, y, tmp: fit(with_noise(), x, y, strategy="data"),
     "sum_reduction": lambda x, y, tmp: fit(with_sum_reduction(), x, y),
     "foreign_checkpoint": lambda x, y, tmp: fit(
         compiled("mlp", "sgd"), x, y, strategy="model",

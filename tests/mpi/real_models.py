@@ -17,9 +17,14 @@ BATCH, EPOCHS = 16, 2
 
 def run(config: str) -> dict:
     name, optimizer, kind, partitions, replicas, microbatches, schedule = config.split(":")
-    x, y = zoo.data(name)
+    if name in zoo.TEXT_MODELS:  # batches of varying sequence length
+        x, y, batch_size = zoo.text_batches(name, BATCH), None, None
+    else:
+        (x, y), batch_size = zoo.data(name), BATCH
     reference = zoo.compiled(name, optimizer)
-    ref_history = reference.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+    ref_history = reference.fit(
+        x, y, batch_size=batch_size, epochs=EPOCHS, shuffle=False, verbose=0
+    )
     model = zoo.compiled(name, optimizer)
     strategy = hf.Strategy(
         kind,
@@ -29,8 +34,9 @@ def run(config: str) -> dict:
         schedule=schedule,
     )
     history = hf.fit(
-        model, x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0, strategy=strategy
-    )
+        model, x, y, batch_size=batch_size, epochs=EPOCHS, shuffle=False, verbose=0,
+        strategy=strategy,
+    )  # fmt: skip
     return {
         "config": config,
         "weights": relative_difference(model.get_weights(), reference.get_weights()),

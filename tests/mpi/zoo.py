@@ -37,7 +37,116 @@ def two_tables():
     return keras.Model({"words": words, "tags": tags}, outputs, name="two_tables")
 
 
-BUILDERS = {f.__name__: f for f in (embedding_mlp, two_tables)}
+def dropout_mlp():
+    """Dropout on features and on a (batch, 1, features)-shaped noise."""
+    inputs = keras.Input((4, 6))
+    x = keras.layers.Dense(8, activation="tanh")(inputs)
+    x = keras.layers.Dropout(0.3, noise_shape=(None, 1, 8))(x)
+    x = keras.layers.Flatten()(keras.layers.Dense(8, activation="relu")(x))
+    x = keras.layers.Dropout(0.5)(x)
+    outputs = keras.layers.Dense(3, activation="softmax")(x)
+    return keras.Model(inputs, outputs, name="dropout_mlp")
+
+
+@keras.saving.register_keras_serializable(package="zoo")
+class ActivationPenalty(keras.layers.Layer):
+    """Adds the batch mean of its input's squares as a loss (the usual add_loss form)."""
+
+    def call(self, x):
+        self.add_loss(0.1 * keras.ops.mean(keras.ops.sum(keras.ops.square(x), axis=-1)))
+        return x
+
+
+def added_losses():
+    """`add_loss` in a custom layer early on and an activity regularizer late."""
+    inputs = keras.Input((6,))
+    x = keras.layers.Dense(8, activation="tanh")(inputs)
+    x = ActivationPenalty()(x)
+    x = keras.layers.Dense(8, activation="relu")(x)
+    x = keras.layers.Dense(8, activation="tanh", activity_regularizer="l2")(x)
+    outputs = keras.layers.Dense(3, activation="softmax")(x)
+    return keras.Model(inputs, outputs, name="added_losses")
+
+
+def masked_gru():
+    """Padding masked by the embedding and read by a GRU further on."""
+    tokens = keras.Input((LENGTH,), dtype="int32")
+    x = keras.layers.Embedding(VOCAB, 8, mask_zero=True)(tokens)
+    x = keras.layers.Dense(8, activation="tanh")(x)
+    x = keras.layers.GRU(8)(x)
+    x = keras.layers.Dense(8, activation="relu")(x)
+    outputs = keras.layers.Dense(3, activation="softmax")(x)
+    return keras.Model(tokens, outputs, name="masked_gru")
+
+
+def gpt2():
+    """keras_hub's GPT-2 language model, tiny: tied input/output embedding, dropout 0.1."""
+    import keras_hub
+
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=HUB_VOCAB, num_layers=2, num_heads=2, hidden_dim=16,
+        intermediate_dim=32, max_sequence_length=16,
+    )  # fmt: skip
+    return keras_hub.models.GPT2CausalLM(backbone, preprocessor=None)
+
+
+def bert():
+    """keras_hub's BERT classifier, tiny: segment and position embeddings, dropout 0.1."""
+    import keras_hub
+
+    backbone = keras_hub.models.BertBackbone(
+        vocabulary_size=HUB_VOCAB, num_layers=2, num_heads=2, hidden_dim=16,
+        intermediate_dim=32, max_sequence_length=16,
+    )  # fmt: skip
+    return keras_hub.models.BertTextClassifier(backbone, num_classes=3, preprocessor=None)
+
+
+def llama():
+    """keras_hub's Llama decoder, tiny: grouped-query attention, rotary embeddings, untied."""
+    import keras_hub
+
+    backbone = keras_hub.models.LlamaBackbone(
+        vocabulary_size=HUB_VOCAB, num_layers=2, num_query_heads=4, num_key_value_heads=2,
+        hidden_dim=16, intermediate_dim=32,
+    )  # fmt: skip
+    return keras_hub.models.LlamaCausalLM(backbone, preprocessor=None)
+
+
+BUILDERS = {
+    f.__name__: f
+    for f in (embedding_mlp, two_tables, dropout_mlp, added_losses, masked_gru, gpt2, bert, llama)
+}
+TEXT_MODELS = ("gpt2", "bert", "llama")  # keras_hub: token batches of varying length
+HUB_VOCAB = 50
+TEXT_LENGTHS = (7, 5, 9, 7, 3)  # one sequence length per batch of an epoch
+
+
+def text_batches(name: str, batch_size: int, seed: int = 0):
+    """A tf.data.Dataset of `batch_size` token sequences per batch, each batch its own length
+    (padded at the end), the same on every rank. keras_hub's tasks take tf.data in fit."""
+    import tensorflow as tf
+
+    rng = np.random.default_rng(seed)
+    batches = []
+    for length in TEXT_LENGTHS:
+        tokens = rng.integers(1, HUB_VOCAB, size=(batch_size, length)).astype("int32")
+        valid = rng.integers(max(1, length - 3), length + 1, size=batch_size)
+        mask = (np.arange(length)[None, :] < valid[:, None]).astype("int32")
+        x = {"token_ids": tokens * mask, "padding_mask": mask}
+        if name == "bert":
+            x["segment_ids"] = np.zeros_like(tokens)
+            y = rng.integers(0, 3, size=batch_size).astype("int32")
+        else:  # next-token prediction
+            y = np.concatenate([tokens[:, 1:], np.zeros((batch_size, 1), "int32")], axis=1)
+        batches.append((x, y))
+    token = tf.TensorSpec((None, None), tf.int32)
+    x_spec = {k: token for k in batches[0][0]}
+    y_spec = tf.TensorSpec((None,) if name == "bert" else (None, None), tf.int32)
+    dataset = tf.data.Dataset.from_generator(
+        lambda: iter(batches), output_signature=(x_spec, y_spec)
+    )
+    # Known length: without it Keras's fit runs past the end of the first epoch.
+    return dataset.apply(tf.data.experimental.assert_cardinality(len(batches)))
 
 
 def data(name: str, n: int = 70, seed: int = 0):
@@ -47,6 +156,14 @@ def data(name: str, n: int = 70, seed: int = 0):
     tokens = rng.integers(0, VOCAB, size=(n, LENGTH)).astype("int32")
     if name == "two_tables":
         return {"words": tokens, "tags": rng.integers(0, 7, size=(n, 2)).astype("int32")}, labels
+    if name == "masked_gru":  # trailing padding of 0 to 3 tokens
+        valid = rng.integers(LENGTH - 3, LENGTH + 1, size=n)
+        padded = np.where(np.arange(LENGTH)[None, :] < valid[:, None], tokens % (VOCAB - 1) + 1, 0)
+        return padded, labels
+    if name == "dropout_mlp":
+        return rng.normal(size=(n, 4, 6)).astype("float32"), labels
+    if name == "added_losses":
+        return rng.normal(size=(n, 6)).astype("float32"), labels
     return tokens, labels
 
 
@@ -69,6 +186,8 @@ def optimizer(spec: str):
         )
     }  # fmt: skip
     rates = {"sgd": 0.1, "adadelta": 1.0, "ftrl": 0.1, "adagrad": 0.1}
+    if name == "sgd":
+        options["momentum"] = 0.9  # state carried across steps, as the adaptive ones have
     return classes[name](learning_rate=rates.get(name, 0.01), **options)
 
 
@@ -76,9 +195,10 @@ def compiled(name: str, optimizer_spec: str):
     """A freshly built, compiled model with weights fixed by a seed."""
     keras.utils.set_random_seed(1234)
     model = BUILDERS[name]()
+    from_logits = name in TEXT_MODELS
     model.compile(
         optimizer=optimizer(optimizer_spec),
-        loss="sparse_categorical_crossentropy",
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=from_logits),
         metrics=["accuracy"],
     )
     return model

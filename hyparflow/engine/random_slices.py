@@ -1,0 +1,252 @@
+"""Global-batch dropout masks for models run one slice of the batch at a time.
+
+Keras draws a dropout mask of the shape of the tensor it is given, so when a
+global batch of B rows runs as micro-batches spread over replicas, every piece
+would get its own unrelated mask and training would drift from single-process
+Keras. Inside `global_batch_slice(offset, global_size)`, Keras's TensorFlow
+dropout draws, from the same seed and exactly once per call, the mask Keras
+would draw for the whole (global_size, ...) batch, and applies its rows
+[offset, offset + n) to a piece of n rows; the pieces then put together equal
+one full-batch call bit for bit, gradients included. Random layers whose draws
+cannot be cut into rows that way are named by `unsliceable_random_layers`.
+"""
+
+import contextlib
+import numbers
+import sys
+import threading
+
+import keras
+import tensorflow as tf
+from keras.src.backend.tensorflow import random as keras_tf_random
+from keras.src.layers.attention.attention import Attention
+from keras.src.layers.regularization.dropout import Dropout
+from keras.src.layers.regularization.spatial_dropout import BaseSpatialDropout
+from keras.src.layers.rnn.dropout_rnn_cell import DropoutRNNCell
+from keras.src.random.seed_generator import SeedGenerator
+
+__all__ = ["global_batch_slice", "slice_of", "unsliceable_random_layers"]
+
+# Layers whose only own randomness is `backend.random.dropout` on a tensor
+# whose axis 0 is the batch: Dropout and SpatialDropout1D/2D/3D, Attention and
+# AdditiveAttention (scores of shape (batch, Tq, Tv)), and the LSTM, GRU,
+# SimpleRNN and ConvLSTM cells (masks of shape (batch, features)).
+# MultiHeadAttention and GroupedQueryAttention draw through a Dropout sub-layer
+# and own no SeedGenerator, so they need no entry.
+SLICEABLE_RANDOM_LAYER_TYPES = (Dropout, Attention, DropoutRNNCell)
+
+# How far up the Python stack to look for the Keras layer that called dropout.
+_CALLER_SEARCH_DEPTH = 16
+
+_install_lock = threading.Lock()
+_install_count = 0
+_keras_dropout = None
+_thread_state = threading.local()
+
+
+def _active_slices():
+    """This thread's stack of (offset, global_size) pairs, innermost last."""
+    if not hasattr(_thread_state, "slices"):
+        _thread_state.slices = []
+    return _thread_state.slices
+
+
+@contextlib.contextmanager
+def global_batch_slice(offset, global_size):
+    """Make Keras dropout treat its input as rows [offset, offset + n) of a global batch.
+
+    `offset` and `global_size` are Python ints or scalar integer tensors. Inside
+    a `tf.function`, enter the context in the traced body with tensors passed
+    as the function's arguments, so that one trace serves every piece: Python
+    ints and captured eager tensors are baked into the trace. Contexts nest (the
+    innermost applies) and are per thread; Keras's function is put back when
+    the last one exits.
+    """
+    global _install_count, _keras_dropout
+    if isinstance(offset, numbers.Integral) and offset < 0:
+        raise ValueError(f"offset must be >= 0, got {offset}")
+    if isinstance(global_size, numbers.Integral) and global_size < 1:
+        raise ValueError(f"global_size must be >= 1, got {global_size}")
+    if keras.backend.backend() != "tensorflow":
+        raise RuntimeError("global_batch_slice needs the TensorFlow backend of Keras")
+
+    with _install_lock:
+        if _install_count == 0:
+            _keras_dropout = keras_tf_random.dropout
+            keras_tf_random.dropout = _dropout_in_slice
+        _install_count += 1
+    slices = _active_slices()
+    slices.append((offset, global_size))
+    try:
+        yield
+    finally:
+        slices.pop()
+        with _install_lock:
+            _install_count -= 1
+            # Leave alone a function someone else installed over ours meanwhile.
+            if _install_count == 0 and keras_tf_random.dropout is _dropout_in_slice:
+                keras_tf_random.dropout = _keras_dropout
+
+
+def slice_of(piece):
+    """`global_batch_slice(offset, global_size)` for `piece` = [offset, global_size] (a tensor
+    or pair), or no context for None (the input is the whole batch)."""
+    if piece is None:
+        return contextlib.nullcontext()
+    return global_batch_slice(piece[0], piece[1])
+
+
+def _dropout_in_slice(inputs, rate, noise_shape=None, seed=None):
+    """Keras's TF dropout, cut to this piece's rows of the global mask while a slice is active."""
+    slices = _active_slices()
+    # Rates 0 and 1 draw nothing and act row by row, so Keras's shortcuts apply.
+    trivial_rate = isinstance(rate, numbers.Real) and rate in (0.0, 1.0)
+    if not slices or trivial_rate:
+        return _keras_dropout(inputs, rate, noise_shape=noise_shape, seed=seed)
+    offset, global_size = slices[-1]
+    return _dropout_rows(inputs, rate, noise_shape, seed, offset, global_size)
+
+
+def _dropout_rows(inputs, rate, noise_shape, seed, offset, global_size):
+    """Apply rows [offset, offset + n) of the global batch's dropout mask to `inputs`."""
+    inputs = tf.convert_to_tensor(inputs)
+    if inputs.shape.rank is None or inputs.shape.rank == 0:
+        raise ValueError(
+            f"dropout inside global_batch_slice needs a batch axis, got shape {inputs.shape}"
+        )
+    mask_shape, batch_is_shared = _global_mask_shape(inputs, noise_shape, global_size)
+
+    # Let Keras draw the seed (once, advancing its SeedGenerator as usual) and
+    # the uniform noise of the full batch's mask shape: dropping out ones leaves
+    # exactly the kept positions non-zero, since the scale 1 / (1 - rate) is.
+    dropped_ones = _keras_dropout(tf.ones(mask_shape, dtype=inputs.dtype), rate, seed=seed)
+    keep = tf.not_equal(dropped_ones, tf.zeros([], dtype=inputs.dtype))
+    if not batch_is_shared:
+        rank = inputs.shape.rank
+        begin = [_as_int32(offset)] + [0] * (rank - 1)
+        size = [_dim(inputs, 0)] + [-1] * (rank - 1)
+        keep = tf.slice(keep, begin, size)
+
+    # Same ops as TF's dropout on the full batch, so kept values match bitwise
+    # and the gradient to `inputs` only keeps this piece's rows of the mask.
+    outputs = tf.where(keep, _scale_like_tf(inputs, rate), tf.zeros([], dtype=inputs.dtype))
+    if not tf.executing_eagerly():
+        outputs.set_shape(inputs.shape)
+    return outputs
+
+
+def _scale_like_tf(inputs, rate):
+    """Scale kept values the way `tensorflow/python/ops/nn_ops.py::_dropout` does."""
+    if isinstance(rate, numbers.Real):
+        return inputs * tf.convert_to_tensor(1 / (1 - rate), dtype=inputs.dtype)
+    rate = tf.cast(rate, inputs.dtype)
+    return tf.realdiv(inputs, tf.subtract(tf.constant(1, dtype=inputs.dtype), rate))
+
+
+def _global_mask_shape(inputs, noise_shape, global_size):
+    """Return the noise shape Keras would use on the full batch, and whether its batch dim is 1."""
+    rank = inputs.shape.rank
+    if noise_shape is None:
+        return [_as_int32(global_size)] + [_dim(inputs, i) for i in range(1, rank)], False
+    if tf.is_tensor(noise_shape):
+        noise_shape = tf.unstack(noise_shape, num=rank)
+    noise_shape = list(noise_shape)
+    # As in Keras, None means "this dim of the input"; the input's batch dim
+    # stands for the global batch.
+    trailing = [
+        _dim(inputs, i) if value is None else _as_int32(value)
+        for i, value in enumerate(noise_shape[1:], start=1)
+    ]
+    if _batch_dim_is_shared(inputs, noise_shape[0]):
+        return [1] + trailing, True
+    return [_as_int32(global_size)] + trailing, False
+
+
+def _batch_dim_is_shared(inputs, batch_noise_dim):
+    """Whether a noise shape's batch dim means one mask for all rows rather than one per row."""
+    if batch_noise_dim is None:
+        return False
+    value = (
+        tf.get_static_value(batch_noise_dim) if tf.is_tensor(batch_noise_dim) else batch_noise_dim
+    )
+    if value is None or int(value) != 1:
+        return False
+    if inputs.shape[0] != 1:
+        return True
+    # For a one-row piece, a 1 is either a shared dim or the piece's own batch
+    # size read from its shape, as SpatialDropout layers do; they are the only
+    # Keras callers of the second kind.
+    return not _called_by_spatial_dropout()
+
+
+def _called_by_spatial_dropout():
+    """Whether the nearest Keras layer up the Python stack is a SpatialDropout layer."""
+    frame = sys._getframe(1)
+    for _ in range(_CALLER_SEARCH_DEPTH):
+        if frame is None:
+            break
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, keras.layers.Layer):
+            return isinstance(owner, BaseSpatialDropout)
+        frame = frame.f_back
+    return False
+
+
+def _dim(tensor, axis):
+    """The static size of `axis` when known, else the dynamic one."""
+    static = tensor.shape[axis]
+    return static if static is not None else tf.shape(tensor)[axis]
+
+
+def _as_int32(value):
+    """Keep Python ints static; cast integer tensors to int32 so shape lists pack."""
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    return tf.cast(value, tf.int32)
+
+
+def unsliceable_random_layers(model, extra_sliceable_types=()):
+    """Names of the layers in `model`, nested ones included, that `global_batch_slice` cannot slice.
+
+    `global_batch_slice` only reaches Keras's dropout, and only a draw whose
+    shape is the input's, batch first, can be cut into rows. GaussianNoise,
+    GaussianDropout and AlphaDropout draw with Keras's other random functions
+    (normal, uniform), and the random preprocessing and augmentation layers
+    (RandomFlip, RandomRotation, RandomZoom, RandomCrop, RandomContrast, ...)
+    draw per-image or per-batch parameters with shapes other than the input's.
+    All of them size their draws from the batch they are given, so a piece of
+    the batch would get other numbers than its rows of a full-batch draw, and a
+    sliced run could not match single-process Keras.
+
+    The rule is general rather than a list of names: a layer is listed when it
+    owns a `keras.random.SeedGenerator` (tracked in `layer._seed_generators` or
+    held in an attribute) and is not one of SLICEABLE_RANDOM_LAYER_TYPES or of
+    `extra_sliceable_types` (for custom layers known to draw only dropout of
+    batch-first tensors). Layers such as MultiHeadAttention, whose randomness
+    is only in Dropout sub-layers, own no generator and are not listed. Draws
+    from Keras's global SeedGenerator (random ops called with seed=None) belong
+    to no layer and cannot be seen here.
+    """
+    sliceable = SLICEABLE_RANDOM_LAYER_TYPES + tuple(extra_sliceable_types)
+    return [
+        layer.name
+        for layer in model._flatten_layers(include_self=True, recursive=True)
+        if _owns_seed_generator(layer) and not isinstance(layer, sliceable)
+    ]
+
+
+def _owns_seed_generator(layer):
+    """Whether `layer` itself (not a sub-layer) holds a SeedGenerator."""
+    if getattr(layer, "_seed_generators", None):
+        return True
+    # Generators can also sit in untracked attributes, or in lists and dicts
+    # (data layers keep one per backend in a dict).
+    for value in vars(layer).values():
+        if isinstance(value, dict):
+            value = list(value.values())
+        if isinstance(value, (list, tuple)):
+            if any(isinstance(item, SeedGenerator) for item in value):
+                return True
+        elif isinstance(value, SeedGenerator):
+            return True
+    return False
