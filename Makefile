@@ -24,6 +24,8 @@ test-tools:
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q -e '.[test]'
+	@# keras_hub models in the tests; it declares tensorflow-text, which pins another TensorFlow
+	$(PY) -m pip install -q --no-deps 'keras-hub>=0.32,<0.33'
 	@touch $(STAMP)
 
 demo: setup

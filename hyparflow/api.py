@@ -56,6 +56,21 @@ def _check_random_layers(model, strategy) -> None:
         )
 
 
+def _check_batchnorm(model, strategy) -> None:
+    """Refuse global-batch BatchNormalization statistics where a pipeline cannot have them: a
+    micro-batch is normalised before the later ones reach the layer."""
+    from hyparflow.engine.sync_batchnorm import synchronized_layers
+
+    synced = synchronized_layers(model._flatten_layers(), strategy.sync_batchnorm)
+    if synced and strategy.microbatches > 1:
+        raise ValueError(
+            f"BatchNormalization layers {[layer.name for layer in synced][:5]} normalise by the "
+            "whole global batch (synchronized=True or sync_batchnorm=True), which micro-batches "
+            "cannot see at once; use num_microbatches=1, or let each micro-batch normalise "
+            "alone (synchronized=False, sync_batchnorm=False)."
+        )
+
+
 def _check_loss_reductions(model) -> None:
     """The engine weights each micro-batch's mean loss by its share of the global batch, which
     is exact for Keras's default "sum_over_batch_size" reduction."""
@@ -118,6 +133,7 @@ def _make_trainer(model, resolved, comm, needs_loss=True, comm_backend=None):
         agree(comm, _check_loss_reductions, model)
         agree(comm, _check_standard_steps, model)
     agree(comm, _check_random_layers, model, resolved)
+    agree(comm, _check_batchnorm, model, resolved)
     cached = getattr(model, _TRAINER_ATTRIBUTE, None)
     if comm_backend is None:
         comm_backend = cached[0][-1] if cached is not None else "mpi"

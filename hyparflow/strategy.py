@@ -32,6 +32,10 @@ class Strategy:
     micro-batch, one reduction across replicas); False keeps them per variable, which peaks
     about two copies of a pipeline stage's parameter bytes lower and runs slower on stages
     with many variables (docs/engine.md).
+    `sync_batchnorm=True` makes every BatchNormalization layer normalise by the statistics of
+    the whole global batch, summed across replicas, as Keras's own
+    `BatchNormalization(synchronized=True)` layers always are (then exactly Keras's training);
+    by default each replica normalises its shard alone (docs/models.md).
 
     Example:
         >>> hf.Strategy("hybrid", partitions=2, replicas=2, microbatches=4, schedule="1f1b")
@@ -47,6 +51,7 @@ class Strategy:
     overlap_p2p: bool = True
     overlap_groups: int = 1
     flat_gradients: bool = True
+    sync_batchnorm: bool = False
 
     def __post_init__(self):
         if self.kind not in KINDS:

@@ -40,6 +40,12 @@ TWO_RANKS = [
     "multi_io:adam:model:2:1:4:1f1b-blocking",
     "cnn:sgd:data:1:2:2:1f1b-overlap",
     "mlp:adam:data:1:2:2:gpipe-listgrads",
+    # an embedding table's row-sparse gradients through every gradient path
+    "embedding:adam:data:1:2:2:gpipe",
+    "embedding:adam:data:1:2:2:gpipe-listgrads",
+    "embedding:adam:model:2:1:2:1f1b-recompute",
+    "embedding:adam:model:2:1:2:gpipe-blocking",
+    "embedding:adam16:model:2:1:2:1f1b",
 ]
 FOUR_RANKS = [
     "mlp:adam:data:1:4:1:gpipe",
@@ -72,6 +78,8 @@ FOUR_RANKS = [
     "multi_io:adam:hybrid:2:2:2:gpipe-overlap-recompute",
     "l2_mlp:adam:hybrid:2:2:2:1f1b-listgrads",
     "resnet:adam:hybrid:2:2:2:1f1b-varbackward",
+    "embedding:adam:hybrid:2:2:2:1f1b-varbackward",
+    "embedding:adam:hybrid:2:2:2:gpipe-listgrads",
 ]
 TOLERANCE = 1e-5
 # mixed_float16: Keras and the pipeline round float16 activations of different micro-batch
@@ -153,6 +161,7 @@ MISUSE = {
     "nonfinite_data": "NaN or Inf",
     "own_train_step": "overrides Model.train_step",
     "unsliceable_noise": "['noise']",
+    "synchronized_batchnorm_microbatches": "use num_microbatches=1",
     "sum_reduction": "reduction='sum_over_batch_size'",
     "foreign_checkpoint": "different model",
     "corrupted_checkpoint": "corrupted",

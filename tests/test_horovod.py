@@ -24,6 +24,7 @@ needs_horovod = pytest.mark.skipif(
 # model:optimizer:strategy:partitions:replicas:microbatches:schedule
 TWO_RANKS = [
     "mlp:sgd:data:1:2:1:gpipe",
+    "embedding:adam:data:1:2:2:gpipe",  # row-sparse table gradients: gathered over MPI
     "cnn:adam:data:1:2:1:gpipe",
     "shared:sgd:data:1:2:1:gpipe",
 ]

@@ -10,6 +10,8 @@ step fused vs 12 ms taped, docs/engine.md).
 
 from __future__ import annotations
 
+import contextlib
+
 import tensorflow as tf
 
 from hyparflow.engine import sparse as rows
@@ -28,7 +30,8 @@ class FusedRunner:
 
     `sparse`: positions of embedding tables, whose gradients stay row slices: each
     micro-batch's are kept as they come and concatenated in order (`take_sparse_gradients`).
-    `added_losses()` means what it means for `StageRunner` (`last_added`, `has_added_losses`).
+    `added_losses()` (`last_added`, `has_added_losses`), `relax_shapes` and `train_scope` mean
+    what they mean for `StageRunner`.
 
     Example:
         >>> runner = FusedRunner(lambda x, training: model(x, training=training),
@@ -38,7 +41,16 @@ class FusedRunner:
     """
 
     def __init__(
-        self, call, variables, loss, metrics=None, layout=None, sparse=(), added_losses=None
+        self,
+        call,
+        variables,
+        loss,
+        metrics=None,
+        layout=None,
+        sparse=(),
+        added_losses=None,
+        relax_shapes=False,
+        train_scope=None,
     ):
         self.variables = list(variables)
         self.layout = layout
@@ -46,6 +58,7 @@ class FusedRunner:
         self.dense = sorted(set(range(len(self.variables))) - set(self.sparse))
         self._sparse_pieces: list[list] = []  # per micro-batch, the row-sparse gradients
         self._added_losses = added_losses
+        self._train_scope = train_scope or contextlib.nullcontext
         self.has_added_losses = False
         self.last_added = None
         self._metrics = metrics
@@ -55,14 +68,15 @@ class FusedRunner:
         self._loss = loss
         self._grads = None
         self._forwarded: set[int] = set()
-        self._first_fn = tf.function(self._first_body, reduce_retracing=True)
-        self._accumulate_fn = tf.function(self._accumulate_body, reduce_retracing=True)
-        self._infer_fn = tf.function(self._infer_body, reduce_retracing=True)
+        self._first_fn = tf.function(self._first_body, reduce_retracing=relax_shapes)
+        self._accumulate_fn = tf.function(self._accumulate_body, reduce_retracing=relax_shapes)
+        self._infer_fn = tf.function(self._infer_body, reduce_retracing=relax_shapes)
 
     def _gradients(self, inputs, y, sample_weight, scale, piece):
         with tf.GradientTape(watch_accessed_variables=False) as tape:
             tape.watch(self._sources)
-            with slice_of(piece):  # dropout: this piece's rows of the global batch's masks
+            # dropout: this piece's rows of the global batch's masks
+            with slice_of(piece), self._train_scope():
                 y_pred = self._call(inputs, True)
             added = self._added()
             loss = self._loss(y, y_pred, sample_weight)

@@ -7,6 +7,8 @@ only that micro-batch's activations alive until its backward (GPipe's activation
 
 from __future__ import annotations
 
+import contextlib
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -66,6 +68,12 @@ class StageRunner:
     the micro-batch's loss, weighted by `scale` like the compiled loss, and `last_added` holds
     its value after each `forward` or `infer` (`has_added_losses` once any call added one).
 
+    `train_scope()`, if given, returns a context entered around tracing the training call
+    (e.g. BatchNormalization statistics summed across replicas).
+
+    `relax_shapes`: the inputs have dimensions of varying size (sequence lengths), so traces
+    generalise shapes as Keras's own train function does instead of one trace per shape.
+
     `recompute=True` keeps only each micro-batch's inputs between forward and backward and
     recomputes its activations in the backward (Chen et al. 2016, "Training Deep Nets with
     Sublinear Memory Cost"; GPipe's re-materialization).
@@ -90,12 +98,15 @@ class StageRunner:
         flat_backward=True,
         sparse=(),
         added_losses=None,
+        relax_shapes=False,
+        train_scope=None,
     ):
         self.variables = list(variables)
         self.sparse = sorted(sparse)
         self.dense = sorted(set(range(len(self.variables))) - set(self.sparse))
         self._sparse_pieces: list[list] = []  # per micro-batch, the row-sparse gradients
         self._added_losses = added_losses
+        self._train_scope = train_scope or contextlib.nullcontext
         self.has_added_losses = False  # set while tracing a call whose layers added a loss
         self.last_added = None
         self.layout = layout
@@ -118,11 +129,13 @@ class StageRunner:
         self._params = None  # this step's flat variable values (with flat_backward)
         self._pack_fn = tf.function(self._pack_body)
         self._flatten_fn = tf.function(self._flatten_body)
-        # As Keras's own train function: a second shape (the last, smaller batch; another
-        # sequence length) retraces once with that dimension unknown, then never again.
-        self._forward_fn = tf.function(self._forward_body, reduce_retracing=True)
-        self._loss_forward_fn = tf.function(self._loss_forward_body, reduce_retracing=True)
-        self._infer_fn = tf.function(self._infer_body, reduce_retracing=True)
+        # Static shapes: one trace per micro-batch size (usually two: full and last), which
+        # keeps Keras's per-output loss trackers weighting by batch size. With `relax_shapes`
+        # (inputs of unknown length), as Keras's own train function: a second shape retraces
+        # once with the differing dimensions unknown, then never again.
+        self._forward_fn = tf.function(self._forward_body, reduce_retracing=relax_shapes)
+        self._loss_forward_fn = tf.function(self._loss_forward_body, reduce_retracing=relax_shapes)
+        self._infer_fn = tf.function(self._infer_body, reduce_retracing=relax_shapes)
 
     def _differentiable(self, inputs):
         # A taped function's backward graph computes the gradient of every float input unless
@@ -142,12 +155,13 @@ class StageRunner:
         the micro-batch in the global batch, whose dropout masks it takes its rows of."""
         inputs = self._differentiable(inputs)
         if params is None:
-            with slice_of(piece):
+            with slice_of(piece), self._train_scope():
                 outputs = self._call(inputs, True)
             return outputs, self._added()
         views = self.layout.unflatten(params)
         dense = [self.variables[i] for i in self.dense]  # tables are read as they are
-        with _UpdateRecordingScope(zip(dense, views)) as scope, slice_of(piece):
+        scopes = _UpdateRecordingScope(zip(dense, views)), slice_of(piece), self._train_scope()
+        with scopes[0] as scope, scopes[1], scopes[2]:
             outputs = self._call(inputs, True)
             added = self._added()  # the scope collects what layers add
         for variable, value in scope.updates.values():  # statistics, seeds: applied for real

@@ -102,6 +102,9 @@ class Trainer:
         added_losses = lambda: added_loss(layers)  # noqa: E731 - read inside each trace
         self._added_parts: list = []  # this step's (micro-batch size, added loss)
         self._any_added_losses = None  # whether any stage's layers add losses (agreed once)
+        relax_shapes = _has_varying_dimensions(model if plan is None else None, self.stage)
+        train_scope = self._batchnorm_scope(layers)
+        self._moving_statistics = _unsynchronized_moving_statistics(layers, strategy)
         layout = FlatLayout(dense_variables) if strategy.flat_gradients else None
         use_flat = layout is not None and layout.usable  # float32 variables, flat gradients wanted
         if plan is None:  # nothing lives between forward and backward: one compiled call
@@ -116,6 +119,8 @@ class Trainer:
                 else None,
                 sparse=self.sparse,
                 added_losses=added_losses,
+                relax_shapes=relax_shapes,
+                train_scope=train_scope,
             )
         else:
             self.runner = StageRunner(
@@ -128,6 +133,8 @@ class Trainer:
                 input_grads=not self.is_first,
                 sparse=self.sparse,
                 added_losses=added_losses,
+                relax_shapes=relax_shapes,
+                train_scope=train_scope,
                 **self._stage_gradient_form(layout, use_flat, plan, comm_backend),
             )
         self._update_metrics_fn = tf.function(self._update_metrics)
@@ -173,6 +180,34 @@ class Trainer:
         self._schedules: dict[tuple, tuple] = {}  # (train, micro-batches) -> this stage's actions
         self._log_root = topo.grid.rank_of(topo.num_stages - 1, 0)
         self.attach_recorder(None)
+
+    def _batchnorm_scope(self, layers):
+        """The context that sums BatchNormalization statistics of `layers` across replicas
+        (those that want the global batch's: `synchronized=True`, or all with the strategy's
+        `sync_batchnorm`); None when there is nothing to sum."""
+        from hyparflow.engine.sync_batchnorm import synchronized_batchnorm, synchronized_layers
+
+        topo = self.topology
+        synced = synchronized_layers(layers, self.strategy.sync_batchnorm)
+        if not synced or topo.num_replicas == 1:
+            return None
+        return lambda: synchronized_batchnorm(topo.stage_comm, synced)
+
+    def _average_moving_statistics(self) -> None:
+        """Replicas that normalise their shards alone average their moving statistics after
+        each step (for the mean, Keras's update on the global batch), so they never drift."""
+        variables = self._moving_statistics
+        if not variables or self.topology.num_replicas == 1:
+            return
+        flat = np.concatenate([np.asarray(v.numpy(), np.float64).ravel() for v in variables])
+        with self.watchdog.guard("average moving statistics over replicas"):
+            self.topology.stage_comm.Allreduce(_mpi_op("IN_PLACE"), flat)
+        flat /= self.topology.num_replicas
+        offset = 0
+        for v in variables:
+            size = int(np.prod(v.shape))
+            v.assign(flat[offset : offset + size].reshape(v.shape).astype(v.dtype))
+            offset += size
 
     def _stage_gradient_form(self, layout, use_flat: bool, plan, comm_backend: str) -> dict:
         """A pipeline stage's `layout` and `flat_backward`: flat unless gradients must be a
@@ -221,6 +256,8 @@ class Trainer:
                     ),
                     input_grads=j > 0 or not self.is_first,
                     added_losses=lambda layers=layers: added_loss(layers),
+                    relax_shapes=_has_varying_dimensions(None, segment),
+                    train_scope=self._batchnorm_scope(layers),
                 )
             )
         self.runner = SegmentedRunner(runners, self.variables)
@@ -415,6 +452,7 @@ class Trainer:
                 else:
                     reg_value = self._apply_flat(flat, tables)
         self._track_loss(losses, reg_value, self._added_total())
+        self._average_moving_statistics()
         self.step += 1
         self.watchdog.step = self.step
 
@@ -929,6 +967,31 @@ def _weight_owners(plan, model) -> list:
         for v in stage.model.weights:
             first_user.setdefault(id(v), stage.index)
     return [first_user.get(id(v), 0) for v in model.weights]
+
+
+def _unsynchronized_moving_statistics(layers, strategy) -> list:
+    """Moving mean and variance of the BatchNormalization layers that normalise alone."""
+    import keras
+
+    from hyparflow.engine.sync_batchnorm import synchronized_layers
+
+    synced = {id(layer) for layer in synchronized_layers(layers, strategy.sync_batchnorm)}
+    return [
+        v
+        for layer in layers
+        if isinstance(layer, keras.layers.BatchNormalization) and id(layer) not in synced
+        for v in (layer.moving_mean, layer.moving_variance)
+    ]
+
+
+def _has_varying_dimensions(model, stage) -> bool:
+    """Whether the inputs of `stage` (or of the whole `model`) have unknown dimensions besides
+    the batch, e.g. a sequence length that varies from batch to batch."""
+    if stage is not None:
+        shapes = [tuple(t.shape) for t in stage.receives]  # without the batch dimension
+    else:
+        shapes = [tuple(t.shape)[1:] for t in getattr(model, "inputs", None) or []]
+    return any(d is None for shape in shapes for d in shape)
 
 
 def _inner(optimizer):

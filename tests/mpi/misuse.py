@@ -126,6 +126,10 @@ CASES = {
     ),
     "own_train_step": lambda x, y, tmp: fit(with_own_train_step(), x, y),
     "unsliceable_noise": lambda x, y, tmp: fit(with_noise(), x, y, strategy="data"),
+    "synchronized_batchnorm_microbatches": lambda x, y, tmp: fit(
+        compiled("batchnorm", "sgd"), x, y,
+        strategy=hf.Strategy("data", sync_batchnorm=True, microbatches=2),
+    ),
     "sum_reduction": lambda x, y, tmp: fit(with_sum_reduction(), x, y),
     "foreign_checkpoint": lambda x, y, tmp: fit(
         compiled("mlp", "sgd"), x, y, strategy="model",

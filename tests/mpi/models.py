@@ -103,9 +103,21 @@ def batchnorm():
     return keras.Model(inputs, outputs, name="batchnorm")
 
 
+def embedding():
+    """A token table (row-sparse gradients) in front of dense layers."""
+    tokens = keras.Input((FEATURES,), dtype="int32")
+    x = keras.layers.Flatten()(keras.layers.Embedding(VOCAB, 4)(tokens))
+    x = keras.layers.Dense(8, activation="tanh")(x)
+    x = keras.layers.Dense(8, activation="relu")(x)
+    outputs = keras.layers.Dense(3, activation="softmax")(x)
+    return keras.Model(tokens, outputs, name="embedding")
+
+
 BUILDERS = {
-    f.__name__: f for f in (mlp, sequential, l2_mlp, cnn, resnet, multi_io, shared, batchnorm)
+    f.__name__: f
+    for f in (mlp, sequential, l2_mlp, cnn, resnet, multi_io, shared, batchnorm, embedding)
 }
+VOCAB = 30
 
 
 def data(name: str, n: int = 70, seed: int = 0):
@@ -116,6 +128,8 @@ def data(name: str, n: int = 70, seed: int = 0):
         return rng.normal(size=(n, 8, 8, 2)).astype("float32"), labels
     if name == "shared":
         return rng.normal(size=(n, 8)).astype("float32"), labels
+    if name == "embedding":
+        return rng.integers(0, VOCAB, size=(n, FEATURES)).astype("int32"), labels
     if name == "multi_io":
         x = {
             "a": rng.normal(size=(n, FEATURES)).astype("float32"),

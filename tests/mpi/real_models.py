@@ -1,7 +1,8 @@
 """Train models users train (tests/mpi/zoo.py) with hf.fit and with plain Keras; report diffs.
 
 Arguments: configurations "model:optimizer:strategy:partitions:replicas:microbatches:schedule",
-the optimizer as zoo.optimizer names it ("adam+globalclip"). Every rank trains the Keras
+the optimizer as zoo.optimizer names it ("adam+globalclip"), the schedule with flags after "-"
+("gpipe-syncbn": Strategy(sync_batchnorm=True)). Every rank trains the Keras
 reference itself and compares its own copy of the trained model, which holds the full weights.
 """
 
@@ -17,13 +18,15 @@ BATCH, EPOCHS = 16, 2
 
 def run(config: str) -> dict:
     name, optimizer, kind, partitions, replicas, microbatches, schedule = config.split(":")
+    short = "short" in schedule.split("-")[1:]
+    epochs = 1 if short else EPOCHS
     if name in zoo.TEXT_MODELS:  # batches of varying sequence length
         x, y, batch_size = zoo.text_batches(name, BATCH), None, None
-    else:
-        (x, y), batch_size = zoo.data(name), BATCH
+    else:  # "short": one step (deep networks at tiny sizes amplify float noise step by step)
+        (x, y), batch_size = zoo.data(name, n=BATCH if short else 70), BATCH
     reference = zoo.compiled(name, optimizer)
     ref_history = reference.fit(
-        x, y, batch_size=batch_size, epochs=EPOCHS, shuffle=False, verbose=0
+        x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0
     )
     model = zoo.compiled(name, optimizer)
     strategy = hf.Strategy(
@@ -31,10 +34,11 @@ def run(config: str) -> dict:
         partitions=int(partitions),
         replicas=int(replicas),
         microbatches=int(microbatches),
-        schedule=schedule,
+        schedule=schedule.split("-")[0],
+        sync_batchnorm="syncbn" in schedule.split("-")[1:],
     )
     history = hf.fit(
-        model, x, y, batch_size=batch_size, epochs=EPOCHS, shuffle=False, verbose=0,
+        model, x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0,
         strategy=strategy,
     )  # fmt: skip
     return {

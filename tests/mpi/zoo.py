@@ -79,6 +79,26 @@ def masked_gru():
     return keras.Model(tokens, outputs, name="masked_gru")
 
 
+def batchnorm_cnn():
+    """Convolutions with BatchNormalization, one of them Keras's synchronized kind."""
+    inputs = keras.Input((8, 8, 2))
+    x = keras.layers.Conv2D(4, 3, padding="same", use_bias=False)(inputs)
+    x = keras.layers.Activation("relu")(keras.layers.BatchNormalization()(x))
+    x = keras.layers.Conv2D(6, 3, padding="same", use_bias=False)(x)
+    x = keras.layers.BatchNormalization(synchronized=True)(x)
+    x = keras.layers.GlobalAveragePooling2D()(keras.layers.Activation("relu")(x))
+    outputs = keras.layers.Dense(3, activation="softmax")(x)
+    return keras.Model(inputs, outputs, name="batchnorm_cnn")
+
+
+def mobilenet_v3():
+    """keras.applications' MobileNetV3Small, tiny input: BatchNormalization, hard-swish, SE."""
+    return keras.applications.MobileNetV3Small(
+        input_shape=(32, 32, 3), alpha=0.75, minimalistic=True, weights=None, classes=3,
+        include_preprocessing=False, dropout_rate=0.0,
+    )  # fmt: skip
+
+
 def gpt2():
     """keras_hub's GPT-2 language model, tiny: tied input/output embedding, dropout 0.1."""
     import keras_hub
@@ -114,8 +134,11 @@ def llama():
 
 BUILDERS = {
     f.__name__: f
-    for f in (embedding_mlp, two_tables, dropout_mlp, added_losses, masked_gru, gpt2, bert, llama)
-}
+    for f in (
+        embedding_mlp, two_tables, dropout_mlp, added_losses, masked_gru, batchnorm_cnn,
+        mobilenet_v3, gpt2, bert, llama,
+    )
+}  # fmt: skip
 TEXT_MODELS = ("gpt2", "bert", "llama")  # keras_hub: token batches of varying length
 HUB_VOCAB = 50
 TEXT_LENGTHS = (7, 5, 9, 7, 3)  # one sequence length per batch of an epoch
@@ -162,14 +185,19 @@ def data(name: str, n: int = 70, seed: int = 0):
         return padded, labels
     if name == "dropout_mlp":
         return rng.normal(size=(n, 4, 6)).astype("float32"), labels
+    if name == "batchnorm_cnn":
+        return rng.normal(size=(n, 8, 8, 2)).astype("float32"), labels
+    if name == "mobilenet_v3":
+        return rng.normal(size=(n, 32, 32, 3)).astype("float32"), labels
     if name == "added_losses":
         return rng.normal(size=(n, 6)).astype("float32"), labels
     return tokens, labels
 
 
 def optimizer(spec: str):
-    """A Keras optimizer from "name[+clipping]", e.g. "adam+globalclip"."""
+    """A Keras optimizer from "name[@learning_rate][+clipping]", e.g. "adam+globalclip"."""
     name, _, clipping = spec.partition("+")
+    name, _, rate = name.partition("@")
     options = {
         "": {},
         "clipnorm": {"clipnorm": 0.05},
@@ -188,7 +216,8 @@ def optimizer(spec: str):
     rates = {"sgd": 0.1, "adadelta": 1.0, "ftrl": 0.1, "adagrad": 0.1}
     if name == "sgd":
         options["momentum"] = 0.9  # state carried across steps, as the adaptive ones have
-    return classes[name](learning_rate=rates.get(name, 0.01), **options)
+    rate = float(rate) if rate else rates.get(name, 0.01)
+    return classes[name](learning_rate=rate, **options)
 
 
 def compiled(name: str, optimizer_spec: str):

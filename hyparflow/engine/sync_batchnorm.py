@@ -1,0 +1,116 @@
+"""BatchNormalization statistics of the whole global batch, summed across replicas in the step.
+
+Keras's `BatchNormalization(synchronized=True)` sums its statistics across the replicas of a
+`tf.distribute` strategy; in one process it normalises by the whole batch. Across hyparflow's
+replicas, each sees a shard, so the sums must cross MPI inside the compiled forward (and the
+sums of their gradients inside the backward), as Horovod's and PyTorch's SyncBatchNorm do
+(Ioffe & Szegedy 2015; Peng et al., "MegDet", CVPR 2018). `synchronized_batchnorm` makes the
+stage's BatchNormalization layers compute their moments that way while it is active: those
+with `synchronized=True` always, the others too when the strategy asks for it
+(`Strategy(sync_batchnorm=True)`), each with the formula Keras uses for its own flag.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+
+import numpy as np
+import tensorflow as tf
+
+# The last cross-replica sum created in each graph: every rank must run its sums in one order,
+# so each new one waits for the one before (creation order is the same on every rank).
+_last_sum = threading.local()
+
+
+def cross_replica_sum(comm, tensor):
+    """`tensor` summed over the ranks of `comm` (in graph or eagerly); its gradient is the
+    sum of the gradients, since every rank's loss reads the total."""
+
+    @tf.custom_gradient
+    def summed(x):
+        def gradient(upstream):
+            return _allreduce(comm, upstream)
+
+        return _allreduce(comm, x), gradient
+
+    return summed(tensor)
+
+
+def _allreduce(comm, tensor):
+    def reduce(array):
+        from mpi4py import MPI
+
+        total = np.array(array, copy=True)
+        comm.Allreduce(MPI.IN_PLACE, total)
+        return total
+
+    graph = tf.compat.v1.get_default_graph()
+    previous = getattr(_last_sum, "by_graph", {}).get(id(graph))
+    dependencies = [previous] if previous is not None and not tf.executing_eagerly() else []
+    with tf.control_dependencies(dependencies):
+        result = tf.numpy_function(reduce, [tensor], tensor.dtype, stateful=True)
+    result.set_shape(tensor.shape)
+    if not tf.executing_eagerly():
+        _last_sum.__dict__.setdefault("by_graph", {})[id(graph)] = result
+    return result
+
+
+def _global_moments(comm, synchronized_formula: bool):
+    """A `BatchNormalization._moments` replacement over the replicas of `comm`."""
+
+    def moments(layer, inputs, mask):
+        if mask is not None:
+            raise ValueError(
+                f"BatchNormalization layer {layer.name!r} gets a mask; hyparflow synchronises "
+                "only unmasked batch statistics. Use synchronized=False for it."
+            )
+        axes = layer._reduction_axes
+        x = tf.cast(inputs, tf.float32) if inputs.dtype in (tf.float16, tf.bfloat16) else inputs
+        count = tf.cast(tf.reduce_prod(tf.gather(tf.shape(x), axes)), x.dtype)
+        total = cross_replica_sum(comm, tf.reduce_sum(x, axis=axes, keepdims=True))
+        count = cross_replica_sum(comm, count)
+        mean = tf.math.divide_no_nan(total, count)
+        if synchronized_formula:  # Keras's synchronized moments: E(x^2) - E(x)^2
+            squares = cross_replica_sum(comm, tf.reduce_sum(tf.square(x), axis=axes, keepdims=True))
+            variance = tf.maximum(tf.math.divide_no_nan(squares, count) - tf.square(mean), 0.0)
+        else:  # tf.nn.moments: the mean of squared deviations from the (global) mean
+            deviations = tf.reduce_sum(
+                tf.math.squared_difference(x, tf.stop_gradient(mean)), axis=axes, keepdims=True
+            )
+            variance = tf.math.divide_no_nan(cross_replica_sum(comm, deviations), count)
+        mean, variance = tf.squeeze(mean, axes), tf.squeeze(variance, axes)
+        if x.dtype != inputs.dtype:  # as Keras: statistics in float32, handed back as input's
+            mean = tf.cast(tf.clip_by_value(mean, tf.float16.min, tf.float16.max), inputs.dtype)
+            variance = tf.cast(
+                tf.clip_by_value(variance, tf.float16.min, tf.float16.max), inputs.dtype
+            )
+        return mean, variance
+
+    return moments
+
+
+def synchronized_layers(layers, force: bool) -> list:
+    """The BatchNormalization layers among `layers` whose statistics span the global batch."""
+    import keras
+
+    return [
+        layer
+        for layer in layers
+        if isinstance(layer, keras.layers.BatchNormalization) and (layer.synchronized or force)
+    ]
+
+
+@contextlib.contextmanager
+def synchronized_batchnorm(comm, layers):
+    """While active (around tracing the stage's training forward), `layers` (BatchNormalization)
+    compute their batch moments over every replica of `comm`."""
+    for layer in layers:
+        moments = functools.partial(_global_moments(comm, layer.synchronized), layer)
+        object.__setattr__(layer, "_moments", moments)  # this layer alone, until exit
+    try:
+        yield
+    finally:
+        for layer in layers:
+            object.__delattr__(layer, "_moments")
