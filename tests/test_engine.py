@@ -105,13 +105,14 @@ def _check(results, configs):
             replicas = int(r["config"].split(":")[4])
             # Gradients travel as one flat tensor unless a list is needed: layers shared by
             # stages are summed per variable over the pipeline, overlap reduces per segment
-            # (and a stage of only pooling/reshaping layers has no gradients at all).
+            # (and a stage of only pooling/reshaping layers has no gradients at all; an
+            # embedding table's gradients are row slices, kept beside the flat tensor).
             # Large variables (forced by "varbackward") are summed per variable and
             # flattened once per step, only to be reduced across replicas.
             per_variable = "varbackward" in r["config"]
             flat = (
                 (partitions > 1 or replicas > 1)
-                and r["stage_variables"] > 0
+                and r["dense_variables"] > 0
                 and "overlap" not in r["config"]
                 and "listgrads" not in r["config"]
                 and not r["shared_across_stages"]

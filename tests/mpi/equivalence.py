@@ -80,6 +80,7 @@ def _run(config: str) -> dict:
         "flat_backward": getattr(model._hyparflow_trainer[1].runner, "flat_backward", None),
         "shared_across_stages": model._hyparflow_trainer[1]._shared is not None,
         "stage_variables": len(model._hyparflow_trainer[1].variables),
+        "dense_variables": len(model._hyparflow_trainer[1].dense),  # tables are not flat
         "ref_loss_scale": float(getattr(reference.optimizer, "dynamic_scale", 1.0)),
         "weights": relative_difference(model.get_weights(), reference.get_weights()),
         "history": history_difference(history.history, ref_history.history),
