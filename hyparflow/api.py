@@ -164,17 +164,38 @@ def _make_trainer(model, resolved, comm, needs_loss=True, comm_backend=None):
     return trainer
 
 
-def _run(comm, work):
-    """Run a collective loop. Errors raised on every rank at the same point (agreed) propagate;
-    any other error mid-step cannot be agreed on, so it ends the whole job."""
-    from hyparflow.comm.agree import abort_on_error, is_agreed
+def _run(comm, work, model=None):
+    """Run a collective loop. Errors raised on every rank at the same point (agreed) propagate.
+    Another error mid-step propagates too if every rank fails within `all_failed`'s wait (the
+    same error everywhere, e.g. a trace that cannot be built: `model`'s trainer, whose messages
+    may be half-sent, is dropped); otherwise some rank is blocked in MPI, so the job ends."""
+    from hyparflow.comm.agree import AgreedError, abort_on_error, all_failed, is_agreed
 
+    failures = _failure_comm(comm)  # collective: before any rank can fail
     try:
         return work()
     except Exception as error:  # noqa: BLE001
         if is_agreed(error):
             raise
+        if all_failed(failures, error):
+            _drop_trainer(model)
+            raise AgreedError(error) from None
         abort_on_error(comm, error, "training step")
+
+
+def _failure_comm(comm):
+    from hyparflow.comm.agree import failure_comm
+
+    return failure_comm(comm)
+
+
+def _drop_trainer(model) -> None:
+    """Forget `model`'s trainer after a failed step: the next call builds a fresh one (new
+    communicators, so nothing left of the failed step can be received by mistake)."""
+    cached = getattr(model, _TRAINER_ATTRIBUTE, None) if model is not None else None
+    if cached is not None:
+        cached[1].watchdog.close()
+        object.__delattr__(model, _TRAINER_ATTRIBUTE)
 
 
 def fit(
@@ -377,7 +398,8 @@ def _distributed_fit(model, x, y, batch_size, epochs, resolved, options, **kwarg
         initial_epoch, start_batch = saved.epoch, saved.batch
     return _run(
         comm,
-        lambda: fit_loop(
+        model=model,
+        work=lambda: fit_loop(
             trainer,
             source,
             epochs=epochs,
@@ -418,7 +440,7 @@ def evaluate(
     comm = world()
     source = agree(comm, make_source, x, y, sample_weight, batch_size=batch_size)
     trainer = _make_trainer(model, resolved, comm)
-    logs = _run(comm, lambda: evaluate_loop(trainer, source, steps=steps))
+    logs = _run(comm, lambda: evaluate_loop(trainer, source, steps=steps), model)
     if return_dict:
         return logs
     return model._flatten_metrics_in_order(logs)
@@ -447,4 +469,4 @@ def predict(
     comm = world()
     source = agree(comm, make_source, x, batch_size=batch_size)
     trainer = _make_trainer(model, resolved, comm, needs_loss=False)
-    return _run(comm, lambda: predict_loop(trainer, source, steps=steps))
+    return _run(comm, lambda: predict_loop(trainer, source, steps=steps), model)

@@ -164,6 +164,9 @@ MISUSE = {
     "unsliceable_noise": "['noise']",
     "synchronized_batchnorm_microbatches": "use num_microbatches=1",
     "sum_reduction": "reduction='sum_over_batch_size'",
+    # every rank raised it mid-step: an ordinary exception everywhere, not MPI_Abort
+    "same_error_everywhere": "boom: this layer cannot train",
+    "caught_and_continued": "recovered: trained 1 epoch after the error",
     "foreign_checkpoint": "different model",
     "corrupted_checkpoint": "corrupted",
     "missing_checkpoint": "No complete checkpoint",

@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 import traceback
 
+import numpy as np
+
 
 class RemoteRankError(RuntimeError):
     """Raised on ranks whose own work succeeded when another rank failed."""
@@ -42,6 +44,40 @@ def agree(comm, work, *args, **kwargs):
         raise AgreedError(error)
     rank, first = failed[0]
     raise RemoteRankError(f"rank {rank} failed: {first}")
+
+
+# How long a rank that failed mid-step waits for the others to fail too before ending the job.
+FAILURE_AGREEMENT_SECONDS = 30.0
+_failure_comms: dict[int, object] = {}
+
+
+def failure_comm(comm):
+    """A duplicate of `comm` used only to agree on failures (collective the first time): ranks
+    that did not fail never call it, so a failed rank's call can never meet another collective."""
+    key = comm.py2f()
+    if key not in _failure_comms:
+        _failure_comms[key] = comm.Dup()
+    return _failure_comms[key]
+
+
+def all_failed(comm, error: BaseException, timeout: float = FAILURE_AGREEMENT_SECONDS) -> bool:
+    """After `error` in the middle of collective work: whether every rank of `comm` failed as
+    well (then each may raise its error normally), waiting at most `timeout` seconds. A rank
+    still blocked in MPI waiting for this one never answers: then False, and the job must end.
+    `comm` is a `failure_comm`."""
+    import time
+
+    from mpi4py import MPI
+
+    del error  # each rank raises its own error; only the fact of failing is shared
+    flags = np.zeros(comm.Get_size(), np.int8)
+    request = comm.Iallgather(np.ones(1, np.int8), [flags, MPI.INT8_T])
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if request.Test():
+            return bool(flags.all())
+        time.sleep(0.01)
+    return False
 
 
 def abort_on_error(comm, error: BaseException, where: str) -> None:

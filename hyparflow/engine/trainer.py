@@ -98,6 +98,7 @@ class Trainer:
         self.sparse = rows.row_sparse_positions(self.variables, graph._flatten_layers())
         self.dense = sorted(set(range(len(self.variables))) - set(self.sparse))
         dense_variables = [self.variables[i] for i in self.dense]
+        self._shared = self._shared_variable_indices()
         layers = list(graph._flatten_layers())
         added_losses = lambda: added_loss(layers)  # noqa: E731 - read inside each trace
         self._added_parts: list = []  # this step's (micro-batch size, added loss)
@@ -148,7 +149,6 @@ class Trainer:
         self._has_regularizers = bool(
             topo.pipeline_comm.allreduce(len(self._regularized) > 0, op=_mpi_op("LOR"))
         )
-        self._shared = self._shared_variable_indices()
         # Keras clips by the norm of the whole model's gradient: stages must agree on it.
         self._clips_across_stages = plan is not None and bool(
             getattr(_inner(model.optimizer), "global_clipnorm", None)
@@ -215,7 +215,8 @@ class Trainer:
         takes a list). Flat per micro-batch only where it pays (many small variables);
         otherwise summed per variable and flattened once, when replicas reduce them."""
         replicas = self.topology.num_replicas
-        if not use_flat or plan.shared_layers or (comm_backend != "mpi" and replicas > 1):
+        shared = self._shared is not None
+        if not use_flat or shared or (comm_backend != "mpi" and replicas > 1):
             return {"layout": None}
         if layout.flat_backward_pays:
             return {"layout": layout, "flat_backward": True}
@@ -324,7 +325,9 @@ class Trainer:
     # --- sharing ---------------------------------------------------------------------------
     def _shared_variable_indices(self):
         """Indices (into this stage's variables) of variables that other stages also use."""
-        if self.plan is None or not self.plan.shared_layers:
+        # By variable, not layer name: a layer may be called in one stage directly and in
+        # another inside a composite layer (keras_hub's tied token embedding in OPT).
+        if self.plan is None:
             return None
         ids = {}
         for stage in self.plan.stages:

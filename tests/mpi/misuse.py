@@ -48,6 +48,33 @@ def with_own_train_step():
     return model
 
 
+class FailsInTraining(keras.layers.Layer):
+    """Builds and predicts, but raises while a training step is traced (on every rank)."""
+
+    def call(self, x, training=None):
+        if training:
+            raise ValueError("boom: this layer cannot train")
+        return x
+
+
+def failing_in_training():
+    inputs = keras.Input((6,))
+    hidden = FailsInTraining()(keras.layers.Dense(4)(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(3, activation="softmax")(hidden))
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    return model
+
+
+def recovered(x, y):
+    """A script that catches a failed fit goes on: the same ranks train another model."""
+    try:
+        fit(failing_in_training(), x, y, strategy="data")
+    except ValueError as error:
+        assert "boom" in str(error), error
+    history = fit(compiled("mlp", "sgd"), x, y, strategy="model")
+    raise RuntimeError(f"recovered: trained {len(history.history['loss'])} epoch after the error")
+
+
 def with_noise():
     inputs = keras.Input((6,))
     hidden = keras.layers.GaussianNoise(0.1, name="noise")(inputs)
@@ -131,6 +158,8 @@ CASES = {
         strategy=hf.Strategy("data", sync_batchnorm=True, microbatches=2),
     ),
     "sum_reduction": lambda x, y, tmp: fit(with_sum_reduction(), x, y),
+    "same_error_everywhere": lambda x, y, tmp: fit(failing_in_training(), x, y, strategy="data"),
+    "caught_and_continued": lambda x, y, tmp: recovered(x, y),
     "foreign_checkpoint": lambda x, y, tmp: fit(
         compiled("mlp", "sgd"), x, y, strategy="model",
         resume_from=checkpointed(os.path.join(tmp, "cnn"), "cnn"),

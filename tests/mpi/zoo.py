@@ -132,14 +132,107 @@ def llama():
     return keras_hub.models.LlamaCausalLM(backbone, preprocessor=None)
 
 
+def gemma():
+    """keras_hub's Gemma decoder, tiny: multi-query attention, RMSNorm, tied embedding."""
+    import keras_hub
+
+    backbone = keras_hub.models.GemmaBackbone(
+        vocabulary_size=HUB_VOCAB, num_layers=2, num_query_heads=2, num_key_value_heads=1,
+        hidden_dim=16, intermediate_dim=32, head_dim=8,
+    )  # fmt: skip
+    return keras_hub.models.GemmaCausalLM(backbone, preprocessor=None)
+
+
+def mistral():
+    """keras_hub's Mistral decoder, tiny: grouped-query and sliding-window attention."""
+    import keras_hub
+
+    backbone = keras_hub.models.MistralBackbone(
+        vocabulary_size=HUB_VOCAB, num_layers=2, num_query_heads=4, num_key_value_heads=2,
+        hidden_dim=16, intermediate_dim=32, sliding_window=4,
+    )  # fmt: skip
+    return keras_hub.models.MistralCausalLM(backbone, preprocessor=None)
+
+
+def opt():
+    """keras_hub's OPT decoder, tiny: learned positions, tied embedding, dropout 0.1."""
+    import keras_hub
+
+    backbone = keras_hub.models.OPTBackbone(
+        vocabulary_size=HUB_VOCAB, num_layers=2, num_heads=2, hidden_dim=16,
+        intermediate_dim=32, max_sequence_length=16,
+    )  # fmt: skip
+    return keras_hub.models.OPTCausalLM(backbone, preprocessor=None)
+
+
+def distil_bert():
+    """keras_hub's DistilBERT classifier, tiny (no segment ids), dropout 0.1."""
+    import keras_hub
+
+    backbone = keras_hub.models.DistilBertBackbone(
+        vocabulary_size=HUB_VOCAB, num_layers=2, num_heads=2, hidden_dim=16,
+        intermediate_dim=32, max_sequence_length=16,
+    )  # fmt: skip
+    return keras_hub.models.DistilBertTextClassifier(backbone, num_classes=3, preprocessor=None)
+
+
+def roberta():
+    """keras_hub's RoBERTa classifier, tiny, dropout 0.1."""
+    import keras_hub
+
+    backbone = keras_hub.models.RobertaBackbone(
+        vocabulary_size=HUB_VOCAB, num_layers=2, num_heads=2, hidden_dim=16,
+        intermediate_dim=32, max_sequence_length=16,
+    )  # fmt: skip
+    return keras_hub.models.RobertaTextClassifier(backbone, num_classes=3, preprocessor=None)
+
+
+def albert():
+    """keras_hub's ALBERT classifier, tiny: one transformer layer reused at every depth (a
+    layer shared by every pipeline stage) and factorised embeddings."""
+    import keras_hub
+
+    backbone = keras_hub.models.AlbertBackbone(
+        vocabulary_size=HUB_VOCAB, num_layers=3, num_heads=2, embedding_dim=8, hidden_dim=16,
+        intermediate_dim=32, max_sequence_length=16,
+    )  # fmt: skip
+    return keras_hub.models.AlbertTextClassifier(backbone, num_classes=3, preprocessor=None)
+
+
+def mobilenet_v2():
+    """keras.applications' MobileNetV2 (alpha 0.35), tiny input: depthwise convolutions, BN."""
+    return keras.applications.MobileNetV2(
+        input_shape=(32, 32, 3), alpha=0.35, weights=None, classes=3
+    )
+
+
+def preprocessed():
+    """Preprocessing layers in the graph: Normalization and Discretization, then dense layers."""
+    inputs = keras.Input((6,))
+    scaled = keras.layers.Normalization(mean=0.5, variance=4.0)(inputs)
+    buckets = keras.layers.Discretization(bin_boundaries=[-1.0, 0.0, 1.0])(inputs)
+    encoded = keras.layers.CategoryEncoding(num_tokens=4, output_mode="count")(buckets)
+    x = keras.layers.Concatenate()([scaled, encoded])
+    x = keras.layers.Dense(8, activation="tanh")(x)
+    x = keras.layers.Dense(8, activation="relu")(x)
+    outputs = keras.layers.Dense(3, activation="softmax")(x)
+    return keras.Model(inputs, outputs, name="preprocessed")
+
+
 BUILDERS = {
     f.__name__: f
     for f in (
         embedding_mlp, two_tables, dropout_mlp, added_losses, masked_gru, batchnorm_cnn,
-        mobilenet_v3, gpt2, bert, llama,
+        preprocessed, mobilenet_v3, mobilenet_v2, gpt2, bert, llama, gemma, mistral, opt,
+        distil_bert, roberta, albert,
     )
 }  # fmt: skip
-TEXT_MODELS = ("gpt2", "bert", "llama")  # keras_hub: token batches of varying length
+# keras_hub: token batches of varying length; classifiers take labels, the others next tokens
+TEXT_MODELS = (
+    "gpt2", "bert", "llama", "gemma", "mistral", "opt", "distil_bert", "roberta", "albert",
+)  # fmt: skip
+CLASSIFIERS = ("bert", "distil_bert", "roberta", "albert")
+SEGMENTED = ("bert", "albert")  # take segment ids
 HUB_VOCAB = 50
 TEXT_LENGTHS = (7, 5, 9, 7, 3)  # one sequence length per batch of an epoch
 
@@ -156,15 +249,16 @@ def text_batches(name: str, batch_size: int, seed: int = 0):
         valid = rng.integers(max(1, length - 3), length + 1, size=batch_size)
         mask = (np.arange(length)[None, :] < valid[:, None]).astype("int32")
         x = {"token_ids": tokens * mask, "padding_mask": mask}
-        if name == "bert":
+        if name in SEGMENTED:
             x["segment_ids"] = np.zeros_like(tokens)
+        if name in CLASSIFIERS:
             y = rng.integers(0, 3, size=batch_size).astype("int32")
         else:  # next-token prediction
             y = np.concatenate([tokens[:, 1:], np.zeros((batch_size, 1), "int32")], axis=1)
         batches.append((x, y))
     token = tf.TensorSpec((None, None), tf.int32)
     x_spec = {k: token for k in batches[0][0]}
-    y_spec = tf.TensorSpec((None,) if name == "bert" else (None, None), tf.int32)
+    y_spec = tf.TensorSpec((None,) if name in CLASSIFIERS else (None, None), tf.int32)
     dataset = tf.data.Dataset.from_generator(
         lambda: iter(batches), output_signature=(x_spec, y_spec)
     )
@@ -187,9 +281,9 @@ def data(name: str, n: int = 70, seed: int = 0):
         return rng.normal(size=(n, 4, 6)).astype("float32"), labels
     if name == "batchnorm_cnn":
         return rng.normal(size=(n, 8, 8, 2)).astype("float32"), labels
-    if name == "mobilenet_v3":
+    if name in ("mobilenet_v3", "mobilenet_v2"):
         return rng.normal(size=(n, 32, 32, 3)).astype("float32"), labels
-    if name == "added_losses":
+    if name in ("added_losses", "preprocessed"):
         return rng.normal(size=(n, 6)).astype("float32"), labels
     return tokens, labels
 
