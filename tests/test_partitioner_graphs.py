@@ -379,3 +379,32 @@ def test_models_nested_two_deep_with_dict_inputs_and_an_unused_output():
     expected = leaf_layer_names(model) - dead
     for k in (2, 3, 4):
         check_plan(model, partition(model, k), rand(3, 4), k, training=True, expected=expected)
+
+
+def _masked_model():
+    tokens = keras.Input((6,), dtype="int32")
+    x = layers.Embedding(20, 4, mask_zero=True, name="table")(tokens)
+    x = layers.Dense(4, name="projection")(x)  # passes the mask on
+    x = layers.GRU(5, name="gru")(x)  # reads it
+    x = layers.Dense(4, name="after")(x)
+    return keras.Model(tokens, layers.Dense(3, name="head")(x))
+
+
+@pytest.mark.parametrize("balance", ["layers", "params", "flops"])
+def test_no_stage_begins_where_a_keras_mask_would_be_cut_off(balance):
+    model = _masked_model()
+    for parts in (2, 3):
+        plan = partition(model, parts, balance=balance)
+        for stage in plan.stages:  # masking layer and mask readers in one stage
+            names = set(stage.layers)
+            together = {"table", "projection", "gru"}
+            assert not names & together or together <= names, [s.layers for s in plan.stages]
+        tokens = np.array([[3, 4, 0, 0, 0, 0], [1, 2, 3, 4, 5, 6]], "int32")
+        np.testing.assert_allclose(plan.run(tokens), model(tokens), atol=1e-6)
+
+
+def test_an_explicit_split_cutting_a_mask_is_refused():
+    with pytest.raises(ValueError, match="separate a Keras mask"):
+        partition(_masked_model(), 2, balance=["gru"])
+    with pytest.raises(ValueError, match="places to cut"):
+        partition(_masked_model(), 5)  # only 3 places to cut: before the table, after gru, head

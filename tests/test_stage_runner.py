@@ -127,28 +127,54 @@ def test_flat_layout_middle_stage_and_fresh_values_each_step():
         assert not np.any(runner.take_flat_gradients().numpy())  # nothing since: zeros
 
 
-def test_flat_layout_densifies_an_embedding_gradient():
-    """A gather's gradient is sparse (IndexedSlices); in the flat gradient it is dense."""
+def test_table_gradients_stay_row_slices_beside_the_flat_layout():
+    """A gather's gradient is row slices (IndexedSlices), one pair per looked-up id in order,
+    with or without a flat layout of the other variables; a table the stage's loss does not
+    reach contributes no rows."""
     keras.utils.set_random_seed(8)
     inputs = keras.Input((3,), dtype="int32")
     x = keras.layers.Flatten()(keras.layers.Embedding(10, 4)(inputs))
     model = keras.Model(inputs, keras.layers.Dense(2)(x))
-    ids = tf.constant([[1, 2, 2], [7, 1, 0]])
-    upstream = [tf.ones((2, 2))]
+    table, dense = model.trainable_variables[0], model.trainable_variables[1:]
+    ids = [tf.constant([[1, 2, 2], [7, 1, 0]]), tf.constant([[4, 4, 9]])]
     grads = []
-    for layout in (None, FlatLayout(model.trainable_variables)):
+    for layout in (None, FlatLayout(dense)):
         runner = StageRunner(
             lambda i, training: model(i, training=training),
             model.trainable_variables,
             input_grads=False,
             layout=layout,
+            sparse=[0],
         )
-        runner.forward(0, ids)
-        assert runner.backward(0, upstream) == [None]
+        for k, batch in enumerate(ids):
+            runner.forward(k, batch)
+            assert runner.backward(k, [tf.ones((batch.shape[0], 2))]) == [None]
         grads.append(runner.take_gradients())
-    for a, b in zip(*grads):
-        np.testing.assert_allclose(tf.convert_to_tensor(a).numpy(), b.numpy(), rtol=1e-6)
-    assert not np.any(grads[1][0].numpy()[[3, 4, 5, 6, 8, 9]])  # rows never looked up
+    for got in grads:
+        assert isinstance(got[0], tf.IndexedSlices)
+        assert got[0].indices.numpy().tolist() == [1, 2, 2, 7, 1, 0, 4, 4, 9]  # both pieces
+    np.testing.assert_array_equal(grads[0][0].values.numpy(), grads[1][0].values.numpy())
+    for a, b in zip(grads[0][1:], grads[1][1:]):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6)
+    unused = StageRunner(lambda i, training: i, [table], input_grads=True, sparse=[0])
+    unused.forward(0, tf.ones((2, 3)))
+    unused.backward(0, [tf.ones((2, 3))])
+    (none,) = unused.take_gradients()
+    assert isinstance(none, tf.IndexedSlices) and none.values.shape == (0, 4)
+
+
+def test_a_gathered_variable_outside_an_embedding_is_refused_not_densified():
+    keras.utils.set_random_seed(8)
+    inputs = keras.Input((3,), dtype="int32")
+    x = keras.layers.Flatten()(keras.layers.Embedding(10, 4)(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(2)(x))
+    runner = StageRunner(
+        lambda i, training: model(i, training=training), model.trainable_variables,
+        input_grads=False,
+    )  # fmt: skip
+    runner.forward(0, tf.constant([[1, 2, 3]]))
+    with pytest.raises(ValueError, match="row-sparse gradients"):
+        runner.backward(0, [tf.ones((1, 2))])
 
 
 def test_take_gradients_hands_over_the_sum_and_resets():
@@ -248,7 +274,7 @@ def test_first_stage_skips_input_gradients_and_keeps_variable_gradients():
         model.trainable_variables,
         input_grads=False,
     )
-    graph = runner._forward_fn.get_concrete_function(x, None).graph
+    graph = runner._forward_fn.get_concrete_function(x, tf.constant(1.0), None, None).graph
     assert any(op.type == "StopGradient" for op in graph.get_operations())
 
 

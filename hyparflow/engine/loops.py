@@ -153,6 +153,7 @@ def fit_loop(
         model.stop_training = trainer.agree_any(model.stop_training)
         if model.stop_training:
             break
+    trainer.finalize_variables()
     trainer.sync_weights()
     callbacks.on_train_end(logs)
     return model.history

@@ -872,6 +872,13 @@ class Trainer:
         with self.watchdog.guard("agree on stopping"):
             return bool(self.topology.world.allreduce(bool(flag), op=_mpi_op("LOR")))
 
+    def finalize_variables(self) -> None:
+        """What Keras's fit does once training ends: the optimizer's last word on the variables
+        (with `use_ema=True`, their moving averages), on each stage's own variables."""
+        optimizer = self.model.optimizer
+        if self.variables and getattr(optimizer, "built", False):
+            optimizer.finalize_variable_values(self.variables)
+
     def sync_weights(self) -> None:
         """Give every rank the full model: each stage broadcasts the weights it owns."""
         if self.plan is None:

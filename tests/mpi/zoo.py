@@ -289,7 +289,12 @@ def data(name: str, n: int = 70, seed: int = 0):
 
 
 def optimizer(spec: str):
-    """A Keras optimizer from "name[@learning_rate][+clipping]", e.g. "adam+globalclip"."""
+    """A Keras optimizer from "name[@learning_rate][+option]", e.g. "adam+globalclip".
+
+    Every built-in optimizer but ScheduleFreeAdamW, whose `model.fit` in Keras 3.15 starts its
+    momentum at zero while its own `optimizer.apply` starts it at the weights (hyparflow does
+    the latter, to 2e-7; docs/models.md).
+    """
     name, _, clipping = spec.partition("+")
     name, _, rate = name.partition("@")
     options = {
@@ -297,6 +302,7 @@ def optimizer(spec: str):
         "clipnorm": {"clipnorm": 0.05},
         "globalclip": {"global_clipnorm": 0.05},
         "clipvalue": {"clipvalue": 0.005},
+        "ema": {"use_ema": True},  # fit ends with the weights' moving averages
     }[clipping]
     classes = {
         cls.__name__.lower(): cls
@@ -305,6 +311,7 @@ def optimizer(spec: str):
             keras.optimizers.Adadelta, keras.optimizers.Adafactor, keras.optimizers.Adagrad,
             keras.optimizers.Adamax, keras.optimizers.Ftrl, keras.optimizers.Lamb,
             keras.optimizers.Lion, keras.optimizers.Nadam, keras.optimizers.RMSprop,
+            keras.optimizers.Muon,
         )
     }  # fmt: skip
     rates = {"sgd": 0.1, "adadelta": 1.0, "ftrl": 0.1, "adagrad": 0.1}
