@@ -3,8 +3,9 @@
 Embedding tables with every built-in optimizer (their gradients are row slices, which Keras
 applies with sparse semantics), global clipping across pipeline stages, dropout, added losses,
 masks, preprocessing layers, synchronised BatchNormalization (keras.applications' MobileNetV2
-and V3), and keras_hub's GPT-2, BERT, Llama, Gemma, Mistral, OPT, DistilBERT, RoBERTa and ALBERT
-on batches whose sequence length varies, each under data, pipeline and hybrid layouts.
+and V3), and keras_hub's GPT-2, BERT, Llama, Gemma, Mistral, OPT, DistilBERT, RoBERTa, ALBERT,
+Falcon and Qwen3-MoE on batches whose sequence length varies, each under data, pipeline and
+hybrid layouts.
 """
 
 import pytest
@@ -66,6 +67,10 @@ TWO_RANKS = [
     "albert:sgd:data:1:2:2:gpipe",
     "albert:sgd:model:2:1:2:1f1b",
     "bert:sgd:data:1:2:2:gpipe",
+    "falcon:sgd:data:1:2:2:gpipe",
+    "falcon:sgd:model:2:1:2:1f1b",
+    "qwen3_moe:adam:data:1:2:1:gpipe",
+    "qwen3_moe:sgd:model:2:1:2:gpipe",
 ]
 FOUR_RANKS = [
     "embedding_mlp:adam:hybrid:2:2:2:1f1b",
@@ -85,6 +90,8 @@ FOUR_RANKS = [
     "distil_bert:sgd:hybrid:2:2:2:gpipe",
     "roberta:sgd:hybrid:2:2:1:1f1b",
     "albert:sgd:hybrid:2:2:2:gpipe",
+    "falcon:sgd:hybrid:2:2:2:1f1b",
+    "qwen3_moe:sgd:hybrid:2:2:2:gpipe",
 ]
 TOLERANCE = 1e-5
 # keras_hub transformers with Adam: one process computing the same global-batch gradient in

@@ -14,12 +14,19 @@ import tensorflow as tf
 from keras import backend, ops
 
 
-def added_loss(layers):
-    """The sum of the losses `layers` added during the call just made, or None if none did.
+def added_loss(layers, adders: set | None = None):
+    """The sum of the losses `layers` added during the call just made, or None if none did;
+    the names of layers that added one through `add_loss` itself (not as an activity
+    regularizer) go into `adders`.
 
     Call it inside the same trace (and stateless scope, if any) as the call.
     """
-    losses = [loss for layer in layers for loss in layer._get_own_losses()]
+    losses = []
+    for layer in layers:
+        own = layer._get_own_losses()
+        losses.extend(own)
+        if own and adders is not None and getattr(layer, "activity_regularizer", None) is None:
+            adders.add(layer.name)
     if not losses:
         return None
     total = None
@@ -29,3 +36,20 @@ def added_loss(layers):
         loss = tf.cast(ops.sum(loss), tf.float32)
         total = loss if total is None else total + loss
     return total
+
+
+def warn_unless_batch_means(adders: set, pieces: int) -> None:
+    """Say, once, that `add_loss` values are taken as batch means when a batch runs in pieces."""
+    if not adders or pieces == 1:
+        return
+    import warnings
+
+    warnings.warn(
+        f"Layers {sorted(adders)} add losses with add_loss. With the global batch cut into "
+        f"{pieces} pieces (replicas x micro-batches), hyparflow weights each piece's value by "
+        "its share of the batch, which equals Keras's value only for losses that are batch "
+        "means; a loss that is not (a sum over the batch, or a product of batch means such as "
+        "a mixture-of-experts load-balancing loss) trains differently. Use one replica and "
+        "num_microbatches=1 for such a model (docs/models.md, 'Added losses').",
+        stacklevel=2,
+    )

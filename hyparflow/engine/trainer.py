@@ -25,7 +25,7 @@ from hyparflow.comm.watchdog import NoWatchdog, Watchdog
 from hyparflow.data import GlobalBatch, piece_bounds
 from hyparflow.engine import events
 from hyparflow.engine import sparse as rows
-from hyparflow.engine.added_losses import added_loss
+from hyparflow.engine.added_losses import added_loss, warn_unless_batch_means
 from hyparflow.engine.flat import FlatLayout
 from hyparflow.engine.fused import FusedRunner
 from hyparflow.engine.metrics import ReplicaMetrics
@@ -100,7 +100,8 @@ class Trainer:
         dense_variables = [self.variables[i] for i in self.dense]
         self._shared = self._shared_variable_indices()
         layers = list(graph._flatten_layers())
-        added_losses = lambda: added_loss(layers)  # noqa: E731 - read inside each trace
+        self._loss_adders: set = set()  # layers calling add_loss, found while tracing
+        added_losses = lambda: added_loss(layers, self._loss_adders)  # noqa: E731 - in traces
         self._added_parts: list = []  # this step's (micro-batch size, added loss)
         self._any_added_losses = None  # whether any stage's layers add losses (agreed once)
         relax_shapes = _has_varying_dimensions(model if plan is None else None, self.stage)
@@ -256,7 +257,7 @@ class Trainer:
                         self._forward_state(segment.model) if self.strategy.recompute else ()
                     ),
                     input_grads=j > 0 or not self.is_first,
-                    added_losses=lambda layers=layers: added_loss(layers),
+                    added_losses=lambda layers=layers: added_loss(layers, self._loss_adders),
                     relax_shapes=_has_varying_dimensions(None, segment),
                     train_scope=self._batchnorm_scope(layers),
                 )
@@ -655,6 +656,8 @@ class Trainer:
         any stage's layers add losses)."""
         parts, self._added_parts = self._added_parts, []
         if self._any_added_losses is None:  # known once every stage has traced its calls
+            pieces = self.topology.num_replicas * self.strategy.microbatches
+            warn_unless_batch_means(self._loss_adders, pieces)
             with self.watchdog.guard("agree on added losses"):
                 self._any_added_losses = bool(
                     self.topology.pipeline_comm.allreduce(

@@ -199,6 +199,31 @@ def albert():
     return keras_hub.models.AlbertTextClassifier(backbone, num_classes=3, preprocessor=None)
 
 
+def falcon():
+    """keras_hub's Falcon decoder, tiny: ALiBi attention biases, feed-forward dropout 0.1."""
+    import keras_hub
+
+    backbone = keras_hub.models.FalconBackbone(
+        vocabulary_size=HUB_VOCAB, num_layers=2, num_attention_heads=2, hidden_dim=16,
+        intermediate_dim=32, feedforward_dropout_rate=0.1,
+    )  # fmt: skip
+    return keras_hub.models.FalconCausalLM(backbone, preprocessor=None)
+
+
+def qwen3_moe():
+    """keras_hub's Qwen3 mixture of experts, tiny: top-2 routing over 4 experts. Its router's
+    load-balancing loss (a product of batch means, added with `add_loss`) cannot be split into
+    pieces exactly (hyparflow warns, docs/models.md), so its coefficient is 0 here."""
+    import keras_hub
+
+    backbone = keras_hub.models.Qwen3MoeBackbone(
+        vocabulary_size=HUB_VOCAB, num_layers=2, num_query_heads=2, num_key_value_heads=1,
+        hidden_dim=16, intermediate_dim=32, moe_intermediate_dim=8, num_experts=4, top_k=2,
+        head_dim=8, router_aux_loss_coefficient=0.0,
+    )  # fmt: skip
+    return keras_hub.models.Qwen3MoeCausalLM(backbone, preprocessor=None)
+
+
 def mobilenet_v2():
     """keras.applications' MobileNetV2 (alpha 0.35), tiny input: depthwise convolutions, BN."""
     return keras.applications.MobileNetV2(
@@ -224,12 +249,13 @@ BUILDERS = {
     for f in (
         embedding_mlp, two_tables, dropout_mlp, added_losses, masked_gru, batchnorm_cnn,
         preprocessed, mobilenet_v3, mobilenet_v2, gpt2, bert, llama, gemma, mistral, opt,
-        distil_bert, roberta, albert,
+        distil_bert, roberta, albert, falcon, qwen3_moe,
     )
 }  # fmt: skip
 # keras_hub: token batches of varying length; classifiers take labels, the others next tokens
 TEXT_MODELS = (
     "gpt2", "bert", "llama", "gemma", "mistral", "opt", "distil_bert", "roberta", "albert",
+    "falcon", "qwen3_moe",
 )  # fmt: skip
 CLASSIFIERS = ("bert", "distil_bert", "roberta", "albert")
 SEGMENTED = ("bert", "albert")  # take segment ids
