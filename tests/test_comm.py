@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from mpi4py import MPI
 
-from hyparflow.comm import allreduce, dlpack, hugepages, p2p
+from hyparflow.comm import allreduce, dlpack, hugepages, p2p, rows
 from hyparflow.comm.allreduce import GradientReducer, plan_buckets, reduction_dtype
 from hyparflow.comm.p2p import (
     DIRECTIONS,
@@ -43,7 +43,7 @@ def dynamic_ranks():
 # ---- pure pieces -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("module", [dlpack, p2p, allreduce, hugepages])
+@pytest.mark.parametrize("module", [dlpack, p2p, allreduce, hugepages, rows])
 def test_docstring_examples_hold(module):
     assert doctest.testmod(module).failed == 0
 

@@ -75,3 +75,22 @@ def test_large_inputs_are_handled_quickly_without_recursion():
     assert len(starts) == 16
     total = costs.sum()
     assert max(stage_costs(costs, starts)) < total / 16 + costs.max()
+
+
+def test_balance_docstring_examples_hold():
+    import doctest
+
+    from hyparflow.partitioner import balance
+
+    assert doctest.testmod(balance).failed == 0
+
+
+def test_no_stage_begins_at_a_forbidden_position():
+    from hyparflow.partitioner.balance import split_between
+
+    costs = [1.0, 5.0, 1.0, 1.0, 5.0, 1.0]
+    assert split_between(costs, 2) == [0, 3]  # the cheapest split, without constraints
+    starts = split_between(costs, 2, forbidden=[2, 3])
+    assert starts[0] == 0 and starts[1] not in (2, 3)
+    with pytest.raises(ValueError, match="places to cut"):
+        split_between(costs, 3, forbidden=[1, 2, 3, 4])

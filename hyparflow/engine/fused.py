@@ -154,12 +154,8 @@ class FusedRunner:
             dense, self._grads = self._grads, None
             if dense is None:
                 dense = [tf.zeros_like(self.variables[i]) for i in self.dense]
-        grads = [None] * len(self.variables)
-        for i, grad in zip(self.dense, dense):
-            grads[i] = grad
-        for i, grad in zip(self.sparse, self.take_sparse_gradients()):
-            grads[i] = grad
-        return grads
+        tables = self.take_sparse_gradients()
+        return rows.in_order(len(self.variables), self.dense, dense, self.sparse, tables)
 
     def take_flat_gradients(self):
         """The dense variables' summed gradients as the layout's one flat tensor (needs a
@@ -170,10 +166,7 @@ class FusedRunner:
     def take_sparse_gradients(self) -> list:
         """The embedding tables' gradients since the last call, in `sparse` order."""
         pieces, self._sparse_pieces = self._sparse_pieces, []
-        return [
-            rows.concat_rows([p[j] for p in pieces], self.variables[i])
-            for j, i in enumerate(self.sparse)
-        ]
+        return rows.concat_pieces(pieces, self.sparse, self.variables)
 
     @property
     def in_flight(self) -> int:

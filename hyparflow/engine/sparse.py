@@ -77,6 +77,27 @@ def concat_rows(pieces: list, variable):
     )
 
 
+def concat_pieces(pieces: list, positions: list, variables: list) -> list:
+    """Each table's gradient (`concat_rows`) from per-micro-batch lists of the tables' pieces;
+    `positions` are the tables' indices in `variables`."""
+    return [concat_rows([p[j] for p in pieces], variables[i]) for j, i in enumerate(positions)]
+
+
+def in_order(count: int, dense_positions, dense, table_positions, tables) -> list:
+    """One gradient list of `count` variables from the dense gradients and the tables'.
+
+    Example:
+        >>> in_order(3, [0, 2], ["a", "c"], [1], ["t"])
+        ['a', 't', 'c']
+    """
+    grads = [None] * count
+    for i, grad in zip(dense_positions, dense):
+        grads[i] = grad
+    for i, grad in zip(table_positions, tables):
+        grads[i] = grad
+    return grads
+
+
 def reduce_rows(comm, grads: list) -> list:
     """Sum gradients over `comm` as one process would: where every rank holds row slices, all
     rows gathered in rank order; where any rank's is dense, the dense sum. Collective."""

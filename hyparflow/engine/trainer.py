@@ -476,12 +476,7 @@ class Trainer:
 
     def _merge(self, dense: list, tables: list) -> list:
         """One gradient list in variable order from the dense ones and the tables'."""
-        grads = [None] * len(self.variables)
-        for i, grad in zip(self.dense, dense):
-            grads[i] = grad
-        for i, grad in zip(self.sparse, tables):
-            grads[i] = grad
-        return grads
+        return rows.in_order(len(self.variables), self.dense, dense, self.sparse, tables)
 
     def _check_finite(self, losses, grads) -> None:
         """Stop every rank together, naming step, rank and stage, on a NaN/Inf loss or gradient."""

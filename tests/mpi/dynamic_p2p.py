@@ -17,6 +17,7 @@ import tensorflow as tf
 from mpi4py import MPI
 
 from hyparflow.comm.p2p import BACKWARD, DIRECTIONS, FORWARD, PipeChannel
+from tests.mpi.comm_checks import address, same
 from tests.mpi.report import report, run_or_abort
 
 MAX_BATCH = 4
@@ -42,18 +43,6 @@ def payload(direction, step, microbatch, length, batch=None):
         values = base + np.arange(math.prod(shape)) % 7
         tensors.append(tf.constant(values.reshape(shape), dtype))
     return tensors
-
-
-def same(received, expected) -> bool:
-    return all(
-        r.dtype == e.dtype and r.shape == e.shape and np.array_equal(np.asarray(r), np.asarray(e))
-        for r, e in zip(received, expected)
-    )
-
-
-def address(x) -> int:
-    array = x._numpy() if tf.is_tensor(x) else x
-    return array.__array_interface__["data"][0]
 
 
 def nothing_pending(comm, peer) -> bool:
