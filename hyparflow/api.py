@@ -169,9 +169,15 @@ def _run(comm, work, model=None):
     Another error mid-step propagates too if every rank fails within `all_failed`'s wait (the
     same error everywhere, e.g. a trace that cannot be built: `model`'s trainer, whose messages
     may be half-sent, is dropped); otherwise some rank is blocked in MPI, so the job ends."""
-    from hyparflow.comm.agree import AgreedError, abort_on_error, all_failed, is_agreed
+    from hyparflow.comm.agree import (
+        AgreedError,
+        abort_on_error,
+        all_failed,
+        failure_comm,
+        is_agreed,
+    )
 
-    failures = _failure_comm(comm)  # collective: before any rank can fail
+    failures = failure_comm(comm)  # collective: before any rank can fail
     try:
         return work()
     except Exception as error:  # noqa: BLE001
@@ -181,12 +187,6 @@ def _run(comm, work, model=None):
             _drop_trainer(model)
             raise AgreedError(error) from None
         abort_on_error(comm, error, "training step")
-
-
-def _failure_comm(comm):
-    from hyparflow.comm.agree import failure_comm
-
-    return failure_comm(comm)
 
 
 def _drop_trainer(model) -> None:

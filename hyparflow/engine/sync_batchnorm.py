@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import threading
 
 import numpy as np
 import tensorflow as tf
 
-# The last cross-replica sum created in each graph: every rank must run its sums in one order,
-# so each new one waits for the one before (creation order is the same on every rank).
-_last_sum = threading.local()
+# Every rank must run a graph's cross-replica sums in one order, so each new one waits for the
+# last one created in its graph (creation order is the same on every rank). The graph itself
+# holds that last sum, in this attribute: it lives and goes with the graph.
+_LAST_SUM = "_hyparflow_last_cross_replica_sum"
 
 
 def cross_replica_sum(comm, tensor):
@@ -46,14 +46,13 @@ def _allreduce(comm, tensor):
         comm.Allreduce(MPI.IN_PLACE, total)
         return total
 
-    graph = tf.compat.v1.get_default_graph()
-    previous = getattr(_last_sum, "by_graph", {}).get(id(graph))
-    dependencies = [previous] if previous is not None and not tf.executing_eagerly() else []
-    with tf.control_dependencies(dependencies):
+    graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+    previous = getattr(graph, _LAST_SUM, None)
+    with tf.control_dependencies([previous] if previous is not None else []):
         result = tf.numpy_function(reduce, [tensor], tensor.dtype, stateful=True)
     result.set_shape(tensor.shape)
-    if not tf.executing_eagerly():
-        _last_sum.__dict__.setdefault("by_graph", {})[id(graph)] = result
+    if graph is not None:
+        setattr(graph, _LAST_SUM, result)
     return result
 
 

@@ -94,12 +94,12 @@ class Trainer:
             call = self._call_stage
             self.owned = _owned_variables(plan, topo.stage)
         graph = model if plan is None else self.stage.model
+        layers = list(graph._flatten_layers())
         # Embedding tables: their gradients stay row slices, apart from the flat dense ones.
-        self.sparse = rows.row_sparse_positions(self.variables, graph._flatten_layers())
+        self.sparse = rows.row_sparse_positions(self.variables, layers)
         self.dense = sorted(set(range(len(self.variables))) - set(self.sparse))
         dense_variables = [self.variables[i] for i in self.dense]
         self._shared = self._shared_variable_indices()
-        layers = list(graph._flatten_layers())
         self._loss_adders: set = set()  # layers calling add_loss, found while tracing
         added_losses = lambda: added_loss(layers, self._loss_adders)  # noqa: E731 - in traces
         self._added_parts: list = []  # this step's (micro-batch size, added loss)
@@ -200,15 +200,10 @@ class Trainer:
         variables = self._moving_statistics
         if not variables or self.topology.num_replicas == 1:
             return
-        flat = np.concatenate([np.asarray(v.numpy(), np.float64).ravel() for v in variables])
+        flat = _packed(variables)
         with self.watchdog.guard("average moving statistics over replicas"):
             self.topology.stage_comm.Allreduce(_mpi_op("IN_PLACE"), flat)
-        flat /= self.topology.num_replicas
-        offset = 0
-        for v in variables:
-            size = int(np.prod(v.shape))
-            v.assign(flat[offset : offset + size].reshape(v.shape).astype(v.dtype))
-            offset += size
+        _assign_packed(variables, flat / self.topology.num_replicas)
 
     def _stage_gradient_form(self, layout, use_flat: bool, plan, comm_backend: str) -> dict:
         """A pipeline stage's `layout` and `flat_backward`: flat unless gradients must be a
@@ -812,27 +807,16 @@ class Trainer:
     def _seed_states(self) -> list:
         """The state variables of this stage's random layers' seed generators."""
         if not hasattr(self, "_seed_variables"):
-            from hyparflow.checkpoint.state import layers_of_seed_keys, seed_generators
-
             graph = self.model if self.plan is None else self.stage.model
-            layers = {id(layer) for layer in graph._flatten_layers()}
-            owners = layers_of_seed_keys(self.model)
-            self._seed_variables = [
-                var for key, var in seed_generators(self.model) if id(owners[key]) in layers
-            ]
+            self._seed_variables = _seed_variables(self.model, graph)
         return self._seed_variables
 
     def _forward_state(self, graph=None) -> list:
         """Variables a forward pass of `graph` (default: this stage) changes: statistics and
         random seed states of its layers."""
-        from hyparflow.checkpoint.state import layers_of_seed_keys, seed_generators
-
         if graph is None:
             graph = self.model if self.plan is None else self.stage.model
-        layers = {id(layer) for layer in graph._flatten_layers()}
-        owners = layers_of_seed_keys(self.model)
-        seeds = [var for key, var in seed_generators(self.model) if id(owners[key]) in layers]
-        return list(graph.non_trainable_variables) + seeds
+        return list(graph.non_trainable_variables) + _seed_variables(self.model, graph)
 
     # --- what a checkpoint needs --------------------------------------------------------
     def owned_weight_indices(self) -> list[int]:
@@ -888,17 +872,13 @@ class Trainer:
             if not mine:
                 continue
             if comm.Get_rank() == root:
-                flat = np.concatenate([np.asarray(v.numpy(), np.float64).ravel() for v in mine])
+                flat = _packed(mine)
             else:
                 flat = np.empty(sum(int(np.prod(v.shape)) for v in mine), np.float64)
             with self.watchdog.guard("share trained weights", peer=root):
                 comm.Bcast(flat, root=root)
             if comm.Get_rank() != root:
-                offset = 0
-                for v in mine:
-                    size = int(np.prod(v.shape))
-                    v.assign(flat[offset : offset + size].reshape(v.shape).astype(v.dtype))
-                    offset += size
+                _assign_packed(mine, flat)
 
     def close(self) -> None:
         self.watchdog.close()
@@ -975,6 +955,29 @@ def _weight_owners(plan, model) -> list:
         for v in stage.model.weights:
             first_user.setdefault(id(v), stage.index)
     return [first_user.get(id(v), 0) for v in model.weights]
+
+
+def _packed(variables) -> np.ndarray:
+    """The values of `variables` in one float64 buffer (for one MPI call)."""
+    return np.concatenate([np.asarray(v.numpy(), np.float64).ravel() for v in variables])
+
+
+def _assign_packed(variables, flat: np.ndarray) -> None:
+    """Assign `variables` their values from a `_packed` buffer."""
+    offset = 0
+    for v in variables:
+        size = int(np.prod(v.shape))
+        v.assign(flat[offset : offset + size].reshape(v.shape).astype(v.dtype))
+        offset += size
+
+
+def _seed_variables(model, graph) -> list:
+    """The state variables of the seed generators of `graph`'s layers (part of `model`)."""
+    from hyparflow.checkpoint.state import layers_of_seed_keys, seed_generators
+
+    layers = {id(layer) for layer in graph._flatten_layers()}
+    owners = layers_of_seed_keys(model)
+    return [var for key, var in seed_generators(model) if id(owners[key]) in layers]
 
 
 def _unsynchronized_moving_statistics(layers, strategy) -> list:
