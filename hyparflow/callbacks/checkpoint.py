@@ -22,6 +22,7 @@ class Checkpoint(keras.callbacks.Callback):
     """
 
     needs_batch_logs = False  # its batch hooks neither read the logs nor stop training
+    saves_checkpoints = True  # how hf.fit's resume=True finds it (hyparflow.api sits below)
 
     def __init__(self, directory: str, every_n_steps: int | None = None, every_epoch=True, keep=3):
         super().__init__()
