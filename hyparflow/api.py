@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
-from keras.src.trainers.data_adapters.array_slicing import train_validation_split
-from keras.src.trainers.data_adapters.data_adapter_utils import class_weight_to_sample_weights
-
-from hyparflow import checkpoint, model_checks
+from hyparflow import _keras, checkpoint, model_checks
 from hyparflow.comm.agree import (
     AgreedError,
     abort_on_error,
@@ -231,12 +228,12 @@ def _distributed_fit(model, x, y, batch_size, epochs, resolved, options, **kwarg
         validation_data = kwargs.get("validation_data")
         split = kwargs.get("validation_split", 0.0)
         if split and validation_data is None:
-            (x, y, sample_weight), validation_data = train_validation_split(
+            (x, y, sample_weight), validation_data = _keras.train_validation_split(
                 (x, y, sample_weight), validation_split=split
             )
         class_weight = kwargs.get("class_weight")
         if class_weight is not None:
-            weights = class_weight_to_sample_weights(np.asarray(y), class_weight)
+            weights = _keras.class_weight_to_sample_weights(np.asarray(y), class_weight)
             sample_weight = weights if sample_weight is None else sample_weight * weights
         model_checks.check_inputs(model, x, options["check_numerics"], y, sample_weight)
         source = make_source(
@@ -310,7 +307,7 @@ def evaluate(
     logs = _run(comm, lambda: evaluate_loop(trainer, source, steps=steps), model)
     if return_dict:
         return logs
-    return model._flatten_metrics_in_order(logs)
+    return _keras.metrics_in_order(model, logs)
 
 
 def predict(

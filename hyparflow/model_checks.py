@@ -6,6 +6,7 @@ import keras
 import numpy as np
 from keras import tree
 
+from hyparflow import _keras
 from hyparflow.engine.random_slices import unsliceable_random_layers
 from hyparflow.engine.sync_batchnorm import synchronized_layers
 from hyparflow.engine.trainer import model_input_list
@@ -58,7 +59,7 @@ def check_random_layers(model, strategy) -> None:
 def check_batchnorm(model, strategy) -> None:
     """Refuse global-batch BatchNormalization statistics where a pipeline cannot have them: a
     micro-batch is normalised before the later ones reach the layer."""
-    synced = synchronized_layers(model._flatten_layers(), strategy.sync_batchnorm)
+    synced = synchronized_layers(_keras.all_layers(model), strategy.sync_batchnorm)
     if synced and strategy.microbatches > 1:
         raise ValueError(
             f"BatchNormalization layers {[layer.name for layer in synced][:5]} normalise by the "
@@ -71,7 +72,7 @@ def check_batchnorm(model, strategy) -> None:
 def check_loss_reductions(model) -> None:
     """The engine weights each micro-batch's mean loss by its share of the global batch, which
     is exact for Keras's default "sum_over_batch_size" reduction."""
-    compile_loss = getattr(model, "_compile_loss", None)
+    compile_loss = _keras.compiled_loss(model)
     if compile_loss is None:
         raise ValueError("The model was compiled without a loss; pass loss=... to compile().")
     for loss_fn in tree.flatten(model.loss):
