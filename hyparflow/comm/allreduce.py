@@ -12,6 +12,8 @@ gradient buckets (Li et al. 2020, "PyTorch Distributed").
 from __future__ import annotations
 
 import math
+import queue
+import threading
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -337,9 +339,6 @@ class _ReductionThread:
     """
 
     def __init__(self, comm, buffers):
-        import queue
-        import threading
-
         self.comm, self.buffers = comm, buffers
         self._queue: queue.Queue = queue.Queue()
         self._error = None

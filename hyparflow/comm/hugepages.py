@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import math
+import mmap
 import os
 import sys
 import threading
@@ -63,7 +64,6 @@ def thp_allowed(setting: str) -> bool:
 
 def _collapse_works(madvise) -> bool:
     """Whether this kernel collapses a huge page of a private anonymous mapping of our own."""
-    import mmap
 
     with mmap.mmap(-1, 2 * HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS) as region:
         view = (ctypes.c_char * len(region)).from_buffer(region)

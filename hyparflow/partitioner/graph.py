@@ -222,7 +222,9 @@ def _flattenable_model(keras_node):
     operation = keras_node.operation
     if isinstance(operation, keras.Sequential) and type(operation).call is keras.Sequential.call:
         inner = _keras.inner_functional(operation)
-    elif isinstance(operation, _keras.Functional) and type(operation).call is _keras.Functional.call:
+    elif (
+        isinstance(operation, _keras.Functional) and type(operation).call is _keras.Functional.call
+    ):
         inner = operation
     else:
         return None
