@@ -53,40 +53,11 @@ def _arguments(argv=None):
 
 def cell_model():
     """ResNet-1001's unit cell: stem, per stage the projection block and one regular block,
-    head. Layer names say stage and block (s1b1_conv2), so blocks can be repeated."""
-    import keras
-    from keras import layers
+    head (ResNet-20 with bottlenecks). Layer names say stage and block (s1b1_conv2), so
+    blocks can be repeated."""
+    from benchmarks.models import cifar_resnet
 
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((32, 32, 3), name="images")
-    x = layers.Conv2D(16, 3, padding="same", use_bias=False, name="stem")(inputs)
-    for stage, (width, stride) in enumerate(((16, 1), (32, 2), (64, 2))):
-        for block in range(2):
-            name = f"s{stage}b{block}"
-            pre = layers.BatchNormalization(name=f"{name}_bn1")(x)
-            pre = layers.Activation("relu", name=f"{name}_relu1")(pre)
-            step = stride if block == 0 else 1
-            if block == 0:
-                shortcut = layers.Conv2D(4 * width, 1, strides=step, use_bias=False,
-                                         name=f"{name}_proj")(pre)  # fmt: skip
-            else:
-                shortcut = x
-            y = layers.Conv2D(width, 1, use_bias=False, name=f"{name}_conv1")(pre)
-            y = layers.BatchNormalization(name=f"{name}_bn2")(y)
-            y = layers.Activation("relu", name=f"{name}_relu2")(y)
-            y = layers.Conv2D(width, 3, strides=step, padding="same", use_bias=False,
-                              name=f"{name}_conv2")(y)  # fmt: skip
-            y = layers.BatchNormalization(name=f"{name}_bn3")(y)
-            y = layers.Activation("relu", name=f"{name}_relu3")(y)
-            y = layers.Conv2D(4 * width, 1, use_bias=False, name=f"{name}_conv3")(y)
-            x = layers.Add(name=f"{name}_add")([shortcut, y])
-    x = layers.BatchNormalization(name="final_bn")(x)
-    x = layers.Activation("relu", name="final_relu")(x)
-    x = layers.GlobalAveragePooling2D(name="pool")(x)
-    outputs = layers.Dense(10, activation="softmax", name="classes")(x)
-    model = keras.Model(inputs, outputs, name="resnet1001_cell")
-    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
-    return model
+    return cifar_resnet(20, bottleneck=True)
 
 
 def expand_to_resnet1001(cell, blocks: int = BLOCKS_PER_STAGE):
