@@ -6,7 +6,7 @@ TensorFlow's CPU allocator takes every temporary (activations, gradients, concat
 from `malloc`. glibc serves blocks above its mmap threshold (128 KiB, rising adaptively to at
 most 32 MiB) with a fresh `mmap` and returns them with `munmap`, so each step faults all of its
 activation pages in again, and processes doing so at once contend in the kernel
-(docs/notes/ has the measurement). The fix is `mallopt`, which changes the running process
+(docs/notes/benchmarks.md). The fix is `mallopt`, which changes the running process
 (the `MALLOC_MMAP_THRESHOLD_` environment variables would need to be set before Python starts).
 
 Blocks above the largest threshold glibc accepts (32 MiB: big activations, flat gradients)
