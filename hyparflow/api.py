@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+
 from hyparflow import _keras, checkpoint, model_checks
 from hyparflow.comm.agree import (
     AgreedError,

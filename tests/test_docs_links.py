@@ -1,4 +1,4 @@
-"""Every relative link in README.md, docs/ and tutorials/README.md resolves inside the repository."""
+"""Every relative link in README.md, docs/ and tutorials/README.md resolves in the repository."""
 
 import os
 import re

@@ -67,7 +67,7 @@ def all_failed(comm, error: BaseException, timeout: float = FAILURE_AGREEMENT_SE
     still blocked in MPI waiting for this one never answers: then False, and the job must end.
     `comm` is a `failure_comm`."""
 
-    from mpi4py import MPI
+    from mpi4py import MPI  # on use: importing it initialises MPI (docs/architecture.md)
 
     del error  # each rank raises its own error; only the fact of failing is shared
     flags = np.zeros(comm.Get_size(), np.int8)
