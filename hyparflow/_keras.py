@@ -108,6 +108,11 @@ def producer_name(keras_tensor) -> str:
     return keras_tensor._keras_history.operation.name
 
 
+def keras_mask(keras_tensor):
+    """`KerasTensor._keras_mask`: the mask a symbolic tensor carries, or None."""
+    return getattr(keras_tensor, "_keras_mask", None)
+
+
 def unpack_singleton(value):
     """`keras.src.models.functional.unpack_singleton`: a one-element list as its element."""
     return _unpack_singleton(value)

@@ -57,6 +57,8 @@ def test_functional_graph_entries():
     assert [tuple(t.shape) for t in flat] == [(1, 4), (1, 2)]
     assert _keras.producer_name(model.outputs[1]) == "head"
     assert _keras.unpack_singleton([7]) == 7
+    masked = keras.layers.Embedding(5, 2, mask_zero=True)(keras.Input((3,), dtype="int32"))
+    assert _keras.keras_mask(masked) is not None and _keras.keras_mask(model.outputs[0]) is None
     node = _keras.nodes_by_depth(model)[0][0]
     assert isinstance(node, _keras.Node)
     cell = keras.layers.LSTMCell(2, dropout=0.1)

@@ -91,7 +91,7 @@ class LayerGraph:
         last = self.last_use()
         cuts = set()
         for tensor in self.tensors:
-            if getattr(tensor.keras_tensor, "_keras_mask", None) is None:
+            if _keras.keras_mask(tensor.keras_tensor) is None:
                 continue
             end = min(int(last[tensor.index]), len(self.nodes) - 1)  # outputs: to the end
             cuts.update(range(max(tensor.producer, 0) + 1, end + 1))

@@ -22,6 +22,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from hyparflow import _keras
 from hyparflow.partitioner import cost, partition, profile
 from hyparflow.partitioner.graph import build_graph
 from hyparflow.simulate.costs import Affine, EngineCosts, LayerCost, ModelCosts
@@ -191,7 +192,7 @@ def _loss_cost(model, samples, repeats) -> Affine:
     @tf.function
     def loss(y, y_pred):
         _update_metrics(model, y, y_pred)
-        return model._compile_loss(y, y_pred, None)
+        return _keras.compiled_loss(model)(y, y_pred, None)
 
     outputs = {b: model(_unlisted(x), training=False) for b, x in samples.items()}
     return _affine(loss, {b: (_targets(y), y) for b, y in outputs.items()}, repeats)
@@ -207,7 +208,7 @@ def _fused_cost(model, samples, repeats) -> Affine:
     def step(x, y):
         with tf.GradientTape() as tape:
             y_pred = model(x, training=True)
-            loss = model._compile_loss(y, y_pred, None)
+            loss = _keras.compiled_loss(model)(y, y_pred, None)
         _update_metrics(model, y, y_pred)
         grads = [tf.reshape(g, [-1]) for g in tape.gradient(loss, variables) if g is not None]
         return loss, tf.concat(grads, 0) if grads else loss
@@ -253,8 +254,9 @@ def fit_step(model, batch_sizes, steps: int = 8, input_shape=None) -> Affine:
 
 
 def _update_metrics(model, y, y_pred) -> None:
-    if model._compile_metrics is not None:
-        model._compile_metrics.update_state(y, y_pred, None)
+    metrics = _keras.compiled_metrics(model)
+    if metrics is not None:
+        metrics.update_state(y, y_pred, None)
 
 
 def _read_metrics(model) -> list[float]:
