@@ -64,8 +64,8 @@ class Checkpoint(keras.callbacks.Callback):
     def save(self, epoch: int, batch: int) -> str:
         """Save now (collective: every rank's callback calls it at the same point)."""
         self.last_saved = store.save(
-            self._require_trainer(), self.directory, epoch=epoch, batch=batch, keep=self.keep,
-            complete=self._complete,
+            self._require_trainer().stage_state, self.directory, epoch=epoch, batch=batch,
+            keep=self.keep, complete=self._complete,
         )  # fmt: skip
         return self.last_saved
 

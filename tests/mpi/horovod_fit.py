@@ -46,7 +46,7 @@ def run(config: str) -> dict:
     ref_history = reference.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
     mpi_model, mpi_history, mpi_predicted = train(config, "mpi")
     hvd_model, hvd_history, hvd_predicted = train(config, "horovod")
-    reducer = hvd_model._hyparflow_trainer[1].replica_reducer  # predict reused fit's Trainer
+    reducer = hvd_model._hyparflow_trainer[1].gradient_sync.replica_reducer  # fit's Trainer
     return {
         "config": config,
         "reducer": type(reducer).__name__,
