@@ -263,7 +263,7 @@ def _distributed_fit(model, x, y, batch_size, epochs, resolved, options, **kwarg
     initial_epoch, start_batch = kwargs.get("initial_epoch", 0), 0
     if folder:
         saved, state = agree(comm, checkpoint.read_checked, folder, model)
-        agree(comm, checkpoint.restore, trainer, saved, state)
+        agree(comm, checkpoint.restore, trainer.stage_state, saved, state)
         initial_epoch, start_batch = saved.epoch, saved.batch
     return _run(
         comm,

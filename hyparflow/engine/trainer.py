@@ -152,15 +152,6 @@ class Trainer:
     def seed(self, value: int) -> None:
         self.stage_state.seed = value
 
-    @property
-    def pending_metric_states(self) -> list:
-        """Metric sums of a resumed epoch, put back at its start (`checkpoint.restore`)."""
-        return self.stage_state.pending_metric_states
-
-    @pending_metric_states.setter
-    def pending_metric_states(self, states: list) -> None:
-        self.stage_state.pending_metric_states = states
-
     def use_watchdog(self, timeout: float) -> None:
         """Guard blocking MPI waits with a `timeout`-second watchdog (0: none)."""
         if getattr(self.watchdog, "timeout", 0) == timeout:
