@@ -8,8 +8,8 @@ from keras import tree
 
 from hyparflow import _keras
 from hyparflow.engine.random_slices import unsliceable_random_layers
-from hyparflow.engine.sync_batchnorm import synchronized_layers
 from hyparflow.engine.structure import model_input_list
+from hyparflow.engine.sync_batchnorm import synchronized_layers
 
 
 def check_compiled(model) -> None:
