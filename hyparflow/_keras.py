@@ -13,7 +13,9 @@ from __future__ import annotations
 # Classes Keras keeps private. Functional is what keras.Model(inputs, outputs) builds; Node is
 # one call of an operation in its graph; the dropout bases are what every Dropout-like layer
 # (SpatialDropout*, RNN cells' dropout) derives from.
-from keras.src.backend.tensorflow import random as tf_random  # TF's stateless random draws
+# Keras's TensorFlow random ops; engine/random_slices.py replaces its `dropout` for the length
+# of a sliced call, so that each piece draws its rows of the global batch's mask.
+from keras.src.backend.tensorflow import random as tf_random
 from keras.src.layers.regularization.spatial_dropout import BaseSpatialDropout
 from keras.src.layers.rnn.dropout_rnn_cell import DropoutRNNCell
 from keras.src.models.functional import Functional

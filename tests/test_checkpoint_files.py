@@ -128,7 +128,7 @@ class _Model:
         self.optimizer = type("Optimizer", (), {"built": False, "variables": []})()
         self.metrics_variables = [_Variable("m/total", 0.0)]
 
-    def _flatten_layers(self, include_self=True):
+    def _flatten_layers(self, include_self=True, recursive=True):
         return []
 
     def to_json(self):

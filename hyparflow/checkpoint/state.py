@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from hyparflow import _keras
+
 
 def weight_specs(model) -> list:
     """[path, shape, dtype] of every model weight: the checkpoint's fingerprint of the model."""
@@ -66,8 +68,8 @@ def restore_optimizer(model, optimizer, variables, state: dict) -> None:
 def seed_generators(model) -> list[tuple[str, object]]:
     """(key, state variable) of every layer's random seed generator (Dropout and friends)."""
     found = []
-    for index, layer in enumerate(model._flatten_layers(include_self=False)):
-        for j, generator in enumerate(getattr(layer, "_seed_generators", [])):
+    for index, layer in enumerate(_keras.all_layers(model, include_self=False)):
+        for j, generator in enumerate(_keras.seed_generators(layer)):
             found.append((f"seed/{index}/{j}", generator.state))
     return found
 
@@ -75,7 +77,7 @@ def seed_generators(model) -> list[tuple[str, object]]:
 def layers_of_seed_keys(model) -> dict:
     """Seed key -> layer object, so the stage that calls a layer saves its generator."""
     owners = {}
-    for index, layer in enumerate(model._flatten_layers(include_self=False)):
-        for j, _ in enumerate(getattr(layer, "_seed_generators", [])):
+    for index, layer in enumerate(_keras.all_layers(model, include_self=False)):
+        for j, _ in enumerate(_keras.seed_generators(layer)):
             owners[f"seed/{index}/{j}"] = layer
     return owners

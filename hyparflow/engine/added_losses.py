@@ -15,6 +15,8 @@ import warnings
 import tensorflow as tf
 from keras import backend, ops
 
+from hyparflow import _keras
+
 
 def added_loss(layers, adders: set | None = None):
     """The sum of the losses `layers` added during the call just made, or None if none did;
@@ -25,7 +27,7 @@ def added_loss(layers, adders: set | None = None):
     """
     losses = []
     for layer in layers:
-        own = layer._get_own_losses()
+        own = _keras.own_losses(layer)
         losses.extend(own)
         if own and adders is not None and getattr(layer, "activity_regularizer", None) is None:
             adders.add(layer.name)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from hyparflow import _keras
 from hyparflow.comm.allreduce import GradientReducer
 from hyparflow.comm.backends import make_reducer
 from hyparflow.engine import sparse as rows
@@ -46,7 +47,7 @@ class SharedAcrossStages:
         if not shared:
             return None
         mine = {id(v): i for i, v in enumerate(stage_variables)}
-        table_positions = rows.row_sparse_positions(shared, model._flatten_layers())
+        table_positions = rows.row_sparse_positions(shared, _keras.all_layers(model))
         tables = [j in table_positions for j in range(len(shared))]
         return cls(shared, tables, [mine.get(id(v)) for v in shared])
 

@@ -18,12 +18,10 @@ import threading
 
 import keras
 import tensorflow as tf
-from keras.src.backend.tensorflow import random as keras_tf_random
-from keras.src.layers.attention.attention import Attention
-from keras.src.layers.regularization.dropout import Dropout
-from keras.src.layers.regularization.spatial_dropout import BaseSpatialDropout
-from keras.src.layers.rnn.dropout_rnn_cell import DropoutRNNCell
-from keras.src.random.seed_generator import SeedGenerator
+from keras.layers import Attention, Dropout
+from keras.random import SeedGenerator
+
+from hyparflow import _keras
 
 __all__ = ["global_batch_slice", "slice_of", "unsliceable_random_layers"]
 
@@ -33,7 +31,7 @@ __all__ = ["global_batch_slice", "slice_of", "unsliceable_random_layers"]
 # SimpleRNN and ConvLSTM cells (masks of shape (batch, features)).
 # MultiHeadAttention and GroupedQueryAttention draw through a Dropout sub-layer
 # and own no SeedGenerator, so they need no entry.
-SLICEABLE_RANDOM_LAYER_TYPES = (Dropout, Attention, DropoutRNNCell)
+SLICEABLE_RANDOM_LAYER_TYPES = (Dropout, Attention, _keras.DropoutRNNCell)
 
 # How far up the Python stack to look for the Keras layer that called dropout.
 _CALLER_SEARCH_DEPTH = 16
@@ -72,8 +70,8 @@ def global_batch_slice(offset, global_size):
 
     with _install_lock:
         if _install_count == 0:
-            _keras_dropout = keras_tf_random.dropout
-            keras_tf_random.dropout = _dropout_in_slice
+            _keras_dropout = _keras.tf_random.dropout
+            _keras.tf_random.dropout = _dropout_in_slice
         _install_count += 1
     slices = _active_slices()
     slices.append((offset, global_size))
@@ -84,8 +82,8 @@ def global_batch_slice(offset, global_size):
         with _install_lock:
             _install_count -= 1
             # Leave alone a function someone else installed over ours meanwhile.
-            if _install_count == 0 and keras_tf_random.dropout is _dropout_in_slice:
-                keras_tf_random.dropout = _keras_dropout
+            if _install_count == 0 and _keras.tf_random.dropout is _dropout_in_slice:
+                _keras.tf_random.dropout = _keras_dropout
 
 
 def slice_of(piece):
@@ -187,7 +185,7 @@ def _called_by_spatial_dropout():
             break
         owner = frame.f_locals.get("self")
         if isinstance(owner, keras.layers.Layer):
-            return isinstance(owner, BaseSpatialDropout)
+            return isinstance(owner, _keras.BaseSpatialDropout)
         frame = frame.f_back
     return False
 
@@ -230,14 +228,14 @@ def unsliceable_random_layers(model, extra_sliceable_types=()):
     sliceable = SLICEABLE_RANDOM_LAYER_TYPES + tuple(extra_sliceable_types)
     return [
         layer.name
-        for layer in model._flatten_layers(include_self=True, recursive=True)
+        for layer in _keras.all_layers(model)
         if _owns_seed_generator(layer) and not isinstance(layer, sliceable)
     ]
 
 
 def _owns_seed_generator(layer):
     """Whether `layer` itself (not a sub-layer) holds a SeedGenerator."""
-    if getattr(layer, "_seed_generators", None):
+    if _keras.seed_generators(layer):
         return True
     # Generators can also sit in untracked attributes, or in lists and dicts
     # (data layers keep one per backend in a dict).

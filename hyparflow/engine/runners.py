@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import keras
 
+from hyparflow import _keras
 from hyparflow.checkpoint.state import layers_of_seed_keys, seed_generators
 from hyparflow.engine.added_losses import added_loss
 from hyparflow.engine.fused import FusedRunner
@@ -50,7 +51,7 @@ class RunnerParts:
 def build_runner(parts: RunnerParts, variables, sparse, form, layout):
     """The stage's `FusedRunner` (whole model) or `StageRunner`, gradients in `form`
     (`GradientForm`; `layout` the `FlatLayout` of the dense variables when `form.flat`)."""
-    layers = list(parts.graph._flatten_layers())
+    layers = _keras.all_layers(parts.graph)
     strategy = parts.strategy
     whole = parts.model if parts.stage is None else None
     common = dict(
@@ -95,7 +96,7 @@ def build_segmented_runner(parts: RunnerParts, variables, groups: int):
     runners = []
     for j, segment in enumerate(sub.stages):
         packs = j == last and parts.is_last
-        layers = list(segment.model._flatten_layers(include_self=False))
+        layers = _keras.all_layers(segment.model, include_self=False)
 
         def call(inputs, training, segment=segment, packs=packs):
             flat = segment.forward(inputs, training=training)
@@ -119,7 +120,7 @@ def build_segmented_runner(parts: RunnerParts, variables, groups: int):
 
 def seed_variables(model, graph) -> list:
     """The state variables of the seed generators of `graph`'s layers (part of `model`)."""
-    layers = {id(layer) for layer in graph._flatten_layers()}
+    layers = {id(layer) for layer in _keras.all_layers(graph)}
     owners = layers_of_seed_keys(model)
     return [var for key, var in seed_generators(model) if id(owners[key]) in layers]
 

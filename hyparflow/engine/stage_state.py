@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from hyparflow import _keras
 from hyparflow.engine.weights import weight_owners
 
 
@@ -28,7 +29,7 @@ class TrainingState:
         self._plan = plan
         self._guard = guard
         graph = None if plan is None else plan.stages[self.stage].model
-        self._layer_ids = None if graph is None else {id(x) for x in graph._flatten_layers()}
+        self._layer_ids = None if graph is None else {id(x) for x in _keras.all_layers(graph)}
 
     def guard(self, operation: str):
         return self._guard(operation)

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from keras import tree
 
+from hyparflow import _keras
+
 
 def model_input_list(model, x) -> list:
     """The user's `x` (array, list or dict) as a list in `model.inputs` order."""
     if isinstance(x, dict):
-        names = [t._keras_history.operation.name for t in model.inputs]
+        names = [_keras.producer_name(t) for t in model.inputs]
         if set(names) <= set(x):
             return [x[name] for name in names]
         return tree.flatten(x)

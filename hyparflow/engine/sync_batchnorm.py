@@ -19,6 +19,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from hyparflow import _keras
 from hyparflow.engine.mpi import mpi_op
 
 # Every rank must run a graph's cross-replica sums in one order, so each new one waits for the
@@ -66,7 +67,7 @@ def _global_moments(comm, synchronized_formula: bool):
                 f"BatchNormalization layer {layer.name!r} gets a mask; hyparflow synchronises "
                 "only unmasked batch statistics. Use synchronized=False for it."
             )
-        axes = layer._reduction_axes
+        axes = _keras.reduction_axes(layer)
         x = tf.cast(inputs, tf.float32) if inputs.dtype in (tf.float16, tf.bfloat16) else inputs
         count = tf.cast(tf.reduce_prod(tf.gather(tf.shape(x), axes)), x.dtype)
         total = cross_replica_sum(comm, tf.reduce_sum(x, axis=axes, keepdims=True))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from hyparflow import _keras
 from hyparflow.comm.topology import Topology
 from hyparflow.comm.watchdog import NoWatchdog, Watchdog
 from hyparflow.data import GlobalBatch
@@ -73,7 +74,7 @@ class Trainer:
         graph = model if plan is None else self.stage.model
         self.variables = list(graph.trainable_variables)
         self.owned = list(self.variables) if plan is None else owned_variables(plan, topo.stage)
-        layers = list(graph._flatten_layers())
+        layers = _keras.all_layers(graph)
         # Embedding tables: their gradients stay row slices, apart from the flat dense ones.
         self.sparse = rows.row_sparse_positions(self.variables, layers)
         self.dense = sorted(set(range(len(self.variables))) - set(self.sparse))
@@ -113,7 +114,7 @@ class Trainer:
         self._update_metrics_fn = tf.function(self._update_metrics)
         # Compiled like Keras's own step: metric updates and results are a call each.
         self._loss_tracker_fn = tf.function(
-            lambda value, count: model._loss_tracker.update_state(value, sample_weight=count)
+            lambda value, count: _keras.loss_tracker(model).update_state(value, sample_weight=count)
         )
         self._replica_metrics = ReplicaMetrics(model, topo.stage_comm)
         self.gradient_sync = GradientSync(
@@ -182,11 +183,12 @@ class Trainer:
         return flat
 
     def _loss(self, y, y_pred, sample_weight):
-        return self.model._compile_loss(y, y_pred, sample_weight)
+        return _keras.compiled_loss(self.model)(y, y_pred, sample_weight)
 
     def _update_metrics(self, y, y_pred, sample_weight):
-        if self.model._compile_metrics is not None:
-            self.model._compile_metrics.update_state(y, y_pred, sample_weight)
+        metrics = _keras.compiled_metrics(self.model)
+        if metrics is not None:
+            metrics.update_state(y, y_pred, sample_weight)
 
     # --- steps ---------------------------------------------------------------------------
     def train_step(self, batch: GlobalBatch) -> None:
