@@ -102,7 +102,7 @@ def worker(args) -> None:
         timer = epoch_timer()
         fit = dict(batch_size=batch, epochs=args.epochs, verbose=0, callbacks=[timer])
         if args.way == "hyparflow":
-            hf.fit(model, x, y, strategy="data", **fit)
+            hf.fit(model, x, y, strategy=hf.Strategy("data", tune_process=True), **fit)
         else:
             model.fit(x, y, **fit)
         seconds, rank = timer.seconds, hf.rank()

@@ -19,6 +19,7 @@ Time pairs run in one launch, epochs interleaved (one model object per setting).
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 from pathlib import Path
@@ -125,10 +126,8 @@ def worker(args) -> None:
 
 
 def _launch(args, run: str, **shape) -> list:
-    values = {**{k: getattr(args, k) for k in SHAPE}, **shape}
-    flags = [a for k, v in values.items() for a in (f"--{k.replace('_', '-')}", v)]
-    return run_worker(__file__, ["--run", run, "--repeats", args.repeats,
-                                 "--epochs", args.epochs, *flags], np=2)  # fmt: skip
+    fixed = cli.flags(argparse.Namespace(**{**vars(args), **shape}), *SHAPE, "repeats", "epochs")
+    return run_worker(__file__, ["--run", run, *fixed], np=2)
 
 
 def _overlap(args) -> list[dict]:

@@ -57,6 +57,7 @@ def worker(args) -> None:
             microbatches=args.microbatches,
             schedule="1f1b",
             flat_gradients=not args.list_gradients,
+            tune_process=True,
         )
         hf.fit(model, x, y, strategy=strategy, **fit)
         stage_variables = model._hyparflow_trainer[1].variables  # this rank's stage
@@ -80,20 +81,9 @@ def run(args) -> list[dict]:
     for round_ in range(args.rounds):
         order = variants if round_ % 2 == 0 else variants[::-1]
         for partitions, list_gradients in order:
-            worker_args = [
-                "--partitions",
-                partitions,
-                "--width",
-                args.width,
-                "--depth",
-                args.depth,
-                "--batch-size",
-                args.batch_size,
-                "--steps",
-                args.steps,
-                "--microbatches",
-                args.microbatches,
-            ] + (["--list-gradients"] if list_gradients else [])
+            shape = cli.flags(args, "width", "depth", "batch_size", "steps", "microbatches")
+            worker_args = ["--partitions", partitions, *shape]
+            worker_args += ["--list-gradients"] if list_gradients else []
             ranks = run_worker(__file__, worker_args, np=partitions)
             largest = max(ranks, key=lambda r: r["params"] + r["optimizer"])
             for key, value in largest.items():

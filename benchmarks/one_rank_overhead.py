@@ -119,18 +119,7 @@ def run(args) -> list[dict]:
 
 
 def _worker_args(args) -> list[str]:
-    return [
-        "--repeats",
-        args.repeats,
-        "--width",
-        args.width,
-        "--depth",
-        args.depth,
-        "--batch-size",
-        args.batch_size,
-        "--steps",
-        args.steps,
-    ]
+    return cli.flags(args, "repeats", "width", "depth", "batch_size", "steps")
 
 
 def arguments(argv=None):

@@ -87,6 +87,7 @@ def worker(args) -> None:
                 microbatches=m,
                 schedule="1f1b",
                 balance="time",
+                tune_process=True,
             )
             hf.fit(model, x, y, strategy=strategy, **fit)
         seconds, rank = timer.seconds, hf.rank()
@@ -100,15 +101,8 @@ def run(args) -> list[dict]:
     rates = {label(c, cores): [] for c in configs}
     for round_ in range(args.rounds):
         for config in configs if round_ % 2 == 0 else configs[::-1]:
-            worker_args = [
-                "--way",
-                config["way"],
-                "--p",
-                config["p"],
-                "--r",
-                config["r"],
-                *_shape(args),
-            ]
+            way = ["--way", config["way"], "--p", config["p"], "--r", config["r"]]
+            worker_args = [*way, *_shape(args)]
             result = run_worker(
                 __file__,
                 worker_args,
@@ -154,20 +148,7 @@ def run(args) -> list[dict]:
 
 
 def _shape(args) -> list:
-    return [
-        "--depth",
-        args.depth,
-        "--image",
-        args.image,
-        "--batch-size",
-        args.batch_size,
-        "--steps",
-        args.steps,
-        "--epochs",
-        args.epochs,
-        "--microbatches",
-        args.microbatches,
-    ]
+    return cli.flags(args, "depth", "image", "batch_size", "steps", "epochs", "microbatches")
 
 
 def arguments(argv=None):

@@ -105,7 +105,8 @@ def worker(args) -> None:
     kind = "data" if partitions == 1 else ("model" if replicas == 1 else "hybrid")
     balance = starts.split(",") if starts != "-" else "layers"
     strategy = hf.Strategy(kind, partitions=partitions, replicas=replicas,
-                           microbatches=microbatches, schedule="1f1b", balance=balance)  # fmt: skip
+                           microbatches=microbatches, schedule="1f1b", balance=balance,
+                           tune_process=True)  # fmt: skip
     stamps, epoch = [], [0]  # (epoch, each step's start)
     timer = keras.callbacks.LambdaCallback(
         on_epoch_begin=lambda e, logs: epoch.__setitem__(0, e),
