@@ -2,18 +2,11 @@
 
 Run: .venv/bin/python benchmarks/one_rank_overhead.py [--repeats 7] [--out FILE]
 
-One process (no launcher), one model, one data set, three ways per round, interleaved so that
-a busy spell on the shared machine hits all three alike:
-
-- `model.fit`: plain Keras;
-- `hf.fit`: what a user calls; on one process it delegates to `model.fit`;
-- the engine: `hf.fit`'s multi-rank path run on this one rank. `hf.fit` takes it on one process
-  only when it needs it (`check_numerics=True`, a `hf.callbacks.Checkpoint`, resuming); this
-  benchmark calls it directly through `hyparflow.api._distributed_fit` (benchmark-only use of
-  a private function: it is what `hf.fit` runs on every rank of a 1-partition job).
-
-Each way trains one epoch per call after a warm-up call (tracing); the figure is the epoch's
-wall time (Keras's epoch begin to end), the target the paired ratio per round.
+One process, one model and data set, three ways interleaved per round: `model.fit`; `hf.fit`
+(on one process it delegates to `model.fit`); and the engine, `hf.fit`'s multi-rank path on
+this one rank (`hyparflow.api._distributed_fit`: what `hf.fit` runs where it needs it, e.g.
+`check_numerics=True` or a checkpoint). Each call trains one epoch after a warm-up call; the
+target is the paired ratio of epoch times per round.
 """
 
 from __future__ import annotations

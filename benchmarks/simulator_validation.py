@@ -30,8 +30,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout
+from benchmarks.harness import quiet  # noqa: E402
 from benchmarks.harness.launch import MPI_ENV, thread_env  # noqa: E402
-from benchmarks.harness.quiet import busy_fraction  # noqa: E402
 
 # glibc keeps TensorFlow's large temporaries in the heap instead of mapping and unmapping
 # them every step (page faults that two ranks paying at once slowed each other by)
@@ -133,11 +133,9 @@ def calibrate(args) -> None:
     measure_model(model, batch_sizes=(32, 128), fit_batch_sizes=one_rank).save(costs_path)
 
 
-def wait_for_quiet(limit: float = 0.15, patience: float = 1200) -> None:
-    """Wait (up to `patience` s) until under `limit` of the machine is busy."""
-    deadline = time.monotonic() + patience
-    while busy_fraction() >= limit and time.monotonic() < deadline:
-        pass
+def wait_for_quiet() -> None:
+    """Wait (up to 20 minutes) until under 15% of the machine is busy; the load average lags."""
+    quiet.wait_for_quiet(max_load=float("inf"), patience=1200)
 
 
 def _run(command: list[str], timeout: float = 900) -> None:
