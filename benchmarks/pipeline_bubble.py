@@ -50,16 +50,10 @@ def bubble_worker(args) -> None:
         model = mlp(args.width, 4, inputs=inputs)
         x, y = synthetic_data(model, args.batch_size * args.steps)
         log_dir = os.path.join(root, name)
-        hf.fit(
-            model,
-            x,
-            y,
-            batch_size=args.batch_size,
-            epochs=args.epochs,
-            verbose=0,
-            strategy=hf.Strategy("model", microbatches=m, schedule=schedule, tune_process=True),
-            callbacks=[hf.callbacks.ScalingProfiler(log_dir, timeline=False)],
-        )
+        strategy = hf.Strategy("model", microbatches=m, schedule=schedule, tune_process=True)
+        profiler = hf.callbacks.ScalingProfiler(log_dir, timeline=False)
+        hf.fit(model, x, y, batch_size=args.batch_size, epochs=args.epochs, verbose=0,
+               strategy=strategy, callbacks=[profiler])  # fmt: skip
         if hf.rank() != 0:
             return None, None
         with open(os.path.join(log_dir, "profile.json")) as f:
@@ -77,17 +71,11 @@ def bubble_worker(args) -> None:
     for schedule, m in configs:
         job, _ = profiled_fit(inputs[m], schedule, m, f"{schedule}-{m}")
         if hf.rank() == 0:
-            results.append(
-                {
-                    "schedule": schedule,
-                    "microbatches": m,
-                    "measured": job["bubble_measured"],
-                    "theoretical": job["bubble_theoretical"],
-                    "simulated": job["bubble_simulated"],
-                    "step_ms": job["ms_per_step"]["step"],
-                    "inputs": inputs[m],
-                }
-            )
+            results.append({
+                "schedule": schedule, "microbatches": m, "measured": job["bubble_measured"],
+                "theoretical": job["bubble_theoretical"], "simulated": job["bubble_simulated"],
+                "step_ms": job["ms_per_step"]["step"], "inputs": inputs[m],
+            })  # fmt: skip
     if hf.rank() == 0:
         write_result(args.worker_out, 0, results)
 
@@ -140,9 +128,8 @@ def memory_worker(args) -> None:
         "model", microbatches=args.memory_microbatches, schedule=args.schedule, tune_process=True
     )
     hf.fit(model, x, y, batch_size=args.memory_batch, epochs=2, verbose=0, strategy=strategy)
-    write_result(
-        args.worker_out, hf.rank(), {"peak": peak_rss_bytes(), "growth": peak_rss_bytes() - before}
-    )
+    peak = peak_rss_bytes()
+    write_result(args.worker_out, hf.rank(), {"peak": peak, "growth": peak - before})
 
 
 def worker(args) -> None:
@@ -198,11 +185,8 @@ def _memory_records(args) -> list[dict]:
         for rank in (0, 1):
             where = f"{label}, stage {rank}, m={m}, batch {args.memory_batch}"
             records.append(measurement(FIGURE, f"peak RSS, {where}", peaks[schedule][rank], "MiB"))
-            records.append(
-                measurement(
-                    FIGURE, f"peak RSS minus RSS before fit, {where}", growth[schedule][rank], "MiB"
-                )
-            )
+            name = f"peak RSS minus RSS before fit, {where}"
+            records.append(measurement(FIGURE, name, growth[schedule][rank], "MiB"))
     return records
 
 

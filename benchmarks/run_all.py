@@ -97,9 +97,7 @@ def run_other(title: str, script: str, venv: str, ranks: int, args: list, wait: 
 
 
 def describe_machine(previous: dict) -> dict:
-    """This machine and the versions in each venv; a venv that is absent now (the compat
-    one is built by `make test-compat`) keeps its last description rather than being
-    described by this interpreter."""
+    """This machine and each venv's versions; a venv absent now keeps its last description."""
     pythons = {"main": launch.python_for("main")}
     if launch.has_horovod():
         pythons["compat"] = launch.python_for("compat")
@@ -109,8 +107,7 @@ def describe_machine(previous: dict) -> dict:
 
 
 def record_other(store: dict, script: str, output: str, note: str) -> None:
-    """Put the output of a text benchmark run by hand into `store` as its appendix, in
-    `OTHERS` order, replacing its last one."""
+    """Store a text benchmark's output, run by hand, as its appendix (in `OTHERS` order)."""
     order = [other[1] for other in OTHERS]
     script = os.path.basename(script)
     if script not in order:

@@ -3,17 +3,12 @@
 Run: .venv/bin/python benchmarks/simulator_validation.py [--models mlp,cnn] [--rounds 3]
      (starts mpirun itself; a few minutes per model and round on 2 cores)
 
-The model assumes every rank has a core of its own, so it is checked on the layouts that
-give one on this machine: one rank (plain `model.fit`), data parallel 1 x 2 and model
-parallel 2 x 1 (1F1B, 4 micro-batches), global batch 256, for an MLP and a small ResNet-style
-CNN (steps of tens of milliseconds). Every round, in fresh one-thread processes like the
-ranks: the network is measured (`hyparflow.simulate.netbench`, 2 ranks), then the model's
-costs (`hyparflow.simulate.measure`, one process on core 0, its one-rank baseline at the
-batches one rank trains at); each layout is predicted and then trained with `hf.fit` under
-`mpirun` (the pipeline split where the simulator balances it, passed as layer names;
-verbose=0; step = from one step's start to the next, mean over the ranks, the first epoch
-left out). Before every calibration and run the driver waits for an idle machine (under 15%
-of the cores busy over 2 s). Error = median prediction / median measurement - 1.
+Layouts that give every rank a core here: one rank, data parallel 1 x 2, model parallel 2 x 1
+(1F1B, 4 micro-batches); global batch 256; an MLP and a small ResNet-style CNN. Every round,
+in one-thread processes after waiting for an idle machine: the network is measured
+(`netbench`), then the model's costs (`measure`, on core 0); each layout is predicted, then
+trained with `hf.fit` (the pipeline split where the simulator balances it; step = start to
+start, mean over ranks, first epoch left out). Error = median predicted / median measured - 1.
 """
 
 from __future__ import annotations

@@ -103,10 +103,6 @@ def write_results(
     `figures`: dicts with `figure` (a short key), `records`, and optionally `title`, `about`
     and `conditions` (load, repeats...). `appendix`: (title, text) pairs shown verbatim, e.g.
     the output of benchmarks that print text. Returns the PNG paths written.
-
-    Example:
-        >>> write_results("results.md", "plots", {"cores": 2},
-        ...               [{"figure": "p2p", "records": records}])  # doctest: +SKIP
     """
     out = Path(path)
     os.makedirs(plots_dir, exist_ok=True)
