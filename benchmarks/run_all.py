@@ -150,13 +150,9 @@ def main(argv=None) -> None:
     parser.add_argument("--others-only", action="store_true", help="only the text benchmarks")
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny sizes, 1-2 repeats")
     parser.add_argument("--no-wait", action="store_true", help="do not wait for a quiet machine")
-    parser.add_argument(
-        "--record",
-        nargs=3,
-        metavar=("SCRIPT", "OUTPUT", "NOTE"),
-        help="store the output of a text benchmark run by hand (e.g. SCRIPT with more rounds) "
-        "as its appendix, NOTE in its heading, and rewrite the report; runs nothing",
-    )
+    parser.add_argument("--record", nargs=3, metavar=("SCRIPT", "OUTPUT", "NOTE"),
+                        help="store the OUTPUT of SCRIPT run by hand as its appendix, NOTE in "
+                        "its heading, and rewrite the report; runs nothing")  # fmt: skip
     parser.add_argument("--results", default=str(HERE / "results.md"))
     parser.add_argument("--json", default=str(HERE / "results.json"))
     parser.add_argument("--plots", default=str(HERE / "plots"))
