@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 from benchmarks.harness import cli  # noqa: E402
-from benchmarks.harness.launch import run_worker, write_result  # noqa: E402
+from benchmarks.harness.launch import has_horovod, run_worker, write_result  # noqa: E402
 from benchmarks.harness.records import measurement, target  # noqa: E402
 from benchmarks.harness.stats import paired_ratios  # noqa: E402
 
@@ -147,12 +147,9 @@ def worker(args) -> None:
                 for _ in range(per_block):
                     ways[way]()
                 seconds[way].append((time.perf_counter() - start) / per_block)
-        results[name] = {
-            "ms": {way: [1e3 * s for s in values] for way, values in seconds.items()},
-            "tensors": len(grads),
-            "mib": sum(g.numpy().nbytes for g in grads) / 2**20,
-            "per_block": per_block,
-        }
+        ms = {way: [1e3 * s for s in values] for way, values in seconds.items()}
+        mib = sum(g.numpy().nbytes for g in grads) / 2**20
+        results[name] = {"ms": ms, "tensors": len(grads), "mib": mib, "per_block": per_block}
     if comm.Get_rank() == 0:
         write_result(args.worker_out, 0, results)
 
@@ -164,10 +161,8 @@ def _launch(args, venv: str, horovod: bool, repeats: int) -> dict:
 
 
 def run(args) -> list[dict]:
-    from benchmarks.harness.launch import COMPAT_PYTHON
-
     records = []
-    venvs = ["main"] + (["compat"] if COMPAT_PYTHON.exists() else [])
+    venvs = ["main"] + (["compat"] if has_horovod() else [])
     for venv in venvs:
         # hyparflow's ways and Horovod's run in separate launches (see ways_for), alternating.
         kinds = (False, True) if venv == "compat" else (False,)

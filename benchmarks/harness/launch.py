@@ -56,16 +56,8 @@ def mpirun_command(np: int, argv: list[str]) -> list[str]:
     return ["mpirun", "-np", str(np), "--oversubscribe", "--bind-to", "none", *argv]
 
 
-def run_worker(
-    script: str,
-    args: list[str],
-    *,
-    np: int = 1,
-    venv: str = "main",
-    threads: int | None = None,
-    timeout: float = 1800,
-    env: dict | None = None,
-) -> list[dict]:
+def run_worker(script: str, args: list, *, np: int = 1, venv: str = "main", threads=None,
+               timeout: float = 1800, env: dict | None = None) -> list:  # fmt: skip
     """Run `script --worker-out DIR args...` on `np` ranks (np=1: no mpirun); every rank's
     JSON result, in rank order. Raises with the tail of stderr when the run fails."""
     with tempfile.TemporaryDirectory(prefix="hf-bench-") as folder:
@@ -73,15 +65,9 @@ def run_worker(
         command = argv if np == 1 else mpirun_command(np, argv)
         full_env = {**os.environ, **MPI_ENV, **thread_env(threads or INTRAOP_THREADS)}
         full_env.update(env or {})
-        process = subprocess.Popen(
-            command,
-            cwd=REPO,
-            env=full_env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
+        pipe = subprocess.PIPE
+        process = subprocess.Popen(command, cwd=REPO, env=full_env, stdout=pipe, stderr=pipe,
+                                   text=True, start_new_session=True)  # fmt: skip
         try:
             stdout, stderr = process.communicate(timeout=timeout)
         except subprocess.TimeoutExpired as error:
