@@ -156,6 +156,12 @@ def test_every_figure_parses_its_quick_arguments(key):
     assert callable(module.run) and callable(module.worker)
 
 
+@pytest.mark.parametrize("script", sorted({other[1] for other in run_all.OTHERS}))
+def test_every_text_benchmark_parses_its_arguments(script):
+    module = importlib.import_module(f"benchmarks.{script.removesuffix('.py')}")
+    assert module._arguments([]) is not None
+
+
 def test_engine_options_share_one_script_with_a_setup_each():
     from benchmarks import engine_options
 
