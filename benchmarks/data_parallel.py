@@ -1,28 +1,23 @@
 """Figure 4, data parallel end to end: hyparflow vs a Horovod training loop vs one process.
 
 Run: .venv/bin/python benchmarks/data_parallel.py [--rounds 3] [--models mlp,resnet20]
-     (starts `mpirun` itself; everything runs in .venv-compat, which has Horovod; without
-     it, in .venv and without the Horovod rows)
+     (starts `mpirun` itself, in .venv-compat, which has Horovod; else in .venv without it)
 
-Same model, same global batch, same data, samples/s over the epochs after the first (which
-traces). Ways, each in its own launch, alternating within a round:
+Same model, global batch and data; samples/s over the epochs after the first. Ways, each in
+its own launch, order rotated each round:
 
-- hyparflow: `hf.fit(model, x, y, strategy="data")` on N ranks;
-- Horovod: the loop a Horovod user writes for Keras 3 (whose `DistributedOptimizer` does not
-  reduce, docs/horovod.md): one `tf.function` step computing the rank's shard's gradients,
-  `hvd.grouped_allreduce(op=hvd.Average)` on them, and the Keras optimizer's `apply`; the
-  shard is sliced from a shuffled global batch as hyparflow does;
-- Keras: `model.fit` in one process, with one compute thread (one rank's share) and with one
-  thread per core (the whole machine).
+- hyparflow: `hf.fit` with `strategy="data"` on N ranks;
+- Horovod: the loop a Keras 3 user writes (docs/horovod.md): a `tf.function` step computing
+  the shard's gradients, `hvd.grouped_allreduce(op=hvd.Average)`, the optimizer's `apply`;
+- Keras: `model.fit` in one process, with one compute thread and with one per core.
 
-Every rank uses one TensorFlow compute thread. Every way runs once per round, the order
-rotated each round. The target: hyparflow / Horovod samples/s >= 1 at equal ranks (paired per
-round).
+Target: hyparflow / Horovod samples/s >= 1 at equal ranks (paired per round).
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -102,7 +97,7 @@ def worker(args) -> None:
         timer = epoch_timer()
         fit = dict(batch_size=batch, epochs=args.epochs, verbose=0, callbacks=[timer])
         if args.way == "hyparflow":
-            hf.fit(model, x, y, strategy="data", **fit)
+            hf.fit(model, x, y, strategy=hf.Strategy("data", tune_process=True), **fit)
         else:
             model.fit(x, y, **fit)
         seconds, rank = timer.seconds, hf.rank()
@@ -137,7 +132,7 @@ def run(args) -> list[dict]:
         for round_ in range(args.rounds):
             shift = round_ % len(ways)  # every way goes first in some round
             for way in ways[shift:] + ways[:shift]:
-                rates[way].append(_median(_launch(args, model, *way)))
+                rates[way].append(statistics.median(_launch(args, model, *way)))
         for way, values in rates.items():
             name = f"{_label(*way, cores)}, {model}"
             records.append(measurement(FIGURE, name, values, "samples/s", batch=batch))
@@ -147,12 +142,6 @@ def run(args) -> list[dict]:
             name = f"hyparflow / Horovod samples/s, {model}, {ranks} ranks{over}"
             records.append(target(FIGURE, name, ratios, ">= 1.0"))
     return records
-
-
-def _median(values):
-    import statistics
-
-    return statistics.median(values)
 
 
 def arguments(argv=None):

@@ -3,26 +3,20 @@
 Run: .venv/bin/python benchmarks/gradient_reduction.py [--repeats 7] [--models resnet110,resnet50]
      (starts `mpirun -np 2` itself, once in .venv and once in .venv-compat, which has Horovod)
 
-Gradients are random float32 tensors shaped like a model's trainable variables (ResNet-110
-for CIFAR: 335 tensors, 6.6 MiB; ResNet-50: 161 tensors, 90 MiB). Each rank sums them over
-both ranks, in blocks of reductions per way, the ways interleaved (order rotated each repeat):
+Random float32 gradients shaped like a model's trainable variables, summed over 2 ranks in
+blocks of reductions per way, the ways interleaved (order rotated each repeat):
 
-- hyparflow engine (flat): what a step runs: `GradientReducer.reduce_flat` of one fresh flat
-  tensor (the step's compiled backward ends in the concat that makes it), in place, 25 MiB
-  per blocking `Allreduce`; the packing is shown apart (as its own compiled call it pays
-  ~12 µs per input that the in-step concat does not);
-- GradientReducer: fused buckets of a list of tensors, what the engine falls back to where
-  gradients stay a list (layers shared across stages, non-float32 variables); and the same
-  on a background thread (`overlap_groups`);
-- raw MPI.Allreduce: one in-place `Allreduce` of a numpy buffer of the same bytes, reused
-  every call (it stays in L3 under 32 MiB; the list way's reference) or a fresh copy each
-  call (the flat way's reference: the same memory conditions);
-- Horovod (compat venv only): `hvd.grouped_allreduce(op=hvd.Sum)` eagerly and inside a
-  `tf.function`, in its own launches (an initialized Horovod's negotiation thread slows the
-  process's other MPI calls: the "raw, with Horovod initialized" row).
+- hyparflow engine (flat): `GradientReducer.reduce_flat` of a fresh flat tensor (the step's
+  compiled backward ends in the concat that makes it), in place; packing shown apart;
+- GradientReducer on a list of tensors (shared layers, non-float32 variables), also on a
+  background thread (`overlap_groups`);
+- raw MPI.Allreduce of the same bytes, in place: one buffer reused (the list way's reference)
+  or a fresh copy each call (the flat way's reference: the same memory conditions);
+- Horovod (compat venv only): `hvd.grouped_allreduce(op=hvd.Sum)`, eager and in a
+  `tf.function`, in its own launches (its negotiation thread slows other MPI calls).
 
-Targets, for both of hyparflow's paths in the compat venv: hyparflow / raw <= 1.1 and
-hyparflow / Horovod (its faster way) < 1; the main venv is shown too.
+Targets, for both of hyparflow's paths: hyparflow / raw <= 1.1 and hyparflow / Horovod (its
+faster way) < 1.
 """
 
 from __future__ import annotations
@@ -33,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 from benchmarks.harness import cli  # noqa: E402
-from benchmarks.harness.launch import run_worker, write_result  # noqa: E402
+from benchmarks.harness.launch import has_horovod, run_worker, write_result  # noqa: E402
 from benchmarks.harness.records import measurement, target  # noqa: E402
 from benchmarks.harness.stats import paired_ratios  # noqa: E402
 
@@ -153,28 +147,22 @@ def worker(args) -> None:
                 for _ in range(per_block):
                     ways[way]()
                 seconds[way].append((time.perf_counter() - start) / per_block)
-        results[name] = {
-            "ms": {way: [1e3 * s for s in values] for way, values in seconds.items()},
-            "tensors": len(grads),
-            "mib": sum(g.numpy().nbytes for g in grads) / 2**20,
-            "per_block": per_block,
-        }
+        ms = {way: [1e3 * s for s in values] for way, values in seconds.items()}
+        mib = sum(g.numpy().nbytes for g in grads) / 2**20
+        results[name] = {"ms": ms, "tensors": len(grads), "mib": mib, "per_block": per_block}
     if comm.Get_rank() == 0:
         write_result(args.worker_out, 0, results)
 
 
 def _launch(args, venv: str, horovod: bool, repeats: int) -> dict:
-    worker_args = ["--repeats", repeats, "--models", args.models, "--block-mib", args.block_mib]
-    return run_worker(__file__, worker_args + (["--horovod"] if horovod else []), np=2, venv=venv)[
-        0
-    ]
+    worker_args = ["--repeats", repeats, *cli.flags(args, "models", "block_mib")]
+    worker_args += ["--horovod"] if horovod else []
+    return run_worker(__file__, worker_args, np=2, venv=venv)[0]
 
 
 def run(args) -> list[dict]:
-    from benchmarks.harness.launch import COMPAT_PYTHON
-
     records = []
-    venvs = ["main"] + (["compat"] if COMPAT_PYTHON.exists() else [])
+    venvs = ["main"] + (["compat"] if has_horovod() else [])
     for venv in venvs:
         # hyparflow's ways and Horovod's run in separate launches (see ways_for), alternating.
         kinds = (False, True) if venv == "compat" else (False,)
@@ -197,36 +185,24 @@ def _records(result: dict, venv: str) -> list[dict]:
         where = f"{model} ({r['tensors']} tensors, {r['mib']:.1f} MiB), {venv} venv"
         ms = r["ms"]
         for way, values in ms.items():
-            records.append(
-                measurement(
-                    FIGURE,
-                    f"{LABELS[way]}: {where}",
-                    values,
-                    "ms",
-                    venv=venv,
-                    reductions_per_repeat=r["per_block"],
-                )
-            )
+            name = f"{LABELS[way]}: {where}"
+            per_block = r["per_block"]
+            records.append(measurement(FIGURE, name, values, "ms", venv=venv,
+                                       reductions_per_repeat=per_block))  # fmt: skip
         for way, name in WAYS_WITH_TARGETS:
             if way not in ms:
                 continue
             reference = RAW_REFERENCE[way]
             ratios = paired_ratios(ms[way], ms[reference])
             buffer = "fresh buffer" if reference == "raw_fresh" else "reused buffer"
-            records.append(
-                target(FIGURE, f"{name} / raw Allreduce ({buffer}): {where}", ratios, "<= 1.1")
-            )
+            name = f"{name} / raw Allreduce ({buffer}): {where}"
+            records.append(target(FIGURE, name, ratios, "<= 1.1"))
         if "horovod" in ms:
             best = [min(a, b) for a, b in zip(ms["horovod"], ms["horovod_function"])]
             for way, name in WAYS_WITH_TARGETS:
-                records.append(
-                    target(
-                        FIGURE,
-                        f"{name} / Horovod (faster way): {where}",
-                        paired_ratios(ms[way], best),
-                        "< 1.0",
-                    )
-                )
+                ratios = paired_ratios(ms[way], best)
+                records.append(target(FIGURE, f"{name} / Horovod (faster way): {where}", ratios,
+                                      "< 1.0"))  # fmt: skip
     return records
 
 

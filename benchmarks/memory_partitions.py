@@ -3,16 +3,11 @@
 Run: .venv/bin/python benchmarks/memory_partitions.py [--partitions 1 2 4] [--rounds 2]
      (starts `mpirun` itself; 4 ranks oversubscribe 2 cores, which does not change memory)
 
-A parameter-heavy MLP (8 Dense layers of 2048 units, 33.6 M parameters, Adam) trained for a
-few steps: with 1 partition by `model.fit` in one process (what `hf.fit` runs there), with P
-partitions by `hf.fit(strategy="model")` on P ranks. Each rank reports the bytes of the
-trainable variables its stage updates, of the optimizer state it built for them, of every
-weight in the user's model object (which each rank holds: the script builds the whole model on
-every rank and `hf.fit` leaves the trained weights in it), its resident memory before training
-and its peak resident memory (VmHWM). Rows show the largest rank. With 2 or more
-partitions the fit runs again with `Strategy(flat_gradients=False)`: the peak RSS of
-per-variable gradients, against the default flat ones (a flat copy of the stage's parameter
-values and flat sums).
+A parameter-heavy MLP (8 x 2048, Adam) trained a few steps: by `model.fit` in one process for
+1 partition, by `hf.fit` with `strategy="model"` on P ranks. Each rank reports the bytes of its
+stage's variables, of their optimizer state, of every weight in the user's model object (each
+rank holds it), its resident memory before training and its peak (VmHWM); rows show the largest
+rank. With P >= 2 the fit runs again with per-variable gradients (`flat_gradients=False`).
 """
 
 from __future__ import annotations
@@ -28,6 +23,9 @@ from benchmarks.harness.records import measurement  # noqa: E402
 FIGURE = "memory"
 TITLE = "(7) Memory per rank: parameters, optimizer state and peak RSS for 1, 2, 4 partitions"
 MIB = 2**20
+ROWS = [("params", "stage parameters"), ("optimizer", "optimizer state (Adam)"),
+        ("model_weights", "whole model's weights held by the rank"),
+        ("rss_before", "RSS before training"), ("peak", "peak RSS")]  # fmt: skip
 
 
 def _bytes(variables) -> int:
@@ -52,25 +50,15 @@ def worker(args) -> None:
         model.fit(x, y, **fit)
         stage_variables = model.trainable_variables
     else:
-        strategy = hf.Strategy(
-            "model",
-            microbatches=args.microbatches,
-            schedule="1f1b",
-            flat_gradients=not args.list_gradients,
-        )
+        flat = not args.list_gradients
+        strategy = hf.Strategy("model", microbatches=args.microbatches, schedule="1f1b",
+                               flat_gradients=flat, tune_process=True)  # fmt: skip
         hf.fit(model, x, y, strategy=strategy, **fit)
         stage_variables = model._hyparflow_trainer[1].variables  # this rank's stage
-    write_result(
-        args.worker_out,
-        hf.rank(),
-        {
-            "params": _bytes(stage_variables),
-            "optimizer": _bytes(model.optimizer.variables),
-            "model_weights": _bytes(model.weights),
-            "rss_before": before,
-            "peak": peak_rss_bytes(),
-        },
-    )
+    write_result(args.worker_out, hf.rank(), {
+        "params": _bytes(stage_variables), "optimizer": _bytes(model.optimizer.variables),
+        "model_weights": _bytes(model.weights), "rss_before": before, "peak": peak_rss_bytes(),
+    })  # fmt: skip
 
 
 def run(args) -> list[dict]:
@@ -80,60 +68,21 @@ def run(args) -> list[dict]:
     for round_ in range(args.rounds):
         order = variants if round_ % 2 == 0 else variants[::-1]
         for partitions, list_gradients in order:
-            worker_args = [
-                "--partitions",
-                partitions,
-                "--width",
-                args.width,
-                "--depth",
-                args.depth,
-                "--batch-size",
-                args.batch_size,
-                "--steps",
-                args.steps,
-                "--microbatches",
-                args.microbatches,
-            ] + (["--list-gradients"] if list_gradients else [])
+            shape = cli.flags(args, "width", "depth", "batch_size", "steps", "microbatches")
+            worker_args = ["--partitions", partitions, *shape]
+            worker_args += ["--list-gradients"] if list_gradients else []
             ranks = run_worker(__file__, worker_args, np=partitions)
             largest = max(ranks, key=lambda r: r["params"] + r["optimizer"])
+            row = rows.setdefault((partitions, list_gradients), {})
             for key, value in largest.items():
-                rows.setdefault((partitions, list_gradients), {}).setdefault(key, []).append(
-                    value / MIB
-                )
+                row.setdefault(key, []).append(value / MIB)
     records = []
     for (partitions, list_gradients), values in rows.items():
         where = f"{partitions} partition(s), largest rank"
-        if list_gradients:  # only the peak differs
-            records.append(
-                measurement(
-                    FIGURE,
-                    f"peak RSS, flat_gradients=False, {where}",
-                    values["peak"],
-                    "MiB",
-                    series="peak RSS, flat_gradients=False",
-                    x=partitions,
-                    x_label="partitions",
-                )
-            )
-            continue
-        for key, name in (
-            ("params", "stage parameters"),
-            ("optimizer", "optimizer state (Adam)"),
-            ("model_weights", "whole model's weights held by the rank"),
-            ("rss_before", "RSS before training"),
-            ("peak", "peak RSS"),
-        ):
-            records.append(
-                measurement(
-                    FIGURE,
-                    f"{name}, {where}",
-                    values[key],
-                    "MiB",
-                    series=name,
-                    x=partitions,
-                    x_label="partitions",
-                )
-            )
+        # with per-variable gradients only the peak differs
+        for key, name in [("peak", "peak RSS, flat_gradients=False")] if list_gradients else ROWS:
+            records.append(measurement(FIGURE, f"{name}, {where}", values[key], "MiB", series=name,
+                                       x=partitions, x_label="partitions"))  # fmt: skip
     return records
 
 

@@ -2,18 +2,11 @@
 
 Run: .venv/bin/python benchmarks/one_rank_overhead.py [--repeats 7] [--out FILE]
 
-One process (no launcher), one model, one data set, three ways per round, interleaved so that
-a busy spell on the shared machine hits all three alike:
-
-- `model.fit`: plain Keras;
-- `hf.fit`: what a user calls; on one process it delegates to `model.fit`;
-- the engine: `hf.fit`'s multi-rank path run on this one rank. `hf.fit` takes it on one process
-  only when it needs it (`check_numerics=True`, a `hf.callbacks.Checkpoint`, resuming); this
-  benchmark calls it directly through `hyparflow.api._distributed_fit` (benchmark-only use of
-  a private function: it is what `hf.fit` runs on every rank of a 1-partition job).
-
-Each way trains one epoch per call after a warm-up call (tracing); the figure is the epoch's
-wall time (Keras's epoch begin to end), the target the paired ratio per round.
+One process, one model and data set, three ways interleaved per round: `model.fit`; `hf.fit`
+(on one process it delegates to `model.fit`); and the engine, `hf.fit`'s multi-rank path on
+this one rank (`hyparflow.api._distributed_fit`: what `hf.fit` runs where it needs it, e.g.
+`check_numerics=True` or a checkpoint). Each call trains one epoch after a warm-up call; the
+target is the paired ratio of epoch times per round.
 """
 
 from __future__ import annotations
@@ -36,8 +29,7 @@ def build(width: int, depth: int):
     import keras
 
     keras.utils.set_random_seed(0)
-    inputs = keras.Input((784,))
-    x = inputs
+    inputs = x = keras.Input((784,))
     for _ in range(depth):
         x = keras.layers.Dense(width, activation="relu")(x)
     model = keras.Model(inputs, keras.layers.Dense(10, activation="softmax")(x))
@@ -61,9 +53,8 @@ def worker(args) -> None:
     y = rng.integers(0, 10, size=samples)
     fit = dict(batch_size=args.batch_size, epochs=1, verbose=0)
     resolved = _resolve(model, "data", None, None, None)
-    options = dict(
-        resume=False, resume_from=None, check_numerics=False, watchdog_timeout=None, comm="mpi"
-    )
+    options = dict(resume=False, resume_from=None, check_numerics=False, watchdog_timeout=None,
+                   comm="mpi")  # fmt: skip
 
     def one_epoch(way: str) -> tuple[float, float]:
         timer = epoch_timer()
@@ -72,9 +63,8 @@ def worker(args) -> None:
         elif way == "hf.fit":
             hf.fit(model, x, y, callbacks=[timer], **fit)
         else:
-            _distributed_fit(
-                model, x, y, args.batch_size, 1, resolved, options, verbose=0, callbacks=[timer]
-            )
+            _distributed_fit(model, x, y, args.batch_size, 1, resolved, options, verbose=0,
+                             callbacks=[timer])  # fmt: skip
         return timer.seconds[0], timer.cpu_share[0]
 
     for way in WAYS:  # warm-up: trace, build the engine's Trainer
@@ -91,46 +81,17 @@ def worker(args) -> None:
 
 
 def run(args) -> list[dict]:
-    (result,) = run_worker(__file__, _worker_args(args))
-    seconds = result["seconds"]
-    params = dict(
-        width=args.width,
-        depth=args.depth,
-        batch_size=args.batch_size,
-        steps=args.steps,
-        min_cpu_share=round(min(result["cpu_share"]), 3),
-    )
-    records = [
-        measurement(FIGURE, f"{way}: s per epoch", seconds[way], "s", **params) for way in WAYS
-    ]
-    base = seconds["model.fit"]
-    records.append(
-        target(FIGURE, "hf.fit / model.fit", paired_ratios(seconds["hf.fit"], base), "<= 1.05")
-    )
-    records.append(
-        target(
-            FIGURE,
-            "engine on one rank / model.fit",
-            paired_ratios(seconds["engine"], base),
-            "<= 1.05",
-        )
-    )
+    shape = ("width", "depth", "batch_size", "steps")
+    (result,) = run_worker(__file__, cli.flags(args, "repeats", *shape))
+    seconds, base = result["seconds"], result["seconds"]["model.fit"]
+    params = {**{k: getattr(args, k) for k in shape},
+              "min_cpu_share": round(min(result["cpu_share"]), 3)}  # fmt: skip
+    records = [measurement(FIGURE, f"{way}: s per epoch", seconds[way], "s", **params)
+               for way in WAYS]  # fmt: skip
+    for way, name in (("hf.fit", "hf.fit"), ("engine", "engine on one rank")):
+        ratios = paired_ratios(seconds[way], base)
+        records.append(target(FIGURE, f"{name} / model.fit", ratios, "<= 1.05"))
     return records
-
-
-def _worker_args(args) -> list[str]:
-    return [
-        "--repeats",
-        args.repeats,
-        "--width",
-        args.width,
-        "--depth",
-        args.depth,
-        "--batch-size",
-        args.batch_size,
-        "--steps",
-        args.steps,
-    ]
 
 
 def arguments(argv=None):

@@ -4,20 +4,16 @@ Run: .venv/bin/python benchmarks/p2p_bandwidth.py [--repeats 7] [--out FILE]
      (starts `mpirun -np 2` itself)
 
 Two ranks bounce one message back and forth, as a pipeline moves an activation forward and
-its gradient back. Bandwidth = 2 x bytes per round trip / time.
+its gradient back; bandwidth = 2 x bytes per round trip / time. Ways, alternating in blocks:
 
-- raw mpi4py (the target's reference, OSU-benchmark style): blocking `Send`/`Recv` of numpy
-  buffers; rank 0 sends its send buffer and receives into a separate receive buffer, rank 1
-  receives and sends its receive buffer back. A pipeline needs the two buffers on rank 0 too:
-  the activation stays alive while its gradient arrives.
-- raw, one buffer both ways (shown, not the reference): rank 0 also sends and receives one
-  buffer, which stays in the cache between round trips.
-- PipeChannel: rank 0 sends a TF tensor with `isend` and receives the reply with `recv`;
-  rank 1 receives the tensor (a zero-copy view of its receive buffer) and sends it back.
+- raw mpi4py (the reference): blocking `Send`/`Recv` of numpy buffers, rank 0 sending from one
+  buffer and receiving into another (a pipeline keeps its activation while the gradient comes);
+- raw, one buffer both ways (shown, not the reference: it stays in the cache);
+- PipeChannel: rank 0 `isend`s a TF tensor and `recv`s the reply; rank 1 sends back the
+  zero-copy view of its receive buffer.
 
-For each size the ways alternate in blocks (order flipped every repeat); the target is the
-paired ratio PipeChannel / raw at 4 MiB and above. `--hugetlb` repeats everything with glibc's
-malloc backing large blocks with transparent huge pages (where TF's tensors come from).
+Target: paired PipeChannel / raw at 4 MiB and above. `--hugetlb` repeats everything with
+glibc's malloc backing large blocks with transparent huge pages.
 """
 
 from __future__ import annotations
@@ -37,11 +33,8 @@ TITLE = "(2) Point-to-point: PipeChannel vs raw mpi4py ping-pong"
 KIB = 1024
 SIZES = [64 * KIB, 256 * KIB, 2**20, 4 * 2**20, 16 * 2**20, 64 * 2**20]
 ROW = 256  # float32 values per row of the boundary tensor (its "batch" is the row count)
-WAYS = {
-    "raw": "raw mpi4py Send/Recv",
-    "raw_one_buffer": "raw, one buffer both ways",
-    "channel": "PipeChannel",
-}
+WAYS = {"raw": "raw mpi4py Send/Recv", "raw_one_buffer": "raw, one buffer both ways",
+        "channel": "PipeChannel"}  # fmt: skip
 # glibc's malloc can back its large blocks with transparent huge pages (THP "madvise" mode);
 # TensorFlow's CPU tensors come from malloc, so this changes how fast MPI copies them.
 ENVIRONMENTS = {"default": {}, "glibc hugetlb": {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}}
@@ -141,18 +134,9 @@ def run(args) -> list[dict]:
             for size in sizes:
                 name = f"{label}{suffix}, {_label(size)}"
                 values = result[way][str(size)]
-                records.append(
-                    measurement(
-                        FIGURE,
-                        name,
-                        values,
-                        "GB/s",
-                        series=label + suffix,
-                        x=size / 2**20,
-                        x_label="message size (MiB)",
-                        round_trips=round_trips(size),
-                    )
-                )
+                records.append(measurement(FIGURE, name, values, "GB/s", series=label + suffix,
+                                           x=size / 2**20, x_label="message size (MiB)",
+                                           round_trips=round_trips(size)))  # fmt: skip
         for size in sizes:
             if size >= 4 * 2**20:
                 ratios = paired_ratios(result["channel"][str(size)], result["raw"][str(size)])

@@ -36,25 +36,20 @@ PAPER = {"Stampede2": (128, 110.0, 48, 1.5), "Frontera": (512, 481.0, 56, 1.25)}
 
 def _arguments(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--remeasure", action="store_true", help="time the unit cell and the network again"
-    )
+    parser.add_argument("--remeasure", action="store_true", help="time the cell and network again")
     parser.add_argument("--latency", type=float, default=1.5e-6, help="inter-node seconds")
     parser.add_argument("--bandwidth", type=float, default=12e9, help="inter-node bytes/s")
     parser.add_argument("--intra-latency", type=float, default=0.5e-6)
     parser.add_argument("--intra-bandwidth", type=float, default=10e9)
-    parser.add_argument(
-        "--compute-scale", type=float, help="override both systems' per-core slowdown vs here"
-    )
+    parser.add_argument("--compute-scale", type=float, help="both systems' core slowdown vs here")
     parser.add_argument("--json", help="also write the tables to this JSON file")
     parser.add_argument("--measure-cell", metavar="OUT", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
 def cell_model():
-    """ResNet-1001's unit cell: stem, per stage the projection block and one regular block,
-    head (ResNet-20 with bottlenecks). Layer names say stage and block (s1b1_conv2), so
-    blocks can be repeated."""
+    """ResNet-1001's unit cell, ResNet-20 with bottlenecks: per stage a projection block and a
+    regular one, whose layer names (s1b1_conv2) let it be repeated."""
     from benchmarks.models import cifar_resnet
 
     return cifar_resnet(20, bottleneck=True)
@@ -65,9 +60,7 @@ def expand_to_resnet1001(cell, blocks: int = BLOCKS_PER_STAGE):
     `blocks - 1` times, its cut sizes with it."""
     from hyparflow.simulate import ModelCosts
 
-    layers, cuts = [], []
-    n = len(cell.layers)
-    i = 0
+    layers, cuts, n, i = [], [], len(cell.layers), 0
     while i < n:
         name = cell.layers[i].name
         stage_block = name.split("_")[0]

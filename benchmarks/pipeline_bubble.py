@@ -3,28 +3,16 @@
 Run: .venv/bin/python benchmarks/pipeline_bubble.py [--rounds 3] [--microbatches 1 2 4 8 16]
      (starts `mpirun -np 2` itself)
 
-Bubble: a balanced 2-stage pipeline (an MLP of equal Dense layers, two per stage) trained
-with `hf.fit(strategy="model")` and the
-`ScalingProfiler`, for each schedule and micro-batch count m; one launch per round runs every
-configuration, in an order reversed every round. The profiler's measured bubble is
-`1 - compute / makespan` over the steady steps (docs/profiling.md); the formula is
-(p-1)/(m+p-1); the "simulated" bubble is the schedule on an ideal machine with the measured
-stage times (it differs from the formula only by the stages' imbalance). Target: 1F1B within 5
-percentage points of the formula.
+Bubble: a 2-stage MLP pipeline trained with `hf.fit` and the `ScalingProfiler` for each
+schedule and micro-batch count m (one launch per round, order reversed every round). Measured:
+the profiler's `1 - compute / makespan` over steady steps; formula: (p-1)/(m+p-1); simulated:
+the schedule on an ideal machine with the measured stage times (what imbalance is left).
+Target: 1F1B within 5 points of the formula. The stages are balanced by measurement: for each
+m the first layer's input is widened (secant steps on profiled stage times) until both stages
+compute as long, since the last stage also computes the head and the loss.
 
-Balance is measured, not assumed: the first stage computes no input gradient and the last one
-also computes the head and the loss, so with equal layers the last stage is the slower. Each
-launch first times both stages (profiler) with the first layer's input as wide as the others
-and twice as wide, for each m (the last stage's fixed costs per micro-batch weigh more when
-micro-batches are small), and then widens it to where the stages' compute times meet: a
-secant step, a run at that width, and a second secant step from the two widths closest to
-balance (stage 0's time is only roughly linear in the width). The "simulated" rows show what
-imbalance is left.
-
-Memory: GPipe keeps every micro-batch's activations until the backward; 1F1B at most p per
-stage. Each schedule runs in its own launch (alternating) with larger activations (bigger
-batch, m = 8), and each rank reports its peak resident memory (VmHWM) and its growth over the
-resident memory before training.
+Memory: each schedule in its own launch (alternating), a bigger batch and m = 8; each rank's
+peak resident memory (VmHWM) and its growth over the memory before training.
 """
 
 from __future__ import annotations
@@ -62,16 +50,10 @@ def bubble_worker(args) -> None:
         model = mlp(args.width, 4, inputs=inputs)
         x, y = synthetic_data(model, args.batch_size * args.steps)
         log_dir = os.path.join(root, name)
-        hf.fit(
-            model,
-            x,
-            y,
-            batch_size=args.batch_size,
-            epochs=args.epochs,
-            verbose=0,
-            strategy=hf.Strategy("model", microbatches=m, schedule=schedule),
-            callbacks=[hf.callbacks.ScalingProfiler(log_dir, timeline=False)],
-        )
+        strategy = hf.Strategy("model", microbatches=m, schedule=schedule, tune_process=True)
+        profiler = hf.callbacks.ScalingProfiler(log_dir, timeline=False)
+        hf.fit(model, x, y, batch_size=args.batch_size, epochs=args.epochs, verbose=0,
+               strategy=strategy, callbacks=[profiler])  # fmt: skip
         if hf.rank() != 0:
             return None, None
         with open(os.path.join(log_dir, "profile.json")) as f:
@@ -89,17 +71,11 @@ def bubble_worker(args) -> None:
     for schedule, m in configs:
         job, _ = profiled_fit(inputs[m], schedule, m, f"{schedule}-{m}")
         if hf.rank() == 0:
-            results.append(
-                {
-                    "schedule": schedule,
-                    "microbatches": m,
-                    "measured": job["bubble_measured"],
-                    "theoretical": job["bubble_theoretical"],
-                    "simulated": job["bubble_simulated"],
-                    "step_ms": job["ms_per_step"]["step"],
-                    "inputs": inputs[m],
-                }
-            )
+            results.append({
+                "schedule": schedule, "microbatches": m, "measured": job["bubble_measured"],
+                "theoretical": job["bubble_theoretical"], "simulated": job["bubble_simulated"],
+                "step_ms": job["ms_per_step"]["step"], "inputs": inputs[m],
+            })  # fmt: skip
     if hf.rank() == 0:
         write_result(args.worker_out, 0, results)
 
@@ -148,11 +124,12 @@ def memory_worker(args) -> None:
     model = mlp(args.width, 4)
     x, y = synthetic_data(model, args.memory_batch * 3)
     before = rss_bytes()
-    strategy = hf.Strategy("model", microbatches=args.memory_microbatches, schedule=args.schedule)
-    hf.fit(model, x, y, batch_size=args.memory_batch, epochs=2, verbose=0, strategy=strategy)
-    write_result(
-        args.worker_out, hf.rank(), {"peak": peak_rss_bytes(), "growth": peak_rss_bytes() - before}
+    strategy = hf.Strategy(
+        "model", microbatches=args.memory_microbatches, schedule=args.schedule, tune_process=True
     )
+    hf.fit(model, x, y, batch_size=args.memory_batch, epochs=2, verbose=0, strategy=strategy)
+    peak = peak_rss_bytes()
+    write_result(args.worker_out, hf.rank(), {"peak": peak, "growth": peak - before})
 
 
 def worker(args) -> None:
@@ -167,60 +144,28 @@ def _bubble_records(args) -> list[dict]:
     records = []
     for m in args.microbatches:
         mine = [r for r in runs if r["microbatches"] == m]
-        records.append(
-            measurement(
-                FIGURE,
-                f"first layer's input width chosen for balance (one per launch), m={m}",
-                [r["inputs"] for r in mine if r["schedule"] == SCHEDULES[0]],
-                "features",
-            )
-        )
+
+        def point(name, values, unit, series, m=m):  # a point at m on a line of the plot
+            return measurement(FIGURE, f"{name}, m={m}", values, unit, series=series, x=m,
+                               x_label="micro-batches m")  # fmt: skip
+
+        widths = [r["inputs"] for r in mine if r["schedule"] == SCHEDULES[0]]
+        name = f"first layer's input width chosen for balance (one per launch), m={m}"
+        records.append(measurement(FIGURE, name, widths, "features"))
         formula = mine[0]["theoretical"]
-        records.append(
-            measurement(
-                FIGURE,
-                f"formula (p-1)/(m+p-1), m={m}",
-                [formula],
-                "bubble",
-                series="formula",
-                x=m,
-                x_label="micro-batches m",
-            )
-        )
+        records.append(point("formula (p-1)/(m+p-1)", [formula], "bubble", "formula"))
         for schedule in SCHEDULES:
             runs_s = [r for r in mine if r["schedule"] == schedule]
             label = {"gpipe": "GPipe", "1f1b": "1F1B"}[schedule]
             for kind in ("measured", "simulated"):
                 values = [r[kind] for r in runs_s]
-                records.append(
-                    measurement(
-                        FIGURE,
-                        f"{label} {kind}, m={m}",
-                        values,
-                        "bubble",
-                        series=f"{label} {kind}",
-                        x=m,
-                        x_label="micro-batches m",
-                    )
-                )
-            records.append(
-                measurement(
-                    FIGURE,
-                    f"{label} step time, m={m}",
-                    [r["step_ms"] for r in runs_s],
-                    "ms per step",
-                    series=label,
-                    x=m,
-                    x_label="micro-batches m",
-                )
-            )
+                records.append(point(f"{label} {kind}", values, "bubble", f"{label} {kind}"))
+            steps = [r["step_ms"] for r in runs_s]
+            records.append(point(f"{label} step time", steps, "ms per step", label))
             if schedule == "1f1b" and m > 1:
                 excess = [r["measured"] - formula for r in runs_s]
-                records.append(
-                    target(
-                        FIGURE, f"1F1B bubble minus formula (points/100), m={m}", excess, "<= 0.05"
-                    )
-                )
+                name = f"1F1B bubble minus formula (points/100), m={m}"
+                records.append(target(FIGURE, name, excess, "<= 0.05"))
     return records
 
 
@@ -240,11 +185,8 @@ def _memory_records(args) -> list[dict]:
         for rank in (0, 1):
             where = f"{label}, stage {rank}, m={m}, batch {args.memory_batch}"
             records.append(measurement(FIGURE, f"peak RSS, {where}", peaks[schedule][rank], "MiB"))
-            records.append(
-                measurement(
-                    FIGURE, f"peak RSS minus RSS before fit, {where}", growth[schedule][rank], "MiB"
-                )
-            )
+            name = f"peak RSS minus RSS before fit, {where}"
+            records.append(measurement(FIGURE, name, growth[schedule][rank], "MiB"))
     return records
 
 
@@ -253,20 +195,8 @@ def run(args) -> list[dict]:
 
 
 def _common(args) -> list:
-    return [
-        "--width",
-        args.width,
-        "--batch-size",
-        args.batch_size,
-        "--steps",
-        args.steps,
-        "--epochs",
-        args.epochs,
-        "--memory-batch",
-        args.memory_batch,
-        "--memory-microbatches",
-        args.memory_microbatches,
-    ]
+    names = ("width", "batch_size", "steps", "epochs", "memory_batch", "memory_microbatches")
+    return cli.flags(args, *names)
 
 
 def arguments(argv=None):

@@ -47,17 +47,13 @@ def _dropout_steps(rounds: int) -> dict:
     x = keras.layers.Dropout(0.1)(keras.layers.Dense(WIDTH, activation="relu")(x))
     model = keras.Model(inputs, keras.layers.Dense(10)(x))
     model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    runner = FusedRunner(
-        lambda data, training: model(data, training=training),
-        model.trainable_variables,
-        loss=lambda y, y_pred, sw: model._compile_loss(y, y_pred, sw),
-    )
+    runner = FusedRunner(lambda data, training: model(data, training=training),
+                         model.trainable_variables,
+                         loss=lambda y, y_pred, sw: model._compile_loss(y, y_pred, sw))  # fmt: skip
     rng = np.random.default_rng(0)
     n = GLOBAL_BATCH // MICROBATCHES
-    pieces = [
-        (tf.constant(rng.normal(size=(n, WIDTH)), tf.float32), tf.constant(rng.integers(0, 10, n)))
-        for _ in range(MICROBATCHES)
-    ]
+    pieces = [(tf.constant(rng.normal(size=(n, WIDTH)), tf.float32),
+               tf.constant(rng.integers(0, 10, n))) for _ in range(MICROBATCHES)]  # fmt: skip
 
     def step(sliced: bool) -> float:
         start = time.perf_counter()
@@ -122,9 +118,8 @@ def main(argv=None) -> None:
 
         rows = _table_reductions(args.rounds)
         if MPI.COMM_WORLD.Get_rank() == 0:
-            print(
-                f"table gradient of 4096 tokens x 256 per rank, {MPI.COMM_WORLD.Get_size()} ranks"
-            )
+            ranks = MPI.COMM_WORLD.Get_size()
+            print(f"table gradient of 4096 tokens x 256 per rank, {ranks} ranks")
             for vocabulary, medians in rows:
                 ratio = medians["gathered rows"] / medians["dense allreduce"]
                 cells = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in medians.items())

@@ -4,17 +4,12 @@ Horovod data parallel and vs one process.
 Run: .venv/bin/python benchmarks/resnet_paper.py [--depth 110] [--image 32] [--batch-size 32]
      [--rounds 2] [--ranks 2 4]   (starts `mpirun` itself; runs in .venv-compat, with Horovod)
 
-HyPar-Flow (Awan et al. 2020) reports 1.6x over Horovod for ResNet-1001 (hybrid, many nodes)
-and 3.1x for model parallel over sequential on ResNet-110 (one 48-core node). This figure runs
-the same shapes of work, scaled to seconds: samples/s over the epochs after the first, for
-
-- Keras `model.fit` in one process with 1 compute thread and with one per core;
-- hyparflow model parallel (P stages, 1F1B, m micro-batches, stages balanced by measured
-  layer time) and data parallel, and hybrid P x R where the ranks allow;
-- the Horovod loop of figure 4 (`benchmarks/data_parallel.py`), data parallel.
-
-Ranks above the core count oversubscribe the cores: those rows measure overheads, not
-scaling. Configurations alternate within a round; the ratios are paired per round.
+HyPar-Flow (Awan et al. 2020) reports 1.6x over Horovod for ResNet-1001 and 3.1x for model
+parallel over sequential on ResNet-110. This figure runs the same shapes of work, scaled to
+seconds (samples/s over the epochs after the first): Keras `model.fit` in one process (1
+thread, one per core); hyparflow model parallel (1F1B, stages balanced by measured layer
+time), data parallel and hybrid P x R; the Horovod loop of figure 4. Rows with more ranks than
+cores measure overheads, not scaling. Ratios are paired per round.
 """
 
 from __future__ import annotations
@@ -80,14 +75,8 @@ def worker(args) -> None:
         else:
             kind = "data" if args.p == 1 else ("model" if args.r == 1 else "hybrid")
             m = args.microbatches if args.p > 1 else 1
-            strategy = hf.Strategy(
-                kind,
-                partitions=args.p,
-                replicas=args.r,
-                microbatches=m,
-                schedule="1f1b",
-                balance="time",
-            )
+            strategy = hf.Strategy(kind, partitions=args.p, replicas=args.r, microbatches=m,
+                                   schedule="1f1b", balance="time", tune_process=True)  # fmt: skip
             hf.fit(model, x, y, strategy=strategy, **fit)
         seconds, rank = timer.seconds, hf.rank()
     if rank == 0:
@@ -100,23 +89,12 @@ def run(args) -> list[dict]:
     rates = {label(c, cores): [] for c in configs}
     for round_ in range(args.rounds):
         for config in configs if round_ % 2 == 0 else configs[::-1]:
-            worker_args = [
-                "--way",
-                config["way"],
-                "--p",
-                config["p"],
-                "--r",
-                config["r"],
-                *_shape(args),
-            ]
-            result = run_worker(
-                __file__,
-                worker_args,
-                np=config["p"] * config["r"],
-                venv="compat" if has_horovod() else "main",
-                threads=config["threads"],
-                timeout=3600,
-            )
+            way = ["--way", config["way"], "--p", config["p"], "--r", config["r"]]
+            shape = cli.flags(args, "depth", "image", "batch_size", "steps", "epochs",
+                              "microbatches")  # fmt: skip
+            result = run_worker(__file__, [*way, *shape], np=config["p"] * config["r"],
+                                venv="compat" if has_horovod() else "main",
+                                threads=config["threads"], timeout=3600)  # fmt: skip
             rates[label(config, cores)].append(statistics.median(result[0]))
     shape = f"ResNet-{args.depth}, {args.image}x{args.image} images, batch {args.batch_size}"
     records = [
@@ -137,37 +115,17 @@ def run(args) -> list[dict]:
             horovod = rates[label({"way": "horovod", "p": 1, "r": ranks}, cores)]
             best, kind = model_parallel, "model parallel"
             if ranks >= 4:
-                best, kind = (
-                    rates[label({"way": "hyparflow", "p": 2, "r": ranks // 2}, cores)],
-                    "hybrid",
-                )
+                hybrid = {"way": "hyparflow", "p": 2, "r": ranks // 2}
+                best, kind = rates[label(hybrid, cores)], "hybrid"
             paper = "(paper: 1.6x on ResNet-1001)"
             pairs += [
                 (f"hyparflow {kind} / Horovod, {ranks} ranks {paper}", best, horovod),
                 (f"hyparflow data parallel / Horovod, {ranks} ranks", data_parallel, horovod),
             ]
         for name, a, b in pairs:
-            records.append(
-                measurement(FIGURE, name, paired_ratios(a, b), "ratio", depth=args.depth)
-            )
+            ratios = paired_ratios(a, b)
+            records.append(measurement(FIGURE, name, ratios, "ratio", depth=args.depth))
     return records
-
-
-def _shape(args) -> list:
-    return [
-        "--depth",
-        args.depth,
-        "--image",
-        args.image,
-        "--batch-size",
-        args.batch_size,
-        "--steps",
-        args.steps,
-        "--epochs",
-        args.epochs,
-        "--microbatches",
-        args.microbatches,
-    ]
 
 
 def arguments(argv=None):

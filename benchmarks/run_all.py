@@ -4,8 +4,7 @@ Run: .venv/bin/python benchmarks/run_all.py [--only p2p allreduce ...] [--skip-o
      [--others-only] [--quick] [--record SCRIPT OUTPUT NOTE]
 
 Every figure script is run in turn (each launches its own `mpirun` and workers); before each,
-the driver waits for a quiet machine (1-minute load under 1.0, under 15% of the cores busy, no
-other engineer's benchmark running) and records the load it saw. Records are kept per figure
+the driver waits for a quiet machine and records the load it saw. Records are kept per figure
 in benchmarks/results.json, so `--only` reruns some figures and rewrites the whole report.
 The other benchmarks of this folder, which print text, are run too and their output is
 appended to the report (`--skip-others` leaves them out; their last output is kept).
@@ -28,7 +27,7 @@ from benchmarks.harness import launch, machine, quiet  # noqa: E402
 from benchmarks.harness.report import write_results  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-FIGURES = {  # report order: key -> module
+FIGURES = {  # report order: key -> module and its arguments
     "overhead": "one_rank_overhead",
     "p2p": "p2p_bandwidth",
     "allreduce": "gradient_reduction",
@@ -36,23 +35,16 @@ FIGURES = {  # report order: key -> module
     "pipeline": "pipeline_bubble",
     "resnet": "resnet_paper",
     "memory": "memory_partitions",
-    "overlap": "engine_overlap",
-    "recompute": "engine_recompute",
-    "precision": "engine_precision",
+    "overlap": "engine_options --option overlap",
+    "recompute": "engine_options --option recompute",
+    "precision": "engine_options --option precision",
 }
-# Text-printing benchmarks: (title, script, venv, ranks, arguments). Scripts that do not exist
-# (another engineer's, not written yet) are skipped.
+# Text-printing benchmarks: (title, script, venv, ranks, arguments).
 OTHERS = [
-    ("Partitioning a 5,000-layer model", "plan_5000_layers.py", "main", 1, []),
-    ("ResNet-50 split with balance='time'", "resnet50_time_balance.py", "main", 1, []),
-    ("ScalingProfiler overhead", "profiler_overhead.py", "main", 1, []),
-    ("Pipeline stage: per-variable vs flat gradients", "stage_gradients.py", "main", 1, []),
     ("Dropout: global-batch masks sliced vs a mask per piece", "real_model_costs.py", "main", 1,
      []),
     ("Embedding tables: gathered rows vs a dense allreduce", "real_model_costs.py", "main", 2,
      ["--tables"]),
-    ("Horovod vs GradientReducer, ResNet-50 gradients", "horovod_reduce.py", "compat", 2,
-     ["--model", "resnet50"]),
     ("Scaling model vs measured runs, a core per rank", "simulator_validation.py", "main", 1,
      []),
     ("Scaling model: the paper's runs projected", "paper_projection.py", "main", 1,
@@ -67,15 +59,15 @@ def about(module) -> str:
 
 
 def run_figure(key: str, quick: bool, wait: bool) -> dict:
-    module = importlib.import_module(f"benchmarks.{FIGURES[key]}")
+    name, *argv = FIGURES[key].split()
+    module = importlib.import_module(f"benchmarks.{name}")
+    args = module.arguments(argv + (["--quick"] if quick else []))
     seen = quiet.wait_for_quiet() if wait else {"load1": os.getloadavg()[0]}
     start = time.monotonic()
-    launch.HISTORY.clear()
-    records = module.run(module.arguments(["--quick"] if quick else []))
-    history = list(launch.HISTORY)
+    records = module.run(args)
     return {
         "figure": key,
-        "title": module.TITLE,
+        "title": getattr(args, "title", None) or module.TITLE,
         "about": about(module),
         "records": records,
         "conditions": {
@@ -83,21 +75,13 @@ def run_figure(key: str, quick: bool, wait: bool) -> dict:
             "load before": f"{seen['load1']:.2f}",
             "load after": f"{os.getloadavg()[0]:.2f}",
             "minutes": f"{(time.monotonic() - start) / 60:.1f}",
-            "launches": len(history),
-            "repeated for foreign load": sum(h["attempts"] > 1 for h in history),
-            "foreign cores (worst launch kept)": max(
-                (h["foreign_cores"] for h in history), default=0.0
-            ),
         },
-        "launches": history,
     }
 
 
 def run_other(title: str, script: str, venv: str, ranks: int, args: list, wait: bool):
-    """Run a text-printing benchmark; its stdout (and the conditions), or None if absent."""
+    """Run a text-printing benchmark: its heading and stdout."""
     path = HERE / script
-    if not path.exists():
-        return None
     seen = quiet.wait_for_quiet() if wait else {"load1": os.getloadavg()[0]}
     command = [launch.python_for(venv), str(path), *args]
     if ranks > 1:
@@ -113,9 +97,7 @@ def run_other(title: str, script: str, venv: str, ranks: int, args: list, wait: 
 
 
 def describe_machine(previous: dict) -> dict:
-    """This machine and the versions in each venv; a venv that is absent now (the compat
-    one is built by `make test-compat`) keeps its last description rather than being
-    described by this interpreter."""
+    """This machine and each venv's versions; a venv absent now keeps its last description."""
     pythons = {"main": launch.python_for("main")}
     if launch.has_horovod():
         pythons["compat"] = launch.python_for("compat")
@@ -125,8 +107,7 @@ def describe_machine(previous: dict) -> dict:
 
 
 def record_other(store: dict, script: str, output: str, note: str) -> None:
-    """Put the output of a text benchmark run by hand into `store` as its appendix, in
-    `OTHERS` order, replacing its last one."""
+    """Store a text benchmark's output, run by hand, as its appendix (in `OTHERS` order)."""
     order = [other[1] for other in OTHERS]
     script = os.path.basename(script)
     if script not in order:
@@ -154,15 +135,12 @@ baselines are shown with 1 thread and with one thread per core); `mpirun --overs
 --bind-to none` with `OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1`. Medians over
 repeats after warm-up; "range" is the lowest and highest repeat, "spread" half that range over
 the median; A/B comparisons are interleaved (alternating order) and their ratios paired per
-repeat. The machine is shared with other engineers: before each figure the driver waited for a
-1-minute load average under 1.0 and under 15% of the cores busy (loads seen before the figures:
-{min(loads, default=0):.2f} to {max(loads, default=0):.2f}; each figure lists its own), and it
-measured, during every launch, the CPU that processes other than its own took (/proc/stat
-minus its process tree): a launch during which they averaged more than
-{launch.MAX_FOREIGN_CORES} cores was repeated after waiting for quiet (up to {launch.TRIES}
-times, the least disturbed kept; each figure's conditions give the count and the worst
-kept). Rows with more ranks than cores oversubscribe the machine and measure overheads, not
-scaling."""
+repeat. Before each figure the driver waited (up to 10 minutes) for a 1-minute load average
+under 1.0 and under 15% of the cores busy (loads seen before the figures:
+{min(loads, default=0):.2f} to {max(loads, default=0):.2f}; each figure lists its own). Until
+2026-11-26 a launch was also repeated while other processes kept over 0.1 cores busy; the
+conditions of figures measured then count those repeats. Rows with more ranks than cores
+oversubscribe the machine and measure overheads, not scaling."""
 
 
 def main(argv=None) -> None:
@@ -172,13 +150,9 @@ def main(argv=None) -> None:
     parser.add_argument("--others-only", action="store_true", help="only the text benchmarks")
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny sizes, 1-2 repeats")
     parser.add_argument("--no-wait", action="store_true", help="do not wait for a quiet machine")
-    parser.add_argument(
-        "--record",
-        nargs=3,
-        metavar=("SCRIPT", "OUTPUT", "NOTE"),
-        help="store the output of a text benchmark run by hand (e.g. SCRIPT with more rounds) "
-        "as its appendix, NOTE in its heading, and rewrite the report; runs nothing",
-    )
+    parser.add_argument("--record", nargs=3, metavar=("SCRIPT", "OUTPUT", "NOTE"),
+                        help="store the OUTPUT of SCRIPT run by hand as its appendix, NOTE in "
+                        "its heading, and rewrite the report; runs nothing")  # fmt: skip
     parser.add_argument("--results", default=str(HERE / "results.md"))
     parser.add_argument("--json", default=str(HERE / "results.json"))
     parser.add_argument("--plots", default=str(HERE / "plots"))
@@ -199,8 +173,7 @@ def main(argv=None) -> None:
         store["figures"][key] = run_figure(key, args.quick, wait)
         _save(store, args.json)
     if args.others_only or not (args.skip_others or args.only):
-        others = [run_other(*other, wait=wait) for other in OTHERS]
-        store["others"] = [o for o in others if o is not None]
+        store["others"] = [run_other(*other, wait=wait) for other in OTHERS]
     store["machine"] = describe_machine(store.get("machine", {}))
     _save(store, args.json)
     write_report(store, args.results, args.plots)

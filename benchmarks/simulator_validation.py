@@ -3,17 +3,12 @@
 Run: .venv/bin/python benchmarks/simulator_validation.py [--models mlp,cnn] [--rounds 3]
      (starts mpirun itself; a few minutes per model and round on 2 cores)
 
-The model assumes every rank has a core of its own, so it is checked on the layouts that
-give one on this machine: one rank (plain `model.fit`), data parallel 1 x 2 and model
-parallel 2 x 1 (1F1B, 4 micro-batches), global batch 256, for an MLP and a small ResNet-style
-CNN (steps of tens of milliseconds). Every round, in fresh one-thread processes like the
-ranks: the network is measured (`hyparflow.simulate.netbench`, 2 ranks), then the model's
-costs (`hyparflow.simulate.measure`, one process on core 0, its one-rank baseline at the
-batches one rank trains at); each layout is predicted and then trained with `hf.fit` under
-`mpirun` (the pipeline split where the simulator balances it, passed as layer names;
-verbose=0; step = from one step's start to the next, mean over the ranks, the first epoch
-left out). Before every calibration and run the driver waits for an idle machine (under 15%
-of the cores busy over 2 s). Error = median prediction / median measurement - 1.
+Layouts that give every rank a core here: one rank, data parallel 1 x 2, model parallel 2 x 1
+(1F1B, 4 micro-batches); global batch 256; an MLP and a small ResNet-style CNN. Every round,
+in one-thread processes after waiting for an idle machine: the network is measured
+(`netbench`), then the model's costs (`measure`, on core 0); each layout is predicted, then
+trained with `hf.fit` (the pipeline split where the simulator balances it; step = start to
+start, mean over ranks, first epoch left out). Error = median predicted / median measured - 1.
 """
 
 from __future__ import annotations
@@ -30,8 +25,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout
+from benchmarks.harness import quiet  # noqa: E402
 from benchmarks.harness.launch import MPI_ENV, thread_env  # noqa: E402
-from benchmarks.harness.quiet import busy_fraction  # noqa: E402
 
 # glibc keeps TensorFlow's large temporaries in the heap instead of mapping and unmapping
 # them every step (page faults that two ranks paying at once slowed each other by)
@@ -105,7 +100,8 @@ def worker(args) -> None:
     kind = "data" if partitions == 1 else ("model" if replicas == 1 else "hybrid")
     balance = starts.split(",") if starts != "-" else "layers"
     strategy = hf.Strategy(kind, partitions=partitions, replicas=replicas,
-                           microbatches=microbatches, schedule="1f1b", balance=balance)  # fmt: skip
+                           microbatches=microbatches, schedule="1f1b", balance=balance,
+                           tune_process=True)  # fmt: skip
     stamps, epoch = [], [0]  # (epoch, each step's start)
     timer = keras.callbacks.LambdaCallback(
         on_epoch_begin=lambda e, logs: epoch.__setitem__(0, e),
@@ -132,11 +128,9 @@ def calibrate(args) -> None:
     measure_model(model, batch_sizes=(32, 128), fit_batch_sizes=one_rank).save(costs_path)
 
 
-def wait_for_quiet(limit: float = 0.15, patience: float = 1200) -> None:
-    """Wait (up to `patience` s) until under `limit` of the machine is busy."""
-    deadline = time.monotonic() + patience
-    while busy_fraction() >= limit and time.monotonic() < deadline:
-        pass
+def wait_for_quiet() -> None:
+    """Wait (up to 20 minutes) until under 15% of the machine is busy; the load average lags."""
+    quiet.wait_for_quiet(max_load=float("inf"), patience=1200)
 
 
 def _run(command: list[str], timeout: float = 900) -> None:

@@ -123,7 +123,7 @@ def test_driver_report_from_stored_records(tmp_path):
     store = {
         "figures": figures,
         "others": [
-            ["Plan: `plan_5000_layers.py`", "3 stages"],
+            ["Dropout: `real_model_costs.py`", "3 stages"],
             ["Gone: `shared_cores_pipeline.py`", "a removed benchmark's last output"],
         ],
         "machine": {"cores": 2},
@@ -142,21 +142,39 @@ def test_driver_lists_only_existing_benchmarks():
     assert "simulator_validation.py" in scripts and "paper_projection.py" in scripts
     missing = [s for s in scripts if not (run_all.HERE / s).exists()]
     assert missing == []
-    assert all(importlib.util.find_spec(f"benchmarks.{m}") for m in run_all.FIGURES.values())
+    assert all(
+        importlib.util.find_spec(f"benchmarks.{m.split()[0]}") for m in run_all.FIGURES.values()
+    )
+
+
+@pytest.mark.parametrize("key", list(run_all.FIGURES))
+def test_every_figure_parses_its_quick_arguments(key):
+    name, *argv = run_all.FIGURES[key].split()
+    module = importlib.import_module(f"benchmarks.{name}")
+    args = module.arguments([*argv, "--quick"])
+    assert args.quick and (getattr(args, "title", None) or module.TITLE)
+    assert callable(module.run) and callable(module.worker)
+
+
+@pytest.mark.parametrize("script", sorted({other[1] for other in run_all.OTHERS}))
+def test_every_text_benchmark_parses_its_arguments(script):
+    module = importlib.import_module(f"benchmarks.{script.removesuffix('.py')}")
+    assert module._arguments([]) is not None
+
+
+def test_engine_options_share_one_script_with_a_setup_each():
+    from benchmarks import engine_options
+
+    overlap = engine_options.arguments(["--option", "overlap"])
+    assert (overlap.width, overlap.steps, overlap.microbatches) == (1024, 20, 8)
+    recompute = engine_options.arguments(["--option", "recompute", "--quick"])
+    assert (recompute.depth, recompute.batch_size, recompute.rounds) == (4, 512, 1)
+    precision = engine_options.arguments(["--option", "precision", "--width", "256"])
+    assert (precision.width, precision.epochs, precision.microbatches) == (256, 3, 4)
+    assert len({a.title for a in (overlap, recompute, precision)}) == 3
 
 
 def test_simulator_validation_covers_a_core_per_rank_only():
     assert simulator_validation.CONFIGS == [(1, 1), (1, 2), (2, 1)]
     arguments = simulator_validation._arguments([])
     assert max(p * r for p, r in simulator_validation.CONFIGS) <= 2 and arguments.rounds >= 1
-
-
-def test_foreign_load_arithmetic():
-    from benchmarks.harness import monitor
-
-    cores = monitor.CORES
-    # 10 s of wall on every core; the machine was busy 6 core-seconds, ours 4: 0.2 cores foreign
-    before, after = (100.0, 1000.0, 50.0), (106.0, 1000.0 + 10 * cores, 54.0)
-    assert monitor._foreign_cores(before, after) == pytest.approx(0.2)
-    assert monitor._foreign_cores(after, after) == 0.0
-    assert monitor.our_cpu_seconds() > 0  # this process's own CPU time, from /proc

@@ -17,6 +17,11 @@ def parser(doc: str, repeats: int = 7) -> argparse.ArgumentParser:
     return p
 
 
+def flags(args, *names: str) -> list:
+    """`--name value` for each attribute `names` of `args`: what a driver hands its worker."""
+    return [item for name in names for item in (f"--{name.replace('_', '-')}", getattr(args, name))]
+
+
 def entry(args, worker, run) -> list[dict] | None:
     """Run as a worker when launched by the harness, else drive the figure and print records."""
     if args.worker_out:

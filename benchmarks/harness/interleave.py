@@ -16,17 +16,8 @@ def interleaved_epochs(setups: dict, x, y, batch_size: int, repeats: int, steps=
     def epoch(name):
         model, strategy = setups[name]
         timer = epoch_timer()
-        hf.fit(
-            model,
-            x,
-            y,
-            batch_size=batch_size,
-            epochs=1,
-            verbose=0,
-            strategy=strategy,
-            callbacks=[timer],
-            steps_per_epoch=steps,
-        )
+        hf.fit(model, x, y, batch_size=batch_size, epochs=1, verbose=0, strategy=strategy,
+               callbacks=[timer], steps_per_epoch=steps)  # fmt: skip
         return timer.seconds[0]
 
     names = list(setups)

@@ -56,67 +56,18 @@ def mpirun_command(np: int, argv: list[str]) -> list[str]:
     return ["mpirun", "-np", str(np), "--oversubscribe", "--bind-to", "none", *argv]
 
 
-# A launch during which other processes kept more than this many cores busy on average is
-# repeated (after waiting for a quiet machine), up to TRIES times; the least disturbed is kept.
-MAX_FOREIGN_CORES = 0.1
-TRIES = 4
-HISTORY: list[dict] = []  # every launch since the last clear: what the driver reports
-
-
-def run_worker(
-    script: str,
-    args: list[str],
-    *,
-    np: int = 1,
-    venv: str = "main",
-    threads: int | None = None,
-    timeout: float = 1800,
-    env: dict | None = None,
-    tries: int = TRIES,
-) -> list[dict]:
+def run_worker(script: str, args: list, *, np: int = 1, venv: str = "main", threads=None,
+               timeout: float = 1800, env: dict | None = None) -> list:  # fmt: skip
     """Run `script --worker-out DIR args...` on `np` ranks (np=1: no mpirun); every rank's
-    JSON result, in rank order. Repeated while another process disturbed it (see
-    MAX_FOREIGN_CORES). Raises with the tail of stderr when the run fails."""
-    from benchmarks.harness.monitor import ForeignLoad
-    from benchmarks.harness.quiet import wait_for_quiet
-
-    best = None
-    for attempt in range(1, tries + 1):
-        with ForeignLoad() as load:
-            results = _run_once(script, args, np, venv, threads, timeout, env)
-        if best is None or load.mean < best[0]:
-            best = (load.mean, load.peak, results)
-        if load.mean <= MAX_FOREIGN_CORES:
-            break
-        if attempt < tries:
-            wait_for_quiet(max_load=None)
-    HISTORY.append(
-        {
-            "script": Path(script).stem,
-            "np": np,
-            "attempts": attempt,
-            "foreign_cores": round(best[0], 3),
-            "foreign_peak": round(best[1], 3),
-        }
-    )
-    return best[2]
-
-
-def _run_once(script, args, np, venv, threads, timeout, env) -> list[dict]:
+    JSON result, in rank order. Raises with the tail of stderr when the run fails."""
     with tempfile.TemporaryDirectory(prefix="hf-bench-") as folder:
         argv = [python_for(venv), str(script), "--worker-out", folder, *map(str, args)]
         command = argv if np == 1 else mpirun_command(np, argv)
         full_env = {**os.environ, **MPI_ENV, **thread_env(threads or INTRAOP_THREADS)}
         full_env.update(env or {})
-        process = subprocess.Popen(
-            command,
-            cwd=REPO,
-            env=full_env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
+        pipe = subprocess.PIPE
+        process = subprocess.Popen(command, cwd=REPO, env=full_env, stdout=pipe, stderr=pipe,
+                                   text=True, start_new_session=True)  # fmt: skip
         try:
             stdout, stderr = process.communicate(timeout=timeout)
         except subprocess.TimeoutExpired as error:

@@ -2,63 +2,44 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import subprocess
 
-VERSIONS_CODE = r"""
-import json, platform, sys
+VERSIONS_CODE = """
+import json, platform
 out = {"python": platform.python_version()}
-for name, module in (("tensorflow", "tensorflow"), ("keras", "keras"), ("mpi4py", "mpi4py"),
-                     ("numpy", "numpy"), ("horovod", "horovod")):
+for name in ("tensorflow", "keras", "mpi4py", "numpy", "horovod"):
     try:
-        out[name] = __import__(module).__version__
+        out[name] = __import__(name).__version__
     except Exception:
         out[name] = None
 print("VERSIONS " + json.dumps(out))
 """
 
 
-def cpu_model() -> str:
+def _proc_field(path: str, key: str) -> str | None:
+    """The value after `key:` in a /proc file, or None."""
     try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+        with open(path) as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith(key)), None)
     except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def memory_gib() -> float:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) / 2**20
-    return 0.0
-
-
-def open_mpi_version() -> str | None:
-    try:
-        out = subprocess.run(["mpirun", "--version"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
         return None
-    first = out.stdout.strip().splitlines()[0] if out.stdout.strip() else ""
-    return first.split()[-1] if first else None
+
+
+def _output(command: list[str], **kwargs) -> str:
+    """A command's stdout, or "" when it cannot run."""
+    try:
+        return subprocess.run(command, capture_output=True, text=True, timeout=300, **kwargs).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
 
 
 def python_versions(python: str) -> dict:
     """Versions of the stack importable by interpreter `python` (None where missing)."""
-    import json
-
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
-    try:
-        out = subprocess.run(
-            [python, "-c", VERSIONS_CODE], capture_output=True, text=True, timeout=300, env=env
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return {}
-    for line in out.stdout.splitlines():
+    for line in _output([python, "-c", VERSIONS_CODE], env=env).splitlines():
         if line.startswith("VERSIONS "):
             return json.loads(line[len("VERSIONS ") :])
     return {}
@@ -66,11 +47,13 @@ def python_versions(python: str) -> dict:
 
 def describe(pythons: dict[str, str]) -> dict:
     """Cores, CPU model, RAM, Open MPI, and per venv the Python stack's versions."""
+    memory_kib = _proc_field("/proc/meminfo", "MemTotal") or "0 kB"
+    mpi = _output(["mpirun", "--version"]).strip().splitlines()
     return {
         "cores": os.cpu_count(),
-        "cpu": cpu_model(),
-        "memory_gib": round(memory_gib(), 1),
+        "cpu": _proc_field("/proc/cpuinfo", "model name") or platform.processor() or "unknown",
+        "memory_gib": round(int(memory_kib.split()[0]) / 2**20, 1),
         "kernel": platform.release(),
-        "open_mpi": open_mpi_version(),
+        "open_mpi": mpi[0].split()[-1] if mpi else None,
         "venvs": {name: python_versions(python) for name, python in pythons.items()},
     }

@@ -1,4 +1,4 @@
-"""This process's resident memory: now, and its peak since the last reset (Linux /proc)."""
+"""This process's resident memory: now, and its peak (Linux /proc)."""
 
 from __future__ import annotations
 
@@ -17,15 +17,5 @@ def rss_bytes() -> int:
 
 
 def peak_rss_bytes() -> int:
-    """Highest resident set size since the process started or `reset_peak` was called."""
+    """Highest resident set size since the process started."""
     return _status_kib("VmHWM") * 1024
-
-
-def reset_peak() -> bool:
-    """Start a new peak from the current RSS (writing 5 to clear_refs); False if refused."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False

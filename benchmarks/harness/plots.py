@@ -26,10 +26,7 @@ def _height(group: list[dict]) -> float:
 
 
 def _error(records):
-    return [
-        [r["median"] - r["low"] for r in records],
-        [r["high"] - r["median"] for r in records],
-    ]
+    return [[r["median"] - r["low"] for r in records], [r["high"] - r["median"] for r in records]]
 
 
 def _draw_lines(axes, records, unit):
@@ -39,14 +36,8 @@ def _draw_lines(axes, records, unit):
     xs = [r["x"] for r in records]
     for label, points in series.items():
         points.sort(key=lambda r: r["x"])
-        axes.errorbar(
-            [r["x"] for r in points],
-            [r["median"] for r in points],
-            yerr=_error(points),
-            marker="o",
-            capsize=3,
-            label=label,
-        )
+        xs_, medians = [r["x"] for r in points], [r["median"] for r in points]
+        axes.errorbar(xs_, medians, yerr=_error(points), marker="o", capsize=3, label=label)
     if min(xs) > 0 and max(xs) / min(xs) >= 8:
         from matplotlib.ticker import FixedLocator, ScalarFormatter
 

@@ -70,10 +70,7 @@ def figure_section(figure: dict, plot: str | None, relative_to: Path) -> list[st
         lines += [figure["about"].strip(), ""]
     conditions = figure.get("conditions")
     if conditions:
-        lines += [
-            "Conditions: " + ", ".join(f"{k} {v}" for k, v in conditions.items()),
-            "",
-        ]
+        lines += ["Conditions: " + ", ".join(f"{k} {v}" for k, v in conditions.items()), ""]
     lines += [
         "| measurement | median | range of repeats | spread (± half-range) | n | unit |",
         "|---|---|---|---|---|---|",
@@ -89,24 +86,13 @@ def figure_section(figure: dict, plot: str | None, relative_to: Path) -> list[st
     return lines
 
 
-def write_results(
-    path: str,
-    plots_dir: str,
-    machine: dict,
-    figures: list[dict],
-    *,
-    preamble: str = "",
-    appendix: list[tuple[str, str]] = (),
-) -> list[str]:
+def write_results(path: str, plots_dir: str, machine: dict, figures: list[dict], *,
+                  preamble: str = "", appendix: list = ()) -> list[str]:  # fmt: skip
     """Write the results markdown at `path` and one PNG per figure into `plots_dir`.
 
     `figures`: dicts with `figure` (a short key), `records`, and optionally `title`, `about`
     and `conditions` (load, repeats...). `appendix`: (title, text) pairs shown verbatim, e.g.
     the output of benchmarks that print text. Returns the PNG paths written.
-
-    Example:
-        >>> write_results("results.md", "plots", {"cores": 2},
-        ...               [{"figure": "p2p", "records": records}])  # doctest: +SKIP
     """
     out = Path(path)
     os.makedirs(plots_dir, exist_ok=True)
@@ -117,11 +103,8 @@ def write_results(
     lines += targets_section(figures)
     plots = []
     for figure in figures:
-        plot = plot_figure(
-            figure.get("title", figure["figure"]),
-            figure["records"],
-            os.path.join(plots_dir, f"{figure['figure']}.png"),
-        )
+        png = os.path.join(plots_dir, f"{figure['figure']}.png")
+        plot = plot_figure(figure.get("title", figure["figure"]), figure["records"], png)
         if plot:
             plots.append(plot)
         lines += figure_section(figure, plot, out.parent)
