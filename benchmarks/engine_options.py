@@ -113,7 +113,7 @@ def worker(args) -> None:
                strategy=strategy, callbacks=[timer])  # fmt: skip
         trainer = model._hyparflow_trainer[1]
         if hf.rank() == 0:
-            (_, channel), *_ = trainer._channels.values()  # stage 0's link to stage 1
+            (_, channel), *_ = trainer.walk.channels.values()  # stage 0's link to stage 1
             row = {d: sum(s.row_bytes for s in channel.specs(d)) for d in ("forward", "backward")}
             grads = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize
                         for v in trainer.variables)  # fmt: skip

@@ -22,7 +22,7 @@ from hyparflow.comm.allreduce import plan_buckets
 # Mean gradient bytes per variable up to which a pipeline stage differentiates one flat
 # tensor per micro-batch (`flat_backward_pays`): a per-variable backward costs Python and
 # eager work per variable, a flat one copies every gradient byte once more (the concat).
-# Measured by benchmarks/stage_gradients.py (docs/engine.md, "Flat pipeline gradients").
+# The measurement behind the threshold: docs/notes/benchmarks.md ("One-off measurements").
 FLAT_BACKWARD_MAX_MEAN_BYTES = 128 * 1024
 NO_SPLIT = 2**62  # bucket size that puts every gradient in one bucket
 TAIL = 16  # 64 bytes of float32 after the gradients, holding a data-dependent value
