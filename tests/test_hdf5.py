@@ -3,6 +3,7 @@
 import sys
 
 import h5py
+import keras
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -10,9 +11,9 @@ from hypothesis import strategies as st
 
 from hyparflow.data import HDF5, ArraySource, piece_bounds
 from hyparflow.data.hdf5 import Rows, read_rows
-from tests.mpi.hdf5_inputs import sample_weights
-from tests.mpi.models import data
-from tests.mpirun import run_scenario
+from tests.support.compare import relative_difference
+from tests.support.models import compiled, data, sample_weights
+from tests.support.mpirun import run_scenario
 
 TOLERANCE = 1e-5
 GIB = 1 << 30
@@ -21,7 +22,7 @@ FEATURES = 1024  # rows of 4 KiB: 262,144 rows make the 1 GiB file
 
 @pytest.fixture
 def small_file(tmp_path):
-    """The arrays of tests.mpi.models.data for "mlp" and "multi_io", plus sample ids."""
+    """The arrays of tests.support.models.data for "mlp" and "multi_io", plus sample ids."""
     path = tmp_path / "small.h5"
     x, y = data("mlp")
     mx, my = data("multi_io")
@@ -36,8 +37,6 @@ def small_file(tmp_path):
 
 
 def _equal(a, b) -> bool:
-    import keras
-
     flat_a, flat_b = keras.tree.flatten(a), keras.tree.flatten(b)
     return len(flat_a) == len(flat_b) and all(
         (p is None and q is None) or np.array_equal(np.asarray(p), np.asarray(q))
@@ -145,9 +144,6 @@ def test_missing_h5py_names_the_extra(small_file, monkeypatch):
 
 
 def test_one_process_keras_fit_matches_arrays(small_file):
-    from tests.mpi.compare import relative_difference
-    from tests.mpi.models import compiled
-
     x, y = data("mlp")
     reference = compiled("mlp", "sgd")
     reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)

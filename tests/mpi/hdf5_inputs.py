@@ -1,26 +1,21 @@
 """hf.fit from an HDF5 file on 2 ranks: equal to Keras on the same arrays, and memory-bounded.
 
 Arguments: "equivalence FILE KIND..." (FILE written by tests/test_hdf5.py from
-`tests.mpi.models.data`) or "memory FILE STEPS KIND..." (FILE holds "x" (n, FEATURES) float32
+`tests.support.models.data`) or "memory FILE STEPS KIND..." (FILE holds "x" (n, FEATURES) float32
 and "y" labels; each rank reports the growth of its peak RSS while training).
 """
 
 import time
 
 import keras
-import numpy as np
 
 import hyparflow as hf
 import hyparflow.data
-from tests.mpi.compare import history_difference, relative_difference
-from tests.mpi.models import compiled, data
-from tests.mpi.report import args, report
+from tests.support.compare import history_difference, relative_difference
+from tests.support.models import compiled, data, sample_weights
+from tests.support.report import args, report
 
 BATCH, EPOCHS = 16, 2
-
-
-def sample_weights(n: int) -> np.ndarray:
-    return np.random.default_rng(5).uniform(0.5, 2.0, n).astype("float32")
 
 
 def equivalence_cases(path: str):
