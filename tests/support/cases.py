@@ -111,11 +111,11 @@ class Case:
 def selected(request, cases: list) -> list:
     """The cases among `cases` that some test this session runs takes as its `case` argument,
     in order; all of them if none does (a test that looks at every case's results)."""
-    chosen = {
+    chosen = [
         item.callspec.params["case"]
         for item in request.session.items
         if "case" in getattr(getattr(item, "callspec", None), "params", {})
-    }
+    ]
     picked = [c for c in cases if c in chosen]
     return picked or list(cases)
 
