@@ -7,36 +7,22 @@ Gradients are random float32 tensors shaped like a model's trainable variables (
 for CIFAR: 335 tensors, 6.6 MiB; ResNet-50: 161 tensors, 90 MiB). Each rank sums them over
 both ranks, in blocks of reductions per way, the ways interleaved (order rotated each repeat):
 
-- hyparflow engine (flat): what the engine runs per step, data parallel or pipeline stage
-  with replicas. The gradients are born as one fresh flat tensor: the data-parallel step
-  concatenates them as its last op (`FlatLayout.flatten`), a pipeline stage differentiates
-  one flat tensor of its variables' values, so its compiled backward ends in the same concat.
-  `GradientReducer.reduce_flat` sums that tensor in place, 25 MiB per blocking `Allreduce`,
-  and the optimizer's compiled update splits it into views without copying. Timed:
-  `reduce_flat` of freshly packed tensors (made before each block, as the step would). The
-  packing is shown on its own as a separate compiled call, where each of its hundreds of
-  inputs costs ~12 µs of call overhead that the in-step concatenation does not pay (it is
-  part of the step's compute in figures 1, 4 and 6);
-- GradientReducer: hyparflow's fused buckets of a list of tensors (25 MiB, in place), TF
-  tensors in and out: what the engine falls back to where gradients must stay a list
-  (layers shared by several stages, non-float32 variables);
-- GradientReducer, background thread: the same buckets reduced by blocking `Allreduce` on a
-  helper thread (what `overlap_groups` uses);
-- raw MPI.Allreduce: one in-place `Allreduce` of a numpy buffer of the same bytes, the floor
-  for moving them with no per-tensor work at all, two ways: the same buffer every call (the
-  figure's original reference; under 32 MiB both ranks' buffers stay in this machine's L3
-  cache) and a fresh copy each call, made before the block like the flat tensors, so that
-  both read memory the block has not touched yet. The engine's flat way is compared with
-  the fresh one (same memory conditions); the list way, which reduces the same tensors every
-  call, with the reused buffer;
-- Horovod (compat venv only): `hvd.grouped_allreduce(op=hvd.Sum)` eagerly, and compiled inside
-  a `tf.function` as a Horovod training step would call it; with the raw floor timed beside it.
+- hyparflow engine (flat): what a step runs: `GradientReducer.reduce_flat` of one fresh flat
+  tensor (the step's compiled backward ends in the concat that makes it), in place, 25 MiB
+  per blocking `Allreduce`; the packing is shown apart (as its own compiled call it pays
+  ~12 µs per input that the in-step concat does not);
+- GradientReducer: fused buckets of a list of tensors, what the engine falls back to where
+  gradients stay a list (layers shared across stages, non-float32 variables); and the same
+  on a background thread (`overlap_groups`);
+- raw MPI.Allreduce: one in-place `Allreduce` of a numpy buffer of the same bytes, reused
+  every call (it stays in L3 under 32 MiB; the list way's reference) or a fresh copy each
+  call (the flat way's reference: the same memory conditions);
+- Horovod (compat venv only): `hvd.grouped_allreduce(op=hvd.Sum)` eagerly and inside a
+  `tf.function`, in its own launches (an initialized Horovod's negotiation thread slows the
+  process's other MPI calls: the "raw, with Horovod initialized" row).
 
-Horovod runs in its own launches, alternating with hyparflow's: an initialized Horovod runs a
-negotiation collective on its background thread every cycle, which slows every other MPI call
-of the process (the "raw, with Horovod initialized" row shows how much). Targets, for both of
-hyparflow's paths: hyparflow / raw <= 1.1 and hyparflow / Horovod (its faster way) < 1, in the
-compat venv; the main venv is shown too.
+Targets, for both of hyparflow's paths in the compat venv: hyparflow / raw <= 1.1 and
+hyparflow / Horovod (its faster way) < 1; the main venv is shown too.
 """
 
 from __future__ import annotations

@@ -75,9 +75,11 @@ def cifar_resnet(
     base: int = 16,
     optimizer="sgd",
     seed: int = 0,
+    bottleneck: bool | None = None,
 ):
     """CIFAR ResNet-`depth`: basic blocks when depth = 6n+2 (20, 56, 110), pre-activation
-    bottlenecks when depth = 9n+2 (164, 1001). `image` scales the input (32 is CIFAR).
+    bottlenecks when depth = 9n+2 (164, 1001) or `bottleneck`. `image` scales the input (32
+    is CIFAR).
 
     Example:
         >>> len(cifar_resnet(20).layers) > 60
@@ -90,7 +92,9 @@ def cifar_resnet(
 
     sys.setrecursionlimit(max(sys.getrecursionlimit(), 100_000))  # Keras walks deep graphs
     keras.utils.set_random_seed(seed)
-    if (depth - 2) % 6 == 0 and depth < 164:
+    if bottleneck is None:
+        bottleneck = depth >= 164 or (depth - 2) % 6 != 0
+    if (depth - 2) % 6 == 0 and not bottleneck:
         blocks, block, widths = (depth - 2) // 6, _basic_block, (base, 2 * base, 4 * base)
     elif (depth - 2) % 9 == 0:
         blocks, block, widths = (depth - 2) // 9, _bottleneck_block, (base, 2 * base, 4 * base)

@@ -3,28 +3,15 @@ nodes, 481x on 512 Frontera nodes, speed-up over one node), by the scaling model
 
 Run: .venv/bin/python benchmarks/paper_projection.py [--remeasure]
 
-Every assumption is an argument with its default printed, and docs/simulate.md lists them:
-
-- Model: ResNet-1001 for CIFAR-10 (He et al., "Identity Mappings in Deep Residual Networks",
-  ECCV 2016): pre-activation bottleneck blocks, 3 stages of 111 blocks, 16/32/64 bottleneck
-  channels (x4 out), 32x32x3 inputs, 10.3 M parameters, about 3,400 layer calls.
-- Per-layer costs: measured here (`hyparflow.simulate.measure`, one core, one thread) on a
-  "unit cell" of the same network (each stage's projection block and one regular block), the
-  regular block's costs repeated to 111 blocks per stage, then multiplied by `--compute-scale`
-  for the paper's cores (nominal AVX-512 FP32 peak per core: this machine's Zen 5 core about
-  190 GFLOP/s, Stampede2's Xeon Platinum 8160 about 130, Frontera's Platinum 8280 about 155,
-  hence 1.5 and 1.25). The measured cell is cached in benchmarks/resnet1001_cell_costs.json.
-- Layouts, one rank per core, one TensorFlow thread each, 1F1B; weak scaling at 8 samples
-  per core and step (384 per Stampede2 node, 448 per Frontera node):
-  "pipeline per node": P = cores per node (48, 56), R = N, 64 micro-batches;
-  "hybrid 8 x cores/8": P = 8, cores/8 replicas per node, 16 micro-batches;
-  "data parallel": P = 1, R = cores x N.
-  Speed-up = throughput on N nodes / throughput of the same layout on one node.
-- Network: inter-node Hockney link alpha 1.5 us, beta 12 GB/s (Omni-Path and InfiniBand
-  HDR-100, 100 Gb/s); intra-node (shared memory) 0.5 us, 10 GB/s; the reduction arithmetic,
-  bucket copies and the engine's per-message costs as measured on this machine by
-  `hyparflow.simulate.netbench` (cached in benchmarks/network_here.json), multiplied by the
-  compute scale.
+Every assumption is an argument or a constant here, and docs/simulate.md lists them: ResNet-1001
+for CIFAR-10 (He et al., ECCV 2016) costed from a unit cell measured on this machine
+(`hyparflow.simulate.measure`, one thread; cached in benchmarks/resnet1001_cell_costs.json)
+whose regular blocks are repeated to 111 per stage, times `--compute-scale` for the paper's
+cores (nominal AVX-512 FP32 peak per core: 1.5 for Stampede2, 1.25 for Frontera); one rank per
+core, 1F1B, 8 samples per core and step (weak scaling) in three per-node layouts; an
+inter-node link of 1.5 us and 12 GB/s (100 Gb/s fabrics), 0.5 us and 10 GB/s inside a node,
+the reduction arithmetic as measured here (`netbench`, cached in benchmarks/network_here.json).
+Speed-up = throughput on N nodes / throughput of the same layout on one node.
 """
 
 from __future__ import annotations
@@ -66,40 +53,11 @@ def _arguments(argv=None):
 
 def cell_model():
     """ResNet-1001's unit cell: stem, per stage the projection block and one regular block,
-    head. Layer names say stage and block (s1b1_conv2), so blocks can be repeated."""
-    import keras
-    from keras import layers
+    head (ResNet-20 with bottlenecks). Layer names say stage and block (s1b1_conv2), so
+    blocks can be repeated."""
+    from benchmarks.models import cifar_resnet
 
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((32, 32, 3), name="images")
-    x = layers.Conv2D(16, 3, padding="same", use_bias=False, name="stem")(inputs)
-    for stage, (width, stride) in enumerate(((16, 1), (32, 2), (64, 2))):
-        for block in range(2):
-            name = f"s{stage}b{block}"
-            pre = layers.BatchNormalization(name=f"{name}_bn1")(x)
-            pre = layers.Activation("relu", name=f"{name}_relu1")(pre)
-            step = stride if block == 0 else 1
-            if block == 0:
-                shortcut = layers.Conv2D(4 * width, 1, strides=step, use_bias=False,
-                                         name=f"{name}_proj")(pre)  # fmt: skip
-            else:
-                shortcut = x
-            y = layers.Conv2D(width, 1, use_bias=False, name=f"{name}_conv1")(pre)
-            y = layers.BatchNormalization(name=f"{name}_bn2")(y)
-            y = layers.Activation("relu", name=f"{name}_relu2")(y)
-            y = layers.Conv2D(width, 3, strides=step, padding="same", use_bias=False,
-                              name=f"{name}_conv2")(y)  # fmt: skip
-            y = layers.BatchNormalization(name=f"{name}_bn3")(y)
-            y = layers.Activation("relu", name=f"{name}_relu3")(y)
-            y = layers.Conv2D(4 * width, 1, use_bias=False, name=f"{name}_conv3")(y)
-            x = layers.Add(name=f"{name}_add")([shortcut, y])
-    x = layers.BatchNormalization(name="final_bn")(x)
-    x = layers.Activation("relu", name="final_relu")(x)
-    x = layers.GlobalAveragePooling2D(name="pool")(x)
-    outputs = layers.Dense(10, activation="softmax", name="classes")(x)
-    model = keras.Model(inputs, outputs, name="resnet1001_cell")
-    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
-    return model
+    return cifar_resnet(20, bottleneck=True)
 
 
 def expand_to_resnet1001(cell, blocks: int = BLOCKS_PER_STAGE):
@@ -130,25 +88,6 @@ def expand_to_resnet1001(cell, blocks: int = BLOCKS_PER_STAGE):
             i += 1
     cuts.append(0.0)
     return ModelCosts("resnet1001", layers, cuts, cell.engine, None, dict(cell.measured))
-
-
-def scaled_costs(costs, factor: float):
-    """Per-layer and engine costs on a core `factor` times slower than this one."""
-    engine = costs.engine
-    slower = dataclasses.replace(
-        engine,
-        forward_call=engine.forward_call * factor,
-        backward_call=engine.backward_call * factor,
-        loss=engine.loss.scaled(factor),
-        accumulate_per_byte=engine.accumulate_per_byte * factor,
-        optimizer_fixed=engine.optimizer_fixed * factor,
-        optimizer_per_variable=engine.optimizer_per_variable * factor,
-        optimizer_per_byte=engine.optimizer_per_byte * factor,
-        step_fixed=engine.step_fixed * factor,
-    )
-    scaled = costs.scaled(factor)
-    scaled.engine = slower
-    return scaled
 
 
 def load_network_here(remeasure: bool) -> dict:
@@ -220,18 +159,11 @@ def main(argv=None) -> None:
     report = {"assumptions": vars(args), "systems": {}}
     for system, (nodes, paper, cores, default_scale) in PAPER.items():
         factor = args.compute_scale or default_scale
-        costs = scaled_costs(resnet, factor)
+        costs = resnet.scaled(factor)
         network = Network(
             intra=Link(args.intra_latency, args.intra_bandwidth),
             inter=Link(args.latency, args.bandwidth),
             reduce_rate=(here["reduce_rate"] or float("inf")) / factor,
-            overhead=here["overhead"] * factor,
-            handoff=here["handoff"] * factor,
-            copy_rate=(here["copy_rate"] or float("inf")) / factor,
-            per_tensor=here.get("per_tensor", 0.0) * factor,
-            loop_first=here.get("loop_first", 0.0) * factor,
-            loop_last=here.get("loop_last", 0.0) * factor,
-            loop_unpartitioned=here.get("loop_unpartitioned", 0.0) * factor,
         )
         counts = [n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if n <= nodes]
         report["systems"][system] = {"paper_speedup": paper, "nodes": nodes, "cores": cores,

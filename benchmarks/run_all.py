@@ -9,7 +9,6 @@ other engineer's benchmark running) and records the load it saw. Records are kep
 in benchmarks/results.json, so `--only` reruns some figures and rewrites the whole report.
 The other benchmarks of this folder, which print text, are run too and their output is
 appended to the report (`--skip-others` leaves them out; their last output is kept).
-`benchmarks/analysis.md`, written by hand after a run, is included as the report's analysis.
 """
 
 from __future__ import annotations
@@ -54,14 +53,8 @@ OTHERS = [
      ["--tables"]),
     ("Horovod vs GradientReducer, ResNet-50 gradients", "horovod_reduce.py", "compat", 2,
      ["--model", "resnet50"]),
-    ("Ranks short of cores: synthetic pipeline vs model", "shared_cores_pipeline.py", "main", 1,
+    ("Scaling model vs measured runs, a core per rank", "simulator_validation.py", "main", 1,
      []),
-    ("Hybrid on a node short of cores: rank placements", "hybrid_placement.py", "main", 1,
-     []),
-    ("Pipelines on too few cores: recorded steps, the model replayed",
-     "crowded_pipeline_timeline.py", "main", 1, []),
-    ("Scaling model vs measured runs", "simulator_validation.py", "main", 1,
-     ["--out", "benchmarks/out/simulator_validation.json"]),
     ("Scaling model: the paper's runs projected", "paper_projection.py", "main", 1,
      ["--json", "benchmarks/out/paper_projection.json"]),
 ]  # fmt: skip
@@ -216,13 +209,12 @@ def main(argv=None) -> None:
 
 def write_report(store: dict, results: str, plots: str) -> list[str]:
     figures = [store["figures"][key] for key in FIGURES if key in store["figures"]]
-    appendix = list(store.get("others", []))
-    analysis = HERE / "analysis.md"
-    text = preamble(store)
-    if analysis.exists():
-        text += "\n\nThe analysis of this run (what limits each missed target) is in " + (
-            "[analysis.md](analysis.md)."
-        )
+    scripts = [f"`{other[1]}`" for other in OTHERS]  # appendices of removed scripts are left out
+    appendix = [o for o in store.get("others", []) if any(s in o[0] for s in scripts)]
+    text = preamble(store) + (
+        "\n\nConclusions drawn from earlier runs, and how the figures got here, are in "
+        "[docs/notes/benchmarks.md](../docs/notes/benchmarks.md)."
+    )
     return write_results(results, plots, store.get("machine", {}), figures, preamble=text,
                          appendix=appendix)  # fmt: skip
 

@@ -5,6 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+import keras
+
+from hyparflow.callbacks.report import report
+from hyparflow.partitioner import partition
+from hyparflow.simulate import command
+
 
 def main(argv=None) -> int:
     """Run the `hyparflow` command; returns the exit status.
@@ -60,9 +66,6 @@ def _add_plan_command(commands):
 
 
 def _run_plan(args) -> int:
-    import keras
-
-    from hyparflow.partitioner import partition
 
     model = keras.saving.load_model(args.model, compile=False)
     balance = args.balance
@@ -100,8 +103,6 @@ def _add_report_command(commands):
 
 
 def _run_report(args) -> int:
-    from hyparflow.callbacks.report import report
-
     try:
         text, png = report(args.log_dir, png=args.png, steps=args.steps)
     except (FileNotFoundError, ValueError) as error:
@@ -113,8 +114,6 @@ def _run_report(args) -> int:
 
 
 def _add_simulate_command(commands):
-    from hyparflow.simulate import command
-
     simulate = commands.add_parser(
         "simulate",
         help="predict step time, throughput and efficiency of P partitions x R replicas",

@@ -36,6 +36,11 @@ class Strategy:
     the whole global batch, summed across replicas, as Keras's own
     `BatchNormalization(synchronized=True)` layers always are (then exactly Keras's training);
     by default each replica normalises its shard alone (docs/models.md).
+    `tune_process=True` lets hf.fit tune each rank's process for ranks sharing a node: glibc
+    keeps large temporaries in its heap, MPI's large buffers get huge pages, and, when a node
+    has more ranks than cores and the launcher bound none, each rank's threads are pinned to
+    one core (`hyparflow.process_tuning`). Off by default: hf.fit then changes no
+    process-wide state, and binding is the launcher's job (`mpirun --bind-to core`).
 
     Example:
         >>> hf.Strategy("hybrid", partitions=2, replicas=2, microbatches=4, schedule="1f1b")
@@ -52,6 +57,7 @@ class Strategy:
     overlap_groups: int = 1
     flat_gradients: bool = True
     sync_batchnorm: bool = False
+    tune_process: bool = False
 
     def __post_init__(self):
         if self.kind not in KINDS:

@@ -18,6 +18,7 @@ TESTS=(
   tests/test_tfio.py
   tests/test_strategy.py
   tests/test_schedule.py
+  tests/test_private_keras.py
   "tests/test_engine.py::test_two_ranks_match_keras"
 )
 

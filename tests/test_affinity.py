@@ -1,10 +1,13 @@
 """Ranks short of cores are pinned one core each, stages mixed on every core; others left alone."""
 
+import os
 import sys
 
 import pytest
 
+from hyparflow.comm.topology import Grid
 from hyparflow.launch.affinity import core_for_rank, deal_to_cores
+from tests.mpirun import run_scenario
 from tests.probe import python_output
 
 TWO_CORES = frozenset({2, 5})
@@ -71,3 +74,21 @@ def test_pinning_reaches_threads_started_before_and_after():
     pinned, core = summary.split()
     assert pinned == "True"
     assert later == early == f"[{core}]"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux thread affinity")
+def test_fit_changes_no_process_state_unless_asked():
+    """Default hf.fit on 4 ranks leaves affinity, glibc and page sizes alone; tune_process=True
+    pins each rank's threads as `core_for_rank` deals them when ranks outnumber cores."""
+    results = run_scenario("process_tuning", 4, timeout=240)
+    cores = sorted(os.sched_getaffinity(0))
+    for rank, result in enumerate(results):
+        default, tuned = result["default"], result["tuned"]
+        assert default["thread_cores"] == [result["launched"]], f"rank {rank} was re-bound"
+        assert default["heap_kept"] is None, f"rank {rank}: mallopt called"
+        assert default["huge_pages"] is False and "not requested" in default["huge_pages_reason"]
+        assert tuned["heap_kept"] is True, rank
+        stages = [Grid(2, 2).coords(r)[0] for r in range(4)]
+        dealt = core_for_rank(rank, [frozenset(cores)] * 4, stages)
+        expected = [[dealt]] if dealt is not None else [result["launched"]]
+        assert tuned["thread_cores"] == expected, f"rank {rank}: {tuned}"

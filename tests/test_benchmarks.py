@@ -4,6 +4,7 @@ Pure: no MPI, no TensorFlow, no timing asserted. The benchmarks themselves run i
 """
 
 import doctest
+import importlib.util
 import json
 
 import pytest
@@ -121,7 +122,10 @@ def test_driver_report_from_stored_records(tmp_path):
     figures = {f["figure"]: {**f, "conditions": {"load before": "0.50"}} for f in _figures()}
     store = {
         "figures": figures,
-        "others": [["Plan: `plan.py`", "3 stages"]],
+        "others": [
+            ["Plan: `plan_5000_layers.py`", "3 stages"],
+            ["Gone: `shared_cores_pipeline.py`", "a removed benchmark's last output"],
+        ],
         "machine": {"cores": 2},
     }
     plots = run_all.write_report(store, str(tmp_path / "results.md"), str(tmp_path / "plots"))
@@ -129,6 +133,22 @@ def test_driver_report_from_stored_records(tmp_path):
     assert "TF_NUM_INTRAOP_THREADS=1" in text and "0.50 to 0.50" in text
     assert text.index("## overhead") < text.index("## (2) P2P")  # the driver's order
     assert "3 stages" in text and len(plots) == 2
+    assert "removed benchmark" not in text  # only appendices of scripts that still exist
+    assert "(../docs/notes/benchmarks.md)" in text
+
+
+def test_driver_lists_only_existing_benchmarks():
+    scripts = [other[1] for other in run_all.OTHERS]
+    assert "simulator_validation.py" in scripts and "paper_projection.py" in scripts
+    missing = [s for s in scripts if not (run_all.HERE / s).exists()]
+    assert missing == []
+    assert all(importlib.util.find_spec(f"benchmarks.{m}") for m in run_all.FIGURES.values())
+
+
+def test_simulator_validation_covers_a_core_per_rank_only():
+    assert simulator_validation.CONFIGS == [(1, 1), (1, 2), (2, 1)]
+    arguments = simulator_validation._arguments([])
+    assert max(p * r for p, r in simulator_validation.CONFIGS) <= 2 and arguments.rounds >= 1
 
 
 def test_foreign_load_arithmetic():

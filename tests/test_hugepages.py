@@ -45,7 +45,11 @@ def anon_huge_kib(address):
             return int(line.split()[1])
     return 0
 
-worker = hugepages.promoter()
+from hyparflow.launch.malloc import keep_temporaries_in_heap
+
+default = hugepages.promoter()  # off until asked for (hf.Strategy(tune_process=True))
+assert not default.enabled and "not requested" in default.reason, default.reason
+worker = hugepages.start_promoting(keep_temporaries_in_heap())
 out = {"enabled": worker.enabled, "reason": worker.reason}
 if worker.enabled:
     tensor = tf.random.normal((8 * 2**20 // 4,))  # 8 MiB from TF's allocator (glibc's heap)
@@ -85,7 +89,8 @@ def test_tensor_pages_are_collapsed_once_and_opt_out_works():
 def test_kernel_probe_finds_collapse():
     from hyparflow.comm.hugepages import HugePagePromoter
 
-    assert HugePagePromoter().start()
+    assert HugePagePromoter().start(heap_kept=True)
+    assert not HugePagePromoter().start(heap_kept=False)
 
 
 def test_buffer_shortcut_stays_bounded_and_pages_are_still_remembered():

@@ -17,7 +17,7 @@ def saved_model(tmp_path_factory):
     h = layers.Dense(16, activation="relu", name="first")(x)
     h = layers.Dense(16, activation="relu", name="second")(h)
     h = layers.Dense(8, name="third")(h)
-    model = keras.Model(x, layers.Dense(2, name="head")(layers.Add()([h, x])))
+    model = keras.Model(x, layers.Dense(2, name="head")(layers.Add(name="add")([h, x])))
     path = tmp_path_factory.mktemp("cli") / "tiny.keras"
     model.save(path)
     return path

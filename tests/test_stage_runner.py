@@ -1,11 +1,15 @@
 """StageRunner on one process: gradients, micro-batch accumulation and recomputation."""
 
+import doctest
+
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
+from hyparflow.engine import flat
 from hyparflow.engine.flat import FlatLayout
+from hyparflow.engine.fused import FusedRunner
 from hyparflow.engine.stage import StageRunner
 
 
@@ -197,8 +201,6 @@ def test_take_gradients_hands_over_the_sum_and_resets():
 def test_fused_runner_matches_the_taped_stage_runner_and_updates_metrics():
     """FusedRunner (one compiled forward+backward) accumulates the same gradients over
     micro-batches as StageRunner, Dropout and BatchNormalization included."""
-    from hyparflow.engine.fused import FusedRunner
-
     reference, stats, _ = _run(recompute=False)
     model = _model()
     seen = []
@@ -224,10 +226,6 @@ def test_fused_runner_matches_the_taped_stage_runner_and_updates_metrics():
 
 
 def test_flat_layout_round_trips_gradients_with_aligned_pieces():
-    import doctest
-
-    from hyparflow.engine import flat
-
     assert doctest.testmod(flat).failed == 0
     layout = flat.FlatLayout([tf.TensorSpec((3,)), tf.TensorSpec((2, 5)), tf.TensorSpec(())])
     assert all(slot.offset % 16 == 0 for slot in layout.slots)  # 64-byte aligned float32

@@ -52,11 +52,6 @@ def has_horovod() -> bool:
     return COMPAT_PYTHON.exists()
 
 
-def under_mpirun() -> bool:
-    """Whether this process was started by a launcher (so it is a rank, not the driver)."""
-    return "OMPI_COMM_WORLD_SIZE" in os.environ or "PMI_SIZE" in os.environ
-
-
 def mpirun_command(np: int, argv: list[str]) -> list[str]:
     return ["mpirun", "-np", str(np), "--oversubscribe", "--bind-to", "none", *argv]
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from pathlib import Path
 
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -100,10 +99,3 @@ def _foreign_cores(before, after) -> float:
     wall = (after[1] - before[1]) / CORES  # /proc/stat's total counts every core
     ours = after[2] - before[2]
     return max(0.0, (busy - ours) / wall) if wall > 0 else 0.0
-
-
-def settle(seconds: float = 3.0) -> float:
-    """Foreign cores over the next `seconds` with nothing of ours running (a quick check)."""
-    with ForeignLoad(interval=seconds) as load:
-        time.sleep(seconds)
-    return load.mean

@@ -22,6 +22,7 @@ class Checkpoint(keras.callbacks.Callback):
     """
 
     needs_batch_logs = False  # its batch hooks neither read the logs nor stop training
+    saves_checkpoints = True  # how hf.fit's resume=True finds it (hyparflow.api sits below)
 
     def __init__(self, directory: str, every_n_steps: int | None = None, every_epoch=True, keep=3):
         super().__init__()
@@ -63,8 +64,8 @@ class Checkpoint(keras.callbacks.Callback):
     def save(self, epoch: int, batch: int) -> str:
         """Save now (collective: every rank's callback calls it at the same point)."""
         self.last_saved = store.save(
-            self._require_trainer(), self.directory, epoch=epoch, batch=batch, keep=self.keep,
-            complete=self._complete,
+            self._require_trainer().stage_state, self.directory, epoch=epoch, batch=batch,
+            keep=self.keep, complete=self._complete,
         )  # fmt: skip
         return self.last_saved
 

@@ -46,7 +46,7 @@ class ClockAligner:
     """
 
     def __init__(self, comm):
-        from mpi4py import MPI
+        from mpi4py import MPI  # on use: importing it initialises MPI (docs/architecture.md)
 
         # Ranks sharing a host (key: lowest rank first, so rank 0 leads its host).
         self.host = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
@@ -55,7 +55,7 @@ class ClockAligner:
 
     def offset(self, rounds: int = ROUNDS, clock=time.perf_counter) -> float:
         """This rank's offset from rank 0's clock in seconds (0.0 on rank 0's host)."""
-        from mpi4py import MPI
+        from mpi4py import MPI  # on use: importing it initialises MPI (docs/architecture.md)
 
         offset = 0.0
         if self.leaders != MPI.COMM_NULL and self.leaders.Get_size() > 1:
@@ -63,7 +63,7 @@ class ClockAligner:
         return self.host.bcast(offset, root=0)
 
     def free(self) -> None:
-        from mpi4py import MPI
+        from mpi4py import MPI  # on use: importing it initialises MPI (docs/architecture.md)
 
         if self.leaders != MPI.COMM_NULL:
             self.leaders.Free()

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
+from matplotlib.patches import Patch
+
 from hyparflow.callbacks.timeline import IDLE, STEP, read_tracks
 from hyparflow.engine import events
 
@@ -41,8 +44,6 @@ def draw(trace: dict, path: str, steps: Sequence[int] | None = None, title: str 
     Example:
         >>> draw(timeline.load("logs/timeline.json"), "logs/timeline.png", steps=[4, 5])
     """
-    from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
-    from matplotlib.patches import Patch
 
     tracks = read_tracks(trace)
     wanted = set(chosen_steps(trace, steps))

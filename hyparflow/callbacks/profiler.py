@@ -7,6 +7,7 @@ import os
 import time
 
 import keras
+import tensorflow as tf
 
 from hyparflow.callbacks import gantt, scalars, timeline
 from hyparflow.callbacks.aggregate import job_step
@@ -132,8 +133,6 @@ class ScalingProfiler(keras.callbacks.Callback):
         if self.profile_steps is not None and self._step == self.profile_steps[0]:
             self._start_tf_profiler()
         if self._profiling:
-            import tensorflow as tf
-
             self._step_trace = tf.profiler.experimental.Trace("train", step_num=self._step, _r=1)
             self._step_trace.__enter__()
         if self._trainer is None:
@@ -235,16 +234,12 @@ class ScalingProfiler(keras.callbacks.Callback):
 
     # --- tf.profiler -----------------------------------------------------------------------
     def _start_tf_profiler(self) -> None:
-        import tensorflow as tf
-
         if self._profiling:
             return
         tf.profiler.experimental.start(os.path.join(self.log_dir, rank_run(self.rank)))
         self._profiling = True
 
     def _stop_tf_profiler(self) -> None:
-        import tensorflow as tf
-
         if self._step_trace is not None:
             self._step_trace.__exit__(None, None, None)
             self._step_trace = None

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
+
+import keras
 
 from hyparflow.checkpoint import store
 
@@ -18,8 +21,6 @@ def export(checkpoint_dir: str, path: str, model=None) -> str:
         >>> hf.export("checkpoints/", "trained.keras")
         >>> model = keras.saving.load_model("trained.keras")
     """
-    import keras
-
     folder = store.find(checkpoint_dir, required=True)
     if model is None:
         manifest = store.manifests.read(folder)
@@ -34,8 +35,6 @@ def export(checkpoint_dir: str, path: str, model=None) -> str:
     for i, variable in enumerate(model.weights):
         variable.assign(state[f"w/{i}"])
     if manifest.compile_config and not getattr(model, "compiled", False):
-        import json
-
         with open(os.path.join(folder, manifest.compile_config)) as f:
             model.compile_from_config(json.load(f))
     model.save(path)

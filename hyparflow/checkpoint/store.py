@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
 
 from hyparflow.checkpoint import manifest as manifests
 from hyparflow.checkpoint.atomic import sha256, write_atomic
+from hyparflow.checkpoint.stage import StageState
 from hyparflow.checkpoint.state import (
     layers_of_seed_keys,
     optimizer_state,
@@ -20,33 +22,34 @@ ARCHITECTURE = "model.json"
 COMPILE_CONFIG = "compile.json"
 
 
-def save(trainer, directory: str, *, epoch: int, batch: int, keep: int = 3, complete=None) -> str:
+def save(
+    stage: StageState, directory: str, *, epoch: int, batch: int, keep: int = 3, complete=None
+) -> str:
     """Write this step's checkpoint: each stage (replica 0) its own state, rank 0 the manifest.
 
     `epoch`/`batch` locate the next batch to run. `complete(folder, manifest)` writes the
     manifest (the moment the checkpoint becomes loadable); tests replace it to simulate a crash.
     """
-    topo, model = trainer.topology, trainer.model
-    world = topo.world
-    folder = os.path.join(directory, manifests.folder_name(trainer.step))
-    with trainer.watchdog.guard("prepare checkpoint folder"):
+    model, world = stage.model, stage.world
+    folder = os.path.join(directory, manifests.folder_name(stage.step))
+    with stage.guard("prepare checkpoint folder"):
         if world.Get_rank() == 0:
             os.makedirs(folder, exist_ok=True)
             stale = os.path.join(folder, manifests.MANIFEST)
             if os.path.exists(stale):  # re-saving a step (e.g. epoch end after a step save)
                 os.remove(stale)
         world.Barrier()
-    metric_sums = trainer.summed_metric_states()  # collective over the last stage's replicas
+    metric_sums = stage.summed_metric_states()  # collective over the last stage's replicas
     files = {}
-    if topo.replica == 0:
-        state = _stage_state(trainer)
-        if trainer.is_last:
+    if stage.replica == 0:
+        state = _stage_state(stage)
+        if stage.is_last:
             state.update({f"m/{i}": value for i, value in enumerate(metric_sums)})
-        name = f"stage-{topo.stage}.npz"
+        name = f"stage-{stage.stage}.npz"
         path = os.path.join(folder, name)
         write_atomic(path, lambda f: np.savez(f, **state))
         files[name] = sha256(path)
-    with trainer.watchdog.guard("collect checkpoint files"):
+    with stage.guard("collect checkpoint files"):
         gathered = world.gather(files, root=0)
     if world.Get_rank() == 0:
         for part in gathered:
@@ -54,27 +57,27 @@ def save(trainer, directory: str, *, epoch: int, batch: int, keep: int = 3, comp
         architecture = _write_architecture(model, folder, files)
         compile_config = _write_compile_config(model, folder, files)
         manifest = manifests.Manifest(
-            step=trainer.step, epoch=epoch, batch=batch, seed=trainer.seed,
-            partitions=topo.num_stages, replicas=topo.num_replicas,
+            step=stage.step, epoch=epoch, batch=batch, seed=stage.seed,
+            partitions=stage.num_stages, replicas=stage.num_replicas,
             weights=weight_specs(model), files=files, architecture=architecture,
             compile_config=compile_config,
         )  # fmt: skip
         (complete or manifests.write)(folder, manifest)
         manifests.prune(directory, keep, folder)
-    with trainer.watchdog.guard("finish checkpoint"):
+    with stage.guard("finish checkpoint"):
         world.Barrier()
     return folder
 
 
-def _stage_state(trainer) -> dict:
+def _stage_state(stage: StageState) -> dict:
     """What this stage owns: its weights, its optimizer slots, its layers' seed states."""
-    model = trainer.model
-    state = {f"w/{i}": np.asarray(model.weights[i].numpy()) for i in trainer.owned_weight_indices()}
-    if trainer.variables and model.optimizer.built:
+    model = stage.model
+    state = {f"w/{i}": np.asarray(model.weights[i].numpy()) for i in stage.owned_weight_indices()}
+    if stage.variables and model.optimizer.built:
         state.update(optimizer_state(model, model.optimizer))
     owners = layers_of_seed_keys(model)
     for key, variable in seed_generators(model):
-        if trainer.runs_layer(owners[key]):
+        if stage.runs_layer(owners[key]):
             state[key] = np.asarray(variable.numpy())
     return state
 
@@ -92,8 +95,6 @@ def _write_architecture(model, folder: str, files: dict) -> str | None:
 
 def _write_compile_config(model, folder: str, files: dict) -> str | None:
     """How the model was compiled (optimizer, loss, metrics), so an export can be evaluated."""
-    import json
-
     try:
         text = json.dumps(model.get_compile_config())
     except Exception:  # noqa: BLE001 - custom objects that do not serialize: export uncompiled
@@ -138,17 +139,18 @@ def read_checked(folder: str, model) -> tuple[manifests.Manifest, dict]:
     return manifest, state
 
 
-def restore(trainer, manifest, state: dict) -> None:
-    """Load the full model everywhere, this stage's optimizer slots, and the step counter."""
-    model = trainer.model
+def restore(stage: StageState, manifest, state: dict) -> None:
+    """Load the full model everywhere, this stage's optimizer slots, the step counter and the
+    metric sums of a resumed epoch (`stage.pending_metric_states`)."""
+    model = stage.model
     for i, variable in enumerate(model.weights):
         variable.assign(state[f"w/{i}"])
     for key, variable in seed_generators(model):
         if key in state:
             variable.assign(state[key])
-    if trainer.variables:
-        restore_optimizer(model, model.optimizer, trainer.variables, state)
-    trainer.step = manifest.step
-    trainer.pending_metric_states = [
+    if stage.variables:
+        restore_optimizer(model, model.optimizer, stage.variables, state)
+    stage.step = manifest.step
+    stage.pending_metric_states = [
         state[f"m/{i}"] for i in range(len(model.metrics_variables)) if f"m/{i}" in state
     ]

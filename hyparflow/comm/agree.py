@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 import traceback
 
 import numpy as np
@@ -65,9 +66,8 @@ def all_failed(comm, error: BaseException, timeout: float = FAILURE_AGREEMENT_SE
     well (then each may raise its error normally), waiting at most `timeout` seconds. A rank
     still blocked in MPI waiting for this one never answers: then False, and the job must end.
     `comm` is a `failure_comm`."""
-    import time
 
-    from mpi4py import MPI
+    from mpi4py import MPI  # on use: importing it initialises MPI (docs/architecture.md)
 
     del error  # each rank raises its own error; only the fact of failing is shared
     flags = np.zeros(comm.Get_size(), np.int8)

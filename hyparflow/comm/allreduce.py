@@ -12,6 +12,8 @@ gradient buckets (Li et al. 2020, "PyTorch Distributed").
 from __future__ import annotations
 
 import math
+import queue
+import threading
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -203,7 +205,7 @@ class GradientReducer:
 
     def finish(self) -> list:
         """Wait for every bucket and return the reduced gradients in their original order."""
-        from mpi4py import MPI
+        from mpi4py import MPI  # on use: importing it initialises MPI (docs/architecture.md)
 
         missing = [i for i in range(len(self.slots or [])) if i not in self._given]
         if missing:
@@ -239,7 +241,7 @@ class GradientReducer:
         slices of `bucket_bytes`: Open MPI reduces 25 MiB slices faster than one 100 MiB call.
         Returns `flat`. On a one-rank communicator nothing happens.
         """
-        from mpi4py import MPI
+        from mpi4py import MPI  # on use: importing it initialises MPI (docs/architecture.md)
 
         if self.size == 1:
             return flat
@@ -287,7 +289,7 @@ class GradientReducer:
         self._outputs[number] = []
 
     def _launch(self, number: int) -> None:
-        from mpi4py import MPI
+        from mpi4py import MPI  # on use: importing it initialises MPI (docs/architecture.md)
 
         self.mpi_calls += 1
         if self._blocking and not self.background:
@@ -337,9 +339,6 @@ class _ReductionThread:
     """
 
     def __init__(self, comm, buffers):
-        import queue
-        import threading
-
         self.comm, self.buffers = comm, buffers
         self._queue: queue.Queue = queue.Queue()
         self._error = None
@@ -360,7 +359,7 @@ class _ReductionThread:
         self._thread.join()
 
     def _run(self) -> None:
-        from mpi4py import MPI
+        from mpi4py import MPI  # on use: importing it initialises MPI (docs/architecture.md)
 
         while True:
             number = self._queue.get()

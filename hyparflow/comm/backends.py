@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from hyparflow.comm.allreduce import GradientReducer
+from hyparflow.comm.horovod import HorovodReducer, import_horovod
+
 BACKENDS = ("mpi", "horovod")
 
 
@@ -17,8 +20,6 @@ def check_backend(backend: str) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"comm must be one of {BACKENDS}, got {backend!r}")
     if backend == "horovod":
-        from hyparflow.comm.horovod import import_horovod
-
         import_horovod()
     return backend
 
@@ -35,9 +36,6 @@ def make_reducer(backend: str, topology, specs: Sequence, *, op: str = "sum"):
     """
     check_backend(backend)
     if backend == "horovod":
-        from hyparflow.comm.horovod import HorovodReducer
-
         return HorovodReducer(topology.world, topology.grid, topology.stage, specs, op=op)
-    from hyparflow.comm.allreduce import GradientReducer
 
     return GradientReducer(topology.stage_comm, specs=specs, op=op)

@@ -63,7 +63,7 @@ def mpi_send_buffer(tensor, use_device_path: bool):
     Raw bytes (`MPI.BYTE`) carry every dtype, including bfloat16, which has no MPI datatype.
     Numpy arrays and CPU tensors use the buffer protocol; GPU tensors need `use_device_path`.
     """
-    from mpi4py import MPI
+    from mpi4py import MPI  # on use: importing it initialises MPI (docs/architecture.md)
 
     source = DLPackAdapter(tensor) if use_device_path else tensor
     return [source, MPI.BYTE]

@@ -1,20 +1,20 @@
-"""Back the host memory that MPI copies between ranks with transparent huge pages.
+"""Back the host memory that MPI copies between ranks with transparent huge pages (opt-in).
 
 Open MPI moves a large message between ranks of one node with one `process_vm_readv` (CMA) by
-the receiver, which walks the sender's pages: on the development VM a 16 MiB tensor in 4 KiB
-pages crossed at 10 GB/s, the same bytes in 2 MiB pages at 17-18 GB/s (docs/comm.md). numpy
-backs its large arrays with huge pages; TensorFlow's tensors come from glibc's `malloc` in
-4 KiB pages (the process cannot change that after start: glibc reads `glibc.malloc.hugetlb`
-only from the environment of a starting process).
+the receiver, which walks the sender's pages, so 2 MiB pages cross faster than 4 KiB ones
+(docs/comm.md). numpy backs its large arrays with huge pages; TensorFlow's tensors come from
+glibc's `malloc` in 4 KiB pages (glibc reads `glibc.malloc.hugetlb` only from the environment
+of a starting process).
 
 `promote` asks the kernel to rebuild the 2 MiB pages under a buffer as huge pages
-(`madvise(MADV_COLLAPSE)`, Linux 6.1+), once per page. That pays off because the pages stay:
-with `hyparflow.launch.malloc` in effect, glibc serves every block from heap memory it keeps,
-and a training step reuses the same heap addresses as the last, so a pipeline collapses its
-pages in its first steps and never again (without that tuning, glibc would unmap a large
-block when freed, and a collapse would cost a copy per step: promotion is then off). A
-collapse costs about a copy of the page (~1-2 ms per 2 MiB page here). Set
-`HYPARFLOW_HUGEPAGES=0` to turn this off.
+(`madvise(MADV_COLLAPSE)`, Linux 6.1+), once per page. That pays off only because the pages
+stay: with glibc's heap kept (`hyparflow.launch.malloc`), a training step reuses the same heap
+addresses as the last, so a pipeline collapses its pages in its first steps and never again;
+without it glibc unmaps large blocks when freed and a collapse would cost a copy per step.
+
+Promotion changes how this process's memory is mapped, so it is off until asked for:
+`hf.Strategy(tune_process=True)` starts it (`start_promoting`). `HYPARFLOW_HUGEPAGES=0` keeps
+it off even then.
 """
 
 from __future__ import annotations
@@ -22,11 +22,14 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import math
+import mmap
 import os
 import sys
 import threading
 
 import numpy as np
+
+from hyparflow.comm.dlpack import ALIGNMENT, aligned_empty
 
 HUGE_PAGE = 2 * 2**20  # x86-64 and aarch64 (4 KiB base pages) PMD size
 MIN_BYTES = 4 * 2**20  # numpy's own threshold for huge pages; smaller messages gain little
@@ -61,7 +64,6 @@ def thp_allowed(setting: str) -> bool:
 
 def _collapse_works(madvise) -> bool:
     """Whether this kernel collapses a huge page of a private anonymous mapping of our own."""
-    import mmap
 
     with mmap.mmap(-1, 2 * HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS) as region:
         view = (ctypes.c_char * len(region)).from_buffer(region)
@@ -85,12 +87,11 @@ class HugePagePromoter:
         self.enabled = False
         self.collapsed = 0  # pages this process collapsed
         self.failed = 0  # pages the kernel would not collapse (not anonymous, no free huge page)
-        self.reason = "not started"
+        self.reason = "off: not requested (hf.Strategy(tune_process=True))"
 
-    def start(self) -> bool:
-        """Find `madvise` and check that THP and the heap tuning are on; True if promoting."""
-        from hyparflow.launch.malloc import keep_temporaries_in_heap
-
+    def start(self, heap_kept: bool) -> bool:
+        """Find `madvise` and check that THP is on and glibc keeps its heap (`heap_kept`);
+        True if promoting."""
         self.enabled = False
         if os.environ.get("HYPARFLOW_HUGEPAGES", "1") == "0":
             self.reason = "HYPARFLOW_HUGEPAGES=0"
@@ -107,7 +108,7 @@ class HugePagePromoter:
         if not thp_allowed(setting):
             self.reason = "transparent huge pages are off (never)"
             return False
-        if not keep_temporaries_in_heap():
+        if not heap_kept:
             self.reason = "glibc heap tuning not in effect (hyparflow.launch.malloc)"
             return False
         try:
@@ -156,12 +157,19 @@ _promoter: HugePagePromoter | None = None
 
 
 def promoter() -> HugePagePromoter:
-    """This process's promoter, started on first use."""
+    """This process's promoter: off unless `start_promoting` turned it on."""
     global _promoter
     if _promoter is None:
         _promoter = HugePagePromoter()
-        _promoter.start()
     return _promoter
+
+
+def start_promoting(heap_kept: bool) -> HugePagePromoter:
+    """Opt this process in to promotion (once); `heap_kept` says glibc keeps its heap."""
+    worker = promoter()
+    if not worker.enabled:
+        worker.start(heap_kept)
+    return worker
 
 
 def promote_tensor(tensor, nbytes: int | None = None) -> int:
@@ -191,8 +199,6 @@ def huge_zeros(shape, dtype):
     other memory, which the kernel may refuse to collapse); smaller ones are 64-byte aligned.
     Zeroing first gives the kernel pages to collapse (it refuses pages never touched).
     """
-    from hyparflow.comm.dlpack import ALIGNMENT, aligned_empty
-
     nbytes = math.prod(shape) * np.dtype(dtype).itemsize
     large = nbytes >= MIN_BYTES and promoter().enabled
     buffer = aligned_empty(shape, dtype, HUGE_PAGE if large else ALIGNMENT)

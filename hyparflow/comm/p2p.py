@@ -2,37 +2,39 @@
 
 A `PipeChannel` joins this rank to one neighbour (`peer`) in a communicator. Sends go straight
 from the tensor's buffer; receives land in buffers preallocated once per (direction, slot,
-boundary tensor) and come back as TF tensors wrapping those buffers (DLPack, no copy).
-
-Tag formula (documented in docs/comm.md):
-    tag = (microbatch * num_tensors + tensor_index) * 2 + (1 if direction == "backward" else 0)
-so two micro-batches, two boundary tensors or the two directions never share a tag within a
-step; a step's tags are reused by the next step, which MPI's in-order matching keeps apart.
+boundary tensor) and come back as TF tensors wrapping those buffers (DLPack, no copy). Tags and
+specs: `comm/boundary.py`.
 
 Variable batch size: buffers hold the largest micro-batch; a smaller one is simply a shorter
 message, and the receiver reads its batch size from the received byte count (`recv` may also be
 told the size it expects, and then checks it).
 
-Unknown dimensions: a spec may leave non-batch dimensions None (e.g. `(8, None, 32)` for a
-transformer's hidden states). Such a "dynamic" tensor travels as two messages: a shape header
-(int64, one entry per dimension), then the data. Headers have their own tag space above every
-data tag, `header tag = data tag + 2 * num_microbatches * num_tensors`, so a header and a data
-message can never match each other's receive, whatever order receives are posted in (`irecv`
-posts header receives at once and data receives only once the header says how much room they
-need). Dynamic receive buffers are flat and grow on demand; static specs send no header.
+Unknown dimensions: a dynamic tensor sends its shape header before its data (`irecv` posts
+header receives at once and data receives only once the header says how much room they need).
+Dynamic receive buffers are flat and grow on demand; static specs send no header.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import tensorflow as tf
 
+from hyparflow.comm.boundary import (
+    BACKWARD,
+    DIRECTIONS,
+    FORWARD,
+    BoundarySpec,
+    batch_from_bytes,
+    check_direction,
+    check_tensor,
+    header_tag,
+    message_tag,
+    shape_from_header,
+)
 from hyparflow.comm.dlpack import (
     DLPackAdapter,
     check_transport,
@@ -48,121 +50,36 @@ from hyparflow.comm.dlpack import (
 )
 from hyparflow.comm.hugepages import huge_zeros, promote_tensor
 
-FORWARD = "forward"
-BACKWARD = "backward"
-DIRECTIONS = (FORWARD, BACKWARD)
+__all__ = [
+    "BACKWARD",
+    "DIRECTIONS",
+    "FORWARD",
+    "BoundarySpec",
+    "PipeChannel",
+    "RecvHandle",
+    "SendHandle",
+    "batch_from_bytes",
+    "header_tag",
+    "message_tag",
+    "shape_from_header",
+]
 
 
-@dataclass(frozen=True)
-class BoundarySpec:
-    """Shape (leading dimension = largest micro-batch, later ones may be None) and dtype of one
-    boundary tensor."""
+def _mpi():
+    # mpi4py's import starts MPI: deferred so that importing hyparflow never starts it.
+    from mpi4py import MPI
 
-    shape: tuple[int | None, ...]
-    dtype: tf.DType
-
-    @classmethod
-    def of(cls, spec) -> BoundarySpec:
-        """Accept a `(shape, dtype)` pair or anything with `.shape` and `.dtype`.
-
-        Example:
-            >>> BoundarySpec.of(((8, None, 32), "float32")).dynamic
-            True
-        """
-        shape, dtype = (spec.shape, spec.dtype) if hasattr(spec, "dtype") else spec
-        shape = tuple(tf.TensorShape(shape).as_list())
-        if not shape or shape[0] is None:
-            raise ValueError(
-                f"boundary tensor shape {shape} must start with a known batch size, the largest "
-                "micro-batch's, e.g. (32, 128) or (32, None, 64): only later dimensions may be None"
-            )
-        return cls(shape, tf.as_dtype(dtype))
-
-    @property
-    def max_batch(self) -> int:
-        return self.shape[0]
-
-    @functools.cached_property  # read per message
-    def dynamic(self) -> bool:
-        """Whether a non-batch dimension is unknown: each message then carries its shape."""
-        return None in self.shape[1:]
-
-    @functools.cached_property  # read per received message
-    def row_bytes(self) -> int:
-        """Bytes per sample: what one unit of batch size adds to the message (static specs)."""
-        if self.dynamic:
-            raise ValueError(
-                f"boundary spec {self.shape} has unknown dimensions, so its bytes per sample "
-                "vary per message: use the received tensor's shape instead"
-            )
-        return math.prod(self.shape[1:]) * self.dtype.size
-
-    def fits(self, shape) -> bool:
-        """Whether a tensor of `shape` may travel as this spec (None matches any size).
-
-        Example:
-            >>> spec = BoundarySpec.of(((8, None), "int32"))
-            >>> spec.fits((5, 17)), spec.fits((9, 17)), spec.fits((5,))
-            (True, False, False)
-        """
-        shape = tuple(shape)
-        return (
-            len(shape) == len(self.shape)
-            and 0 <= shape[0] <= self.max_batch
-            and all(want is None or want == got for want, got in zip(self.shape[1:], shape[1:]))
-        )
+    return MPI
 
 
-def message_tag(microbatch: int, tensor_index: int, direction: str, num_tensors: int) -> int:
-    """The MPI tag of one boundary tensor of one micro-batch in one direction.
-
-    Example:
-        >>> [message_tag(1, i, d, 2) for d in DIRECTIONS for i in range(2)]
-        [4, 6, 5, 7]
-    """
-    return (microbatch * num_tensors + tensor_index) * 2 + DIRECTIONS.index(direction)
-
-
-def header_tag(
-    microbatch: int, tensor_index: int, direction: str, num_tensors: int, num_microbatches: int
-) -> int:
-    """The MPI tag of a dynamic tensor's shape header: above every data tag of the channel.
-
-    Example (3 micro-batches x 2 tensors use data tags 0..11):
-        >>> message_tag(1, 0, FORWARD, 2), header_tag(1, 0, FORWARD, 2, 3)
-        (4, 16)
-    """
-    data_tags = 2 * num_microbatches * num_tensors
-    return data_tags + message_tag(microbatch, tensor_index, direction, num_tensors)
-
-
-def batch_from_bytes(nbytes: int, spec: BoundarySpec) -> int:
-    """Batch size of a received message of `nbytes` for `spec` (rows of `spec.row_bytes`)."""
-    if spec.row_bytes == 0:
-        return spec.max_batch
-    batch, rest = divmod(nbytes, spec.row_bytes)
-    if rest:
-        raise RuntimeError(
-            f"received {nbytes} bytes, not a whole number of {spec.row_bytes}-byte rows of "
-            f"{spec}: sender and receiver disagree on the boundary tensor"
-        )
-    return batch
-
-
-def shape_from_header(header: np.ndarray, count: int, spec: BoundarySpec) -> tuple[int, ...]:
-    """The shape a received header of `count` entries announces, checked against `spec`.
-
-    Example:
-        >>> shape_from_header(np.array([2, 7, 3]), 3, BoundarySpec.of(((4, None, 3), "int8")))
-        (2, 7, 3)
-    """
-    shape = tuple(int(d) for d in header[:count])
-    if count != len(spec.shape) or not spec.fits(shape):
-        raise RuntimeError(
-            f"received shape header {list(shape)} for {spec}: sender and receiver disagree on "
-            "the boundary tensor"
-        )
-    return shape
+# The boundary module's examples, run with this module's doctests (tests/test_comm.py).
+__test__ = {
+    "BoundarySpec.of": BoundarySpec.of,
+    "BoundarySpec.fits": BoundarySpec.fits,
+    "message_tag": message_tag,
+    "header_tag": header_tag,
+    "shape_from_header": shape_from_header,
+}
 
 
 class SendHandle:
@@ -175,16 +92,14 @@ class SendHandle:
     def wait(self) -> None:
         """Block until every send has completed; the tensors may then be freed."""
         if self._requests:
-            from mpi4py import MPI
-
+            MPI = _mpi()
             MPI.Request.Waitall(self._requests)
         self._requests, self._tensors = [], []
 
     def test(self) -> bool:
         """Whether every send has completed (releases the tensors if so); never blocks."""
         if self._requests:
-            from mpi4py import MPI
-
+            MPI = _mpi()
             if not MPI.Request.Testall(self._requests):
                 return False
         self._requests, self._tensors = [], []
@@ -211,8 +126,7 @@ class RecvHandle:
 
     def wait(self, batch_size: int | None = None) -> list[tf.Tensor]:
         """Block until the micro-batch has arrived; check `batch_size` if given."""
-        from mpi4py import MPI
-
+        MPI = _mpi()
         statuses = [MPI.Status() for _ in self._requests]
         MPI.Request.Waitall(self._requests, statuses)
         channel, direction, microbatch = self._channel, self._direction, self._microbatch
@@ -280,8 +194,7 @@ class PipeChannel:
         transport: str = "auto",
         device: str | None = None,
     ):
-        from mpi4py import MPI
-
+        MPI = _mpi()
         if peer is None or not 0 <= peer < comm.Get_size() or peer == comm.Get_rank():
             raise ValueError(f"peer {peer} is not another rank of this {comm.Get_size()}-rank comm")
         if num_microbatches < 1:
@@ -320,18 +233,17 @@ class PipeChannel:
 
     def specs(self, direction: str) -> list[BoundarySpec]:
         """The boundary tensors travelling in `direction`."""
-        _check_direction(direction)
+        check_direction(direction)
         return self._specs[direction]
 
     def isend(self, tensors: Sequence, microbatch: int, direction: str) -> SendHandle:
         """Start sending `tensors` of `microbatch`; they must stay untouched until `wait`."""
-        from mpi4py import MPI
-
+        MPI = _mpi()
         specs = self._check_message(microbatch, direction)
         if len(tensors) != len(specs):
             raise ValueError(f"expected {len(specs)} {direction} tensors, got {len(tensors)}")
         device_path = [uses_device_path(tensor_device(t), self.transport) for t in tensors]
-        sizes = [_check_tensor(tensor, spec, direction) for tensor, spec in zip(tensors, specs)]
+        sizes = [check_tensor(tensor, spec, direction) for tensor, spec in zip(tensors, specs)]
         if any(on and is_gpu_device(tensor_device(t)) for on, t in zip(device_path, tensors)):
             synchronize_devices()  # the producing kernels must have written the buffers
         for tensor, on_device, nbytes in zip(tensors, device_path, sizes):
@@ -358,8 +270,7 @@ class PipeChannel:
     def irecv(self, microbatch: int, direction: str) -> RecvHandle:
         """Post the receives of `microbatch` (data, or shape headers of dynamic tensors) into
         its slot; `wait` receives the rest and returns tensors."""
-        from mpi4py import MPI
-
+        MPI = _mpi()
         specs = self._check_message(microbatch, direction)
         buffers = self._post(direction, microbatch)
         if self.receives_on_device and is_gpu_device(self.device):
@@ -405,7 +316,7 @@ class PipeChannel:
         self._slot_owner.clear()
 
     def _check_message(self, microbatch: int, direction: str) -> list[BoundarySpec]:
-        _check_direction(direction)
+        check_direction(direction)
         if not 0 <= microbatch < self.num_microbatches:
             raise ValueError(
                 f"micro-batch {microbatch} is outside this channel's 0..{self.num_microbatches - 1}"
@@ -438,8 +349,7 @@ class PipeChannel:
     def _receive_dynamic(self, direction: str, microbatch: int, shapes: list) -> list:
         """Receive the dynamic tensors' data (shapes known from their headers) into the slot's
         buffers, growing those too small; return the slot's buffers."""
-        from mpi4py import MPI
-
+        MPI = _mpi()
         specs = self._specs[direction]
         buffers = self._buffers[direction, microbatch % self.num_slots]
         requests, expected, grown = [], [], False
@@ -507,20 +417,3 @@ class PipeChannel:
             full = tf.identity(buffer)
             return full if batch == spec.max_batch else full[:batch]
         return wrap_host_buffer(buffer[:batch], spec.dtype)
-
-
-def _check_direction(direction: str) -> None:
-    if direction not in DIRECTIONS:
-        raise ValueError(f"direction must be {FORWARD!r} or {BACKWARD!r}, got {direction!r}")
-
-
-def _check_tensor(tensor, spec: BoundarySpec, direction: str) -> int:
-    """Raise unless `tensor` fits `spec`; return its byte count."""
-    shape, dtype = tuple(tensor.shape), tf.as_dtype(tensor.dtype)
-    if dtype != spec.dtype or not spec.fits(shape):
-        raise ValueError(
-            f"{direction} tensor of shape {shape} and dtype {dtype.name} does not fit the "
-            f"boundary spec {spec.shape} {spec.dtype.name} (batch may only be smaller; None "
-            "dimensions take any size)"
-        )
-    return math.prod(shape) * spec.dtype.size

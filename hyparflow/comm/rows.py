@@ -25,7 +25,7 @@ def gather_rows(comm, indices: np.ndarray, values: np.ndarray) -> tuple[np.ndarr
     Example:
         idx, val = gather_rows(topo.stage_comm, np.array([3, 7]), np.ones((2, 16), "float32"))
     """
-    from mpi4py import MPI
+    from mpi4py import MPI  # on use: importing it initialises MPI (docs/architecture.md)
 
     indices = np.ascontiguousarray(indices, dtype=np.int64)
     values = np.ascontiguousarray(values)

@@ -32,7 +32,7 @@ def launched() -> bool:
 
 def world():
     """Return `MPI.COMM_WORLD`, starting MPI if needed (a singleton without a launcher)."""
-    from mpi4py import MPI
+    from mpi4py import MPI  # on use: importing it initialises MPI (docs/architecture.md)
 
     return MPI.COMM_WORLD
 

@@ -12,7 +12,9 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import keras
 import numpy as np
+import tensorflow as tf
 from keras import tree
 
 
@@ -139,8 +141,6 @@ def make_source(x, y=None, sample_weight=None, *, batch_size=None, shuffle=False
     Arrays are batched here (`batch_size`, default 32); datasets come batched already and must
     then be iterated identically on every rank (no unseeded shuffling).
     """
-    import keras
-    import tensorflow as tf
 
     if hasattr(x, "as_source"):  # hyparflow's own readers (e.g. hf.data.HDF5) batch themselves
         _no_separate_targets(y, sample_weight, None, type(x).__name__)

@@ -10,6 +10,7 @@ import numpy as np
 from keras import tree
 
 from hyparflow.data.batches import GlobalBatch, epoch_order
+from hyparflow.data.hdf5_keras import HDF5Batches
 
 
 def _h5py():
@@ -147,7 +148,6 @@ class HDF5:
     def as_keras(self, batch_size=32, shuffle=False, seed=0):
         """The same batches as a `keras.utils.PyDataset` for plain `model.fit` on one process
         (pass `shuffle=False` to `model.fit`: the samples are shuffled here)."""
-        from hyparflow.data.hdf5_keras import HDF5Batches
 
         return HDF5Batches(self.as_source(batch_size, shuffle, seed))
 

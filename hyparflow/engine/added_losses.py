@@ -10,6 +10,8 @@ batch sum would count its pieces too little (docs/engine.md, "Added losses").
 
 from __future__ import annotations
 
+import warnings
+
 import tensorflow as tf
 from keras import backend, ops
 
@@ -42,8 +44,6 @@ def warn_unless_batch_means(adders: set, pieces: int) -> None:
     """Say, once, that `add_loss` values are taken as batch means when a batch runs in pieces."""
     if not adders or pieces == 1:
         return
-    import warnings
-
     warnings.warn(
         f"Layers {sorted(adders)} add losses with add_loss. With the global batch cut into "
         f"{pieces} pieces (replicas x micro-batches), hyparflow weights each piece's value by "

@@ -62,8 +62,13 @@ class FlatLayout:
             >>> FlatLayout([tf.TensorSpec((1024, 1024)), tf.TensorSpec((1024,))]).flat_backward_pays
             False
         """
+        return self.usable and not self.large_variables
+
+    @property
+    def large_variables(self) -> bool:
+        """Whether the variables average more than `FLAT_BACKWARD_MAX_MEAN_BYTES` of gradient."""
         gradient_bytes = 4 * sum(slot.size for slot in self.slots)
-        return self.usable and gradient_bytes <= FLAT_BACKWARD_MAX_MEAN_BYTES * len(self.slots)
+        return gradient_bytes > FLAT_BACKWARD_MAX_MEAN_BYTES * len(self.slots)
 
     def pieces(self) -> list[tuple[int, int | None]]:
         """(size, slot index or None for padding) of every piece of the flat tensor, in order.

@@ -6,8 +6,8 @@ import numpy as np
 from keras import callbacks as keras_callbacks
 from keras import tree
 
-from hyparflow.callbacks.progress import ThroughputProgbarLogger
 from hyparflow.comm.agree import AgreedError
+from hyparflow.engine.progress import ThroughputProgbarLogger
 
 # Keras callbacks that write files or talk to the outside: they run on rank 0 only, which holds
 # the full model at every epoch end (and after each batch they save on).

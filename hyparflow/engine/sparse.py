@@ -10,18 +10,18 @@ the very pairs of the global batch (docs/engine.md, "Sparse gradients").
 
 from __future__ import annotations
 
+import keras
 import numpy as np
 import tensorflow as tf
 
 from hyparflow.comm.allreduce import reduction_dtype
 from hyparflow.comm.rows import gather_rows
+from hyparflow.engine.mpi import mpi_op
 
 
 def row_sparse_positions(variables, layers) -> list[int]:
     """Positions in `variables` of embedding tables (`keras.layers.Embedding` and subclasses
     such as keras_hub's `ReversibleEmbedding`), whose gradients arrive as row slices."""
-    import keras
-
     tables = {
         id(layer.embeddings)
         for layer in layers
@@ -101,8 +101,6 @@ def in_order(count: int, dense_positions, dense, table_positions, tables) -> lis
 def reduce_rows(comm, grads: list) -> list:
     """Sum gradients over `comm` as one process would: where every rank holds row slices, all
     rows gathered in rank order; where any rank's is dense, the dense sum. Collective."""
-    from mpi4py import MPI
-
     if comm.Get_size() == 1 or not grads:
         return list(grads)
     kinds = comm.allgather([isinstance(g, tf.IndexedSlices) for g in grads])
@@ -116,7 +114,7 @@ def reduce_rows(comm, grads: list) -> list:
         else:
             dense = tf.convert_to_tensor(grad)
             total = np.array(dense, dtype=reduction_dtype(dense.dtype))  # a private copy
-            comm.Allreduce(MPI.IN_PLACE, total)
+            comm.Allreduce(mpi_op("IN_PLACE"), total)
             reduced.append(tf.cast(tf.constant(total), dense.dtype))
     return reduced
 

@@ -15,8 +15,11 @@ from __future__ import annotations
 import contextlib
 import functools
 
+import keras
 import numpy as np
 import tensorflow as tf
+
+from hyparflow.engine.mpi import mpi_op
 
 # Every rank must run a graph's cross-replica sums in one order, so each new one waits for the
 # last one created in its graph (creation order is the same on every rank). The graph itself
@@ -40,10 +43,8 @@ def cross_replica_sum(comm, tensor):
 
 def _allreduce(comm, tensor):
     def reduce(array):
-        from mpi4py import MPI
-
         total = np.array(array, copy=True)
-        comm.Allreduce(MPI.IN_PLACE, total)
+        comm.Allreduce(mpi_op("IN_PLACE"), total)
         return total
 
     graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
@@ -92,8 +93,6 @@ def _global_moments(comm, synchronized_formula: bool):
 
 def synchronized_layers(layers, force: bool) -> list:
     """The BatchNormalization layers among `layers` whose statistics span the global batch."""
-    import keras
-
     return [
         layer
         for layer in layers

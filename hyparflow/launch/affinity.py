@@ -1,27 +1,25 @@
 """Pin each rank to one core when a node runs more ranks than it has cores (and none is bound).
 
+Used only when the user opts in (`hf.Strategy(tune_process=True)`, `hyparflow.process_tuning`);
+binding is otherwise the launcher's job (`mpirun --bind-to core`, `srun --cpu-bind=cores`).
+
 A rank of hyparflow is two busy threads taking turns: the Python thread that drives the
 schedule and waits in MPI (Open MPI polls, yielding the core between polls when the node is
 oversubscribed), and TensorFlow's compute thread that runs each compiled call while the Python
 thread sleeps. Unbound, Linux places these threads independently, and because a polling thread
 is always runnable the load balancer sees every core equally busy: two ranks' polling threads
-can hold one core while two computing threads share the other. Measured on the 2-core
-development VM with 4 ranks (benchmarks/analysis.md, 2026-11-25): a synthetic 4-stage
-pipeline of TensorFlow calls ran 5-10% slower unbound than with each rank's threads on one
-core, and the validation MLP's 4-way data-parallel step 29.4 ms unbound against 22.7 ms pinned.
+can hold one core while two computing threads share the other.
 
 So when the ranks on a node outnumber the cores they may all use and the launcher bound none
-of them (`mpirun --bind-to none`, or Open MPI's default once it oversubscribes), hyparflow deals
-them to those cores in node-local rank order, every thread of the process included: each rank
-to the core with the fewest ranks so far, and among those to one holding the fewest ranks of
-its own pipeline stage (`deal_to_cores`). With one stage (data parallel) or one replica (a
-pipeline) that is local rank i on the i-th core modulo their count, so neighbouring stages
-land on different cores. With both, the stages are mixed on every core: ranks that share a
-core then compute at different times of the schedule (one replica's first stage fills while
-another's last stage drains), where a core holding only first stages would idle through the
-pipeline's fill. `hyparflow simulate` runs the same placement. Jobs with a core per rank, jobs
-the launcher bound (`--bind-to core`, `srun --cpu-bind`), and `HYPARFLOW_PIN_RANKS=0` are left
-alone.
+of them, the ranks are dealt to those cores in node-local rank order, every thread of the
+process included: each rank to the core with the fewest ranks so far, and among those to one
+holding the fewest ranks of its own pipeline stage (`deal_to_cores`). With one stage (data
+parallel) or one replica (a pipeline) that is local rank i on the i-th core modulo their
+count, so neighbouring stages land on different cores. With both, the stages are mixed on
+every core: ranks that share a core then compute at different times of the schedule (one
+replica's first stage fills while another's last stage drains), where a core holding only
+first stages would idle through the pipeline's fill. Jobs with a core per rank, jobs the
+launcher bound, and `HYPARFLOW_PIN_RANKS=0` are left alone.
 """
 
 from __future__ import annotations
@@ -117,7 +115,7 @@ def pin_if_oversubscribed(comm, stage: int = 0) -> int | None:
     alone. Each call deals again (a later fit may lay out another grid), from the cores the
     ranks had before the first call pinned them."""
     global _node_cores
-    from mpi4py import MPI
+    from mpi4py import MPI  # on use: importing mpi4py.MPI initialises MPI (comm/world.py)
 
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
     try:

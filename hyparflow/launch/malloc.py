@@ -1,13 +1,13 @@
 """Keep TensorFlow's large CPU temporaries in glibc's heap, so ranks sharing a node keep pace.
 
+Used only when the user opts in (`hf.Strategy(tune_process=True)`, `hyparflow.process_tuning`).
+
 TensorFlow's CPU allocator takes every temporary (activations, gradients, concatenations)
 from `malloc`. glibc serves blocks above its mmap threshold (128 KiB, rising adaptively to at
 most 32 MiB) with a fresh `mmap` and returns them with `munmap`, so each step faults all of its
-activation pages in again; two training processes doing so at once contend in the kernel. On
-the development VM two ranks training a small CNN ran at 0.43x the speed of one
-(docs/simulate.md); with the thresholds below they ran as fast as one alone. The fix is
-`mallopt`, which changes the running process (the `MALLOC_MMAP_THRESHOLD_` environment
-variables would need to be set before Python starts).
+activation pages in again, and processes doing so at once contend in the kernel
+(docs/notes/benchmarks.md). The fix is `mallopt`, which changes the running process
+(the `MALLOC_MMAP_THRESHOLD_` environment variables would need to be set before Python starts).
 
 Blocks above the largest threshold glibc accepts (32 MiB: big activations, flat gradients)
 are kept in the heap too, by allowing no separate mappings at all (`M_MMAP_MAX` 0): their
@@ -15,7 +15,7 @@ pages then stay mapped from step to step, which also lets `hyparflow.comm.hugepa
 them with huge pages once. The price is that freed memory stays with the process (glibc
 still returns a free top of the heap beyond 2 GiB).
 
-Set `HYPARFLOW_MALLOC_TUNING=0` to leave glibc's defaults alone.
+`HYPARFLOW_MALLOC_TUNING=0` leaves glibc's defaults alone even when tuning is asked for.
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 import keras
 import numpy as np
 from keras import tree
-from keras.src.models.functional import Functional
-from keras.src.models.sequential import Sequential
+
+from hyparflow import _keras
 
 # Keras records a nested model's call with these keyword arguments; with any other value the
 # nested model is kept as one node, so that Keras's own handling of them stays exact.
@@ -91,7 +91,7 @@ class LayerGraph:
         last = self.last_use()
         cuts = set()
         for tensor in self.tensors:
-            if getattr(tensor.keras_tensor, "_keras_mask", None) is None:
+            if _keras.keras_mask(tensor.keras_tensor) is None:
                 continue
             end = min(int(last[tensor.index]), len(self.nodes) - 1)  # outputs: to the end
             cuts.update(range(max(tensor.producer, 0) + 1, end + 1))
@@ -100,18 +100,18 @@ class LayerGraph:
 
 def root_functional(model):
     """The Functional graph that computes `model`, or a ValueError saying what to change."""
-    if isinstance(model, Sequential):
-        if type(model).call is not Sequential.call:
+    if isinstance(model, keras.Sequential):
+        if type(model).call is not keras.Sequential.call:
             raise ValueError(NOT_GRAPH_MESSAGE.format(kind=_kind(model)))
-        if model._functional is None:
+        if _keras.inner_functional(model) is None:
             raise ValueError(
                 f"Sequential model '{model.name}' is not built, so its layer graph is unknown. "
                 "Build it first: start it with keras.Input(shape), or call "
                 "model.build((None, *input_shape)), or call it once on a batch."
             )
-        return model._functional
-    if isinstance(model, Functional):
-        if type(model).call is not Functional.call:
+        return _keras.inner_functional(model)
+    if isinstance(model, _keras.Functional):
+        if type(model).call is not _keras.Functional.call:
             raise ValueError(NOT_GRAPH_MESSAGE.format(kind=_kind(model) + " overriding call()"))
         return model
     raise ValueError(NOT_GRAPH_MESSAGE.format(kind=_kind(model)))
@@ -142,7 +142,7 @@ class _Builder:
         self.tensors: list[GraphTensor] = []
 
     def add_model_input(self, keras_tensor) -> int:
-        name = keras_tensor._keras_history.operation.name
+        name = _keras.producer_name(keras_tensor)
         return self._add_tensor(name, keras_tensor, producer=-1)
 
     def _add_tensor(self, name, keras_tensor, producer) -> int:
@@ -213,16 +213,18 @@ class _Builder:
 
 def _nodes_in_order(functional):
     """Keras nodes of `functional` from inputs to outputs (decreasing depth is topological)."""
-    by_depth = functional._nodes_by_depth
+    by_depth = _keras.nodes_by_depth(functional)
     return iter([node for depth in sorted(by_depth, reverse=True) for node in by_depth[depth]])
 
 
 def _flattenable_model(keras_node):
     """The Functional to inline for a call of a nested model, or None to keep it one node."""
     operation = keras_node.operation
-    if isinstance(operation, Sequential) and type(operation).call is Sequential.call:
-        inner = operation._functional
-    elif isinstance(operation, Functional) and type(operation).call is Functional.call:
+    if isinstance(operation, keras.Sequential) and type(operation).call is keras.Sequential.call:
+        inner = _keras.inner_functional(operation)
+    elif (
+        isinstance(operation, _keras.Functional) and type(operation).call is _keras.Functional.call
+    ):
         inner = operation
     else:
         return None
@@ -246,7 +248,7 @@ def _flattenable_model(keras_node):
 def _call_inputs(keras_node, inner):
     """The outer KerasTensors fed to `inner.inputs`, in that order, or None if unclear."""
     argument = keras_node.arguments.args[0]
-    structure = inner._inputs_struct
+    structure = _keras.inputs_structure(inner)
     if isinstance(argument, dict) and not isinstance(structure, dict):
         by_name = {kt.name: kt for kt in tree.flatten(structure)}
         if set(argument) != set(by_name):

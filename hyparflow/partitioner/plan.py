@@ -6,6 +6,12 @@ import json
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
+from keras import tree
+
+from hyparflow import _keras
+from hyparflow.partitioner import profile
+
 
 @dataclass(frozen=True)
 class BoundaryTensor:
@@ -28,7 +34,6 @@ class BoundaryTensor:
     @property
     def bytes_per_sample(self) -> int:
         """Bytes of one sample; unknown (None) dimensions count as 1."""
-        import numpy as np
 
         itemsize = np.dtype({"bfloat16": "float16"}.get(self.dtype, self.dtype)).itemsize
         return math.prod(1 if d is None else int(d) for d in self.shape) * itemsize
@@ -89,8 +94,8 @@ class Stage:
         after `model(...)`, before another stage calls a shared layer.
         """
         losses = []
-        for layer in self.model._flatten_layers(include_self=False):
-            losses.extend(layer._get_own_losses())
+        for layer in _keras.all_layers(self.model, include_self=False):
+            losses.extend(_keras.own_losses(layer))
         owned = {
             id(v) for name in self.owned_layers for v in self._layer_objects[name].trainable_weights
         }
@@ -154,19 +159,18 @@ class Plan:
 
     def run(self, inputs, training=None):
         """Run the stages one after another; returns what `model(inputs)` returns."""
-        from keras import tree
-        from keras.src.models.functional import unpack_singleton
 
         root = self._graph.root
-        values = list(root._standardize_inputs(inputs))
+        values = _keras.standardize_inputs(root, inputs)
         for stage in self.stages:
             values = stage.forward(values, training=training)
-        return unpack_singleton(tree.pack_sequence_as(root._outputs_struct, values))
+        return _keras.unpack_singleton(
+            tree.pack_sequence_as(_keras.outputs_structure(root), values)
+        )
 
     def profile(self, sample=None, input_shape=None, batch_size=None, repeats=5) -> list[float]:
         """Measure each stage's forward+backward seconds on a batch; stored in
         `stage.measured_time` and shown by `summary()`."""
-        from hyparflow.partitioner import profile
 
         batch_size = batch_size or self.batch_size
         inputs = profile.make_sample(self._graph, sample, input_shape, batch_size)

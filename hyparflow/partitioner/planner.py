@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import numbers
 
+from hyparflow.partitioner import balance as balancing
+from hyparflow.partitioner import cost, profile
+from hyparflow.partitioner.graph import build_graph
 from hyparflow.partitioner.plan import Plan
+from hyparflow.partitioner.stages import build_stages
 
 BALANCES = ("layers", "params", "flops", "time")
 TIME_REFINEMENTS = 3  # extra split-and-measure rounds for balance="time"
@@ -52,10 +56,6 @@ def partition(
         >>> plan.summary()
         >>> assert np.allclose(plan.run(x), model(x))
     """
-    from hyparflow.partitioner import balance as balancing
-    from hyparflow.partitioner import cost
-    from hyparflow.partitioner.graph import build_graph
-    from hyparflow.partitioner.stages import build_stages
 
     if not isinstance(num_partitions, numbers.Integral) or num_partitions < 1:
         raise ValueError(f"num_partitions must be an integer >= 1, got {num_partitions!r}.")
@@ -110,9 +110,6 @@ def _partition_by_time(graph, num_partitions, sample, input_shape, batch_size, b
     traffic), so each round scales the node times of every stage by measured / estimated and
     splits again; the plan with the lowest measured imbalance is kept.
     """
-    from hyparflow.partitioner import balance as balancing
-    from hyparflow.partitioner import cost, profile
-    from hyparflow.partitioner.stages import build_stages
 
     inputs = profile.make_sample(graph, sample, input_shape, batch_size)
     samples = int(inputs[0].shape[0])

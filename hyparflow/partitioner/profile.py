@@ -9,6 +9,7 @@ import numpy as np
 import tensorflow as tf
 from keras import tree
 
+from hyparflow import _keras
 from hyparflow.partitioner.graph import LayerGraph
 
 DEFAULT_PROFILE_BATCH = 32
@@ -22,7 +23,7 @@ def make_sample(graph: LayerGraph, sample=None, input_shape=None, batch_size=Non
     the model's input shapes, with `batch_size` rows (default 32).
     """
     if sample is not None:
-        return list(graph.root._standardize_inputs(sample))
+        return _keras.standardize_inputs(graph.root, sample)
     specs = [graph.tensors[t].keras_tensor for t in graph.inputs]
     if input_shape is not None:
         shapes = [input_shape] if _is_single_shape(input_shape) else list(input_shape)

@@ -9,8 +9,7 @@ import keras
 # Keras's graph node. Stage graphs are made of new nodes that call the user's own layer
 # objects on new symbolic tensors: exactly what Keras does when a layer is reused, without
 # re-running shape inference (which would cost seconds on a 5,000-layer model).
-from keras.src.ops.node import Node
-
+from hyparflow import _keras
 from hyparflow.partitioner.graph import LayerGraph, safe_name
 from hyparflow.partitioner.plan import BoundaryTensor, Stage
 
@@ -130,7 +129,7 @@ def stage_model(graph: LayerGraph, k: int, nodes, receives_ids, send_ids):
         lookup = {kt_id: symbolic[t] for kt_id, t in node.argument_tensors.items()}
         args, kwargs = node.arguments.fill_in(lookup)
         outputs = [_like(graph.tensors[t].keras_tensor) for t in node.outputs]
-        Node(node.operation, call_args=args, call_kwargs=kwargs, outputs=outputs)
+        _keras.Node(node.operation, call_args=args, call_kwargs=kwargs, outputs=outputs)
         symbolic.update(zip(node.outputs, outputs))
     name = f"{safe_name(graph.model.name)}_stage{k}"
     return keras.Model(inputs=inputs, outputs=[symbolic[t] for t in send_ids], name=name)
@@ -181,7 +180,7 @@ def _warn_about_masks(graph, tensor_ids):
     masked = [
         graph.tensors[t].name
         for t in tensor_ids
-        if getattr(graph.tensors[t].keras_tensor, "_keras_mask", None) is not None
+        if _keras.keras_mask(graph.tensors[t].keras_tensor) is not None
     ]
     if masked:
         warnings.warn(

@@ -2,21 +2,8 @@
 
 from hyparflow.simulate.costs import Affine, EngineCosts, LayerCost, ModelCosts
 from hyparflow.simulate.network import Link, Network
-from hyparflow.simulate.placement import Placement
-from hyparflow.simulate.predict import Layout, Machine, Prediction, efficiency, predict, speedup
+from hyparflow.simulate.placement import Layout
+from hyparflow.simulate.predict import Machine, Prediction, efficiency, predict, speedup
 
-__all__ = [
-    "Affine",
-    "EngineCosts",
-    "LayerCost",
-    "Layout",
-    "Link",
-    "Machine",
-    "ModelCosts",
-    "Network",
-    "Placement",
-    "Prediction",
-    "efficiency",
-    "predict",
-    "speedup",
-]
+__all__ = ["Affine", "EngineCosts", "LayerCost", "Layout", "Link", "Machine", "ModelCosts",
+           "Network", "Prediction", "efficiency", "predict", "speedup"]  # fmt: skip

@@ -2,16 +2,17 @@
 
 Times are affine in the batch (`fixed + per_sample * batch`): a layer's kernels scale with the
 samples, while launching them costs the same for 4 samples or 400, which matters for the small
-micro-batches of a pipeline. `measure.py` fills this in on a real machine; the projection to
-the paper's setup builds it from FLOPs. Pure Python and numpy: no MPI, no TensorFlow.
+micro-batches of a pipeline. `measure.py` fills this in on a real machine.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 
 import numpy as np
+
+from hyparflow.partitioner.balance import split_contiguous
 
 FORMAT_VERSION = 1
 
@@ -30,9 +31,6 @@ class Affine:
 
     def at(self, batch: float) -> float:
         return self.fixed + self.per_sample * batch
-
-    def __add__(self, other: Affine) -> Affine:
-        return Affine(self.fixed + other.fixed, self.per_sample + other.per_sample)
 
     def scaled(self, factor: float) -> Affine:
         return Affine(self.fixed * factor, self.per_sample * factor)
@@ -59,12 +57,9 @@ class Affine:
     @classmethod
     def of(cls, value) -> Affine:
         """From an Affine, a `[fixed, per_sample]` pair or a dict with those keys."""
-        if isinstance(value, Affine):
-            return value
         if isinstance(value, dict):
-            return cls(float(value["fixed"]), float(value["per_sample"]))
-        fixed, per_sample = value
-        return cls(float(fixed), float(per_sample))
+            value = (value["fixed"], value["per_sample"])
+        return value if isinstance(value, Affine) else cls(*(float(v) for v in value))
 
 
 @dataclass(frozen=True)
@@ -81,19 +76,11 @@ class LayerCost:
 
 @dataclass(frozen=True)
 class EngineCosts:
-    """What hyparflow's engine adds around the layers, per call, on top of their kernels.
-
-    - `forward_call` / `backward_call`: one stage's compiled forward under a tape, and the
-      tape's backward, beyond the layers' own time (Python, dispatch, tape bookkeeping).
-    - `loss`: the last stage's loss and metric update per micro-batch.
-    - `accumulate_per_byte`: adding one micro-batch's gradients to the running sum (eager,
-      memory-bound), per byte of the stage's parameters, paid by every micro-batch after the
-      first.
-    - `optimizer_*`: the eager `optimizer.apply_gradients` of a stage's variables.
-    - `step_fixed`: per step, the training loop's work after it on the last stage: reading
-      the metric states out for the logs, taking the replicas' sums in, computing the
-      results (`ReplicaMetrics`).
-    """
+    """What the engine adds around the layers: per stage call beyond the layers' own time
+    (`forward_call`, `backward_call`), the last stage's loss and metrics per micro-batch,
+    summing a micro-batch's gradients per parameter byte (`accumulate_per_byte`, every
+    micro-batch after the first), a stage's optimizer update, and per step the last stage's
+    read-out of the logs when callbacks read them (`step_fixed`)."""
 
     forward_call: float = 0.0
     backward_call: float = 0.0
@@ -105,12 +92,13 @@ class EngineCosts:
     step_fixed: float = 0.0
 
     def optimizer(self, variables: int, nbytes: float) -> float:
-        if variables == 0:
-            return 0.0  # the engine skips stages without trainable variables
+        """The update of `variables` of `nbytes`; stages without variables skip it."""
+        if not variables:
+            return 0.0
         return (
             self.optimizer_fixed
             + self.optimizer_per_variable * variables
-            + self.optimizer_per_byte * nbytes
+            + (self.optimizer_per_byte * nbytes)
         )
 
 
@@ -169,8 +157,6 @@ class ModelCosts:
     def split(self, partitions: int, batch: float) -> list[int]:
         """Where stages begin when balancing by time at `batch` samples per micro-batch, as
         the partitioner's `balance="time"` does (same exact dynamic programme)."""
-        from hyparflow.partitioner.balance import split_contiguous
-
         return split_contiguous(self.layer_times(batch), partitions)
 
     def stage(self, start: int, end: int, batch: float) -> StageCost:
@@ -187,33 +173,25 @@ class ModelCosts:
         """Names of the layers where stages 1, 2, ... begin: `hf.Strategy(balance=...)`."""
         return [self.layers[s].name for s in starts[1:]]
 
-    def scaled(self, compute: float) -> ModelCosts:
-        """These costs on a machine whose kernels run `compute` times as long."""
-        layers = [
-            LayerCost(
-                lc.name, lc.forward.scaled(compute), lc.backward.scaled(compute),
-                lc.param_bytes, lc.variables,
-            )
-            for lc in self.layers
-        ]  # fmt: skip
-        single = None if self.single_process is None else self.single_process.scaled(compute)
-        fused = None if self.fused is None else self.fused.scaled(compute)
-        return ModelCosts(self.name, layers, list(self.cut_bytes), self.engine, single,
+    def scaled(self, factor: float) -> ModelCosts:
+        """These costs on a processor `factor` times slower: every time, the engine's too."""
+
+        def slower(value):
+            return value.scaled(factor) if isinstance(value, Affine) else value * factor
+
+        layers = [replace(lc, forward=slower(lc.forward), backward=slower(lc.backward))
+                  for lc in self.layers]  # fmt: skip
+        engine = replace(self.engine, **{f.name: slower(getattr(self.engine, f.name))
+                                         for f in fields(EngineCosts)})  # fmt: skip
+        single, fused = (
+            None if a is None else slower(a) for a in (self.single_process, self.fused)
+        )
+        return ModelCosts(self.name, layers, list(self.cut_bytes), engine, single,
                           dict(self.measured), fused)  # fmt: skip
 
-    # --- files ----------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        return {
-            "format": "hyparflow-costs",
-            "version": FORMAT_VERSION,
-            "name": self.name,
-            "measured": self.measured,
-            "engine": asdict(self.engine),
-            "single_process": None if self.single_process is None else asdict(self.single_process),
-            "fused": None if self.fused is None else asdict(self.fused),
-            "cut_bytes": [float(b) for b in self.cut_bytes],
-            "layers": [asdict(lc) for lc in self.layers],
-        }
+        data = asdict(self)  # Affines as {"fixed", "per_sample"}
+        return {"format": "hyparflow-costs", "version": FORMAT_VERSION, **data}
 
     @classmethod
     def from_dict(cls, data: dict) -> ModelCosts:
@@ -222,29 +200,17 @@ class ModelCosts:
                 "not a hyparflow costs file (no 'format': 'hyparflow-costs'); write one with "
                 "`hyparflow simulate MODEL.keras --save-costs FILE`"
             )
-        engine = dict(data.get("engine", {}))
+        known = {f.name for f in fields(EngineCosts)}  # older files may hold more
+        engine = {k: v for k, v in data.get("engine", {}).items() if k in known}
         engine["loss"] = Affine.of(engine.get("loss", (0.0, 0.0)))
-        layers = [
-            LayerCost(
-                name=layer["name"],
-                forward=Affine.of(layer["forward"]),
-                backward=Affine.of(layer["backward"]),
-                param_bytes=int(layer.get("param_bytes", 0)),
-                variables=int(layer.get("variables", 0)),
-            )
-            for layer in data["layers"]
-        ]
-        single = data.get("single_process")
-        fused = data.get("fused")
-        return cls(
-            name=data.get("name", "model"),
-            layers=layers,
-            cut_bytes=[float(b) for b in data["cut_bytes"]],
-            engine=EngineCosts(**engine),
-            single_process=None if single is None else Affine.of(single),
-            fused=None if fused is None else Affine.of(fused),
-            measured=dict(data.get("measured", {})),
-        )
+        layers = [LayerCost(layer["name"], Affine.of(layer["forward"]),
+                            Affine.of(layer["backward"]), int(layer.get("param_bytes", 0)),
+                            int(layer.get("variables", 0)))
+                  for layer in data["layers"]]  # fmt: skip
+        single, fused = (data.get(k) and Affine.of(data[k]) for k in ("single_process", "fused"))
+        cuts, measured = [float(b) for b in data["cut_bytes"]], dict(data.get("measured", {}))
+        return cls(data.get("name", "model"), layers, cuts, EngineCosts(**engine), single,
+                   measured, fused)  # fmt: skip
 
     def save(self, path) -> None:
         with open(path, "w") as f:

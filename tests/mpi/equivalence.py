@@ -62,10 +62,12 @@ def _run(case: Case) -> dict:
         ),
         "reference_optimizer_variables": len(reference.optimizer.variables),
         "loss_scale": float(getattr(model.optimizer, "dynamic_scale", 1.0)),
-        "overlap_early_starts": getattr(model._hyparflow_trainer[1]._overlap, "early_starts", None),
+        "overlap_early_starts": getattr(
+            model._hyparflow_trainer[1].gradient_sync.overlap, "early_starts", None
+        ),
         "flat_gradients": model._hyparflow_trainer[1].runner.layout is not None,
         "flat_backward": getattr(model._hyparflow_trainer[1].runner, "flat_backward", None),
-        "shared_across_stages": model._hyparflow_trainer[1]._shared is not None,
+        "shared_across_stages": model._hyparflow_trainer[1].gradient_sync.shared is not None,
         "stage_variables": len(model._hyparflow_trainer[1].variables),
         "dense_variables": len(model._hyparflow_trainer[1].dense),  # tables are not flat
         "ref_loss_scale": float(getattr(reference.optimizer, "dynamic_scale", 1.0)),

@@ -1,0 +1,129 @@
+"""Every use of Keras's private API, in one place: what each reaches into and why.
+
+hyparflow replays Keras's own training step piece by piece, so it needs a few things Keras
+does not export: the compiled loss and metrics, the layer walk, a functional model's graph,
+the seed generators of random layers. Each entry below names what it uses. All were checked
+with Keras 3.15.1 (the main and the compatibility venvs); `tests/test_private_keras.py`
+exercises every entry and runs in both `make test` and `make test-compat`, so a Keras release
+that moves one fails there first, not deep inside training.
+"""
+
+from __future__ import annotations
+
+# Classes Keras keeps private. Functional is what keras.Model(inputs, outputs) builds; Node is
+# one call of an operation in its graph; the dropout bases are what every Dropout-like layer
+# (SpatialDropout*, RNN cells' dropout) derives from.
+from keras.src.backend.tensorflow import random as tf_random  # TF's stateless random draws
+from keras.src.layers.regularization.spatial_dropout import BaseSpatialDropout
+from keras.src.layers.rnn.dropout_rnn_cell import DropoutRNNCell
+from keras.src.models.functional import Functional
+from keras.src.models.functional import unpack_singleton as _unpack_singleton
+from keras.src.ops.node import Node
+from keras.src.trainers.data_adapters.array_slicing import (
+    train_validation_split as _train_validation_split,
+)
+from keras.src.trainers.data_adapters.data_adapter_utils import (
+    class_weight_to_sample_weights as _class_weight_to_sample_weights,
+)
+
+__all__ = [
+    "BaseSpatialDropout",
+    "DropoutRNNCell",
+    "Functional",
+    "Node",
+    "tf_random",
+]
+
+
+# --- a compiled model ---------------------------------------------------------------------
+def compiled_loss(model):
+    """`model._compile_loss`: the loss `compile()` built (None when compiled without one)."""
+    return getattr(model, "_compile_loss", None)
+
+
+def compiled_metrics(model):
+    """`model._compile_metrics`: the metrics `compile()` built, or None."""
+    return getattr(model, "_compile_metrics", None)
+
+
+def loss_tracker(model):
+    """`model._loss_tracker`: the Mean that `fit` reports as "loss"."""
+    return model._loss_tracker
+
+
+def metrics_in_order(model, logs: dict) -> list:
+    """`model._flatten_metrics_in_order`: `evaluate`'s list result from its logs dict."""
+    return model._flatten_metrics_in_order(logs)
+
+
+# --- layers --------------------------------------------------------------------------------
+def all_layers(model, include_self: bool = True, recursive: bool = True) -> list:
+    """`Layer._flatten_layers`: every layer tracked under `model`, nested ones included."""
+    return list(model._flatten_layers(include_self=include_self, recursive=recursive))
+
+
+def own_losses(layer) -> list:
+    """`Layer._get_own_losses`: the add_loss values of this layer alone, not of sublayers."""
+    return layer._get_own_losses()
+
+
+def seed_generators(layer) -> list:
+    """`Layer._seed_generators`: the SeedGenerators a layer tracks."""
+    return list(getattr(layer, "_seed_generators", []))
+
+
+def reduction_axes(layer) -> list:
+    """`BatchNormalization._reduction_axes`: the axes its moments are taken over."""
+    return layer._reduction_axes
+
+
+# --- a functional graph ---------------------------------------------------------------------
+def inner_functional(model):
+    """`Sequential._functional`: the Functional a built Sequential runs (None unbuilt)."""
+    return model._functional
+
+
+def nodes_by_depth(functional) -> dict:
+    """`Functional._nodes_by_depth`: depth -> the graph's nodes (inputs deepest)."""
+    return functional._nodes_by_depth
+
+
+def inputs_structure(functional):
+    """`Functional._inputs_struct`: the nesting of the model's inputs (dict, list, tensor)."""
+    return functional._inputs_struct
+
+
+def outputs_structure(functional):
+    """`Functional._outputs_struct`: the nesting of the model's outputs."""
+    return functional._outputs_struct
+
+
+def standardize_inputs(functional, inputs) -> list:
+    """`Functional._standardize_inputs`: user inputs flattened in `functional.inputs` order."""
+    return list(functional._standardize_inputs(inputs))
+
+
+def producer_name(keras_tensor) -> str:
+    """`KerasTensor._keras_history`: the name of the operation that made this tensor."""
+    return keras_tensor._keras_history.operation.name
+
+
+def keras_mask(keras_tensor):
+    """`KerasTensor._keras_mask`: the mask a symbolic tensor carries, or None."""
+    return getattr(keras_tensor, "_keras_mask", None)
+
+
+def unpack_singleton(value):
+    """`keras.src.models.functional.unpack_singleton`: a one-element list as its element."""
+    return _unpack_singleton(value)
+
+
+# --- data adapters --------------------------------------------------------------------------
+def train_validation_split(arrays, validation_split: float):
+    """Keras's `validation_split`: the last fraction of the arrays becomes validation data."""
+    return _train_validation_split(arrays, validation_split=validation_split)
+
+
+def class_weight_to_sample_weights(y, class_weight: dict):
+    """Keras's `class_weight`: a per-sample weight from each sample's class."""
+    return _class_weight_to_sample_weights(y, class_weight)

@@ -1,0 +1,40 @@
+"""The narrow view of one rank's training state that checkpoints save and restore."""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
+
+
+class StageState(Protocol):
+    """What `save` reads and `restore` writes; the engine provides it (`Trainer.stage_state`).
+
+    `save` is collective: every rank calls it at the same point, and `guard(operation)` watches
+    each of its blocking MPI waits. Only the first replica of each stage writes a file.
+    """
+
+    model: Any  # the user's model: every rank holds all of its weights
+    variables: list  # the trainable variables this stage's optimizer updates
+    world: Any  # the communicator of every rank
+    stage: int
+    replica: int
+    num_stages: int
+    num_replicas: int
+    is_last: bool  # the last stage holds the metric states
+    step: int  # optimizer steps taken (`restore` sets it)
+    seed: int  # the current fit's shared shuffle seed
+    pending_metric_states: list  # metric sums of a resumed epoch (`restore` sets them)
+
+    def guard(self, operation: str) -> AbstractContextManager: ...
+
+    def owned_weight_indices(self) -> list[int]:
+        """Indices in `model.weights` whose latest value this stage holds."""
+        ...
+
+    def runs_layer(self, layer) -> bool:
+        """Whether this stage calls `layer` (so its random seed state advances here)."""
+        ...
+
+    def summed_metric_states(self) -> list:
+        """The last stage's metric states summed over its replicas ([] elsewhere; collective)."""
+        ...

@@ -1,0 +1,76 @@
+"""The form a stage's gradients take (flat tensor, per variable, overlapped), chosen by one rule."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GradientForm:
+    """How a stage keeps and reduces its gradients.
+
+    - `flat`: the dense gradients are summed as one aligned float32 tensor (`FlatLayout`),
+      reduced across replicas by one `reduce_flat` and applied by one compiled update.
+    - `flat_backward` (pipeline stages, with `flat`): each micro-batch's backward already
+      yields that flat tensor; without it gradients are summed per variable and concatenated
+      once per step, just before the replica reduction.
+    - `overlap`: the stage runs as segments whose gradients are reduced during the backward.
+    """
+
+    flat: bool = False
+    flat_backward: bool = False
+    overlap: bool = False
+
+
+def choose_gradient_form(
+    *,
+    partitioned: bool,
+    replicas: int,
+    backend: str = "mpi",
+    flat_gradients: bool = True,
+    dense_variables: int,
+    all_float32: bool = True,
+    large_variables: bool = False,
+    shared_across_stages: bool = False,
+    tables: int = 0,
+    overlap_groups: int = 1,
+) -> GradientForm:
+    """The gradient form of one stage, from facts about it (no TensorFlow, no MPI).
+
+    - `partitioned`: the model is cut into pipeline stages (else the whole model is the stage,
+      and its forward, loss and gradients run as one compiled call).
+    - `replicas`: replicas of the stage that sum its gradients; `backend` sums them ("mpi" or
+      "horovod": Horovod's reducer takes a list, so its gradients are never flat).
+    - `flat_gradients`: the strategy's switch (`hf.Strategy(flat_gradients=False)` keeps lists).
+    - `dense_variables`, `all_float32`: the variables a flat tensor would hold (embedding
+      tables' row slices stay apart), which must all be float32 for it to exist.
+    - `large_variables`: they average more bytes than `FLAT_BACKWARD_MAX_MEAN_BYTES`, where a
+      flat backward's per-micro-batch concat costs more than per-variable sums.
+    - `shared_across_stages`: a variable of this stage is used by another stage too; those are
+      summed per variable over the pipeline first, so the gradients stay a list.
+    - `tables`: number of embedding tables (overlapped segments keep every gradient dense).
+    - `overlap_groups`: the strategy's segments per stage (> 1 asks for overlap).
+
+    Overlap wins where it applies (replicas to reduce over MPI, nothing shared, no tables);
+    the caller asks again with `overlap_groups=1` when the stage cannot be cut into segments.
+
+    Example:
+        >>> choose_gradient_form(partitioned=False, replicas=2, dense_variables=4)
+        GradientForm(flat=True, flat_backward=False, overlap=False)
+        >>> choose_gradient_form(partitioned=True, replicas=1, dense_variables=4,
+        ...                      large_variables=True)
+        GradientForm(flat=False, flat_backward=False, overlap=False)
+    """
+    mpi = backend == "mpi"
+    if overlap_groups > 1 and replicas > 1 and mpi and not shared_across_stages and not tables:
+        return GradientForm(overlap=True)
+    can_flatten = flat_gradients and dense_variables > 0 and all_float32
+    if not partitioned:
+        # One compiled call sums the micro-batches either way: flat only for an MPI reduction.
+        return GradientForm(flat=can_flatten and mpi and replicas > 1)
+    if not can_flatten or shared_across_stages or (not mpi and replicas > 1):
+        return GradientForm()
+    if not large_variables:
+        return GradientForm(flat=True, flat_backward=True)
+    # Large variables: summed per variable, flattened once per step only to be reduced.
+    return GradientForm(flat=replicas > 1)

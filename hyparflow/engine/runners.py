@@ -1,0 +1,145 @@
+"""Building a stage's runner in its gradient form: fused, pipelined or cut into segments."""
+
+from __future__ import annotations
+
+import keras
+
+from hyparflow.checkpoint.state import layers_of_seed_keys, seed_generators
+from hyparflow.engine.added_losses import added_loss
+from hyparflow.engine.fused import FusedRunner
+from hyparflow.engine.gradient_sync import Overlap
+from hyparflow.engine.segments import SegmentedRunner
+from hyparflow.engine.stage import StageRunner
+from hyparflow.engine.structure import pack_model_outputs
+from hyparflow.engine.sync_batchnorm import synchronized_batchnorm, synchronized_layers
+from hyparflow.partitioner import partition
+
+
+class RunnerParts:
+    """What every runner of one rank's stage is built from.
+
+    `call(inputs, training)` computes the stage, `loss` and `metrics` are the compiled loss and
+    metric update (used at the last stage), `loss_adders` collects the layers that call
+    `add_loss` while tracing. `stage` is the partitioner's stage (None: the whole model).
+    """
+
+    def __init__(self, model, stage, topology, strategy, *, call, loss, metrics, loss_adders):
+        self.model, self.stage, self.topology, self.strategy = model, stage, topology, strategy
+        self.call, self.loss, self.metrics, self.loss_adders = call, loss, metrics, loss_adders
+        self.is_first, self.is_last = topology.is_first_stage, topology.is_last_stage
+        self.graph = model if stage is None else stage.model
+
+    def batchnorm_scope(self, layers):
+        """The context that sums BatchNormalization statistics of `layers` across replicas
+        (those that want the global batch's: `synchronized=True`, or all with the strategy's
+        `sync_batchnorm`); None when there is nothing to sum."""
+        synced = synchronized_layers(layers, self.strategy.sync_batchnorm)
+        if not synced or self.topology.num_replicas == 1:
+            return None
+        comm = self.topology.stage_comm
+        return lambda: synchronized_batchnorm(comm, synced)
+
+    def added_losses(self, layers):
+        return lambda: added_loss(layers, self.loss_adders)
+
+    def forward_state(self, graph) -> list:
+        """Variables a forward pass of `graph` changes: statistics and random seed states."""
+        return list(graph.non_trainable_variables) + seed_variables(self.model, graph)
+
+
+def build_runner(parts: RunnerParts, variables, sparse, form, layout):
+    """The stage's `FusedRunner` (whole model) or `StageRunner`, gradients in `form`
+    (`GradientForm`; `layout` the `FlatLayout` of the dense variables when `form.flat`)."""
+    layers = list(parts.graph._flatten_layers())
+    strategy = parts.strategy
+    whole = parts.model if parts.stage is None else None
+    common = dict(
+        sparse=sparse,
+        added_losses=parts.added_losses(layers),
+        relax_shapes=has_varying_dimensions(whole, parts.stage),
+        train_scope=parts.batchnorm_scope(layers),
+    )
+    if parts.stage is None:  # nothing lives between forward and backward: one compiled call
+        return FusedRunner(
+            parts.call, variables, loss=parts.loss, metrics=parts.metrics,
+            layout=layout if form.flat else None, **common,
+        )  # fmt: skip
+    return StageRunner(
+        parts.call,
+        variables,
+        loss=parts.loss if parts.is_last else None,
+        recompute=strategy.recompute,
+        state_variables=parts.forward_state(parts.graph) if strategy.recompute else (),
+        metrics=parts.metrics if parts.is_last else None,
+        input_grads=not parts.is_first,
+        layout=layout if form.flat else None,
+        flat_backward=form.flat_backward,
+        **common,
+    )
+
+
+def build_segmented_runner(parts: RunnerParts, variables, groups: int):
+    """The stage as up to `groups` segments, so reductions overlap the backward: a
+    `SegmentedRunner` and its `Overlap` plan, or None when the stage cannot be cut (e.g. a
+    subclassed model or too few layers)."""
+    for count in range(groups, 1, -1):
+        try:
+            sub = partition(parts.graph, count, balance="params")
+            break
+        except ValueError:
+            continue
+    else:
+        return None
+    last = len(sub.stages) - 1
+    strategy = parts.strategy
+    runners = []
+    for j, segment in enumerate(sub.stages):
+        packs = j == last and parts.is_last
+        layers = list(segment.model._flatten_layers(include_self=False))
+
+        def call(inputs, training, segment=segment, packs=packs):
+            flat = segment.forward(inputs, training=training)
+            return pack_model_outputs(parts.model, flat) if packs else flat
+
+        runners.append(
+            StageRunner(
+                call,
+                segment.model.trainable_variables,
+                loss=parts.loss if packs else None,
+                recompute=strategy.recompute,
+                state_variables=(parts.forward_state(segment.model) if strategy.recompute else ()),
+                input_grads=j > 0 or not parts.is_first,
+                added_losses=parts.added_losses(layers),
+                relax_shapes=has_varying_dimensions(None, segment),
+                train_scope=parts.batchnorm_scope(layers),
+            )
+        )
+    return SegmentedRunner(runners, variables), Overlap.plan(sub, variables)
+
+
+def seed_variables(model, graph) -> list:
+    """The state variables of the seed generators of `graph`'s layers (part of `model`)."""
+    layers = {id(layer) for layer in graph._flatten_layers()}
+    owners = layers_of_seed_keys(model)
+    return [var for key, var in seed_generators(model) if id(owners[key]) in layers]
+
+
+def unsynchronized_moving_statistics(layers, sync_batchnorm: bool) -> list:
+    """Moving mean and variance of the BatchNormalization layers that normalise alone."""
+    synced = {id(layer) for layer in synchronized_layers(layers, sync_batchnorm)}
+    return [
+        v
+        for layer in layers
+        if isinstance(layer, keras.layers.BatchNormalization) and id(layer) not in synced
+        for v in (layer.moving_mean, layer.moving_variance)
+    ]
+
+
+def has_varying_dimensions(model, stage) -> bool:
+    """Whether the inputs of `stage` (or of the whole `model`) have unknown dimensions besides
+    the batch, e.g. a sequence length that varies from batch to batch."""
+    if stage is not None:
+        shapes = [tuple(t.shape) for t in stage.receives]  # without the batch dimension
+    else:
+        shapes = [tuple(t.shape)[1:] for t in getattr(model, "inputs", None) or []]
+    return any(d is None for shape in shapes for d in shape)

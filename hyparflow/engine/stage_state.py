@@ -1,0 +1,59 @@
+"""This rank's stage as checkpoints see it: step, seed, owned weights, layers, metric sums."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hyparflow.engine.weights import weight_owners
+
+
+class TrainingState:
+    """The engine's `hyparflow.checkpoint.stage.StageState` for one (stage, replica) rank.
+
+    `plan` is None for an unpartitioned model (the first stage then owns every weight and runs
+    every layer); `guard(operation)` watches blocking MPI waits (the trainer's watchdog).
+    """
+
+    def __init__(self, model, topology, plan, variables: list, guard):
+        self.model = model
+        self.variables = variables
+        self.world = topology.world
+        self.stage, self.replica = topology.stage, topology.replica
+        self.num_stages, self.num_replicas = topology.num_stages, topology.num_replicas
+        self.is_first, self.is_last = topology.is_first_stage, topology.is_last_stage
+        self.step = 0  # optimizer steps taken through this trainer
+        self.seed = 0  # the shared shuffle seed of the current fit (checkpoints record it)
+        self.pending_metric_states: list = []
+        self._stage_comm = topology.stage_comm
+        self._plan = plan
+        self._guard = guard
+        graph = None if plan is None else plan.stages[self.stage].model
+        self._layer_ids = None if graph is None else {id(x) for x in graph._flatten_layers()}
+
+    def guard(self, operation: str):
+        return self._guard(operation)
+
+    def owned_weight_indices(self) -> list[int]:
+        if self._plan is None:
+            return list(range(len(self.model.weights))) if self.is_first else []
+        owners = weight_owners(self._plan, self.model)
+        return [i for i, owner in enumerate(owners) if owner == self.stage]
+
+    def runs_layer(self, layer) -> bool:
+        if self._plan is None:
+            return self.is_first
+        return id(layer) in self._layer_ids
+
+    def summed_metric_states(self) -> list:
+        if not self.is_last:
+            return []
+        local = [np.asarray(v.numpy()) for v in self.model.metrics_variables]
+        with self._guard("sum metric states over replicas"):
+            return [self._stage_comm.allreduce(a) for a in local]
+
+    def restore_metric_states(self) -> None:
+        """Put back the metric sums of a resumed epoch (once, on the last stage's replica 0)."""
+        states, self.pending_metric_states = self.pending_metric_states, []
+        if self.is_last and self.replica == 0 and states:
+            for variable, value in zip(self.model.metrics_variables, states):
+                variable.assign(value)

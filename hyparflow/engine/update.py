@@ -1,0 +1,228 @@
+"""A stage's optimizer update: regularization, loss scale, finite checks, clipping, one call."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import tensorflow as tf
+from keras import ops
+from keras.optimizers import LossScaleOptimizer
+
+from hyparflow.comm.agree import AgreedError
+from hyparflow.engine import sparse as rows
+from hyparflow.engine.mpi import mpi_op
+
+
+def loss_scale(optimizer) -> float:
+    """Keras's dynamic loss scale under mixed_float16 (a LossScaleOptimizer), else 1."""
+    if isinstance(optimizer, LossScaleOptimizer):
+        return float(optimizer.scale_loss(tf.constant(1.0)))
+    return 1.0
+
+
+class Update:
+    """Apply a stage's reduced gradients to its variables as Keras's train step would.
+
+    Adds the weight regularization of the variables the stage owns (`owned`: a variable
+    shared by stages is regularized once), agrees across the pipeline on skipping a step
+    whose loss-scaled gradients overflow, clips by the whole model's norm when the optimizer
+    has `global_clipnorm` and the model is `partitioned`, and runs the optimizer as one
+    compiled call. `guard(operation)` watches each blocking collective; `merge(dense, tables)`
+    puts dense gradients and tables' row slices back in variable order; `layout` is the
+    `FlatLayout` of flat gradients (None if they are a list).
+    """
+
+    def __init__(
+        self, model, topology, variables, owned, *, partitioned: bool, guard, merge, layout=None
+    ):
+        self.model = model
+        self.topology = topology
+        self.variables = variables
+        self.owned = owned
+        self._partitioned = partitioned
+        self._guard = guard
+        self._merge = merge
+        self._layout = layout
+        self.regularized = [v for v in owned if getattr(v, "regularizer", None)]
+        self._reg_fn = tf.function(self._regularization_and_grads)
+        self._has_regularizers = bool(
+            topology.pipeline_comm.allreduce(len(self.regularized) > 0, op=mpi_op("LOR"))
+        )
+        # Keras clips by the norm of the whole model's gradient: stages must agree on it.
+        self.clips_across_stages = partitioned and bool(
+            getattr(_inner(model.optimizer), "global_clipnorm", None)
+        )
+        self._squares_fn = tf.function(_sum_of_squares, reduce_retracing=True)
+        self._compiled: dict = {}
+
+    def loss_scale(self) -> float:
+        return loss_scale(self.model.optimizer)
+
+    def apply(self, gradients) -> float:
+        """Step the optimizer with the reduced `gradients` (`gradient_sync.Gradients`); return
+        the model's total regularization (collective over the pipeline)."""
+        if gradients.layout is None or self.clips_across_stages:  # the norm comes in between
+            return self._apply(gradients.as_list())
+        return self._apply_flat(gradients.flat, gradients.tables)
+
+    def regularization(self) -> float:
+        """The model's total weight regularization (collective over the pipeline)."""
+        return self._sum_over_pipeline(float(self._reg_fn()[0]) if self.regularized else 0.0)
+
+    def check_finite(self, losses, grads, step: int) -> None:
+        """Stop every rank together, naming step, rank and stage, on a NaN/Inf loss or gradient."""
+        problem = None
+        if any(not np.isfinite(float(loss)) for loss, _ in losses):
+            problem = "loss"
+        elif any(not _finite(g) for g in grads):
+            bad = next(v for v, g in zip(self.variables, grads) if not _finite(g))
+            problem = f"gradient of {bad.path}"
+        topo = self.topology
+        with self._guard("agree on numerics"):
+            reports = topo.world.allgather(
+                None if problem is None else (topo.rank, topo.stage, problem)
+            )
+        found = [r for r in reports if r is not None]
+        if found:
+            rank, stage, what = found[0]
+            raise AgreedError(
+                FloatingPointError(
+                    f"Non-finite {what} at step {step} on rank {rank} (pipeline stage "
+                    f"{stage}); check the inputs for NaN/Inf, lower the learning rate, or use "
+                    "gradient clipping."
+                )
+            )
+
+    def _regularization_and_grads(self):
+        with tf.GradientTape() as tape:
+            total = tf.add_n([tf.reduce_sum(v.regularizer(v)) for v in self.regularized])
+        return total, tape.gradient(total, self.regularized)
+
+    def _agree_finite_for_loss_scaling(self, grads: list) -> list:
+        """Under loss scaling, every stage must skip an overflowing step together: if any rank
+        saw Inf/NaN, all hand NaN gradients to their LossScaleOptimizer, which then skips the
+        step and lowers the scale identically everywhere."""
+        finite = all(_finite(g) for g in grads)
+        with self._guard("agree on finite scaled gradients"):
+            finite = self.topology.world.allreduce(finite, op=mpi_op("LAND"))
+        if finite:
+            return grads
+        return [
+            rows.like(g, tf.fill(tf.shape(rows.values_of(g)), tf.constant(float("nan"), g.dtype)))
+            for g in grads
+        ]
+
+    def _apply(self, grads: list) -> float:
+        """Add regularization gradients, step the optimizer; return the total regularization."""
+        reg_value = 0.0
+        if self.regularized:
+            value, reg_grads = self._reg_fn()
+            reg_value = float(value)
+            # the stage gradients are of the scaled loss
+            grads = self._add_regularization(grads, reg_grads, self.loss_scale())
+        reg_value = self._sum_over_pipeline(reg_value)
+        if isinstance(self.model.optimizer, LossScaleOptimizer):
+            grads = self._agree_finite_for_loss_scaling(grads)
+        norm = self._pipeline_norm(grads) if self.clips_across_stages else None
+        if self.variables:  # a stage of only Add/Activation layers has nothing to update
+            self._optimizer_step(grads, norm)
+        return reg_value
+
+    def _pipeline_norm(self, grads: list):
+        """Keras's global gradient norm of the whole model (its `global_clipnorm`): squares of
+        the variables each stage owns, summed over the pipeline (a shared layer counts once).
+        Collective over the pipeline."""
+        owned = {id(v) for v in self.owned}
+        mine = [g for v, g in zip(self.variables, grads) if id(v) in owned]
+        squares = 0.0
+        if mine:
+            squares = float(self._squares_fn(mine, tf.constant(self.loss_scale(), tf.float32)))
+        with self._guard("sum the gradient norm over the pipeline"):
+            total = self.topology.pipeline_comm.allreduce(squares)
+        return tf.constant(math.sqrt(total), tf.float32)
+
+    def _add_regularization(self, grads: list, reg_grads: list, scale) -> list:
+        """`grads` with the owned variables' regularization gradients (times the loss scale)."""
+        grads = list(grads)
+        position = {id(v): i for i, v in enumerate(self.variables)}
+        for v, g in zip(self.regularized, reg_grads):
+            i = position[id(v)]
+            # dense, as one process's tape sums a table's row slices and a dense gradient
+            grads[i] = tf.convert_to_tensor(grads[i]) + tf.cast(g, grads[i].dtype) * scale
+        return grads
+
+    def _apply_flat(self, flat, tables: list) -> float:
+        """`_apply` for reduced flat gradients, the update one compiled call: split into views,
+        add regularization, step the optimizer. Pipeline stages agree on a loss-scale overflow
+        first (an unpartitioned model's replicas hold the same sums: they see it alike)."""
+        if self._partitioned and isinstance(self.model.optimizer, LossScaleOptimizer):
+            (flat, *tables) = self._agree_finite_for_loss_scaling([flat, *tables])
+        update = self._compiled_update(self._flat_apply_body)
+        value = update(flat, tables, tf.constant(self.loss_scale(), tf.float32))
+        return self._sum_over_pipeline(float(value) if self.regularized else 0.0)
+
+    def _sum_over_pipeline(self, reg_value: float) -> float:
+        """This stage's regularization summed over its pipeline (as is, if no stage has any)."""
+        if not self._has_regularizers:
+            return reg_value
+        with self._guard("sum regularization over the pipeline"):
+            return self.topology.pipeline_comm.allreduce(reg_value)
+
+    def _flat_apply_body(self, flat, tables, scale):
+        grads = self._merge(self._layout.unflatten(flat), tables)
+        value = tf.constant(0.0)
+        if self.regularized:
+            value, reg_grads = self._regularization_and_grads()
+            grads = self._add_regularization(grads, reg_grads, scale)
+        self.model.optimizer.apply(grads, self.variables)
+        return value
+
+    def _optimizer_step(self, grads: list, norm=None) -> None:
+        """The optimizer's update as one compiled call, as Keras's own train step runs it (run
+        eagerly, Keras's optimizers dispatch a few dozen ops per variable); with `norm`,
+        clipped by that global norm instead of the stage's own."""
+        if norm is None:
+            self._compiled_update(self._optimizer_body)(list(grads))
+        else:
+            self._compiled_update(self._clipped_optimizer_body)(list(grads), norm)
+
+    def _optimizer_body(self, grads):
+        self.model.optimizer.apply(grads, self.variables)
+
+    def _clipped_optimizer_body(self, grads, norm):
+        """Keras's `clip_by_global_norm` with the whole model's norm, then the update."""
+        optimizer = _inner(self.model.optimizer)
+        clip = optimizer.global_clipnorm
+        scale = clip * ops.minimum(1.0 / norm, 1.0 / clip) + (norm - norm)  # NaN if not finite
+        optimizer.global_clipnorm = None  # clipped here; the stage alone would see its own norm
+        try:
+            self.model.optimizer.apply([g * scale for g in grads], self.variables)
+        finally:
+            optimizer.global_clipnorm = clip
+
+    def _compiled_update(self, body):
+        """`body` as a `tf.function`, traced anew for each optimizer object (a recompiled model
+        gets a new one), the optimizer built first: variables cannot be created in a trace."""
+        optimizer = self.model.optimizer
+        if not optimizer.built:
+            optimizer.build(self.variables)
+        name = body.__name__
+        if name not in self._compiled or self._compiled[name][0] is not optimizer:
+            # Tables' row counts vary by step: generalise shapes after a retrace, as Keras does.
+            self._compiled[name] = (optimizer, tf.function(body, reduce_retracing=True))
+        return self._compiled[name][1]
+
+
+def _inner(optimizer):
+    """The optimizer that clips: a LossScaleOptimizer's inner one."""
+    return optimizer.inner_optimizer if isinstance(optimizer, LossScaleOptimizer) else optimizer
+
+
+def _sum_of_squares(grads, scale):
+    """Keras's squared global norm of `grads` (row slices count each pair), unscaled."""
+    return ops.sum(ops.stack([ops.sum(ops.square(g)) for g in grads])) / ops.square(scale)
+
+
+def _finite(grad) -> bool:
+    return bool(tf.reduce_all(tf.math.is_finite(rows.values_of(grad))))

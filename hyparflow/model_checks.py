@@ -1,0 +1,109 @@
+"""Refuse, before any rank trains, models and inputs that hf.fit would train unlike Keras."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+from keras import tree
+
+from hyparflow import _keras
+from hyparflow.engine.random_slices import unsliceable_random_layers
+from hyparflow.engine.structure import model_input_list
+from hyparflow.engine.sync_batchnorm import synchronized_layers
+
+
+def check_compiled(model) -> None:
+    if not getattr(model, "compiled", False) or getattr(model, "optimizer", None) is None:
+        raise ValueError(
+            "The model is not compiled; call model.compile(optimizer=..., loss=...) before hf.fit."
+        )
+
+
+OWN_STEPS = ("train_step", "test_step", "compute_loss")
+
+
+def check_standard_steps(model) -> None:
+    """Refuse a model that overrides Keras's step or loss: hf.fit runs its own distributed
+    step, so that custom logic would silently not run."""
+    if getattr(model, "preprocessor", None) is not None and hasattr(model, "preprocess_samples"):
+        raise ValueError(
+            f"{type(model).__name__} has a preprocessor, which its own fit runs on the data and "
+            "hf.fit would not: build the task with preprocessor=None and preprocess the data "
+            "first (e.g. dataset.map(preprocessor))."
+        )
+    for name in OWN_STEPS:
+        if getattr(type(model), name, None) is not getattr(keras.Model, name):
+            raise ValueError(
+                f"{type(model).__name__} overrides Model.{name}, which hf.fit cannot run across "
+                "ranks (it runs its own pipeline step, so the override would be skipped); move "
+                "that logic into layers, losses or metrics, or train it with model.fit on one "
+                "process."
+            )
+
+
+def check_random_layers(model, strategy) -> None:
+    """Refuse random layers whose draws depend on the batch they see when the global batch is
+    cut into pieces (replicas, micro-batches): their results would differ from Keras's."""
+    if strategy.replicas * strategy.microbatches == 1:
+        return
+    names = unsliceable_random_layers(model)
+    if names:
+        raise ValueError(
+            f"Layers {names} draw random numbers that hyparflow cannot split over replicas and "
+            "micro-batches as Keras draws them for the whole batch (Dropout and attention "
+            "dropout can); apply such augmentation or noise in the input pipeline, or use "
+            "one replica and num_microbatches=1."
+        )
+
+
+def check_batchnorm(model, strategy) -> None:
+    """Refuse global-batch BatchNormalization statistics where a pipeline cannot have them: a
+    micro-batch is normalised before the later ones reach the layer."""
+    synced = synchronized_layers(_keras.all_layers(model), strategy.sync_batchnorm)
+    if synced and strategy.microbatches > 1:
+        raise ValueError(
+            f"BatchNormalization layers {[layer.name for layer in synced][:5]} normalise by the "
+            "whole global batch (synchronized=True or sync_batchnorm=True), which micro-batches "
+            "cannot see at once; use num_microbatches=1, or let each micro-batch normalise "
+            "alone (synchronized=False, sync_batchnorm=False)."
+        )
+
+
+def check_loss_reductions(model) -> None:
+    """The engine weights each micro-batch's mean loss by its share of the global batch, which
+    is exact for Keras's default "sum_over_batch_size" reduction."""
+    compile_loss = _keras.compiled_loss(model)
+    if compile_loss is None:
+        raise ValueError("The model was compiled without a loss; pass loss=... to compile().")
+    for loss_fn in tree.flatten(model.loss):
+        reduction = getattr(loss_fn, "reduction", "sum_over_batch_size")
+        if reduction not in ("sum_over_batch_size", "mean"):
+            raise ValueError(
+                f"Loss {getattr(loss_fn, 'name', loss_fn)!r} uses reduction {reduction!r}; "
+                "multi-rank training needs reduction='sum_over_batch_size' (Keras's default)."
+            )
+
+
+def check_inputs(model, x, check_numerics: bool, *arrays) -> None:
+    """Refuse inputs whose shapes the model cannot take, and NaN/Inf when asked to check."""
+    if isinstance(x, np.ndarray | list | tuple | dict) and getattr(model, "inputs", None):
+        given = model_input_list(model, x)
+        if len(given) == len(model.inputs):
+            for array, expected in zip(given, model.inputs):
+                shape, want = tuple(np.shape(array))[1:], tuple(expected.shape)[1:]
+                if len(shape) != len(want) or any(
+                    w is not None and w != s for s, w in zip(shape, want)
+                ):
+                    raise ValueError(
+                        f"Input of shape {tuple(np.shape(array))} does not fit the model input "
+                        f"{expected.name!r} of shape {tuple(expected.shape)}; reshape the data "
+                        "or build the model for it."
+                    )
+    if check_numerics:
+        for array in tree.flatten([x, *arrays]):
+            a = np.asarray(array) if array is not None else None
+            if a is not None and a.dtype.kind == "f" and not np.all(np.isfinite(a)):
+                raise ValueError(
+                    f"The data holds NaN or Inf ({int(np.sum(~np.isfinite(a)))} values in an "
+                    f"array of shape {a.shape}); clean it, or pass check_numerics=False."
+                )

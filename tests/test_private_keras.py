@@ -1,0 +1,73 @@
+"""Every entry of hyparflow._keras still reaches what it names in the installed Keras.
+
+Runs in `make test` and in the compatibility job (TensorFlow 2.17), so a Keras release that
+moves a private attribute fails here, by name, before it fails inside training.
+"""
+
+import keras
+import numpy as np
+
+from hyparflow import _keras
+
+
+def _model():
+    inputs = {"a": keras.Input((4,), name="a"), "b": keras.Input((2,), name="b")}
+    x = keras.layers.Concatenate()([inputs["a"], inputs["b"]])
+    x = keras.layers.Dense(3, activity_regularizer="l2", name="dense")(x)
+    x = keras.layers.BatchNormalization(name="norm")(x)
+    x = keras.layers.Dropout(0.5, seed=1, name="drop")(x)
+    model = keras.Model(inputs, [x, keras.layers.Dense(1, name="head")(x)])
+    model.compile(optimizer="sgd", loss=["mse", "mse"], metrics=[["mae"], []])
+    return model
+
+
+def test_compiled_model_entries():
+    model = _model()
+    data = {"a": np.ones((4, 4), "float32"), "b": np.ones((4, 2), "float32")}
+    model.evaluate(data, [np.ones((4, 3)), np.ones((4, 1))], verbose=0)
+    assert callable(_keras.compiled_loss(model))
+    assert _keras.compiled_metrics(model) is not None
+    assert isinstance(_keras.loss_tracker(model), keras.metrics.Mean)
+    logs = model.evaluate(data, [np.ones((4, 3)), np.ones((4, 1))], verbose=0, return_dict=True)
+    assert _keras.metrics_in_order(model, logs)[0] == logs["loss"]
+
+
+def test_layer_entries():
+    model = _model()
+    names = [layer.name for layer in _keras.all_layers(model, include_self=False)]
+    assert {"dense", "norm", "drop", "head"} <= set(names)
+    dense, norm, drop = (model.get_layer(n) for n in ("dense", "norm", "drop"))
+    dense(np.ones((2, 6), "float32"))
+    assert len(_keras.own_losses(dense)) == 1  # the activity regularizer's value
+    assert _keras.seed_generators(drop) and _keras.seed_generators(dense) == []
+    assert list(_keras.reduction_axes(norm)) == [0]
+    assert issubclass(keras.layers.SpatialDropout1D, _keras.BaseSpatialDropout)
+    assert hasattr(_keras.tf_random, "dropout")
+
+
+def test_functional_graph_entries():
+    model = _model()
+    assert isinstance(model, _keras.Functional)
+    sequential = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    assert isinstance(_keras.inner_functional(sequential), _keras.Functional)
+    assert sum(len(nodes) for nodes in _keras.nodes_by_depth(model).values()) >= 6
+    assert set(_keras.inputs_structure(model)) == {"a", "b"}
+    assert len(_keras.outputs_structure(model)) == 2
+    flat = _keras.standardize_inputs(model, {"b": np.zeros((1, 2)), "a": np.ones((1, 4))})
+    assert [tuple(t.shape) for t in flat] == [(1, 4), (1, 2)]
+    assert _keras.producer_name(model.outputs[1]) == "head"
+    assert _keras.unpack_singleton([7]) == 7
+    masked = keras.layers.Embedding(5, 2, mask_zero=True)(keras.Input((3,), dtype="int32"))
+    assert _keras.keras_mask(masked) is not None and _keras.keras_mask(model.outputs[0]) is None
+    node = _keras.nodes_by_depth(model)[0][0]
+    assert isinstance(node, _keras.Node)
+    cell = keras.layers.LSTMCell(2, dropout=0.1)
+    assert isinstance(cell, _keras.DropoutRNNCell)
+
+
+def test_data_adapter_entries():
+    x, y = np.arange(10.0), np.arange(10.0) % 2
+    (tx, ty), (vx, vy) = _keras.train_validation_split((x, y), 0.2)
+    assert len(tx) == 8 and list(vx) == [8.0, 9.0]
+    weights = _keras.class_weight_to_sample_weights(y.astype("int64"), {0: 1.0, 1: 3.0})
+    assert list(np.asarray(weights)[:2]) == [1.0, 3.0]
