@@ -13,6 +13,7 @@ from hyparflow.comm.allreduce import GradientReducer
 from hyparflow.comm.p2p import BACKWARD, FORWARD, PipeChannel
 from hyparflow.comm.topology import Topology
 from hyparflow.engine.flat import FlatLayout
+from hyparflow.launch.malloc import keep_temporaries_in_heap
 from tests.support.report import report, run_or_abort
 from tests.support.tensors import address, same
 
@@ -286,12 +287,13 @@ def check_allreduce(topo):
 
 
 def check_huge_pages(topo):
-    """A 6 MiB activation and its gradient: exact values, promoted pages, huge receive buffers."""
+    """A 6 MiB activation and its gradient: exact values, promoted pages, huge receive buffers,
+    with promotion opted in to as hf.Strategy(tune_process=True) does."""
     first = topo.is_first_stage
     peer = topo.next_rank if first else topo.prev_rank
     shape = (6 * 256, 1024)  # 6 MiB of float32
     channel = PipeChannel(topo.pipeline_comm, peer, [(shape, "float32")], 1)
-    worker = hugepages.promoter()
+    worker = hugepages.start_promoting(keep_temporaries_in_heap())
     out = {"enabled": worker.enabled, "reason": worker.reason, "values_ok": [], "collapsed": []}
     base = tf.reshape(tf.range(np.prod(shape), dtype=tf.float32), shape)
     for step in range(3):
