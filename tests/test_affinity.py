@@ -7,8 +7,8 @@ import pytest
 
 from hyparflow.comm.topology import Grid
 from hyparflow.launch.affinity import core_for_rank, deal_to_cores
-from tests.mpirun import run_scenario
-from tests.probe import python_output
+from tests.support.mpirun import run_scenario
+from tests.support.probe import python_output
 
 TWO_CORES = frozenset({2, 5})
 

@@ -1,8 +1,11 @@
 """Keras callbacks under hf.fit (real mpirun, 2-stage pipeline) behave as in model.fit."""
 
+import keras
 import pytest
 
-from tests.mpirun import run_scenario
+import hyparflow as hf
+from hyparflow.engine.loops import needs_batch_logs
+from tests.support.mpirun import run_scenario
 
 
 @pytest.fixture(scope="module")
@@ -59,11 +62,6 @@ def test_batch_logs_reach_callbacks_every_batch_as_in_keras(results):
 
 
 def test_only_callbacks_that_act_per_batch_need_each_batch_logs():
-    import keras
-
-    import hyparflow as hf
-    from hyparflow.engine.loops import needs_batch_logs
-
     def progbar(verbose):
         bar = keras.callbacks.ProgbarLogger()
         bar.set_params({"verbose": verbose, "epochs": 1, "steps": 1})

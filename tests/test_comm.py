@@ -22,7 +22,7 @@ from hyparflow.comm.p2p import (
     header_tag,
     message_tag,
 )
-from tests.mpirun import run_scenario
+from tests.support.mpirun import run_scenario
 from tests.test_hugepages import hugepages_expected
 
 COMM_DIR = pathlib.Path(__file__).parent.parent / "hyparflow" / "comm"

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from tests.mpirun import REPO
+from tests.support.mpirun import REPO
 
 CONTAINERS = os.path.join(REPO, "containers")
 VARIANTS = ("cpu", "gpu")

@@ -1,152 +1,152 @@
 """hf.fit under a real mpirun gives the weights and History of single-process Keras.
 
-Each launch trains many small configurations; every rank also trains the Keras reference
-from the same initial weights and compares its own copy of the trained model.
+One launch per rank count trains every case; every rank also trains the Keras reference from
+the same initial weights and compares its own copy of the trained model. Each case is then its
+own test (tests/support/cases.py).
 """
 
 import os
 
 import pytest
 
-from tests.mpirun import launch, run_scenario
+from tests.support.cases import Case, run_cases, selected
+from tests.support.mpirun import launch
 
-# model:optimizer:strategy:partitions:replicas:microbatches:schedule
+# Case(model, optimizer, kind, ...): models and optimizers of tests/support/models.py
 TWO_RANKS = [
-    "mlp:sgd:data:1:2:1:gpipe",
-    "cnn:adam:data:1:2:1:gpipe",
-    "resnet:sgd:data:1:2:1:gpipe",
-    "multi_io:adam:data:1:2:1:gpipe",
-    "shared:sgd:data:1:2:1:gpipe",
-    "l2_mlp:adam:data:1:2:1:gpipe",
-    "mlp:sgd:model:2:1:1:gpipe",
-    "sequential:adam:model:2:1:2:1f1b",
-    "mlp:adam:model:2:1:4:1f1b",
-    "cnn:sgd:model:2:1:2:1f1b",
-    "resnet:adam:model:2:1:2:gpipe",
-    "resnet:sgd:model:2:1:4:1f1b",
-    "multi_io:adam:model:2:1:2:1f1b",
-    "multi_io:sgd:model:2:1:1:gpipe",
-    "shared:sgd:model:2:1:2:1f1b",
-    "shared:adam:model:2:1:4:gpipe",
-    "l2_mlp:sgd:model:2:1:2:gpipe",
-    "l2_mlp:adam:model:2:1:1:1f1b",
-    "batchnorm:sgd:model:2:1:1:gpipe",
-    "batchnorm:adam:model:2:1:1:1f1b",
-    "resnet:schedule:model:2:1:2:1f1b",
-    "l2_mlp:adam16:model:2:1:2:1f1b",
-    "l2_mlp:adambf16:model:2:1:1:gpipe",
-    "batchnorm:adam:model:2:1:1:1f1b-recompute",
-    "resnet:sgd:model:2:1:4:gpipe-recompute",
-    "multi_io:adam:model:2:1:4:1f1b-blocking",
-    "cnn:sgd:data:1:2:2:1f1b-overlap",
-    "mlp:adam:data:1:2:2:gpipe-listgrads",
+    Case("mlp", "sgd", "data", replicas=2),
+    Case("cnn", "adam", "data", replicas=2),
+    Case("resnet", "sgd", "data", replicas=2),
+    Case("multi_io", "adam", "data", replicas=2),
+    Case("shared", "sgd", "data", replicas=2),
+    Case("l2_mlp", "adam", "data", replicas=2),
+    Case("mlp", "sgd", "model", partitions=2),
+    Case("sequential", "adam", "model", partitions=2, microbatches=2, schedule="1f1b"),
+    Case("mlp", "adam", "model", partitions=2, microbatches=4, schedule="1f1b"),
+    Case("cnn", "sgd", "model", partitions=2, microbatches=2, schedule="1f1b"),
+    Case("resnet", "adam", "model", partitions=2, microbatches=2),
+    Case("resnet", "sgd", "model", partitions=2, microbatches=4, schedule="1f1b"),
+    Case("multi_io", "adam", "model", partitions=2, microbatches=2, schedule="1f1b"),
+    Case("multi_io", "sgd", "model", partitions=2),
+    Case("shared", "sgd", "model", partitions=2, microbatches=2, schedule="1f1b"),
+    Case("shared", "adam", "model", partitions=2, microbatches=4),
+    Case("l2_mlp", "sgd", "model", partitions=2, microbatches=2),
+    Case("l2_mlp", "adam", "model", partitions=2, schedule="1f1b"),
+    Case("batchnorm", "sgd", "model", partitions=2),
+    Case("batchnorm", "adam", "model", partitions=2, schedule="1f1b"),
+    Case("resnet", "schedule", "model", partitions=2, microbatches=2, schedule="1f1b"),
+    Case("l2_mlp", "adam", "model", partitions=2, microbatches=2, schedule="1f1b",
+         policy="mixed_float16"),
+    Case("l2_mlp", "adam", "model", partitions=2, policy="mixed_bfloat16"),
+    Case("batchnorm", "adam", "model", partitions=2, schedule="1f1b", recompute=True),
+    Case("resnet", "sgd", "model", partitions=2, microbatches=4, recompute=True),
+    Case("multi_io", "adam", "model", partitions=2, microbatches=4, schedule="1f1b", blocking=True),
+    Case("cnn", "sgd", "data", replicas=2, microbatches=2, schedule="1f1b", overlap_groups=3),
+    Case("mlp", "adam", "data", replicas=2, microbatches=2, flat_gradients=False),
     # an embedding table's row-sparse gradients through every gradient path
-    "embedding:adam:data:1:2:2:gpipe",
-    "embedding:adam:data:1:2:2:gpipe-listgrads",
-    "embedding:adam:model:2:1:2:1f1b-recompute",
-    "embedding:adam:model:2:1:2:gpipe-blocking",
-    "embedding:adam16:model:2:1:2:1f1b",
-]
+    Case("embedding", "adam", "data", replicas=2, microbatches=2),
+    Case("embedding", "adam", "data", replicas=2, microbatches=2, flat_gradients=False),
+    Case("embedding", "adam", "model", partitions=2, microbatches=2, schedule="1f1b",
+         recompute=True),
+    Case("embedding", "adam", "model", partitions=2, microbatches=2, blocking=True),
+    Case("embedding", "adam", "model", partitions=2, microbatches=2, schedule="1f1b",
+         policy="mixed_float16"),
+]  # fmt: skip
 FOUR_RANKS = [
-    "mlp:adam:data:1:4:1:gpipe",
-    "cnn:sgd:data:1:4:1:gpipe",
-    "resnet:adam:data:1:4:1:gpipe",
-    "multi_io:sgd:data:1:4:1:gpipe",
-    "l2_mlp:sgd:data:1:4:1:gpipe",
-    "mlp:sgd:model:4:1:4:gpipe",
-    "sequential:sgd:hybrid:2:2:2:gpipe",
-    "mlp:adam:model:4:1:2:1f1b",
-    "resnet:adam:model:4:1:4:1f1b",
-    "resnet:sgd:model:4:1:1:gpipe",
-    "cnn:adam:model:4:1:2:gpipe",
-    "multi_io:adam:model:4:1:2:1f1b",
-    "shared:sgd:model:4:1:4:1f1b",
-    "l2_mlp:adam:model:4:1:2:gpipe",
-    "batchnorm:sgd:model:4:1:1:1f1b",
-    "mlp:adam:hybrid:2:2:2:1f1b",
-    "resnet:sgd:hybrid:2:2:2:gpipe",
-    "cnn:adam:hybrid:2:2:1:1f1b",
-    "multi_io:sgd:hybrid:2:2:2:1f1b",
-    "shared:adam:hybrid:2:2:2:gpipe",
-    "l2_mlp:sgd:hybrid:2:2:2:1f1b",
-    "cnn:schedule:hybrid:2:2:2:gpipe",
-    "resnet:adam16:hybrid:2:2:2:gpipe",
-    "cnn:adam:hybrid:2:2:2:1f1b-recompute",
-    "resnet:adam:model:4:1:4:gpipe-blocking",
-    "mlp:adam:data:1:4:2:gpipe-overlap",
-    "resnet:sgd:hybrid:2:2:2:1f1b-overlap",
-    "multi_io:adam:hybrid:2:2:2:gpipe-overlap-recompute",
-    "l2_mlp:adam:hybrid:2:2:2:1f1b-listgrads",
-    "resnet:adam:hybrid:2:2:2:1f1b-varbackward",
-    "embedding:adam:hybrid:2:2:2:1f1b-varbackward",
-    "embedding:adam:hybrid:2:2:2:gpipe-listgrads",
-]
+    Case("mlp", "adam", "data", replicas=4),
+    Case("cnn", "sgd", "data", replicas=4),
+    Case("resnet", "adam", "data", replicas=4),
+    Case("multi_io", "sgd", "data", replicas=4),
+    Case("l2_mlp", "sgd", "data", replicas=4),
+    Case("mlp", "sgd", "model", partitions=4, microbatches=4),
+    Case("sequential", "sgd", "hybrid", partitions=2, replicas=2, microbatches=2),
+    Case("mlp", "adam", "model", partitions=4, microbatches=2, schedule="1f1b"),
+    Case("resnet", "adam", "model", partitions=4, microbatches=4, schedule="1f1b"),
+    Case("resnet", "sgd", "model", partitions=4),
+    Case("cnn", "adam", "model", partitions=4, microbatches=2),
+    Case("multi_io", "adam", "model", partitions=4, microbatches=2, schedule="1f1b"),
+    Case("shared", "sgd", "model", partitions=4, microbatches=4, schedule="1f1b"),
+    Case("l2_mlp", "adam", "model", partitions=4, microbatches=2),
+    Case("batchnorm", "sgd", "model", partitions=4, schedule="1f1b"),
+    Case("mlp", "adam", "hybrid", partitions=2, replicas=2, microbatches=2, schedule="1f1b"),
+    Case("resnet", "sgd", "hybrid", partitions=2, replicas=2, microbatches=2),
+    Case("cnn", "adam", "hybrid", partitions=2, replicas=2, schedule="1f1b"),
+    Case("multi_io", "sgd", "hybrid", partitions=2, replicas=2, microbatches=2, schedule="1f1b"),
+    Case("shared", "adam", "hybrid", partitions=2, replicas=2, microbatches=2),
+    Case("l2_mlp", "sgd", "hybrid", partitions=2, replicas=2, microbatches=2, schedule="1f1b"),
+    Case("cnn", "schedule", "hybrid", partitions=2, replicas=2, microbatches=2),
+    Case("resnet", "adam", "hybrid", partitions=2, replicas=2, microbatches=2,
+         policy="mixed_float16"),
+    Case("cnn", "adam", "hybrid", partitions=2, replicas=2, microbatches=2, schedule="1f1b",
+         recompute=True),
+    Case("resnet", "adam", "model", partitions=4, microbatches=4, blocking=True),
+    Case("mlp", "adam", "data", replicas=4, microbatches=2, overlap_groups=3),
+    Case("resnet", "sgd", "hybrid", partitions=2, replicas=2, microbatches=2, schedule="1f1b",
+         overlap_groups=3),
+    Case("multi_io", "adam", "hybrid", partitions=2, replicas=2, microbatches=2, recompute=True,
+         overlap_groups=3),
+    Case("l2_mlp", "adam", "hybrid", partitions=2, replicas=2, microbatches=2, schedule="1f1b",
+         flat_gradients=False),
+    Case("resnet", "adam", "hybrid", partitions=2, replicas=2, microbatches=2, schedule="1f1b",
+         large_variables=True),
+    Case("embedding", "adam", "hybrid", partitions=2, replicas=2, microbatches=2, schedule="1f1b",
+         large_variables=True),
+    Case("embedding", "adam", "hybrid", partitions=2, replicas=2, microbatches=2,
+         flat_gradients=False),
+]  # fmt: skip
 TOLERANCE = 1e-5
 # mixed_float16: Keras and the pipeline round float16 activations of different micro-batch
 # shapes differently; weights agree to about 1e-3, and the dynamic loss scale exactly.
 MIXED_TOLERANCE = 5e-3
 
 
-def _check(results, configs):
-    for rank_result in results:
-        assert [r["config"] for r in rank_result["results"]] == configs
-        for r in rank_result["results"]:
-            where = f"rank {rank_result['rank']}, {r['config']}"
-            tol = MIXED_TOLERANCE if "16:" in r["config"] else TOLERANCE
-            assert r["weights"] < tol, f"{where}: weights differ by {r['weights']:.2e}"
-            assert r["keys"] == r["ref_keys"], f"{where}: History keys differ"
-            assert r["history"] < tol, f"{where}: History differs by {r['history']:.2e}"
-            assert r["predict"] < tol, f"{where}: predict differs by {r['predict']:.2e}"
-            assert r["evaluate"] < tol, f"{where}: evaluate differs by {r['evaluate']:.2e}"
-            assert r["loss_scale"] == r["ref_loss_scale"], f"{where}: loss scales differ"
-            if "overlap" in r["config"]:  # reductions really started inside the backward
-                assert r["overlap_early_starts"], f"{where}: no gradient reduced early"
-            partitions = int(r["config"].split(":")[3])
-            replicas = int(r["config"].split(":")[4])
-            # Gradients travel as one flat tensor unless a list is needed: layers shared by
-            # stages are summed per variable over the pipeline, overlap reduces per segment
-            # (and a stage of only pooling/reshaping layers has no gradients at all; an
-            # embedding table's gradients are row slices, kept beside the flat tensor).
-            # Large variables (forced by "varbackward") are summed per variable and
-            # flattened once per step, only to be reduced across replicas.
-            per_variable = "varbackward" in r["config"]
-            flat = (
-                (partitions > 1 or replicas > 1)
-                and r["dense_variables"] > 0
-                and "overlap" not in r["config"]
-                and "listgrads" not in r["config"]
-                and not r["shared_across_stages"]
-                and (replicas > 1 or not per_variable)
-            )
-            assert r["flat_gradients"] == flat, f"{where}: flat gradients {r['flat_gradients']}"
-            if flat and partitions > 1:
-                assert r["flat_backward"] == (not per_variable), f"{where}: flat backward"
-            if partitions > 1:  # optimizer state lives only with the stage's own variables
-                assert r["optimizer_variables"] < r["reference_optimizer_variables"], where
+@pytest.fixture(scope="module")
+def two_ranks(request):
+    return run_cases("equivalence", 2, selected(request, TWO_RANKS), timeout=540)
+
+
+@pytest.fixture(scope="module")
+def four_ranks(request):
+    return run_cases("equivalence", 4, selected(request, FOUR_RANKS), timeout=840)
+
+
+def _check(case, ranks):
+    tol = TOLERANCE if case.policy == "float32" else MIXED_TOLERANCE
+    for r in ranks:
+        where = f"rank {r['rank']}"
+        assert r["weights"] < tol, f"{where}: weights differ by {r['weights']:.2e}"
+        assert r["keys"] == r["ref_keys"], f"{where}: History keys differ"
+        assert r["history"] < tol, f"{where}: History differs by {r['history']:.2e}"
+        assert r["predict"] < tol, f"{where}: predict differs by {r['predict']:.2e}"
+        assert r["evaluate"] < tol, f"{where}: evaluate differs by {r['evaluate']:.2e}"
+        assert r["loss_scale"] == r["ref_loss_scale"], f"{where}: loss scales differ"
+        if case.overlap_groups > 1:  # reductions really started inside the backward
+            assert r["overlap_early_starts"], f"{where}: no gradient reduced early"
+        if case.partitions > 1:  # optimizer state lives only with the stage's own variables
+            assert r["optimizer_variables"] < r["reference_optimizer_variables"], where
 
 
 @pytest.mark.timeout(600)
-def test_two_ranks_match_keras():
-    results = run_scenario("equivalence", 2, *TWO_RANKS, timeout=540)
-    _check(results, TWO_RANKS)
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) >= 2:  # a core per rank: left where the launcher put them
-        assert all(c["thread_cores"] == [cores] for r in results for c in r["results"])
+@pytest.mark.parametrize("case", TWO_RANKS, ids=str)
+def test_two_ranks_match_keras(two_ranks, case):
+    _check(case, two_ranks[case.id])
 
 
 @pytest.mark.timeout(900)
-def test_four_ranks_match_keras():
-    results = run_scenario("equivalence", 4, *FOUR_RANKS, timeout=840)
-    _check(results, FOUR_RANKS)
-    # more ranks than cores: hf.fit pinned every thread of rank r to one core, rank r mod
-    # cores for one stage or one replica, stages mixed on each core for 2 x 2 (2 cores)
+@pytest.mark.parametrize("case", FOUR_RANKS, ids=str)
+def test_four_ranks_match_keras(four_ranks, case):
+    _check(case, four_ranks[case.id])
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("ranks", ["two_ranks", "four_ranks"])
+def test_default_fit_leaves_cpu_affinity_unchanged(ranks, request):
+    """Every thread of every rank keeps the cores the launch gave it (mpirun --bind-to none:
+    this process's), in every case: hf.fit pins nothing unless asked to."""
     cores = sorted(os.sched_getaffinity(0))
-    for rank, result in enumerate(results):
-        for config, ran in zip(FOUR_RANKS, result["results"]):
-            hybrid = config.split(":")[2] == "hybrid"
-            dealt = [0, 1, 1, 0][rank] if hybrid and len(cores) == 2 else rank % len(cores)
-            expected = [[cores[dealt]]] if len(cores) < 4 else [cores]
-            assert ran["thread_cores"] == expected, f"rank {rank}, {config}: {ran['thread_cores']}"
+    for case, results in request.getfixturevalue(ranks).items():
+        for r in results:
+            assert r["thread_cores"] == [cores], f"rank {r['rank']}, {case}: {r['thread_cores']}"
 
 
 MISUSE = {

@@ -1,10 +1,17 @@
 """hf.fit on one process is model.fit: same final weights and the same History."""
 
+import os
+import subprocess
+import sys
+import textwrap
+
+import h5py
 import keras
 import numpy as np
 import pytest
 
 import hyparflow as hf
+from tests.support.mpirun import MPI_ENV
 
 
 def _model():
@@ -91,8 +98,6 @@ def test_rank_and_size_without_launcher():
 
 
 def test_hf_fit_reads_hdf5_on_one_process_like_arrays(tmp_path):
-    import h5py
-
     x, y, _ = _data()
     path = str(tmp_path / "train.h5")
     with h5py.File(path, "w") as f:
@@ -115,13 +120,6 @@ def test_hf_fit_reads_hdf5_on_one_process_like_arrays(tmp_path):
 def test_one_process_does_not_start_mpi_so_mpirun_from_it_works():
     """A process that started MPI as a singleton breaks any mpirun it launches; hf.fit on one
     process must therefore never start MPI (checked in a clean child interpreter)."""
-    import os
-    import subprocess
-    import sys
-    import textwrap
-
-    from tests.mpirun import MPI_ENV
-
     script = textwrap.dedent(
         """
         import subprocess, sys

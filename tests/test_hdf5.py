@@ -3,6 +3,7 @@
 import sys
 
 import h5py
+import keras
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -10,19 +11,17 @@ from hypothesis import strategies as st
 
 from hyparflow.data import HDF5, ArraySource, piece_bounds
 from hyparflow.data.hdf5 import Rows, read_rows
-from tests.mpi.hdf5_inputs import sample_weights
-from tests.mpi.models import data
-from tests.mpirun import run_scenario
+from tests.support.compare import relative_difference
+from tests.support.models import compiled, data, sample_weights
+from tests.support.mpirun import run_scenario
 
 TOLERANCE = 1e-5
 GIB = 1 << 30
 FEATURES = 1024  # rows of 4 KiB: 262,144 rows make the 1 GiB file
 
 
-@pytest.fixture
-def small_file(tmp_path):
-    """The arrays of tests.mpi.models.data for "mlp" and "multi_io", plus sample ids."""
-    path = tmp_path / "small.h5"
+def _write_small(path):
+    """The arrays of tests.support.models.data for "mlp" and "multi_io", plus sample ids."""
     x, y = data("mlp")
     mx, my = data("multi_io")
     with h5py.File(path, "w") as f:
@@ -35,9 +34,12 @@ def small_file(tmp_path):
     return path
 
 
-def _equal(a, b) -> bool:
-    import keras
+@pytest.fixture
+def small_file(tmp_path):
+    return _write_small(tmp_path / "small.h5")
 
+
+def _equal(a, b) -> bool:
     flat_a, flat_b = keras.tree.flatten(a), keras.tree.flatten(b)
     return len(flat_a) == len(flat_b) and all(
         (p is None and q is None) or np.array_equal(np.asarray(p), np.asarray(q))
@@ -145,9 +147,6 @@ def test_missing_h5py_names_the_extra(small_file, monkeypatch):
 
 
 def test_one_process_keras_fit_matches_arrays(small_file):
-    from tests.mpi.compare import relative_difference
-    from tests.mpi.models import compiled
-
     x, y = data("mlp")
     reference = compiled("mlp", "sgd")
     reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
@@ -157,25 +156,37 @@ def test_one_process_keras_fit_matches_arrays(small_file):
     assert relative_difference(model.get_weights(), reference.get_weights()) < TOLERANCE
 
 
-def _check(results, expected_cases):
+# hf.Strategy kinds, each training from every reader of tests/mpi/hdf5_inputs.py
+KINDS = ["data", "model"]
+READERS = ["mlp", "sample_weight", "multi_io", "list_inputs", "shuffled"]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """One 2-rank launch for every kind and reader: case "<kind>-<reader>" -> rank results."""
+    path = _write_small(tmp_path_factory.mktemp("hdf5") / "small.h5")
+    results = run_scenario("hdf5_inputs", 2, "equivalence", str(path), *KINDS, timeout=540)
+    cases = [f"{kind}-{reader}" for kind in KINDS for reader in READERS]
+    by_case = {case: [] for case in cases}
     for rank_result in results:
-        assert [r["case"] for r in rank_result["results"]] == expected_cases
+        assert [r["case"] for r in rank_result["results"]] == cases
         for r in rank_result["results"]:
-            where = f"rank {rank_result['rank']}, {r['case']}"
-            assert r["weights"] < TOLERANCE, f"{where}: weights differ by {r['weights']:.2e}"
-            if "history" in r:
-                assert r["history"] < TOLERANCE, f"{where}: History differs by {r['history']}"
-                assert r["evaluate"] < TOLERANCE, f"{where}: evaluate differs by {r['evaluate']}"
-            else:  # the shuffled case: shuffling really changed the batches
-                assert r["differs_from_unshuffled"] > 1e-3, where
+            by_case[r["case"]].append({"rank": rank_result["rank"], **r})
+    return by_case
 
 
 @pytest.mark.timeout(600)
-def test_two_ranks_match_keras(small_file):
-    kinds = ["data", "model"]
-    names = ["mlp", "sample_weight", "multi_io", "list_inputs", "shuffled"]
-    results = run_scenario("hdf5_inputs", 2, "equivalence", str(small_file), *kinds, timeout=540)
-    _check(results, [f"{kind}:{name}" for kind in kinds for name in names])
+@pytest.mark.parametrize("reader", READERS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_two_ranks_match_keras(two_ranks, kind, reader):
+    for r in two_ranks[f"{kind}-{reader}"]:
+        where = f"rank {r['rank']}"
+        assert r["weights"] < TOLERANCE, f"{where}: weights differ by {r['weights']:.2e}"
+        if reader == "shuffled":  # shuffling really changed the batches
+            assert r["differs_from_unshuffled"] > 1e-3, where
+        else:
+            assert r["history"] < TOLERANCE, f"{where}: History differs by {r['history']}"
+            assert r["evaluate"] < TOLERANCE, f"{where}: evaluate differs by {r['evaluate']}"
 
 
 def _write_large(path, size: int) -> None:
@@ -202,7 +213,7 @@ def test_training_on_a_1_gib_file_stays_far_below_its_size(tmp_path):
     finally:
         path.unlink(missing_ok=True)
     for rank_result in results:
-        assert [r["case"] for r in rank_result["results"]] == ["data:memory", "model:memory"]
+        assert [r["case"] for r in rank_result["results"]] == ["data-memory", "model-memory"]
         for r in rank_result["results"]:
             growth = r["peak_growth_mib"]
             where = f"rank {rank_result['rank']}, {r['case']}"

@@ -13,7 +13,8 @@ from mpi4py import MPI
 from hyparflow.comm.allreduce import GradientReducer
 from hyparflow.comm.backends import check_backend, make_reducer
 from hyparflow.comm.topology import Topology
-from tests.mpirun import run_scenario
+from tests.support.cases import Case, run_cases, selected
+from tests.support.mpirun import run_scenario
 
 HAVE_HOROVOD = importlib.util.find_spec("horovod") is not None
 needs_horovod = pytest.mark.skipif(
@@ -21,46 +22,59 @@ needs_horovod = pytest.mark.skipif(
     reason="Horovod is not installed in this venv; `make test-compat` builds it and runs this",
 )
 
-# model:optimizer:strategy:partitions:replicas:microbatches:schedule
+# Case(model, optimizer, kind, ...): models and optimizers of tests/support/models.py
 TWO_RANKS = [
-    "mlp:sgd:data:1:2:1:gpipe",
-    "embedding:adam:data:1:2:2:gpipe",  # row-sparse table gradients: gathered over MPI
-    "cnn:adam:data:1:2:1:gpipe",
-    "shared:sgd:data:1:2:1:gpipe",
+    Case("mlp", "sgd", "data", replicas=2),
+    # row-sparse table gradients: gathered over MPI
+    Case("embedding", "adam", "data", replicas=2, microbatches=2),
+    Case("cnn", "adam", "data", replicas=2),
+    Case("shared", "sgd", "data", replicas=2),
 ]
 FOUR_RANKS = [
-    "mlp:adam:hybrid:2:2:2:1f1b",
-    "resnet:sgd:hybrid:2:2:2:gpipe",
-    "mlp:adam:data:1:4:1:gpipe",  # a second grid in the same processes: new process sets
-    "l2_mlp:sgd:hybrid:2:2:1:1f1b",  # the first grid again: its process sets are reused
-    "mlp:sgd:model:4:1:2:gpipe",  # one replica per stage: nothing for Horovod to sum
+    Case("mlp", "adam", "hybrid", partitions=2, replicas=2, microbatches=2, schedule="1f1b"),
+    Case("resnet", "sgd", "hybrid", partitions=2, replicas=2, microbatches=2),
+    # a second grid in the same processes: new process sets
+    Case("mlp", "adam", "data", replicas=4),
+    # the first grid again: its process sets are reused
+    Case("l2_mlp", "sgd", "hybrid", partitions=2, replicas=2, schedule="1f1b"),
+    # one replica per stage: nothing for Horovod to sum
+    Case("mlp", "sgd", "model", partitions=4, microbatches=2),
 ]
 TOLERANCE = 1e-5
 
 
-def _check(results, configs):
-    for rank_result in results:
-        assert [r["config"] for r in rank_result["results"]] == configs
-        for r in rank_result["results"]:
-            where = f"rank {rank_result['rank']}, {r['config']}"
-            assert r["reducer"] == "HorovodReducer", where
-            replicas = int(r["config"].split(":")[4])
-            assert (r["horovod_calls"] > 0) == (replicas > 1), f"{where}: {r['horovod_calls']}"
-            for key in ("horovod_vs_mpi", "horovod_vs_keras", "mpi_vs_keras", "history_vs_keras"):
-                assert r[key] < TOLERANCE, f"{where}: {key} is {r[key]:.2e}"
-            assert r["predict_vs_mpi"] < TOLERANCE, f"{where}: predict {r['predict_vs_mpi']:.2e}"
+@pytest.fixture(scope="module")
+def two_ranks(request):
+    return run_cases("horovod_fit", 2, selected(request, TWO_RANKS), timeout=540)
+
+
+@pytest.fixture(scope="module")
+def four_ranks(request):
+    return run_cases("horovod_fit", 4, selected(request, FOUR_RANKS), timeout=840)
+
+
+def _check(case, ranks):
+    for r in ranks:
+        where = f"rank {r['rank']}"
+        assert r["reducer"] == "HorovodReducer", where
+        assert (r["horovod_calls"] > 0) == (case.replicas > 1), f"{where}: {r['horovod_calls']}"
+        for key in ("horovod_vs_mpi", "horovod_vs_keras", "mpi_vs_keras", "history_vs_keras"):
+            assert r[key] < TOLERANCE, f"{where}: {key} is {r[key]:.2e}"
+        assert r["predict_vs_mpi"] < TOLERANCE, f"{where}: predict {r['predict_vs_mpi']:.2e}"
 
 
 @needs_horovod
 @pytest.mark.timeout(600)
-def test_horovod_data_parallel_two_ranks_matches_mpi_and_keras():
-    _check(run_scenario("horovod_fit", 2, *TWO_RANKS, timeout=540), TWO_RANKS)
+@pytest.mark.parametrize("case", TWO_RANKS, ids=str)
+def test_horovod_data_parallel_two_ranks_matches_mpi_and_keras(two_ranks, case):
+    _check(case, two_ranks[case.id])
 
 
 @needs_horovod
 @pytest.mark.timeout(900)
-def test_horovod_hybrid_four_ranks_matches_mpi_and_keras():
-    _check(run_scenario("horovod_fit", 4, *FOUR_RANKS, timeout=840), FOUR_RANKS)
+@pytest.mark.parametrize("case", FOUR_RANKS, ids=str)
+def test_horovod_hybrid_four_ranks_matches_mpi_and_keras(four_ranks, case):
+    _check(case, four_ranks[case.id])
 
 
 def test_backends_are_checked_and_mpi_is_the_fused_reducer():

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from hyparflow.comm.hugepages import THP_SETTING, covered_pages, thp_allowed
-from tests.probe import python_output
+from tests.support.probe import python_output
 
 
 def hugepages_expected() -> bool:

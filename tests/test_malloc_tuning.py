@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from tests.probe import python_output
+from tests.support.probe import python_output
 
 PROBE = """
 import ctypes, ctypes.util, sys

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from tests.mpirun import launch, run_scenario
+from tests.support.mpirun import launch, run_scenario
 
 
 def test_two_ranks_see_each_other_and_move_tensors():

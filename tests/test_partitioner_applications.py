@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from hyparflow.partitioner import partition
-from tests.partitioner_support import check_plan
+from tests.support.partitioner import check_plan
 
 BUILDERS = {
     "ResNet50": keras.applications.ResNet50,

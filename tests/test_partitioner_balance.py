@@ -1,5 +1,6 @@
 """The exact contiguous split (balance DP) against brute force, and its cost model."""
 
+import doctest
 import itertools
 
 import numpy as np
@@ -7,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hyparflow.partitioner.balance import split_contiguous, stage_costs
+from hyparflow.partitioner import balance
+from hyparflow.partitioner.balance import split_between, split_contiguous, stage_costs
 
 
 def brute_force_bottleneck(costs, num_parts, cut_costs=None):
@@ -78,16 +80,10 @@ def test_large_inputs_are_handled_quickly_without_recursion():
 
 
 def test_balance_docstring_examples_hold():
-    import doctest
-
-    from hyparflow.partitioner import balance
-
     assert doctest.testmod(balance).failed == 0
 
 
 def test_no_stage_begins_at_a_forbidden_position():
-    from hyparflow.partitioner.balance import split_between
-
     costs = [1.0, 5.0, 1.0, 1.0, 5.0, 1.0]
     assert split_between(costs, 2) == [0, 3]  # the cheapest split, without constraints
     starts = split_between(costs, 2, forbidden=[2, 3])

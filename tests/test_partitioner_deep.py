@@ -9,7 +9,7 @@ import pytest
 from keras import layers
 
 from hyparflow.partitioner import partition
-from tests.partitioner_support import check_outputs
+from tests.support.partitioner import check_outputs
 
 
 def deep_chain(depth, width=4):

@@ -8,7 +8,7 @@ import pytest
 from keras import layers
 
 from hyparflow.partitioner import BoundaryTensor, Plan, Stage, partition
-from tests.partitioner_support import check_plan, leaf_layer_names
+from tests.support.partitioner import check_plan, leaf_layer_names
 
 RNG = np.random.default_rng(0)
 PARTITIONS = [1, 2, 3, 4]

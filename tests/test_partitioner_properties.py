@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from keras import layers
 
 from hyparflow.partitioner import partition
-from tests.partitioner_support import check_plan
+from tests.support.partitioner import check_plan
 
 
 @st.composite

@@ -12,18 +12,25 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 
+import keras
+import numpy as np
 import pytest
+from tensorboard.backend.event_processing import event_accumulator as ea
 
+import hyparflow as hf
 from hyparflow.callbacks import aggregate, breakdown, clock, gantt, report, scalars, summary
 from hyparflow.callbacks import timeline as tl
 from hyparflow.callbacks.aggregate import job_step
 from hyparflow.callbacks.breakdown import StepBreakdown
 from hyparflow.callbacks.profiler import ScalingProfiler
+from hyparflow.cli import main
 from hyparflow.engine import events
 from hyparflow.engine.schedule import make_schedule, simulate, theoretical_bubble
-from tests.mpirun import REPO, run_scenario
-from tests.profiler_support import simulated_steps
+from tests.support.cases import Case, run_cases, selected
+from tests.support.mpirun import REPO
+from tests.support.profiler import simulated_steps
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -234,8 +241,6 @@ class _ThreadComm:
 
 
 def test_clock_offset_recovers_a_shifted_clock():
-    import time
-
     boxes = {(a, b): queue.Queue() for a in range(2) for b in range(2)}
     results = {}
 
@@ -358,8 +363,6 @@ def test_report_prints_a_row_per_rank_and_the_bubble_next_to_the_formula(tmp_pat
 
 
 def test_cli_report_and_its_errors(tmp_path, capsys):
-    from hyparflow.cli import main
-
     _synthetic_log_dir(tmp_path)
     assert main(["report", str(tmp_path), "--png", str(tmp_path / "g.png"), "--steps", "1-2"]) == 0
     out = capsys.readouterr().out
@@ -381,19 +384,12 @@ def test_arguments_are_checked():
 
 
 def _event_tags(run_dir):
-    from tensorboard.backend.event_processing import event_accumulator as ea
-
     acc = ea.EventAccumulator(str(run_dir), size_guidance={ea.TENSORS: 0})
     acc.Reload()
     return {tag: [e.step for e in acc.Tensors(tag)] for tag in acc.Tags()["tensors"]}
 
 
 def test_single_process_fit_writes_step_times(tmp_path):
-    import keras
-    import numpy as np
-
-    import hyparflow as hf
-
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
     model.compile("sgd", "mse")
     x, y = np.zeros((40, 4), "float32"), np.zeros((40, 3), "float32")
@@ -415,28 +411,33 @@ def test_single_process_fit_writes_step_times(tmp_path):
 
 
 # --- under mpirun ------------------------------------------------------------------------
-TWO_RANKS = ["model:2:1:4:gpipe:1024", "data:1:2:1:gpipe:64"]
-FOUR_RANKS = ["hybrid:2:2:2:1f1b:64"]
+# models of tests/mpi/profiled_fit.py: two stages of equal cost, wide enough to measure the
+# bubble, or narrow
+TWO_RANKS = [
+    Case("equal_stages_wide", "sgd", "model", partitions=2, microbatches=4),
+    Case("equal_stages", "sgd", "data", replicas=2),
+]
+FOUR_RANKS = [
+    Case("equal_stages", "sgd", "hybrid", partitions=2, replicas=2, microbatches=2, schedule="1f1b")
+]
 
 
 @pytest.fixture(scope="module")
-def profiled_runs(tmp_path_factory):
+def profiled_runs(request, tmp_path_factory):
     root = tmp_path_factory.mktemp("profiled")
     runs = {}
-    for np_, configs in ((2, TWO_RANKS), (4, FOUR_RANKS)):
-        results = run_scenario("profiled_fit", np_, str(root), *configs, timeout=300)
-        for rank_result in results:
-            for r in rank_result["results"]:
-                runs.setdefault(r["config"], []).append(r)
+    for np_, cases in ((2, TWO_RANKS), (4, FOUR_RANKS)):
+        chosen = [c for c in selected(request, TWO_RANKS + FOUR_RANKS) if c in cases]
+        if chosen:
+            runs |= run_cases("profiled_fit", np_, chosen, str(root), timeout=300)
     return runs
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("config", TWO_RANKS + FOUR_RANKS)
-def test_profiled_fit_writes_every_documented_output(profiled_runs, config):
-    ranks = profiled_runs[config]
-    kind, stages, replicas, microbatches, _, _ = config.split(":")
-    stages, replicas, microbatches = int(stages), int(replicas), int(microbatches)
+@pytest.mark.parametrize("case", TWO_RANKS + FOUR_RANKS, ids=str)
+def test_profiled_fit_writes_every_documented_output(profiled_runs, case):
+    ranks = profiled_runs[case.id]
+    stages, replicas, microbatches = case.partitions, case.replicas, case.microbatches
     world = stages * replicas
     log_dir = ranks[0]["log_dir"]
     assert all(r["detached"] for r in ranks), "profiling must be off again after fit"
@@ -486,9 +487,9 @@ def test_profiled_fit_writes_every_documented_output(profiled_runs, config):
     job = result["job"]
     assert job["bubble_theoretical"] == pytest.approx(theoretical_bubble(stages, microbatches))
     assert 0.0 <= job["bubble_measured"] <= 1.0
-    if config == TWO_RANKS[0]:  # equal stages: near the formula, above it by overheads only
+    if case == TWO_RANKS[0]:  # equal stages: near the formula, above it by overheads only
         measured, formula = job["bubble_measured"], job["bubble_theoretical"]
-        print(f"{config}: bubble measured {measured:.3f}, formula {formula:.3f}")
+        print(f"{case}: bubble measured {measured:.3f}, formula {formula:.3f}")
         # Compute noise on a shared 2-core machine only adds waiting; the bound catches a
         # bubble computed from the wrong times, which lands near 0 or near 1.
         assert job["bubble_theoretical"] - 0.05 <= job["bubble_measured"]

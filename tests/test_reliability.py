@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from tests.mpirun import launch, run_scenario
+from tests.support.mpirun import launch, run_scenario
 
 
 def test_killed_rank_ends_the_job_and_resume_matches_an_uninterrupted_run(tmp_path):

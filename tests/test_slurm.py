@@ -1,8 +1,8 @@
 """hf.fit through a real single-node Slurm: `srun --mpi=pmix` and `sbatch` running mpirun.
 
-The fixture starts munged, slurmctld and slurmd (tests/slurm_cluster.py) and stops them after.
-Slurm must be installed (`apt-get install slurm-wlm munge`, as root): without it these tests
-fail with that instruction rather than skip.
+The fixture starts munged, slurmctld and slurmd (tests/support/slurm_cluster.py) and stops
+them after. Slurm must be installed (`apt-get install slurm-wlm munge`, as root): without it
+these tests fail with that instruction rather than skip.
 """
 
 import glob
@@ -13,8 +13,8 @@ import sys
 
 import pytest
 
-from tests.mpirun import MPI_ENV, REPO
-from tests.slurm_cluster import INSTALL_HINT, missing_tools, start_cluster
+from tests.support.mpirun import MPI_ENV, REPO
+from tests.support.slurm_cluster import INSTALL_HINT, missing_tools, start_cluster
 
 TOLERANCE = 1e-5
 SBATCH = os.path.join(REPO, "examples", "slurm", "train.sbatch")

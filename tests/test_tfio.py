@@ -7,11 +7,12 @@ this runs in `make test-compat` (TensorFlow 2.17) and is skipped elsewhere.
 import importlib.metadata
 import importlib.util
 
+import h5py
 import numpy as np
 import pytest
 
-from tests.mpi.models import data
-from tests.mpirun import run_scenario
+from tests.support.models import data
+from tests.support.mpirun import run_scenario
 
 TOLERANCE = 1e-5
 
@@ -32,8 +33,6 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.mark.timeout(300)
 def test_tensorflow_io_hdf5_dataset_trains_like_keras(tmp_path):
-    import h5py
-
     path = tmp_path / "mlp.h5"
     x, y = data("mlp")
     with h5py.File(path, "w") as f:

@@ -1,1 +1,1 @@
-"""Scenario modules run under a real `mpirun` by tests/mpirun.py; each rank reports JSON."""
+"""Scenarios run under a real `mpirun` by tests/support/mpirun.py; each rank reports JSON."""

@@ -8,11 +8,12 @@ import os
 
 import keras
 import numpy as np
+from mpi4py import MPI
 
 import hyparflow as hf
-from tests.mpi.compare import relative_difference
-from tests.mpi.models import compiled, data
-from tests.mpi.report import args, report
+from tests.support.compare import relative_difference
+from tests.support.models import compiled, data
+from tests.support.report import args, report
 
 STRATEGY = hf.Strategy("model", microbatches=2)
 
@@ -65,8 +66,6 @@ def checkpoint_and_csv(folder):
             keras.callbacks.TensorBoard(tensorboard),
         ],
     )  # fmt: skip
-    from mpi4py import MPI
-
     MPI.COMM_WORLD.Barrier()  # rank 0's files are complete before anyone looks
     result = {
         "checkpoint_exists": os.path.exists(path),

@@ -8,10 +8,14 @@ import numpy as np
 import tensorflow as tf
 from mpi4py import MPI
 
+from hyparflow.comm import hugepages
 from hyparflow.comm.allreduce import GradientReducer
 from hyparflow.comm.p2p import BACKWARD, FORWARD, PipeChannel
 from hyparflow.comm.topology import Topology
-from tests.mpi.report import report, run_or_abort
+from hyparflow.engine.flat import FlatLayout
+from hyparflow.launch.malloc import keep_temporaries_in_heap
+from tests.support.report import report, run_or_abort
+from tests.support.tensors import address, same
 
 MAX_BATCH = 4
 SIZES = [MAX_BATCH, MAX_BATCH, 2]  # the last micro-batch of the "epoch" is smaller
@@ -33,18 +37,6 @@ def payload(specs, microbatch, direction, replica, batch):
         values = base % 2000 + np.arange(np.prod(shape)) % 7
         tensors.append(tf.constant(values.reshape(shape), dtype=dtype))
     return tensors
-
-
-def same(received, expected) -> bool:
-    return all(
-        r.dtype == e.dtype and r.shape == e.shape and np.array_equal(np.asarray(r), np.asarray(e))
-        for r, e in zip(received, expected)
-    )
-
-
-def address(x) -> int:
-    array = x._numpy() if tf.is_tensor(x) else x
-    return array.__array_interface__["data"][0]
 
 
 def check_topology(topo):
@@ -261,8 +253,6 @@ def check_allreduce(topo):
 
     # The data-parallel path: one flat tensor built by a compiled function (its tail holds a
     # data-dependent scalar), reduced in place in 64-byte slices; views come back.
-    from hyparflow.engine.flat import FlatLayout
-
     specs = [tf.TensorSpec(g.shape) for g in gradients(0, ("float32",))]
     layout = FlatLayout(specs)
     pack = tf.function(layout.flatten)
@@ -297,14 +287,13 @@ def check_allreduce(topo):
 
 
 def check_huge_pages(topo):
-    """A 6 MiB activation and its gradient: exact values, promoted pages, huge receive buffers."""
-    from hyparflow.comm import hugepages
-
+    """A 6 MiB activation and its gradient: exact values, promoted pages, huge receive buffers,
+    with promotion opted in to as hf.Strategy(tune_process=True) does."""
     first = topo.is_first_stage
     peer = topo.next_rank if first else topo.prev_rank
     shape = (6 * 256, 1024)  # 6 MiB of float32
     channel = PipeChannel(topo.pipeline_comm, peer, [(shape, "float32")], 1)
-    worker = hugepages.promoter()
+    worker = hugepages.start_promoting(keep_temporaries_in_heap())
     out = {"enabled": worker.enabled, "reason": worker.reason, "values_ok": [], "collapsed": []}
     base = tf.reshape(tf.range(np.prod(shape), dtype=tf.float32), shape)
     for step in range(3):

@@ -8,9 +8,9 @@ import numpy as np
 import tensorflow as tf
 
 import hyparflow as hf
-from tests.mpi.compare import history_difference, relative_difference
-from tests.mpi.models import compiled, data
-from tests.mpi.report import args, report
+from tests.support.compare import history_difference, relative_difference
+from tests.support.models import compiled, data
+from tests.support.report import args, report
 
 BATCH = 16
 

@@ -17,8 +17,8 @@ import tensorflow as tf
 from mpi4py import MPI
 
 from hyparflow.comm.p2p import BACKWARD, DIRECTIONS, FORWARD, PipeChannel
-from tests.mpi.comm_checks import address, same
-from tests.mpi.report import report, run_or_abort
+from tests.support.report import report, run_or_abort
+from tests.support.tensors import address, same
 
 MAX_BATCH = 4
 SIZES = [MAX_BATCH, MAX_BATCH, 2]  # the last micro-batch is smaller

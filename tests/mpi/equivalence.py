@@ -1,12 +1,8 @@
-"""Train configurations with hf.fit and with plain Keras from the same weights; report diffs.
+"""Train each case with hf.fit and with plain Keras from the same weights; report the differences.
 
-Arguments: configurations "model:optimizer:strategy:partitions:replicas:microbatches:schedule"
-(schedule flags after "-": "1f1b-recompute" recomputes activations, "gpipe-blocking" posts
-each receive only when its action needs it, "1f1b-overlap" reduces gradients in 3 groups
-overlapping the backward, "gpipe-listgrads" keeps gradients per variable, "1f1b-varbackward"
-sums them per variable and flattens them once per step, as for a stage of large variables).
-Every rank trains the single-process Keras reference itself (tiny models), so each rank can
-compare its own copy of the trained model, which must hold the full weights.
+Arguments: cases as JSON (tests/support/cases.py). Every rank trains the single-process Keras
+reference itself (tiny models), so each rank can compare its own copy of the trained model,
+which must hold the full weights.
 """
 
 import os
@@ -15,28 +11,29 @@ import keras
 
 import hyparflow as hf
 from hyparflow.engine import flat
-from tests.mpi.compare import history_difference, relative_difference
-from tests.mpi.models import compiled, data
-from tests.mpi.report import args, report
+from tests.support.cases import Case
+from tests.support.compare import history_difference, relative_difference
+from tests.support.models import compiled, data
+from tests.support.report import args, report
 
 BATCH, EPOCHS = 16, 2
 
 
-def run(config: str) -> dict:
+def run(case: Case) -> dict:
     threshold = flat.FLAT_BACKWARD_MAX_MEAN_BYTES
-    if "varbackward" in config.split(":")[-1].split("-")[1:]:
+    if case.large_variables:
         flat.FLAT_BACKWARD_MAX_MEAN_BYTES = 0  # every variable counts as large
     try:
-        return _run(config)
+        return _run(case)
     finally:
         flat.FLAT_BACKWARD_MAX_MEAN_BYTES = threshold
 
 
-def _run(config: str) -> dict:
-    name, optimizer, kind, partitions, replicas, microbatches, schedule = config.split(":")
+def _run(case: Case) -> dict:
+    name = case.model
     x, y = data(name)
     vx, vy = data(name, n=20, seed=1)
-    reference = compiled(name, optimizer)
+    reference = compiled(name, case.optimizer, case.policy)
     # Keras's compiled train step retraces with an unknown batch size for the last, smaller
     # batch, and its per-output loss trackers then stop weighting by batch size; eager Keras
     # weights them exactly (as hyparflow does). Same math otherwise.
@@ -44,18 +41,8 @@ def _run(config: str) -> dict:
     ref_history = reference.fit(
         x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0, validation_data=(vx, vy)
     )
-    model = compiled(name, optimizer)
-    strategy = hf.Strategy(
-        kind,
-        partitions=int(partitions),
-        replicas=int(replicas),
-        microbatches=int(microbatches),
-        schedule=schedule.split("-")[0],
-        recompute="recompute" in schedule.split("-")[1:],
-        overlap_p2p="blocking" not in schedule.split("-")[1:],
-        overlap_groups=3 if "overlap" in schedule.split("-")[1:] else 1,
-        flat_gradients="listgrads" not in schedule.split("-")[1:],
-    )
+    model = compiled(name, case.optimizer, case.policy)
+    strategy = hf.Strategy(**case.strategy_options())
     history = hf.fit(
         model, x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
         validation_data=(vx, vy), strategy=strategy,
@@ -67,7 +54,7 @@ def _run(config: str) -> dict:
     evaluated = hf.evaluate(model, vx, vy, batch_size=8, strategy=strategy, return_dict=True)
     ref_evaluated = reference.evaluate(vx, vy, batch_size=8, verbose=0, return_dict=True)
     return {
-        "config": config,
+        "case": case.id,
         "thread_cores": sorted(map(sorted, threads)),
         "predict": relative_difference(keras.tree.flatten(predicted), keras.tree.flatten(expected)),
         "evaluate": history_difference(
@@ -94,4 +81,4 @@ def _run(config: str) -> dict:
 
 if __name__ == "__main__":
     keras.config.disable_interactive_logging()
-    report({"rank": hf.rank(), "results": [run(c) for c in args()]})
+    report({"rank": hf.rank(), "results": [run(Case.from_json(c)) for c in args()]})

@@ -2,7 +2,7 @@
 
 from mpi4py import MPI
 
-from tests.mpi.report import report
+from tests.support.report import report
 
 if MPI.COMM_WORLD.Get_rank() == 1:
     raise RuntimeError("deliberate failure on rank 1")

@@ -1,26 +1,21 @@
 """hf.fit from an HDF5 file on 2 ranks: equal to Keras on the same arrays, and memory-bounded.
 
 Arguments: "equivalence FILE KIND..." (FILE written by tests/test_hdf5.py from
-`tests.mpi.models.data`) or "memory FILE STEPS KIND..." (FILE holds "x" (n, FEATURES) float32
+`tests.support.models.data`) or "memory FILE STEPS KIND..." (FILE holds "x" (n, FEATURES) float32
 and "y" labels; each rank reports the growth of its peak RSS while training).
 """
 
 import time
 
 import keras
-import numpy as np
 
 import hyparflow as hf
 import hyparflow.data
-from tests.mpi.compare import history_difference, relative_difference
-from tests.mpi.models import compiled, data
-from tests.mpi.report import args, report
+from tests.support.compare import history_difference, relative_difference
+from tests.support.models import compiled, data, sample_weights
+from tests.support.report import args, report
 
 BATCH, EPOCHS = 16, 2
-
-
-def sample_weights(n: int) -> np.ndarray:
-    return np.random.default_rng(5).uniform(0.5, 2.0, n).astype("float32")
 
 
 def equivalence_cases(path: str):
@@ -68,7 +63,7 @@ def equivalence(kind: str, name: str, model_name: str, reader, arrays: dict) -> 
     evaluated = hf.evaluate(model, reader, batch_size=8, strategy=kind, return_dict=True)
     ref_evaluated = reference.evaluate(**arrays, batch_size=8, verbose=0, return_dict=True)
     return {
-        "case": f"{kind}:{name}",
+        "case": f"{kind}-{name}",
         "weights": relative_difference(model.get_weights(), reference.get_weights()),
         "history": history_difference(got.history, ref.history),
         "evaluate": history_difference(
@@ -90,7 +85,7 @@ def shuffled(kind: str, path: str) -> dict:
     hf.fit(unshuffled, reader, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
            strategy=kind)  # fmt: skip
     return {
-        "case": f"{kind}:shuffled",
+        "case": f"{kind}-shuffled",
         "weights": relative_difference(model.get_weights(), from_arrays.get_weights()),
         "differs_from_unshuffled": relative_difference(
             model.get_weights(), unshuffled.get_weights()
@@ -124,7 +119,7 @@ def memory(path: str, kind: str, steps: int) -> dict:
     history = hf.fit(model, reader, batch_size=64, epochs=2, steps_per_epoch=steps, shuffle=True,
                      verbose=0, strategy=kind)  # fmt: skip
     return {
-        "case": f"{kind}:memory",
+        "case": f"{kind}-memory",
         "seconds": time.perf_counter() - start,
         "rss_before_mib": before / 1024,
         "peak_growth_mib": (status_kib("VmHWM") - before) / 1024,

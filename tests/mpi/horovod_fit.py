@@ -1,10 +1,9 @@
 """hf.fit with comm="horovod" against comm="mpi" and single-process Keras, or its missing error.
 
 Arguments: "missing" (report the error hf.fit(comm="horovod") raises where Horovod is absent),
-"reducer" (HorovodReducer against GradientReducer on awkward gradients), or configurations
-"model:optimizer:strategy:partitions:replicas:microbatches:schedule". All configurations run in
-one launch, so later Trainers reuse the Horovod process sets of earlier ones with the same grid
-and add those of new grids.
+"reducer" (HorovodReducer against GradientReducer on awkward gradients), or cases as JSON
+(tests/support/cases.py). All cases run in one launch, so later Trainers reuse the Horovod
+process sets of earlier ones with the same grid and add those of new grids.
 """
 
 import keras
@@ -12,25 +11,23 @@ import numpy as np
 import tensorflow as tf
 
 import hyparflow as hf
-from tests.mpi.compare import history_difference, relative_difference
-from tests.mpi.models import compiled, data
-from tests.mpi.report import args, report
+from hyparflow.comm.backends import make_reducer
+from hyparflow.comm.topology import Topology
+from hyparflow.comm.world import world
+from tests.support.cases import Case
+from tests.support.compare import history_difference, relative_difference
+from tests.support.models import compiled, data
+from tests.support.report import args, report
 
 BATCH, EPOCHS = 16, 2
 
 
-def train(config: str, comm: str):
+def train(case: Case, comm: str):
     """Model, History and predictions of hf.fit with one gradient-reduction backend."""
-    name, optimizer, kind, partitions, replicas, microbatches, schedule = config.split(":")
+    name = case.model
     x, y = data(name)
-    strategy = hf.Strategy(
-        kind,
-        partitions=int(partitions),
-        replicas=int(replicas),
-        microbatches=int(microbatches),
-        schedule=schedule,
-    )
-    model = compiled(name, optimizer)
+    strategy = hf.Strategy(**case.strategy_options())
+    model = compiled(name, case.optimizer)
     history = hf.fit(
         model, x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
         strategy=strategy, comm=comm,
@@ -39,16 +36,15 @@ def train(config: str, comm: str):
     return model, history.history, predicted
 
 
-def run(config: str) -> dict:
-    name, optimizer = config.split(":")[:2]
-    x, y = data(name)
-    reference = compiled(name, optimizer)
+def run(case: Case) -> dict:
+    x, y = data(case.model)
+    reference = compiled(case.model, case.optimizer)
     ref_history = reference.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
-    mpi_model, mpi_history, mpi_predicted = train(config, "mpi")
-    hvd_model, hvd_history, hvd_predicted = train(config, "horovod")
+    mpi_model, mpi_history, mpi_predicted = train(case, "mpi")
+    hvd_model, hvd_history, hvd_predicted = train(case, "horovod")
     reducer = hvd_model._hyparflow_trainer[1].gradient_sync.replica_reducer  # fit's Trainer
     return {
-        "config": config,
+        "case": case.id,
         "reducer": type(reducer).__name__,
         "horovod_calls": getattr(reducer, "calls", 0),
         "horovod_vs_mpi": relative_difference(hvd_model.get_weights(), mpi_model.get_weights()),
@@ -73,10 +69,6 @@ def missing() -> dict:
 
 def reducer_cases() -> dict:
     """HorovodReducer and GradientReducer on the same awkward gradients, for "sum" and "mean"."""
-    from hyparflow.comm.backends import make_reducer
-    from hyparflow.comm.topology import Topology
-    from hyparflow.comm.world import world
-
     topology = Topology.create(world(), partitions=1, replicas=world().Get_size())
     rank = topology.rank
     specs = [((2, 3), "float32"), ((4,), "float32"), ((3,), "float16"), ((5, 2), "float32")]
@@ -108,4 +100,4 @@ if __name__ == "__main__":
     elif args() == ["reducer"]:
         report({"rank": hf.rank(), **reducer_cases()})
     else:
-        report({"rank": hf.rank(), "results": [run(c) for c in args()]})
+        report({"rank": hf.rank(), "results": [run(Case.from_json(c)) for c in args()]})

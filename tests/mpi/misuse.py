@@ -11,10 +11,12 @@ import sys
 import keras
 import numpy as np
 import tensorflow as tf
+from mpi4py import MPI
 
 import hyparflow as hf
-from tests.mpi.models import compiled, data
-from tests.mpi.report import args, report
+from hyparflow.checkpoint.manifest import latest
+from tests.support.models import compiled, data
+from tests.support.report import args, report
 
 
 class Subclassed(keras.Model):
@@ -100,11 +102,7 @@ def checkpointed(folder, name="mlp"):
 
 
 def corrupt(folder):
-    from mpi4py import MPI
-
     if hf.rank() == 0:
-        from hyparflow.checkpoint.manifest import latest
-
         with open(os.path.join(latest(folder), "stage-1.npz"), "r+b") as f:
             f.seek(100)
             f.write(b"garbage")

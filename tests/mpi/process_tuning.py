@@ -8,7 +8,7 @@ import numpy as np
 import hyparflow as hf
 from hyparflow.comm import hugepages
 from hyparflow.launch import malloc
-from tests.mpi.report import report, run_or_abort
+from tests.support.report import report, run_or_abort
 
 
 def thread_cores() -> list:

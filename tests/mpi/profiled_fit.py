@@ -1,8 +1,8 @@
 """hf.fit with a ScalingProfiler under mpirun; the test reads back what it wrote.
 
-Arguments: a log root folder, then configurations "kind:partitions:replicas:microbatches:
-schedule:width". Each trains a four-layer MLP whose two halves cost the same and profiles it
-into `<log root>/<configuration with _ for :>`.
+Arguments: a log root folder, then cases as JSON (tests/support/cases.py). Each trains a
+four-layer MLP whose two halves cost the same (WIDTHS: the case's model) and profiles it into
+`<log root>/<case id>`.
 """
 
 import os
@@ -12,11 +12,13 @@ import numpy as np
 
 import hyparflow as hf
 from hyparflow.callbacks import ScalingProfiler
-from tests.mpi.report import args, report
+from tests.support.cases import Case
+from tests.support.report import args, report
 
 FEATURES, CLASSES = 16, 8
 BATCH, SAMPLES, EPOCHS = 512, 512 * 4, 2
 BASELINE = 1000.0  # samples/s of "one rank": any positive number, the test checks the ratio
+WIDTHS = {"equal_stages_wide": 1024, "equal_stages": 64}
 
 
 def equal_stages_mlp(width: int):
@@ -33,27 +35,20 @@ def equal_stages_mlp(width: int):
     return model
 
 
-def run(log_root: str, config: str) -> dict:
-    kind, partitions, replicas, microbatches, schedule, width = config.split(":")
+def run(log_root: str, case: Case) -> dict:
     keras.utils.set_random_seed(5)
     rng = np.random.default_rng(0)
     x = rng.normal(size=(SAMPLES, FEATURES)).astype("float32")
     y = rng.integers(0, CLASSES, size=SAMPLES)
-    model = equal_stages_mlp(int(width))
-    strategy = hf.Strategy(
-        kind,
-        partitions=int(partitions),
-        replicas=int(replicas),
-        microbatches=int(microbatches),
-        schedule=schedule,
-    )
-    log_dir = os.path.join(log_root, config.replace(":", "_"))
+    model = equal_stages_mlp(WIDTHS[case.model])
+    strategy = hf.Strategy(**case.strategy_options())
+    log_dir = os.path.join(log_root, case.id)
     profiler = ScalingProfiler(log_dir, baseline_throughput=BASELINE, profile_steps=(2, 3))
     hf.fit(model, x, y, batch_size=BATCH, epochs=EPOCHS, verbose=0, strategy=strategy,
            callbacks=[profiler])  # fmt: skip
     trainer = model._hyparflow_trainer[1]
     return {
-        "config": config,
+        "case": case.id,
         "log_dir": log_dir,
         "stage": trainer.topology.stage,
         "replica": trainer.topology.replica,
@@ -63,5 +58,5 @@ def run(log_root: str, config: str) -> dict:
 
 if __name__ == "__main__":
     keras.config.disable_interactive_logging()
-    log_root, *configs = args()
-    report({"rank": hf.rank(), "results": [run(log_root, c) for c in configs]})
+    log_root, *cases = args()
+    report({"rank": hf.rank(), "results": [run(log_root, Case.from_json(c)) for c in cases]})

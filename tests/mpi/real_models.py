@@ -1,43 +1,35 @@
-"""Train models users train (tests/mpi/zoo.py) with hf.fit and with plain Keras; report diffs.
+"""Train each case (tests/support/zoo.py's models) with hf.fit and with plain Keras; report diffs.
 
-Arguments: configurations "model:optimizer:strategy:partitions:replicas:microbatches:schedule",
-the optimizer as zoo.optimizer names it ("adam+globalclip"), the schedule with flags after "-"
-("gpipe-syncbn": Strategy(sync_batchnorm=True)). Every rank trains the Keras
-reference itself and compares its own copy of the trained model, which holds the full weights.
+Arguments: cases as JSON (tests/support/cases.py), the optimizer as zoo.optimizer names it
+("adam+globalclip"). Every rank trains the Keras reference itself and compares its own copy of
+the trained model, which holds the full weights.
 """
 
 import keras
 
 import hyparflow as hf
-from tests.mpi import zoo
-from tests.mpi.compare import history_difference, relative_difference
-from tests.mpi.report import args, report
+from tests.support import zoo
+from tests.support.cases import Case
+from tests.support.compare import history_difference, relative_difference
+from tests.support.report import args, report
 
 BATCH, EPOCHS = 16, 2
 TRACED = ("_first_fn", "_accumulate_fn", "_forward_fn", "_loss_forward_fn")  # runners' steps
 
 
-def run(config: str) -> dict:
-    name, optimizer, kind, partitions, replicas, microbatches, schedule = config.split(":")
-    short = "short" in schedule.split("-")[1:]
-    epochs = 1 if short else EPOCHS
+def run(case: Case) -> dict:
+    name, optimizer = case.model, case.optimizer
+    epochs = 1 if case.one_step else EPOCHS
     if name in zoo.TEXT_MODELS:  # batches of varying sequence length
         x, y, batch_size = zoo.text_batches(name, BATCH), None, None
-    else:  # "short": one step (deep networks at tiny sizes amplify float noise step by step)
-        (x, y), batch_size = zoo.data(name, n=BATCH if short else 70), BATCH
+    else:  # one step: deep networks at tiny sizes amplify float noise step by step
+        (x, y), batch_size = zoo.data(name, n=BATCH if case.one_step else 70), BATCH
     reference = zoo.compiled(name, optimizer)
     ref_history = reference.fit(
         x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0
     )
     model = zoo.compiled(name, optimizer)
-    strategy = hf.Strategy(
-        kind,
-        partitions=int(partitions),
-        replicas=int(replicas),
-        microbatches=int(microbatches),
-        schedule=schedule.split("-")[0],
-        sync_batchnorm="syncbn" in schedule.split("-")[1:],
-    )
+    strategy = hf.Strategy(**case.strategy_options())
     history = hf.fit(
         model, x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0,
         strategy=strategy,
@@ -45,7 +37,7 @@ def run(config: str) -> dict:
     runner = model._hyparflow_trainer[1].runner
     functions = [getattr(runner, name, None) for name in TRACED]
     return {
-        "config": config,
+        "case": case.id,
         # most traces of one compiled step function (Keras's own: 2 for varying lengths)
         "traces": max(f.experimental_get_tracing_count() for f in functions if f is not None),
         "weights": relative_difference(model.get_weights(), reference.get_weights()),
@@ -57,4 +49,4 @@ def run(config: str) -> dict:
 
 if __name__ == "__main__":
     keras.config.disable_interactive_logging()
-    report({"rank": hf.rank(), "results": [run(c) for c in args()]})
+    report({"rank": hf.rank(), "results": [run(Case.from_json(c)) for c in args()]})

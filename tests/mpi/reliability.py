@@ -15,11 +15,13 @@ import time
 
 import keras
 import numpy as np
+from mpi4py import MPI
 
 import hyparflow as hf
-from tests.mpi.compare import relative_difference
-from tests.mpi.models import data
-from tests.mpi.report import args, report
+from hyparflow.checkpoint import manifest
+from tests.support.compare import relative_difference
+from tests.support.models import data
+from tests.support.report import args, report
 
 EPOCHS, BATCH = 3, 16
 
@@ -110,8 +112,6 @@ def main():
         )  # fmt: skip
         report({"finished": True})  # must never happen
     elif mode == "after_torn":
-        from hyparflow.checkpoint import manifest
-
         found = [step for step, _ in manifest.complete_checkpoints(folder)]
         partial = sorted(n for n in os.listdir(folder) if n.startswith("ckpt-"))
         model, history = train(folder, resume=True)
@@ -135,8 +135,6 @@ def main():
         exported = os.path.join(folder, "exported.keras")
         if hf.rank() == 0:
             hf.export(folder, exported)
-        from mpi4py import MPI
-
         MPI.COMM_WORLD.Barrier()
         loaded = keras.saving.load_model(exported)
         report(

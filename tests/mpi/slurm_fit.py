@@ -9,9 +9,9 @@ import keras
 
 import hyparflow as hf
 from hyparflow.launch import cpus_per_rank, local_rank, slurm_job
-from tests.mpi.compare import relative_difference
-from tests.mpi.models import compiled, data
-from tests.mpi.report import report
+from tests.support.compare import relative_difference
+from tests.support.models import compiled, data
+from tests.support.report import report
 
 BATCH, EPOCHS = 16, 2
 

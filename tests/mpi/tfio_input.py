@@ -1,7 +1,7 @@
 """hf.fit on a tensorflow-io HDF5 dataset (batched tf.data) on 2 ranks equals Keras on it.
 
-Arguments: FILE (written by tests/test_tfio.py from `tests.mpi.models.data("mlp")`: "/x" float32
-features, "/y" int64 labels), then strategy kinds to train with ("data", "model").
+Arguments: FILE (written by tests/test_tfio.py from `tests.support.models.data("mlp")`:
+"/x" float32 features, "/y" int64 labels), then strategy kinds to train with ("data", "model").
 """
 
 import keras
@@ -10,9 +10,9 @@ import tensorflow as tf
 import tensorflow_io as tfio
 
 import hyparflow as hf
-from tests.mpi.compare import history_difference, relative_difference
-from tests.mpi.models import compiled, data
-from tests.mpi.report import args, report
+from tests.support.compare import history_difference, relative_difference
+from tests.support.models import compiled, data
+from tests.support.report import args, report
 
 BATCH, EPOCHS = 16, 2
 

@@ -5,7 +5,7 @@ import tensorflow as tf
 from mpi4py import MPI
 
 import hyparflow as hf
-from tests.mpi.report import report
+from tests.support.report import report
 
 comm = MPI.COMM_WORLD
 rank, size = hf.rank(), hf.size()

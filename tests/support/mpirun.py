@@ -11,7 +11,8 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the checkout holding this file (tests/support/mpirun.py): its hyparflow is the one imported
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Run as root, more ranks than cores, and one compute thread per rank so ranks don't fight.
 MPI_ENV = {

@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import os
 import sys
+import traceback
+
+from mpi4py import MPI
 
 
 def out_dir() -> str:
@@ -19,8 +22,6 @@ def args() -> list[str]:
 
 def report(result: dict) -> None:
     """Write this rank's result as `rank<N>.json` in the result folder."""
-    from mpi4py import MPI
-
     rank = MPI.COMM_WORLD.Get_rank()
     path = os.path.join(out_dir(), f"rank{rank}.json")
     with open(path + ".tmp", "w") as f:
@@ -31,10 +32,6 @@ def report(result: dict) -> None:
 def run_or_abort(main) -> None:
     """Run a scenario's `main`; on any exception print it and abort the whole job, so that
     no rank is left blocked in MPI waiting for this one."""
-    import traceback
-
-    from mpi4py import MPI
-
     try:
         main()
     except BaseException:

@@ -140,19 +140,16 @@ def data(name: str, n: int = 70, seed: int = 0):
     return rng.normal(size=(n, FEATURES)).astype("float32"), labels
 
 
-def compiled(name: str, optimizer: str):
-    """A freshly built, compiled model with weights fixed by a seed.
+def sample_weights(n: int) -> np.ndarray:
+    """Per-sample weights between 0.5 and 2, the same on every rank."""
+    return np.random.default_rng(5).uniform(0.5, 2.0, n).astype("float32")
 
-    An optimizer name ending in "16" ("adam16") builds the model under Keras's mixed_float16
-    policy (float16 compute and activations, float32 weights, dynamic loss scaling), one ending
-    in "bf16" under mixed_bfloat16.
-    """
+
+def compiled(name: str, optimizer: str, policy: str = "float32"):
+    """A freshly built, compiled model with weights fixed by a seed, built under the Keras
+    dtype `policy` ("mixed_float16": float16 compute and activations, float32 weights, dynamic
+    loss scaling)."""
     keras.utils.set_random_seed(1234)
-    policy = "float32"
-    if optimizer.endswith("bf16"):
-        policy, optimizer = "mixed_bfloat16", optimizer.removesuffix("bf16")
-    elif optimizer.endswith("16"):
-        policy, optimizer = "mixed_float16", optimizer.removesuffix("16")
     keras.config.set_dtype_policy(policy)
     try:
         model = BUILDERS[name]()

@@ -8,8 +8,11 @@ optionally with a clipping suffix: "+clipnorm", "+globalclip" or "+clipvalue".
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 VOCAB, LENGTH = 40, 6
+# keras_hub is imported inside its models' builders: it is installed apart (Makefile), and
+# importing it costs each rank of a launch that trains none of its models about half a second.
 
 
 def embedding_mlp():
@@ -266,8 +269,6 @@ TEXT_LENGTHS = (7, 5, 9, 7, 3)  # one sequence length per batch of an epoch
 def text_batches(name: str, batch_size: int, seed: int = 0):
     """A tf.data.Dataset of `batch_size` token sequences per batch, each batch its own length
     (padded at the end), the same on every rank. keras_hub's tasks take tf.data in fit."""
-    import tensorflow as tf
-
     rng = np.random.default_rng(seed)
     batches = []
     for length in TEXT_LENGTHS:
