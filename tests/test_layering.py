@@ -47,3 +47,21 @@ def test_an_upward_import_breaks_the_contract(tmp_path):
     assert result.returncode != 0
     assert "hyparflow.comm is not allowed to import hyparflow.engine" in result.stdout
     assert "hyparflow.comm.world -> hyparflow.engine.schedule" in result.stdout
+
+
+def _lines(folder: str) -> dict[str, int]:
+    counts = {}
+    for root, _, files in os.walk(os.path.join(REPO, folder)):
+        for name in files:
+            if name.endswith(".py"):
+                with open(os.path.join(root, name)) as file:
+                    counts[os.path.relpath(os.path.join(root, name), REPO)] = len(file.readlines())
+    return counts
+
+
+def test_code_stays_in_proportion():
+    """Issue 27's sizes: modules of one idea, a first-order simulator, lean benchmarks."""
+    package = _lines("hyparflow")
+    assert {path: n for path, n in package.items() if n > 450} == {}
+    assert sum(n for path, n in package.items() if path.startswith("hyparflow/simulate/")) <= 1300
+    assert sum(_lines("benchmarks").values()) <= 3000
