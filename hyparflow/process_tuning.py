@@ -19,24 +19,11 @@ bound), and each keeps its environment opt-out (`HYPARFLOW_MALLOC_TUNING=0`,
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from hyparflow.comm import hugepages
 from hyparflow.launch import affinity, malloc
 
 
-@dataclass(frozen=True)
-class Tuned:
-    """What `tune_process` changed in this process."""
-
-    heap_kept: bool
-    huge_pages: bool
-    core: int | None  # the core this rank's threads were pinned to, or None
-
-
-def tune_process(comm, stage: int) -> Tuned:
+def tune_process(comm, stage: int) -> None:
     """Collective over `comm`: apply the tuning above to this rank (pipeline stage `stage`)."""
-    heap_kept = malloc.keep_temporaries_in_heap()
-    promoting = hugepages.start_promoting(heap_kept).enabled
-    core = affinity.pin_if_oversubscribed(comm, stage)
-    return Tuned(heap_kept, promoting, core)
+    hugepages.start_promoting(malloc.keep_temporaries_in_heap())
+    affinity.pin_if_oversubscribed(comm, stage)

@@ -5,12 +5,19 @@ from __future__ import annotations
 import numpy as np
 
 
+def first_users(plan, attribute: str = "weights") -> dict:
+    """id(variable) -> the first stage whose sub-model holds it (`attribute`: "weights" or
+    "trainable_variables" of each stage's model)."""
+    first_user: dict = {}
+    for stage in plan.stages:
+        for v in getattr(stage.model, attribute):
+            first_user.setdefault(id(v), stage.index)
+    return first_user
+
+
 def owned_variables(plan, stage_index: int) -> list:
     """Trainable variables whose regularization this stage counts: those first used here."""
-    first_user = {}
-    for stage in plan.stages:
-        for v in stage.model.trainable_variables:
-            first_user.setdefault(id(v), stage.index)
+    first_user = first_users(plan, "trainable_variables")
     return [
         v for v in plan.stages[stage_index].model.trainable_variables
         if first_user[id(v)] == stage_index
@@ -19,10 +26,7 @@ def owned_variables(plan, stage_index: int) -> list:
 
 def weight_owners(plan, model) -> list:
     """For each of `model.weights`, the first stage that uses it (it holds the latest value)."""
-    first_user = {}
-    for stage in plan.stages:
-        for v in stage.model.weights:
-            first_user.setdefault(id(v), stage.index)
+    first_user = first_users(plan)
     return [first_user.get(id(v), 0) for v in model.weights]
 
 
