@@ -129,3 +129,22 @@ def train_validation_split(arrays, validation_split: float):
 def class_weight_to_sample_weights(y, class_weight: dict):
     """Keras's `class_weight`: a per-sample weight from each sample's class."""
     return _class_weight_to_sample_weights(y, class_weight)
+
+
+# --- variables a layer tracks ---------------------------------------------------------------
+def own_trainable_variables(layer) -> list:
+    """`Layer._trainable_variables`: the list of the layer's own trainable variables (not its
+    sublayers'), which `trainable_variables` walks; tensor parallelism puts shards in it."""
+    return layer._trainable_variables
+
+
+def variable_autocast(variable) -> bool:
+    """`Variable._autocast`: whether the variable casts to a layer's compute dtype."""
+    return getattr(variable, "_autocast", True)
+
+
+def set_keras_mask(tensor, mask) -> None:
+    """`backend.set_keras_mask`: attach a Keras mask to a tensor, as layers' calls do."""
+    from keras.src.backend import set_keras_mask as _set
+
+    _set(tensor, mask)

@@ -23,6 +23,7 @@ from hyparflow.engine.trainer import Trainer
 from hyparflow.partitioner import partition
 from hyparflow.process_tuning import tune_process
 from hyparflow.strategy import make_strategy
+from hyparflow.tensor import tensor_layout
 
 
 def _build_plan(model, strategy, comm):
@@ -56,6 +57,13 @@ def _shuffle_seed(comm) -> int:
 _TRAINER_ATTRIBUTE = "_hyparflow_trainer"
 
 
+def _stage_layouts(model, plan, strategy) -> list:
+    """Each pipeline stage's tensor layout (computed on every rank, so a layer that T does not
+    divide is refused everywhere alike)."""
+    graphs = [model] if plan is None else [stage.model for stage in plan.stages]
+    return [tensor_layout(graph, strategy.tensor, strategy.tensor_layout) for graph in graphs]
+
+
 def _make_trainer(model, resolved, comm, needs_loss=True, comm_backend=None):
     """This rank's Trainer for `model`, reused by later fit/evaluate/predict calls with the same
     strategy, compilation and gradient-reduction backend (so stages are cut and functions traced
@@ -76,15 +84,25 @@ def _make_trainer(model, resolved, comm, needs_loss=True, comm_backend=None):
         comm_backend,
     )
     if cached is not None and cached[0] == key:
+        cached[1].load_shards()
         return cached[1]
     if cached is not None:
         cached[1].close()
     if resolved.tune_process and comm.Get_size() > 1:  # the user opted in (Strategy docs)
-        stage, _ = Grid(resolved.partitions, resolved.replicas).coords(comm.Get_rank())
+        stage, _ = Grid(resolved.partitions, resolved.replicas, resolved.tensor).coords(
+            comm.Get_rank()
+        )
         tune_process(comm, stage)
     # The partitioner rejects models that are not graphs, naming strategy="data" as the fix.
     plan = _build_plan(model, resolved, comm)
-    trainer = Trainer(model, resolved, comm, plan, comm_backend=comm_backend)
+    layout = None
+    if resolved.tensor > 1:
+        agree(comm, model_checks.check_optimizer_unbuilt, model, resolved)
+        stage, _ = Grid(resolved.partitions, resolved.replicas, resolved.tensor).coords(
+            comm.Get_rank()
+        )
+        layout = agree(comm, _stage_layouts, model, plan, resolved)[stage]
+    trainer = Trainer(model, resolved, comm, plan, comm_backend=comm_backend, tensor_layout=layout)
     object.__setattr__(model, _TRAINER_ATTRIBUTE, (key, trainer))  # not a tracked attribute
     return trainer
 
@@ -256,6 +274,10 @@ def _distributed_fit(model, x, y, batch_size, epochs, resolved, options, **kwarg
         return source, validation_source
 
     source, validation_source = agree(comm, prepare)
+    agree(
+        comm, model_checks.check_tensor_parallel, model, resolved, options["comm"],
+        kwargs.get("callbacks"), bool(folder),
+    )  # fmt: skip
     trainer = _make_trainer(model, resolved, comm, comm_backend=options["comm"])
     trainer.use_watchdog(timeout)
     trainer.check_numerics = options["check_numerics"]

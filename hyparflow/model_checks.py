@@ -107,3 +107,36 @@ def check_inputs(model, x, check_numerics: bool, *arrays) -> None:
                     f"The data holds NaN or Inf ({int(np.sum(~np.isfinite(a)))} values in an "
                     f"array of shape {a.shape}); clean it, or pass check_numerics=False."
                 )
+
+
+def check_tensor_parallel(model, strategy, comm_backend: str, callbacks=(), resume=False) -> None:
+    """Refuse what tensor parallelism does not train exactly yet, before any rank starts."""
+    if strategy.tensor == 1:
+        return
+    name = f"tensor={strategy.tensor}"
+    if comm_backend != "mpi":
+        raise ValueError(f"{name} sums gradients with hyparflow's MPI reduction; use comm='mpi'.")
+    if strategy.overlap_groups > 1:
+        raise ValueError(f"{name} does not overlap reductions by groups yet; use overlap_groups=1.")
+    if resume or any(getattr(cb, "saves_checkpoints", 0) for cb in callbacks or ()):
+        raise ValueError(
+            f"{name}: hf.callbacks.Checkpoint and resume do not save tensor shards yet; train "
+            "without them, or save the model after hf.fit (every rank then holds it whole)."
+        )
+    optimizer = model.optimizer
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    if getattr(inner, "clipnorm", None):
+        raise ValueError(
+            f"{name}: the optimizer's clipnorm clips each variable by its own norm, which a "
+            "shard cannot know; use global_clipnorm (clipped by the whole model's norm)."
+        )
+
+
+def check_optimizer_unbuilt(model, strategy) -> None:
+    """A new tensor-parallel trainer builds the optimizer for its shards: it must be fresh."""
+    if strategy.tensor > 1 and getattr(model.optimizer, "built", False):
+        name = f"tensor={strategy.tensor}"
+        raise ValueError(
+            f"{name}: the model's optimizer was already built for whole variables; compile the "
+            "model again (a fresh optimizer) before hf.fit builds it for the shards."
+        )

@@ -23,6 +23,13 @@ class Strategy:
     `partitions` pipeline stages each replicated `replicas` times; `partitions * replicas` must
     equal the MPI world size. Fields left as None are filled in by `resolve(world_size)`.
 
+    `tensor=T` (> 1) also splits single layers of every stage over T neighbouring ranks,
+    Megatron-LM style (docs/tensor.md): then `partitions * replicas * tensor` is the world
+    size. The layout is automatic (Dense and Conv pairs, attention heads, embedding
+    vocabularies); `tensor_layout` overrides it in Keras's `LayoutMap` convention, a dict from
+    a regex over variable paths to one entry per dimension, "tensor" on the split one:
+    `{"ffn_up.*kernel": (None, "tensor"), "ffn_down.*kernel": ("tensor", None)}`.
+
     `recompute=True` trades compute for memory: activations inside a stage are recomputed in
     the backward pass instead of kept from the forward. `overlap_p2p` posts a step's receives
     up front so that activations and gradients arrive while the stage computes.
@@ -58,6 +65,8 @@ class Strategy:
     flat_gradients: bool = True
     sync_batchnorm: bool = False
     tune_process: bool = False
+    tensor: int = 1
+    tensor_layout: dict | None = None
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -69,6 +78,14 @@ class Strategy:
         _check_positive_int("replicas", self.replicas, hint)
         _check_positive_int("microbatches", self.microbatches, hint)
         _check_positive_int("overlap_groups", self.overlap_groups, hint)
+        _check_positive_int("tensor", self.tensor, hint)
+        if self.tensor is None:
+            raise ValueError("Strategy tensor=None: pass the number of ranks that split a layer.")
+        if self.tensor_layout is not None and not isinstance(self.tensor_layout, dict):
+            raise ValueError(
+                f"Strategy tensor_layout must be a dict from a regex over variable paths to a "
+                f"tuple of axes, got {type(self.tensor_layout).__name__}."
+            )
         if self.schedule not in SCHEDULES:
             raise ValueError(
                 f"Unknown schedule {self.schedule!r}; use one of {', '.join(map(repr, SCHEDULES))}."
@@ -93,8 +110,16 @@ class Strategy:
         """Return a copy with partitions and replicas fixed for `world_size` ranks.
 
         Rule for "auto" (until the cost model chooses): data parallel over all ranks, unless
-        `partitions` is given, in which case the rest of the ranks become replicas.
+        `partitions` is given, in which case the rest of the ranks become replicas. The
+        `tensor` ranks of each stage are set aside first.
         """
+        if world_size % self.tensor:
+            raise ValueError(
+                f"tensor={self.tensor} does not divide the world size {world_size}; launch a "
+                f"multiple of {self.tensor} ranks or pass tensor= one of "
+                f"{_divisors(world_size)}."
+            )
+        total, world_size = world_size, world_size // self.tensor
         partitions, replicas = self.partitions, self.replicas
         if self.kind == "data":
             partitions = 1
@@ -115,15 +140,21 @@ class Strategy:
             if replicas is None:
                 replicas = _exact_quotient(world_size, partitions, "partitions", "num_replicas")
         if partitions * replicas != world_size:
+            product = partitions * replicas * self.tensor
+            tensor = f" x tensor ({self.tensor})" if self.tensor > 1 else ""
             raise ValueError(
-                f"partitions ({partitions}) x replicas ({replicas}) = {partitions * replicas} "
-                f"but the job has {world_size} MPI ranks; launch with "
-                f"`mpirun -np {partitions * replicas}` or change num_partitions/num_replicas."
+                f"partitions ({partitions}) x replicas ({replicas}){tensor} = {product} "
+                f"but the job has {total} MPI ranks; launch with "
+                f"`mpirun -np {product}` or change num_partitions/num_replicas."
             )
         kind = self.kind
         if kind == "auto":
             kind = "data" if partitions == 1 else ("model" if replicas == 1 else "hybrid")
         return dataclasses.replace(self, kind=kind, partitions=partitions, replicas=replicas)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _exact_quotient(world_size: int, divisor: int, name: str, other: str) -> int:

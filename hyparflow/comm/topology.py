@@ -1,4 +1,4 @@
-"""The rank grid (stage, replica) and the pipeline and per-stage communicators built on it."""
+"""The rank grid (stage, replica, tensor shard) and the communicators built on it."""
 
 from __future__ import annotations
 
@@ -7,61 +7,81 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Grid:
-    """`partitions` pipeline stages times `replicas` copies, laid out pipeline by pipeline.
+    """`partitions` pipeline stages, each split over `tensor` ranks, times `replicas` copies.
 
-    `rank_of(stage, replica) = replica * partitions + stage`, so a pipeline's stages are
-    neighbours in rank order (and usually on one node, where stage-to-stage traffic is heavy).
+    `rank_of(stage, replica, shard) = (replica * partitions + stage) * tensor + shard`: the
+    `tensor` ranks that split one stage are innermost, so they are neighbours in rank order and
+    on one node (Megatron-LM's convention: their allreduces come in every layer), and a
+    pipeline's stages come next (stage-to-stage traffic is the next heaviest).
 
     Example:
         >>> grid = Grid(partitions=2, replicas=3)
         >>> grid.rank_of(stage=1, replica=2), grid.coords(5), grid.stage_ranks(0)
         (5, (1, 2), [0, 2, 4])
+        >>> Grid(partitions=2, replicas=1, tensor=2).tensor_ranks(stage=1, replica=0)
+        [2, 3]
     """
 
     partitions: int
     replicas: int
+    tensor: int = 1
 
     def __post_init__(self):
-        for name in ("partitions", "replicas"):
+        for name in ("partitions", "replicas", "tensor"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
 
     @property
     def size(self) -> int:
-        """Number of ranks the grid needs: `partitions * replicas`."""
-        return self.partitions * self.replicas
+        """Number of ranks the grid needs: `partitions * replicas * tensor`."""
+        return self.partitions * self.replicas * self.tensor
 
-    def rank_of(self, stage: int, replica: int) -> int:
-        """Rank holding `stage` of pipeline `replica`."""
+    def rank_of(self, stage: int, replica: int, shard: int = 0) -> int:
+        """Rank holding tensor shard `shard` of `stage` of pipeline `replica`."""
         if not 0 <= stage < self.partitions:
             raise ValueError(f"stage {stage} is outside 0..{self.partitions - 1}")
         if not 0 <= replica < self.replicas:
             raise ValueError(f"replica {replica} is outside 0..{self.replicas - 1}")
-        return replica * self.partitions + stage
+        if not 0 <= shard < self.tensor:
+            raise ValueError(f"tensor shard {shard} is outside 0..{self.tensor - 1}")
+        return (replica * self.partitions + stage) * self.tensor + shard
 
     def coords(self, rank: int) -> tuple[int, int]:
         """`(stage, replica)` of `rank`."""
+        return self.coords3(rank)[:2]
+
+    def coords3(self, rank: int) -> tuple[int, int, int]:
+        """`(stage, replica, shard)` of `rank`."""
         if not 0 <= rank < self.size:
             raise ValueError(f"rank {rank} is outside the grid's 0..{self.size - 1}")
-        replica, stage = divmod(rank, self.partitions)
-        return stage, replica
+        group, shard = divmod(rank, self.tensor)
+        replica, stage = divmod(group, self.partitions)
+        return stage, replica, shard
 
-    def pipeline_ranks(self, replica: int) -> list[int]:
-        """Ranks of pipeline `replica`, first stage to last."""
-        return [self.rank_of(stage, replica) for stage in range(self.partitions)]
+    def pipeline_ranks(self, replica: int, shard: int = 0) -> list[int]:
+        """Ranks of pipeline `replica` that hold tensor shard `shard`, first stage to last."""
+        return [self.rank_of(stage, replica, shard) for stage in range(self.partitions)]
 
-    def stage_ranks(self, stage: int) -> list[int]:
-        """Ranks holding `stage`, one per replica in replica order."""
-        return [self.rank_of(stage, replica) for replica in range(self.replicas)]
+    def stage_ranks(self, stage: int, shard: int = 0) -> list[int]:
+        """Ranks holding shard `shard` of `stage`, one per replica in replica order."""
+        return [self.rank_of(stage, replica, shard) for replica in range(self.replicas)]
+
+    def tensor_ranks(self, stage: int, replica: int) -> list[int]:
+        """Ranks that split `stage` of pipeline `replica`, in shard order."""
+        return [self.rank_of(stage, replica, shard) for shard in range(self.tensor)]
 
 
 @dataclass
 class Topology:
     """This rank's place in the grid and the communicators the engine talks over.
 
-    - `pipeline_comm`: the ranks of my pipeline; its rank is my stage (activations, gradients).
-    - `stage_comm`: my stage across replicas; its rank is my replica (gradient reduction).
+    - `pipeline_comm`: the ranks of my pipeline holding my tensor shard; its rank is my stage
+      (activations, gradients).
+    - `stage_comm`: my stage and shard across replicas; its rank is my replica (gradient
+      reduction).
+    - `tensor_comm`: the ranks that split my stage of my pipeline; its rank is my shard (the
+      allreduces inside tensor-parallel layers). Of size 1 without tensor parallelism.
     - `prev_rank` / `next_rank`: my neighbours in `pipeline_comm`, None at the pipeline's ends.
 
     Example (world rank 2 of 4):
@@ -74,21 +94,24 @@ class Topology:
     rank: int
     pipeline_comm: object
     stage_comm: object
+    tensor_comm: object = None
 
     @classmethod
-    def create(cls, comm, partitions: int, replicas: int) -> Topology:
+    def create(cls, comm, partitions: int, replicas: int, tensor: int = 1) -> Topology:
         """Split `comm` into the grid's communicators; collective over every rank of `comm`."""
-        grid = Grid(partitions, replicas)
+        grid = Grid(partitions, replicas, tensor)
         if comm.Get_size() != grid.size:
             raise ValueError(
                 f"{comm.Get_size()} ranks cannot form {partitions} partitions x {replicas} "
-                f"replicas = {grid.size}; launch {grid.size} ranks or change the split"
+                f"replicas x {tensor} tensor shards = {grid.size}; launch {grid.size} ranks or "
+                "change the split"
             )
         rank = comm.Get_rank()
-        stage, replica = grid.coords(rank)
-        pipeline_comm = comm.Split(color=replica, key=stage)
-        stage_comm = comm.Split(color=stage, key=replica)
-        return cls(grid, comm, rank, pipeline_comm, stage_comm)
+        stage, replica, shard = grid.coords3(rank)
+        pipeline_comm = comm.Split(color=replica * tensor + shard, key=stage)
+        stage_comm = comm.Split(color=stage * tensor + shard, key=replica)
+        tensor_comm = comm.Split(color=replica * partitions + stage, key=shard)
+        return cls(grid, comm, rank, pipeline_comm, stage_comm, tensor_comm)
 
     @property
     def stage(self) -> int:
@@ -97,6 +120,15 @@ class Topology:
     @property
     def replica(self) -> int:
         return self.grid.coords(self.rank)[1]
+
+    @property
+    def shard(self) -> int:
+        """My tensor shard: which slice of the stage's split layers this rank holds."""
+        return self.grid.coords3(self.rank)[2]
+
+    @property
+    def num_shards(self) -> int:
+        return self.grid.tensor
 
     @property
     def num_stages(self) -> int:
@@ -126,7 +158,7 @@ class Topology:
 
     def free(self) -> None:
         """Release the sub-communicators (collective); the world communicator is not touched."""
-        for comm in (self.pipeline_comm, self.stage_comm):
+        for comm in (self.pipeline_comm, self.stage_comm, self.tensor_comm):
             if comm is not None:
                 comm.Free()
-        self.pipeline_comm = self.stage_comm = None
+        self.pipeline_comm = self.stage_comm = self.tensor_comm = None

@@ -107,8 +107,10 @@ class PipelineWalk:
         actions = self._stage_actions(train, count)
         guard, span, runner = self._guard, self.span, self.runner
         grid = topo.grid
-        before = grid.rank_of(topo.stage - 1, topo.replica) if not self.is_first else None
-        after = grid.rank_of(topo.stage + 1, topo.replica) if not self.is_last else None
+        before = (
+            grid.rank_of(topo.stage - 1, topo.replica, topo.shard) if not self.is_first else None
+        )
+        after = grid.rank_of(topo.stage + 1, topo.replica, topo.shard) if not self.is_last else None
         posted = self._post_receives(prev, count)
         seeds = _SeedSnapshot(self._seed_variables) if train and count > 1 else None
         if train and not self.is_first and runner.flat_backward:

@@ -23,7 +23,7 @@ from keras.random import SeedGenerator
 
 from hyparflow import _keras
 
-__all__ = ["global_batch_slice", "slice_of", "unsliceable_random_layers"]
+__all__ = ["feature_slice", "global_batch_slice", "slice_of", "unsliceable_random_layers"]
 
 # Layers whose only own randomness is `backend.random.dropout` on a tensor
 # whose axis 0 is the batch: Dropout and SpatialDropout1D/2D/3D, Attention and
@@ -49,6 +49,13 @@ def _active_slices():
     return _thread_state.slices
 
 
+def _active_features():
+    """This thread's stack of (axis, index, parts) feature slices, innermost last."""
+    if not hasattr(_thread_state, "features"):
+        _thread_state.features = []
+    return _thread_state.features
+
+
 @contextlib.contextmanager
 def global_batch_slice(offset, global_size):
     """Make Keras dropout treat its input as rows [offset, offset + n) of a global batch.
@@ -60,25 +67,39 @@ def global_batch_slice(offset, global_size):
     innermost applies) and are per thread; Keras's function is put back when
     the last one exits.
     """
-    global _install_count, _keras_dropout
     if isinstance(offset, numbers.Integral) and offset < 0:
         raise ValueError(f"offset must be >= 0, got {offset}")
     if isinstance(global_size, numbers.Integral) and global_size < 1:
         raise ValueError(f"global_size must be >= 1, got {global_size}")
-    if keras.backend.backend() != "tensorflow":
-        raise RuntimeError("global_batch_slice needs the TensorFlow backend of Keras")
+    with _pushed(_active_slices(), (offset, global_size)):
+        yield
 
+
+@contextlib.contextmanager
+def feature_slice(axis: int, index: int, parts: int):
+    """Make Keras dropout treat its input as piece `index` of `parts` equal pieces of a whole
+    tensor along `axis` (a tensor-parallel shard): it draws the whole tensor's mask from the
+    same seed and keeps its piece. Combines with `global_batch_slice`."""
+    with _pushed(_active_features(), (axis, index, parts)):
+        yield
+
+
+@contextlib.contextmanager
+def _pushed(stack, entry):
+    """Install the slicing dropout while `entry` is on this thread's `stack`."""
+    global _install_count, _keras_dropout
+    if keras.backend.backend() != "tensorflow":
+        raise RuntimeError("sliced dropout needs the TensorFlow backend of Keras")
     with _install_lock:
         if _install_count == 0:
             _keras_dropout = _keras.tf_random.dropout
             _keras.tf_random.dropout = _dropout_in_slice
         _install_count += 1
-    slices = _active_slices()
-    slices.append((offset, global_size))
+    stack.append(entry)
     try:
         yield
     finally:
-        slices.pop()
+        stack.pop()
         with _install_lock:
             _install_count -= 1
             # Leave alone a function someone else installed over ours meanwhile.
@@ -96,23 +117,37 @@ def slice_of(piece):
 
 def _dropout_in_slice(inputs, rate, noise_shape=None, seed=None):
     """Keras's TF dropout, cut to this piece's rows of the global mask while a slice is active."""
-    slices = _active_slices()
+    slices, features = _active_slices(), _active_features()
     # Rates 0 and 1 draw nothing and act row by row, so Keras's shortcuts apply.
     trivial_rate = isinstance(rate, numbers.Real) and rate in (0.0, 1.0)
-    if not slices or trivial_rate:
+    if not (slices or features) or trivial_rate:
         return _keras_dropout(inputs, rate, noise_shape=noise_shape, seed=seed)
-    offset, global_size = slices[-1]
-    return _dropout_rows(inputs, rate, noise_shape, seed, offset, global_size)
+    offset, global_size = slices[-1] if slices else (0, None)
+    feature = features[-1] if features else None
+    return _dropout_rows(inputs, rate, noise_shape, seed, offset, global_size, feature)
 
 
-def _dropout_rows(inputs, rate, noise_shape, seed, offset, global_size):
-    """Apply rows [offset, offset + n) of the global batch's dropout mask to `inputs`."""
+def _dropout_rows(inputs, rate, noise_shape, seed, offset, global_size, feature=None):
+    """Apply rows [offset, offset + n) of the global batch's dropout mask to `inputs` (of
+    this rank's piece of the features, when `feature` = (axis, index, parts))."""
     inputs = tf.convert_to_tensor(inputs)
     if inputs.shape.rank is None or inputs.shape.rank == 0:
         raise ValueError(
             f"dropout inside global_batch_slice needs a batch axis, got shape {inputs.shape}"
         )
+    if global_size is None:
+        global_size = _dim(inputs, 0)
     mask_shape, batch_is_shared = _global_mask_shape(inputs, noise_shape, global_size)
+    begin = [0] * inputs.shape.rank
+    size = [-1] * inputs.shape.rank
+    if feature is not None:
+        axis, index, parts = feature
+        if noise_shape is not None:
+            raise ValueError("a tensor-parallel Dropout slices only full-shape masks")
+        axis %= inputs.shape.rank
+        piece = _dim(inputs, axis)
+        mask_shape[axis] = piece * parts
+        begin[axis], size[axis] = piece * index, piece
 
     # Let Keras draw the seed (once, advancing its SeedGenerator as usual) and
     # the uniform noise of the full batch's mask shape: dropping out ones leaves
@@ -120,10 +155,9 @@ def _dropout_rows(inputs, rate, noise_shape, seed, offset, global_size):
     dropped_ones = _keras_dropout(tf.ones(mask_shape, dtype=inputs.dtype), rate, seed=seed)
     keep = tf.not_equal(dropped_ones, tf.zeros([], dtype=inputs.dtype))
     if not batch_is_shared:
-        rank = inputs.shape.rank
-        begin = [_as_int32(offset)] + [0] * (rank - 1)
-        size = [_dim(inputs, 0)] + [-1] * (rank - 1)
-        keep = tf.slice(keep, begin, size)
+        begin[0], size[0] = _as_int32(offset), _dim(inputs, 0)
+    if not batch_is_shared or feature is not None:
+        keep = tf.slice(keep, [_as_int32(b) for b in begin], [_as_int32(n) for n in size])
 
     # Same ops as TF's dropout on the full batch, so kept values match bitwise
     # and the gradient to `inputs` only keeps this piece's rows of the mask.

@@ -16,16 +16,10 @@ import contextlib
 import functools
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 from hyparflow import _keras
-from hyparflow.engine.mpi import mpi_op
-
-# Every rank must run a graph's cross-replica sums in one order, so each new one waits for the
-# last one created in its graph (creation order is the same on every rank). The graph itself
-# holds that last sum, in this attribute: it lives and goes with the graph.
-_LAST_SUM = "_hyparflow_last_cross_replica_sum"
+from hyparflow.comm.in_graph import allreduce
 
 
 def cross_replica_sum(comm, tensor):
@@ -35,27 +29,11 @@ def cross_replica_sum(comm, tensor):
     @tf.custom_gradient
     def summed(x):
         def gradient(upstream):
-            return _allreduce(comm, upstream)
+            return allreduce(comm, upstream)
 
-        return _allreduce(comm, x), gradient
+        return allreduce(comm, x), gradient
 
     return summed(tensor)
-
-
-def _allreduce(comm, tensor):
-    def reduce(array):
-        total = np.array(array, copy=True)
-        comm.Allreduce(mpi_op("IN_PLACE"), total)
-        return total
-
-    graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
-    previous = getattr(graph, _LAST_SUM, None)
-    with tf.control_dependencies([previous] if previous is not None else []):
-        result = tf.numpy_function(reduce, [tensor], tensor.dtype, stateful=True)
-    result.set_shape(tensor.shape)
-    if graph is not None:
-        setattr(graph, _LAST_SUM, result)
-    return result
 
 
 def _global_moments(comm, synchronized_formula: bool):

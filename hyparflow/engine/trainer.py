@@ -10,6 +10,8 @@ the whole global batch.
 
 from __future__ import annotations
 
+import contextlib
+
 import tensorflow as tf
 
 from hyparflow import _keras
@@ -25,6 +27,7 @@ from hyparflow.engine.gradient_sync import GradientSync, SharedAcrossStages
 from hyparflow.engine.metrics import ReplicaMetrics
 from hyparflow.engine.mpi import mpi_op
 from hyparflow.engine.pipeline import PipelineWalk
+from hyparflow.engine.random_slices import feature_slice
 from hyparflow.engine.runners import (
     RunnerParts,
     build_runner,
@@ -41,6 +44,7 @@ from hyparflow.engine.weights import (
     owned_variables,
     packed,
 )
+from hyparflow.tensor.shards import TensorShards
 
 __all__ = ["Trainer", "model_input_list", "pack_model_outputs"]
 
@@ -59,12 +63,14 @@ class Trainer:
 
     def __init__(
         self, model, strategy, comm, plan=None, watchdog_timeout: float = 0.0,
-        comm_backend: str = "mpi",
+        comm_backend: str = "mpi", tensor_layout=None,
     ):  # fmt: skip
         self.model = model
         self.strategy = strategy
         self.plan = plan
-        self.topology = topo = Topology.create(comm, strategy.partitions, strategy.replicas)
+        self.topology = topo = Topology.create(
+            comm, strategy.partitions, strategy.replicas, strategy.tensor
+        )
         self.check_numerics = False
         self.watchdog = NoWatchdog()
         self.use_watchdog(watchdog_timeout)
@@ -72,6 +78,14 @@ class Trainer:
         self.is_last = topo.is_last_stage
         self.stage = None if plan is None else plan.stages[topo.stage]
         graph = model if plan is None else self.stage.model
+        # Tensor parallelism: this rank's shards of the stage's split layers (docs/tensor.md).
+        self.shards = None
+        if topo.num_shards > 1:
+            self.shards = TensorShards(tensor_layout, topo.tensor_comm, feature_slice)
+        with self.tensor_active():  # everything below sees (and traces) the shards
+            self._build(model, strategy, plan, topo, graph, comm_backend)
+
+    def _build(self, model, strategy, plan, topo, graph, comm_backend):
         self.variables = list(graph.trainable_variables)
         self.owned = list(self.variables) if plan is None else owned_variables(plan, topo.stage)
         layers = _keras.all_layers(graph)
@@ -124,6 +138,7 @@ class Trainer:
         self.update = Update(
             model, topo, self.variables, self.owned, partitioned=plan is not None,
             guard=self._guard, merge=self.gradient_sync.merge, layout=self.runner.layout,
+            split=self.shards.variables if self.shards else (),
         )  # fmt: skip
         self.walk = PipelineWalk(
             model, topo, strategy, self.stage, self.runner, guard=self._guard, loss=self._loss,
@@ -133,6 +148,17 @@ class Trainer:
         self.stage_state = TrainingState(model, topo, plan, self.variables, self._guard)
         self._log_root = topo.grid.rank_of(topo.num_stages - 1, 0)
         self.attach_recorder(None)
+
+    def tensor_active(self):
+        """The context in which the layers hold this rank's tensor shards (none without
+        tensor parallelism)."""
+        return contextlib.nullcontext() if self.shards is None else self.shards.active()
+
+    def load_shards(self) -> None:
+        """Slice the model's current weights into this rank's tensor shards (each fit, evaluate
+        or predict starts from the model as the user holds it)."""
+        if self.shards is not None:
+            self.shards.load()
 
     # --- what checkpoints and callbacks read ---------------------------------------------
     @property
@@ -193,6 +219,10 @@ class Trainer:
     # --- steps ---------------------------------------------------------------------------
     def train_step(self, batch: GlobalBatch) -> None:
         """One optimizer step on one global batch (collective over every rank)."""
+        with self.tensor_active():
+            self._train_step(batch)
+
+    def _train_step(self, batch: GlobalBatch) -> None:
         pieces = self.walk.microbatches(batch)
         with self._step_span(batch.size, len(pieces)):
             losses = self.walk.run(
@@ -213,13 +243,15 @@ class Trainer:
 
     def eval_step(self, batch: GlobalBatch, reg_value: float) -> None:
         """Forward-only pass of one batch: loss and metrics accumulate at the last stage."""
-        losses = self.walk.run(self.walk.microbatches(batch), batch.size, train=False)
-        self._track_loss(losses, reg_value, self._added_total())
+        with self.tensor_active():
+            losses = self.walk.run(self.walk.microbatches(batch), batch.size, train=False)
+            self._track_loss(losses, reg_value, self._added_total())
 
     def predict_step(self, batch: GlobalBatch) -> list | None:
         """Forward-only pass; the last stage returns its shard's outputs (micro-batch list)."""
         pieces = self.walk.microbatches(batch)
-        return self.walk.run(pieces, batch.size, train=False, predict=True)
+        with self.tensor_active():
+            return self.walk.run(pieces, batch.size, train=False, predict=True)
 
     def regularization(self) -> float:
         """The model's total weight regularization (collective over the pipeline)."""
@@ -291,6 +323,8 @@ class Trainer:
 
     def sync_weights(self) -> None:
         """Give every rank the full model: each stage broadcasts the weights it owns."""
+        if self.shards is not None:  # first put each stage's split weights together
+            self.shards.store(self._guard)
         if self.plan is None:
             return  # replicas stay identical: every one applies the same reduced gradients
         broadcast_owned_weights(self.model, self.plan, self.topology.pipeline_comm, self._guard)

@@ -34,8 +34,9 @@ class Update:
     """
 
     def __init__(
-        self, model, topology, variables, owned, *, partitioned: bool, guard, merge, layout=None
-    ):
+        self, model, topology, variables, owned, *, partitioned: bool, guard, merge, layout=None,
+        split=(),
+    ):  # fmt: skip
         self.model = model
         self.topology = topology
         self.variables = variables
@@ -45,12 +46,16 @@ class Update:
         self._merge = merge
         self._layout = layout
         self.regularized = [v for v in owned if getattr(v, "regularizer", None)]
+        # Tensor shards (`split`): their regularization and squared norms are parts, summed
+        # over the tensor ranks; every other variable is whole on each of them.
+        self._split = {id(v) for v in split}
+        self._tensor_comm = topology.tensor_comm if self._split else None
         self._reg_fn = tf.function(self._regularization_and_grads)
         self._has_regularizers = bool(
             topology.pipeline_comm.allreduce(len(self.regularized) > 0, op=mpi_op("LOR"))
         )
         # Keras clips by the norm of the whole model's gradient: stages must agree on it.
-        self.clips_across_stages = partitioned and bool(
+        self.clips_across_stages = (partitioned or bool(self._split)) and bool(
             getattr(_inner(model.optimizer), "global_clipnorm", None)
         )
         self._squares_fn = tf.function(_sum_of_squares, reduce_retracing=True)
@@ -62,13 +67,15 @@ class Update:
     def apply(self, gradients) -> float:
         """Step the optimizer with the reduced `gradients` (`gradient_sync.Gradients`); return
         the model's total regularization (collective over the pipeline)."""
-        if gradients.layout is None or self.clips_across_stages:  # the norm comes in between
+        if gradients.layout is None or self.clips_across_stages or self._split:
             return self._apply(gradients.as_list())
         return self._apply_flat(gradients.flat, gradients.tables)
 
     def regularization(self) -> float:
         """The model's total weight regularization (collective over the pipeline)."""
-        return self._sum_over_pipeline(float(self._reg_fn()[0]) if self.regularized else 0.0)
+        return self._sum_over_pipeline(
+            self._total(*self._reg_fn()[:2]) if self.regularized else 0.0
+        )
 
     def check_finite(self, losses, grads, step: int) -> None:
         """Stop every rank together, naming step, rank and stage, on a NaN/Inf loss or gradient."""
@@ -95,9 +102,22 @@ class Update:
             )
 
     def _regularization_and_grads(self):
+        """(regularization of whole variables, of tensor shards, the gradients of both)."""
         with tf.GradientTape() as tape:
-            total = tf.add_n([tf.reduce_sum(v.regularizer(v)) for v in self.regularized])
-        return total, tape.gradient(total, self.regularized)
+            values = [tf.reduce_sum(v.regularizer(v)) for v in self.regularized]
+            whole = [x for v, x in zip(self.regularized, values) if id(v) not in self._split]
+            parts = [x for v, x in zip(self.regularized, values) if id(v) in self._split]
+            whole = tf.add_n(whole) if whole else tf.constant(0.0)
+            parts = tf.add_n(parts) if parts else tf.constant(0.0)
+            total = whole + parts
+        return whole, parts, tape.gradient(total, self.regularized)
+
+    def _total(self, whole, parts) -> float:
+        """This stage's regularization: the whole variables' plus every tensor rank's part."""
+        if self._tensor_comm is None:
+            return float(whole) + float(parts)
+        with self._guard("sum regularization over the tensor ranks"):
+            return float(whole) + self._tensor_comm.allreduce(float(parts))
 
     def _agree_finite_for_loss_scaling(self, grads: list) -> list:
         """Under loss scaling, every stage must skip an overflowing step together: if any rank
@@ -117,8 +137,8 @@ class Update:
         """Add regularization gradients, step the optimizer; return the total regularization."""
         reg_value = 0.0
         if self.regularized:
-            value, reg_grads = self._reg_fn()
-            reg_value = float(value)
+            whole, parts, reg_grads = self._reg_fn()
+            reg_value = self._total(whole, parts)
             # the stage gradients are of the scaled loss
             grads = self._add_regularization(grads, reg_grads, self.loss_scale())
         reg_value = self._sum_over_pipeline(reg_value)
@@ -134,10 +154,14 @@ class Update:
         the variables each stage owns, summed over the pipeline (a shared layer counts once).
         Collective over the pipeline."""
         owned = {id(v) for v in self.owned}
-        mine = [g for v, g in zip(self.variables, grads) if id(v) in owned]
-        squares = 0.0
-        if mine:
-            squares = float(self._squares_fn(mine, tf.constant(self.loss_scale(), tf.float32)))
+        scale = tf.constant(self.loss_scale(), tf.float32)
+        mine = [g for v, g in zip(self.variables, grads) if id(v) in owned - self._split]
+        squares = float(self._squares_fn(mine, scale)) if mine else 0.0
+        if self._tensor_comm is not None:  # shards' squares add up to their whole variables'
+            parts = [g for v, g in zip(self.variables, grads) if id(v) in owned & self._split]
+            parts = float(self._squares_fn(parts, scale)) if parts else 0.0
+            with self._guard("sum the gradient norm over the tensor ranks"):
+                squares += self._tensor_comm.allreduce(parts)
         with self._guard("sum the gradient norm over the pipeline"):
             total = self.topology.pipeline_comm.allreduce(squares)
         return tf.constant(math.sqrt(total), tf.float32)
@@ -172,8 +196,9 @@ class Update:
     def _flat_apply_body(self, flat, tables, scale):
         grads = self._merge(self._layout.unflatten(flat), tables)
         value = tf.constant(0.0)
-        if self.regularized:
-            value, reg_grads = self._regularization_and_grads()
+        if self.regularized:  # never tensor shards: their update takes `_apply`
+            whole, parts, reg_grads = self._regularization_and_grads()
+            value = whole + parts
             grads = self._add_regularization(grads, reg_grads, scale)
         self.model.optimizer.apply(grads, self.variables)
         return value

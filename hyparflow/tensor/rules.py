@@ -1,0 +1,459 @@
+"""The tensor layout of a model: which layers split, which way, and what stays whole.
+
+Megatron-LM's pairs (Shoeybi et al., "Megatron-LM", 2019): a column-parallel layer splits its
+output units and the next, row-parallel one its input units, so the activation between them
+stays split and one allreduce after the pair restores it. The automatic rules find:
+
+- Dense/Conv pairs in the model's graph: a Dense or channels-last Conv whose output goes, only
+  through elementwise layers (activations, dropout, pooling), to one more Dense or Conv;
+- attention by heads: a `MultiHeadAttention`'s query, key and value projections by column,
+  its output projection by row;
+- the feed-forward pair of keras_hub's `TransformerEncoder` and `TransformerDecoder`;
+- embeddings by vocabulary rows, a tied output projection (`ReversibleEmbedding`) included.
+
+A `tensor_layout` mapping (Keras `LayoutMap` convention) replaces the automatic rules. What no
+rule splits stays replicated; the layout records why, for its summary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import keras
+
+from hyparflow import _keras
+from hyparflow.partitioner.graph import build_graph
+from hyparflow.tensor.layout import axes_of, check_divides, lookup, shard_bytes, split_axis
+
+COLUMN, ROW, VOCAB = "column", "row", "vocab"
+
+# Activations that act on each element alone (softmax and glu mix the split axis).
+_ELEMENTWISE_ACTIVATIONS = frozenset(
+    [
+        "linear",
+        "relu",
+        "relu6",
+        "gelu",
+        "silu",
+        "swish",
+        "tanh",
+        "sigmoid",
+        "hard_sigmoid",
+        "hard_silu",
+        "hard_swish",
+        "elu",
+        "selu",
+        "softplus",
+        "softsign",
+        "exponential",
+        "leaky_relu",
+        "mish",
+        "celu",
+        "sparse_plus",
+        "squareplus",
+        "tanh_shrink",
+        "hard_tanh",
+        "log_sigmoid",
+        "soft_shrink",
+        "hard_shrink",
+        "threshold",
+    ]
+)
+_POOLING = (
+    keras.layers.MaxPooling1D, keras.layers.MaxPooling2D, keras.layers.MaxPooling3D,
+    keras.layers.AveragePooling1D, keras.layers.AveragePooling2D, keras.layers.AveragePooling3D,
+    keras.layers.GlobalAveragePooling1D, keras.layers.GlobalAveragePooling2D,
+    keras.layers.GlobalAveragePooling3D, keras.layers.GlobalMaxPooling1D,
+    keras.layers.GlobalMaxPooling2D, keras.layers.GlobalMaxPooling3D,
+)  # fmt: skip
+_CONVS = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D)
+# keras_hub blocks whose feed-forward pair runs back to back (checked in their call()).
+_KERAS_HUB_BLOCKS = ("TransformerEncoder", "TransformerDecoder")
+
+
+@dataclass
+class LayerSplit:
+    """One layer's share of the layout: its `role` and the split `axes` of its variables."""
+
+    layer: object
+    role: str  # COLUMN, ROW or VOCAB
+    axes: dict = field(default_factory=dict)  # id(variable) -> (variable, axis)
+    reason: str = ""
+
+    def axis_of(self, variable) -> int | None:
+        entry = self.axes.get(id(variable))
+        return None if entry is None else entry[1]
+
+
+@dataclass
+class TensorLayout:
+    """The layout of a model (or one pipeline stage) over `parts` tensor ranks."""
+
+    parts: int
+    splits: list = field(default_factory=list)  # LayerSplit, in the model's layer order
+    dropouts: list = field(default_factory=list)  # (Dropout layer, axis of the split features)
+    replicated: list = field(default_factory=list)  # "layer: why it stays whole"
+    variables: list = field(default_factory=list)  # every trainable variable of the model
+    model: object = None
+
+    def split_of(self, variable) -> int | None:
+        """The split axis of `variable`, or None when every rank holds all of it."""
+        for split in self.splits:
+            axis = split.axis_of(variable)
+            if axis is not None:
+                return axis
+        return None
+
+    def layout_map(self) -> dict:
+        """`{variable path: axes}` for every split variable, in LayoutMap's convention: a
+        starting point for a `tensor_layout` override."""
+        return {
+            v.path: axes_of(axis, len(v.shape))
+            for split in self.splits
+            for v, axis in split.axes.values()
+        }
+
+    def bytes_per_rank(self) -> tuple[int, int]:
+        """(bytes of split variables one rank holds, bytes of replicated ones)."""
+        split = replicated = 0
+        for v in self.variables:
+            axis = self.split_of(v)
+            size = shard_bytes(v.shape, axis, self.parts, _itemsize(v))
+            if axis is None:
+                replicated += size
+            else:
+                split += size
+        return split, replicated
+
+    def summary(self) -> str:
+        """Which layers split which way, what stays whole and why, and the bytes per rank."""
+        lines = [f"Tensor layout over {self.parts} ranks:"]
+        for s in self.splits:
+            shapes = ", ".join(f"{v.path} {tuple(v.shape)} axis {a}" for v, a in s.axes.values())
+            lines.append(f"  {s.layer.name:<28} {s.role:<7} {shapes}  ({s.reason})")
+        for line in self.replicated:
+            lines.append(f"  replicated: {line}")
+        split, replicated = self.bytes_per_rank()
+        lines.append(
+            f"  per rank: {split:,} bytes of split weights (1/{self.parts} each) + "
+            f"{replicated:,} replicated"
+        )
+        return "\n".join(lines)
+
+
+def tensor_layout(model, parts: int, overrides: dict | None = None) -> TensorLayout:
+    """The layout of `model` (a whole model or a stage's sub-model) over `parts` ranks:
+    `overrides` (a LayoutMap-style dict) when given, else the automatic rules."""
+    layout = TensorLayout(parts, variables=list(model.trainable_variables), model=model)
+    if parts == 1:
+        return layout
+    layers = _keras.all_layers(model, include_self=False)
+    if overrides is not None:
+        _apply_overrides(layout, layers, overrides)
+    else:
+        _attention_and_embeddings(layout, layers)
+        _graph_pairs(layout)
+    _check_composite_dropouts(layout, layers)
+    order = {id(layer): i for i, layer in enumerate(layers)}
+    layout.splits.sort(key=lambda s: order.get(id(s.layer), -1))
+    return layout
+
+
+# --- roles of single layers ------------------------------------------------------------------
+def _split(layer, role: str, parts: int, reason: str, heads_axis: int | None = None):
+    """`layer` split as a `role` layer; checks that `parts` divides the split dimension."""
+    if isinstance(layer, keras.layers.Embedding):
+        check_divides(layer.name, "vocabulary rows", layer.input_dim, parts)
+        axes = {id(layer._embeddings): (layer._embeddings, 0)}
+        reverse = getattr(layer, "reverse_embeddings", None)
+        if reverse is not None and not getattr(layer, "tie_weights", True):
+            axes[id(reverse)] = (reverse, 1)
+        return LayerSplit(layer, VOCAB, axes, reason)
+    kernel = layer._kernel
+    rank = len(kernel.shape)
+    if isinstance(layer, keras.layers.EinsumDense):
+        axis = heads_axis
+        what = "heads"
+    else:
+        axis = rank - 1 if role == COLUMN else rank - 2
+        what = "units" if isinstance(layer, keras.layers.Dense) else "channels"
+    if role == ROW and isinstance(layer, keras.layers.EinsumDense):
+        axis = 0
+    check_divides(layer.name, what, int(kernel.shape[axis]), parts)
+    axes = {id(kernel): (kernel, axis)}
+    bias = getattr(layer, "bias", None)
+    if role == COLUMN and bias is not None:
+        bias_axis = (
+            0 if not isinstance(layer, keras.layers.EinsumDense) else _einsum_bias_axis(layer, axis)
+        )
+        if bias_axis is not None:
+            axes[id(bias)] = (bias, bias_axis)
+    return LayerSplit(layer, role, axes, reason)
+
+
+def _einsum_bias_axis(layer, kernel_axis: int) -> int | None:
+    """The axis of an EinsumDense bias that follows kernel axis `kernel_axis` (None: the bias
+    does not span it and is added whole)."""
+    kernel_letters = layer.equation.split("->")[0].split(",")[1]
+    letter = kernel_letters[kernel_axis]
+    bias_axes = layer.bias_axes or ""
+    return bias_axes.index(letter) if letter in bias_axes else None
+
+
+def _unsplittable(layer) -> str | None:
+    """Why `layer` cannot be split as it is, or None."""
+    if getattr(layer, "lora_enabled", False):
+        return "LoRA is enabled"
+    if getattr(layer, "quantization_mode", None):
+        return "it is quantized"
+    if isinstance(layer, _CONVS) and (layer.groups != 1 or layer.data_format != "channels_last"):
+        return "grouped or channels-first convolution"
+    activation = getattr(layer, "activation", None)
+    if (
+        activation is not None
+        and getattr(activation, "__name__", "") not in _ELEMENTWISE_ACTIVATIONS
+    ):
+        return f"its activation {getattr(activation, '__name__', activation)!r} mixes units"
+    return None
+
+
+def _attention_and_embeddings(layout: TensorLayout, layers) -> None:
+    parts = layout.parts
+    for layer in layers:
+        if isinstance(layer, keras.layers.Embedding):
+            why = _unsplittable(layer)
+            if why:
+                layout.replicated.append(f"{layer.name}: {why}")
+                continue
+            layout.splits.append(_split(layer, VOCAB, parts, "vocabulary rows"))
+        elif isinstance(layer, keras.layers.MultiHeadAttention):
+            _split_attention(layout, layer)
+        elif type(layer).__name__ in _KERAS_HUB_BLOCKS and "keras_hub" in type(layer).__module__:
+            up, down = layer._feedforward_intermediate_dense, layer._feedforward_output_dense
+            why = _unsplittable(up) or _unsplittable(down)
+            if why:
+                layout.replicated.append(f"{layer.name} feed-forward: {why}")
+                continue
+            reason = f"feed-forward pair of {layer.name}"
+            layout.splits += [_split(up, COLUMN, parts, reason), _split(down, ROW, parts, reason)]
+
+
+def _split_attention(layout: TensorLayout, layer) -> None:
+    """Query, key, value (and gate) by column over the heads, output by row."""
+    heads = layer.num_heads
+    if tuple(layer._attention_axes or ()) not in ((), (1,)):
+        layout.replicated.append(f"{layer.name}: attention over axes {layer._attention_axes}")
+        return
+    check_divides(layer.name, "attention heads", heads, layout.parts)
+    reason = f"{heads} heads of {layer.name}"
+    columns = [layer._query_dense, layer._key_dense, layer._value_dense]
+    if getattr(layer, "_use_gate", False):
+        columns.append(layer._gate_dense)
+    for dense in columns:
+        axis = list(dense._kernel.shape).index(heads, 1)
+        layout.splits.append(_split(dense, COLUMN, layout.parts, reason, heads_axis=axis))
+    layout.splits.append(_split(layer._output_dense, ROW, layout.parts, reason))
+    if layer._dropout > 0:
+        layout.dropouts.append((layer._dropout_layer, 1))  # scores: (batch, heads, query, key)
+
+
+# --- pairs in the graph ----------------------------------------------------------------------
+def _graph_pairs(layout: TensorLayout) -> None:
+    """Column/row pairs of Dense and channels-last Conv layers in `model`'s layer graph."""
+    graph = _graph_of(layout)
+    if graph is None:
+        return  # a subclassed model: only the rules by layer type apply
+    taken = {id(s.layer) for s in layout.splits}
+    calls: dict = {}
+    for node in graph.nodes:
+        calls[id(node.operation)] = calls.get(id(node.operation), 0) + 1
+    outputs = set(graph.outputs)
+    for node in graph.nodes:
+        column = node.operation
+        if not _pairable(column, calls, taken):
+            continue
+        found = _follow_to_row(
+            graph, node, outputs, lambda x, taken=taken: _pairable(x, calls, taken)
+        )
+        if found is None:
+            continue
+        row, dropouts = found
+        reason = f"pair {column.name} -> {row.name}"
+        layout.splits += [
+            _split(column, COLUMN, layout.parts, reason),
+            _split(row, ROW, layout.parts, reason),
+        ]
+        layout.dropouts += [(d, -1) for d in dropouts]
+        taken |= {id(column), id(row)}
+
+
+def _pairable(layer, calls, taken) -> bool:
+    return (
+        isinstance(layer, (keras.layers.Dense, *_CONVS))
+        and id(layer) not in taken
+        and calls.get(id(layer)) == 1
+        and _unsplittable(layer) is None
+    )
+
+
+def _follow_to_row(graph, node, outputs, is_row):
+    """The row partner (the first layer `is_row` accepts) of the column layer at `node` and
+    the Dropout layers on the way, or None when its output meets anything but elementwise
+    layers first."""
+    dropouts = []
+    tensor = node.outputs[0] if len(node.outputs) == 1 else None
+    while tensor is not None and tensor not in outputs:
+        consumers = graph.tensors[tensor].consumers
+        if len(consumers) != 1:
+            return None
+        nxt = graph.nodes[consumers[0]]
+        layer = nxt.operation
+        if len(nxt.inputs) != 1 or len(nxt.outputs) != 1:
+            return None
+        if is_row(layer):
+            return layer, dropouts
+        if isinstance(layer, keras.layers.Dropout) and layer.noise_shape is None:
+            dropouts.append(layer)
+        elif not _elementwise(layer):
+            return None
+        tensor = nxt.outputs[0]
+    return None
+
+
+def _elementwise(layer) -> bool:
+    """Whether `layer` acts on each feature alone, keeping features on the last axis."""
+    if isinstance(layer, keras.layers.Activation):
+        return getattr(layer.activation, "__name__", "") in _ELEMENTWISE_ACTIVATIONS
+    if isinstance(layer, (keras.layers.ReLU, keras.layers.LeakyReLU, keras.layers.ELU)):
+        return True
+    if isinstance(layer, _POOLING):
+        return getattr(layer, "data_format", "channels_last") == "channels_last"
+    return False
+
+
+# --- overrides --------------------------------------------------------------------------------
+def _apply_overrides(layout: TensorLayout, layers, overrides: dict) -> None:
+    """Split what `overrides` names; the role follows from the layer and the split axis."""
+    for layer in layers:
+        own = [v for v in layer._trainable_variables]
+        entries = [(v, lookup(overrides, v.path)) for v in own]
+        axes = {id(v): split_axis(e, v.path) for v, e in entries if e is not None}
+        if not any(a is not None for a in axes.values()):
+            continue
+        role = _role_from_override(layer, axes)
+        split = _split(layer, role, layout.parts, "tensor_layout", heads_axis=axes.get(
+            id(getattr(layer, "_kernel", None))))  # fmt: skip
+        for v, _ in entries:
+            wanted = axes.get(id(v))
+            if id(v) in axes and wanted != split.axis_of(v):
+                raise ValueError(
+                    f"tensor_layout splits {v.path} on axis {wanted}, but as a {role} layer "
+                    f"{layer.name!r} needs it on axis {split.axis_of(v)}; drop that entry."
+                )
+        layout.splits.append(split)
+    _override_dropouts(layout)
+
+
+def _role_from_override(layer, axes: dict) -> str:
+    if isinstance(layer, keras.layers.Embedding):
+        if axes.get(id(layer._embeddings)) == 0:
+            return VOCAB
+        raise ValueError(
+            f"tensor_layout can split embedding {layer.name!r} only by vocabulary rows, "
+            '("tensor", None).'
+        )
+    kernel = getattr(layer, "_kernel", None)
+    if kernel is None or not isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense,
+                                                *_CONVS)):  # fmt: skip
+        raise ValueError(
+            f"tensor_layout names a variable of layer {layer.name!r} ({type(layer).__name__}); "
+            "hyparflow splits Dense, EinsumDense, Conv1D/2D/3D and Embedding layers."
+        )
+    why = _unsplittable(layer)
+    if why:
+        raise ValueError(f"tensor_layout splits layer {layer.name!r}, but {why}.")
+    axis = axes.get(id(kernel))
+    rank = len(kernel.shape)
+    if isinstance(layer, keras.layers.EinsumDense):
+        inputs, kernel_letters = layer.equation.split("->")[0].split(",")
+        return ROW if kernel_letters[axis] in inputs else COLUMN
+    if axis == rank - 1:
+        return COLUMN
+    if axis == rank - 2:
+        return ROW
+    raise ValueError(
+        f"tensor_layout splits the kernel of {layer.name!r} on axis {axis}; split its output "
+        f"units (axis {rank - 1}) or its input units (axis {rank - 2})."
+    )
+
+
+def _override_dropouts(layout: TensorLayout) -> None:
+    """In a graph, each overridden column layer must reach a row layer through elementwise
+    layers only; the Dropouts on the way draw full masks and keep their slice."""
+    model_layers = {id(s.layer) for s in layout.splits}
+    if not model_layers:
+        return
+    graph = _graph_of(layout)
+    if graph is None:
+        return
+    rows = {id(s.layer) for s in layout.splits if s.role == ROW}
+    nodes = {id(n.operation): n for n in graph.nodes}
+    outputs = set(graph.outputs)
+    for split in layout.splits:
+        node = nodes.get(id(split.layer))
+        if split.role != COLUMN or node is None:
+            continue
+        found = _follow_to_row(graph, node, outputs, lambda x: id(x) in rows)
+        if found is None:
+            raise ValueError(
+                f"tensor_layout splits the output units of {split.layer.name!r}, but its output "
+                "meets a layer other than an elementwise one before any layer whose input units "
+                "are split; split the next Dense/Conv by its input units (its kernel axis -2)."
+            )
+        layout.dropouts += [(d, -1) for d in found[1]]
+
+
+def _graph_of(layout: TensorLayout):
+    try:
+        return build_graph(layout.model)
+    except ValueError:
+        return None
+
+
+def _check_composite_dropouts(layout: TensorLayout, layers) -> None:
+    """Refuse a Dropout that may draw over a split tensor without knowing its axis: inside a
+    composite layer holding split layers, every Dropout must be placed by a rule or be one of
+    a known block's dropouts that act on whole tensors (keras_hub's, after each pair)."""
+    split = {id(s.layer) for s in layout.splits}
+    placed = {id(d) for d, _ in layout.dropouts}
+    whole = set()
+    for layer in layers:
+        whole |= _whole_tensor_dropouts(layer)
+    for layer in layers:
+        if isinstance(layer, (_keras.Functional, keras.Sequential)):
+            continue
+        inner = _keras.all_layers(layer, include_self=False)
+        if not any(id(x) in split for x in inner):
+            continue
+        for x in inner:
+            if isinstance(x, keras.layers.Dropout) and x.rate > 0 and id(x) not in placed | whole:
+                raise ValueError(
+                    f"Dropout {x.name!r} inside {layer.name!r} may draw over a tensor split by "
+                    "tensor parallelism, and hyparflow cannot tell on which axis, so it would "
+                    "train differently from Keras. Use rate 0 there, or keep the layers of "
+                    f"{layer.name!r} whole (tensor_layout entries of None)."
+                )
+
+
+def _whole_tensor_dropouts(layer) -> set:
+    """ids of the Dropouts of a known block that act on whole (reduced) tensors."""
+    if type(layer).__name__ in _KERAS_HUB_BLOCKS and "keras_hub" in type(layer).__module__:
+        names = ("_self_attention_dropout", "_cross_attention_dropout", "_feedforward_dropout")
+        return {id(getattr(layer, n)) for n in names if getattr(layer, n, None) is not None}
+    return set()
+
+
+def _itemsize(variable) -> int:
+    return keras.backend.standardize_dtype(variable.dtype) and int(
+        keras.ops.convert_to_numpy(keras.ops.zeros((), variable.dtype)).itemsize
+    )

@@ -1,0 +1,235 @@
+"""This rank's shards of the split variables, and the context that puts them in the layers.
+
+The user's model keeps its whole variables. For each split variable a rank holds one shard
+variable (its slice, with the variable's path, so optimizer slots and checkpoints name it as
+Keras does); while `active()` the layers hold the shards instead and split layers run their
+tensor-parallel call. Everything the engine compiles is traced inside the context, so steps
+train the shards, and outside it the model is the user's whole one: `store()` gathers the
+shards into it and `load()` slices it into the shards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import keras
+import numpy as np
+from keras import ops
+
+from hyparflow import _keras
+from hyparflow.tensor.collectives import copy_to_shards, gather_from_shards, reduce_from_shards
+from hyparflow.tensor.layout import bounds
+from hyparflow.tensor.rules import COLUMN, ROW, VOCAB
+
+# Regularizers and constraints that act on each element alone are exact on a shard.
+_ELEMENTWISE_REGULARIZERS = (keras.regularizers.L1, keras.regularizers.L2, keras.regularizers.L1L2)
+_ELEMENTWISE_CONSTRAINTS = (keras.constraints.NonNeg,)
+
+
+class _Shard:
+    """One split variable: where the layer holds it, its whole form and this rank's shard."""
+
+    def __init__(self, layer, whole, axis: int, parts: int, index: int):
+        self.layer, self.whole, self.axis = layer, whole, axis
+        self.attribute = _attribute_holding(layer, whole)
+        self.begin, self.end = bounds(int(whole.shape[axis]), parts, index)
+        self.shard = _new_variable_like(whole, self._slice(np.asarray(whole.numpy())))
+
+    def _slice(self, array):
+        return np.take(array, np.arange(self.begin, self.end), axis=self.axis)
+
+
+class TensorShards:
+    """The shards of `layout` (a `TensorLayout`) held by shard `comm.Get_rank()` of the tensor
+    ranks in `comm`. `dropout_scope(axis, index, parts)` is the context under which a Dropout
+    draws the whole tensor's mask and keeps its slice (the engine's `random_slices`)."""
+
+    def __init__(self, layout, comm, dropout_scope):
+        self.layout, self.comm = layout, comm
+        self.parts, self.index = comm.Get_size(), comm.Get_rank()
+        self._dropout_scope = dropout_scope
+        self.shards = [
+            _Shard(split.layer, v, axis, self.parts, self.index)
+            for split in layout.splits
+            for v, axis in split.axes.values()
+        ]
+        for s in self.shards:
+            _check_elementwise(s.whole)
+        self._calls = {id(split.layer): (split.layer, self._call_for(split)) for split in
+                       layout.splits}  # fmt: skip
+        for layer, axis in layout.dropouts:
+            self._calls[id(layer)] = (layer, self._dropout_call(layer, axis))
+        self._rows = [split.layer for split in layout.splits if split.role == ROW]
+        self._depth = 0
+
+    @property
+    def variables(self) -> list:
+        """This rank's shard variables."""
+        return [s.shard for s in self.shards]
+
+    def is_split(self, variable) -> bool:
+        return any(s.shard is variable for s in self.shards)
+
+    def load(self) -> None:
+        """Slice the model's whole variables into this rank's shards."""
+        for s in self.shards:
+            s.shard.assign(s._slice(np.asarray(s.whole.numpy())))
+
+    def store(self, guard) -> None:
+        """Put the shards of every tensor rank together into the model's whole variables
+        (collective over the tensor ranks; `guard(operation)` watches the wait)."""
+        for s in self.shards:
+            local = np.ascontiguousarray(np.asarray(s.shard.numpy()))
+            pieces = np.empty((self.parts,) + local.shape, local.dtype)
+            with guard("gather tensor shards"):
+                self.comm.Allgather(local, pieces)
+            s.whole.assign(np.concatenate(list(pieces), axis=s.axis))
+
+    @contextlib.contextmanager
+    def active(self):
+        """Layers hold this rank's shards and run their tensor-parallel calls (re-entrant)."""
+        self._depth += 1
+        if self._depth > 1:
+            try:
+                yield
+            finally:
+                self._depth -= 1
+            return
+        swapped, specs = [], []
+        try:
+            for s in self.shards:
+                _put(s.layer, s.attribute, s.whole, s.shard)
+                swapped.append(s)
+            for layer, call in self._calls.values():
+                object.__setattr__(layer, "call", call)
+            specs = [layer.input_spec for layer in self._rows]
+            for layer in self._rows:  # their input is split: Keras's shape check would refuse
+                layer.input_spec = None
+            yield
+        finally:
+            self._depth -= 1
+            for layer, spec in zip(self._rows, specs):
+                layer.input_spec = spec
+            for layer, _ in self._calls.values():
+                if "call" in vars(layer):
+                    object.__delattr__(layer, "call")
+            for s in reversed(swapped):
+                _put(s.layer, s.attribute, s.shard, s.whole)
+
+    # --- the calls of split layers --------------------------------------------------------
+    def _call_for(self, split):
+        layer, comm = split.layer, self.comm
+        original = type(layer).call.__get__(layer)
+        if split.role == COLUMN:
+
+            def column_call(inputs, *args, **kwargs):
+                return original(copy_to_shards(comm, inputs), *args, **kwargs)
+
+            return column_call
+        if split.role == ROW:
+            return self._row_call(layer, original)
+        assert split.role == VOCAB
+        return self._vocab_call(layer, original)
+
+    def _row_call(self, layer, original):
+        comm = self.comm
+
+        def row_call(inputs, *args, **kwargs):
+            bias, activation = layer.bias, layer.activation
+            # The partial products are summed first; bias and activation come after, once.
+            object.__setattr__(layer, "bias", None)
+            object.__setattr__(layer, "activation", None)
+            try:
+                outputs = original(inputs, *args, **kwargs)
+            finally:
+                object.__setattr__(layer, "bias", bias)
+                object.__setattr__(layer, "activation", activation)
+            outputs = reduce_from_shards(comm, outputs)
+            if bias is not None:
+                outputs = ops.add(outputs, bias)
+            if activation is not None:
+                outputs = activation(outputs)
+            return outputs
+
+        return row_call
+
+    def _vocab_call(self, layer, original):
+        comm = self.comm
+        begin = bounds(layer.input_dim, self.parts, self.index)[0]
+        rows = layer.input_dim // self.parts
+
+        def vocab_call(inputs, reverse=False, **kwargs):
+            if reverse:  # a tied (or untied) output projection: logits of this rank's rows
+                logits = original(copy_to_shards(comm, inputs), reverse=True, **kwargs)
+                return gather_from_shards(comm, logits, axis=-1)
+            ids = inputs if inputs.dtype in ("int32", "int64") else ops.cast(inputs, "int32")
+            local = ids - ops.cast(begin, ids.dtype)
+            inside = ops.logical_and(local >= 0, local < rows)
+            found = ops.take(layer.embeddings, ops.where(inside, local, 0), axis=0)
+            found = ops.where(ops.expand_dims(inside, -1), found, ops.zeros_like(found))
+            outputs = reduce_from_shards(comm, ops.cast(found, layer.compute_dtype))
+            if isinstance(layer, keras.layers.ReversibleEmbedding) and layer.mask_zero:
+                _keras.set_keras_mask(outputs, ops.not_equal(inputs, 0))
+            return outputs
+
+        return vocab_call
+
+    def _dropout_call(self, layer, axis: int):
+        original = type(layer).call.__get__(layer)
+        scope, index, parts = self._dropout_scope, self.index, self.parts
+
+        def dropout_call(inputs, *args, **kwargs):
+            with scope(axis, index, parts):
+                return original(inputs, *args, **kwargs)
+
+        return dropout_call
+
+
+def _attribute_holding(layer, variable) -> str:
+    for name, value in vars(layer).items():
+        if value is variable:
+            return name
+    raise ValueError(f"cannot find where layer {layer.name!r} holds {variable.path}")
+
+
+def _put(layer, attribute: str, old, new) -> None:
+    """Make `layer` hold `new` where it held `old`: its attribute and its tracked list."""
+    object.__setattr__(layer, attribute, new)
+    tracked = _keras.own_trainable_variables(layer)
+    for i, v in enumerate(tracked):
+        if v is old:
+            tracked[i] = new
+
+
+def _new_variable_like(whole, value):
+    """A variable holding `value`, named and placed (path) like `whole`."""
+    scopes = whole.path.split("/")[:-1]
+    with contextlib.ExitStack() as stack:
+        for scope in scopes:
+            stack.enter_context(keras.name_scope(scope))
+        shard = keras.Variable(
+            value, dtype=whole.dtype, trainable=whole.trainable, name=whole.name,
+            autocast=_keras.variable_autocast(whole),
+        )  # fmt: skip
+    shard.regularizer = getattr(whole, "regularizer", None)
+    shard.constraint = getattr(whole, "constraint", None)
+    return shard
+
+
+def _check_elementwise(variable) -> None:
+    """A shard's regularizer and constraint must give the whole one's values, element by
+    element; others (orthogonality, norms over an axis) cannot be cut."""
+    regularizer = getattr(variable, "regularizer", None)
+    if regularizer is not None and not isinstance(regularizer, _ELEMENTWISE_REGULARIZERS):
+        raise ValueError(
+            f"Variable {variable.path} is split by tensor parallelism, but its regularizer "
+            f"{type(regularizer).__name__} is not elementwise (L1, L2, L1L2), so a shard cannot "
+            "compute its part. Keep the layer whole (tensor_layout) or use L1/L2."
+        )
+    constraint = getattr(variable, "constraint", None)
+    if constraint is not None and not isinstance(constraint, _ELEMENTWISE_CONSTRAINTS):
+        raise ValueError(
+            f"Variable {variable.path} is split by tensor parallelism, but its constraint "
+            f"{type(constraint).__name__} acts across elements. Keep the layer whole "
+            "(tensor_layout) or drop the constraint."
+        )
