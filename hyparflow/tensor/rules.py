@@ -30,7 +30,7 @@ COLUMN, ROW, VOCAB = "column", "row", "vocab"
 # Activations that act on each element alone (softmax and glu mix the split axis).
 _ELEMENTWISE_ACTIVATIONS = frozenset(
     [
-        "linear",
+        "linear", "gelu_approximate",
         "relu",
         "relu6",
         "gelu",
@@ -154,8 +154,8 @@ def tensor_layout(model, parts: int, overrides: dict | None = None) -> TensorLay
         _attention_and_embeddings(layout, layers)
         _graph_pairs(layout)
     _check_composite_dropouts(layout, layers)
-    order = {id(layer): i for i, layer in enumerate(layers)}
-    layout.splits.sort(key=lambda s: order.get(id(s.layer), -1))
+    order = {id(v): i for i, v in enumerate(layout.variables)}
+    layout.splits.sort(key=lambda s: min(order.get(k, len(order)) for k in s.axes))
     return layout
 
 

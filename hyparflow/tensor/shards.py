@@ -121,9 +121,12 @@ class TensorShards:
         layer, comm = split.layer, self.comm
         original = type(layer).call.__get__(layer)
         if split.role == COLUMN:
+            # A convolution reshapes its bias to its `filters`: this rank's share of them.
+            narrowed = {"filters": layer.filters // self.parts} if hasattr(layer, "filters") else {}
 
             def column_call(inputs, *args, **kwargs):
-                return original(copy_to_shards(comm, inputs), *args, **kwargs)
+                with _attributes(layer, narrowed):
+                    return original(copy_to_shards(comm, inputs), *args, **kwargs)
 
             return column_call
         if split.role == ROW:
@@ -134,16 +137,15 @@ class TensorShards:
     def _row_call(self, layer, original):
         comm = self.comm
 
+        unbiased = {"bias": None, "activation": None}
+        if hasattr(layer, "use_bias"):  # convolutions test the flag, not the variable
+            unbiased["use_bias"] = False
+
         def row_call(inputs, *args, **kwargs):
             bias, activation = layer.bias, layer.activation
             # The partial products are summed first; bias and activation come after, once.
-            object.__setattr__(layer, "bias", None)
-            object.__setattr__(layer, "activation", None)
-            try:
+            with _attributes(layer, unbiased):
                 outputs = original(inputs, *args, **kwargs)
-            finally:
-                object.__setattr__(layer, "bias", bias)
-                object.__setattr__(layer, "activation", activation)
             outputs = reduce_from_shards(comm, outputs)
             if bias is not None:
                 outputs = ops.add(outputs, bias)
@@ -183,6 +185,19 @@ class TensorShards:
                 return original(inputs, *args, **kwargs)
 
         return dropout_call
+
+
+@contextlib.contextmanager
+def _attributes(layer, values: dict):
+    """`layer`'s attributes set to `values` for the length of a call (untracked by Keras)."""
+    saved = {name: getattr(layer, name) for name in values}
+    for name, value in values.items():
+        object.__setattr__(layer, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            object.__setattr__(layer, name, value)
 
 
 def _attribute_holding(layer, variable) -> str:

@@ -34,7 +34,9 @@ def run(case: Case) -> dict:
         model, x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0,
         strategy=strategy,
     )  # fmt: skip
-    runner = model._hyparflow_trainer[1].runner
+    trainer = model._hyparflow_trainer[1]
+    runner = trainer.runner
+    shards = trainer.shards
     functions = [getattr(runner, name, None) for name in TRACED]
     return {
         "case": case.id,
@@ -44,6 +46,23 @@ def run(case: Case) -> dict:
         "history": history_difference(history.history, ref_history.history),
         "keys": sorted(history.history),
         "ref_keys": sorted(ref_history.history),
+        # tensor parallelism: the layers split on this rank, and their shards' and the optimizer
+        # slots' elements (to compare with the whole model's)
+        "split": [s.layer.name for s in shards.layout.splits] if shards else [],
+        "dropouts": [d.name for d, _ in shards.layout.dropouts] if shards else [],
+        **(_shard_sizes(model, shards) if shards else {}),
+    }
+
+
+def _shard_sizes(model, shards) -> dict:
+    """Elements of this rank's shards, of the whole variables they split, and of the optimizer
+    slots built for the shards (Keras names a slot after its variable's path)."""
+    names = [s.shard.path.replace("/", "_") for s in shards.shards]
+    slots = [v for v in model.optimizer.variables if any(n in v.path for n in names)]
+    return {
+        "shard_elements": sum(int(v.numpy().size) for v in shards.variables),
+        "whole_elements": sum(int(s.whole.numpy().size) for s in shards.shards),
+        "shard_slot_elements": sum(int(v.numpy().size) for v in slots),
     }
 
 

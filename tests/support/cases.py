@@ -24,6 +24,7 @@ _STRATEGY_OPTIONS = {
     "overlap_groups": ("overlap_groups", 1),
     "flat_gradients": ("flat_gradients", True),
     "sync_batchnorm": ("sync_batchnorm", False),
+    "tensor": ("tensor", 1),
 }
 
 
@@ -53,11 +54,14 @@ class Case:
     large_variables: bool = False
     sync_batchnorm: bool = False
     one_step: bool = False
+    tensor: int = 1
 
     def __str__(self) -> str:
         """The readable id: defaults left out, e.g. `mlp-sgd-data-R2`."""
-        grid = (f"P{self.partitions}" if self.partitions > 1 else "") + (
-            f"R{self.replicas}" if self.replicas > 1 else ""
+        grid = (
+            (f"P{self.partitions}" if self.partitions > 1 else "")
+            + (f"R{self.replicas}" if self.replicas > 1 else "")
+            + (f"T{self.tensor}" if self.tensor > 1 else "")
         )
         flags = {
             "recompute": self.recompute,

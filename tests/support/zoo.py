@@ -247,12 +247,54 @@ def preprocessed():
     return keras.Model(inputs, outputs, name="preprocessed")
 
 
+def wide_mlp():
+    """Megatron's MLP twice over: Dense pairs that widen then narrow, dropout between, L2."""
+    inputs = keras.Input((6,))
+    x = inputs
+    for width in (16, 12):
+        x = keras.layers.Dense(width, activation="gelu", kernel_regularizer="l2")(x)
+        x = keras.layers.Dropout(0.3)(x)
+        x = keras.layers.Dense(6)(x)
+        x = keras.layers.LayerNormalization()(x)
+    outputs = keras.layers.Dense(3, activation="softmax")(x)
+    return keras.Model(inputs, outputs, name="wide_mlp")
+
+
+def conv_pairs():
+    """Conv2D pairs (output channels, then input channels) through ReLU and pooling, and a
+    conv whose channels reach a Dense through global pooling."""
+    inputs = keras.Input((8, 8, 2))
+    x = keras.layers.Conv2D(8, 3, padding="same", activation="relu")(inputs)
+    x = keras.layers.MaxPooling2D()(x)
+    x = keras.layers.Conv2D(4, 3, padding="same")(x)
+    x = keras.layers.Conv2D(6, 1, activation="relu")(x)
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    x = keras.layers.Dense(5, activation="relu")(x)
+    outputs = keras.layers.Dense(3, activation="softmax")(x)
+    return keras.Model(inputs, outputs, name="conv_pairs")
+
+
+def encoder():
+    """A Transformer encoder block of Keras layers: MultiHeadAttention with dropout on its
+    scores, residuals, LayerNorm, a feed-forward Dense pair; over token embeddings."""
+    tokens = keras.Input((LENGTH,), dtype="int32")
+    x = keras.layers.Embedding(VOCAB, 8)(tokens)
+    attended = keras.layers.MultiHeadAttention(num_heads=4, key_dim=4, dropout=0.2)(x, x)
+    x = keras.layers.LayerNormalization()(keras.layers.Add()([x, attended]))
+    h = keras.layers.Dense(16, activation="relu")(x)
+    h = keras.layers.Dense(8)(keras.layers.Dropout(0.1)(h))
+    x = keras.layers.LayerNormalization()(keras.layers.Add()([x, h]))
+    x = keras.layers.GlobalAveragePooling1D()(x)
+    outputs = keras.layers.Dense(3, activation="softmax")(x)
+    return keras.Model(tokens, outputs, name="encoder")
+
+
 BUILDERS = {
     f.__name__: f
     for f in (
         embedding_mlp, two_tables, dropout_mlp, added_losses, masked_gru, batchnorm_cnn,
         preprocessed, mobilenet_v3, mobilenet_v2, gpt2, bert, llama, gemma, mistral, opt,
-        distil_bert, roberta, albert, falcon, qwen3_moe,
+        distil_bert, roberta, albert, falcon, qwen3_moe, wide_mlp, conv_pairs, encoder,
     )
 }  # fmt: skip
 # keras_hub: token batches of varying length; classifiers take labels, the others next tokens
@@ -306,7 +348,9 @@ def data(name: str, n: int = 70, seed: int = 0):
         return padded, labels
     if name == "dropout_mlp":
         return rng.normal(size=(n, 4, 6)).astype("float32"), labels
-    if name == "batchnorm_cnn":
+    if name == "wide_mlp":
+        return rng.normal(size=(n, 6)).astype("float32"), labels
+    if name in ("batchnorm_cnn", "conv_pairs"):
         return rng.normal(size=(n, 8, 8, 2)).astype("float32"), labels
     if name in ("mobilenet_v3", "mobilenet_v2"):
         return rng.normal(size=(n, 32, 32, 3)).astype("float32"), labels
