@@ -200,8 +200,9 @@ def _einsum_bias_axis(layer, kernel_axis: int) -> int | None:
     return bias_axes.index(letter) if letter in bias_axes else None
 
 
-def _unsplittable(layer) -> str | None:
-    """Why `layer` cannot be split as it is, or None."""
+def _unsplittable(layer, role: str = COLUMN) -> str | None:
+    """Why `layer` cannot be split in `role` as it is, or None (a row layer's activation comes
+    after the sum, so any will do)."""
     if getattr(layer, "lora_enabled", False):
         return "LoRA is enabled"
     if getattr(layer, "quantization_mode", None):
@@ -230,7 +231,7 @@ def _attention_and_embeddings(layout: TensorLayout, layers) -> None:
             _split_attention(layout, layer)
         elif type(layer).__name__ in _KERAS_HUB_BLOCKS and "keras_hub" in type(layer).__module__:
             up, down = layer._feedforward_intermediate_dense, layer._feedforward_output_dense
-            why = _unsplittable(up) or _unsplittable(down)
+            why = _unsplittable(up) or _unsplittable(down, ROW)
             if why:
                 layout.replicated.append(f"{layer.name} feed-forward: {why}")
                 continue
@@ -287,12 +288,12 @@ def _graph_pairs(layout: TensorLayout) -> None:
         taken |= {id(column), id(row)}
 
 
-def _pairable(layer, calls, taken) -> bool:
+def _pairable(layer, calls, taken, role: str = COLUMN) -> bool:
     return (
         isinstance(layer, (keras.layers.Dense, *_CONVS))
         and id(layer) not in taken
         and calls.get(id(layer)) == 1
-        and _unsplittable(layer) is None
+        and _unsplittable(layer, role) is None
     )
 
 

@@ -124,7 +124,37 @@ def diverging():
     return model
 
 
+def odd_pair():
+    """A Dense pair whose 5 middle units two tensor ranks cannot split."""
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(5, activation="relu", name="five_units")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(3, activation="softmax")(hidden))
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    return model
+
+
+def _clipnorm_mlp():
+    model = compiled("mlp", "sgd")
+    model.compile(optimizer=keras.optimizers.SGD(0.1, clipnorm=1.0), loss=model.loss)
+    return model
+
+
+def tensor(**options):
+    return hf.Strategy("data", tensor=2, **options)
+
+
 CASES = {
+    "tensor_indivisible_units": lambda x, y, tmp: fit(odd_pair(), x, y, strategy=tensor()),
+    "tensor_not_dividing_world": lambda x, y, tmp: fit(
+        compiled("mlp", "sgd"), x, y, strategy=hf.Strategy("data", tensor=3)
+    ),
+    "tensor_with_checkpoints": lambda x, y, tmp: fit(
+        compiled("mlp", "sgd"), x, y, strategy=tensor(),
+        callbacks=[hf.callbacks.Checkpoint(os.path.join(tmp, "ckpt"))],
+    ),  # fmt: skip
+    "tensor_with_per_variable_clipnorm": lambda x, y, tmp: fit(
+        _clipnorm_mlp(), x, y, strategy=tensor()
+    ),
     "wrong_world_size": lambda x, y, tmp: fit(
         compiled("mlp", "sgd"), x, y, strategy="hybrid", num_partitions=2, num_replicas=3
     ),
