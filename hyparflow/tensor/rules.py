@@ -30,7 +30,8 @@ COLUMN, ROW, VOCAB = "column", "row", "vocab"
 # Activations that act on each element alone (softmax and glu mix the split axis).
 _ELEMENTWISE_ACTIVATIONS = frozenset(
     [
-        "linear", "gelu_approximate",
+        "linear",
+        "gelu_approximate",
         "relu",
         "relu6",
         "gelu",
@@ -209,7 +210,7 @@ def _unsplittable(layer, role: str = COLUMN) -> str | None:
         return "it is quantized"
     if isinstance(layer, _CONVS) and (layer.groups != 1 or layer.data_format != "channels_last"):
         return "grouped or channels-first convolution"
-    activation = getattr(layer, "activation", None)
+    activation = getattr(layer, "activation", None) if role == COLUMN else None
     if (
         activation is not None
         and getattr(activation, "__name__", "") not in _ELEMENTWISE_ACTIVATIONS
@@ -274,7 +275,7 @@ def _graph_pairs(layout: TensorLayout) -> None:
         if not _pairable(column, calls, taken):
             continue
         found = _follow_to_row(
-            graph, node, outputs, lambda x, taken=taken: _pairable(x, calls, taken)
+            graph, node, outputs, lambda x, taken=taken: _pairable(x, calls, taken, ROW)
         )
         if found is None:
             continue

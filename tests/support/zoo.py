@@ -269,7 +269,7 @@ def conv_pairs():
     x = keras.layers.Conv2D(4, 3, padding="same")(x)
     x = keras.layers.Conv2D(6, 1, activation="relu")(x)
     x = keras.layers.GlobalAveragePooling2D()(x)
-    x = keras.layers.Dense(5, activation="relu")(x)
+    x = keras.layers.Dense(6, activation="relu")(x)
     outputs = keras.layers.Dense(3, activation="softmax")(x)
     return keras.Model(inputs, outputs, name="conv_pairs")
 
