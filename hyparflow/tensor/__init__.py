@@ -5,7 +5,8 @@
 (`shards.py`) with Megatron's conjugate communication (`collectives.py`). docs/tensor.md.
 """
 
-from hyparflow.tensor.rules import TensorLayout, tensor_layout
+from hyparflow.tensor.rules import tensor_layout
+from hyparflow.tensor.splits import TensorLayout
 from hyparflow.tensor.shards import TensorShards
 
 __all__ = ["TensorLayout", "TensorShards", "tensor_layout"]

@@ -19,7 +19,7 @@ from keras import ops
 from hyparflow import _keras
 from hyparflow.tensor.collectives import copy_to_shards, gather_from_shards, reduce_from_shards
 from hyparflow.tensor.layout import bounds
-from hyparflow.tensor.rules import COLUMN, ROW, VOCAB
+from hyparflow.tensor.splits import COLUMN, ROW, VOCAB
 
 # Regularizers and constraints that act on each element alone are exact on a shard.
 _ELEMENTWISE_REGULARIZERS = (keras.regularizers.L1, keras.regularizers.L2, keras.regularizers.L1L2)

@@ -1,0 +1,89 @@
+"""What a tensor layout is: each split layer's role and axes, and what stays whole."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import keras
+
+from hyparflow.tensor.layout import axes_of, shard_bytes
+
+# Megatron-LM's roles: a column layer splits its output units, a row layer its input units
+# (its partial sums are added after), a vocabulary layer its embedding table's rows.
+COLUMN, ROW, VOCAB = "column", "row", "vocab"
+
+
+@dataclass
+class LayerSplit:
+    """One layer's share of the layout: its `role` and the split `axes` of its variables."""
+
+    layer: object
+    role: str  # COLUMN, ROW or VOCAB
+    axes: dict = field(default_factory=dict)  # id(variable) -> (variable, axis)
+    reason: str = ""
+
+    def axis_of(self, variable) -> int | None:
+        entry = self.axes.get(id(variable))
+        return None if entry is None else entry[1]
+
+
+@dataclass
+class TensorLayout:
+    """The layout of a model (or one pipeline stage) over `parts` tensor ranks."""
+
+    parts: int
+    splits: list = field(default_factory=list)  # LayerSplit, in the model's layer order
+    dropouts: list = field(default_factory=list)  # (Dropout layer, axis of the split features)
+    replicated: list = field(default_factory=list)  # "layer: why it stays whole"
+    variables: list = field(default_factory=list)  # every trainable variable of the model
+    model: object = None
+
+    def split_of(self, variable) -> int | None:
+        """The split axis of `variable`, or None when every rank holds all of it."""
+        for split in self.splits:
+            axis = split.axis_of(variable)
+            if axis is not None:
+                return axis
+        return None
+
+    def layout_map(self) -> dict:
+        """`{variable path: axes}` for every split variable, in LayoutMap's convention: a
+        starting point for a `tensor_layout` override."""
+        return {
+            v.path: axes_of(axis, len(v.shape))
+            for split in self.splits
+            for v, axis in split.axes.values()
+        }
+
+    def bytes_per_rank(self) -> tuple[int, int]:
+        """(bytes of split variables one rank holds, bytes of replicated ones)."""
+        split = replicated = 0
+        for v in self.variables:
+            axis = self.split_of(v)
+            size = shard_bytes(v.shape, axis, self.parts, _itemsize(v))
+            if axis is None:
+                replicated += size
+            else:
+                split += size
+        return split, replicated
+
+    def summary(self) -> str:
+        """Which layers split which way, what stays whole and why, and the bytes per rank."""
+        lines = [f"Tensor layout over {self.parts} ranks:"]
+        for s in self.splits:
+            shapes = ", ".join(f"{v.path} {tuple(v.shape)} axis {a}" for v, a in s.axes.values())
+            lines.append(f"  {s.layer.name:<28} {s.role:<7} {shapes}  ({s.reason})")
+        for line in self.replicated:
+            lines.append(f"  replicated: {line}")
+        split, replicated = self.bytes_per_rank()
+        lines.append(
+            f"  per rank: {split:,} bytes of split weights (1/{self.parts} each) + "
+            f"{replicated:,} replicated"
+        )
+        return "\n".join(lines)
+
+
+def _itemsize(variable) -> int:
+    return keras.backend.standardize_dtype(variable.dtype) and int(
+        keras.ops.convert_to_numpy(keras.ops.zeros((), variable.dtype)).itemsize
+    )
