@@ -10,34 +10,78 @@ that last collective, in an attribute: it lives and goes with the graph.
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass, field
+
 import numpy as np
 import tensorflow as tf
 
 _LAST_COLLECTIVE = "_hyparflow_last_collective"
 
+
+@dataclass
+class Traffic:
+    """What one kind (tag) of in-graph collective did in this process: calls, bytes each rank
+    contributed, seconds inside MPI. `listener(start, end, nbytes)`, when set, hears of each
+    call as it ends (the profiler records it as a span; times from `time.perf_counter`)."""
+
+    calls: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    listener: object = field(default=None, repr=False)
+
+    def record(self, start: float, end: float, nbytes: int) -> None:
+        self.calls += 1
+        self.bytes += nbytes
+        self.seconds += end - start
+        if self.listener is not None:
+            self.listener(start, end, nbytes)
+
+    def reset(self) -> None:
+        self.calls, self.bytes, self.seconds = 0, 0, 0.0
+
+
+# One record per tag: "tensor" (tensor-parallel layers), "batchnorm" (synchronised statistics).
+TRAFFIC: dict[str, Traffic] = {}
+
+
+def traffic(tag: str) -> Traffic:
+    """The `Traffic` record of collectives tagged `tag` (created on first use)."""
+    return TRAFFIC.setdefault(tag, Traffic())
+
+
 # MPI reduces these natively; other floats (float16, bfloat16) travel as float32.
 _MPI_FLOATS = (np.float32, np.float64)
 
 
-def allreduce(comm, tensor):
-    """`tensor` summed over the ranks of `comm` (no gradient: wrap it in a custom one)."""
+def allreduce(comm, tensor, tag: str):
+    """`tensor` summed over the ranks of `comm` (no gradient: wrap it in a custom one); counted
+    in `traffic(tag)`."""
+    record = traffic(tag)
 
     def reduce(array):
         total = _wire(array)
+        start = time.perf_counter()
         comm.Allreduce(_in_place(), total)
+        record.record(start, time.perf_counter(), total.nbytes)
         return total.astype(array.dtype, copy=False)
 
     return _ordered(lambda: tf.numpy_function(reduce, [tensor], tensor.dtype, stateful=True),
                     tensor.shape)  # fmt: skip
 
 
-def allgather(comm, tensor, axis: int):
-    """The `comm` ranks' `tensor`s put together along `axis`, in rank order."""
+def allgather(comm, tensor, axis: int, tag: str):
+    """The `comm` ranks' `tensor`s put together along `axis`, in rank order; counted in
+    `traffic(tag)`."""
     size = comm.Get_size()
+    record = traffic(tag)
 
     def gather(array):
         parts = np.empty((size,) + array.shape, _wire(array[:0]).dtype)
-        comm.Allgather(np.ascontiguousarray(_wire(array)), parts)
+        mine = np.ascontiguousarray(_wire(array))
+        start = time.perf_counter()
+        comm.Allgather(mine, parts)
+        record.record(start, time.perf_counter(), mine.nbytes)
         return np.concatenate(list(parts), axis=axis).astype(array.dtype, copy=False)
 
     shape = tensor.shape.as_list() if tensor.shape.rank is not None else None

@@ -29,9 +29,9 @@ def cross_replica_sum(comm, tensor):
     @tf.custom_gradient
     def summed(x):
         def gradient(upstream):
-            return allreduce(comm, upstream)
+            return allreduce(comm, upstream, "batchnorm")
 
-        return allreduce(comm, x), gradient
+        return allreduce(comm, x, "batchnorm"), gradient
 
     return summed(tensor)
 

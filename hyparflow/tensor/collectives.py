@@ -12,6 +12,9 @@ import tensorflow as tf
 
 from hyparflow.comm.in_graph import allgather, allreduce
 
+# Their traffic (`hyparflow.comm.in_graph.traffic(TAG)`): the profiler's "tensor" category.
+TAG = "tensor"
+
 
 def copy_to_shards(comm, x):
     """Identity forward; the input gradient summed over the tensor ranks of `comm`."""
@@ -19,7 +22,7 @@ def copy_to_shards(comm, x):
     @tf.custom_gradient
     def copied(x):
         def gradient(upstream):
-            return allreduce(comm, upstream)
+            return allreduce(comm, upstream, TAG)
 
         return tf.identity(x), gradient
 
@@ -34,14 +37,14 @@ def reduce_from_shards(comm, x):
         def gradient(upstream):
             return tf.identity(upstream)
 
-        return allreduce(comm, x), gradient
+        return allreduce(comm, x, TAG), gradient
 
     return reduced(x)
 
 
 def gather_from_shards(comm, x, axis: int = -1):
     """The tensor ranks' pieces put together along `axis`; the gradient is this rank's slice."""
-    parts, shard = comm.Get_size(), comm.Get_rank()
+    shard = comm.Get_rank()
 
     @tf.custom_gradient
     def gathered(x):
@@ -55,7 +58,6 @@ def gather_from_shards(comm, x, axis: int = -1):
             sizes[where] = size
             return tf.slice(upstream, begin, sizes)
 
-        return allgather(comm, x, axis % x.shape.rank), gradient
+        return allgather(comm, x, axis % x.shape.rank, TAG), gradient
 
-    del parts
     return gathered(x)
