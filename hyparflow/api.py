@@ -274,10 +274,7 @@ def _distributed_fit(model, x, y, batch_size, epochs, resolved, options, **kwarg
         return source, validation_source
 
     source, validation_source = agree(comm, prepare)
-    agree(
-        comm, model_checks.check_tensor_parallel, model, resolved, options["comm"],
-        kwargs.get("callbacks"), bool(folder),
-    )  # fmt: skip
+    agree(comm, model_checks.check_tensor_parallel, model, resolved, options["comm"])
     trainer = _make_trainer(model, resolved, comm, comm_backend=options["comm"])
     trainer.use_watchdog(timeout)
     trainer.check_numerics = options["check_numerics"]
@@ -286,6 +283,7 @@ def _distributed_fit(model, x, y, batch_size, epochs, resolved, options, **kwarg
     if folder:
         saved, state = agree(comm, checkpoint.read_checked, folder, model)
         agree(comm, checkpoint.restore, trainer.stage_state, saved, state)
+        trainer.load_shards()  # tensor shards take their pieces of the restored weights
         initial_epoch, start_batch = saved.epoch, saved.batch
     return _run(
         comm,

@@ -109,7 +109,7 @@ def check_inputs(model, x, check_numerics: bool, *arrays) -> None:
                 )
 
 
-def check_tensor_parallel(model, strategy, comm_backend: str, callbacks=(), resume=False) -> None:
+def check_tensor_parallel(model, strategy, comm_backend: str) -> None:
     """Refuse what tensor parallelism does not train exactly yet, before any rank starts."""
     if strategy.tensor == 1:
         return
@@ -118,11 +118,6 @@ def check_tensor_parallel(model, strategy, comm_backend: str, callbacks=(), resu
         raise ValueError(f"{name} sums gradients with hyparflow's MPI reduction; use comm='mpi'.")
     if strategy.overlap_groups > 1:
         raise ValueError(f"{name} does not overlap reductions by groups yet; use overlap_groups=1.")
-    if resume or any(getattr(cb, "saves_checkpoints", 0) for cb in callbacks or ()):
-        raise ValueError(
-            f"{name}: hf.callbacks.Checkpoint and resume do not save tensor shards yet; train "
-            "without them, or save the model after hf.fit (every rank then holds it whole)."
-        )
     optimizer = model.optimizer
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     if getattr(inner, "clipnorm", None):

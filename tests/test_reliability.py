@@ -46,6 +46,17 @@ def test_resume_with_another_partitioning_and_export(tmp_path):
         assert r["export_compiled"] == "Adam"  # compiled as for training: evaluate works
 
 
+def test_a_tensor_parallel_checkpoint_resumes_with_other_tensor_counts(tmp_path):
+    """Each tensor rank saves its pieces; resuming joins and re-cuts them (weights and Adam's
+    slots), with 1, 2 or 4 tensor ranks."""
+    results = run_scenario("reliability", 4, "tensor_reshape", str(tmp_path / "ckpt"), timeout=300)
+    for r in results:
+        assert r["files"] == [f"stage-{s}-shard-{t}.npz" for s in (0, 1) for t in (0, 1)]
+        for name in ("tensor1", "data4", "tensor4"):
+            assert r[name] < 1e-6, f"{name} resume differs from T=2 by {r[name]:.2e}"
+        assert r["export"] == 0.0  # the exported .keras holds the checkpoint's whole weights
+
+
 @pytest.mark.timeout(120)
 def test_a_stalled_rank_is_reported_and_the_job_aborted(tmp_path):
     start = time.monotonic()

@@ -34,6 +34,7 @@ class Manifest:
     architecture: str | None = None  # file holding model.to_json(), if the model has one
     compile_config: str | None = None  # file holding model.get_compile_config()
     format: int = FORMAT
+    tensor: int = 1  # tensor ranks per stage (their files hold pieces of split variables)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=1)

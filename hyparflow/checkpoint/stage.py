@@ -10,7 +10,8 @@ class StageState(Protocol):
     """What `save` reads and `restore` writes; the engine provides it (`Trainer.stage_state`).
 
     `save` is collective: every rank calls it at the same point, and `guard(operation)` watches
-    each of its blocking MPI waits. Only the first replica of each stage writes a file.
+    each of its blocking MPI waits. Only the first replica of each stage writes a file (one per
+    tensor rank under tensor parallelism).
     """
 
     model: Any  # the user's model: every rank holds all of its weights
@@ -24,6 +25,9 @@ class StageState(Protocol):
     step: int  # optimizer steps taken (`restore` sets it)
     seed: int  # the current fit's shared shuffle seed
     pending_metric_states: list  # metric sums of a resumed epoch (`restore` sets them)
+    shard: int  # this rank's tensor shard (0 without tensor parallelism)
+    num_shards: int
+    split: dict  # path -> split axis of each variable this rank holds a piece of
 
     def guard(self, operation: str) -> AbstractContextManager: ...
 

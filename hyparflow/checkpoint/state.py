@@ -4,6 +4,10 @@ Keys name positions in the user's model, never Keras's auto-generated names (a n
 number layers differently): `w/<i>` is `model.weights[i]`, `opt/<i>/<slot>` an optimizer slot
 of `model.trainable_variables[i]`, `opt/<name>` a global optimizer variable (iteration, learning
 rate), `seed/<layer>/<j>` a layer's random seed state, `m/<i>` a summed metric state.
+
+Under tensor parallelism a split variable's weight and slots are saved by every tensor rank as
+its piece, `<key>@<t>/<T>:<axis>`; `join_shards` puts the pieces back together on reading, so a
+checkpoint resumes with any number of tensor ranks (and stages and replicas).
 """
 
 from __future__ import annotations
@@ -25,36 +29,81 @@ def _slot_prefixes(model) -> list[tuple[str, int]]:
     return sorted(prefixes, key=lambda p: -len(p[0]))  # longest first: "d_1_k_" before "d_1_"
 
 
-def optimizer_state(model, optimizer) -> dict:
-    """The optimizer's variables, keyed by model variable index and slot name."""
+def shard_key(key: str, shard: int, parts: int, axis: int) -> str:
+    """The key of tensor rank `shard`'s piece (of `parts`, cut along `axis`) of entry `key`."""
+    return f"{key}@{shard}/{parts}:{axis}"
+
+
+def join_shards(state: dict) -> dict:
+    """`state` with every split entry's pieces put together along their axis, in shard order."""
+    pieces: dict = {}
+    joined = {}
+    for key, value in state.items():
+        base, at, where = key.partition("@")
+        if not at:
+            joined[key] = value
+            continue
+        shard, rest = where.split("/")
+        parts, axis = rest.split(":")
+        pieces.setdefault(base, {})[int(shard)] = (int(parts), int(axis), value)
+    for base, found in pieces.items():
+        parts, axis, _ = next(iter(found.values()))
+        if sorted(found) != list(range(parts)):
+            raise ValueError(
+                f"The checkpoint holds pieces {sorted(found)} of {parts} of {base!r}; a tensor "
+                "rank's file is missing."
+            )
+        joined[base] = np.concatenate([found[t][2] for t in range(parts)], axis=axis)
+    return joined
+
+
+def piece(value, shard: int, parts: int, axis: int):
+    """Tensor rank `shard`'s piece of `value`, cut in `parts` along `axis`."""
+    step = value.shape[axis] // parts
+    return np.take(value, np.arange(shard * step, (shard + 1) * step), axis=axis)
+
+
+def optimizer_state(model, optimizer, split=None, shard=0, parts=1) -> dict:
+    """The optimizer's variables, keyed by model variable index and slot name. `split` maps the
+    path of each tensor-split variable to its axis: their slots are this rank's pieces."""
+    split = split or {}
     prefixes = _slot_prefixes(model)
+    paths = [v.path for v in model.trainable_variables]
     state = {}
     for variable in optimizer.variables:
         name = variable.name
         for prefix, index in prefixes:
             if name.startswith(prefix):
-                state[f"opt/{index}/{name[len(prefix) :]}"] = np.asarray(variable.numpy())
+                key = f"opt/{index}/{name[len(prefix) :]}"
+                if paths[index] in split:
+                    key = shard_key(key, shard, parts, split[paths[index]])
+                state[key] = np.asarray(variable.numpy())
                 break
         else:
             state[f"opt/{name}"] = np.asarray(variable.numpy())
     return state
 
 
-def restore_optimizer(model, optimizer, variables, state: dict) -> None:
-    """Build `optimizer` for `variables` (a stage's) and load their slots from `state`."""
+def restore_optimizer(model, optimizer, variables, state: dict, split=None, shard=0, parts=1):
+    """Build `optimizer` for `variables` (a stage's) and load their slots from `state` (whole:
+    a tensor-split variable's slot, `split` path -> axis, takes this rank's piece)."""
+    split = split or {}
+    paths = [v.path for v in model.trainable_variables]
     if variables and not optimizer.built:
         optimizer.build(variables)
     prefixes = _slot_prefixes(model)
     missing = []
     for variable in optimizer.variables:
         name = variable.name
-        key = f"opt/{name}"
+        key, axis = f"opt/{name}", None
         for prefix, index in prefixes:
             if name.startswith(prefix):
                 key = f"opt/{index}/{name[len(prefix) :]}"
+                axis = split.get(paths[index])
                 break
         if key in state:
-            variable.assign(state[key])
+            value = state[key]
+            variable.assign(value if axis is None else piece(value, shard, parts, axis))
         else:
             missing.append(name)
     if missing:

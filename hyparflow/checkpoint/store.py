@@ -11,10 +11,13 @@ from hyparflow.checkpoint import manifest as manifests
 from hyparflow.checkpoint.atomic import sha256, write_atomic
 from hyparflow.checkpoint.stage import StageState
 from hyparflow.checkpoint.state import (
+    join_shards,
     layers_of_seed_keys,
     optimizer_state,
+    piece,
     restore_optimizer,
     seed_generators,
+    shard_key,
     weight_specs,
 )
 
@@ -43,9 +46,11 @@ def save(
     files = {}
     if stage.replica == 0:
         state = _stage_state(stage)
-        if stage.is_last:
+        if stage.is_last and stage.shard == 0:
             state.update({f"m/{i}": value for i, value in enumerate(metric_sums)})
         name = f"stage-{stage.stage}.npz"
+        if stage.num_shards > 1:
+            name = f"stage-{stage.stage}-shard-{stage.shard}.npz"
         path = os.path.join(folder, name)
         write_atomic(path, lambda f: np.savez(f, **state))
         files[name] = sha256(path)
@@ -58,7 +63,7 @@ def save(
         compile_config = _write_compile_config(model, folder, files)
         manifest = manifests.Manifest(
             step=stage.step, epoch=epoch, batch=batch, seed=stage.seed,
-            partitions=stage.num_stages, replicas=stage.num_replicas,
+            partitions=stage.num_stages, replicas=stage.num_replicas, tensor=stage.num_shards,
             weights=weight_specs(model), files=files, architecture=architecture,
             compile_config=compile_config,
         )  # fmt: skip
@@ -70,14 +75,24 @@ def save(
 
 
 def _stage_state(stage: StageState) -> dict:
-    """What this stage owns: its weights, its optimizer slots, its layers' seed states."""
-    model = stage.model
-    state = {f"w/{i}": np.asarray(model.weights[i].numpy()) for i in stage.owned_weight_indices()}
+    """What this stage owns: its weights, its optimizer slots, its layers' seed states. A tensor
+    rank writes its pieces of split variables; whole ones only the first tensor rank writes."""
+    model, split, first = stage.model, stage.split, stage.shard == 0
+    state = {}
+    for i in stage.owned_weight_indices():
+        value = np.asarray(model.weights[i].numpy())  # the whole model is synchronised here
+        axis = split.get(model.weights[i].path)
+        if axis is not None:
+            key = shard_key(f"w/{i}", stage.shard, stage.num_shards, axis)
+            state[key] = piece(value, stage.shard, stage.num_shards, axis)
+        elif first:
+            state[f"w/{i}"] = value
     if stage.variables and model.optimizer.built:
-        state.update(optimizer_state(model, model.optimizer))
+        slots = optimizer_state(model, model.optimizer, split, stage.shard, stage.num_shards)
+        state.update({k: v for k, v in slots.items() if first or "@" in k})
     owners = layers_of_seed_keys(model)
     for key, variable in seed_generators(model):
-        if stage.runs_layer(owners[key]):
+        if first and stage.runs_layer(owners[key]):
             state[key] = np.asarray(variable.numpy())
     return state
 
@@ -136,7 +151,7 @@ def read_checked(folder: str, model) -> tuple[manifests.Manifest, dict]:
         if name.endswith(".npz"):
             with np.load(path) as arrays:
                 state.update({key: arrays[key] for key in arrays.files})
-    return manifest, state
+    return manifest, join_shards(state)
 
 
 def restore(stage: StageState, manifest, state: dict) -> None:
@@ -149,7 +164,10 @@ def restore(stage: StageState, manifest, state: dict) -> None:
         if key in state:
             variable.assign(state[key])
     if stage.variables:
-        restore_optimizer(model, model.optimizer, stage.variables, state)
+        restore_optimizer(
+            model, model.optimizer, stage.variables, state, stage.split, stage.shard,
+            stage.num_shards,
+        )  # fmt: skip
     stage.step = manifest.step
     stage.pending_metric_states = [
         state[f"m/{i}"] for i in range(len(model.metrics_variables)) if f"m/{i}" in state

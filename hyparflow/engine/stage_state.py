@@ -15,7 +15,7 @@ class TrainingState:
     every layer); `guard(operation)` watches blocking MPI waits (the trainer's watchdog).
     """
 
-    def __init__(self, model, topology, plan, variables: list, guard):
+    def __init__(self, model, topology, plan, variables: list, guard, split=None):
         self.model = model
         self.variables = variables
         self.world = topology.world
@@ -25,6 +25,8 @@ class TrainingState:
         self.step = 0  # optimizer steps taken through this trainer
         self.seed = 0  # the shared shuffle seed of the current fit (checkpoints record it)
         self.pending_metric_states: list = []
+        self.shard, self.num_shards = topology.shard, topology.num_shards
+        self.split = dict(split or {})  # path -> axis of the variables split over tensor ranks
         self._stage_comm = topology.stage_comm
         self._plan = plan
         self._guard = guard

@@ -145,7 +145,8 @@ class Trainer:
             update_metrics=self._update_metrics_fn, seed_variables=seeds,
             whole_inputs=plan is None and overlap is None,
         )  # fmt: skip
-        self.stage_state = TrainingState(model, topo, plan, self.variables, self._guard)
+        split = {s.whole.path: s.axis for s in self.shards.shards} if self.shards else {}
+        self.stage_state = TrainingState(model, topo, plan, self.variables, self._guard, split)
         self._log_root = topo.grid.rank_of(topo.num_stages - 1, 0)
         self.attach_recorder(None)
 

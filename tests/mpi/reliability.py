@@ -6,6 +6,8 @@ Usage: `python -m tests.mpi.reliability OUT MODE FOLDER` with MODE one of
   torn_save    rank 0 is killed during the second checkpoint save, before its manifest
   after_torn   resume from the folder the torn save left
   reshape      checkpoint a 2x2 hybrid run, resume it as 4x1, 1x4 and 2x2; export it
+  tensor_reshape  checkpoint a 2-stage run split over 2 tensor ranks; resume it with T = 2, 1
+               (2 stages x 2 replicas; 4 replicas) and 4; export it
   stall        rank 1 stops answering; the watchdog must end the job
 """
 
@@ -146,6 +148,40 @@ def main():
                 "export_compiled": loaded.compiled and loaded.optimizer.__class__.__name__,
             }
         )
+    elif mode == "tensor_reshape":
+        strategies = {
+            "same": hf.Strategy("model", partitions=2, tensor=2),
+            "tensor1": hf.Strategy("hybrid", partitions=2, replicas=2),
+            "data4": hf.Strategy("data"),
+            "tensor4": hf.Strategy("data", tensor=4),
+        }
+        first, _ = train(folder, strategy=strategies["same"], epochs=2, dropout=0.0)
+        shard_files = sorted(n for n in os.listdir(manifest.latest(folder)) if n.endswith(".npz"))
+        results = {}
+        for name, strategy in strategies.items():
+            x, y = data("mlp", n=64)
+            model = model_with_dropout(0.0)
+            hf.fit(
+                model, x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=True, verbose=0,
+                strategy=strategy, resume_from=folder,
+            )  # fmt: skip
+            results[name] = model.get_weights()
+        exported = os.path.join(folder, "exported.keras")
+        if hf.rank() == 0:
+            hf.export(folder, exported)
+        MPI.COMM_WORLD.Barrier()
+        loaded = keras.saving.load_model(exported)
+        report(
+            {
+                "rank": hf.rank(),
+                "files": shard_files,
+                **{
+                    name: relative_difference(weights, results["same"])
+                    for name, weights in results.items() if name != "same"
+                },
+                "export": relative_difference(loaded.get_weights(), first.get_weights()),
+            }
+        )  # fmt: skip
     elif mode == "stall":
 
         class Hang(keras.callbacks.Callback):
