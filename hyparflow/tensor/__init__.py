@@ -6,7 +6,7 @@
 """
 
 from hyparflow.tensor.rules import tensor_layout
-from hyparflow.tensor.splits import TensorLayout
 from hyparflow.tensor.shards import TensorShards
+from hyparflow.tensor.splits import TensorLayout
 
 __all__ = ["TensorLayout", "TensorShards", "tensor_layout"]
