@@ -60,5 +60,5 @@ class FakeComm:
 
 
 def test_topology_refuses_a_world_of_the_wrong_size():
-    with pytest.raises(ValueError, match="3 ranks cannot form 2 partitions x 2 replicas x 1 tensor shards = 4"):
+    with pytest.raises(ValueError, match="3 ranks cannot form 2 partitions x 2 replicas = 4"):
         topology.Topology.create(FakeComm(3), partitions=2, replicas=2)

@@ -101,10 +101,10 @@ class Topology:
         """Split `comm` into the grid's communicators; collective over every rank of `comm`."""
         grid = Grid(partitions, replicas, tensor)
         if comm.Get_size() != grid.size:
+            shards = f" x {tensor} tensor shards" if tensor > 1 else ""
             raise ValueError(
                 f"{comm.Get_size()} ranks cannot form {partitions} partitions x {replicas} "
-                f"replicas x {tensor} tensor shards = {grid.size}; launch {grid.size} ranks or "
-                "change the split"
+                f"replicas{shards} = {grid.size}; launch {grid.size} ranks or change the split"
             )
         rank = comm.Get_rank()
         stage, replica, shard = grid.coords3(rank)
