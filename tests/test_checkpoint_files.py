@@ -10,6 +10,7 @@ import pytest
 from hyparflow.checkpoint import manifest as manifests
 from hyparflow.checkpoint import store
 from hyparflow.checkpoint.atomic import sha256, write_atomic
+from hyparflow.checkpoint.state import join_shards, piece, shard_key
 from hyparflow.comm.watchdog import Watchdog, resolve_timeout
 
 
@@ -158,6 +159,7 @@ class _StageState:
         self.num_stages = self.num_replicas = 1
         self.is_last = True
         self.step, self.seed, self.pending_metric_states = step, 5, []
+        self.shard, self.num_shards, self.split = 0, 1, {}
 
     def guard(self, operation):
         return contextlib.nullcontext()
@@ -183,3 +185,16 @@ def test_save_and_restore_go_through_the_narrow_stage_state(tmp_path):
     assert fresh.step == 4
     assert [w.numpy().tolist() for w in fresh.model.weights] == [[1.0, 2.0], [3.0]]
     assert [float(m) for m in fresh.pending_metric_states] == [7.0]
+
+
+def test_tensor_pieces_join_along_their_axis_and_a_missing_piece_is_named():
+    whole = np.arange(24.0).reshape(4, 6)
+    state = {
+        "w/0": np.ones(3),
+        **{shard_key("w/1", t, 3, 1): piece(whole, t, 3, 1) for t in range(3)},
+    }
+    joined = join_shards(state)
+    assert sorted(joined) == ["w/0", "w/1"] and np.array_equal(joined["w/1"], whole)
+    del state[shard_key("w/1", 2, 3, 1)]
+    with pytest.raises(ValueError, match=r"pieces \[0, 1\] of 3 of 'w/1'"):
+        join_shards(state)
