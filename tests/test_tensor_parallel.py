@@ -196,7 +196,6 @@ def test_tensor_with_pipeline_and_replicas_matches_keras(four_ranks, case):
 MISUSE = {
     "tensor_indivisible_units": "'five_units': its 5 units are not a multiple of 2",
     "tensor_not_dividing_world": "tensor=3 does not divide the world size 2",
-    "tensor_with_checkpoints": "do not save tensor shards yet",
     "tensor_with_per_variable_clipnorm": "use global_clipnorm",
 }
 

@@ -148,10 +148,6 @@ CASES = {
     "tensor_not_dividing_world": lambda x, y, tmp: fit(
         compiled("mlp", "sgd"), x, y, strategy=hf.Strategy("data", tensor=3)
     ),
-    "tensor_with_checkpoints": lambda x, y, tmp: fit(
-        compiled("mlp", "sgd"), x, y, strategy=tensor(),
-        callbacks=[hf.callbacks.Checkpoint(os.path.join(tmp, "ckpt"))],
-    ),  # fmt: skip
     "tensor_with_per_variable_clipnorm": lambda x, y, tmp: fit(
         _clipnorm_mlp(), x, y, strategy=tensor()
     ),
