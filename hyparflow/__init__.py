@@ -1,10 +1,10 @@
 """hyparflow: data, model (pipeline) and hybrid parallel training of Keras 3 models over MPI."""
 
 from hyparflow import callbacks, data, launch
-from hyparflow.api import evaluate, fit, predict
+from hyparflow.api import evaluate, fit, partition, predict
 from hyparflow.checkpoint import export
 from hyparflow.comm.world import rank, size
-from hyparflow.partitioner import Plan, partition
+from hyparflow.partitioner import Plan
 from hyparflow.strategy import Strategy
 
 __version__ = "0.1.0"

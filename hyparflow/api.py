@@ -20,10 +20,10 @@ from hyparflow.comm.world import launched, size, world
 from hyparflow.data import check_divisible, make_source, unpack
 from hyparflow.engine.loops import evaluate_loop, fit_loop, predict_loop
 from hyparflow.engine.trainer import Trainer
-from hyparflow.partitioner import partition
+from hyparflow.partitioner import partition as _partition
 from hyparflow.process_tuning import tune_process
 from hyparflow.strategy import make_strategy
-from hyparflow.tensor import tensor_layout
+from hyparflow.tensor import tensor_layout as tensor_layouts
 
 
 def _build_plan(model, strategy, comm):
@@ -32,13 +32,13 @@ def _build_plan(model, strategy, comm):
         return None
     balance = strategy.balance
     if balance == "time":
-        plan = agree(comm, lambda: partition(model, strategy.partitions, balance) if
+        plan = agree(comm, lambda: _partition(model, strategy.partitions, balance) if
                      comm.Get_rank() == 0 else None)  # fmt: skip
         starts = comm.bcast(
             [s.layers[0] for s in plan.stages[1:]] if plan is not None else None, root=0
         )
         balance = starts
-    return agree(comm, partition, model, strategy.partitions, balance)
+    return agree(comm, _partition, model, strategy.partitions, balance)
 
 
 def _resolve(model, strategy, num_partitions, num_replicas, num_microbatches):
@@ -57,11 +57,27 @@ def _shuffle_seed(comm) -> int:
 _TRAINER_ATTRIBUTE = "_hyparflow_trainer"
 
 
+def partition(model, num_partitions: int = 1, balance="layers", *, tensor: int = 1,
+              tensor_layout=None, **options):  # fmt: skip
+    """Split `model` into `num_partitions` pipeline stages (`hyparflow.partitioner.partition`,
+    whose `options` it takes) and, with `tensor=T` > 1, each stage's layers over T tensor ranks
+    as hf.fit would (`tensor_layout`: Strategy's override): `summary()` then also shows which
+    layers split which way, what stays whole and why, and the bytes each rank holds.
+
+    Example:
+        >>> print(hf.partition(model, 2, tensor=2).summary(print_fn=None))
+    """
+    plan = _partition(model, num_partitions, balance, **options)
+    if tensor > 1:
+        plan.tensor_layouts = [tensor_layouts(s.model, tensor, tensor_layout) for s in plan.stages]
+    return plan
+
+
 def _stage_layouts(model, plan, strategy) -> list:
     """Each pipeline stage's tensor layout (computed on every rank, so a layer that T does not
     divide is refused everywhere alike)."""
     graphs = [model] if plan is None else [stage.model for stage in plan.stages]
-    return [tensor_layout(graph, strategy.tensor, strategy.tensor_layout) for graph in graphs]
+    return [tensor_layouts(graph, strategy.tensor, strategy.tensor_layout) for graph in graphs]
 
 
 def _make_trainer(model, resolved, comm, needs_loss=True, comm_backend=None):

@@ -7,8 +7,8 @@ import sys
 
 import keras
 
+from hyparflow.api import partition
 from hyparflow.callbacks.report import report
-from hyparflow.partitioner import partition
 from hyparflow.simulate import command
 
 
@@ -61,6 +61,10 @@ def _add_plan_command(commands):
     plan.add_argument(
         "--bandwidth", type=float, help="bytes per unit of cost; adds communication to stages"
     )
+    plan.add_argument(
+        "--tensor", "-t", type=int, default=1,
+        help="tensor ranks splitting each stage's layers: show the layout and bytes per rank",
+    )  # fmt: skip
     plan.add_argument("--json", action="store_true", help="print the plan as JSON instead")
     plan.set_defaults(run=_run_plan)
 
@@ -79,6 +83,7 @@ def _run_plan(args) -> int:
             input_shape=args.input_shape,
             batch_size=args.batch_size,
             bandwidth=args.bandwidth,
+            tensor=args.tensor,
         )
     except ValueError as error:
         print(f"hyparflow plan: {error}", file=sys.stderr)

@@ -146,6 +146,9 @@ class Plan:
     batch_size: int | None = None
     bandwidth: float | None = None
     _graph: object = field(default=None, repr=False)
+    # Each stage's tensor layout when its layers are split over tensor ranks (`hf.partition(...,
+    # tensor=T)`): objects with `summary()` and `layout_map()` (hyparflow.tensor.TensorLayout).
+    tensor_layouts: list = field(default_factory=list, repr=False)
 
     def __repr__(self) -> str:
         return (
@@ -233,6 +236,8 @@ class Plan:
         if self.shared_layers:
             shared = ", ".join(f"{n} {v}" for n, v in self.shared_layers.items())
             lines.append(f"shared layers (stages): {shared}")
+        for index, layout in enumerate(self.tensor_layouts):
+            lines.append(f"stage {index}: " + layout.summary())
         text = "\n".join(lines)
         if print_fn is not None:
             print_fn(text)
@@ -250,6 +255,7 @@ class Plan:
             "measured_imbalance": self.measured_imbalance,
             "shared_layers": self.shared_layers,
             "stages": [s.to_dict() for s in self.stages],
+            "tensor_layouts": [layout.to_dict() for layout in self.tensor_layouts],
         }
 
     def to_json(self, indent=2) -> str:

@@ -67,6 +67,18 @@ class TensorLayout:
                 split += size
         return split, replicated
 
+    def to_dict(self) -> dict:
+        """The layout as JSON-ready data: split variables (LayoutMap form), what stays whole,
+        and the bytes one rank holds."""
+        split, replicated = self.bytes_per_rank()
+        return {
+            "tensor": self.parts,
+            "layout_map": {path: list(axes) for path, axes in self.layout_map().items()},
+            "replicated": list(self.replicated),
+            "split_bytes_per_rank": split,
+            "replicated_bytes": replicated,
+        }
+
     def summary(self) -> str:
         """Which layers split which way, what stays whole and why, and the bytes per rank."""
         lines = [f"Tensor layout over {self.parts} ranks:"]
