@@ -7,10 +7,13 @@ History (tests/mpi/real_models.py), and also reports which layers were split and
 of its shards and of their optimizer slots, so a layout that silently split nothing fails.
 """
 
+import json
+
 import keras
 import pytest
 
 import hyparflow as hf
+from hyparflow.cli import main
 from hyparflow.comm.topology import Grid
 from hyparflow.tensor import tensor_layout
 from hyparflow.tensor.layout import bounds, check_divides, divisors, lookup, split_axis
@@ -131,6 +134,21 @@ def test_softmax_columns_stay_whole_and_unknown_dropouts_are_refused():
     blocked = keras.Model(tokens, Block()(tokens))
     with pytest.raises(ValueError, match="cannot tell on which axis"):
         tensor_layout(blocked, 2)
+
+
+def test_the_plan_shows_each_stages_layout_and_bytes_per_rank(tmp_path, capsys):
+    keras.utils.set_random_seed(0)
+    model = zoo.encoder()
+    text = hf.partition(model, 1, tensor=2).summary(print_fn=None)
+    assert "stage 0: Tensor layout over 2 ranks" in text and "vocab" in text
+    assert "per rank:" in text
+    path = str(tmp_path / "encoder.keras")
+    model.save(path)
+    assert main(["plan", path, "--partitions", "2", "--tensor", "2", "--json"]) == 0
+    layouts = json.loads(capsys.readouterr().out)["tensor_layouts"]
+    assert len(layouts) == 2 and layouts[0]["tensor"] == 2
+    tables = [v for k, v in layouts[0]["layout_map"].items() if k.endswith("/embeddings")]
+    assert tables == [["tensor", None]]
 
 
 # --- training under mpirun ------------------------------------------------------------------------
