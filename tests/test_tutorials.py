@@ -26,9 +26,10 @@ def _code_cells(path):
     return [cell for cell in notebook["cells"] if cell["cell_type"] == "code"]
 
 
-def test_the_five_tutorials_are_listed_in_the_readme():
+def test_the_six_tutorials_are_listed_in_the_readme():
     names = [path.name for path in NOTEBOOKS]
-    assert len(names) == 5, names
+    assert len(names) == 6, names
+    assert names[-1] == "06_tensor_parallel.ipynb", names
     readme = (TUTORIALS / "README.md").read_text()
     for name in names:
         assert name in readme, f"tutorials/README.md does not mention {name}"
