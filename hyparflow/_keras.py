@@ -148,3 +148,31 @@ def set_keras_mask(tensor, mask) -> None:
     from keras.src.backend import set_keras_mask as _set
 
     _set(tensor, mask)
+
+
+# --- the variables and sublayers tensor parallelism splits -----------------------------------
+def kernel_variable(layer):
+    """`layer._kernel`: a Dense, EinsumDense or Conv layer's kernel variable itself (its
+    `kernel` property may add LoRA or dequantize)."""
+    return layer._kernel
+
+
+def table_variable(layer):
+    """`layer._embeddings`: an Embedding's table variable itself."""
+    return layer._embeddings
+
+
+def attention_parts(layer) -> dict:
+    """A `keras.layers.MultiHeadAttention`'s projections, score dropout and settings:
+    `_query_dense`, `_key_dense`, `_value_dense`, `_gate_dense`, `_output_dense`,
+    `_dropout_layer`, `_dropout`, `_attention_axes`."""
+    return {
+        "query": layer._query_dense,
+        "key": layer._key_dense,
+        "value": layer._value_dense,
+        "gate": layer._gate_dense if getattr(layer, "_use_gate", False) else None,
+        "output": layer._output_dense,
+        "dropout": layer._dropout_layer,
+        "rate": layer._dropout,
+        "axes": tuple(layer._attention_axes or ()),
+    }

@@ -53,8 +53,8 @@ def check_divides(layer: str, what: str, size: int, parts: int) -> None:
     if size % parts:
         raise ValueError(
             f"tensor={parts} cannot split layer {layer!r}: its {size} {what} are not a multiple "
-            f"of {parts}. tensor values that split it: {divisors(size)}; or leave the layer "
-            "replicated with a tensor_layout entry of None for its variables."
+            f"of {parts}. tensor values that split it: {divisors(size)}; or name the layers to "
+            "split yourself with Strategy(tensor_layout=...), which replaces the automatic rules."
         )
 
 

@@ -21,42 +21,11 @@ import keras
 
 from hyparflow import _keras
 from hyparflow.partitioner.graph import build_graph
+from hyparflow.tensor.keras_hub_blocks import split_block, whole_tensor_dropouts
 from hyparflow.tensor.layout import check_divides, lookup, split_axis
-from hyparflow.tensor.splits import COLUMN, ROW, VOCAB, LayerSplit, TensorLayout
+from hyparflow.tensor.roles import CONVS, ELEMENTWISE_ACTIVATIONS, split_layer, unsplittable
+from hyparflow.tensor.splits import COLUMN, ROW, VOCAB, TensorLayout
 
-# Activations that act on each element alone (softmax and glu mix the split axis).
-_ELEMENTWISE_ACTIVATIONS = frozenset(
-    [
-        "linear",
-        "gelu_approximate",
-        "relu",
-        "relu6",
-        "gelu",
-        "silu",
-        "swish",
-        "tanh",
-        "sigmoid",
-        "hard_sigmoid",
-        "hard_silu",
-        "hard_swish",
-        "elu",
-        "selu",
-        "softplus",
-        "softsign",
-        "exponential",
-        "leaky_relu",
-        "mish",
-        "celu",
-        "sparse_plus",
-        "squareplus",
-        "tanh_shrink",
-        "hard_tanh",
-        "log_sigmoid",
-        "soft_shrink",
-        "hard_shrink",
-        "threshold",
-    ]
-)
 _POOLING = (
     keras.layers.MaxPooling1D, keras.layers.MaxPooling2D, keras.layers.MaxPooling3D,
     keras.layers.AveragePooling1D, keras.layers.AveragePooling2D, keras.layers.AveragePooling3D,
@@ -64,9 +33,6 @@ _POOLING = (
     keras.layers.GlobalAveragePooling3D, keras.layers.GlobalMaxPooling1D,
     keras.layers.GlobalMaxPooling2D, keras.layers.GlobalMaxPooling3D,
 )  # fmt: skip
-_CONVS = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D)
-# keras_hub blocks whose feed-forward pair runs back to back (checked in their call()).
-_KERAS_HUB_BLOCKS = ("TransformerEncoder", "TransformerDecoder")
 
 
 def tensor_layout(model, parts: int, overrides: dict | None = None) -> TensorLayout:
@@ -87,103 +53,37 @@ def tensor_layout(model, parts: int, overrides: dict | None = None) -> TensorLay
     return layout
 
 
-# --- roles of single layers ------------------------------------------------------------------
-def _split(layer, role: str, parts: int, reason: str, heads_axis: int | None = None):
-    """`layer` split as a `role` layer; checks that `parts` divides the split dimension."""
-    if isinstance(layer, keras.layers.Embedding):
-        check_divides(layer.name, "vocabulary rows", layer.input_dim, parts)
-        axes = {id(layer._embeddings): (layer._embeddings, 0)}
-        reverse = getattr(layer, "reverse_embeddings", None)
-        if reverse is not None and not getattr(layer, "tie_weights", True):
-            axes[id(reverse)] = (reverse, 1)
-        return LayerSplit(layer, VOCAB, axes, reason)
-    kernel = layer._kernel
-    rank = len(kernel.shape)
-    if isinstance(layer, keras.layers.EinsumDense):
-        axis = heads_axis
-        what = "heads"
-    else:
-        axis = rank - 1 if role == COLUMN else rank - 2
-        what = "units" if isinstance(layer, keras.layers.Dense) else "channels"
-    if role == ROW and isinstance(layer, keras.layers.EinsumDense):
-        axis = 0
-    check_divides(layer.name, what, int(kernel.shape[axis]), parts)
-    axes = {id(kernel): (kernel, axis)}
-    bias = getattr(layer, "bias", None)
-    if role == COLUMN and bias is not None:
-        bias_axis = (
-            0 if not isinstance(layer, keras.layers.EinsumDense) else _einsum_bias_axis(layer, axis)
-        )
-        if bias_axis is not None:
-            axes[id(bias)] = (bias, bias_axis)
-    return LayerSplit(layer, role, axes, reason)
-
-
-def _einsum_bias_axis(layer, kernel_axis: int) -> int | None:
-    """The axis of an EinsumDense bias that follows kernel axis `kernel_axis` (None: the bias
-    does not span it and is added whole)."""
-    kernel_letters = layer.equation.split("->")[0].split(",")[1]
-    letter = kernel_letters[kernel_axis]
-    bias_axes = layer.bias_axes or ""
-    return bias_axes.index(letter) if letter in bias_axes else None
-
-
-def _unsplittable(layer, role: str = COLUMN) -> str | None:
-    """Why `layer` cannot be split in `role` as it is, or None (a row layer's activation comes
-    after the sum, so any will do)."""
-    if getattr(layer, "lora_enabled", False):
-        return "LoRA is enabled"
-    if getattr(layer, "quantization_mode", None):
-        return "it is quantized"
-    if isinstance(layer, _CONVS) and (layer.groups != 1 or layer.data_format != "channels_last"):
-        return "grouped or channels-first convolution"
-    activation = getattr(layer, "activation", None) if role == COLUMN else None
-    if (
-        activation is not None
-        and getattr(activation, "__name__", "") not in _ELEMENTWISE_ACTIVATIONS
-    ):
-        return f"its activation {getattr(activation, '__name__', activation)!r} mixes units"
-    return None
-
-
 def _attention_and_embeddings(layout: TensorLayout, layers) -> None:
     parts = layout.parts
     for layer in layers:
         if isinstance(layer, keras.layers.Embedding):
-            why = _unsplittable(layer)
+            why = unsplittable(layer)
             if why:
                 layout.replicated.append(f"{layer.name}: {why}")
                 continue
-            layout.splits.append(_split(layer, VOCAB, parts, "vocabulary rows"))
+            layout.splits.append(split_layer(layer, VOCAB, parts, "vocabulary rows"))
         elif isinstance(layer, keras.layers.MultiHeadAttention):
             _split_attention(layout, layer)
-        elif type(layer).__name__ in _KERAS_HUB_BLOCKS and "keras_hub" in type(layer).__module__:
-            up, down = layer._feedforward_intermediate_dense, layer._feedforward_output_dense
-            why = _unsplittable(up) or _unsplittable(down, ROW)
-            if why:
-                layout.replicated.append(f"{layer.name} feed-forward: {why}")
-                continue
-            reason = f"feed-forward pair of {layer.name}"
-            layout.splits += [_split(up, COLUMN, parts, reason), _split(down, ROW, parts, reason)]
+        else:
+            split_block(layout, layer)
 
 
 def _split_attention(layout: TensorLayout, layer) -> None:
     """Query, key, value (and gate) by column over the heads, output by row."""
-    heads = layer.num_heads
-    if tuple(layer._attention_axes or ()) not in ((), (1,)):
-        layout.replicated.append(f"{layer.name}: attention over axes {layer._attention_axes}")
+    heads, parts = layer.num_heads, _keras.attention_parts(layer)
+    if parts["axes"] not in ((), (1,)):
+        layout.replicated.append(f"{layer.name}: attention over axes {parts['axes']}")
         return
     check_divides(layer.name, "attention heads", heads, layout.parts)
     reason = f"{heads} heads of {layer.name}"
-    columns = [layer._query_dense, layer._key_dense, layer._value_dense]
-    if getattr(layer, "_use_gate", False):
-        columns.append(layer._gate_dense)
-    for dense in columns:
-        axis = list(dense._kernel.shape).index(heads, 1)
-        layout.splits.append(_split(dense, COLUMN, layout.parts, reason, heads_axis=axis))
-    layout.splits.append(_split(layer._output_dense, ROW, layout.parts, reason))
-    if layer._dropout > 0:
-        layout.dropouts.append((layer._dropout_layer, 1))  # scores: (batch, heads, query, key)
+    for name in ("query", "key", "value", "gate"):
+        dense = parts[name]
+        if dense is not None:
+            axis = list(_keras.kernel_variable(dense).shape).index(heads, 1)
+            layout.splits.append(split_layer(dense, COLUMN, layout.parts, reason, heads_axis=axis))
+    layout.splits.append(split_layer(parts["output"], ROW, layout.parts, reason))
+    if parts["rate"] > 0:
+        layout.dropouts.append((parts["dropout"], 1))  # scores: (batch, heads, query, key)
 
 
 # --- pairs in the graph ----------------------------------------------------------------------
@@ -209,8 +109,8 @@ def _graph_pairs(layout: TensorLayout) -> None:
         row, dropouts = found
         reason = f"pair {column.name} -> {row.name}"
         layout.splits += [
-            _split(column, COLUMN, layout.parts, reason),
-            _split(row, ROW, layout.parts, reason),
+            split_layer(column, COLUMN, layout.parts, reason),
+            split_layer(row, ROW, layout.parts, reason),
         ]
         layout.dropouts += [(d, -1) for d in dropouts]
         taken |= {id(column), id(row)}
@@ -218,10 +118,10 @@ def _graph_pairs(layout: TensorLayout) -> None:
 
 def _pairable(layer, calls, taken, role: str = COLUMN) -> bool:
     return (
-        isinstance(layer, (keras.layers.Dense, *_CONVS))
+        isinstance(layer, (keras.layers.Dense, *CONVS))
         and id(layer) not in taken
         and calls.get(id(layer)) == 1
-        and _unsplittable(layer, role) is None
+        and unsplittable(layer, role) is None
     )
 
 
@@ -252,7 +152,7 @@ def _follow_to_row(graph, node, outputs, is_row):
 def _elementwise(layer) -> bool:
     """Whether `layer` acts on each feature alone, keeping features on the last axis."""
     if isinstance(layer, keras.layers.Activation):
-        return getattr(layer.activation, "__name__", "") in _ELEMENTWISE_ACTIVATIONS
+        return getattr(layer.activation, "__name__", "") in ELEMENTWISE_ACTIVATIONS
     if isinstance(layer, (keras.layers.ReLU, keras.layers.LeakyReLU, keras.layers.ELU)):
         return True
     if isinstance(layer, _POOLING):
@@ -264,14 +164,15 @@ def _elementwise(layer) -> bool:
 def _apply_overrides(layout: TensorLayout, layers, overrides: dict) -> None:
     """Split what `overrides` names; the role follows from the layer and the split axis."""
     for layer in layers:
-        own = [v for v in layer._trainable_variables]
+        own = list(_keras.own_trainable_variables(layer))
         entries = [(v, lookup(overrides, v.path)) for v in own]
         axes = {id(v): split_axis(e, v.path) for v, e in entries if e is not None}
         if not any(a is not None for a in axes.values()):
             continue
         role = _role_from_override(layer, axes)
-        split = _split(layer, role, layout.parts, "tensor_layout", heads_axis=axes.get(
-            id(getattr(layer, "_kernel", None))))  # fmt: skip
+        kernel = None if role == VOCAB else _keras.kernel_variable(layer)
+        heads_axis = None if kernel is None else axes.get(id(kernel))
+        split = split_layer(layer, role, layout.parts, "tensor_layout", heads_axis=heads_axis)
         for v, _ in entries:
             wanted = axes.get(id(v))
             if id(v) in axes and wanted != split.axis_of(v):
@@ -285,22 +186,21 @@ def _apply_overrides(layout: TensorLayout, layers, overrides: dict) -> None:
 
 def _role_from_override(layer, axes: dict) -> str:
     if isinstance(layer, keras.layers.Embedding):
-        if axes.get(id(layer._embeddings)) == 0:
+        if axes.get(id(_keras.table_variable(layer))) == 0:
             return VOCAB
         raise ValueError(
             f"tensor_layout can split embedding {layer.name!r} only by vocabulary rows, "
             '("tensor", None).'
         )
-    kernel = getattr(layer, "_kernel", None)
-    if kernel is None or not isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense,
-                                                *_CONVS)):  # fmt: skip
+    if not isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense, *CONVS)):
         raise ValueError(
             f"tensor_layout names a variable of layer {layer.name!r} ({type(layer).__name__}); "
             "hyparflow splits Dense, EinsumDense, Conv1D/2D/3D and Embedding layers."
         )
-    why = _unsplittable(layer)
+    why = unsplittable(layer)
     if why:
         raise ValueError(f"tensor_layout splits layer {layer.name!r}, but {why}.")
+    kernel = _keras.kernel_variable(layer)
     axis = axes.get(id(kernel))
     rank = len(kernel.shape)
     if isinstance(layer, keras.layers.EinsumDense):
@@ -357,7 +257,7 @@ def _check_composite_dropouts(layout: TensorLayout, layers) -> None:
     placed = {id(d) for d, _ in layout.dropouts}
     whole = set()
     for layer in layers:
-        whole |= _whole_tensor_dropouts(layer)
+        whole |= whole_tensor_dropouts(layer)
     for layer in layers:
         if isinstance(layer, (_keras.Functional, keras.Sequential)):
             continue
@@ -372,11 +272,3 @@ def _check_composite_dropouts(layout: TensorLayout, layers) -> None:
                     "train differently from Keras. Use rate 0 there, or keep the layers of "
                     f"{layer.name!r} whole (tensor_layout entries of None)."
                 )
-
-
-def _whole_tensor_dropouts(layer) -> set:
-    """ids of the Dropouts of a known block that act on whole (reduced) tensors."""
-    if type(layer).__name__ in _KERAS_HUB_BLOCKS and "keras_hub" in type(layer).__module__:
-        names = ("_self_attention_dropout", "_cross_attention_dropout", "_feedforward_dropout")
-        return {id(getattr(layer, n)) for n in names if getattr(layer, n, None) is not None}
-    return set()

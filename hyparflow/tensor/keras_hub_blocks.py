@@ -1,0 +1,108 @@
+"""keras_hub's Transformer blocks, split as Megatron-LM splits them: a table of policies.
+
+keras_hub builds its blocks as opaque layers whose calls are Python code, not a graph, so the
+rules cannot find their pairs; like DeepSpeed's AutoTP policies, this table names each block's
+sublayers by role, for the classes whose `call` was read (keras_hub 0.32):
+
+- attention: query, key and value projections split by (key-value) heads by column, the output
+  projection by row; a dropout on the per-head attention output (batch, seq, heads, dim) draws
+  the whole mask. Grouped-query attention splits query and key-value heads alike, so each
+  shard keeps whole groups.
+- feed-forward: the projections feeding the elementwise product (gated or not) by column, the
+  last one by row; the block's other dropouts act on whole tensors after a row layer.
+
+A class not in the table stays whole (its embeddings still split by vocabulary).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hyparflow.tensor.roles import COLUMN, ROW, split_layer, unsplittable
+
+
+@dataclass(frozen=True)
+class Attention:
+    query: str
+    key: str
+    value: str
+    output: str
+    dropout: str  # acts on the attention output, heads on axis 2
+
+
+@dataclass(frozen=True)
+class FeedForward:
+    columns: tuple  # elementwise-combined projections
+    row: str | None  # None: the feed-forward stays whole (e.g. a mixture of experts)
+    whole_dropouts: tuple  # dropouts on whole tensors
+
+
+_LLAMA_STYLE = Attention("_query_dense", "_key_dense", "_value_dense", "_output_dense",
+                         "_dropout_layer")  # fmt: skip
+_BLOCK_DROPOUTS = ("_self_attention_dropout", "_cross_attention_dropout", "_feedforward_dropout")
+ATTENTION = {
+    "LlamaAttention": _LLAMA_STYLE,
+    "CachedMistralAttention": _LLAMA_STYLE,
+    "Qwen3MoeAttention": _LLAMA_STYLE,
+}
+FEED_FORWARD = {
+    "TransformerEncoder": FeedForward(
+        ("_feedforward_intermediate_dense",), "_feedforward_output_dense", _BLOCK_DROPOUTS
+    ),
+    "TransformerDecoder": FeedForward(
+        ("_feedforward_intermediate_dense",), "_feedforward_output_dense", _BLOCK_DROPOUTS
+    ),
+    "LlamaTransformerDecoder": FeedForward(
+        ("_feedforward_gate_dense", "_feedforward_intermediate_dense"),
+        "_feedforward_output_dense",
+        _BLOCK_DROPOUTS,
+    ),
+    "MistralTransformerDecoder": FeedForward(
+        ("_feedforward_gate_dense", "_feedforward_intermediate_dense"),
+        "_feedforward_output_dense",
+        _BLOCK_DROPOUTS,
+    ),
+    "Qwen3MoeTransformerDecoder": FeedForward((), None, _BLOCK_DROPOUTS),
+}
+
+
+def policy(layer, table: dict):
+    """`layer`'s entry in `table` (ATTENTION or FEED_FORWARD) when it is keras_hub's own."""
+    kind = type(layer)
+    return table.get(kind.__name__) if kind.__module__.startswith("keras_hub.") else None
+
+
+def split_block(layout, layer) -> None:
+    """Add `layer`'s splits to `layout` if it is a keras_hub block of the table."""
+    parts = layout.parts
+    attention = policy(layer, ATTENTION)
+    if attention is not None:
+        reason = f"heads of {layer.name}"
+        for name in (attention.query, attention.key, attention.value):
+            layout.splits.append(
+                split_layer(getattr(layer, name), COLUMN, parts, reason, heads_axis=1)
+            )
+        layout.splits.append(split_layer(getattr(layer, attention.output), ROW, parts, reason))
+        dropout = getattr(layer, attention.dropout)
+        if dropout.rate > 0:
+            layout.dropouts.append((dropout, 2))
+    feed_forward = policy(layer, FEED_FORWARD)
+    if feed_forward is not None and feed_forward.row is not None:
+        columns = [getattr(layer, name) for name in feed_forward.columns]
+        row = getattr(layer, feed_forward.row)
+        why = next(filter(None, [*map(unsplittable, columns), unsplittable(row, ROW)]), None)
+        if why:
+            layout.replicated.append(f"{layer.name} feed-forward: {why}")
+            return
+        reason = f"feed-forward of {layer.name}"
+        layout.splits += [split_layer(c, COLUMN, parts, reason) for c in columns]
+        layout.splits.append(split_layer(row, ROW, parts, reason))
+
+
+def whole_tensor_dropouts(layer) -> set:
+    """ids of the dropouts of a keras_hub block of the table that act on whole tensors."""
+    feed_forward = policy(layer, FEED_FORWARD)
+    if feed_forward is None:
+        return set()
+    found = [getattr(layer, name, None) for name in feed_forward.whole_dropouts]
+    return {id(d) for d in found if d is not None}
