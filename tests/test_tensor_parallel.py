@@ -115,6 +115,15 @@ def test_a_layout_map_overrides_the_rules_and_its_mistakes_are_named():
         tensor_layout(model, 2, {f"{down}/kernel": ("tensor", None), f"{down}/bias": ("tensor",)})
 
 
+def test_keras_hub_blocks_split_by_their_policies_and_too_few_heads_are_named():
+    keras.utils.set_random_seed(0)
+    roles = [role for _, role in _roles(tensor_layout(zoo.llama(), 2))]
+    # per decoder: query, key, value | output; gate, up | down
+    assert roles[1:8] == ["column"] * 3 + ["row"] + ["column"] * 2 + ["row"]
+    with pytest.raises(ValueError, match=r"'key': its 1 heads are not a multiple of 2"):
+        tensor_layout(zoo.qwen3_moe(), 2)  # one key-value head
+
+
 def test_softmax_columns_stay_whole_and_unknown_dropouts_are_refused():
     inputs = keras.Input((4,))
     x = keras.layers.Dense(6, activation="softmax")(inputs)  # mixes units: not a column
@@ -164,6 +173,17 @@ TWO_RANKS = [
     Case("embedding_mlp", "adam", "data", tensor=2),
     Case("gpt2", "sgd", "data", tensor=2, microbatches=2, schedule="1f1b"),
     Case("bert", "sgd", "data", tensor=2),
+    # issue 9's keras_hub zoo: Llama and Mistral split by the block policies (grouped-query
+    # attention by heads, gated feed-forward); Gemma and Falcon only their vocabularies
+    Case("llama", "sgd", "data", tensor=2, microbatches=2),
+    Case("mistral", "sgd", "data", tensor=2),
+    Case("opt", "sgd", "data", tensor=2, microbatches=2, schedule="1f1b"),
+    Case("distil_bert", "sgd", "data", tensor=2),
+    Case("roberta", "sgd", "data", tensor=2),
+    Case("albert", "sgd", "data", tensor=2),
+    Case("gemma", "sgd", "data", tensor=2),
+    Case("falcon", "sgd", "data", tensor=2),
+    Case("wide_mlp", "adam", "data", tensor=2, policy="mixed_float16"),
 ]
 FOUR_RANKS = [
     Case("wide_mlp", "adam", "model", partitions=2, tensor=2, microbatches=2, schedule="1f1b"),
@@ -173,8 +193,12 @@ FOUR_RANKS = [
     Case("gpt2", "sgd", "model", partitions=2, tensor=2, microbatches=2),
     Case("encoder", "sgd", "data", replicas=2, tensor=2, microbatches=2),
     Case("conv_pairs", "sgd", "data", replicas=2, tensor=2),
+    Case("llama", "sgd", "model", partitions=2, tensor=2, microbatches=2, schedule="1f1b"),
 ]  # fmt: skip
 SLOTS = {"adam": 2, "sgd": 1}  # optimizer slots per variable (SGD with momentum)
+# mixed_float16 rounds activations to float16; plain data parallelism (no tensor split) ends
+# 5.1e-3 from Keras on wide_mlp, tensor=2 3.2e-3 (tests/test_engine.py's floor)
+MIXED_TOLERANCE = 5e-3
 
 
 @pytest.fixture(scope="module")
@@ -188,11 +212,12 @@ def four_ranks(request):
 
 
 def _check(case, ranks):
+    tol = TOLERANCE if case.policy == "float32" else MIXED_TOLERANCE
     for r in ranks:
         where = f"rank {r['rank']}"
         assert r["split"], f"{where}: no layer was split"
-        assert r["weights"] < TOLERANCE, f"{where}: weights differ by {r['weights']:.2e}"
-        assert r["history"] < TOLERANCE, f"{where}: History differs by {r['history']:.2e}"
+        assert r["weights"] < tol, f"{where}: weights differ by {r['weights']:.2e}"
+        assert r["history"] < tol, f"{where}: History differs by {r['history']:.2e}"
         # each rank holds 1/T of every split variable, and optimizer state for that alone
         assert r["shard_elements"] * case.tensor == r["whole_elements"], where
         slots = SLOTS[case.optimizer.split("+")[0]]

@@ -24,11 +24,11 @@ def run(case: Case) -> dict:
         x, y, batch_size = zoo.text_batches(name, BATCH), None, None
     else:  # one step: deep networks at tiny sizes amplify float noise step by step
         (x, y), batch_size = zoo.data(name, n=BATCH if case.one_step else 70), BATCH
-    reference = zoo.compiled(name, optimizer)
+    reference = zoo.compiled(name, optimizer, case.policy)
     ref_history = reference.fit(
         x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0
     )
-    model = zoo.compiled(name, optimizer)
+    model = zoo.compiled(name, optimizer, case.policy)
     strategy = hf.Strategy(**case.strategy_options())
     history = hf.fit(
         model, x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0,

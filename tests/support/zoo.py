@@ -392,10 +392,15 @@ def optimizer(spec: str):
     return classes[name](learning_rate=rate, **options)
 
 
-def compiled(name: str, optimizer_spec: str):
-    """A freshly built, compiled model with weights fixed by a seed."""
+def compiled(name: str, optimizer_spec: str, policy: str = "float32"):
+    """A freshly built, compiled model with weights fixed by a seed, under the Keras dtype
+    `policy` (e.g. "mixed_float16")."""
     keras.utils.set_random_seed(1234)
-    model = BUILDERS[name]()
+    keras.config.set_dtype_policy(policy)
+    try:
+        model = BUILDERS[name]()
+    finally:
+        keras.config.set_dtype_policy("float32")
     from_logits = name in TEXT_MODELS
     model.compile(
         optimizer=optimizer(optimizer_spec),
