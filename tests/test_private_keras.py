@@ -71,3 +71,25 @@ def test_data_adapter_entries():
     assert len(tx) == 8 and list(vx) == [8.0, 9.0]
     weights = _keras.class_weight_to_sample_weights(y.astype("int64"), {0: 1.0, 1: 3.0})
     assert list(np.asarray(weights)[:2]) == [1.0, 3.0]
+
+
+def test_tensor_parallel_entries():
+    dense = keras.layers.Dense(4, name="d")
+    dense.build((None, 3))
+    assert _keras.kernel_variable(dense) is dense.kernel
+    assert dense.kernel in _keras.own_trainable_variables(dense)
+    assert _keras.variable_autocast(dense.kernel) is True
+    table = keras.layers.Embedding(10, 3)
+    table.build((None,))
+    assert _keras.table_variable(table) is table.embeddings
+    attention = keras.layers.MultiHeadAttention(2, 4, dropout=0.1)
+    attention(np.ones((1, 3, 8), "float32"), np.ones((1, 3, 8), "float32"))
+    parts = _keras.attention_parts(attention)
+    assert {parts[k].name for k in ("query", "key", "value", "output")} == {
+        "query", "key", "value", "attention_output"
+    }
+    assert parts["gate"] is None and parts["rate"] == 0.1 and parts["axes"] == (1,)
+    assert isinstance(parts["dropout"], keras.layers.Dropout)
+    tensor = keras.ops.ones((2, 3))
+    _keras.set_keras_mask(tensor, keras.ops.ones((2,), "bool"))
+    assert tensor._keras_mask is not None
