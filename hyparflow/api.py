@@ -24,6 +24,7 @@ from hyparflow.partitioner import partition as _partition
 from hyparflow.process_tuning import tune_process
 from hyparflow.strategy import make_strategy
 from hyparflow.tensor import tensor_layout as tensor_layouts
+from hyparflow.tensor.rules import pair_cuts as _tensor_pairs
 
 
 def _build_plan(model, strategy, comm):
@@ -31,14 +32,15 @@ def _build_plan(model, strategy, comm):
     if strategy.partitions == 1:
         return None
     balance = strategy.balance
+    uncut = _tensor_pairs if strategy.tensor > 1 else None
     if balance == "time":
-        plan = agree(comm, lambda: _partition(model, strategy.partitions, balance) if
-                     comm.Get_rank() == 0 else None)  # fmt: skip
+        plan = agree(comm, lambda: _partition(model, strategy.partitions, balance, uncut=uncut)
+                     if comm.Get_rank() == 0 else None)  # fmt: skip
         starts = comm.bcast(
             [s.layers[0] for s in plan.stages[1:]] if plan is not None else None, root=0
         )
         balance = starts
-    return agree(comm, _partition, model, strategy.partitions, balance)
+    return agree(comm, _partition, model, strategy.partitions, balance, uncut=uncut)
 
 
 def _resolve(model, strategy, num_partitions, num_replicas, num_microbatches):
@@ -67,7 +69,8 @@ def partition(model, num_partitions: int = 1, balance="layers", *, tensor: int =
     Example:
         >>> print(hf.partition(model, 2, tensor=2).summary(print_fn=None))
     """
-    plan = _partition(model, num_partitions, balance, **options)
+    uncut = _tensor_pairs if tensor > 1 else None
+    plan = _partition(model, num_partitions, balance, uncut=uncut, **options)
     if tensor > 1:
         plan.tensor_layouts = [tensor_layouts(s.model, tensor, tensor_layout) for s in plan.stages]
     return plan

@@ -86,7 +86,10 @@ def test_tensor_parallel_entries():
     attention(np.ones((1, 3, 8), "float32"), np.ones((1, 3, 8), "float32"))
     parts = _keras.attention_parts(attention)
     assert {parts[k].name for k in ("query", "key", "value", "output")} == {
-        "query", "key", "value", "attention_output"
+        "query",
+        "key",
+        "value",
+        "attention_output",
     }
     assert parts["gate"] is None and parts["rate"] == 0.1 and parts["axes"] == (1,)
     assert isinstance(parts["dropout"], keras.layers.Dropout)

@@ -81,6 +81,7 @@ def test_dense_pairs_split_through_elementwise_layers_with_their_dropouts():
     whole = sum(v.numpy().nbytes for v in model.trainable_variables)
     assert split * 2 + replicated == whole
     assert "per rank" in layout.summary()
+    assert [line.split(":")[0] for line in layout.replicated] == [model.layers[-1].name]
 
 
 def test_attention_splits_by_heads_and_embeddings_by_vocabulary():
@@ -151,6 +152,10 @@ def test_the_plan_shows_each_stages_layout_and_bytes_per_rank(tmp_path, capsys):
     text = hf.partition(model, 1, tensor=2).summary(print_fn=None)
     assert "stage 0: Tensor layout over 2 ranks" in text and "vocab" in text
     assert "per rank:" in text
+    # the pipeline keeps the feed-forward pair in one stage, which cutting by layer counts
+    # alone would separate (then neither layer would split)
+    cut = hf.partition(model, 2, tensor=2)
+    assert [len(layout.splits) for layout in cut.tensor_layouts] == [5, 2]
     path = str(tmp_path / "encoder.keras")
     model.save(path)
     assert main(["plan", path, "--partitions", "2", "--tensor", "2", "--json"]) == 0

@@ -24,6 +24,7 @@ def partition(
     input_shape=None,
     batch_size: int | None = None,
     bandwidth: float | None = None,
+    uncut=None,
 ) -> Plan:
     """Split a functional or Sequential Keras model into `num_partitions` pipeline stages.
 
@@ -46,6 +47,8 @@ def partition(
             communication cost (default: the sample's batch, else 1).
         bandwidth: if given, a stage's cost also includes the bytes it receives and sends,
             divided by `bandwidth` (bytes per unit of cost: bytes/second with "time").
+        uncut: optional `uncut(graph) -> positions` where no stage should begin if the stages
+            still fit elsewhere (tensor parallelism keeps its layer pairs in one stage).
 
     Returns:
         A `Plan`: `plan.stages[i].model`, `.receives`, `.sends`, `.layers`, `.cost`;
@@ -81,7 +84,9 @@ def partition(
     elif balance == "flops":
         node_costs = cost.flop_costs(graph)
     else:
-        return _partition_by_time(graph, num_partitions, sample, input_shape, batch_size, bandwidth)
+        return _partition_by_time(
+            graph, num_partitions, sample, input_shape, batch_size, bandwidth, uncut
+        )
 
     cut_costs = cost.cut_costs(graph, batch_size or 1, bandwidth) if bandwidth else None
     masked = graph.masked_cuts()
@@ -89,7 +94,7 @@ def partition(
         starts = _starts_from_names(graph, list(balance), num_partitions)
         _check_masks(graph, starts, masked)
     else:
-        starts = balancing.split_between(node_costs, num_partitions, cut_costs, masked)
+        starts = _split_keeping(uncut, graph, node_costs, num_partitions, cut_costs, masked)
     stages, shared = build_stages(graph, starts, node_costs, cut_costs)
     return Plan(
         model=model,
@@ -103,7 +108,21 @@ def partition(
     )
 
 
-def _partition_by_time(graph, num_partitions, sample, input_shape, batch_size, bandwidth):
+def _split_keeping(uncut, graph, node_costs, num_partitions, cut_costs, masked) -> list[int]:
+    """Balanced stage starts, none at a masked position nor, where the stages still fit, at
+    a position `uncut(graph)` names (layers that should stay in one stage)."""
+    if uncut is not None:
+        try:
+            kept = masked | set(uncut(graph))
+            return balancing.split_between(node_costs, num_partitions, cut_costs, kept)
+        except ValueError:
+            pass  # too few places left to cut: only masks bind
+    return balancing.split_between(node_costs, num_partitions, cut_costs, masked)
+
+
+def _partition_by_time(
+    graph, num_partitions, sample, input_shape, batch_size, bandwidth, uncut=None
+):
     """Split by profiled node times, then time the stages and correct the split with them.
 
     Layers timed alone do not add up exactly to a stage timed whole (caches, fusion, memory
@@ -119,7 +138,7 @@ def _partition_by_time(graph, num_partitions, sample, input_shape, batch_size, b
     best = None
     tried = set()
     for _ in range(1 + TIME_REFINEMENTS):
-        starts = balancing.split_between(node_costs, num_partitions, cut_costs, masked)
+        starts = _split_keeping(uncut, graph, node_costs, num_partitions, cut_costs, masked)
         if tuple(starts) in tried:
             break
         tried.add(tuple(starts))

@@ -47,6 +47,7 @@ def tensor_layout(model, parts: int, overrides: dict | None = None) -> TensorLay
     else:
         _attention_and_embeddings(layout, layers)
         _graph_pairs(layout)
+        _note_unpaired(layout)
     _check_composite_dropouts(layout, layers)
     order = {id(v): i for i, v in enumerate(layout.variables)}
     layout.splits.sort(key=lambda s: min(order.get(k, len(order)) for k in s.axes))
@@ -93,27 +94,54 @@ def _graph_pairs(layout: TensorLayout) -> None:
     if graph is None:
         return  # a subclassed model: only the rules by layer type apply
     taken = {id(s.layer) for s in layout.splits}
+    for column, row, dropouts in _pairs(graph, taken):
+        reason = f"pair {column.operation.name} -> {row.operation.name}"
+        layout.splits += [
+            split_layer(column.operation, COLUMN, layout.parts, reason),
+            split_layer(row.operation, ROW, layout.parts, reason),
+        ]
+        layout.dropouts += [(d, -1) for d in dropouts]
+
+
+def _note_unpaired(layout: TensorLayout) -> None:
+    """A line for each Dense/Conv of the graph that stays whole, saying why."""
+    graph = _graph_of(layout)
+    split = {id(s.layer) for s in layout.splits}
+    for node in graph.nodes if graph is not None else ():
+        layer = node.operation
+        if not isinstance(layer, (keras.layers.Dense, *CONVS)) or id(layer) in split:
+            continue
+        why = unsplittable(layer) or (
+            "no partner: its output reaches no other Dense/Conv through elementwise layers "
+            "alone in this stage"
+        )
+        layout.replicated.append(f"{layer.name}: {why}")
+
+
+def _pairs(graph, taken: set):
+    """(column node, row node, Dropouts between) of each Dense/Conv pair in `graph`, in
+    order; `taken` (ids of layers split otherwise) grows with each pair."""
     calls: dict = {}
     for node in graph.nodes:
         calls[id(node.operation)] = calls.get(id(node.operation), 0) + 1
     outputs = set(graph.outputs)
     for node in graph.nodes:
-        column = node.operation
-        if not _pairable(column, calls, taken):
+        if not _pairable(node.operation, calls, taken):
             continue
         found = _follow_to_row(
             graph, node, outputs, lambda x, taken=taken: _pairable(x, calls, taken, ROW)
         )
-        if found is None:
-            continue
-        row, dropouts = found
-        reason = f"pair {column.name} -> {row.name}"
-        layout.splits += [
-            split_layer(column, COLUMN, layout.parts, reason),
-            split_layer(row, ROW, layout.parts, reason),
-        ]
-        layout.dropouts += [(d, -1) for d in dropouts]
-        taken |= {id(column), id(row)}
+        if found is not None:
+            taken |= {id(node.operation), id(found[0].operation)}
+            yield node, found[0], found[1]
+
+
+def pair_cuts(graph) -> set[int]:
+    """Node positions of a model's `LayerGraph` where no pipeline stage should begin, because a
+    Dense/Conv pair that tensor parallelism would split runs across them (a stage boundary
+    there would leave both layers whole)."""
+    return {p for column, row, _ in _pairs(graph, set()) for p in range(
+        column.position + 1, row.position + 1)}  # fmt: skip
 
 
 def _pairable(layer, calls, taken, role: str = COLUMN) -> bool:
@@ -140,7 +168,7 @@ def _follow_to_row(graph, node, outputs, is_row):
         if len(nxt.inputs) != 1 or len(nxt.outputs) != 1:
             return None
         if is_row(layer):
-            return layer, dropouts
+            return nxt, dropouts
         if isinstance(layer, keras.layers.Dropout) and layer.noise_shape is None:
             dropouts.append(layer)
         elif not _elementwise(layer):
@@ -239,7 +267,7 @@ def _override_dropouts(layout: TensorLayout) -> None:
                 "meets a layer other than an elementwise one before any layer whose input units "
                 "are split; split the next Dense/Conv by its input units (its kernel axis -2)."
             )
-        layout.dropouts += [(d, -1) for d in found[1]]
+        layout.dropouts += [(d, -1) for d in found[1]]  # found: (row node, Dropouts)
 
 
 def _graph_of(layout: TensorLayout):
