@@ -79,11 +79,10 @@ def _gpipe(recompute: bool, microbatches: int):
 
 def worker(args) -> None:
     import keras
-    import numpy as np
 
     import hyparflow as hf
     from benchmarks.harness.interleave import interleaved_epochs
-    from benchmarks.harness.memory import peak_rss_bytes, rss_bytes
+    from benchmarks.harness.memory import peak_rss_bytes, rss_bytes, variable_bytes
     from benchmarks.harness.timing import epoch_timer
     from benchmarks.models import mlp, synthetic_data
 
@@ -115,12 +114,10 @@ def worker(args) -> None:
         if hf.rank() == 0:
             (_, channel), *_ = trainer.walk.channels.values()  # stage 0's link to stage 1
             row = {d: sum(s.row_bytes for s in channel.specs(d)) for d in ("forward", "backward")}
-            grads = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize
-                        for v in trainer.variables)  # fmt: skip
             write_result(args.worker_out, 0, {
                 "samples_per_s": [args.batch_size * args.steps / s for s in timer.seconds[1:]],
                 "p2p_bytes": args.batch_size * (row["forward"] + row["backward"]),
-                "gradient_bytes": grads,
+                "gradient_bytes": variable_bytes(trainer.variables),
                 "boundary_dtypes": [s.dtype.name for s in channel.specs("forward")],
             })  # fmt: skip
 
@@ -220,9 +217,5 @@ def arguments(argv=None):
     return args
 
 
-def main(argv=None):
-    return cli.entry(arguments(argv), worker, run)
-
-
 if __name__ == "__main__":
-    main()
+    cli.entry(arguments(), worker, run)

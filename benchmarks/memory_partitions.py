@@ -28,17 +28,11 @@ ROWS = [("params", "stage parameters"), ("optimizer", "optimizer state (Adam)"),
         ("rss_before", "RSS before training"), ("peak", "peak RSS")]  # fmt: skip
 
 
-def _bytes(variables) -> int:
-    import numpy as np
-
-    return int(sum(np.prod(v.shape) * np.dtype(v.dtype).itemsize for v in variables))
-
-
 def worker(args) -> None:
     import keras
 
     import hyparflow as hf
-    from benchmarks.harness.memory import peak_rss_bytes, rss_bytes
+    from benchmarks.harness.memory import peak_rss_bytes, rss_bytes, variable_bytes
     from benchmarks.models import mlp, synthetic_data
 
     keras.config.disable_interactive_logging()
@@ -56,8 +50,10 @@ def worker(args) -> None:
         hf.fit(model, x, y, strategy=strategy, **fit)
         stage_variables = model._hyparflow_trainer[1].variables  # this rank's stage
     write_result(args.worker_out, hf.rank(), {
-        "params": _bytes(stage_variables), "optimizer": _bytes(model.optimizer.variables),
-        "model_weights": _bytes(model.weights), "rss_before": before, "peak": peak_rss_bytes(),
+        "params": variable_bytes(stage_variables),
+        "optimizer": variable_bytes(model.optimizer.variables),
+        "model_weights": variable_bytes(model.weights),
+        "rss_before": before, "peak": peak_rss_bytes(),
     })  # fmt: skip
 
 
@@ -102,9 +98,5 @@ def arguments(argv=None):
     return args
 
 
-def main(argv=None):
-    return cli.entry(arguments(argv), worker, run)
-
-
 if __name__ == "__main__":
-    main()
+    cli.entry(arguments(), worker, run)

@@ -108,10 +108,5 @@ def arguments(argv=None):
     return args
 
 
-def main(argv=None):
-    args = arguments(argv)
-    return cli.entry(args, worker, run)
-
-
 if __name__ == "__main__":
-    main()
+    cli.entry(arguments(), worker, run)

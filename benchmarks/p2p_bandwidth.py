@@ -157,9 +157,5 @@ def arguments(argv=None):
     return p.parse_args(argv)
 
 
-def main(argv=None):
-    return cli.entry(arguments(argv), worker, run)
-
-
 if __name__ == "__main__":
-    main()
+    cli.entry(arguments(), worker, run)

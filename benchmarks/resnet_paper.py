@@ -148,9 +148,5 @@ def arguments(argv=None):
     return args
 
 
-def main(argv=None):
-    return cli.entry(arguments(argv), worker, run)
-
-
 if __name__ == "__main__":
-    main()
+    cli.entry(arguments(), worker, run)

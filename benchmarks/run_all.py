@@ -35,6 +35,7 @@ FIGURES = {  # report order: key -> module and its arguments
     "pipeline": "pipeline_bubble",
     "resnet": "resnet_paper",
     "memory": "memory_partitions",
+    "tensor": "tensor_parallel",
     "overlap": "engine_options --option overlap",
     "recompute": "engine_options --option recompute",
     "precision": "engine_options --option precision",

@@ -1,4 +1,4 @@
-"""This process's resident memory: now, and its peak (Linux /proc)."""
+"""This process's resident memory: now, and its peak (Linux /proc); variables' bytes."""
 
 from __future__ import annotations
 
@@ -19,3 +19,10 @@ def rss_bytes() -> int:
 def peak_rss_bytes() -> int:
     """Highest resident set size since the process started."""
     return _status_kib("VmHWM") * 1024
+
+
+def variable_bytes(variables) -> int:
+    """Bytes of the values of `variables` (Keras or TensorFlow)."""
+    import numpy as np
+
+    return int(sum(np.prod(v.shape) * np.dtype(v.dtype).itemsize for v in variables))
