@@ -18,6 +18,7 @@ import keras
 import numpy as np
 import pytest
 from tensorboard.backend.event_processing import event_accumulator as ea
+from tensorboard.util import tensor_util
 
 import hyparflow as hf
 from hyparflow.callbacks import aggregate, breakdown, clock, gantt, report, scalars, summary
@@ -171,6 +172,87 @@ def test_every_documented_tag_has_a_value():
     assert values[scalars.COMPUTE_MS] == pytest.approx(1e3 * ranks[0].compute)
     assert values[scalars.BUBBLE_MEASURED] == 0.25
     assert values[scalars.IDLE_MS] == pytest.approx(1e3 * ranks[0].idle)
+
+
+# --- tensor parallelism ------------------------------------------------------------------
+def test_recorder_takes_spans_from_other_threads_into_the_open_microbatch():
+    recorder = events.Recorder()
+    recorder.add(events.TENSOR, 0.0, 1.0)  # outside a step (evaluation): dropped
+
+    def collective():  # as Traffic.listener, on a TensorFlow executor thread
+        start = time.perf_counter()
+        recorder.add(events.TENSOR, start, time.perf_counter())
+
+    with recorder.step(samples=8, microbatches=2):
+        for k in range(2):
+            with recorder.span(events.FORWARD, microbatch=k):
+                thread = threading.Thread(target=collective)
+                thread.start()
+                thread.join()
+        with recorder.span(events.OPTIMIZER):
+            collective()
+    (record,) = recorder.take()
+    tensor = [s for s in record.spans if s.kind == events.TENSOR]
+    assert [(s.step, s.microbatch) for s in tensor] == [(0, 0), (0, 1), (0, None)]
+    forwards = [s for s in record.spans if s.kind == events.FORWARD]
+    assert all(f.start <= t.start <= t.end <= f.end for f, t in zip(forwards, tensor))
+
+
+def _with_tensor_spans(record, share=0.25):
+    """`record` with a tensor collective in the middle of each forward and backward span."""
+    inner = []
+    for s in record.spans:
+        if s.kind in (events.FORWARD, events.BACKWARD):
+            middle, half = (s.start + s.end) / 2, share * s.duration / 2
+            inner.append(events.Span(events.TENSOR, s.step, s.microbatch, middle - half,
+                                     middle + half))  # fmt: skip
+    return events.StepRecord(record.step, record.start, record.end, record.samples,
+                             record.microbatches, record.spans + tuple(inner))  # fmt: skip
+
+
+def test_tensor_time_is_its_own_category_and_not_compute(tmp_path):
+    plain = simulated_steps("gpipe", 2, 4, allreduce=0.001, optimizer=0.002)
+    records = [_with_tensor_spans(r) for r in plain]
+    before = [breakdown.breakdown(r) for r in plain]
+    ranks = [breakdown.breakdown(r, tensor=True) for r in records]
+    for b, a in zip(ranks, before):  # compute gives a quarter to tensor; idle is unchanged
+        assert b.seconds["tensor"] == pytest.approx(0.25 * a.compute)
+        assert b.compute == pytest.approx(0.75 * a.compute)
+        assert b.idle == pytest.approx(a.idle)
+        assert sum(b.seconds.values()) == pytest.approx(sum(a.seconds.values()))
+    job = job_step(ranks, [0, 0], 2)
+    values, mean = scalars.rank_values(ranks[0], job.bubbles[0]), scalars.job_values(job)
+    assert set(values) == {*scalars.RANK_TAGS, scalars.TENSOR_MS}
+    assert set(mean) == {*scalars.AGGREGATE_TAGS, scalars.TENSOR_MS}
+    assert values[scalars.TENSOR_MS] == pytest.approx(1e3 * ranks[0].seconds["tensor"])
+    assert values[scalars.COMPUTE_MS] == pytest.approx(1e3 * ranks[0].compute)
+    assert mean[scalars.TENSOR_MS] == pytest.approx(500 * sum(b.seconds["tensor"] for b in ranks))
+    # Without tensor parallelism nothing is added; with it, a rank without collectives has 0.
+    assert "tensor" not in before[0].seconds and scalars.TENSOR_MS not in scalars.job_values(
+        job_step(before, [0, 0], 2)
+    )
+    assert breakdown.breakdown(plain[0], tensor=True).seconds["tensor"] == 0.0
+
+    layout = {**LAYOUT, "kind": "tensor", "tensor": 2}
+    result = _summary_of([[r] for r in records], layout)
+    ms = result["ranks"][0]["ms_per_step"]
+    assert ms["tensor"] == pytest.approx(1e3 * ranks[0].seconds["tensor"])
+    assert ms["compute"] == pytest.approx(1e3 * ranks[0].compute)
+    assert result["job"]["ms_per_step"]["tensor"] > 0
+    text = report.format_report(result)
+    assert "2 stages x 1 replica x 2 tensor shards" in text
+    header = next(line.split() for line in text.splitlines() if line.startswith("rank"))
+    assert header[header.index("compute") + 1] == "tensor"
+    plain_text = report.format_report(_summary_of([[r] for r in plain], LAYOUT))
+    assert "tensor" not in plain_text
+
+    trace = tl.to_trace([({"rank": r, "stage": r, "replica": 0}, [records[r]]) for r in (0, 1)])
+    back = tl.read_tracks(trace)
+    for track, record in zip(back, records):
+        inner = [s for s in track.slices if s.kind == "tensor"]
+        assert len(inner) == 8 and all(s.name == f"tensor {s.microbatch}" for s in inner)
+        assert tl.idle_gaps(record) == tl.idle_gaps(plain[track.rank])  # nested: no new gaps
+    assert _png_size(gantt.draw(trace, str(tmp_path / "tensor.png")))
 
 
 # --- the summary -------------------------------------------------------------------------
@@ -420,14 +502,16 @@ TWO_RANKS = [
 FOUR_RANKS = [
     Case("equal_stages", "sgd", "hybrid", partitions=2, replicas=2, microbatches=2, schedule="1f1b")
 ]
+# tensor parallelism (two Dense pairs split column then row), in the 2-rank launch
+TENSOR = [Case("dense_pairs", "sgd", "data", tensor=2)]
 
 
 @pytest.fixture(scope="module")
 def profiled_runs(request, tmp_path_factory):
     root = tmp_path_factory.mktemp("profiled")
     runs = {}
-    for np_, cases in ((2, TWO_RANKS), (4, FOUR_RANKS)):
-        chosen = [c for c in selected(request, TWO_RANKS + FOUR_RANKS) if c in cases]
+    for np_, cases in ((2, TWO_RANKS + TENSOR), (4, FOUR_RANKS)):
+        chosen = [c for c in selected(request, TWO_RANKS + TENSOR + FOUR_RANKS) if c in cases]
         if chosen:
             runs |= run_cases("profiled_fit", np_, chosen, str(root), timeout=300)
     return runs
@@ -483,7 +567,10 @@ def test_profiled_fit_writes_every_documented_output(profiled_runs, case):
                     )
     assert _png_size(os.path.join(log_dir, gantt.GANTT_FILE))
 
+    assert not any(s.kind == "tensor" for t in tracks for s in t.slices)  # no tensor split
+
     result = summary.load_summary(os.path.join(log_dir, summary.SUMMARY_FILE))
+    assert all("tensor" not in r["ms_per_step"] for r in result["ranks"])
     job = result["job"]
     assert job["bubble_theoretical"] == pytest.approx(theoretical_bubble(stages, microbatches))
     assert 0.0 <= job["bubble_measured"] <= 1.0
@@ -504,3 +591,73 @@ def test_profiled_fit_writes_every_documented_output(profiled_runs, case):
     assert table[3][:6] == ["rank", "stage", "replica", "step", "ms", "compute"]
     assert [row[0] for row in table[4 : 5 + world]] == [*map(str, range(world)), "job"]
     assert "theoretical (p-1)/(m+p-1)" in cli.stdout or stages == 1
+
+
+def _event_values(run_dir):
+    """{tag: {step: value}} of a run's scalars."""
+    acc = ea.EventAccumulator(str(run_dir), size_guidance={ea.TENSORS: 0})
+    acc.Reload()
+    return {tag: {e.step: float(tensor_util.make_ndarray(e.tensor_proto)) for e in acc.Tensors(tag)}
+            for tag in acc.Tags()["tensors"]}  # fmt: skip
+
+
+def _inside(inner, outer, slack_ms=1e-3):
+    end, outer_end = inner.start_ms + inner.duration_ms, outer.start_ms + outer.duration_ms
+    return outer.start_ms - slack_ms <= inner.start_ms and end <= outer_end + slack_ms
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", TENSOR, ids=str)
+def test_tensor_collectives_are_their_own_category(profiled_runs, case):
+    ranks = profiled_runs[case.id]
+    log_dir = ranks[0]["log_dir"]
+    assert all(r["detached"] and r["listener_cleared"] for r in ranks)
+    steps = list(range(8))
+    close = {"rel": 1e-5, "abs": 1e-4}  # ms: float32 scalars, timeline times rounded to 1 ns
+    tracks = {t.rank: t for t in tl.read_tracks(tl.load(os.path.join(log_dir, tl.TIMELINE_FILE)))}
+    assert sorted(tracks) == [0, 1]
+    for r in (0, 1):
+        values = _event_values(os.path.join(log_dir, f"rank_{r}"))
+        assert set(values) == {*scalars.RANK_TAGS, scalars.TENSOR_MS}, f"rank {r}"
+        assert all(sorted(v) == steps for v in values.values()), f"rank {r}"
+        for step in steps:
+            v = {tag: by_step[step] for tag, by_step in values.items()}
+            assert v[scalars.TENSOR_MS] > 0, (r, step)
+            parts = sum(v[tag] for tag in scalars.KIND_MS.values())
+            assert parts + v[scalars.IDLE_MS] == pytest.approx(v[scalars.STEP_MS], **close)
+            assert v[scalars.COMPUTE_MS] == pytest.approx(
+                v[scalars.KIND_MS["forward"]] + v[scalars.KIND_MS["backward"]], **close
+            )
+        # The timeline: every collective inside the forward or backward that ran it, and the
+        # scalars' forward and backward are those slices minus the tensor time inside them.
+        for step in range(1, 8):  # the timeline's steps
+            mine = [s for s in tracks[r].slices if s.step == step]
+            inner = [s for s in mine if s.kind == "tensor"]
+            outer = [s for s in mine if s.kind in ("forward", "backward")]
+            assert inner and all(any(_inside(s, o) for o in outer) for s in inner), (r, step)
+            net = {"forward": 0.0, "backward": 0.0}
+            for o in outer:
+                within = [s for s in inner if _inside(s, o)]
+                # (one stage: forward computes the gradients too, backward has nothing to do)
+                assert within or o.kind == "backward", f"rank {r} step {step}: {o.name}"
+                assert all(s.microbatch == o.microbatch for s in within)
+                net[o.kind] += o.duration_ms - sum(s.duration_ms for s in within)
+            tensor_ms = sum(s.duration_ms for s in inner)
+            assert values[scalars.TENSOR_MS][step] == pytest.approx(tensor_ms, **close)
+            for kind in ("forward", "backward"):  # no double counting
+                assert values[scalars.KIND_MS[kind]][step] == pytest.approx(net[kind], **close)
+    aggregate_values = _event_values(os.path.join(log_dir, "aggregate"))
+    assert set(aggregate_values) == {*scalars.AGGREGATE_TAGS, scalars.TENSOR_MS, scalars.EFFICIENCY}
+    assert all(aggregate_values[scalars.TENSOR_MS][s] > 0 for s in steps)
+    assert _png_size(os.path.join(log_dir, gantt.GANTT_FILE))
+
+    result = summary.load_summary(os.path.join(log_dir, summary.SUMMARY_FILE))
+    assert result["layout"]["tensor"] == 2 and result["layout"]["kind"] == "tensor"
+    for row in [*result["ranks"], result["job"]]:
+        ms = row["ms_per_step"]
+        assert ms["tensor"] > 0
+        assert ms["compute"] + ms["tensor"] <= ms["step"] * (1 + 1e-6)
+    text = report.format_report(result)
+    header = next(line.split() for line in text.splitlines() if line.startswith("rank"))
+    assert header[header.index("compute") + 1] == "tensor"
+    print(f"{case}: ms per step {result['job']['ms_per_step']}")

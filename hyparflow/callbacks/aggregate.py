@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from hyparflow.callbacks.breakdown import KINDS, StepBreakdown
+from hyparflow.callbacks.breakdown import TENSOR_KINDS, StepBreakdown
 from hyparflow.engine.schedule import theoretical_bubble
 
 
@@ -19,8 +19,8 @@ class JobStep:
     each pipeline is `1 - sum(compute) / (p * makespan)`, the definition the formula and the
     schedule simulator use. `bubble_theoretical` is the mean over ranks of `(p - 1) / (m + p - 1)`
     for the rank's micro-batch count `m`. `mean_seconds` is each span kind averaged over ranks
-    (None without spans) and `mean_wall` the ranks' mean step time, so
-    `mean_wall - sum(mean_seconds)` is the mean idle time.
+    (None without spans; tensor only where the ranks report it) and `mean_wall` the ranks' mean
+    step time, so `mean_wall - sum(mean_seconds)` is the mean idle time.
     """
 
     step: int
@@ -116,7 +116,10 @@ def job_step(
     detailed = [b for b in ranks if b.detailed]
     mean_seconds = None
     if detailed:
-        mean_seconds = {k: sum(b.seconds[k] for b in detailed) / len(detailed) for k in KINDS}
+        kinds = [k for k in TENSOR_KINDS if any(k in b.seconds for b in detailed)]
+        mean_seconds = {
+            k: sum(b.seconds.get(k, 0.0) for b in detailed) / len(detailed) for k in kinds
+        }
     return JobStep(
         step=ranks[0].step,
         wall=wall,

@@ -6,17 +6,20 @@ from dataclasses import asdict, dataclass
 
 from hyparflow.engine import events
 
-# The span kinds a breakdown reports, in table order.
+# The span kinds a breakdown reports, in table order; with tensor parallelism also TENSOR.
 KINDS = events.KINDS
+TENSOR_KINDS = (*KINDS, events.TENSOR)
 
 
 @dataclass(frozen=True)
 class StepBreakdown:
     """Seconds one rank spent on each kind of work in one step, and what follows from them.
 
-    `seconds` maps every span kind (forward, backward, recv, send, allreduce, optimizer) to its
-    total in the step; it is None when the engine recorded no spans (a single process, where
-    `hf.fit` is plain `model.fit` and only the step's wall time is known). `samples` is the
+    `seconds` maps every span kind (forward, backward, recv, send, allreduce, optimizer, and
+    with tensor parallelism tensor) to its total in the step, forward and backward without the
+    tensor collectives inside them (see `breakdown`), so the kinds never overlap; it is None
+    when the engine recorded no spans (a single process, where `hf.fit` is plain `model.fit`
+    and only the step's wall time is known). `samples` is the
     global batch size (None when unknown); `microbatches` is how many this rank's replica ran.
 
     Example:
@@ -85,20 +88,34 @@ class StepBreakdown:
         return cls(**data)
 
 
-def breakdown(record: events.StepRecord) -> StepBreakdown:
-    """Sum a recorded step's spans by kind.
+def breakdown(record: events.StepRecord, tensor: bool = False) -> StepBreakdown:
+    """Sum a recorded step's spans by kind; `tensor` (tensor parallelism) reports the tensor
+    kind even in a step without tensor spans, so every rank and step has the same kinds.
 
-    Overlapping spans of different kinds would be counted twice; the engine's spans follow
-    each other (a rank does one thing at a time), which the unit tests pin down.
+    The engine's spans follow each other (a rank does one thing at a time), except tensor
+    spans: a tensor-parallel collective runs inside the compiled forward or backward, so its
+    span lies inside a forward or backward span. Counting both would count that time twice, so
+    the rule is: forward and backward are their spans minus the tensor time inside them (their
+    compute), and tensor is every tensor span. The kinds then add up to the covered time and
+    idle stays the rest of the step.
 
     Example:
         >>> span = events.Span("forward", 0, 0, 1.0, 1.5)
         >>> breakdown(events.StepRecord(0, 1.0, 2.0, 8, 1, (span,))).seconds["forward"]
         0.5
+        >>> allreduce = events.Span("tensor", 0, 0, 1.25, 1.375)
+        >>> s = breakdown(events.StepRecord(0, 1.0, 2.0, 8, 1, (span, allreduce))).seconds
+        >>> s["forward"], s["tensor"]
+        (0.375, 0.125)
     """
-    seconds = dict.fromkeys(KINDS, 0.0)
+    seconds = dict.fromkeys(TENSOR_KINDS if tensor else KINDS, 0.0)
     for span in record.spans:
         seconds[span.kind] = seconds.get(span.kind, 0.0) + span.duration
+    inner = [s for s in record.spans if s.kind == events.TENSOR]
+    if inner:
+        for span in record.spans:
+            if span.kind in (events.FORWARD, events.BACKWARD):
+                seconds[span.kind] -= sum(_overlap(span, t) for t in inner)
     return StepBreakdown(
         step=record.step,
         start=record.start,
@@ -107,6 +124,10 @@ def breakdown(record: events.StepRecord) -> StepBreakdown:
         microbatches=record.microbatches,
         seconds=seconds,
     )
+
+
+def _overlap(a: events.Span, b: events.Span) -> float:
+    return max(0.0, min(a.end, b.end) - max(a.start, b.start))
 
 
 def wall_only(step: int, start: float, end: float, samples: int | None) -> StepBreakdown:

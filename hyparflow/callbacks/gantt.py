@@ -21,10 +21,13 @@ COLORS = {
     events.SEND: "#DD8452",
     events.ALLREDUCE: "#8172B3",
     events.OPTIMIZER: "#937860",
+    events.TENSOR: "#DA8BC3",
 }
 IDLE_COLOR = "#E6E6E6"
 LEGEND_NAMES = {events.RECV: "recv (waiting)"}
 LABELLED = (events.FORWARD, events.BACKWARD)  # bars that show their micro-batch number
+# Tensor collectives run inside a forward or backward: thinner bars drawn over them.
+INNER = (events.TENSOR,)
 
 
 def chosen_steps(trace: dict, steps: Sequence[int] | None, max_steps: int = MAX_STEPS) -> list:
@@ -69,12 +72,13 @@ def draw(trace: dict, path: str, steps: Sequence[int] | None = None, title: str 
                               va="bottom")  # fmt: skip
                 continue
             kinds_seen.add(s.kind)
-            axes.broken_barh([(x, s.duration_ms)], (y - 0.3, 0.6),
+            half, layer = (0.15, 4) if s.kind in INNER else (0.3, 2)
+            axes.broken_barh([(x, s.duration_ms)], (y - half, 2 * half),
                              facecolor=COLORS.get(s.kind, "#333333"), edgecolor="white",
-                             linewidth=0.3, zorder=2)  # fmt: skip
+                             linewidth=0.3, zorder=layer)  # fmt: skip
             if s.kind in LABELLED and s.microbatch is not None and s.duration_ms > span_ms / 90:
                 axes.text(x + s.duration_ms / 2, y, str(s.microbatch), ha="center",
-                          va="center", fontsize=7, color="white", zorder=3)  # fmt: skip
+                          va="center", fontsize=7, color="white", zorder=5)  # fmt: skip
     axes.set_yticks(range(len(tracks)))
     axes.set_yticklabels([t.label for t in reversed(tracks)], fontsize=9)
     axes.set_ylim(-0.7, len(tracks) - 0.2)

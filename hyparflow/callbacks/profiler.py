@@ -29,7 +29,8 @@ def rank_run(rank: int) -> str:
 
 class ScalingProfiler(keras.callbacks.Callback):
     """Per step and rank: compute, point-to-point wait, send, allreduce, optimizer and idle
-    time, throughput and the pipeline bubble, as TensorBoard scalars, a timeline and a summary.
+    time (with tensor parallelism also its collectives, `tensor`, which compute excludes),
+    throughput and the pipeline bubble, as TensorBoard scalars, a timeline and a summary.
 
     Writes under `log_dir` (every rank must be able to write there):
 
@@ -95,6 +96,7 @@ class ScalingProfiler(keras.callbacks.Callback):
         self._single_steps = []
         self._profiling = False
         self._step_trace = None
+        self._tensor = False
         if trainer is None:
             self._comm, self.rank = None, 0
             layout = {"world_size": 1, "kind": "single process", "stages": 1, "replicas": 1,
@@ -108,12 +110,16 @@ class ScalingProfiler(keras.callbacks.Callback):
             self.rank = topo.rank
             layout = {
                 "world_size": topo.world.Get_size(),
-                "kind": _kind(topo.num_stages, topo.num_replicas),  # "auto" resolved
+                "kind": _kind(topo.num_stages, topo.num_replicas, topo.num_shards),
                 "stages": topo.num_stages,
                 "replicas": topo.num_replicas,
                 "microbatches": strategy.microbatches,
                 "schedule": strategy.schedule,
             }
+            # Tensor parallelism: its collectives are a category of their own (breakdown.py).
+            self._tensor = topo.num_shards > 1
+            if self._tensor:
+                layout["tensor"] = topo.num_shards
             ranks = []
             for r in range(layout["world_size"]):
                 stage, replica = topo.grid.coords(r)
@@ -171,7 +177,7 @@ class ScalingProfiler(keras.callbacks.Callback):
             records = []
         else:
             records = self._recorder.take()
-            steps = [breakdown(r) for r in records]
+            steps = [breakdown(r, tensor=self._tensor) for r in records]
         window = self._timeline_window()
         kept = [r for r in records if _within(r.step, window)]
         if kept:  # every rank records the same steps, so all ranks take part or none
@@ -258,10 +264,11 @@ class ScalingProfiler(keras.callbacks.Callback):
         self._trainer = None
 
 
-def _kind(stages: int, replicas: int) -> str:
+def _kind(stages: int, replicas: int, shards: int = 1) -> str:
+    """The layout's kind, "auto" resolved."""
     if stages > 1:
         return "hybrid" if replicas > 1 else "model"
-    return "data"
+    return "tensor" if replicas == 1 and shards > 1 else "data"
 
 
 def _within(step: int, window) -> bool:

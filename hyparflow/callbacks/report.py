@@ -20,7 +20,10 @@ TIME_COLUMNS = (
     ("optimizer", "optimizer"),
     ("idle", "idle"),
 )
-KIND_NAMES = {"data": "data parallel", "model": "model parallel", "hybrid": "hybrid parallel"}
+# With tensor parallelism its collectives get a column after compute (which excludes them).
+TENSOR_COLUMN = ("tensor", "tensor")
+KIND_NAMES = {"data": "data parallel", "model": "model parallel", "hybrid": "hybrid parallel",
+              "tensor": "tensor parallel"}  # fmt: skip
 
 
 def _percent(value: float | None) -> str:
@@ -45,6 +48,8 @@ def describe_layout(layout: dict) -> str:
     if kind == "single process":
         return "single process (plain model.fit: only step times are known)"
     grid = f"{_count(layout.get('stages'), 'stage')} x {_count(layout.get('replicas'), 'replica')}"
+    if layout.get("tensor", 1) > 1:
+        grid += f" x {_count(layout['tensor'], 'tensor shard')}"
     return ", ".join(
         [
             KIND_NAMES.get(kind, str(kind)),
@@ -57,6 +62,14 @@ def describe_layout(layout: dict) -> str:
 
 def _count(n, noun: str) -> str:
     return f"{n} {noun}" + ("" if n == 1 else "es" if noun.endswith("ch") else "s")
+
+
+def time_columns(ms: dict) -> tuple:
+    """TIME_COLUMNS, with the tensor column after compute when the run has tensor parallelism
+    (its summary has tensor times)."""
+    if TENSOR_COLUMN[1] not in ms:
+        return TIME_COLUMNS
+    return (TIME_COLUMNS[0], TENSOR_COLUMN, *TIME_COLUMNS[1:])
 
 
 def format_report(summary: dict) -> str:
@@ -74,20 +87,21 @@ def format_report(summary: dict) -> str:
         + "; times are ms per step (share of the step)",
         "",
     ]
-    header = ["rank", "stage", "replica", "step ms", *(h for h, _ in TIME_COLUMNS), "bubble",
+    job = summary["job"]
+    columns = time_columns(job["ms_per_step"])
+    header = ["rank", "stage", "replica", "step ms", *(h for h, _ in columns), "bubble",
               "samples/s"]  # fmt: skip
     rows = []
     for r in summary["ranks"]:
         ms = r["ms_per_step"]
         rows.append(
             [str(r["rank"]), str(r["stage"]), str(r["replica"]), _number(ms["step"], 2),
-             *(_time_cell(ms, key) for _, key in TIME_COLUMNS), _percent(r["bubble"]),
+             *(_time_cell(ms, key) for _, key in columns), _percent(r["bubble"]),
              _number(r["throughput"])]
         )  # fmt: skip
-    job = summary["job"]
     ms = job["ms_per_step"]
     rows.append(
-        ["job", "", "", _number(ms["step"], 2), *(_time_cell(ms, key) for _, key in TIME_COLUMNS),
+        ["job", "", "", _number(ms["step"], 2), *(_time_cell(ms, key) for _, key in columns),
          _percent(job["bubble_measured"]), _number(job["throughput"])]
     )  # fmt: skip
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]

@@ -7,31 +7,34 @@ import tensorflow as tf
 from tensorboard.plugins.scalar import metadata
 
 from hyparflow.callbacks.aggregate import JobStep
-from hyparflow.callbacks.breakdown import KINDS, StepBreakdown
+from hyparflow.callbacks.breakdown import KINDS, TENSOR_KINDS, StepBreakdown
 from hyparflow.engine import events
 
 STEP_MS = "step_ms/total"
 COMPUTE_MS = "step_ms/compute"
 P2P_WAIT_MS = "step_ms/p2p_wait"
 IDLE_MS = "step_ms/idle"
-KIND_MS = {kind: f"step_ms/{kind}" for kind in KINDS}  # step_ms/forward, step_ms/recv, ...
+KIND_MS = {kind: f"step_ms/{kind}" for kind in TENSOR_KINDS}  # step_ms/forward, ...
+TENSOR_MS = KIND_MS[events.TENSOR]  # tensor-parallel collectives, only with tensor parallelism
 THROUGHPUT = "throughput/samples_per_sec"
 BUBBLE_MEASURED = "pipeline/bubble_measured"
 BUBBLE_THEORETICAL = "pipeline/bubble_theoretical"
 EFFICIENCY = "scaling/efficiency"
 
 # Tags every rank's run has when the engine recorded spans (more than one rank).
-RANK_TAGS = (STEP_MS, *KIND_MS.values(), COMPUTE_MS, P2P_WAIT_MS, IDLE_MS, THROUGHPUT,
-             BUBBLE_MEASURED)  # fmt: skip
+# With tensor parallelism (Strategy(tensor=T), T > 1) both runs also have TENSOR_MS.
+RANK_TAGS = (STEP_MS, *(KIND_MS[k] for k in KINDS), COMPUTE_MS, P2P_WAIT_MS, IDLE_MS,
+             THROUGHPUT, BUBBLE_MEASURED)  # fmt: skip
 # Tags of the aggregate run; EFFICIENCY only when a baseline throughput is given.
 AGGREGATE_TAGS = (*RANK_TAGS, BUBBLE_THEORETICAL)
 
 
 def _time_values(wall: float, seconds: dict[str, float] | None, busy_wall: float):
-    """Milliseconds of the step and its parts; idle is `busy_wall` minus every span."""
+    """Milliseconds of the step and its parts; idle is `busy_wall` minus every span. Compute is
+    forward + backward, which exclude the tensor collectives inside them (breakdown.py)."""
     values = {STEP_MS: 1e3 * wall}
     if seconds is not None:
-        values.update({KIND_MS[k]: 1e3 * seconds[k] for k in KINDS})
+        values.update({KIND_MS[k]: 1e3 * v for k, v in seconds.items()})
         values[COMPUTE_MS] = 1e3 * (seconds[events.FORWARD] + seconds[events.BACKWARD])
         values[P2P_WAIT_MS] = 1e3 * seconds[events.RECV]
         values[IDLE_MS] = max(0.0, 1e3 * (busy_wall - sum(seconds.values())))

@@ -51,11 +51,12 @@ class Totals:
         if seconds is None or self.seconds is None:
             self.seconds = None  # one step without spans makes the split unknown
         else:
-            for kind in KINDS:
-                self.seconds[kind] += seconds[kind]
+            for kind, value in seconds.items():  # tensor too, with tensor parallelism
+                self.seconds[kind] = self.seconds.get(kind, 0.0) + value
 
     def per_step_ms(self) -> dict[str, float | None]:
-        """Mean milliseconds per step: the step and, when known, each part of it."""
+        """Mean milliseconds per step: the step and, when known, each part of it (compute is
+        forward + backward, without the tensor collectives inside them: breakdown.py)."""
         n = max(self.steps, 1)
         ms = {"step": 1e3 * self.wall / n}
         parts = dict.fromkeys((*KINDS, "compute", "p2p_wait", "idle"))
@@ -179,7 +180,7 @@ class RunSummary:
         job_ms = {"step": job.per_step_ms()["step"]}
         for part in ranks[0]["ms_per_step"] if ranks else ():
             if part != "step":  # the job's parts are the mean over ranks
-                known = [r["ms_per_step"][part] for r in ranks]
+                known = [r["ms_per_step"].get(part) for r in ranks]
                 job_ms[part] = None if None in known else sum(known) / len(known)
         return {
             "version": FORMAT_VERSION,

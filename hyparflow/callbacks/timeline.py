@@ -3,7 +3,8 @@
 Each rank is one track: process id = its pipeline replica, thread id = its rank, so Perfetto
 and chrome://tracing show one group per pipeline with one row per stage. Every step is an
 enclosing `step N` slice; inside it each span is a slice named `<kind> <micro-batch>` (category
-= kind) and every gap of at least `min_idle` between spans is an `idle` slice. Times are
+= kind) and every gap of at least `min_idle` between spans is an `idle` slice. Tensor-parallel
+collectives (`tensor`) nest inside the forward or backward slice that ran them. Times are
 microseconds from the earliest step start, on rank 0's clock (the ranks' offsets, from
 `clock.py`, are subtracted before conversion).
 """

@@ -7,6 +7,7 @@ no-op context, so profiling off costs one attribute lookup per action.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from dataclasses import dataclass
 
@@ -18,6 +19,10 @@ SEND = "send"  # posting sends and waiting for them to complete at the end of th
 ALLREDUCE = "allreduce"  # gradient sums across shared stages and replicas
 OPTIMIZER = "optimizer"  # regularization gradients and the optimizer update
 KINDS = (FORWARD, BACKWARD, RECV, SEND, ALLREDUCE, OPTIMIZER)
+# Tensor-parallel collectives (hyparflow.tensor's allreduces and allgathers), recorded only with
+# tensor parallelism. They run inside the compiled forward and backward, so their spans lie
+# inside forward and backward spans: a breakdown takes them out of compute (breakdown.py).
+TENSOR = "tensor"
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,11 @@ class StepRecord:
 class Recorder:
     """Collects spans step by step; `take()` hands over the finished steps.
 
+    `span` times a block on the stepping thread; `add` records a span timed elsewhere, from any
+    thread (a collective inside a compiled step ends on a TensorFlow executor thread). Such a
+    span belongs to the current step and to the micro-batch of the span open at that moment;
+    outside a step it is dropped.
+
     Example:
         >>> recorder = Recorder()
         >>> with recorder.step(samples=32, microbatches=4):
@@ -65,20 +75,23 @@ class Recorder:
         self._spans: list[Span] = []
         self._step = 0
         self._in_step = False
+        self._microbatch = None  # of the span open on the stepping thread
+        self._lock = threading.Lock()  # `add` may come from another thread
 
     @contextlib.contextmanager
     def step(self, samples: int, microbatches: int):
-        self._spans = []
-        self._in_step = True
+        with self._lock:
+            self._spans = []
+            self._in_step = True
         start = self.clock()
         try:
             yield
         finally:
             end = self.clock()
-            self._in_step = False
-            self._steps.append(
-                StepRecord(self._step, start, end, samples, microbatches, tuple(self._spans))
-            )
+            with self._lock:
+                self._in_step = False
+                spans = tuple(self._spans)
+            self._steps.append(StepRecord(self._step, start, end, samples, microbatches, spans))
             self._step += 1
 
     @contextlib.contextmanager
@@ -87,10 +100,21 @@ class Recorder:
             yield
             return
         start = self.clock()
+        outer, self._microbatch = self._microbatch, microbatch
         try:
             yield
         finally:
-            self._spans.append(Span(kind, self._step, microbatch, start, self.clock()))
+            self._microbatch = outer
+            span = Span(kind, self._step, microbatch, start, self.clock())
+            with self._lock:
+                self._spans.append(span)
+
+    def add(self, kind: str, start: float, end: float) -> None:
+        """Record a span timed elsewhere (`start`, `end` on this recorder's clock), from any
+        thread, e.g. `Traffic.listener` for each tensor-parallel collective."""
+        with self._lock:
+            if self._in_step:
+                self._spans.append(Span(kind, self._step, self._microbatch, start, end))
 
     def take(self) -> list[StepRecord]:
         steps, self._steps = self._steps, []

@@ -15,6 +15,7 @@ import contextlib
 import tensorflow as tf
 
 from hyparflow import _keras
+from hyparflow.comm.in_graph import traffic
 from hyparflow.comm.topology import Topology
 from hyparflow.comm.watchdog import NoWatchdog, Watchdog
 from hyparflow.data import GlobalBatch
@@ -44,6 +45,7 @@ from hyparflow.engine.weights import (
     owned_variables,
     packed,
 )
+from hyparflow.tensor import collectives
 from hyparflow.tensor.shards import TensorShards
 
 __all__ = ["Trainer", "model_input_list", "pack_model_outputs"]
@@ -197,6 +199,9 @@ class Trainer:
         self._span = events.no_span if recorder is None else recorder.span
         self._step_span = events.no_step if recorder is None else recorder.step
         self.walk.span = self._span
+        if self.shards is not None:  # each tensor collective, as it ends, becomes a span
+            tensor = traffic(collectives.TAG)
+            tensor.listener = None if recorder is None else _tensor_listener(recorder)
 
     # --- what a stage computes ------------------------------------------------------------
     def _call_whole_model(self, x, training):
@@ -334,3 +339,13 @@ class Trainer:
         self.watchdog.close()
         self.walk.close()
         self.topology.free()
+
+
+def _tensor_listener(recorder: events.Recorder):
+    """`Traffic.listener` recording each tensor collective into `recorder` (it runs on a
+    TensorFlow executor thread while the stepping thread is inside a forward or backward)."""
+
+    def heard(start: float, end: float, nbytes: int) -> None:
+        recorder.add(events.TENSOR, start, end)
+
+    return heard

@@ -1,8 +1,8 @@
 """hf.fit with a ScalingProfiler under mpirun; the test reads back what it wrote.
 
 Arguments: a log root folder, then cases as JSON (tests/support/cases.py). Each trains a
-four-layer MLP whose two halves cost the same (WIDTHS: the case's model) and profiles it into
-`<log root>/<case id>`.
+four-layer MLP whose two halves cost the same (WIDTHS: the case's model), or for tensor
+parallelism two Dense pairs ("dense_pairs"), and profiles it into `<log root>/<case id>`.
 """
 
 import os
@@ -12,6 +12,8 @@ import numpy as np
 
 import hyparflow as hf
 from hyparflow.callbacks import ScalingProfiler
+from hyparflow.comm.in_graph import traffic
+from hyparflow.tensor.collectives import TAG
 from tests.support.cases import Case
 from tests.support.report import args, report
 
@@ -35,12 +37,29 @@ def equal_stages_mlp(width: int):
     return model
 
 
+def dense_pairs_mlp():
+    """Two Dense pairs, widening then narrowing: tensor parallelism splits each into a column
+    and a row layer, so every forward and backward runs tensor collectives."""
+    inputs = keras.Input((FEATURES,))
+    x = inputs
+    for _ in range(2):
+        x = keras.layers.Dense(16, activation="relu")(x)
+        x = keras.layers.Dense(CLASSES)(x)
+    model = keras.Model(inputs, x)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    model.compile(optimizer="sgd", loss=loss)
+    return model
+
+
 def run(log_root: str, case: Case) -> dict:
     keras.utils.set_random_seed(5)
     rng = np.random.default_rng(0)
     x = rng.normal(size=(SAMPLES, FEATURES)).astype("float32")
     y = rng.integers(0, CLASSES, size=SAMPLES)
-    model = equal_stages_mlp(WIDTHS[case.model])
+    if case.model == "dense_pairs":
+        model = dense_pairs_mlp()
+    else:
+        model = equal_stages_mlp(WIDTHS[case.model])
     strategy = hf.Strategy(**case.strategy_options())
     log_dir = os.path.join(log_root, case.id)
     profiler = ScalingProfiler(log_dir, baseline_throughput=BASELINE, profile_steps=(2, 3))
@@ -53,6 +72,7 @@ def run(log_root: str, case: Case) -> dict:
         "stage": trainer.topology.stage,
         "replica": trainer.topology.replica,
         "detached": trainer.recorder is None,  # profiling off again after fit
+        "listener_cleared": traffic(TAG).listener is None,
     }
 
 
