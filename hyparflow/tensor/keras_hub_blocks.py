@@ -28,6 +28,7 @@ class Attention:
     value: str
     output: str
     dropout: str  # acts on the attention output, heads on axis 2
+    inputs: tuple = ("hidden_states",)  # call arguments the projections read
 
 
 @dataclass(frozen=True)
@@ -79,9 +80,10 @@ def split_block(layout, layer) -> None:
     if attention is not None:
         reason = f"heads of {layer.name}"
         for name in (attention.query, attention.key, attention.value):
-            layout.splits.append(
-                split_layer(getattr(layer, name), COLUMN, parts, reason, heads_axis=1)
-            )
+            split = split_layer(getattr(layer, name), COLUMN, parts, reason, heads_axis=1)
+            split.input_copied = True
+            layout.splits.append(split)
+        layout.copies.append((layer, attention.inputs))
         layout.splits.append(split_layer(getattr(layer, attention.output), ROW, parts, reason))
         dropout = getattr(layer, attention.dropout)
         if dropout.rate > 0:

@@ -81,8 +81,11 @@ def _split_attention(layout: TensorLayout, layer) -> None:
         dense = parts[name]
         if dense is not None:
             axis = list(_keras.kernel_variable(dense).shape).index(heads, 1)
-            layout.splits.append(split_layer(dense, COLUMN, layout.parts, reason, heads_axis=axis))
+            split = split_layer(dense, COLUMN, layout.parts, reason, heads_axis=axis)
+            split.input_copied = True
+            layout.splits.append(split)
     layout.splits.append(split_layer(parts["output"], ROW, layout.parts, reason))
+    layout.copies.append((layer, ("query", "value", "key")))
     if parts["rate"] > 0:
         layout.dropouts.append((parts["dropout"], 1))  # scores: (batch, heads, query, key)
 

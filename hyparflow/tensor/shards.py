@@ -11,6 +11,7 @@ shards into it and `load()` slices it into the shards.
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 import keras
 import numpy as np
@@ -59,6 +60,8 @@ class TensorShards:
                        layout.splits}  # fmt: skip
         for layer, axis in layout.dropouts:
             self._calls[id(layer)] = (layer, self._dropout_call(layer, axis))
+        for layer, names in layout.copies:
+            self._calls[id(layer)] = (layer, self._copying_call(layer, names))
         self._rows = [split.layer for split in layout.splits if split.role == ROW]
         self._depth = 0
 
@@ -124,9 +127,11 @@ class TensorShards:
             # A convolution reshapes its bias to its `filters`: this rank's share of them.
             narrowed = {"filters": layer.filters // self.parts} if hasattr(layer, "filters") else {}
 
+            copy = _unchanged if split.input_copied else copy_to_shards
+
             def column_call(inputs, *args, **kwargs):
                 with _attributes(layer, narrowed):
-                    return original(copy_to_shards(comm, inputs), *args, **kwargs)
+                    return original(copy(comm, inputs), *args, **kwargs)
 
             return column_call
         if split.role == ROW:
@@ -176,6 +181,30 @@ class TensorShards:
 
         return vocab_call
 
+    def _copying_call(self, layer, names):
+        """`layer`'s call with each distinct tensor among arguments `names` copied to the
+        shards once, its Keras mask kept (the projections inside then copy nothing)."""
+        original = type(layer).call.__get__(layer)
+        signature = inspect.signature(original)
+        comm = self.comm
+
+        def copying_call(*args, **kwargs):
+            bound = signature.bind_partial(*args, **kwargs)
+            copies: dict = {}
+            for name in names:
+                value = bound.arguments.get(name)
+                if value is None:
+                    continue
+                if id(value) not in copies:
+                    copies[id(value)] = copy_to_shards(comm, value)
+                    mask = _keras.keras_mask(value)
+                    if mask is not None:
+                        _keras.set_keras_mask(copies[id(value)], mask)
+                bound.arguments[name] = copies[id(value)]
+            return original(*bound.args, **bound.kwargs)
+
+        return copying_call
+
     def _dropout_call(self, layer, axis: int):
         original = type(layer).call.__get__(layer)
         scope, index, parts = self._dropout_scope, self.index, self.parts
@@ -198,6 +227,10 @@ def _attributes(layer, values: dict):
     finally:
         for name, value in saved.items():
             object.__setattr__(layer, name, value)
+
+
+def _unchanged(comm, tensor):
+    return tensor
 
 
 def _attribute_holding(layer, variable) -> str:

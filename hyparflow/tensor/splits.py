@@ -21,6 +21,7 @@ class LayerSplit:
     role: str  # COLUMN, ROW or VOCAB
     axes: dict = field(default_factory=dict)  # id(variable) -> (variable, axis)
     reason: str = ""
+    input_copied: bool = False  # a column whose input an enclosing attention copied already
 
     def axis_of(self, variable) -> int | None:
         entry = self.axes.get(id(variable))
@@ -34,6 +35,9 @@ class TensorLayout:
     parts: int
     splits: list = field(default_factory=list)  # LayerSplit, in the model's layer order
     dropouts: list = field(default_factory=list)  # (Dropout layer, axis of the split features)
+    # (attention layer, names of its input arguments): each distinct input is copied to the
+    # shards once (one allreduce of its gradient), not once per projection (Megatron's fused QKV)
+    copies: list = field(default_factory=list)
     replicated: list = field(default_factory=list)  # "layer: why it stays whole"
     variables: list = field(default_factory=list)  # every trainable variable of the model
     model: object = None
