@@ -8,8 +8,7 @@ LayerNorms; 64 tokens, batch 16). Step time of a global batch: data parallel (R=
 pipeline (4 micro-batches), tensor (T=2), `model.fit` on rank 0 alone; epochs interleaved.
 Bytes per step (T=2): rank 0's `traffic("tensor")` over one more epoch against Megatron's 4
 allreduces of b·s·h float32 per block (g after attention and after the Dense pair, f before each
-in backward); the attention copies its input to the shards once for Q, K and V together, as
-Megatron's fused QKV does (before that change: 12 MiB, 6 collectives, 1.5x).
+in backward); attention copies its input once for Q, K, V, as Megatron's fused QKV (was 1.5x).
 Bytes per rank: parameters (`trainer.variables`) and Adam slots measured at T=1 (data parallel)
 and T=2; computed for T=1, 2, 4 from `tensor_layout(model, T).bytes_per_rank()` (slots: 2x).
 """

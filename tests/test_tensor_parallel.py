@@ -199,6 +199,7 @@ FOUR_RANKS = [
     Case("encoder", "sgd", "data", replicas=2, tensor=2, microbatches=2),
     Case("conv_pairs", "sgd", "data", replicas=2, tensor=2),
     Case("llama", "sgd", "model", partitions=2, tensor=2, microbatches=2, schedule="1f1b"),
+    Case("bert", "sgd", "data", replicas=2, tensor=2, microbatches=2),
 ]  # fmt: skip
 SLOTS = {"adam": 2, "sgd": 1}  # optimizer slots per variable (SGD with momentum)
 # mixed_float16 rounds activations to float16; plain data parallelism (no tensor split) ends
