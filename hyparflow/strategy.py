@@ -117,7 +117,7 @@ class Strategy:
             raise ValueError(
                 f"tensor={self.tensor} does not divide the world size {world_size}; launch a "
                 f"multiple of {self.tensor} ranks or pass tensor= one of "
-                f"{_divisors(world_size)}."
+                f"{divisors(world_size)}."
             )
         total, world_size = world_size, world_size // self.tensor
         partitions, replicas = self.partitions, self.replicas
@@ -153,7 +153,8 @@ class Strategy:
         return dataclasses.replace(self, kind=kind, partitions=partitions, replicas=replicas)
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
+    """Every count that splits `n` evenly (what a misfit tensor= or split should be)."""
     return [d for d in range(1, n + 1) if n % d == 0]
 
 

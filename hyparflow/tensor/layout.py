@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 import re
 
+from hyparflow.strategy import divisors
+
 TENSOR = "tensor"
 
 
@@ -41,11 +43,6 @@ def bounds(size: int, parts: int, shard: int) -> tuple[int, int]:
     pieces (callers check divisibility first)."""
     step = size // parts
     return shard * step, (shard + 1) * step
-
-
-def divisors(n: int) -> list[int]:
-    """Every T that splits a dimension of size `n` evenly."""
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def check_divides(layer: str, what: str, size: int, parts: int) -> None:

@@ -83,6 +83,25 @@ class TornCheckpoint(hf.callbacks.Checkpoint):
         super()._complete(folder, manifest)
 
 
+def _resume_each(folder, strategies: dict):
+    """Resume `folder`'s latest checkpoint under each strategy (name -> trained weights), then
+    export it (the loaded .keras model)."""
+    results = {}
+    for name, strategy in strategies.items():
+        x, y = data("mlp", n=64)
+        model = model_with_dropout(0.0)
+        hf.fit(
+            model, x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=True, verbose=0,
+            strategy=strategy, resume_from=folder,
+        )  # fmt: skip
+        results[name] = model.get_weights()
+    exported = os.path.join(folder, "exported.keras")
+    if hf.rank() == 0:
+        hf.export(folder, exported)
+    MPI.COMM_WORLD.Barrier()
+    return results, keras.saving.load_model(exported)
+
+
 def main():
     mode, folder = args()
     keras.config.disable_interactive_logging()
@@ -121,31 +140,18 @@ def main():
     elif mode == "reshape":
         first, _ = train(folder, strategy=hf.Strategy("hybrid", partitions=2, replicas=2),
                          epochs=2, dropout=0.0)  # fmt: skip
-        results = {}
-        for name, strategy in {
+        results, exported = _resume_each(folder, {
             "same": hf.Strategy("hybrid", partitions=2, replicas=2),
             "model4": hf.Strategy("model", partitions=4),
             "data4": hf.Strategy("data"),
-        }.items():
-            x, y = data("mlp", n=64)
-            model = model_with_dropout(0.0)
-            hf.fit(
-                model, x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=True, verbose=0,
-                strategy=strategy, resume_from=folder,
-            )  # fmt: skip
-            results[name] = model.get_weights()
-        exported = os.path.join(folder, "exported.keras")
-        if hf.rank() == 0:
-            hf.export(folder, exported)
-        MPI.COMM_WORLD.Barrier()
-        loaded = keras.saving.load_model(exported)
+        })  # fmt: skip
         report(
             {
                 "rank": hf.rank(),
                 "model4": relative_difference(results["model4"], results["same"]),
                 "data4": relative_difference(results["data4"], results["same"]),
-                "export": relative_difference(loaded.get_weights(), first.get_weights()),
-                "export_compiled": loaded.compiled and loaded.optimizer.__class__.__name__,
+                "export": relative_difference(exported.get_weights(), first.get_weights()),
+                "export_compiled": exported.compiled and exported.optimizer.__class__.__name__,
             }
         )
     elif mode == "tensor_reshape":
@@ -157,20 +163,7 @@ def main():
         }
         first, _ = train(folder, strategy=strategies["same"], epochs=2, dropout=0.0)
         shard_files = sorted(n for n in os.listdir(manifest.latest(folder)) if n.endswith(".npz"))
-        results = {}
-        for name, strategy in strategies.items():
-            x, y = data("mlp", n=64)
-            model = model_with_dropout(0.0)
-            hf.fit(
-                model, x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=True, verbose=0,
-                strategy=strategy, resume_from=folder,
-            )  # fmt: skip
-            results[name] = model.get_weights()
-        exported = os.path.join(folder, "exported.keras")
-        if hf.rank() == 0:
-            hf.export(folder, exported)
-        MPI.COMM_WORLD.Barrier()
-        loaded = keras.saving.load_model(exported)
+        results, exported = _resume_each(folder, strategies)
         report(
             {
                 "rank": hf.rank(),
@@ -179,7 +172,7 @@ def main():
                     name: relative_difference(weights, results["same"])
                     for name, weights in results.items() if name != "same"
                 },
-                "export": relative_difference(loaded.get_weights(), first.get_weights()),
+                "export": relative_difference(exported.get_weights(), first.get_weights()),
             }
         )  # fmt: skip
     elif mode == "stall":
