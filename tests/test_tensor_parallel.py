@@ -125,6 +125,17 @@ def test_keras_hub_blocks_split_by_their_policies_and_too_few_heads_are_named():
         tensor_layout(zoo.qwen3_moe(), 2)  # one key-value head
 
 
+def test_regularizers_that_a_shard_cannot_compute_are_refused():
+    inputs = keras.Input((4,))
+    x = keras.layers.Dense(6, activation="relu", kernel_regularizer="orthogonal_regularizer")(
+        inputs
+    )
+    model = keras.Model(inputs, keras.layers.Dense(2)(x))
+    with pytest.raises(ValueError, match="OrthogonalRegularizer is not elementwise"):
+        tensor_layout(model, 2)
+    assert tensor_layout(model, 1).splits == []  # nothing split, nothing to refuse
+
+
 def test_softmax_columns_stay_whole_and_unknown_dropouts_are_refused():
     inputs = keras.Input((4,))
     x = keras.layers.Dense(6, activation="softmax")(inputs)  # mixes units: not a column

@@ -42,6 +42,9 @@ ELEMENTWISE_ACTIVATIONS = frozenset(
     ]
 )
 CONVS = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D)
+# Regularizers and constraints that act on each element alone are exact on a shard.
+_ELEMENTWISE_REGULARIZERS = (keras.regularizers.L1, keras.regularizers.L2, keras.regularizers.L1L2)
+_ELEMENTWISE_CONSTRAINTS = (keras.constraints.NonNeg,)
 
 
 def split_layer(layer, role: str, parts: int, reason: str, heads_axis: int | None = None):
@@ -100,4 +103,23 @@ def unsplittable(layer, role: str = COLUMN) -> str | None:
     return None
 
 
-__all__ = ["COLUMN", "ROW", "VOCAB", "split_layer", "unsplittable"]
+def check_elementwise(variable) -> None:
+    """A shard's regularizer and constraint must give the whole one's values, element by
+    element; others (orthogonality, norms over an axis) cannot be cut."""
+    regularizer = getattr(variable, "regularizer", None)
+    if regularizer is not None and not isinstance(regularizer, _ELEMENTWISE_REGULARIZERS):
+        raise ValueError(
+            f"Variable {variable.path} is split by tensor parallelism, but its regularizer "
+            f"{type(regularizer).__name__} is not elementwise (L1, L2, L1L2), so a shard cannot "
+            "compute its part. Keep the layer whole (tensor_layout) or use L1/L2."
+        )
+    constraint = getattr(variable, "constraint", None)
+    if constraint is not None and not isinstance(constraint, _ELEMENTWISE_CONSTRAINTS):
+        raise ValueError(
+            f"Variable {variable.path} is split by tensor parallelism, but its constraint "
+            f"{type(constraint).__name__} acts across elements. Keep the layer whole "
+            "(tensor_layout) or drop the constraint."
+        )
+
+
+__all__ = ["COLUMN", "ROW", "VOCAB", "check_elementwise", "split_layer", "unsplittable"]

@@ -23,7 +23,13 @@ from hyparflow import _keras
 from hyparflow.partitioner.graph import build_graph
 from hyparflow.tensor.keras_hub_blocks import split_block, whole_tensor_dropouts
 from hyparflow.tensor.layout import check_divides, lookup, split_axis
-from hyparflow.tensor.roles import CONVS, ELEMENTWISE_ACTIVATIONS, split_layer, unsplittable
+from hyparflow.tensor.roles import (
+    CONVS,
+    ELEMENTWISE_ACTIVATIONS,
+    check_elementwise,
+    split_layer,
+    unsplittable,
+)
 from hyparflow.tensor.splits import COLUMN, ROW, VOCAB, TensorLayout
 
 _POOLING = (
@@ -49,6 +55,9 @@ def tensor_layout(model, parts: int, overrides: dict | None = None) -> TensorLay
         _graph_pairs(layout)
         _note_unpaired(layout)
     _check_composite_dropouts(layout, layers)
+    for split in layout.splits:
+        for variable, _ in split.axes.values():
+            check_elementwise(variable)
     order = {id(v): i for i, v in enumerate(layout.variables)}
     layout.splits.sort(key=lambda s: min(order.get(k, len(order)) for k in s.axes))
     return layout

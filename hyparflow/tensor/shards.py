@@ -22,10 +22,6 @@ from hyparflow.tensor.collectives import copy_to_shards, gather_from_shards, red
 from hyparflow.tensor.layout import bounds
 from hyparflow.tensor.splits import COLUMN, ROW, VOCAB
 
-# Regularizers and constraints that act on each element alone are exact on a shard.
-_ELEMENTWISE_REGULARIZERS = (keras.regularizers.L1, keras.regularizers.L2, keras.regularizers.L1L2)
-_ELEMENTWISE_CONSTRAINTS = (keras.constraints.NonNeg,)
-
 
 class _Shard:
     """One split variable: where the layer holds it, its whole form and this rank's shard."""
@@ -54,8 +50,6 @@ class TensorShards:
             for split in layout.splits
             for v, axis in split.axes.values()
         ]
-        for s in self.shards:
-            _check_elementwise(s.whole)
         self._calls = {id(split.layer): (split.layer, self._call_for(split)) for split in
                        layout.splits}  # fmt: skip
         for layer, axis in layout.dropouts:
@@ -69,9 +63,6 @@ class TensorShards:
     def variables(self) -> list:
         """This rank's shard variables."""
         return [s.shard for s in self.shards]
-
-    def is_split(self, variable) -> bool:
-        return any(s.shard is variable for s in self.shards)
 
     def load(self) -> None:
         """Slice the model's whole variables into this rank's shards."""
@@ -262,22 +253,3 @@ def _new_variable_like(whole, value):
     shard.regularizer = getattr(whole, "regularizer", None)
     shard.constraint = getattr(whole, "constraint", None)
     return shard
-
-
-def _check_elementwise(variable) -> None:
-    """A shard's regularizer and constraint must give the whole one's values, element by
-    element; others (orthogonality, norms over an axis) cannot be cut."""
-    regularizer = getattr(variable, "regularizer", None)
-    if regularizer is not None and not isinstance(regularizer, _ELEMENTWISE_REGULARIZERS):
-        raise ValueError(
-            f"Variable {variable.path} is split by tensor parallelism, but its regularizer "
-            f"{type(regularizer).__name__} is not elementwise (L1, L2, L1L2), so a shard cannot "
-            "compute its part. Keep the layer whole (tensor_layout) or use L1/L2."
-        )
-    constraint = getattr(variable, "constraint", None)
-    if constraint is not None and not isinstance(constraint, _ELEMENTWISE_CONSTRAINTS):
-        raise ValueError(
-            f"Variable {variable.path} is split by tensor parallelism, but its constraint "
-            f"{type(constraint).__name__} acts across elements. Keep the layer whole "
-            "(tensor_layout) or drop the constraint."
-        )
