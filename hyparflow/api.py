@@ -23,8 +23,7 @@ from hyparflow.engine.trainer import Trainer
 from hyparflow.partitioner import partition as _partition
 from hyparflow.process_tuning import tune_process
 from hyparflow.strategy import make_strategy
-from hyparflow.tensor import tensor_layout as tensor_layouts
-from hyparflow.tensor.rules import pair_cuts as _tensor_pairs
+from hyparflow.tensor import rules as tensor_rules
 
 
 def _build_plan(model, strategy, comm):
@@ -32,7 +31,7 @@ def _build_plan(model, strategy, comm):
     if strategy.partitions == 1:
         return None
     balance = strategy.balance
-    uncut = _tensor_pairs if strategy.tensor > 1 else None
+    uncut = tensor_rules.pair_cuts if strategy.tensor > 1 else None
     if balance == "time":
         plan = agree(comm, lambda: _partition(model, strategy.partitions, balance, uncut=uncut)
                      if comm.Get_rank() == 0 else None)  # fmt: skip
@@ -69,18 +68,19 @@ def partition(model, num_partitions: int = 1, balance="layers", *, tensor: int =
     Example:
         >>> print(hf.partition(model, 2, tensor=2).summary(print_fn=None))
     """
-    uncut = _tensor_pairs if tensor > 1 else None
+    uncut = tensor_rules.pair_cuts if tensor > 1 else None
     plan = _partition(model, num_partitions, balance, uncut=uncut, **options)
     if tensor > 1:
-        plan.tensor_layouts = [tensor_layouts(s.model, tensor, tensor_layout) for s in plan.stages]
+        plan.tensor_layouts = _stage_layouts(model, plan, tensor, tensor_layout)
     return plan
 
 
-def _stage_layouts(model, plan, strategy) -> list:
-    """Each pipeline stage's tensor layout (computed on every rank, so a layer that T does not
-    divide is refused everywhere alike)."""
+def _stage_layouts(model, plan, tensor: int, overrides) -> list:
+    """Each pipeline stage's tensor layout over `tensor` ranks (the whole model's when `plan`
+    is None). hf.fit computes every stage's on every rank, so a layer that T does not divide is
+    refused everywhere alike."""
     graphs = [model] if plan is None else [stage.model for stage in plan.stages]
-    return [tensor_layouts(graph, strategy.tensor, strategy.tensor_layout) for graph in graphs]
+    return [tensor_rules.tensor_layout(graph, tensor, overrides) for graph in graphs]
 
 
 def _make_trainer(model, resolved, comm, needs_loss=True, comm_backend=None):
@@ -107,20 +107,18 @@ def _make_trainer(model, resolved, comm, needs_loss=True, comm_backend=None):
         return cached[1]
     if cached is not None:
         cached[1].close()
+    stage, _ = Grid(resolved.partitions, resolved.replicas, resolved.tensor).coords(comm.Get_rank())
     if resolved.tune_process and comm.Get_size() > 1:  # the user opted in (Strategy docs)
-        stage, _ = Grid(resolved.partitions, resolved.replicas, resolved.tensor).coords(
-            comm.Get_rank()
-        )
         tune_process(comm, stage)
     # The partitioner rejects models that are not graphs, naming strategy="data" as the fix.
     plan = _build_plan(model, resolved, comm)
     layout = None
     if resolved.tensor > 1:
         agree(comm, model_checks.check_optimizer_unbuilt, model, resolved)
-        stage, _ = Grid(resolved.partitions, resolved.replicas, resolved.tensor).coords(
-            comm.Get_rank()
-        )
-        layout = agree(comm, _stage_layouts, model, plan, resolved)[stage]
+        layouts = agree(
+            comm, _stage_layouts, model, plan, resolved.tensor, resolved.tensor_layout
+        )  # fmt: skip
+        layout = layouts[stage]
     trainer = Trainer(model, resolved, comm, plan, comm_backend=comm_backend, tensor_layout=layout)
     object.__setattr__(model, _TRAINER_ATTRIBUTE, (key, trainer))  # not a tracked attribute
     return trainer

@@ -46,7 +46,7 @@ class GraphTensor:
     def bytes_per_sample(self) -> int:
         """Bytes of one sample of this tensor; unknown dimensions count as 1."""
         elements = math.prod(1 if d is None else int(d) for d in self.shape)
-        return elements * np.dtype(_numpy_dtype(self.dtype)).itemsize
+        return elements * np.dtype(numpy_dtype(self.dtype)).itemsize
 
 
 @dataclass
@@ -353,7 +353,8 @@ def _kind(model) -> str:
     return f"{type(model).__module__}.{type(model).__qualname__}"
 
 
-def _numpy_dtype(dtype: str) -> str:
+def numpy_dtype(dtype: str) -> str:
+    """A NumPy dtype of the same size as Keras dtype `dtype` (bfloat16 has none)."""
     return {"bfloat16": "float16", "string": "object"}.get(dtype, dtype)
 
 

@@ -11,6 +11,7 @@ from keras import tree
 
 from hyparflow import _keras
 from hyparflow.partitioner import profile
+from hyparflow.partitioner.graph import numpy_dtype
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,7 @@ class BoundaryTensor:
     def bytes_per_sample(self) -> int:
         """Bytes of one sample; unknown (None) dimensions count as 1."""
 
-        itemsize = np.dtype({"bfloat16": "float16"}.get(self.dtype, self.dtype)).itemsize
+        itemsize = np.dtype(numpy_dtype(self.dtype)).itemsize
         return math.prod(1 if d is None else int(d) for d in self.shape) * itemsize
 
     def to_dict(self) -> dict:

@@ -44,16 +44,17 @@ _POOLING = (
 def tensor_layout(model, parts: int, overrides: dict | None = None) -> TensorLayout:
     """The layout of `model` (a whole model or a stage's sub-model) over `parts` ranks:
     `overrides` (a LayoutMap-style dict) when given, else the automatic rules."""
-    layout = TensorLayout(parts, variables=list(model.trainable_variables), model=model)
+    layout = TensorLayout(parts, variables=list(model.trainable_variables))
     if parts == 1:
         return layout
     layers = _keras.all_layers(model, include_self=False)
+    graph = _graph_of(model)  # None for a subclassed model: only the rules by layer type apply
     if overrides is not None:
-        _apply_overrides(layout, layers, overrides)
+        _apply_overrides(layout, layers, overrides, graph)
     else:
         _attention_and_embeddings(layout, layers)
-        _graph_pairs(layout)
-        _note_unpaired(layout)
+        _graph_pairs(layout, graph)
+        _note_unpaired(layout, graph)
     _check_composite_dropouts(layout, layers)
     for split in layout.splits:
         for variable, _ in split.axes.values():
@@ -100,11 +101,10 @@ def _split_attention(layout: TensorLayout, layer) -> None:
 
 
 # --- pairs in the graph ----------------------------------------------------------------------
-def _graph_pairs(layout: TensorLayout) -> None:
-    """Column/row pairs of Dense and channels-last Conv layers in `model`'s layer graph."""
-    graph = _graph_of(layout)
+def _graph_pairs(layout: TensorLayout, graph) -> None:
+    """Column/row pairs of Dense and channels-last Conv layers in the model's layer graph."""
     if graph is None:
-        return  # a subclassed model: only the rules by layer type apply
+        return
     taken = {id(s.layer) for s in layout.splits}
     for column, row, dropouts in _pairs(graph, taken):
         reason = f"pair {column.operation.name} -> {row.operation.name}"
@@ -115,9 +115,8 @@ def _graph_pairs(layout: TensorLayout) -> None:
         layout.dropouts += [(d, -1) for d in dropouts]
 
 
-def _note_unpaired(layout: TensorLayout) -> None:
+def _note_unpaired(layout: TensorLayout, graph) -> None:
     """A line for each Dense/Conv of the graph that stays whole, saying why."""
-    graph = _graph_of(layout)
     split = {id(s.layer) for s in layout.splits}
     for node in graph.nodes if graph is not None else ():
         layer = node.operation
@@ -201,7 +200,7 @@ def _elementwise(layer) -> bool:
 
 
 # --- overrides --------------------------------------------------------------------------------
-def _apply_overrides(layout: TensorLayout, layers, overrides: dict) -> None:
+def _apply_overrides(layout: TensorLayout, layers, overrides: dict, graph) -> None:
     """Split what `overrides` names; the role follows from the layer and the split axis."""
     for layer in layers:
         own = list(_keras.own_trainable_variables(layer))
@@ -221,7 +220,7 @@ def _apply_overrides(layout: TensorLayout, layers, overrides: dict) -> None:
                     f"{layer.name!r} needs it on axis {split.axis_of(v)}; drop that entry."
                 )
         layout.splits.append(split)
-    _override_dropouts(layout)
+    _override_dropouts(layout, graph)
 
 
 def _role_from_override(layer, axes: dict) -> str:
@@ -256,13 +255,9 @@ def _role_from_override(layer, axes: dict) -> str:
     )
 
 
-def _override_dropouts(layout: TensorLayout) -> None:
+def _override_dropouts(layout: TensorLayout, graph) -> None:
     """In a graph, each overridden column layer must reach a row layer through elementwise
     layers only; the Dropouts on the way draw full masks and keep their slice."""
-    model_layers = {id(s.layer) for s in layout.splits}
-    if not model_layers:
-        return
-    graph = _graph_of(layout)
     if graph is None:
         return
     rows = {id(s.layer) for s in layout.splits if s.role == ROW}
@@ -282,9 +277,9 @@ def _override_dropouts(layout: TensorLayout) -> None:
         layout.dropouts += [(d, -1) for d in found[1]]  # found: (row node, Dropouts)
 
 
-def _graph_of(layout: TensorLayout):
+def _graph_of(model):
     try:
-        return build_graph(layout.model)
+        return build_graph(model)
     except ValueError:
         return None
 

@@ -18,6 +18,7 @@ import numpy as np
 from keras import ops
 
 from hyparflow import _keras
+from hyparflow.checkpoint.state import piece
 from hyparflow.tensor.collectives import copy_to_shards, gather_from_shards, reduce_from_shards
 from hyparflow.tensor.layout import bounds
 from hyparflow.tensor.splits import COLUMN, ROW, VOCAB
@@ -28,12 +29,13 @@ class _Shard:
 
     def __init__(self, layer, whole, axis: int, parts: int, index: int):
         self.layer, self.whole, self.axis = layer, whole, axis
+        self.parts, self.index = parts, index
         self.attribute = _attribute_holding(layer, whole)
-        self.begin, self.end = bounds(int(whole.shape[axis]), parts, index)
-        self.shard = _new_variable_like(whole, self._slice(np.asarray(whole.numpy())))
+        self.shard = _new_variable_like(whole, self.piece_of_whole())
 
-    def _slice(self, array):
-        return np.take(array, np.arange(self.begin, self.end), axis=self.axis)
+    def piece_of_whole(self):
+        """This rank's piece of the whole variable's current value."""
+        return piece(np.asarray(self.whole.numpy()), self.index, self.parts, self.axis)
 
 
 class TensorShards:
@@ -67,7 +69,7 @@ class TensorShards:
     def load(self) -> None:
         """Slice the model's whole variables into this rank's shards."""
         for s in self.shards:
-            s.shard.assign(s._slice(np.asarray(s.whole.numpy())))
+            s.shard.assign(s.piece_of_whole())
 
     def store(self, guard) -> None:
         """Put the shards of every tensor rank together into the model's whole variables

@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import keras
+import numpy as np
 
+from hyparflow.partitioner.graph import numpy_dtype
 from hyparflow.tensor.layout import axes_of, shard_bytes
 
 # Megatron-LM's roles: a column layer splits its output units, a row layer its input units
@@ -40,7 +42,6 @@ class TensorLayout:
     copies: list = field(default_factory=list)
     replicated: list = field(default_factory=list)  # "layer: why it stays whole"
     variables: list = field(default_factory=list)  # every trainable variable of the model
-    model: object = None
 
     def split_of(self, variable) -> int | None:
         """The split axis of `variable`, or None when every rank holds all of it."""
@@ -61,9 +62,10 @@ class TensorLayout:
 
     def bytes_per_rank(self) -> tuple[int, int]:
         """(bytes of split variables one rank holds, bytes of replicated ones)."""
+        axes = {key: axis for s in self.splits for key, (_, axis) in s.axes.items()}
         split = replicated = 0
         for v in self.variables:
-            axis = self.split_of(v)
+            axis = axes.get(id(v))
             size = shard_bytes(v.shape, axis, self.parts, _itemsize(v))
             if axis is None:
                 replicated += size
@@ -100,6 +102,4 @@ class TensorLayout:
 
 
 def _itemsize(variable) -> int:
-    return keras.backend.standardize_dtype(variable.dtype) and int(
-        keras.ops.convert_to_numpy(keras.ops.zeros((), variable.dtype)).itemsize
-    )
+    return np.dtype(numpy_dtype(keras.backend.standardize_dtype(variable.dtype))).itemsize
