@@ -145,16 +145,21 @@ def sample_weights(n: int) -> np.ndarray:
     return np.random.default_rng(5).uniform(0.5, 2.0, n).astype("float32")
 
 
+def seeded_build(builder, policy: str = "float32"):
+    """`builder()` with weights fixed by a seed, under the Keras dtype `policy`."""
+    keras.utils.set_random_seed(1234)
+    keras.config.set_dtype_policy(policy)
+    try:
+        return builder()
+    finally:
+        keras.config.set_dtype_policy("float32")
+
+
 def compiled(name: str, optimizer: str, policy: str = "float32"):
     """A freshly built, compiled model with weights fixed by a seed, built under the Keras
     dtype `policy` ("mixed_float16": float16 compute and activations, float32 weights, dynamic
     loss scaling)."""
-    keras.utils.set_random_seed(1234)
-    keras.config.set_dtype_policy(policy)
-    try:
-        model = BUILDERS[name]()
-    finally:
-        keras.config.set_dtype_policy("float32")
+    model = seeded_build(BUILDERS[name], policy)
     opt = {
         "sgd": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
         "adam": lambda: keras.optimizers.Adam(0.01),

@@ -10,6 +10,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tests.support.models import seeded_build
+
 VOCAB, LENGTH = 40, 6
 # keras_hub is imported inside its models' builders: it is installed apart (Makefile), and
 # importing it costs each rank of a launch that trains none of its models about half a second.
@@ -395,12 +397,7 @@ def optimizer(spec: str):
 def compiled(name: str, optimizer_spec: str, policy: str = "float32"):
     """A freshly built, compiled model with weights fixed by a seed, under the Keras dtype
     `policy` (e.g. "mixed_float16")."""
-    keras.utils.set_random_seed(1234)
-    keras.config.set_dtype_policy(policy)
-    try:
-        model = BUILDERS[name]()
-    finally:
-        keras.config.set_dtype_policy("float32")
+    model = seeded_build(BUILDERS[name], policy)
     from_logits = name in TEXT_MODELS
     model.compile(
         optimizer=optimizer(optimizer_spec),
