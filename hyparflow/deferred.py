@@ -1,0 +1,1 @@
+"""Variables built without memory (`hf.scope`), and materialising the ones a rank needs."""

@@ -1,0 +1,1 @@
+"""Memory: what a rank holds (measured resident memory, and the memory plan's prediction)."""
