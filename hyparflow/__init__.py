@@ -4,12 +4,14 @@ from hyparflow import callbacks, data, launch
 from hyparflow.api import evaluate, fit, partition, predict
 from hyparflow.checkpoint import export
 from hyparflow.comm.world import rank, size
+from hyparflow.deferred import NotHeldError, scope
 from hyparflow.partitioner import Plan
 from hyparflow.strategy import Strategy
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "NotHeldError",
     "Plan",
     "Strategy",
     "callbacks",
@@ -21,5 +23,6 @@ __all__ = [
     "partition",
     "predict",
     "rank",
+    "scope",
     "size",
 ]

@@ -176,3 +176,38 @@ def attention_parts(layer) -> dict:
         "rate": layer._dropout,
         "axes": tuple(layer._attention_axes or ()),
     }
+
+
+# --- deferred variables (hyparflow/deferred.py) -------------------------------------------
+# A variable made inside a StatelessScope keeps its initializer in `_initializer` and no value
+# (`_value` None) until `_deferred_initialize()`; Keras lists such variables in the global
+# attribute "uninitialized_variables", which a top-level StatelessScope's exit initialises.
+def uninitialized_variables() -> list:
+    """Keras's global list of variables waiting for their deferred initialisation (live)."""
+    from keras.src.backend.common import global_state
+
+    return global_state.get_global_attribute("uninitialized_variables", [], set_to_default=True)
+
+
+def is_uninitialized(variable) -> bool:
+    """Whether `variable` has no value yet (made in a StatelessScope, never initialised)."""
+    return getattr(variable, "_value", 0) is None
+
+
+def deferred_initializer(variable):
+    """The initializer an uninitialised variable will be given its value by."""
+    return variable._initializer
+
+
+def set_deferred_initializer(variable, initializer) -> None:
+    variable._initializer = initializer
+
+
+def initialize_deferred(variable) -> None:
+    """Give an uninitialised variable its value from its initializer (Keras's own step)."""
+    variable._deferred_initialize()
+
+
+def stateless_updates(scope) -> dict:
+    """id(variable) -> value of the assignments a StatelessScope collected instead of doing."""
+    return scope.state_mapping

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hyparflow import _keras, checkpoint, model_checks
+from hyparflow import _keras, checkpoint, deferred, model_checks
 from hyparflow.comm.agree import (
     AgreedError,
     abort_on_error,
@@ -20,6 +20,7 @@ from hyparflow.comm.world import launched, size, world
 from hyparflow.data import check_divisible, make_source, unpack
 from hyparflow.engine.loops import evaluate_loop, fit_loop, predict_loop
 from hyparflow.engine.trainer import Trainer
+from hyparflow.engine.weights import held_elsewhere
 from hyparflow.partitioner import partition as _partition
 from hyparflow.process_tuning import tune_process
 from hyparflow.strategy import make_strategy
@@ -31,6 +32,8 @@ def _build_plan(model, strategy, comm):
     if strategy.partitions == 1:
         return None
     balance = strategy.balance
+    if balance == "time":
+        agree(comm, _check_timeable, model)
     uncut = tensor_rules.pair_cuts if strategy.tensor > 1 else None
     if balance == "time":
         plan = agree(comm, lambda: _partition(model, strategy.partitions, balance, uncut=uncut)
@@ -40,6 +43,15 @@ def _build_plan(model, strategy, comm):
         )
         balance = starts
     return agree(comm, _partition, model, strategy.partitions, balance, uncut=uncut)
+
+
+def _check_timeable(model) -> None:
+    if deferred.any_deferred(model):
+        raise ValueError(
+            "balance='time' times each layer by running it, which needs weights that a model "
+            "built under hf.scope() does not hold; use balance='layers' (or 'params', "
+            "'flops', or a list of stage starts)."
+        )
 
 
 def _resolve(model, strategy, num_partitions, num_replicas, num_microbatches):
@@ -119,6 +131,8 @@ def _make_trainer(model, resolved, comm, needs_loss=True, comm_backend=None):
             comm, _stage_layouts, model, plan, resolved.tensor, resolved.tensor_layout
         )  # fmt: skip
         layout = layouts[stage]
+    if deferred.any_deferred(model):  # built under hf.scope(): allocate this rank's share only
+        deferred.materialize_model(model, keep_deferred=held_elsewhere(model, plan, stage, layout))
     trainer = Trainer(model, resolved, comm, plan, comm_backend=comm_backend, tensor_layout=layout)
     object.__setattr__(model, _TRAINER_ATTRIBUTE, (key, trainer))  # not a tracked attribute
     return trainer
@@ -202,6 +216,7 @@ def fit(
     needs_engine = resume or resume_from or check_numerics or _checkpoints(fit_kwargs)
     if size() == 1 and not needs_engine:
         # One rank, one partition, one replica: the embedded default is plain Keras.
+        deferred.materialize_model(model)  # a model built under hf.scope(): all of it here
         if hasattr(x, "as_keras"):  # hyparflow readers (hf.data.HDF5) as a Keras PyDataset
             x = x.as_keras(
                 batch_size=batch_size or 32,
@@ -333,6 +348,7 @@ def evaluate(
     """
     resolved = _resolve(model, strategy, num_partitions, num_replicas, num_microbatches)
     if size() == 1:
+        deferred.materialize_model(model)
         if hasattr(x, "as_keras"):
             x, batch_size = x.as_keras(batch_size=batch_size or 32), None
         return model.evaluate(
@@ -361,6 +377,7 @@ def predict(
         size()
     )
     if size() == 1:
+        deferred.materialize_model(model)
         if hasattr(x, "as_keras"):
             x, batch_size = x.as_keras(batch_size=batch_size or 32), None
         return model.predict(x, batch_size=batch_size, steps=steps, verbose=verbose)

@@ -1,1 +1,159 @@
-"""Variables built without memory (`hf.scope`), and materialising the ones a rank needs."""
+"""Variables built without memory (`hf.scope`), and materialising the ones a rank needs.
+
+Keras defers a variable made inside `keras.StatelessScope(initialize_variables=False)`: it
+keeps the initializer and holds no value. Two things make that safe for a model of any size.
+The variables are taken off Keras's global list of uninitialised ones, which the next top-level
+StatelessScope (Keras opens one for every symbolic call) would otherwise initialise all at
+once. And each one's initializer is wrapped (`_NotHeld`): while Keras traces a graph it gives
+a placeholder of zeros (no memory, no random draw), and an eager read raises `NotHeldError`,
+so a weight a rank does not hold is never read as a fresh random value. `materialize` gives a
+variable its value from the initializer it was built with, so the values equal those of an
+ordinary build with the same seeds (Keras's random initializers draw their seed when made).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import keras
+import tensorflow as tf
+
+from hyparflow import _keras
+
+
+class NotHeldError(ValueError):
+    """A weight of a model built under `hf.scope()` was read on a rank that does not hold it."""
+
+
+class _NotHeld:
+    """The initializer of a deferred variable: placeholders in graphs, an error when eager."""
+
+    def __init__(self, variable, initializer):
+        self.variable, self.initializer = variable, initializer
+
+    def __call__(self, shape, dtype=None):
+        if _reader is not None:  # hf.export: the value from the checkpoint, one at a time
+            return tf.convert_to_tensor(_reader(self.variable), dtype=dtype)
+        if not tf.executing_eagerly():  # a symbolic call or trace needs only shape and dtype
+            return tf.zeros(shape, dtype)
+        raise NotHeldError(
+            f"{self.variable.path} is not held by this process: the model was built under "
+            "hf.scope(), and hf.fit gives each rank only the weights of its own pipeline stage "
+            "and tensor shard. Save the trained model with an hf.callbacks.Checkpoint and "
+            "write it as one file with hf.export(checkpoint_dir, path), or read the weights "
+            "on the rank that trains them."
+        )
+
+
+_reader = None  # hf.export's source of values while it writes a deferred model
+
+
+@contextlib.contextmanager
+def scope():
+    """Build (and compile) a model of any size without allocating its weights.
+
+    Variables made inside are deferred: hf.fit gives each rank only those of its own pipeline
+    stage and tensor shard (`strategy` decides), with the values an ordinary build would have
+    had. Create the optimizer object before the scope (Keras makes an optimizer's step counter
+    concrete), or compile after it. Reading a weight a rank does not hold raises
+    `NotHeldError`; `hf.export` writes the trained model from a checkpoint.
+
+    Example:
+        >>> optimizer = keras.optimizers.Adam()
+        >>> with hf.scope():
+        ...     model = build_model()
+        ...     model.compile(optimizer=optimizer, loss="mse")
+        >>> hf.fit(model, x, y, strategy=hf.Strategy("model", partitions=4))
+    """
+    waiting = _keras.uninitialized_variables()
+    before = {id(v) for v in waiting}
+    try:
+        with keras.StatelessScope(initialize_variables=False) as stateless:
+            yield
+    except ValueError as error:
+        if "while in a stateless scope" in str(error):
+            raise ValueError(
+                "Inside hf.scope() Keras cannot make a variable from a value (an optimizer's "
+                "step counter, a constant weight). Create the optimizer before the scope "
+                "(optimizer = keras.optimizers.Adam()) and pass the object to compile, or "
+                "compile after the scope."
+            ) from error
+        raise
+    finally:
+        made = [v for v in waiting if id(v) not in before]
+        waiting[:] = [v for v in waiting if id(v) in before]
+        for variable in made:
+            _defer(variable)
+    assigned = _keras.stateless_updates(stateless)
+    if assigned:
+        names = [v.path for v in made if id(v) in assigned][:3]
+        raise ValueError(
+            f"Weights were assigned inside hf.scope() ({names or 'values'}), which holds no "
+            "values to assign to. Load or set weights after the scope on an ordinary model, or "
+            "resume hf.fit from a checkpoint (resume_from=...)."
+        )
+
+
+def _defer(variable) -> None:
+    if not isinstance(_keras.deferred_initializer(variable), _NotHeld):
+        _keras.set_deferred_initializer(
+            variable, _NotHeld(variable, _keras.deferred_initializer(variable))
+        )
+
+
+def is_deferred(variable) -> bool:
+    """Whether `variable` was built under hf.scope() and holds no value yet."""
+    return _keras.is_uninitialized(variable) and isinstance(
+        _keras.deferred_initializer(variable), _NotHeld
+    )
+
+
+def any_deferred(model) -> bool:
+    """Whether any of `model`'s variables (weights, metrics, optimizer) is deferred."""
+    return any(is_deferred(v) for v in _all_variables(model))
+
+
+def _all_variables(model) -> list:
+    found = list(model.variables) + list(getattr(model, "metrics_variables", []))
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None:
+        found += list(optimizer.variables)
+    unique = {id(v): v for v in found}  # `variables` holds seed states, `weights` does not
+    return list(unique.values())
+
+
+def initial_value(variable):
+    """The value `variable` starts from (its initializer's), computed without giving it one."""
+    initializer = _keras.deferred_initializer(variable).initializer
+    return initializer(tuple(variable.shape), dtype=variable.dtype)
+
+
+def materialize(variables) -> int:
+    """Give each deferred variable among `variables` its initial value; return how many."""
+    count = 0
+    for variable in variables:
+        if is_deferred(variable):
+            wrapped = _keras.deferred_initializer(variable)
+            _keras.set_deferred_initializer(variable, wrapped.initializer)
+            _keras.initialize_deferred(variable)
+            count += 1
+    return count
+
+
+def materialize_model(model, keep_deferred=()) -> int:
+    """Materialise every deferred variable of `model` except those in `keep_deferred`
+    (weights another rank holds, variables held as tensor shards); return how many."""
+    skip = {id(v) for v in keep_deferred}
+    return materialize(v for v in _all_variables(model) if id(v) not in skip)
+
+
+@contextlib.contextmanager
+def reading(values):
+    """Eager reads of deferred variables return `values(variable)` (hf.export's checkpoint
+    reader) instead of failing, one variable at a time."""
+    global _reader
+    previous, _reader = _reader, values
+    try:
+        yield
+    finally:
+        _reader = previous

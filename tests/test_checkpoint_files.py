@@ -159,7 +159,7 @@ class _StageState:
         self.num_stages = self.num_replicas = 1
         self.is_last = True
         self.step, self.seed, self.pending_metric_states = step, 5, []
-        self.shard, self.num_shards, self.split = 0, 1, {}
+        self.shard, self.num_shards, self.split, self.pieces = 0, 1, {}, {}
 
     def guard(self, operation):
         return contextlib.nullcontext()

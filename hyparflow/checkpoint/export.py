@@ -1,4 +1,4 @@
-"""Turn a distributed checkpoint into one ordinary Keras `.keras` file."""
+"""Turn a distributed checkpoint into one ordinary Keras `.keras` file, variable by variable."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import os
 
 import keras
 
+from hyparflow import deferred
 from hyparflow.checkpoint import store
 
 
@@ -14,8 +15,11 @@ def export(checkpoint_dir: str, path: str, model=None) -> str:
     """Write the latest checkpoint in `checkpoint_dir` as a single Keras model file at `path`.
 
     The architecture comes from the checkpoint (models with a config) or from `model` (any
-    model, e.g. subclassed: pass a freshly built one). The model is compiled as it was for
-    training (so `evaluate` works on the loaded file); optimizer state is not included.
+    model, e.g. subclassed: pass a freshly built one, under `hf.scope()` if it is big). The
+    model is compiled as it was for training (so `evaluate` works on the loaded file);
+    optimizer state is not included. The architecture is rebuilt without allocating its
+    weights (`hf.scope()`), and each weight is read from the checkpoint's files as the file
+    is written, so the exporting process holds one weight at a time, never the whole model.
 
     Example:
         >>> hf.export("checkpoints/", "trained.keras")
@@ -30,12 +34,29 @@ def export(checkpoint_dir: str, path: str, model=None) -> str:
                 "subclassed); pass model=<a freshly built model> to hf.export."
             )
         with open(os.path.join(folder, manifest.architecture)) as f:
-            model = keras.models.model_from_json(f.read())
+            architecture = json.load(f)
+        # compiled below, outside the scope (an optimizer cannot be made inside it)
+        architecture.pop("compile_config", None)
+        with deferred.scope():
+            model = keras.models.model_from_json(json.dumps(architecture))
     manifest, state = store.read_checked(folder, model)
+    position = {id(v): i for i, v in enumerate(model.weights)}
     for i, variable in enumerate(model.weights):
-        variable.assign(state[f"w/{i}"])
+        if not deferred.is_deferred(variable):
+            variable.assign(state[f"w/{i}"])
     if manifest.compile_config and not getattr(model, "compiled", False):
         with open(os.path.join(folder, manifest.compile_config)) as f:
-            model.compile_from_config(json.load(f))
-    model.save(path)
+            # as Keras's compile_from_config, without building the optimizer's state
+            model.compile(**keras.saving.deserialize_keras_object(json.load(f)))
+
+    def value(variable):  # a weight from the checkpoint; anything else (seed states) as built
+        if id(variable) in position:
+            return state[f"w/{position[id(variable)]}"]
+        return deferred.initial_value(variable)
+
+    try:
+        with deferred.reading(value):
+            model.save(path)
+    finally:
+        state.close()
     return path

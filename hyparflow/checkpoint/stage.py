@@ -14,7 +14,7 @@ class StageState(Protocol):
     tensor rank under tensor parallelism).
     """
 
-    model: Any  # the user's model: every rank holds all of its weights
+    model: Any  # the user's model: every rank holds all of its weights (hf.scope: its own)
     variables: list  # the trainable variables this stage's optimizer updates
     world: Any  # the communicator of every rank
     stage: int
@@ -28,6 +28,7 @@ class StageState(Protocol):
     shard: int  # this rank's tensor shard (0 without tensor parallelism)
     num_shards: int
     split: dict  # path -> split axis of each variable this rank holds a piece of
+    pieces: dict  # path -> the shard variable holding this rank's piece of it
 
     def guard(self, operation: str) -> AbstractContextManager: ...
 

@@ -34,26 +34,40 @@ def shard_key(key: str, shard: int, parts: int, axis: int) -> str:
     return f"{key}@{shard}/{parts}:{axis}"
 
 
+def split_key(key: str):
+    """(base key, (shard, parts, axis)) of a piece's key; (key, None) for a whole entry."""
+    base, at, where = key.partition("@")
+    if not at:
+        return key, None
+    shard, rest = where.split("/")
+    parts, axis = rest.split(":")
+    return base, (int(shard), int(parts), int(axis))
+
+
+def join_pieces(base: str, found: dict):
+    """Entry `base` from its pieces, `found`: shard -> (parts, axis, value)."""
+    parts, axis, _ = next(iter(found.values()))
+    if sorted(found) != list(range(parts)):
+        raise ValueError(
+            f"The checkpoint holds pieces {sorted(found)} of {parts} of {base!r}; a tensor "
+            "rank's file is missing."
+        )
+    return np.concatenate([found[t][2] for t in range(parts)], axis=axis)
+
+
 def join_shards(state: dict) -> dict:
     """`state` with every split entry's pieces put together along their axis, in shard order."""
     pieces: dict = {}
     joined = {}
     for key, value in state.items():
-        base, at, where = key.partition("@")
-        if not at:
+        base, where = split_key(key)
+        if where is None:
             joined[key] = value
             continue
-        shard, rest = where.split("/")
-        parts, axis = rest.split(":")
-        pieces.setdefault(base, {})[int(shard)] = (int(parts), int(axis), value)
+        shard, parts, axis = where
+        pieces.setdefault(base, {})[shard] = (parts, axis, value)
     for base, found in pieces.items():
-        parts, axis, _ = next(iter(found.values()))
-        if sorted(found) != list(range(parts)):
-            raise ValueError(
-                f"The checkpoint holds pieces {sorted(found)} of {parts} of {base!r}; a tensor "
-                "rank's file is missing."
-            )
-        joined[base] = np.concatenate([found[t][2] for t in range(parts)], axis=axis)
+        joined[base] = join_pieces(base, found)
     return joined
 
 

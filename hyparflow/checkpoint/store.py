@@ -7,11 +7,12 @@ import os
 
 import numpy as np
 
+from hyparflow import deferred
 from hyparflow.checkpoint import manifest as manifests
 from hyparflow.checkpoint.atomic import sha256, write_atomic
+from hyparflow.checkpoint.reader import LazyState
 from hyparflow.checkpoint.stage import StageState
 from hyparflow.checkpoint.state import (
-    join_shards,
     layers_of_seed_keys,
     optimizer_state,
     piece,
@@ -80,13 +81,12 @@ def _stage_state(stage: StageState) -> dict:
     model, split, first = stage.model, stage.split, stage.shard == 0
     state = {}
     for i in stage.owned_weight_indices():
-        value = np.asarray(model.weights[i].numpy())  # the whole model is synchronised here
-        axis = split.get(model.weights[i].path)
-        if axis is not None:
-            key = shard_key(f"w/{i}", stage.shard, stage.num_shards, axis)
-            state[key] = piece(value, stage.shard, stage.num_shards, axis)
+        path = model.weights[i].path
+        if path in stage.pieces:  # a tensor rank's own shard is its piece
+            key = shard_key(f"w/{i}", stage.shard, stage.num_shards, split[path])
+            state[key] = np.asarray(stage.pieces[path].numpy())
         elif first:
-            state[f"w/{i}"] = value
+            state[f"w/{i}"] = np.asarray(model.weights[i].numpy())
     if stage.variables and model.optimizer.built:
         slots = optimizer_state(model, model.optimizer, split, stage.shard, stage.num_shards)
         state.update({k: v for k, v in slots.items() if first or "@" in k})
@@ -140,7 +140,7 @@ def read_checked(folder: str, model) -> tuple[manifests.Manifest, dict]:
             f"The checkpoint {folder!r} was written for a different model: {mismatch}. Point "
             "resume_from at a checkpoint of this model, or start without resume."
         )
-    state = {}
+    arrays = []
     for name, digest in sorted(manifest.files.items()):
         path = os.path.join(folder, name)
         if not os.path.exists(path) or sha256(path) != digest:
@@ -149,19 +149,26 @@ def read_checked(folder: str, model) -> tuple[manifests.Manifest, dict]:
                 f"{folder!r} to resume from the previous checkpoint."
             )
         if name.endswith(".npz"):
-            with np.load(path) as arrays:
-                state.update({key: arrays[key] for key in arrays.files})
-    return manifest, join_shards(state)
+            arrays.append(path)
+    return manifest, LazyState(arrays)  # each rank reads only the entries it restores
 
 
-def restore(stage: StageState, manifest, state: dict) -> None:
-    """Load the full model everywhere, this stage's optimizer slots, the step counter and the
-    metric sums of a resumed epoch (`stage.pending_metric_states`)."""
+def restore(stage: StageState, manifest, state) -> None:
+    """Load the model's weights (those this rank holds: all, unless it was built under
+    hf.scope()), this rank's tensor shards, this stage's optimizer slots, the step counter and
+    the metric sums of a resumed epoch (`stage.pending_metric_states`)."""
     model = stage.model
+    pieces = stage.pieces
     for i, variable in enumerate(model.weights):
-        variable.assign(state[f"w/{i}"])
+        if variable.path in pieces:
+            axis = stage.split[variable.path]
+            pieces[variable.path].assign(
+                piece(state[f"w/{i}"], stage.shard, stage.num_shards, axis)
+            )
+        if not deferred.is_deferred(variable):
+            variable.assign(state[f"w/{i}"])
     for key, variable in seed_generators(model):
-        if key in state:
+        if key in state and not deferred.is_deferred(variable):
             variable.assign(state[key])
     if stage.variables:
         restore_optimizer(

@@ -15,7 +15,7 @@ class TrainingState:
     every layer); `guard(operation)` watches blocking MPI waits (the trainer's watchdog).
     """
 
-    def __init__(self, model, topology, plan, variables: list, guard, split=None):
+    def __init__(self, model, topology, plan, variables: list, guard, split=None, pieces=None):
         self.model = model
         self.variables = variables
         self.world = topology.world
@@ -27,6 +27,7 @@ class TrainingState:
         self.pending_metric_states: list = []
         self.shard, self.num_shards = topology.shard, topology.num_shards
         self.split = dict(split or {})  # path -> axis of the variables split over tensor ranks
+        self.pieces = dict(pieces or {})  # path -> this rank's shard variable of each of them
         self._stage_comm = topology.stage_comm
         self._plan = plan
         self._guard = guard

@@ -14,7 +14,7 @@ import contextlib
 
 import tensorflow as tf
 
-from hyparflow import _keras
+from hyparflow import _keras, deferred
 from hyparflow.comm.in_graph import traffic
 from hyparflow.comm.topology import Topology
 from hyparflow.comm.watchdog import NoWatchdog, Watchdog
@@ -80,6 +80,8 @@ class Trainer:
         self.is_last = topo.is_last_stage
         self.stage = None if plan is None else plan.stages[topo.stage]
         graph = model if plan is None else self.stage.model
+        # Built under hf.scope(): weights of other stages were never allocated on this rank.
+        self.holds_share_only = any(deferred.is_deferred(v) for v in model.variables)
         # Tensor parallelism: this rank's shards of the stage's split layers (docs/tensor.md).
         self.shards = None
         if topo.num_shards > 1:
@@ -148,7 +150,10 @@ class Trainer:
             whole_inputs=plan is None and overlap is None,
         )  # fmt: skip
         split = {s.whole.path: s.axis for s in self.shards.shards} if self.shards else {}
-        self.stage_state = TrainingState(model, topo, plan, self.variables, self._guard, split)
+        pieces = self.shards.by_path() if self.shards else {}
+        self.stage_state = TrainingState(
+            model, topo, plan, self.variables, self._guard, split, pieces
+        )  # fmt: skip
         self._log_root = topo.grid.rank_of(topo.num_stages - 1, 0)
         self.attach_recorder(None)
 
@@ -328,10 +333,11 @@ class Trainer:
             optimizer.finalize_variable_values(self.variables)
 
     def sync_weights(self) -> None:
-        """Give every rank the full model: each stage broadcasts the weights it owns."""
+        """Give every rank the full model: each stage broadcasts the weights it owns. A model
+        built under hf.scope() stays where it is: each rank keeps its own share."""
         if self.shards is not None:  # first put each stage's split weights together
             self.shards.store(self._guard)
-        if self.plan is None:
+        if self.plan is None or self.holds_share_only:
             return  # replicas stay identical: every one applies the same reduced gradients
         broadcast_owned_weights(self.model, self.plan, self.topology.pipeline_comm, self._guard)
 

@@ -60,3 +60,15 @@ def broadcast_owned_weights(model, plan, comm, guard) -> None:
             comm.Bcast(flat, root=root)
         if comm.Get_rank() != root:
             assign_packed(mine, flat)
+
+
+def held_elsewhere(model, plan, stage_index: int, layout=None) -> list:
+    """The model's variables this rank does not hold as they are: those only other pipeline
+    stages use, and (under tensor parallelism) the whole forms of the variables it holds a
+    shard of. A model built under hf.scope() leaves them unallocated."""
+    mine = model.variables if plan is None else plan.stages[stage_index].model.variables
+    ids = {id(v) for v in mine}
+    others = [v for v in model.variables if id(v) not in ids]
+    if layout is not None:
+        others += [v for split in layout.splits for v, _ in split.axes.values()]
+    return others

@@ -17,7 +17,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from hyparflow import _keras
+from hyparflow import _keras, deferred
 from hyparflow.checkpoint.state import piece
 from hyparflow.tensor.collectives import copy_to_shards, gather_from_shards, reduce_from_shards
 from hyparflow.tensor.layout import bounds
@@ -34,7 +34,11 @@ class _Shard:
         self.shard = _new_variable_like(whole, self.piece_of_whole())
 
     def piece_of_whole(self):
-        """This rank's piece of the whole variable's current value."""
+        """This rank's piece of the whole variable's current value (its initial value when
+        it was built under hf.scope(): the whole is then never allocated)."""
+        if deferred.is_deferred(self.whole):
+            return piece(np.asarray(deferred.initial_value(self.whole)), self.index, self.parts,
+                         self.axis)  # fmt: skip
         return piece(np.asarray(self.whole.numpy()), self.index, self.parts, self.axis)
 
 
@@ -67,14 +71,22 @@ class TensorShards:
         return [s.shard for s in self.shards]
 
     def load(self) -> None:
-        """Slice the model's whole variables into this rank's shards."""
+        """Slice the model's whole variables into this rank's shards (a whole that was never
+        allocated, under hf.scope(), leaves its shard as it is: the shard is the truth)."""
         for s in self.shards:
-            s.shard.assign(s.piece_of_whole())
+            if not deferred.is_deferred(s.whole):
+                s.shard.assign(s.piece_of_whole())
+
+    def by_path(self) -> dict:
+        """Path -> this rank's shard variable, for each split variable."""
+        return {s.whole.path: s.shard for s in self.shards}
 
     def store(self, guard) -> None:
         """Put the shards of every tensor rank together into the model's whole variables
         (collective over the tensor ranks; `guard(operation)` watches the wait)."""
         for s in self.shards:
+            if deferred.is_deferred(s.whole):  # hf.scope(): no rank holds the whole
+                continue
             local = np.ascontiguousarray(np.asarray(s.shard.numpy()))
             pieces = np.empty((self.parts,) + local.shape, local.dtype)
             with guard("gather tensor shards"):

@@ -1,0 +1,123 @@
+"""Models built under hf.scope(): each rank allocates only its share, trains it exactly as
+Keras does, checkpoints it, and hf.export writes the whole model; reading a weight another rank
+holds fails clearly.
+
+Arguments: a checkpoint folder shared by the ranks. Every rank trains the single-process Keras
+reference itself (tiny models) and compares the weights it holds.
+"""
+
+import keras
+import numpy as np
+from mpi4py import MPI
+
+import hyparflow as hf
+from hyparflow import deferred
+from hyparflow.checkpoint.state import piece
+from tests.support import zoo
+from tests.support.compare import history_difference, relative_difference
+from tests.support.models import seeded_build
+from tests.support.report import args, report, run_or_abort
+
+BATCH = 16
+NAME = "wide_mlp"
+
+
+def deferred_model(compile_inside: bool):
+    """zoo's wide MLP built under hf.scope() (same seed as the reference), compiled as zoo's."""
+    optimizer = zoo.optimizer("adam")
+    with hf.scope():
+        model = seeded_build(zoo.BUILDERS[NAME])
+        if compile_inside:
+            model.compile(optimizer, "sparse_categorical_crossentropy", metrics=["accuracy"])
+    if not compile_inside:
+        model.compile(optimizer, "sparse_categorical_crossentropy", metrics=["accuracy"])
+    return model
+
+
+def reference(epochs: int):
+    x, y = zoo.data(NAME)
+    model = zoo.compiled(NAME, "adam")
+    model.compile(zoo.optimizer("adam"), "sparse_categorical_crossentropy", metrics=["accuracy"])
+    history = model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0)
+    return model, history
+
+
+def held_report(model, ref) -> dict:
+    """Which weights this rank holds, how far they are from Keras's, and whether reading one it
+    does not hold fails with NotHeldError."""
+    held = [i for i, v in enumerate(model.weights) if not deferred.is_deferred(v)]
+    diff = relative_difference(
+        [model.weights[i].numpy() for i in held], [ref.weights[i].numpy() for i in held]
+    )
+    trainer = model._hyparflow_trainer[1]
+    shards = trainer.shards.by_path() if trainer.shards else {}
+    shard_diffs = []
+    for i, v in enumerate(model.weights):
+        if v.path in shards:
+            axis = trainer.stage_state.split[v.path]
+            topo = trainer.topology
+            expected = piece(ref.weights[i].numpy(), topo.shard, topo.num_shards, axis)
+            shard_diffs.append(relative_difference([shards[v.path].numpy()], [expected]))
+    refused = None
+    missing = [v for v in model.weights if deferred.is_deferred(v)]
+    if missing:
+        try:
+            missing[0].numpy()
+        except deferred.NotHeldError as error:
+            refused = str(error)
+    return {
+        "held": held,
+        "count": len(model.weights),
+        "held_bytes": sum(model.weights[i].numpy().nbytes for i in held),
+        "weights": diff,
+        "shards": max(shard_diffs, default=0.0),
+        "split": len(shards),
+        "refused": refused,
+    }
+
+
+def main():
+    folder = args()[0]
+    x, y = zoo.data(NAME)
+    ref2, ref_history = reference(epochs=2)
+    ref1, _ = reference(epochs=1)
+    result = {}
+
+    # four pipeline stages, compiled inside the scope
+    model = deferred_model(compile_inside=True)
+    strategy = hf.Strategy("model", partitions=4)
+    history = hf.fit(model, x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+                     strategy=strategy)  # fmt: skip
+    result["P4"] = held_report(model, ref2)
+    result["P4"]["history"] = history_difference(history.history, ref_history.history)
+    result["P4"]["predict"] = relative_difference(
+        [hf.predict(model, x, batch_size=BATCH, strategy=strategy)],
+        [ref2.predict(x, batch_size=BATCH, verbose=0)],
+    )
+
+    # two stages x two tensor ranks: the whole split variables are never allocated
+    model = deferred_model(compile_inside=False)
+    history = hf.fit(model, x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+                     strategy=hf.Strategy("model", partitions=2, tensor=2))  # fmt: skip
+    result["P2T2"] = held_report(model, ref2)
+    result["P2T2"]["history"] = history_difference(history.history, ref_history.history)
+
+    # a checkpoint of one epoch on P2xT2, exported, then resumed as four replicas
+    model = deferred_model(compile_inside=False)
+    hf.fit(model, x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+           strategy=hf.Strategy("model", partitions=2, tensor=2),
+           callbacks=[hf.callbacks.Checkpoint(folder)])  # fmt: skip
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        path = hf.export(folder, folder + "/exported.keras")
+        exported = keras.saving.load_model(path)
+        result["export"] = relative_difference(exported.get_weights(), ref1.get_weights())
+    model = deferred_model(compile_inside=False)
+    hf.fit(model, x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+           strategy=hf.Strategy("data", replicas=4), resume_from=folder)  # fmt: skip
+    result["resumed"] = relative_difference(model.get_weights(), ref2.get_weights())
+    report(result)
+
+
+if __name__ == "__main__":
+    np.set_printoptions(precision=3)
+    run_or_abort(main)
