@@ -190,7 +190,9 @@ def fit(
     1) this is exactly `model.fit`. Under `mpirun -np N`, `strategy` is "data", "model",
     "hybrid" or "auto" (or an `hf.Strategy`), with HyPar-Flow's `num_partitions`,
     `num_replicas` and `num_microbatches`. When it returns, every rank's `model` holds the
-    trained weights (optimizer state stays with the stage that owns each variable).
+    trained weights (optimizer state stays with the stage that owns each variable); a model
+    built under `hf.scope()` keeps only the weights of each rank's own stage and tensor shard
+    (others raise `hf.NotHeldError`; `hf.export` writes the whole model from a checkpoint).
 
     Reliability options: `resume=True` continues from the latest checkpoint of the
     `hf.callbacks.Checkpoint` among `callbacks` (or starts fresh if there is none);

@@ -96,3 +96,22 @@ def test_tensor_parallel_entries():
     tensor = keras.ops.ones((2, 3))
     _keras.set_keras_mask(tensor, keras.ops.ones((2,), "bool"))
     assert tensor._keras_mask is not None
+
+
+def test_deferred_variable_entries():
+    waiting = _keras.uninitialized_variables()
+    before = len(waiting)
+    with keras.StatelessScope(initialize_variables=False) as scope:
+        layer = keras.layers.Dense(2)
+        layer.build((None, 3))
+        layer.bias.assign(np.ones(2, "float32"))  # collected by the scope, not done
+    kernel = layer.kernel
+    assert _keras.uninitialized_variables() is waiting and len(waiting) == before + 2
+    assert id(layer.bias) in _keras.stateless_updates(scope)
+    assert _keras.is_uninitialized(kernel)
+    initializer = _keras.deferred_initializer(kernel)
+    assert callable(initializer)
+    _keras.set_deferred_initializer(kernel, keras.initializers.Ones())
+    _keras.initialize_deferred(kernel)
+    assert not _keras.is_uninitialized(kernel) and float(kernel.numpy().sum()) == 6.0
+    del waiting[before:]
