@@ -95,10 +95,11 @@ def _stage_layouts(model, plan, tensor: int, overrides) -> list:
     return [tensor_rules.tensor_layout(graph, tensor, overrides) for graph in graphs]
 
 
-def _make_trainer(model, resolved, comm, needs_loss=True, comm_backend=None):
+def _make_trainer(model, resolved, comm, needs_loss=True, comm_backend=None, restoring=False):
     """This rank's Trainer for `model`, reused by later fit/evaluate/predict calls with the same
     strategy, compilation and gradient-reduction backend (so stages are cut and functions traced
-    only once). `comm_backend=None` (evaluate, predict: no gradients) takes any cached one."""
+    only once). `comm_backend=None` (evaluate, predict: no gradients) takes any cached one.
+    `restoring`: a checkpoint will be restored into the trainer (resume)."""
     if needs_loss:
         agree(comm, model_checks.check_loss_reductions, model)
         agree(comm, model_checks.check_standard_steps, model)
@@ -132,10 +133,33 @@ def _make_trainer(model, resolved, comm, needs_loss=True, comm_backend=None):
         )  # fmt: skip
         layout = layouts[stage]
     if deferred.any_deferred(model):  # built under hf.scope(): allocate this rank's share only
-        deferred.materialize_model(model, keep_deferred=held_elsewhere(model, plan, stage, layout))
+        agree(comm, _materialize_share, model, held_elsewhere(model, plan, stage, layout),
+              restoring)  # fmt: skip
     trainer = Trainer(model, resolved, comm, plan, comm_backend=comm_backend, tensor_layout=layout)
     object.__setattr__(model, _TRAINER_ATTRIBUTE, (key, trainer))  # not a tracked attribute
     return trainer
+
+
+_SHARE_TRAINED = "_hyparflow_share_trained"
+
+
+def _materialize_share(model, keep_deferred, restoring: bool) -> None:
+    """Allocate this rank's share of a model built under hf.scope(). Once hf.fit has trained
+    it, a weight never held here would start from its initial value: refused unless a
+    checkpoint is restored into it."""
+    fresh = [v for v in model.weights if deferred.is_deferred(v)]
+    keep = {id(v) for v in keep_deferred}
+    if getattr(model, _SHARE_TRAINED, False) and not restoring:
+        new = [v.path for v in fresh if id(v) not in keep]
+        if new:
+            raise ValueError(
+                f"This rank would need weights it never held ({new[:3]}): the model was built "
+                "under hf.scope() and trained with another layout, so its weights are spread "
+                "over the ranks that trained them. Keep the layout, or continue from a "
+                "checkpoint with resume_from=... (hf.callbacks.Checkpoint saves one)."
+            )
+    deferred.materialize_model(model, keep_deferred=keep_deferred)
+    object.__setattr__(model, _SHARE_TRAINED, True)  # not a tracked attribute
 
 
 def _run(comm, work, model=None):
@@ -309,7 +333,9 @@ def _distributed_fit(model, x, y, batch_size, epochs, resolved, options, **kwarg
 
     source, validation_source = agree(comm, prepare)
     agree(comm, model_checks.check_tensor_parallel, model, resolved, options["comm"])
-    trainer = _make_trainer(model, resolved, comm, comm_backend=options["comm"])
+    trainer = _make_trainer(
+        model, resolved, comm, comm_backend=options["comm"], restoring=folder is not None
+    )  # fmt: skip
     trainer.use_watchdog(timeout)
     trainer.check_numerics = options["check_numerics"]
     trainer.seed = seed

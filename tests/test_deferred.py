@@ -142,6 +142,9 @@ def test_each_rank_holds_and_trains_only_its_share(four_ranks, layout):
         assert "is not held by this process" in r["refused"] and "hf.export" in r["refused"]
     if layout == "P4":
         assert max(r["predict"] for r in results) < TOLERANCE
+        # every rank lacks some weight of the whole model: all refuse, none trains from scratch
+        for r in results:
+            assert "never held" in r["relayout"] and "resume_from" in r["relayout"]
 
 
 def test_a_deferred_checkpoint_exports_and_resumes_exactly(four_ranks):

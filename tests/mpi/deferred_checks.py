@@ -95,6 +95,13 @@ def main():
         [ref2.predict(x, batch_size=BATCH, verbose=0)],
     )
 
+    # another layout would start the weights this rank never held from scratch: refused
+    try:
+        hf.fit(model, x, y, batch_size=BATCH, epochs=1, verbose=0, strategy="data")
+        result["P4"]["relayout"] = None
+    except Exception as error:  # noqa: BLE001 - the test checks which
+        result["P4"]["relayout"] = f"{type(error).__name__}: {error}"
+
     # two stages x two tensor ranks: the whole split variables are never allocated
     model = deferred_model(compile_inside=False)
     history = hf.fit(model, x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
