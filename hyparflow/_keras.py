@@ -211,3 +211,22 @@ def initialize_deferred(variable) -> None:
 def stateless_updates(scope) -> dict:
     """id(variable) -> value of the assignments a StatelessScope collected instead of doing."""
     return scope.state_mapping
+
+
+# --- the .keras file (hyparflow/checkpoint/export.py) --------------------------------------
+# Keras writes a `.keras` zip's weights into memory first unless psutil says the host lacks
+# memory (it does not see cgroup limits); the export writes the same three members itself,
+# streaming the weights from a `.weights.h5` file.
+def keras_file_members(model) -> dict:
+    """{member name: text} of a `.keras` zip's metadata and config, and the name of its weights
+    member, as `model.save` writes them (Keras's own serialisation, shared objects kept)."""
+    from keras.src.saving import saving_lib
+
+    config_json, metadata_json = saving_lib._serialize_model_as_json(model)
+    return {
+        "texts": {
+            saving_lib._METADATA_FILENAME: metadata_json,
+            saving_lib._CONFIG_FILENAME: config_json,
+        },
+        "weights": saving_lib._VARS_FNAME_H5,
+    }

@@ -115,3 +115,17 @@ def test_deferred_variable_entries():
     _keras.initialize_deferred(kernel)
     assert not _keras.is_uninitialized(kernel) and float(kernel.numpy().sum()) == 6.0
     del waiting[before:]
+
+
+def test_keras_file_entries(tmp_path):
+    model = _model()
+    members = _keras.keras_file_members(model)
+    assert set(members["texts"]) == {"metadata.json", "config.json"}
+    assert members["weights"] == "model.weights.h5"
+    model.save(tmp_path / "m.keras")
+    import zipfile
+
+    assert set(zipfile.ZipFile(tmp_path / "m.keras").namelist()) >= {
+        *members["texts"],
+        members["weights"],
+    }

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
+import zipfile
 
 import keras
 
-from hyparflow import deferred
+from hyparflow import _keras, deferred
 from hyparflow.checkpoint import store
 
 
@@ -56,7 +58,20 @@ def export(checkpoint_dir: str, path: str, model=None) -> str:
 
     try:
         with deferred.reading(value):
-            model.save(path)
+            _write_keras_file(model, path)
     finally:
         state.close()
     return path
+
+
+def _write_keras_file(model, path: str) -> None:
+    """`model.save(path)`, but the weights stream through a file beside `path`: Keras would
+    hold them all in memory unless psutil says the host is short of it (cgroup limits unseen)."""
+    members = _keras.keras_file_members(model)
+    with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(path))) as scratch:
+        weights = os.path.join(scratch, "export.weights.h5")
+        model.save_weights(weights)  # one weight read (from the checkpoint) and written at a time
+        with zipfile.ZipFile(path, "w") as archive:  # stored, not compressed, as Keras does
+            for name, text in members["texts"].items():
+                archive.writestr(name, text)
+            archive.write(weights, members["weights"])
