@@ -11,7 +11,7 @@ class StageState(Protocol):
 
     `save` is collective: every rank calls it at the same point, and `guard(operation)` watches
     each of its blocking MPI waits. Only the first replica of each stage writes a file (one per
-    tensor rank under tensor parallelism).
+    tensor rank under tensor parallelism; every replica under ZeRO-1, its optimizer slices).
     """
 
     model: Any  # the user's model: every rank holds all of its weights
@@ -28,6 +28,10 @@ class StageState(Protocol):
     shard: int  # this rank's tensor shard (0 without tensor parallelism)
     num_shards: int
     split: dict  # path -> split axis of each variable this rank holds a piece of
+    # None, or (ZeRO-1) this replica's slice of the optimizer state: `optimizer_state(model,
+    # split, shard, parts, replica)` gives its entries, `restore_optimizer(model, state, split,
+    # shard, parts)` loads them; then every replica writes a file
+    optimizer_shard: Any
 
     def guard(self, operation: str) -> AbstractContextManager: ...
 

@@ -8,6 +8,10 @@ rate), `seed/<layer>/<j>` a layer's random seed state, `m/<i>` a summed metric s
 Under tensor parallelism a split variable's weight and slots are saved by every tensor rank as
 its piece, `<key>@<t>/<T>:<axis>`; `join_shards` puts the pieces back together on reading, so a
 checkpoint resumes with any number of tensor ranks (and stages and replicas).
+
+Under ZeRO-1 (`Strategy(shard_optimizer=True)`) each replica saves only its slice of each
+slot, as a range of the flattened entry: `<key>#<start>:<stop>/<shape>` (after the tensor
+piece's `@...` where there is one); `join_shards` puts those ranges back together first.
 """
 
 from __future__ import annotations
@@ -34,8 +38,52 @@ def shard_key(key: str, shard: int, parts: int, axis: int) -> str:
     return f"{key}@{shard}/{parts}:{axis}"
 
 
+def slice_key(key: str, start: int, stop: int, shape) -> str:
+    """The key of the flat elements [start, stop) of entry `key` of `shape` (a ZeRO slice).
+
+    Example:
+        >>> slice_key("opt/3/momentum", 0, 40, (4, 20))
+        'opt/3/momentum#0:40/4x20'
+    """
+    return f"{key}#{start}:{stop}/{'x'.join(str(int(d)) for d in shape)}"
+
+
+def join_slices(state: dict) -> dict:
+    """`state` with the flat ranges of every sliced entry (`slice_key`) joined into the
+    entry's whole array; an entry whose ranges do not cover it exactly is an error.
+
+    Example:
+        >>> join_slices({"a#0:2/3": np.ones(2), "a#2:3/3": np.zeros(1)})["a"].tolist()
+        [1.0, 1.0, 0.0]
+    """
+    ranges: dict = {}
+    joined = {}
+    for key, value in state.items():
+        base, hash_, where = key.rpartition("#")
+        if not hash_:
+            joined[key] = value
+            continue
+        span, _, shape = where.partition("/")
+        start, _, stop = span.partition(":")
+        dims = tuple(int(d) for d in shape.split("x")) if shape else ()
+        ranges.setdefault(base, (dims, []))[1].append((int(start), int(stop), value))
+    for base, (dims, found) in ranges.items():
+        found.sort(key=lambda r: r[0])
+        size = int(np.prod(dims, dtype=np.int64))
+        ends = [0] + [stop for _, stop, _ in found]
+        if [start for start, _, _ in found] != ends[:-1] or ends[-1] != size:
+            raise ValueError(
+                f"The checkpoint holds elements {[(a, b) for a, b, _ in found]} of {size} of "
+                f"{base!r}; a replica's file is missing."
+            )
+        joined[base] = np.concatenate([np.ravel(v) for _, _, v in found]).reshape(dims)
+    return joined
+
+
 def join_shards(state: dict) -> dict:
-    """`state` with every split entry's pieces put together along their axis, in shard order."""
+    """`state` with every split entry's pieces put together along their axis, in shard order
+    (ZeRO's flat ranges of each piece joined first)."""
+    state = join_slices(state)
     pieces: dict = {}
     joined = {}
     for key, value in state.items():

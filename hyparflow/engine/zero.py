@@ -1,0 +1,432 @@
+"""ZeRO-1: each of a stage's R replicas keeps and updates 1/R of the stage's optimizer state.
+
+`Strategy(shard_optimizer=True)` (docs/zero.md). A step's gradients are reduce-scattered over
+the stage's replicas (`topology.stage_comm`, one per stage and tensor shard) instead of
+all-reduced: replica r receives the sum of its slice of the stage's flattened gradient
+(`zero_layout.ZeroLayout`), adds the regularization gradients of that slice, clips by the
+whole model's norm (squares summed over replicas, tensor ranks and stages), and runs the user's
+optimizer on one 1-D variable per dtype holding its slice of the parameters, so the optimizer
+builds its slots for that slice alone. The updated slices are then all-gathered into every
+replica's variables. Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training
+Trillion Parameter Models", stage 1 (optimizer state partitioning).
+"""
+
+from __future__ import annotations
+
+import math
+
+import keras
+import numpy as np
+import tensorflow as tf
+from keras import ops
+from keras.optimizers import LossScaleOptimizer
+
+from hyparflow import _keras
+from hyparflow.checkpoint.state import piece as tensor_piece
+from hyparflow.checkpoint.state import shard_key, slice_key
+from hyparflow.comm.allreduce import reduction_dtype
+from hyparflow.engine.mpi import mpi_op
+from hyparflow.engine.zero_layout import ZeroLayout, group_by_dtype, ring_bytes
+
+# The optimizers whose update of each element depends only on that element's gradient, state
+# and global scalars (step, learning rate): updating a slice of a flat vector is then exactly
+# updating the whole variables. Adafactor (row/column factors), Lamb (per-variable trust
+# ratio), Muon (orthogonalised matrices) are not, nor are custom optimizers we cannot read.
+ELEMENTWISE_OPTIMIZERS = (
+    "SGD", "Adam", "AdamW", "Adamax", "Nadam", "RMSprop", "Adagrad", "Adadelta", "Lion", "Ftrl",
+)  # fmt: skip
+
+
+class _Group:
+    """The stage's variables of one dtype: their layout, this replica's pieces, its slice."""
+
+    def __init__(self, dtype: str, positions: list[int], variables: list, parts: int, part: int):
+        self.dtype = dtype
+        self.positions = positions  # indices in the stage's variable list
+        self.layout = ZeroLayout([int(np.prod(variables[i].shape)) for i in positions], parts)
+        self.pieces = self.layout.pieces(part)
+        self.padding = self.layout.padding(part)
+        self.variable = keras.Variable(
+            np.zeros(self.layout.shard_size, dtype), trainable=True, name=f"hyparflow_zero_{dtype}"
+        )
+        self.slot_prefix = self.variable.path.replace("/", "_") + "_"  # Keras's slot names
+
+    @property
+    def reduced_dtype(self) -> np.dtype:
+        return reduction_dtype(self.dtype)
+
+
+class ZeroGradients:
+    """A step's gradients under ZeRO: this rank's own (`as_list`, for the finite check) and the
+    reduced slice of each dtype group (`slices`)."""
+
+    def __init__(self, local: list, slices: list):
+        self.local, self.slices = local, slices
+
+    def as_list(self) -> list:
+        return self.local
+
+
+class ShardedUpdate:
+    """The reduction and optimizer step of a stage whose optimizer state is split over its
+    replicas (ZeRO-1), in place of `GradientSync.reduce` and `Update.apply`.
+
+    `update` is the stage's `Update`: its regularization, loss-scale agreement and sums over
+    the pipeline and tensor ranks are reused, so the two paths cannot drift apart.
+    `sync` is the stage's `GradientSync`, whose runner and pipeline sum of shared layers give
+    each rank's own gradients. `sent_bytes` counts the bytes this rank has sent (ring volume of
+    the reduce-scatters and all-gathers); `step_bytes` and `allreduce_bytes` give one step's,
+    and what an allreduce of the same gradients would send.
+
+    Example:
+        zero = ShardedUpdate(model, topology, variables, update, sync)
+        reg_value = zero.apply(zero.reduce())
+    """
+
+    def __init__(self, model, topology, variables, update, sync):
+        self.model = model
+        self.topology = topology
+        self.comm = topology.stage_comm
+        self.variables = variables
+        self.update = update
+        self.sync = sync
+        self._guard = update._guard
+        parts, part = self.comm.Get_size(), self.comm.Get_rank()
+        self.groups = [
+            _Group(dtype, positions, variables, parts, part)
+            for dtype, positions in group_by_dtype([v.dtype for v in variables]).items()
+        ]
+        owned = {id(v) for v in update.owned}
+        split = update._split
+        # which pieces count in the global norm: each variable once over the pipeline (the
+        # stage that owns it), tensor shards summed over the tensor ranks
+        self._norm_pieces = [
+            [
+                (p, id(variables[g.positions[p.variable]]) in split)
+                for p in g.pieces
+                if id(variables[g.positions[p.variable]]) in owned
+            ]
+            for g in self.groups
+        ]
+        self.clips = bool(getattr(_inner(model.optimizer), "global_clipnorm", None))
+        self.sent_bytes = 0
+        self.step_bytes = {
+            "reduce_scatter": sum(
+                ring_bytes(g.layout.padded, parts, g.reduced_dtype.itemsize) for g in self.groups
+            ),
+            "allgather": sum(
+                ring_bytes(g.layout.padded, parts, np.dtype(g.dtype).itemsize) for g in self.groups
+            ),
+        }
+        self.allreduce_bytes = sum(
+            2 * ring_bytes(g.layout.length, parts, g.reduced_dtype.itemsize) for g in self.groups
+        )
+        self._flatten_fn = tf.function(self._flatten)
+        self._regularize_fn = tf.function(self._regularize)
+        self._squares_fn = tf.function(self._squares)
+        self._assign_fn = tf.function(self._assign)
+        self._compiled: dict = {}
+        self._built_for = None
+
+    # --- the reduction -----------------------------------------------------------------------
+    def reduce(self) -> ZeroGradients:
+        """Take this rank's gradients (summed over stages sharing a layer) and reduce-scatter
+        them over the stage's replicas: each receives the sums of its slice (collective)."""
+        sync = self.sync
+        local = sync.runner.take_gradients()
+        if sync.shared is not None:
+            local = sync.shared.sum(local, sync.shared_reducer, self.topology.pipeline_comm)
+        # Tables' row slices become dense rows of the flat vector (docs/zero.md).
+        local = [tf.convert_to_tensor(g) for g in local]
+        slices = []
+        for group, flat in zip(self.groups, self._flatten_fn(local)):
+            send = np.asarray(flat)
+            received = np.empty(group.layout.shard_size, group.reduced_dtype)
+            self.comm.Reduce_scatter_block(send, received, op=mpi_op("SUM"))
+            slices.append(tf.cast(tf.constant(received), group.dtype))
+        self.sent_bytes += self.step_bytes["reduce_scatter"]
+        return ZeroGradients(local, slices)
+
+    def _flatten(self, grads):
+        """Per group: its gradients in float32 (or wider) as one padded flat vector."""
+        flats = []
+        for group in self.groups:
+            parts = [
+                tf.reshape(tf.cast(grads[i], group.reduced_dtype), [-1]) for i in group.positions
+            ]
+            padding = group.layout.padded - group.layout.length
+            if padding:
+                parts.append(tf.zeros([padding], group.reduced_dtype))
+            flats.append(tf.concat(parts, axis=0))
+        return flats
+
+    # --- the update --------------------------------------------------------------------------
+    def apply(self, gradients: ZeroGradients) -> float:
+        """Step the optimizer on this replica's slices and all-gather the new parameters into
+        every replica's variables; return the model's total regularization (collective)."""
+        update = self.update
+        slices = gradients.slices
+        scale = update.loss_scale()
+        reg_value = 0.0
+        if update.regularized:
+            slices, whole, parts = self._regularize_fn(slices, tf.constant(scale, tf.float32))
+            reg_value = update._total(whole, parts)
+        reg_value = update._sum_over_pipeline(reg_value)
+        if isinstance(self.model.optimizer, LossScaleOptimizer):
+            # each rank sees only its slice: every rank of the world must agree on skipping
+            slices = update._agree_finite_for_loss_scaling(slices)
+        norm = self._global_norm(slices, scale) if self.clips else None
+        if self.groups:
+            values = self._step(slices, norm)
+            self._gather(values)
+        return reg_value
+
+    def _regularize(self, slices, scale):
+        """`slices` plus this slice of the regularization gradients (times the loss scale, as
+        the stage's gradients are of the scaled loss); the regularization's two parts."""
+        whole, parts, reg_grads = self.update._regularization_and_grads()
+        by_variable = {id(v): g for v, g in zip(self.update.regularized, reg_grads)}
+        added = []
+        for group, grad in zip(self.groups, slices):
+            pieces = []
+            for p in group.pieces:
+                reg = by_variable.get(id(self.variables[group.positions[p.variable]]))
+                if reg is None:
+                    pieces.append(tf.zeros([p.size], group.dtype))
+                else:
+                    flat = tf.reshape(tf.convert_to_tensor(reg), [-1])[p.start : p.stop]
+                    pieces.append(tf.cast(flat, group.dtype))
+            if group.padding:
+                pieces.append(tf.zeros([group.padding], group.dtype))
+            added.append(grad + tf.concat(pieces, axis=0) * tf.cast(scale, group.dtype))
+        return added, whole, parts
+
+    def _squares(self, slices, scale):
+        """Squared norms of the owned pieces of `slices`, unscaled: (whole variables, shards)."""
+        whole, split = tf.constant(0.0), tf.constant(0.0)
+        for grad, pieces in zip(slices, self._norm_pieces):
+            for p, is_split in pieces:
+                part = tf.reduce_sum(
+                    tf.square(tf.cast(grad[p.offset : p.offset + p.size], "float32"))
+                )
+                if is_split:
+                    split += part
+                else:
+                    whole += part
+        return tf.stack([whole, split]) / tf.square(scale)
+
+    def _global_norm(self, slices, scale: float):
+        """Keras's global gradient norm of the whole model: slices' squares summed over the
+        stage's replicas, shards' over the tensor ranks, stages' over the pipeline."""
+        squares = np.asarray(self._squares_fn(slices, tf.constant(scale, tf.float32)), np.float64)
+        with self._guard("sum the gradient norm over the replicas"):
+            self.comm.Allreduce(mpi_op("IN_PLACE"), squares)
+        whole, split = float(squares[0]), float(squares[1])
+        if self.update._tensor_comm is not None:
+            with self._guard("sum the gradient norm over the tensor ranks"):
+                split = self.update._tensor_comm.allreduce(split)
+        with self._guard("sum the gradient norm over the pipeline"):
+            total = self.topology.pipeline_comm.allreduce(whole + split)
+        return tf.constant(math.sqrt(total), tf.float32)
+
+    def _step(self, slices, norm):
+        """The optimizer's update of the slices, one compiled call; the new slice values."""
+        self.build_optimizer()
+        if norm is None:
+            return self._compiled_update(self._update_body)(list(slices))
+        return self._compiled_update(self._clipped_update_body)(list(slices), norm)
+
+    def _load_slices(self) -> None:
+        """Each slice variable takes its elements of the stage's variables, which are the truth
+        between steps (restores, callbacks and tensor shards write those)."""
+        for group in self.groups:
+            pieces = [
+                tf.reshape(self.variables[group.positions[p.variable]], [-1])[p.start : p.stop]
+                for p in group.pieces
+            ]
+            if group.padding:
+                pieces.append(tf.zeros([group.padding], group.dtype))
+            group.variable.assign(tf.concat(pieces, axis=0))
+
+    def _update_body(self, slices):
+        self._load_slices()
+        self.model.optimizer.apply(slices, [g.variable for g in self.groups])
+        return [g.variable.value for g in self.groups]
+
+    def _clipped_update_body(self, slices, norm):
+        """Keras's `clip_by_global_norm` with the whole model's norm, then the update."""
+        self._load_slices()
+        optimizer = _inner(self.model.optimizer)
+        clip = optimizer.global_clipnorm
+        scale = clip * ops.minimum(1.0 / norm, 1.0 / clip) + (norm - norm)  # NaN if not finite
+        optimizer.global_clipnorm = None  # clipped here: the slice alone would see its own norm
+        try:
+            clipped = [g * tf.cast(scale, g.dtype) for g in slices]
+            self.model.optimizer.apply(clipped, [g.variable for g in self.groups])
+        finally:
+            optimizer.global_clipnorm = clip
+        return [g.variable.value for g in self.groups]
+
+    def _gather(self, values) -> None:
+        """All-gather every replica's updated slice and assign the stage's variables."""
+        whole = []
+        for group, value in zip(self.groups, values):
+            mine = np.ascontiguousarray(np.asarray(value))
+            gathered = np.empty(group.layout.padded, mine.dtype)
+            with self._guard("all-gather the updated parameters"):
+                # bytes, so that any dtype travels (MPI has no float16 or bfloat16)
+                self.comm.Allgather(mine.view(np.uint8), gathered.view(np.uint8))
+            whole.append(tf.constant(gathered))
+        self.sent_bytes += self.step_bytes["allgather"]
+        self._assign_fn(whole)
+
+    def _assign(self, flats):
+        for group, flat in zip(self.groups, flats):
+            sizes = group.layout.sizes
+            parts = tf.split(flat[: group.layout.length], sizes)
+            for i, part in zip(group.positions, parts):
+                variable = self.variables[i]
+                variable.assign(tf.reshape(part, variable.shape))
+
+    def build_optimizer(self) -> None:
+        """Build the model's optimizer for the slice variables (once per optimizer object)."""
+        optimizer = self.model.optimizer
+        if self._built_for is optimizer:
+            return
+        if optimizer.built:
+            raise ValueError(
+                "shard_optimizer=True: the model's optimizer was already built for whole "
+                "variables; compile the model again (a fresh optimizer) before hf.fit builds it "
+                "for this replica's slice."
+            )
+        optimizer.build([g.variable for g in self.groups])
+        self._built_for = optimizer
+
+    def _compiled_update(self, body):
+        """`body` as a `tf.function`, traced anew for each optimizer object."""
+        optimizer = self.model.optimizer
+        name = body.__name__
+        if name not in self._compiled or self._compiled[name][0] is not optimizer:
+            self._compiled[name] = (optimizer, tf.function(body))
+        return self._compiled[name][1]
+
+    # --- checkpoints (checkpoint/stage.py's `optimizer_shard`) --------------------------------
+    def _slot_of(self, name: str):
+        """(group, slot name) of an optimizer variable named `name`, or (None, None)."""
+        for group in self.groups:
+            if name.startswith(group.slot_prefix):
+                return group, name[len(group.slot_prefix) :]
+        return None, None
+
+    def _entry(self, model_index: dict, variable, slot: str, split: dict, shard: int, parts: int):
+        """The checkpoint key of `slot` of the stage's `variable`, as unsharded runs write it."""
+        key = f"opt/{model_index[variable.path]}/{slot}"
+        axis = split.get(variable.path)
+        return key if axis is None else shard_key(key, shard, parts, axis), axis
+
+    def optimizer_state(self, model, split: dict, shard: int, parts: int, replica: int) -> dict:
+        """This replica's share of the optimizer state: its slice of each slot as ranges of the
+        flattened entries (`slice_key`), the global variables (step, ...) from replica 0.
+        Whole variables are written by tensor rank 0 only, as unsharded runs do."""
+        model_index = {v.path: i for i, v in enumerate(model.trainable_variables)}
+        state = {}
+        for opt_variable in self.model.optimizer.variables:
+            name = opt_variable.name
+            group, slot = self._slot_of(name)
+            value = np.asarray(opt_variable.numpy())
+            if group is None:
+                if replica == 0 and shard == 0:
+                    state[f"opt/{name}"] = value
+                continue
+            for p in group.pieces:
+                variable = self.variables[group.positions[p.variable]]
+                key, axis = self._entry(model_index, variable, slot, split, shard, parts)
+                if axis is None and shard != 0:
+                    continue
+                key = slice_key(key, p.start, p.stop, tuple(variable.shape))
+                state[key] = value[p.offset : p.offset + p.size]
+        return state
+
+    def restore_optimizer(self, model, state: dict, split: dict, shard: int, parts: int) -> None:
+        """Build the optimizer for the slices and load them from a joined checkpoint `state`
+        (whole entries, whichever layout wrote them)."""
+        self.build_optimizer()
+        model_index = {v.path: i for i, v in enumerate(model.trainable_variables)}
+        missing = []
+        for opt_variable in self.model.optimizer.variables:
+            name = opt_variable.name
+            group, slot = self._slot_of(name)
+            if group is None:
+                if f"opt/{name}" in state:
+                    opt_variable.assign(state[f"opt/{name}"])
+                else:
+                    missing.append(name)
+                continue
+            values = np.zeros(group.layout.shard_size, opt_variable.dtype)
+            for p in group.pieces:
+                variable = self.variables[group.positions[p.variable]]
+                key = f"opt/{model_index[variable.path]}/{slot}"
+                if key not in state:
+                    missing.append(key)
+                    continue
+                whole = state[key]
+                axis = split.get(variable.path)
+                if axis is not None:
+                    whole = tensor_piece(whole, shard, parts, axis)
+                values[p.offset : p.offset + p.size] = np.ravel(whole)[p.start : p.stop]
+            opt_variable.assign(values)
+        if missing:
+            raise ValueError(
+                f"The checkpoint has no optimizer state for {missing[:3]}; it was written with a "
+                "different optimizer. Compile with the optimizer it was trained with, or start "
+                "without resume."
+            )
+
+
+def _inner(optimizer):
+    """The optimizer that clips: a LossScaleOptimizer's inner one."""
+    return optimizer.inner_optimizer if isinstance(optimizer, LossScaleOptimizer) else optimizer
+
+
+def refusal(optimizer, strategy, comm_backend: str) -> str | None:
+    """Why ZeRO-1 cannot shard `optimizer` under `strategy` exactly (None if it can): the
+    update of each element must depend on that element alone (docs/zero.md).
+
+    Example:
+        >>> refusal(keras.optimizers.Lamb(), strategy, "mpi")
+        'shard_optimizer=True: Lamb does not update each element ...'
+    """
+    name = "shard_optimizer=True"
+    if comm_backend != "mpi":
+        return f"{name} reduce-scatters gradients with MPI; use comm='mpi'."
+    if strategy.overlap_groups > 1:
+        return f"{name} reduces the flat gradient after the backward; use overlap_groups=1."
+    inner = _inner(optimizer)
+    kind = type(inner).__name__
+    if kind not in ELEMENTWISE_OPTIMIZERS or not type(inner).__module__.startswith("keras"):
+        return (
+            f"{name}: {kind} does not update each element from its own gradient and state (or "
+            f"hyparflow cannot tell), so a replica cannot update a slice alone; use one of "
+            f"{', '.join(ELEMENTWISE_OPTIMIZERS)}, or shard_optimizer=False."
+        )
+    if getattr(inner, "clipnorm", None):
+        return (
+            f"{name}: the optimizer's clipnorm clips each variable by its own norm, which a "
+            "slice cannot know; use global_clipnorm (clipped by the whole model's norm)."
+        )
+    if _keras.excludes_from_weight_decay(inner):
+        return (
+            f"{name}: exclude_from_weight_decay makes weight decay differ by variable, which a "
+            "flat slice cannot tell apart; drop the exclusion, or use shard_optimizer=False."
+        )
+    if getattr(inner, "use_ema", False):
+        return (
+            f"{name}: use_ema keeps a moving average of whole variables that the slices do not "
+            "hold; use use_ema=False, or shard_optimizer=False."
+        )
+    if (getattr(inner, "gradient_accumulation_steps", None) or 1) > 1:
+        return (
+            f"{name}: gradient_accumulation_steps accumulates whole gradients; accumulate by a "
+            "larger batch_size (or num_microbatches), or use shard_optimizer=False."
+        )
+    return None
