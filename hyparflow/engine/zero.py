@@ -7,7 +7,9 @@ all-reduced: replica r receives the sum of its slice of the stage's flattened gr
 whole model's norm (squares summed over replicas, tensor ranks and stages), and runs the user's
 optimizer on one 1-D variable per dtype holding its slice of the parameters, so the optimizer
 builds its slots for that slice alone. The updated slices are then all-gathered into every
-replica's variables. Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training
+replica's variables. Embedding tables stay whole: their row-sparse gradients are gathered as
+without ZeRO and applied in the same optimizer call, because Keras's sparse update (Adam
+squares each (row, value) pair) is not the update of the densified gradient. Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training
 Trillion Parameter Models", stage 1 (optimizer state partitioning).
 """
 
@@ -25,6 +27,7 @@ from hyparflow import _keras
 from hyparflow.checkpoint.state import piece as tensor_piece
 from hyparflow.checkpoint.state import shard_key, slice_key
 from hyparflow.comm.allreduce import reduction_dtype
+from hyparflow.engine import sparse as rows
 from hyparflow.engine.mpi import mpi_op
 from hyparflow.engine.zero_layout import ZeroLayout, group_by_dtype, ring_bytes
 
@@ -57,11 +60,11 @@ class _Group:
 
 
 class ZeroGradients:
-    """A step's gradients under ZeRO: this rank's own (`as_list`, for the finite check) and the
-    reduced slice of each dtype group (`slices`)."""
+    """A step's gradients under ZeRO: this rank's own (`as_list`, for the finite check), the
+    reduced slice of each dtype group (`slices`) and the tables' gathered row slices."""
 
-    def __init__(self, local: list, slices: list):
-        self.local, self.slices = local, slices
+    def __init__(self, local: list, slices: list, tables: list):
+        self.local, self.slices, self.tables = local, slices, tables
 
     def as_list(self) -> list:
         return self.local
@@ -74,7 +77,8 @@ class ShardedUpdate:
     `update` is the stage's `Update`: its regularization, loss-scale agreement and sums over
     the pipeline and tensor ranks are reused, so the two paths cannot drift apart.
     `sync` is the stage's `GradientSync`, whose runner and pipeline sum of shared layers give
-    each rank's own gradients. `sent_bytes` counts the bytes this rank has sent (ring volume of
+    each rank's own gradients, and whose `sparse` positions are the embedding tables (kept
+    whole, their slots too). `sent_bytes` counts the bytes this rank has sent (ring volume of
     the reduce-scatters and all-gathers); `step_bytes` and `allreduce_bytes` give one step's,
     and what an allreduce of the same gradients would send.
 
@@ -92,10 +96,14 @@ class ShardedUpdate:
         self.sync = sync
         self._guard = update._guard
         parts, part = self.comm.Get_size(), self.comm.Get_rank()
+        self.table_positions = list(sync.sparse)
+        self.tables = [variables[i] for i in self.table_positions]
+        dense = [i for i in range(len(variables)) if i not in set(self.table_positions)]
         self.groups = [
-            _Group(dtype, positions, variables, parts, part)
-            for dtype, positions in group_by_dtype([v.dtype for v in variables]).items()
+            _Group(dtype, [dense[j] for j in positions], variables, parts, part)
+            for dtype, positions in group_by_dtype([variables[i].dtype for i in dense]).items()
         ]
+        self._table_prefixes = [(v.path.replace("/", "_") + "_", v) for v in self.tables]
         owned = {id(v) for v in update.owned}
         split = update._split
         # which pieces count in the global norm: each variable once over the pipeline (the
@@ -108,6 +116,7 @@ class ShardedUpdate:
             ]
             for g in self.groups
         ]
+        self._table_norm = [(v, id(v) in split) for v in self.tables if id(v) in owned]
         self.clips = bool(getattr(_inner(model.optimizer), "global_clipnorm", None))
         self.sent_bytes = 0
         self.step_bytes = {
@@ -122,8 +131,8 @@ class ShardedUpdate:
             2 * ring_bytes(g.layout.length, parts, g.reduced_dtype.itemsize) for g in self.groups
         )
         self._flatten_fn = tf.function(self._flatten)
-        self._regularize_fn = tf.function(self._regularize)
-        self._squares_fn = tf.function(self._squares)
+        self._regularize_fn = tf.function(self._regularize, reduce_retracing=True)
+        self._squares_fn = tf.function(self._squares, reduce_retracing=True)
         self._assign_fn = tf.function(self._assign)
         self._compiled: dict = {}
         self._built_for = None
@@ -136,16 +145,18 @@ class ShardedUpdate:
         local = sync.runner.take_gradients()
         if sync.shared is not None:
             local = sync.shared.sum(local, sync.shared_reducer, self.topology.pipeline_comm)
-        # Tables' row slices become dense rows of the flat vector (docs/zero.md).
-        local = [tf.convert_to_tensor(g) for g in local]
+        tables = [local[i] for i in self.table_positions]
+        if tables:  # row slices of every replica, in rank order, as without ZeRO
+            tables = rows.reduce_rows(self.comm, tables)
+        dense = [None if i in self.table_positions else g for i, g in enumerate(local)]
         slices = []
-        for group, flat in zip(self.groups, self._flatten_fn(local)):
+        for group, flat in zip(self.groups, self._flatten_fn(dense)):
             send = np.asarray(flat)
             received = np.empty(group.layout.shard_size, group.reduced_dtype)
             self.comm.Reduce_scatter_block(send, received, op=mpi_op("SUM"))
             slices.append(tf.cast(tf.constant(received), group.dtype))
         self.sent_bytes += self.step_bytes["reduce_scatter"]
-        return ZeroGradients(local, slices)
+        return ZeroGradients(local, slices, tables)
 
     def _flatten(self, grads):
         """Per group: its gradients in float32 (or wider) as one padded flat vector."""
@@ -165,25 +176,29 @@ class ShardedUpdate:
         """Step the optimizer on this replica's slices and all-gather the new parameters into
         every replica's variables; return the model's total regularization (collective)."""
         update = self.update
-        slices = gradients.slices
+        slices, tables = gradients.slices, gradients.tables
         scale = update.loss_scale()
         reg_value = 0.0
         if update.regularized:
-            slices, whole, parts = self._regularize_fn(slices, tf.constant(scale, tf.float32))
+            slices, tables, whole, parts = self._regularize_fn(
+                slices, tables, tf.constant(scale, tf.float32)
+            )
             reg_value = update._total(whole, parts)
         reg_value = update._sum_over_pipeline(reg_value)
         if isinstance(self.model.optimizer, LossScaleOptimizer):
             # each rank sees only its slice: every rank of the world must agree on skipping
-            slices = update._agree_finite_for_loss_scaling(slices)
-        norm = self._global_norm(slices, scale) if self.clips else None
-        if self.groups:
-            values = self._step(slices, norm)
+            grads = update._agree_finite_for_loss_scaling([*slices, *tables])
+            slices, tables = grads[: len(slices)], grads[len(slices) :]
+        norm = self._global_norm(slices, tables, scale) if self.clips else None
+        if self.groups or self.tables:
+            values = self._step(list(slices) + list(tables), norm)
             self._gather(values)
         return reg_value
 
-    def _regularize(self, slices, scale):
+    def _regularize(self, slices, tables, scale):
         """`slices` plus this slice of the regularization gradients (times the loss scale, as
-        the stage's gradients are of the scaled loss); the regularization's two parts."""
+        the stage's gradients are of the scaled loss), `tables` plus theirs (dense, as one
+        process's tape sums them); the regularization's two parts."""
         whole, parts, reg_grads = self.update._regularization_and_grads()
         by_variable = {id(v): g for v, g in zip(self.update.regularized, reg_grads)}
         added = []
@@ -199,11 +214,27 @@ class ShardedUpdate:
             if group.padding:
                 pieces.append(tf.zeros([group.padding], group.dtype))
             added.append(grad + tf.concat(pieces, axis=0) * tf.cast(scale, group.dtype))
-        return added, whole, parts
+        tables = list(tables)
+        for j, table in enumerate(self.tables):
+            reg = by_variable.get(id(table))
+            if reg is not None:
+                grad = tf.convert_to_tensor(tables[j])
+                tables[j] = grad + tf.cast(reg, grad.dtype) * tf.cast(scale, grad.dtype)
+        return added, tables, whole, parts
 
-    def _squares(self, slices, scale):
-        """Squared norms of the owned pieces of `slices`, unscaled: (whole variables, shards)."""
+    def _squares(self, slices, tables, scale):
+        """Squared norms of the owned pieces of `slices`, unscaled: (whole variables, shards),
+        then the same of the owned `tables` (each (row, value) pair counts, as in Keras)."""
         whole, split = tf.constant(0.0), tf.constant(0.0)
+        table_whole, table_split = tf.constant(0.0), tf.constant(0.0)
+        for grad, (table, is_split) in zip(tables, self._all_table_norm()):
+            if is_split is None:
+                continue
+            part = tf.reduce_sum(tf.square(tf.cast(rows.values_of(grad), "float32")))
+            if is_split:
+                table_split += part
+            else:
+                table_whole += part
         for grad, pieces in zip(slices, self._norm_pieces):
             for p, is_split in pieces:
                 part = tf.reduce_sum(
@@ -213,15 +244,24 @@ class ShardedUpdate:
                     split += part
                 else:
                     whole += part
-        return tf.stack([whole, split]) / tf.square(scale)
+        return tf.stack([whole, split, table_whole, table_split]) / tf.square(scale)
 
-    def _global_norm(self, slices, scale: float):
+    def _all_table_norm(self) -> list:
+        """Per table: None if another stage owns it, else whether it is a tensor shard."""
+        owned = dict((id(v), is_split) for v, is_split in self._table_norm)
+        return [(v, owned.get(id(v))) for v in self.tables]
+
+    def _global_norm(self, slices, tables, scale: float):
         """Keras's global gradient norm of the whole model: slices' squares summed over the
-        stage's replicas, shards' over the tensor ranks, stages' over the pipeline."""
-        squares = np.asarray(self._squares_fn(slices, tf.constant(scale, tf.float32)), np.float64)
+        stage's replicas, shards' over the tensor ranks, stages' over the pipeline. Every
+        replica holds the tables' whole gradients: they count once, after the replica sum."""
+        squares = np.asarray(
+            self._squares_fn(slices, tables, tf.constant(scale, tf.float32)), np.float64
+        )
+        replicas = np.ascontiguousarray(squares[:2])
         with self._guard("sum the gradient norm over the replicas"):
-            self.comm.Allreduce(mpi_op("IN_PLACE"), squares)
-        whole, split = float(squares[0]), float(squares[1])
+            self.comm.Allreduce(mpi_op("IN_PLACE"), replicas)
+        whole, split = float(replicas[0] + squares[2]), float(replicas[1] + squares[3])
         if self.update._tensor_comm is not None:
             with self._guard("sum the gradient norm over the tensor ranks"):
                 split = self.update._tensor_comm.allreduce(split)
@@ -230,7 +270,8 @@ class ShardedUpdate:
         return tf.constant(math.sqrt(total), tf.float32)
 
     def _step(self, slices, norm):
-        """The optimizer's update of the slices, one compiled call; the new slice values."""
+        """The optimizer's update of the slices and the tables, one compiled call; the new
+        slice values."""
         self.build_optimizer()
         if norm is None:
             return self._compiled_update(self._update_body)(list(slices))
@@ -248,9 +289,12 @@ class ShardedUpdate:
                 pieces.append(tf.zeros([group.padding], group.dtype))
             group.variable.assign(tf.concat(pieces, axis=0))
 
+    def _targets(self) -> list:
+        return [g.variable for g in self.groups] + self.tables
+
     def _update_body(self, slices):
         self._load_slices()
-        self.model.optimizer.apply(slices, [g.variable for g in self.groups])
+        self.model.optimizer.apply(slices, self._targets())
         return [g.variable.value for g in self.groups]
 
     def _clipped_update_body(self, slices, norm):
@@ -261,14 +305,16 @@ class ShardedUpdate:
         scale = clip * ops.minimum(1.0 / norm, 1.0 / clip) + (norm - norm)  # NaN if not finite
         optimizer.global_clipnorm = None  # clipped here: the slice alone would see its own norm
         try:
-            clipped = [g * tf.cast(scale, g.dtype) for g in slices]
-            self.model.optimizer.apply(clipped, [g.variable for g in self.groups])
+            clipped = [rows.like(g, rows.values_of(g) * tf.cast(scale, g.dtype)) for g in slices]
+            self.model.optimizer.apply(clipped, self._targets())
         finally:
             optimizer.global_clipnorm = clip
         return [g.variable.value for g in self.groups]
 
     def _gather(self, values) -> None:
         """All-gather every replica's updated slice and assign the stage's variables."""
+        if not self.groups:
+            return
         whole = []
         for group, value in zip(self.groups, values):
             mine = np.ascontiguousarray(np.asarray(value))
@@ -299,7 +345,7 @@ class ShardedUpdate:
                 "variables; compile the model again (a fresh optimizer) before hf.fit builds it "
                 "for this replica's slice."
             )
-        optimizer.build([g.variable for g in self.groups])
+        optimizer.build(self._targets())
         self._built_for = optimizer
 
     def _compiled_update(self, body):
@@ -307,15 +353,20 @@ class ShardedUpdate:
         optimizer = self.model.optimizer
         name = body.__name__
         if name not in self._compiled or self._compiled[name][0] is not optimizer:
-            self._compiled[name] = (optimizer, tf.function(body))
+            # Tables' row counts vary by step: generalise shapes after a retrace, as Keras does.
+            self._compiled[name] = (optimizer, tf.function(body, reduce_retracing=True))
         return self._compiled[name][1]
 
     # --- checkpoints (checkpoint/stage.py's `optimizer_shard`) --------------------------------
     def _slot_of(self, name: str):
-        """(group, slot name) of an optimizer variable named `name`, or (None, None)."""
+        """(group or table variable, slot name) of an optimizer variable named `name`, or
+        (None, None) for the optimizer's own (step, learning rate, loss scale)."""
         for group in self.groups:
             if name.startswith(group.slot_prefix):
                 return group, name[len(group.slot_prefix) :]
+        for prefix, table in sorted(self._table_prefixes, key=lambda p: -len(p[0])):
+            if name.startswith(prefix):
+                return table, name[len(prefix) :]
         return None, None
 
     def _entry(self, model_index: dict, variable, slot: str, split: dict, shard: int, parts: int):
@@ -337,6 +388,11 @@ class ShardedUpdate:
             if group is None:
                 if replica == 0 and shard == 0:
                     state[f"opt/{name}"] = value
+                continue
+            if not isinstance(group, _Group):  # a whole table's slot, as without ZeRO
+                key, axis = self._entry(model_index, group, slot, split, shard, parts)
+                if replica == 0 and (axis is not None or shard == 0):
+                    state[key] = value
                 continue
             for p in group.pieces:
                 variable = self.variables[group.positions[p.variable]]
@@ -361,6 +417,17 @@ class ShardedUpdate:
                     opt_variable.assign(state[f"opt/{name}"])
                 else:
                     missing.append(name)
+                continue
+            if not isinstance(group, _Group):  # a whole table's slot
+                key = f"opt/{model_index[group.path]}/{slot}"
+                if key not in state:
+                    missing.append(key)
+                    continue
+                axis = split.get(group.path)
+                whole = state[key]
+                opt_variable.assign(
+                    whole if axis is None else tensor_piece(whole, shard, parts, axis)
+                )
                 continue
             values = np.zeros(group.layout.shard_size, opt_variable.dtype)
             for p in group.pieces:
