@@ -9,8 +9,10 @@ optimizer on one 1-D variable per dtype holding its slice of the parameters, so 
 builds its slots for that slice alone. The updated slices are then all-gathered into every
 replica's variables. Embedding tables stay whole: their row-sparse gradients are gathered as
 without ZeRO and applied in the same optimizer call, because Keras's sparse update (Adam
-squares each (row, value) pair) is not the update of the densified gradient. Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training
-Trillion Parameter Models", stage 1 (optimizer state partitioning).
+squares each (row, value) pair) is not the update of the densified gradient.
+
+Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
+Models", stage 1 (optimizer state partitioning).
 """
 
 from __future__ import annotations
@@ -116,7 +118,8 @@ class ShardedUpdate:
             ]
             for g in self.groups
         ]
-        self._table_norm = [(v, id(v) in split) for v in self.tables if id(v) in owned]
+        # per table: None where another stage owns it, else whether it is a tensor shard
+        self._table_norm = [(id(v) in split) if id(v) in owned else None for v in self.tables]
         self.clips = bool(getattr(_inner(model.optimizer), "global_clipnorm", None))
         self.sent_bytes = 0
         self.step_bytes = {
@@ -227,7 +230,7 @@ class ShardedUpdate:
         then the same of the owned `tables` (each (row, value) pair counts, as in Keras)."""
         whole, split = tf.constant(0.0), tf.constant(0.0)
         table_whole, table_split = tf.constant(0.0), tf.constant(0.0)
-        for grad, (table, is_split) in zip(tables, self._all_table_norm()):
+        for grad, is_split in zip(tables, self._table_norm):
             if is_split is None:
                 continue
             part = tf.reduce_sum(tf.square(tf.cast(rows.values_of(grad), "float32")))
@@ -245,11 +248,6 @@ class ShardedUpdate:
                 else:
                     whole += part
         return tf.stack([whole, split, table_whole, table_split]) / tf.square(scale)
-
-    def _all_table_norm(self) -> list:
-        """Per table: None if another stage owns it, else whether it is a tensor shard."""
-        owned = dict((id(v), is_split) for v, is_split in self._table_norm)
-        return [(v, owned.get(id(v))) for v in self.tables]
 
     def _global_norm(self, slices, tables, scale: float):
         """Keras's global gradient norm of the whole model: slices' squares summed over the
