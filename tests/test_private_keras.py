@@ -96,3 +96,10 @@ def test_tensor_parallel_entries():
     tensor = keras.ops.ones((2, 3))
     _keras.set_keras_mask(tensor, keras.ops.ones((2,), "bool"))
     assert tensor._keras_mask is not None
+
+
+def test_optimizer_entries():
+    optimizer = keras.optimizers.AdamW()
+    assert _keras.excludes_from_weight_decay(optimizer) is False
+    optimizer.exclude_from_weight_decay(var_names=["bias"])
+    assert _keras.excludes_from_weight_decay(optimizer) is True

@@ -46,6 +46,7 @@ from hyparflow.engine.weights import (
     packed,
 )
 from hyparflow.engine.zero import ShardedUpdate
+from hyparflow.engine.zero_checkpoint import ZeroCheckpoint
 from hyparflow.tensor import collectives
 from hyparflow.tensor.shards import TensorShards
 
@@ -154,7 +155,7 @@ class Trainer:
         self.zero = None
         if strategy.shard_optimizer and topo.num_replicas > 1:
             self.zero = ShardedUpdate(model, topo, self.variables, self.update, self.gradient_sync)
-            self.stage_state.optimizer_shard = self.zero
+            self.stage_state.optimizer_shard = ZeroCheckpoint(self.zero)
         self._log_root = topo.grid.rank_of(topo.num_stages - 1, 0)
         self.attach_recorder(None)
 

@@ -26,8 +26,6 @@ from keras import ops
 from keras.optimizers import LossScaleOptimizer
 
 from hyparflow import _keras
-from hyparflow.checkpoint.state import piece as tensor_piece
-from hyparflow.checkpoint.state import shard_key, slice_key
 from hyparflow.comm.allreduce import reduction_dtype
 from hyparflow.engine import sparse as rows
 from hyparflow.engine.mpi import mpi_op
@@ -354,98 +352,6 @@ class ShardedUpdate:
             # Tables' row counts vary by step: generalise shapes after a retrace, as Keras does.
             self._compiled[name] = (optimizer, tf.function(body, reduce_retracing=True))
         return self._compiled[name][1]
-
-    # --- checkpoints (checkpoint/stage.py's `optimizer_shard`) --------------------------------
-    def _slot_of(self, name: str):
-        """(group or table variable, slot name) of an optimizer variable named `name`, or
-        (None, None) for the optimizer's own (step, learning rate, loss scale)."""
-        for group in self.groups:
-            if name.startswith(group.slot_prefix):
-                return group, name[len(group.slot_prefix) :]
-        for prefix, table in sorted(self._table_prefixes, key=lambda p: -len(p[0])):
-            if name.startswith(prefix):
-                return table, name[len(prefix) :]
-        return None, None
-
-    def _entry(self, model_index: dict, variable, slot: str, split: dict, shard: int, parts: int):
-        """The checkpoint key of `slot` of the stage's `variable`, as unsharded runs write it."""
-        key = f"opt/{model_index[variable.path]}/{slot}"
-        axis = split.get(variable.path)
-        return key if axis is None else shard_key(key, shard, parts, axis), axis
-
-    def optimizer_state(self, model, split: dict, shard: int, parts: int, replica: int) -> dict:
-        """This replica's share of the optimizer state: its slice of each slot as ranges of the
-        flattened entries (`slice_key`), the global variables (step, ...) from replica 0.
-        Whole variables are written by tensor rank 0 only, as unsharded runs do."""
-        model_index = {v.path: i for i, v in enumerate(model.trainable_variables)}
-        state = {}
-        for opt_variable in self.model.optimizer.variables:
-            name = opt_variable.name
-            group, slot = self._slot_of(name)
-            value = np.asarray(opt_variable.numpy())
-            if group is None:
-                if replica == 0 and shard == 0:
-                    state[f"opt/{name}"] = value
-                continue
-            if not isinstance(group, _Group):  # a whole table's slot, as without ZeRO
-                key, axis = self._entry(model_index, group, slot, split, shard, parts)
-                if replica == 0 and (axis is not None or shard == 0):
-                    state[key] = value
-                continue
-            for p in group.pieces:
-                variable = self.variables[group.positions[p.variable]]
-                key, axis = self._entry(model_index, variable, slot, split, shard, parts)
-                if axis is None and shard != 0:
-                    continue
-                key = slice_key(key, p.start, p.stop, tuple(variable.shape))
-                state[key] = value[p.offset : p.offset + p.size]
-        return state
-
-    def restore_optimizer(self, model, state: dict, split: dict, shard: int, parts: int) -> None:
-        """Build the optimizer for the slices and load them from a joined checkpoint `state`
-        (whole entries, whichever layout wrote them)."""
-        self.build_optimizer()
-        model_index = {v.path: i for i, v in enumerate(model.trainable_variables)}
-        missing = []
-        for opt_variable in self.model.optimizer.variables:
-            name = opt_variable.name
-            group, slot = self._slot_of(name)
-            if group is None:
-                if f"opt/{name}" in state:
-                    opt_variable.assign(state[f"opt/{name}"])
-                else:
-                    missing.append(name)
-                continue
-            if not isinstance(group, _Group):  # a whole table's slot
-                key = f"opt/{model_index[group.path]}/{slot}"
-                if key not in state:
-                    missing.append(key)
-                    continue
-                axis = split.get(group.path)
-                whole = state[key]
-                opt_variable.assign(
-                    whole if axis is None else tensor_piece(whole, shard, parts, axis)
-                )
-                continue
-            values = np.zeros(group.layout.shard_size, opt_variable.dtype)
-            for p in group.pieces:
-                variable = self.variables[group.positions[p.variable]]
-                key = f"opt/{model_index[variable.path]}/{slot}"
-                if key not in state:
-                    missing.append(key)
-                    continue
-                whole = state[key]
-                axis = split.get(variable.path)
-                if axis is not None:
-                    whole = tensor_piece(whole, shard, parts, axis)
-                values[p.offset : p.offset + p.size] = np.ravel(whole)[p.start : p.stop]
-            opt_variable.assign(values)
-        if missing:
-            raise ValueError(
-                f"The checkpoint has no optimizer state for {missing[:3]}; it was written with a "
-                "different optimizer. Compile with the optimizer it was trained with, or start "
-                "without resume."
-            )
 
 
 def _inner(optimizer):
