@@ -150,6 +150,14 @@ def set_keras_mask(tensor, mask) -> None:
     _set(tensor, mask)
 
 
+def excludes_from_weight_decay(optimizer) -> bool:
+    """`Optimizer._exclude_from_weight_decay(_pattern)`: whether `exclude_from_weight_decay`
+    named some variables, so that weight decay is not the same rule for every element."""
+    return bool(getattr(optimizer, "_exclude_from_weight_decay", None)) or (
+        getattr(optimizer, "_exclude_from_weight_decay_pattern", None) is not None
+    )
+
+
 # --- the variables and sublayers tensor parallelism splits -----------------------------------
 def kernel_variable(layer):
     """`layer._kernel`: a Dense, EinsumDense or Conv layer's kernel variable itself (its

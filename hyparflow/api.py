@@ -126,8 +126,8 @@ def _make_trainer(model, resolved, comm, needs_loss=True, comm_backend=None, res
     # The partitioner rejects models that are not graphs, naming strategy="data" as the fix.
     plan = _build_plan(model, resolved, comm)
     layout = None
+    agree(comm, model_checks.check_optimizer_unbuilt, model, resolved)
     if resolved.tensor > 1:
-        agree(comm, model_checks.check_optimizer_unbuilt, model, resolved)
         layouts = agree(
             comm, _stage_layouts, model, plan, resolved.tensor, resolved.tensor_layout
         )  # fmt: skip
@@ -333,6 +333,7 @@ def _distributed_fit(model, x, y, batch_size, epochs, resolved, options, **kwarg
 
     source, validation_source = agree(comm, prepare)
     agree(comm, model_checks.check_tensor_parallel, model, resolved, options["comm"])
+    agree(comm, model_checks.check_sharded_optimizer, model, resolved, options["comm"])
     trainer = _make_trainer(
         model, resolved, comm, comm_backend=options["comm"], restoring=folder is not None
     )  # fmt: skip

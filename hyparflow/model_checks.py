@@ -10,6 +10,7 @@ from hyparflow import _keras
 from hyparflow.engine.random_slices import unsliceable_random_layers
 from hyparflow.engine.structure import model_input_list
 from hyparflow.engine.sync_batchnorm import synchronized_layers
+from hyparflow.engine.zero import refusal as zero_refusal
 
 
 def check_compiled(model) -> None:
@@ -127,11 +128,28 @@ def check_tensor_parallel(model, strategy, comm_backend: str) -> None:
         )
 
 
+def check_sharded_optimizer(model, strategy, comm_backend: str) -> None:
+    """Refuse what ZeRO-1 (`shard_optimizer=True`) cannot update slice by slice exactly: with
+    one replica there is nothing to shard, and everything is accepted."""
+    if not strategy.shard_optimizer or strategy.replicas == 1:
+        return
+    problem = zero_refusal(model.optimizer, strategy, comm_backend)
+    if problem:
+        raise ValueError(problem)
+
+
+def _shards_optimizer(strategy) -> bool:
+    return strategy.shard_optimizer and strategy.replicas > 1
+
+
 def check_optimizer_unbuilt(model, strategy) -> None:
-    """A new tensor-parallel trainer builds the optimizer for its shards: it must be fresh."""
-    if strategy.tensor > 1 and getattr(model.optimizer, "built", False):
-        name = f"tensor={strategy.tensor}"
+    """A new tensor-parallel or ZeRO trainer builds the optimizer for its shards or slices: it
+    must be fresh."""
+    if (strategy.tensor > 1 or _shards_optimizer(strategy)) and getattr(
+        model.optimizer, "built", False
+    ):
+        name = f"tensor={strategy.tensor}" if strategy.tensor > 1 else "shard_optimizer=True"
         raise ValueError(
             f"{name}: the model's optimizer was already built for whole variables; compile the "
-            "model again (a fresh optimizer) before hf.fit builds it for the shards."
+            "model again (a fresh optimizer) before hf.fit builds it for the shards or slices."
         )

@@ -48,6 +48,11 @@ class Strategy:
     has more ranks than cores and the launcher bound none, each rank's threads are pinned to
     one core (`hyparflow.process_tuning`). Off by default: hf.fit then changes no
     process-wide state, and binding is the launcher's job (`mpirun --bind-to core`).
+    `shard_optimizer=True` is ZeRO-1 (docs/zero.md): each of a stage's replicas keeps and
+    updates 1/replicas of the stage's optimizer state; gradients are reduce-scattered and the
+    updated parameters all-gathered, the same bytes as an allreduce, and training is exactly
+    the unsharded one. It needs an elementwise optimizer (SGD, Adam, AdamW, RMSprop, ...). With
+    one replica there is nothing to shard: it is accepted and training is the usual one.
 
     Example:
         >>> hf.Strategy("hybrid", partitions=2, replicas=2, microbatches=4, schedule="1f1b")
@@ -67,6 +72,7 @@ class Strategy:
     tune_process: bool = False
     tensor: int = 1
     tensor_layout: dict | None = None
+    shard_optimizer: bool = False
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -85,6 +91,10 @@ class Strategy:
             raise ValueError(
                 f"Strategy tensor_layout must be a dict from a regex over variable paths to a "
                 f"tuple of axes, got {type(self.tensor_layout).__name__}."
+            )
+        if not isinstance(self.shard_optimizer, bool):
+            raise ValueError(
+                f"Strategy shard_optimizer={self.shard_optimizer!r} must be True or False."
             )
         if self.schedule not in SCHEDULES:
             raise ValueError(

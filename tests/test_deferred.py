@@ -20,7 +20,7 @@ import pytest
 import hyparflow as hf
 from hyparflow import api, deferred
 from hyparflow.checkpoint.reader import LazyState
-from hyparflow.checkpoint.state import join_shards, piece, shard_key
+from hyparflow.checkpoint.state import join_shards, piece, shard_key, slice_key
 from hyparflow.memory.resident import PeakGrowth
 from tests.support.mpirun import run_scenario
 
@@ -114,12 +114,17 @@ def test_checkpoints_are_read_lazily_with_pieces_joined():
         for t in range(3):
             paths.append(f"{folder}/stage-0-shard-{t}.npz")
             entries = {shard_key("w/1", t, 3, 1): piece(whole, t, 3, 1)}
+            flat = piece(whole, t, 3, 1).ravel()  # a tensor piece's slot in two ZeRO ranges
+            for start, stop in ((0, 3), (3, 8)):
+                key = slice_key(shard_key("opt/1/m", t, 3, 1), start, stop, (4, 2))
+                entries[key] = flat[start:stop]
             if t == 0:
                 entries["w/0"] = np.ones(3)
             np.savez(paths[-1], **entries)
         state = LazyState(paths)
-        assert sorted(state) == ["w/0", "w/1"] and "w/1" in state and "w/2" not in state
-        assert np.array_equal(state["w/1"], whole)
+        assert sorted(state) == ["opt/1/m", "w/0", "w/1"]
+        assert "w/1" in state and "w/2" not in state
+        assert np.array_equal(state["w/1"], whole) and np.array_equal(state["opt/1/m"], whole)
         dense = {k: v for p in paths for k, v in np.load(p).items()}
         assert np.array_equal(join_shards(dense)["w/1"], state["w/1"])
         state.close()

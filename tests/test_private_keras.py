@@ -129,3 +129,10 @@ def test_keras_file_entries(tmp_path):
         *members["texts"],
         members["weights"],
     }
+
+
+def test_optimizer_entries():
+    optimizer = keras.optimizers.AdamW()
+    assert _keras.excludes_from_weight_decay(optimizer) is False
+    optimizer.exclude_from_weight_decay(var_names=["bias"])
+    assert _keras.excludes_from_weight_decay(optimizer) is True

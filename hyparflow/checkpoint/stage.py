@@ -11,7 +11,7 @@ class StageState(Protocol):
 
     `save` is collective: every rank calls it at the same point, and `guard(operation)` watches
     each of its blocking MPI waits. Only the first replica of each stage writes a file (one per
-    tensor rank under tensor parallelism).
+    tensor rank under tensor parallelism; every replica under ZeRO-1, its optimizer slices).
     """
 
     model: Any  # the user's model: every rank holds all of its weights (hf.scope: its own)
@@ -29,6 +29,10 @@ class StageState(Protocol):
     num_shards: int
     split: dict  # path -> split axis of each variable this rank holds a piece of
     pieces: dict  # path -> the shard variable holding this rank's piece of it
+    # None, or (ZeRO-1) this replica's slice of the optimizer state: `optimizer_state(model,
+    # split, shard, parts, replica)` gives its entries, `restore_optimizer(model, state, split,
+    # shard, parts)` loads them; then every replica writes a file
+    optimizer_shard: Any
 
     def guard(self, operation: str) -> AbstractContextManager: ...
 

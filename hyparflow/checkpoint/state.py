@@ -8,6 +8,10 @@ rate), `seed/<layer>/<j>` a layer's random seed state, `m/<i>` a summed metric s
 Under tensor parallelism a split variable's weight and slots are saved by every tensor rank as
 its piece, `<key>@<t>/<T>:<axis>`; `join_shards` puts the pieces back together on reading, so a
 checkpoint resumes with any number of tensor ranks (and stages and replicas).
+
+Under ZeRO-1 (`Strategy(shard_optimizer=True)`) each replica saves only its slice of each
+slot, as a range of the flattened entry: `<key>#<start>:<stop>/<shape>` (after the tensor
+piece's `@...` where there is one); `join_shards` puts those ranges back together first.
 """
 
 from __future__ import annotations
@@ -55,8 +59,67 @@ def join_pieces(base: str, found: dict):
     return np.concatenate([found[t][2] for t in range(parts)], axis=axis)
 
 
+def slice_key(key: str, start: int, stop: int, shape) -> str:
+    """The key of the flat elements [start, stop) of entry `key` of `shape` (a ZeRO slice).
+
+    Example:
+        >>> slice_key("opt/3/momentum", 0, 40, (4, 20))
+        'opt/3/momentum#0:40/4x20'
+    """
+    return f"{key}#{start}:{stop}/{'x'.join(str(int(d)) for d in shape)}"
+
+
+def split_slice_key(key: str):
+    """(base key, (start, stop, shape)) of a ZeRO slice's key; (key, None) for anything else."""
+    base, hash_, where = key.rpartition("#")
+    if not hash_:
+        return key, None
+    span, _, shape = where.partition("/")
+    start, _, stop = span.partition(":")
+    dims = tuple(int(d) for d in shape.split("x")) if shape else ()
+    return base, (int(start), int(stop), dims)
+
+
+def join_ranges(base: str, dims: tuple, found: list):
+    """Entry `base` of shape `dims` from its flat ranges `found`: [(start, stop, value)]; ranges
+    that do not cover it exactly are an error."""
+    found = sorted(found, key=lambda r: r[0])
+    size = int(np.prod(dims, dtype=np.int64))
+    ends = [0] + [stop for _, stop, _ in found]
+    if [start for start, _, _ in found] != ends[:-1] or ends[-1] != size:
+        raise ValueError(
+            f"The checkpoint holds elements {[(a, b) for a, b, _ in found]} of {size} of "
+            f"{base!r}; a replica's file is missing."
+        )
+    return np.concatenate([np.ravel(v) for _, _, v in found]).reshape(dims)
+
+
+def join_slices(state: dict) -> dict:
+    """`state` with the flat ranges of every sliced entry (`slice_key`) joined into the
+    entry's whole array.
+
+    Example:
+        >>> join_slices({"a#0:2/3": np.ones(2), "a#2:3/3": np.zeros(1)})["a"].tolist()
+        [1.0, 1.0, 0.0]
+    """
+    ranges: dict = {}
+    joined = {}
+    for key, value in state.items():
+        base, where = split_slice_key(key)
+        if where is None:
+            joined[key] = value
+            continue
+        start, stop, dims = where
+        ranges.setdefault(base, (dims, []))[1].append((start, stop, value))
+    for base, (dims, found) in ranges.items():
+        joined[base] = join_ranges(base, dims, found)
+    return joined
+
+
 def join_shards(state: dict) -> dict:
-    """`state` with every split entry's pieces put together along their axis, in shard order."""
+    """`state` with every split entry's pieces put together along their axis, in shard order
+    (ZeRO's flat ranges of each piece joined first)."""
+    state = join_slices(state)
     pieces: dict = {}
     joined = {}
     for key, value in state.items():

@@ -45,13 +45,17 @@ def save(
         world.Barrier()
     metric_sums = stage.summed_metric_states()  # collective over the last stage's replicas
     files = {}
-    if stage.replica == 0:
+    sharded = getattr(stage, "optimizer_shard", None)
+    if stage.replica == 0 or sharded is not None:
         state = _stage_state(stage)
-        if stage.is_last and stage.shard == 0:
+        if stage.is_last and stage.shard == 0 and stage.replica == 0:
             state.update({f"m/{i}": value for i, value in enumerate(metric_sums)})
-        name = f"stage-{stage.stage}.npz"
+        name = f"stage-{stage.stage}"
         if stage.num_shards > 1:
-            name = f"stage-{stage.stage}-shard-{stage.shard}.npz"
+            name += f"-shard-{stage.shard}"
+        if stage.replica > 0:  # ZeRO-1: each replica holds its own slice of the slots
+            name += f"-replica-{stage.replica}"
+        name += ".npz"
         path = os.path.join(folder, name)
         write_atomic(path, lambda f: np.savez(f, **state))
         files[name] = sha256(path)
@@ -77,9 +81,17 @@ def save(
 
 def _stage_state(stage: StageState) -> dict:
     """What this stage owns: its weights, its optimizer slots, its layers' seed states. A tensor
-    rank writes its pieces of split variables; whole ones only the first tensor rank writes."""
+    rank writes its pieces of split variables; whole ones only the first tensor rank writes.
+    Under ZeRO-1 each replica writes its slices of the slots, replica 0 also the rest."""
     model, split, first = stage.model, stage.split, stage.shard == 0
+    sharded = getattr(stage, "optimizer_shard", None)
     state = {}
+    if sharded is not None and stage.variables and model.optimizer.built:
+        state.update(
+            sharded.optimizer_state(model, split, stage.shard, stage.num_shards, stage.replica)
+        )
+    if stage.replica > 0:
+        return state
     for i in stage.owned_weight_indices():
         path = model.weights[i].path
         if path in stage.pieces:  # a tensor rank's own shard is its piece
@@ -87,7 +99,7 @@ def _stage_state(stage: StageState) -> dict:
             state[key] = np.asarray(stage.pieces[path].numpy())
         elif first:
             state[f"w/{i}"] = np.asarray(model.weights[i].numpy())
-    if stage.variables and model.optimizer.built:
+    if sharded is None and stage.variables and model.optimizer.built:
         slots = optimizer_state(model, model.optimizer, split, stage.shard, stage.num_shards)
         state.update({k: v for k, v in slots.items() if first or "@" in k})
     owners = layers_of_seed_keys(model)
@@ -170,7 +182,10 @@ def restore(stage: StageState, manifest, state) -> None:
     for key, variable in seed_generators(model):
         if key in state and not deferred.is_deferred(variable):
             variable.assign(state[key])
-    if stage.variables:
+    sharded = getattr(stage, "optimizer_shard", None)
+    if stage.variables and sharded is not None:
+        sharded.restore_optimizer(model, state, stage.split, stage.shard, stage.num_shards)
+    elif stage.variables:
         restore_optimizer(
             model, model.optimizer, stage.variables, state, stage.split, stage.shard,
             stage.num_shards,

@@ -28,6 +28,7 @@ class TrainingState:
         self.shard, self.num_shards = topology.shard, topology.num_shards
         self.split = dict(split or {})  # path -> axis of the variables split over tensor ranks
         self.pieces = dict(pieces or {})  # path -> this rank's shard variable of each of them
+        self.optimizer_shard = None  # ZeRO-1's ShardedUpdate: each replica saves its slices
         self._stage_comm = topology.stage_comm
         self._plan = plan
         self._guard = guard

@@ -45,6 +45,8 @@ from hyparflow.engine.weights import (
     owned_variables,
     packed,
 )
+from hyparflow.engine.zero import ShardedUpdate
+from hyparflow.engine.zero_checkpoint import ZeroCheckpoint
 from hyparflow.tensor import collectives
 from hyparflow.tensor.shards import TensorShards
 
@@ -154,6 +156,11 @@ class Trainer:
         self.stage_state = TrainingState(
             model, topo, plan, self.variables, self._guard, split, pieces
         )  # fmt: skip
+        # ZeRO-1: the replicas split the optimizer state and its update (engine/zero.py)
+        self.zero = None
+        if strategy.shard_optimizer and topo.num_replicas > 1:
+            self.zero = ShardedUpdate(model, topo, self.variables, self.update, self.gradient_sync)
+            self.stage_state.optimizer_shard = ZeroCheckpoint(self.zero)
         self._log_root = topo.grid.rank_of(topo.num_stages - 1, 0)
         self.attach_recorder(None)
 
@@ -241,12 +248,15 @@ class Trainer:
                 on_segment_done=self.gradient_sync.on_segment_done,
             )  # fmt: skip
             guard = self._guard("reduce gradients across stages and replicas")
+            reduction, update = self.gradient_sync, self.update
+            if self.zero is not None:  # reduce-scatter, update the slice, all-gather
+                reduction = update = self.zero
             with self._span(events.ALLREDUCE), guard:
-                gradients = self.gradient_sync.reduce()
+                gradients = reduction.reduce()
             if self.check_numerics:
                 self.update.check_finite(losses, gradients.as_list(), self.step)
             with self._span(events.OPTIMIZER):
-                reg_value = self.update.apply(gradients)
+                reg_value = update.apply(gradients)
         self._track_loss(losses, reg_value, self._added_total())
         self._average_moving_statistics()
         self.step += 1

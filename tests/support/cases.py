@@ -25,6 +25,7 @@ _STRATEGY_OPTIONS = {
     "flat_gradients": ("flat_gradients", True),
     "sync_batchnorm": ("sync_batchnorm", False),
     "tensor": ("tensor", 1),
+    "shard_optimizer": ("shard_optimizer", False),
 }
 
 
@@ -55,6 +56,7 @@ class Case:
     sync_batchnorm: bool = False
     one_step: bool = False
     tensor: int = 1
+    shard_optimizer: bool = False
 
     def __str__(self) -> str:
         """The readable id: defaults left out, e.g. `mlp-sgd-data-R2`."""
@@ -71,6 +73,7 @@ class Case:
             "largevars": self.large_variables,
             "syncbn": self.sync_batchnorm,
             "1step": self.one_step,
+            "zero": self.shard_optimizer,
         }
         parts = [
             self.model,

@@ -1,0 +1,403 @@
+"""ZeRO-1: each of a stage's R replicas keeps and updates 1/R of the stage's optimizer state.
+
+`Strategy(shard_optimizer=True)` (docs/zero.md). A step's gradients are reduce-scattered over
+the stage's replicas (`topology.stage_comm`, one per stage and tensor shard) instead of
+all-reduced: replica r receives the sum of its slice of the stage's flattened gradient
+(`zero_layout.ZeroLayout`), adds the regularization gradients of that slice, clips by the
+whole model's norm (squares summed over replicas, tensor ranks and stages), and runs the user's
+optimizer on one 1-D variable per dtype holding its slice of the parameters, so the optimizer
+builds its slots for that slice alone. The updated slices are then all-gathered into every
+replica's variables. Embedding tables stay whole: their row-sparse gradients are gathered as
+without ZeRO and applied in the same optimizer call, because Keras's sparse update (Adam
+squares each (row, value) pair) is not the update of the densified gradient.
+
+Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
+Models", stage 1 (optimizer state partitioning).
+"""
+
+from __future__ import annotations
+
+import math
+
+import keras
+import numpy as np
+import tensorflow as tf
+from keras import ops
+from keras.optimizers import LossScaleOptimizer
+
+from hyparflow import _keras
+from hyparflow.comm.allreduce import reduction_dtype
+from hyparflow.engine import sparse as rows
+from hyparflow.engine.mpi import mpi_op
+from hyparflow.engine.zero_layout import ZeroLayout, group_by_dtype, ring_bytes
+
+# The optimizers whose update of each element depends only on that element's gradient, state
+# and global scalars (step, learning rate): updating a slice of a flat vector is then exactly
+# updating the whole variables. Adafactor (row/column factors), Lamb (per-variable trust
+# ratio), Muon (orthogonalised matrices) are not, nor are custom optimizers we cannot read.
+ELEMENTWISE_OPTIMIZERS = (
+    "SGD", "Adam", "AdamW", "Adamax", "Nadam", "RMSprop", "Adagrad", "Adadelta", "Lion", "Ftrl",
+)  # fmt: skip
+
+
+class _Group:
+    """The stage's variables of one dtype: their layout, this replica's pieces, its slice."""
+
+    def __init__(self, dtype: str, positions: list[int], variables: list, parts: int, part: int):
+        self.dtype = dtype
+        self.positions = positions  # indices in the stage's variable list
+        self.layout = ZeroLayout([int(np.prod(variables[i].shape)) for i in positions], parts)
+        self.pieces = self.layout.pieces(part)
+        self.padding = self.layout.padding(part)
+        self.variable = keras.Variable(
+            np.zeros(self.layout.shard_size, dtype), trainable=True, name=f"hyparflow_zero_{dtype}"
+        )
+        self.slot_prefix = self.variable.path.replace("/", "_") + "_"  # Keras's slot names
+
+    @property
+    def reduced_dtype(self) -> np.dtype:
+        return reduction_dtype(self.dtype)
+
+
+class ZeroGradients:
+    """A step's gradients under ZeRO: this rank's own (`as_list`, for the finite check), the
+    reduced slice of each dtype group (`slices`) and the tables' gathered row slices."""
+
+    def __init__(self, local: list, slices: list, tables: list):
+        self.local, self.slices, self.tables = local, slices, tables
+
+    def as_list(self) -> list:
+        return self.local
+
+
+class ShardedUpdate:
+    """The reduction and optimizer step of a stage whose optimizer state is split over its
+    replicas (ZeRO-1), in place of `GradientSync.reduce` and `Update.apply`.
+
+    `update` is the stage's `Update`: its regularization, loss-scale agreement and sums over
+    the pipeline and tensor ranks are reused, so the two paths cannot drift apart.
+    `sync` is the stage's `GradientSync`, whose runner and pipeline sum of shared layers give
+    each rank's own gradients, and whose `sparse` positions are the embedding tables (kept
+    whole, their slots too). `sent_bytes` counts the bytes this rank has sent (ring volume of
+    the reduce-scatters and all-gathers); `step_bytes` and `allreduce_bytes` give one step's,
+    and what an allreduce of the same gradients would send.
+
+    Example:
+        zero = ShardedUpdate(model, topology, variables, update, sync)
+        reg_value = zero.apply(zero.reduce())
+    """
+
+    def __init__(self, model, topology, variables, update, sync):
+        self.model = model
+        self.topology = topology
+        self.comm = topology.stage_comm
+        self.variables = variables
+        self.update = update
+        self.sync = sync
+        self._guard = update._guard
+        parts, part = self.comm.Get_size(), self.comm.Get_rank()
+        self.table_positions = list(sync.sparse)
+        self.tables = [variables[i] for i in self.table_positions]
+        dense = [i for i in range(len(variables)) if i not in set(self.table_positions)]
+        self.groups = [
+            _Group(dtype, [dense[j] for j in positions], variables, parts, part)
+            for dtype, positions in group_by_dtype([variables[i].dtype for i in dense]).items()
+        ]
+        self._table_prefixes = [(v.path.replace("/", "_") + "_", v) for v in self.tables]
+        owned = {id(v) for v in update.owned}
+        split = update._split
+        # which pieces count in the global norm: each variable once over the pipeline (the
+        # stage that owns it), tensor shards summed over the tensor ranks
+        self._norm_pieces = [
+            [
+                (p, id(variables[g.positions[p.variable]]) in split)
+                for p in g.pieces
+                if id(variables[g.positions[p.variable]]) in owned
+            ]
+            for g in self.groups
+        ]
+        # per table: None where another stage owns it, else whether it is a tensor shard
+        self._table_norm = [(id(v) in split) if id(v) in owned else None for v in self.tables]
+        self.clips = bool(getattr(_inner(model.optimizer), "global_clipnorm", None))
+        self.sent_bytes = 0
+        self.step_bytes = {
+            "reduce_scatter": sum(
+                ring_bytes(g.layout.padded, parts, g.reduced_dtype.itemsize) for g in self.groups
+            ),
+            "allgather": sum(
+                ring_bytes(g.layout.padded, parts, np.dtype(g.dtype).itemsize) for g in self.groups
+            ),
+        }
+        self.allreduce_bytes = sum(
+            2 * ring_bytes(g.layout.length, parts, g.reduced_dtype.itemsize) for g in self.groups
+        )
+        self._flatten_fn = tf.function(self._flatten)
+        self._regularize_fn = tf.function(self._regularize, reduce_retracing=True)
+        self._squares_fn = tf.function(self._squares, reduce_retracing=True)
+        self._assign_fn = tf.function(self._assign)
+        self._compiled: dict = {}
+        self._built_for = None
+
+    # --- the reduction -----------------------------------------------------------------------
+    def reduce(self) -> ZeroGradients:
+        """Take this rank's gradients (summed over stages sharing a layer) and reduce-scatter
+        them over the stage's replicas: each receives the sums of its slice (collective)."""
+        sync = self.sync
+        local = sync.runner.take_gradients()
+        if sync.shared is not None:
+            local = sync.shared.sum(local, sync.shared_reducer, self.topology.pipeline_comm)
+        tables = [local[i] for i in self.table_positions]
+        if tables:  # row slices of every replica, in rank order, as without ZeRO
+            tables = rows.reduce_rows(self.comm, tables)
+        dense = [None if i in self.table_positions else g for i, g in enumerate(local)]
+        slices = []
+        for group, flat in zip(self.groups, self._flatten_fn(dense)):
+            send = np.asarray(flat)
+            received = np.empty(group.layout.shard_size, group.reduced_dtype)
+            self.comm.Reduce_scatter_block(send, received, op=mpi_op("SUM"))
+            slices.append(tf.cast(tf.constant(received), group.dtype))
+        self.sent_bytes += self.step_bytes["reduce_scatter"]
+        return ZeroGradients(local, slices, tables)
+
+    def _flatten(self, grads):
+        """Per group: its gradients in float32 (or wider) as one padded flat vector."""
+        flats = []
+        for group in self.groups:
+            parts = [
+                tf.reshape(tf.cast(grads[i], group.reduced_dtype), [-1]) for i in group.positions
+            ]
+            padding = group.layout.padded - group.layout.length
+            if padding:
+                parts.append(tf.zeros([padding], group.reduced_dtype))
+            flats.append(tf.concat(parts, axis=0))
+        return flats
+
+    # --- the update --------------------------------------------------------------------------
+    def apply(self, gradients: ZeroGradients) -> float:
+        """Step the optimizer on this replica's slices and all-gather the new parameters into
+        every replica's variables; return the model's total regularization (collective)."""
+        update = self.update
+        slices, tables = gradients.slices, gradients.tables
+        scale = update.loss_scale()
+        reg_value = 0.0
+        if update.regularized:
+            slices, tables, whole, parts = self._regularize_fn(
+                slices, tables, tf.constant(scale, tf.float32)
+            )
+            reg_value = update._total(whole, parts)
+        reg_value = update._sum_over_pipeline(reg_value)
+        if isinstance(self.model.optimizer, LossScaleOptimizer):
+            # each rank sees only its slice: every rank of the world must agree on skipping
+            grads = update._agree_finite_for_loss_scaling([*slices, *tables])
+            slices, tables = grads[: len(slices)], grads[len(slices) :]
+        norm = self._global_norm(slices, tables, scale) if self.clips else None
+        if self.groups or self.tables:
+            values = self._step(list(slices) + list(tables), norm)
+            self._gather(values)
+        return reg_value
+
+    def _regularize(self, slices, tables, scale):
+        """`slices` plus this slice of the regularization gradients (times the loss scale, as
+        the stage's gradients are of the scaled loss), `tables` plus theirs (dense, as one
+        process's tape sums them); the regularization's two parts."""
+        whole, parts, reg_grads = self.update._regularization_and_grads()
+        by_variable = {id(v): g for v, g in zip(self.update.regularized, reg_grads)}
+        added = []
+        for group, grad in zip(self.groups, slices):
+            pieces = []
+            for p in group.pieces:
+                reg = by_variable.get(id(self.variables[group.positions[p.variable]]))
+                if reg is None:
+                    pieces.append(tf.zeros([p.size], group.dtype))
+                else:
+                    flat = tf.reshape(tf.convert_to_tensor(reg), [-1])[p.start : p.stop]
+                    pieces.append(tf.cast(flat, group.dtype))
+            if group.padding:
+                pieces.append(tf.zeros([group.padding], group.dtype))
+            added.append(grad + tf.concat(pieces, axis=0) * tf.cast(scale, group.dtype))
+        tables = list(tables)
+        for j, table in enumerate(self.tables):
+            reg = by_variable.get(id(table))
+            if reg is not None:
+                grad = tf.convert_to_tensor(tables[j])
+                tables[j] = grad + tf.cast(reg, grad.dtype) * tf.cast(scale, grad.dtype)
+        return added, tables, whole, parts
+
+    def _squares(self, slices, tables, scale):
+        """Squared norms of the owned pieces of `slices`, unscaled: (whole variables, shards),
+        then the same of the owned `tables` (each (row, value) pair counts, as in Keras)."""
+        whole, split = tf.constant(0.0), tf.constant(0.0)
+        table_whole, table_split = tf.constant(0.0), tf.constant(0.0)
+        for grad, is_split in zip(tables, self._table_norm):
+            if is_split is None:
+                continue
+            part = tf.reduce_sum(tf.square(tf.cast(rows.values_of(grad), "float32")))
+            if is_split:
+                table_split += part
+            else:
+                table_whole += part
+        for grad, pieces in zip(slices, self._norm_pieces):
+            for p, is_split in pieces:
+                part = tf.reduce_sum(
+                    tf.square(tf.cast(grad[p.offset : p.offset + p.size], "float32"))
+                )
+                if is_split:
+                    split += part
+                else:
+                    whole += part
+        return tf.stack([whole, split, table_whole, table_split]) / tf.square(scale)
+
+    def _global_norm(self, slices, tables, scale: float):
+        """Keras's global gradient norm of the whole model: slices' squares summed over the
+        stage's replicas, shards' over the tensor ranks, stages' over the pipeline. Every
+        replica holds the tables' whole gradients: they count once, after the replica sum."""
+        squares = np.asarray(
+            self._squares_fn(slices, tables, tf.constant(scale, tf.float32)), np.float64
+        )
+        replicas = np.ascontiguousarray(squares[:2])
+        with self._guard("sum the gradient norm over the replicas"):
+            self.comm.Allreduce(mpi_op("IN_PLACE"), replicas)
+        whole, split = float(replicas[0] + squares[2]), float(replicas[1] + squares[3])
+        if self.update._tensor_comm is not None:
+            with self._guard("sum the gradient norm over the tensor ranks"):
+                split = self.update._tensor_comm.allreduce(split)
+        with self._guard("sum the gradient norm over the pipeline"):
+            total = self.topology.pipeline_comm.allreduce(whole + split)
+        return tf.constant(math.sqrt(total), tf.float32)
+
+    def _step(self, slices, norm):
+        """The optimizer's update of the slices and the tables, one compiled call; the new
+        slice values."""
+        self.build_optimizer()
+        if norm is None:
+            return self._compiled_update(self._update_body)(list(slices))
+        return self._compiled_update(self._clipped_update_body)(list(slices), norm)
+
+    def _load_slices(self) -> None:
+        """Each slice variable takes its elements of the stage's variables, which are the truth
+        between steps (restores, callbacks and tensor shards write those)."""
+        for group in self.groups:
+            pieces = [
+                tf.reshape(self.variables[group.positions[p.variable]], [-1])[p.start : p.stop]
+                for p in group.pieces
+            ]
+            if group.padding:
+                pieces.append(tf.zeros([group.padding], group.dtype))
+            group.variable.assign(tf.concat(pieces, axis=0))
+
+    def _targets(self) -> list:
+        return [g.variable for g in self.groups] + self.tables
+
+    def _update_body(self, slices):
+        self._load_slices()
+        self.model.optimizer.apply(slices, self._targets())
+        return [g.variable.value for g in self.groups]
+
+    def _clipped_update_body(self, slices, norm):
+        """Keras's `clip_by_global_norm` with the whole model's norm, then the update."""
+        self._load_slices()
+        optimizer = _inner(self.model.optimizer)
+        clip = optimizer.global_clipnorm
+        scale = clip * ops.minimum(1.0 / norm, 1.0 / clip) + (norm - norm)  # NaN if not finite
+        optimizer.global_clipnorm = None  # clipped here: the slice alone would see its own norm
+        try:
+            clipped = [rows.like(g, rows.values_of(g) * tf.cast(scale, g.dtype)) for g in slices]
+            self.model.optimizer.apply(clipped, self._targets())
+        finally:
+            optimizer.global_clipnorm = clip
+        return [g.variable.value for g in self.groups]
+
+    def _gather(self, values) -> None:
+        """All-gather every replica's updated slice and assign the stage's variables."""
+        if not self.groups:
+            return
+        whole = []
+        for group, value in zip(self.groups, values):
+            mine = np.ascontiguousarray(np.asarray(value))
+            gathered = np.empty(group.layout.padded, mine.dtype)
+            with self._guard("all-gather the updated parameters"):
+                # bytes, so that any dtype travels (MPI has no float16 or bfloat16)
+                self.comm.Allgather(mine.view(np.uint8), gathered.view(np.uint8))
+            whole.append(tf.constant(gathered))
+        self.sent_bytes += self.step_bytes["allgather"]
+        self._assign_fn(whole)
+
+    def _assign(self, flats):
+        for group, flat in zip(self.groups, flats):
+            sizes = group.layout.sizes
+            parts = tf.split(flat[: group.layout.length], sizes)
+            for i, part in zip(group.positions, parts):
+                variable = self.variables[i]
+                variable.assign(tf.reshape(part, variable.shape))
+
+    def build_optimizer(self) -> None:
+        """Build the model's optimizer for the slice variables (once per optimizer object)."""
+        optimizer = self.model.optimizer
+        if self._built_for is optimizer:
+            return
+        if optimizer.built:
+            raise ValueError(
+                "shard_optimizer=True: the model's optimizer was already built for whole "
+                "variables; compile the model again (a fresh optimizer) before hf.fit builds it "
+                "for this replica's slice."
+            )
+        optimizer.build(self._targets())
+        self._built_for = optimizer
+
+    def _compiled_update(self, body):
+        """`body` as a `tf.function`, traced anew for each optimizer object."""
+        optimizer = self.model.optimizer
+        name = body.__name__
+        if name not in self._compiled or self._compiled[name][0] is not optimizer:
+            # Tables' row counts vary by step: generalise shapes after a retrace, as Keras does.
+            self._compiled[name] = (optimizer, tf.function(body, reduce_retracing=True))
+        return self._compiled[name][1]
+
+
+def _inner(optimizer):
+    """The optimizer that clips: a LossScaleOptimizer's inner one."""
+    return optimizer.inner_optimizer if isinstance(optimizer, LossScaleOptimizer) else optimizer
+
+
+def refusal(optimizer, strategy, comm_backend: str) -> str | None:
+    """Why ZeRO-1 cannot shard `optimizer` under `strategy` exactly (None if it can): the
+    update of each element must depend on that element alone (docs/zero.md).
+
+    Example:
+        >>> refusal(keras.optimizers.Lamb(), strategy, "mpi")
+        'shard_optimizer=True: Lamb does not update each element ...'
+    """
+    name = "shard_optimizer=True"
+    if comm_backend != "mpi":
+        return f"{name} reduce-scatters gradients with MPI; use comm='mpi'."
+    if strategy.overlap_groups > 1:
+        return f"{name} reduces the flat gradient after the backward; use overlap_groups=1."
+    inner = _inner(optimizer)
+    kind = type(inner).__name__
+    if kind not in ELEMENTWISE_OPTIMIZERS or not type(inner).__module__.startswith("keras"):
+        return (
+            f"{name}: {kind} does not update each element from its own gradient and state (or "
+            f"hyparflow cannot tell), so a replica cannot update a slice alone; use one of "
+            f"{', '.join(ELEMENTWISE_OPTIMIZERS)}, or shard_optimizer=False."
+        )
+    if getattr(inner, "clipnorm", None):
+        return (
+            f"{name}: the optimizer's clipnorm clips each variable by its own norm, which a "
+            "slice cannot know; use global_clipnorm (clipped by the whole model's norm)."
+        )
+    if _keras.excludes_from_weight_decay(inner):
+        return (
+            f"{name}: exclude_from_weight_decay makes weight decay differ by variable, which a "
+            "flat slice cannot tell apart; drop the exclusion, or use shard_optimizer=False."
+        )
+    if getattr(inner, "use_ema", False):
+        return (
+            f"{name}: use_ema keeps a moving average of whole variables that the slices do not "
+            "hold; use use_ema=False, or shard_optimizer=False."
+        )
+    if (getattr(inner, "gradient_accumulation_steps", None) or 1) > 1:
+        return (
+            f"{name}: gradient_accumulation_steps accumulates whole gradients; accumulate by a "
+            "larger batch_size (or num_microbatches), or use shard_optimizer=False."
+        )
+    return None

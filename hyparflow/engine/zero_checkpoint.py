@@ -1,0 +1,111 @@
+"""What checkpoints see of a ZeRO-1 stage: each replica's slices of the optimizer slots.
+
+Each replica saves only the slots of its slice, as ranges of the flattened entries that an
+unsharded run writes whole (`opt/<i>/<slot>#<start>:<stop>/<shape>`, after the tensor piece's
+`@<t>/<T>:<axis>` where there is one; `checkpoint.reader.LazyState` joins them on reading).
+Restoring takes whole entries, however they were written, and cuts this replica's slice:
+ZeRO on or off, any replica count, pipeline or tensor layout (docs/zero.md).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hyparflow.checkpoint.state import piece as tensor_piece
+from hyparflow.checkpoint.state import shard_key, slice_key
+
+
+class ZeroCheckpoint:
+    """`checkpoint/stage.py`'s `optimizer_shard` for a `ShardedUpdate` `zero`.
+
+    Example:
+        stage_state.optimizer_shard = ZeroCheckpoint(zero)
+    """
+
+    def __init__(self, zero):
+        self.zero = zero
+
+    def _slot_of(self, name: str):
+        """(slice group, table, slot name) of the optimizer variable named `name`: a slot of
+        a dtype group's slice or of a whole embedding table, or neither (the optimizer's own
+        step, learning rate, loss scale)."""
+        for group in self.zero.groups:
+            if name.startswith(group.slot_prefix):
+                return group, None, name[len(group.slot_prefix) :]
+        for prefix, table in sorted(self.zero._table_prefixes, key=lambda p: -len(p[0])):
+            if name.startswith(prefix):
+                return None, table, name[len(prefix) :]
+        return None, None, None
+
+    def optimizer_state(self, model, split: dict, shard: int, parts: int, replica: int) -> dict:
+        """This replica's share of the optimizer state: its slice of each slot as ranges of the
+        flattened entries (`slice_key`); tables' slots and the optimizer's own variables from
+        replica 0. Whole variables are written by tensor rank 0 only, as unsharded runs do."""
+        index = {v.path: i for i, v in enumerate(model.trainable_variables)}
+        state = {}
+        for opt_variable in self.zero.model.optimizer.variables:
+            group, table, slot = self._slot_of(opt_variable.name)
+            value = np.asarray(opt_variable.numpy())
+            if group is None:  # the optimizer's own, or a whole table's slot
+                axis = None if table is None else split.get(table.path)
+                if replica == 0 and (shard == 0 or axis is not None):
+                    key = f"opt/{opt_variable.name}"
+                    if table is not None:
+                        key = _key(index, table, slot, axis, shard, parts)
+                    state[key] = value
+                continue
+            for p in group.pieces:
+                variable = self.zero.variables[group.positions[p.variable]]
+                axis = split.get(variable.path)
+                if axis is None and shard != 0:
+                    continue
+                key = _key(index, variable, slot, axis, shard, parts)
+                key = slice_key(key, p.start, p.stop, tuple(variable.shape))
+                state[key] = value[p.offset : p.offset + p.size]
+        return state
+
+    def restore_optimizer(self, model, state: dict, split: dict, shard: int, parts: int) -> None:
+        """Build the optimizer for the slices and load them from a joined checkpoint `state`
+        (whole entries, whichever layout wrote them)."""
+        self.zero.build_optimizer()
+        index = {v.path: i for i, v in enumerate(model.trainable_variables)}
+        missing = []
+
+        def whole(variable, slot):
+            """The entry of `slot` of `variable` (this rank's piece of a tensor shard's)."""
+            key = f"opt/{index[variable.path]}/{slot}"
+            if key not in state:
+                missing.append(key)
+                return None
+            axis = split.get(variable.path)
+            return state[key] if axis is None else tensor_piece(state[key], shard, parts, axis)
+
+        for opt_variable in self.zero.model.optimizer.variables:
+            group, table, slot = self._slot_of(opt_variable.name)
+            if table is not None:
+                value = whole(table, slot)
+            elif group is None:
+                value = state.get(f"opt/{opt_variable.name}")
+                if value is None:
+                    missing.append(opt_variable.name)
+            else:
+                value = np.zeros(group.layout.shard_size, opt_variable.dtype)
+                for p in group.pieces:
+                    entry = whole(self.zero.variables[group.positions[p.variable]], slot)
+                    if entry is not None:
+                        value[p.offset : p.offset + p.size] = np.ravel(entry)[p.start : p.stop]
+            if value is not None:
+                opt_variable.assign(value)
+        if missing:
+            raise ValueError(
+                f"The checkpoint has no optimizer state for {missing[:3]}; it was written with a "
+                "different optimizer. Compile with the optimizer it was trained with, or start "
+                "without resume."
+            )
+
+
+def _key(index: dict, variable, slot: str, axis, shard: int, parts: int) -> str:
+    """The key of `slot` of `variable` as an unsharded run writes it (a tensor piece's with
+    `axis`)."""
+    key = f"opt/{index[variable.path]}/{slot}"
+    return key if axis is None else shard_key(key, shard, parts, axis)

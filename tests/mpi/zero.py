@@ -1,0 +1,133 @@
+"""ZeRO-1 (`Strategy(shard_optimizer=True)`) under a real mpirun: exactness, slot sizes, bytes,
+refusals and checkpoints that change layout on resume.
+
+Usage: `python -m tests.mpi.zero OUT FOLDER CASE_JSON...`. Each case (tests/support/cases.py,
+a zoo model) is trained by hf.fit and by Keras's own fit on every rank. Then, on 2 ranks, the
+refusals and a resume between ZeRO on and off; on 4 ranks, a resume that changes R and P.
+"""
+
+import os
+
+import keras
+import numpy as np
+
+import hyparflow as hf
+from hyparflow.checkpoint import manifest
+from tests.mpi.reliability import BATCH, EPOCHS, _resume_each, train
+from tests.support import zoo
+from tests.support.cases import Case
+from tests.support.compare import history_difference, relative_difference
+from tests.support.report import args, report
+
+SLOTS = {"adam": 2, "sgd": 1}  # optimizer slots per element (SGD with momentum)
+
+
+def run(case: Case) -> dict:
+    (x, y), batch_size = zoo.data(case.model, n=70), 16
+    reference = zoo.compiled(case.model, case.optimizer, case.policy)
+    ref_history = reference.fit(x, y, batch_size=batch_size, epochs=2, shuffle=False, verbose=0)
+    model = zoo.compiled(case.model, case.optimizer, case.policy)
+    history = hf.fit(
+        model, x, y, batch_size=batch_size, epochs=2, shuffle=False, verbose=0,
+        strategy=hf.Strategy(**case.strategy_options()),
+    )  # fmt: skip
+    trainer = model._hyparflow_trainer[1]
+    zero = trainer.zero
+    # the optimizer's per-element state on this rank, against the unsharded stage's
+    slot_elements = sum(
+        int(np.prod(v.shape)) for v in model.optimizer.variables if len(v.shape) > 0
+    )
+    stage_elements = sum(int(np.prod(v.shape)) for v in trainer.variables)
+    # embedding tables stay whole (their slots too): the ratio of the sharded rest
+    table_elements = sum(int(np.prod(v.shape)) for v in zero.tables) if zero else 0
+    slots = SLOTS[case.optimizer.split("+")[0]]
+    return {
+        "case": case.id,
+        "weights": relative_difference(model.get_weights(), reference.get_weights()),
+        "history": history_difference(history.history, ref_history.history),
+        "zero": zero is not None,
+        "slot_ratio": slot_elements / (slots * stage_elements),
+        "dense_slot_ratio": (slot_elements - slots * table_elements)
+        / (slots * (stage_elements - table_elements)),
+        "sent_bytes": zero.sent_bytes if zero else None,
+        "step_bytes": zero.step_bytes if zero else None,
+        "allreduce_bytes": zero.allreduce_bytes if zero else None,
+        "steps": trainer.step,
+        "elements": stage_elements,
+    }
+
+
+def refusals() -> dict:
+    """The error each optimizer or option that ZeRO cannot shard raises (on every rank)."""
+    x, y = zoo.data("wide_mlp", n=32)
+    found = {}
+    for name, (optimizer, options) in {
+        "lamb": (keras.optimizers.Lamb(), {}),
+        "clipnorm": (keras.optimizers.Adam(clipnorm=1.0), {}),
+        "overlap": (keras.optimizers.Adam(), {"overlap_groups": 2}),
+    }.items():
+        model = zoo.seeded_build(zoo.BUILDERS["wide_mlp"])
+        model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy")
+        strategy = hf.Strategy("data", shard_optimizer=True, **options)
+        try:
+            hf.fit(model, x, y, batch_size=16, epochs=1, verbose=0, strategy=strategy)
+            found[name] = None
+        except Exception as error:  # noqa: BLE001 - the message is what the test checks
+            found[name] = str(error)
+    return found
+
+
+def resumes_two(folder: str) -> dict:
+    """A ZeRO checkpoint resumed with ZeRO, without it and as a pipeline (R 2 -> 1); an
+    unsharded one resumed with ZeRO."""
+    zero = hf.Strategy("data", shard_optimizer=True)
+    train(folder, strategy=zero, epochs=2, dropout=0.0)
+    files = sorted(n for n in os.listdir(manifest.latest(folder)) if n.endswith(".npz"))
+    results, _ = _resume_each(folder, {
+        "same": zero, "off": hf.Strategy("data"), "model2": hf.Strategy("model", partitions=2),
+    })  # fmt: skip
+    plain = folder + "-plain"
+    train(plain, strategy=hf.Strategy("data"), epochs=2, dropout=0.0)
+    plain_results, _ = _resume_each(plain, {"same": hf.Strategy("data"), "on": zero})
+    return {
+        "files": files,
+        "off": relative_difference(results["off"], results["same"]),
+        "model2": relative_difference(results["model2"], results["same"]),
+        "on": relative_difference(plain_results["on"], plain_results["same"]),
+    }
+
+
+def resumes_four(folder: str) -> dict:
+    """A 2-replica x 2-tensor-rank ZeRO checkpoint (slices of shards) resumed with R 2 -> 4
+    and T 2 -> 1, as a 2-stage pipeline, and without ZeRO."""
+    zero = hf.Strategy("data", replicas=2, tensor=2, shard_optimizer=True)
+    train(folder, strategy=zero, epochs=2, dropout=0.0)
+    files = sorted(n for n in os.listdir(manifest.latest(folder)) if n.endswith(".npz"))
+    results, _ = _resume_each(folder, {
+        "same": zero,
+        "data4": hf.Strategy("data", shard_optimizer=True),
+        "hybrid": hf.Strategy("hybrid", partitions=2, replicas=2, shard_optimizer=True),
+        "off": hf.Strategy("data", replicas=2, tensor=2),
+    })  # fmt: skip
+    return {
+        "files": files,
+        **{k: relative_difference(v, results["same"]) for k, v in results.items() if k != "same"},
+    }
+
+
+def main():
+    folder, *cases = args()
+    keras.config.disable_interactive_logging()
+    results = [run(Case.from_json(c)) for c in cases]
+    extra = {}
+    if hf.size() == 2:
+        extra = {"refusals": refusals(), "resume": resumes_two(folder)}
+    elif hf.size() == 4:
+        extra = {"resume": resumes_four(folder)}
+    report({"rank": hf.rank(), "results": results, **extra})
+
+
+assert (BATCH, EPOCHS) == (16, 3)  # the reliability scenario's run, which the resumes reuse
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,193 @@
+"""ZeRO-1 (`Strategy(shard_optimizer=True)`): the pure slice layout, the refusals, and training
+under a real mpirun that equals Keras with 1/R of the optimizer state per replica.
+
+Two launches (2 and 4 ranks, tests/mpi/zero.py) train every case with hf.fit and with Keras's
+own fit, report each rank's optimizer slot elements against the unsharded stage's, the bytes
+sent per step, the refusals' messages (2 ranks), and checkpoints resumed across ZeRO on and
+off, other replica counts, pipelines and tensor ranks.
+"""
+
+import dataclasses
+
+import keras
+import numpy as np
+import pytest
+
+import hyparflow as hf
+from hyparflow import model_checks
+from hyparflow.checkpoint.state import join_shards, shard_key, slice_key
+from hyparflow.engine.zero_layout import Piece, ZeroLayout, group_by_dtype, ring_bytes
+from tests.support.cases import Case
+from tests.support.mpirun import run_scenario
+
+TOLERANCE = 1e-5  # tests/test_engine.py's and test_tensor_parallel.py's
+MIXED_TOLERANCE = 6e-3  # mixed_float16: unsharded data parallelism is already 5.1e-3 off
+
+
+# --- the pure layout ----------------------------------------------------------------------------
+def test_slices_cover_the_padded_vector_once_in_order():
+    layout = ZeroLayout([6, 3, 4], parts=3)  # 13 elements, padded to 15
+    assert (layout.length, layout.padded, layout.shard_size) == (13, 15, 5)
+    assert [layout.bounds(r) for r in range(3)] == [(0, 5), (5, 10), (10, 15)]
+    assert layout.pieces(0) == [Piece(0, 0, 5, 0)]
+    assert layout.pieces(1) == [Piece(0, 5, 6, 0), Piece(1, 0, 3, 1), Piece(2, 0, 1, 4)]
+    assert layout.pieces(2) == [Piece(2, 1, 4, 0)]
+    assert [layout.padding(r) for r in range(3)] == [0, 0, 2]
+    assert layout.owners(0) == [0, 1] and layout.owners(2) == [1, 2]
+    for parts in (1, 2, 3, 4, 7):
+        layout = ZeroLayout([5, 1, 9, 2], parts)
+        covered = [
+            (p.variable, e) for r in range(parts) for p in layout.pieces(r)
+            for e in range(p.start, p.stop)
+        ]  # fmt: skip
+        assert covered == [(v, e) for v, n in enumerate([5, 1, 9, 2]) for e in range(n)]
+    assert ZeroLayout([], 2).pieces(1) == [] and ZeroLayout([], 2).shard_size == 0
+
+
+def test_dtype_groups_and_ring_bytes():
+    assert group_by_dtype(["float32", "float16", "float32"]) == {"float32": [0, 2], "float16": [1]}
+    # reduce-scatter + all-gather send what a ring allreduce sends: 2 (R-1)/R n elements
+    assert 2 * ring_bytes(1000, 4, 4) == 2 * 3 / 4 * 1000 * 4
+    assert ring_bytes(10, 1, 4) == 0
+
+
+def test_checkpoint_slices_join_under_tensor_pieces():
+    momentum = np.arange(24.0).reshape(4, 6)
+    state = {}
+    for t, shard in enumerate(np.split(momentum, 2, axis=1)):  # 2 tensor ranks, axis 1
+        key = shard_key("opt/0/m", t, 2, 1)
+        flat = shard.ravel()
+        for start, stop in ((0, 5), (5, 12)):  # 2 replicas' slices of each shard
+            state[slice_key(key, start, stop, shard.shape)] = flat[start:stop]
+    state["opt/iteration"] = np.array(3)
+    joined = join_shards(state)
+    assert np.array_equal(joined["opt/0/m"], momentum) and joined["opt/iteration"] == 3
+    del state[slice_key(shard_key("opt/0/m", 1, 2, 1), 5, 12, (4, 3))]
+    with pytest.raises(ValueError, match="a replica's file is missing"):
+        join_shards(state)
+
+
+# --- refusals (one process: the same checks run agreed on every rank) ---------------------------
+def _refusal(optimizer, comm="mpi", **options):
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile(optimizer=optimizer, loss="mse")
+    strategy = hf.Strategy("data", replicas=2, shard_optimizer=True, **options)
+    with pytest.raises(ValueError) as error:
+        model_checks.check_sharded_optimizer(model, strategy, comm)
+    return str(error.value)
+
+
+def test_what_a_slice_cannot_update_alone_is_refused_naming_the_fix():
+    assert "use one of SGD, Adam" in _refusal(keras.optimizers.Adafactor())
+    assert "Lamb does not update each element" in _refusal(keras.optimizers.Lamb())
+    assert "Muon" in _refusal(keras.optimizers.Muon())
+    assert "use global_clipnorm" in _refusal(keras.optimizers.Adam(clipnorm=1.0))
+    assert "use_ema=False" in _refusal(keras.optimizers.Adam(use_ema=True))
+    assert "larger batch_size" in _refusal(keras.optimizers.SGD(gradient_accumulation_steps=2))
+    excluding = keras.optimizers.AdamW()
+    excluding.exclude_from_weight_decay(var_names=["bias"])
+    assert "drop the exclusion" in _refusal(excluding)
+    assert "comm='mpi'" in _refusal(keras.optimizers.Adam(), comm="horovod")
+    assert "overlap_groups=1" in _refusal(keras.optimizers.Adam(), overlap_groups=2)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile(optimizer=keras.optimizers.Lamb(), loss="mse")  # one replica: accepted
+    model_checks.check_sharded_optimizer(model, hf.Strategy("data", replicas=1), "mpi")
+    model_checks.check_sharded_optimizer(
+        model, hf.Strategy("data", replicas=1, shard_optimizer=True), "mpi"
+    )
+    for name in ("sgd", "adam", "adamw", "adamax", "nadam", "rmsprop", "adagrad", "adadelta",
+                 "lion", "ftrl"):  # fmt: skip
+        model.compile(optimizer=name, loss="mse")
+        model_checks.check_sharded_optimizer(
+            model, hf.Strategy("data", replicas=2, shard_optimizer=True), "mpi"
+        )
+
+
+def test_the_strategy_field_is_checked_and_shown():
+    strategy = hf.Strategy("data", shard_optimizer=True)
+    assert "shard_optimizer=True" in repr(strategy)
+    assert dataclasses.replace(strategy.resolve(4)).shard_optimizer
+    with pytest.raises(ValueError, match="shard_optimizer='yes' must be True or False"):
+        hf.Strategy(shard_optimizer="yes")
+
+
+# --- training under mpirun ----------------------------------------------------------------------
+ZERO = {"shard_optimizer": True}
+TWO_RANKS = [
+    Case("wide_mlp", "adam", "data", replicas=2, **ZERO),  # L2, dropout, LayerNorm
+    Case("embedding_mlp", "adam", "data", replicas=2, **ZERO),  # a table kept whole
+    Case("embedding_mlp", "sgd", "data", replicas=2, **ZERO),
+    Case("wide_mlp", "adam", "data", replicas=2, policy="mixed_float16", **ZERO),
+    Case("wide_mlp", "adam+globalclip", "data", replicas=2, **ZERO),
+]
+FOUR_RANKS = [
+    Case("wide_mlp", "adam", "hybrid", partitions=2, replicas=2, microbatches=2,
+         schedule="1f1b", **ZERO),
+    Case("wide_mlp", "adam+globalclip", "data", replicas=2, tensor=2, **ZERO),
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("zero2") / "ckpt")
+    return run_scenario("zero", 2, folder, *(c.to_json() for c in TWO_RANKS), timeout=400)
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("zero4") / "ckpt")
+    return run_scenario("zero", 4, folder, *(c.to_json() for c in FOUR_RANKS), timeout=500)
+
+
+def _check(case: Case, results: list) -> None:
+    tol = TOLERANCE if case.policy == "float32" else MIXED_TOLERANCE
+    for rank_result in results:
+        r = next(x for x in rank_result["results"] if x["case"] == case.id)
+        where = f"{case}, rank {rank_result['rank']}"
+        assert r["zero"], where
+        assert r["weights"] < tol, f"{where}: weights differ by {r['weights']:.2e}"
+        assert r["history"] < tol, f"{where}: History differs by {r['history']:.2e}"
+        # 1/R of the (dense) slots, up to the padding of the last slice
+        assert abs(r["dense_slot_ratio"] - 1 / case.replicas) < 0.01, (where, r)
+        # reduce-scatter + all-gather: an allreduce's ring volume (padding aside)
+        step = r["step_bytes"]
+        assert step["reduce_scatter"] == step["allgather"], where
+        assert abs(2 * step["allgather"] - r["allreduce_bytes"]) <= 8 * case.replicas, where
+        assert r["sent_bytes"] == r["steps"] * 2 * step["allgather"], where
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("case", TWO_RANKS, ids=str)
+def test_zero_matches_keras_with_a_slice_of_the_optimizer_state(two_ranks, case):
+    _check(case, two_ranks)
+
+
+@pytest.mark.timeout(500)
+@pytest.mark.parametrize("case", FOUR_RANKS, ids=str)
+def test_zero_with_pipeline_and_tensor_ranks_matches_keras(four_ranks, case):
+    _check(case, four_ranks)
+
+
+def test_refusals_reach_every_rank(two_ranks):
+    for r in two_ranks:
+        assert "Lamb does not update each element" in r["refusals"]["lamb"]
+        assert "use global_clipnorm" in r["refusals"]["clipnorm"]
+        assert "overlap_groups=1" in r["refusals"]["overlap"]
+
+
+def test_checkpoints_resume_across_zero_on_off_and_replica_counts(two_ranks):
+    for r in two_ranks:
+        resume = r["resume"]
+        assert resume["files"] == ["stage-0-replica-1.npz", "stage-0.npz"]
+        for name in ("off", "model2", "on"):  # ZeRO -> off, -> 1 replica; off -> ZeRO
+            assert resume[name] < 1e-6, f"rank {r['rank']}: {name} resume differs, {resume}"
+
+
+def test_checkpoints_resume_across_tensor_pipeline_and_replica_counts(four_ranks):
+    for r in four_ranks:
+        resume = r["resume"]
+        assert resume["files"] == [
+            f"stage-0-shard-{t}{'-replica-1' if rep else ''}.npz" for t in (0, 1) for rep in (1, 0)
+        ]
+        for name in ("data4", "hybrid", "off"):
+            assert resume[name] < 1e-6, f"rank {r['rank']}: {name} resume differs, {resume}"
