@@ -109,6 +109,14 @@ def main():
     result["P2T2"] = held_report(model, ref2)
     result["P2T2"]["history"] = history_difference(history.history, ref_history.history)
 
+    # two stages x two replicas with ZeRO-1: each replica keeps half its stage's Adam state
+    model = deferred_model(compile_inside=False)
+    history = hf.fit(model, x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+                     strategy=hf.Strategy("hybrid", partitions=2, replicas=2,
+                                          shard_optimizer=True))  # fmt: skip
+    result["P2R2-zero"] = held_report(model, ref2)
+    result["P2R2-zero"]["history"] = history_difference(history.history, ref_history.history)
+
     # a checkpoint of one epoch on P2xT2, exported, then resumed as four replicas
     model = deferred_model(compile_inside=False)
     hf.fit(model, x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
