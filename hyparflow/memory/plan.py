@@ -93,7 +93,10 @@ def memory_plan(model, strategy="auto", batch_size: int = 32, *, num_partitions=
                     layer_bytes, input_bytes, samples, flight, resolved.recompute
                 ),
                 step_buffers=buffers.step_buffers(facts, slots),
-                exchange=buffers.exchange_buffers(owned, stage, largest[stage]),
+                exchange={
+                    **buffers.exchange_buffers(owned, stage, largest[stage]),
+                    **buffers.gather_buffers(_largest_split(stage_model, layout)),
+                },
                 runtime=RUNTIME_BYTES if runtime else 0,
             )
         )
@@ -149,6 +152,12 @@ def _owned_bytes(stage_models) -> list[int]:
         seen.update(id(v) for v in mine)
         owned.append(sum(_nbytes(v) for v in mine))
     return owned
+
+
+def _largest_split(stage_model, layout) -> int:
+    """Whole bytes of the stage's largest variable split over the tensor ranks (0: none)."""
+    split = [_nbytes(v) for v in stage_model.weights if _axis(v, layout) is not None]
+    return max(split, default=0)
 
 
 def _axis(variable, layout):
