@@ -37,7 +37,7 @@ def data():
 
 
 def layout(spec: str) -> hf.Strategy:
-    """"P,R,T[,zero]" as the Strategy hf.fit trains with (ZeRO only where Strategy has it)."""
+    """ "P,R,T[,zero]" as the Strategy hf.fit trains with (ZeRO only where Strategy has it)."""
     p, r, t, *flags = spec.split(",")
     kind = "data" if int(p) == 1 else ("model" if int(r) == 1 else "hybrid")
     strategy = hf.Strategy(kind, partitions=int(p), replicas=int(r), tensor=int(t))
