@@ -5,6 +5,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 
+from hyparflow import deferred
 from hyparflow.comm.topology import Grid
 from hyparflow.memory import buffers, counts
 from hyparflow.memory.slots import optimizer_slots
@@ -23,7 +24,7 @@ RUNTIME_BYTES = 30 * 2**20
 
 
 def memory_plan(model, strategy="auto", batch_size: int = 32, *, num_partitions=None,
-                num_replicas=None, num_microbatches=None, whole_model: bool = True,
+                num_replicas=None, num_microbatches=None, whole_model: bool | None = None,
                 runtime: bool = True) -> MemoryPlan:  # fmt: skip
     """Predict the peak bytes of every rank when `hf.fit(model, ..., strategy=strategy)`
     trains `model` with global batches of `batch_size` (docs/memory.md).
@@ -31,14 +32,18 @@ def memory_plan(model, strategy="auto", batch_size: int = 32, *, num_partitions=
     `strategy`: an `hf.Strategy` or the names `hf.fit` takes, resolved for the world size
     `partitions x replicas x tensor`. The model should be compiled (its optimizer's slots are
     counted; an uncompiled model counts none). `whole_model=True` (a model built outside
-    `hf.scope`) adds the user's whole model, which every rank then holds besides its stage;
-    `runtime=False` leaves out TensorFlow's own measured constant.
+    `hf.scope`) adds the user's whole model, which every rank then holds besides its stage,
+    and the epoch end's exchange of every stage's weights; `False` (a `hf.scope()` model,
+    detected when None) counts only what the rank materialises. `runtime=False` leaves out
+    TensorFlow's own measured constant.
 
     Example:
         >>> plan = hf.memory_plan(model, hf.Strategy("model", partitions=4), batch_size=64)
         >>> plan.summary()
         >>> plan.largest.total / 2**30  # GiB on the fullest rank
     """
+    if whole_model is None:
+        whole_model = not deferred.any_deferred(model)
     strategy = make_strategy(strategy, num_partitions, num_replicas, num_microbatches)
     world = (strategy.partitions or 1) * (strategy.replicas or 1) * strategy.tensor
     resolved = strategy.resolve(world)
@@ -96,7 +101,9 @@ def memory_plan(model, strategy="auto", batch_size: int = 32, *, num_partitions=
                 exchange={
                     **buffers.exchange_buffers(owned, stage, largest[stage]),
                     **buffers.gather_buffers(_largest_split(stage_model, layout)),
-                },
+                }
+                if whole_model
+                else {},  # a hf.scope() model keeps its stage: nothing is gathered
                 runtime=RUNTIME_BYTES if runtime else 0,
             )
         )
