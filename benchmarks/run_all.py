@@ -50,6 +50,7 @@ OTHERS = [
      []),
     ("Scaling model: the paper's runs projected", "paper_projection.py", "main", 1,
      ["--json", "benchmarks/out/paper_projection.json"]),
+    ("Memory plan vs measured peak growth per rank", "memory.py", "main", 1, []),
 ]  # fmt: skip
 
 

@@ -5,6 +5,7 @@ from hyparflow.api import evaluate, fit, partition, predict
 from hyparflow.checkpoint import export
 from hyparflow.comm.world import rank, size
 from hyparflow.deferred import NotHeldError, scope
+from hyparflow.memory import memory_plan
 from hyparflow.partitioner import Plan
 from hyparflow.strategy import Strategy
 
@@ -20,6 +21,7 @@ __all__ = [
     "export",
     "fit",
     "launch",
+    "memory_plan",
     "partition",
     "predict",
     "rank",

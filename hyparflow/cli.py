@@ -9,7 +9,9 @@ import keras
 
 from hyparflow.api import partition
 from hyparflow.callbacks.report import report
+from hyparflow.memory import memory_plan
 from hyparflow.simulate import command
+from hyparflow.strategy import Strategy
 
 
 def main(argv=None) -> int:
@@ -66,11 +68,24 @@ def _add_plan_command(commands):
         help="tensor ranks splitting each stage's layers: show the layout and bytes per rank",
     )  # fmt: skip
     plan.add_argument("--json", action="store_true", help="print the plan as JSON instead")
+    memory = plan.add_argument_group("memory plan (--memory; docs/memory.md)")
+    memory.add_argument(
+        "--memory", action="store_true",
+        help="print every rank's predicted peak bytes instead (needs --batch-size)",
+    )  # fmt: skip
+    memory.add_argument("--replicas", "-r", type=int, default=1, help="data-parallel replicas")
+    memory.add_argument("--microbatches", "-m", type=int, default=1, help="micro-batches")
+    memory.add_argument("--schedule", default="gpipe", choices=("gpipe", "1f1b"))
+    memory.add_argument("--recompute", action="store_true", help="recompute activations")
+    memory.add_argument(
+        "--optimizer", help="count this optimizer's state (e.g. adam) when the file has none"
+    )
     plan.set_defaults(run=_run_plan)
 
 
 def _run_plan(args) -> int:
-
+    if args.memory:
+        return _run_memory_plan(args)
     model = keras.saving.load_model(args.model, compile=False)
     balance = args.balance
     if balance not in ("layers", "params", "flops", "time"):
@@ -85,6 +100,31 @@ def _run_plan(args) -> int:
             bandwidth=args.bandwidth,
             tensor=args.tensor,
         )
+    except ValueError as error:
+        print(f"hyparflow plan: {error}", file=sys.stderr)
+        return 1
+    print(plan.to_json() if args.json else plan.summary(print_fn=None))
+    return 0
+
+
+def _run_memory_plan(args) -> int:
+    try:
+        model = keras.saving.load_model(args.model)  # compiled, for its optimizer's slots
+    except Exception:  # a loss or optimizer this process cannot rebuild: count none
+        model = keras.saving.load_model(args.model, compile=False)
+    if args.optimizer:
+        model.compile(optimizer=args.optimizer)
+    balance = args.balance
+    if balance not in ("layers", "params", "flops", "time"):
+        balance = [name.strip() for name in balance.split(",") if name.strip()]
+    kind = "hybrid" if args.partitions > 1 and args.replicas > 1 else "auto"
+    try:
+        strategy = Strategy(
+            kind, partitions=args.partitions, replicas=args.replicas,
+            microbatches=args.microbatches, schedule=args.schedule, balance=balance,
+            recompute=args.recompute, tensor=args.tensor,
+        )  # fmt: skip
+        plan = memory_plan(model, strategy, batch_size=args.batch_size or 32)
     except ValueError as error:
         print(f"hyparflow plan: {error}", file=sys.stderr)
         return 1

@@ -1,0 +1,82 @@
+"""This process's memory limit: the tightest cgroup (v1 or v2) limit over its cgroup's ancestors."""
+
+from __future__ import annotations
+
+import os
+
+# cgroup v1 writes "no limit" as the largest page-aligned signed 64-bit value
+_UNLIMITED = 2**62
+
+
+def memory_limit(root: str = "/sys/fs/cgroup", proc: str = "/proc/self/cgroup") -> int | None:
+    """Bytes this process may hold before its cgroup reclaims or kills it, or None (no limit,
+    or no cgroup memory controller readable).
+
+    Reads the process's cgroup from `proc` and the limits of it and its ancestors under
+    `root` (v1: `memory/.../memory.limit_in_bytes`; v2: `.../memory.max`); the tightest wins.
+
+    Example:
+        >>> limit = memory_limit()
+        >>> plan.largest.total > limit if limit else False   # the plan cannot fit here
+    """
+    try:
+        with open(proc) as f:
+            text = f.read()
+    except OSError:
+        return None
+    v1, v2 = cgroup_paths(text)
+    if v1 is not None and os.path.isdir(os.path.join(root, "memory")):
+        return _tightest(os.path.join(root, "memory"), v1, "memory.limit_in_bytes")
+    if v2 is not None and os.path.exists(os.path.join(root, "cgroup.controllers")):
+        return _tightest(root, v2, "memory.max")
+    return None
+
+
+def cgroup_paths(text: str) -> tuple[str | None, str | None]:
+    """(the v1 memory controller's cgroup path, the v2 unified path) from /proc/PID/cgroup.
+
+    Example:
+        >>> cgroup_paths("4:memory:/jobs/7\\n0::/user.slice\\n")
+        ('/jobs/7', '/user.slice')
+    """
+    v1 = v2 = None
+    for line in text.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        if "memory" in controllers.split(","):
+            v1 = path
+        elif parts[0] == "0" and controllers == "":
+            v2 = path
+    return v1, v2
+
+
+def parse_limit(text: str) -> int | None:
+    """A limit file's bytes, or None for "max" (v2) or v1's near-2**63 "unlimited".
+
+    Example:
+        >>> parse_limit("max\\n"), parse_limit("9223372036854771712"), parse_limit("1048576")
+        (None, None, 1048576)
+    """
+    text = text.strip()
+    if not text or text == "max":
+        return None
+    value = int(text)
+    return None if value >= _UNLIMITED else value
+
+
+def _tightest(mount: str, path: str, name: str) -> int | None:
+    """The smallest limit from the cgroup at `path` up to the mount's root. Inside a cgroup
+    namespace the path may not exist under the mount, which then is the cgroup itself."""
+    limits = []
+    parts = [p for p in path.split("/") if p]
+    for depth in range(len(parts), -1, -1):
+        directory = os.path.join(mount, *parts[:depth])
+        try:
+            with open(os.path.join(directory, name)) as f:
+                limits.append(parse_limit(f.read()))
+        except (OSError, ValueError):
+            continue
+    found = [limit for limit in limits if limit is not None]
+    return min(found) if found else None

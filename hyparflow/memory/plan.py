@@ -1,0 +1,184 @@
+"""`memory_plan`: every rank's predicted bytes for a model, strategy and batch size."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+
+from hyparflow import deferred
+from hyparflow.comm.topology import Grid
+from hyparflow.memory import buffers, counts
+from hyparflow.memory.slots import optimizer_slots
+from hyparflow.memory.table import MemoryPlan, RankMemory
+from hyparflow.partitioner import partition
+from hyparflow.partitioner.graph import build_graph, numpy_dtype
+from hyparflow.strategy import make_strategy
+from hyparflow.tensor import rules as tensor_rules
+from hyparflow.tensor.splits import COLUMN
+
+# TensorFlow's own resident growth over a first training epoch on a CPU (kernel registries,
+# thread pools, traced and optimised graphs), measured with a 98-parameter MLP: 32 MiB for
+# Keras in one process, 25-29 MiB on a rank of the engine (docs/memory.md, "The runtime
+# constant"; benchmarks/memory.py measures it again).
+RUNTIME_BYTES = 30 * 2**20
+
+
+def memory_plan(model, strategy="auto", batch_size: int = 32, *, num_partitions=None,
+                num_replicas=None, num_microbatches=None, whole_model: bool | None = None,
+                runtime: bool = True) -> MemoryPlan:  # fmt: skip
+    """Predict the peak bytes of every rank when `hf.fit(model, ..., strategy=strategy)`
+    trains `model` with global batches of `batch_size` (docs/memory.md).
+
+    `strategy`: an `hf.Strategy` or the names `hf.fit` takes, resolved for the world size
+    `partitions x replicas x tensor`. The model should be compiled (its optimizer's slots are
+    counted; an uncompiled model counts none). `whole_model=True` (a model built outside
+    `hf.scope`) adds the user's whole model, which every rank then holds besides its stage,
+    and the epoch end's exchange of every stage's weights; `False` (a `hf.scope()` model,
+    detected when None) counts only what the rank materialises. `runtime=False` leaves out
+    TensorFlow's own measured constant.
+
+    Example:
+        >>> plan = hf.memory_plan(model, hf.Strategy("model", partitions=4), batch_size=64)
+        >>> plan.summary()
+        >>> plan.largest.total / 2**30  # GiB on the fullest rank
+    """
+    if whole_model is None:
+        whole_model = not deferred.any_deferred(model)
+    strategy = make_strategy(strategy, num_partitions, num_replicas, num_microbatches)
+    world = (strategy.partitions or 1) * (strategy.replicas or 1) * strategy.tensor
+    resolved = strategy.resolve(world)
+    p, r, t = resolved.partitions, resolved.replicas, resolved.tensor
+    notes = []
+    stage_models, per_sample = _stages(model, resolved, notes)
+    layouts = [
+        tensor_rules.tensor_layout(m, t, resolved.tensor_layout) if t > 1 else None
+        for m in stage_models
+    ]
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None:
+        notes.append("the model is not compiled: no optimizer state counted")
+    slots = optimizer_slots(optimizer)
+    owned = _owned_bytes(stage_models)
+    largest = [max((_nbytes(v) for v in m.weights), default=0) for m in stage_models]
+    whole = sum(_nbytes(v) for v in model.weights)
+    samples = counts.microbatch_size(batch_size, r, resolved.microbatches)
+    grid = Grid(p, r, t)
+    ranks = []
+    for rank in range(world):
+        stage, replica, shard = grid.coords3(rank)
+        layout, stage_model = layouts[stage], stage_models[stage]
+        weights = sum(_shard_bytes(v, layout, t) for v in stage_model.weights)
+        unsplit = sum(_nbytes(v) for v in stage_model.weights if _axis(v, layout) is None)
+        trainable = [v for v in stage_model.trainable_variables]
+        grad_bytes = sum(_shard_bytes(v, layout, t) for v in trainable)
+        layer_bytes, input_bytes = per_sample[stage](layout)
+        flight = counts.in_flight(resolved.schedule, p, resolved.microbatches, stage)
+        facts = buffers.StageFacts(
+            gradient_bytes=sum(_shard_bytes(v, layout, t, itemsize=4) for v in trainable),
+            variables=len(trainable),
+            stages=p,
+            replicas=r,
+            microbatches=resolved.microbatches,
+            world=world,
+            flat_gradients=resolved.flat_gradients,
+        )
+        ranks.append(
+            RankMemory(
+                rank=rank,
+                stage=stage,
+                replica=replica,
+                shard=shard,
+                weights=weights,
+                model_copy=whole - unsplit if whole_model else 0,
+                optimizer=counts.optimizer_bytes(
+                    grad_bytes, slots, r, getattr(resolved, "shard_optimizer", False)
+                ),
+                gradients=grad_bytes,
+                activations=counts.activation_bytes(
+                    layer_bytes, input_bytes, samples, flight, resolved.recompute
+                ),
+                step_buffers=buffers.step_buffers(facts, slots),
+                exchange={
+                    **buffers.exchange_buffers(owned, stage, largest[stage]),
+                    **buffers.gather_buffers(_largest_split(stage_model, layout)),
+                }
+                if whole_model
+                else {},  # a hf.scope() model keeps its stage: nothing is gathered
+                runtime=RUNTIME_BYTES if runtime else 0,
+            )
+        )
+    label = f"P={p} x R={r} x T={t}, {resolved.schedule}, M={resolved.microbatches}"
+    if resolved.recompute:
+        label += ", recompute"
+    if getattr(resolved, "shard_optimizer", False):
+        label += ", sharded optimizer"
+    return MemoryPlan(model.name, label, batch_size, ranks, notes)
+
+
+def _stages(model, strategy, notes) -> tuple[list, list]:
+    """Each stage's Keras model and a function giving its activation bytes per sample
+    (layer outputs, received inputs) under a tensor layout."""
+    if strategy.partitions == 1:
+        try:
+            graph = build_graph(model)
+        except ValueError:
+            notes.append("not a graph of layers: activations not counted")
+            return [model], [lambda layout: (0, 0)]
+        nodes = graph.nodes
+        inputs = sum(graph.tensors[i].bytes_per_sample for i in graph.inputs)
+        return [model], [lambda layout: (_outputs(graph, nodes, layout), inputs)]
+    uncut = tensor_rules.pair_cuts if strategy.tensor > 1 else None
+    plan = partition(model, strategy.partitions, strategy.balance, uncut=uncut)
+    graph = plan._graph
+    by_name = {node.name: node for node in graph.nodes}
+    per_sample = []
+    for stage in plan.stages:
+        nodes = [by_name[name] for name in stage.nodes]
+        received = stage.bytes_received_per_sample
+        per_sample.append(lambda layout, n=nodes, b=received: (_outputs(graph, n, layout), b))
+    return [stage.model for stage in plan.stages], per_sample
+
+
+def _outputs(graph, nodes, layout) -> int:
+    """Bytes per sample of the outputs of `nodes`; a column-split layer's output is a shard."""
+    columns = set()
+    if layout is not None:
+        columns = {id(s.layer) for s in layout.splits if s.role == COLUMN}
+    total = 0
+    for node in nodes:
+        size = sum(graph.tensors[i].bytes_per_sample for i in node.outputs)
+        total += size // layout.parts if id(node.operation) in columns else size
+    return total
+
+
+def _owned_bytes(stage_models) -> list[int]:
+    """Bytes of the weights each stage owns (first uses), which it broadcasts at an epoch's end."""
+    seen, owned = set(), []
+    for m in stage_models:
+        mine = [v for v in m.weights if id(v) not in seen]
+        seen.update(id(v) for v in mine)
+        owned.append(sum(_nbytes(v) for v in mine))
+    return owned
+
+
+def _largest_split(stage_model, layout) -> int:
+    """Whole bytes of the stage's largest variable split over the tensor ranks (0: none)."""
+    split = [_nbytes(v) for v in stage_model.weights if _axis(v, layout) is not None]
+    return max(split, default=0)
+
+
+def _axis(variable, layout):
+    return None if layout is None else layout.split_of(variable)
+
+
+def _shard_bytes(variable, layout, parts: int, itemsize: int | None = None) -> int:
+    axis = _axis(variable, layout)
+    n = _nbytes(variable, itemsize)
+    return n // parts if axis is not None else n
+
+
+def _nbytes(variable, itemsize: int | None = None) -> int:
+    if itemsize is None:
+        dtype = numpy_dtype(keras.backend.standardize_dtype(variable.dtype))
+        itemsize = np.dtype(dtype).itemsize
+    return int(np.prod(variable.shape, dtype=np.int64)) * itemsize

@@ -1,0 +1,90 @@
+"""Memory scenarios: a rank's measured peak growth next to the memory plan's prediction, and
+training under a per-rank memory cap (tests/test_memory_plan.py, tests/test_memory_caps.py).
+
+Arguments: the scenario ("measure"), then a layout spec "P,R,T[,flags]" (`layout`) and the
+MLP's "WIDTH,DEPTH" (see `wide_mlp`). Every rank reports its measured growth, its plan line
+and, when it trained, the final loss.
+"""
+
+import contextlib
+import dataclasses
+import sys
+
+import keras
+import numpy as np
+
+import hyparflow as hf
+from hyparflow.memory.resident import PeakGrowth, resident_bytes
+from tests.support.report import args, report, run_or_abort
+
+INPUTS, CLASSES, SAMPLES, BATCH = 256, 10, 128, 32
+
+
+def wide_mlp(width: int, depth: int, optimizer: str = "adam", scope: bool = False):
+    """A weight-heavy MLP: `depth` Dense(width) layers (width² parameters each) on 256
+    inputs, so weights and optimizer state dominate and activations are small; built under
+    `hf.scope()` (no weight allocated until hf.fit) with `scope`."""
+    keras.utils.set_random_seed(0)
+    optimizer = keras.optimizers.get(optimizer)  # before the scope (docs/big_models.md)
+    with hf.scope() if scope else contextlib.nullcontext():
+        x = keras.Input((INPUTS,))
+        h = x
+        for _ in range(depth):
+            h = keras.layers.Dense(width, activation="relu")(h)
+        model = keras.Model(x, keras.layers.Dense(CLASSES)(h), name=f"mlp{width}x{depth}")
+        model.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def data():
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(SAMPLES, INPUTS)).astype("float32"), rng.integers(0, CLASSES, SAMPLES)
+
+
+def layout(spec: str) -> hf.Strategy:
+    """ "P,R,T[,flags]" as the Strategy hf.fit trains with; flags: "zero" (the optimizer's
+    state sharded over the replicas, where Strategy has that field), "params" (stages
+    balanced by parameters), "scope" (built under hf.scope(), see `measure`)."""
+    p, r, t, *flags = spec.split(",")
+    kind = "data" if int(p) == 1 else ("model" if int(r) == 1 else "hybrid")
+    balance = "params" if "params" in flags else "layers"
+    strategy = hf.Strategy(kind, partitions=int(p), replicas=int(r), tensor=int(t), balance=balance)
+    if "zero" in flags:
+        strategy = dataclasses.replace(strategy, shard_optimizer=True)
+    return strategy
+
+
+def measure(spec: str, shape: str, optimizer: str = "adam") -> dict:
+    """Train one epoch and return this rank's peak growth (from before the model is built to
+    the epoch's end) beside its line of the memory plan, and the loss."""
+    width, depth = (int(v) for v in shape.split(","))
+    strategy = layout(spec)
+    x, y = data()
+    hf.size()  # MPI and TensorFlow's imports are done before measuring
+    base = resident_bytes()
+    with PeakGrowth() as growth:
+        model = wide_mlp(width, depth, optimizer, scope="scope" in spec.split(","))
+        history = hf.fit(model, x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False,
+                         strategy=strategy)  # fmt: skip
+    plan = hf.memory_plan(model, strategy, batch_size=BATCH)
+    line = plan.ranks[hf.rank()]
+    return {
+        "spec": spec,
+        "growth": growth.bytes,
+        "exact_peak": growth.exact,
+        "base": base,
+        "predicted": line.total,
+        "line": line.to_dict(),
+        "loss": float(history.history["loss"][-1]),
+    }
+
+
+def main():
+    scenario, *rest = args()
+    result = {"measure": measure}[scenario](*rest)
+    report(result)
+
+
+if __name__ == "__main__":
+    run_or_abort(main)
+    sys.exit(0)

@@ -1,0 +1,138 @@
+"""The memory plan: its arithmetic, its facts from Keras models, and its predictions against
+peak resident growth measured under real mpirun; the cgroup fixture; the process's limit."""
+
+import dataclasses
+import sys
+
+import keras
+import pytest
+
+import hyparflow as hf
+from hyparflow.engine import flat, schedule
+from hyparflow.memory import buffers, counts
+from hyparflow.memory.limits import cgroup_paths, memory_limit, parse_limit
+from hyparflow.memory.slots import optimizer_slots
+from tests.support import cgroup
+from tests.support.mpirun import run_scenario
+
+MIB = 2**20
+TOLERANCE = 0.25
+SHAPE = "2048,6"  # wide_mlp: 22 M parameters, 84 MiB of float32 weights
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+def test_in_flight_is_the_engines_schedule(kind):
+    for p in range(1, 6):
+        for m in range(1, 9):
+            actions = schedule.make_schedule(kind, p, m)
+            for s in range(p):
+                assert counts.in_flight(kind, p, m, s) == schedule.peak_in_flight(actions[s])
+
+
+def test_arithmetic():
+    assert counts.microbatch_size(64, 2, 4) == 8
+    assert counts.activation_bytes(1000, 100, 8, 4) == 8 * 1100 * 4
+    assert counts.activation_bytes(1000, 100, 8, 4, recompute=True) == 8 * (400 + 1000)
+    assert counts.optimizer_bytes(1000, 2, replicas=4, shard_optimizer=True) == 500
+    assert counts.optimizer_bytes(1000, 2, replicas=4) == 2000
+    assert buffers.FLAT_BACKWARD_MAX_MEAN_BYTES == flat.FLAT_BACKWARD_MAX_MEAN_BYTES
+    one = buffers.StageFacts(400, 2, stages=1, replicas=1, microbatches=1, world=1)
+    assert buffers.step_buffers(one) == {}  # plain Keras: no engine
+    assert buffers.exchange_buffers([400, 800], 1, largest=10) == {"weights exchange": 800 + 3210}
+
+
+def test_optimizer_slots():
+    assert optimizer_slots(keras.optimizers.Adam()) == 2
+    assert optimizer_slots(keras.optimizers.SGD()) == 0
+    assert optimizer_slots(keras.optimizers.SGD(momentum=0.9)) == 1
+    assert optimizer_slots(keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam())) == 2
+    assert optimizer_slots(None) == 0
+
+
+def _model(optimizer="adam"):
+    x = keras.Input((16,))
+    h = keras.layers.Dense(32, activation="relu")(x)
+    h = keras.layers.Dense(32, activation="relu")(h)
+    model = keras.Model(x, keras.layers.Dense(4)(h), name="small")
+    model.compile(optimizer, "mse")
+    return model
+
+
+def test_plan_counts_weights_slots_and_shards():
+    model = _model()
+    whole = model.count_params() * 4
+    one = hf.memory_plan(model, "data", batch_size=8, runtime=False)
+    (rank,) = one.ranks
+    assert (rank.weights, rank.gradients, rank.optimizer, rank.model_copy) == (
+        whole, whole, 2 * whole, 0
+    )  # fmt: skip
+    assert rank.activations == 8 * 4 * (16 + 32 + 32 + 4)  # inputs and every layer's output
+    pipe = hf.memory_plan(model, hf.Strategy("model", partitions=2), batch_size=8)
+    assert sum(r.weights for r in pipe.ranks) == whole
+    assert all(r.weights + r.model_copy == whole for r in pipe.ranks)
+    split = hf.memory_plan(model, hf.Strategy("data", replicas=1, tensor=2), batch_size=8)
+    layout = hf.partition(model, 1, tensor=2).tensor_layouts[0]
+    assert split.ranks[0].weights == sum(layout.bytes_per_rank())
+    text = split.summary(print_fn=None)
+    assert "Memory plan for 'small'" in text and "total MiB" in text
+    assert split.to_dict()["largest_bytes"] == split.largest.total
+
+
+def test_sharded_optimizer_divides_by_replicas():
+    @dataclasses.dataclass(frozen=True)
+    class Zero(hf.Strategy):  # until hf.Strategy has the field
+        shard_optimizer: bool = False
+
+    model = _model()
+    plain = hf.memory_plan(model, Zero("data", replicas=4), batch_size=8)
+    zero = hf.memory_plan(model, Zero("data", replicas=4, shard_optimizer=True), batch_size=8)
+    assert zero.ranks[0].optimizer * 4 == pytest.approx(plain.ranks[0].optimizer, abs=4)
+
+
+def test_cli_prints_the_memory_plan(tmp_path, capsys):
+    from hyparflow.cli import main
+
+    path = str(tmp_path / "small.keras")
+    _model().save(path)
+    assert main(["plan", path, "-p", "2", "--memory", "--batch-size", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "Memory plan for 'small'" in out and "P=2 x R=1 x T=1" in out
+
+
+def test_memory_limit_reads_v1_and_v2(tmp_path):
+    v1 = tmp_path / "memory" / "jobs" / "7"
+    v1.mkdir(parents=True)
+    (v1 / "memory.limit_in_bytes").write_text("1073741824\n")
+    (tmp_path / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")
+    proc = tmp_path / "cgroup"
+    proc.write_text("4:memory:/jobs/7\n0::/\n")
+    assert memory_limit(str(tmp_path), str(proc)) == 2**30
+    v2 = tmp_path / "v2"
+    (v2 / "user").mkdir(parents=True)
+    (v2 / "cgroup.controllers").write_text("cpu memory\n")
+    (v2 / "user" / "memory.max").write_text("max\n")
+    (v2 / "memory.max").write_text("536870912\n")
+    proc.write_text("0::/user\n")
+    assert memory_limit(str(v2), str(proc)) == 2**29  # an ancestor's limit binds
+    assert cgroup_paths("0::/a\n") == (None, "/a") and parse_limit("max") is None
+
+
+@pytest.mark.skipif(cgroup.skip_reason() is not None, reason=str(cgroup.skip_reason()))
+def test_cgroup_cap_kills_only_what_exceeds_it():
+    allocate = "import numpy as np, sys; np.ones(int(sys.argv[1]), np.uint8).sum()"
+    over = cgroup.run_capped("100M", [sys.executable, "-c", allocate, str(200 * MIB)])
+    under = cgroup.run_capped("100M", [sys.executable, "-c", allocate, str(50 * MIB)])
+    assert over.killed_for_memory, over
+    assert under.returncode == 0 and not under.killed_for_memory, under
+    assert 50 * MIB <= under.peak < 100 * MIB
+
+
+@pytest.mark.parametrize(
+    "ranks, spec",
+    [(1, "1,1,1"), (2, "2,1,1"), (4, "2,2,1")],
+    ids=["keras", "pipeline-2", "hybrid-2x2"],
+)
+def test_prediction_within_25_percent_of_measured_growth(ranks, spec):
+    for result in run_scenario("memory_checks", ranks, "measure", spec, SHAPE):
+        error = result["predicted"] / result["growth"] - 1
+        assert abs(error) < TOLERANCE, (spec, result["line"], result["growth"] / MIB)
