@@ -21,6 +21,9 @@ from hyparflow.data import check_divisible, make_source, unpack
 from hyparflow.engine.loops import evaluate_loop, fit_loop, predict_loop
 from hyparflow.engine.trainer import Trainer
 from hyparflow.engine.weights import held_elsewhere
+from hyparflow.memory.limits import memory_limit
+from hyparflow.memory.plan import memory_plan
+from hyparflow.memory.resident import resident_bytes
 from hyparflow.partitioner import partition as _partition
 from hyparflow.process_tuning import tune_process
 from hyparflow.strategy import make_strategy
@@ -242,7 +245,9 @@ def fit(
     needs_engine = resume or resume_from or check_numerics or _checkpoints(fit_kwargs)
     if size() == 1 and not needs_engine:
         # One rank, one partition, one replica: the embedded default is plain Keras.
-        deferred.materialize_model(model)  # a model built under hf.scope(): all of it here
+        if deferred.any_deferred(model):  # built under hf.scope(): all of it here, if it fits
+            _check_fits_one_process(model, batch_size)
+            deferred.materialize_model(model)
         if hasattr(x, "as_keras"):  # hyparflow readers (hf.data.HDF5) as a Keras PyDataset
             x = x.as_keras(
                 batch_size=batch_size or 32,
@@ -253,6 +258,25 @@ def fit(
             fit_kwargs["shuffle"] = False  # the reader shuffles samples itself
         return model.fit(x, y, batch_size=batch_size, epochs=epochs, **fit_kwargs)
     return _distributed_fit(model, x, y, batch_size, epochs, resolved, options, **fit_kwargs)
+
+
+def _check_fits_one_process(model, batch_size) -> None:
+    """Refuse to materialise a hf.scope() model whose training the memory plan says cannot fit
+    under this process's memory limit (cgroup), rather than be killed part way."""
+    limit = memory_limit()
+    if limit is None:
+        return
+    needed = memory_plan(model, "data", batch_size or 32).largest.total
+    room = limit - resident_bytes()
+    if needed > room:
+        gib = 2**30
+        raise MemoryError(
+            f"Training this model in one process needs about {needed / gib:.2f} GiB more "
+            f"(hf.memory_plan), but this process may use only {room / gib:.2f} GiB more (its "
+            f"memory limit is {limit / gib:.2f} GiB). Launch it on several ranks (mpirun -np N) "
+            "with strategy=hf.Strategy('model', partitions=N), tensor=T or "
+            "shard_optimizer=True; `hyparflow plan --memory` shows what each rank holds."
+        )
 
 
 def _check_comm(backend: str) -> str:

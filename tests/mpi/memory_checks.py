@@ -7,7 +7,6 @@ and, when it trained, the final loss.
 """
 
 import contextlib
-import dataclasses
 import sys
 
 import keras
@@ -43,15 +42,13 @@ def data():
 
 def layout(spec: str) -> hf.Strategy:
     """ "P,R,T[,flags]" as the Strategy hf.fit trains with; flags: "zero" (the optimizer's
-    state sharded over the replicas, where Strategy has that field), "params" (stages
+    state sharded over the replicas, ZeRO-1), "params" (stages
     balanced by parameters), "scope" (built under hf.scope(), see `measure`)."""
     p, r, t, *flags = spec.split(",")
     kind = "data" if int(p) == 1 else ("model" if int(r) == 1 else "hybrid")
     balance = "params" if "params" in flags else "layers"
-    strategy = hf.Strategy(kind, partitions=int(p), replicas=int(r), tensor=int(t), balance=balance)
-    if "zero" in flags:
-        strategy = dataclasses.replace(strategy, shard_optimizer=True)
-    return strategy
+    return hf.Strategy(kind, partitions=int(p), replicas=int(r), tensor=int(t), balance=balance,
+                       shard_optimizer="zero" in flags)  # fmt: skip
 
 
 def measure(spec: str, shape: str, optimizer: str = "adam") -> dict:
