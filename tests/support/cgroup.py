@@ -17,7 +17,6 @@ one process and `launch_capped` for an MPI scenario.
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import signal
@@ -27,7 +26,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from tests.support.mpirun import MPI_ENV, REPO, MpiRun, _load_json, _read
+from tests.support.mpirun import REPO, _load_json, launch
 
 ROOT = "/sys/fs/cgroup"
 _REPORTS = "HYPARFLOW_CGROUP_REPORTS"  # where the wrapper writes rank<N>.json
@@ -171,33 +170,17 @@ def run_capped(limit, command: list[str], timeout: float = 300, env=None) -> Out
 def launch_capped(scenario: str, np: int, limit, *args: str, timeout: float = 300, env=None):
     """`tests.support.mpirun.launch` with each rank in its own cgroup of `limit` bytes:
     returns (the MpiRun, one `Outcome` per rank, None where a rank wrote none)."""
-    with tempfile.TemporaryDirectory(prefix=f"hf-{scenario}-") as tmp:
-        out, logs, reports = (os.path.join(tmp, d) for d in ("results", "logs", "cgroups"))
-        os.makedirs(out)
-        os.makedirs(reports)
-        cmd = [
-            "mpirun", "-np", str(np), "--oversubscribe", "--bind-to", "none",
-            "--output-filename", logs,
-            sys.executable, "-m", "tests.support.cgroup", str(limit), "--",
-            sys.executable, "-m", f"tests.mpi.{scenario}", out, *args,
-        ]  # fmt: skip
-        full_env = {**os.environ, **MPI_ENV, **(env or {}), _REPORTS: reports}
-        proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, start_new_session=True)
-        try:
-            returncode = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            returncode = -9
-        results, stdout, stderr, outcomes = [], [], [], []
+    outcomes: list = []
+
+    def collect(scratch: str) -> None:
         for r in range(np):
-            results.append(_load_json(os.path.join(out, f"rank{r}.json")))
-            rank_dir = glob.glob(os.path.join(logs, "*", f"rank.{r}"))
-            stdout.append(_read(os.path.join(rank_dir[0], "stdout")) if rank_dir else "")
-            stderr.append(_read(os.path.join(rank_dir[0], "stderr")) if rank_dir else "")
-            report = _load_json(os.path.join(reports, f"rank{r}.json"))
+            report = _load_json(os.path.join(scratch, "cgroups", f"rank{r}.json"))
             outcomes.append(None if report is None else Outcome(**report))
-        return MpiRun(returncode, results, stdout, stderr), outcomes
+
+    prefix = [sys.executable, "-m", "tests.support.cgroup", str(limit), "--"]
+    env = {**(env or {}), _REPORTS: os.path.join("{scratch}", "cgroups")}
+    run = launch(scenario, np, *args, timeout=timeout, env=env, prefix=prefix, collect=collect)
+    return run, outcomes
 
 
 def _wrap(argv: list[str]) -> int:
@@ -219,6 +202,7 @@ def _wrap(argv: list[str]) -> int:
     reports = os.environ.get(_REPORTS)
     if reports:
         rank = os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMIX_RANK", "0"))
+        os.makedirs(reports, exist_ok=True)
         with open(os.path.join(reports, f"rank{rank}.json"), "w") as f:
             json.dump({"returncode": returncode, "limit": cap.limit, **outcome}, f)
     return 128 - returncode if returncode < 0 else returncode

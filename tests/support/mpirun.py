@@ -59,18 +59,26 @@ def _load_json(path: str):
         return json.load(f)
 
 
-def launch(scenario: str, np: int, *args: str, timeout: float = 300, env=None) -> MpiRun:
-    """Run `python -m tests.mpi.<scenario> OUT args...` on `np` ranks; never raises on failure."""
+def launch(
+    scenario: str, np: int, *args: str, timeout: float = 300, env=None, prefix=(), collect=None
+) -> MpiRun:
+    """Run `python -m tests.mpi.<scenario> OUT args...` on `np` ranks; never raises on failure.
+
+    `prefix`: a command each rank runs the scenario under (e.g. tests/support/cgroup.py's
+    memory cap). `collect(scratch)`, if given, is called before the scratch folder goes (its
+    own files, e.g. per-rank reports the prefix wrote there: `env` values may name
+    `{scratch}`)."""
     with tempfile.TemporaryDirectory(prefix=f"hf-{scenario}-") as tmp:
         out, logs = os.path.join(tmp, "results"), os.path.join(tmp, "logs")
         os.makedirs(out)
+        env = {k: v.replace("{scratch}", tmp) for k, v in (env or {}).items()}
         cmd = [
             "mpirun", "-np", str(np), "--oversubscribe", "--bind-to", "none",
-            "--output-filename", logs,
+            "--output-filename", logs, *prefix,
             sys.executable, "-m", f"tests.mpi.{scenario}", out, *args,
         ]  # fmt: skip
         proc = subprocess.Popen(
-            cmd, cwd=REPO, env={**os.environ, **MPI_ENV, **(env or {})}, start_new_session=True
+            cmd, cwd=REPO, env={**os.environ, **MPI_ENV, **env}, start_new_session=True
         )
         try:
             returncode = proc.wait(timeout=timeout)
@@ -85,6 +93,8 @@ def launch(scenario: str, np: int, *args: str, timeout: float = 300, env=None) -
             rank_dir = glob.glob(os.path.join(logs, "*", f"rank.{r}"))
             stdout.append(_read(os.path.join(rank_dir[0], "stdout")) if rank_dir else "")
             stderr.append(_read(os.path.join(rank_dir[0], "stderr")) if rank_dir else "")
+        if collect is not None:
+            collect(tmp)
         return MpiRun(returncode, results, stdout, stderr)
 
 
