@@ -251,6 +251,7 @@ class Trainer:
             reduction, update = self.gradient_sync, self.update
             if self.zero is not None:  # reduce-scatter, update the slice, all-gather
                 reduction = update = self.zero
+                self.zero.keep_local = self.check_numerics
             with self._span(events.ALLREDUCE), guard:
                 gradients = reduction.reduce()
             if self.check_numerics:

@@ -35,6 +35,9 @@ from hyparflow.engine.zero_layout import ZeroLayout, group_by_dtype, ring_bytes
 # and global scalars (step, learning rate): updating a slice of a flat vector is then exactly
 # updating the whole variables. Adafactor (row/column factors), Lamb (per-variable trust
 # ratio), Muon (orthogonalised matrices) are not, nor are custom optimizers we cannot read.
+# Bytes of gradients reduce-scattered per MPI call (as the fused allreduce's buckets).
+CHUNK_BYTES = 25 * 2**20
+
 ELEMENTWISE_OPTIMIZERS = (
     "SGD", "Adam", "AdamW", "Adamax", "Nadam", "RMSprop", "Adagrad", "Adadelta", "Lion", "Ftrl",
 )  # fmt: skip
@@ -131,46 +134,90 @@ class ShardedUpdate:
         self.allreduce_bytes = sum(
             2 * ring_bytes(g.layout.length, parts, g.reduced_dtype.itemsize) for g in self.groups
         )
-        self._flatten_fn = tf.function(self._flatten)
         self._regularize_fn = tf.function(self._regularize, reduce_retracing=True)
         self._squares_fn = tf.function(self._squares, reduce_retracing=True)
-        self._assign_fn = tf.function(self._assign)
+        self.keep_local = False  # keep each rank's own gradients (the trainer's finite check)
         self._compiled: dict = {}
         self._built_for = None
 
     # --- the reduction -----------------------------------------------------------------------
     def reduce(self) -> ZeroGradients:
         """Take this rank's gradients (summed over stages sharing a layer) and reduce-scatter
-        them over the stage's replicas: each receives the sums of its slice (collective)."""
-        sync = self.sync
-        local = sync.runner.take_gradients()
-        if sync.shared is not None:
-            local = sync.shared.sum(local, sync.shared_reducer, self.topology.pipeline_comm)
-        tables = [local[i] for i in self.table_positions]
+        them over the stage's replicas: each receives the sums of its slice (collective).
+
+        The gradients are read where they lie (views of the runner's tensors) and sent window
+        by window, so the step holds them once (`keep_local`: keep them after, for the
+        trainer's finite check)."""
+        local, tables = self._take_gradients()
+        own_tables = tables
         if tables:  # row slices of every replica, in rank order, as without ZeRO
             tables = rows.reduce_rows(self.comm, tables)
-        dense = [None if i in self.table_positions else g for i, g in enumerate(local)]
+        kept = None
+        if self.keep_local:
+            kept = list(local)
+            for i, table in zip(self.table_positions, own_tables):
+                kept[i] = table
         slices = []
-        for group, flat in zip(self.groups, self._flatten_fn(dense)):
-            send = np.asarray(flat)
-            received = np.empty(group.layout.shard_size, group.reduced_dtype)
-            self.comm.Reduce_scatter_block(send, received, op=mpi_op("SUM"))
-            slices.append(tf.cast(tf.constant(received), group.dtype))
-        self.sent_bytes += self.step_bytes["reduce_scatter"]
-        return ZeroGradients(local, slices, tables)
-
-    def _flatten(self, grads):
-        """Per group: its gradients in float32 (or wider) as one padded flat vector."""
-        flats = []
         for group in self.groups:
-            parts = [
-                tf.reshape(tf.cast(grads[i], group.reduced_dtype), [-1]) for i in group.positions
-            ]
-            padding = group.layout.padded - group.layout.length
-            if padding:
-                parts.append(tf.zeros([padding], group.reduced_dtype))
-            flats.append(tf.concat(parts, axis=0))
-        return flats
+            views = [np.asarray(local[i]).reshape(-1) for i in group.positions]  # no copies
+            received = self._reduce_scatter(group, views)
+            slices.append(tf.cast(tf.constant(received), group.dtype))
+        local = views = None  # the gradients' memory can go
+        self.sent_bytes += self.step_bytes["reduce_scatter"]
+        return ZeroGradients(kept, slices, tables)
+
+    def _reduce_scatter(self, group, views: list) -> np.ndarray:
+        """This replica's slice of the sum of `views` (the group's flattened gradients) over
+        the replicas, reduce-scattered window by window: each call sends every replica its
+        next `window` elements, so the buffers hold about CHUNK_BYTES, never a second copy of
+        the gradients (nor the whole-size temporary MPI's reduce-then-scatter keeps on one
+        rank)."""
+        layout, parts = group.layout, self.comm.Get_size()
+        dtype = group.reduced_dtype
+        window = max(1, CHUNK_BYTES // (parts * dtype.itemsize))
+        received = np.empty(layout.shard_size, dtype)
+        send = np.empty((parts, min(window, layout.shard_size)), dtype)
+        for first in range(0, layout.shard_size, window):
+            count = min(window, layout.shard_size - first)
+            for part in range(parts):
+                row = send[part, :count]
+                row[:] = 0  # the padding
+                start = layout.bounds(part)[0] + first
+                for j, begin, size in layout.segments(start, start + count):
+                    position = layout.offsets[j] + begin - start
+                    row[position : position + size] = views[j][begin : begin + size]
+            with self._guard("reduce-scatter the gradients over the replicas"):
+                self.comm.Reduce_scatter_block(
+                    np.ascontiguousarray(send[:, :count]), received[first : first + count],
+                    op=mpi_op("SUM"),
+                )  # fmt: skip
+        return received
+
+    def _take_gradients(self) -> tuple[list, list]:
+        """(each variable's gradient, None for tables; the tables' row slices). Flat gradients
+        are read as views of their flat tensors (no per-variable copies of a whole model)."""
+        sync, runner = self.sync, self.sync.runner
+        layout = getattr(runner, "layout", None)
+        if sync.shared is not None or layout is None or not hasattr(runner, "take_flat_gradients"):
+            local = runner.take_gradients()
+            if sync.shared is not None:
+                local = sync.shared.sum(local, sync.shared_reducer, self.topology.pipeline_comm)
+            tables = [local[i] for i in self.table_positions]
+            return [None if i in self.table_positions else g for i, g in enumerate(local)], tables
+        flat = runner.take_flat_gradients()
+        tables = runner.take_sparse_gradients()
+        chunks = getattr(layout, "chunks", None)
+        parts = [(layout, range(len(layout.slots)), flat)] if chunks is None else list(
+            zip(chunks, layout.members, flat)
+        )  # fmt: skip
+        del flat
+        local = [None] * len(self.variables)
+        dense = sync.dense
+        for chunk, members, tensor in parts:
+            values = np.asarray(tensor)
+            for slot, k in zip(chunk.slots, members):
+                local[dense[k]] = values[slot.offset : slot.offset + slot.size]
+        return local, tables
 
     # --- the update --------------------------------------------------------------------------
     def apply(self, gradients: ZeroGradients) -> float:
@@ -308,27 +355,27 @@ class ShardedUpdate:
         return [g.variable.value for g in self.groups]
 
     def _gather(self, values) -> None:
-        """All-gather every replica's updated slice and assign the stage's variables."""
+        """Give every replica the updated parameters: each variable's pieces are broadcast by
+        the replicas that hold them, through one buffer the size of the largest variable, so
+        no rank holds a second copy of the whole stage."""
         if not self.groups:
             return
-        whole = []
         for group, value in zip(self.groups, values):
-            mine = np.ascontiguousarray(np.asarray(value))
-            gathered = np.empty(group.layout.padded, mine.dtype)
-            with self._guard("all-gather the updated parameters"):
-                # bytes, so that any dtype travels (MPI has no float16 or bfloat16)
-                self.comm.Allgather(mine.view(np.uint8), gathered.view(np.uint8))
-            whole.append(tf.constant(gathered))
-        self.sent_bytes += self.step_bytes["allgather"]
-        self._assign_fn(whole)
-
-    def _assign(self, flats):
-        for group, flat in zip(self.groups, flats):
-            sizes = group.layout.sizes
-            parts = tf.split(flat[: group.layout.length], sizes)
-            for i, part in zip(group.positions, parts):
+            mine = np.asarray(value)
+            held = {p.variable: p for p in group.pieces}  # this replica's piece of each
+            buffer = np.empty(max(group.layout.sizes), mine.dtype)
+            for j, i in enumerate(group.positions):
                 variable = self.variables[i]
-                variable.assign(tf.reshape(part, variable.shape))
+                size = group.layout.sizes[j]
+                for owner, (start, stop) in group.layout.holders(j):
+                    if owner == self.comm.Get_rank():
+                        piece = held[j]
+                        buffer[start:stop] = mine[piece.offset : piece.offset + piece.size]
+                    with self._guard("all-gather the updated parameters", peer=owner):
+                        # bytes, so that any dtype travels (MPI has no float16 or bfloat16)
+                        self.comm.Bcast(buffer[start:stop].view(np.uint8), root=owner)
+                variable.assign(buffer[:size].reshape(tuple(variable.shape)))
+        self.sent_bytes += self.step_bytes["allgather"]
 
     def build_optimizer(self) -> None:
         """Build the model's optimizer for the slice variables (once per optimizer object)."""

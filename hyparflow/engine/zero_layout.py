@@ -70,6 +70,38 @@ class ZeroLayout:
         """Zeros at the end of slice `part` (beyond the last variable)."""
         return self.shard_size - sum(p.size for p in self.pieces(part))
 
+    def segments(self, start: int, stop: int) -> list[tuple[int, int, int]]:
+        """(variable, its first element, count) of the variables' elements in the flat
+        vector's [start, stop), in order; the padding beyond the variables yields nothing.
+
+        Example:
+            >>> ZeroLayout([6, 3], parts=2).segments(4, 8)
+            [(0, 4, 2), (1, 0, 2)]
+        """
+        found = []
+        for index, (offset, size) in enumerate(zip(self.offsets, self.sizes)):
+            low, high = max(start, offset), min(stop, offset + size)
+            if low < high:
+                found.append((index, low - offset, high - low))
+        return found
+
+    def holders(self, variable: int) -> list[tuple[int, tuple[int, int]]]:
+        """(slice, [start, stop) of the variable's elements it holds) for every slice holding
+        part of `variable`, in slice order.
+
+        Example:
+            >>> ZeroLayout([6, 3], parts=2).holders(0)
+            [(0, (0, 5)), (1, (5, 6))]
+        """
+        found = []
+        offset, size = self.offsets[variable], self.sizes[variable]
+        for part in range(self.parts):
+            start, stop = self.bounds(part)
+            low, high = max(start, offset), min(stop, offset + size)
+            if low < high:
+                found.append((part, (low - offset, high - offset)))
+        return found
+
     def owners(self, variable: int) -> list[int]:
         """The slices holding some element of `variable`."""
         return [p for p in range(self.parts) if any(x.variable == variable for x in self.pieces(p))]
