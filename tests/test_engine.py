@@ -20,6 +20,7 @@ TWO_RANKS = [
     Case("multi_io", "adam", "data", replicas=2),
     Case("shared", "sgd", "data", replicas=2),
     Case("l2_mlp", "adam", "data", replicas=2),
+    Case("l2_mlp", "adam", "data", replicas=2, large_variables=True),
     Case("mlp", "sgd", "model", partitions=2),
     Case("sequential", "adam", "model", partitions=2, microbatches=2, schedule="1f1b"),
     Case("mlp", "adam", "model", partitions=2, microbatches=4, schedule="1f1b"),

@@ -2,16 +2,60 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
 import tensorflow as tf
 from keras import ops
 from keras.optimizers import LossScaleOptimizer
+from keras.src.optimizers.base_optimizer import BaseOptimizer
 
 from hyparflow.comm.agree import AgreedError
 from hyparflow.engine import sparse as rows
 from hyparflow.engine.mpi import mpi_op
+
+# Bytes of variables updated per compiled optimizer call when a step's update is grouped: an
+# optimizer given every gradient at once runs all variables' updates side by side, their
+# temporaries (Adam's: about 1.5x the gradients) alive together; in groups they are one
+# group's, and each group's gradients can go once it is applied.
+GROUP_BYTES = 25 * 2**20
+
+
+def update_groups(variables, group_bytes: int | None = None) -> list[list[int]]:
+    """Consecutive variable positions in groups of about `group_bytes` (a larger variable
+    alone).
+
+    Example:
+        >>> [len(g) for g in update_groups([keras.Variable(np.zeros(2**20))] * 20)]
+        [7, 7, 6]
+    """
+    group_bytes = GROUP_BYTES if group_bytes is None else group_bytes
+    groups, size = [[]], 0
+    for i, v in enumerate(variables):
+        nbytes = int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize
+        if groups[-1] and size + nbytes > group_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(i)
+        size += nbytes
+    return [g for g in groups if g]
+
+
+def applies_per_variable(optimizer) -> bool:
+    """Whether Keras's `optimizer.apply` on groups of variables, the step counter put back
+    between them, is one `apply` of all: each variable's update reads only its own gradient,
+    state and the step. Not with loss scaling (one finite check per call, one scale update),
+    moving averages or gradient accumulation (over all variables per call), or an optimizer
+    that overrides `apply`."""
+    base = BaseOptimizer
+    return (
+        not isinstance(optimizer, LossScaleOptimizer)
+        and not getattr(optimizer, "use_ema", False)
+        and not (getattr(optimizer, "gradient_accumulation_steps", None) or 0) > 1
+        and type(optimizer).apply is base.apply
+        and type(optimizer)._backend_apply_gradients is base._backend_apply_gradients
+    )
 
 
 def loss_scale(optimizer) -> float:
@@ -59,6 +103,8 @@ class Update:
             getattr(_inner(model.optimizer), "global_clipnorm", None)
         )
         self._squares_fn = tf.function(_sum_of_squares, reduce_retracing=True)
+        self._reg_values_fn = tf.function(self._reg_values)
+        self._groups_for: tuple = (None, None)  # (id of the optimizer, its update groups)
         self._compiled: dict = {}
 
     def loss_scale(self) -> float:
@@ -67,6 +113,8 @@ class Update:
     def apply(self, gradients) -> float:
         """Step the optimizer with the reduced `gradients` (`gradient_sync.Gradients`); return
         the model's total regularization (collective over the pipeline)."""
+        if self._grouped():
+            return self._apply_grouped(gradients)
         if gradients.layout is None or self.clips_across_stages or self._split:
             return self._apply(gradients.as_list())
         return self._apply_flat(gradients.flat, gradients.tables)
@@ -226,16 +274,105 @@ class Update:
         finally:
             optimizer.global_clipnorm = clip
 
-    def _compiled_update(self, body):
+    # --- the update in groups of variables ------------------------------------------------------
+    def _grouped(self) -> bool:
+        """Whether this step's update runs group by group (`update_groups`): more than one
+        group, an optimizer that applies per variable, and no clipping by a global norm that
+        would have to include regularization gradients first."""
+        optimizer = self.model.optimizer
+        key = id(optimizer)
+        if self._groups_for[0] != key:
+            clipping = bool(getattr(_inner(optimizer), "global_clipnorm", None))
+            groups = update_groups(self.variables)
+            usable = len(groups) > 1 and applies_per_variable(optimizer)
+            self._groups_for = (key, groups if usable and not (clipping and self.regularized)
+                                else None)  # fmt: skip
+        return self._groups_for[1] is not None
+
+    def _apply_grouped(self, gradients) -> float:
+        """The optimizer's update group by group, each group's gradients let go once applied
+        (the step counter is put back between groups, so every group sees the same step)."""
+        grads = list(gradients.as_list())
+        gradients.grads = gradients.flat = None  # this list is the last reference
+        gradients.tables = []
+        reg_value = 0.0
+        if self.regularized:
+            reg_value = self._total(*self._reg_values_fn())
+        reg_value = self._sum_over_pipeline(reg_value)
+        optimizer = _inner(self.model.optimizer)
+        norm = None
+        if getattr(optimizer, "global_clipnorm", None):  # without regularization (`_grouped`)
+            norm = self._pipeline_norm(grads) if self.clips_across_stages else self._norm(grads)
+        if not self.variables:
+            return reg_value
+        if not self.model.optimizer.built:
+            self.model.optimizer.build(self.variables)
+        step = int(self.model.optimizer.iterations.numpy())
+        scale = tf.constant(self.loss_scale(), tf.float32)
+        groups = self._groups_for[1]
+        for k, group in enumerate(groups):
+            taken = [grads[i] for i in group]
+            for i in group:
+                grads[i] = None
+            update = self._compiled_update(self._group_body, key=k, group=group)
+            update(taken, scale) if norm is None else update(taken, scale, norm)
+            taken = None
+            if k < len(groups) - 1:
+                self.model.optimizer.iterations.assign(step)
+        return reg_value
+
+    def _norm(self, grads):
+        """Keras's global gradient norm of `grads` (this stage's, all of the model's)."""
+        scale = tf.constant(self.loss_scale(), tf.float32)
+        return tf.sqrt(self._squares_fn(grads, scale))
+
+    def _reg_values(self):
+        """(regularization of whole variables, of tensor shards), without gradients."""
+        values = [tf.reduce_sum(v.regularizer(v)) for v in self.regularized]
+        whole = [x for v, x in zip(self.regularized, values) if id(v) not in self._split]
+        parts = [x for v, x in zip(self.regularized, values) if id(v) in self._split]
+        zero = tf.constant(0.0)
+        return (tf.add_n(whole) if whole else zero), (tf.add_n(parts) if parts else zero)
+
+    def _group_body(self, grads, scale, norm=None, *, group):
+        """One group's update: its regularization gradients added (times the loss scale),
+        clipped by the whole model's `norm` if given, then `optimizer.apply`."""
+        variables = [self.variables[i] for i in group]
+        regularized = [v for v in variables if getattr(v, "regularizer", None)]
+        grads = list(grads)
+        if regularized:
+            with tf.GradientTape() as tape:
+                total = tf.add_n([tf.reduce_sum(v.regularizer(v)) for v in regularized])
+            by_variable = dict(zip(map(id, regularized), tape.gradient(total, regularized)))
+            for j, v in enumerate(variables):
+                if id(v) in by_variable:
+                    grads[j] = tf.convert_to_tensor(grads[j]) + tf.cast(
+                        by_variable[id(v)], grads[j].dtype
+                    ) * tf.cast(scale, grads[j].dtype)
+        if norm is None:
+            self.model.optimizer.apply(grads, variables)
+            return
+        optimizer = _inner(self.model.optimizer)
+        clip = optimizer.global_clipnorm
+        factor = clip * ops.minimum(1.0 / norm, 1.0 / clip) + (norm - norm)  # NaN if not finite
+        optimizer.global_clipnorm = None  # clipped here by the whole norm, not the group's
+        try:
+            clipped = [rows.like(g, rows.values_of(g) * tf.cast(factor, g.dtype)) for g in grads]
+            self.model.optimizer.apply(clipped, variables)
+        finally:
+            optimizer.global_clipnorm = clip
+
+    def _compiled_update(self, body, key=None, **bound):
         """`body` as a `tf.function`, traced anew for each optimizer object (a recompiled model
         gets a new one), the optimizer built first: variables cannot be created in a trace."""
         optimizer = self.model.optimizer
         if not optimizer.built:
             optimizer.build(self.variables)
-        name = body.__name__
+        name = (body.__name__, key)
         if name not in self._compiled or self._compiled[name][0] is not optimizer:
+            function = functools.partial(body, **bound) if bound else body
             # Tables' row counts vary by step: generalise shapes after a retrace, as Keras does.
-            self._compiled[name] = (optimizer, tf.function(body, reduce_retracing=True))
+            self._compiled[name] = (optimizer, tf.function(function, reduce_retracing=True))
         return self._compiled[name][1]
 
 

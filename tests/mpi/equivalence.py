@@ -10,7 +10,7 @@ import os
 import keras
 
 import hyparflow as hf
-from hyparflow.engine import flat
+from hyparflow.engine import flat, update
 from tests.support.cases import Case
 from tests.support.compare import history_difference, relative_difference
 from tests.support.models import compiled, data
@@ -20,13 +20,14 @@ BATCH, EPOCHS = 16, 2
 
 
 def run(case: Case) -> dict:
-    threshold = flat.FLAT_BACKWARD_MAX_MEAN_BYTES
+    threshold, group_bytes = flat.FLAT_BACKWARD_MAX_MEAN_BYTES, update.GROUP_BYTES
     if case.large_variables:
         flat.FLAT_BACKWARD_MAX_MEAN_BYTES = 0  # every variable counts as large
+        update.GROUP_BYTES = 0  # and is updated in a compiled call of its own
     try:
         return _run(case)
     finally:
-        flat.FLAT_BACKWARD_MAX_MEAN_BYTES = threshold
+        flat.FLAT_BACKWARD_MAX_MEAN_BYTES, update.GROUP_BYTES = threshold, group_bytes
 
 
 def _run(case: Case) -> dict:

@@ -37,7 +37,8 @@ class Case:
     or zoo.py); `policy` is the Keras dtype policy the model is built under. The layout fields
     are hf.Strategy's; `blocking` posts each receive only when its action needs it
     (overlap_p2p=False). `large_variables` makes every variable count as large (summed per
-    variable over micro-batches, flattened once per step); `one_step` trains a single step.
+    variable over micro-batches, flattened once per step, updated in a compiled optimizer call
+    of its own); `one_step` trains a single step.
     """
 
     model: str
