@@ -239,12 +239,19 @@ class GradientReducer:
         (`hyparflow.engine.flat`), whose last piece depends on the step's data so that it can
         never be a folded constant. Its own buffer receives the sums (no copy in or out), in
         slices of `bucket_bytes`: Open MPI reduces 25 MiB slices faster than one 100 MiB call.
-        Returns `flat`. On a one-rank communicator nothing happens.
+        A tuple or list of such tensors (a `ChunkedLayout`'s chunks) is reduced chunk by
+        chunk, each in place. Returns `flat` (for "mean", divided copies). On a one-rank
+        communicator nothing happens.
         """
-        from mpi4py import MPI  # on use: importing it initialises MPI (docs/architecture.md)
-
         if self.size == 1:
             return flat
+        if isinstance(flat, (tuple, list)):
+            return type(flat)(self._reduce_flat_tensor(chunk) for chunk in flat)
+        return self._reduce_flat_tensor(flat)
+
+    def _reduce_flat_tensor(self, flat):
+        from mpi4py import MPI  # on use: importing it initialises MPI (docs/architecture.md)
+
         view = np.asarray(flat)  # a CPU tensor's own memory (numpy marks it read-only)
         if view.dtype != np.float32 or view.ndim != 1:
             raise ValueError(

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from hyparflow.comm.allreduce import plan_buckets
+from hyparflow.comm.allreduce import DEFAULT_BUCKET_BYTES, plan_buckets
 
 # Mean gradient bytes per variable up to which a pipeline stage differentiates one flat
 # tensor per micro-batch (`flat_backward_pays`): a per-variable backward costs Python and
@@ -88,6 +88,10 @@ class FlatLayout:
         pieces.append((TAIL, None))
         return pieces
 
+    def zeros(self) -> tf.Tensor:
+        """A flat tensor of zeros (no gradient yet)."""
+        return tf.zeros([self.length], tf.float32)
+
     def flatten(self, grads, tail) -> tf.Tensor:
         """The gradients concatenated in layout order, zeros in the padding and the scalar
         `tail` (a value computed from the step's data, e.g. its loss) in the last piece."""
@@ -109,4 +113,49 @@ class FlatLayout:
         for part, (_, number) in zip(parts, pieces):
             if number is not None:
                 grads[number] = tf.reshape(part, self.slots[number].shape)
+        return grads
+
+
+class ChunkedLayout:
+    """A `FlatLayout` cut into chunks of about `chunk_bytes`: the flat gradient as a tuple of
+    flat tensors, one per chunk of consecutive variables (a larger variable gets its own).
+
+    One concat of the whole model needs every per-variable gradient alive beside its output:
+    twice the gradient bytes at the peak. A chunk's concat needs only its own variables'
+    gradients, which die as soon as it has run, so the step holds the gradients about once
+    (docs/engine.md, "Memory"). Each chunk is a `FlatLayout` of its own (aligned pieces, a
+    data-dependent tail), so `GradientReducer.reduce_flat` reduces each one in place.
+
+    Example:
+        >>> specs = [tf.TensorSpec((1024, 1024))] * 3 + [tf.TensorSpec((10,))]
+        >>> [len(c.slots) for c in ChunkedLayout(specs, chunk_bytes=8 * 2**20).chunks]
+        [2, 2]
+    """
+
+    def __init__(self, variables, chunk_bytes: int = DEFAULT_BUCKET_BYTES):
+        specs = list(variables)
+        whole = FlatLayout(specs)
+        self.usable, self.slots = whole.usable, whole.slots
+        _, buckets = plan_buckets([(tuple(v.shape), tf.float32) for v in specs], chunk_bytes)
+        self.members = [bucket.indices for bucket in buckets]
+        self.chunks = [FlatLayout([specs[i] for i in members]) for members in self.members]
+        self.length = sum(chunk.length for chunk in self.chunks)
+        self.unflatten_fn = tf.function(self.unflatten)
+
+    def zeros(self) -> tuple:
+        return tuple(chunk.zeros() for chunk in self.chunks)
+
+    def flatten(self, grads, tail) -> tuple:
+        """One flat tensor per chunk (`FlatLayout.flatten` of its gradients)."""
+        return tuple(
+            chunk.flatten([grads[i] for i in members], tail)
+            for chunk, members in zip(self.chunks, self.members)
+        )
+
+    def unflatten(self, flat) -> list:
+        """The gradients in their shapes and order, as views of the chunks (graph ops)."""
+        grads = [None] * len(self.slots)
+        for chunk, members, part in zip(self.chunks, self.members, flat):
+            for i, grad in zip(members, chunk.unflatten(part)):
+                grads[i] = grad
         return grads

@@ -25,7 +25,8 @@ class FusedRunner:
     `variables` and `loss(y, y_pred, sample_weight)` mean what they mean for `StageRunner`;
     `metrics(y, y_pred, sample_weight)`, if given, updates the compiled metrics in the same
     call (`updates_metrics` tells the caller not to). With a `layout` (`FlatLayout` of the
-    dense variables), their gradients are kept as one flat tensor (`take_flat_gradients`).
+    dense variables, or `ChunkedLayout`), their gradients are kept as one flat tensor (or a
+    tuple of chunks: `take_flat_gradients`).
 
     `sparse`: positions of embedding tables, whose gradients stay row slices: each
     micro-batch's are kept as they come and concatenated in order (`take_sparse_gradients`).
@@ -108,8 +109,8 @@ class FusedRunner:
 
     def _accumulate_body(self, inputs, y, sample_weight, scale, piece, totals):
         y_pred, loss, added, grads, sparse = self._gradients(inputs, y, sample_weight, scale, piece)
-        if self.layout is not None:
-            return y_pred, loss, added, totals + grads, sparse
+        if self.layout is not None:  # one flat tensor, or a tuple of chunks
+            return y_pred, loss, added, tf.nest.map_structure(tf.add, totals, grads), sparse
         return y_pred, loss, added, [t + g for t, g in zip(totals, grads)], sparse
 
     def _infer_body(self, inputs):
@@ -160,7 +161,7 @@ class FusedRunner:
         """The dense variables' summed gradients as the layout's one flat tensor (needs a
         `layout`); take the tables' with `take_sparse_gradients`."""
         flat, self._grads = self._grads, None
-        return tf.zeros([self.layout.length], tf.float32) if flat is None else flat
+        return self.layout.zeros() if flat is None else flat
 
     def take_sparse_gradients(self) -> list:
         """The embedding tables' gradients since the last call, in `sparse` order."""

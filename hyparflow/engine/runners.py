@@ -7,6 +7,7 @@ import keras
 from hyparflow import _keras
 from hyparflow.checkpoint.state import layers_of_seed_keys, seed_generators
 from hyparflow.engine.added_losses import added_loss
+from hyparflow.engine.flat import ChunkedLayout
 from hyparflow.engine.fused import FusedRunner
 from hyparflow.engine.gradient_sync import Overlap
 from hyparflow.engine.segments import SegmentedRunner
@@ -61,9 +62,10 @@ def build_runner(parts: RunnerParts, variables, sparse, form, layout):
         train_scope=parts.batchnorm_scope(layers),
     )
     if parts.stage is None:  # nothing lives between forward and backward: one compiled call
+        # Chunks, not one tensor: the step then never holds its gradients twice (flat.py).
         return FusedRunner(
             parts.call, variables, loss=parts.loss, metrics=parts.metrics,
-            layout=layout if form.flat else None, **common,
+            layout=ChunkedLayout(layout.slots) if form.flat else None, **common,
         )  # fmt: skip
     return StageRunner(
         parts.call,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import tensorflow as tf
 
 
 def first_users(plan, attribute: str = "weights") -> dict:
@@ -44,22 +45,63 @@ def assign_packed(variables, flat: np.ndarray) -> None:
         offset += size
 
 
+# Weights travel in groups of about this many bytes (a larger weight alone, from and into its
+# own buffer), so sharing them costs at most one group or one weight of memory at a time,
+# never a packed copy of every weight a stage owns (docs/engine.md, "Memory").
+BROADCAST_GROUP_BYTES = 25 * 2**20
+
+
+def byte_groups(variables, group_bytes: int = BROADCAST_GROUP_BYTES) -> list[list]:
+    """`variables` in order, cut into groups of about `group_bytes` of raw bytes each (a group
+    closes once it holds that many).
+
+    Example:
+        >>> v = [np.zeros(3, np.float32), np.zeros(8, np.float64), np.zeros(2, np.float32)]
+        >>> [len(g) for g in byte_groups(v, group_bytes=16)]
+        [2, 1]
+    """
+    groups, current, size = [], [], 0
+    for v in variables:
+        current.append(v)
+        size += int(np.prod(v.shape)) * np.dtype(_numpy_dtype(v)).itemsize
+        if size >= group_bytes:
+            groups.append(current)
+            current, size = [], 0
+    return groups + ([current] if current else [])
+
+
+def _numpy_dtype(v):
+    dtype = v.dtype
+    return dtype if isinstance(dtype, np.dtype) else tf.as_dtype(dtype).as_numpy_dtype
+
+
 def broadcast_owned_weights(model, plan, comm, guard) -> None:
     """Give every rank of the pipeline `comm` the full model: each stage broadcasts the weights
-    it owns. `guard(operation, peer)` watches each broadcast."""
+    it owns, as raw bytes in groups of `BROADCAST_GROUP_BYTES` (any dtype, exact).
+    `guard(operation, peer)` watches each broadcast."""
     owners = weight_owners(plan, model)
     for root in range(comm.Get_size()):
         mine = [v for v, owner in zip(model.weights, owners) if owner == root]
-        if not mine:
-            continue
-        if comm.Get_rank() == root:
-            flat = packed(mine)
-        else:
-            flat = np.empty(sum(int(np.prod(v.shape)) for v in mine), np.float64)
-        with guard("share trained weights", peer=root):
-            comm.Bcast(flat, root=root)
-        if comm.Get_rank() != root:
-            assign_packed(mine, flat)
+        for group in byte_groups(mine):
+            arrays = None
+            if comm.Get_rank() == root:
+                arrays = [np.ascontiguousarray(v.numpy()) for v in group]
+                flat = arrays[0].reshape(-1).view(np.uint8) if len(group) == 1 else (
+                    np.concatenate([a.reshape(-1).view(np.uint8) for a in arrays])
+                )  # fmt: skip
+            else:
+                nbytes = [int(np.prod(v.shape)) * np.dtype(_numpy_dtype(v)).itemsize for v in group]
+                flat = np.empty(sum(nbytes), np.uint8)
+            with guard("share trained weights", peer=root):
+                comm.Bcast(flat, root=root)
+            if comm.Get_rank() != root:
+                offset = 0
+                for v in group:
+                    dtype = np.dtype(_numpy_dtype(v))
+                    size = int(np.prod(v.shape)) * dtype.itemsize
+                    v.assign(flat[offset : offset + size].view(dtype).reshape(v.shape))
+                    offset += size
+            del arrays, flat
 
 
 def held_elsewhere(model, plan, stage_index: int, layout=None) -> list:
