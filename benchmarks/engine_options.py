@@ -82,9 +82,10 @@ def worker(args) -> None:
 
     import hyparflow as hf
     from benchmarks.harness.interleave import interleaved_epochs
-    from benchmarks.harness.memory import peak_rss_bytes, rss_bytes, variable_bytes
+    from benchmarks.harness.memory import variable_bytes
     from benchmarks.harness.timing import epoch_timer
     from benchmarks.models import mlp, synthetic_data
+    from hyparflow.memory.resident import peak_bytes, resident_bytes
 
     keras.config.disable_interactive_logging()
     if args.run in POLICIES:
@@ -99,10 +100,10 @@ def worker(args) -> None:
             write_result(args.worker_out, 0, seconds)
     elif args.run in ("memory-on", "memory-off"):
         x, y = synthetic_data(model, args.batch_size * 2)
-        before = rss_bytes()
+        before = resident_bytes()
         strategy = _gpipe(args.run == "memory-on", args.microbatches)
         hf.fit(model, x, y, batch_size=args.batch_size, epochs=2, verbose=0, strategy=strategy)
-        write_result(args.worker_out, hf.rank(), {"peak": peak_rss_bytes(), "before": before})
+        write_result(args.worker_out, hf.rank(), {"peak": peak_bytes(), "before": before})
     else:
         x, y = synthetic_data(model, args.batch_size * args.steps)
         timer = epoch_timer()

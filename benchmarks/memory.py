@@ -1,61 +1,118 @@
-"""Memory plan vs measured: each rank's peak resident growth next to hf.memory_plan's prediction.
+"""Memory per rank: peak growth next to hf.memory_plan, ZeRO-1's bytes, the largest MLP under a cap.
 
-Run: .venv/bin/python benchmarks/memory.py [--shape 2048,6] [--layouts 1,1,1 2,1,1 ...]
+Run: .venv/bin/python benchmarks/memory.py [--quick] [--shape 2048,6] [--cap 640M] [--probes 3]
+     (starts `mpirun` itself; 4 ranks oversubscribe 2 cores, which does not change memory)
 
-A weight-heavy MLP (tests/mpi/memory_checks.py: Dense(WIDTH) x DEPTH on 256 inputs, Adam,
-batch 32, one epoch of 4 steps) is trained by 1, 2 and 4 ranks along each axis (P, R, T; R
-with ZeRO-1 where `hf.Strategy` has `shard_optimizer`), ordinary build and `hf.scope()`. Each
-rank's growth is measured from before the model is built to the epoch's end (PeakGrowth);
-the table shows the largest rank and the worst error over ranks (docs/memory.md).
+MLP: Dense(WIDTH) x DEPTH on 256 inputs (tests/mpi/memory_checks.py), Adam, batch 32, 4 steps.
+Growth: each rank's peak resident growth from before the model is built to the epoch's end
+(PeakGrowth), the largest rank's next to `hf.memory_plan`'s line, for one process and 2 and 4
+ranks along P, T, R and R with ZeRO-1, P=4 and P=2 x T=2 also under `hf.scope()`. ZeRO-1: bytes
+a rank sends per step (ring reduce-scatter + all-gather) next to an allreduce of the same
+gradients. Cap: every rank in its own cgroup of that size (tests/support/cgroup.py; ~214 MiB of
+it is Python, TensorFlow, MPI); a geometric bisection over the width of a depth-8 MLP finds the
+largest that trains one epoch (built under `hf.scope()` on 4 ranks, ordinarily in one process,
+where hf.fit refuses a `hf.scope()` model that its own check says does not fit).
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
+import math
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-import hyparflow as hf  # noqa: E402
-from tests.support.mpirun import run_scenario  # noqa: E402
+from benchmarks.harness import cli  # noqa: E402
+from benchmarks.harness.launch import run_worker, write_result  # noqa: E402
+from benchmarks.harness.records import measurement  # noqa: E402
 
-MIB = 2**20
-LAYOUTS = ["1,1,1", "2,1,1", "4,1,1", "1,2,1", "1,4,1", "1,1,2", "1,1,4", "2,2,1", "2,1,2",
-           "4,1,1,scope", "2,1,2,scope", "1,4,1,zero"]  # fmt: skip
-
-
-def has_zero() -> bool:
-    return "shard_optimizer" in {f.name for f in dataclasses.fields(hf.Strategy)}
-
-
-def measure(spec: str, shape: str) -> list[dict]:
-    p, r, t = (int(v) for v in spec.split(",")[:3])
-    return run_scenario("memory_checks", p * r * t, "measure", spec, shape, timeout=600)
+FIGURE, MIB = "memory", 2**20
+TITLE = "(7) Memory per rank: peak growth vs the plan, ZeRO-1's bytes, the largest MLP under a cap"
+LAYOUTS = ["1,1,1", "2,1,1", "4,1,1", "4,1,1,scope", "1,1,2", "1,1,4", "1,2,1", "1,4,1",
+           "1,2,1,zero", "1,4,1,zero", "2,1,2", "2,1,2,scope"]  # fmt: skip
+CAPPED = ["1,1,1", "4,1,1,params,scope", "2,1,2,scope", "1,4,1,scope", "1,4,1,zero,scope"]
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", default="2048,6", help="WIDTH,DEPTH of the MLP")
-    parser.add_argument("--layouts", nargs="+", default=LAYOUTS, help='"P,R,T[,scope|zero]"')
-    args = parser.parse_args(argv)
-    print(f"MLP {args.shape} (width, depth), Adam, batch 32; MiB per rank\n")
-    print("| layout (P,R,T) | largest rank: measured | predicted | error | worst error |")
-    print("|---|---|---|---|---|")
+def label(spec: str) -> str:
+    """ "2,1,2,scope" as "P=2 x T=2, hf.scope()"."""
+    p, r, t, *flags = spec.split(",")
+    axes = [f"{a}={n}" for a, n in zip("PRT", (p, r, t)) if int(n) > 1]
+    extra = [name for flag, name in (("zero", "ZeRO-1"), ("scope", "hf.scope()")) if flag in flags]
+    return ", ".join([" x ".join(axes) or "one process", *extra])
+
+
+def size(spec: str) -> int:
+    return math.prod(int(n) for n in spec.split(",")[:3])
+
+
+def worker(args) -> None:
+    import hyparflow as hf
+    from tests.mpi.memory_checks import measure
+
+    write_result(args.worker_out, hf.rank(), measure(args.layout, args.shape))
+
+
+def growth_records(spec: str, ranks: list[dict]) -> list[dict]:
+    top = max(ranks, key=lambda r: r["growth"])
+    worst = max((r["predicted"] / r["growth"] - 1 for r in ranks), key=abs)
+    rows = [("peak growth, largest rank, measured", top["growth"] / MIB, "MiB"),
+            ("peak growth, largest rank, plan", top["predicted"] / MIB, "MiB"),
+            ("plan / measured - 1, worst rank", 100 * worst, "%")]  # fmt: skip
+    if "zero_bytes" in top:  # every replica sends the same
+        zero, allreduce = sum(top["zero_bytes"].values()) / MIB, top["allreduce_bytes"] / MIB
+        rows += [("bytes sent per step, reduce-scatter + all-gather", zero, "MiB per step"),
+                 ("bytes sent per step, an allreduce instead", allreduce, "MiB per step"),
+                 ("ZeRO-1 bytes / allreduce bytes", zero / allreduce, "ratio")]  # fmt: skip
+    return [measurement(FIGURE, f"{label(spec)}: {what}", [v], unit) for what, v, unit in rows]
+
+
+def largest_width(spec: str, args) -> list[dict]:
+    """Bisect the width (multiples of 128, geometric) in `args.widths` under the cap: of the
+    widths probed, the largest that trained and the smallest that did not (killed for memory)."""
+    from tests.support.cgroup import launch_capped
+
+    (low, high), probed = args.widths, set()
+    for _ in range(args.probes):
+        probed.add(width := round((low * high) ** 0.5 / 128) * 128)
+        run, caps = launch_capped("memory_checks", size(spec), args.cap, "measure", spec,
+                                  f"{width},8", timeout=600)  # fmt: skip
+        trained = run.returncode == 0 and all(run.results)
+        how = "trained" if trained else f"{[o and o.killed_for_memory for o in caps]} killed"
+        print(f"{label(spec)}, width {width}: {how}", file=sys.stderr, flush=True)
+        low, high = (width, high) if trained else (low, width)
+    ends = (("largest width trained", low), ("smallest width not trained", high))
+    return [measurement(FIGURE, f"{label(spec)}: {what} under {args.cap} per rank", [w], "width")
+            for what, w in ends if w in probed]  # fmt: skip
+
+
+def run(args) -> list[dict]:
+    from tests.support.cgroup import skip_reason
+
+    records = []
     for spec in args.layouts:
-        if "zero" in spec and not has_zero():
-            print(f"| {spec} | not run: hf.Strategy has no shard_optimizer yet | | | |")
-            continue
-        results = measure(spec, args.shape)
-        errors = [r["predicted"] / r["growth"] - 1 for r in results]
-        top = max(results, key=lambda r: r["growth"])
-        worst = max(errors, key=abs)
-        print(
-            f"| {spec} | {top['growth'] / MIB:.0f} | {top['predicted'] / MIB:.0f} | "
-            f"{top['predicted'] / top['growth'] - 1:+.0%} | {worst:+.0%} |",
-            flush=True,
-        )
+        ranks = run_worker(__file__, ["--layout", spec, "--shape", args.shape], np=size(spec))
+        records += growth_records(spec, ranks)
+    if reason := skip_reason():  # the report's heading says so
+        args.title = f"{TITLE} (caps not run: {reason})"
+        print(f"caps not run: {reason}", file=sys.stderr)
+        return records
+    return records + [r for spec in args.capped for r in largest_width(spec, args)]
+
+
+def arguments(argv=None):
+    p = cli.parser(__doc__, repeats=1)
+    p.add_argument("--layouts", nargs="+", default=LAYOUTS, help='"P,R,T[,scope|zero]"')
+    p.add_argument("--shape", default="2048,6", help="WIDTH,DEPTH of the growth runs' MLP")
+    p.add_argument("--capped", nargs="+", default=CAPPED, help="layouts bisected under the cap")
+    p.add_argument("--cap", default="640M", help="per-rank memory cap (cgroup)")
+    p.add_argument("--widths", type=int, nargs=2, default=[512, 4096], help="bisection range")
+    p.add_argument("--probes", type=int, default=3, help="probes per capped layout")
+    p.add_argument("--layout", help="worker: the layout it measures")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.layouts, args.shape, args.capped = ["1,1,1", "1,2,1,zero"], "256,2", CAPPED[-1:]
+        args.cap, args.widths, args.probes = "1G", [256, 768], 1
+    return args
 
 
 if __name__ == "__main__":
-    main()
+    cli.entry(arguments(), worker, run)

@@ -117,18 +117,18 @@ def memory_worker(args) -> None:
     import keras
 
     import hyparflow as hf
-    from benchmarks.harness.memory import peak_rss_bytes, rss_bytes
     from benchmarks.models import mlp, synthetic_data
+    from hyparflow.memory.resident import peak_bytes, resident_bytes
 
     keras.config.disable_interactive_logging()
     model = mlp(args.width, 4)
     x, y = synthetic_data(model, args.memory_batch * 3)
-    before = rss_bytes()
+    before = resident_bytes()
     strategy = hf.Strategy(
         "model", microbatches=args.memory_microbatches, schedule=args.schedule, tune_process=True
     )
     hf.fit(model, x, y, batch_size=args.memory_batch, epochs=2, verbose=0, strategy=strategy)
-    peak = peak_rss_bytes()
+    peak = peak_bytes()
     write_result(args.worker_out, hf.rank(), {"peak": peak, "growth": peak - before})
 
 

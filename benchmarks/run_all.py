@@ -34,7 +34,7 @@ FIGURES = {  # report order: key -> module and its arguments
     "data_parallel": "data_parallel",
     "pipeline": "pipeline_bubble",
     "resnet": "resnet_paper",
-    "memory": "memory_partitions",
+    "memory": "memory",
     "tensor": "tensor_parallel",
     "overlap": "engine_options --option overlap",
     "recompute": "engine_options --option recompute",
@@ -50,7 +50,6 @@ OTHERS = [
      []),
     ("Scaling model: the paper's runs projected", "paper_projection.py", "main", 1,
      ["--json", "benchmarks/out/paper_projection.json"]),
-    ("Memory plan vs measured peak growth per rank", "memory.py", "main", 1, []),
 ]  # fmt: skip
 
 

@@ -2,8 +2,9 @@
 training under a per-rank memory cap (tests/test_memory_plan.py, tests/test_memory_caps.py).
 
 Arguments: the scenario ("measure"), then a layout spec "P,R,T[,flags]" (`layout`) and the
-MLP's "WIDTH,DEPTH" (see `wide_mlp`). Every rank reports its measured growth, its plan line
-and, when it trained, the final loss.
+MLP's "WIDTH,DEPTH" (see `wide_mlp`). Every rank reports its measured growth, its plan line,
+when it trained the final loss, and with ZeRO-1 the bytes it sends per step (`zero_bytes`:
+reduce-scatter and all-gather) next to what an allreduce of the same gradients would send.
 """
 
 import contextlib
@@ -65,6 +66,10 @@ def measure(spec: str, shape: str, optimizer: str = "adam") -> dict:
                          strategy=strategy)  # fmt: skip
     plan = hf.memory_plan(model, strategy, batch_size=BATCH)
     line = plan.ranks[hf.rank()]
+    trainer = getattr(model, "_hyparflow_trainer", (None, None))[1]  # none in one process
+    zero = getattr(trainer, "zero", None)
+    sent = {} if zero is None else {"zero_bytes": dict(zero.step_bytes),
+                                    "allreduce_bytes": zero.allreduce_bytes}  # fmt: skip
     return {
         "spec": spec,
         "growth": growth.bytes,
@@ -73,6 +78,7 @@ def measure(spec: str, shape: str, optimizer: str = "adam") -> dict:
         "predicted": line.total,
         "line": line.to_dict(),
         "loss": float(history.history["loss"][-1]),
+        **sent,  # with ZeRO-1: one step's bytes sent by this rank, and an allreduce's
     }
 
 
