@@ -21,9 +21,8 @@ from hyparflow.data import check_divisible, make_source, unpack
 from hyparflow.engine.loops import evaluate_loop, fit_loop, predict_loop
 from hyparflow.engine.trainer import Trainer
 from hyparflow.engine.weights import held_elsewhere
-from hyparflow.memory.limits import memory_limit
+from hyparflow.memory.limits import memory_room
 from hyparflow.memory.plan import memory_plan
-from hyparflow.memory.resident import resident_bytes
 from hyparflow.partitioner import partition as _partition
 from hyparflow.process_tuning import tune_process
 from hyparflow.strategy import make_strategy
@@ -262,20 +261,19 @@ def fit(
 
 def _check_fits_one_process(model, batch_size) -> None:
     """Refuse to materialise a hf.scope() model whose training the memory plan says cannot fit
-    under this process's memory limit (cgroup), rather than be killed part way."""
-    limit = memory_limit()
-    if limit is None:
+    in what this process's cgroup can still be charged, rather than be killed part way."""
+    room = memory_room()
+    if room is None:
         return
     needed = memory_plan(model, "data", batch_size or 32).largest.total
-    room = limit - resident_bytes()
     if needed > room:
         gib = 2**30
         raise MemoryError(
             f"Training this model in one process needs about {needed / gib:.2f} GiB more "
-            f"(hf.memory_plan), but this process may use only {room / gib:.2f} GiB more (its "
-            f"memory limit is {limit / gib:.2f} GiB). Launch it on several ranks (mpirun -np N) "
-            "with strategy=hf.Strategy('model', partitions=N), tensor=T or "
-            "shard_optimizer=True; `hyparflow plan --memory` shows what each rank holds."
+            f"(hf.memory_plan), but this process's memory limit leaves {room / gib:.2f} GiB. "
+            "Launch it on several ranks (mpirun -np N) with strategy=hf.Strategy('model', "
+            "partitions=N), tensor=T or shard_optimizer=True; `hyparflow plan --memory` "
+            "shows what each rank holds."
         )
 
 

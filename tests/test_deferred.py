@@ -186,15 +186,13 @@ def test_export_holds_one_weight_at_a_time(tmp_path):
 
 
 def test_one_process_refuses_what_its_memory_limit_cannot_hold(monkeypatch):
-    from hyparflow.memory.resident import resident_bytes
-
     optimizer = keras.optimizers.Adam()
     with hf.scope():
         model = _seeded(lambda: keras.Sequential([keras.Input((512,)), keras.layers.Dense(512)]))
     model.compile(optimizer, "mse")
-    monkeypatch.setattr(api, "memory_limit", lambda: resident_bytes() + 2**20)  # 1 MiB of room
+    monkeypatch.setattr(api, "memory_room", lambda: 2**20)  # 1 MiB left under the limit
     with pytest.raises(MemoryError, match=r"needs about .* GiB more \(hf.memory_plan\)"):
         hf.fit(model, np.ones((4, 512)), np.ones((4, 512)), verbose=0)
     assert deferred.any_deferred(model)  # nothing was allocated
-    monkeypatch.setattr(api, "memory_limit", lambda: None)  # no limit: it trains
+    monkeypatch.setattr(api, "memory_room", lambda: None)  # no limit: it trains
     hf.fit(model, np.ones((4, 512)), np.ones((4, 512)), verbose=0)

@@ -10,7 +10,7 @@ import pytest
 import hyparflow as hf
 from hyparflow.engine import flat, schedule
 from hyparflow.memory import buffers, counts
-from hyparflow.memory.limits import cgroup_paths, memory_limit, parse_limit
+from hyparflow.memory.limits import cgroup_paths, memory_limit, memory_room, parse_limit
 from hyparflow.memory.slots import optimizer_slots
 from tests.support import cgroup
 from tests.support.mpirun import run_scenario
@@ -115,6 +115,20 @@ def test_memory_limit_reads_v1_and_v2(tmp_path):
     proc.write_text("0::/user\n")
     assert memory_limit(str(v2), str(proc)) == 2**29  # an ancestor's limit binds
     assert cgroup_paths("0::/a\n") == (None, "/a") and parse_limit("max") is None
+
+
+def test_memory_room_is_the_tightest_limit_minus_its_usage(tmp_path):
+    job = tmp_path / "memory" / "jobs" / "7"
+    job.mkdir(parents=True)
+    (job / "memory.limit_in_bytes").write_text("1073741824\n")
+    (job / "memory.usage_in_bytes").write_text("268435456\n")  # 1 GiB limit, 256 MiB used
+    (tmp_path / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")
+    (tmp_path / "memory" / "memory.usage_in_bytes").write_text("17179869184\n")
+    proc = tmp_path / "cgroup"
+    proc.write_text("4:memory:/jobs/7\n0::/\n")
+    assert memory_room(str(tmp_path), str(proc)) == 768 * MIB
+    (job / "memory.limit_in_bytes").write_text("9223372036854771712\n")
+    assert memory_room(str(tmp_path), str(proc)) is None  # no limit anywhere
 
 
 @pytest.mark.skipif(cgroup.skip_reason() is not None, reason=str(cgroup.skip_reason()))

@@ -1,4 +1,5 @@
-"""This process's memory limit: the tightest cgroup (v1 or v2) limit over its cgroup's ancestors."""
+"""This process's memory limit and the room left under it: the tightest cgroup (v1 or v2)
+limit over its cgroup's ancestors."""
 
 from __future__ import annotations
 
@@ -30,6 +31,45 @@ def memory_limit(root: str = "/sys/fs/cgroup", proc: str = "/proc/self/cgroup") 
     if v2 is not None and os.path.exists(os.path.join(root, "cgroup.controllers")):
         return _tightest(root, v2, "memory.max")
     return None
+
+
+def memory_room(root: str = "/sys/fs/cgroup", proc: str = "/proc/self/cgroup") -> int | None:
+    """Bytes this process's cgroups can still be charged before one reaches its limit (the
+    smallest limit minus usage over the cgroup and its ancestors), or None where no limit is
+    set or readable. What a cgroup is charged, not the process's resident size: shared
+    library pages already charged elsewhere do not count against it.
+
+    Example:
+        >>> room = memory_room()
+        >>> plan.largest.total > room if room is not None else False
+    """
+    try:
+        with open(proc) as f:
+            text = f.read()
+    except OSError:
+        return None
+    v1, v2 = cgroup_paths(text)
+    if v1 is not None and os.path.isdir(os.path.join(root, "memory")):
+        mount, path = os.path.join(root, "memory"), v1
+        names = ("memory.limit_in_bytes", "memory.usage_in_bytes")
+    elif v2 is not None and os.path.exists(os.path.join(root, "cgroup.controllers")):
+        mount, path, names = root, v2, ("memory.max", "memory.current")
+    else:
+        return None
+    rooms = []
+    parts = [p for p in path.split("/") if p]
+    for depth in range(len(parts), -1, -1):
+        directory = os.path.join(mount, *parts[:depth])
+        try:
+            with open(os.path.join(directory, names[0])) as f:
+                limit = parse_limit(f.read())
+            with open(os.path.join(directory, names[1])) as f:
+                usage = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit is not None:
+            rooms.append(limit - usage)
+    return min(rooms) if rooms else None
 
 
 def cgroup_paths(text: str) -> tuple[str | None, str | None]:
