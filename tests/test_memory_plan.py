@@ -8,7 +8,8 @@ import keras
 import pytest
 
 import hyparflow as hf
-from hyparflow.engine import flat, schedule
+from hyparflow.comm.allreduce import DEFAULT_BUCKET_BYTES
+from hyparflow.engine import flat, schedule, update, zero
 from hyparflow.memory import buffers, counts
 from hyparflow.memory.limits import cgroup_paths, memory_limit, memory_room, parse_limit
 from hyparflow.memory.slots import optimizer_slots
@@ -36,9 +37,17 @@ def test_arithmetic():
     assert counts.optimizer_bytes(1000, 2, replicas=4, shard_optimizer=True) == 500
     assert counts.optimizer_bytes(1000, 2, replicas=4) == 2000
     assert buffers.FLAT_BACKWARD_MAX_MEAN_BYTES == flat.FLAT_BACKWARD_MAX_MEAN_BYTES
+    assert buffers.CHUNK_BYTES == DEFAULT_BUCKET_BYTES == update.GROUP_BYTES == zero.CHUNK_BYTES
     one = buffers.StageFacts(400, 2, stages=1, replicas=1, microbatches=1, world=1)
     assert buffers.step_buffers(one) == {}  # plain Keras: no engine
-    assert buffers.exchange_buffers([400, 800], 1, largest=10) == {"weights exchange": 800 + 3210}
+    assert buffers.exchange_buffers([400, 800], 1, largest=10) == {"weights exchange": 1600}
+    big = buffers.StageFacts(2**30, 8, stages=1, replicas=4, microbatches=1, world=4,
+                             largest=2**27)  # fmt: skip
+    assert buffers.step_buffers(big, 2) == {  # chunked gradients, update in groups
+        "flat gradients": buffers.CHUNK_BYTES, "optimizer update": 3 * 2**27 // 2
+    }  # fmt: skip
+    sharded = buffers.step_buffers(big, 2, sharded=True)
+    assert sharded["optimizer update"] == 3 * 2**28 // 2 and sharded["slice copies"] == 3 * 2**28
 
 
 def test_optimizer_slots():

@@ -1,9 +1,11 @@
 """The engine's own buffers on one rank, as the memory plan counts them (pure).
 
 This is the one place to update when the engine's buffers change (docs/memory.md): today a
-rank holds flat copies of its gradients (and, for pipeline stages of small variables, of its
-parameters) during a step, and at each epoch's end the stages broadcast their weights packed
-as float64 (`engine/weights.py`).
+data-parallel step concatenates its gradients in chunks of `CHUNK_BYTES` (`engine/flat.py`),
+a pipeline stage of small variables packs its parameters and gradients whole, the optimizer
+updates groups of about `CHUNK_BYTES` of variables at a time (`engine/update.py`), ZeRO-1
+updates its slice in one call (`engine/zero.py`), and at each epoch's end the stages broadcast
+their weights in groups of about `CHUNK_BYTES` (`engine/weights.py`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ from dataclasses import dataclass
 # The engine's `engine.flat.FLAT_BACKWARD_MAX_MEAN_BYTES` (memory may not import the engine;
 # tests/test_memory_plan.py checks the two agree).
 FLAT_BACKWARD_MAX_MEAN_BYTES = 128 * 1024
-PACKED_ITEMSIZE = 8  # engine/weights.py packs weights as float64 for one Bcast
+# engine/flat.py's chunks, engine/update.py's groups, engine/weights.py's broadcast groups
+# (DEFAULT_BUCKET_BYTES; tests/test_memory_plan.py checks they agree).
+CHUNK_BYTES = 25 * 2**20
 
 
 @dataclass(frozen=True)
@@ -31,15 +35,19 @@ class StageFacts:
     microbatches: int
     world: int
     flat_gradients: bool = True
+    largest: int = 0  # bytes of its largest variable
 
 
-def step_buffers(facts: StageFacts, slots: float = 0.0) -> dict[str, int]:
+def step_buffers(facts: StageFacts, slots: float = 0.0, sharded: bool = False) -> dict[str, int]:
     """Named bytes the engine adds to a training step beyond one set of gradients.
 
     `slots`: the optimizer's state per variable (`optimizer_slots`). The engine runs the
-    optimizer as its own compiled call while the step's gradients stay referenced, so the
-    update's temporaries add to them instead of reusing them as in Keras's fused train step:
-    measured 1.5x the gradients with Adam (docs/memory.md); counted (1 + slots) / 2.
+    optimizer as compiled calls after the backward, so the update's temporaries (Adam's:
+    measured 1.5x the gradients it is given, counted (1 + slots) / 2) add to the step's
+    gradients instead of reusing them as Keras's fused train step does; it updates groups of
+    about `CHUNK_BYTES` of variables, so the temporaries are one group's. `sharded` (ZeRO-1,
+    replicas > 1): one update of this replica's slice, whose variable, received sums and their
+    tensor are each a slice's bytes, and parameters broadcast through one variable's buffer.
 
     Example:
         >>> step_buffers(StageFacts(400, 2, stages=1, replicas=2, microbatches=1, world=2))
@@ -59,37 +67,36 @@ def step_buffers(facts: StageFacts, slots: float = 0.0) -> dict[str, int]:
         buffers["flat parameters"] = g
         buffers["flat gradients"] = g
     elif flat and facts.replicas > 1:
-        buffers["flat gradients"] = g  # the compiled step's (or the stage's) concatenation
+        # a pipeline stage concatenates its gradients once; the whole model in chunks
+        buffers["flat gradients"] = g if pipelined else min(g, CHUNK_BYTES)
     if facts.microbatches > 1:
         buffers["gradient sum"] = g  # the running sum beside the micro-batch's gradients
-    buffers["optimizer update"] = int(g * (1 + slots) / 2)
+    if sharded and facts.replicas > 1:
+        part = -(-g // facts.replicas)
+        buffers["optimizer update"] = int(part * (1 + slots) / 2)
+        buffers["slice copies"] = 3 * part
+        buffers["parameter broadcast"] = 2 * facts.largest
+        return buffers
+    buffers["optimizer update"] = int(min(g, max(CHUNK_BYTES, facts.largest)) * (1 + slots) / 2)
     return buffers
 
 
 def exchange_buffers(owned_bytes: list[int], stage: int, largest: int = 0, itemsize: int = 4):
-    """Named bytes of the epoch end's weight exchange on a rank of stage `stage`.
-
-    Stage k broadcasts the weights it owns (`owned_bytes[k]`, at `itemsize`) packed as float64,
-    in turn: the root builds a float64 copy of each variable, then their concatenation (plus
-    one variable's `numpy()` copy, `largest` bytes); the last buffer is still referenced while
-    the next one is made. The peak is the largest such pair.
+    """Named bytes of the epoch end's weight exchange on a rank of stage `stage`: each stage
+    broadcasts the weights it owns (`owned_bytes`) as raw bytes in groups of about
+    `CHUNK_BYTES` (a larger weight alone, `largest` bytes); the root copies a group and joins
+    it, a receiver holds one group and the tensor assigned from it.
 
     Example:
         >>> exchange_buffers([400, 800], 0)
-        {'weights exchange': 3200}
+        {'weights exchange': 1600}
         >>> exchange_buffers([400], 0)
         {}
     """
     if len(owned_bytes) < 2:
         return {}
-    scale = PACKED_ITEMSIZE // itemsize
-    held, previous = 0, 0
-    for k, owned in enumerate(owned_bytes):
-        packed = owned * scale
-        making = 2 * packed + largest if k == stage else packed
-        held = max(held, previous + making)
-        previous = packed
-    return {"weights exchange": held}
+    group = min(max(CHUNK_BYTES, largest), max(owned_bytes))
+    return {"weights exchange": 2 * group}
 
 
 def gather_buffers(largest_split: int) -> dict[str, int]:

@@ -81,6 +81,7 @@ def memory_plan(model, strategy="auto", batch_size: int = 32, *, num_partitions=
             microbatches=resolved.microbatches,
             world=world,
             flat_gradients=resolved.flat_gradients,
+            largest=max((_shard_bytes(v, layout, t, itemsize=4) for v in trainable), default=0),
         )
         ranks.append(
             RankMemory(
@@ -97,7 +98,9 @@ def memory_plan(model, strategy="auto", batch_size: int = 32, *, num_partitions=
                 activations=counts.activation_bytes(
                     layer_bytes, input_bytes, samples, flight, resolved.recompute
                 ),
-                step_buffers=buffers.step_buffers(facts, slots),
+                step_buffers=buffers.step_buffers(
+                    facts, slots, getattr(resolved, "shard_optimizer", False)
+                ),
                 exchange={
                     **buffers.exchange_buffers(owned, stage, largest[stage]),
                     **buffers.gather_buffers(_largest_split(stage_model, layout)),
