@@ -94,6 +94,22 @@ def join_ranges(base: str, dims: tuple, found: list):
     return np.concatenate([np.ravel(v) for _, _, v in found]).reshape(dims)
 
 
+def _join(state: dict, split, add, join) -> dict:
+    """`state` with the parts of every entry `split(key)` names put together by `join`: split
+    gives (base key, where or None), `add(parts, where, value)` collects a part."""
+    parts: dict = {}
+    joined = {}
+    for key, value in state.items():
+        base, where = split(key)
+        if where is None:
+            joined[key] = value
+        else:
+            add(parts.setdefault(base, {}), where, value)
+    for base, found in parts.items():
+        joined[base] = join(base, found)
+    return joined
+
+
 def join_slices(state: dict) -> dict:
     """`state` with the flat ranges of every sliced entry (`slice_key`) joined into the
     entry's whole array.
@@ -102,36 +118,25 @@ def join_slices(state: dict) -> dict:
         >>> join_slices({"a#0:2/3": np.ones(2), "a#2:3/3": np.zeros(1)})["a"].tolist()
         [1.0, 1.0, 0.0]
     """
-    ranges: dict = {}
-    joined = {}
-    for key, value in state.items():
-        base, where = split_slice_key(key)
-        if where is None:
-            joined[key] = value
-            continue
+
+    def add(found: dict, where, value) -> None:
         start, stop, dims = where
-        ranges.setdefault(base, (dims, []))[1].append((start, stop, value))
-    for base, (dims, found) in ranges.items():
-        joined[base] = join_ranges(base, dims, found)
-    return joined
+        found.setdefault("ranges", []).append((start, stop, value))
+        found["dims"] = dims
+
+    return _join(state, split_slice_key, add,
+                 lambda base, found: join_ranges(base, found["dims"], found["ranges"]))  # fmt: skip
 
 
 def join_shards(state: dict) -> dict:
     """`state` with every split entry's pieces put together along their axis, in shard order
     (ZeRO's flat ranges of each piece joined first)."""
-    state = join_slices(state)
-    pieces: dict = {}
-    joined = {}
-    for key, value in state.items():
-        base, where = split_key(key)
-        if where is None:
-            joined[key] = value
-            continue
+
+    def add(found: dict, where, value) -> None:
         shard, parts, axis = where
-        pieces.setdefault(base, {})[shard] = (parts, axis, value)
-    for base, found in pieces.items():
-        joined[base] = join_pieces(base, found)
-    return joined
+        found[shard] = (parts, axis, value)
+
+    return _join(join_slices(state), split_key, add, join_pieces)
 
 
 def piece(value, shard: int, parts: int, axis: int):

@@ -20,17 +20,8 @@ def memory_limit(root: str = "/sys/fs/cgroup", proc: str = "/proc/self/cgroup") 
         >>> limit = memory_limit()
         >>> plan.largest.total > limit if limit else False   # the plan cannot fit here
     """
-    try:
-        with open(proc) as f:
-            text = f.read()
-    except OSError:
-        return None
-    v1, v2 = cgroup_paths(text)
-    if v1 is not None and os.path.isdir(os.path.join(root, "memory")):
-        return _tightest(os.path.join(root, "memory"), v1, "memory.limit_in_bytes")
-    if v2 is not None and os.path.exists(os.path.join(root, "cgroup.controllers")):
-        return _tightest(root, v2, "memory.max")
-    return None
+    found = _controller(root, proc)
+    return None if found is None else _tightest(found[0], found[1], found[2][0])
 
 
 def memory_room(root: str = "/sys/fs/cgroup", proc: str = "/proc/self/cgroup") -> int | None:
@@ -43,19 +34,10 @@ def memory_room(root: str = "/sys/fs/cgroup", proc: str = "/proc/self/cgroup") -
         >>> room = memory_room()
         >>> plan.largest.total > room if room is not None else False
     """
-    try:
-        with open(proc) as f:
-            text = f.read()
-    except OSError:
+    found = _controller(root, proc)
+    if found is None:
         return None
-    v1, v2 = cgroup_paths(text)
-    if v1 is not None and os.path.isdir(os.path.join(root, "memory")):
-        mount, path = os.path.join(root, "memory"), v1
-        names = ("memory.limit_in_bytes", "memory.usage_in_bytes")
-    elif v2 is not None and os.path.exists(os.path.join(root, "cgroup.controllers")):
-        mount, path, names = root, v2, ("memory.max", "memory.current")
-    else:
-        return None
+    mount, path, names = found
     rooms = []
     parts = [p for p in path.split("/") if p]
     for depth in range(len(parts), -1, -1):
@@ -70,6 +52,22 @@ def memory_room(root: str = "/sys/fs/cgroup", proc: str = "/proc/self/cgroup") -
         if limit is not None:
             rooms.append(limit - usage)
     return min(rooms) if rooms else None
+
+
+def _controller(root: str, proc: str):
+    """(mount, this process's cgroup path, (limit file, usage file)) of the memory controller
+    (v1 first, else v2), or None where neither is readable."""
+    try:
+        with open(proc) as f:
+            text = f.read()
+    except OSError:
+        return None
+    v1, v2 = cgroup_paths(text)
+    if v1 is not None and os.path.isdir(os.path.join(root, "memory")):
+        return os.path.join(root, "memory"), v1, ("memory.limit_in_bytes", "memory.usage_in_bytes")
+    if v2 is not None and os.path.exists(os.path.join(root, "cgroup.controllers")):
+        return root, v2, ("memory.max", "memory.current")
+    return None
 
 
 def cgroup_paths(text: str) -> tuple[str | None, str | None]:
