@@ -1,10 +1,13 @@
 """Training under a per-rank memory cap (each rank in its own cgroup, tests/support/cgroup.py):
 a model one process cannot train in the cap trains on four ranks built under hf.scope(), with
-the loss of an uncapped process; sharding the optimizer (ZeRO-1) fits what replicas cannot.
+the loss of an uncapped process.
 
 The cap is derived from the memory plan, not tuned: room for the 4-rank plans' largest rank
-plus 15%, above what the cgroup holds before the model exists (imports, MPI). The ZeRO-1
-case caps plain replicas just above what ZeRO-1's replicas were charged (their cgroups' peak).
+plus 15%, above what the cgroup holds before the model exists (imports, MPI).
+
+Not here: ZeRO-1 fitting where plain replicas cannot. Its replicas hold a quarter of Adam's
+state at R=4 (tests/test_zero.py), but their resident peak is within the run-to-run spread of
+plain replicas' (docs/zero.md, "Memory"), so no cap separates them reliably yet.
 """
 
 import keras
@@ -20,7 +23,6 @@ SHAPE = "2048,8"  # 30 M parameters, 114 MiB of weights; Adam
 MIB = 2**20
 MARGIN = 1.15  # above the plan: its measured errors on hf.scope() models are within -10%
 SPLIT = ["4,1,1,params,scope", "2,1,2,scope"]
-ZERO = ["1,4,1,zero,scope", "1,4,1,scope"]  # sharded fits, plain replicas do not
 
 
 def _predicted(spec: str) -> int:
@@ -58,19 +60,6 @@ def test_one_process_is_killed_where_four_ranks_train_with_its_loss(reference):
         for result, outcome in zip(run.results, outcomes):
             assert outcome.peak <= cap and not outcome.killed_for_memory
             assert result["loss"] == pytest.approx(reference["loss"], rel=1e-4), spec
-
-
-def test_sharded_optimizer_fits_what_replicas_cannot(reference):
-    """ZeRO-1's replicas run in their cgroups with room to spare; the cap is then set just
-    above the most any of them was charged (the cgroup's own peak), and plain replicas,
-    which hold the whole optimizer state, are killed under it."""
-    sharded, plain = ZERO
-    run, outcomes = cgroup.launch_capped("memory_checks", 4, "16G", "measure", sharded, SHAPE)
-    assert run.returncode == 0, run.describe()
-    assert len({round(r["loss"], 6) for r in run.results}) == 1  # the replicas agree
-    cap = int(1.05 * max(o.peak for o in outcomes))
-    run, outcomes = cgroup.launch_capped("memory_checks", 4, cap, "measure", plain, SHAPE)
-    assert any(o is not None and o.killed_for_memory for o in outcomes), (cap / MIB, outcomes)
 
 
 def test_model_is_deferred_in_the_plan():
