@@ -34,10 +34,9 @@ def _build_plan(model, strategy, comm):
     if strategy.partitions == 1:
         return None
     balance = strategy.balance
-    if balance == "time":
-        agree(comm, _check_timeable, model)
     uncut = tensor_rules.pair_cuts if strategy.tensor > 1 else None
     if balance == "time":
+        agree(comm, _check_timeable, model)
         plan = agree(comm, lambda: _partition(model, strategy.partitions, balance, uncut=uncut)
                      if comm.Get_rank() == 0 else None)  # fmt: skip
         starts = comm.bcast(
@@ -149,10 +148,9 @@ def _materialize_share(model, keep_deferred, restoring: bool) -> None:
     """Allocate this rank's share of a model built under hf.scope(). Once hf.fit has trained
     it, a weight never held here would start from its initial value: refused unless a
     checkpoint is restored into it."""
-    fresh = [v for v in model.weights if deferred.is_deferred(v)]
-    keep = {id(v) for v in keep_deferred}
     if getattr(model, _SHARE_TRAINED, False) and not restoring:
-        new = [v.path for v in fresh if id(v) not in keep]
+        keep = {id(v) for v in keep_deferred}
+        new = [v.path for v in model.weights if deferred.is_deferred(v) and id(v) not in keep]
         if new:
             raise ValueError(
                 f"This rank would need weights it never held ({new[:3]}): the model was built "

@@ -12,34 +12,29 @@ from keras.optimizers import LossScaleOptimizer
 from keras.src.optimizers.base_optimizer import BaseOptimizer
 
 from hyparflow.comm.agree import AgreedError
+from hyparflow.comm.allreduce import DEFAULT_BUCKET_BYTES
 from hyparflow.engine import sparse as rows
 from hyparflow.engine.mpi import mpi_op
+from hyparflow.engine.weights import byte_groups
 
 # Bytes of variables updated per compiled optimizer call when a step's update is grouped: an
 # optimizer given every gradient at once runs all variables' updates side by side, their
 # temporaries (Adam's: about 1.5x the gradients) alive together; in groups they are one
 # group's, and each group's gradients can go once it is applied.
-GROUP_BYTES = 25 * 2**20
+GROUP_BYTES = DEFAULT_BUCKET_BYTES
 
 
 def update_groups(variables, group_bytes: int | None = None) -> list[list[int]]:
-    """Consecutive variable positions in groups of about `group_bytes` (a larger variable
-    alone).
+    """Positions of `variables` in `weights.byte_groups` of about `group_bytes` (default
+    `GROUP_BYTES`).
 
     Example:
         >>> [len(g) for g in update_groups([keras.Variable(np.zeros(2**20))] * 20)]
-        [7, 7, 6]
+        [4, 4, 4, 4, 4]
     """
-    group_bytes = GROUP_BYTES if group_bytes is None else group_bytes
-    groups, size = [[]], 0
-    for i, v in enumerate(variables):
-        nbytes = int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize
-        if groups[-1] and size + nbytes > group_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(i)
-        size += nbytes
-    return [g for g in groups if g]
+    position = {id(v): i for i, v in enumerate(variables)}
+    groups = byte_groups(variables, GROUP_BYTES if group_bytes is None else group_bytes)
+    return [[position[id(v)] for v in group] for group in groups]
 
 
 def applies_per_variable(optimizer) -> bool:
@@ -56,6 +51,21 @@ def applies_per_variable(optimizer) -> bool:
         and type(optimizer).apply is base.apply
         and type(optimizer)._backend_apply_gradients is base._backend_apply_gradients
     )
+
+
+def apply_clipped(optimizer, grads, variables, norm) -> None:
+    """`optimizer.apply` after Keras's `clip_by_global_norm` by `norm`, the whole model's
+    gradient norm (a stage, a group or a slice alone would clip by its own). NaN if `norm` is
+    not finite, as Keras's."""
+    inner = inner_optimizer(optimizer)
+    clip = inner.global_clipnorm
+    scale = clip * ops.minimum(1.0 / norm, 1.0 / clip) + (norm - norm)
+    inner.global_clipnorm = None
+    try:
+        # a table's row slices times the scale become dense, as in Keras's own clipping
+        optimizer.apply([g * tf.cast(scale, g.dtype) for g in grads], variables)
+    finally:
+        inner.global_clipnorm = clip
 
 
 def loss_scale(optimizer) -> float:
@@ -100,7 +110,7 @@ class Update:
         )
         # Keras clips by the norm of the whole model's gradient: stages must agree on it.
         self.clips_across_stages = (partitioned or bool(self._split)) and bool(
-            getattr(_inner(model.optimizer), "global_clipnorm", None)
+            getattr(inner_optimizer(model.optimizer), "global_clipnorm", None)
         )
         self._squares_fn = tf.function(_sum_of_squares, reduce_retracing=True)
         self._reg_values_fn = tf.function(self._reg_values)
@@ -152,11 +162,7 @@ class Update:
     def _regularization_and_grads(self):
         """(regularization of whole variables, of tensor shards, the gradients of both)."""
         with tf.GradientTape() as tape:
-            values = [tf.reduce_sum(v.regularizer(v)) for v in self.regularized]
-            whole = [x for v, x in zip(self.regularized, values) if id(v) not in self._split]
-            parts = [x for v, x in zip(self.regularized, values) if id(v) in self._split]
-            whole = tf.add_n(whole) if whole else tf.constant(0.0)
-            parts = tf.add_n(parts) if parts else tf.constant(0.0)
+            whole, parts = self._reg_values()
             total = whole + parts
         return whole, parts, tape.gradient(total, self.regularized)
 
@@ -265,14 +271,7 @@ class Update:
 
     def _clipped_optimizer_body(self, grads, norm):
         """Keras's `clip_by_global_norm` with the whole model's norm, then the update."""
-        optimizer = _inner(self.model.optimizer)
-        clip = optimizer.global_clipnorm
-        scale = clip * ops.minimum(1.0 / norm, 1.0 / clip) + (norm - norm)  # NaN if not finite
-        optimizer.global_clipnorm = None  # clipped here; the stage alone would see its own norm
-        try:
-            self.model.optimizer.apply([g * scale for g in grads], self.variables)
-        finally:
-            optimizer.global_clipnorm = clip
+        apply_clipped(self.model.optimizer, grads, self.variables, norm)
 
     # --- the update in groups of variables ------------------------------------------------------
     def _grouped(self) -> bool:
@@ -282,7 +281,7 @@ class Update:
         optimizer = self.model.optimizer
         key = id(optimizer)
         if self._groups_for[0] != key:
-            clipping = bool(getattr(_inner(optimizer), "global_clipnorm", None))
+            clipping = bool(getattr(inner_optimizer(optimizer), "global_clipnorm", None))
             groups = update_groups(self.variables)
             usable = len(groups) > 1 and applies_per_variable(optimizer)
             self._groups_for = (key, groups if usable and not (clipping and self.regularized)
@@ -299,7 +298,7 @@ class Update:
         if self.regularized:
             reg_value = self._total(*self._reg_values_fn())
         reg_value = self._sum_over_pipeline(reg_value)
-        optimizer = _inner(self.model.optimizer)
+        optimizer = inner_optimizer(self.model.optimizer)
         norm = None
         if getattr(optimizer, "global_clipnorm", None):  # without regularization (`_grouped`)
             norm = self._pipeline_norm(grads) if self.clips_across_stages else self._norm(grads)
@@ -351,16 +350,8 @@ class Update:
                     ) * tf.cast(scale, grads[j].dtype)
         if norm is None:
             self.model.optimizer.apply(grads, variables)
-            return
-        optimizer = _inner(self.model.optimizer)
-        clip = optimizer.global_clipnorm
-        factor = clip * ops.minimum(1.0 / norm, 1.0 / clip) + (norm - norm)  # NaN if not finite
-        optimizer.global_clipnorm = None  # clipped here by the whole norm, not the group's
-        try:
-            clipped = [rows.like(g, rows.values_of(g) * tf.cast(factor, g.dtype)) for g in grads]
-            self.model.optimizer.apply(clipped, variables)
-        finally:
-            optimizer.global_clipnorm = clip
+        else:
+            apply_clipped(self.model.optimizer, grads, variables, norm)
 
     def _compiled_update(self, body, key=None, **bound):
         """`body` as a `tf.function`, traced anew for each optimizer object (a recompiled model
@@ -376,7 +367,7 @@ class Update:
         return self._compiled[name][1]
 
 
-def _inner(optimizer):
+def inner_optimizer(optimizer):
     """The optimizer that clips: a LossScaleOptimizer's inner one."""
     return optimizer.inner_optimizer if isinstance(optimizer, LossScaleOptimizer) else optimizer
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
+from hyparflow.comm.allreduce import DEFAULT_BUCKET_BYTES
+
 
 def first_users(plan, attribute: str = "weights") -> dict:
     """id(variable) -> the first stage whose sub-model holds it (`attribute`: "weights" or
@@ -48,7 +50,7 @@ def assign_packed(variables, flat: np.ndarray) -> None:
 # Weights travel in groups of about this many bytes (a larger weight alone, from and into its
 # own buffer), so sharing them costs at most one group or one weight of memory at a time,
 # never a packed copy of every weight a stage owns (docs/engine.md, "Memory").
-BROADCAST_GROUP_BYTES = 25 * 2**20
+BROADCAST_GROUP_BYTES = DEFAULT_BUCKET_BYTES
 
 
 def byte_groups(variables, group_bytes: int = BROADCAST_GROUP_BYTES) -> list[list]:
@@ -63,7 +65,7 @@ def byte_groups(variables, group_bytes: int = BROADCAST_GROUP_BYTES) -> list[lis
     groups, current, size = [], [], 0
     for v in variables:
         current.append(v)
-        size += int(np.prod(v.shape)) * np.dtype(_numpy_dtype(v)).itemsize
+        size += _nbytes(v)
         if size >= group_bytes:
             groups.append(current)
             current, size = [], 0
@@ -73,6 +75,10 @@ def byte_groups(variables, group_bytes: int = BROADCAST_GROUP_BYTES) -> list[lis
 def _numpy_dtype(v):
     dtype = v.dtype
     return dtype if isinstance(dtype, np.dtype) else tf.as_dtype(dtype).as_numpy_dtype
+
+
+def _nbytes(v) -> int:
+    return int(np.prod(v.shape)) * np.dtype(_numpy_dtype(v)).itemsize
 
 
 def broadcast_owned_weights(model, plan, comm, guard) -> None:
@@ -90,16 +96,14 @@ def broadcast_owned_weights(model, plan, comm, guard) -> None:
                     np.concatenate([a.reshape(-1).view(np.uint8) for a in arrays])
                 )  # fmt: skip
             else:
-                nbytes = [int(np.prod(v.shape)) * np.dtype(_numpy_dtype(v)).itemsize for v in group]
-                flat = np.empty(sum(nbytes), np.uint8)
+                flat = np.empty(sum(_nbytes(v) for v in group), np.uint8)
             with guard("share trained weights", peer=root):
                 comm.Bcast(flat, root=root)
             if comm.Get_rank() != root:
                 offset = 0
                 for v in group:
-                    dtype = np.dtype(_numpy_dtype(v))
-                    size = int(np.prod(v.shape)) * dtype.itemsize
-                    v.assign(flat[offset : offset + size].view(dtype).reshape(v.shape))
+                    size = _nbytes(v)
+                    v.assign(flat[offset : offset + size].view(_numpy_dtype(v)).reshape(v.shape))
                     offset += size
             del arrays, flat
 

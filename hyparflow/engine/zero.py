@@ -22,13 +22,13 @@ import math
 import keras
 import numpy as np
 import tensorflow as tf
-from keras import ops
 from keras.optimizers import LossScaleOptimizer
 
 from hyparflow import _keras
-from hyparflow.comm.allreduce import reduction_dtype
+from hyparflow.comm.allreduce import DEFAULT_BUCKET_BYTES, reduction_dtype
 from hyparflow.engine import sparse as rows
 from hyparflow.engine.mpi import mpi_op
+from hyparflow.engine.update import apply_clipped, inner_optimizer
 from hyparflow.engine.zero_layout import ZeroLayout, group_by_dtype, ring_bytes
 
 # The optimizers whose update of each element depends only on that element's gradient, state
@@ -36,7 +36,7 @@ from hyparflow.engine.zero_layout import ZeroLayout, group_by_dtype, ring_bytes
 # updating the whole variables. Adafactor (row/column factors), Lamb (per-variable trust
 # ratio), Muon (orthogonalised matrices) are not, nor are custom optimizers we cannot read.
 # Bytes of gradients reduce-scattered per MPI call (as the fused allreduce's buckets).
-CHUNK_BYTES = 25 * 2**20
+CHUNK_BYTES = DEFAULT_BUCKET_BYTES
 
 ELEMENTWISE_OPTIMIZERS = (
     "SGD", "Adam", "AdamW", "Adamax", "Nadam", "RMSprop", "Adagrad", "Adadelta", "Lion", "Ftrl",
@@ -121,7 +121,7 @@ class ShardedUpdate:
         ]
         # per table: None where another stage owns it, else whether it is a tensor shard
         self._table_norm = [(id(v) in split) if id(v) in owned else None for v in self.tables]
-        self.clips = bool(getattr(_inner(model.optimizer), "global_clipnorm", None))
+        self.clips = bool(getattr(inner_optimizer(model.optimizer), "global_clipnorm", None))
         self.sent_bytes = 0
         self.step_bytes = {
             "reduce_scatter": sum(
@@ -137,7 +137,6 @@ class ShardedUpdate:
         self._regularize_fn = tf.function(self._regularize, reduce_retracing=True)
         self._squares_fn = tf.function(self._squares, reduce_retracing=True)
         self.keep_local = False  # keep each rank's own gradients (the trainer's finite check)
-        self._compiled: dict = {}
         self._built_for = None
 
     # --- the reduction -----------------------------------------------------------------------
@@ -317,8 +316,8 @@ class ShardedUpdate:
         slice values."""
         self.build_optimizer()
         if norm is None:
-            return self._compiled_update(self._update_body)(list(slices))
-        return self._compiled_update(self._clipped_update_body)(list(slices), norm)
+            return self.update._compiled_update(self._update_body)(list(slices))
+        return self.update._compiled_update(self._clipped_update_body)(list(slices), norm)
 
     def _load_slices(self) -> None:
         """Each slice variable takes its elements of the stage's variables, which are the truth
@@ -343,15 +342,7 @@ class ShardedUpdate:
     def _clipped_update_body(self, slices, norm):
         """Keras's `clip_by_global_norm` with the whole model's norm, then the update."""
         self._load_slices()
-        optimizer = _inner(self.model.optimizer)
-        clip = optimizer.global_clipnorm
-        scale = clip * ops.minimum(1.0 / norm, 1.0 / clip) + (norm - norm)  # NaN if not finite
-        optimizer.global_clipnorm = None  # clipped here: the slice alone would see its own norm
-        try:
-            clipped = [rows.like(g, rows.values_of(g) * tf.cast(scale, g.dtype)) for g in slices]
-            self.model.optimizer.apply(clipped, self._targets())
-        finally:
-            optimizer.global_clipnorm = clip
+        apply_clipped(self.model.optimizer, slices, self._targets(), norm)
         return [g.variable.value for g in self.groups]
 
     def _gather(self, values) -> None:
@@ -391,20 +382,6 @@ class ShardedUpdate:
         optimizer.build(self._targets())
         self._built_for = optimizer
 
-    def _compiled_update(self, body):
-        """`body` as a `tf.function`, traced anew for each optimizer object."""
-        optimizer = self.model.optimizer
-        name = body.__name__
-        if name not in self._compiled or self._compiled[name][0] is not optimizer:
-            # Tables' row counts vary by step: generalise shapes after a retrace, as Keras does.
-            self._compiled[name] = (optimizer, tf.function(body, reduce_retracing=True))
-        return self._compiled[name][1]
-
-
-def _inner(optimizer):
-    """The optimizer that clips: a LossScaleOptimizer's inner one."""
-    return optimizer.inner_optimizer if isinstance(optimizer, LossScaleOptimizer) else optimizer
-
 
 def refusal(optimizer, strategy, comm_backend: str) -> str | None:
     """Why ZeRO-1 cannot shard `optimizer` under `strategy` exactly (None if it can): the
@@ -419,7 +396,7 @@ def refusal(optimizer, strategy, comm_backend: str) -> str | None:
         return f"{name} reduce-scatters gradients with MPI; use comm='mpi'."
     if strategy.overlap_groups > 1:
         return f"{name} reduces the flat gradient after the backward; use overlap_groups=1."
-    inner = _inner(optimizer)
+    inner = inner_optimizer(optimizer)
     kind = type(inner).__name__
     if kind not in ELEMENTWISE_OPTIMIZERS or not type(inner).__module__.startswith("keras"):
         return (

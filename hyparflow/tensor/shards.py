@@ -36,10 +36,9 @@ class _Shard:
     def piece_of_whole(self):
         """This rank's piece of the whole variable's current value (its initial value when
         it was built under hf.scope(): the whole is then never allocated)."""
-        if deferred.is_deferred(self.whole):
-            return piece(np.asarray(deferred.initial_value(self.whole)), self.index, self.parts,
-                         self.axis)  # fmt: skip
-        return piece(np.asarray(self.whole.numpy()), self.index, self.parts, self.axis)
+        whole = self.whole
+        value = deferred.initial_value(whole) if deferred.is_deferred(whole) else whole.numpy()
+        return piece(np.asarray(value), self.index, self.parts, self.axis)
 
 
 class TensorShards:
