@@ -3,7 +3,9 @@ a model one process cannot train in the cap trains on four ranks built under hf.
 the loss of an uncapped process.
 
 The cap is derived from the memory plan, not tuned: room for the 4-rank plans' largest rank
-plus 15%, above what the cgroup holds before the model exists (imports, MPI).
+plus 35%, above what the cgroup holds before the model exists (imports, MPI). The plan errs
+low by up to 17% on these ranks (what an engine rank grows outside TensorFlow's allocator,
+docs/memory.md); with 15% the cap sat within 3% of a rank's peak and CI's run crossed it.
 
 Not here: ZeRO-1 fitting where plain replicas cannot. Its replicas hold a quarter of Adam's
 state at R=4 (tests/test_zero.py), but their resident peak is within the run-to-run spread of
@@ -19,9 +21,9 @@ from tests.support import cgroup
 
 pytestmark = pytest.mark.skipif(cgroup.skip_reason() is not None, reason=str(cgroup.skip_reason()))
 
-SHAPE = "2048,8"  # 30 M parameters, 114 MiB of weights; Adam
+SHAPE = "2048,16"  # 63 M parameters, 242 MiB of weights; Adam
 MIB = 2**20
-MARGIN = 1.15  # above the plan: its measured errors on hf.scope() models are within -10%
+MARGIN = 1.35  # above the plan, which measured 8-17% low on these ranks (module docstring)
 SPLIT = ["4,1,1,params,scope", "2,1,2,scope"]
 
 
@@ -49,7 +51,7 @@ def _cap(reference, specs) -> int:
 def test_one_process_is_killed_where_four_ranks_train_with_its_loss(reference):
     cap = _cap(reference, SPLIT)
     needs = reference["total"] - reference["base"]
-    assert needs >= 1.8 * (cap - reference["base"]), (needs / MIB, cap / MIB)  # the premise
+    assert needs >= 2.0 * (cap - reference["base"]), (needs / MIB, cap / MIB)  # the premise
     run, (alone,) = cgroup.launch_capped("memory_checks", 1, cap, "measure", "1,1,1,scope", SHAPE)
     # refused up front by the plan against the cgroup's limit, with the way out
     assert not alone.killed_for_memory and "MemoryError" in run.stderr[0], run.describe()
