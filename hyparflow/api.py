@@ -14,7 +14,7 @@ from hyparflow.comm.agree import (
     is_agreed,
 )
 from hyparflow.comm.backends import check_backend
-from hyparflow.comm.topology import Grid
+from hyparflow.comm.topology import Grid, placed
 from hyparflow.comm.watchdog import resolve_timeout
 from hyparflow.comm.world import launched, size, world
 from hyparflow.data import check_divisible, make_source, unpack
@@ -121,7 +121,9 @@ def _make_trainer(model, resolved, comm, needs_loss=True, comm_backend=None, res
         return cached[1]
     if cached is not None:
         cached[1].close()
-    stage, _ = Grid(resolved.partitions, resolved.replicas, resolved.tensor).coords(comm.Get_rank())
+    grid = Grid(resolved.partitions, resolved.replicas, resolved.tensor)
+    comm = placed(comm, grid)  # tensor groups inside nodes, replicas across (comm/placement.py)
+    stage, _ = grid.coords(comm.Get_rank())
     if resolved.tune_process and comm.Get_size() > 1:  # the user opted in (Strategy docs)
         tune_process(comm, stage)
     # The partitioner rejects models that are not graphs, naming strategy="data" as the fix.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 
@@ -95,6 +96,7 @@ class Topology:
     pipeline_comm: object
     stage_comm: object
     tensor_comm: object = None
+    nodes: list = None  # the node (host name) of each rank of `world`
 
     @classmethod
     def create(cls, comm, partitions: int, replicas: int, tensor: int = 1) -> Topology:
@@ -111,7 +113,17 @@ class Topology:
         pipeline_comm = comm.Split(color=replica * tensor + shard, key=stage)
         stage_comm = comm.Split(color=stage * tensor + shard, key=replica)
         tensor_comm = comm.Split(color=replica * partitions + stage, key=shard)
-        return cls(grid, comm, rank, pipeline_comm, stage_comm, tensor_comm)
+        nodes = comm.allgather(_processor_name())
+        return cls(grid, comm, rank, pipeline_comm, stage_comm, tensor_comm, nodes)
+
+    @property
+    def node(self) -> str:
+        """The node this rank runs on (MPI's processor name: the host name)."""
+        return self.nodes[self.rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return len(set(self.nodes))
 
     @property
     def stage(self) -> int:
@@ -162,3 +174,61 @@ class Topology:
             if comm is not None:
                 comm.Free()
         self.pipeline_comm = self.stage_comm = self.tensor_comm = None
+
+
+def _processor_name() -> str:
+    from mpi4py import MPI  # on use: importing it initialises MPI (docs/architecture.md)
+
+    return MPI.Get_processor_name()
+
+
+def node_map(comm) -> tuple[list[int], list[str]]:
+    """(node index of each rank of `comm`, host name of each rank): ranks that share memory
+    (`MPI_COMM_TYPE_SHARED`) are one node, numbered in order of their lowest rank. Collective.
+
+    Example:
+        nodes, names = node_map(MPI.COMM_WORLD)  # e.g. [0, 1, 0, 1], ["a", "b", "a", "b"]
+    """
+    from mpi4py import MPI
+
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    try:
+        leader = local.bcast(comm.Get_rank(), root=0)
+    finally:
+        local.Free()
+    leaders = comm.allgather(leader)
+    index = {lead: i for i, lead in enumerate(sorted(set(leaders)))}
+    return [index[lead] for lead in leaders], comm.allgather(_processor_name())
+
+
+_PLACED: dict = {}
+
+
+def placed(comm, grid: Grid):
+    """`comm` with its ranks in grid order (`placement.place`): the same communicator where
+    the launcher already put them so, else one made once by `Split` and kept for later calls.
+    Collective over `comm`; the ranks must number `grid.size`.
+
+    Example:
+        comm = placed(MPI.COMM_WORLD, Grid(partitions=2, replicas=2))
+        Topology.create(comm, 2, 2)  # comm's rank r takes grid place r
+    """
+    from hyparflow.comm.placement import describe, place
+
+    if comm.Get_size() != grid.size:
+        return comm  # Topology.create says what is wrong
+    key = (comm.py2f(), grid)
+    if key not in _PLACED:
+        nodes, names = node_map(comm)
+        order = place(nodes, grid)
+        if order == list(range(grid.size)):
+            _PLACED[key] = comm
+        else:
+            _PLACED[key] = comm.Split(0, key=order.index(comm.Get_rank()))
+        if comm.Get_rank() == 0 and len(set(nodes)) > 1:
+            reordered = "" if _PLACED[key] is comm else " (reordered from the launcher's)"
+            logging.getLogger(__name__).info(
+                "placement on %d nodes%s:\n%s", len(set(nodes)), reordered,
+                describe(order, names, grid),
+            )  # fmt: skip
+    return _PLACED[key]

@@ -67,6 +67,7 @@ def _run(case: Case) -> dict:
             model._hyparflow_trainer[1].gradient_sync.overlap, "early_starts", None
         ),
         "flat_gradients": model._hyparflow_trainer[1].runner.layout is not None,
+        "grid_nodes": model._hyparflow_trainer[1].topology.nodes,  # host of each grid place
         "flat_backward": getattr(model._hyparflow_trainer[1].runner, "flat_backward", None),
         "shared_across_stages": model._hyparflow_trainer[1].gradient_sync.shared is not None,
         "stage_variables": len(model._hyparflow_trainer[1].variables),

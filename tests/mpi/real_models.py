@@ -44,6 +44,7 @@ def run(case: Case) -> dict:
         "traces": max(f.experimental_get_tracing_count() for f in functions if f is not None),
         "weights": relative_difference(model.get_weights(), reference.get_weights()),
         "history": history_difference(history.history, ref_history.history),
+        "grid_nodes": trainer.topology.nodes,  # host of each grid place
         "keys": sorted(history.history),
         "ref_keys": sorted(ref_history.history),
         # tensor parallelism: the layers split on this rank, and their shards' and the optimizer

@@ -128,11 +128,14 @@ def selected(request, cases: list) -> list:
     return picked or list(cases)
 
 
-def run_cases(scenario: str, np: int, cases: list, *args: str, timeout: float) -> dict:
+def run_cases(
+    scenario: str, np: int, cases: list, *args: str, timeout: float, mpirun=("mpirun",)
+) -> dict:
     """Launch `scenario` once on `np` ranks with `args`, then every case as JSON; the result:
     each case's id -> its rank results, rank 0 first. Every rank must report every case, in
-    order, under "case"."""
-    results = run_scenario(scenario, np, *args, *(c.to_json() for c in cases), timeout=timeout)
+    order, under "case". `mpirun`: the launcher (tests/support/mpirun.py)."""
+    cases_json = (c.to_json() for c in cases)
+    results = run_scenario(scenario, np, *args, *cases_json, timeout=timeout, mpirun=mpirun)
     by_case = {c.id: [] for c in cases}
     for rank, rank_result in enumerate(results):
         reported = [r["case"] for r in rank_result["results"]]

@@ -60,20 +60,23 @@ def _load_json(path: str):
 
 
 def launch(
-    scenario: str, np: int, *args: str, timeout: float = 300, env=None, prefix=(), collect=None
-) -> MpiRun:
+    scenario: str, np: int, *args: str, timeout: float = 300, env=None, prefix=(), collect=None,
+    mpirun=("mpirun",), on_start=None,
+) -> MpiRun:  # fmt: skip
     """Run `python -m tests.mpi.<scenario> OUT args...` on `np` ranks; never raises on failure.
 
     `prefix`: a command each rank runs the scenario under (e.g. tests/support/cgroup.py's
     memory cap). `collect(scratch)`, if given, is called before the scratch folder goes (its
     own files, e.g. per-rank reports the prefix wrote there: `env` values may name
-    `{scratch}`)."""
+    `{scratch}`). `mpirun`: the launcher and its first arguments (e.g. emulated nodes,
+    tests/support/nodes.py). `on_start(process, scratch)`, if given, runs once the job has
+    started and before waiting for it (to act on the running job, e.g. kill a node)."""
     with tempfile.TemporaryDirectory(prefix=f"hf-{scenario}-") as tmp:
         out, logs = os.path.join(tmp, "results"), os.path.join(tmp, "logs")
         os.makedirs(out)
         env = {k: v.replace("{scratch}", tmp) for k, v in (env or {}).items()}
         cmd = [
-            "mpirun", "-np", str(np), "--oversubscribe", "--bind-to", "none",
+            *mpirun, "-np", str(np), "--oversubscribe", "--bind-to", "none",
             "--output-filename", logs, *prefix,
             sys.executable, "-m", f"tests.mpi.{scenario}", out, *args,
         ]  # fmt: skip
@@ -81,11 +84,17 @@ def launch(
             cmd, cwd=REPO, env={**os.environ, **MPI_ENV, **env}, start_new_session=True
         )
         try:
+            if on_start is not None:
+                on_start(proc, tmp)
             returncode = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             returncode = -9
+        except BaseException:  # on_start failed: leave no job behind
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
         results, stdout, stderr = [], [], []
         for r in range(np):
             path = os.path.join(out, f"rank{r}.json")
@@ -98,9 +107,11 @@ def launch(
         return MpiRun(returncode, results, stdout, stderr)
 
 
-def run_scenario(scenario: str, np: int, *args: str, timeout: float = 300, env=None) -> list:
+def run_scenario(
+    scenario: str, np: int, *args: str, timeout: float = 300, env=None, mpirun=("mpirun",)
+) -> list:
     """Launch and require success: every rank exits 0 and reports; else fail with all tails."""
-    run = launch(scenario, np, *args, timeout=timeout, env=env)
+    run = launch(scenario, np, *args, timeout=timeout, env=env, mpirun=mpirun)
     if run.returncode != 0 or any(r is None for r in run.results):
         raise AssertionError(f"scenario {scenario} failed on {np} ranks\n{run.describe()}")
     return run.results

@@ -1,0 +1,111 @@
+"""Training across emulated nodes (tests/support/nodes.py) under a real mpirun.
+
+Usage: `python -m tests.mpi.nodes OUT MODE ...` with MODE one of
+  cases CASES...   each case (JSON, tests/support/cases.py) against Keras, by the equivalence
+                   or real-model scenario; then this rank's host and its TCP peers' addresses
+  doomed FOLDER    train 2 stages x 2 replicas with checkpoints; at global batch 7 the ranks on
+                   node B write their pid and their node daemon's pid to $HF_NODE_PIDS and
+                   stop, for the test to kill that node (the others block in MPI)
+  survivor FOLDER  resume the latest complete checkpoint as 2 stages on 2 ranks; compare the
+                   weights with Keras's uninterrupted fit
+"""
+
+import json
+import os
+import socket
+import time
+
+import keras
+import psutil
+from mpi4py import MPI
+
+import hyparflow as hf
+from tests.mpi import equivalence, real_models
+from tests.support.cases import Case
+from tests.support.compare import relative_difference
+from tests.support.models import data
+from tests.support.report import args, report, run_or_abort
+
+EPOCHS, BATCH, SAMPLES, DOOMED_NODE = 3, 16, 64, "nodeB"
+
+
+def mlp():
+    keras.utils.set_random_seed(7)
+    inputs = keras.Input((6,))
+    x = keras.layers.Dense(8, activation="relu")(inputs)
+    x = keras.layers.Dense(8, activation="tanh")(x)
+    model = keras.Model(inputs, keras.layers.Dense(3, activation="softmax")(x))
+    model.compile(keras.optimizers.Adam(0.01), "sparse_categorical_crossentropy")
+    return model
+
+
+class StopNode(keras.callbacks.Callback):
+    """After global batch `after`, the ranks of `node` hand their pids to the test and wait to
+    be killed with their node."""
+
+    def __init__(self, node: str, after: int, folder: str):
+        super().__init__()
+        self.node, self.after, self.folder, self.seen = node, after, folder, 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen += 1
+        if self.seen == self.after and socket.gethostname() == self.node:
+            os.makedirs(self.folder, exist_ok=True)
+            path = os.path.join(self.folder, f"{hf.rank()}.json")
+            with open(path + ".tmp", "w") as f:
+                json.dump({"pid": os.getpid(), "daemon": os.getppid()}, f)
+            os.replace(path + ".tmp", path)
+            time.sleep(600)
+
+
+def tcp_peers() -> list[str]:
+    """Remote addresses of this process's established TCP connections."""
+    connections = psutil.Process().net_connections(kind="tcp")
+    return sorted({c.raddr.ip for c in connections if c.status == psutil.CONN_ESTABLISHED})
+
+
+def main():
+    mode, *rest = args()
+    keras.config.disable_interactive_logging()
+    x, y = data("mlp", n=SAMPLES)
+    if mode == "cases":
+        results = []
+        for text in rest:
+            case = Case.from_json(text)
+            runner = real_models if case.tensor > 1 else equivalence
+            results.append(runner.run(case))
+        # every pair of ranks exchanges a message, so Open MPI wires up every transport
+        # (lazily: a peer on another node gets its TCP connection at the first message)
+        hosts = MPI.COMM_WORLD.alltoall([socket.gethostname()] * MPI.COMM_WORLD.Get_size())
+        report({"host": socket.gethostname(), "hosts": hosts, "results": results,
+                "tcp_peers": tcp_peers()})  # fmt: skip
+    elif mode == "doomed":
+        (folder,) = rest
+        hf.fit(
+            mlp(), x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
+            strategy=hf.Strategy("hybrid", partitions=2, replicas=2),
+            callbacks=[hf.callbacks.Checkpoint(folder, every_n_steps=2),
+                       StopNode(DOOMED_NODE, 7, os.environ["HF_NODE_PIDS"])],
+            watchdog_timeout=30,
+        )  # fmt: skip
+        report({"finished": True})  # must never happen
+    elif mode == "survivor":
+        (folder,) = rest
+        model = mlp()
+        history = hf.fit(
+            model, x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
+            strategy=hf.Strategy("model", partitions=2), resume_from=folder,
+        )  # fmt: skip
+        reference = mlp()
+        reference.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+        report(
+            {
+                "host": socket.gethostname(),
+                "epochs": history.epoch,
+                "weights": relative_difference(model.get_weights(), reference.get_weights()),
+            }
+        )
+
+
+if __name__ == "__main__":
+    run_or_abort(main)

@@ -1,0 +1,165 @@
+"""Many nodes: placement on the node map (pure), and training across 2 emulated nodes under a
+real mpirun (scripts/emulated_nodes.sh): equality with Keras, shared memory within a node and
+TCP on the loopback interface between nodes, and a node killed mid-epoch."""
+
+import doctest
+import json
+import os
+import signal
+import time
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hyparflow.checkpoint import manifest
+from hyparflow.comm import placement
+from hyparflow.comm.placement import crossings, place
+from hyparflow.comm.topology import Grid
+from tests.support import nodes
+from tests.support.cases import Case, run_cases
+from tests.support.mpirun import launch, run_scenario
+
+TOLERANCE = 1e-5  # as tests/test_engine.py
+
+
+# --- placement, without MPI ---------------------------------------------------------------------
+def test_docstring_examples_hold():
+    assert doctest.testmod(placement).failed == 0
+
+
+@given(
+    st.integers(1, 4), st.integers(1, 4), st.sampled_from([1, 2, 4]), st.integers(1, 4),
+    st.booleans(),
+)  # fmt: skip
+def test_placement_keeps_tensor_groups_in_a_node_and_spreads_replicas(p, r, t, nodes, cyclic):
+    grid = Grid(p, r, t)
+    if grid.size % nodes or (grid.size // nodes) % t:
+        return  # nodes of equal size holding whole tensor groups: the layouts users run
+    per_node = grid.size // nodes
+    node_of = [(i % nodes if cyclic else i // per_node) for i in range(grid.size)]
+    order = place(node_of, grid)
+    assert sorted(order) == list(range(grid.size))  # every rank takes exactly one place
+    found = crossings(order, node_of, grid)
+    assert found["tensor_groups"] == 0
+    # a pipeline crosses nodes only as often as its length over a node's width makes it
+    width = p * t
+    if width % per_node == 0 or per_node % width == 0:
+        assert found["pipeline_links"] == max(0, width // per_node - 1) * r * t
+    # every stage's replicas span nodes once there are several of each
+    assert found["replica_sets"] == (p * t if r > 1 and nodes > 1 else 0)
+    if not cyclic:  # the launcher's block order is kept as it is
+        assert order == list(range(grid.size))
+
+
+def test_placement_of_uneven_nodes_leaves_no_rank_out():
+    # 3 ranks per node, groups of 2: one group per node inside it, the odd ranks pair up
+    order = place([0, 0, 0, 1, 1, 1], Grid(partitions=1, replicas=3, tensor=2))
+    assert order == [0, 1, 3, 4, 2, 5]
+    with pytest.raises(ValueError, match="cannot fill a grid of 4"):
+        place([0, 0, 1], Grid(2, 2))
+
+
+# --- across emulated nodes ----------------------------------------------------------------------
+pytestmark_nodes = pytest.mark.skipif(
+    nodes.skip_reason() is not None, reason=str(nodes.skip_reason())
+)
+HOSTS = "nodeA:2,nodeB:2"
+# Open MPI's --map-by node deals ranks round-robin (0 and 2 on nodeA): hyparflow reorders them
+ROUND_ROBIN = (*nodes.mpirun(HOSTS), "--map-by", "node")
+CASES = [
+    Case("mlp", "adam", "data", replicas=4),
+    Case("mlp", "sgd", "model", partitions=4, microbatches=2, schedule="1f1b"),
+    Case("mlp", "adam", "hybrid", partitions=2, replicas=2, microbatches=2),
+    Case("wide_mlp", "adam", "model", partitions=2, tensor=2),
+]
+# what each case's grid must look like on 2 nodes of 2 (placement.crossings)
+EXPECTED_CROSSINGS = {
+    "mlp-adam-data-R4": {"tensor_groups": 0, "pipeline_links": 0, "replica_sets": 1},
+    "mlp-sgd-model-P4-M2-1f1b": {"tensor_groups": 0, "pipeline_links": 1, "replica_sets": 0},
+    "mlp-adam-hybrid-P2R2-M2": {"tensor_groups": 0, "pipeline_links": 0, "replica_sets": 2},
+    "wide_mlp-adam-model-P2T2": {"tensor_groups": 0, "pipeline_links": 2, "replica_sets": 0},
+}
+
+
+@pytest.fixture(scope="module")
+def across_nodes():
+    """All cases in one launch on 2 emulated nodes x 2 ranks, ranks dealt round-robin."""
+    return run_cases("nodes", 4, CASES, "cases", timeout=600, mpirun=ROUND_ROBIN)
+
+
+@pytestmark_nodes
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_two_nodes_match_keras_with_tensor_groups_and_pipelines_inside_nodes(across_nodes, case):
+    for r in across_nodes[case.id]:
+        assert r["weights"] < TOLERANCE, (case.id, r["rank"], r["weights"])
+        assert r["history"] < TOLERANCE, (case.id, r["rank"], r["history"])
+        # the trainer's own grid: the host of each place, as its communicators see it
+        hosts = r["grid_nodes"]
+        assert sorted(hosts) == ["nodeA", "nodeA", "nodeB", "nodeB"]
+        names = sorted(set(hosts))
+        grid = Grid(case.partitions, case.replicas, case.tensor)
+        found = crossings(range(4), [names.index(h) for h in hosts], grid)
+        assert found == EXPECTED_CROSSINGS[case.id], (case.id, hosts)
+
+
+@pytestmark_nodes
+def test_shared_memory_inside_a_node_and_tcp_on_loopback_between(tmp_path):
+    run = launch("nodes", 4, "cases", timeout=300, mpirun=ROUND_ROBIN)  # no case: wire-up only
+    assert run.returncode == 0, run.describe()
+    hosts = [r["host"] for r in run.results]
+    assert hosts == ["nodeA", "nodeB", "nodeA", "nodeB"]  # round-robin, as launched
+    for rank, (result, stderr) in enumerate(zip(run.results, run.stderr)):
+        choices = nodes.btl_choices(stderr)
+        assert {(peer, btl) for _, btl, peer, _ in choices if peer != rank} == {
+            (p, "vader" if hosts[p] == hosts[rank] else "tcp") for p in range(4) if p != rank
+        }, stderr[-2000:]
+        assert result["tcp_peers"] and set(result["tcp_peers"]) == {"127.0.0.1"}
+
+
+def _kill_node_when_stopped(pids_folder: str, killed: dict):
+    """`on_start` for the doomed run: once both ranks of node B have stopped, SIGKILL them and
+    their node's daemon (Open MPI's orted, their parent): the whole node goes."""
+
+    def on_start(process, scratch):
+        folder = pids_folder.replace("{scratch}", scratch)
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and process.poll() is None:
+            found = os.listdir(folder) if os.path.isdir(folder) else []
+            if len([f for f in found if f.endswith(".json")]) == 2:
+                break
+            time.sleep(0.2)
+        else:
+            return  # the job ended (or stalled) before node B stopped: the test says so
+        pids = []
+        for name in sorted(f for f in os.listdir(folder) if f.endswith(".json")):
+            with open(os.path.join(folder, name)) as f:
+                pids.append(json.load(f))
+        for victim in {p["daemon"] for p in pids} | {p["pid"] for p in pids}:
+            os.kill(victim, signal.SIGKILL)
+        killed.update(at=time.monotonic(), ranks=[int(n[:-5]) for n in sorted(os.listdir(folder))])
+
+    return on_start
+
+
+@pytestmark_nodes
+def test_a_killed_node_ends_the_job_and_the_survivor_resumes_exactly(tmp_path):
+    folder, killed = str(tmp_path / "checkpoints"), {}
+    pids = os.path.join("{scratch}", "pids")
+    doomed = launch(
+        "nodes", 4, "doomed", folder, timeout=300, mpirun=nodes.mpirun(HOSTS),
+        env={"HF_NODE_PIDS": pids}, on_start=_kill_node_when_stopped(pids, killed),
+    )  # fmt: skip
+    ended = time.monotonic()
+    assert killed.get("ranks") == [2, 3], doomed.describe()  # node B: ranks 2 and 3, by slot
+    assert doomed.returncode not in (0, -9), doomed.describe()  # ended by the loss, not timeout
+    assert ended - killed["at"] < 30  # within the run's 30 s watchdog
+    assert all(r is None for r in doomed.results)
+    # node B stopped after step 7 of 12: the last complete checkpoint is step 6
+    assert [step for step, _ in manifest.complete_checkpoints(folder)][-1] == 6
+    for r in run_scenario(
+        "nodes", 2, "survivor", folder, timeout=300, mpirun=nodes.mpirun("nodeA:2")
+    ):
+        assert r["host"] == "nodeA"
+        assert r["epochs"] == [1, 2]  # step 6 is epoch 1, batch 2 (4 batches an epoch)
+        assert r["weights"] < TOLERANCE, r  # 2 stages x 2 replicas resumed as 2 stages
