@@ -12,6 +12,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from hyparflow.callbacks.report import format_report
+from hyparflow.callbacks.summary import load_summary
 from hyparflow.checkpoint import manifest
 from hyparflow.comm import placement
 from hyparflow.comm.placement import crossings, place
@@ -104,11 +106,26 @@ def test_two_nodes_match_keras_with_tensor_groups_and_pipelines_inside_nodes(acr
 
 
 @pytestmark_nodes
-def test_shared_memory_inside_a_node_and_tcp_on_loopback_between(tmp_path):
-    run = launch("nodes", 4, "cases", timeout=300, mpirun=ROUND_ROBIN)  # no case: wire-up only
+def test_shared_memory_inside_a_node_tcp_on_loopback_between_and_the_profiler_names_nodes(
+    tmp_path,
+):
+    log_dir = str(tmp_path / "profile")
+    run = launch("nodes", 4, "wiring", log_dir, timeout=300, mpirun=ROUND_ROBIN)
     assert run.returncode == 0, run.describe()
     hosts = [r["host"] for r in run.results]
     assert hosts == ["nodeA", "nodeB", "nodeA", "nodeB"]  # round-robin, as launched
+    # the profiler's ranks are the grid's: rank r of the job is grid place r, placed by node
+    profile = load_summary(os.path.join(log_dir, "profile.json"))
+    assert [r["node"] for r in profile["ranks"]] == ["nodeA", "nodeA", "nodeB", "nodeB"]
+    assert [(r["stage"], r["replica"]) for r in profile["ranks"]] == [
+        (0, 0),
+        (1, 0),
+        (0, 1),
+        (1, 1),
+    ]
+    lines = format_report(profile).splitlines()  # `hyparflow report`: a node column
+    assert lines[3].split()[:4] == ["rank", "node", "stage", "replica"], lines
+    assert [row.split()[1] for row in lines[4:8]] == ["nodeA", "nodeA", "nodeB", "nodeB"], lines
     for rank, (result, stderr) in enumerate(zip(run.results, run.stderr)):
         choices = nodes.btl_choices(stderr)
         assert {(peer, btl) for _, btl, peer, _ in choices if peer != rank} == {

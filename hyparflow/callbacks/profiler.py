@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 
 import keras
@@ -101,7 +102,7 @@ class ScalingProfiler(keras.callbacks.Callback):
             self._comm, self.rank = None, 0
             layout = {"world_size": 1, "kind": "single process", "stages": 1, "replicas": 1,
                       "microbatches": 1, "schedule": None}  # fmt: skip
-            ranks = [{"rank": 0, "stage": 0, "replica": 0}]
+            ranks = [{"rank": 0, "stage": 0, "replica": 0, "node": socket.gethostname()}]
             self._num_stages = 1
         else:
             topo, strategy = trainer.topology, trainer.strategy
@@ -123,7 +124,7 @@ class ScalingProfiler(keras.callbacks.Callback):
             ranks = []
             for r in range(layout["world_size"]):
                 stage, replica = topo.grid.coords(r)
-                ranks.append({"rank": r, "stage": stage, "replica": replica})
+                ranks.append({"rank": r, "stage": stage, "replica": replica, "node": topo.nodes[r]})
             self._num_stages = topo.num_stages
             self._recorder = Recorder()
             trainer.attach_recorder(self._recorder)

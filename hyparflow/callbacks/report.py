@@ -89,20 +89,25 @@ def format_report(summary: dict) -> str:
     ]
     job = summary["job"]
     columns = time_columns(job["ms_per_step"])
-    header = ["rank", "stage", "replica", "step ms", *(h for h, _ in columns), "bubble",
-              "samples/s"]  # fmt: skip
+    # a node column where the ranks ran on several nodes (older profiles record none)
+    nodes = [r.get("node") for r in summary["ranks"]]
+    by_node = len(set(nodes)) > 1
+    header = ["rank", *(["node"] if by_node else []), "stage", "replica", "step ms",
+              *(h for h, _ in columns), "bubble", "samples/s"]  # fmt: skip
     rows = []
-    for r in summary["ranks"]:
+    for r, node in zip(summary["ranks"], nodes):
         ms = r["ms_per_step"]
         rows.append(
-            [str(r["rank"]), str(r["stage"]), str(r["replica"]), _number(ms["step"], 2),
+            [str(r["rank"]), *([str(node)] if by_node else []), str(r["stage"]),
+             str(r["replica"]), _number(ms["step"], 2),
              *(_time_cell(ms, key) for _, key in columns), _percent(r["bubble"]),
              _number(r["throughput"])]
         )  # fmt: skip
     ms = job["ms_per_step"]
     rows.append(
-        ["job", "", "", _number(ms["step"], 2), *(_time_cell(ms, key) for _, key in columns),
-         _percent(job["bubble_measured"]), _number(job["throughput"])]
+        ["job", *([""] if by_node else []), "", "", _number(ms["step"], 2),
+         *(_time_cell(ms, key) for _, key in columns), _percent(job["bubble_measured"]),
+         _number(job["throughput"])]
     )  # fmt: skip
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     for row in [header, *rows]:

@@ -123,7 +123,8 @@ def simulated_bubble(
 class RunSummary:
     """Collects every rank's breakdowns and the job's steps on the gathering rank.
 
-    `ranks` lists `{"rank", "stage", "replica"}` for every rank, in rank order.
+    `ranks` lists `{"rank", "stage", "replica", "node"}` for every rank, in rank order (the
+    node: the host the rank ran on).
     """
 
     def __init__(self, layout: dict, ranks: Sequence[dict], baseline: float | None = None):

@@ -80,7 +80,7 @@ def to_trace(
         trace_events.append(_meta("process_sort_index", q, None, {"sort_index": q}))
     for info, steps in tracks:
         rank, stage, q = info["rank"], info["stage"], info["replica"]
-        name = f"rank {rank} · stage {stage}"
+        name = f"rank {rank} · stage {stage}" + (f" · {info['node']}" if "node" in info else "")
         trace_events.append(_meta("thread_name", q, rank, {"name": name, **_where(info)}))
         trace_events.append(_meta("thread_sort_index", q, rank, {"sort_index": stage}))
         for record in steps:
@@ -107,7 +107,8 @@ def to_trace(
 
 
 def _where(info: dict) -> dict:
-    return {"rank": info["rank"], "stage": info["stage"], "replica": info["replica"]}
+    where = {"rank": info["rank"], "stage": info["stage"], "replica": info["replica"]}
+    return {**where, "node": info["node"]} if "node" in info else where
 
 
 def _meta(name: str, pid: int, tid: int | None, args: dict) -> dict:
@@ -151,10 +152,12 @@ class Track:
     stage: int
     replica: int
     slices: tuple[Slice, ...]
+    node: str | None = None  # the host it ran on (traces before nodes were recorded: None)
 
     @property
     def label(self) -> str:
-        return f"rank {self.rank}\nstage {self.stage} · replica {self.replica}"
+        where = f"rank {self.rank}" + (f" · {self.node}" if self.node else "")
+        return f"{where}\nstage {self.stage} · replica {self.replica}"
 
 
 def read_tracks(trace: dict) -> list[Track]:
@@ -163,7 +166,7 @@ def read_tracks(trace: dict) -> list[Track]:
     for event in trace["traceEvents"]:
         if event["ph"] == "M" and event["name"] == "thread_name":
             args = event["args"]
-            where[event["tid"]] = (args["rank"], args["stage"], args["replica"])
+            where[event["tid"]] = (args["rank"], args["stage"], args["replica"], args.get("node"))
         elif event["ph"] == "X":
             args = event.get("args", {})
             slices.setdefault(event["tid"], []).append(
@@ -171,8 +174,8 @@ def read_tracks(trace: dict) -> list[Track]:
                       event["ts"] / 1e3, event["dur"] / 1e3)
             )  # fmt: skip
     tracks = [
-        Track(rank, stage, replica, tuple(slices.get(tid, ())))
-        for tid, (rank, stage, replica) in where.items()
+        Track(rank, stage, replica, tuple(slices.get(tid, ())), node)
+        for tid, (rank, stage, replica, node) in where.items()
     ]
     return sorted(tracks, key=lambda t: (t.replica, t.stage))
 

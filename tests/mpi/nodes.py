@@ -2,7 +2,9 @@
 
 Usage: `python -m tests.mpi.nodes OUT MODE ...` with MODE one of
   cases CASES...   each case (JSON, tests/support/cases.py) against Keras, by the equivalence
-                   or real-model scenario; then this rank's host and its TCP peers' addresses
+                   or real-model scenario
+  wiring LOG_DIR   a profiled hybrid fit (2 stages x 2 replicas), then a message between every
+                   pair of ranks; this rank's host and its TCP peers' addresses
   doomed FOLDER    train 2 stages x 2 replicas with checkpoints; at global batch 7 the ranks on
                    node B write their pid and their node daemon's pid to $HF_NODE_PIDS and
                    stop, for the test to kill that node (the others block in MPI)
@@ -74,11 +76,18 @@ def main():
             case = Case.from_json(text)
             runner = real_models if case.tensor > 1 else equivalence
             results.append(runner.run(case))
+        report({"results": results})
+    elif mode == "wiring":
+        (log_dir,) = rest
+        hf.fit(
+            mlp(), x, y, batch_size=BATCH, epochs=1, verbose=0,
+            strategy=hf.Strategy("hybrid", partitions=2, replicas=2, microbatches=2),
+            callbacks=[hf.callbacks.ScalingProfiler(log_dir, timeline=False)],
+        )  # fmt: skip
         # every pair of ranks exchanges a message, so Open MPI wires up every transport
         # (lazily: a peer on another node gets its TCP connection at the first message)
         hosts = MPI.COMM_WORLD.alltoall([socket.gethostname()] * MPI.COMM_WORLD.Get_size())
-        report({"host": socket.gethostname(), "hosts": hosts, "results": results,
-                "tcp_peers": tcp_peers()})  # fmt: skip
+        report({"host": socket.gethostname(), "hosts": hosts, "tcp_peers": tcp_peers()})
     elif mode == "doomed":
         (folder,) = rest
         hf.fit(
