@@ -170,7 +170,7 @@ def test_a_killed_node_ends_the_job_and_the_survivor_resumes_exactly(tmp_path):
     ended = time.monotonic()
     assert killed.get("ranks") == [2, 3], doomed.describe()  # node B: ranks 2 and 3, by slot
     assert doomed.returncode not in (0, -9), doomed.describe()  # ended by the loss, not timeout
-    assert ended - killed["at"] < 30  # within the run's 30 s watchdog
+    assert ended - killed["at"] < 30, ended - killed["at"]  # within the run's 30 s watchdog
     assert all(r is None for r in doomed.results)
     # node B stopped after step 7 of 12: the last complete checkpoint is step 6
     assert [step for step, _ in manifest.complete_checkpoints(folder)][-1] == 6

@@ -1,9 +1,9 @@
 """A job's layout, and which node each rank of its (stage, replica) grid lands on.
 
-The engine numbers ranks `replica * partitions + stage` (`comm.topology.Grid`), and a launcher
-fills nodes in rank order (`mpirun --map-by core`, Slurm's block distribution), so rank `r`
-sits on node `r // ranks_per_node`: a pipeline's stages share a node when it is wide enough,
-and the replicas of one stage are spread over nodes.
+The engine numbers grid places `replica * partitions + stage` (`comm.topology.Grid`) and deals
+them to ranks node by node (`comm.placement.place`), so place `r` sits on node
+`r // ranks_per_node`: a pipeline's stages share a node when it is wide enough, and the
+replicas of one stage are spread over nodes.
 """
 
 from __future__ import annotations
