@@ -16,7 +16,7 @@ from hyparflow.callbacks.report import format_report
 from hyparflow.callbacks.summary import load_summary
 from hyparflow.checkpoint import manifest
 from hyparflow.comm import placement
-from hyparflow.comm.placement import crossings, place
+from hyparflow.comm.placement import crossings, hosts_of_ranks, place
 from hyparflow.comm.topology import Grid
 from tests.support import nodes
 from tests.support.cases import Case, run_cases
@@ -60,6 +60,15 @@ def test_placement_of_uneven_nodes_leaves_no_rank_out():
     assert order == [0, 1, 3, 4, 2, 5]
     with pytest.raises(ValueError, match="cannot fill a grid of 4"):
         place([0, 0, 1], Grid(2, 2))
+
+
+def test_hosts_are_read_as_mpirun_fills_them_and_bad_ones_refused():
+    assert hosts_of_ranks("a:1, b:3", 3) == ["a", "b", "b"]
+    assert hosts_of_ranks("a,b", 2) == ["a", "b"]
+    for bad, message in [("a:x", "not HOST or HOST:SLOTS"), ("a:0", "not HOST"),
+                         (":2", "not HOST"), ("a:1", "1 slots for 2 ranks")]:  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            hosts_of_ranks(bad, 2)
 
 
 # --- across emulated nodes ----------------------------------------------------------------------
