@@ -369,6 +369,13 @@ def test_visibility_names_every_variable_set():
     assert gpu.visibility({}) == ""
 
 
+def test_the_node_view_comes_from_mpis_shared_memory_split():
+    """The real split on this process's world (one rank here: the node is this process)."""
+    mine = RankGpus(3, "CUDA_VISIBLE_DEVICES=0,1,2")
+    local_rank, node = gpu.node_view(MPI.COMM_WORLD, mine)
+    assert MPI.COMM_WORLD.Get_size() == 1 and (local_rank, node) == (0, [mine])
+
+
 class FakeTf:
     """Records what binding asks of tf.config; `initialised` makes it refuse as TF does."""
 
