@@ -5,6 +5,7 @@ from hyparflow.api import evaluate, fit, partition, predict
 from hyparflow.checkpoint import export
 from hyparflow.comm.world import rank, size
 from hyparflow.deferred import NotHeldError, scope
+from hyparflow.devices import bind_gpus
 from hyparflow.memory import memory_plan
 from hyparflow.partitioner import Plan
 from hyparflow.strategy import Strategy
@@ -15,6 +16,7 @@ __all__ = [
     "NotHeldError",
     "Plan",
     "Strategy",
+    "bind_gpus",
     "callbacks",
     "data",
     "evaluate",

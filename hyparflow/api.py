@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hyparflow import _keras, checkpoint, deferred, model_checks
+from hyparflow import _keras, checkpoint, deferred, devices, model_checks
 from hyparflow.comm.agree import (
     AgreedError,
     abort_on_error,
@@ -316,6 +316,7 @@ def _distributed_fit(model, x, y, batch_size, epochs, resolved, options, **kwarg
     unknown = set(kwargs) - _FIT_KEYS
     if unknown:
         raise TypeError(f"hf.fit got unexpected keyword arguments {sorted(unknown)}")
+    devices.prepare(comm, resolved.bind_gpus)  # one GPU per rank; CUDA-aware MPI or staging
     sample_weight = kwargs.get("sample_weight")
     timeout = agree(comm, resolve_timeout, options["watchdog_timeout"])
     folder = agree(comm, _resume_folder, options, kwargs)
@@ -407,6 +408,7 @@ def evaluate(
             callbacks=callbacks, return_dict=return_dict, verbose=verbose,
         )  # fmt: skip
     comm = world()
+    devices.prepare(comm, resolved.bind_gpus)
     source = agree(comm, make_source, x, y, sample_weight, batch_size=batch_size)
     trainer = _make_trainer(model, resolved, comm)
     logs = _run(comm, lambda: evaluate_loop(trainer, source, steps=steps), model)
@@ -433,6 +435,7 @@ def predict(
             x, batch_size = x.as_keras(batch_size=batch_size or 32), None
         return model.predict(x, batch_size=batch_size, steps=steps, verbose=verbose)
     comm = world()
+    devices.prepare(comm, resolved.bind_gpus)
     source = agree(comm, make_source, x, batch_size=batch_size)
     trainer = _make_trainer(model, resolved, comm, needs_loss=False)
     return _run(comm, lambda: predict_loop(trainer, source, steps=steps), model)

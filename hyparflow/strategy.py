@@ -53,6 +53,10 @@ class Strategy:
     updated parameters all-gathered, the same bytes as an allreduce, and training is exactly
     the unsharded one. It needs an elementwise optimizer (SGD, Adam, AdamW, RMSprop, ...). With
     one replica there is nothing to shard: it is accepted and training is the usual one.
+    `bind_gpus` (default True): where ranks see GPUs, each keeps one GPU of its node, chosen by
+    its node-local rank, with memory growth on (docs/gpu.md); False leaves GPUs to the user.
+    It changes nothing on machines without GPUs, and takes effect only before TensorFlow has
+    initialised its GPUs: call `hf.bind_gpus()` before building the model.
 
     Example:
         >>> hf.Strategy("hybrid", partitions=2, replicas=2, microbatches=4, schedule="1f1b")
@@ -73,6 +77,7 @@ class Strategy:
     tensor: int = 1
     tensor_layout: dict | None = None
     shard_optimizer: bool = False
+    bind_gpus: bool = True
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -92,10 +97,9 @@ class Strategy:
                 f"Strategy tensor_layout must be a dict from a regex over variable paths to a "
                 f"tuple of axes, got {type(self.tensor_layout).__name__}."
             )
-        if not isinstance(self.shard_optimizer, bool):
-            raise ValueError(
-                f"Strategy shard_optimizer={self.shard_optimizer!r} must be True or False."
-            )
+        for name in ("shard_optimizer", "bind_gpus"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"Strategy {name}={getattr(self, name)!r} must be True or False.")
         if self.schedule not in SCHEDULES:
             raise ValueError(
                 f"Unknown schedule {self.schedule!r}; use one of {', '.join(map(repr, SCHEDULES))}."

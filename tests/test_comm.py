@@ -172,9 +172,10 @@ def test_batch_size_is_read_from_the_message_length():
     assert BoundarySpec.of(tf.TensorSpec((4, 2), tf.int8)).row_bytes == 2
 
 
-def test_gpu_tensors_take_the_dlpack_adapter_path():
+def test_gpu_tensors_take_the_dlpack_adapter_path_only_with_a_cuda_aware_mpi():
     gpu, cpu = "/job:localhost/replica:0/task:0/device:GPU:0", "/job:localhost/device:CPU:0"
-    assert dlpack.uses_device_path(gpu, "auto") and dlpack.uses_device_path(cpu, "device")
+    assert dlpack.uses_device_path(gpu, "auto", True) and dlpack.uses_device_path(cpu, "device")
+    assert not dlpack.uses_device_path(gpu, "auto", False)  # staged (tests/test_gpu_transport)
     assert not dlpack.uses_device_path(cpu, "auto") and not dlpack.uses_device_path(gpu, "host")
     assert not dlpack.uses_device_path(None, "device")  # numpy arrays: buffer protocol
     assert dlpack.tensor_device(np.ones(2)) is None
@@ -187,11 +188,11 @@ def test_receives_land_on_the_gpu_when_tf_has_one(monkeypatch):
     fake_gpu = tf.config.LogicalDevice("/job:localhost/replica:0/task:0/device:GPU:0", "GPU")
     monkeypatch.setattr(tf.config, "list_logical_devices", lambda kind=None: [fake_gpu])
     assert dlpack.default_device() == fake_gpu.name
-    channel = PipeChannel(FakeComm(32767), 1, [((2, 3), "float32")], 2)
+    channel = PipeChannel(FakeComm(32767), 1, [((2, 3), "float32")], 2, cuda_aware=True)
     assert channel.receives_on_device and channel.device == fake_gpu.name
-    assert not PipeChannel(
-        FakeComm(32767), 1, [((2, 3), "float32")], 2, transport="host"
-    ).receives_on_device
+    # Not CUDA-aware: host buffers, then copied to the GPU (tests/test_gpu_transport.py).
+    staged = PipeChannel(FakeComm(32767), 1, [((2, 3), "float32")], 2, transport="host")
+    assert not staged.receives_on_device and staged.stages_receives
 
 
 def test_adapter_offers_unversioned_dlpack_that_mpi4py_accepts():

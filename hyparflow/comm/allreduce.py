@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import tensorflow as tf
 
-from hyparflow.comm.dlpack import ALIGNMENT, wrap_host_buffer
+from hyparflow.comm.dlpack import ALIGNMENT, is_gpu_device, tensor_device, wrap_host_buffer
 from hyparflow.comm.hugepages import huge_zeros, promote_tensor
 
 # Like PyTorch DDP's default: big enough that per-call latency is amortized, small enough that
@@ -241,7 +241,8 @@ class GradientReducer:
         slices of `bucket_bytes`: Open MPI reduces 25 MiB slices faster than one 100 MiB call.
         A tuple or list of such tensors (a `ChunkedLayout`'s chunks) is reduced chunk by
         chunk, each in place. Returns `flat` (for "mean", divided copies). On a one-rank
-        communicator nothing happens.
+        communicator nothing happens. A tensor on a GPU is never handed to MPI: it is reduced
+        in a host copy and the result copied back to its GPU (docs/gpu.md).
         """
         if self.size == 1:
             return flat
@@ -252,11 +253,10 @@ class GradientReducer:
     def _reduce_flat_tensor(self, flat):
         from mpi4py import MPI  # on use: importing it initialises MPI (docs/architecture.md)
 
-        view = np.asarray(flat)  # a CPU tensor's own memory (numpy marks it read-only)
-        if view.dtype != np.float32 or view.ndim != 1:
-            raise ValueError(
-                f"reduce_flat needs a 1-D float32 tensor, got {view.dtype} {view.shape}"
-            )
+        device = tensor_device(flat)
+        if is_gpu_device(device):
+            return self._reduce_flat_staged(flat, device)
+        view = _checked_flat(np.asarray(flat))  # a CPU tensor's own memory (read-only to numpy)
         promote_tensor(view)  # Open MPI's shared-memory copies read huge pages faster
         step = max(1, self.bucket_bytes // view.itemsize)
         for start in range(0, view.size, step):
@@ -269,6 +269,19 @@ class GradientReducer:
         if self.op == "mean":
             return flat / self.size
         return flat
+
+    def _reduce_flat_staged(self, flat, device: str):
+        """`reduce_flat` of a GPU tensor: through a host copy (`np.asarray` of a GPU tensor is
+        a copy, so reducing it in place would leave `flat` unreduced), then back to `device`."""
+        host = _checked_flat(np.array(flat, copy=True))  # writable and private
+        step = max(1, self.bucket_bytes // host.itemsize)
+        for start in range(0, host.size, step):
+            self.mpi_calls += 1
+            self.comm.Allreduce(_in_place(), host[start : start + step])
+        if self.op == "mean":
+            host /= self.size
+        with tf.device(device):
+            return tf.constant(host)
 
     def _plan(self, specs: Sequence) -> None:
         self.slots, self.buckets = plan_buckets(specs, self.bucket_bytes)
@@ -378,6 +391,18 @@ class _ReductionThread:
                 self._error = error
             finally:
                 self._queue.task_done()
+
+
+def _checked_flat(view: np.ndarray) -> np.ndarray:
+    if view.dtype != np.float32 or view.ndim != 1:
+        raise ValueError(f"reduce_flat needs a 1-D float32 tensor, got {view.dtype} {view.shape}")
+    return view
+
+
+def _in_place():
+    from mpi4py import MPI  # on use: importing it initialises MPI (docs/architecture.md)
+
+    return MPI.IN_PLACE
 
 
 def _spec_of(grad):

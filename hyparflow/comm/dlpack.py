@@ -4,7 +4,8 @@ Facts this relies on (DESIGN.md section 4): MPI can send straight from a CPU eag
 (read-only buffer protocol); `from_dlpack(ndarray.__dlpack__())` wraps a numpy buffer without a
 copy; mpi4py 4.1 rejects TF's own `__dlpack__` (it asks for `max_version` and TF returns an
 unversioned capsule), so device tensors go through `DLPackAdapter`, whose `__dlpack__` takes no
-`max_version`.
+`max_version`. GPU memory reaches MPI only when MPI is CUDA-aware (`comm/cuda_aware.py`);
+otherwise GPU tensors are staged through host copies (docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import functools
 
 import numpy as np
 import tensorflow as tf
+
+from hyparflow.comm import cuda_aware as cuda_aware_module
 
 # TF's CPU allocator aligns to 64 bytes and Eigen kernels may assume it: match it.
 ALIGNMENT = 64
@@ -57,16 +60,33 @@ def default_device() -> str:
     return gpus[0].name if gpus else "/CPU:0"
 
 
-def mpi_send_buffer(tensor, use_device_path: bool):
-    """An mpi4py message for `tensor`'s raw bytes, with no copy on either path.
+def mpi_send_buffer(tensor, use_device_path: bool, on_gpu: bool | None = None):
+    """An mpi4py message for `tensor`'s raw bytes: no copy, except a GPU tensor off the device
+    path, which is staged into a host copy (`host_copy`) rather than ever handed to MPI.
 
     Raw bytes (`MPI.BYTE`) carry every dtype, including bfloat16, which has no MPI datatype.
-    Numpy arrays and CPU tensors use the buffer protocol; GPU tensors need `use_device_path`.
+    Numpy arrays and CPU tensors use the buffer protocol. `on_gpu` (default: asked of the
+    tensor) says whether `tensor` lives on a GPU. Keep the message alive until the send ends.
     """
     from mpi4py import MPI  # on use: importing it initialises MPI (docs/architecture.md)
 
-    source = DLPackAdapter(tensor) if use_device_path else tensor
-    return [source, MPI.BYTE]
+    if use_device_path:
+        return [DLPackAdapter(tensor), MPI.BYTE]
+    if on_gpu is None:
+        on_gpu = is_gpu_device(tensor_device(tensor))
+    return [host_copy(tensor) if on_gpu else tensor, MPI.BYTE]
+
+
+def host_copy(tensor) -> np.ndarray:
+    """A host copy of `tensor`'s bytes (flat uint8): how a GPU tensor reaches an MPI that is not
+    CUDA-aware. TF copies device memory to host, waiting for the kernels that write it."""
+    return np.ascontiguousarray(np.asarray(tensor)).reshape(-1).view(np.uint8)
+
+
+def to_device(tensor, device: str) -> tf.Tensor:
+    """`tensor` (received into host memory) copied onto `device`, e.g. a GPU."""
+    with tf.device(device):
+        return tf.identity(tensor)
 
 
 TRANSPORTS = ("auto", "host", "device")
@@ -84,22 +104,39 @@ def tensor_device(value) -> str | None:
     return value.device if tf.is_tensor(value) else None
 
 
-def uses_device_path(device: str | None, transport: str) -> bool:
-    """Pick how MPI reaches memory on `device`: DLPack adapter (True) or buffer protocol (False).
+def uses_device_path(device: str | None, transport: str, cuda_aware=None) -> bool:
+    """Pick how MPI reaches memory on `device`: DLPack adapter (True) or host memory (False).
 
-    With transport "auto", GPU memory takes the device path (CUDA-aware MPI reads it in place)
-    and host memory the buffer protocol; "host" and "device" force one (forcing "device" on CPU
-    exercises the GPU code path without a GPU). Host objects (`device` None) always use "host".
+    GPU memory is handed to MPI only when MPI is CUDA-aware (`cuda_aware`: a
+    `CudaAwareness`, a bool, or None to ask `cuda_aware.detect()`, which is asked only for GPU
+    devices). With transport "auto" a GPU takes the device path if so, else its tensors are
+    staged through host memory; "host" always stages. "device" forces the adapter: on CPU it
+    exercises the GPU code path without a GPU; on a GPU with an MPI that is not CUDA-aware it
+    is refused (a RuntimeError, before any MPI call) rather than crash inside MPI. Host
+    objects (`device` None) always use the buffer protocol.
 
     Example:
-        >>> uses_device_path("/job:localhost/replica:0/task:0/device:GPU:0", "auto")
-        True
-        >>> uses_device_path("/device:CPU:0", "auto"), uses_device_path("/device:GPU:0", "host")
-        (False, False)
+        >>> gpu = "/job:localhost/replica:0/task:0/device:GPU:0"
+        >>> uses_device_path(gpu, "auto", True), uses_device_path(gpu, "auto", False)
+        (True, False)
+        >>> uses_device_path("/device:CPU:0", "auto"), uses_device_path("/device:CPU:0", "device")
+        (False, True)
     """
     if check_transport(transport) == "host" or device is None:
         return False
-    return transport == "device" or is_gpu_device(device)
+    if not is_gpu_device(device):
+        return transport == "device"
+    answer = cuda_aware_module.resolve(cuda_aware)
+    if answer.aware:
+        return True
+    if transport == "device":
+        raise RuntimeError(
+            f"transport='device' would hand GPU memory on {device} to MPI, which is not "
+            f"CUDA-aware as far as hyparflow can tell ({answer.reason}); MPI would crash. Use "
+            f"transport='auto' or 'host' (GPU tensors then go through host memory), or set "
+            f"{cuda_aware_module.OVERRIDE}=1 if this MPI library is CUDA-aware (docs/gpu.md)."
+        )
+    return False
 
 
 def storage_dtype(dtype: tf.DType) -> np.dtype:

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import numpy as np
 import tensorflow as tf
 
+from hyparflow.comm import cuda_aware as cuda_awareness
 from hyparflow.comm.boundary import (
     BACKWARD,
     DIRECTIONS,
@@ -45,6 +46,7 @@ from hyparflow.comm.dlpack import (
     storage_dtype,
     synchronize_devices,
     tensor_device,
+    to_device,
     uses_device_path,
     wrap_host_buffer,
 )
@@ -172,8 +174,10 @@ class PipeChannel:
       `allocations`), so a live tensor is never overwritten. Default `num_microbatches`; the
       stage's peak in-flight count (`schedule.peak_in_flight`) is enough for steady reuse.
       Buffers of dynamic tensors grow when a message needs more room (also counted).
-    - `transport`: "auto" (GPU tensors via DLPack for CUDA-aware MPI, host memory otherwise),
-      "host" or "device" to force one. Receives land on `device` (default: TF's default device).
+    - `transport`: "auto" (GPU tensors via DLPack if MPI is CUDA-aware, else staged through
+      host memory), "host" or "device" to force one (`dlpack.uses_device_path`; "device" on a
+      GPU is refused unless MPI is CUDA-aware). `cuda_aware`: a `CudaAwareness` or bool, or
+      None for `cuda_aware.detect()`. Receives land on `device` (default: TF's default device).
 
     Example (stage 0 of 2, sending micro-batch 3 and receiving its gradient):
         channel = PipeChannel(topo.pipeline_comm, topo.next_rank, [((8, 16), "float32")], 4)
@@ -193,6 +197,7 @@ class PipeChannel:
         num_slots: int | None = None,
         transport: str = "auto",
         device: str | None = None,
+        cuda_aware=None,
     ):
         MPI = _mpi()
         if peer is None or not 0 <= peer < comm.Get_size() or peer == comm.Get_rank():
@@ -222,8 +227,12 @@ class PipeChannel:
         if self.num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         self.transport = check_transport(transport)
-        self.device = device or default_device()
-        self.receives_on_device = uses_device_path(self.device, transport)
+        self.device, self.cuda_aware = device or default_device(), cuda_aware
+        self.receives_on_device = uses_device_path(self.device, transport, cuda_aware)
+        # A GPU's receives off the device path land in host buffers, then go to the GPU.
+        self.stages_receives = is_gpu_device(self.device) and not self.receives_on_device
+        if self.stages_receives:
+            self._warn_staging()
         # Allocated on first use, then reused; a dynamic tensor's entry is a flat buffer (None
         # until its first message says how large it must be).
         self._buffers: dict[tuple[str, int], list] = {}
@@ -242,27 +251,30 @@ class PipeChannel:
         specs = self._check_message(microbatch, direction)
         if len(tensors) != len(specs):
             raise ValueError(f"expected {len(specs)} {direction} tensors, got {len(tensors)}")
-        device_path = [uses_device_path(tensor_device(t), self.transport) for t in tensors]
+        devices = [tensor_device(t) for t in tensors]
+        on_gpu = [is_gpu_device(d) for d in devices]
+        device_path = [uses_device_path(d, self.transport, self.cuda_aware) for d in devices]
         sizes = [check_tensor(tensor, spec, direction) for tensor, spec in zip(tensors, specs)]
-        if any(on and is_gpu_device(tensor_device(t)) for on, t in zip(device_path, tensors)):
+        if any(on and gpu for on, gpu in zip(device_path, on_gpu)):
             synchronize_devices()  # the producing kernels must have written the buffers
-        for tensor, on_device, nbytes in zip(tensors, device_path, sizes):
-            if not on_device:
+        elif any(on_gpu):
+            self._warn_staging()  # GPU tensors off the device path: staged into host copies
+        for tensor, on_device, gpu, nbytes in zip(tensors, device_path, on_gpu, sizes):
+            if not on_device and not gpu:
                 promote_tensor(tensor, nbytes)  # the receiver's copy reads huge pages faster
         requests, keep = [], list(tensors)
-        for index, (tensor, spec, on_device) in enumerate(zip(tensors, specs, device_path)):
+        for index, (tensor, spec, on_device, gpu) in enumerate(
+            zip(tensors, specs, device_path, on_gpu)
+        ):
             if spec.dynamic:
                 header = np.array(tuple(tensor.shape), dtype=np.int64)
                 keep.append(header)  # MPI reads it until the send completes
                 tag = self._header_tag(microbatch, index, direction)
                 requests.append(self.comm.Isend([header, MPI.INT64_T], dest=self.peer, tag=tag))
-            requests.append(
-                self.comm.Isend(
-                    mpi_send_buffer(tensor, on_device),
-                    dest=self.peer,
-                    tag=message_tag(microbatch, index, direction, self.num_tensors),
-                )
-            )
+            message = mpi_send_buffer(tensor, on_device, gpu)
+            keep.append(message[0])  # a staged host copy must outlive the send too
+            tag = message_tag(microbatch, index, direction, self.num_tensors)
+            requests.append(self.comm.Isend(message, dest=self.peer, tag=tag))
         handle = SendHandle(requests, keep)
         self._pending = [h for h in self._pending if not h.done] + [handle]
         return handle
@@ -273,8 +285,8 @@ class PipeChannel:
         MPI = _mpi()
         specs = self._check_message(microbatch, direction)
         buffers = self._post(direction, microbatch)
-        if self.receives_on_device and is_gpu_device(self.device):
-            synchronize_devices()  # kernels reading the slot's last contents must be done
+        if is_gpu_device(self.device):  # device path or staged: kernels (or host-to-device
+            synchronize_devices()  # copies) reading the slot's last contents must be done
         requests, headers = [], []
         for index, (spec, buf) in enumerate(zip(specs, buffers)):
             if spec.dynamic:
@@ -410,10 +422,19 @@ class PipeChannel:
                 full = tf.identity(buffer)  # its own handle, as below
                 return tf.reshape(full if count == math.prod(buffer.shape) else full[:count], shape)
             # A prefix of the flat buffer starts where the buffer does: aligned, contiguous.
-            return wrap_host_buffer(buffer[:count].reshape(shape), spec.dtype)
+            return self._placed(wrap_host_buffer(buffer[:count].reshape(shape), spec.dtype))
         if self.receives_on_device:
             # A new handle on the same memory (Identity forwards its input), so the returned
             # tensor's lifetime can be tracked apart from the channel's own reference.
             full = tf.identity(buffer)
             return full if batch == spec.max_batch else full[:batch]
-        return wrap_host_buffer(buffer[:batch], spec.dtype)
+        return self._placed(wrap_host_buffer(buffer[:batch], spec.dtype))
+
+    def _placed(self, tensor: tf.Tensor) -> tf.Tensor:
+        """A host-received tensor, copied to the GPU when this channel stages receives."""
+        return to_device(tensor, self.device) if self.stages_receives else tensor
+
+    def _warn_staging(self) -> None:
+        if self.transport == "auto":  # "host" was the caller's own choice: nothing to say
+            answer = cuda_awareness.resolve(self.cuda_aware)
+            cuda_awareness.warn_staging(answer, _mpi().COMM_WORLD.Get_rank())
