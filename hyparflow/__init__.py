@@ -1,16 +1,32 @@
 """hyparflow: data, model (pipeline) and hybrid parallel training of Keras 3 models over MPI."""
 
-from hyparflow import callbacks, data, launch
-from hyparflow.api import evaluate, fit, partition, predict
-from hyparflow.checkpoint import export
-from hyparflow.comm.world import rank, size
-from hyparflow.deferred import NotHeldError, scope
-from hyparflow.devices import bind_gpus
-from hyparflow.memory import memory_plan
-from hyparflow.partitioner import Plan
-from hyparflow.strategy import Strategy
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
+
+# The public names, imported on first use (PEP 562): `import hyparflow as hf; hf.fit(...)` works
+# as before, while `hyparflow run` and `python -m hyparflow.run` start without TensorFlow.
+_WHERE = {
+    "NotHeldError": "hyparflow.deferred",
+    "Plan": "hyparflow.partitioner",
+    "Strategy": "hyparflow.strategy",
+    "bind_gpus": "hyparflow.devices",
+    "callbacks": None,  # a subpackage
+    "data": None,
+    "evaluate": "hyparflow.api",
+    "export": "hyparflow.checkpoint",
+    "fit": "hyparflow.api",
+    "launch": None,
+    "memory_plan": "hyparflow.memory",
+    "partition": "hyparflow.api",
+    "predict": "hyparflow.api",
+    "rank": "hyparflow.comm.world",
+    "scope": "hyparflow.deferred",
+    "size": "hyparflow.comm.world",
+}
 
 __all__ = [
     "NotHeldError",
@@ -30,3 +46,29 @@ __all__ = [
     "scope",
     "size",
 ]
+
+if TYPE_CHECKING:  # what static tools and IDEs see
+    from hyparflow import callbacks, data, launch
+    from hyparflow.api import evaluate, fit, partition, predict
+    from hyparflow.checkpoint import export
+    from hyparflow.comm.world import rank, size
+    from hyparflow.deferred import NotHeldError, scope
+    from hyparflow.devices import bind_gpus
+    from hyparflow.memory import memory_plan
+    from hyparflow.partitioner import Plan
+    from hyparflow.strategy import Strategy
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'hyparflow' has no attribute {name!r}")
+    module = _WHERE[name]
+    if module is None:
+        return importlib.import_module(f"hyparflow.{name}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_WHERE))

@@ -1,25 +1,28 @@
-"""The `hyparflow` command line: `hyparflow plan MODEL.keras --partitions 4` and friends."""
+"""The `hyparflow` command line: `hyparflow run -n 4 train.py`, `hyparflow plan MODEL.keras`, ...
+
+`hyparflow run` must start in a fraction of a second (it only builds a command line), so the
+other commands import TensorFlow, Keras and the package's heavy modules in their own functions
+rather than at module level.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-import keras
-
-from hyparflow.api import partition
-from hyparflow.callbacks.report import report
-from hyparflow.memory import memory_plan
-from hyparflow.simulate import command
-from hyparflow.strategy import Strategy
-
 
 def main(argv=None) -> int:
     """Run the `hyparflow` command; returns the exit status.
 
     Example:
+        $ hyparflow run -n 4 train.py --epochs 10
         $ hyparflow plan model.keras --partitions 4 --balance time --batch-size 64
     """
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["run"]:  # before the parser: its simulate options import Keras
+        from hyparflow.run import main as run
+
+        return run(argv[1:], prog="hyparflow run")
     parser = _parser()
     args = parser.parse_args(argv)
     if not hasattr(args, "run"):
@@ -34,6 +37,12 @@ def _parser() -> argparse.ArgumentParser:
         description="Plan and inspect data, model and hybrid parallel training of Keras models.",
     )
     commands = parser.add_subparsers(title="commands", metavar="COMMAND")
+    commands.add_parser(  # listed for --help; main() hands `run` to hyparflow.run first
+        "run",
+        add_help=False,
+        help="start a script on N ranks: srun --mpi=pmix inside Slurm, mpirun elsewhere "
+        "(hyparflow run --help)",
+    )
     _add_plan_command(commands)
     _add_report_command(commands)
     _add_simulate_command(commands)
@@ -84,6 +93,10 @@ def _add_plan_command(commands):
 
 
 def _run_plan(args) -> int:
+    import keras
+
+    from hyparflow.api import partition
+
     if args.memory:
         return _run_memory_plan(args)
     model = keras.saving.load_model(args.model, compile=False)
@@ -108,6 +121,11 @@ def _run_plan(args) -> int:
 
 
 def _run_memory_plan(args) -> int:
+    import keras
+
+    from hyparflow.memory import memory_plan
+    from hyparflow.strategy import Strategy
+
     try:
         model = keras.saving.load_model(args.model)  # compiled, for its optimizer's slots
     except Exception:  # a loss or optimizer this process cannot rebuild: count none
@@ -148,6 +166,8 @@ def _add_report_command(commands):
 
 
 def _run_report(args) -> int:
+    from hyparflow.callbacks.report import report
+
     try:
         text, png = report(args.log_dir, png=args.png, steps=args.steps)
     except (FileNotFoundError, ValueError) as error:
@@ -159,6 +179,8 @@ def _run_report(args) -> int:
 
 
 def _add_simulate_command(commands):
+    from hyparflow.simulate import command
+
     simulate = commands.add_parser(
         "simulate",
         help="predict step time, throughput and efficiency of P partitions x R replicas",

@@ -1,0 +1,198 @@
+"""`hyparflow run -n N script.py ...` (also `python -m hyparflow.run`): start a script on N ranks.
+
+Inside a Slurm allocation it runs `srun --mpi=pmix`, elsewhere `mpirun`; it binds ranks to
+cores, sizes TensorFlow's thread pools, prints the exact command and runs it, returning its
+exit status (docs/launch.md). The command itself is built by `hyparflow.launch.command`; this
+module gathers the facts of this machine, parses the options and runs the command. It imports
+neither TensorFlow nor MPI, so it starts in a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+
+from hyparflow.launch.command import LAUNCHERS, Facts, Launch, LaunchError, Options, build
+
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_VALUE_OPTIONS = {
+    "-n", "-np", "--ranks", "--hosts", "--host", "-H", "--hostfile", "--cpus-per-rank", "-c",
+    "--launcher", "--launcher-args",
+}  # fmt: skip
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m hyparflow.run") -> int:
+    """Run `hyparflow run` with these arguments; returns the exit status (2: bad options).
+
+    Example:
+        >>> main(["-n", "2", "--dry-run", "train.py", "--epochs", "3"])
+        TF_NUM_INTRAOP_THREADS=1 ... mpirun -np 2 ... /usr/bin/python3 train.py --epochs 3
+        0
+    """
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = _parser(prog)
+    own, program = split_arguments(argv)
+    args = parser.parse_args(own)  # exits with status 2 and a usage line on a bad option
+    try:
+        launch = build(
+            Options(
+                program=tuple(program),
+                ranks=args.ranks,
+                hosts=args.hosts,
+                hostfile=args.hostfile,
+                oversubscribe=args.oversubscribe,
+                cpus_per_rank=args.cpus_per_rank,
+                launcher=args.launcher,
+                launcher_args=tuple(w for text in args.launcher_args for w in shlex.split(text)),
+                bind=not args.no_bind,
+            ),
+            facts_here(),
+        )
+    except LaunchError as error:
+        parser.print_usage(sys.stderr)
+        print(f"{prog}: error: {error}", file=sys.stderr)
+        return 2
+    for note in launch.notes:
+        print(f"{prog}: {note}", file=sys.stderr)
+    print(launch.line(), flush=True)
+    if args.dry_run:
+        return 0
+    return run(launch)
+
+
+def split_arguments(argv: list[str]) -> tuple[list[str], list[str]]:
+    """hyparflow's own options, and the program with its arguments: the program starts at the
+    first word that is not an option (or a value of one), at `-m`, or after `--`.
+
+    Example:
+        >>> split_arguments(["-n", "2", "train.py", "-n", "5"])
+        (['-n', '2'], ['train.py', '-n', '5'])
+        >>> split_arguments(["-n", "2", "-m", "my.module", "--epochs", "3"])
+        (['-n', '2'], ['-m', 'my.module', '--epochs', '3'])
+    """
+    index = 0
+    while index < len(argv):
+        word = argv[index]
+        if word == "--":
+            return argv[:index], argv[index + 1 :]
+        if word == "-m":
+            return argv[:index], argv[index:]
+        if not word.startswith("-") or word == "-":
+            return argv[:index], argv[index:]
+        index += 2 if word in _VALUE_OPTIONS else 1
+    return argv, []
+
+
+def facts_here() -> Facts:
+    """The facts `build` needs, read from this process and machine."""
+    return Facts(
+        environ=dict(os.environ),
+        root=os.geteuid() == 0,
+        cores=usable_cores(),
+        python=sys.executable,
+        which=shutil.which,
+        is_file=os.path.isfile,
+        read_text=_read_text,
+    )
+
+
+def usable_cores() -> int:
+    """Physical cores this process may run on (hardware threads of one core count once, as
+    Open MPI counts them for `--bind-to core`).
+
+    Example:
+        >>> usable_cores()  # a 2-core VM
+        2
+    """
+    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count())
+    cores = set()
+    for cpu in cpus:
+        topology = f"/sys/devices/system/cpu/cpu{cpu}/topology/"
+        try:  # the core's (package, core) pair; without a topology, count the CPU alone
+            cores.add(
+                (_read_text(topology + "physical_package_id"), _read_text(topology + "core_id"))
+            )
+        except OSError:
+            cores.add(("cpu", str(cpu)))
+    return max(1, len(cores))
+
+
+def run(launch: Launch) -> int:
+    """Run the command with its variables added to this environment; SIGINT, SIGTERM and SIGHUP
+    sent to this process are passed on. Returns its exit status (128 + N when killed by signal N).
+    """
+    process = subprocess.Popen(list(launch.argv), env={**os.environ, **launch.env})
+    previous = {}
+    try:
+        for number in FORWARDED_SIGNALS:
+            previous[number] = signal.signal(number, lambda n, _: process.send_signal(n))
+    except ValueError:  # not the main thread: signals reach the launcher's group anyway
+        pass
+    try:
+        status = process.wait()
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+    return status if status >= 0 else 128 - status
+
+
+def _read_text(path: str) -> str:
+    with open(path) as file:
+        return file.read()
+
+
+def _parser(prog: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        usage=f"{prog} [-n N] [options] (SCRIPT.py | -m MODULE | COMMAND) [ARGS...]",
+        description="Start a script on N MPI ranks: with `srun --mpi=pmix` inside a Slurm "
+        "allocation, `mpirun` elsewhere. Binds ranks to cores, sizes TensorFlow's threads to "
+        "each rank's cores, prints the exact command, then runs it. Options come before the "
+        "script; everything after the script is the script's.",
+        epilog="Plain mpirun and srun keep working; see docs/launch.md.",
+    )
+    parser.add_argument(
+        "-n", "-np", "--ranks", type=int, metavar="N",
+        help="number of ranks (inside Slurm: the allocation's tasks when not given)",
+    )  # fmt: skip
+    hosts = parser.add_mutually_exclusive_group()
+    hosts.add_argument(
+        "--hosts", "--host", "-H", metavar="LIST",
+        help='mpirun: hosts and slots, e.g. "node1:4,node2:4"; srun: node names (--nodelist)',
+    )  # fmt: skip
+    hosts.add_argument("--hostfile", metavar="FILE", help="mpirun: an Open MPI hostfile")
+    parser.add_argument(
+        "--oversubscribe", action="store_true",
+        help="allow more ranks than cores (mpirun --oversubscribe, srun --overcommit); such "
+        "ranks are not bound and run one thread each",
+    )  # fmt: skip
+    parser.add_argument(
+        "--cpus-per-rank", "-c", type=int, metavar="C",
+        help="cores per rank (binding and thread pools); default: Slurm's --cpus-per-task, "
+        "else the cores of the most crowded host divided by its ranks",
+    )  # fmt: skip
+    parser.add_argument(
+        "--launcher", choices=LAUNCHERS, default="auto",
+        help="auto (default): srun inside a Slurm allocation, mpirun elsewhere",
+    )  # fmt: skip
+    parser.add_argument(
+        "--launcher-args", action="append", default=[], metavar="ARGS",
+        help='more options for mpirun or srun, placed before the script, e.g. "--mca btl '
+        'self,tcp" (may be repeated)',
+    )  # fmt: skip
+    parser.add_argument(
+        "--no-bind", action="store_true", help="do not bind ranks to cores (--bind-to none)"
+    )
+    parser.add_argument(
+        "--dry-run", action="store_true", help="print the command and exit without running it"
+    )
+    return parser
+
+
+if __name__ == "__main__":
+    sys.exit(main())
