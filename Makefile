@@ -32,10 +32,10 @@ $(STAMP): pyproject.toml
 # CUDA probes) whatever TF_CPP_MIN_LOG_LEVEL says; the demo's launch filters exactly those.
 TF_STARTUP_LOGS := ^(WARNING: All log messages before absl::InitializeLog|[IWE][0-9]{4} [0-9:.]+ +[0-9]+ [a-z_]+\.cc:[0-9]+\]|To enable the following instructions:)
 
+# `hyparflow run` prints the mpirun command it runs (srun inside a Slurm allocation); 4 ranks
+# (2 stages x 2 replicas) share the cores of a small machine, one TensorFlow thread each.
 demo: setup
-	@echo "mpirun -np $(NP) $(PY) examples/demo.py  (2 stages x 2 replicas)"
-	@set -o pipefail; TF_NUM_INTRAOP_THREADS=1 TF_NUM_INTEROP_THREADS=1 \
-	  mpirun -np $(NP) --oversubscribe --bind-to none $(PY) examples/demo.py 2>&1 \
+	@set -o pipefail; $(VENV)/bin/hyparflow run -n $(NP) --oversubscribe examples/demo.py 2>&1 \
 	  | grep --line-buffered -vE '$(TF_STARTUP_LOGS)'
 
 test: lint test-tools

@@ -8,6 +8,7 @@ these tests fail with that instruction rather than skip.
 import glob
 import json
 import os
+import shlex
 import subprocess
 import sys
 
@@ -97,6 +98,29 @@ def test_sbatch_script_runs_mpirun_in_the_allocation(slurm, tmp_path):
         assert r["job"].endswith("batch: 1 node(s) localhost, 2 task(s), 1 CPU(s) per task")
         assert r["intra_op_threads"] == "1", "the script sizes TF's threads to --cpus-per-task"
     assert "hyparflow: job" in log.read_text()
+
+
+def test_hyparflow_run_starts_the_demo_with_srun_in_the_allocation(slurm, tmp_path):
+    """`hyparflow run -n 2 examples/demo.py` in a batch script picks `srun --mpi=pmix`."""
+    log = tmp_path / "job.out"
+    hyparflow = os.path.join(os.path.dirname(sys.executable), "hyparflow")  # console script
+    script = shlex.join([hyparflow, "run", "-n", "2", os.path.join("examples", "demo.py")])
+    command = [
+        "sbatch", "--wait", "--ntasks=2", "--cpus-per-task=1", "--time=10",
+        f"--output={log}", f"--wrap={script}",
+    ]  # fmt: skip
+    done, _ = _run_job(slurm, command, tmp_path)
+    job_log = log.read_text() if log.exists() else "(no job output)"
+    describe = f"sbatch exit {done.returncode}\n{done.stderr[-2000:]}\n{job_log[-5000:]}"
+    assert done.returncode == 0, f"{describe}\n{slurm.logs()}"
+    printed = [line for line in job_log.splitlines() if " --mpi=pmix " in line]
+    assert len(printed) == 1, describe
+    words = shlex.split(printed[0])
+    command = words[words.index("srun") :]
+    assert command[:7] == ["srun", "--mpi=pmix", "-n", "2", "-c", "1", "--cpu-bind=cores"]
+    assert command[-2:] == [sys.executable, os.path.join("examples", "demo.py")]
+    assert "mpirun" not in job_log.split("Trained")[0], describe
+    assert "Trained 5 epochs on 2 ranks (strategy 'auto')" in job_log, describe
 
 
 def test_a_fresh_cluster_ignores_one_left_running(slurm):
