@@ -20,6 +20,7 @@ import sys
 from hyparflow.launch.command import LAUNCHERS, Facts, Launch, LaunchError, Options, build
 
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_FLAGS = {"--dry-run", "--oversubscribe", "--no-bind"}  # hyparflow run's options without a value
 _VALUE_OPTIONS = {
     "-n", "-np", "--ranks", "--hosts", "--host", "-H", "--hostfile", "--cpus-per-rank", "-c",
     "--launcher", "--launcher-args",
@@ -37,7 +38,14 @@ def main(argv: list[str] | None = None, prog: str = "python -m hyparflow.run") -
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = _parser(prog)
     own, program = split_arguments(argv)
-    args = parser.parse_args(own)  # exits with status 2 and a usage line on a bad option
+    args = parser.parse_args(_joined(own))  # exits with status 2 and a usage line if bad
+    misplaced = [word for word in program[1:] if word in _FLAGS]
+    if misplaced:
+        print(
+            f"{prog}: note: {' '.join(misplaced)} comes after the script, so the script gets "
+            "it; the launcher's own options go before the script",
+            file=sys.stderr,
+        )
     try:
         launch = build(
             Options(
@@ -86,6 +94,20 @@ def split_arguments(argv: list[str]) -> tuple[list[str], list[str]]:
             return argv[:index], argv[index:]
         index += 2 if word in _VALUE_OPTIONS else 1
     return argv, []
+
+
+def _joined(own: list[str]) -> list[str]:
+    """`--launcher-args -v` as `--launcher-args=-v`: argparse takes a lone value that starts
+    with a dash for an option."""
+    joined, index = [], 0
+    while index < len(own):
+        if own[index] == "--launcher-args" and index + 1 < len(own):
+            joined.append(f"--launcher-args={own[index + 1]}")
+            index += 2
+        else:
+            joined.append(own[index])
+            index += 1
+    return joined
 
 
 def facts_here() -> Facts:
@@ -186,7 +208,9 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         'self,tcp" (may be repeated)',
     )  # fmt: skip
     parser.add_argument(
-        "--no-bind", action="store_true", help="do not bind ranks to cores (--bind-to none)"
+        "--no-bind",
+        action="store_true",
+        help="do not bind ranks to cores (mpirun --bind-to none, srun --cpu-bind=none)",
     )
     parser.add_argument(
         "--dry-run", action="store_true", help="print the command and exit without running it"

@@ -23,10 +23,11 @@ from hyparflow.launch.command import (
     parse_hosts,
     slurm_counts,
 )
-from hyparflow.run import split_arguments, usable_cores
+from hyparflow.run import main, split_arguments, usable_cores
 from tests.support.mpirun import REPO
 
 PY = "/venv/bin/python"
+DEMO = os.path.join("examples", "demo.py")
 THREADS_1 = {"TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1", "OMP_NUM_THREADS": "1"}
 X_THREADS = ["-x", "TF_NUM_INTRAOP_THREADS", "-x", "TF_NUM_INTEROP_THREADS"]
 X_THREADS += ["-x", "OMP_NUM_THREADS"]
@@ -300,6 +301,15 @@ def test_options_end_where_the_program_begins():
     assert split_arguments(["--dry-run"]) == (["--dry-run"], [])
 
 
+def test_a_lone_launcher_argument_may_start_with_a_dash(capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    argv = ["-n", "1", "--launcher-args", "--report-bindings", "--dry-run", DEMO, "--dry-run"]
+    assert main(argv) == 0
+    printed = capsys.readouterr()
+    assert shlex.split(printed.out)[-4:] == ["--report-bindings", sys.executable, DEMO, "--dry-run"]
+    assert "--dry-run comes after the script, so the script gets it" in printed.err
+
+
 def test_usable_cores_counts_this_processes_cores():
     assert 1 <= usable_cores() <= len(os.sched_getaffinity(0))
 
@@ -307,7 +317,6 @@ def test_usable_cores_counts_this_processes_cores():
 # --- the real command, in fresh processes ----------------------------------------------------
 
 HYPARFLOW = os.path.join(os.path.dirname(sys.executable), "hyparflow")  # the console script
-DEMO = os.path.join("examples", "demo.py")
 
 
 def _env(**extra):

@@ -394,8 +394,8 @@ def _srun(options: Options, facts: Facts, ranks: int, program: list[str]) -> Lau
         raise LaunchError(
             f"{ranks} ranks x {per_rank} CPU(s) do not fit the allocation's {sum(cpus)} "
             f"CPU(s) on {len(cpus)} node(s) (srun would wait forever): ask for fewer ranks, "
-            "pass --cpus-per-rank 1 or --oversubscribe, or allocate more (e.g. salloc -n "
-            f"{ranks})"
+            + ("pass --cpus-per-rank 1, " if per_rank > 1 else "")
+            + f"pass --oversubscribe, or allocate more (e.g. salloc -n {ranks})"
         )
     if not fits:
         per_rank = options.cpus_per_rank or 1
