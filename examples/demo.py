@@ -1,8 +1,9 @@
 """Demo: hybrid-parallel training of a small ResNet-style classifier with hf.fit.
 
-Run as `mpirun -np 4 python examples/demo.py` (what `make demo` does): 2 pipeline stages x 2
-replicas, 4 micro-batches per replica, 1F1B schedule. Rank 0 shows Keras's progress bar, then
-one line with the layout and the samples per second.
+Run as `hyparflow run -n 4 --oversubscribe examples/demo.py` (what `make demo` does; or plain
+`mpirun -np 4 python examples/demo.py`): 2 pipeline stages x 2 replicas, 4 micro-batches per
+replica, 1F1B schedule; on any other number of ranks, data parallel. Rank 0 shows Keras's
+progress bar, then one line with the layout and the samples per second.
 """
 
 import time
