@@ -71,4 +71,4 @@ def __getattr__(name: str):
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_WHERE))
+    return sorted([*__all__, "__version__"])
