@@ -8,6 +8,7 @@ rather than at module level.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 
@@ -82,14 +83,64 @@ def _add_plan_command(commands):
         "--memory", action="store_true",
         help="print every rank's predicted peak bytes instead (needs --batch-size)",
     )  # fmt: skip
-    memory.add_argument("--replicas", "-r", type=int, default=1, help="data-parallel replicas")
+    memory.add_argument(
+        "--replicas", "-r", type=int, default=1, help="data-parallel replicas (and --hosts)"
+    )
     memory.add_argument("--microbatches", "-m", type=int, default=1, help="micro-batches")
     memory.add_argument("--schedule", default="gpipe", choices=("gpipe", "1f1b"))
     memory.add_argument("--recompute", action="store_true", help="recompute activations")
     memory.add_argument(
         "--optimizer", help="count this optimizer's state (e.g. adam) when the file has none"
     )
+    plan.add_argument(
+        "--hosts",
+        help='mpirun\'s host list, e.g. "nodeA:4,nodeB:4": also print the node of each rank '
+        "(with --replicas and --tensor: the whole grid) as hf.fit places them (docs/nodes.md)",
+    )
     plan.set_defaults(run=_run_plan)
+
+
+def _placement(args) -> list[dict] | None:
+    """Each rank's node and grid place for `--hosts` (None without it)."""
+    from hyparflow.comm.placement import placement_table
+    from hyparflow.comm.topology import Grid
+    from hyparflow.launch.command import fill_slots, parse_hosts
+
+    if not args.hosts:
+        return None
+    grid = Grid(args.partitions, args.replicas, args.tensor)
+    hosts = parse_hosts(args.hosts)
+    counts = fill_slots([slots or 1 for _, slots in hosts], grid.size)  # mpirun's by-slot fill
+    if sum(counts) < grid.size:
+        raise ValueError(f"--hosts {args.hosts!r} has {sum(counts)} slots for {grid.size} ranks")
+    names = [name for (name, _), count in zip(hosts, counts) for _ in range(count)]
+    return placement_table(names, grid)
+
+
+def _print_plan(plan, args) -> int:
+    """The plan (or memory plan), then each rank's node with `--hosts`."""
+    from hyparflow.launch.command import LaunchError
+
+    try:
+        placement = _placement(args)
+    except (ValueError, LaunchError) as error:
+        print(f"hyparflow plan: {error}", file=sys.stderr)
+        return 1
+    if args.json:
+        document = json.loads(plan.to_json())
+        print(json.dumps(document if placement is None else {**document, "placement": placement}))
+        return 0
+    print(plan.summary(print_fn=None))
+    if placement is not None:
+        nodes = len({row["node"] for row in placement})
+        print(f"\nPlacement on {nodes} node(s) (hf.fit deals tensor groups, then pipelines, "
+              "node by node):")  # fmt: skip
+        header = ["rank", "node", "stage", "replica", "shard"]
+        rows = [header] + [[str(row[key]) for key in header] for row in placement]
+        widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+        for row in rows:
+            print("  ".join(cell.rjust(w) for cell, w in zip(row, widths)))
+    return 0
 
 
 def _run_plan(args) -> int:
@@ -116,8 +167,7 @@ def _run_plan(args) -> int:
     except ValueError as error:
         print(f"hyparflow plan: {error}", file=sys.stderr)
         return 1
-    print(plan.to_json() if args.json else plan.summary(print_fn=None))
-    return 0
+    return _print_plan(plan, args)
 
 
 def _run_memory_plan(args) -> int:
@@ -146,8 +196,7 @@ def _run_memory_plan(args) -> int:
     except ValueError as error:
         print(f"hyparflow plan: {error}", file=sys.stderr)
         return 1
-    print(plan.to_json() if args.json else plan.summary(print_fn=None))
-    return 0
+    return _print_plan(plan, args)
 
 
 def _add_report_command(commands):

@@ -16,7 +16,7 @@ from hyparflow.callbacks.report import format_report
 from hyparflow.callbacks.summary import load_summary
 from hyparflow.checkpoint import manifest
 from hyparflow.comm import placement
-from hyparflow.comm.placement import crossings, hosts_of_ranks, place
+from hyparflow.comm.placement import crossings, place
 from hyparflow.comm.topology import Grid
 from tests.support import nodes
 from tests.support.cases import Case, run_cases
@@ -62,13 +62,33 @@ def test_placement_of_uneven_nodes_leaves_no_rank_out():
         place([0, 0, 1], Grid(2, 2))
 
 
-def test_hosts_are_read_as_mpirun_fills_them_and_bad_ones_refused():
-    assert hosts_of_ranks("a:1, b:3", 3) == ["a", "b", "b"]
-    assert hosts_of_ranks("a,b", 2) == ["a", "b"]
-    for bad, message in [("a:x", "not HOST or HOST:SLOTS"), ("a:0", "not HOST"),
-                         (":2", "not HOST"), ("a:1", "1 slots for 2 ranks")]:  # fmt: skip
-        with pytest.raises(ValueError, match=message):
-            hosts_of_ranks(bad, 2)
+def test_plan_prints_the_node_of_each_rank(tmp_path, capsys):
+    import keras
+
+    from hyparflow.cli import main
+
+    inputs = keras.Input((4,))
+    x = keras.layers.Dense(8)(inputs)
+    keras.Model(inputs, keras.layers.Dense(2)(keras.layers.Dense(8)(x))).save(tmp_path / "m.keras")
+    path = str(tmp_path / "m.keras")
+    args = ["plan", path, "-p", "2", "-r", "2", "--hosts", "nodeA:2,nodeB:2"]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "Placement on 2 node(s)" in text
+    rows = [line.split() for line in text.splitlines()[-4:]]
+    assert rows == [["0", "nodeA", "0", "0", "0"], ["1", "nodeA", "1", "0", "0"],
+                    ["2", "nodeB", "0", "1", "0"], ["3", "nodeB", "1", "1", "0"]]  # fmt: skip
+    assert main([*args, "--json"]) == 0
+    placed = json.loads(capsys.readouterr().out)["placement"]
+    assert [row["node"] for row in placed] == ["nodeA", "nodeA", "nodeB", "nodeB"]
+    # round-robin hosts: the pipelines still stay inside a node
+    assert main([*args[:-1], "nodeA:1,nodeB:1,nodeA:1,nodeB:1", "--json"]) == 0
+    placed = json.loads(capsys.readouterr().out)["placement"]
+    assert [(r["node"], r["stage"], r["replica"]) for r in placed] == [
+        ("nodeA", 0, 0), ("nodeB", 0, 1), ("nodeA", 1, 0), ("nodeB", 1, 1)
+    ]  # fmt: skip
+    assert main([*args[:-1], "nodeA:2,nodeB:1"]) == 1
+    assert "3 slots for 4 ranks" in capsys.readouterr().err
 
 
 # --- across emulated nodes ----------------------------------------------------------------------

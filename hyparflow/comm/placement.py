@@ -94,25 +94,6 @@ def crossings(order: Sequence[int], nodes: Sequence[int], grid: Grid) -> dict[st
     return {"tensor_groups": tensor, "pipeline_links": links, "replica_sets": replicas}
 
 
-def hosts_of_ranks(hosts: str, world: int) -> list[str]:
-    """The host of each of `world` ranks that `mpirun --host HOSTS` starts (filled slot by
-    slot, its default mapping), `hosts` being "name:slots,..." (a name without slots: 1).
-
-    Example:
-        >>> hosts_of_ranks("nodeA:2,nodeB:2", 4)
-        ['nodeA', 'nodeA', 'nodeB', 'nodeB']
-    """
-    names = []
-    for entry in filter(None, (part.strip() for part in hosts.split(","))):
-        name, _, slots = entry.partition(":")
-        if not name or (slots and not slots.isdigit()) or slots == "0":
-            raise ValueError(f"{entry!r} in {hosts!r} is not HOST or HOST:SLOTS (SLOTS >= 1)")
-        names += [name] * (int(slots) if slots else 1)
-    if len(names) < world:
-        raise ValueError(f"{hosts!r} has {len(names)} slots for {world} ranks: add hosts or slots")
-    return names[:world]
-
-
 def placement_table(names: Sequence[str], grid: Grid) -> list[dict]:
     """Each world rank's node and grid place once `place` has dealt them, in rank order:
     `names[r]` is world rank r's host (what `hyparflow plan --hosts` prints).
