@@ -117,15 +117,8 @@ def _placement(args) -> list[dict] | None:
     return placement_table(names, grid)
 
 
-def _print_plan(plan, args) -> int:
-    """The plan (or memory plan), then each rank's node with `--hosts`."""
-    from hyparflow.launch.command import LaunchError
-
-    try:
-        placement = _placement(args)
-    except (ValueError, LaunchError) as error:
-        print(f"hyparflow plan: {error}", file=sys.stderr)
-        return 1
+def _print_plan(plan, args, placement: list[dict] | None) -> int:
+    """The plan (or memory plan), then each rank's node (`placement`, from `--hosts`)."""
     if args.json:
         document = json.loads(plan.to_json())
         print(json.dumps(document if placement is None else {**document, "placement": placement}))
@@ -148,8 +141,13 @@ def _run_plan(args) -> int:
 
     from hyparflow.api import partition
 
+    try:  # `--hosts` is checked before the model is loaded (LaunchError is a ValueError)
+        placement = _placement(args)
+    except ValueError as error:
+        print(f"hyparflow plan: {error}", file=sys.stderr)
+        return 1
     if args.memory:
-        return _run_memory_plan(args)
+        return _run_memory_plan(args, placement)
     model = keras.saving.load_model(args.model, compile=False)
     balance = args.balance
     if balance not in ("layers", "params", "flops", "time"):
@@ -167,10 +165,10 @@ def _run_plan(args) -> int:
     except ValueError as error:
         print(f"hyparflow plan: {error}", file=sys.stderr)
         return 1
-    return _print_plan(plan, args)
+    return _print_plan(plan, args, placement)
 
 
-def _run_memory_plan(args) -> int:
+def _run_memory_plan(args, placement: list[dict] | None) -> int:
     import keras
 
     from hyparflow.memory import memory_plan
@@ -196,7 +194,7 @@ def _run_memory_plan(args) -> int:
     except ValueError as error:
         print(f"hyparflow plan: {error}", file=sys.stderr)
         return 1
-    return _print_plan(plan, args)
+    return _print_plan(plan, args, placement)
 
 
 def _add_report_command(commands):

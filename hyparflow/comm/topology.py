@@ -196,9 +196,9 @@ def node_map(comm) -> tuple[list[int], list[str]]:
         leader = local.bcast(comm.Get_rank(), root=0)
     finally:
         local.Free()
-    leaders = comm.allgather(leader)
+    leaders, names = zip(*comm.allgather((leader, _processor_name())))
     index = {lead: i for i, lead in enumerate(sorted(set(leaders)))}
-    return [index[lead] for lead in leaders], comm.allgather(_processor_name())
+    return [index[lead] for lead in leaders], list(names)
 
 
 _PLACED: dict = {}

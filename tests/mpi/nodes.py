@@ -23,6 +23,7 @@ from mpi4py import MPI
 
 import hyparflow as hf
 from tests.mpi import equivalence, real_models
+from tests.mpi.reliability import model_with_dropout
 from tests.support.cases import Case
 from tests.support.compare import relative_difference
 from tests.support.models import data
@@ -32,13 +33,9 @@ EPOCHS, BATCH, SAMPLES, DOOMED_NODE = 3, 16, 64, "nodeB"
 
 
 def mlp():
-    keras.utils.set_random_seed(7)
-    inputs = keras.Input((6,))
-    x = keras.layers.Dense(8, activation="relu")(inputs)
-    x = keras.layers.Dense(8, activation="tanh")(x)
-    model = keras.Model(inputs, keras.layers.Dense(3, activation="softmax")(x))
-    model.compile(keras.optimizers.Adam(0.01), "sparse_categorical_crossentropy")
-    return model
+    """tests/mpi/reliability.py's model, without dropout: its masks would differ between the
+    killed run's layout and the survivor's."""
+    return model_with_dropout(0.0)
 
 
 class StopNode(keras.callbacks.Callback):
