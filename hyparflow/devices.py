@@ -5,7 +5,8 @@ Where no rank's TensorFlow sees a GPU it gathers that fact once and does nothing
 detection, no binding, no process state touched. Otherwise every rank decides whether its MPI
 is CUDA-aware (`comm/cuda_aware.py`), the ranks settle on one answer (aware only if all are,
 so every rank uses the device path or none; rank 0 warns once when GPU tensors will be staged
-through host memory), and, unless turned off, each rank is bound to one GPU of its node
+through host memory), and, where the user opted in (`Strategy(bind_gpus=True)`), each rank is
+bound to one GPU of its node
 (`launch/gpu.py`), errors agreed on every rank. docs/gpu.md explains each decision.
 """
 

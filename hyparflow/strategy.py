@@ -53,10 +53,11 @@ class Strategy:
     updated parameters all-gathered, the same bytes as an allreduce, and training is exactly
     the unsharded one. It needs an elementwise optimizer (SGD, Adam, AdamW, RMSprop, ...). With
     one replica there is nothing to shard: it is accepted and training is the usual one.
-    `bind_gpus` (default True): where ranks see GPUs, each keeps one GPU of its node, chosen by
-    its node-local rank, with memory growth on (docs/gpu.md); False leaves GPUs to the user.
-    It changes nothing on machines without GPUs, and takes effect only before TensorFlow has
-    initialised its GPUs: call `hf.bind_gpus()` before building the model.
+    `bind_gpus` (default False, an opt-in: it changes TensorFlow's visible devices and memory
+    growth for the whole process): where ranks see GPUs, each keeps one GPU of its node, chosen
+    by its node-local rank, with memory growth on (docs/gpu.md). It changes nothing on machines
+    without GPUs, and takes effect only before TensorFlow has initialised its GPUs, so the
+    opt-in that works is calling `hf.bind_gpus()` before building the model.
 
     Example:
         >>> hf.Strategy("hybrid", partitions=2, replicas=2, microbatches=4, schedule="1f1b")
@@ -77,7 +78,7 @@ class Strategy:
     tensor: int = 1
     tensor_layout: dict | None = None
     shard_optimizer: bool = False
-    bind_gpus: bool = True
+    bind_gpus: bool = False
 
     def __post_init__(self):
         if self.kind not in KINDS:

@@ -358,7 +358,7 @@ def test_binding_can_be_turned_off():
     assert choose_gpu(0, [RankGpus(2)] * 3, enabled=False).gpu is None  # sharing on purpose
     assert gpu.enabled({}) and gpu.enabled({"HYPARFLOW_BIND_GPUS": "1"})
     assert not gpu.enabled({"HYPARFLOW_BIND_GPUS": "0"})
-    assert Strategy().bind_gpus and not Strategy(bind_gpus=False).bind_gpus
+    assert not Strategy().bind_gpus and Strategy(bind_gpus=True).bind_gpus  # an opt-in
     with pytest.raises(ValueError, match="bind_gpus='no' must be True or False"):
         Strategy(bind_gpus="no")
 

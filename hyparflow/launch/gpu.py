@@ -6,8 +6,8 @@ all of its memory). `choose_gpu` is the pure rule, from what each rank on the no
 under any launcher) and `bind` applies the choice through `tf.config` before TensorFlow
 initialises its GPUs. hf.fit calls them collectively only when some rank sees a GPU
 (`hyparflow.devices`); on a machine without GPUs nothing here runs. docs/gpu.md has the rule,
-its opt-outs (`Strategy(bind_gpus=False)`, `HYPARFLOW_BIND_GPUS=0`) and what was never run on a
-real GPU.
+its opt-in (`hf.bind_gpus()`, `Strategy(bind_gpus=True)`), the veto `HYPARFLOW_BIND_GPUS=0`
+and what was never run on a real GPU.
 """
 
 from __future__ import annotations
