@@ -5,12 +5,13 @@ import doctest
 import pytest
 
 from hyparflow.engine import gradient_form
-from hyparflow.engine.gradient_form import GradientForm, choose_gradient_form
+from hyparflow.engine.gradient_form import GradientForm, choose_gradient_form, segments_for
 
 LIST = GradientForm()
 FLAT = GradientForm(flat=True)
 FLAT_BACKWARD = GradientForm(flat=True, flat_backward=True)
 OVERLAP = GradientForm(overlap=True)
+BY_SEGMENT = GradientForm(update_per_segment=True)
 
 # A stage of 4 dense float32 variables of small mean size, no tables, nothing shared, MPI.
 BASE = dict(
@@ -56,7 +57,17 @@ CASES = {
         {"replicas": 2, "overlap_groups": 2, "flat_gradients": False},
         OVERLAP,
     ),
-    "overlap, one replica: no reduction to overlap": (True, {"overlap_groups": 3}, FLAT_BACKWARD),
+    # one replica: nothing to reduce, each segment's update applied once its backward ends
+    "segments, stage with one replica": (True, {"overlap_groups": 3}, BY_SEGMENT),
+    "segments, stage with one replica, large variables": (
+        True,
+        {"overlap_groups": 2, "large_variables": True},
+        BY_SEGMENT,
+    ),
+    "segments, whole model with one replica: one call": (False, {"overlap_groups": 3}, LIST),
+    "segments, tensor shards": (True, {"overlap_groups": 3, "tensor_split": True}, FLAT_BACKWARD),
+    "segments, shared layer": (True, {"overlap_groups": 3, "shared_across_stages": True}, LIST),
+    "segments, tables": (True, {"overlap_groups": 3, "tables": 1}, FLAT_BACKWARD),
     "overlap, Horovod": (True, {"replicas": 2, "overlap_groups": 3, "backend": "horovod"}, LIST),
     "overlap, shared layer (its pipeline sum first)": (
         True,
@@ -88,6 +99,13 @@ def test_flat_backward_only_with_flat():
         form = choose_gradient_form(partitioned=partitioned, **{**BASE, **changes})
         assert not form.flat_backward or (form.flat and partitioned)
         assert not (form.overlap and form.flat)
+
+
+def test_segments_follow_gradient_bytes_unless_asked():
+    mib = 2**20
+    assert segments_for(63 * mib) == 1  # below two segments' bytes: one call
+    assert [segments_for(n * 32 * mib) for n in (2, 4, 8, 20)] == [2, 4, 8, 8]
+    assert segments_for(mib, requested=3) == 3  # Strategy(overlap_groups=3)
 
 
 def test_docstring_examples_hold():

@@ -9,7 +9,7 @@ import pytest
 
 import hyparflow as hf
 from hyparflow.comm.allreduce import DEFAULT_BUCKET_BYTES
-from hyparflow.engine import flat, schedule, update, zero
+from hyparflow.engine import flat, gradient_form, schedule, update, zero
 from hyparflow.memory import buffers, counts
 from hyparflow.memory.limits import cgroup_paths, memory_limit, memory_room, parse_limit
 from hyparflow.memory.slots import optimizer_slots
@@ -37,7 +37,16 @@ def test_arithmetic():
     assert counts.optimizer_bytes(1000, 2, replicas=4, shard_optimizer=True) == 500
     assert counts.optimizer_bytes(1000, 2, replicas=4) == 2000
     assert buffers.FLAT_BACKWARD_MAX_MEAN_BYTES == flat.FLAT_BACKWARD_MAX_MEAN_BYTES
-    assert buffers.CHUNK_BYTES == DEFAULT_BUCKET_BYTES == update.GROUP_BYTES == zero.CHUNK_BYTES
+    assert buffers.CHUNK_BYTES == DEFAULT_BUCKET_BYTES == zero.CHUNK_BYTES
+    assert buffers.UPDATE_GROUP_BYTES == update.GROUP_BYTES
+    assert (buffers.SEGMENT_BYTES, buffers.MAX_SEGMENTS) == (
+        gradient_form.SEGMENT_BYTES, gradient_form.MAX_SEGMENTS
+    )  # fmt: skip
+    staged = buffers.StageFacts(2**28, 16, stages=4, replicas=1, microbatches=2, world=4)
+    assert buffers.held_gradients(staged, 2**28) == 2**25  # 8 segments of 32 MiB
+    for other in ({"replicas": 2}, {"tensor": 2}, {"stages": 1}):
+        unsegmented = dataclasses.replace(staged, **other)
+        assert buffers.held_gradients(unsegmented, 2**28) == 2**28
     one = buffers.StageFacts(400, 2, stages=1, replicas=1, microbatches=1, world=1)
     assert buffers.step_buffers(one) == {}  # plain Keras: no engine
     assert buffers.exchange_buffers([400, 800], 1, largest=10) == {"weights exchange": 1600}

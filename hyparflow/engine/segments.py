@@ -72,6 +72,11 @@ class SegmentedRunner:
         grad = self._accumulated.get(id(variable))
         return tf.zeros_like(variable) if grad is None else grad
 
+    def take(self, variable):
+        """The summed gradient of `variable` collected so far (zeros if none), let go here."""
+        grad = self._accumulated.pop(id(variable), None)
+        return tf.zeros_like(variable) if grad is None else grad
+
     def take_gradients(self) -> list:
         for j in range(len(self.segments)):
             self.collect(j)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 
+import numpy as np
 import tensorflow as tf
 
 from hyparflow import _keras, deferred
@@ -23,12 +24,13 @@ from hyparflow.engine import events
 from hyparflow.engine import sparse as rows
 from hyparflow.engine.added_losses import warn_unless_batch_means
 from hyparflow.engine.flat import FlatLayout
-from hyparflow.engine.gradient_form import choose_gradient_form
+from hyparflow.engine.gradient_form import choose_gradient_form, segments_for
 from hyparflow.engine.gradient_sync import GradientSync, SharedAcrossStages
 from hyparflow.engine.metrics import ReplicaMetrics
 from hyparflow.engine.mpi import mpi_op
 from hyparflow.engine.pipeline import PipelineWalk
 from hyparflow.engine.random_slices import feature_slice
+from hyparflow.engine.segment_update import SegmentUpdate
 from hyparflow.engine.runners import (
     RunnerParts,
     build_runner,
@@ -120,17 +122,25 @@ class Trainer:
             shared_across_stages=shared is not None,
             tables=len(self.sparse),
         )
-        self.gradient_form = choose_gradient_form(**facts, overlap_groups=strategy.overlap_groups)
-        overlap = None
-        if self.gradient_form.overlap:
-            segmented = build_segmented_runner(parts, self.variables, strategy.overlap_groups)
+        # A pipeline stage without replicas cuts its backward by bytes (`segments_for`), so
+        # that each segment's update runs as soon as the last backward has finished it.
+        gradient_bytes = sum(_nbytes(v) for v in self.variables)
+        groups = strategy.overlap_groups
+        if plan is not None and topo.num_replicas == 1:
+            groups = segments_for(gradient_bytes, groups)
+        facts["tensor_split"] = self.shards is not None
+        self.gradient_form = choose_gradient_form(**facts, overlap_groups=groups)
+        segments = None
+        if self.gradient_form.overlap or self.gradient_form.update_per_segment:
+            segmented = build_segmented_runner(parts, self.variables, groups)
             if segmented is None:  # the stage cannot be cut: reduce after the backward
                 self.gradient_form = choose_gradient_form(**facts)
             else:
-                self.runner, overlap = segmented
-        if overlap is None:
+                self.runner, segments = segmented
+        if segments is None:
             form = self.gradient_form
             self.runner = build_runner(parts, self.variables, self.sparse, form, layout)
+        overlap = segments if self.gradient_form.overlap else None
         self._update_metrics_fn = tf.function(self._update_metrics)
         # Compiled like Keras's own step: metric updates and results are a call each.
         self._loss_tracker_fn = tf.function(
@@ -146,6 +156,9 @@ class Trainer:
             guard=self._guard, merge=self.gradient_sync.merge, layout=self.runner.layout,
             split=self.shards.variables if self.shards else (),
         )  # fmt: skip
+        self.segment_update = None
+        if self.gradient_form.update_per_segment:
+            self.segment_update = SegmentUpdate(self.update, self.runner, segments)
         self.walk = PipelineWalk(
             model, topo, strategy, self.stage, self.runner, guard=self._guard, loss=self._loss,
             update_metrics=self._update_metrics_fn, seed_variables=seeds,
@@ -242,26 +255,44 @@ class Trainer:
 
     def _train_step(self, batch: GlobalBatch) -> None:
         pieces = self.walk.microbatches(batch)
+        # Segment by segment only where the optimizer allows it and no check needs every
+        # gradient before the update.
+        by_segment = (
+            self.segment_update is not None and not self.check_numerics
+            and self.segment_update.usable()
+        )  # fmt: skip
+        on_segment_done = self.gradient_sync.on_segment_done
+        if by_segment:
+            self.segment_update.begin()
+            on_segment_done = self.segment_update.on_segment_done
         with self._step_span(batch.size, len(pieces)):
             losses = self.walk.run(
                 pieces, batch.size, train=True, loss_scale=self.update.loss_scale(),
-                on_segment_done=self.gradient_sync.on_segment_done,
+                on_segment_done=on_segment_done,
             )  # fmt: skip
-            guard = self._guard("reduce gradients across stages and replicas")
-            reduction, update = self.gradient_sync, self.update
-            if self.zero is not None:  # reduce-scatter, update the slice, all-gather
-                reduction = update = self.zero
-                self.zero.keep_local = self.check_numerics
-            with self._span(events.ALLREDUCE), guard:
-                gradients = reduction.reduce()
-            if self.check_numerics:
-                self.update.check_finite(losses, gradients.as_list(), self.step)
-            with self._span(events.OPTIMIZER):
-                reg_value = update.apply(gradients)
+            if by_segment:  # applied during the backward (inside its spans)
+                reg_value = self.segment_update.finish()
+            else:
+                reg_value = self._reduce_and_apply(losses)
         self._track_loss(losses, reg_value, self._added_total())
         self._average_moving_statistics()
         self.step += 1
         self.watchdog.step = self.step
+
+    def _reduce_and_apply(self, losses) -> float:
+        """Sum the step's gradients across stages and replicas, step the optimizer; return the
+        model's regularization."""
+        guard = self._guard("reduce gradients across stages and replicas")
+        reduction, update = self.gradient_sync, self.update
+        if self.zero is not None:  # reduce-scatter, update the slice, all-gather
+            reduction = update = self.zero
+            self.zero.keep_local = self.check_numerics
+        with self._span(events.ALLREDUCE), guard:
+            gradients = reduction.reduce()
+        if self.check_numerics:
+            self.update.check_finite(losses, gradients.as_list(), self.step)
+        with self._span(events.OPTIMIZER):
+            return update.apply(gradients)
 
     def eval_step(self, batch: GlobalBatch, reg_value: float) -> None:
         """Forward-only pass of one batch: loss and metrics accumulate at the last stage."""
@@ -356,6 +387,10 @@ class Trainer:
         self.watchdog.close()
         self.walk.close()
         self.topology.free()
+
+
+def _nbytes(variable) -> int:
+    return int(np.prod(variable.shape)) * tf.as_dtype(variable.dtype).size
 
 
 def _tensor_listener(recorder: events.Recorder):

@@ -12,7 +12,6 @@ from keras.optimizers import LossScaleOptimizer
 from keras.src.optimizers.base_optimizer import BaseOptimizer
 
 from hyparflow.comm.agree import AgreedError
-from hyparflow.comm.allreduce import DEFAULT_BUCKET_BYTES
 from hyparflow.engine import sparse as rows
 from hyparflow.engine.mpi import mpi_op
 from hyparflow.engine.weights import byte_groups
@@ -20,8 +19,10 @@ from hyparflow.engine.weights import byte_groups
 # Bytes of variables updated per compiled optimizer call when a step's update is grouped: an
 # optimizer given every gradient at once runs all variables' updates side by side, their
 # temporaries (Adam's: about 1.5x the gradients) alive together; in groups they are one
-# group's, and each group's gradients can go once it is applied.
-GROUP_BYTES = DEFAULT_BUCKET_BYTES
+# group's, and each group's gradients can go once it is applied. A group closes once it holds
+# this many bytes, so a larger variable is a group of its own (measured on a P=4 rank of 16 MiB
+# kernels: 31 MiB lower peak than groups of 25 MiB, i.e. two kernels; docs/memory.md).
+GROUP_BYTES = 8 * 2**20
 
 
 def update_groups(variables, group_bytes: int | None = None) -> list[list[int]]:
@@ -128,6 +129,34 @@ class Update:
         if gradients.layout is None or self.clips_across_stages or self._split:
             return self._apply(gradients.as_list())
         return self._apply_flat(gradients.flat, gradients.tables)
+
+    def local_regularization(self) -> float:
+        """This stage's weight regularization (its tensor ranks' parts summed)."""
+        return self._total(*self._reg_values_fn()) if self.regularized else 0.0
+
+    def sum_over_pipeline(self, value: float) -> float:
+        """This stage's regularization summed over its pipeline (collective when any stage
+        has regularizers)."""
+        return self._sum_over_pipeline(value)
+
+    def apply_some(self, grads: list, positions: list[int], step: int) -> None:
+        """The update of the variables at `positions` (`grads` in that order) in update groups,
+        each seeing optimizer step `step`: the counter is set to it before every group, and the
+        last group of a step leaves it one further, as one `apply` of all would."""
+        optimizer = self.model.optimizer
+        if not optimizer.built:
+            optimizer.build(self.variables)
+        where = dict(zip(positions, range(len(positions))))
+        scale = tf.constant(self.loss_scale(), tf.float32)
+        for group in update_groups([self.variables[i] for i in positions]):
+            members = [positions[j] for j in group]
+            taken = [grads[where[i]] for i in members]
+            for i in members:
+                grads[where[i]] = None
+            optimizer.iterations.assign(step)
+            update = self._compiled_update(self._group_body, key=tuple(members), group=members)
+            update(taken, scale)
+            taken = None
 
     def regularization(self) -> float:
         """The model's total weight regularization (collective over the pipeline)."""

@@ -18,6 +18,9 @@ FLAT_BACKWARD_MAX_MEAN_BYTES = 128 * 1024
 # engine/flat.py's chunks, engine/update.py's groups, engine/weights.py's broadcast groups
 # (DEFAULT_BUCKET_BYTES; tests/test_memory_plan.py checks they agree).
 CHUNK_BYTES = 25 * 2**20
+UPDATE_GROUP_BYTES = 8 * 2**20  # engine/update.py's GROUP_BYTES
+# engine/gradient_form.py's SEGMENT_BYTES and MAX_SEGMENTS (`segments_for`)
+SEGMENT_BYTES, MAX_SEGMENTS = 32 * 2**20, 8
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,27 @@ class StageFacts:
     world: int
     flat_gradients: bool = True
     largest: int = 0  # bytes of its largest variable
+    tensor: int = 1
+
+
+def segments(facts: StageFacts) -> int:
+    """Segments whose updates a pipeline stage without replicas applies one by one during its
+    last backward (engine/segment_update.py): one per `SEGMENT_BYTES` of gradients, at most
+    `MAX_SEGMENTS`; 1 where the stage is not cut.
+
+    Example:
+        >>> segments(StageFacts(128 * 2**20, 8, stages=4, replicas=1, microbatches=1, world=4))
+        4
+    """
+    if facts.stages == 1 or facts.replicas > 1 or facts.tensor > 1:
+        return 1
+    return max(1, min(MAX_SEGMENTS, facts.gradient_bytes // SEGMENT_BYTES))
+
+
+def held_gradients(facts: StageFacts, gradient_bytes: int) -> int:
+    """Of a step's `gradient_bytes`, those alive at once: a segment's where the stage updates
+    segment by segment, else all."""
+    return -(-gradient_bytes // segments(facts))
 
 
 def step_buffers(facts: StageFacts, slots: float = 0.0, sharded: bool = False) -> dict[str, int]:
@@ -45,7 +69,8 @@ def step_buffers(facts: StageFacts, slots: float = 0.0, sharded: bool = False) -
     optimizer as compiled calls after the backward, so the update's temporaries (Adam's:
     measured 1.5x the gradients it is given, counted (1 + slots) / 2) add to the step's
     gradients instead of reusing them as Keras's fused train step does; it updates groups of
-    about `CHUNK_BYTES` of variables, so the temporaries are one group's. `sharded` (ZeRO-1,
+    about `UPDATE_GROUP_BYTES` of variables (a larger one alone), so the temporaries are one
+    group's. `sharded` (ZeRO-1,
     replicas > 1): one update of this replica's slice, whose variable, received sums and their
     tensor are each a slice's bytes, and parameters broadcast through one variable's buffer.
 
@@ -53,7 +78,7 @@ def step_buffers(facts: StageFacts, slots: float = 0.0, sharded: bool = False) -
         >>> step_buffers(StageFacts(400, 2, stages=1, replicas=2, microbatches=1, world=2))
         {'flat gradients': 400, 'optimizer update': 200}
         >>> step_buffers(StageFacts(400, 2, stages=2, replicas=1, microbatches=4, world=2), 2)
-        {'gradient sum': 400, 'optimizer update': 600}
+        {'flat parameters': 400, 'flat gradients': 400, 'gradient sum': 400, 'optimizer update': 600}
     """
     g = facts.gradient_bytes
     if facts.world == 1 or g == 0:
@@ -77,7 +102,8 @@ def step_buffers(facts: StageFacts, slots: float = 0.0, sharded: bool = False) -
         buffers["slice copies"] = 3 * part
         buffers["parameter broadcast"] = 2 * facts.largest
         return buffers
-    buffers["optimizer update"] = int(min(g, max(CHUNK_BYTES, facts.largest)) * (1 + slots) / 2)
+    group = max(UPDATE_GROUP_BYTES, facts.largest)
+    buffers["optimizer update"] = int(min(g, group) * (1 + slots) / 2)
     return buffers
 
 

@@ -82,6 +82,7 @@ def memory_plan(model, strategy="auto", batch_size: int = 32, *, num_partitions=
             world=world,
             flat_gradients=resolved.flat_gradients,
             largest=max((_shard_bytes(v, layout, t, itemsize=4) for v in trainable), default=0),
+            tensor=t,
         )
         ranks.append(
             RankMemory(
@@ -94,7 +95,7 @@ def memory_plan(model, strategy="auto", batch_size: int = 32, *, num_partitions=
                 optimizer=counts.optimizer_bytes(
                     grad_bytes, slots, r, getattr(resolved, "shard_optimizer", False)
                 ),
-                gradients=grad_bytes,
+                gradients=buffers.held_gradients(facts, grad_bytes),
                 activations=counts.activation_bytes(
                     layer_bytes, input_bytes, samples, flight, resolved.recompute
                 ),

@@ -66,6 +66,9 @@ def _run(case: Case) -> dict:
         "overlap_early_starts": getattr(
             model._hyparflow_trainer[1].gradient_sync.overlap, "early_starts", None
         ),
+        "segment_updates": getattr(
+            model._hyparflow_trainer[1].segment_update, "early_updates", None
+        ),
         "flat_gradients": model._hyparflow_trainer[1].runner.layout is not None,
         "grid_nodes": model._hyparflow_trainer[1].topology.nodes,  # host of each grid place
         "flat_backward": getattr(model._hyparflow_trainer[1].runner, "flat_backward", None),

@@ -1,0 +1,84 @@
+"""A pipeline stage's optimizer update segment by segment, as the step's last backward ends each.
+
+Keras's compiled train step applies each gradient as soon as its backward has made it, so one
+process never holds a model's whole gradient set. A stage that differentiates as one call and
+then updates holds all of its gradients at once: beside its weights and Adam's two slots, a
+fourth copy of its parameter bytes, which keeps a P=4 rank above a quarter of one process's
+memory (docs/memory.md). Cut into segments (`SegmentedRunner`), the stage's last backward
+finishes the later segments first; each segment's gradients are then final (no replicas to
+sum them with), so its update runs there and its gradients go before the earlier segments'
+backward makes theirs.
+"""
+
+from __future__ import annotations
+
+from hyparflow.engine.update import applies_per_variable, inner_optimizer
+
+
+class SegmentUpdate:
+    """Apply a segmented stage's update during its step's last backward.
+
+    `update` is the stage's `Update` (its grouped body, regularization and step counter),
+    `runner` its `SegmentedRunner`, `overlap` the `gradient_sync.Overlap` plan saying which
+    variables are final after which segment. Per step: `begin()`, the walk calls
+    `on_segment_done(j)` after each segment of the last backward, `finish()` applies what no
+    segment made (variables the loss does not reach: zeros, as the usual update) and returns
+    the model's regularization.
+    """
+
+    def __init__(self, update, runner, overlap):
+        self.update = update
+        self.runner = runner
+        position = {id(v): i for i, v in enumerate(update.variables)}
+        self.ready = {
+            j: [position[id(v)] for _, v in items] for j, items in overlap.ready_at.items()
+        }  # fmt: skip
+        self._usable_for: tuple = (None, False)
+        self._step = 0
+        self._regularization = 0.0
+        self._applied: set[int] = set()
+        self.early_updates = 0  # segments applied inside a backward (all steps)
+
+    def usable(self) -> bool:
+        """Whether the model's optimizer can update in parts: each variable's update reads
+        only its own gradient (`applies_per_variable`: no loss scaling, moving averages or
+        accumulation) and no clipping by a global norm, which needs every gradient first."""
+        optimizer = self.update.model.optimizer
+        if self._usable_for[0] is not optimizer:
+            clips = bool(getattr(inner_optimizer(optimizer), "global_clipnorm", None))
+            ok = bool(self.update.variables) and applies_per_variable(optimizer) and not clips
+            self._usable_for = (optimizer, ok)
+        return self._usable_for[1]
+
+    def begin(self) -> None:
+        """Before the step: its optimizer step and the regularization of the weights as they
+        are (Keras's loss adds it before any update)."""
+        optimizer = self.update.model.optimizer
+        if not optimizer.built:
+            optimizer.build(self.update.variables)
+        self._step = int(optimizer.iterations.numpy())
+        self._regularization = self.update.local_regularization()
+        self._applied = set()
+
+    def on_segment_done(self, j: int) -> None:
+        """The last backward finished segment j: apply the variables now final."""
+        self.runner.collect(j)
+        positions = [i for i in self.ready.get(j, ()) if i not in self._applied]
+        if positions:
+            self._apply(positions)
+            self.early_updates += 1
+
+    def finish(self) -> float:
+        """Apply what is left; return the model's regularization (collective over the
+        pipeline when any stage has regularizers)."""
+        left = [i for i in range(len(self.update.variables)) if i not in self._applied]
+        if left:
+            self._apply(left)
+        self.runner.reset()
+        return self.update.sum_over_pipeline(self._regularization)
+
+    def _apply(self, positions: list[int]) -> None:
+        variables = self.update.variables
+        grads = [self.runner.take(variables[i]) for i in positions]
+        self.update.apply_some(grads, positions, self._step)
+        self._applied.update(positions)
