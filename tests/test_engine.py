@@ -47,8 +47,8 @@ TWO_RANKS = [
     Case("l2_mlp", "adam", "model", partitions=2, microbatches=2, schedule="1f1b",
          overlap_groups=2),
     Case("resnet", "adam", "model", partitions=2, overlap_groups=3),
-    Case("batchnorm", "adam", "model", partitions=2, microbatches=2, recompute=True,
-         overlap_groups=2),
+    Case("batchnorm", "adam", "model", partitions=2, recompute=True, overlap_groups=2),
+    Case("l2_mlp", "adam", "model", partitions=2, microbatches=2, recompute=True, overlap_groups=2),
     Case("l2_mlp", "adam", "model", partitions=2, microbatches=2, policy="mixed_float16",
          overlap_groups=2),  # loss scaling: one update after the backward
     Case("mlp", "adam", "data", replicas=2, microbatches=2, flat_gradients=False),
