@@ -34,7 +34,10 @@ class Strategy:
     the backward pass instead of kept from the forward. `overlap_p2p` posts a step's receives
     up front so that activations and gradients arrive while the stage computes.
     `overlap_groups=G` (> 1) cuts each stage's backward into G groups and reduces a group's
-    gradients across replicas while the earlier groups are still in backward.
+    gradients across replicas while the earlier groups are still in backward; a pipeline
+    stage without replicas instead applies each group's update as soon as the step's last
+    backward has finished it, so it never holds all its gradients (with G=1 it is cut so by
+    itself, one group per 32 MiB of gradients, when it has at least 64 MiB).
     `flat_gradients` (default) keeps each rank's gradients in one flat tensor (one add per
     micro-batch, one reduction across replicas); False keeps them per variable, which peaks
     about two copies of a pipeline stage's parameter bytes lower and runs slower on stages

@@ -30,7 +30,6 @@ from hyparflow.engine.metrics import ReplicaMetrics
 from hyparflow.engine.mpi import mpi_op
 from hyparflow.engine.pipeline import PipelineWalk
 from hyparflow.engine.random_slices import feature_slice
-from hyparflow.engine.segment_update import SegmentUpdate
 from hyparflow.engine.runners import (
     RunnerParts,
     build_runner,
@@ -38,6 +37,7 @@ from hyparflow.engine.runners import (
     seed_variables,
     unsynchronized_moving_statistics,
 )
+from hyparflow.engine.segment_update import SegmentUpdate
 from hyparflow.engine.stage_state import TrainingState
 from hyparflow.engine.structure import model_input_list, pack_model_outputs
 from hyparflow.engine.update import Update
