@@ -140,11 +140,23 @@ def materialize(variables) -> int:
     return count
 
 
+_BUILT_IN_SCOPE = "_hyparflow_built_in_scope"
+
+
 def materialize_model(model, keep_deferred=()) -> int:
     """Materialise every deferred variable of `model` except those in `keep_deferred`
     (weights another rank holds, variables held as tensor shards); return how many."""
     skip = {id(v) for v in keep_deferred}
-    return materialize(v for v in _all_variables(model) if id(v) not in skip)
+    count = materialize(v for v in _all_variables(model) if id(v) not in skip)
+    if count:
+        object.__setattr__(model, _BUILT_IN_SCOPE, True)  # not a tracked attribute
+    return count
+
+
+def built_in_scope(model) -> bool:
+    """Whether `model` was built under hf.scope(): some variable is still deferred, or was
+    until hf.fit materialised it (a user who asks for a model bigger than one rank)."""
+    return bool(getattr(model, _BUILT_IN_SCOPE, False)) or any_deferred(model)
 
 
 @contextlib.contextmanager

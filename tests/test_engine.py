@@ -51,6 +51,9 @@ TWO_RANKS = [
     Case("l2_mlp", "adam", "model", partitions=2, microbatches=2, recompute=True, overlap_groups=2),
     Case("l2_mlp", "adam", "model", partitions=2, microbatches=2, policy="mixed_float16",
          overlap_groups=2),  # loss scaling: one update after the backward
+    # update_by_segment with replicas: each segment summed over them, then applied
+    Case("l2_mlp", "adam", "data", replicas=2, by_segment=True),
+    Case("multi_io", "adam", "data", replicas=2, microbatches=2, by_segment=True),
     Case("mlp", "adam", "data", replicas=2, microbatches=2, flat_gradients=False),
     # an embedding table's row-sparse gradients through every gradient path
     Case("embedding", "adam", "data", replicas=2, microbatches=2),
@@ -90,6 +93,9 @@ FOUR_RANKS = [
          recompute=True),
     Case("resnet", "adam", "model", partitions=4, microbatches=4, blocking=True),
     Case("mlp", "adam", "data", replicas=4, microbatches=2, overlap_groups=3),
+    Case("resnet", "adam", "data", replicas=4, by_segment=True),
+    Case("l2_mlp", "adam", "hybrid", partitions=2, replicas=2, microbatches=2, schedule="1f1b",
+         by_segment=True),
     Case("resnet", "sgd", "hybrid", partitions=2, replicas=2, microbatches=2, schedule="1f1b",
          overlap_groups=3),
     Case("multi_io", "adam", "hybrid", partitions=2, replicas=2, microbatches=2, recompute=True,
@@ -131,7 +137,8 @@ def _check(case, ranks):
         assert r["loss_scale"] == r["ref_loss_scale"], f"{where}: loss scales differ"
         if case.overlap_groups > 1 and case.replicas > 1:  # reductions started in the backward
             assert r["overlap_early_starts"], f"{where}: no gradient reduced early"
-        if case.overlap_groups > 1 and case.replicas == 1:  # updates ran inside the backward
+        by_segment = case.by_segment or (case.overlap_groups > 1 and case.replicas == 1)
+        if by_segment:  # updates ran inside the backward
             scaled = case.policy == "mixed_float16"  # LossScaleOptimizer: after it, at once
             assert bool(r["segment_updates"]) != scaled, f"{where}: {r['segment_updates']}"
         if case.partitions > 1:  # optimizer state lives only with the stage's own variables

@@ -68,6 +68,30 @@ CASES = {
     "segments, tensor shards": (True, {"overlap_groups": 3, "tensor_split": True}, FLAT_BACKWARD),
     "segments, shared layer": (True, {"overlap_groups": 3, "shared_across_stages": True}, LIST),
     "segments, tables": (True, {"overlap_groups": 3, "tables": 1}, FLAT_BACKWARD),
+    # segments called for by the gradient bytes (segments_for)
+    "segments by bytes, stage": (True, {"segments": 4}, BY_SEGMENT),
+    "segments by bytes, whole model with replicas": (
+        False,
+        {"replicas": 2, "segments": 4},
+        BY_SEGMENT,
+    ),
+    "segments by bytes, stage with replicas": (True, {"replicas": 2, "segments": 2}, BY_SEGMENT),
+    "segments by bytes, replicas, a variable not float32": (
+        False,
+        {"replicas": 2, "segments": 4, "all_float32": False},
+        LIST,
+    ),
+    "segments by bytes, Horovod": (
+        False,
+        {"replicas": 2, "segments": 4, "backend": "horovod"},
+        LIST,
+    ),
+    "segments by bytes, shared layer": (True, {"segments": 4, "shared_across_stages": True}, LIST),
+    "overlap asked for wins over segments by bytes": (
+        True,
+        {"replicas": 2, "overlap_groups": 3, "segments": 4},
+        OVERLAP,
+    ),
     "overlap, Horovod": (True, {"replicas": 2, "overlap_groups": 3, "backend": "horovod"}, LIST),
     "overlap, shared layer (its pipeline sum first)": (
         True,
@@ -101,11 +125,10 @@ def test_flat_backward_only_with_flat():
         assert not (form.overlap and form.flat)
 
 
-def test_segments_follow_gradient_bytes_unless_asked():
+def test_segments_follow_gradient_bytes():
     mib = 2**20
     assert segments_for(63 * mib) == 1  # below two segments' bytes: one call
     assert [segments_for(n * 32 * mib) for n in (2, 4, 8, 20)] == [2, 4, 8, 8]
-    assert segments_for(mib, requested=3) == 3  # Strategy(overlap_groups=3)
 
 
 def test_docstring_examples_hold():

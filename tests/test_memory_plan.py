@@ -42,9 +42,14 @@ def test_arithmetic():
     assert (buffers.SEGMENT_BYTES, buffers.MAX_SEGMENTS) == (
         gradient_form.SEGMENT_BYTES, gradient_form.MAX_SEGMENTS
     )  # fmt: skip
-    staged = buffers.StageFacts(2**28, 16, stages=4, replicas=1, microbatches=2, world=4)
+    staged = buffers.StageFacts(2**28, 16, stages=4, replicas=1, microbatches=2, world=4,
+                                by_segment=True)  # fmt: skip
     assert buffers.held_gradients(staged, 2**28) == 2**25  # 8 segments of 32 MiB
-    for other in ({"replicas": 2}, {"tensor": 2}, {"stages": 1}):
+    replicated = dataclasses.replace(staged, replicas=2)
+    assert buffers.held_gradients(replicated, 2**28) == 2**25
+    assert buffers.step_buffers(replicated)["segment sum"] == 2**25
+    for other in ({"by_segment": False}, {"tensor": 2}, {"world": 1},
+                  {"replicas": 2, "zero": True}):  # fmt: skip
         unsegmented = dataclasses.replace(staged, **other)
         assert buffers.held_gradients(unsegmented, 2**28) == 2**28
     one = buffers.StageFacts(400, 2, stages=1, replicas=1, microbatches=1, world=1)
@@ -170,13 +175,16 @@ def test_prediction_within_25_percent_of_measured_growth(ranks, spec):
         assert abs(error) < TOLERANCE, (spec, result["line"], result["growth"] / MIB)
 
 
-def test_four_stages_hold_at_most_035_of_one_process():
-    """Issue 29's ratio: a weight-heavy MLP (134 M parameters, Adam) built under hf.scope() on
-    P=4 grows its largest rank by at most 0.35x what one process grows (measured 0.29; 0.37
-    before stages updated segment by segment, docs/memory.md)."""
+def test_hf_scope_ranks_grow_by_issue_29s_ratios_of_one_process():
+    """A weight-heavy MLP (134 M parameters, Adam) built under hf.scope(): P=4's largest rank
+    grows by at most 0.35x what one process grows (measured 0.29; 0.37 before stages updated
+    segment by segment), and each of R=2's ranks by at most 1.1x (measured 1.00; 1.24 with the
+    update after the whole backward, which an ordinary build still uses: docs/memory.md)."""
     shape = "2048,32"
     (alone,) = run_scenario("memory_checks", 1, "measure", "1,1,1", shape)
-    ranks = run_scenario("memory_checks", 4, "measure", "4,1,1,params,scope", shape)
-    largest = max(r["growth"] for r in ranks)
-    assert largest <= 0.35 * alone["growth"], (largest / MIB, alone["growth"] / MIB)
-    assert all(r["loss"] == pytest.approx(alone["loss"], rel=1e-5) for r in ranks)
+    for spec, ratio in (("4,1,1,params,scope", 0.35), ("1,2,1,scope", 1.1)):
+        ranks = run_scenario("memory_checks", 2 if spec.startswith("1,2") else 4, "measure",
+                             spec, shape)  # fmt: skip
+        largest = max(r["growth"] for r in ranks)
+        assert largest <= ratio * alone["growth"], (spec, largest / MIB, alone["growth"] / MIB)
+        assert all(r["loss"] == pytest.approx(alone["loss"], rel=1e-5) for r in ranks), spec

@@ -16,8 +16,9 @@ class GradientForm:
       once per step, just before the replica reduction.
     - `overlap`: the stage runs as segments whose gradients are reduced during the backward.
     - `update_per_segment`: the stage runs as segments, and each segment's update is applied
-      as soon as the step's last backward has finished it (a stage without replicas), so the
-      stage never holds all of its gradients (engine/segment_update.py).
+      as soon as the step's last backward has finished it (its gradients first summed over
+      the replicas, if any), so the stage never holds all of its gradients
+      (engine/segment_update.py).
     """
 
     flat: bool = False
@@ -26,23 +27,21 @@ class GradientForm:
     update_per_segment: bool = False
 
 
-# A stage without replicas whose gradients exceed two of these is cut into segments of about
-# this many bytes for `update_per_segment` (`segments_for`): a segment's call costs ~0.1 ms,
-# nothing next to the compute of 32 MiB of weights.
+# A stage whose gradients exceed two of these is cut into segments of about this many bytes
+# for `update_per_segment` (`segments_for`): a segment's call costs ~0.1 ms, nothing next to
+# the compute of 32 MiB of weights.
 SEGMENT_BYTES = 32 * 2**20
 MAX_SEGMENTS = 8
 
 
-def segments_for(gradient_bytes: int, requested: int = 1) -> int:
-    """Segments for a stage's backward: `requested` (`Strategy.overlap_groups`) if above 1,
-    else one per `SEGMENT_BYTES` of gradients, at most `MAX_SEGMENTS` (1: not cut).
+def segments_for(gradient_bytes: int) -> int:
+    """Segments a stage's backward is cut into so that it updates segment by segment: one per
+    `SEGMENT_BYTES` of gradients, at most `MAX_SEGMENTS` (1: not cut).
 
     Example:
-        >>> segments_for(128 * 2**20), segments_for(40 * 2**20), segments_for(10, requested=3)
-        (4, 1, 3)
+        >>> segments_for(128 * 2**20), segments_for(40 * 2**20)
+        (4, 1)
     """
-    if requested > 1:
-        return requested
     return max(1, min(MAX_SEGMENTS, gradient_bytes // SEGMENT_BYTES))
 
 
@@ -58,6 +57,7 @@ def choose_gradient_form(
     shared_across_stages: bool = False,
     tables: int = 0,
     overlap_groups: int = 1,
+    segments: int = 1,
     tensor_split: bool = False,
 ) -> GradientForm:
     """The gradient form of one stage, from facts about it (no TensorFlow, no MPI).
@@ -74,13 +74,15 @@ def choose_gradient_form(
     - `shared_across_stages`: a variable of this stage is used by another stage too; those are
       summed per variable over the pipeline first, so the gradients stay a list.
     - `tables`: number of embedding tables (overlapped segments keep every gradient dense).
-    - `overlap_groups`: segments per stage (> 1 asks for overlap, or without replicas for
-      the update per segment; `segments_for`).
+    - `overlap_groups`: the strategy's segments per stage (> 1 asks for overlap, or without
+      replicas for the update per segment).
+    - `segments`: segments its gradient bytes call for (`segments_for`; > 1: update per
+      segment, unless overlap was asked for).
     - `tensor_split`: the stage holds tensor-parallel shards (no update per segment).
 
-    Overlap wins where it applies (replicas to reduce over MPI, nothing shared, no tables);
-    so does the update per segment for a pipeline stage without replicas. The caller asks
-    again with `overlap_groups=1` when the stage cannot be cut into segments.
+    Overlap wins where it is asked for and applies (replicas to reduce over MPI, nothing
+    shared, no tables); then the update per segment. The caller asks again with
+    `overlap_groups=1, segments=1` when the stage cannot be cut into segments.
 
     Example:
         >>> choose_gradient_form(partitioned=False, replicas=2, dense_variables=4)
@@ -93,11 +95,13 @@ def choose_gradient_form(
         True
     """
     mpi = backend == "mpi"
-    cut = overlap_groups > 1 and not shared_across_stages and not tables
-    if cut and replicas > 1 and mpi:
+    can_cut = not shared_across_stages and not tables
+    if can_cut and overlap_groups > 1 and replicas > 1 and mpi:
         return GradientForm(overlap=True)
-    if cut and replicas == 1 and partitioned and not tensor_split:
-        return GradientForm(update_per_segment=True)
+    if can_cut and max(overlap_groups, segments) > 1 and not tensor_split:
+        # summed per segment over the replicas as one flat float32 tensor, over MPI
+        if (replicas == 1 and partitioned) or (replicas > 1 and mpi and all_float32):
+            return GradientForm(update_per_segment=True)
     can_flatten = flat_gradients and dense_variables > 0 and all_float32
     if not partitioned:
         # One compiled call sums the micro-batches either way: flat only for an MPI reduction.

@@ -5,13 +5,20 @@ process never holds a model's whole gradient set. A stage that differentiates as
 then updates holds all of its gradients at once: beside its weights and Adam's two slots, a
 fourth copy of its parameter bytes, which keeps a P=4 rank above a quarter of one process's
 memory (docs/memory.md). Cut into segments (`SegmentedRunner`), the stage's last backward
-finishes the later segments first; each segment's gradients are then final (no replicas to
-sum them with), so its update runs there and its gradients go before the earlier segments'
-backward makes theirs.
+finishes the later segments first; each segment's gradients are then final (with replicas,
+once summed over them: one blocking in-place reduction of the segment's gradients as one flat
+tensor), so its update runs there and its gradients go before the earlier segments' backward
+makes theirs. The data-parallel equivalent of Keras's step holding about one segment.
 """
 
 from __future__ import annotations
 
+import contextlib
+
+import tensorflow as tf
+
+from hyparflow.comm.allreduce import GradientReducer
+from hyparflow.engine.flat import FlatLayout
 from hyparflow.engine.update import applies_per_variable, inner_optimizer
 
 
@@ -24,11 +31,17 @@ class SegmentUpdate:
     `on_segment_done(j)` after each segment of the last backward, `finish()` applies what no
     segment made (variables the loss does not reach: zeros, as the usual update) and returns
     the model's regularization.
+
+    `replicas`: the stage's replica communicator (None: no replicas), over which each
+    segment's gradients are summed before its update; `guard(operation)` watches that wait.
     """
 
-    def __init__(self, update, runner, overlap):
+    def __init__(self, update, runner, overlap, replicas=None, guard=None):
         self.update = update
         self.runner = runner
+        self._reducer = None if replicas is None else GradientReducer(replicas, op="sum")
+        self._guard = guard or (lambda operation: contextlib.nullcontext())
+        self._layouts: dict = {}  # positions -> (FlatLayout, compiled flatten)
         position = {id(v): i for i, v in enumerate(update.variables)}
         self.ready = {
             j: [position[id(v)] for _, v in items] for j, items in overlap.ready_at.items()
@@ -80,5 +93,22 @@ class SegmentUpdate:
     def _apply(self, positions: list[int]) -> None:
         variables = self.update.variables
         grads = [self.runner.take(variables[i]) for i in positions]
+        if self._reducer is not None:
+            grads = self._summed(grads, positions)
         self.update.apply_some(grads, positions, self._step)
         self._applied.update(positions)
+
+    def _summed(self, grads: list, positions: list[int]) -> list:
+        """`grads` summed over the replicas: concatenated into one fresh flat tensor (which
+        this process alone owns), reduced in place, handed back as views of it."""
+        key = tuple(positions)
+        if key not in self._layouts:
+            layout = FlatLayout([self.update.variables[i] for i in positions])
+            flatten = tf.function(lambda g, layout=layout: layout.flatten(g, 0.0))
+            self._layouts[key] = (layout, flatten)
+        layout, flatten = self._layouts[key]
+        flat = flatten([tf.convert_to_tensor(g) for g in grads])
+        grads.clear()  # the flat tensor holds them now
+        with self._guard("sum a segment's gradients over the replicas"):
+            flat = self._reducer.reduce_flat(flat)
+        return layout.unflatten_fn(flat)

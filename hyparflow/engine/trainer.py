@@ -122,19 +122,26 @@ class Trainer:
             shared_across_stages=shared is not None,
             tables=len(self.sparse),
         )
-        # A pipeline stage without replicas cuts its backward by bytes (`segments_for`), so
-        # that each segment's update runs as soon as the last backward has finished it.
-        gradient_bytes = sum(_nbytes(v) for v in self.variables)
-        groups = strategy.overlap_groups
-        if plan is not None and topo.num_replicas == 1:
-            groups = segments_for(gradient_bytes, groups)
+        # Memory first (Strategy.update_by_segment; by default for hf.scope() models): a stage
+        # cut into segments (`segments_for`) applies each segment's update as soon as the
+        # last backward has finished it.
+        asked = strategy.update_by_segment
+        count = segments_for(sum(_nbytes(v) for v in self.variables))
+        if asked is True:
+            count = max(2, count)
+        elif asked is False or not deferred.built_in_scope(model):
+            count = 1
+        if strategy.shard_optimizer and topo.num_replicas > 1:
+            count = 1  # ZeRO-1 updates its slice after a reduce-scatter of every gradient
+        facts["segments"] = count
         facts["tensor_split"] = self.shards is not None
-        self.gradient_form = choose_gradient_form(**facts, overlap_groups=groups)
+        self.gradient_form = choose_gradient_form(**facts, overlap_groups=strategy.overlap_groups)
         segments = None
         if self.gradient_form.overlap or self.gradient_form.update_per_segment:
+            groups = strategy.overlap_groups if strategy.overlap_groups > 1 else count
             segmented = build_segmented_runner(parts, self.variables, groups)
             if segmented is None:  # the stage cannot be cut: reduce after the backward
-                self.gradient_form = choose_gradient_form(**facts)
+                self.gradient_form = choose_gradient_form(**{**facts, "segments": 1})
             else:
                 self.runner, segments = segmented
         if segments is None:
@@ -158,11 +165,14 @@ class Trainer:
         )  # fmt: skip
         self.segment_update = None
         if self.gradient_form.update_per_segment:
-            self.segment_update = SegmentUpdate(self.update, self.runner, segments)
+            replicas = topo.stage_comm if topo.num_replicas > 1 else None
+            self.segment_update = SegmentUpdate(
+                self.update, self.runner, segments, replicas=replicas, guard=self._guard
+            )  # fmt: skip
         self.walk = PipelineWalk(
             model, topo, strategy, self.stage, self.runner, guard=self._guard, loss=self._loss,
             update_metrics=self._update_metrics_fn, seed_variables=seeds,
-            whole_inputs=plan is None and overlap is None,
+            whole_inputs=plan is None and segments is None,
         )  # fmt: skip
         split = {s.whole.path: s.axis for s in self.shards.shards} if self.shards else {}
         pieces = self.shards.by_path() if self.shards else {}

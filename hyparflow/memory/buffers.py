@@ -40,18 +40,23 @@ class StageFacts:
     flat_gradients: bool = True
     largest: int = 0  # bytes of its largest variable
     tensor: int = 1
+    by_segment: bool = False  # Strategy.update_by_segment as resolved (hf.scope(): True)
+    zero: bool = False  # ZeRO-1 (shard_optimizer)
 
 
 def segments(facts: StageFacts) -> int:
-    """Segments whose updates a pipeline stage without replicas applies one by one during its
-    last backward (engine/segment_update.py): one per `SEGMENT_BYTES` of gradients, at most
-    `MAX_SEGMENTS`; 1 where the stage is not cut.
+    """Segments whose updates a stage applies one by one during its last backward
+    (engine/segment_update.py, `Strategy.update_by_segment`): one per `SEGMENT_BYTES` of
+    gradients, at most `MAX_SEGMENTS`; 1 where the stage is not cut.
 
     Example:
-        >>> segments(StageFacts(128 * 2**20, 8, stages=4, replicas=1, microbatches=1, world=4))
+        >>> segments(StageFacts(128 * 2**20, 8, stages=4, replicas=1, microbatches=1, world=4,
+        ...                     by_segment=True))
         4
     """
-    if facts.stages == 1 or facts.replicas > 1 or facts.tensor > 1:
+    if not facts.by_segment or facts.world == 1 or facts.tensor > 1:
+        return 1
+    if facts.zero and facts.replicas > 1:
         return 1
     return max(1, min(MAX_SEGMENTS, facts.gradient_bytes // SEGMENT_BYTES))
 
@@ -92,6 +97,9 @@ def step_buffers(facts: StageFacts, slots: float = 0.0, sharded: bool = False) -
         # flat backward: the step's parameter values packed once, gradients concatenated
         buffers["flat parameters"] = g
         buffers["flat gradients"] = g
+    elif segments(facts) > 1:
+        if facts.replicas > 1:  # a segment's gradients concatenated to be summed
+            buffers["segment sum"] = -(-g // segments(facts))
     elif flat and facts.replicas > 1:
         # a pipeline stage concatenates its gradients once; the whole model in chunks
         buffers["flat gradients"] = g if pipelined else min(g, CHUNK_BYTES)

@@ -26,6 +26,7 @@ _STRATEGY_OPTIONS = {
     "sync_batchnorm": ("sync_batchnorm", False),
     "tensor": ("tensor", 1),
     "shard_optimizer": ("shard_optimizer", False),
+    "by_segment": ("update_by_segment", None),
 }
 
 
@@ -58,6 +59,7 @@ class Case:
     one_step: bool = False
     tensor: int = 1
     shard_optimizer: bool = False
+    by_segment: bool | None = None  # Strategy(update_by_segment=...)
 
     def __str__(self) -> str:
         """The readable id: defaults left out, e.g. `mlp-sgd-data-R2`."""
@@ -75,6 +77,8 @@ class Case:
             "syncbn": self.sync_batchnorm,
             "1step": self.one_step,
             "zero": self.shard_optimizer,
+            "bysegment": self.by_segment is True,
+            "whole": self.by_segment is False,
         }
         parts = [
             self.model,
