@@ -98,10 +98,10 @@ def choose_gradient_form(
     can_cut = not shared_across_stages and not tables
     if can_cut and overlap_groups > 1 and replicas > 1 and mpi:
         return GradientForm(overlap=True)
-    if can_cut and max(overlap_groups, segments) > 1 and not tensor_split:
-        # summed per segment over the replicas as one flat float32 tensor, over MPI
-        if (replicas == 1 and partitioned) or (replicas > 1 and mpi and all_float32):
-            return GradientForm(update_per_segment=True)
+    # with replicas, each segment is summed over them as one flat float32 tensor, over MPI
+    summable = (replicas == 1 and partitioned) or (replicas > 1 and mpi and all_float32)
+    if can_cut and max(overlap_groups, segments) > 1 and not tensor_split and summable:
+        return GradientForm(update_per_segment=True)
     can_flatten = flat_gradients and dense_variables > 0 and all_float32
     if not partitioned:
         # One compiled call sums the micro-batches either way: flat only for an MPI reduction.
