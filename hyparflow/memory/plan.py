@@ -83,7 +83,8 @@ def memory_plan(model, strategy="auto", batch_size: int = 32, *, num_partitions=
             flat_gradients=resolved.flat_gradients,
             largest=max((_shard_bytes(v, layout, t, itemsize=4) for v in trainable), default=0),
             tensor=t,
-            by_segment=(not whole_model) if resolved.update_by_segment is None
+            by_segment=(not whole_model)
+            if resolved.update_by_segment is None
             else resolved.update_by_segment,
             zero=getattr(resolved, "shard_optimizer", False),
         )
