@@ -63,6 +63,8 @@ def memory_plan(model, strategy="auto", batch_size: int = 32, *, num_partitions=
     whole = sum(_nbytes(v) for v in model.weights)
     samples = counts.microbatch_size(batch_size, r, resolved.microbatches)
     grid = Grid(p, r, t)
+    asked = resolved.update_by_segment  # None: on for a hf.scope() model, as the engine does
+    by_segment = (not whole_model) if asked is None else asked
     ranks = []
     for rank in range(world):
         stage, replica, shard = grid.coords3(rank)
@@ -83,9 +85,7 @@ def memory_plan(model, strategy="auto", batch_size: int = 32, *, num_partitions=
             flat_gradients=resolved.flat_gradients,
             largest=max((_shard_bytes(v, layout, t, itemsize=4) for v in trainable), default=0),
             tensor=t,
-            by_segment=(not whole_model)
-            if resolved.update_by_segment is None
-            else resolved.update_by_segment,
+            by_segment=by_segment,
             zero=getattr(resolved, "shard_optimizer", False),
         )
         ranks.append(
