@@ -2,14 +2,17 @@
 a model one process cannot train in the cap trains on four ranks built under hf.scope(), with
 the loss of an uncapped process.
 
-The cap is derived from the memory plan, not tuned: room for the 4-rank plans' largest rank
-plus 35%, above what the cgroup holds before the model exists (imports, MPI). The plan errs
-low by up to 17% on these ranks (what an engine rank grows outside TensorFlow's allocator,
+Each layout's cap is derived from the memory plan, not tuned: room for its largest rank plus
+35%, above what the cgroup holds before the model exists (imports, MPI). The plan errs low by
+up to 17% on these ranks (what an engine rank grows outside TensorFlow's allocator,
 docs/memory.md); with 15% the cap sat within 3% of a rank's peak and CI's run crossed it.
+One process needs 2.8x P=4's room (asserted >= 2.5, the issue's figure) and 2.4x P=2 x T=2's
+(asserted >= 2.0: tensor shards still update after the whole backward).
 
-Not here: ZeRO-1 fitting where plain replicas cannot. Its replicas hold a quarter of Adam's
-state at R=4 (tests/test_zero.py), but their resident peak is within the run-to-run spread of
-plain replicas' (docs/zero.md, "Memory"), so no cap separates them reliably yet.
+Not here: ZeRO-1 fitting where plain replicas cannot. Under hf.scope() plain replicas update
+segment by segment and hold about one segment of gradients, while ZeRO-1 reduce-scatters every
+gradient at once: at R=4 (2048 x 32) ZeRO-1's ranks grew 2,221-2,445 MiB against plain
+replicas' 1,784-1,790 (docs/zero.md, "Memory"), so no cap can show it.
 """
 
 import keras
@@ -21,10 +24,11 @@ from tests.support import cgroup
 
 pytestmark = pytest.mark.skipif(cgroup.skip_reason() is not None, reason=str(cgroup.skip_reason()))
 
-SHAPE = "2048,16"  # 63 M parameters, 242 MiB of weights; Adam
+SHAPE = "2048,32"  # 134 M parameters, 512 MiB of weights; Adam
 MIB = 2**20
 MARGIN = 1.35  # above the plan, which measured 8-17% low on these ranks (module docstring)
-SPLIT = ["4,1,1,params,scope", "2,1,2,scope"]
+# layout -> how many times its room one process must need (the premise)
+SPLIT = {"4,1,1,params,scope": 2.5, "2,1,2,scope": 2.0}
 
 
 def _predicted(spec: str) -> int:
@@ -43,25 +47,21 @@ def reference():
     return {**result, "base": outcome.peak - result["growth"], "total": outcome.peak}
 
 
-def _cap(reference, specs) -> int:
-    room = int(MARGIN * max(_predicted(s) for s in specs))
-    return reference["base"] + room
-
-
-def test_one_process_is_killed_where_four_ranks_train_with_its_loss(reference):
-    cap = _cap(reference, SPLIT)
+@pytest.mark.parametrize("spec", SPLIT)
+def test_one_process_is_refused_where_four_ranks_train_with_its_loss(reference, spec):
+    room = int(MARGIN * _predicted(spec))
+    cap = reference["base"] + room
     needs = reference["total"] - reference["base"]
-    assert needs >= 2.0 * (cap - reference["base"]), (needs / MIB, cap / MIB)  # the premise
+    assert needs >= SPLIT[spec] * room, (needs / MIB, room / MIB)  # the premise
     run, (alone,) = cgroup.launch_capped("memory_checks", 1, cap, "measure", "1,1,1,scope", SHAPE)
     # refused up front by the plan against the cgroup's limit, with the way out
     assert not alone.killed_for_memory and "MemoryError" in run.stderr[0], run.describe()
     assert "hf.memory_plan" in run.stderr[0] and "mpirun -np N" in run.stderr[0]
-    for spec in SPLIT:
-        run, outcomes = cgroup.launch_capped("memory_checks", 4, cap, "measure", spec, SHAPE)
-        assert run.returncode == 0, (spec, cap / MIB, outcomes, run.describe())
-        for result, outcome in zip(run.results, outcomes):
-            assert outcome.peak <= cap and not outcome.killed_for_memory
-            assert result["loss"] == pytest.approx(reference["loss"], rel=1e-4), spec
+    run, outcomes = cgroup.launch_capped("memory_checks", 4, cap, "measure", spec, SHAPE)
+    assert run.returncode == 0, (spec, cap / MIB, outcomes, run.describe())
+    for result, outcome in zip(run.results, outcomes):
+        assert outcome.peak <= cap and not outcome.killed_for_memory
+        assert result["loss"] == pytest.approx(reference["loss"], rel=1e-4), spec
 
 
 def test_model_is_deferred_in_the_plan():
