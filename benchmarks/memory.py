@@ -6,7 +6,8 @@ Run: .venv/bin/python benchmarks/memory.py [--quick] [--shape 2048,6] [--cap 640
 MLP: Dense(WIDTH) x DEPTH on 256 inputs (tests/mpi/memory_checks.py), Adam, batch 32, 4 steps.
 Growth: each rank's peak resident growth from before the model is built to the epoch's end
 (PeakGrowth), the largest rank's next to `hf.memory_plan`'s line, for one process and 2 and 4
-ranks along P, T, R and R with ZeRO-1, P=4 and P=2 x T=2 also under `hf.scope()`. ZeRO-1: bytes
+ranks along P, T, R and R with ZeRO-1, P=4, R=2, R=4 and P=2 x T=2 also under `hf.scope()`
+(whose stages of 64 MiB of gradients or more update segment by segment, docs/memory.md). ZeRO-1: bytes
 a rank sends per step (ring reduce-scatter + all-gather) next to an allreduce of the same
 gradients. Cap: every rank in its own cgroup of that size (tests/support/cgroup.py; ~214 MiB of
 it is Python, TensorFlow, MPI); a geometric bisection over the width of a depth-8 MLP finds the
@@ -28,7 +29,8 @@ from benchmarks.harness.records import measurement  # noqa: E402
 FIGURE, MIB = "memory", 2**20
 TITLE = "(7) Memory per rank: peak growth vs the plan, ZeRO-1's bytes, the largest MLP under a cap"
 LAYOUTS = ["1,1,1", "2,1,1", "4,1,1", "4,1,1,scope", "1,1,2", "1,1,4", "1,2,1", "1,4,1",
-           "1,2,1,zero", "1,4,1,zero", "2,1,2", "2,1,2,scope"]  # fmt: skip
+           "1,2,1,scope", "1,4,1,scope", "1,2,1,zero", "1,4,1,zero", "2,1,2",
+           "2,1,2,scope"]  # fmt: skip
 CAPPED = ["1,1,1", "4,1,1,params,scope", "2,1,2,scope", "1,4,1,scope", "1,4,1,zero,scope"]
 
 

@@ -37,7 +37,7 @@ class Strategy:
     gradients across replicas while the earlier groups are still in backward; a pipeline
     stage without replicas instead updates by segment (below) in G groups.
     `update_by_segment=True` trades speed for memory: each stage's backward is cut into
-    segments of about 32 MiB of gradients, and a segment's update (its gradients first summed
+    segments of about 16 MiB of gradients, and a segment's update (its gradients first summed
     over the replicas) runs as soon as the step's last backward has finished it, so no rank
     holds all of its gradients at once, as Keras's own train step never does. It costs the
     fused data-parallel step and puts the updates on the pipeline's critical path (measured:

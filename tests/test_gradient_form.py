@@ -127,8 +127,8 @@ def test_flat_backward_only_with_flat():
 
 def test_segments_follow_gradient_bytes():
     mib = 2**20
-    assert segments_for(63 * mib) == 1  # below two segments' bytes: one call
-    assert [segments_for(n * 32 * mib) for n in (2, 4, 8, 20)] == [2, 4, 8, 8]
+    assert segments_for(31 * mib) == 1  # below two segments' bytes: one call
+    assert [segments_for(n * 16 * mib) for n in (2, 4, 8, 20)] == [2, 4, 8, 8]
 
 
 def test_docstring_examples_hold():

@@ -6,7 +6,7 @@ Each layout's cap is derived from the memory plan, not tuned: room for its large
 35%, above what the cgroup holds before the model exists (imports, MPI). The plan errs low by
 up to 17% on these ranks (what an engine rank grows outside TensorFlow's allocator,
 docs/memory.md); with 15% the cap sat within 3% of a rank's peak and CI's run crossed it.
-One process needs 2.8x P=4's room (asserted >= 2.5, the issue's figure) and 2.4x P=2 x T=2's
+One process needs 2.9x P=4's room (asserted >= 2.5, the issue's figure) and 2.4x P=2 x T=2's
 (asserted >= 2.0: tensor shards still update after the whole backward).
 
 Not here: ZeRO-1 fitting where plain replicas cannot. Under hf.scope() plain replicas update

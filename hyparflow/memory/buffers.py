@@ -20,7 +20,7 @@ FLAT_BACKWARD_MAX_MEAN_BYTES = 128 * 1024
 CHUNK_BYTES = 25 * 2**20
 UPDATE_GROUP_BYTES = 8 * 2**20  # engine/update.py's GROUP_BYTES
 # engine/gradient_form.py's SEGMENT_BYTES and MAX_SEGMENTS (`segments_for`)
-SEGMENT_BYTES, MAX_SEGMENTS = 32 * 2**20, 8
+SEGMENT_BYTES, MAX_SEGMENTS = 16 * 2**20, 8
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ def segments(facts: StageFacts) -> int:
     gradients, at most `MAX_SEGMENTS`; 1 where the stage is not cut.
 
     Example:
-        >>> segments(StageFacts(128 * 2**20, 8, stages=4, replicas=1, microbatches=1, world=4,
+        >>> segments(StageFacts(64 * 2**20, 8, stages=4, replicas=1, microbatches=1, world=4,
         ...                     by_segment=True))
         4
     """
