@@ -42,6 +42,7 @@ def test_resolve(strategy, world, expected):
         (lambda: Strategy("hybrid").resolve(4), "needs num_partitions or num_replicas"),
         (lambda: Strategy("model", partitions=2).resolve(4), "mpirun -np 2"),
         (lambda: make_strategy(42), "must be a string or hf.Strategy"),
+        (lambda: Strategy("data", update_by_segment="yes"), "must be True, False or None"),
     ],
 )
 def test_invalid_strategies_name_the_fix(make, message):
