@@ -4,16 +4,13 @@ Run: .venv/bin/python benchmarks/memory.py [--quick] [--shape 2048,6] [--cap 640
      (starts `mpirun` itself; 4 ranks oversubscribe 2 cores, which does not change memory)
 
 MLP: Dense(WIDTH) x DEPTH on 256 inputs (tests/mpi/memory_checks.py), Adam, batch 32, 4 steps.
-Growth: each rank's peak resident growth from before the model is built to the epoch's end
-(PeakGrowth), the largest rank's next to `hf.memory_plan`'s line, for one process and 2 and 4
-ranks along P, T, R and R with ZeRO-1, P=4, R=2, R=4 and P=2 x T=2 also under `hf.scope()`
-(whose stages of 32 MiB of gradients or more update segment by segment, docs/memory.md).
-ZeRO-1: bytes a rank sends per step (ring reduce-scatter + all-gather) next to an allreduce
-of the same gradients. Cap: every rank in its own cgroup of that size
-(tests/support/cgroup.py; ~214 MiB of it is Python, TensorFlow, MPI); a geometric bisection
-over the width of a depth-8 MLP finds the largest that trains one epoch (built under
-`hf.scope()` on 4 ranks, ordinarily in one process, where hf.fit refuses a `hf.scope()` model
-that its own check says does not fit).
+Growth: each rank's peak resident growth from the model's build to the epoch's end, the
+largest rank's next to `hf.memory_plan`'s, for one process and 2 and 4 ranks along P, T, R,
+R with ZeRO-1, and P=4, R=2, R=4, P=2 x T=2 under `hf.scope()` (updating by segment). ZeRO-1:
+bytes a rank sends per step (reduce-scatter + all-gather) next to an allreduce's. Cap: each
+rank in its own cgroup (tests/support/cgroup.py; ~214 MiB of it is Python, TensorFlow, MPI); a
+bisection over the width of a depth-8 MLP finds the largest that trains one epoch (built under
+`hf.scope()` on 4 ranks; in one process hf.fit refuses what its plan says does not fit).
 """
 
 from __future__ import annotations
