@@ -66,10 +66,7 @@ class SegmentUpdate:
     def begin(self) -> None:
         """Before the step: its optimizer step and the regularization of the weights as they
         are (Keras's loss adds it before any update)."""
-        optimizer = self.update.model.optimizer
-        if not optimizer.built:
-            optimizer.build(self.update.variables)
-        self._step = int(optimizer.iterations.numpy())
+        self._step = int(self.update.model.optimizer.iterations.numpy())
         self._regularization = self.update.local_regularization()
         self._applied = set()
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 
-import numpy as np
 import tensorflow as tf
 
 from hyparflow import _keras, deferred
@@ -44,6 +43,7 @@ from hyparflow.engine.update import Update
 from hyparflow.engine.weights import (
     assign_packed,
     broadcast_owned_weights,
+    nbytes,
     owned_variables,
     packed,
 )
@@ -126,7 +126,7 @@ class Trainer:
         # cut into segments (`segments_for`) applies each segment's update as soon as the
         # last backward has finished it.
         asked = strategy.update_by_segment
-        count = segments_for(sum(_nbytes(v) for v in self.variables))
+        count = segments_for(sum(nbytes(v) for v in self.variables))
         if asked is True:
             count = max(2, count)
         elif asked is False or not deferred.built_in_scope(model):
@@ -397,10 +397,6 @@ class Trainer:
         self.watchdog.close()
         self.walk.close()
         self.topology.free()
-
-
-def _nbytes(variable) -> int:
-    return int(np.prod(variable.shape)) * tf.as_dtype(variable.dtype).size
 
 
 def _tensor_listener(recorder: events.Recorder):

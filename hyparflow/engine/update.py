@@ -115,7 +115,8 @@ class Update:
         )
         self._squares_fn = tf.function(_sum_of_squares, reduce_retracing=True)
         self._reg_values_fn = tf.function(self._reg_values)
-        self._groups_for: tuple = (None, None)  # (id of the optimizer, its update groups)
+        self._groups_for: tuple = (None, False)  # (id of the optimizer, whether grouped)
+        self._position_groups: dict = {}  # positions -> their update groups (`apply_some`)
         self._compiled: dict = {}
 
     def loss_scale(self) -> float:
@@ -139,23 +140,27 @@ class Update:
         has regularizers)."""
         return self._sum_over_pipeline(value)
 
-    def apply_some(self, grads: list, positions: list[int], step: int) -> None:
+    def apply_some(self, grads: list, positions: list[int], step: int, norm=None) -> None:
         """The update of the variables at `positions` (`grads` in that order) in update groups,
-        each seeing optimizer step `step`: the counter is set to it before every group, and the
-        last group of a step leaves it one further, as one `apply` of all would."""
+        each group's gradients let go once applied, each group seeing optimizer step `step`:
+        the counter is set to it before every group, and the last group of a step leaves it one
+        further, as one `apply` of all would. With `norm`, clipped by that global norm."""
         optimizer = self.model.optimizer
         if not optimizer.built:
             optimizer.build(self.variables)
+        key = tuple(positions)
+        if key not in self._position_groups:
+            groups = update_groups([self.variables[i] for i in positions])
+            self._position_groups[key] = [[positions[j] for j in g] for g in groups]
         where = dict(zip(positions, range(len(positions))))
         scale = tf.constant(self.loss_scale(), tf.float32)
-        for group in update_groups([self.variables[i] for i in positions]):
-            members = [positions[j] for j in group]
+        for members in self._position_groups[key]:
             taken = [grads[where[i]] for i in members]
             for i in members:
                 grads[where[i]] = None
             optimizer.iterations.assign(step)
             update = self._compiled_update(self._group_body, key=tuple(members), group=members)
-            update(taken, scale)
+            update(taken, scale) if norm is None else update(taken, scale, norm)
             taken = None
 
     def regularization(self) -> float:
@@ -313,9 +318,8 @@ class Update:
             clipping = bool(getattr(inner_optimizer(optimizer), "global_clipnorm", None))
             groups = update_groups(self.variables)
             usable = len(groups) > 1 and applies_per_variable(optimizer)
-            self._groups_for = (key, groups if usable and not (clipping and self.regularized)
-                                else None)  # fmt: skip
-        return self._groups_for[1] is not None
+            self._groups_for = (key, usable and not (clipping and self.regularized))
+        return self._groups_for[1]
 
     def _apply_grouped(self, gradients) -> float:
         """The optimizer's update group by group, each group's gradients let go once applied
@@ -323,30 +327,14 @@ class Update:
         grads = list(gradients.as_list())
         gradients.grads = gradients.flat = None  # this list is the last reference
         gradients.tables = []
-        reg_value = 0.0
-        if self.regularized:
-            reg_value = self._total(*self._reg_values_fn())
-        reg_value = self._sum_over_pipeline(reg_value)
+        reg_value = self._sum_over_pipeline(self.local_regularization())
         optimizer = inner_optimizer(self.model.optimizer)
         norm = None
         if getattr(optimizer, "global_clipnorm", None):  # without regularization (`_grouped`)
             norm = self._pipeline_norm(grads) if self.clips_across_stages else self._norm(grads)
-        if not self.variables:
-            return reg_value
-        if not self.model.optimizer.built:
-            self.model.optimizer.build(self.variables)
-        step = int(self.model.optimizer.iterations.numpy())
-        scale = tf.constant(self.loss_scale(), tf.float32)
-        groups = self._groups_for[1]
-        for k, group in enumerate(groups):
-            taken = [grads[i] for i in group]
-            for i in group:
-                grads[i] = None
-            update = self._compiled_update(self._group_body, key=k, group=group)
-            update(taken, scale) if norm is None else update(taken, scale, norm)
-            taken = None
-            if k < len(groups) - 1:
-                self.model.optimizer.iterations.assign(step)
+        if self.variables:
+            step = int(self.model.optimizer.iterations.numpy())
+            self.apply_some(grads, list(range(len(self.variables))), step, norm)
         return reg_value
 
     def _norm(self, grads):

@@ -65,7 +65,7 @@ def byte_groups(variables, group_bytes: int = BROADCAST_GROUP_BYTES) -> list[lis
     groups, current, size = [], [], 0
     for v in variables:
         current.append(v)
-        size += _nbytes(v)
+        size += nbytes(v)
         if size >= group_bytes:
             groups.append(current)
             current, size = [], 0
@@ -77,7 +77,8 @@ def _numpy_dtype(v):
     return dtype if isinstance(dtype, np.dtype) else tf.as_dtype(dtype).as_numpy_dtype
 
 
-def _nbytes(v) -> int:
+def nbytes(v) -> int:
+    """Bytes of `v`'s values (a variable, or anything with `shape` and `dtype`)."""
     return int(np.prod(v.shape)) * np.dtype(_numpy_dtype(v)).itemsize
 
 
@@ -96,13 +97,13 @@ def broadcast_owned_weights(model, plan, comm, guard) -> None:
                     np.concatenate([a.reshape(-1).view(np.uint8) for a in arrays])
                 )  # fmt: skip
             else:
-                flat = np.empty(sum(_nbytes(v) for v in group), np.uint8)
+                flat = np.empty(sum(nbytes(v) for v in group), np.uint8)
             with guard("share trained weights", peer=root):
                 comm.Bcast(flat, root=root)
             if comm.Get_rank() != root:
                 offset = 0
                 for v in group:
-                    size = _nbytes(v)
+                    size = nbytes(v)
                     v.assign(flat[offset : offset + size].view(_numpy_dtype(v)).reshape(v.shape))
                     offset += size
             del arrays, flat
