@@ -119,11 +119,18 @@ TWO_RANKS = [
     Case("embedding_mlp", "sgd", "data", replicas=2, **ZERO),
     Case("wide_mlp", "adam", "data", replicas=2, policy="mixed_float16", **ZERO),
     Case("wide_mlp", "adam+globalclip", "data", replicas=2, **ZERO),
+    # by segment: each segment reduce-scattered, updated and gathered inside the backward;
+    # under loss scaling the same segment layout updates after the backward
+    Case("wide_mlp", "adam", "data", replicas=2, by_segment=True, **ZERO),
+    Case("wide_mlp", "adam", "data", replicas=2, policy="mixed_float16", by_segment=True, **ZERO),
 ]
 FOUR_RANKS = [
     Case("wide_mlp", "adam", "hybrid", partitions=2, replicas=2, microbatches=2,
          schedule="1f1b", **ZERO),
     Case("wide_mlp", "adam+globalclip", "data", replicas=2, tensor=2, **ZERO),
+    Case("wide_mlp", "adam", "hybrid", partitions=2, replicas=2, microbatches=2,
+         schedule="1f1b", by_segment=True, **ZERO),
+    Case("wide_mlp", "sgd", "data", replicas=4, by_segment=True, **ZERO),
 ]  # fmt: skip
 
 
@@ -152,8 +159,14 @@ def _check(case: Case, results: list) -> None:
         # reduce-scatter + all-gather: an allreduce's ring volume (padding aside)
         step = r["step_bytes"]
         assert step["reduce_scatter"] == step["allgather"], where
-        assert abs(2 * step["allgather"] - r["allreduce_bytes"]) <= 8 * case.replicas, where
+        padding = 8 * case.replicas * r["groups"]  # a slice's padding per flat vector
+        assert abs(2 * step["allgather"] - r["allreduce_bytes"]) <= padding, where
         assert r["sent_bytes"] == r["steps"] * 2 * step["allgather"], where
+        if case.by_segment:  # cut into segments, each updated inside the backward but under
+            # loss scaling (one finite check of every gradient first)
+            assert r["groups"] >= 2, where
+            scaled = case.policy == "mixed_float16"
+            assert (r["segment_updates"] > 0) != scaled, (where, r["segment_updates"])
 
 
 @pytest.mark.timeout(400)
@@ -179,7 +192,9 @@ def test_checkpoints_resume_across_zero_on_off_and_replica_counts(two_ranks):
     for r in two_ranks:
         resume = r["resume"]
         assert resume["files"] == ["stage-0-replica-1.npz", "stage-0.npz"]
-        for name in ("off", "model2", "on"):  # ZeRO -> off, -> 1 replica; off -> ZeRO
+        assert resume["segment_groups"] >= 2, resume
+        # ZeRO -> off, -> 1 replica, -> by segment; off -> ZeRO; ZeRO by segment -> off
+        for name in ("off", "model2", "segments", "on", "segments_off"):
             assert resume[name] < 1e-6, f"rank {r['rank']}: {name} resume differs, {resume}"
 
 

@@ -43,14 +43,31 @@ class SegmentUpdate:
         self._guard = guard or (lambda operation: contextlib.nullcontext())
         self._layouts: dict = {}  # positions -> (FlatLayout, compiled flatten)
         position = {id(v): i for i, v in enumerate(update.variables)}
-        self.ready = {
-            j: [position[id(v)] for _, v in items] for j, items in overlap.ready_at.items()
-        }  # fmt: skip
+        done = sorted(overlap.ready_at)
+        # the stage's variables in parts: those final after each segment, then the rest
+        self.parts = [[position[id(v)] for _, v in overlap.ready_at[j]] for j in done]
+        reached = {i for part in self.parts for i in part}
+        left = [i for i in range(len(update.variables)) if i not in reached]
+        if left:
+            self.parts.append(left)
+        self._part_after = {j: k for k, j in enumerate(done)}
+        self.zero = None  # a `ShardedUpdate` over the same parts (`shard`)
         self._usable_for: tuple = (None, False)
         self._step = 0
         self._regularization = 0.0
-        self._applied: set[int] = set()
-        self.early_updates = 0  # segments applied inside a backward (all steps)
+        self._applied: set[int] = set()  # parts applied this step
+        self.early_updates = 0  # parts applied inside a backward (all steps)
+
+    def shard(self, zero) -> None:
+        """Update through `zero`, a ZeRO-1 `ShardedUpdate` built with `segments=self.parts`:
+        each part's gradients reduce-scattered, this replica's slice of it stepped, its
+        parameters all-gathered, so no rank holds more than one part's gradients or more than
+        its slice of the optimizer state."""
+        theirs = [sorted(i for g in groups for i in g.positions) for groups in zero.segments]
+        if theirs != [sorted(part) for part in self.parts]:
+            raise ValueError("the ShardedUpdate was not built over this SegmentUpdate's parts")
+        self.zero = zero
+        self._reducer = None  # the reduce-scatter sums them
 
     def usable(self) -> bool:
         """Whether the model's optimizer can update in parts: each variable's update reads
@@ -73,27 +90,31 @@ class SegmentUpdate:
     def on_segment_done(self, j: int) -> None:
         """The last backward finished segment j: apply the variables now final."""
         self.runner.collect(j)
-        positions = [i for i in self.ready.get(j, ()) if i not in self._applied]
-        if positions:
-            self._apply(positions)
+        k = self._part_after.get(j)
+        if k is not None and k not in self._applied:
+            self._apply(k)
             self.early_updates += 1
 
     def finish(self) -> float:
         """Apply what is left; return the model's regularization (collective over the
         pipeline when any stage has regularizers)."""
-        left = [i for i in range(len(self.update.variables)) if i not in self._applied]
-        if left:
-            self._apply(left)
+        for k in range(len(self.parts)):
+            if k not in self._applied:
+                self._apply(k)
         self.runner.reset()
         return self.update.sum_over_pipeline(self._regularization)
 
-    def _apply(self, positions: list[int]) -> None:
+    def _apply(self, k: int) -> None:
+        positions = self.parts[k]
         variables = self.update.variables
         grads = [self.runner.take(variables[i]) for i in positions]
-        if self._reducer is not None:
-            grads = self._summed(grads, positions)
-        self.update.apply_some(grads, positions, self._step)
-        self._applied.update(positions)
+        if self.zero is not None:
+            self.zero.apply_segment(k, dict(zip(positions, grads)), self._step)
+        else:
+            if self._reducer is not None:
+                grads = self._summed(grads, positions)
+            self.update.apply_some(grads, positions, self._step)
+        self._applied.add(k)
 
     def _summed(self, grads: list, positions: list[int]) -> list:
         """`grads` summed over the replicas: concatenated into one fresh flat tensor (which

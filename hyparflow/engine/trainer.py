@@ -131,8 +131,6 @@ class Trainer:
             count = max(2, count)
         elif asked is False or not deferred.built_in_scope(model):
             count = 1
-        if strategy.shard_optimizer and topo.num_replicas > 1:
-            count = 1  # ZeRO-1 updates its slice after a reduce-scatter of every gradient
         facts["segments"] = count
         facts["tensor_split"] = self.shards is not None
         self.gradient_form = choose_gradient_form(**facts, overlap_groups=strategy.overlap_groups)
@@ -182,8 +180,15 @@ class Trainer:
         # ZeRO-1: the replicas split the optimizer state and its update (engine/zero.py)
         self.zero = None
         if strategy.shard_optimizer and topo.num_replicas > 1:
-            self.zero = ShardedUpdate(model, topo, self.variables, self.update, self.gradient_sync)
+            # by segment: each segment reduce-scattered, its slice updated, its parameters
+            # gathered as soon as the last backward has finished it
+            parts = None if self.segment_update is None else self.segment_update.parts
+            self.zero = ShardedUpdate(
+                model, topo, self.variables, self.update, self.gradient_sync, segments=parts
+            )  # fmt: skip
             self.stage_state.optimizer_shard = ZeroCheckpoint(self.zero)
+            if self.segment_update is not None:
+                self.segment_update.shard(self.zero)
         self._log_root = topo.grid.rank_of(topo.num_stages - 1, 0)
         self.attach_recorder(None)
 

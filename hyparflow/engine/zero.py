@@ -44,18 +44,23 @@ ELEMENTWISE_OPTIMIZERS = (
 
 
 class _Group:
-    """The stage's variables of one dtype: their layout, this replica's pieces, its slice."""
+    """The stage's variables of one dtype (in one segment): their layout, this replica's
+    pieces, its slice, and the bytes a step sends for them."""
 
-    def __init__(self, dtype: str, positions: list[int], variables: list, parts: int, part: int):
+    def __init__(self, dtype: str, positions: list[int], variables: list, parts: int, part: int,
+                 name: str):  # fmt: skip
         self.dtype = dtype
         self.positions = positions  # indices in the stage's variable list
         self.layout = ZeroLayout([int(np.prod(variables[i].shape)) for i in positions], parts)
         self.pieces = self.layout.pieces(part)
         self.padding = self.layout.padding(part)
         self.variable = keras.Variable(
-            np.zeros(self.layout.shard_size, dtype), trainable=True, name=f"hyparflow_zero_{dtype}"
+            np.zeros(self.layout.shard_size, dtype), trainable=True, name=name
         )
         self.slot_prefix = self.variable.path.replace("/", "_") + "_"  # Keras's slot names
+        padded = self.layout.padded
+        self.reduce_scatter_bytes = ring_bytes(padded, parts, self.reduced_dtype.itemsize)
+        self.allgather_bytes = ring_bytes(padded, parts, np.dtype(dtype).itemsize)
 
     @property
     def reduced_dtype(self) -> np.dtype:
@@ -81,16 +86,19 @@ class ShardedUpdate:
     the pipeline and tensor ranks are reused, so the two paths cannot drift apart.
     `sync` is the stage's `GradientSync`, whose runner and pipeline sum of shared layers give
     each rank's own gradients, and whose `sparse` positions are the embedding tables (kept
-    whole, their slots too). `sent_bytes` counts the bytes this rank has sent (ring volume of
-    the reduce-scatters and all-gathers); `step_bytes` and `allreduce_bytes` give one step's,
-    and what an allreduce of the same gradients would send.
+    whole, their slots too). `segments` (lists of variable positions, from `SegmentUpdate`):
+    each is laid out and sliced apart, so that it can be updated alone as soon as the last
+    backward has finished it (`apply_segment`); None: the stage's variables are one.
+    `sent_bytes` counts the bytes this rank has sent (ring volume of the reduce-scatters and
+    all-gathers); `step_bytes` and `allreduce_bytes` give one step's, and what an allreduce
+    of the same gradients would send.
 
     Example:
         zero = ShardedUpdate(model, topology, variables, update, sync)
         reg_value = zero.apply(zero.reduce())
     """
 
-    def __init__(self, model, topology, variables, update, sync):
+    def __init__(self, model, topology, variables, update, sync, segments=None):
         self.model = model
         self.topology = topology
         self.comm = topology.stage_comm
@@ -102,10 +110,16 @@ class ShardedUpdate:
         self.table_positions = list(sync.sparse)
         self.tables = [variables[i] for i in self.table_positions]
         dense = [i for i in range(len(variables)) if i not in set(self.table_positions)]
-        self.groups = [
-            _Group(dtype, [dense[j] for j in positions], variables, parts, part)
-            for dtype, positions in group_by_dtype([variables[i].dtype for i in dense]).items()
-        ]
+        # one flat vector per dtype of each segment (a whole stage's dense variables by default)
+        self.segments = []
+        for k, members in enumerate(_parts(dense, segments)):
+            by_dtype = group_by_dtype([variables[i].dtype for i in members])
+            self.segments.append([
+                _Group(dtype, [members[j] for j in positions], variables, parts, part,
+                       f"hyparflow_zero_{dtype}" + ("" if segments is None else f"_s{k}"))
+                for dtype, positions in by_dtype.items()
+            ])  # fmt: skip
+        self.groups = [group for groups in self.segments for group in groups]
         self._table_prefixes = [(v.path.replace("/", "_") + "_", v) for v in self.tables]
         owned = {id(v) for v in update.owned}
         split = update._split
@@ -124,12 +138,8 @@ class ShardedUpdate:
         self.clips = bool(getattr(inner_optimizer(model.optimizer), "global_clipnorm", None))
         self.sent_bytes = 0
         self.step_bytes = {
-            "reduce_scatter": sum(
-                ring_bytes(g.layout.padded, parts, g.reduced_dtype.itemsize) for g in self.groups
-            ),
-            "allgather": sum(
-                ring_bytes(g.layout.padded, parts, np.dtype(g.dtype).itemsize) for g in self.groups
-            ),
+            "reduce_scatter": sum(g.reduce_scatter_bytes for g in self.groups),
+            "allgather": sum(g.allgather_bytes for g in self.groups),
         }
         self.allreduce_bytes = sum(
             2 * ring_bytes(g.layout.length, parts, g.reduced_dtype.itemsize) for g in self.groups
@@ -248,19 +258,10 @@ class ShardedUpdate:
         process's tape sums them); the regularization's two parts."""
         whole, parts, reg_grads = self.update._regularization_and_grads()
         by_variable = {id(v): g for v, g in zip(self.update.regularized, reg_grads)}
-        added = []
-        for group, grad in zip(self.groups, slices):
-            pieces = []
-            for p in group.pieces:
-                reg = by_variable.get(id(self.variables[group.positions[p.variable]]))
-                if reg is None:
-                    pieces.append(tf.zeros([p.size], group.dtype))
-                else:
-                    flat = tf.reshape(tf.convert_to_tensor(reg), [-1])[p.start : p.stop]
-                    pieces.append(tf.cast(flat, group.dtype))
-            if group.padding:
-                pieces.append(tf.zeros([group.padding], group.dtype))
-            added.append(grad + tf.concat(pieces, axis=0) * tf.cast(scale, group.dtype))
+        added = [
+            self._plus_regularization(group, grad, by_variable, scale)
+            for group, grad in zip(self.groups, slices)
+        ]
         tables = list(tables)
         for j, table in enumerate(self.tables):
             reg = by_variable.get(id(table))
@@ -268,6 +269,23 @@ class ShardedUpdate:
                 grad = tf.convert_to_tensor(tables[j])
                 tables[j] = grad + tf.cast(reg, grad.dtype) * tf.cast(scale, grad.dtype)
         return added, tables, whole, parts
+
+    def _plus_regularization(self, group, grad, by_variable: dict, scale):
+        """`grad`, the slice of `group`, plus the slice of its variables' regularization
+        gradients `by_variable` (id -> gradient) times `scale`."""
+        pieces = []
+        for p in group.pieces:
+            reg = by_variable.get(id(self.variables[group.positions[p.variable]]))
+            if reg is None:
+                pieces.append(tf.zeros([p.size], group.dtype))
+            else:
+                flat = tf.reshape(tf.convert_to_tensor(reg), [-1])[p.start : p.stop]
+                pieces.append(tf.cast(flat, group.dtype))
+        if group.padding:
+            pieces.append(tf.zeros([group.padding], group.dtype))
+        if not pieces:
+            return grad
+        return grad + tf.concat(pieces, axis=0) * tf.cast(scale, group.dtype)
 
     def _squares(self, slices, tables, scale):
         """Squared norms of the owned pieces of `slices`, unscaled: (whole variables, shards),
@@ -319,10 +337,11 @@ class ShardedUpdate:
             return self.update._compiled_update(self._update_body)(list(slices))
         return self.update._compiled_update(self._clipped_update_body)(list(slices), norm)
 
-    def _load_slices(self) -> None:
-        """Each slice variable takes its elements of the stage's variables, which are the truth
-        between steps (restores, callbacks and tensor shards write those)."""
-        for group in self.groups:
+    def _load_slices(self, groups=None) -> None:
+        """Each slice variable (of `groups`, default all) takes its elements of the stage's
+        variables, which are the truth between steps (restores, callbacks and tensor shards
+        write those)."""
+        for group in self.groups if groups is None else groups:
             pieces = [
                 tf.reshape(self.variables[group.positions[p.variable]], [-1])[p.start : p.stop]
                 for p in group.pieces
@@ -345,13 +364,12 @@ class ShardedUpdate:
         apply_clipped(self.model.optimizer, slices, self._targets(), norm)
         return [g.variable.value for g in self.groups]
 
-    def _gather(self, values) -> None:
-        """Give every replica the updated parameters: each variable's pieces are broadcast by
-        the replicas that hold them, through one buffer the size of the largest variable, so
-        no rank holds a second copy of the whole stage."""
-        if not self.groups:
-            return
-        for group, value in zip(self.groups, values):
+    def _gather(self, values, groups=None) -> None:
+        """Give every replica the updated parameters (of `groups`, default all): each
+        variable's pieces are broadcast by the replicas that hold them, through one buffer the
+        size of the largest variable, so no rank holds a second copy of the whole stage."""
+        groups = self.groups if groups is None else groups
+        for group, value in zip(groups, values):
             mine = np.asarray(value)
             held = {p.variable: p for p in group.pieces}  # this replica's piece of each
             buffer = np.empty(max(group.layout.sizes), mine.dtype)
@@ -366,7 +384,45 @@ class ShardedUpdate:
                         # bytes, so that any dtype travels (MPI has no float16 or bfloat16)
                         self.comm.Bcast(buffer[start:stop].view(np.uint8), root=owner)
                 variable.assign(buffer[:size].reshape(tuple(variable.shape)))
-        self.sent_bytes += self.step_bytes["allgather"]
+            self.sent_bytes += group.allgather_bytes
+
+    # --- the update of one segment, during the last backward ----------------------------------
+    def apply_segment(self, k: int, grads: dict, step: int) -> None:
+        """Segment k's update as soon as the last backward has finished it (`SegmentUpdate`):
+        its gradients (`grads`, position -> gradient, let go here) reduce-scattered, its
+        regularization added, this replica's slices stepped at optimizer step `step` (as in
+        `Update.apply_some`), the new parameters all-gathered. Collective over the replicas.
+        Only where no step-wide decision waits for every gradient: no loss scaling and no
+        global clipping (`SegmentUpdate.usable`), no tables (never cut into segments)."""
+        groups = self.segments[k]
+        slices = []
+        for group in groups:
+            views = [np.asarray(grads.pop(i)).reshape(-1) for i in group.positions]
+            received = self._reduce_scatter(group, views)
+            views = None  # the segment's gradients can go
+            slices.append(tf.cast(tf.constant(received), group.dtype))
+            self.sent_bytes += group.reduce_scatter_bytes
+        self.build_optimizer()
+        self.model.optimizer.iterations.assign(step)
+        update = self.update._compiled_update(self._segment_body, key=k, segment=k)
+        values = update(slices, tf.constant(self.update.loss_scale(), tf.float32))
+        self._gather(values, groups)
+
+    def _segment_body(self, slices, scale, *, segment):
+        """Segment `segment`'s slices plus their regularization gradients, then the update."""
+        groups = self.segments[segment]
+        self._load_slices(groups)
+        members = {id(self.variables[i]) for g in groups for i in g.positions}
+        regularized = [v for v in self.update.regularized if id(v) in members]
+        if regularized:
+            with tf.GradientTape() as tape:
+                total = tf.add_n([tf.reduce_sum(v.regularizer(v)) for v in regularized])
+            by_variable = dict(zip(map(id, regularized), tape.gradient(total, regularized)))
+            slices = [
+                self._plus_regularization(g, s, by_variable, scale) for g, s in zip(groups, slices)
+            ]
+        self.model.optimizer.apply(list(slices), [g.variable for g in groups])
+        return [g.variable.value for g in groups]
 
     def build_optimizer(self) -> None:
         """Build the model's optimizer for the slice variables (once per optimizer object)."""
@@ -381,6 +437,22 @@ class ShardedUpdate:
             )
         optimizer.build(self._targets())
         self._built_for = optimizer
+
+
+def _parts(dense: list[int], segments) -> list[list[int]]:
+    """The dense positions of each of `segments` in order, then those of none (None: all one).
+
+    Example:
+        >>> _parts([0, 1, 3, 4], [[4, 3], [1, 2]])
+        [[3, 4], [1], [0]]
+    """
+    if segments is None:
+        return [list(dense)]
+    wanted = set(dense)
+    found = [sorted(i for i in members if i in wanted) for members in segments]
+    placed = {i for members in found for i in members}
+    rest = [i for i in dense if i not in placed]
+    return [m for m in found if m] + ([rest] if rest else [])
 
 
 def refusal(optimizer, strategy, comm_backend: str) -> str | None:

@@ -54,6 +54,9 @@ def run(case: Case) -> dict:
         "allreduce_bytes": zero.allreduce_bytes if zero else None,
         "steps": trainer.step,
         "elements": stage_elements,
+        "groups": len(zero.groups) if zero else 0,
+        # segments updated inside the backward (update_by_segment), all steps
+        "segment_updates": getattr(trainer.segment_update, "early_updates", None),
     }
 
 
@@ -78,22 +81,31 @@ def refusals() -> dict:
 
 
 def resumes_two(folder: str) -> dict:
-    """A ZeRO checkpoint resumed with ZeRO, without it and as a pipeline (R 2 -> 1); an
-    unsharded one resumed with ZeRO."""
+    """A ZeRO checkpoint resumed with ZeRO, without it, as a pipeline (R 2 -> 1) and with ZeRO
+    by segment (slices of each segment); an unsharded one resumed with ZeRO, a ZeRO by segment
+    one without ZeRO."""
     zero = hf.Strategy("data", shard_optimizer=True)
+    by_segment = hf.Strategy("data", shard_optimizer=True, update_by_segment=True)
     train(folder, strategy=zero, epochs=2, dropout=0.0)
     files = sorted(n for n in os.listdir(manifest.latest(folder)) if n.endswith(".npz"))
     results, _ = _resume_each(folder, {
         "same": zero, "off": hf.Strategy("data"), "model2": hf.Strategy("model", partitions=2),
+        "segments": by_segment,
     })  # fmt: skip
     plain = folder + "-plain"
     train(plain, strategy=hf.Strategy("data"), epochs=2, dropout=0.0)
     plain_results, _ = _resume_each(plain, {"same": hf.Strategy("data"), "on": zero})
+    segmented = folder + "-segments"
+    model, _ = train(segmented, strategy=by_segment, epochs=2, dropout=0.0)
+    segmented_results, _ = _resume_each(segmented, {"same": by_segment, "off": hf.Strategy("data")})
     return {
         "files": files,
         "off": relative_difference(results["off"], results["same"]),
         "model2": relative_difference(results["model2"], results["same"]),
+        "segments": relative_difference(results["segments"], results["same"]),
         "on": relative_difference(plain_results["on"], plain_results["same"]),
+        "segments_off": relative_difference(segmented_results["off"], segmented_results["same"]),
+        "segment_groups": len(model._hyparflow_trainer[1].zero.segments),
     }
 
 
