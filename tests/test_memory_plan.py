@@ -48,8 +48,12 @@ def test_arithmetic():
     replicated = dataclasses.replace(staged, replicas=2)
     assert buffers.held_gradients(replicated, 2**28) == 2**25
     assert buffers.step_buffers(replicated)["segment sum"] == 2**25
-    for other in ({"by_segment": False}, {"tensor": 2}, {"world": 1},
-                  {"replicas": 2, "zero": True}):  # fmt: skip
+    # ZeRO-1 by segment: one segment's gradients, its slice updated, every slice variable kept
+    sharded = buffers.step_buffers(dataclasses.replace(replicated, zero=True), 2, sharded=True)
+    assert "segment sum" not in sharded and sharded["flat gradients"] == buffers.CHUNK_BYTES
+    assert sharded["slice copies"] == 2**27 + 2 * 2**24
+    assert sharded["optimizer update"] == 3 * 2**24 // 2
+    for other in ({"by_segment": False}, {"tensor": 2}, {"world": 1}):
         unsegmented = dataclasses.replace(staged, **other)
         assert buffers.held_gradients(unsegmented, 2**28) == 2**28
     one = buffers.StageFacts(400, 2, stages=1, replicas=1, microbatches=1, world=1)

@@ -185,11 +185,12 @@ class ShardedUpdate:
         dtype = group.reduced_dtype
         window = max(1, CHUNK_BYTES // (parts * dtype.itemsize))
         received = np.empty(layout.shard_size, dtype)
-        send = np.empty((parts, min(window, layout.shard_size)), dtype)
+        buffer = np.empty(parts * min(window, layout.shard_size), dtype)
         for first in range(0, layout.shard_size, window):
             count = min(window, layout.shard_size - first)
+            send = buffer[: parts * count].reshape(parts, count)  # contiguous: no copy for MPI
             for part in range(parts):
-                row = send[part, :count]
+                row = send[part]
                 row[:] = 0  # the padding
                 start = layout.bounds(part)[0] + first
                 for j, begin, size in layout.segments(start, start + count):
@@ -197,8 +198,7 @@ class ShardedUpdate:
                     row[position : position + size] = views[j][begin : begin + size]
             with self._guard("reduce-scatter the gradients over the replicas"):
                 self.comm.Reduce_scatter_block(
-                    np.ascontiguousarray(send[:, :count]), received[first : first + count],
-                    op=mpi_op("SUM"),
+                    send, received[first : first + count], op=mpi_op("SUM")
                 )  # fmt: skip
         return received
 

@@ -56,8 +56,6 @@ def segments(facts: StageFacts) -> int:
     """
     if not facts.by_segment or facts.world == 1 or facts.tensor > 1:
         return 1
-    if facts.zero and facts.replicas > 1:
-        return 1
     return max(1, min(MAX_SEGMENTS, facts.gradient_bytes // SEGMENT_BYTES))
 
 
@@ -75,9 +73,10 @@ def step_buffers(facts: StageFacts, slots: float = 0.0, sharded: bool = False) -
     measured 1.5x the gradients it is given, counted (1 + slots) / 2) add to the step's
     gradients instead of reusing them as Keras's fused train step does; it updates groups of
     about `UPDATE_GROUP_BYTES` of variables (a larger one alone), so the temporaries are one
-    group's. `sharded` (ZeRO-1,
-    replicas > 1): one update of this replica's slice, whose variable, received sums and their
-    tensor are each a slice's bytes, and parameters broadcast through one variable's buffer.
+    group's. `sharded` (ZeRO-1, replicas > 1): this replica's slice variables (a slice of the
+    stage), and the update of one segment's slice at a time (the stage's where it is not cut),
+    whose received sums and their tensor are each that slice's bytes, and parameters broadcast
+    through one variable's buffer.
 
     Example:
         >>> step_buffers(StageFacts(400, 2, stages=1, replicas=2, microbatches=1, world=2))
@@ -98,17 +97,21 @@ def step_buffers(facts: StageFacts, slots: float = 0.0, sharded: bool = False) -
         buffers["flat parameters"] = g
         buffers["flat gradients"] = g
     elif segments(facts) > 1:
-        if facts.replicas > 1:  # a segment's gradients concatenated to be summed
-            buffers["segment sum"] = -(-g // segments(facts))
+        if facts.replicas > 1 and not sharded:  # a segment's gradients concatenated to be summed
+            buffers["segment sum"] = held_gradients(facts, g)
     elif flat and facts.replicas > 1:
         # a pipeline stage concatenates its gradients once; the whole model in chunks
         buffers["flat gradients"] = g if pipelined else min(g, CHUNK_BYTES)
     if facts.microbatches > 1:
         buffers["gradient sum"] = g  # the running sum beside the micro-batch's gradients
     if sharded and facts.replicas > 1:
-        part = -(-g // facts.replicas)
+        # the update of one segment's slice (the whole stage's where it is not cut)
+        part = -(-held_gradients(facts, g) // facts.replicas)
+        if segments(facts) > 1:  # reduce-scattered through one window's buffer
+            buffers["flat gradients"] = min(held_gradients(facts, g), CHUNK_BYTES)
         buffers["optimizer update"] = int(part * (1 + slots) / 2)
-        buffers["slice copies"] = 3 * part
+        # every slice variable, plus the received sums of one and their tensor
+        buffers["slice copies"] = -(-g // facts.replicas) + 2 * part
         buffers["parameter broadcast"] = 2 * facts.largest
         return buffers
     group = max(UPDATE_GROUP_BYTES, facts.largest)
