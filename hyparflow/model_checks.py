@@ -10,7 +10,7 @@ from hyparflow import _keras
 from hyparflow.engine.random_slices import unsliceable_random_layers
 from hyparflow.engine.structure import model_input_list
 from hyparflow.engine.sync_batchnorm import synchronized_layers
-from hyparflow.engine.zero import refusal as zero_refusal
+from hyparflow.engine.zero_refusal import refusal as zero_refusal
 
 
 def check_compiled(model) -> None:

@@ -9,7 +9,9 @@ optimizer on one 1-D variable per dtype holding its slice of the parameters, so 
 builds its slots for that slice alone. The updated slices are then all-gathered into every
 replica's variables. Embedding tables stay whole: their row-sparse gradients are gathered as
 without ZeRO and applied in the same optimizer call, because Keras's sparse update (Adam
-squares each (row, value) pair) is not the update of the densified gradient.
+squares each (row, value) pair) is not the update of the densified gradient. Where the stage
+updates segment by segment (`SegmentUpdate`), each segment is a flat vector of its own, and
+`apply_segment` runs all of this on one segment as soon as the last backward has finished it.
 
 Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
 Models", stage 1 (optimizer state partitioning).
@@ -24,23 +26,14 @@ import numpy as np
 import tensorflow as tf
 from keras.optimizers import LossScaleOptimizer
 
-from hyparflow import _keras
 from hyparflow.comm.allreduce import DEFAULT_BUCKET_BYTES, reduction_dtype
 from hyparflow.engine import sparse as rows
 from hyparflow.engine.mpi import mpi_op
 from hyparflow.engine.update import apply_clipped, inner_optimizer
-from hyparflow.engine.zero_layout import ZeroLayout, group_by_dtype, ring_bytes
+from hyparflow.engine.zero_layout import ZeroLayout, group_by_dtype, ring_bytes, segment_parts
 
-# The optimizers whose update of each element depends only on that element's gradient, state
-# and global scalars (step, learning rate): updating a slice of a flat vector is then exactly
-# updating the whole variables. Adafactor (row/column factors), Lamb (per-variable trust
-# ratio), Muon (orthogonalised matrices) are not, nor are custom optimizers we cannot read.
 # Bytes of gradients reduce-scattered per MPI call (as the fused allreduce's buckets).
 CHUNK_BYTES = DEFAULT_BUCKET_BYTES
-
-ELEMENTWISE_OPTIMIZERS = (
-    "SGD", "Adam", "AdamW", "Adamax", "Nadam", "RMSprop", "Adagrad", "Adadelta", "Lion", "Ftrl",
-)  # fmt: skip
 
 
 class _Group:
@@ -112,7 +105,7 @@ class ShardedUpdate:
         dense = [i for i in range(len(variables)) if i not in set(self.table_positions)]
         # one flat vector per dtype of each segment (a whole stage's dense variables by default)
         self.segments = []
-        for k, members in enumerate(_parts(dense, segments)):
+        for k, members in enumerate(segment_parts(dense, segments)):
             by_dtype = group_by_dtype([variables[i].dtype for i in members])
             self.segments.append([
                 _Group(dtype, [members[j] for j in positions], variables, parts, part,
@@ -437,63 +430,3 @@ class ShardedUpdate:
             )
         optimizer.build(self._targets())
         self._built_for = optimizer
-
-
-def _parts(dense: list[int], segments) -> list[list[int]]:
-    """The dense positions of each of `segments` in order, then those of none (None: all one).
-
-    Example:
-        >>> _parts([0, 1, 3, 4], [[4, 3], [1, 2]])
-        [[3, 4], [1], [0]]
-    """
-    if segments is None:
-        return [list(dense)]
-    wanted = set(dense)
-    found = [sorted(i for i in members if i in wanted) for members in segments]
-    placed = {i for members in found for i in members}
-    rest = [i for i in dense if i not in placed]
-    return [m for m in found if m] + ([rest] if rest else [])
-
-
-def refusal(optimizer, strategy, comm_backend: str) -> str | None:
-    """Why ZeRO-1 cannot shard `optimizer` under `strategy` exactly (None if it can): the
-    update of each element must depend on that element alone (docs/zero.md).
-
-    Example:
-        >>> refusal(keras.optimizers.Lamb(), strategy, "mpi")
-        'shard_optimizer=True: Lamb does not update each element ...'
-    """
-    name = "shard_optimizer=True"
-    if comm_backend != "mpi":
-        return f"{name} reduce-scatters gradients with MPI; use comm='mpi'."
-    if strategy.overlap_groups > 1:
-        return f"{name} reduces the flat gradient after the backward; use overlap_groups=1."
-    inner = inner_optimizer(optimizer)
-    kind = type(inner).__name__
-    if kind not in ELEMENTWISE_OPTIMIZERS or not type(inner).__module__.startswith("keras"):
-        return (
-            f"{name}: {kind} does not update each element from its own gradient and state (or "
-            f"hyparflow cannot tell), so a replica cannot update a slice alone; use one of "
-            f"{', '.join(ELEMENTWISE_OPTIMIZERS)}, or shard_optimizer=False."
-        )
-    if getattr(inner, "clipnorm", None):
-        return (
-            f"{name}: the optimizer's clipnorm clips each variable by its own norm, which a "
-            "slice cannot know; use global_clipnorm (clipped by the whole model's norm)."
-        )
-    if _keras.excludes_from_weight_decay(inner):
-        return (
-            f"{name}: exclude_from_weight_decay makes weight decay differ by variable, which a "
-            "flat slice cannot tell apart; drop the exclusion, or use shard_optimizer=False."
-        )
-    if getattr(inner, "use_ema", False):
-        return (
-            f"{name}: use_ema keeps a moving average of whole variables that the slices do not "
-            "hold; use use_ema=False, or shard_optimizer=False."
-        )
-    if (getattr(inner, "gradient_accumulation_steps", None) or 1) > 1:
-        return (
-            f"{name}: gradient_accumulation_steps accumulates whole gradients; accumulate by a "
-            "larger batch_size (or num_microbatches), or use shard_optimizer=False."
-        )
-    return None

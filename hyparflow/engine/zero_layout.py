@@ -107,6 +107,22 @@ class ZeroLayout:
         return [p for p in range(self.parts) if any(x.variable == variable for x in self.pieces(p))]
 
 
+def segment_parts(dense: list[int], segments) -> list[list[int]]:
+    """The dense positions of each of `segments` in order, then those of none (None: all one).
+
+    Example:
+        >>> segment_parts([0, 1, 3, 4], [[4, 3], [1, 2]])
+        [[3, 4], [1], [0]]
+    """
+    if segments is None:
+        return [list(dense)]
+    wanted = set(dense)
+    found = [sorted(i for i in members if i in wanted) for members in segments]
+    placed = {i for members in found for i in members}
+    rest = [i for i in dense if i not in placed]
+    return [m for m in found if m] + ([rest] if rest else [])
+
+
 def group_by_dtype(dtypes: list[str]) -> dict[str, list[int]]:
     """Positions of each dtype among `dtypes`, in first-seen order: one flat vector each.
 

@@ -1,0 +1,59 @@
+"""Whether ZeRO-1 can shard an optimizer exactly: each element's update must read only its own
+gradient and state (docs/zero.md); the check `model_checks` agrees on over every rank."""
+
+from __future__ import annotations
+
+from hyparflow import _keras
+from hyparflow.engine.update import inner_optimizer
+
+# The optimizers whose update of each element depends only on that element's gradient, state
+# and global scalars (step, learning rate): updating a slice of a flat vector is then exactly
+# updating the whole variables. Adafactor (row/column factors), Lamb (per-variable trust
+# ratio), Muon (orthogonalised matrices) are not, nor are custom optimizers we cannot read.
+ELEMENTWISE_OPTIMIZERS = (
+    "SGD", "Adam", "AdamW", "Adamax", "Nadam", "RMSprop", "Adagrad", "Adadelta", "Lion", "Ftrl",
+)  # fmt: skip
+
+
+def refusal(optimizer, strategy, comm_backend: str) -> str | None:
+    """Why ZeRO-1 cannot shard `optimizer` under `strategy` exactly (None if it can): the
+    update of each element must depend on that element alone (docs/zero.md).
+
+    Example:
+        >>> refusal(keras.optimizers.Lamb(), strategy, "mpi")
+        'shard_optimizer=True: Lamb does not update each element ...'
+    """
+    name = "shard_optimizer=True"
+    if comm_backend != "mpi":
+        return f"{name} reduce-scatters gradients with MPI; use comm='mpi'."
+    if strategy.overlap_groups > 1:
+        return f"{name} reduces the flat gradient after the backward; use overlap_groups=1."
+    inner = inner_optimizer(optimizer)
+    kind = type(inner).__name__
+    if kind not in ELEMENTWISE_OPTIMIZERS or not type(inner).__module__.startswith("keras"):
+        return (
+            f"{name}: {kind} does not update each element from its own gradient and state (or "
+            f"hyparflow cannot tell), so a replica cannot update a slice alone; use one of "
+            f"{', '.join(ELEMENTWISE_OPTIMIZERS)}, or shard_optimizer=False."
+        )
+    if getattr(inner, "clipnorm", None):
+        return (
+            f"{name}: the optimizer's clipnorm clips each variable by its own norm, which a "
+            "slice cannot know; use global_clipnorm (clipped by the whole model's norm)."
+        )
+    if _keras.excludes_from_weight_decay(inner):
+        return (
+            f"{name}: exclude_from_weight_decay makes weight decay differ by variable, which a "
+            "flat slice cannot tell apart; drop the exclusion, or use shard_optimizer=False."
+        )
+    if getattr(inner, "use_ema", False):
+        return (
+            f"{name}: use_ema keeps a moving average of whole variables that the slices do not "
+            "hold; use use_ema=False, or shard_optimizer=False."
+        )
+    if (getattr(inner, "gradient_accumulation_steps", None) or 1) > 1:
+        return (
+            f"{name}: gradient_accumulation_steps accumulates whole gradients; accumulate by a "
+            "larger batch_size (or num_microbatches), or use shard_optimizer=False."
+        )
+    return None
