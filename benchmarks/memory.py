@@ -5,9 +5,9 @@ Run: .venv/bin/python benchmarks/memory.py [--quick] [--shape 2048,6] [--cap 640
 
 MLP: Dense(WIDTH) x DEPTH on 256 inputs (tests/mpi/memory_checks.py), Adam, batch 32, 4 steps.
 Growth: each rank's peak resident growth from the model's build to the epoch's end, the
-largest rank's next to `hf.memory_plan`'s, for one process and 2 and 4 ranks along P, T, R,
-R with ZeRO-1, and P=4, R=2, R=4, P=2 x T=2 under `hf.scope()` (updating by segment). ZeRO-1:
-bytes a rank sends per step (reduce-scatter + all-gather) next to an allreduce's. Cap: each
+largest rank's next to `hf.memory_plan`'s, for 1, 2 and 4 ranks along P, T, R, R with ZeRO-1,
+and P=4, R=2, R=4 (also with ZeRO-1), P=2 x T=2 under `hf.scope()` (updating by segment).
+ZeRO-1: bytes a rank sends per step (reduce-scatter + all-gather) next to an allreduce's. Cap: each
 rank in its own cgroup (tests/support/cgroup.py; ~214 MiB of it is Python, TensorFlow, MPI); a
 bisection over the width of a depth-8 MLP finds the largest that trains one epoch (built under
 `hf.scope()` on 4 ranks; in one process hf.fit refuses what its plan says does not fit).
@@ -27,8 +27,8 @@ from benchmarks.harness.records import measurement  # noqa: E402
 FIGURE, MIB = "memory", 2**20
 TITLE = "(7) Memory per rank: peak growth vs the plan, ZeRO-1's bytes, the largest MLP under a cap"
 LAYOUTS = ["1,1,1", "2,1,1", "4,1,1", "4,1,1,scope", "1,1,2", "1,1,4", "1,2,1", "1,4,1",
-           "1,2,1,scope", "1,4,1,scope", "1,2,1,zero", "1,4,1,zero", "2,1,2",
-           "2,1,2,scope"]  # fmt: skip
+           "1,2,1,scope", "1,4,1,scope", "1,2,1,zero", "1,4,1,zero", "1,4,1,zero,scope",
+           "2,1,2", "2,1,2,scope"]  # fmt: skip
 CAPPED = ["1,1,1", "4,1,1,params,scope", "2,1,2,scope", "1,4,1,scope", "1,4,1,zero,scope"]
 
 
