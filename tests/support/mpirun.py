@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 
 # the checkout holding this file (tests/support/mpirun.py): its hyparflow is the one imported
@@ -25,6 +26,21 @@ MPI_ENV = {
     "OMP_NUM_THREADS": "1",
     "PYTHONPATH": REPO,
 }
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One launch's measured wall time against its limit (tests/conftest.py reports them)."""
+
+    test: str  # the pytest node that launched it (a module fixture: its first user)
+    scenario: str
+    np: int
+    seconds: float
+    timeout: float
+
+
+# every launch of this pytest process, in order
+LAUNCHES: list[Launch] = []
 
 
 @dataclass
@@ -83,6 +99,7 @@ def launch(
         proc = subprocess.Popen(
             cmd, cwd=REPO, env={**os.environ, **MPI_ENV, **env}, start_new_session=True
         )
+        started = time.monotonic()
         try:
             if on_start is not None:
                 on_start(proc, tmp)
@@ -95,6 +112,9 @@ def launch(
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             raise
+        finally:
+            test = os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0]
+            LAUNCHES.append(Launch(test, scenario, np, time.monotonic() - started, timeout))
         results, stdout, stderr = [], [], []
         for r in range(np):
             path = os.path.join(out, f"rank{r}.json")
