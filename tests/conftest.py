@@ -1,10 +1,28 @@
-"""Reports every mpirun launch's wall time against its limit at the end of a pytest run."""
+"""Session-wide test plumbing: one folder of shared Keras references for every launch, and a
+report of every mpirun launch's wall time against its limit at the end of a pytest run."""
 
-from tests.support.mpirun import LAUNCHES
+import os
+
+import pytest
+
+from tests.support.mpirun import LAUNCHES, REFERENCES_ENV
 
 # A launch's limit must be at least twice its slowest measured duration (docs/testing.md):
 # one that used more than this share of it is named in the summary.
 HEADROOM = 0.5
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_references(tmp_path_factory):
+    """Launches of this session read each other's Keras references (tests/support/references.py)."""
+    folder = tmp_path_factory.mktemp("references")
+    previous = os.environ.get(REFERENCES_ENV)
+    os.environ[REFERENCES_ENV] = str(folder)
+    yield folder
+    if previous is None:
+        del os.environ[REFERENCES_ENV]
+    else:
+        os.environ[REFERENCES_ENV] = previous
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -2,7 +2,14 @@
 
 Each case draws Keras's full-batch output once, then replays the same seed state for every
 piece of the batch (as the engine does for every micro-batch of a step) and requires the
-pieces put together to match bit for bit, eagerly and inside one tf.function trace.
+pieces put together to drop the same units, eagerly and inside one tf.function trace.
+
+Where a case is elementwise (dropout alone: each output is its input times the same scale, or
+zero), the pieces must equal the full batch bit for bit, by construction. Where a matmul stands
+around the dropout (attention, a Dense between two dropouts), a matmul over 8 rows and one over
+3+1+4 rows need not round alike (CPU kernels block by row count and instruction set): there the
+dropped units must match exactly and the values within float32 rounding, while a different mask
+would move them by O(1).
 """
 
 import threading
@@ -23,6 +30,8 @@ SPLITS = {
     "3+1+4": [(0, 3), (3, 4), (4, 8)],
 }
 KERAS_DROPOUT = keras_tf_random.dropout
+# float32 rounding of the matmuls around a dropout, far below a changed mask's O(1) effect
+MATMUL_RTOL, MATMUL_ATOL = 1e-5, 1e-6
 
 
 def _call(layer, rows):
@@ -66,6 +75,20 @@ CASES = {
     ),
     "sequential_two_dropouts": (_two_dropout_sequential, (8, 6), _call),
 }
+
+
+# cases whose outputs pass through a matmul (not bitwise across batch splits)
+WITH_MATMUL = {"multi_head_attention", "sequential_two_dropouts"}
+
+
+def _assert_same_draws(name, pieces, full):
+    """The pieces, put together, dropped what the full batch dropped (see the module doc)."""
+    together = np.concatenate(pieces)
+    np.testing.assert_array_equal(together == 0, full == 0)
+    if name in WITH_MATMUL:
+        np.testing.assert_allclose(together, full, rtol=MATMUL_RTOL, atol=MATMUL_ATOL)
+    else:
+        np.testing.assert_array_equal(together, full)
 
 
 def _seed_states(layer):
@@ -113,7 +136,7 @@ def test_eager_pieces_equal_full_batch(name, split):
         # The seed is drawn once per dropout call, as in Keras's full-batch call.
         np.testing.assert_array_equal(_snapshot(states), state_after_full)
 
-    assert np.array_equal(np.concatenate(pieces), full)
+    _assert_same_draws(name, pieces, full)
     assert keras_tf_random.dropout is KERAS_DROPOUT
 
 
@@ -145,7 +168,7 @@ def test_traced_pieces_equal_full_batch_with_one_trace(name, split):
         pieces.append(piece(x[begin:end], tf.constant(begin), tf.constant(GLOBAL_SIZE)).numpy())
 
     assert len(traces) == 1
-    assert np.array_equal(np.concatenate(pieces), full)
+    _assert_same_draws(name, pieces, full)
     assert keras_tf_random.dropout is KERAS_DROPOUT
 
 
@@ -177,7 +200,7 @@ def test_one_row_pieces_traced_with_static_shape(name):
         pieces.append(piece(x[begin : begin + 1], tf.constant(begin), tf.constant(GLOBAL_SIZE)))
 
     assert len(traces) == 1
-    assert np.array_equal(np.concatenate(pieces), full)
+    _assert_same_draws(name, pieces, full)
 
 
 @pytest.mark.parametrize("name", ["dropout_0.5", "spatial_1d", "noise_shape_shared_batch"])

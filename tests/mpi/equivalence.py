@@ -1,8 +1,8 @@
 """Train each case with hf.fit and with plain Keras from the same weights; report the differences.
 
-Arguments: cases as JSON (tests/support/cases.py). Every rank trains the single-process Keras
-reference itself (tiny models), so each rank can compare its own copy of the trained model,
-which must hold the full weights.
+Arguments: cases as JSON (tests/support/cases.py). The single-process Keras reference is
+trained once and read by every rank (tests/support/references.py), so each rank can compare its
+own copy of the trained model, which must hold the full weights.
 """
 
 import os
@@ -11,6 +11,7 @@ import keras
 
 import hyparflow as hf
 from hyparflow.engine import flat, update
+from tests.support import references
 from tests.support.cases import Case
 from tests.support.compare import history_difference, relative_difference
 from tests.support.models import compiled, data
@@ -34,14 +35,9 @@ def _run(case: Case) -> dict:
     name = case.model
     x, y = data(name)
     vx, vy = data(name, n=20, seed=1)
-    reference = compiled(name, case.optimizer, case.policy)
-    # Keras's compiled train step retraces with an unknown batch size for the last, smaller
-    # batch, and its per-output loss trackers then stop weighting by batch size; eager Keras
-    # weights them exactly (as hyparflow does). Same math otherwise.
-    reference.run_eagerly = name == "multi_io"
-    ref_history = reference.fit(
-        x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0, validation_data=(vx, vy)
-    )
+    key = {"scenario": "equivalence", "model": name, "optimizer": case.optimizer,
+           "policy": case.policy}  # fmt: skip
+    reference = references.shared(key, lambda: _train_reference(case, (x, y), (vx, vy)))
     model = compiled(name, case.optimizer, case.policy)
     strategy = hf.Strategy(**case.strategy_options())
     history = hf.fit(
@@ -51,17 +47,16 @@ def _run(case: Case) -> dict:
     # where hf.fit left this rank's threads (hyparflow.launch.affinity): one set for all
     threads = {frozenset(os.sched_getaffinity(int(t))) for t in os.listdir("/proc/self/task")}
     predicted = hf.predict(model, vx, batch_size=8, strategy=strategy)
-    expected = reference.predict(vx, batch_size=8, verbose=0)
     evaluated = hf.evaluate(model, vx, vy, batch_size=8, strategy=strategy, return_dict=True)
-    ref_evaluated = reference.evaluate(vx, vy, batch_size=8, verbose=0, return_dict=True)
     return {
         "case": case.id,
         "thread_cores": sorted(map(sorted, threads)),
-        "predict": relative_difference(keras.tree.flatten(predicted), keras.tree.flatten(expected)),
+        "predict": relative_difference(keras.tree.flatten(predicted), reference["predicted"]),
         "evaluate": history_difference(
-            {k: [v] for k, v in evaluated.items()}, {k: [v] for k, v in ref_evaluated.items()}
+            {k: [v] for k, v in evaluated.items()},
+            {k: [v] for k, v in reference["evaluated"].items()},
         ),
-        "reference_optimizer_variables": len(reference.optimizer.variables),
+        "reference_optimizer_variables": reference["optimizer_variables"],
         "loss_scale": float(getattr(model.optimizer, "dynamic_scale", 1.0)),
         "overlap_early_starts": getattr(
             model._hyparflow_trainer[1].gradient_sync.overlap, "early_starts", None
@@ -75,12 +70,32 @@ def _run(case: Case) -> dict:
         "shared_across_stages": model._hyparflow_trainer[1].gradient_sync.shared is not None,
         "stage_variables": len(model._hyparflow_trainer[1].variables),
         "dense_variables": len(model._hyparflow_trainer[1].dense),  # tables are not flat
-        "ref_loss_scale": float(getattr(reference.optimizer, "dynamic_scale", 1.0)),
-        "weights": relative_difference(model.get_weights(), reference.get_weights()),
-        "history": history_difference(history.history, ref_history.history),
+        "ref_loss_scale": reference["loss_scale"],
+        "weights": relative_difference(model.get_weights(), reference["weights"]),
+        "history": history_difference(history.history, reference["history"]),
         "keys": sorted(history.history),
-        "ref_keys": sorted(ref_history.history),
+        "ref_keys": sorted(reference["history"]),
         "optimizer_variables": len(model.optimizer.variables),
+    }
+
+
+def _train_reference(case: Case, train: tuple, validation: tuple) -> dict:
+    """Plain Keras's fit, predict and evaluate of the case's model: what `_run` compares with."""
+    reference = compiled(case.model, case.optimizer, case.policy)
+    # Keras's compiled train step retraces with an unknown batch size for the last, smaller
+    # batch, and its per-output loss trackers then stop weighting by batch size; eager Keras
+    # weights them exactly (as hyparflow does). Same math otherwise.
+    reference.run_eagerly = case.model == "multi_io"
+    history = reference.fit(*train, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
+                            validation_data=validation)  # fmt: skip
+    vx, vy = validation
+    return {
+        "weights": reference.get_weights(),
+        "history": history.history,
+        "predicted": keras.tree.flatten(reference.predict(vx, batch_size=8, verbose=0)),
+        "evaluated": reference.evaluate(vx, vy, batch_size=8, verbose=0, return_dict=True),
+        "optimizer_variables": len(reference.optimizer.variables),
+        "loss_scale": float(getattr(reference.optimizer, "dynamic_scale", 1.0)),
     }
 
 

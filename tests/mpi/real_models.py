@@ -1,33 +1,26 @@
 """Train each case (tests/support/zoo.py's models) with hf.fit and with plain Keras; report diffs.
 
 Arguments: cases as JSON (tests/support/cases.py), the optimizer as zoo.optimizer names it
-("adam+globalclip"). Every rank trains the Keras reference itself and compares its own copy of
-the trained model, which holds the full weights.
+("adam+globalclip"). The Keras reference is trained once and read by every rank
+(tests/support/references.py); each rank compares its own copy of the trained model, which
+holds the full weights.
 """
 
 import keras
 
 import hyparflow as hf
-from tests.support import zoo
+from tests.support import references, zoo
 from tests.support.cases import Case
 from tests.support.compare import history_difference, relative_difference
 from tests.support.report import args, report
 
-BATCH, EPOCHS = 16, 2
 TRACED = ("_first_fn", "_accumulate_fn", "_forward_fn", "_loss_forward_fn")  # runners' steps
 
 
 def run(case: Case) -> dict:
     name, optimizer = case.model, case.optimizer
-    epochs = 1 if case.one_step else EPOCHS
-    if name in zoo.TEXT_MODELS:  # batches of varying sequence length
-        x, y, batch_size = zoo.text_batches(name, BATCH), None, None
-    else:  # one step: deep networks at tiny sizes amplify float noise step by step
-        (x, y), batch_size = zoo.data(name, n=BATCH if case.one_step else 70), BATCH
-    reference = zoo.compiled(name, optimizer, case.policy)
-    ref_history = reference.fit(
-        x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0
-    )
+    x, y, batch_size, epochs = zoo.training_data(name, case.one_step)
+    reference = references.zoo_fit(name, optimizer, case.policy, case.one_step)
     model = zoo.compiled(name, optimizer, case.policy)
     strategy = hf.Strategy(**case.strategy_options())
     history = hf.fit(
@@ -42,11 +35,11 @@ def run(case: Case) -> dict:
         "case": case.id,
         # most traces of one compiled step function (Keras's own: 2 for varying lengths)
         "traces": max(f.experimental_get_tracing_count() for f in functions if f is not None),
-        "weights": relative_difference(model.get_weights(), reference.get_weights()),
-        "history": history_difference(history.history, ref_history.history),
+        "weights": relative_difference(model.get_weights(), reference["weights"]),
+        "history": history_difference(history.history, reference["history"]),
         "grid_nodes": trainer.topology.nodes,  # host of each grid place
         "keys": sorted(history.history),
-        "ref_keys": sorted(ref_history.history),
+        "ref_keys": sorted(reference["history"]),
         # tensor parallelism: the layers split on this rank, and their shards' and the optimizer
         # slots' elements (to compare with the whole model's)
         "split": [s.layer.name for s in shards.layout.splits] if shards else [],

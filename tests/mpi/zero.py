@@ -2,8 +2,9 @@
 refusals and checkpoints that change layout on resume.
 
 Usage: `python -m tests.mpi.zero OUT FOLDER CASE_JSON...`. Each case (tests/support/cases.py,
-a zoo model) is trained by hf.fit and by Keras's own fit on every rank. Then, on 2 ranks, the
-refusals and a resume between ZeRO on and off; on 4 ranks, a resume that changes R and P.
+a zoo model) is trained by hf.fit and compared with Keras's own fit (tests/support/references.py).
+Then, on 2 ranks, the refusals and a resume between ZeRO on and off; on 4 ranks, a resume that
+changes R and P.
 """
 
 import os
@@ -14,7 +15,7 @@ import numpy as np
 import hyparflow as hf
 from hyparflow.checkpoint import manifest
 from tests.mpi.reliability import BATCH, EPOCHS, _resume_each, train
-from tests.support import zoo
+from tests.support import references, zoo
 from tests.support.cases import Case
 from tests.support.compare import history_difference, relative_difference
 from tests.support.report import args, report
@@ -23,12 +24,11 @@ SLOTS = {"adam": 2, "sgd": 1}  # optimizer slots per element (SGD with momentum)
 
 
 def run(case: Case) -> dict:
-    (x, y), batch_size = zoo.data(case.model, n=70), 16
-    reference = zoo.compiled(case.model, case.optimizer, case.policy)
-    ref_history = reference.fit(x, y, batch_size=batch_size, epochs=2, shuffle=False, verbose=0)
+    x, y, batch_size, epochs = zoo.training_data(case.model)
+    reference = references.zoo_fit(case.model, case.optimizer, case.policy)
     model = zoo.compiled(case.model, case.optimizer, case.policy)
     history = hf.fit(
-        model, x, y, batch_size=batch_size, epochs=2, shuffle=False, verbose=0,
+        model, x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0,
         strategy=hf.Strategy(**case.strategy_options()),
     )  # fmt: skip
     trainer = model._hyparflow_trainer[1]
@@ -43,8 +43,8 @@ def run(case: Case) -> dict:
     slots = SLOTS[case.optimizer.split("+")[0]]
     return {
         "case": case.id,
-        "weights": relative_difference(model.get_weights(), reference.get_weights()),
-        "history": history_difference(history.history, ref_history.history),
+        "weights": relative_difference(model.get_weights(), reference["weights"]),
+        "history": history_difference(history.history, reference["history"]),
         "zero": zero is not None,
         "slot_ratio": slot_elements / (slots * stage_elements),
         "dense_slot_ratio": (slot_elements - slots * table_elements)

@@ -7,13 +7,14 @@ def relative_difference(got, expected) -> float:
     """Largest weight error relative to its tensor's magnitude (tensors below 0.01 count as
     0.01, so near-zero tensors such as fresh biases compare absolutely)."""
     worst = 0.0
-    for g, e in zip(got, expected):
+    for g, e in zip(got, expected, strict=True):  # a missing weight is an error
         scale = max(float(np.max(np.abs(e))), 1e-2)
         worst = max(worst, float(np.max(np.abs(g - e))) / scale)
     return worst
 
 
 def history_difference(got: dict, expected: dict) -> float:
+    """Largest History error relative to its metric's magnitude; infinite if the keys differ."""
     if set(got) != set(expected):
         return float("inf")
     return max(

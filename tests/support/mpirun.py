@@ -27,6 +27,10 @@ MPI_ENV = {
     "PYTHONPATH": REPO,
 }
 
+# a folder where the launches of one pytest session share Keras references
+# (tests/support/references.py; tests/conftest.py sets it)
+REFERENCES_ENV = "HF_TEST_REFERENCES"
+
 
 @dataclass(frozen=True)
 class Launch:

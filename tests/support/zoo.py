@@ -337,6 +337,18 @@ def text_batches(name: str, batch_size: int, seed: int = 0):
     return dataset.apply(tf.data.experimental.assert_cardinality(len(batches)))
 
 
+def training_data(name: str, one_step: bool = False):
+    """What the equivalence scenarios fit model `name` on: (x, y, batch_size, epochs). Text
+    models take batches of varying sequence length; the others 70 samples in batches of 16 for
+    2 epochs, or one batch for one step (`one_step`: deep networks at tiny sizes amplify float
+    noise step by step)."""
+    epochs = 1 if one_step else 2
+    if name in TEXT_MODELS:
+        return text_batches(name, 16), None, None, epochs
+    x, y = data(name, n=16 if one_step else 70)
+    return x, y, 16, epochs
+
+
 def data(name: str, n: int = 70, seed: int = 0):
     """Inputs and targets for model `name` (the same on every rank)."""
     rng = np.random.default_rng(seed)
