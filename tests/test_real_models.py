@@ -121,7 +121,7 @@ def sparse_optimizers(request):
 
 @pytest.fixture(scope="module")
 def two_ranks(request):
-    return run_cases("real_models", 2, selected(request, TWO_RANKS), timeout=540)
+    return run_cases("real_models", 2, selected(request, TWO_RANKS), timeout=1100)
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +152,7 @@ def test_embedding_tables_train_exactly_with_every_optimizer_and_clipping(sparse
     _check(case, sparse_optimizers[case.id])
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(1200)
 @pytest.mark.parametrize("case", TWO_RANKS, ids=str)
 def test_dropout_added_losses_masks_and_keras_hub_models_match_keras(two_ranks, case):
     _check(case, two_ranks[case.id])

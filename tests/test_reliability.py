@@ -2,7 +2,6 @@
 
 import json
 import os
-import time
 
 import pytest
 
@@ -11,10 +10,9 @@ from tests.support.mpirun import launch, run_scenario
 
 def test_killed_rank_ends_the_job_and_resume_matches_an_uninterrupted_run(tmp_path):
     folder = str(tmp_path / "checkpoints")
-    start = time.monotonic()
+    # ended by the kill, within the launch's limit (measured 20 s; a hang would run into it)
     crash = launch("reliability", 2, "crash", folder, timeout=120)
-    assert crash.returncode not in (0, -9), crash.describe()  # ended by the kill, not our timeout
-    assert time.monotonic() - start < 60  # well within the 30 s watchdog plus start-up
+    assert crash.returncode not in (0, -9), crash.describe()
     assert all(r is None for r in crash.results)
     assert sorted(os.listdir(folder)) == ["ckpt-000000002", "ckpt-000000004", "ckpt-000000006"]
     for r in run_scenario("reliability", 2, "resume", folder, timeout=180):
@@ -59,10 +57,8 @@ def test_a_tensor_parallel_checkpoint_resumes_with_other_tensor_counts(tmp_path)
 
 @pytest.mark.timeout(120)
 def test_a_stalled_rank_is_reported_and_the_job_aborted(tmp_path):
-    start = time.monotonic()
+    # the 5 s watchdog ends it (measured 13 s), not the 600 s sleep, which would outlast the limit
     run = launch("reliability", 2, "stall", str(tmp_path / "ckpt"), timeout=100)
-    elapsed = time.monotonic() - start
     assert run.returncode not in (0, -9), run.describe()
-    assert elapsed < 60  # 5 s watchdog, not the 600 s sleep
     assert "stalled" in run.stderr[0] and "step 2" in run.stderr[0], run.describe()
     assert "HYPARFLOW_WATCHDOG_TIMEOUT" in run.stderr[0]
