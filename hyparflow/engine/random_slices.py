@@ -6,9 +6,11 @@ would get its own unrelated mask and training would drift from single-process
 Keras. Inside `global_batch_slice(offset, global_size)`, Keras's TensorFlow
 dropout draws, from the same seed and exactly once per call, the mask Keras
 would draw for the whole (global_size, ...) batch, and applies its rows
-[offset, offset + n) to a piece of n rows; the pieces then put together equal
-one full-batch call bit for bit, gradients included. Random layers whose draws
-cannot be cut into rows that way are named by `unsliceable_random_layers`.
+[offset, offset + n) to a piece of n rows; the dropout's outputs on the pieces
+then put together equal its full-batch output bit for bit, gradients included
+(layers around it, such as a matmul over fewer rows, may round differently).
+Random layers whose draws cannot be cut into rows that way are named by
+`unsliceable_random_layers`.
 """
 
 import contextlib
