@@ -175,7 +175,7 @@ def test_cgroup_cap_kills_only_what_exceeds_it():
 )
 def test_prediction_within_25_percent_of_measured_growth(ranks, spec):
     """The plan counts what TensorFlow's pooled (BFC) CPU allocator holds, the allocator it uses
-    where it turns oneDNN on (CPUs with AVX-512 and newer). Elsewhere its default allocator is
+    where it turns oneDNN on (CPUs with AVX-512 VNNI or newer). Elsewhere its default allocator is
     glibc's malloc, which keeps freed blocks: one process grew 604-630 MiB there against 361
     under BFC (docs/memory.md). The ranks run under BFC so that the test holds on any CPU."""
     env = {"TF_CPU_ALLOCATOR_USE_BFC": "true"}

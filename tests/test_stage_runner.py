@@ -334,7 +334,7 @@ def test_fused_step_holds_its_gradients_about_once_not_twice():
     (measured 1.1-1.25x), where one whole-model concat needs two (measured 2-2.1x). Measured in a
     process of its own (tests/support/allocator_peak.py), under TensorFlow's BFC allocator:
     the default CPU allocator keeps statistics only where TensorFlow turns oneDNN on (CPUs
-    with AVX-512 and newer), and BFC's peak counts the live bytes whatever the CPU (measured
+    with AVX-512 VNNI or newer), and BFC's peak counts the live bytes whatever the CPU (measured
     1.25x and 2.12x on an AMD EPYC without AVX-512; docs/testing.md)."""
     run = subprocess.run(
         [sys.executable, "-m", "tests.support.allocator_peak"], capture_output=True, text=True,

@@ -2,7 +2,7 @@
 
 Run as `TF_CPU_ALLOCATOR_USE_BFC=true python -m tests.support.allocator_peak`: prints JSON
 {"chunked", "whole", "gradient_bytes"}. TensorFlow's default CPU allocator keeps no statistics
-unless oneDNN is on (TensorFlow turns it on for CPUs with AVX-512 and newer); the BFC allocator
+unless oneDNN is on (TensorFlow turns it on for CPUs with AVX-512 VNNI or newer); the BFC allocator
 keeps them on any CPU, and its peak counts live bytes. A process of its own, because in a long
 pytest process what earlier tests left in TensorFlow's allocator and threads moves the peak (a
 full `make test` measured 1.43x where the same test alone measures 1.25x).
