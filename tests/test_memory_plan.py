@@ -14,7 +14,7 @@ from hyparflow.memory import buffers, counts
 from hyparflow.memory.limits import cgroup_paths, memory_limit, memory_room, parse_limit
 from hyparflow.memory.slots import optimizer_slots
 from tests.support import cgroup
-from tests.support.mpirun import run_scenario
+from tests.support.mpirun import POOLED_ALLOCATOR_ENV, run_scenario
 
 MIB = 2**20
 TOLERANCE = 0.25
@@ -178,8 +178,9 @@ def test_prediction_within_25_percent_of_measured_growth(ranks, spec):
     where it turns oneDNN on (CPUs with AVX-512 VNNI or newer). Elsewhere its default allocator is
     glibc's malloc, which keeps freed blocks: one process grew 604-630 MiB there against 361
     under BFC (docs/memory.md). The ranks run under BFC so that the test holds on any CPU."""
-    env = {"TF_CPU_ALLOCATOR_USE_BFC": "true"}
-    for result in run_scenario("memory_checks", ranks, "measure", spec, SHAPE, env=env):
+    for result in run_scenario(
+        "memory_checks", ranks, "measure", spec, SHAPE, env=POOLED_ALLOCATOR_ENV
+    ):
         error = result["predicted"] / result["growth"] - 1
         assert abs(error) < TOLERANCE, (spec, result["line"], result["growth"] / MIB)
 

@@ -16,6 +16,7 @@ from hyparflow.engine import flat
 from hyparflow.engine.flat import FlatLayout
 from hyparflow.engine.fused import FusedRunner
 from hyparflow.engine.stage import StageRunner
+from tests.support.mpirun import POOLED_ALLOCATOR_ENV
 
 
 def _model():
@@ -339,7 +340,7 @@ def test_fused_step_holds_its_gradients_about_once_not_twice():
     run = subprocess.run(
         [sys.executable, "-m", "tests.support.allocator_peak"], capture_output=True, text=True,
         cwd=Path(__file__).resolve().parents[1],
-        env={**os.environ, "TF_CPU_ALLOCATOR_USE_BFC": "true"},
+        env={**os.environ, **POOLED_ALLOCATOR_ENV},
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     peaks = json.loads(run.stdout.strip().splitlines()[-1])

@@ -27,6 +27,11 @@ MPI_ENV = {
     "PYTHONPATH": REPO,
 }
 
+# TensorFlow's pooled CPU allocator on any CPU: its default keeps no statistics and holds freed
+# blocks in glibc's heap unless oneDNN is on (AVX-512 VNNI or newer); memory tests measure under
+# this one (docs/testing.md)
+POOLED_ALLOCATOR_ENV = {"TF_CPU_ALLOCATOR_USE_BFC": "true"}
+
 # a folder where the launches of one pytest session share Keras references
 # (tests/support/references.py; tests/conftest.py sets it)
 REFERENCES_ENV = "HF_TEST_REFERENCES"
