@@ -331,12 +331,15 @@ def test_chunked_layout_round_trips_and_bounds_each_chunk():
 
 def test_fused_step_holds_its_gradients_about_once_not_twice():
     """The engine's own buffers must not grow back (docs/engine.md, "Memory"): a data-parallel
-    step whose gradients are concatenated in chunks peaks at about one copy of the gradients
-    (measured 1.1-1.25x), where one whole-model concat needs two (measured 2-2.1x). Measured in a
-    process of its own (tests/support/allocator_peak.py), under TensorFlow's BFC allocator:
-    the default CPU allocator keeps statistics only where TensorFlow turns oneDNN on (CPUs
-    with AVX-512 VNNI or newer), and BFC's peak counts the live bytes whatever the CPU (measured
-    1.25x and 2.12x on an AMD EPYC without AVX-512; docs/testing.md)."""
+    step whose gradients are concatenated in chunks peaks at one copy of the gradients plus the
+    chunks in flight, where one whole-model concat needs two copies. Measured in a process of its
+    own (tests/support/allocator_peak.py), under TensorFlow's BFC allocator, whose peak counts the
+    live bytes on any CPU (the default CPU allocator keeps statistics only where TensorFlow turns
+    oneDNN on). How many chunks are in flight depends on how TensorFlow's threads interleave the
+    concats: on an AMD EPYC with 2 cores, 6 runs in a row measured 1.25x (two 4 MiB chunks) four
+    times and 1.37x (three) twice, and 2.12x whole every time (docs/testing.md). So the bound
+    counts chunks, not a ratio: at most four in flight, and at least half a copy saved against
+    the whole concat of the same run."""
     run = subprocess.run(
         [sys.executable, "-m", "tests.support.allocator_peak"], capture_output=True, text=True,
         cwd=Path(__file__).resolve().parents[1],
@@ -345,6 +348,8 @@ def test_fused_step_holds_its_gradients_about_once_not_twice():
     assert run.returncode == 0, run.stderr[-3000:]
     peaks = json.loads(run.stdout.strip().splitlines()[-1])
     chunked, whole = peaks["chunked"], peaks["whole"]
-    gradient_bytes = peaks["gradient_bytes"]
-    assert whole > 1.8 * gradient_bytes  # the measurement sees the whole-model copy
-    assert chunked < 1.35 * gradient_bytes, (chunked / gradient_bytes, whole / gradient_bytes)
+    gradient_bytes, chunk_bytes = peaks["gradient_bytes"], peaks["chunk_bytes"]
+    ratios = (chunked / gradient_bytes, whole / gradient_bytes)
+    assert whole > 1.8 * gradient_bytes, ratios  # the measurement sees the whole-model copy
+    assert chunked < gradient_bytes + 4 * chunk_bytes, ratios
+    assert whole - chunked > 0.5 * gradient_bytes, ratios
