@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from hyparflow._lazy import lazy_names
 
 __version__ = "0.1.0"
 
@@ -59,16 +60,4 @@ if TYPE_CHECKING:  # what static tools and IDEs see
     from hyparflow.strategy import Strategy
 
 
-def __getattr__(name: str):
-    if name not in _WHERE:
-        raise AttributeError(f"module 'hyparflow' has no attribute {name!r}")
-    module = _WHERE[name]
-    if module is None:
-        return importlib.import_module(f"hyparflow.{name}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted([*__all__, "__version__"])
+__getattr__, __dir__ = lazy_names(__name__, _WHERE)

@@ -11,6 +11,8 @@ import argparse
 import json
 import sys
 
+from hyparflow.partitioner.source import CUSTOM_OBJECTS_HELP
+
 
 def main(argv=None) -> int:
     """Run the `hyparflow` command; returns the exit status.
@@ -56,7 +58,10 @@ def _add_plan_command(commands):
         help="split a saved model into pipeline stages and print the plan",
         description="Split a saved Keras model into balanced pipeline stages; print the table.",
     )
-    plan.add_argument("model", help="a saved Keras model (.keras file)")
+    plan.add_argument(
+        "model", help="a saved Keras model (.keras file), or module:function that builds one"
+    )
+    plan.add_argument("--custom-objects", metavar="MODULE", help=CUSTOM_OBJECTS_HELP)
     plan.add_argument("--partitions", "-p", type=int, required=True, help="number of stages")
     plan.add_argument(
         "--balance",
@@ -137,9 +142,8 @@ def _print_plan(plan, args, placement: list[dict] | None) -> int:
 
 
 def _run_plan(args) -> int:
-    import keras
-
     from hyparflow.api import partition
+    from hyparflow.partitioner.source import load_model
 
     try:  # `--hosts` is checked before the model is loaded (LaunchError is a ValueError)
         placement = _placement(args)
@@ -148,7 +152,11 @@ def _run_plan(args) -> int:
         return 1
     if args.memory:
         return _run_memory_plan(args, placement)
-    model = keras.saving.load_model(args.model, compile=False)
+    try:
+        model = load_model(args.model, args.custom_objects, compile=False)
+    except ValueError as error:
+        print(f"hyparflow plan: {error}", file=sys.stderr)
+        return 1
     balance = args.balance
     if balance not in ("layers", "params", "flops", "time"):
         balance = [name.strip() for name in balance.split(",") if name.strip()]
@@ -169,15 +177,17 @@ def _run_plan(args) -> int:
 
 
 def _run_memory_plan(args, placement: list[dict] | None) -> int:
-    import keras
-
     from hyparflow.memory import memory_plan
+    from hyparflow.partitioner.source import load_model
     from hyparflow.strategy import Strategy
 
     try:
-        model = keras.saving.load_model(args.model)  # compiled, for its optimizer's slots
+        model = load_model(args.model, args.custom_objects)  # compiled: its optimizer's slots
+    except ValueError as error:
+        print(f"hyparflow plan: {error}", file=sys.stderr)
+        return 1
     except Exception:  # a loss or optimizer this process cannot rebuild: count none
-        model = keras.saving.load_model(args.model, compile=False)
+        model = load_model(args.model, args.custom_objects, compile=False)
     if args.optimizer:
         model.compile(optimizer=args.optimizer)
     balance = args.balance

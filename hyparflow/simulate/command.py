@@ -10,10 +10,8 @@ import sys
 import tempfile
 from dataclasses import replace
 
-import keras
-
+from hyparflow.partitioner.source import CUSTOM_OBJECTS_HELP
 from hyparflow.simulate.costs import ModelCosts
-from hyparflow.simulate.measure import measure_model
 from hyparflow.simulate.netbench import launch
 from hyparflow.simulate.network import Link, Network
 from hyparflow.simulate.placement import Layout
@@ -30,8 +28,8 @@ def add_arguments(parser) -> None:
     """The `simulate` subcommand's options."""
     # fmt: off
     add = parser.add_argument
-    add("source", help="a saved Keras model (.keras: its layers are timed here) or a costs "
-        "file (.json, from --save-costs)")
+    add("source", help="a saved Keras model (.keras: its layers are timed here), module:function "
+        "that builds a compiled one, or a costs file (.json, from --save-costs)")
     add("--batch-size", type=int, required=True, help="global batch per step")
     add("--partitions", "-p", type=_ints, default=[1], help='e.g. "1,2,4"')
     add("--replicas", "-r", type=_ints, default=[1], help='e.g. "1,2,4"')
@@ -58,6 +56,7 @@ def add_arguments(parser) -> None:
         help="measure the intra-node link and hyparflow's message costs here (mpirun, 2 ranks)")
     net("--save-network", help="write the network used to this JSON file")
     model = parser.add_argument_group("measuring a .keras model").add_argument
+    model("--custom-objects", metavar="MODULE", help=CUSTOM_OBJECTS_HELP)
     model("--save-costs", help="write the measured costs to this JSON file")
     model("--profile-batch-sizes", type=_ints, default=[16, 64],
           help="two batch sizes to time the layers at (default 16,64)")
@@ -130,11 +129,15 @@ def _network_line(network: Network, machine: Machine) -> str:
 
 
 def _costs(args) -> ModelCosts:
+    """The model's costs: read from a costs file, or timed here (Keras imported only then)."""
     if args.source.endswith(".json"):
         return ModelCosts.load(args.source)
     if len(args.profile_batch_sizes) != 2:
         raise ValueError("--profile-batch-sizes takes two sizes, e.g. 16,64")
-    model = keras.saving.load_model(args.source)
+    from hyparflow.partitioner.source import load_model  # Keras, imported only now
+    from hyparflow.simulate.measure import measure_model
+
+    model = load_model(args.source, args.custom_objects)
     if getattr(model, "optimizer", None) is None:
         raise ValueError(f"{args.source} was saved without compiling; compile it, then save")
     costs = measure_model(model, tuple(args.profile_batch_sizes), args.input_shape)
