@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from hyparflow._lazy import lazy_names
+from hyparflow.comm import uncaught
+from hyparflow.comm.world import launched
 
 __version__ = "0.1.0"
 
@@ -61,3 +63,6 @@ if TYPE_CHECKING:  # what static tools and IDEs see
 
 
 __getattr__, __dir__ = lazy_names(__name__, _WHERE)
+
+if launched():  # under mpirun or srun: an uncaught exception on one rank ends the job
+    uncaught.install()

@@ -55,12 +55,17 @@ def _check_timeable(model) -> None:
         )
 
 
-def _resolve(model, strategy, num_partitions, num_replicas, num_microbatches):
-    resolved = make_strategy(strategy, num_partitions, num_replicas, num_microbatches).resolve(
-        size()
-    )
-    model_checks.check_compiled(model)
-    return resolved
+def _resolve(model, strategy, num_partitions, num_replicas, num_microbatches, compiled=True):
+    """The strategy for this world, checked on every rank together: a bad argument is then an
+    agreed error, which ends each rank by itself (no abort; comm/uncaught.py)."""
+
+    def resolve():
+        resolved = make_strategy(strategy, num_partitions, num_replicas, num_microbatches)
+        if compiled:
+            model_checks.check_compiled(model)
+        return resolved.resolve(size())
+
+    return agree(world(), resolve) if size() > 1 else resolve()
 
 
 def _shuffle_seed(comm) -> int:
@@ -296,6 +301,12 @@ def _checkpoints(fit_kwargs) -> list:
     return [cb for cb in fit_kwargs.get("callbacks") or [] if getattr(cb, "saves_checkpoints", 0)]
 
 
+def _check_fit_keys(fit_kwargs) -> None:
+    unknown = set(fit_kwargs) - _FIT_KEYS
+    if unknown:
+        raise TypeError(f"hf.fit got unexpected keyword arguments {sorted(unknown)}")
+
+
 def _resume_folder(options, fit_kwargs):
     """The checkpoint folder to resume from, or None to start fresh."""
     if options["resume_from"]:
@@ -313,9 +324,7 @@ def _resume_folder(options, fit_kwargs):
 
 def _distributed_fit(model, x, y, batch_size, epochs, resolved, options, **kwargs):
     comm = world()
-    unknown = set(kwargs) - _FIT_KEYS
-    if unknown:
-        raise TypeError(f"hf.fit got unexpected keyword arguments {sorted(unknown)}")
+    agree(comm, _check_fit_keys, kwargs)
     devices.prepare(comm, resolved.bind_gpus)  # one GPU per rank; CUDA-aware MPI or staging
     sample_weight = kwargs.get("sample_weight")
     timeout = agree(comm, resolve_timeout, options["watchdog_timeout"])
@@ -426,8 +435,8 @@ def predict(
     Example:
         >>> probabilities = hf.predict(model, x_test, batch_size=256, strategy="model")
     """
-    resolved = make_strategy(strategy, num_partitions, num_replicas, num_microbatches).resolve(
-        size()
+    resolved = _resolve(
+        model, strategy, num_partitions, num_replicas, num_microbatches, compiled=False
     )
     if size() == 1:
         deferred.materialize_model(model)

@@ -2,6 +2,7 @@
 
 import json
 import os
+import sys
 
 import pytest
 
@@ -62,3 +63,43 @@ def test_a_stalled_rank_is_reported_and_the_job_aborted(tmp_path):
     assert run.returncode not in (0, -9), run.describe()
     assert "stalled" in run.stderr[0] and "step 2" in run.stderr[0], run.describe()
     assert "HYPARFLOW_WATCHDOG_TIMEOUT" in run.stderr[0]
+
+
+def test_an_uncaught_exception_on_one_rank_ends_the_job():
+    """Rank 1 raises before `hf.fit` while rank 0 waits in it: without the excepthook of
+    `hyparflow/comm/uncaught.py`, rank 1's `MPI_Finalize` and rank 0's collective wait for each
+    other forever (measured: still running after 90 s). The limit only catches that hang (the
+    job ends in seconds); `returncode != -9` says it ended by itself."""
+    run = launch("uncaught", 2, "one_rank", timeout=60)
+    assert run.returncode not in (0, -9), run.describe()
+    assert run.results == [None, None], run.describe()
+    assert "FileNotFoundError: data-rank1.npy" in run.stderr[1], run.describe()
+    assert "hyparflow rank 1: uncaught FileNotFoundError; ending the job" in run.stderr[1]
+
+
+def test_an_error_raised_on_every_rank_exits_each_without_an_abort():
+    """An error `hf.fit` raised on every rank alike (an unknown strategy) is not a reason to
+    abort: every rank prints its own traceback and exits non-zero by itself."""
+    run = launch("uncaught", 2, "agreed", timeout=60)
+    assert run.returncode not in (0, -9), run.describe()
+    for stderr in run.stderr:
+        assert "ValueError" in stderr and "no_such_strategy" in stderr, run.describe()
+        assert "ending the job" not in stderr and "MPI_ABORT" not in stderr, run.describe()
+
+
+def test_the_aborting_hook_is_chained_once_and_can_be_refused(monkeypatch):
+    """`install` keeps the hook it finds (its traceback prints first), installs once, and
+    `HYPARFLOW_ABORT_ON_UNCAUGHT=0` leaves `sys.excepthook` alone."""
+    from hyparflow.comm import uncaught
+
+    seen = []
+    monkeypatch.setattr(sys, "excepthook", lambda *info: seen.append(info[0]))
+    monkeypatch.setenv(uncaught.ENV_SWITCH, "0")
+    original = sys.excepthook
+    assert not uncaught.install() and sys.excepthook is original
+    monkeypatch.delenv(uncaught.ENV_SWITCH)
+    assert uncaught.install() and uncaught.install()
+    hook = sys.excepthook
+    assert hook is not original and hook.hyparflow_aborts
+    hook(KeyError, KeyError("x"), None)  # one process: the chained hook runs, nothing aborts
+    assert seen == [KeyError]
