@@ -21,6 +21,7 @@ from keras.src.layers.rnn.dropout_rnn_cell import DropoutRNNCell
 from keras.src.models.functional import Functional
 from keras.src.models.functional import unpack_singleton as _unpack_singleton
 from keras.src.ops.node import Node
+from keras.src.trainers import data_adapters as _data_adapters
 from keras.src.trainers.data_adapters.array_slicing import (
     train_validation_split as _train_validation_split,
 )
@@ -129,6 +130,34 @@ def train_validation_split(arrays, validation_split: float):
 def class_weight_to_sample_weights(y, class_weight: dict):
     """Keras's `class_weight`: a per-sample weight from each sample's class."""
     return _class_weight_to_sample_weights(y, class_weight)
+
+
+def data_adapter(x, y=None, sample_weight=None, *, batch_size=None, steps=None, shuffle=False,
+                 class_weight=None):  # fmt: skip
+    """`keras.src.trainers.data_adapters.get_data_adapter`: what `model.fit` reads `x` with
+    (arrays, tf.data.Dataset, PyDataset, generators), refusing what Keras refuses with its
+    message. Its `get_numpy_iterator()` is one pass over the data; `num_batches` is None when
+    unknown."""
+    return _data_adapters.get_data_adapter(
+        x, y, sample_weight, batch_size=batch_size, steps_per_epoch=steps, shuffle=shuffle,
+        class_weight=class_weight,
+    )  # fmt: skip
+
+
+def is_array_adapter_input(x, y=None, sample_weight=None) -> bool:
+    """Whether Keras reads (x, y, sample_weight) as arrays (`ArrayDataAdapter`)."""
+    return _data_adapters.array_data_adapter.can_convert_arrays((x, y, sample_weight))
+
+
+def is_array_adapter(adapter) -> bool:
+    return isinstance(adapter, _data_adapters.ArrayDataAdapter)
+
+
+def adapter_arrays(adapter) -> tuple:
+    """`ArrayDataAdapter._inputs`: (x,), (x, y) or (x, y, sample_weight) after Keras turned class
+    weights into sample weights and broadcast one sample-weight array over the outputs; the
+    arrays as given (not copied)."""
+    return adapter._inputs
 
 
 # --- variables a layer tracks ---------------------------------------------------------------

@@ -18,6 +18,7 @@ from hyparflow.comm.topology import Grid, placed
 from hyparflow.comm.watchdog import resolve_timeout
 from hyparflow.comm.world import launched, size, world
 from hyparflow.data import check_divisible, make_source, unpack
+from hyparflow.data.steps import EpochSteps
 from hyparflow.engine.loops import evaluate_loop, fit_loop, predict_loop
 from hyparflow.engine.trainer import Trainer
 from hyparflow.engine.weights import held_elsewhere
@@ -340,24 +341,18 @@ def _distributed_fit(model, x, y, batch_size, epochs, resolved, options, **kwarg
             (x, y, sample_weight), validation_data = _keras.train_validation_split(
                 (x, y, sample_weight), validation_split=split
             )
-        class_weight = kwargs.get("class_weight")
-        if class_weight is not None:
-            weights = _keras.class_weight_to_sample_weights(np.asarray(y), class_weight)
-            sample_weight = weights if sample_weight is None else sample_weight * weights
         model_checks.check_inputs(model, x, options["check_numerics"], y, sample_weight)
-        source = make_source(
+        steps = kwargs.get("steps_per_epoch")
+        data = make_source(
             x, y, sample_weight, batch_size=batch_size, shuffle=kwargs.get("shuffle", True),
-            seed=seed,
+            seed=seed, class_weight=kwargs.get("class_weight"), steps=steps,
         )  # fmt: skip
-        if hasattr(source, "batch_size"):
-            check_divisible(source.batch_size, resolved.replicas, resolved.microbatches)
+        if hasattr(data, "batch_size"):
+            check_divisible(data.batch_size, resolved.replicas, resolved.microbatches)
+        source = EpochSteps(data, steps, first_epoch=kwargs.get("initial_epoch", 0))
         validation_source = None
         if validation_data is not None:
-            vx, vy, vsw = (
-                (validation_data, None, None)
-                if hasattr(validation_data, "as_source")
-                else unpack(tuple(validation_data))
-            )
+            vx, vy, vsw = unpack(validation_data)
             validation_source = make_source(
                 vx, vy, vsw, batch_size=kwargs.get("validation_batch_size") or batch_size
             )

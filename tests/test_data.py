@@ -83,3 +83,57 @@ def test_unpack_follows_keras_conventions():
     assert unpack({"a": 1}) == ({"a": 1}, None, None)
     with pytest.raises(ValueError, match="sample_weight"):
         unpack((1, 2, 3, 4))
+
+
+def _keras_epochs(x, batch_size, steps, epochs):
+    """The first sample of each batch Keras's own EpochIterator gives, epoch by epoch."""
+    import warnings
+
+    from keras.src.trainers.epoch_iterator import EpochIterator
+
+    iterator = EpochIterator(x, batch_size=batch_size, steps_per_epoch=steps)
+    iterator.reset()
+    seen = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(epochs):
+            firsts = []
+            with iterator.catch_stop_iteration():
+                for _, _, buffer in iterator:
+                    firsts.extend(int(np.asarray(b[0]).ravel()[0]) for b in buffer)
+            seen.append(firsts)
+    return seen
+
+
+def _hyparflow_epochs(source, steps, epochs):
+    import warnings
+
+    from hyparflow.data.steps import EpochSteps
+
+    stepped = EpochSteps(source, steps)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return [
+            [int(np.asarray(b.part(0, b.size)[0]).ravel()[0]) for b in stepped.epoch(e)]
+            for e in range(epochs)
+        ]
+
+
+@pytest.mark.parametrize("samples", [40, 44, 64])
+@pytest.mark.parametrize("steps", [None, 1, 3, 4, 5, 7])
+def test_steps_per_epoch_cuts_epochs_as_keras_does(samples, steps):
+    """Keras 3 goes on from where the last epoch stopped and ends an epoch early where the data
+    runs out; checked against Keras's own EpochIterator, for arrays and for a generator."""
+    from hyparflow.data import make_source
+
+    x = np.arange(samples)
+    want = _keras_epochs(x, 8, steps, epochs=4)
+    assert _hyparflow_epochs(make_source(x, batch_size=8), steps, 4) == want
+
+    def generator():
+        for start in range(0, samples, 8):
+            yield (x[start : start + 8],)
+
+    if steps is not None:  # a generator without steps_per_epoch is one epoch's data (below)
+        want = _keras_epochs(generator(), None, steps, epochs=4)
+        assert _hyparflow_epochs(make_source(generator()), steps, 4) == want

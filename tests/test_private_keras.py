@@ -6,6 +6,8 @@ moves a private attribute fails here, by name, before it fails inside training.
 
 import keras
 import numpy as np
+import pytest
+import tensorflow as tf
 
 from hyparflow import _keras
 
@@ -71,6 +73,16 @@ def test_data_adapter_entries():
     assert len(tx) == 8 and list(vx) == [8.0, 9.0]
     weights = _keras.class_weight_to_sample_weights(y.astype("int64"), {0: 1.0, 1: 3.0})
     assert list(np.asarray(weights)[:2]) == [1.0, 3.0]
+    x2 = x.reshape(5, 2)
+    adapter = _keras.data_adapter(x2, y[:5], batch_size=2, class_weight={0: 1.0, 1: 3.0})
+    assert _keras.is_array_adapter_input(x2, y[:5]) and _keras.is_array_adapter(adapter)
+    given, targets, sample_weight = _keras.adapter_arrays(adapter)
+    assert given is x2 and list(np.asarray(sample_weight)) == [1.0, 3.0, 1.0, 3.0, 1.0]
+    assert adapter.batch_size == 2 and adapter.num_batches == 3
+    dataset = tf.data.Dataset.from_tensor_slices((x2, y[:5])).batch(2)
+    assert not _keras.is_array_adapter(_keras.data_adapter(dataset))
+    with pytest.raises(ValueError, match="`y` should not be passed"):
+        _keras.data_adapter(dataset, y[:5])
 
 
 def test_tensor_parallel_entries():

@@ -1,12 +1,12 @@
 """Training data: shared-order global batches, replica shards, micro-batches, input sources."""
 
+from hyparflow.data.adapters import AdapterSource
 from hyparflow.data.batches import (
     ArraySource,
-    BatchedSource,
     GlobalBatch,
     check_divisible,
     epoch_order,
-    make_source,
+    global_batch,
     num_samples_of,
     piece_bounds,
     split_sizes,
@@ -14,14 +14,16 @@ from hyparflow.data.batches import (
     unpack,
 )
 from hyparflow.data.hdf5 import HDF5
+from hyparflow.data.sources import make_source
 
 __all__ = [
+    "AdapterSource",
     "ArraySource",
-    "BatchedSource",
     "GlobalBatch",
     "HDF5",
     "check_divisible",
     "epoch_order",
+    "global_batch",
     "make_source",
     "num_samples_of",
     "piece_bounds",

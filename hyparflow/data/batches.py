@@ -12,9 +12,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import keras
 import numpy as np
-import tensorflow as tf
 from keras import tree
 
 
@@ -98,29 +96,18 @@ class ArraySource:
             yield GlobalBatch(len(indices), lambda a, b, idx=indices: take(self.data, idx[a:b]))
 
 
-class BatchedSource:
-    """Data that arrives already batched (tf.data.Dataset, PyDataset): every rank iterates it
-    identically and keeps its own range of each batch. The dataset must be deterministic."""
-
-    def __init__(self, batches_factory, length=None):
-        self._factory = batches_factory
-        self._length = length
-
-    def __len__(self) -> int:
-        if self._length is None:
-            raise TypeError("unknown length")
-        return self._length
-
-    def epoch(self, epoch: int) -> Iterator[GlobalBatch]:
-        for batch in self._factory(epoch):
-            x, y, sw = unpack(batch)
-            batch_data = (x, y, sw)
-            size = num_samples_of([a for a in batch_data if a is not None])
-            yield GlobalBatch(size, lambda a, b, d=batch_data: take(d, slice(a, b)))
+def global_batch(batch) -> GlobalBatch:
+    """A batch that arrived whole (x, (x,), (x, y) or (x, y, sample_weight)) as a GlobalBatch."""
+    data = unpack(batch)
+    size = num_samples_of([a for a in data if a is not None])
+    return GlobalBatch(size, lambda a, b: take(data, slice(a, b)))
 
 
 def unpack(batch):
-    """(x,), (x, y) or (x, y, sample_weight) as a 3-tuple, like Keras's data adapters."""
+    """(x,), (x, y) or (x, y, sample_weight) as a 3-tuple, like Keras's data adapters (a list
+    counts as a tuple; anything else is x alone: a Dataset given as validation_data)."""
+    if isinstance(batch, list):
+        batch = tuple(batch)
     if isinstance(batch, tuple):
         if len(batch) == 1:
             return batch[0], None, None
@@ -133,38 +120,3 @@ def unpack(batch):
             f"{len(batch)} elements."
         )
     return batch, None, None
-
-
-def make_source(x, y=None, sample_weight=None, *, batch_size=None, shuffle=False, seed=0):
-    """A batch source for numpy/nested arrays, a `tf.data.Dataset` or a `keras.utils.PyDataset`.
-
-    Arrays are batched here (`batch_size`, default 32); datasets come batched already and must
-    then be iterated identically on every rank (no unseeded shuffling).
-    """
-
-    if hasattr(x, "as_source"):  # hyparflow's own readers (e.g. hf.data.HDF5) batch themselves
-        _no_separate_targets(y, sample_weight, None, type(x).__name__)
-        return x.as_source(batch_size=batch_size or 32, shuffle=shuffle, seed=seed)
-    if isinstance(x, tf.data.Dataset):
-        _no_separate_targets(y, sample_weight, batch_size, "a tf.data.Dataset")
-        cardinality = int(x.cardinality())
-        length = cardinality if cardinality >= 0 else None
-        return BatchedSource(lambda epoch: x.as_numpy_iterator(), length)
-    if isinstance(x, keras.utils.PyDataset):
-        _no_separate_targets(y, sample_weight, batch_size, "a keras.utils.PyDataset")
-
-        def batches(epoch):
-            order = epoch_order(len(x), shuffle, seed, epoch)
-            for i in order:
-                yield x[int(i)]
-            x.on_epoch_end()
-
-        return BatchedSource(batches, len(x))
-    return ArraySource(x, y, sample_weight, batch_size=batch_size or 32, shuffle=shuffle, seed=seed)
-
-
-def _no_separate_targets(y, sample_weight, batch_size, kind: str) -> None:
-    if y is not None or sample_weight is not None:
-        raise ValueError(f"With {kind} as x, pass no y or sample_weight: the data yields them.")
-    if batch_size is not None:
-        raise ValueError(f"With {kind} as x, pass no batch_size: the data is already batched.")

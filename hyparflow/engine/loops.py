@@ -119,9 +119,7 @@ def fit_loop(
             trainer.restore_metric_states()
         callbacks.on_epoch_begin(epoch)
         ran = 0
-        for step, batch in enumerate(source.epoch(epoch)):
-            if steps_per_epoch is not None and step >= steps_per_epoch:
-                break
+        for step, batch in enumerate(source.epoch(epoch)):  # steps_per_epoch: data/steps.py
             ran += 1
             if step < skip:
                 continue

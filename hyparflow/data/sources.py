@@ -1,0 +1,50 @@
+"""What `hf.fit` reads its data with: arrays in a shared order, or Keras's own adapters.
+
+Everything `model.fit` takes for `x` goes through Keras's `get_data_adapter` first, so its
+checks, refusals and messages are Keras's (cardinality, `class_weight` with `sample_weight`,
+`y` beside a Dataset, class weights for a generator), and so are its conversions (class weights
+into sample weights, one sample-weight array broadcast over outputs, a batch size from
+`steps_per_epoch`). Arrays are then read by `ArraySource`, where each rank gathers only its own
+range of each batch; other data by `AdapterSource`. hyparflow's own readers (`hf.data.HDF5`)
+batch themselves.
+"""
+
+from __future__ import annotations
+
+import keras
+
+from hyparflow import _keras
+from hyparflow.data.adapters import AdapterSource, SharedOrder
+from hyparflow.data.batches import ArraySource, unpack
+
+
+def make_source(x, y=None, sample_weight=None, *, batch_size=None, shuffle=False, seed=0,
+                class_weight=None, steps=None):  # fmt: skip
+    """A batch source for `x` as `model.fit(x, y, ...)` takes it, in an order every rank shares.
+
+    Arrays are batched here (`batch_size`, default 32, or enough for `steps` batches); datasets,
+    PyDatasets and generators come batched and must yield the same on every rank (no unseeded
+    shuffling).
+    """
+    if hasattr(x, "as_source"):  # hyparflow's own readers (e.g. hf.data.HDF5) batch themselves
+        _no_separate_targets(y, sample_weight, class_weight, type(x).__name__)
+        return x.as_source(batch_size=batch_size or 32, shuffle=shuffle, seed=seed)
+    if shuffle and isinstance(x, keras.utils.PyDataset) and x.num_batches is not None:
+        x, shuffle = SharedOrder(x, seed), False  # Keras would shuffle with each rank's `random`
+    adapter = _keras.data_adapter(
+        x, y, sample_weight, batch_size=batch_size, steps=steps, class_weight=class_weight,
+        shuffle=shuffle and not _keras.is_array_adapter_input(x, y, sample_weight),
+    )  # fmt: skip
+    if not _keras.is_array_adapter(adapter):
+        return AdapterSource(adapter)
+    x, y, sample_weight = unpack(_keras.adapter_arrays(adapter))
+    source = ArraySource(x, y, sample_weight, batch_size=adapter.batch_size, shuffle=shuffle,
+                         seed=seed)  # fmt: skip
+    return source
+
+
+def _no_separate_targets(y, sample_weight, class_weight, kind: str) -> None:
+    if y is not None or sample_weight is not None or class_weight is not None:
+        raise ValueError(
+            f"With {kind} as x, pass no y, sample_weight or class_weight: the data yields them."
+        )
