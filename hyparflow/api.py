@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 
 from hyparflow import _keras, checkpoint, deferred, devices, model_checks
@@ -18,6 +20,7 @@ from hyparflow.comm.topology import Grid, placed
 from hyparflow.comm.watchdog import resolve_timeout
 from hyparflow.comm.world import launched, size, world
 from hyparflow.data import check_divisible, make_source, unpack
+from hyparflow.data.fingerprint import data_digest, differing_ranks, mismatch_message
 from hyparflow.data.steps import EpochSteps
 from hyparflow.engine.loops import evaluate_loop, fit_loop, predict_loop
 from hyparflow.engine.trainer import Trainer
@@ -210,6 +213,7 @@ def fit(
     resume=False,
     resume_from=None,
     check_numerics=False,
+    check_data=True,
     watchdog_timeout=None,
     comm="mpi",
     **fit_kwargs,
@@ -230,6 +234,8 @@ def fit(
     `hf.callbacks.Checkpoint` among `callbacks` (or starts fresh if there is none);
     `resume_from=DIR` continues from DIR's latest checkpoint (which must exist), with any
     partitioning. `check_numerics=True` stops every rank on NaN/Inf data, loss or gradients.
+    `check_data` (default True) compares a digest of the data across ranks before training
+    (data/fingerprint.py): each rank reads its share from its own copy, so the copies must match.
     `watchdog_timeout` (seconds, default $HYPARFLOW_WATCHDOG_TIMEOUT or 300; 0 disables) ends
     the job when a rank waits on MPI longer than that.
 
@@ -245,6 +251,7 @@ def fit(
     resolved = _resolve(model, strategy, num_partitions, num_replicas, num_microbatches)
     options = dict(
         resume=resume, resume_from=resume_from, check_numerics=check_numerics,
+        check_data=check_data,
         watchdog_timeout=watchdog_timeout, comm=_check_comm(comm),
     )  # fmt: skip
     needs_engine = resume or resume_from or check_numerics or _checkpoints(fit_kwargs)
@@ -302,6 +309,13 @@ def _checkpoints(fit_kwargs) -> list:
     return [cb for cb in fit_kwargs.get("callbacks") or [] if getattr(cb, "saves_checkpoints", 0)]
 
 
+def _check_same_data(comm, digest: str | None) -> None:
+    """Every rank's data must match (one small allgather); else the same error on every rank."""
+    groups = differing_ranks(comm.allgather(digest))
+    if len(groups) > 1:
+        raise AgreedError(ValueError(mismatch_message(groups)))
+
+
 def _check_fit_keys(fit_kwargs) -> None:
     unknown = set(fit_kwargs) - _FIT_KEYS
     if unknown:
@@ -342,6 +356,8 @@ def _distributed_fit(model, x, y, batch_size, epochs, resolved, options, **kwarg
                 (x, y, sample_weight), validation_split=split
             )
         model_checks.check_inputs(model, x, options["check_numerics"], y, sample_weight)
+        if options["check_data"]:
+            digest.append(data_digest(x, y, sample_weight))
         steps = kwargs.get("steps_per_epoch")
         data = make_source(
             x, y, sample_weight, batch_size=batch_size, shuffle=kwargs.get("shuffle", True),
@@ -358,12 +374,18 @@ def _distributed_fit(model, x, y, batch_size, epochs, resolved, options, **kwarg
             )
         return source, validation_source
 
+    digest = []
     source, validation_source = agree(comm, prepare)
+    if options["check_data"]:
+        _check_same_data(comm, digest[0] if digest else None)
     agree(comm, model_checks.check_tensor_parallel, model, resolved, options["comm"])
     agree(comm, model_checks.check_sharded_optimizer, model, resolved, options["comm"])
     trainer = _make_trainer(
         model, resolved, comm, comm_backend=options["comm"], restoring=folder is not None
     )  # fmt: skip
+    notice = model_checks.batchnorm_notice(model, resolved)
+    if notice and comm.Get_rank() == 0:
+        warnings.warn(notice, stacklevel=3)
     trainer.use_watchdog(timeout)
     trainer.check_numerics = options["check_numerics"]
     trainer.seed = seed

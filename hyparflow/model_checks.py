@@ -70,6 +70,32 @@ def check_batchnorm(model, strategy) -> None:
         )
 
 
+def batchnorm_notice(model, strategy) -> str | None:
+    """What rank 0 says when training starts if trainable BatchNormalization layers normalise
+    by less than the global batch (each replica's or micro-batch's own statistics, hyparflow's
+    default), which one process training the model with Keras would not do."""
+    if strategy.replicas * strategy.microbatches == 1:
+        return None
+    layers = _keras.all_layers(model)
+    synced = {id(layer) for layer in synchronized_layers(layers, strategy.sync_batchnorm)}
+    local = [
+        layer.name
+        for layer in layers
+        if isinstance(layer, keras.layers.BatchNormalization)
+        and layer.trainable
+        and id(layer) not in synced
+    ]
+    if not local:
+        return None
+    parts = "replica" if strategy.microbatches == 1 else "micro-batch"
+    return (
+        f"BatchNormalization layers {local[:5]}{' and more' if len(local) > 5 else ''} "
+        f"normalise each {parts}'s share of the batch by its own statistics, so training differs "
+        "from Keras in one process (docs/keras_parity.md). hf.Strategy(..., sync_batchnorm=True) "
+        "normalises by the whole global batch (with one micro-batch)."
+    )
+
+
 def check_loss_reductions(model) -> None:
     """The engine weights each micro-batch's mean loss by its share of the global batch, which
     is exact for Keras's default "sum_over_batch_size" reduction."""

@@ -137,3 +137,19 @@ def test_steps_per_epoch_cuts_epochs_as_keras_does(samples, steps):
     if steps is not None:  # a generator without steps_per_epoch is one epoch's data (below)
         want = _keras_epochs(generator(), None, steps, epochs=4)
         assert _hyparflow_epochs(make_source(generator()), steps, 4) == want
+
+
+def test_the_data_digest_sees_a_shuffle_and_groups_the_ranks():
+    from hyparflow.data.fingerprint import array_digest, differing_ranks, mismatch_message
+
+    x = np.random.default_rng(0).normal(size=(1000, 3)).astype("float32")
+    y = np.arange(1000)
+    same = array_digest((x, y, None))
+    assert array_digest((x.copy(), y.copy(), None)) == same
+    shuffled = np.random.default_rng(1).permutation(1000)
+    assert array_digest((x[shuffled], y[shuffled], None)) != same  # rows 0 and 999 moved
+    assert array_digest((x, y, np.ones(1000))) != same
+    assert array_digest((x.astype("float64"), y, None)) != same
+    assert differing_ranks(["a", "b", "a", "a"]) == [[0, 2, 3], [1]]
+    assert differing_ranks(["a", "a"]) == [[0, 1]]
+    assert "differs across ranks: ranks [0, 2, 3] vs [1]." in mismatch_message([[0, 2, 3], [1]])

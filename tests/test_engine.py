@@ -191,6 +191,7 @@ MISUSE = {
     "missing_checkpoint": "No complete checkpoint",
     "resume_without_checkpoint_callback": "hf.callbacks.Checkpoint",
     "negative_watchdog": "watchdog_timeout must be >= 0",
+    "different_data_on_each_rank": "differs across ranks: ranks [0] vs [1].",
     "diverging_training": "Non-finite",
 }
 

@@ -57,3 +57,23 @@ def test_hyparflow_keyword_names_fill_the_strategy():
     s = make_strategy(base, num_microbatches=8)
     assert (s.kind, s.schedule, s.microbatches) == ("model", "1f1b", 8)
     assert make_strategy(base) is base
+
+
+def test_batchnorm_by_parts_of_the_batch_is_said_unless_synchronised_or_frozen():
+    """Rank 0 says, when training starts, which BatchNormalization layers normalise each
+    replica's or micro-batch's share by its own statistics (hyparflow's default)."""
+    import keras
+
+    from hyparflow.model_checks import batchnorm_notice
+
+    inputs = keras.Input((4,))
+    hidden = keras.layers.BatchNormalization(name="norm")(keras.layers.Dense(4)(inputs))
+    frozen = keras.layers.BatchNormalization(name="frozen", trainable=False)(hidden)
+    model = keras.Model(inputs, keras.layers.Dense(1)(frozen))
+    data = Strategy("data").resolve(2)
+    notice = batchnorm_notice(model, data)
+    assert "['norm']" in notice and "replica's share" in notice and "sync_batchnorm" in notice
+    assert batchnorm_notice(model, Strategy("data", sync_batchnorm=True).resolve(2)) is None
+    assert batchnorm_notice(model, Strategy("model").resolve(2)) is None  # one micro-batch
+    pipeline = Strategy("model", microbatches=2).resolve(2)
+    assert "micro-batch's share" in batchnorm_notice(model, pipeline)

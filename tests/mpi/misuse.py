@@ -139,6 +139,12 @@ def _clipnorm_mlp():
     return model
 
 
+def unseeded_shuffle(x, y):
+    """The habit that breaks data sharing: each rank shuffles with its own generator."""
+    order = np.random.default_rng(1000 + hf.rank()).permutation(len(x))
+    return x[order], y[order]
+
+
 def tensor(**options):
     return hf.Strategy("data", tensor=2, **options)
 
@@ -201,6 +207,9 @@ CASES = {
     "diverging_training": lambda x, y, tmp: fit(
         diverging(), x, y.astype("float32"), strategy="model", epochs=3,
         check_numerics=True,
+    ),
+    "different_data_on_each_rank": lambda x, y, tmp: fit(
+        compiled("mlp", "sgd"), *unseeded_shuffle(x, y), strategy="model"
     ),
     "negative_watchdog": lambda x, y, tmp: fit(compiled("mlp", "sgd"), x, y, watchdog_timeout=-1),
 }  # fmt: skip
