@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from tests.support.mpirun import LAUNCHES, REFERENCES_ENV
+from tests.support.mpirun import LAUNCHES, REFERENCES_ENV, run_scenario
 
 # A launch's limit must be at least twice its slowest measured duration (docs/testing.md):
 # one that used more than this share of it is named in the summary.
@@ -23,6 +23,14 @@ def shared_references(tmp_path_factory):
         del os.environ[REFERENCES_ENV]
     else:
         os.environ[REFERENCES_ENV] = previous
+
+
+@pytest.fixture(scope="session")
+def misuse_errors(tmp_path_factory) -> list[dict]:
+    """Each rank's error for every case of tests/mpi/misuse.py, all cases in one 2-rank job
+    (tests/test_engine.py and tests/test_tensor_parallel.py check them)."""
+    scratch = str(tmp_path_factory.mktemp("misuse"))
+    return [r["errors"] for r in run_scenario("misuse", 2, "all", scratch, timeout=300)]
 
 
 def pytest_terminal_summary(terminalreporter):

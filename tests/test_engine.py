@@ -197,12 +197,23 @@ MISUSE = {
 
 
 @pytest.mark.parametrize("case", MISUSE)
-def test_misuse_is_a_clear_error_on_every_rank_and_ends_the_job(case, tmp_path):
+def test_misuse_is_a_clear_error_on_every_rank(case, misuse_errors):
+    """Every case in one job (tests/conftest.py): each error reached both ranks, and the next
+    case trained on the same ranks."""
+    for rank, errors in enumerate(misuse_errors):
+        assert errors[case] is not None, f"{case} did not raise on rank {rank}"
+        assert MISUSE[case] in errors[case], f"{case}, rank {rank}: {errors[case]}"
+    if case == "diverging_training":  # the step, rank and stage are named
+        assert all("at step" in e[case] and "pipeline stage" in e[case] for e in misuse_errors)
+
+
+@pytest.mark.parametrize("case", ["wrong_world_size", "same_error_everywhere"])
+def test_an_uncaught_misuse_ends_every_rank_by_itself(case, tmp_path):
+    """Uncaught, an error found before training and one raised mid-step on every rank end the
+    job: each rank exits non-zero by itself with its error (no MPI_Abort, no rank blocked)."""
     run = launch("misuse", 2, case, str(tmp_path), timeout=60)
     assert run.returncode not in (0, -9), f"{case}: exit {run.returncode}\n{run.describe()}"
     for rank, result in enumerate(run.results):
         assert result is not None, f"{case}: rank {rank} reported nothing\n{run.describe()}"
-        assert result["error"] is not None, f"{case} did not raise on rank {rank}"
-        assert MISUSE[case] in result["error"], f"{case}, rank {rank}: {result}"
-    if case == "diverging_training":  # the step, rank and stage are named
-        assert all("at step" in r["error"] and "pipeline stage" in r["error"] for r in run.results)
+        assert MISUSE[case] in (result["error"] or ""), f"{case}, rank {rank}: {result}"
+        assert "MPI_ABORT" not in run.stderr[rank], run.describe()

@@ -1,8 +1,11 @@
-"""One misconfiguration, uncaught: it must raise a clear error on every rank, which then exits
-non-zero by itself, with no rank left blocked in MPI.
+"""Misconfigurations: each must raise a clear error on every rank, with no rank left blocked
+in MPI.
 
-Arguments: the case name and a scratch folder shared by the ranks. Each rank records the
-exception that ends it (through `sys.excepthook`) before Python exits with status 1.
+Arguments: a case name, or `all`, and a scratch folder shared by the ranks.
+- One case, uncaught: each rank records the exception that ends it (through `sys.excepthook`)
+  before Python exits with status 1, by itself.
+- `all`: every case in turn in one job, each error caught and recorded. That the next case
+  trains on the same ranks shows that the error left no rank blocked and no message behind.
 """
 
 import os
@@ -216,14 +219,34 @@ CASES = {
 
 
 def record_and_exit(kind, error, trace):
+    """Record the error, then hand it to the hook `import hyparflow` installed (which aborts
+    the job only for an error that did not reach every rank alike: comm/uncaught.py)."""
     report({"rank": hf.rank(), "type": kind.__name__, "error": str(error)})
-    sys.__excepthook__(kind, error, trace)
+    HYPARFLOW_HOOK(kind, error, trace)
+
+
+HYPARFLOW_HOOK = sys.excepthook
+
+
+def every_case(x, y, tmp) -> dict:
+    """Each case's error on this rank (None if it raised none), every case in one job."""
+    errors = {}
+    for case, misuse in CASES.items():
+        try:
+            misuse(x, y, os.path.join(tmp, case))
+            errors[case] = None
+        except Exception as error:  # noqa: BLE001 - the error is what each case checks
+            errors[case] = f"{type(error).__name__}: {error}"
+    return errors
 
 
 if __name__ == "__main__":
     case, tmp = args()
     keras.config.disable_interactive_logging()
     x, y = data("mlp", n=40)
+    if case == "all":
+        report({"rank": hf.rank(), "errors": every_case(x, y, tmp)})
+        sys.exit(0)
     sys.excepthook = record_and_exit
     CASES[case](x, y, tmp)
     report({"rank": hf.rank(), "error": None})
