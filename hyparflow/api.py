@@ -19,9 +19,9 @@ from hyparflow.comm.backends import check_backend
 from hyparflow.comm.topology import Grid, placed
 from hyparflow.comm.watchdog import resolve_timeout
 from hyparflow.comm.world import launched, size, world
-from hyparflow.data import check_divisible, make_source, unpack
+from hyparflow.data import make_source
 from hyparflow.data.fingerprint import data_digest, differing_ranks, mismatch_message
-from hyparflow.data.steps import EpochSteps
+from hyparflow.data.sources import fit_sources, split_validation
 from hyparflow.engine.loops import evaluate_loop, fit_loop, predict_loop
 from hyparflow.engine.trainer import Trainer
 from hyparflow.engine.weights import held_elsewhere
@@ -341,43 +341,22 @@ def _distributed_fit(model, x, y, batch_size, epochs, resolved, options, **kwarg
     comm = world()
     agree(comm, _check_fit_keys, kwargs)
     devices.prepare(comm, resolved.bind_gpus)  # one GPU per rank; CUDA-aware MPI or staging
-    sample_weight = kwargs.get("sample_weight")
     timeout = agree(comm, resolve_timeout, options["watchdog_timeout"])
     folder = agree(comm, _resume_folder, options, kwargs)
     manifest = agree(comm, checkpoint.store.manifests.read, folder) if folder else None
     seed = manifest.seed if manifest else _shuffle_seed(comm)
 
     def prepare():
-        nonlocal x, y, sample_weight
-        validation_data = kwargs.get("validation_data")
-        split = kwargs.get("validation_split", 0.0)
-        if split and validation_data is None:
-            (x, y, sample_weight), validation_data = _keras.train_validation_split(
-                (x, y, sample_weight), validation_split=split
-            )
-        model_checks.check_inputs(model, x, options["check_numerics"], y, sample_weight)
-        if options["check_data"]:
-            digest.append(data_digest(x, y, sample_weight))
-        steps = kwargs.get("steps_per_epoch")
-        data = make_source(
-            x, y, sample_weight, batch_size=batch_size, shuffle=kwargs.get("shuffle", True),
-            seed=seed, class_weight=kwargs.get("class_weight"), steps=steps,
-        )  # fmt: skip
-        if hasattr(data, "batch_size"):
-            check_divisible(data.batch_size, resolved.replicas, resolved.microbatches)
-        source = EpochSteps(data, steps, first_epoch=kwargs.get("initial_epoch", 0))
-        validation_source = None
-        if validation_data is not None:
-            vx, vy, vsw = unpack(validation_data)
-            validation_source = make_source(
-                vx, vy, vsw, batch_size=kwargs.get("validation_batch_size") or batch_size
-            )
-        return source, validation_source
+        data, validation_data = split_validation((x, y, kwargs.get("sample_weight")), kwargs)
+        model_checks.check_inputs(model, data[0], options["check_numerics"], *data[1:])
+        digest.append(data_digest(*data) if options["check_data"] else None)
+        return fit_sources(data, validation_data, kwargs, batch_size=batch_size, seed=seed,
+                           strategy=resolved)  # fmt: skip
 
     digest = []
     source, validation_source = agree(comm, prepare)
     if options["check_data"]:
-        _check_same_data(comm, digest[0] if digest else None)
+        _check_same_data(comm, digest[0])
     agree(comm, model_checks.check_tensor_parallel, model, resolved, options["comm"])
     agree(comm, model_checks.check_sharded_optimizer, model, resolved, options["comm"])
     trainer = _make_trainer(

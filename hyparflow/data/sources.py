@@ -15,7 +15,8 @@ import keras
 
 from hyparflow import _keras
 from hyparflow.data.adapters import AdapterSource, SharedOrder
-from hyparflow.data.batches import ArraySource, unpack
+from hyparflow.data.batches import ArraySource, check_divisible, unpack
+from hyparflow.data.steps import EpochSteps
 
 
 def make_source(x, y=None, sample_weight=None, *, batch_size=None, shuffle=False, seed=0,
@@ -41,6 +42,33 @@ def make_source(x, y=None, sample_weight=None, *, batch_size=None, shuffle=False
     source = ArraySource(x, y, sample_weight, batch_size=adapter.batch_size, shuffle=shuffle,
                          seed=seed)  # fmt: skip
     return source
+
+
+def split_validation(data: tuple, fit_kwargs: dict) -> tuple:
+    """(x, y, sample_weight) to train on and the validation data, from `validation_data` or
+    Keras's `validation_split` (its last fraction of the arrays)."""
+    validation_data = fit_kwargs.get("validation_data")
+    split = fit_kwargs.get("validation_split", 0.0)
+    if split and validation_data is None:
+        return _keras.train_validation_split(data, validation_split=split)
+    return data, validation_data
+
+
+def fit_sources(data: tuple, validation_data, fit_kwargs: dict, *, batch_size, seed, strategy):
+    """`hf.fit`'s training source (epochs cut as Keras 3 cuts them) and validation source
+    (or None) for (x, y, sample_weight) and `model.fit`'s other data arguments."""
+    steps = fit_kwargs.get("steps_per_epoch")
+    source = make_source(
+        *data, batch_size=batch_size, shuffle=fit_kwargs.get("shuffle", True), seed=seed,
+        class_weight=fit_kwargs.get("class_weight"), steps=steps,
+    )  # fmt: skip
+    if hasattr(source, "batch_size"):  # arrays, hf.data.HDF5: batched here
+        check_divisible(source.batch_size, strategy.replicas, strategy.microbatches)
+    if validation_data is not None:
+        batch = fit_kwargs.get("validation_batch_size") or batch_size
+        validation_data = make_source(*unpack(validation_data), batch_size=batch)
+    epochs = EpochSteps(source, steps, first_epoch=fit_kwargs.get("initial_epoch", 0))
+    return epochs, validation_data
 
 
 def _no_separate_targets(y, sample_weight, class_weight, kind: str) -> None:

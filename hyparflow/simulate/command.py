@@ -10,7 +10,7 @@ import sys
 import tempfile
 from dataclasses import replace
 
-from hyparflow.partitioner.source import CUSTOM_OBJECTS_HELP
+from hyparflow.partitioner.source import CUSTOM_OBJECTS_HELP, load_model
 from hyparflow.simulate.costs import ModelCosts
 from hyparflow.simulate.netbench import launch
 from hyparflow.simulate.network import Link, Network
@@ -67,8 +67,7 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     """Resolve costs and network, predict every (P, R), print the table."""
     try:
-        costs = _costs(args)
-        network = _network(args)
+        costs, network = _costs(args), _network(args)
     except (OSError, ValueError, RuntimeError) as error:
         print(f"hyparflow simulate: {error}", file=sys.stderr)
         return 1
@@ -129,13 +128,11 @@ def _network_line(network: Network, machine: Machine) -> str:
 
 
 def _costs(args) -> ModelCosts:
-    """The model's costs: read from a costs file, or timed here (Keras imported only then)."""
     if args.source.endswith(".json"):
         return ModelCosts.load(args.source)
     if len(args.profile_batch_sizes) != 2:
         raise ValueError("--profile-batch-sizes takes two sizes, e.g. 16,64")
-    from hyparflow.partitioner.source import load_model  # Keras, imported only now
-    from hyparflow.simulate.measure import measure_model
+    from hyparflow.simulate.measure import measure_model  # imports Keras: only now
 
     model = load_model(args.source, args.custom_objects)
     if getattr(model, "optimizer", None) is None:
