@@ -15,7 +15,6 @@ from collections.abc import Iterator
 
 import keras
 
-from hyparflow import _keras
 from hyparflow.data.batches import epoch_order, global_batch
 
 
@@ -64,15 +63,3 @@ class SharedOrder(keras.utils.PyDataset):
         self.dataset.on_epoch_end()
         self.epochs += 1
         self.order = epoch_order(len(self.dataset), True, self.seed, self.epochs)
-
-
-def adapter_source(x, y=None, sample_weight=None, *, batch_size=None, shuffle=False, seed=0,
-                   class_weight=None) -> AdapterSource:  # fmt: skip
-    """Read `x` (a Dataset, PyDataset or generator) as `model.fit` would, in an order every
-    rank shares."""
-    if shuffle and isinstance(x, keras.utils.PyDataset) and x.num_batches is not None:
-        x, shuffle = SharedOrder(x, seed), False
-    adapter = _keras.data_adapter(
-        x, y, sample_weight, batch_size=batch_size, shuffle=shuffle, class_weight=class_weight
-    )
-    return AdapterSource(adapter)

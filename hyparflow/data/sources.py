@@ -39,9 +39,8 @@ def make_source(x, y=None, sample_weight=None, *, batch_size=None, shuffle=False
     if not _keras.is_array_adapter(adapter):
         return AdapterSource(adapter)
     x, y, sample_weight = unpack(_keras.adapter_arrays(adapter))
-    source = ArraySource(x, y, sample_weight, batch_size=adapter.batch_size, shuffle=shuffle,
-                         seed=seed)  # fmt: skip
-    return source
+    return ArraySource(x, y, sample_weight, batch_size=adapter.batch_size, shuffle=shuffle,
+                       seed=seed)  # fmt: skip
 
 
 def split_validation(data: tuple, fit_kwargs: dict) -> tuple:
