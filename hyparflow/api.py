@@ -349,14 +349,14 @@ def _distributed_fit(model, x, y, batch_size, epochs, resolved, options, **kwarg
     def prepare():
         data, validation_data = split_validation((x, y, kwargs.get("sample_weight")), kwargs)
         model_checks.check_inputs(model, data[0], options["check_numerics"], *data[1:])
-        digest.append(data_digest(*data) if options["check_data"] else None)
-        return fit_sources(data, validation_data, kwargs, batch_size=batch_size, seed=seed,
-                           strategy=resolved)  # fmt: skip
+        digest = data_digest(*data) if options["check_data"] else None
+        sources = fit_sources(data, validation_data, kwargs, batch_size=batch_size, seed=seed,
+                              strategy=resolved)  # fmt: skip
+        return *sources, digest
 
-    digest = []
-    source, validation_source = agree(comm, prepare)
+    source, validation_source, digest = agree(comm, prepare)
     if options["check_data"]:
-        _check_same_data(comm, digest[0])
+        _check_same_data(comm, digest)
     agree(comm, model_checks.check_tensor_parallel, model, resolved, options["comm"])
     agree(comm, model_checks.check_sharded_optimizer, model, resolved, options["comm"])
     trainer = _make_trainer(

@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 
-from hyparflow.partitioner.source import CUSTOM_OBJECTS_HELP
+from hyparflow.partitioner.source import CUSTOM_OBJECTS_HELP, load_model
 
 
 def main(argv=None) -> int:
@@ -143,7 +143,6 @@ def _print_plan(plan, args, placement: list[dict] | None) -> int:
 
 def _run_plan(args) -> int:
     from hyparflow.api import partition
-    from hyparflow.partitioner.source import load_model
 
     try:  # `--hosts` is checked before the model is loaded (LaunchError is a ValueError)
         placement = _placement(args)
@@ -152,10 +151,8 @@ def _run_plan(args) -> int:
         return 1
     if args.memory:
         return _run_memory_plan(args, placement)
-    try:
-        model = load_model(args.model, args.custom_objects, compile=False)
-    except ValueError as error:
-        print(f"hyparflow plan: {error}", file=sys.stderr)
+    model = _load_or_report(args, compile=False)
+    if model is None:
         return 1
     balance = args.balance
     if balance not in ("layers", "params", "flops", "time"):
@@ -176,18 +173,25 @@ def _run_plan(args) -> int:
     return _print_plan(plan, args, placement)
 
 
+def _load_or_report(args, compile: bool):
+    """`args.model` loaded, or None after saying on stderr why it cannot be."""
+    try:
+        return load_model(args.model, args.custom_objects, compile=compile)
+    except ValueError as error:
+        print(f"hyparflow plan: {error}", file=sys.stderr)
+        return None
+
+
 def _run_memory_plan(args, placement: list[dict] | None) -> int:
     from hyparflow.memory import memory_plan
-    from hyparflow.partitioner.source import load_model
     from hyparflow.strategy import Strategy
 
     try:
         model = load_model(args.model, args.custom_objects)  # compiled: its optimizer's slots
-    except ValueError as error:
-        print(f"hyparflow plan: {error}", file=sys.stderr)
-        return 1
     except Exception:  # a loss or optimizer this process cannot rebuild: count none
-        model = load_model(args.model, args.custom_objects, compile=False)
+        model = _load_or_report(args, compile=False)
+    if model is None:
+        return 1
     if args.optimizer:
         model.compile(optimizer=args.optimizer)
     balance = args.balance
