@@ -7,15 +7,9 @@ import warnings
 import numpy as np
 
 from hyparflow import _keras, checkpoint, deferred, devices, model_checks
-from hyparflow.comm.agree import (
-    AgreedError,
-    abort_on_error,
-    agree,
-    all_failed,
-    failure_comm,
-    is_agreed,
-)
+from hyparflow.comm.agree import AgreedError, agree
 from hyparflow.comm.backends import check_backend
+from hyparflow.comm.failure import run_collectively
 from hyparflow.comm.topology import Grid, placed
 from hyparflow.comm.watchdog import resolve_timeout
 from hyparflow.comm.world import launched, size, world
@@ -23,7 +17,7 @@ from hyparflow.data import make_source
 from hyparflow.data.fingerprint import data_digest, differing_ranks, mismatch_message
 from hyparflow.data.sources import fit_sources, split_validation
 from hyparflow.engine.loops import evaluate_loop, fit_loop, predict_loop
-from hyparflow.engine.trainer import Trainer
+from hyparflow.engine.custom_step import make_trainer
 from hyparflow.engine.weights import held_elsewhere
 from hyparflow.memory.limits import memory_room
 from hyparflow.memory.plan import memory_plan
@@ -112,7 +106,7 @@ def _make_trainer(model, resolved, comm, needs_loss=True, comm_backend=None, res
     `restoring`: a checkpoint will be restored into the trainer (resume)."""
     if needs_loss:
         agree(comm, model_checks.check_loss_reductions, model)
-        agree(comm, model_checks.check_standard_steps, model)
+        agree(comm, model_checks.check_standard_steps, model, resolved)
     agree(comm, model_checks.check_random_layers, model, resolved)
     agree(comm, model_checks.check_batchnorm, model, resolved)
     cached = getattr(model, _TRAINER_ATTRIBUTE, None)
@@ -147,7 +141,8 @@ def _make_trainer(model, resolved, comm, needs_loss=True, comm_backend=None, res
     if deferred.any_deferred(model):  # built under hf.scope(): allocate this rank's share only
         agree(comm, _materialize_share, model, held_elsewhere(model, plan, stage, layout),
               restoring)  # fmt: skip
-    trainer = Trainer(model, resolved, comm, plan, comm_backend=comm_backend, tensor_layout=layout)
+    trainer = make_trainer(model, resolved, comm, plan, comm_backend=comm_backend,
+                           tensor_layout=layout)  # fmt: skip
     object.__setattr__(model, _TRAINER_ATTRIBUTE, (key, trainer))  # not a tracked attribute
     return trainer
 
@@ -174,20 +169,9 @@ def _materialize_share(model, keep_deferred, restoring: bool) -> None:
 
 
 def _run(comm, work, model=None):
-    """Run a collective loop. Errors raised on every rank at the same point (agreed) propagate.
-    Another error mid-step propagates too if every rank fails within `all_failed`'s wait (the
-    same error everywhere, e.g. a trace that cannot be built: `model`'s trainer, whose messages
-    may be half-sent, is dropped); otherwise some rank is blocked in MPI, so the job ends."""
-    failures = failure_comm(comm)  # collective: before any rank can fail
-    try:
-        return work()
-    except Exception as error:  # noqa: BLE001
-        if is_agreed(error):
-            raise
-        if all_failed(failures, error):
-            _drop_trainer(model)
-            raise AgreedError(error) from None
-        abort_on_error(comm, error, "training step")
+    """Run a collective loop: an error on any rank is raised on every rank (comm/failure.py);
+    `model`'s trainer, whose messages may be half-sent, is then dropped."""
+    return run_collectively(comm, work, on_failure=lambda: _drop_trainer(model))
 
 
 def _drop_trainer(model) -> None:

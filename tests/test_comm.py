@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from mpi4py import MPI
 
-from hyparflow.comm import allreduce, dlpack, hugepages, p2p, rows
+from hyparflow.comm import allreduce, dlpack, failure, hugepages, p2p, rows
 from hyparflow.comm.allreduce import GradientReducer, plan_buckets, reduction_dtype
 from hyparflow.comm.p2p import (
     DIRECTIONS,
@@ -284,6 +284,24 @@ def test_topology_communicators(ranks):
         assert t["pipeline_rank"] == t["stage"] and t["stage_comm_rank"] == t["replica"]
         assert t["prev_next"] == ([None, 1] if t["stage"] == 0 else [0, None])
         assert r["bad_grid_error"].startswith("4 ranks cannot form 3 partitions x 1 replicas")
+
+
+def test_a_failure_notice_frees_ranks_blocked_in_a_receive_and_in_collectives(ranks):
+    """Rank 3 announced; rank 0 left a receive, ranks 1 and 2 collectives rank 3 never
+    entered, each naming rank 3 and the first line of its error; then all agreed it failed."""
+    for r in ranks:
+        failed = r["failure"]
+        expected = "announced" if r["rank"] == 3 else "rank 3 failed: RuntimeError: disk full"
+        assert failed["left"] == expected, (r["rank"], failed)
+        assert failed["all_failed"] is True
+
+
+def test_a_failure_is_said_in_one_line():
+    error = ValueError("Graph execution error:\n\nDetected at node x defined at:\n  File a\n"
+                       "bad value : Tensor had NaN values\n\t [[{{node x}}]] [Op:f]")  # fmt: skip
+    assert failure._first_line(error) == "ValueError: bad value : Tensor had NaN values"
+    assert failure._first_line(KeyError("k")) == "KeyError: 'k'"
+    assert failure._first_line(RuntimeError("")) == "RuntimeError: "
 
 
 @pytest.mark.parametrize("transport", ["host", "device"])

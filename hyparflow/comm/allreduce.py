@@ -22,6 +22,7 @@ import numpy as np
 import tensorflow as tf
 
 from hyparflow.comm.dlpack import ALIGNMENT, is_gpu_device, tensor_device, wrap_host_buffer
+from hyparflow.comm.failure import wait_all
 from hyparflow.comm.hugepages import huge_zeros, promote_tensor
 
 # Like PyTorch DDP's default: big enough that per-call latency is amortized, small enough that
@@ -216,7 +217,7 @@ class GradientReducer:
             return [given[i] for i in range(len(self.slots))]
         for number in self._deferred:
             self.comm.Allreduce(MPI.IN_PLACE, self._buffers[number])
-        MPI.Request.Waitall([r for r in self._requests if r is not None])
+        wait_all([r for r in self._requests if r is not None])
         if self._thread is not None:
             self._thread.drain()
         if self.op == "mean":

@@ -50,6 +50,7 @@ from hyparflow.comm.dlpack import (
     uses_device_path,
     wrap_host_buffer,
 )
+from hyparflow.comm.failure import wait_all
 from hyparflow.comm.hugepages import huge_zeros, promote_tensor
 
 __all__ = [
@@ -94,8 +95,7 @@ class SendHandle:
     def wait(self) -> None:
         """Block until every send has completed; the tensors may then be freed."""
         if self._requests:
-            MPI = _mpi()
-            MPI.Request.Waitall(self._requests)
+            wait_all(self._requests)
         self._requests, self._tensors = [], []
 
     def test(self) -> bool:
@@ -130,7 +130,7 @@ class RecvHandle:
         """Block until the micro-batch has arrived; check `batch_size` if given."""
         MPI = _mpi()
         statuses = [MPI.Status() for _ in self._requests]
-        MPI.Request.Waitall(self._requests, statuses)
+        wait_all(self._requests, statuses)
         channel, direction, microbatch = self._channel, self._direction, self._microbatch
         specs = channel.specs(direction)
         try:
@@ -386,7 +386,7 @@ class PipeChannel:
         self.allocations += grown
         if requests:
             statuses = [MPI.Status() for _ in requests]
-            MPI.Request.Waitall(requests, statuses)
+            wait_all(requests, statuses)
             for status, (nbytes, spec, shape) in zip(statuses, expected):
                 if status.Get_count(MPI.BYTE) != nbytes:
                     raise RuntimeError(

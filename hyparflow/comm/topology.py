@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from hyparflow.comm.failure import watched
+
 
 @dataclass(frozen=True)
 class Grid:
@@ -110,11 +112,12 @@ class Topology:
             )
         rank = comm.Get_rank()
         stage, replica, shard = grid.coords3(rank)
-        pipeline_comm = comm.Split(color=replica * tensor + shard, key=stage)
-        stage_comm = comm.Split(color=stage * tensor + shard, key=replica)
-        tensor_comm = comm.Split(color=replica * partitions + stage, key=shard)
+        # Watched: a blocking collective on them leaves when a peer fails (comm/failure.py).
+        pipeline_comm = watched(comm.Split(color=replica * tensor + shard, key=stage))
+        stage_comm = watched(comm.Split(color=stage * tensor + shard, key=replica))
+        tensor_comm = watched(comm.Split(color=replica * partitions + stage, key=shard))
         nodes = comm.allgather(_processor_name())
-        return cls(grid, comm, rank, pipeline_comm, stage_comm, tensor_comm, nodes)
+        return cls(grid, watched(comm), rank, pipeline_comm, stage_comm, tensor_comm, nodes)
 
     @property
     def node(self) -> str:

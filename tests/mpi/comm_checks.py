@@ -4,11 +4,14 @@ Each rank checks what it can see and reports facts (lists, counts, max errors) f
 tests/test_comm.py to assert on. Any exception aborts the whole job so no rank hangs.
 """
 
+import time
+
 import numpy as np
 import tensorflow as tf
 from mpi4py import MPI
 
-from hyparflow.comm import hugepages
+from hyparflow.comm import failure, hugepages
+from hyparflow.comm.agree import all_failed, failure_comm
 from hyparflow.comm.allreduce import GradientReducer
 from hyparflow.comm.p2p import BACKWARD, FORWARD, PipeChannel
 from hyparflow.comm.topology import Topology
@@ -314,6 +317,33 @@ def check_huge_pages(topo):
     return out
 
 
+def check_failure_channel(world):
+    """Rank 3 announces a failure while the others are blocked: rank 0 in a receive nobody
+    sends, ranks 1 and 2 in collectives rank 3 never enters. Each leaves with `PeerFailed`."""
+    rank = world.Get_rank()
+    scratch = failure.watched(world.Dup())  # its barrier stays unmatched afterwards
+    channel = failure.FailureChannel(world)
+    out = {}
+    with failure.watching(channel):
+        try:
+            if rank == 3:
+                time.sleep(0.5)  # the others are waiting by now
+                channel.announce(RuntimeError("disk full\nsecond line"))
+                out["left"] = "announced"
+            elif rank == 0:
+                request = scratch.Irecv(np.zeros(1), source=1, tag=99)
+                failure.wait_all([request])
+            else:
+                scratch.allreduce(1) if rank == 1 else scratch.Barrier()
+        except failure.PeerFailed as error:
+            out["left"] = str(error)
+    if rank == 0:
+        request.Cancel()
+        request.Wait()
+    out["all_failed"] = all_failed(failure_comm(world), None, timeout=60)
+    return out
+
+
 def main():
     world = MPI.COMM_WORLD
     topo = Topology.create(world, partitions=2, replicas=2)
@@ -322,6 +352,7 @@ def main():
     result["p2p_device"] = check_pipeline(topo, "device")  # the GPU code path, on CPU tensors
     result["allreduce"] = check_allreduce(topo)
     result["huge_pages"] = check_huge_pages(topo)
+    result["failure"] = check_failure_channel(world)
     try:
         Topology.create(world, partitions=3, replicas=1)
         result["bad_grid_error"] = ""
