@@ -7,6 +7,7 @@ import numpy as np
 from keras import tree
 
 from hyparflow import _keras
+from hyparflow.engine.custom_step import own_steps
 from hyparflow.engine.random_slices import unsliceable_random_layers
 from hyparflow.engine.structure import model_input_list
 from hyparflow.engine.sync_batchnorm import synchronized_layers
@@ -20,26 +21,46 @@ def check_compiled(model) -> None:
         )
 
 
-OWN_STEPS = ("train_step", "test_step", "compute_loss")
-
-
-def check_standard_steps(model) -> None:
-    """Refuse a model that overrides Keras's step or loss: hf.fit runs its own distributed
-    step, so that custom logic would silently not run."""
+def check_standard_steps(model, strategy=None) -> None:
+    """Refuse a model that overrides Keras's step or loss where hf.fit cannot run it: only
+    data parallelism runs the whole model per replica (engine/custom_step.py); a pipeline or
+    tensor split runs its own step, so that custom logic would silently not run."""
     if getattr(model, "preprocessor", None) is not None and hasattr(model, "preprocess_samples"):
         raise ValueError(
             f"{type(model).__name__} has a preprocessor, which its own fit runs on the data and "
             "hf.fit would not: build the task with preprocessor=None and preprocess the data "
             "first (e.g. dataset.map(preprocessor))."
         )
-    for name in OWN_STEPS:
-        if getattr(type(model), name, None) is not getattr(keras.Model, name):
-            raise ValueError(
-                f"{type(model).__name__} overrides Model.{name}, which hf.fit cannot run across "
-                "ranks (it runs its own pipeline step, so the override would be skipped); move "
-                "that logic into layers, losses or metrics, or train it with model.fit on one "
-                "process."
-            )
+    names = own_steps(model)
+    if not names:
+        return
+    split = strategy is None or strategy.partitions > 1 or strategy.tensor > 1
+    if split or strategy.microbatches > 1:
+        layout = "a pipeline or tensor split" if split else "micro-batches"
+        raise ValueError(
+            f"{type(model).__name__} overrides Model.{names[0]}, which hf.fit cannot run with "
+            f"{layout} (it runs its own step there, so the override would be skipped). "
+            'Train it with strategy="data" (each replica runs the step on its share of the '
+            "batch, num_microbatches=1), move that logic into layers, losses or metrics, or "
+            "train it with model.fit on one process."
+        )
+    _check_custom_step_options(model, strategy, names[0])
+
+
+def _check_custom_step_options(model, strategy, name: str) -> None:
+    """What a replica running the model's own step cannot do exactly."""
+    what = f"{type(model).__name__} overrides Model.{name}, which each replica runs itself"
+    if strategy.shard_optimizer and strategy.replicas > 1:
+        raise ValueError(
+            f"{what}: its optimizer updates whole variables; use shard_optimizer=False."
+        )
+    synced = synchronized_layers(_keras.all_layers(model), strategy.sync_batchnorm)
+    if synced and strategy.replicas > 1:
+        raise ValueError(
+            f"{what}: BatchNormalization layers {[layer.name for layer in synced][:5]} cannot "
+            "sum their statistics over the replicas inside it; use synchronized=False and "
+            "sync_batchnorm=False."
+        )
 
 
 def check_random_layers(model, strategy) -> None:
@@ -100,6 +121,8 @@ def check_loss_reductions(model) -> None:
     """The engine weights each micro-batch's mean loss by its share of the global batch, which
     is exact for Keras's default "sum_over_batch_size" reduction."""
     compile_loss = _keras.compiled_loss(model)
+    if compile_loss is None and own_steps(model):
+        return  # the model's own step or loss may need no compiled loss (a GAN's)
     if compile_loss is None:
         raise ValueError("The model was compiled without a loss; pass loss=... to compile().")
     for loss_fn in tree.flatten(model.loss):

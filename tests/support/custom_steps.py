@@ -1,0 +1,151 @@
+"""Models with their own train_step or compute_loss, trained by Keras and by `hf.fit` (data R=2).
+
+Run inside tests/mpi/data_inputs.py's launch (tests/test_keras_inputs.py checks the results):
+each case is built twice from one seed, trained by Keras in this process and by `hf.fit`, and
+the weights, the History and `hf.evaluate`'s logs are compared.
+"""
+
+import keras
+import tensorflow as tf
+from keras import ops
+
+import hyparflow as hf
+from tests.support.compare import history_difference, relative_difference
+from tests.support.models import data
+
+
+class GuideStep(keras.Model):
+    """The Keras guide's "Customizing what happens in fit()": compute_loss, the tape, the
+    optimizer's apply, every metric updated, their results returned."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(y=y, y_pred=y_pred)
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply(grads, self.trainable_variables)
+        for metric in self.metrics:
+            if metric.name == "loss":
+                metric.update_state(loss)
+            else:
+                metric.update_state(y, y_pred)
+        return {m.name: m.result() for m in self.metrics}
+
+
+class OwnLoss(keras.Model):
+    """Keras's own step around an overridden compute_loss (an extra output penalty)."""
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        loss = super().compute_loss(x, y, y_pred, sample_weight, training)
+        return loss + 0.1 * ops.mean(ops.square(y_pred))
+
+
+class TwoOptimizers(keras.Model):
+    """A GAN's shape without its noise: compiled without a loss, a second optimizer held as an
+    attribute, its own loss tracker returned through `metrics`, and SGD with momentum
+    updating the first layer, Adam the head."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.head_optimizer = keras.optimizers.Adam(0.01)
+        self.tracker = keras.metrics.Mean(name="step_loss")
+
+    @property
+    def metrics(self):
+        return [self.tracker]
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = ops.mean(keras.losses.sparse_categorical_crossentropy(y, self(x, training=True)))
+        body, head = self.trainable_variables[:2], self.trainable_variables[2:]
+        grads = tape.gradient(loss, body + head)
+        self.optimizer.apply(grads[:2], body)
+        self.head_optimizer.apply_gradients(zip(grads[2:], head))
+        self.tracker.update_state(loss)
+        return {"step_loss": self.tracker.result()}
+
+
+def build(kind):
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(8, activation="tanh")(inputs)
+    hidden = keras.layers.Dropout(0.3)(hidden)  # each replica takes its rows of Keras's mask
+    model = kind(inputs, keras.layers.Dense(3, activation="softmax")(hidden))
+    if kind is TwoOptimizers:
+        model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9))
+    else:
+        model.compile(
+            optimizer=keras.optimizers.Adam(0.01),
+            loss="sparse_categorical_crossentropy",
+            metrics=["accuracy"],
+        )
+    return model
+
+
+X, Y = data("mlp")  # 70 samples, batches of 16: the last has 6, split 3 and 3
+CASES = {  # name: (model class, samples); 69 samples: a last batch of 5, split 3 and 2
+    "custom_train_step": (GuideStep, 70),
+    "custom_compute_loss_uneven_last_batch": (OwnLoss, 69),
+    "custom_step_two_optimizers_no_compiled_loss": (TwoOptimizers, 70),
+}
+
+
+def run(name: str) -> dict:
+    """Keras, then `hf.fit` (data R=2) with validation and `hf.evaluate`, from one seed."""
+    kind, n = CASES[name]
+    x, y = X[:n], Y[:n]
+    options = dict(batch_size=16, epochs=2, shuffle=False, verbose=0)
+    if kind is not TwoOptimizers:  # Keras's test_step needs a compiled loss
+        options["validation_data"] = (X[:20], Y[:20])
+    runs = []
+    for fit in (lambda m: m.fit(x, y, **options), lambda m: hf.fit(m, x, y, **options,
+                                                                     strategy="data")):  # fmt: skip
+        model = build(kind)
+        keras.utils.set_random_seed(7)  # the same dropout masks in both runs
+        history = fit(model).history
+        logs = None
+        if "validation_data" in options:
+            logs = hf.evaluate(model, X[:20], Y[:20], return_dict=True, verbose=0,
+                               strategy="data")  # fmt: skip
+        runs.append((model, history, logs))
+    (ref, ref_history, _), (model, history, logs) = runs
+    evaluated = 0.0 if logs is None else history_difference(logs, ref.evaluate(
+        X[:20], Y[:20], return_dict=True, verbose=0))  # fmt: skip
+    return {
+        "case": f"data:{name}",
+        "weights": relative_difference(model.get_weights(), ref.get_weights()),
+        "history": max(history_difference(history, ref_history), evaluated),
+        "epochs": [len(next(iter(history.values()))), len(next(iter(ref_history.values())))],
+        "keys": [sorted(history), sorted(ref_history)],
+        "unpatched": all("apply" not in vars(o) for o in (model.optimizer, *_others(model))),
+    }
+
+
+def _others(model):
+    return [v for v in vars(model).values() if isinstance(v, keras.optimizers.Optimizer)]
+
+
+def refused(name: str, strategy: str, n: int) -> dict:
+    """The error `hf.fit` raises for a GuideStep (or OwnLoss) it cannot train exactly."""
+    kind = OwnLoss if "compute_loss" in name else GuideStep
+    try:
+        hf.fit(build(kind), X[:n], Y[:n], batch_size=16, verbose=0, strategy=strategy)
+        error = None
+    except ValueError as raised:
+        error = str(raised)
+    return {"case": f"{strategy}:{name}", "error": error}
+
+
+REFUSED = {  # name: (strategy, samples, what the error says)
+    # 69 samples: a last batch of 5, which the step's per-call metric update cannot split
+    "custom_train_step_uneven_last_batch": ("data", 69, "does not split evenly over 2"),
+    "custom_compute_loss_pipeline": ("model", 70, "overrides Model.compute_loss"),
+}
+
+
+def results() -> list[dict]:
+    return [run(name) for name in CASES] + [
+        refused(name, strategy, n) for name, (strategy, n, _) in REFUSED.items()
+    ]
