@@ -10,6 +10,8 @@ that moves one fails there first, not deep inside training.
 
 from __future__ import annotations
 
+import contextlib
+
 # Classes Keras keeps private. Functional is what keras.Model(inputs, outputs) builds; Node is
 # one call of an operation in its graph; the dropout bases are what every Dropout-like layer
 # (SpatialDropout*, RNN cells' dropout) derives from.
@@ -52,6 +54,13 @@ def compiled_metrics(model):
 def loss_tracker(model):
     """`model._loss_tracker`: the Mean that `fit` reports as "loss"."""
     return model._loss_tracker
+
+
+def output_loss_means(compile_loss) -> list:
+    """`CompileLoss.metrics`: the Mean per output ("<output>_loss") that its `build()` makes
+    when there are several losses; each call updates them with the output's batch loss,
+    weighted by the batch's static size (engine/output_losses.py)."""
+    return list(compile_loss.metrics)
 
 
 def metrics_in_order(model, logs: dict) -> list:
@@ -248,6 +257,20 @@ def initialize_deferred(variable) -> None:
 def stateless_updates(scope) -> dict:
     """id(variable) -> value of the assignments a StatelessScope collected instead of doing."""
     return scope.state_mapping
+
+
+@contextlib.contextmanager
+def outside_stateless_scope():
+    """Keras's global attribute "stateless_scope" cleared for a moment, then restored: a
+    variable made meanwhile is created with its value (Keras refuses one from a value inside)."""
+    from keras.src.backend.common import global_state
+
+    scope = global_state.get_global_attribute("stateless_scope")
+    global_state.set_global_attribute("stateless_scope", None)
+    try:
+        yield
+    finally:
+        global_state.set_global_attribute("stateless_scope", scope)
 
 
 # --- the .keras file (hyparflow/checkpoint/export.py) --------------------------------------

@@ -16,8 +16,8 @@ from hyparflow.comm.world import launched, size, world
 from hyparflow.data import make_source
 from hyparflow.data.fingerprint import data_digest, differing_ranks, mismatch_message
 from hyparflow.data.sources import fit_sources, split_validation
-from hyparflow.engine.loops import evaluate_loop, fit_loop, predict_loop
 from hyparflow.engine.custom_step import make_trainer
+from hyparflow.engine.loops import evaluate_loop, fit_loop, predict_loop
 from hyparflow.engine.weights import held_elsewhere
 from hyparflow.memory.limits import memory_room
 from hyparflow.memory.plan import memory_plan
@@ -210,7 +210,7 @@ def fit(
     1) this is exactly `model.fit`. Under `mpirun -np N`, `strategy` is "data", "model",
     "hybrid" or "auto" (or an `hf.Strategy`), with HyPar-Flow's `num_partitions`,
     `num_replicas` and `num_microbatches`. When it returns, every rank's `model` holds the
-    trained weights (optimizer state stays with the stage that owns each variable); a model
+    trained weights (and rank 0's `model.save` writes the whole optimizer state); a model
     built under `hf.scope()` keeps only the weights of each rank's own stage and tensor shard
     (others raise `hf.NotHeldError`; `hf.export` writes the whole model from a checkpoint).
 

@@ -5,6 +5,9 @@ One launch runs every case of tests/mpi/data_inputs.py (docs/keras_parity.md).""
 import pytest
 
 from tests.mpi.data_inputs import CASES, REFUSED
+from tests.mpi.data_inputs import PER_OUTPUT_LOSS_WEIGHTS as LOSS_WEIGHTS
+from tests.support.custom_steps import CASES as CUSTOM_STEPS
+from tests.support.custom_steps import REFUSED as CUSTOM_REFUSED
 from tests.support.mpirun import run_scenario
 
 TOLERANCE = 1e-5
@@ -34,3 +37,42 @@ def test_what_keras_refuses_is_refused_with_its_message(outcomes, kind, case):
     result = outcomes[0][f"{kind}:{case}"]
     assert result["keras"] is not None, result  # Keras does refuse it
     assert result["hyparflow"] == result["keras"], result
+
+
+@pytest.mark.parametrize("kind", ["data", "model"])
+def test_per_output_losses_follow_keras(outcomes, kind):
+    """Per-output History (validation included) and evaluate with a partial last batch."""
+    results, ranks = outcomes
+    result = results[f"{kind}:per_output_losses"]
+    assert result["keys"][0] == result["keys"][1], result
+    assert {"regression_loss", "val_classes_loss"} <= set(result["keys"][0]), result
+    assert result["epochs"][0] == result["epochs"][1], result
+    for part in ("weights", "history", "evaluate"):
+        assert result[part] < TOLERANCE, (part, result)
+    # the case tells weightings apart: Keras's per-output means, counting the last batch once,
+    # do not add up to its total loss, which weighs each batch by its rows
+    keras_logs = result["reference"]
+    for epoch, total in enumerate(keras_logs["loss"]):
+        parts = sum(w * keras_logs[f"{name}_loss"][epoch] for name, w in LOSS_WEIGHTS.items())
+        assert abs(parts - total) > 1e-3 * total, keras_logs
+    assert ranks[1]["results"] == ranks[0]["results"]
+
+
+@pytest.mark.parametrize("case", sorted(CUSTOM_STEPS))
+def test_a_custom_step_trains_as_keras_under_data_parallelism(outcomes, case):
+    """An overridden train_step / compute_loss: weights, History (validation included) and
+    evaluate equal Keras on the global batch; no optimizer is left patched afterwards."""
+    results, ranks = outcomes
+    result = results[f"data:{case}"]
+    assert result["keys"][0] == result["keys"][1], result
+    assert result["epochs"][0] == result["epochs"][1], result
+    assert result["weights"] < TOLERANCE and result["history"] < TOLERANCE, result
+    assert result["unpatched"], result
+    assert ranks[1]["results"] == ranks[0]["results"]
+
+
+@pytest.mark.parametrize("case", sorted(CUSTOM_REFUSED))
+def test_a_custom_step_that_cannot_equal_keras_is_refused(outcomes, case):
+    strategy, _, says = CUSTOM_REFUSED[case]
+    result = outcomes[0][f"{strategy}:{case}"]
+    assert result["error"] is not None and says in result["error"], result

@@ -30,6 +30,8 @@ def test_compiled_model_entries():
     assert callable(_keras.compiled_loss(model))
     assert _keras.compiled_metrics(model) is not None
     assert isinstance(_keras.loss_tracker(model), keras.metrics.Mean)
+    means = _keras.output_loss_means(_keras.compiled_loss(model))
+    assert len(means) == 2 and all(isinstance(m, keras.metrics.Mean) for m in means)
     logs = model.evaluate(data, [np.ones((4, 3)), np.ones((4, 1))], verbose=0, return_dict=True)
     assert _keras.metrics_in_order(model, logs)[0] == logs["loss"]
 
@@ -127,6 +129,11 @@ def test_deferred_variable_entries():
     _keras.initialize_deferred(kernel)
     assert not _keras.is_uninitialized(kernel) and float(kernel.numpy().sum()) == 6.0
     del waiting[before:]
+    with keras.StatelessScope(initialize_variables=False) as scope:
+        with _keras.outside_stateless_scope():  # Keras refuses a value in a stateless scope
+            counter = keras.Variable(3, trainable=False)
+        assert keras.src.backend.common.stateless_scope.get_stateless_scope() is scope
+    assert int(counter.numpy()) == 3
 
 
 def test_keras_file_entries(tmp_path):

@@ -27,6 +27,7 @@ from hyparflow.engine.gradient_form import choose_gradient_form, segments_for
 from hyparflow.engine.gradient_sync import GradientSync, SharedAcrossStages
 from hyparflow.engine.metrics import ReplicaMetrics
 from hyparflow.engine.mpi import mpi_op
+from hyparflow.engine.output_losses import OutputLosses
 from hyparflow.engine.pipeline import PipelineWalk
 from hyparflow.engine.random_slices import feature_slice
 from hyparflow.engine.runners import (
@@ -94,6 +95,7 @@ class Trainer:
             self._build(model, strategy, plan, topo, graph, comm_backend)
 
     def _build(self, model, strategy, plan, topo, graph, comm_backend):
+        self.output_losses = OutputLosses(model)  # per-output loss means weighted as Keras's
         self.variables = list(graph.trainable_variables)
         self.owned = list(self.variables) if plan is None else owned_variables(plan, topo.stage)
         layers = _keras.all_layers(graph)
@@ -255,7 +257,7 @@ class Trainer:
         return flat
 
     def _loss(self, y, y_pred, sample_weight):
-        return _keras.compiled_loss(self.model)(y, y_pred, sample_weight)
+        return self.output_losses(y, y_pred, sample_weight)
 
     def _update_metrics(self, y, y_pred, sample_weight):
         metrics = _keras.compiled_metrics(self.model)
@@ -270,6 +272,7 @@ class Trainer:
 
     def _train_step(self, batch: GlobalBatch) -> None:
         pieces = self.walk.microbatches(batch)
+        self.output_losses.begin(batch.size)
         # Segment by segment only where the optimizer allows it and no check needs every
         # gradient before the update.
         by_segment = (
@@ -311,6 +314,7 @@ class Trainer:
 
     def eval_step(self, batch: GlobalBatch, reg_value: float) -> None:
         """Forward-only pass of one batch: loss and metrics accumulate at the last stage."""
+        self.output_losses.begin(batch.size)
         with self.tensor_active():
             losses = self.walk.run(self.walk.microbatches(batch), batch.size, train=False)
             self._track_loss(losses, reg_value, self._added_total())

@@ -13,6 +13,7 @@ import numpy as np
 import tensorflow as tf
 
 import hyparflow as hf
+from tests.support import custom_steps
 from tests.support.compare import history_difference, relative_difference
 from tests.support.models import compiled, data
 from tests.support.report import args, report
@@ -134,9 +135,43 @@ def refusal(kind: str, name: str, arguments) -> dict:
     return {"case": f"{kind}:{name}", "keras": messages[0], "hyparflow": messages[1]}
 
 
+# A 2-output model (a dict of losses, loss_weights) on 44 samples in batches of 16: the last
+# batch has 12. Keras's compiled fit counts each batch once in its per-output loss means
+# ("regression_loss", ...); eager Keras's weighting is tests/test_output_losses.py's.
+PER_OUTPUT_LOSS_WEIGHTS = {"regression": 0.5, "classes": 2.0}  # compiled("multi_io", ...)'s
+
+
+def per_output(kinds) -> list[dict]:
+    """History (with validation) and evaluate of Keras and `hf.fit` for a 2-output model."""
+    (x, y), validation = data("multi_io", n=44), data("multi_io", n=20, seed=1)
+    fit = dict(batch_size=BATCH, epochs=2, shuffle=False, verbose=0, validation_data=validation)
+    reference = compiled("multi_io", "adam")
+    ref = reference.fit(x, y, **fit)
+    ref_evaluated = reference.evaluate(*validation, batch_size=8, verbose=0, return_dict=True)
+    results = []
+    for kind in kinds:
+        model = compiled("multi_io", "adam")
+        got = hf.fit(model, x, y, **fit, strategy=kind)
+        evaluated = hf.evaluate(model, *validation, batch_size=8, strategy=kind, return_dict=True)
+        results.append({
+            "case": f"{kind}:per_output_losses",
+            "weights": relative_difference(model.get_weights(), reference.get_weights()),
+            "history": history_difference(got.history, ref.history),
+            "evaluate": history_difference(
+                {k: [v] for k, v in evaluated.items()}, {k: [v] for k, v in ref_evaluated.items()}
+            ),
+            "epochs": [len(got.history["loss"]), len(ref.history["loss"])],
+            "keys": [sorted(got.history), sorted(ref.history)],
+            "reference": ref.history,
+        })  # fmt: skip
+    return results
+
+
 if __name__ == "__main__":
     keras.config.disable_interactive_logging()
     kinds = args()
     results = [result for name, case in CASES.items() for result in run(kinds, name, case)]
+    results += custom_steps.results() if "data" in kinds else []  # own train_step, compute_loss
+    results += per_output(kinds)
     refusals = [refusal(kind, name, case) for kind in kinds for name, case in REFUSED.items()]
     report({"rank": hf.rank(), "results": results, "refusals": refusals})

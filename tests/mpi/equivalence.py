@@ -82,10 +82,6 @@ def _run(case: Case) -> dict:
 def _train_reference(case: Case, train: tuple, validation: tuple) -> dict:
     """Plain Keras's fit, predict and evaluate of the case's model: what `_run` compares with."""
     reference = compiled(case.model, case.optimizer, case.policy)
-    # Keras's compiled train step retraces with an unknown batch size for the last, smaller
-    # batch, and its per-output loss trackers then stop weighting by batch size; eager Keras
-    # weights them exactly (as hyparflow does). Same math otherwise.
-    reference.run_eagerly = case.model == "multi_io"
     history = reference.fit(*train, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
                             validation_data=validation)  # fmt: skip
     vx, vy = validation

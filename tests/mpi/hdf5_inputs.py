@@ -54,8 +54,6 @@ def equivalence_cases(path: str):
 
 def equivalence(kind: str, name: str, model_name: str, reader, arrays: dict) -> dict:
     reference = compiled(model_name, "adam")
-    # Eager Keras weights per-output losses of the last, smaller batch exactly (docs/engine.md).
-    reference.run_eagerly = model_name == "multi_io"
     ref = reference.fit(**arrays, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
     model = compiled(model_name, "adam")
     got = hf.fit(model, reader, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
