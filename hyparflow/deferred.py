@@ -9,11 +9,19 @@ a placeholder of zeros (no memory, no random draw), and an eager read raises `No
 so a weight a rank does not hold is never read as a fresh random value. `materialize` gives a
 variable its value from the initializer it was built with, so the values equal those of an
 ordinary build with the same seeds (Keras's random initializers draw their seed when made).
+
+Keras refuses a variable made from a value (not an initializer) inside a StatelessScope, and
+compiling makes some: an optimizer's step counter and learning rate. While hf.scope() is open,
+`keras.Variable.__init__` makes such a variable anyway (`_from_value`): a non-trainable one (a
+counter, a rate, a state) is created with its value, which is small and already in memory; a
+trainable one is a weight, deferred like those made by initializers, its value its initializer.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
+import threading
 
 import keras
 import tensorflow as tf
@@ -50,35 +58,26 @@ _reader = None  # hf.export's source of values while it writes a deferred model
 
 @contextlib.contextmanager
 def scope():
-    """Build (and compile) a model of any size without allocating its weights.
+    """Build and compile a model of any size without allocating its weights.
 
-    Variables made inside are deferred: hf.fit gives each rank only those of its own pipeline
-    stage and tensor shard (`strategy` decides), with the values an ordinary build would have
-    had. Create the optimizer object before the scope (Keras makes an optimizer's step counter
-    concrete), or compile after it. Reading a weight a rank does not hold raises
-    `NotHeldError`; `hf.export` writes the trained model from a checkpoint.
+    Variables made inside by initializers (every layer's weights, the optimizer's slots, metric
+    states) are deferred: hf.fit gives each rank only the weights of its own pipeline stage and
+    tensor shard (`strategy` decides), with the values an ordinary build would have had.
+    Variables made from a value (an optimizer's step counter and learning rate) are small and
+    are created as usual, so the optimizer may be made inside too. Reading a weight a rank does
+    not hold raises `NotHeldError`; `hf.export` writes the trained model from a checkpoint.
 
     Example:
-        >>> optimizer = keras.optimizers.Adam()
         >>> with hf.scope():
         ...     model = build_model()
-        ...     model.compile(optimizer=optimizer, loss="mse")
+        ...     model.compile(optimizer="adam", loss="mse", metrics=["mae"])
         >>> hf.fit(model, x, y, strategy=hf.Strategy("model", partitions=4))
     """
     waiting = _keras.uninitialized_variables()
     before = {id(v) for v in waiting}
     try:
-        with keras.StatelessScope(initialize_variables=False) as stateless:
+        with _values_allowed(), keras.StatelessScope(initialize_variables=False) as stateless:
             yield
-    except ValueError as error:
-        if "while in a stateless scope" in str(error):
-            raise ValueError(
-                "Inside hf.scope() Keras cannot make a variable from a value (an optimizer's "
-                "step counter, a constant weight). Create the optimizer before the scope "
-                "(optimizer = keras.optimizers.Adam()) and pass the object to compile, or "
-                "compile after the scope."
-            ) from error
-        raise
     finally:
         made = [v for v in waiting if id(v) not in before]
         waiting[:] = [v for v in waiting if id(v) in before]
@@ -88,10 +87,64 @@ def scope():
     if assigned:
         names = [v.path for v in made if id(v) in assigned][:3]
         raise ValueError(
-            f"Weights were assigned inside hf.scope() ({names or 'values'}), which holds no "
+            f"Variables were assigned inside hf.scope() ({names or 'values'}), which holds no "
             "values to assign to. Load or set weights after the scope on an ordinary model, or "
             "resume hf.fit from a checkpoint (resume_from=...)."
         )
+
+
+# --- variables made from a value inside the scope ----------------------------------------
+_KERAS_INIT = keras.Variable.__init__  # Keras's own, whichever class defines it
+_OWN_INIT = "__init__" in vars(keras.Variable)  # else inherited: restored by deleting ours
+_open = threading.local()  # how many hf.scope() this thread is inside (Keras's state is too)
+_patch_lock = threading.Lock()
+_patched = [0]  # open hf.scope()s of all threads: the patch is in place while any is
+
+
+class _Value:
+    """The initializer of a trainable variable made from a value inside hf.scope()."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __call__(self, shape, dtype=None):
+        return tf.cast(self.value, dtype) if dtype is not None else self.value
+
+
+def _from_value(variable, initializer, *args, **kwargs):
+    """`keras.Variable.__init__` while an hf.scope() is open (see the module's docstring)."""
+    if not getattr(_open, "depth", 0) or callable(initializer) or isinstance(initializer, str):
+        return _KERAS_INIT(variable, initializer, *args, **kwargs)
+    bound = inspect.signature(_KERAS_INIT).bind(variable, initializer, *args, **kwargs)
+    given = bound.arguments
+    if not given.get("trainable", True):
+        with _keras.outside_stateless_scope():
+            return _KERAS_INIT(*bound.args, **bound.kwargs)
+    value = keras.ops.convert_to_tensor(initializer, dtype=given.get("dtype"))
+    dtype = keras.backend.standardize_dtype(given.get("dtype") or value.dtype)
+    given.update(initializer=_Value(value), shape=tuple(value.shape), dtype=dtype)
+    return _KERAS_INIT(*bound.args, **bound.kwargs)
+
+
+@contextlib.contextmanager
+def _values_allowed():
+    """`_from_value` in place of Keras's `__init__` (which takes `initializer` first and
+    `trainable` by name) while any hf.scope() is open; Keras's own again once none is."""
+    with _patch_lock:
+        if _patched[0] == 0:
+            keras.Variable.__init__ = _from_value
+        _patched[0] += 1
+    _open.depth = getattr(_open, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _open.depth -= 1
+        with _patch_lock:
+            _patched[0] -= 1
+            if _patched[0] == 0 and _OWN_INIT:
+                keras.Variable.__init__ = _KERAS_INIT
+            elif _patched[0] == 0:
+                del keras.Variable.__init__
 
 
 def _defer(variable) -> None:

@@ -4,7 +4,8 @@ checkpoints and `hf.export` never gather the model on one rank.
 
 The scope's behaviour runs in this process; training runs under a real `mpirun`
 (tests/mpi/deferred_checks.py: four pipeline stages, two stages x two tensor ranks, a
-checkpoint exported and resumed as four replicas, each compared with Keras's own fit).
+checkpoint exported and resumed as four replicas, each compared with Keras's own fit; most
+compiled inside the scope with the optimizer made there, as a strategy.scope() user does).
 """
 
 import json
@@ -89,15 +90,68 @@ def test_reading_a_weight_that_is_not_held_fails_and_symbolic_use_works():
     assert model.weights[0].numpy().shape == (16, 32)
 
 
-def test_an_optimizer_made_inside_or_an_assignment_is_refused_clearly():
-    with pytest.raises(ValueError, match=r"Create the optimizer before the scope"), hf.scope():
-        _seeded(_small).compile("adam", "mse")
+def _compiled_inside(optimizer, policy):
+    """_small built and compiled as a strategy.scope() user does: the optimizer made inside."""
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        with hf.scope():
+            model = _seeded(_small)
+            made = keras.optimizers.Adam(1e-3) if optimizer == "object" else optimizer
+            model.compile(optimizer=made, loss="mse", metrics=["mae"])
+        reference = _seeded(_small)
+        reference.compile(optimizer="adam", loss="mse", metrics=["mae"])
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    return model, reference
+
+
+@pytest.mark.parametrize(
+    "optimizer, policy",
+    [("adam", "float32"), ("object", "mixed_float16")],  # + loss scaling
+)
+def test_building_and_compiling_inside_the_scope_trains_as_keras(optimizer, policy):
+    model, reference = _compiled_inside(optimizer, policy)
+    assert all(deferred.is_deferred(v) for v in model.weights)  # the weights: deferred
+    step, rate = model.optimizer.iterations, model.optimizer.learning_rate  # made from values
+    assert int(step.numpy()) == 0 and float(rate.numpy()) == pytest.approx(1e-3)
+    assert not any(deferred.is_deferred(v) for v in model.optimizer.variables)
+    assert (model.jit_compile, model.steps_per_execution) == (
+        reference.jit_compile, reference.steps_per_execution
+    )  # fmt: skip
+    data = [np.ones((8, 16), "float32"), np.arange(24).reshape(8, 3) % 20], np.ones((8, 4))
+    history = hf.fit(model, *data, batch_size=4, epochs=2, verbose=0)
+    expected = reference.fit(*data, batch_size=4, epochs=2, verbose=0)
+    assert not deferred.any_deferred(model)
+    assert int(step.numpy()) == int(reference.optimizer.iterations.numpy()) > 0
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=TOLERANCE, atol=1e-7)
+    for key, values in expected.history.items():
+        np.testing.assert_allclose(history.history[key], values, rtol=TOLERANCE)
+
+
+def test_values_inside_the_scope_are_created_or_deferred_and_assignments_refused():
+    init = keras.Variable.__init__
+    with hf.scope():
+        counter = keras.Variable(5, trainable=False)  # small state: created with its value
+        weight = keras.Variable(np.full((2, 3), 0.5))  # a weight: deferred like the others
+    assert int(counter.numpy()) == 5 and deferred.is_deferred(weight)
+    assert (weight.shape, weight.dtype) == ((2, 3), "float64")  # as keras.Variable makes it
+    with pytest.raises(hf.NotHeldError):
+        weight.numpy()
+    assert deferred.materialize([weight]) == 1 and np.all(weight.numpy() == 0.5)
+    assert keras.Variable.__init__ is init  # the scope's hook is gone once it closes
     weights = _seeded(_small).get_weights()
     with pytest.raises(ValueError, match=r"assigned inside hf.scope\(\)"), hf.scope():
         _seeded(_small).set_weights(weights)
-    optimizer = keras.optimizers.SGD()
-    with hf.scope():  # the documented way: the optimizer object made before the scope
-        _seeded(_small).compile(optimizer, "mse")
+    with pytest.raises(ValueError, match=r"assigned inside hf.scope\(\)"), hf.scope():
+        keras.optimizers.SGD().learning_rate = 0.5  # a variable made inside, then assigned
+    assert keras.Variable.__init__ is init
+    with pytest.raises(RuntimeError), hf.scope():  # an error inside: the hook goes too
+        raise RuntimeError
+    assert keras.Variable.__init__ is init
+    with hf.scope(), hf.scope():  # nested: counted, removed by the outer one only
+        assert keras.Variable.__init__ is not init
+    assert keras.Variable.__init__ is init
 
 
 def test_balance_by_time_needs_weights_and_is_refused():
@@ -152,6 +206,7 @@ def test_each_rank_holds_and_trains_only_its_share(four_ranks, layout):
     for r in results:
         assert r["weights"] < TOLERANCE and r["shards"] < TOLERANCE
         assert r["history"] < TOLERANCE
+        assert r["steps"][0] == r["steps"][1]  # the step counter, made inside for P4 and P2T2
         assert "is not held by this process" in r["refused"] and "hf.export" in r["refused"]
     if layout == "P4":
         assert max(r["predict"] for r in results) < TOLERANCE
@@ -163,6 +218,7 @@ def test_each_rank_holds_and_trains_only_its_share(four_ranks, layout):
 def test_a_deferred_checkpoint_exports_and_resumes_exactly(four_ranks):
     assert four_ranks[0]["export"] < TOLERANCE  # one .keras file, written weight by weight
     assert max(r["resumed"] for r in four_ranks) < TOLERANCE  # P2xT2 -> four replicas
+    assert all(r["resumed_steps"][0] == r["resumed_steps"][1] for r in four_ranks)
 
 
 def _python(*arguments) -> dict:

@@ -1,10 +1,11 @@
 """Every input `model.fit` takes gives Keras's weights and History under `hf.fit` on 2 ranks,
-in the data (R=2) and model (P=2) layouts; what Keras refuses is refused with its message.
+in the data (R=2) and model (P=2) layouts, and each way data comes in under tensor (T=2);
+`evaluate` and `predict` match too; what Keras refuses is refused with its message.
 One launch runs every case of tests/mpi/data_inputs.py (docs/keras_parity.md)."""
 
 import pytest
 
-from tests.mpi.data_inputs import CASES, REFUSED
+from tests.mpi.data_inputs import CASES, EVALUATED, REFUSED, TENSOR_CASES
 from tests.mpi.data_inputs import PER_OUTPUT_LOSS_WEIGHTS as LOSS_WEIGHTS
 from tests.support.custom_steps import CASES as CUSTOM_STEPS
 from tests.support.custom_steps import REFUSED as CUSTOM_REFUSED
@@ -15,12 +16,16 @@ TOLERANCE = 1e-5
 
 @pytest.fixture(scope="module")
 def outcomes():
-    ranks = run_scenario("data_inputs", 2, "data", "model", timeout=600)
+    ranks = run_scenario("data_inputs", 2, "data", "model", "tensor", timeout=900)
     return {r["case"]: r for r in ranks[0]["results"] + ranks[0]["refusals"]}, ranks
 
 
-@pytest.mark.parametrize("kind", ["data", "model"])
-@pytest.mark.parametrize("case", sorted(CASES))
+CELLS = [(kind, case) for kind in ("data", "model") for case in sorted(CASES)] + [
+    ("tensor", case) for case in TENSOR_CASES
+]
+
+
+@pytest.mark.parametrize(("kind", "case"), CELLS)
 def test_fit_matches_keras(outcomes, kind, case):
     results, ranks = outcomes
     result = results[f"{kind}:{case}"]
@@ -76,3 +81,14 @@ def test_a_custom_step_that_cannot_equal_keras_is_refused(outcomes, case):
     strategy, _, says = CUSTOM_REFUSED[case]
     result = outcomes[0][f"{strategy}:{case}"]
     assert result["error"] is not None and says in result["error"], result
+
+
+@pytest.mark.parametrize("kind", ["data", "model", "tensor"])
+@pytest.mark.parametrize("case", sorted(EVALUATED))
+def test_evaluate_and_predict_match_keras(outcomes, kind, case):
+    results, ranks = outcomes
+    result = results[f"{kind}:evaluate_predict_{case}"]
+    assert result["keys"][0] == result["keys"][1], result
+    assert result["shapes"][0] == result["shapes"][1], result
+    assert result["evaluate"] < TOLERANCE and result["predict"] < TOLERANCE, result
+    assert ranks[1]["results"] == ranks[0]["results"]

@@ -9,17 +9,41 @@ import pytest
 from tests.support.mpirun import launch, run_scenario
 
 
-def test_killed_rank_ends_the_job_and_resume_matches_an_uninterrupted_run(tmp_path):
-    folder = str(tmp_path / "checkpoints")
+@pytest.fixture(scope="module")
+def killed_and_resumed(tmp_path_factory):
+    """A 2-rank pipeline killed mid-training, its checkpoints, and the resumed launch's results
+    (which also save, export and continue a P=2 and a T=2 run: one launch for both tests)."""
+    folder = str(tmp_path_factory.mktemp("killed") / "checkpoints")
     # ended by the kill, within the launch's limit (measured 20 s; a hang would run into it)
     crash = launch("reliability", 2, "crash", folder, timeout=120)
+    checkpoints = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+    return crash, checkpoints, run_scenario("reliability", 2, "resume", folder, timeout=240)
+
+
+def test_killed_rank_ends_the_job_and_resume_matches_an_uninterrupted_run(killed_and_resumed):
+    crash, checkpoints, resumed = killed_and_resumed
     assert crash.returncode not in (0, -9), crash.describe()
     assert all(r is None for r in crash.results)
-    assert sorted(os.listdir(folder)) == ["ckpt-000000002", "ckpt-000000004", "ckpt-000000006"]
-    for r in run_scenario("reliability", 2, "resume", folder, timeout=180):
+    assert checkpoints == ["ckpt-000000002", "ckpt-000000004", "ckpt-000000006"]
+    for r in resumed:
         assert r["resumed_epochs"] == [1, 2]  # step 6 = epoch 1, batch 2 (4 batches an epoch)
         assert r["bitwise"], f"rank {r['rank']}: resumed weights differ by {r['weights']:.2e}"
         assert r["last_loss"] == r["ref_last_loss"]  # the resumed epoch's metric sums came back
+
+
+@pytest.mark.parametrize("layout", ["P2", "T2"])
+@pytest.mark.parametrize("written_by", ["save", "export"])
+def test_a_saved_file_holds_the_whole_optimizer_and_continues_as_keras(
+    killed_and_resumed, layout, written_by
+):
+    """After 8 Adam steps on 2 ranks (pipeline P=2, tensor T=2), rank 0's `model.save` file and
+    `hf.export`'s file load in one process without Keras skipping the optimizer, hold Keras's
+    own optimizer state, and 4 more steps of plain `model.fit` equal 12 steps of Keras."""
+    r = killed_and_resumed[2][0]["saved_files"][layout][written_by]  # rank 0 loads and fits
+    assert "error" not in r, r["error"]
+    assert r["skipped"] == []  # no "Skipping variable loading for optimizer" warning
+    assert r["optimizer"] < 1e-5, f"loaded optimizer state differs by {r['optimizer']:.2e}"
+    assert r["continued"] < 1e-5, f"continued training differs by {r['continued']:.2e}"
 
 
 def test_a_save_torn_by_a_kill_leaves_the_previous_checkpoint_loadable(tmp_path):

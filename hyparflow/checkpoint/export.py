@@ -11,6 +11,7 @@ import keras
 
 from hyparflow import _keras, deferred
 from hyparflow.checkpoint import store
+from hyparflow.checkpoint.optimizer_file import stream_optimizer
 
 
 def export(checkpoint_dir: str, path: str, model=None) -> str:
@@ -18,10 +19,11 @@ def export(checkpoint_dir: str, path: str, model=None) -> str:
 
     The architecture comes from the checkpoint (models with a config) or from `model` (any
     model, e.g. subclassed: pass a freshly built one, under `hf.scope()` if it is big). The
-    model is compiled as it was for training (so `evaluate` works on the loaded file);
-    optimizer state is not included. The architecture is rebuilt without allocating its
-    weights (`hf.scope()`), and each weight is read from the checkpoint's files as the file
-    is written, so the exporting process holds one weight at a time, never the whole model.
+    model is compiled as it was for training, with the checkpoint's whole optimizer state
+    (every slot, the step counter), so `load_model` and `fit` go on as the training would
+    have. The architecture and the optimizer are built without allocating their variables
+    (`hf.scope()`), and each variable is read from the checkpoint's files as the file is
+    written, so the exporting process holds one at a time, never the whole model.
 
     Example:
         >>> hf.export("checkpoints/", "trained.keras")
@@ -50,10 +52,15 @@ def export(checkpoint_dir: str, path: str, model=None) -> str:
         with open(os.path.join(folder, manifest.compile_config)) as f:
             # as Keras's compile_from_config, without building the optimizer's state
             model.compile(**keras.saving.deserialize_keras_object(json.load(f)))
+    slots = {}
+    if getattr(model, "optimizer", None) is not None:
+        slots = stream_optimizer(model, state)  # id(slot) -> its checkpoint key
 
-    def value(variable):  # a weight from the checkpoint; anything else (seed states) as built
+    def value(variable):  # a weight or slot from the checkpoint; seed states as built
         if id(variable) in position:
             return state[f"w/{position[id(variable)]}"]
+        if id(variable) in slots:
+            return state[slots[id(variable)]]
         return deferred.initial_value(variable)
 
     try:

@@ -7,6 +7,11 @@ from keras import callbacks as keras_callbacks
 from keras import tree
 
 from hyparflow.comm.agree import AgreedError
+from hyparflow.engine.optimizer_gather import (
+    drop_gathered_state,
+    gather_optimizer_state,
+    saves_files,
+)
 from hyparflow.engine.progress import ThroughputProgbarLogger
 
 # Keras callbacks that write files or talk to the outside: they run on rank 0 only, which holds
@@ -110,6 +115,8 @@ def fit_loop(
     # Keras hands every batch's logs to the callbacks; when none on any rank looks at them,
     # the loop shares the logs once an epoch instead (docs/engine.md, "Logs")
     batch_logs = trainer.agree_any(any(needs_batch_logs(cb) for cb in callbacks.callbacks))
+    saving = saves_files(trainer, mine)  # files need the whole optimizer state (rank 0's)
+    drop_gathered_state(trainer)
     callbacks.on_train_begin()
     logs = {}
     for epoch in range(initial_epoch, epochs):
@@ -129,6 +136,7 @@ def fit_loop(
                 logs = trainer.logs()
             if sync_every_batch:
                 trainer.sync_weights()
+                gather_optimizer_state(trainer)
             if progbar is not None:
                 progbar.count(batch.size)
             callbacks.on_train_batch_end(step, logs if batch_logs else {})
@@ -143,6 +151,8 @@ def fit_loop(
             )
         epoch_logs = dict(logs) if batch_logs else trainer.logs()
         trainer.sync_weights()  # callbacks at epoch end see (and may save) the full model
+        if saving:
+            gather_optimizer_state(trainer)
         if validation_source is not None and _should_eval(epoch, validation_freq):
             val_logs = evaluate_loop(trainer, validation_source, steps=validation_steps)
             epoch_logs.update({"val_" + name: value for name, value in val_logs.items()})
@@ -153,6 +163,7 @@ def fit_loop(
             break
     trainer.finalize_variables()
     trainer.sync_weights()
+    gather_optimizer_state(trainer)  # model.save on rank 0 writes the whole optimizer state
     callbacks.on_train_end(logs)
     return model.history
 

@@ -99,6 +99,19 @@ REFUSED = {  # what Keras refuses, hyparflow must refuse with Keras's message
 }
 
 
+# The tensor layout (T=2) reads data as the others do: it runs the cases that exercise each
+# way in (docs/keras_parity.md), not every argument again.
+TENSOR_CASES = (
+    "tf_data", "tf_data_with_tf_data_validation", "py_dataset_sample_weight",
+    "generator_steps_per_epoch", "arrays_steps_per_epoch_carry_over", "class_weight",
+    "sample_weight_validation_split", "validation_freq_steps",
+)  # fmt: skip
+
+
+def strategy_of(kind: str):
+    return hf.Strategy("data", tensor=2) if kind == "tensor" else kind
+
+
 def run(kinds, name: str, arguments) -> list[dict]:
     """Keras once, then `hf.fit` in each layout of `kinds`, from the same initial weights."""
     options = arguments()
@@ -109,10 +122,13 @@ def run(kinds, name: str, arguments) -> list[dict]:
         warnings.simplefilter("ignore")  # Keras's "ran out of data" is expected in some cases
         ref = reference.fit(**options, epochs=epochs, shuffle=False, verbose=0)
         for kind in kinds:
+            if kind == "tensor" and name not in TENSOR_CASES:
+                continue
             again = arguments()  # fresh arguments: a generator is used up by one fit
             again.pop("epochs", None)
             model = compiled("mlp", "adam")
-            got = hf.fit(model, **again, epochs=epochs, shuffle=False, verbose=0, strategy=kind)
+            got = hf.fit(model, **again, epochs=epochs, shuffle=False, verbose=0,
+                         strategy=strategy_of(kind))  # fmt: skip
             results.append({
                 "case": f"{kind}:{name}",
                 "weights": relative_difference(model.get_weights(), reference.get_weights()),
@@ -133,6 +149,37 @@ def refusal(kind: str, name: str, arguments) -> dict:
         except ValueError as error:
             messages.append(str(error))
     return {"case": f"{kind}:{name}", "keras": messages[0], "hyparflow": messages[1]}
+
+
+EVALUATED = {  # evaluate's inputs (predict takes their x)
+    "tf_data": lambda: dict(x=dataset(X, Y)),
+    "py_dataset_sample_weight": lambda: dict(x=Batches(X, Y, W)),
+    "generator": lambda: dict(x=batches(X, Y)),
+    "arrays_sample_weight": lambda: dict(x=X, y=Y, sample_weight=W, batch_size=BATCH),
+}
+
+
+def evaluated(kinds, name: str, arguments) -> list[dict]:
+    """`evaluate` and `predict` of Keras and of hf on the same inputs (the same weights)."""
+    reference = compiled("mlp", "adam")
+    ref_logs = reference.evaluate(**arguments(), verbose=0, return_dict=True)
+    without_labels = {k: v for k, v in arguments().items() if k not in ("y", "sample_weight")}
+    ref_predicted = reference.predict(**without_labels, verbose=0)
+    results = []
+    for kind in kinds:
+        model, strategy = compiled("mlp", "adam"), strategy_of(kind)
+        logs = hf.evaluate(model, **arguments(), verbose=0, return_dict=True, strategy=strategy)
+        without_labels = {k: v for k, v in arguments().items() if k not in ("y", "sample_weight")}
+        predicted = hf.predict(model, **without_labels, verbose=0, strategy=strategy)
+        results.append({
+            "case": f"{kind}:evaluate_predict_{name}",
+            "evaluate": history_difference({k: [v] for k, v in logs.items()},
+                                           {k: [v] for k, v in ref_logs.items()}),
+            "keys": [sorted(logs), sorted(ref_logs)],
+            "predict": relative_difference([predicted], [ref_predicted]),
+            "shapes": [list(predicted.shape), list(ref_predicted.shape)],
+        })  # fmt: skip
+    return results
 
 
 # A 2-output model (a dict of losses, loss_weights) on 44 samples in batches of 16: the last
@@ -171,7 +218,9 @@ if __name__ == "__main__":
     keras.config.disable_interactive_logging()
     kinds = args()
     results = [result for name, case in CASES.items() for result in run(kinds, name, case)]
+    split = [kind for kind in kinds if kind != "tensor"]  # the layouts every case runs in
     results += custom_steps.results() if "data" in kinds else []  # own train_step, compute_loss
-    results += per_output(kinds)
-    refusals = [refusal(kind, name, case) for kind in kinds for name, case in REFUSED.items()]
+    results += per_output(split)
+    results += [r for name, case in EVALUATED.items() for r in evaluated(kinds, name, case)]
+    refusals = [refusal(kind, name, case) for kind in split for name, case in REFUSED.items()]
     report({"rank": hf.rank(), "results": results, "refusals": refusals})

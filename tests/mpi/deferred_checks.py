@@ -20,24 +20,30 @@ from tests.support.report import args, report, run_or_abort
 
 BATCH = 16
 NAME = "wide_mlp"
+OPTIMIZER = "adam@0.001"  # Adam's defaults: what optimizer="adam" gives inside the scope
 
 
-def deferred_model(compile_inside: bool):
-    """zoo's wide MLP built under hf.scope() (same seed as the reference), compiled as zoo's."""
-    optimizer = zoo.optimizer("adam")
+def deferred_model(compile_as: str):
+    """zoo's wide MLP built under hf.scope() (same seed as the reference), compiled as zoo's:
+    "string" compiles inside the scope with optimizer="adam" (the strategy.scope() habit),
+    "object" with keras.optimizers.Adam(1e-3) made inside, "before" with an optimizer made
+    before the scope, "after" after the scope: all four are Adam with its defaults."""
+    before = zoo.optimizer(OPTIMIZER)
     with hf.scope():
         model = seeded_build(zoo.BUILDERS[NAME])
-        if compile_inside:
-            model.compile(optimizer, "sparse_categorical_crossentropy", metrics=["accuracy"])
-    if not compile_inside:
-        model.compile(optimizer, "sparse_categorical_crossentropy", metrics=["accuracy"])
+        inside = {"string": "adam", "object": keras.optimizers.Adam(1e-3), "before": before}
+        if compile_as in inside:
+            model.compile(inside[compile_as], "sparse_categorical_crossentropy",
+                          metrics=["accuracy"])  # fmt: skip
+    if compile_as == "after":
+        model.compile(before, "sparse_categorical_crossentropy", metrics=["accuracy"])
     return model
 
 
 def reference(epochs: int):
     x, y = zoo.data(NAME)
-    model = zoo.compiled(NAME, "adam")
-    model.compile(zoo.optimizer("adam"), "sparse_categorical_crossentropy", metrics=["accuracy"])
+    model = zoo.compiled(NAME, OPTIMIZER)
+    model.compile(zoo.optimizer(OPTIMIZER), "sparse_categorical_crossentropy", metrics=["accuracy"])
     history = model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0)
     return model, history
 
@@ -73,6 +79,8 @@ def held_report(model, ref) -> dict:
         "shards": max(shard_diffs, default=0.0),
         "split": len(shards),
         "refused": refused,
+        # the step counter made from a value (inside the scope for "string" and "object")
+        "steps": [int(m.optimizer.iterations.numpy()) for m in (model, ref)],
     }
 
 
@@ -83,8 +91,8 @@ def main():
     ref1, _ = reference(epochs=1)
     result = {}
 
-    # four pipeline stages, compiled inside the scope
-    model = deferred_model(compile_inside=True)
+    # four pipeline stages, compiled inside the scope with optimizer="adam"
+    model = deferred_model("string")
     strategy = hf.Strategy("model", partitions=4)
     history = hf.fit(model, x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
                      strategy=strategy)  # fmt: skip
@@ -102,15 +110,17 @@ def main():
     except Exception as error:  # noqa: BLE001 - the test checks which
         result["P4"]["relayout"] = f"{type(error).__name__}: {error}"
 
-    # two stages x two tensor ranks: the whole split variables are never allocated
-    model = deferred_model(compile_inside=False)
+    # two stages x two tensor ranks: the whole split variables are never allocated; compiled
+    # inside the scope with an optimizer object made there
+    model = deferred_model("object")
     history = hf.fit(model, x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
                      strategy=hf.Strategy("model", partitions=2, tensor=2))  # fmt: skip
     result["P2T2"] = held_report(model, ref2)
     result["P2T2"]["history"] = history_difference(history.history, ref_history.history)
 
-    # two stages x two replicas with ZeRO-1: each replica keeps half its stage's Adam state
-    model = deferred_model(compile_inside=False)
+    # two stages x two replicas with ZeRO-1: each replica keeps half its stage's Adam state;
+    # the optimizer made before the scope, compiled inside it
+    model = deferred_model("before")
     history = hf.fit(model, x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
                      strategy=hf.Strategy("hybrid", partitions=2, replicas=2,
                                           shard_optimizer=True))  # fmt: skip
@@ -118,7 +128,7 @@ def main():
     result["P2R2-zero"]["history"] = history_difference(history.history, ref_history.history)
 
     # a checkpoint of one epoch on P2xT2, exported, then resumed as four replicas
-    model = deferred_model(compile_inside=False)
+    model = deferred_model("after")
     hf.fit(model, x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
            strategy=hf.Strategy("model", partitions=2, tensor=2),
            callbacks=[hf.callbacks.Checkpoint(folder)])  # fmt: skip
@@ -126,10 +136,11 @@ def main():
         path = hf.export(folder, folder + "/exported.keras")
         exported = keras.saving.load_model(path)
         result["export"] = relative_difference(exported.get_weights(), ref1.get_weights())
-    model = deferred_model(compile_inside=False)
+    model = deferred_model("string")  # data parallel, compiled inside with optimizer="adam"
     hf.fit(model, x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
            strategy=hf.Strategy("data", replicas=4), resume_from=folder)  # fmt: skip
     result["resumed"] = relative_difference(model.get_weights(), ref2.get_weights())
+    result["resumed_steps"] = [int(m.optimizer.iterations.numpy()) for m in (model, ref2)]
     report(result)
 
 

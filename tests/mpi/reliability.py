@@ -2,7 +2,8 @@
 
 Usage: `python -m tests.mpi.reliability OUT MODE FOLDER` with MODE one of
   crash        train with checkpoints; rank 1 kills itself (SIGKILL) in the middle of epoch 2
-  resume       resume that run with resume=True; also train the same run uninterrupted
+  resume       resume that run with resume=True; also train the same run uninterrupted; then
+               save and export a P=2 and a T=2 run and continue each file in one process
   torn_save    rank 0 is killed during the second checkpoint save, before its manifest
   after_torn   resume from the folder the torn save left
   reshape      checkpoint a 2x2 hybrid run, resume it as 4x1, 1x4 and 2x2; export it
@@ -24,6 +25,7 @@ from hyparflow.checkpoint import manifest
 from tests.support.compare import relative_difference
 from tests.support.models import data
 from tests.support.report import args, report
+from tests.support.saved_files import continue_saved_files, train_and_save
 
 EPOCHS, BATCH = 3, 16
 
@@ -111,8 +113,13 @@ def main():
     elif mode == "resume":
         resumed, history = train(folder, resume=True)
         reference, ref_history = train(folder + "-uninterrupted")
+        saved = {"P2": f"{folder}-saved-P2", "T2": f"{folder}-saved-T2"}
+        train_and_save(saved["P2"], hf.Strategy("model", partitions=2))
+        train_and_save(saved["T2"], hf.Strategy("data", tensor=2))
         report(
             {
+                # rank 0 alone, after the MPI work: no rank waits for it in a barrier
+                "saved_files": continue_saved_files(saved) if hf.rank() == 0 else None,
                 "rank": hf.rank(),
                 "weights": relative_difference(resumed.get_weights(), reference.get_weights()),
                 "bitwise": all(

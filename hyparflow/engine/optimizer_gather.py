@@ -1,0 +1,103 @@
+"""Rank 0 collects the whole optimizer state after a split fit, so the files it saves hold it.
+
+Each stage's optimizer holds the slots of the variables it updates: its own stage's, its
+tensor pieces (joined along their axis, as the weights are), its ZeRO slices (joined into
+whole slots). Every rank sends its entries, keyed as its checkpoint file keys them, to rank 0
+in groups of `BROADCAST_GROUP_BYTES`; rank 0 keeps them, and the model's optimizer writes them
+into `model.save` and friends through an optimizer built for the whole model at the first save
+(checkpoint/optimizer_file.py). Data parallelism without ZeRO needs nothing: each replica's
+optimizer is already the whole one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from keras import callbacks as keras_callbacks
+
+from hyparflow.checkpoint.optimizer_file import drop_whole_state, save_whole_state
+from hyparflow.checkpoint.state import join_shards, optimizer_state
+from hyparflow.engine.weights import byte_groups
+
+_TAG = 3939  # point-to-point tag of the entries on the world communicator
+_GATHERED_AT = "_optimizer_gathered_at"  # the trainer's step when it last gathered
+
+
+def needs_gathering(trainer) -> bool:
+    """Whether this layout leaves a partial optimizer on rank 0 (the same on every rank). A
+    model built under hf.scope() keeps each rank's share (weights are not gathered either)."""
+    split = trainer.plan is not None or trainer.shards is not None or trainer.zero is not None
+    return split and not trainer.holds_share_only and trainer.topology.world.Get_size() > 1
+
+
+def local_entries(stage) -> dict:
+    """This rank's share of the optimizer state, as its checkpoint file holds it."""
+    model, sharded = stage.model, stage.optimizer_shard
+    if not stage.variables or not model.optimizer.built:
+        return {}
+    if sharded is not None:  # ZeRO-1: every replica holds slices
+        return sharded.optimizer_state(
+            model, stage.split, stage.shard, stage.num_shards, stage.replica
+        )  # fmt: skip
+    if stage.replica > 0:  # the same as replica 0's
+        return {}
+    slots = optimizer_state(model, model.optimizer, stage.split, stage.shard, stage.num_shards)
+    return {k: v for k, v in slots.items() if stage.shard == 0 or "@" in k}
+
+
+def saves_files(trainer, callbacks) -> bool:
+    """Whether any of the user's `callbacks` may save the model at an epoch's end (Keras's
+    checkpoints, callbacks that run on rank 0 only), agreed by every rank."""
+    kinds = (keras_callbacks.ModelCheckpoint, keras_callbacks.BackupAndRestore)
+    return trainer.agree_any(
+        any(isinstance(cb, kinds) or getattr(cb, "rank_zero_only", False) for cb in callbacks or [])
+    )
+
+
+def gather_optimizer_state(trainer) -> None:
+    """Collective over every rank: rank 0's saved files get the whole optimizer state (until
+    the next step). Costs one message of every rank's optimizer state to rank 0, once a step
+    at most."""
+    if not needs_gathering(trainer) or getattr(trainer, _GATHERED_AT, None) == trainer.step:
+        return
+    setattr(trainer, _GATHERED_AT, trainer.step)
+    world, guard = trainer.topology.world, trainer._guard
+    entries = _gather(local_entries(trainer.stage_state), world, guard)
+    if entries is None:
+        return
+    optimizer = trainer.model.optimizer
+    drop_whole_state(optimizer)  # the last one goes before the new one is kept
+    save_whole_state(optimizer, trainer.model, join_shards(entries))
+
+
+def drop_gathered_state(trainer) -> None:
+    """Forget the last gathered state before training changes the optimizer (frees it)."""
+    setattr(trainer, _GATHERED_AT, None)
+    drop_whole_state(getattr(trainer.model, "optimizer", None))
+
+
+def _gather(entries: dict, comm, guard) -> dict | None:
+    """Every rank's `entries` on rank 0 (None elsewhere): their keys, shapes and dtypes in one
+    small gather, then the raw bytes, group by group."""
+    keys = list(entries)
+    with guard("gather optimizer state", peer=0):
+        specs = comm.gather([(k, entries[k].shape, entries[k].dtype.str) for k in keys], root=0)
+    if comm.Get_rank() != 0:
+        for group in byte_groups([np.ascontiguousarray(entries[k]) for k in keys]):
+            flat = np.concatenate([a.reshape(-1).view(np.uint8) for a in group])
+            with guard("send optimizer state", peer=0):
+                comm.Send(flat, dest=0, tag=_TAG)
+        return None
+    merged = dict(entries)
+    for source, spec in enumerate(specs[1:], start=1):
+        arrays = [np.empty(shape, dtype) for _, shape, dtype in spec]
+        for group in byte_groups(arrays):
+            flat = np.empty(sum(a.nbytes for a in group), np.uint8)
+            with guard("receive optimizer state", peer=source):
+                comm.Recv(flat, source=source, tag=_TAG)
+            offset = 0
+            for a in group:
+                a.reshape(-1).view(np.uint8)[:] = flat[offset : offset + a.nbytes]
+                offset += a.nbytes
+        # equal entries from several ranks (the step counter) are kept once
+        merged.update(zip((key for key, _, _ in spec), arrays))
+    return merged
