@@ -39,7 +39,7 @@ def export(checkpoint_dir: str, path: str, model=None) -> str:
             )
         with open(os.path.join(folder, manifest.architecture)) as f:
             architecture = json.load(f)
-        # compiled below, outside the scope (an optimizer cannot be made inside it)
+        # compiled below from the manifest's own compile config, as Keras compiles from config
         architecture.pop("compile_config", None)
         with deferred.scope():
             model = keras.models.model_from_json(json.dumps(architecture))

@@ -137,6 +137,22 @@ def exchange_buffers(owned_bytes: list[int], stage: int, largest: int = 0, items
     return {"weights exchange": 2 * group}
 
 
+def saving_buffers(held_bytes: int, group_bytes: int, root: bool) -> dict[str, int]:
+    """Named bytes of gathering the whole optimizer state on rank 0 after a split fit, so that
+    its saved files carry it (engine/optimizer_gather.py): the slots a rank copies out and
+    sends (`held_bytes`), or on rank 0 every rank's (the whole state), plus one group of raw
+    bytes in transit.
+
+    Example:
+        >>> saving_buffers(2000, 300, root=True), saving_buffers(0, 300, root=False)
+        ({'optimizer gathered for saving': 2300}, {})
+    """
+    if not held_bytes:
+        return {}
+    name = "optimizer gathered for saving" if root else "optimizer sent for saving"
+    return {name: held_bytes + group_bytes}
+
+
 def gather_buffers(largest_split: int) -> dict[str, int]:
     """Named bytes of putting tensor shards back together at an epoch's end
     (`TensorShards.store`): per split variable, in turn, the gathered pieces, their

@@ -65,6 +65,7 @@ def memory_plan(model, strategy="auto", batch_size: int = 32, *, num_partitions=
     grid = Grid(p, r, t)
     asked = resolved.update_by_segment  # None: on for a hf.scope() model, as the engine does
     by_segment = (not whole_model) if asked is None else asked
+    saving = _saving(model, slots, resolved, world)
     ranks = []
     for rank in range(world):
         stage, replica, shard = grid.coords3(rank)
@@ -75,6 +76,9 @@ def memory_plan(model, strategy="auto", batch_size: int = 32, *, num_partitions=
         grad_bytes = sum(_shard_bytes(v, layout, t) for v in trainable)
         layer_bytes, input_bytes = per_sample[stage](layout)
         flight = counts.in_flight(resolved.schedule, p, resolved.microbatches, stage)
+        own_optimizer = counts.optimizer_bytes(
+            grad_bytes, slots, r, getattr(resolved, "shard_optimizer", False)
+        )
         facts = buffers.StageFacts(
             gradient_bytes=sum(_shard_bytes(v, layout, t, itemsize=4) for v in trainable),
             variables=len(trainable),
@@ -96,9 +100,7 @@ def memory_plan(model, strategy="auto", batch_size: int = 32, *, num_partitions=
                 shard=shard,
                 weights=weights,
                 model_copy=whole - unsplit if whole_model else 0,
-                optimizer=counts.optimizer_bytes(
-                    grad_bytes, slots, r, getattr(resolved, "shard_optimizer", False)
-                ),
+                optimizer=own_optimizer,
                 gradients=buffers.held_gradients(facts, grad_bytes),
                 activations=counts.activation_bytes(
                     layer_bytes, input_bytes, samples, flight, resolved.recompute
@@ -109,6 +111,7 @@ def memory_plan(model, strategy="auto", batch_size: int = 32, *, num_partitions=
                 exchange={
                     **buffers.exchange_buffers(owned, stage, largest[stage]),
                     **buffers.gather_buffers(_largest_split(stage_model, layout)),
+                    **saving(rank, replica, own_optimizer),
                 }
                 if whole_model
                 else {},  # a hf.scope() model keeps its stage: nothing is gathered
@@ -145,6 +148,26 @@ def _stages(model, strategy, notes) -> tuple[list, list]:
         received = stage.bytes_received_per_sample
         per_sample.append(lambda layout, n=nodes, b=received: (_outputs(graph, n, layout), b))
     return [stage.model for stage in plan.stages], per_sample
+
+
+def _saving(model, slots: float, strategy, world: int):
+    """What each rank copies out after a split fit of an ordinary build so that rank 0's saved
+    files carry the whole optimizer state: `sent(rank, own_optimizer_bytes)` -> named bytes.
+    Plain data parallelism needs none (every replica holds the whole state)."""
+    zero = bool(getattr(strategy, "shard_optimizer", False))
+    split = strategy.partitions * strategy.tensor > 1 or zero
+    trainable = [_nbytes(v) for v in model.trainable_variables]
+    whole = counts.optimizer_bytes(sum(trainable), slots)
+    group = int(min(max(max(trainable, default=0) * slots, buffers.CHUNK_BYTES), whole))
+
+    def sent(rank: int, replica: int, own: int) -> dict[str, int]:
+        if world == 1 or not split:
+            return {}
+        if rank == 0:
+            return buffers.saving_buffers(whole, group, root=True)
+        return buffers.saving_buffers(own if replica == 0 or zero else 0, group, root=False)
+
+    return sent
 
 
 def _outputs(graph, nodes, layout) -> int:
