@@ -38,8 +38,13 @@ demo: setup
 	@set -o pipefail; $(VENV)/bin/hyparflow run -n $(NP) --oversubscribe examples/demo.py 2>&1 \
 	  | grep --line-buffered -vE '$(TF_STARTUP_LOGS)'
 
+# Test files are spread over TEST_WORKERS pytest-xdist workers, each file whole on one worker
+# (its module fixtures launch once): a launch's ranks leave a core idle while rank 0 trains a
+# reference or a pipeline waits, which another file's tests then use (docs/testing.md).
+TEST_WORKERS ?= 2
+
 test: lint test-tools
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 # TensorFlow 2.17 + tensorflow-io + Horovod 0.28.1 (source build) in .venv-compat.
 test-compat: mpi

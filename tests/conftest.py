@@ -1,36 +1,53 @@
-"""Session-wide test plumbing: one folder of shared Keras references for every launch, and a
-report of every mpirun launch's wall time against its limit at the end of a pytest run."""
+"""Session-wide test plumbing: one folder of shared Keras references for every launch (and every
+pytest-xdist worker), and a report of every mpirun launch's wall time against its limit at the
+end of a pytest run."""
 
+import dataclasses
+import json
 import os
+import shutil
+import tempfile
 
 import pytest
 
-from tests.support.mpirun import LAUNCHES, REFERENCES_ENV, run_scenario
+from tests.support.mpirun import LAUNCHES, REFERENCES_ENV, Launch
 
 # A launch's limit must be at least twice its slowest measured duration (docs/testing.md):
 # one that used more than this share of it is named in the summary.
 HEADROOM = 0.5
 
 
-@pytest.fixture(scope="session", autouse=True)
-def shared_references(tmp_path_factory):
-    """Launches of this session read each other's Keras references (tests/support/references.py)."""
-    folder = tmp_path_factory.mktemp("references")
-    previous = os.environ.get(REFERENCES_ENV)
-    os.environ[REFERENCES_ENV] = str(folder)
-    yield folder
-    if previous is None:
+def _is_worker(config) -> bool:
+    return hasattr(config, "workerinput")
+
+
+def pytest_configure(config):
+    """The main process makes the references folder; xdist's workers, started after this, inherit
+    its name through the environment (tests/support/references.py)."""
+    if _is_worker(config) or os.environ.get(REFERENCES_ENV):
+        return
+    config._hf_references = tempfile.mkdtemp(prefix="hf-references-")
+    os.environ[REFERENCES_ENV] = config._hf_references
+
+
+def pytest_unconfigure(config):
+    folder = getattr(config, "_hf_references", None)
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
         del os.environ[REFERENCES_ENV]
-    else:
-        os.environ[REFERENCES_ENV] = previous
 
 
-@pytest.fixture(scope="session")
-def misuse_errors(tmp_path_factory) -> list[dict]:
-    """Each rank's error for every case of tests/mpi/misuse.py, all cases in one 2-rank job
-    (tests/test_engine.py and tests/test_tensor_parallel.py check them)."""
-    scratch = str(tmp_path_factory.mktemp("misuse"))
-    return [r["errors"] for r in run_scenario("misuse", 2, "all", scratch, timeout=300)]
+def pytest_sessionfinish(session):
+    """A worker hands its launches to the main process, which prints the summary."""
+    if _is_worker(session.config):
+        launches = [dataclasses.asdict(launch) for launch in LAUNCHES]
+        session.config.workeroutput["hf_launches"] = json.dumps(launches)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    for launch in json.loads(node.workeroutput.get("hf_launches", "[]")):
+        LAUNCHES.append(Launch(**launch))
 
 
 def pytest_terminal_summary(terminalreporter):
