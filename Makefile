@@ -11,7 +11,7 @@ export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 export OMPI_MCA_rmaps_base_oversubscribe := 1
 export TF_CPP_MIN_LOG_LEVEL := 2
 
-.PHONY: setup mpi test-tools demo test test-compat bench lint format containers clean
+.PHONY: setup mpi test-tools demo test test-fast test-compat bench lint format containers clean
 
 setup: mpi $(STAMP)
 
@@ -46,6 +46,11 @@ TEST_WORKERS ?= 2
 test: lint test-tools
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
+# The fast tier, for development: everything but the tests marked `mpi` (MPI jobs, Slurm,
+# notebooks, minutes of training); a test that launches mpirun unmarked fails here.
+test-fast: setup
+	$(PY) -m pytest -m "not mpi" -n $(TEST_WORKERS) --dist loadfile
+
 # TensorFlow 2.17 + tensorflow-io + Horovod 0.28.1 (source build) in .venv-compat.
 test-compat: mpi
 	scripts/test_compat.sh
@@ -58,6 +63,7 @@ lint: setup
 	$(VENV)/bin/ruff check --no-cache .
 	$(VENV)/bin/ruff format --check --no-cache .
 	$(VENV)/bin/lint-imports --no-cache
+	$(PY) scripts/check_function_length.py
 
 format: setup
 	$(VENV)/bin/ruff format .

@@ -162,7 +162,7 @@ def _recompute(args) -> list[dict]:
         records.append(measurement("recompute", f"peak RSS minus RSS before fit, {where}",
                                    growth[key, rank], "MiB"))  # fmt: skip
     for rank in (0, 1):
-        saved = [a - b for a, b in zip(growth["off", rank], growth["on", rank])]
+        saved = [a - b for a, b in zip(growth["off", rank], growth["on", rank], strict=True)]
         records.append(measurement("recompute", f"memory saved by recompute, stage {rank}",
                                    saved, "MiB"))  # fmt: skip
     return records

@@ -198,7 +198,7 @@ def _records(result: dict, venv: str) -> list[dict]:
             name = f"{name} / raw Allreduce ({buffer}): {where}"
             records.append(target(FIGURE, name, ratios, "<= 1.1"))
         if "horovod" in ms:
-            best = [min(a, b) for a, b in zip(ms["horovod"], ms["horovod_function"])]
+            best = [min(a, b) for a, b in zip(ms["horovod"], ms["horovod_function"], strict=True)]
             for way, name in WAYS_WITH_TARGETS:
                 ratios = paired_ratios(ms[way], best)
                 records.append(target(FIGURE, f"{name} / Horovod (faster way): {where}", ratios,

@@ -35,7 +35,7 @@ CAPPED = ["1,1,1", "4,1,1,params,scope", "2,1,2,scope", "1,4,1,scope", "1,4,1,ze
 def label(spec: str) -> str:
     """ "2,1,2,scope" as "P=2 x T=2, hf.scope()"."""
     p, r, t, *flags = spec.split(",")
-    axes = [f"{a}={n}" for a, n in zip("PRT", (p, r, t)) if int(n) > 1]
+    axes = [f"{a}={n}" for a, n in zip("PRT", (p, r, t), strict=True) if int(n) > 1]
     extra = [name for flag, name in (("zero", "ZeRO-1"), ("scope", "hf.scope()")) if flag in flags]
     return ", ".join([" x ".join(axes) or "one process", *extra])
 

@@ -111,7 +111,7 @@ def worker(args) -> None:
     hf.fit(model, x, y, batch_size=args.batch_size, epochs=args.epochs, verbose=0,
            strategy=strategy, callbacks=[timer])  # fmt: skip
     # from one step's start to the next within an epoch, from the second (the first traces)
-    periods = [b - a for (e, a), (f, b) in zip(stamps, stamps[1:]) if e == f >= 1]
+    periods = [b - a for (e, a), (f, b) in zip(stamps, stamps[1:], strict=False) if e == f >= 1]
     with open(f"{out}.{hf.rank()}", "w") as f:
         json.dump({"step_period": statistics.mean(periods)}, f)
 

@@ -60,7 +60,7 @@ def worker(args) -> None:
     size, on = (QUICK if args.quick else SIZES)[args.model], dict(tune_process=True)
     strategies = [hf.Strategy("data", **on), hf.Strategy("model", microbatches=4,
                   schedule="1f1b", **on), hf.Strategy("data", tensor=2, **on), None]  # fmt: skip
-    setups = {name: (_model(size), s) for name, s in zip(SETUPS, strategies)}
+    setups = {name: (_model(size), s) for name, s in zip(SETUPS, strategies, strict=True)}
     x, y = synthetic_data(setups["tensor"][0], size["batch"] * args.steps)
     seconds = interleaved_epochs(setups, x, y, size["batch"], args.repeats, steps=args.steps)
     (model, tensor), moved = setups["tensor"], traffic("tensor")
@@ -100,7 +100,8 @@ def run(args) -> list[dict]:
         records += [measurement(FIGURE, f"{name}: {what} per rank, T={t}, {how}", [n / MIB],
                                 "MiB", series=f"{name}: {what}, {how}", x=int(t),
                                 x_label="tensor ranks T") for t, how, pair in held
-                    for what, n in zip(("parameters", "Adam slots"), pair)]  # fmt: skip
+                    for what, n in zip(("parameters", "Adam slots"), pair,
+                                       strict=True)]  # fmt: skip
     return records
 
 

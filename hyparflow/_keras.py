@@ -11,6 +11,9 @@ that moves one fails there first, not deep inside training.
 from __future__ import annotations
 
 import contextlib
+import sys
+
+import keras
 
 # Classes Keras keeps private. Functional is what keras.Model(inputs, outputs) builds; Node is
 # one call of an operation in its graph; the dropout bases are what every Dropout-like layer
@@ -23,6 +26,7 @@ from keras.src.layers.rnn.dropout_rnn_cell import DropoutRNNCell
 from keras.src.models.functional import Functional
 from keras.src.models.functional import unpack_singleton as _unpack_singleton
 from keras.src.ops.node import Node
+from keras.src.optimizers.base_optimizer import BaseOptimizer as _BaseOptimizer
 from keras.src.trainers import data_adapters as _data_adapters
 from keras.src.trainers.data_adapters.array_slicing import (
     train_validation_split as _train_validation_split,
@@ -63,6 +67,15 @@ def output_loss_means(compile_loss) -> list:
     return list(compile_loss.metrics)
 
 
+def outputs_structure_of(model):
+    """`Functional._outputs_struct` of `model`, or of the Functional a Sequential wraps
+    (`Sequential._functional`): the nesting `model(x)` returns; None for a subclassed model."""
+    struct = getattr(model, "_outputs_struct", None)
+    if struct is None:
+        struct = getattr(getattr(model, "_functional", None), "_outputs_struct", None)
+    return struct
+
+
 def metrics_in_order(model, logs: dict) -> list:
     """`model._flatten_metrics_in_order`: `evaluate`'s list result from its logs dict."""
     return model._flatten_metrics_in_order(logs)
@@ -89,6 +102,43 @@ def reduction_axes(layer) -> list:
     return layer._reduction_axes
 
 
+def replace_moments(layer, moments) -> None:
+    """`BatchNormalization._moments(inputs, mask)` of this layer alone replaced by `moments`
+    (engine/sync_batchnorm.py: statistics over the replicas), until `restore_moments`."""
+    object.__setattr__(layer, "_moments", moments)
+
+
+def restore_moments(layer) -> None:
+    """The layer's own `BatchNormalization._moments` again (the class's method)."""
+    object.__delattr__(layer, "_moments")
+
+
+def call_context_args(operation) -> tuple:
+    """`Layer._call_context_args`: the call arguments (such as "training") that a Functional
+    hands down from its own call context."""
+    return tuple(getattr(operation, "_call_context_args", ()))
+
+
+# Frames up the Python stack searched for the Keras layer that called dropout.
+_CALLER_SEARCH_DEPTH = 16
+
+
+def called_by_spatial_dropout() -> bool:
+    """Whether the nearest Keras layer up the Python stack (a frame whose `self` is a Layer),
+    starting at its caller, is a SpatialDropout layer: Keras's dropout is not told who
+    calls it, and SpatialDropout alone passes a 1 read from a one-row input's shape as its
+    noise shape's batch dim (engine/random_slices.py)."""
+    frame = sys._getframe(1)
+    for _ in range(_CALLER_SEARCH_DEPTH):
+        if frame is None:
+            break
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, keras.layers.Layer):
+            return isinstance(owner, BaseSpatialDropout)
+        frame = frame.f_back
+    return False
+
+
 # --- a functional graph ---------------------------------------------------------------------
 def inner_functional(model):
     """`Sequential._functional`: the Functional a built Sequential runs (None unbuilt)."""
@@ -113,6 +163,11 @@ def outputs_structure(functional):
 def standardize_inputs(functional, inputs) -> list:
     """`Functional._standardize_inputs`: user inputs flattened in `functional.inputs` order."""
     return list(functional._standardize_inputs(inputs))
+
+
+def is_keras_tensor(value) -> bool:
+    """Whether `value` carries `_keras_history`: a symbolic tensor some operation produced."""
+    return hasattr(value, "_keras_history")
 
 
 def producer_name(keras_tensor) -> str:
@@ -188,6 +243,38 @@ def set_keras_mask(tensor, mask) -> None:
     _set(tensor, mask)
 
 
+def applies_as_base_optimizer(optimizer) -> bool:
+    """Whether `type(optimizer)` keeps Keras's `BaseOptimizer.apply` and its per-variable step
+    `BaseOptimizer._backend_apply_gradients` (neither overridden, e.g. to accumulate)."""
+    kind = type(optimizer)
+    return (
+        kind.apply is _BaseOptimizer.apply
+        and kind._backend_apply_gradients is _BaseOptimizer._backend_apply_gradients
+    )
+
+
+def key_variables_by_identity(optimizer) -> None:
+    """`Optimizer._var_key` replaced on this optimizer by `id`: it keys its slots by each
+    variable's identity, not by its tf.Variable (checkpoint/optimizer_file.py), until
+    `restore_variable_keys`."""
+    object.__setattr__(optimizer, "_var_key", id)
+
+
+def restore_variable_keys(optimizer) -> None:
+    """The optimizer's own `Optimizer._var_key` again (the class's method)."""
+    object.__delattr__(optimizer, "_var_key")
+
+
+def update_progbar(logger, batch, logs) -> None:
+    """`ProgbarLogger._update_progbar`: show a batch's logs on Keras's progress bar."""
+    logger._update_progbar(batch, logs)
+
+
+def finalize_progbar(logger, logs) -> None:
+    """`ProgbarLogger._finalize_progbar`: show an epoch's final logs on the progress bar."""
+    logger._finalize_progbar(logs)
+
+
 def excludes_from_weight_decay(optimizer) -> bool:
     """`Optimizer._exclude_from_weight_decay(_pattern)`: whether `exclude_from_weight_decay`
     named some variables, so that weight decay is not the same rule for every element."""
@@ -206,6 +293,12 @@ def kernel_variable(layer):
 def table_variable(layer):
     """`layer._embeddings`: an Embedding's table variable itself."""
     return layer._embeddings
+
+
+def has_table_variable(layer) -> bool:
+    """Whether `layer` holds an Embedding's table variable `_embeddings` (built, or a subclass
+    such as keras_hub's ReversibleEmbedding that keeps it)."""
+    return hasattr(layer, "_embeddings")
 
 
 def attention_parts(layer) -> dict:

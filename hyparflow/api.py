@@ -81,8 +81,8 @@ def partition(model, num_partitions: int = 1, balance="layers", *, tensor: int =
     as hf.fit would (`tensor_layout`: Strategy's override): `summary()` then also shows which
     layers split which way, what stays whole and why, and the bytes each rank holds.
 
-    Example:
-        >>> print(hf.partition(model, 2, tensor=2).summary(print_fn=None))
+    For example:
+        print(hf.partition(model, 2, tensor=2).summary(print_fn=None))
     """
     uncut = tensor_rules.pair_cuts if tensor > 1 else None
     plan = _partition(model, num_partitions, balance, uncut=uncut, **options)
@@ -115,7 +115,7 @@ def _make_trainer(model, resolved, comm, needs_loss=True, comm_backend=None, res
     key = (
         repr(resolved),
         id(getattr(model, "optimizer", None)),
-        id(getattr(model, "_compile_loss", None)),
+        id(_keras.compiled_loss(model)),
         comm.Get_size(),
         comm_backend,
     )
@@ -227,10 +227,10 @@ def fit(
     the default) or "horovod" (Horovod's grouped allreduce; Horovod must be built, see
     docs/horovod.md). Point-to-point pipeline traffic always goes over MPI.
 
-    Example:
-        >>> model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
-        >>> history = hf.fit(model, x, y, batch_size=64, epochs=3,
-        ...                  strategy="hybrid", num_partitions=2, num_replicas=2)
+    For example:
+        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+        history = hf.fit(model, x, y, batch_size=64, epochs=3,
+                         strategy="hybrid", num_partitions=2, num_replicas=2)
     """
     resolved = _resolve(model, strategy, num_partitions, num_replicas, num_microbatches)
     options = dict(
@@ -384,8 +384,8 @@ def evaluate(
 ):  # fmt: skip
     """Loss and metrics of `model` on the data, like `model.evaluate`, on every strategy.
 
-    Example:
-        >>> loss, accuracy = hf.evaluate(model, x_test, y_test, batch_size=128, strategy="model")
+    For example:
+        loss, accuracy = hf.evaluate(model, x_test, y_test, batch_size=128, strategy="model")
     """
     resolved = _resolve(model, strategy, num_partitions, num_replicas, num_microbatches)
     if size() == 1:
@@ -412,8 +412,8 @@ def predict(
 ):  # fmt: skip
     """The model's outputs for `x`, like `model.predict`, identical on every rank.
 
-    Example:
-        >>> probabilities = hf.predict(model, x_test, batch_size=256, strategy="model")
+    For example:
+        probabilities = hf.predict(model, x_test, batch_size=256, strategy="model")
     """
     resolved = _resolve(
         model, strategy, num_partitions, num_replicas, num_microbatches, compiled=False

@@ -118,7 +118,7 @@ def _placement(args) -> list[dict] | None:
     counts = fill_slots([slots or 1 for _, slots in hosts], grid.size)  # mpirun's by-slot fill
     if sum(counts) < grid.size:
         raise ValueError(f"--hosts {args.hosts!r} has {sum(counts)} slots for {grid.size} ranks")
-    names = [name for (name, _), count in zip(hosts, counts) for _ in range(count)]
+    names = [name for (name, _), count in zip(hosts, counts, strict=True) for _ in range(count)]
     return placement_table(names, grid)
 
 
@@ -137,7 +137,7 @@ def _print_plan(plan, args, placement: list[dict] | None) -> int:
         rows = [header] + [[str(row[key]) for key in header] for row in placement]
         widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
         for row in rows:
-            print("  ".join(cell.rjust(w) for cell, w in zip(row, widths)))
+            print("  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)))
     return 0
 
 

@@ -67,11 +67,11 @@ def scope():
     are created as usual, so the optimizer may be made inside too. Reading a weight a rank does
     not hold raises `NotHeldError`; `hf.export` writes the trained model from a checkpoint.
 
-    Example:
-        >>> with hf.scope():
-        ...     model = build_model()
-        ...     model.compile(optimizer="adam", loss="mse", metrics=["mae"])
-        >>> hf.fit(model, x, y, strategy=hf.Strategy("model", partitions=4))
+    For example:
+        with hf.scope():
+            model = build_model()
+            model.compile(optimizer="adam", loss="mse", metrics=["mae"])
+        hf.fit(model, x, y, strategy=hf.Strategy("model", partitions=4))
     """
     waiting = _keras.uninitialized_variables()
     before = {id(v) for v in waiting}

@@ -42,9 +42,9 @@ def bind_gpus() -> gpu.Binding:
     once it has run anything). Collective over the MPI world when launched; a rank left with
     no GPU on a GPU node raises on every rank. `HYPARFLOW_BIND_GPUS=0` turns it off.
 
-    Example:
-        >>> import hyparflow as hf
-        >>> hf.bind_gpus()   # first thing, then build, compile and hf.fit the model
+    For example:
+        import hyparflow as hf
+        hf.bind_gpus()   # first thing, then build, compile and hf.fit the model
     """
     if not launched():  # one process: no MPI to start
         binding = gpu.choose_gpu(0, [gpu.local_view()], gpu.enabled())

@@ -139,10 +139,10 @@ def check_inputs(model, x, check_numerics: bool, *arrays) -> None:
     if isinstance(x, np.ndarray | list | tuple | dict) and getattr(model, "inputs", None):
         given = model_input_list(model, x)
         if len(given) == len(model.inputs):
-            for array, expected in zip(given, model.inputs):
+            for array, expected in zip(given, model.inputs, strict=True):
                 shape, want = tuple(np.shape(array))[1:], tuple(expected.shape)[1:]
                 if len(shape) != len(want) or any(
-                    w is not None and w != s for s, w in zip(shape, want)
+                    w is not None and w != s for s, w in zip(shape, want, strict=True)
                 ):
                     raise ValueError(
                         f"Input of shape {tuple(np.shape(array))} does not fit the model input "

@@ -20,55 +20,108 @@ def _check_positive_int(name: str, value, hint: str) -> None:
 class Strategy:
     """How `hf.fit` spreads training over ranks, in HyPar-Flow's terms.
 
-    `partitions` pipeline stages each replicated `replicas` times; `partitions * replicas` must
-    equal the MPI world size. Fields left as None are filled in by `resolve(world_size)`.
+    The fields, grouped by axis. Fields left as None are filled in by `resolve(world_size)`;
+    contradictions between fields are refused when the Strategy is made, those with the model,
+    optimizer or backend by `hf.fit` on every rank before training starts (`model_checks.py`).
+    Measurements behind the defaults: docs/notes/strategy_measurements.md.
 
-    `tensor=T` (> 1) also splits single layers of every stage over T neighbouring ranks,
-    Megatron-LM style (docs/tensor.md): then `partitions * replicas * tensor` is the world
-    size. The layout is automatic (Dense and Conv pairs, attention heads, embedding
-    vocabularies); `tensor_layout` overrides it in Keras's `LayoutMap` convention, a dict from
-    a regex over variable paths to one entry per dimension, "tensor" on the split one:
-    `{"ffn_up.*kernel": (None, "tensor"), "ffn_down.*kernel": ("tensor", None)}`.
+    Layout (which ranks do what; `partitions * replicas * tensor` is the MPI world size):
 
-    `recompute=True` trades compute for memory: activations inside a stage are recomputed in
-    the backward pass instead of kept from the forward. `overlap_p2p` posts a step's receives
-    up front so that activations and gradients arrive while the stage computes.
-    `overlap_groups=G` (> 1) cuts each stage's backward into G groups and reduces a group's
-    gradients across replicas while the earlier groups are still in backward; a pipeline
-    stage without replicas instead updates by segment (below) in G groups.
-    `update_by_segment=True` trades speed for memory: each stage's backward is cut into
-    segments of about 16 MiB of gradients, and a segment's update (its gradients first summed
-    over the replicas) runs as soon as the step's last backward has finished it, so no rank
-    holds all of its gradients at once, as Keras's own train step never does. It costs the
-    fused data-parallel step and puts the updates on the pipeline's critical path (measured:
-    11% slower at R=2, 33% at P=2). None (default): on for models built under `hf.scope()`,
-    off otherwise (docs/memory.md).
-    `flat_gradients` (default) keeps each rank's gradients in one flat tensor (one add per
-    micro-batch, one reduction across replicas); False keeps them per variable, which peaks
-    about two copies of a pipeline stage's parameter bytes lower and runs slower on stages
-    with many variables (docs/engine.md).
-    `sync_batchnorm=True` makes every BatchNormalization layer normalise by the statistics of
-    the whole global batch, summed across replicas, as Keras's own
-    `BatchNormalization(synchronized=True)` layers always are (then exactly Keras's training);
-    by default each replica normalises its shard alone (docs/models.md).
-    `tune_process=True` lets hf.fit tune each rank's process for ranks sharing a node: glibc
-    keeps large temporaries in its heap, MPI's large buffers get huge pages, and, when a node
-    has more ranks than cores and the launcher bound none, each rank's threads are pinned to
-    one core (`hyparflow.process_tuning`). Off by default: hf.fit then changes no
-    process-wide state, and binding is the launcher's job (`mpirun --bind-to core`).
-    `shard_optimizer=True` is ZeRO-1 (docs/zero.md): each of a stage's replicas keeps and
-    updates 1/replicas of the stage's optimizer state; gradients are reduce-scattered and the
-    updated parameters all-gathered, the same bytes as an allreduce, and training is exactly
-    the unsharded one. It needs an elementwise optimizer (SGD, Adam, AdamW, RMSprop, ...). With
-    one replica there is nothing to shard: it is accepted and training is the usual one.
-    `bind_gpus` (default False, an opt-in: it changes TensorFlow's visible devices and memory
-    growth for the whole process): where ranks see GPUs, each keeps one GPU of its node, chosen
-    by its node-local rank, with memory growth on (docs/gpu.md). It changes nothing on machines
-    without GPUs, and takes effect only before TensorFlow has initialised its GPUs, so the
-    opt-in that works is calling `hf.bind_gpus()` before building the model.
+    - `kind` ("auto"): "data" keeps the whole model on every rank (refuses `partitions` > 1);
+      "model" is one pipeline (refuses `replicas` > 1); "hybrid" is pipelines of
+      `partitions` stages replicated `replicas` times and needs one of the two; "auto" is
+      data parallel over all ranks unless `partitions` is given, in which case the remaining
+      ranks become replicas (`resolve` then names the kind it chose).
+    - `partitions` (None): pipeline stages the model is cut into (`hf.fit`'s
+      `num_partitions`). None: derived from the world size and `kind`.
+    - `replicas` (None): copies of each stage that split every global batch between them and
+      sum their gradients (`num_replicas`). None: derived from the world size and `kind`.
+    - `tensor` (1): T > 1 also splits single layers of every stage over T neighbouring ranks,
+      Megatron-LM style (docs/tensor.md); the world size must be a multiple of T. Refused
+      with `comm="horovod"`, `overlap_groups` > 1, an optimizer's per-variable `clipnorm` and
+      an optimizer already built; its stages never update by segment.
+    - `tensor_layout` (None): with `tensor` > 1, overrides the automatic layout (Dense and
+      Conv pairs, attention heads, embedding vocabularies) in Keras's `LayoutMap`
+      convention: a dict from a regex over variable paths to one entry per dimension,
+      "tensor" on the split one, e.g.
+      `{"ffn_up.*kernel": (None, "tensor"), "ffn_down.*kernel": ("tensor", None)}`.
+    - `balance` ("layers"): how the partitioner weighs layers when it cuts stages: "layers",
+      "params", "flops", "time" (runs each layer to time it; refused for a model built under
+      `hf.scope()`, which holds no weights), or a list of the layer names where new stages
+      begin (docs/partitioner.md).
+
+    Micro-batches and the pipeline (`schedule`, `overlap_p2p` and `recompute` act only where
+    `partitions` > 1):
+
+    - `microbatches` (1): micro-batches each replica's shard of a global batch is cut into
+      (`num_microbatches`); a full batch must split evenly over `replicas * microbatches`.
+      Refused above 1 with globally synchronised BatchNormalization and with a model that
+      overrides its own train step.
+    - `schedule` ("gpipe"): "gpipe" (all forwards, then all backwards) or "1f1b" (one
+      forward, one backward in the steady state), as `schedule.py` lays them out
+      (docs/schedules.md).
+    - `overlap_p2p` (True): posts a step's activation receives up front, and each gradient
+      receive as soon as its activation is sent, so that they arrive while the stage
+      computes; False posts each receive when its action needs it.
+    - `recompute` (False): a stage keeps only each micro-batch's inputs between forward and
+      backward, and its backward runs the forward again (trades compute for memory). An
+      unpartitioned model keeps nothing between forward and backward, so it changes nothing
+      there.
+
+    Gradients and the update:
+
+    - `flat_gradients` (True): each rank keeps its dense float32 gradients in one flat tensor
+      (one add per micro-batch, one reduction across replicas); False keeps them per
+      variable, which lowers a pipeline stage's peak by about two copies of its parameter
+      bytes and runs slower on stages with many variables (docs/engine.md). Where gradients
+      cannot be flat (layers shared by stages, non-float32 variables, Horovod with replicas)
+      they stay per variable either way (`engine/gradient_form.py`).
+    - `overlap_groups` (1): G > 1 cuts each stage's backward into G segments and reduces a
+      segment's gradients across replicas while the earlier ones are still in backward (over
+      MPI, with no layer shared across stages and no embedding table; otherwise the stage
+      reduces after its backward). A pipeline stage without replicas instead updates by
+      segment, in G segments. Refused with `tensor` > 1 and with `shard_optimizer` on more
+      than one replica.
+    - `update_by_segment` (None): True cuts each stage's backward into segments of about
+      16 MiB of gradients (at least 2) and runs a segment's update, its gradients first summed
+      over the replicas, as soon as the step's last backward has finished it, so no rank holds
+      all of its gradients at once, as Keras's own train step never does. It costs speed: the
+      data-parallel step is no longer one fused call and the updates sit on the pipeline's
+      critical path. None: on for models built under `hf.scope()`, off otherwise
+      (docs/memory.md). The stage updates after its backward instead with loss scaling, EMA,
+      gradient accumulation, `global_clipnorm` or `check_numerics`, and is not cut with
+      tensor shards, layers shared by stages, embedding tables, or, with replicas, Horovod
+      or non-float32 variables.
+    - `shard_optimizer` (False): ZeRO-1 (docs/zero.md): each of a stage's replicas keeps and
+      updates 1/replicas of the stage's optimizer state; gradients are reduce-scattered and
+      the updated parameters all-gathered, the same bytes as an allreduce, and training is
+      exactly the unsharded one. With replicas it needs MPI, `overlap_groups=1`, a fresh
+      optimizer and an elementwise one (SGD, Adam, AdamW, RMSprop, ...) without `clipnorm`,
+      EMA, gradient accumulation or `exclude_from_weight_decay`. With one replica there is
+      nothing to shard: it is accepted and training is the usual one.
+    - `sync_batchnorm` (False): True makes every BatchNormalization layer normalise by the
+      statistics of the whole global batch, summed across replicas, as Keras's own
+      `BatchNormalization(synchronized=True)` layers always are (then exactly Keras's
+      training); by default each replica (and micro-batch) normalises its share alone
+      (docs/models.md). Refused with `microbatches` > 1.
+
+    Process (opt-ins that change process-wide state):
+
+    - `tune_process` (False): on a multi-rank job, tunes each rank's process for ranks sharing
+      a node: glibc keeps large temporaries in its heap, MPI's large buffers get huge pages,
+      and, when a node has more ranks than cores and the launcher bound none, each rank's
+      threads are pinned to one core (`hyparflow.process_tuning`). Off: hf.fit changes no
+      process-wide state, and binding is the launcher's job (`mpirun --bind-to core`).
+    - `bind_gpus` (False): where ranks see GPUs, each keeps one GPU of its node, chosen by its
+      node-local rank, with memory growth on (docs/gpu.md). It changes TensorFlow's visible
+      devices for the whole process, nothing on machines without GPUs, and takes effect only
+      before TensorFlow has initialised its GPUs, so the opt-in that works is calling
+      `hf.bind_gpus()` before building the model.
 
     Example:
-        >>> hf.Strategy("hybrid", partitions=2, replicas=2, microbatches=4, schedule="1f1b")
+        >>> strategy = Strategy("hybrid", partitions=2, microbatches=4, schedule="1f1b")
+        >>> strategy.resolve(8).replicas  # on 8 ranks: 2 stages, each on 4 replicas
+        4
     """
 
     kind: str = "auto"
@@ -138,7 +191,7 @@ class Strategy:
     def resolve(self, world_size: int) -> Strategy:
         """Return a copy with partitions and replicas fixed for `world_size` ranks.
 
-        Rule for "auto" (until the cost model chooses): data parallel over all ranks, unless
+        Rule for "auto": data parallel over all ranks, unless
         `partitions` is given, in which case the rest of the ranks become replicas. The
         `tensor` ranks of each stage are set aside first.
         """

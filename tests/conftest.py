@@ -10,7 +10,7 @@ import tempfile
 
 import pytest
 
-from tests.support.mpirun import LAUNCHES, REFERENCES_ENV, Launch
+from tests.support.mpirun import LAUNCHES, MPI_ALLOWED_ENV, REFERENCES_ENV, Launch, sharing
 
 # A launch's limit must be at least twice its slowest measured duration (docs/testing.md):
 # one that used more than this share of it is named in the summary.
@@ -35,6 +35,23 @@ def pytest_unconfigure(config):
     if folder is not None:
         shutil.rmtree(folder, ignore_errors=True)
         del os.environ[REFERENCES_ENV]
+
+
+def pytest_collection_modifyitems(config, items):
+    """Each test's pytest-timeout grows with the workers sharing the cores, as launch limits
+    do (tests/support/mpirun.py): limits are set for a test alone on the machine."""
+    workers = sharing()
+    if workers == 1:
+        return
+    for item in items:
+        mark = item.get_closest_marker("timeout")
+        limit = float(mark.args[0]) if mark and mark.args else float(config.getini("timeout"))
+        item.add_marker(pytest.mark.timeout(limit * workers), append=False)
+
+
+def pytest_runtest_setup(item):
+    """Only a test marked `mpi` may launch mpirun (its module fixtures launch in its setup)."""
+    os.environ[MPI_ALLOWED_ENV] = "1" if item.get_closest_marker("mpi") else "0"
 
 
 def pytest_sessionfinish(session):

@@ -24,13 +24,17 @@ def test_stages_are_mixed_on_each_core():
     assert deal_to_cores([0, 1, 2, 3], 2) == [0, 1, 0, 1]
     dealt = deal_to_cores([0, 1, 0, 1, 0, 1], 2)
     assert sorted(dealt) == [0, 0, 0, 1, 1, 1]
-    assert all({s for s, c in zip([0, 1] * 3, dealt) if c == core} == {0, 1} for core in (0, 1))
+    assert all(
+        {s for s, c in zip([0, 1] * 3, dealt, strict=True) if c == core} == {0, 1}
+        for core in (0, 1)
+    )
     # 3 stages x 3 replicas on 4 cores: as even as can be, no core with one stage thrice
     stages = [0, 1, 2] * 3
     dealt = deal_to_cores(stages, 4)
     assert sorted(dealt.count(c) for c in range(4)) == [2, 2, 2, 3]
     assert all(
-        max([s for s, c in zip(stages, dealt) if c == core].count(s) for s in range(3)) < 3
+        max([s for s, c in zip(stages, dealt, strict=True) if c == core].count(s) for s in range(3))
+        < 3
         for core in range(4)
     )
     with pytest.raises(ValueError, match="2 stages given for 4"):
@@ -76,6 +80,7 @@ def test_pinning_reaches_threads_started_before_and_after():
     assert later == early == f"[{core}]"
 
 
+@pytest.mark.mpi
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux thread affinity")
 def test_fit_changes_no_process_state_unless_asked():
     """Default hf.fit on 4 ranks leaves affinity, glibc and page sizes alone; tune_process=True

@@ -3,26 +3,17 @@
 Pure: no MPI, no TensorFlow, no timing asserted. The benchmarks themselves run in `make bench`.
 """
 
-import doctest
 import importlib.util
 import json
 
 import pytest
 
 from benchmarks import run_all, simulator_validation
-from benchmarks.harness import records as records_module
 from benchmarks.harness import stats
 from benchmarks.harness.records import emit, measurement, target
 from benchmarks.harness.report import write_results
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-
-
-@pytest.mark.parametrize(
-    "module", [stats, records_module, simulator_validation], ids=lambda m: m.__name__
-)
-def test_doctests(module):
-    assert doctest.testmod(module).failed == 0
 
 
 def test_summary_and_paired_ratios():

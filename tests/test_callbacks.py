@@ -14,11 +14,13 @@ def results(tmp_path_factory):
     return run_scenario("callbacks_checks", 2, str(folder), timeout=300)
 
 
+@pytest.mark.mpi
 def test_early_stopping_stops_every_rank_at_keras_epoch(results):
     for r in results:
         assert r["early_stopping"]["epochs"] == r["early_stopping"]["ref_epochs"] < 6
 
 
+@pytest.mark.mpi
 def test_file_writers_write_once_on_rank_zero_with_the_full_model(results):
     zero, one = results
     assert zero["files"]["checkpoint_exists"] and zero["files"]["csv_exists"]
@@ -30,6 +32,7 @@ def test_file_writers_write_once_on_rank_zero_with_the_full_model(results):
     assert zero["files"]["csv_loss_difference"] < 1e-6
 
 
+@pytest.mark.mpi
 def test_learning_rate_callbacks_change_every_stage(results):
     lrs = {r["rank"]: r["learning_rate"] for r in results}
     for r in results:
@@ -43,6 +46,7 @@ def test_learning_rate_callbacks_change_every_stage(results):
     assert lrs[0] == lrs[1]
 
 
+@pytest.mark.mpi
 def test_terminate_on_nan_stops_every_rank(results):
     for r in results:
         nan = r["terminate_on_nan"]
@@ -51,6 +55,7 @@ def test_terminate_on_nan_stops_every_rank(results):
         assert nan["epochs"] == nan["ref_epochs"] == 1
 
 
+@pytest.mark.mpi
 def test_batch_logs_reach_callbacks_every_batch_as_in_keras(results):
     for r in results:
         logs = r["batch_logs"]

@@ -65,7 +65,8 @@ def test_initial_values_equal_an_ordinary_build_and_training_matches_keras():
     with hf.scope():
         model = _seeded(_small)
     assert deferred.any_deferred(model)
-    for v, expected in zip(model.weights, reference.get_weights()):  # computed, not assigned
+    # computed, not assigned
+    for v, expected in zip(model.weights, reference.get_weights(), strict=True):
         assert np.array_equal(np.asarray(deferred.initial_value(v)), expected)
     data = [np.ones((8, 16), "float32"), np.arange(24).reshape(8, 3) % 20], np.ones((8, 4))
     for m in (reference, model):
@@ -73,7 +74,7 @@ def test_initial_values_equal_an_ordinary_build_and_training_matches_keras():
     hf.fit(model, *data, epochs=2, verbose=0)  # one process: all of it is materialised
     reference.fit(*data, epochs=2, verbose=0)
     assert not deferred.any_deferred(model)
-    for got, want in zip(model.get_weights(), reference.get_weights()):
+    for got, want in zip(model.get_weights(), reference.get_weights(), strict=True):
         np.testing.assert_allclose(got, want, rtol=TOLERANCE, atol=1e-7)
 
 
@@ -123,7 +124,7 @@ def test_building_and_compiling_inside_the_scope_trains_as_keras(optimizer, poli
     expected = reference.fit(*data, batch_size=4, epochs=2, verbose=0)
     assert not deferred.any_deferred(model)
     assert int(step.numpy()) == int(reference.optimizer.iterations.numpy()) > 0
-    for got, want in zip(model.get_weights(), reference.get_weights()):
+    for got, want in zip(model.get_weights(), reference.get_weights(), strict=True):
         np.testing.assert_allclose(got, want, rtol=TOLERANCE, atol=1e-7)
     for key, values in expected.history.items():
         np.testing.assert_allclose(history.history[key], values, rtol=TOLERANCE)
@@ -190,6 +191,7 @@ def four_ranks():
         yield run_scenario("deferred_checks", 4, folder, timeout=400)
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("layout", ["P4", "P2T2", "P2R2-zero"])
 def test_each_rank_holds_and_trains_only_its_share(four_ranks, layout):
     results = [r[layout] for r in four_ranks]
@@ -215,6 +217,7 @@ def test_each_rank_holds_and_trains_only_its_share(four_ranks, layout):
             assert "never held" in r["relayout"] and "resume_from" in r["relayout"]
 
 
+@pytest.mark.mpi
 def test_a_deferred_checkpoint_exports_and_resumes_exactly(four_ranks):
     assert four_ranks[0]["export"] < TOLERANCE  # one .keras file, written weight by weight
     assert max(r["resumed"] for r in four_ranks) < TOLERANCE  # P2xT2 -> four replicas

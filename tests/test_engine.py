@@ -11,6 +11,8 @@ import pytest
 
 from tests.support.cases import Case, run_cases, selected
 
+pytestmark = pytest.mark.mpi  # every test here starts MPI jobs
+
 # Case(model, optimizer, kind, ...): models and optimizers of tests/support/models.py
 TWO_RANKS = [
     Case("mlp", "sgd", "data", replicas=2),

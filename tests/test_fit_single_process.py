@@ -113,11 +113,12 @@ def test_hf_fit_reads_hdf5_on_one_process_like_arrays(tmp_path):
     with hf.data.HDF5(path, x="x", y="y") as data:
         hf.fit(model, data, batch_size=20, epochs=2, shuffle=False, verbose=0)
         evaluated = hf.evaluate(model, data, batch_size=20, verbose=0)
-    for ref, got in zip(reference.get_weights(), model.get_weights()):
+    for ref, got in zip(reference.get_weights(), model.get_weights(), strict=True):
         np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-7)
     assert np.isfinite(evaluated).all()
 
 
+@pytest.mark.mpi
 def test_one_process_does_not_start_mpi_so_mpirun_from_it_works():
     """A process that started MPI as a singleton breaks any mpirun it launches; hf.fit on one
     process must therefore never start MPI (checked in a clean child interpreter)."""

@@ -1,10 +1,7 @@
 """The one rule that picks a stage's gradient form (flat, per variable, overlapped)."""
 
-import doctest
-
 import pytest
 
-from hyparflow.engine import gradient_form
 from hyparflow.engine.gradient_form import GradientForm, choose_gradient_form, segments_for
 
 LIST = GradientForm()
@@ -129,7 +126,3 @@ def test_segments_follow_gradient_bytes():
     mib = 2**20
     assert segments_for(31 * mib) == 1  # below two segments' bytes: one call
     assert [segments_for(n * 16 * mib) for n in (2, 4, 8, 20)] == [2, 4, 8, 8]
-
-
-def test_docstring_examples_hold():
-    assert doctest.testmod(gradient_form).failed == 0

@@ -43,7 +43,7 @@ def _equal(a, b) -> bool:
     flat_a, flat_b = keras.tree.flatten(a), keras.tree.flatten(b)
     return len(flat_a) == len(flat_b) and all(
         (p is None and q is None) or np.array_equal(np.asarray(p), np.asarray(q))
-        for p, q in zip(flat_a, flat_b)
+        for p, q in zip(flat_a, flat_b, strict=True)
     )
 
 
@@ -175,6 +175,7 @@ def two_ranks(tmp_path_factory):
     return by_case
 
 
+@pytest.mark.mpi
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("reader", READERS)
 @pytest.mark.parametrize("kind", KINDS)
@@ -201,6 +202,7 @@ def _write_large(path, size: int) -> None:
         f["y"] = rng.integers(0, 4, rows)
 
 
+@pytest.mark.mpi
 @pytest.mark.timeout(600)
 def test_training_on_a_1_gib_file_stays_far_below_its_size(tmp_path):
     path = tmp_path / "large.h5"

@@ -16,6 +16,8 @@ from hyparflow.comm.topology import Topology
 from tests.support.cases import Case, run_cases, selected
 from tests.support.mpirun import run_scenario
 
+pytestmark = pytest.mark.mpi  # every test here starts MPI jobs
+
 HAVE_HOROVOD = importlib.util.find_spec("horovod") is not None
 needs_horovod = pytest.mark.skipif(
     not HAVE_HOROVOD,

@@ -1,39 +1,58 @@
 """Every input `model.fit` takes gives Keras's weights and History under `hf.fit` on 2 ranks,
-in the data (R=2) and model (P=2) layouts, and each way data comes in under tensor (T=2);
-`evaluate` and `predict` match too; what Keras refuses is refused with its message.
-One launch runs every case of tests/mpi/data_inputs.py (docs/keras_parity.md)."""
+in the data (R=2) and model (P=2) layouts, and each way data comes in under tensor (T=2) and,
+on 4 ranks, hybrid (P2 x R2); `evaluate` and `predict` match too; what Keras refuses is refused
+with its message. One launch per rank count runs tests/mpi/data_inputs.py's cases
+(docs/keras_parity.md)."""
 
 import pytest
 
-from tests.mpi.data_inputs import CASES, EVALUATED, REFUSED, TENSOR_CASES
+from tests.mpi.data_inputs import CASES, EVALUATED, EVERY_CASE, REFUSED, WAYS_IN
 from tests.mpi.data_inputs import PER_OUTPUT_LOSS_WEIGHTS as LOSS_WEIGHTS
 from tests.support.custom_steps import CASES as CUSTOM_STEPS
 from tests.support.custom_steps import REFUSED as CUSTOM_REFUSED
 from tests.support.mpirun import run_scenario
 
+pytestmark = pytest.mark.mpi  # every test here starts MPI jobs
+
 TOLERANCE = 1e-5
+
+
+def _outcomes(np: int, *kinds: str, timeout: float):
+    ranks = run_scenario("data_inputs", np, *kinds, timeout=timeout)
+    return {r["case"]: r for r in ranks[0]["results"] + ranks[0]["refusals"]}, ranks
 
 
 @pytest.fixture(scope="module")
 def outcomes():
-    ranks = run_scenario("data_inputs", 2, "data", "model", "tensor", timeout=900)
-    return {r["case"]: r for r in ranks[0]["results"] + ranks[0]["refusals"]}, ranks
+    return _outcomes(2, "data", "model", "tensor", timeout=900)
 
 
-CELLS = [(kind, case) for kind in ("data", "model") for case in sorted(CASES)] + [
-    ("tensor", case) for case in TENSOR_CASES
+@pytest.fixture(scope="module")
+def hybrid_outcomes():
+    return _outcomes(4, "hybrid", timeout=900)
+
+
+def _of(request, kind: str):
+    """The launch that ran `kind`'s cells: the 4-rank one for hybrid, else the 2-rank one."""
+    return request.getfixturevalue("hybrid_outcomes" if kind == "hybrid" else "outcomes")
+
+
+LAYOUTS = ("data", "model", "tensor", "hybrid")
+CELLS = [(kind, case) for kind in EVERY_CASE for case in sorted(CASES)] + [
+    (kind, case) for kind in LAYOUTS if kind not in EVERY_CASE for case in WAYS_IN
 ]
 
 
+@pytest.mark.timeout(1000)
 @pytest.mark.parametrize(("kind", "case"), CELLS)
-def test_fit_matches_keras(outcomes, kind, case):
-    results, ranks = outcomes
+def test_fit_matches_keras(request, kind, case):
+    results, ranks = _of(request, kind)
     result = results[f"{kind}:{case}"]
     assert result["keys"][0] == result["keys"][1], result
     assert result["epochs"][0] == result["epochs"][1], result
     assert result["weights"] < TOLERANCE, result
     assert result["history"] < TOLERANCE, result
-    assert ranks[1]["results"] == ranks[0]["results"]  # every rank ends with the same model
+    assert all(r["results"] == ranks[0]["results"] for r in ranks)  # the same model everywhere
 
 
 @pytest.mark.parametrize("kind", ["data", "model"])
@@ -44,10 +63,11 @@ def test_what_keras_refuses_is_refused_with_its_message(outcomes, kind, case):
     assert result["hyparflow"] == result["keras"], result
 
 
-@pytest.mark.parametrize("kind", ["data", "model"])
-def test_per_output_losses_follow_keras(outcomes, kind):
+@pytest.mark.timeout(1000)
+@pytest.mark.parametrize("kind", ["data", "model", "hybrid"])
+def test_per_output_losses_follow_keras(request, kind):
     """Per-output History (validation included) and evaluate with a partial last batch."""
-    results, ranks = outcomes
+    results, ranks = _of(request, kind)
     result = results[f"{kind}:per_output_losses"]
     assert result["keys"][0] == result["keys"][1], result
     assert {"regression_loss", "val_classes_loss"} <= set(result["keys"][0]), result
@@ -60,7 +80,7 @@ def test_per_output_losses_follow_keras(outcomes, kind):
     for epoch, total in enumerate(keras_logs["loss"]):
         parts = sum(w * keras_logs[f"{name}_loss"][epoch] for name, w in LOSS_WEIGHTS.items())
         assert abs(parts - total) > 1e-3 * total, keras_logs
-    assert ranks[1]["results"] == ranks[0]["results"]
+    assert all(r["results"] == ranks[0]["results"] for r in ranks)
 
 
 @pytest.mark.parametrize("case", sorted(CUSTOM_STEPS))
@@ -73,7 +93,7 @@ def test_a_custom_step_trains_as_keras_under_data_parallelism(outcomes, case):
     assert result["epochs"][0] == result["epochs"][1], result
     assert result["weights"] < TOLERANCE and result["history"] < TOLERANCE, result
     assert result["unpatched"], result
-    assert ranks[1]["results"] == ranks[0]["results"]
+    assert all(r["results"] == ranks[0]["results"] for r in ranks)
 
 
 @pytest.mark.parametrize("case", sorted(CUSTOM_REFUSED))
@@ -83,12 +103,13 @@ def test_a_custom_step_that_cannot_equal_keras_is_refused(outcomes, case):
     assert result["error"] is not None and says in result["error"], result
 
 
-@pytest.mark.parametrize("kind", ["data", "model", "tensor"])
+@pytest.mark.timeout(1000)
+@pytest.mark.parametrize("kind", LAYOUTS)
 @pytest.mark.parametrize("case", sorted(EVALUATED))
-def test_evaluate_and_predict_match_keras(outcomes, kind, case):
-    results, ranks = outcomes
+def test_evaluate_and_predict_match_keras(request, kind, case):
+    results, ranks = _of(request, kind)
     result = results[f"{kind}:evaluate_predict_{case}"]
     assert result["keys"][0] == result["keys"][1], result
     assert result["shapes"][0] == result["shapes"][1], result
     assert result["evaluate"] < TOLERANCE and result["predict"] < TOLERANCE, result
-    assert ranks[1]["results"] == ranks[0]["results"]
+    assert all(r["results"] == ranks[0]["results"] for r in ranks)

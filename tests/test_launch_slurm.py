@@ -1,6 +1,8 @@
 """hyparflow.launch.slurm reads job, step, local rank and CPUs from Slurm's and Open MPI's
 variables (pure: environments are given as dicts)."""
 
+import pytest
+
 from hyparflow.launch import cpus_per_rank, local_rank, slurm_job
 
 SRUN_TASK = {
@@ -31,6 +33,7 @@ def test_a_task_started_by_srun():
     assert cpus_per_rank(SRUN_TASK) == 4
 
 
+@pytest.mark.mpi
 def test_ranks_mpirun_starts_in_a_batch_script():
     env = {**BATCH_SHELL, "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "1"}
     job = slurm_job(env)

@@ -387,6 +387,7 @@ def test_the_console_script_lists_and_runs_run():
     assert helped.stdout.startswith("usage: hyparflow run")
 
 
+@pytest.mark.mpi
 def test_hyparflow_run_trains_the_demo_on_two_ranks():
     """The acceptance test: `hyparflow run -n 2 examples/demo.py` from a fresh process (15 s
     measured on 2 cores; its limit is 300 s)."""
@@ -411,6 +412,7 @@ time.sleep(120)
 """
 
 
+@pytest.mark.mpi
 def test_sigterm_to_the_launcher_ends_the_ranks(tmp_path):
     script = tmp_path / "sleeper.py"
     script.write_text(SLEEPER)

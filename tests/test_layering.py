@@ -42,11 +42,11 @@ def test_an_upward_import_breaks_the_contract(tmp_path):
     root = _copy_package(tmp_path)
     planted = os.path.join(root, "hyparflow", "comm", "world.py")
     with open(planted, "a") as file:  # comm (bottom layer) reaching up into the engine
-        file.write("\nfrom hyparflow.engine import schedule as _planted  # noqa: E402,F401\n")
+        file.write("\nfrom hyparflow.engine import pipeline as _planted  # noqa: E402,F401\n")
     result = _lint(root)
     assert result.returncode != 0
     assert "hyparflow.comm is not allowed to import hyparflow.engine" in result.stdout
-    assert "hyparflow.comm.world -> hyparflow.engine.schedule" in result.stdout
+    assert "hyparflow.comm.world -> hyparflow.engine.pipeline" in result.stdout
 
 
 def _lines(folder: str) -> dict[str, int]:

@@ -22,7 +22,10 @@ import hyparflow as hf
 from tests.mpi.memory_checks import BATCH, layout, wide_mlp
 from tests.support import cgroup
 
-pytestmark = pytest.mark.skipif(cgroup.skip_reason() is not None, reason=str(cgroup.skip_reason()))
+pytestmark = [
+    pytest.mark.mpi,
+    pytest.mark.skipif(cgroup.skip_reason() is not None, reason=str(cgroup.skip_reason())),
+]
 
 SHAPE = "2048,32"  # 134 M parameters, 512 MiB of weights; Adam
 MIB = 2**20
@@ -59,7 +62,7 @@ def test_one_process_is_refused_where_four_ranks_train_with_its_loss(reference, 
     assert "hf.memory_plan" in run.stderr[0] and "mpirun -np N" in run.stderr[0]
     run, outcomes = cgroup.launch_capped("memory_checks", 4, cap, "measure", spec, SHAPE)
     assert run.returncode == 0, (spec, cap / MIB, outcomes, run.describe())
-    for result, outcome in zip(run.results, outcomes):
+    for result, outcome in zip(run.results, outcomes, strict=True):
         assert outcome.peak <= cap and not outcome.killed_for_memory
         assert result["loss"] == pytest.approx(reference["loss"], rel=1e-4), spec
 

@@ -9,6 +9,8 @@ import pytest
 
 from tests.support.mpirun import launch, run_scenario
 
+pytestmark = pytest.mark.mpi  # every test here starts MPI jobs
+
 
 @pytest.fixture(scope="module")
 def misuse_errors(tmp_path_factory) -> list[dict]:

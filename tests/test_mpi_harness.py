@@ -5,6 +5,8 @@ import pytest
 
 from tests.support.mpirun import launch, run_scenario
 
+pytestmark = pytest.mark.mpi  # every test here starts MPI jobs
+
 
 def test_two_ranks_see_each_other_and_move_tensors():
     results = run_scenario("world_roundtrip", 2)

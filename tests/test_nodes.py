@@ -2,7 +2,6 @@
 real mpirun (scripts/emulated_nodes.sh): equality with Keras, shared memory within a node and
 TCP on the loopback interface between nodes, and a node killed mid-epoch."""
 
-import doctest
 import json
 import os
 import signal
@@ -15,7 +14,6 @@ from hypothesis import strategies as st
 from hyparflow.callbacks.report import format_report
 from hyparflow.callbacks.summary import load_summary
 from hyparflow.checkpoint import manifest
-from hyparflow.comm import placement
 from hyparflow.comm.placement import crossings, place
 from hyparflow.comm.topology import Grid
 from tests.support import nodes
@@ -26,10 +24,6 @@ TOLERANCE = 1e-5  # as tests/test_engine.py
 
 
 # --- placement, without MPI ---------------------------------------------------------------------
-def test_docstring_examples_hold():
-    assert doctest.testmod(placement).failed == 0
-
-
 @given(
     st.integers(1, 4), st.integers(1, 4), st.sampled_from([1, 2, 4]), st.integers(1, 4),
     st.booleans(),
@@ -119,6 +113,7 @@ def across_nodes():
     return run_cases("nodes", 4, CASES, "cases", timeout=600, mpirun=ROUND_ROBIN)
 
 
+@pytest.mark.mpi
 @pytestmark_nodes
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_two_nodes_match_keras_with_tensor_groups_and_pipelines_inside_nodes(across_nodes, case):
@@ -134,6 +129,7 @@ def test_two_nodes_match_keras_with_tensor_groups_and_pipelines_inside_nodes(acr
         assert found == EXPECTED_CROSSINGS[case.id], (case.id, hosts)
 
 
+@pytest.mark.mpi
 @pytestmark_nodes
 def test_shared_memory_inside_a_node_tcp_on_loopback_between_and_the_profiler_names_nodes(
     tmp_path,
@@ -155,7 +151,7 @@ def test_shared_memory_inside_a_node_tcp_on_loopback_between_and_the_profiler_na
     lines = format_report(profile).splitlines()  # `hyparflow report`: a node column
     assert lines[3].split()[:4] == ["rank", "node", "stage", "replica"], lines
     assert [row.split()[1] for row in lines[4:8]] == ["nodeA", "nodeA", "nodeB", "nodeB"], lines
-    for rank, (result, stderr) in enumerate(zip(run.results, run.stderr)):
+    for rank, (result, stderr) in enumerate(zip(run.results, run.stderr, strict=True)):
         choices = nodes.btl_choices(stderr)
         assert {(peer, btl) for _, btl, peer, _ in choices if peer != rank} == {
             (p, "vader" if hosts[p] == hosts[rank] else "tcp") for p in range(4) if p != rank
@@ -188,6 +184,7 @@ def _kill_node_when_stopped(pids_folder: str, killed: dict):
     return on_start
 
 
+@pytest.mark.mpi
 @pytestmark_nodes
 def test_a_killed_node_ends_the_job_and_the_survivor_resumes_exactly(tmp_path):
     folder, killed = str(tmp_path / "checkpoints"), {}

@@ -1,6 +1,5 @@
 """The exact contiguous split (balance DP) against brute force, and its cost model."""
 
-import doctest
 import itertools
 
 import numpy as np
@@ -8,7 +7,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hyparflow.partitioner import balance
 from hyparflow.partitioner.balance import split_between, split_contiguous, stage_costs
 
 
@@ -77,10 +75,6 @@ def test_large_inputs_are_handled_quickly_without_recursion():
     assert len(starts) == 16
     total = costs.sum()
     assert max(stage_costs(costs, starts)) < total / 16 + costs.max()
-
-
-def test_balance_docstring_examples_hold():
-    assert doctest.testmod(balance).failed == 0
 
 
 def test_no_stage_begins_at_a_forbidden_position():

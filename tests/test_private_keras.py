@@ -1,8 +1,15 @@
 """Every entry of hyparflow._keras still reaches what it names in the installed Keras.
 
 Runs in `make test` and in the compatibility job (TensorFlow 2.17), so a Keras release that
-moves a private attribute fails here, by name, before it fails inside training.
+moves a private attribute fails here, by name, before it fails inside training. And no other
+module of hyparflow reaches Keras's private API: no `keras.src`, no private attribute by name,
+no walk up the caller's stack (a planted one is found).
 """
+
+import ast
+import os
+import re
+from pathlib import Path
 
 import keras
 import numpy as np
@@ -155,3 +162,154 @@ def test_optimizer_entries():
     assert _keras.excludes_from_weight_decay(optimizer) is False
     optimizer.exclude_from_weight_decay(var_names=["bias"])
     assert _keras.excludes_from_weight_decay(optimizer) is True
+
+
+def test_entries_the_engine_reaches(capsys):
+    model = _model()
+    assert len(_keras.outputs_structure_of(model)) == 2
+    sequential = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    assert _keras.is_keras_tensor(_keras.outputs_structure_of(sequential))
+    assert _keras.outputs_structure_of(keras.layers.Dense(2)) is None
+    assert _keras.is_keras_tensor(keras.Input((2,))) and not _keras.is_keras_tensor(np.ones(2))
+    assert "training" in _keras.call_context_args(model.get_layer("drop"))
+    table = keras.layers.Embedding(10, 3)
+    table.build((None,))
+    assert _keras.has_table_variable(table)
+    assert not _keras.has_table_variable(model.get_layer("head"))
+    logger = keras.callbacks.ProgbarLogger()
+    logger.set_params({"epochs": 1, "steps": 2, "verbose": 1})
+    logger.on_epoch_begin(0)
+    _keras.update_progbar(logger, 0, {"loss": 0.5})
+    _keras.finalize_progbar(logger, {"loss": 0.25})
+    assert "loss: 0.2500" in capsys.readouterr().out
+
+
+def test_optimizer_overrides_and_keys():
+    class Accumulating(keras.optimizers.SGD):
+        def _backend_apply_gradients(self, grads, trainable_variables):
+            return super()._backend_apply_gradients(grads, trainable_variables)
+
+    assert _keras.applies_as_base_optimizer(keras.optimizers.Adam())
+    assert not _keras.applies_as_base_optimizer(Accumulating())
+    optimizer, variable = keras.optimizers.SGD(), keras.Variable(np.zeros(2, "float32"))
+    own_key = optimizer._var_key(variable)
+    _keras.key_variables_by_identity(optimizer)
+    assert optimizer._var_key(variable) == id(variable) != own_key
+    _keras.restore_variable_keys(optimizer)
+    assert optimizer._var_key(variable) == own_key
+
+
+def test_batchnorm_moments_replaced_for_one_layer():
+    norm, other = (keras.layers.BatchNormalization(epsilon=0.0) for _ in range(2))
+    x = np.array([[1.0, 2.0], [3.0, 6.0]], "float32")
+    for layer in (norm, other):
+        layer.build(x.shape)
+    _keras.replace_moments(norm, lambda inputs, mask: (tf.zeros(2), tf.ones(2)))
+    np.testing.assert_allclose(norm(x, training=True), x)  # mean 0, variance 1: unchanged
+    np.testing.assert_allclose(other(x, training=True), [[-1, -1], [1, 1]], atol=1e-3)
+    _keras.restore_moments(norm)
+    np.testing.assert_allclose(norm(x, training=True), [[-1, -1], [1, 1]], atol=1e-3)
+
+
+def _ask():
+    return _keras.called_by_spatial_dropout()
+
+
+class _SpatialProbe(keras.layers.SpatialDropout1D):
+    def call(self, inputs, training=False):
+        return _ask()
+
+
+class _DropoutProbe(keras.layers.Dropout):
+    def call(self, inputs, training=False):
+        return _ask()
+
+
+def test_spatial_dropout_caller_is_found():
+    assert _SpatialProbe(0.5).call(None) is True
+    assert _DropoutProbe(0.5).call(None) is False
+    assert _ask() is False  # no Keras layer up the stack
+
+
+# --- no private Keras API outside _keras.py ---------------------------------------------------
+PACKAGE = Path(_keras.__file__).parent
+
+
+# Calls that reach an attribute by its name: a private one named so is taken for Keras's (a
+# Keras object's attributes are reached by name where they may be missing; hyparflow's own
+# are named `_hyparflow_...`).
+BY_NAME = {"getattr", "hasattr", "setattr", "delattr", "__setattr__", "__delattr__"}
+
+
+def _private_name(node) -> str | None:
+    """The private attribute name a call such as getattr(layer, "_x") reaches, if any."""
+    if not isinstance(node, ast.Call) or len(node.args) < 2:
+        return None
+    function = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", "")
+    value = node.args[1].value if isinstance(node.args[1], ast.Constant) else None
+    if function not in BY_NAME or not isinstance(value, str):
+        return None
+    if value.startswith("_") and not value.startswith("__") and "hyparflow" not in value:
+        return f"{function}(..., {value!r})"
+    return None
+
+
+def _private_use(node) -> str | None:
+    """What `node` reaches of Keras's private API: keras.src (imported, walked or named as a
+    module to import), a private attribute by name, or the caller's stack (sys._getframe,
+    which only walks Keras's frames)."""
+    if isinstance(node, ast.Call):
+        return _private_name(node)
+    if isinstance(node, ast.Import):
+        names = [alias.name for alias in node.names]
+    elif isinstance(node, ast.ImportFrom):
+        names = [f"{node.module}.{alias.name}" for alias in node.names]
+    elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+        names = [f"{node.value.id}.{node.attr}"]
+    elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+        names = [node.value]  # importlib.import_module("keras.src...")
+    else:
+        return None
+    for name in names:
+        if re.fullmatch(r"keras\.src(\..*)?|sys\._getframe", name):
+            return name
+    return None
+
+
+def _private_uses(root: Path) -> list[str]:
+    """'path:line name' of every private Keras use in the modules under `root` but _keras.py."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if path == root / "_keras.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            name = _private_use(node)
+            if name:
+                found.append(f"{path.relative_to(root)}:{node.lineno} {name}")
+    return found
+
+
+def test_private_keras_only_in_one_module():
+    assert _private_uses(PACKAGE) == []
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "from keras.src import ops",
+        "import keras.src.backend as backend",
+        "from keras import src",
+        "import keras\nops = keras.src.ops",
+        "import importlib\nimportlib.import_module('keras.src.ops')",
+        "import sys\nframe = sys._getframe(1)",
+        "def f(layer):\n    return getattr(layer, '_tracker', None)",
+        "def f(layer):\n    object.__setattr__(layer, '_moments', None)",
+    ],
+)
+def test_a_planted_private_use_is_found(tmp_path, line):
+    (tmp_path / "_keras.py").write_text(line)  # allowed there
+    (tmp_path / "engine").mkdir()
+    (tmp_path / "engine" / "planted.py").write_text(f'"""keras.src in prose is fine."""\n{line}\n')
+    assert [use.split(" ")[0] for use in _private_uses(tmp_path)] == [
+        f"engine{os.sep}planted.py:{1 + line.count(chr(10)) + 1}"
+    ]

@@ -13,6 +13,8 @@ import pytest
 from tests.support.cases import Case, run_cases, selected
 from tests.support.zoo import TEXT_MODELS
 
+pytestmark = pytest.mark.mpi  # every test here starts MPI jobs
+
 OPTIMIZERS = [
     "sgd", "adam", "adamw", "adadelta", "adafactor", "adagrad", "adamax", "ftrl", "lamb", "lion",
     "nadam", "rmsprop", "muon",

@@ -20,6 +20,7 @@ def killed_and_resumed(tmp_path_factory):
     return crash, checkpoints, run_scenario("reliability", 2, "resume", folder, timeout=240)
 
 
+@pytest.mark.mpi
 def test_killed_rank_ends_the_job_and_resume_matches_an_uninterrupted_run(killed_and_resumed):
     crash, checkpoints, resumed = killed_and_resumed
     assert crash.returncode not in (0, -9), crash.describe()
@@ -31,6 +32,7 @@ def test_killed_rank_ends_the_job_and_resume_matches_an_uninterrupted_run(killed
         assert r["last_loss"] == r["ref_last_loss"]  # the resumed epoch's metric sums came back
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("layout", ["P2", "T2"])
 @pytest.mark.parametrize("written_by", ["save", "export"])
 def test_a_saved_file_holds_the_whole_optimizer_and_continues_as_keras(
@@ -46,6 +48,7 @@ def test_a_saved_file_holds_the_whole_optimizer_and_continues_as_keras(
     assert r["continued"] < 1e-5, f"continued training differs by {r['continued']:.2e}"
 
 
+@pytest.mark.mpi
 def test_a_save_torn_by_a_kill_leaves_the_previous_checkpoint_loadable(tmp_path):
     folder = str(tmp_path / "checkpoints")
     torn = launch("reliability", 2, "torn_save", folder, timeout=120)
@@ -60,6 +63,7 @@ def test_a_save_torn_by_a_kill_leaves_the_previous_checkpoint_loadable(tmp_path)
         assert r["epochs"] == [0, 1, 2]  # resumed inside epoch 0, from step 2
 
 
+@pytest.mark.mpi
 def test_resume_with_another_partitioning_and_export(tmp_path):
     results = run_scenario("reliability", 4, "reshape", str(tmp_path / "ckpt"), timeout=300)
     for r in results:
@@ -69,6 +73,7 @@ def test_resume_with_another_partitioning_and_export(tmp_path):
         assert r["export_compiled"] == "Adam"  # compiled as for training: evaluate works
 
 
+@pytest.mark.mpi
 def test_a_tensor_parallel_checkpoint_resumes_with_other_tensor_counts(tmp_path):
     """Each tensor rank saves its pieces; resuming joins and re-cuts them (weights and Adam's
     slots), with 1, 2 or 4 tensor ranks."""
@@ -80,6 +85,7 @@ def test_a_tensor_parallel_checkpoint_resumes_with_other_tensor_counts(tmp_path)
         assert r["export"] == 0.0  # the exported .keras holds the checkpoint's whole weights
 
 
+@pytest.mark.mpi
 @pytest.mark.timeout(120)
 def test_a_stalled_rank_is_reported_and_the_job_aborted(tmp_path):
     # the 5 s watchdog ends it (measured 13 s), not the 600 s sleep, which would outlast the limit
@@ -89,6 +95,7 @@ def test_a_stalled_rank_is_reported_and_the_job_aborted(tmp_path):
     assert "HYPARFLOW_WATCHDOG_TIMEOUT" in run.stderr[0]
 
 
+@pytest.mark.mpi
 def test_an_uncaught_exception_on_one_rank_ends_the_job():
     """Rank 1 raises before `hf.fit` while rank 0 waits in it: without the excepthook of
     `hyparflow/comm/uncaught.py`, rank 1's `MPI_Finalize` and rank 0's collective wait for each
@@ -101,6 +108,7 @@ def test_an_uncaught_exception_on_one_rank_ends_the_job():
     assert "hyparflow rank 1: uncaught FileNotFoundError; ending the job" in run.stderr[1]
 
 
+@pytest.mark.mpi
 def test_an_error_raised_on_every_rank_exits_each_without_an_abort():
     """An error `hf.fit` raised on every rank alike (an unknown strategy) is not a reason to
     abort: every rank prints its own traceback and exits non-zero by itself."""

@@ -1,13 +1,10 @@
 """Pipeline schedules as data: completeness, ordering, memory bound and simulated bubble."""
 
-import doctest
-
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hyparflow.engine import schedule as sched
-from hyparflow.engine.schedule import (
+from hyparflow.schedule import (
     Action,
     B,
     DeadlockError,
@@ -24,10 +21,6 @@ from hyparflow.engine.schedule import (
 stages = st.integers(min_value=1, max_value=8)
 microbatches = st.integers(min_value=1, max_value=16)
 names = st.sampled_from(["gpipe", "1f1b"])
-
-
-def test_docstring_examples_hold():
-    assert doctest.testmod(sched).failed == 0
 
 
 def test_action_repr_equality_and_validation():
@@ -85,7 +78,8 @@ def test_simulation_respects_dependencies_and_never_deadlocks(name, p, m):
                 assert times[s, B(i)][0] >= times[s + 1, B(i)][1] + 0.5
             assert times[s, B(i)][0] >= times[s, F(i)][1]
         spans = [times[s, a] for a in schedule[s]]
-        assert all(prev[1] <= nxt[0] for prev, nxt in zip(spans, spans[1:]))
+        # consecutive pairs: the shifted copy is one shorter, hence strict=False
+        assert all(prev[1] <= nxt[0] for prev, nxt in zip(spans, spans[1:], strict=False))
 
 
 @given(stages, microbatches)

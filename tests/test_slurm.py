@@ -17,6 +17,8 @@ import pytest
 from tests.support.mpirun import MPI_ENV, REPO
 from tests.support.slurm_cluster import INSTALL_HINT, missing_tools, start_cluster
 
+pytestmark = pytest.mark.mpi  # every test here starts MPI jobs
+
 TOLERANCE = 1e-5
 SBATCH = os.path.join(REPO, "examples", "slurm", "train.sbatch")
 

@@ -1,6 +1,5 @@
 """StageRunner on one process: gradients, micro-batch accumulation and recomputation."""
 
-import doctest
 import json
 import os
 import subprocess
@@ -71,13 +70,13 @@ def test_recompute_keeps_no_tape_between_forward_and_backward(runs):
 
 def test_recompute_gives_the_same_gradients_dropout_masks_included(runs):
     (plain, _, _), (again, _, _) = runs
-    for a, b in zip(plain, again):
+    for a, b in zip(plain, again, strict=True):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6, atol=1e-7)
 
 
 def test_recompute_does_not_update_batchnorm_statistics_twice(runs):
     (_, plain_stats, _), (_, recomputed_stats, _) = runs
-    for a, b in zip(plain_stats, recomputed_stats):
+    for a, b in zip(plain_stats, recomputed_stats, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6)
 
 
@@ -87,9 +86,9 @@ def test_flat_layout_gives_the_same_gradients_statistics_and_dropout(runs, recom
     to the per-variable one, BatchNormalization statistics and Dropout masks included."""
     (plain, plain_stats, _) = runs[recompute]
     grads, stats, _ = _run(recompute=recompute, flat=True)
-    for a, b in zip(plain, grads):
+    for a, b in zip(plain, grads, strict=True):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6, atol=1e-7)
-    for a, b in zip(plain_stats, stats):
+    for a, b in zip(plain_stats, stats, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6)
 
 
@@ -129,7 +128,7 @@ def test_flat_layout_middle_stage_and_fresh_values_each_step():
         for runner in runners[1:]:
             packed = runner.take_flat_gradients()
             assert packed.shape == (layout.length,)
-            for a, b in zip(plain, layout.unflatten_fn(packed)):
+            for a, b in zip(plain, layout.unflatten_fn(packed), strict=True):
                 np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6)
         for v in model.trainable_variables:  # an optimizer step between the two steps
             v.assign(v * 0.5 + 0.1)
@@ -164,7 +163,7 @@ def test_table_gradients_stay_row_slices_beside_the_flat_layout():
         assert isinstance(got[0], tf.IndexedSlices)
         assert got[0].indices.numpy().tolist() == [1, 2, 2, 7, 1, 0, 4, 4, 9]  # both pieces
     np.testing.assert_array_equal(grads[0][0].values.numpy(), grads[1][0].values.numpy())
-    for a, b in zip(grads[0][1:], grads[1][1:]):
+    for a, b in zip(grads[0][1:], grads[1][1:], strict=True):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6)
     unused = StageRunner(lambda i, training: i, [table], input_grads=True, sparse=[0])
     unused.forward(0, tf.ones((2, 3)))
@@ -223,23 +222,22 @@ def test_fused_runner_matches_the_taped_stage_runner_and_updates_metrics():
         assert y_pred.shape[0] == part.stop - part.start and loss.shape == ()
     assert runner.in_flight == 2 and runner.updates_metrics and seen == [8, 4]
     assert runner.backward(1) == [] and runner.backward(0) == [] and runner.in_flight == 0
-    for got, want in zip(runner.take_gradients(), reference):
+    for got, want in zip(runner.take_gradients(), reference, strict=True):
         np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-6)
-    for got, want in zip(model.non_trainable_variables, stats):
+    for got, want in zip(model.non_trainable_variables, stats, strict=True):
         np.testing.assert_allclose(got.numpy(), want, rtol=1e-6)
     zeros = runner.take_gradients()  # nothing forwarded since: zeros
     assert all(not np.any(g.numpy()) for g in zeros)
 
 
 def test_flat_layout_round_trips_gradients_with_aligned_pieces():
-    assert doctest.testmod(flat).failed == 0
     layout = flat.FlatLayout([tf.TensorSpec((3,)), tf.TensorSpec((2, 5)), tf.TensorSpec(())])
     assert all(slot.offset % 16 == 0 for slot in layout.slots)  # 64-byte aligned float32
     grads = [tf.random.normal(s.shape) for s in layout.slots]
     packed = layout.flatten(grads, tf.constant(2.5))
     assert packed.shape == (layout.length,) and layout.length % 16 == 0
     assert np.all(packed.numpy()[layout.tail_offset :] == 2.5)
-    for got, want in zip(layout.unflatten_fn(packed), grads):
+    for got, want in zip(layout.unflatten_fn(packed), grads, strict=True):
         np.testing.assert_array_equal(got.numpy(), want.numpy())
     assert not flat.FlatLayout([tf.TensorSpec((2,), tf.float16)]).usable
 
@@ -270,7 +268,7 @@ def test_first_stage_skips_input_gradients_and_keeps_variable_gradients():
     (with_inputs, grads), (without, same_grads) = results
     assert with_inputs[0] is not None and with_inputs[0].shape == (5, 6)
     assert without == [None]
-    for a, b in zip(grads, same_grads):
+    for a, b in zip(grads, same_grads, strict=True):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6)
     # The backward graph no longer holds the input gradient at all (not just discards it).
     runner = StageRunner(
@@ -325,7 +323,7 @@ def test_chunked_layout_round_trips_and_bounds_each_chunk():
     packed = tf.function(layout.flatten)(grads, tf.constant(1.5))
     assert isinstance(packed, tuple) and len(packed) == len(layout.chunks)
     assert all(np.all(p.numpy()[-flat.TAIL :] == 1.5) for p in packed)  # each tail: data
-    for got, want in zip(layout.unflatten_fn(packed), grads):
+    for got, want in zip(layout.unflatten_fn(packed), grads, strict=True):
         np.testing.assert_array_equal(got.numpy(), want.numpy())
 
 

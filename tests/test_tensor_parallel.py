@@ -240,12 +240,14 @@ def _check(case, ranks):
         assert r["shard_slot_elements"] == slots * r["shard_elements"], where
 
 
+@pytest.mark.mpi
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("case", TWO_RANKS, ids=str)
 def test_tensor_parallel_training_matches_keras(two_ranks, case):
     _check(case, two_ranks[case.id])
 
 
+@pytest.mark.mpi
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("case", FOUR_RANKS, ids=str)
 def test_tensor_with_pipeline_and_replicas_matches_keras(four_ranks, case):

@@ -24,11 +24,14 @@ def _tensorflow_io_usable() -> bool:
     return (2, 16) <= major_minor <= (2, 17)
 
 
-pytestmark = pytest.mark.skipif(
-    not _tensorflow_io_usable(),
-    reason="tensorflow-io is not installed, or TensorFlow is outside the 2.16-2.17 its HDF5 "
-    "ops load with; `make test-compat` runs this",
-)
+pytestmark = [
+    pytest.mark.mpi,
+    pytest.mark.skipif(
+        not _tensorflow_io_usable(),
+        reason="tensorflow-io is not installed, or TensorFlow is outside the 2.16-2.17 its HDF5 "
+        "ops load with; `make test-compat` runs this",
+    ),
+]
 
 
 @pytest.mark.timeout(300)

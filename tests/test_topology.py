@@ -1,17 +1,11 @@
 """The rank grid, without MPI: placement, coordinates and validation."""
 
-import doctest
-
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from hyparflow.comm import topology
 from hyparflow.comm.topology import Grid
-
-
-def test_docstring_examples_hold():
-    assert doctest.testmod(topology).failed == 0
 
 
 def test_pipeline_stages_are_rank_neighbours():

@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.mpi  # every test here starts MPI jobs
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
 TUTORIALS = REPO / "tutorials"
 NOTEBOOKS = sorted(TUTORIALS.glob("*.ipynb"))

@@ -169,18 +169,21 @@ def _check(case: Case, results: list) -> None:
             assert (r["segment_updates"] > 0) != scaled, (where, r["segment_updates"])
 
 
+@pytest.mark.mpi
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("case", TWO_RANKS, ids=str)
 def test_zero_matches_keras_with_a_slice_of_the_optimizer_state(two_ranks, case):
     _check(case, two_ranks)
 
 
+@pytest.mark.mpi
 @pytest.mark.timeout(500)
 @pytest.mark.parametrize("case", FOUR_RANKS, ids=str)
 def test_zero_with_pipeline_and_tensor_ranks_matches_keras(four_ranks, case):
     _check(case, four_ranks)
 
 
+@pytest.mark.mpi
 def test_refusals_reach_every_rank(two_ranks):
     for r in two_ranks:
         assert "Lamb does not update each element" in r["refusals"]["lamb"]
@@ -188,6 +191,7 @@ def test_refusals_reach_every_rank(two_ranks):
         assert "overlap_groups=1" in r["refusals"]["overlap"]
 
 
+@pytest.mark.mpi
 def test_checkpoints_resume_across_zero_on_off_and_replica_counts(two_ranks):
     for r in two_ranks:
         resume = r["resume"]
@@ -198,6 +202,7 @@ def test_checkpoints_resume_across_zero_on_off_and_replica_counts(two_ranks):
             assert resume[name] < 1e-6, f"rank {r['rank']}: {name} resume differs, {resume}"
 
 
+@pytest.mark.mpi
 def test_checkpoints_resume_across_tensor_pipeline_and_replica_counts(four_ranks):
     for r in four_ranks:
         resume = r["resume"]

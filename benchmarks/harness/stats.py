@@ -37,4 +37,4 @@ def paired_ratios(numerators: Sequence[float], denominators: Sequence[float]) ->
     """
     if len(numerators) != len(denominators):
         raise ValueError(f"{len(numerators)} numerators but {len(denominators)} denominators")
-    return [a / b for a, b in zip(numerators, denominators)]
+    return [a / b for a, b in zip(numerators, denominators, strict=True)]

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from hyparflow.callbacks.breakdown import TENSOR_KINDS, StepBreakdown
-from hyparflow.engine.schedule import theoretical_bubble
+from hyparflow.schedule import theoretical_bubble
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ def makespans(ranks: Sequence[StepBreakdown], replicas: Sequence[int]) -> list[f
         ([4.0, 4.0], [4.0, 3.0])
     """
     longest: dict[int, float] = {}
-    for b, q in zip(ranks, replicas):
+    for b, q in zip(ranks, replicas, strict=True):
         if b.pipeline_time is not None:
             longest[q] = max(longest.get(q, 0.0), b.pipeline_time)
     return [longest.get(q) for q in replicas]
@@ -108,7 +108,8 @@ def job_step(
     spans = makespans(ranks, replicas)
     # A replica left without samples (a tiny last batch) ran no pipeline: no bubble to speak of.
     bubbles = [
-        b.bubble(m) if m is not None and b.microbatches > 0 else None for b, m in zip(ranks, spans)
+        b.bubble(m) if m is not None and b.microbatches > 0 else None
+        for b, m in zip(ranks, spans, strict=True)
     ]
     known = [x for x in bubbles if x is not None]
     formulas = [formula_bubble(num_stages, b.microbatches) for b in ranks]

@@ -16,9 +16,9 @@ class Checkpoint(keras.callbacks.Callback):
     newest `keep` checkpoints are kept. Resume with `hf.fit(..., resume=True)` (this callback's
     directory) or `resume_from=directory`, with the same or another partitioning.
 
-    Example:
-        >>> ckpt = hf.callbacks.Checkpoint("checkpoints/", every_n_steps=100)
-        >>> hf.fit(model, x, y, epochs=10, callbacks=[ckpt], resume=True, strategy="hybrid", ...)
+    For example:
+        ckpt = hf.callbacks.Checkpoint("checkpoints/", every_n_steps=100)
+        hf.fit(model, x, y, epochs=10, callbacks=[ckpt], resume=True, strategy="hybrid", ...)
     """
 
     needs_batch_logs = False  # its batch hooks neither read the logs nor stop training

@@ -40,9 +40,9 @@ class ClockAligner:
 
     Creating it and `offset()` are collective over `comm`; `free()` releases its communicators.
 
-    Example:
-        >>> aligner = ClockAligner(MPI.COMM_WORLD)
-        >>> on_rank0_clock = time.perf_counter() - aligner.offset()
+    For example:
+        aligner = ClockAligner(MPI.COMM_WORLD)
+        on_rank0_clock = time.perf_counter() - aligner.offset()
     """
 
     def __init__(self, comm):

@@ -44,8 +44,8 @@ def chosen_steps(trace: dict, steps: Sequence[int] | None, max_steps: int = MAX_
 def draw(trace: dict, path: str, steps: Sequence[int] | None = None, title: str | None = None):
     """Draw `steps` of `trace` (default: its first three) as a Gantt chart PNG at `path`.
 
-    Example:
-        >>> draw(timeline.load("logs/timeline.json"), "logs/timeline.png", steps=[4, 5])
+    For example:
+        draw(timeline.load("logs/timeline.json"), "logs/timeline.png", steps=[4, 5])
     """
 
     tracks = read_tracks(trace)

@@ -50,11 +50,11 @@ class ScalingProfiler(keras.callbacks.Callback):
     On one process `hf.fit` is plain `model.fit` and nothing records spans: only step time and,
     given `batch_size` (samples per step), throughput and efficiency are written.
 
-    Example:
-        >>> profiler = hf.callbacks.ScalingProfiler("logs/run1", baseline_throughput=1800.0)
-        >>> hf.fit(model, x, y, batch_size=256, strategy="model", num_microbatches=8,
-        ...        callbacks=[profiler])
-        >>> # then: tensorboard --logdir logs/run1   or   hyparflow report logs/run1
+    For example:
+        profiler = hf.callbacks.ScalingProfiler("logs/run1", baseline_throughput=1800.0)
+        hf.fit(model, x, y, batch_size=256, strategy="model", num_microbatches=8,
+               callbacks=[profiler])
+        # then: tensorboard --logdir logs/run1   or   hyparflow report logs/run1
     """
 
     # Its batch hooks neither read the logs nor stop training, but its per-step breakdown (the

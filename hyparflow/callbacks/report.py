@@ -75,8 +75,8 @@ def time_columns(ms: dict) -> tuple:
 def format_report(summary: dict) -> str:
     """The per-rank table and the job's bubble, throughput and efficiency, as text.
 
-    Example:
-        >>> print(format_report(load_summary("logs/run1/profile.json")))
+    For example:
+        print(format_report(load_summary("logs/run1/profile.json")))
     """
     steps = summary["steps"]
     excluded = steps.get("warmup_excluded") or []
@@ -95,7 +95,7 @@ def format_report(summary: dict) -> str:
     header = ["rank", *(["node"] if by_node else []), "stage", "replica", "step ms",
               *(h for h, _ in columns), "bubble", "samples/s"]  # fmt: skip
     rows = []
-    for r, node in zip(summary["ranks"], nodes):
+    for r, node in zip(summary["ranks"], nodes, strict=True):
         ms = r["ms_per_step"]
         rows.append(
             [str(r["rank"]), *([str(node)] if by_node else []), str(r["stage"]),
@@ -111,7 +111,7 @@ def format_report(summary: dict) -> str:
     )  # fmt: skip
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     for row in [header, *rows]:
-        lines.append("  ".join(cell.rjust(w) for cell, w in zip(row, widths)).rstrip())
+        lines.append("  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
     lines.append("")
     lines.append(_bubble_line(job, summary["layout"]))
     lines.append(_throughput_line(summary))

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from hyparflow.callbacks.aggregate import JobStep, scaling_efficiency
 from hyparflow.callbacks.breakdown import KINDS, StepBreakdown
 from hyparflow.engine import events
-from hyparflow.engine.schedule import make_schedule, simulate
+from hyparflow.schedule import make_schedule, simulate
 
 SUMMARY_FILE = "profile.json"
 FORMAT_VERSION = 1
@@ -104,7 +104,7 @@ def simulated_bubble(
         return None
     times = {events.FORWARD: [[] for _ in range(num_stages)],
              events.BACKWARD: [[] for _ in range(num_stages)]}  # fmt: skip
-    for stage, t in zip(stage_of_rank, totals):
+    for stage, t in zip(stage_of_rank, totals, strict=True):
         for kind, per_stage in times.items():
             value = t.per_microbatch(kind)
             if value is not None:
@@ -150,7 +150,9 @@ class RunSummary:
         if warm:
             self.warmup_steps.append(job.step)
         rank_totals = self._warm_rank_totals if warm else self._rank_totals
-        for totals, b, makespan, bubble in zip(rank_totals, ranks, job.makespans, job.bubbles):
+        for totals, b, makespan, bubble in zip(
+            rank_totals, ranks, job.makespans, job.bubbles, strict=True
+        ):
             totals.add(
                 b.wall, b.samples, b.seconds, makespan if bubble is not None else None,
                 b.microbatches,
@@ -166,7 +168,7 @@ class RunSummary:
         job = self._job if steady else self._warm_job
         theoretical = self._theoretical if steady else self._warm_theoretical
         ranks = []
-        for info, totals in zip(self.rank_info, rank_totals):
+        for info, totals in zip(self.rank_info, rank_totals, strict=True):
             ranks.append(
                 {
                     **info,

@@ -25,9 +25,9 @@ def export(checkpoint_dir: str, path: str, model=None) -> str:
     (`hf.scope()`), and each variable is read from the checkpoint's files as the file is
     written, so the exporting process holds one at a time, never the whole model.
 
-    Example:
-        >>> hf.export("checkpoints/", "trained.keras")
-        >>> model = keras.saving.load_model("trained.keras")
+    For example:
+        hf.export("checkpoints/", "trained.keras")
+        model = keras.saving.load_model("trained.keras")
     """
     folder = store.find(checkpoint_dir, required=True)
     if model is None:

@@ -97,7 +97,7 @@ def describe_mismatch(saved: list, current: list) -> str | None:
     """How the checkpoint's weights differ from the model's, or None if they match."""
     if len(saved) != len(current):
         return f"it holds {len(saved)} weights, the model has {len(current)}"
-    for (s_path, s_shape, s_dtype), (c_path, c_shape, c_dtype) in zip(saved, current):
+    for (s_path, s_shape, s_dtype), (c_path, c_shape, c_dtype) in zip(saved, current, strict=True):
         if list(s_shape) != list(c_shape) or s_dtype != c_dtype:
             return (
                 f"weight {s_path} is {tuple(s_shape)} {s_dtype} in the checkpoint but "

@@ -17,7 +17,7 @@ import warnings
 
 import keras
 
-from hyparflow import deferred
+from hyparflow import _keras, deferred
 from hyparflow.checkpoint.state import _slot_prefixes, restore_optimizer
 
 _OWN_SAVE = "save_own_variables"
@@ -133,9 +133,9 @@ def _keyed_by_identity(optimizer, variables):
     if not any(deferred.is_deferred(v) for v in variables):
         yield
         return
-    object.__setattr__(optimizer, "_var_key", id)
+    _keras.key_variables_by_identity(optimizer)
     try:
         with deferred.reading(lambda variable: 0):
             yield
     finally:
-        object.__delattr__(optimizer, "_var_key")
+        _keras.restore_variable_keys(optimizer)

@@ -18,10 +18,9 @@ class LazyState(Mapping):
     """The entries of a checkpoint's `.npz` files (`paths`), as one mapping of joined keys:
     ZeRO's flat ranges (`#`) of each entry or tensor piece first, then tensor pieces (`@`).
 
-    Example:
-        >>> state = LazyState(["ckpt-10/stage-0.npz", "ckpt-10/stage-1.npz"])
-        >>> state["w/0"].shape
-        (784, 512)
+    For example:
+        state = LazyState(["ckpt-10/stage-0.npz", "ckpt-10/stage-1.npz"])
+        state["w/0"].shape  # (784, 512)
     """
 
     def __init__(self, paths):

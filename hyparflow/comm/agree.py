@@ -29,8 +29,8 @@ def agree(comm, work, *args, **kwargs):
     The rank that failed re-raises its own exception (same type and message); the others raise
     `RemoteRankError` naming the failed rank and its message. Nobody is left blocked in MPI.
 
-    Example:
-        >>> plan = agree(comm, partition, model, 2)   # a bad split errors on all ranks at once
+    For example:
+        plan = agree(comm, partition, model, 2)   # a bad split errors on all ranks at once
     """
     try:
         result, error = work(*args, **kwargs), None

@@ -24,10 +24,9 @@ import tensorflow as tf
 from hyparflow.comm.dlpack import ALIGNMENT, is_gpu_device, tensor_device, wrap_host_buffer
 from hyparflow.comm.failure import wait_all
 from hyparflow.comm.hugepages import huge_zeros, promote_tensor
+from hyparflow.sizes import CHUNK_BYTES
 
-# Like PyTorch DDP's default: big enough that per-call latency is amortized, small enough that
-# the first buckets can be reduced while later gradients are still being computed.
-DEFAULT_BUCKET_BYTES = 25 * 2**20
+DEFAULT_BUCKET_BYTES = CHUNK_BYTES  # why this size: hyparflow/sizes.py
 
 OPS = ("sum", "mean")
 

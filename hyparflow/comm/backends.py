@@ -31,8 +31,8 @@ def make_reducer(backend: str, topology, specs: Sequence, *, op: str = "sum"):
     `HorovodReducer` over the Horovod process set of the same ranks. Both offer
     `reduce(grads) -> grads`. Collective over the whole world.
 
-    Example:
-        >>> reducer = make_reducer("horovod", topo, model.trainable_variables)
+    For example:
+        reducer = make_reducer("horovod", topo, model.trainable_variables)
     """
     check_backend(backend)
     if backend == "horovod":

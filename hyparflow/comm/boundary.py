@@ -82,7 +82,10 @@ class BoundarySpec:
         return (
             len(shape) == len(self.shape)
             and 0 <= shape[0] <= self.max_batch
-            and all(want is None or want == got for want, got in zip(self.shape[1:], shape[1:]))
+            and all(
+                want is None or want == got
+                for want, got in zip(self.shape[1:], shape[1:], strict=True)
+            )
         )
 
 

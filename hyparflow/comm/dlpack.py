@@ -1,11 +1,12 @@
 """Zero-copy bridges between TF tensors, numpy buffers and MPI (host and DLPack device paths).
 
-Facts this relies on (DESIGN.md section 4): MPI can send straight from a CPU eager tensor
-(read-only buffer protocol); `from_dlpack(ndarray.__dlpack__())` wraps a numpy buffer without a
-copy; mpi4py 4.1 rejects TF's own `__dlpack__` (it asks for `max_version` and TF returns an
-unversioned capsule), so device tensors go through `DLPackAdapter`, whose `__dlpack__` takes no
-`max_version`. GPU memory reaches MPI only when MPI is CUDA-aware (`comm/cuda_aware.py`);
-otherwise GPU tensors are staged through host copies (docs/gpu.md).
+Facts this relies on (docs/comm.md: "Send", "Receive", "GPU path"): MPI can send straight from
+a CPU eager tensor (read-only buffer protocol); `from_dlpack(ndarray.__dlpack__())` wraps a
+numpy buffer without a copy; mpi4py 4.1 rejects TF's own `__dlpack__` (it asks for
+`max_version` and TF returns an unversioned capsule), so device tensors go through
+`DLPackAdapter`, whose `__dlpack__` takes no `max_version`. GPU memory reaches MPI only when
+MPI is CUDA-aware (`comm/cuda_aware.py`); otherwise GPU tensors are staged through host copies
+(docs/gpu.md).
 """
 
 from __future__ import annotations

@@ -40,9 +40,9 @@ class PeerFailed(RuntimeError):
 class FailureChannel:
     """Failure notices between the ranks of `comm`, on a duplicate of it (collective).
 
-    Example:
-        >>> channel = FailureChannel(comm)
-        >>> channel.wait([comm.Irecv(buffer, source=0)])   # raises PeerFailed if rank 1 fails
+    For example:
+        channel = FailureChannel(comm)
+        channel.wait([comm.Irecv(buffer, source=0)])   # raises PeerFailed if rank 1 fails
     """
 
     def __init__(self, comm):

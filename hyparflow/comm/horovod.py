@@ -22,8 +22,8 @@ _stage_sets: dict[tuple[int, ...], object] = {}
 def import_horovod():
     """`horovod.tensorflow`, or an ImportError that says how to build it.
 
-    Example:
-        >>> hvd = import_horovod()  # raises ImportError naming scripts/build_horovod.sh
+    For example:
+        hvd = import_horovod()  # raises ImportError naming scripts/build_horovod.sh
     """
     try:
         import horovod.tensorflow as hvd
@@ -107,12 +107,12 @@ class HorovodReducer:
             raise ValueError(f"expected {len(self.specs)} gradients, got {len(grads)}")
         if self.process_set is None:
             return list(grads)
-        dense = [self._dense(grad, spec) for grad, spec in zip(grads, self.specs)]
+        dense = [self._dense(grad, spec) for grad, spec in zip(grads, self.specs, strict=True)]
         reduced = self.hvd.grouped_allreduce(dense, op=self.op, process_set=self.process_set)
         self.calls += 1
         return [
             None if grad is None else tf.cast(result, dtype)
-            for grad, result, (_, dtype) in zip(grads, reduced, self.specs)
+            for grad, result, (_, dtype) in zip(grads, reduced, self.specs, strict=True)
         ]
 
     @staticmethod

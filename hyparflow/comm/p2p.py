@@ -138,7 +138,7 @@ class RecvHandle:
                 (batch_from_bytes(s.Get_count(MPI.BYTE), spec), *spec.shape[1:])
                 if header is None
                 else shape_from_header(header, s.Get_count(MPI.INT64_T), spec)
-                for s, header, spec in zip(statuses, self._headers, specs)
+                for s, header, spec in zip(statuses, self._headers, specs, strict=True)
             ]
             # Dynamic data is received even when the batch sizes disagree, so that no message
             # is left behind to be matched by a later receive.
@@ -154,7 +154,8 @@ class RecvHandle:
                 f"{sorted(batches)} but {batch_size or 'one common size'} was expected"
             )
         tensors = [
-            channel._as_tensor(buf, spec, shape) for buf, spec, shape in zip(buffers, specs, shapes)
+            channel._as_tensor(buf, spec, shape)
+            for buf, spec, shape in zip(buffers, specs, shapes, strict=True)
         ]
         channel._claim_slot(direction, microbatch, tensors)
         return tensors
@@ -254,17 +255,20 @@ class PipeChannel:
         devices = [tensor_device(t) for t in tensors]
         on_gpu = [is_gpu_device(d) for d in devices]
         device_path = [uses_device_path(d, self.transport, self.cuda_aware) for d in devices]
-        sizes = [check_tensor(tensor, spec, direction) for tensor, spec in zip(tensors, specs)]
-        if any(on and gpu for on, gpu in zip(device_path, on_gpu)):
+        sizes = [
+            check_tensor(tensor, spec, direction)
+            for tensor, spec in zip(tensors, specs, strict=True)
+        ]
+        if any(on and gpu for on, gpu in zip(device_path, on_gpu, strict=True)):
             synchronize_devices()  # the producing kernels must have written the buffers
         elif any(on_gpu):
             self._warn_staging()  # GPU tensors off the device path: staged into host copies
-        for tensor, on_device, gpu, nbytes in zip(tensors, device_path, on_gpu, sizes):
+        for tensor, on_device, gpu, nbytes in zip(tensors, device_path, on_gpu, sizes, strict=True):
             if not on_device and not gpu:
                 promote_tensor(tensor, nbytes)  # the receiver's copy reads huge pages faster
         requests, keep = [], list(tensors)
         for index, (tensor, spec, on_device, gpu) in enumerate(
-            zip(tensors, specs, device_path, on_gpu)
+            zip(tensors, specs, device_path, on_gpu, strict=True)
         ):
             if spec.dynamic:
                 header = np.array(tuple(tensor.shape), dtype=np.int64)
@@ -288,7 +292,7 @@ class PipeChannel:
         if is_gpu_device(self.device):  # device path or staged: kernels (or host-to-device
             synchronize_devices()  # copies) reading the slot's last contents must be done
         requests, headers = [], []
-        for index, (spec, buf) in enumerate(zip(specs, buffers)):
+        for index, (spec, buf) in enumerate(zip(specs, buffers, strict=True)):
             if spec.dynamic:
                 header = np.empty(len(spec.shape), np.int64)
                 tag = self._header_tag(microbatch, index, direction)
@@ -365,7 +369,7 @@ class PipeChannel:
         specs = self._specs[direction]
         buffers = self._buffers[direction, microbatch % self.num_slots]
         requests, expected, grown = [], [], False
-        for index, (spec, shape) in enumerate(zip(specs, shapes)):
+        for index, (spec, shape) in enumerate(zip(specs, shapes, strict=True)):
             if not spec.dynamic:
                 continue
             count = math.prod(shape)
@@ -387,7 +391,7 @@ class PipeChannel:
         if requests:
             statuses = [MPI.Status() for _ in requests]
             wait_all(requests, statuses)
-            for status, (nbytes, spec, shape) in zip(statuses, expected):
+            for status, (nbytes, spec, shape) in zip(statuses, expected, strict=True):
                 if status.Get_count(MPI.BYTE) != nbytes:
                     raise RuntimeError(
                         f"received {status.Get_count(MPI.BYTE)} bytes for a {list(shape)} "

@@ -199,7 +199,7 @@ def node_map(comm) -> tuple[list[int], list[str]]:
         leader = local.bcast(comm.Get_rank(), root=0)
     finally:
         local.Free()
-    leaders, names = zip(*comm.allgather((leader, _processor_name())))
+    leaders, names = zip(*comm.allgather((leader, _processor_name())), strict=True)
     index = {lead: i for i, lead in enumerate(sorted(set(leaders)))}
     return [index[lead] for lead in leaders], list(names)
 

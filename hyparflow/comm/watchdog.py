@@ -30,10 +30,10 @@ def resolve_timeout(timeout: float | None) -> float:
 class Watchdog:
     """Guards blocking MPI operations of this rank with a timeout.
 
-    Example:
-        >>> dog = Watchdog(comm, timeout=60)
-        >>> with dog.guard("recv activations", peer=0, microbatch=3):
-        ...     channel.recv(3, "forward")
+    For example:
+        dog = Watchdog(comm, timeout=60)
+        with dog.guard("recv activations", peer=0, microbatch=3):
+            channel.recv(3, "forward")
     """
 
     def __init__(self, comm, timeout: float, abort=None, poll: float | None = None):

@@ -40,8 +40,8 @@ def world():
 def rank() -> int:
     """This process's rank in the MPI world (0 when run without a launcher).
 
-    Example:
-        >>> if hf.rank() == 0: print("only once")
+    For example:
+        if hf.rank() == 0: print("only once")
     """
     return world().Get_rank() if launched() else 0
 
@@ -49,7 +49,7 @@ def rank() -> int:
 def size() -> int:
     """Number of ranks in the MPI world (1 when run without a launcher).
 
-    Example:
-        >>> print(f"training on {hf.size()} ranks")
+    For example:
+        print(f"training on {hf.size()} ranks")
     """
     return world().Get_size() if launched() else 1

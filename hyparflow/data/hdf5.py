@@ -81,9 +81,9 @@ class HDF5:
     the last only `y` and `sample_weight`). `open_options` go to `h5py.File` (e.g.
     `locking=False` on file systems without locks, `rdcc_nbytes` for the chunk cache).
 
-    Example:
-        >>> data = hf.data.HDF5("train.h5", x="images", y="labels")
-        >>> history = hf.fit(model, data, batch_size=64, epochs=2, strategy="data")
+    For example:
+        data = hf.data.HDF5("train.h5", x="images", y="labels")
+        history = hf.fit(model, data, batch_size=64, epochs=2, strategy="data")
     """
 
     def __init__(self, path, x, y=None, sample_weight=None, **open_options):

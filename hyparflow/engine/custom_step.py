@@ -72,7 +72,7 @@ def _averaged_apply(apply, comm, weight, grads, trainable_variables=None, **kwar
         flat = tf.concat([tf.reshape(tf.cast(g, wire), [-1]) for g in dense], 0)
         total = allreduce(comm, flat * tf.cast(weight, wire), TAG)
         sizes = [int(np.prod(g.shape)) for g in dense]
-        for i, g, part in zip(present, dense, tf.split(total, sizes)):
+        for i, g, part in zip(present, dense, tf.split(total, sizes), strict=True):
             grads[i] = tf.cast(tf.reshape(part, tf.shape(g)), g.dtype)
     return apply(grads, trainable_variables, **kwargs)
 
@@ -88,7 +88,7 @@ def averaged_gradients(optimizers, comm, weight):
     try:
         yield
     finally:
-        for opt, before in zip(optimizers, saved):
+        for opt, before in zip(optimizers, saved, strict=True):
             object.__delattr__(opt, "apply")
             if before is not None:
                 object.__setattr__(opt, "apply", before)
@@ -179,7 +179,7 @@ class CustomStepTrainer(Trainer):
         parts = np.split(total, np.cumsum(sizes)[:-1]) if sizes else []
         return {
             k: float(p[0]) if v.ndim == 0 else p.reshape(v.shape)
-            for (k, v), p in zip(flat.items(), parts)
+            for (k, v), p in zip(flat.items(), parts, strict=True)
         }
 
     def _keyed_like_metrics(self, returned: dict) -> bool:

@@ -17,13 +17,11 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from hyparflow import sizes
 from hyparflow.comm.allreduce import DEFAULT_BUCKET_BYTES, plan_buckets
 
-# Mean gradient bytes per variable up to which a pipeline stage differentiates one flat
-# tensor per micro-batch (`flat_backward_pays`): a per-variable backward costs Python and
-# eager work per variable, a flat one copies every gradient byte once more (the concat).
-# The measurement behind the threshold: docs/notes/benchmarks.md ("One-off measurements").
-FLAT_BACKWARD_MAX_MEAN_BYTES = 128 * 1024
+# Mean gradient bytes per variable up to which a stage's backward is flat (hyparflow/sizes.py).
+FLAT_BACKWARD_MAX_MEAN_BYTES = sizes.FLAT_BACKWARD_MAX_MEAN_BYTES
 NO_SPLIT = 2**62  # bucket size that puts every gradient in one bucket
 TAIL = 16  # 64 bytes of float32 after the gradients, holding a data-dependent value
 
@@ -110,7 +108,7 @@ class FlatLayout:
         pieces = self.pieces()
         parts = tf.split(flat, [size for size, _ in pieces], axis=0)
         grads = [None] * len(self.slots)
-        for part, (_, number) in zip(parts, pieces):
+        for part, (_, number) in zip(parts, pieces, strict=True):
             if number is not None:
                 grads[number] = tf.reshape(part, self.slots[number].shape)
         return grads
@@ -149,13 +147,13 @@ class ChunkedLayout:
         """One flat tensor per chunk (`FlatLayout.flatten` of its gradients)."""
         return tuple(
             chunk.flatten([grads[i] for i in members], tail)
-            for chunk, members in zip(self.chunks, self.members)
+            for chunk, members in zip(self.chunks, self.members, strict=True)
         )
 
     def unflatten(self, flat) -> list:
         """The gradients in their shapes and order, as views of the chunks (graph ops)."""
         grads = [None] * len(self.slots)
-        for chunk, members, part in zip(self.chunks, self.members, flat):
-            for i, grad in zip(members, chunk.unflatten(part)):
+        for chunk, members, part in zip(self.chunks, self.members, flat, strict=True):
+            for i, grad in zip(members, chunk.unflatten(part), strict=True):
                 grads[i] = grad
         return grads

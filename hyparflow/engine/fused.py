@@ -33,11 +33,11 @@ class FusedRunner:
     `added_losses()` (`last_added`, `has_added_losses`), `relax_shapes` and `train_scope` mean
     what they mean for `StageRunner`.
 
-    Example:
-        >>> runner = FusedRunner(lambda x, training: model(x, training=training),
-        ...                      model.trainable_variables, loss=model._compile_loss)
-        >>> runner.forward(0, x, targets=(y, None), scale=1.0); runner.backward(0)
-        >>> grads = runner.take_gradients()
+    For example:
+        runner = FusedRunner(lambda x, training: model(x, training=training),
+                             model.trainable_variables, loss=_keras.compiled_loss(model))
+        runner.forward(0, x, targets=(y, None), scale=1.0); runner.backward(0)
+        grads = runner.take_gradients()
     """
 
     def __init__(
@@ -111,7 +111,7 @@ class FusedRunner:
         y_pred, loss, added, grads, sparse = self._gradients(inputs, y, sample_weight, scale, piece)
         if self.layout is not None:  # one flat tensor, or a tuple of chunks
             return y_pred, loss, added, tf.nest.map_structure(tf.add, totals, grads), sparse
-        return y_pred, loss, added, [t + g for t, g in zip(totals, grads)], sparse
+        return y_pred, loss, added, [t + g for t, g in zip(totals, grads, strict=True)], sparse
 
     def _infer_body(self, inputs):
         outputs = self._call(inputs, False)

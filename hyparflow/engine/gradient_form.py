@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hyparflow import sizes
+
 
 @dataclass(frozen=True)
 class GradientForm:
@@ -27,12 +29,8 @@ class GradientForm:
     update_per_segment: bool = False
 
 
-# A stage whose gradients exceed two of these is cut into segments of about this many bytes
-# for `update_per_segment` (`segments_for`): a segment's call costs ~0.1 ms, nothing next to
-# the compute of 16 MiB of weights. Measured on a 2048 x 6 MLP at R=2: segments of 16 MiB
-# grew a rank by 372-380 MiB, of 32 MiB by 417-429 (one process: 392-399), 5% slower.
-SEGMENT_BYTES = 16 * 2**20
-MAX_SEGMENTS = 8
+# Segments of `update_per_segment` (`segments_for`); why these sizes: hyparflow/sizes.py.
+SEGMENT_BYTES, MAX_SEGMENTS = sizes.SEGMENT_BYTES, sizes.MAX_SEGMENTS
 
 
 def segments_for(gradient_bytes: int) -> int:

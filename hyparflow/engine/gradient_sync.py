@@ -52,13 +52,17 @@ class SharedAcrossStages:
         return cls(shared, tables, [mine.get(id(v)) for v in shared])
 
     def dense_specs(self) -> list:
-        return [(tuple(v.shape), v.dtype) for v, t in zip(self.variables, self.tables) if not t]
+        return [
+            (tuple(v.shape), v.dtype)
+            for v, t in zip(self.variables, self.tables, strict=True)
+            if not t
+        ]
 
     def sum(self, grads: list, reducer, comm) -> list:
         """Sum the shared gradients over the pipeline `comm` (`reducer` for the dense ones,
         tables' row slices gathered as `reduce_rows` does across replicas)."""
         dense, tables = [], []
-        for i, v, table in zip(self.positions, self.variables, self.tables):
+        for i, v, table in zip(self.positions, self.variables, self.tables, strict=True):
             if table:
                 tables.append(grads[i] if i is not None else rows.empty_rows(v))
             else:
@@ -66,7 +70,7 @@ class SharedAcrossStages:
         dense = iter(reducer.reduce(dense) if dense else [])
         tables = iter(rows.reduce_rows(comm, tables))
         grads = list(grads)
-        for i, table in zip(self.positions, self.tables):
+        for i, table in zip(self.positions, self.tables, strict=True):
             total = next(tables) if table else tf.convert_to_tensor(next(dense))
             if i is not None:
                 grads[i] = total

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 import numpy as np
 from keras import callbacks as keras_callbacks
 from keras import tree
@@ -23,6 +25,14 @@ RANK_ZERO_ONLY = (
     keras_callbacks.BackupAndRestore,
     keras_callbacks.RemoteMonitor,
 )
+
+
+@runtime_checkable
+class TrainerAware(Protocol):
+    """A callback that reads hyparflow's trainer once fit has built it (the profiler, the
+    checkpoint callback)."""
+
+    def attach_trainer(self, trainer) -> None: ...
 
 
 def callbacks_for_rank(callbacks, rank: int) -> list:
@@ -96,52 +106,86 @@ def fit_loop(
     skipped (same shared order), and the epoch's metric sums come from the checkpoint.
     """
     model = trainer.model
-    rank = trainer.topology.rank
-    sync_every_batch = _saves_mid_epoch(callbacks)
-    mine = callbacks_for_rank(callbacks, rank)
-    progbar = ThroughputProgbarLogger() if verbose != 0 and rank == 0 else None
-    callbacks = keras_callbacks.CallbackList(
+    mine = callbacks_for_rank(callbacks, trainer.topology.rank)
+    callback_list, progbar = _callback_list(
+        trainer, mine, verbose, epochs, _steps_of(source, steps_per_epoch)
+    )
+    model.stop_training = False
+    # Keras hands every batch's logs to the callbacks; when none on any rank looks at them,
+    # the loop shares the logs once an epoch instead (docs/engine.md, "Logs")
+    batch_logs = trainer.agree_any(any(needs_batch_logs(cb) for cb in callback_list.callbacks))
+    epoch_loop = _EpochLoop(trainer, source, callback_list, progbar, batch_logs)
+    epoch_loop.sync_every_batch = _saves_mid_epoch(callbacks)
+    epoch_loop.saving = saves_files(trainer, mine)  # files need the whole optimizer state
+    drop_gathered_state(trainer)
+    callback_list.on_train_begin()
+    logs = {}
+    for epoch in range(initial_epoch, epochs):
+        skip = start_batch if epoch == initial_epoch else 0
+        logs = epoch_loop.train(epoch, skip)
+        if validation_source is not None and _should_eval(epoch, validation_freq):
+            val_logs = evaluate_loop(trainer, validation_source, steps=validation_steps)
+            logs.update({"val_" + name: value for name, value in val_logs.items()})
+        callback_list.on_epoch_end(epoch, logs)
+        model.stop_training = trainer.agree_any(model.stop_training)
+        if model.stop_training:
+            break
+    trainer.finalize_variables()
+    _sync(trainer, saving=True)  # model.save on rank 0 writes the whole optimizer state
+    callback_list.on_train_end(logs)
+    return model.history
+
+
+def _callback_list(trainer, mine: list, verbose, epochs: int, steps):
+    """Keras's CallbackList over this rank's callbacks (with the throughput progress bar on
+    rank 0), and that progress bar (None elsewhere or when silent)."""
+    progbar = ThroughputProgbarLogger() if verbose != 0 and trainer.topology.rank == 0 else None
+    callback_list = keras_callbacks.CallbackList(
         mine + ([progbar] if progbar else []),
         add_history=True,
         verbose=1 if verbose == "auto" else verbose,
         epochs=epochs,
-        steps=_steps_of(source, steps_per_epoch),
-        model=model,
+        steps=steps,
+        model=trainer.model,
     )
-    for callback in callbacks.callbacks:
-        if hasattr(callback, "attach_trainer"):  # hyparflow-aware callbacks (profiler)
+    for callback in callback_list.callbacks:
+        if isinstance(callback, TrainerAware):  # hyparflow-aware callbacks (profiler)
             callback.attach_trainer(trainer)
-    model.stop_training = False
-    # Keras hands every batch's logs to the callbacks; when none on any rank looks at them,
-    # the loop shares the logs once an epoch instead (docs/engine.md, "Logs")
-    batch_logs = trainer.agree_any(any(needs_batch_logs(cb) for cb in callbacks.callbacks))
-    saving = saves_files(trainer, mine)  # files need the whole optimizer state (rank 0's)
-    drop_gathered_state(trainer)
-    callbacks.on_train_begin()
-    logs = {}
-    for epoch in range(initial_epoch, epochs):
-        model.reset_metrics()
-        skip = start_batch if epoch == initial_epoch else 0
+    return callback_list, progbar
+
+
+def _sync(trainer, *, saving: bool) -> None:
+    """Give rank 0 the full model, and the whole optimizer state when a file may be saved."""
+    trainer.sync_weights()
+    if saving:
+        gather_optimizer_state(trainer)
+
+
+class _EpochLoop:
+    """One epoch of training steps with the callbacks' batch hooks, on every rank."""
+
+    sync_every_batch = False  # a checkpoint saves every N batches
+    saving = False  # a callback may save files at the epoch's end
+
+    def __init__(self, trainer, source, callbacks, progbar, batch_logs: bool):
+        self.trainer, self.source, self.callbacks = trainer, source, callbacks
+        self.progbar, self.batch_logs = progbar, batch_logs
+
+    def train(self, epoch: int, skip: int) -> dict:
+        """Train `epoch` (its first `skip` batches are skipped); its logs, the full model
+        synced for the epoch-end callbacks, which see (and may save) it."""
+        trainer, callbacks = self.trainer, self.callbacks
+        trainer.model.reset_metrics()
         if skip:
             trainer.restore_metric_states()
         callbacks.on_epoch_begin(epoch)
-        ran = 0
-        for step, batch in enumerate(source.epoch(epoch)):  # steps_per_epoch: data/steps.py
+        logs, ran = {}, 0
+        for step, batch in enumerate(self.source.epoch(epoch)):  # steps_per_epoch: data/steps.py
             ran += 1
-            if step < skip:
-                continue
-            callbacks.on_train_batch_begin(step)
-            trainer.train_step(batch)
-            if batch_logs:
-                logs = trainer.logs()
-            if sync_every_batch:
-                trainer.sync_weights()
-                gather_optimizer_state(trainer)
-            if progbar is not None:
-                progbar.count(batch.size)
-            callbacks.on_train_batch_end(step, logs if batch_logs else {})
-            if batch_logs and trainer.agree_any(model.stop_training):
-                break
+            if step >= skip:
+                logs = self._step(step, batch)
+                if self.batch_logs and trainer.agree_any(trainer.model.stop_training):
+                    break
         if ran == 0:
             raise AgreedError(
                 ValueError(
@@ -149,23 +193,21 @@ def fit_loop(
                     "(check the dataset's length and steps_per_epoch)."
                 )
             )
-        epoch_logs = dict(logs) if batch_logs else trainer.logs()
-        trainer.sync_weights()  # callbacks at epoch end see (and may save) the full model
-        if saving:
-            gather_optimizer_state(trainer)
-        if validation_source is not None and _should_eval(epoch, validation_freq):
-            val_logs = evaluate_loop(trainer, validation_source, steps=validation_steps)
-            epoch_logs.update({"val_" + name: value for name, value in val_logs.items()})
-        callbacks.on_epoch_end(epoch, epoch_logs)
-        logs = epoch_logs
-        model.stop_training = trainer.agree_any(model.stop_training)
-        if model.stop_training:
-            break
-    trainer.finalize_variables()
-    trainer.sync_weights()
-    gather_optimizer_state(trainer)  # model.save on rank 0 writes the whole optimizer state
-    callbacks.on_train_end(logs)
-    return model.history
+        epoch_logs = dict(logs) if self.batch_logs else trainer.logs()
+        _sync(trainer, saving=self.saving)
+        return epoch_logs
+
+    def _step(self, step: int, batch) -> dict:
+        """One training step between the batch hooks; its logs (empty unless shared)."""
+        self.callbacks.on_train_batch_begin(step)
+        self.trainer.train_step(batch)
+        logs = self.trainer.logs() if self.batch_logs else {}
+        if self.sync_every_batch:
+            _sync(self.trainer, saving=True)
+        if self.progbar is not None:
+            self.progbar.count(batch.size)
+        self.callbacks.on_train_batch_end(step, logs)
+        return logs
 
 
 def _should_eval(epoch: int, validation_freq) -> bool:

@@ -15,8 +15,8 @@ class ReplicaMetrics:
     the results and restoring are one compiled call after the `Allreduce`, not eager work per
     variable (docs/engine.md, "Logs").
 
-    Example:
-        >>> logs = ReplicaMetrics(model, topology.stage_comm)()  # {"loss": 0.31, ...}
+    For example:
+        logs = ReplicaMetrics(model, topology.stage_comm)()  # {"loss": 0.31, ...}
     """
 
     def __init__(self, model, comm) -> None:
@@ -59,10 +59,10 @@ class ReplicaMetrics:
             # automatic control dependencies keep program order on each variable:
             # read the local states, write the sums, read the results, write the states back
             local = [tf.identity(v.value) for v in variables]
-            for variable, part in zip(variables, tf.split(summed, sizes)):
+            for variable, part in zip(variables, tf.split(summed, sizes), strict=True):
                 variable.assign(tf.cast(tf.reshape(part, variable.shape), variable.dtype))
             results = self.model.get_metrics_result()
-            for variable, value in zip(variables, local):
+            for variable, value in zip(variables, local, strict=True):
                 variable.assign(value)
             return results
 

@@ -99,5 +99,5 @@ def _gather(entries: dict, comm, guard) -> dict | None:
                 a.reshape(-1).view(np.uint8)[:] = flat[offset : offset + a.nbytes]
                 offset += a.nbytes
         # equal entries from several ranks (the step counter) are kept once
-        merged.update(zip((key for key, _, _ in spec), arrays))
+        merged.update(zip((key for key, _, _ in spec), arrays, strict=True))
     return merged

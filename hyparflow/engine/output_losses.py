@@ -26,10 +26,10 @@ class OutputLosses:
     `build()` on the first call) and the `update_state` call it makes on each Mean. The weight is
     put in for the length of one call only, so the model's own `fit` is left as it was.
 
-    Example:
-        >>> losses = OutputLosses(model)
-        >>> losses.begin(global_batch_size)       # eagerly, before each step
-        >>> loss = losses(y, y_pred, sample_weight)  # inside the traced loss forward
+    For example:
+        losses = OutputLosses(model)
+        losses.begin(global_batch_size)       # eagerly, before each step
+        loss = losses(y, y_pred, sample_weight)  # inside the traced loss forward
     """
 
     def __init__(self, model) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import numpy as np
 import tensorflow as tf
 from keras import tree
@@ -9,8 +11,20 @@ from keras import tree
 from hyparflow.comm.p2p import BACKWARD, FORWARD, PipeChannel
 from hyparflow.data import GlobalBatch, piece_bounds
 from hyparflow.engine import events
-from hyparflow.engine.schedule import forward_only, make_schedule
 from hyparflow.engine.structure import model_input_list
+from hyparflow.schedule import forward_only, make_schedule
+
+
+class MicroBatch(NamedTuple):
+    """One micro-batch of this replica's shard, as the stage needs it: `x` at the first stage,
+    `y` and `sample_weight` at the last (None elsewhere); `size` rows starting at row `offset`
+    of the global batch."""
+
+    x: Any
+    y: Any
+    sample_weight: Any
+    size: int
+    offset: int
 
 
 class PipelineWalk:
@@ -57,9 +71,8 @@ class PipelineWalk:
         parts, self._added_parts = self._added_parts, []
         return parts
 
-    def microbatches(self, batch: GlobalBatch) -> list:
-        """This replica's shard of `batch` cut into micro-batches: [(x, y, sw, size, offset)],
-        offset being where the micro-batch starts in the global batch."""
+    def microbatches(self, batch: GlobalBatch) -> list[MicroBatch]:
+        """This replica's shard of `batch` cut into micro-batches."""
         topo = self.topology
         start, stop = piece_bounds(batch.size, topo.num_replicas, topo.replica)
         shard = stop - start
@@ -67,12 +80,12 @@ class PipelineWalk:
             return []
         x, y, sw = batch.part(start, stop)
         count = min(self.strategy.microbatches, shard)
-        pieces = []
+        microbatches = []
         for k in range(count):
             a, b = piece_bounds(shard, count, k)
             cut = slice(a, b)
-            pieces.append(
-                (
+            microbatches.append(
+                MicroBatch(
                     _as_tensors(tree.map_structure(lambda t, c=cut: t[c], x))
                     if self.is_first
                     else None,
@@ -84,11 +97,11 @@ class PipelineWalk:
                     start + a,
                 )
             )
-        return pieces
+        return microbatches
 
     def run(
-        self, pieces, global_size: int, *, train: bool, predict=False, loss_scale=1.0,
-        on_segment_done=None,
+        self, microbatches: list[MicroBatch], global_size: int, *, train: bool, predict=False,
+        loss_scale=1.0, on_segment_done=None,
     ):  # fmt: skip
         """Walk this stage's actions for the micro-batches; return the last stage's results.
 
@@ -96,80 +109,22 @@ class PipelineWalk:
         losses added in an earlier stage are scaled like the last stage's);
         `on_segment_done(j)`, if given, runs after each segment of the step's last backward.
         """
-        if not pieces:
+        if not microbatches:
             return []
-        topo = self.topology
-        count = len(pieces)
-        if self.stage is None:
-            prev = nxt = None
-        else:
-            prev, nxt = self._links(max(piece[3] for piece in pieces), count)
-        actions = self._stage_actions(train, count)
-        guard, span, runner = self._guard, self.span, self.runner
-        grid = topo.grid
-        before = (
-            grid.rank_of(topo.stage - 1, topo.replica, topo.shard) if not self.is_first else None
-        )
-        after = grid.rank_of(topo.stage + 1, topo.replica, topo.shard) if not self.is_last else None
-        posted = self._post_receives(prev, count)
-        seeds = _SeedSnapshot(self._seed_variables) if train and count > 1 else None
-        if train and not self.is_first and runner.flat_backward:
-            # Pack while this stage waits for its first activations, off the critical path.
-            with span(events.FORWARD):
-                runner.prepare()
-        results = []
+        step = _Step(self, microbatches, global_size, train=train, predict=predict)
+        step.loss_scale = loss_scale
+        actions = self._stage_actions(train, len(microbatches))
         final_backward = max(
             (i for i, a in enumerate(actions) if not a.is_forward), default=-1
         )  # the step's last backward: every gradient of this stage is final after it
         for index, action in enumerate(actions):
-            k = action.microbatch
-            x, y, sw, n, offset = pieces[k]
             if action.is_forward:
-                if seeds is not None:  # every micro-batch draws from the step's seeds
-                    seeds.restore()
-                if self.is_first:
-                    inputs = x if self._whole_inputs else model_input_list(self.model, x)
-                else:
-                    with span(events.RECV, k), guard("receive activations", before, k):
-                        inputs = posted.pop((FORWARD, k)).wait(n)
-                with span(events.FORWARD, k):
-                    if train:
-                        out = runner.forward(
-                            k,
-                            inputs,
-                            (y, sw),
-                            scale=n / global_size * loss_scale,
-                            piece=(offset, global_size),
-                        )
-                    else:
-                        out = runner.infer(inputs)
-                    if not predict:
-                        self._added_parts.append((n, runner.last_added))
-                    if self.is_last:
-                        results.append(self._finish_forward(out, y, sw, n, train, predict))
-                if not self.is_last:
-                    with span(events.SEND, k):
-                        nxt.isend(out, k, FORWARD)
-                        if train:  # its gradients cannot come back before it has gone
-                            posted[BACKWARD, k] = self._receive(nxt, k, BACKWARD)
+                step.forward(action.microbatch)
             else:
-                grads = None
-                if not self.is_last:
-                    with span(events.RECV, k), guard("receive gradients", after, k):
-                        grads = posted.pop((BACKWARD, k)).wait(n)
-                with span(events.BACKWARD, k):
-                    if on_segment_done is not None and index == final_backward:
-                        input_grads = runner.backward(k, grads, on_segment_done)
-                    else:
-                        input_grads = runner.backward(k, grads)
-                if not self.is_first:
-                    with span(events.SEND, k):
-                        prev.isend([g for g in input_grads if g is not None], k, BACKWARD)
-        with span(events.SEND), guard("complete sends to pipeline neighbours"):
-            for channel in (prev, nxt):
-                if channel is not None:
-                    channel.wait_sends()
-        return results
+                last = on_segment_done if index == final_backward else None
+                step.backward(action.microbatch, on_segment_done=last)
+        step.complete_sends()
+        return step.results
 
     def close(self) -> None:
         for channels in self.channels.values():
@@ -223,7 +178,9 @@ class PipelineWalk:
             return channel.irecv(k, direction)
         return _DeferredReceive(channel, k, direction)
 
-    def _finish_forward(self, out, y, sw, n, train, predict):
+    def _finish_forward(self, out, mb: MicroBatch, train: bool, predict: bool):
+        """The last stage's result of one forward: outputs (predict), else (loss, size)."""
+        y, sw = mb.y, mb.sample_weight
         if predict:
             # Copy: forwarded outputs may be views of receive buffers reused next step.
             return tree.map_structure(lambda t: np.array(t, copy=True), out)
@@ -236,7 +193,93 @@ class PipelineWalk:
             loss = self._eval_loss_fn(y, y_pred, sw)
         if not (train and self.runner.updates_metrics):
             self._update_metrics_fn(y, y_pred, sw)
-        return loss, n
+        return loss, mb.size
+
+
+class _Step:
+    """One step's walk at this stage: its channels, posted receives and the last stage's
+    results; `forward` and `backward` run one action each (the walk's order)."""
+
+    loss_scale = 1.0
+
+    def __init__(self, walk: PipelineWalk, microbatches, global_size: int, *, train, predict):
+        self.walk, self.microbatches, self.global_size = walk, microbatches, global_size
+        self.train, self.predict = train, predict
+        topo, count = walk.topology, len(microbatches)
+        if walk.stage is None:
+            self.prev = self.next = None
+        else:
+            self.prev, self.next = walk._links(max(m.size for m in microbatches), count)
+        grid = topo.grid
+        self.before = (
+            grid.rank_of(topo.stage - 1, topo.replica, topo.shard) if not walk.is_first else None
+        )
+        self.after = (
+            grid.rank_of(topo.stage + 1, topo.replica, topo.shard) if not walk.is_last else None
+        )
+        self.posted = walk._post_receives(self.prev, count)
+        self.seeds = _SeedSnapshot(walk._seed_variables) if train and count > 1 else None
+        self.results: list = []
+        if train and not walk.is_first and walk.runner.flat_backward:
+            # Pack while this stage waits for its first activations, off the critical path.
+            with walk.span(events.FORWARD):
+                walk.runner.prepare()
+
+    def forward(self, k: int) -> None:
+        """Micro-batch `k`'s forward: receive its activations, run, send them on."""
+        walk, span, runner = self.walk, self.walk.span, self.walk.runner
+        mb = self.microbatches[k]
+        if self.seeds is not None:  # every micro-batch draws from the step's seeds
+            self.seeds.restore()
+        if walk.is_first:
+            inputs = mb.x if walk._whole_inputs else model_input_list(walk.model, mb.x)
+        else:
+            with span(events.RECV, k), walk._guard("receive activations", self.before, k):
+                inputs = self.posted.pop((FORWARD, k)).wait(mb.size)
+        with span(events.FORWARD, k):
+            if self.train:
+                out = runner.forward(
+                    k,
+                    inputs,
+                    (mb.y, mb.sample_weight),
+                    scale=mb.size / self.global_size * self.loss_scale,
+                    piece=(mb.offset, self.global_size),
+                )
+            else:
+                out = runner.infer(inputs)
+            if not self.predict:
+                walk._added_parts.append((mb.size, runner.last_added))
+            if walk.is_last:
+                self.results.append(walk._finish_forward(out, mb, self.train, self.predict))
+        if not walk.is_last:
+            with span(events.SEND, k):
+                self.next.isend(out, k, FORWARD)
+                if self.train:  # its gradients cannot come back before it has gone
+                    self.posted[BACKWARD, k] = walk._receive(self.next, k, BACKWARD)
+
+    def backward(self, k: int, *, on_segment_done=None) -> None:
+        """Micro-batch `k`'s backward: receive its output gradients, run, send the input
+        gradients back; `on_segment_done` (the step's last backward only) as for `run`."""
+        walk, span = self.walk, self.walk.span
+        grads = None
+        if not walk.is_last:
+            with span(events.RECV, k), walk._guard("receive gradients", self.after, k):
+                grads = self.posted.pop((BACKWARD, k)).wait(self.microbatches[k].size)
+        with span(events.BACKWARD, k):
+            if on_segment_done is not None:
+                input_grads = walk.runner.backward(k, grads, on_segment_done)
+            else:
+                input_grads = walk.runner.backward(k, grads)
+        if not walk.is_first:
+            with span(events.SEND, k):
+                self.prev.isend([g for g in input_grads if g is not None], k, BACKWARD)
+
+    def complete_sends(self) -> None:
+        """Wait until this step's sends have left (their buffers are reused next step)."""
+        with self.walk.span(events.SEND), self.walk._guard("complete sends to pipeline neighbours"):
+            for channel in (self.prev, self.next):
+                if channel is not None:
+                    channel.wait_sends()
 
 
 class _SeedSnapshot:
@@ -248,7 +291,7 @@ class _SeedSnapshot:
         self.values = [tf.identity(v.value) for v in variables]
 
     def restore(self) -> None:
-        for variable, value in zip(self.variables, self.values):
+        for variable, value in zip(self.variables, self.values, strict=True):
             variable.assign(value)
 
 

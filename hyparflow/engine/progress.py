@@ -6,6 +6,8 @@ import time
 
 from keras import callbacks
 
+from hyparflow import _keras
+
 
 class ThroughputProgbarLogger(callbacks.ProgbarLogger):
     """`keras.callbacks.ProgbarLogger` that also displays `samples/s` of the whole job.
@@ -14,23 +16,28 @@ class ThroughputProgbarLogger(callbacks.ProgbarLogger):
     `hf.fit` counts each global batch with `count(samples)` before the batch's callbacks run.
     """
 
+    def __init__(self):
+        super().__init__()
+        self._throughput_samples = 0
+        self._throughput_start = time.perf_counter()
+
     def on_epoch_begin(self, epoch, logs=None):
         super().on_epoch_begin(epoch, logs)
-        self._samples = 0
-        self._start = time.perf_counter()
+        self._throughput_samples = 0
+        self._throughput_start = time.perf_counter()
 
     def count(self, samples: int) -> None:
-        self._samples = getattr(self, "_samples", 0) + samples
+        self._throughput_samples += samples
 
     def _with_throughput(self, logs):
-        elapsed = time.perf_counter() - getattr(self, "_start", time.perf_counter())
+        elapsed = time.perf_counter() - self._throughput_start
         logs = dict(logs or {})
-        if elapsed > 0 and getattr(self, "_samples", 0):
-            logs["samples/s"] = self._samples / elapsed
+        if elapsed > 0 and self._throughput_samples:
+            logs["samples/s"] = self._throughput_samples / elapsed
         return logs
 
     def on_train_batch_end(self, batch, logs=None):
-        self._update_progbar(batch, self._with_throughput(logs))
+        _keras.update_progbar(self, batch, self._with_throughput(logs))
 
     def on_epoch_end(self, epoch, logs=None):
-        self._finalize_progbar(self._with_throughput(logs))
+        _keras.finalize_progbar(self, self._with_throughput(logs))

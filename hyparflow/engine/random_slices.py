@@ -15,7 +15,6 @@ Random layers whose draws cannot be cut into rows that way are named by
 
 import contextlib
 import numbers
-import sys
 import threading
 
 import keras
@@ -34,9 +33,6 @@ __all__ = ["feature_slice", "global_batch_slice", "slice_of", "unsliceable_rando
 # MultiHeadAttention and GroupedQueryAttention draw through a Dropout sub-layer
 # and own no SeedGenerator, so they need no entry.
 SLICEABLE_RANDOM_LAYER_TYPES = (Dropout, Attention, _keras.DropoutRNNCell)
-
-# How far up the Python stack to look for the Keras layer that called dropout.
-_CALLER_SEARCH_DEPTH = 16
 
 _install_lock = threading.Lock()
 _install_count = 0
@@ -210,20 +206,7 @@ def _batch_dim_is_shared(inputs, batch_noise_dim):
     # For a one-row piece, a 1 is either a shared dim or the piece's own batch
     # size read from its shape, as SpatialDropout layers do; they are the only
     # Keras callers of the second kind.
-    return not _called_by_spatial_dropout()
-
-
-def _called_by_spatial_dropout():
-    """Whether the nearest Keras layer up the Python stack is a SpatialDropout layer."""
-    frame = sys._getframe(1)
-    for _ in range(_CALLER_SEARCH_DEPTH):
-        if frame is None:
-            break
-        owner = frame.f_locals.get("self")
-        if isinstance(owner, keras.layers.Layer):
-            return isinstance(owner, _keras.BaseSpatialDropout)
-        frame = frame.f_back
-    return False
+    return not _keras.called_by_spatial_dropout()
 
 
 def _dim(tensor, axis):

@@ -109,7 +109,7 @@ class SegmentUpdate:
         variables = self.update.variables
         grads = [self.runner.take(variables[i]) for i in positions]
         if self.zero is not None:
-            self.zero.apply_segment(k, dict(zip(positions, grads)), self._step)
+            self.zero.apply_segment(k, dict(zip(positions, grads, strict=True)), self._step)
         else:
             if self._reducer is not None:
                 grads = self._summed(grads, positions)

@@ -61,7 +61,7 @@ class SegmentedRunner:
     def collect(self, j: int) -> None:
         """Move segment j's summed gradients into the per-variable totals."""
         segment = self.segments[j]
-        for variable, grad in zip(segment.variables, segment.take_gradients()):
+        for variable, grad in zip(segment.variables, segment.take_gradients(), strict=True):
             key = id(variable)
             self._accumulated[key] = grad if key not in self._accumulated else (
                 self._accumulated[key] + grad

@@ -14,6 +14,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from hyparflow import _keras
 from hyparflow.comm.allreduce import reduction_dtype
 from hyparflow.comm.rows import gather_rows
 from hyparflow.engine.mpi import mpi_op
@@ -25,7 +26,7 @@ def row_sparse_positions(variables, layers) -> list[int]:
     tables = {
         id(layer.embeddings)
         for layer in layers
-        if isinstance(layer, keras.layers.Embedding) and hasattr(layer, "_embeddings")
+        if isinstance(layer, keras.layers.Embedding) and _keras.has_table_variable(layer)
     }
     return [i for i, v in enumerate(variables) if id(v) in tables]
 
@@ -91,9 +92,9 @@ def in_order(count: int, dense_positions, dense, table_positions, tables) -> lis
         ['a', 't', 'c']
     """
     grads = [None] * count
-    for i, grad in zip(dense_positions, dense):
+    for i, grad in zip(dense_positions, dense, strict=True):
         grads[i] = grad
-    for i, grad in zip(table_positions, tables):
+    for i, grad in zip(table_positions, tables, strict=True):
         grads[i] = grad
     return grads
 

@@ -78,11 +78,11 @@ class StageRunner:
     recomputes its activations in the backward (Chen et al. 2016, "Training Deep Nets with
     Sublinear Memory Cost"; GPipe's re-materialization).
 
-    Example:
-        >>> runner = StageRunner(lambda x, training: model(x, training=training),
-        ...                      model.trainable_variables, loss=model._compile_loss)
-        >>> runner.forward(0, x, targets=(y, None), scale=1.0); runner.backward(0)
-        >>> grads = runner.take_gradients()
+    For example:
+        runner = StageRunner(lambda x, training: model(x, training=training),
+                             model.trainable_variables, loss=_keras.compiled_loss(model))
+        runner.forward(0, x, targets=(y, None), scale=1.0); runner.backward(0)
+        grads = runner.take_gradients()
     """
 
     def __init__(
@@ -160,7 +160,11 @@ class StageRunner:
             return outputs, self._added()
         views = self.layout.unflatten(params)
         dense = [self.variables[i] for i in self.dense]  # tables are read as they are
-        scopes = _UpdateRecordingScope(zip(dense, views)), slice_of(piece), self._train_scope()
+        scopes = (
+            _UpdateRecordingScope(zip(dense, views, strict=True)),
+            slice_of(piece),
+            self._train_scope(),
+        )
         with scopes[0] as scope, scopes[1], scopes[2]:
             outputs = self._call(inputs, True)
             added = self._added()  # the scope collects what layers add
@@ -241,13 +245,13 @@ class StageRunner:
         """Run the forward again under a tape, from the state it first saw (same Dropout masks,
         no second BatchNormalization update)."""
         current = [np.array(v.numpy()) for v in self.state_variables]
-        for variable, value in zip(self.state_variables, snapshot):
+        for variable, value in zip(self.state_variables, snapshot, strict=True):
             variable.assign(value)
         try:
             with tf.GradientTape(watch_accessed_variables=False) as tape:
                 _, differentiate = self._taped_forward(inputs, targets, scale, piece, tape)
         finally:
-            for variable, value in zip(self.state_variables, current):
+            for variable, value in zip(self.state_variables, current, strict=True):
                 variable.assign(value)
         return tape, differentiate
 
@@ -273,23 +277,25 @@ class StageRunner:
             # None, not zeros: a table this stage does not read contributes no rows
             unconnected_gradients=tf.UnconnectedGradients.NONE,
         )
-        input_grads = [_or_zeros(g, t) for g, t in zip(grads[: len(watched)], watched)]
+        input_grads = [_or_zeros(g, t) for g, t in zip(grads[: len(watched)], watched, strict=True)]
         var_grads = grads[len(watched) :]
         tables = [self.variables[i] for i in self.sparse]
         if self.flat_backward:
             flat = _or_zeros(var_grads[0], sources[0])
-            sparse = [rows.or_empty(g, v) for g, v in zip(var_grads[1:], tables)]
+            sparse = [rows.or_empty(g, v) for g, v in zip(var_grads[1:], tables, strict=True)]
             self._grads = flat if self._grads is None else self._grads + flat
         else:
             rows.check_kinds(var_grads, self.sparse, self.variables)
-            sparse = [rows.or_empty(var_grads[i], v) for i, v in zip(self.sparse, tables)]
+            sparse = [
+                rows.or_empty(var_grads[i], v) for i, v in zip(self.sparse, tables, strict=True)
+            ]
             dense = [
                 tf.convert_to_tensor(_or_zeros(var_grads[i], self._sources[i])) for i in self.dense
             ]
             if self._grads is None:
                 self._grads = dense
             else:
-                self._grads = [a + g for a, g in zip(self._grads, dense)]
+                self._grads = [a + g for a, g in zip(self._grads, dense, strict=True)]
         self._sparse_pieces.append(sparse)
         if not self.input_grads:
             return [None] * len(tree.flatten(inputs))

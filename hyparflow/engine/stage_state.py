@@ -60,5 +60,5 @@ class TrainingState:
         """Put back the metric sums of a resumed epoch (once, on the last stage's replica 0)."""
         states, self.pending_metric_states = self.pending_metric_states, []
         if self.is_last and self.replica == 0 and states:
-            for variable, value in zip(self.model.metrics_variables, states):
+            for variable, value in zip(self.model.metrics_variables, states, strict=True):
                 variable.assign(value)

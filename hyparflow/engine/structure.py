@@ -19,10 +19,7 @@ def model_input_list(model, x) -> list:
 
 def pack_model_outputs(model, flat: list):
     """The last stage's flat outputs in the structure `model(x)` returns (tensor, list, dict)."""
-    struct = getattr(model, "_outputs_struct", None)  # functional models
-    if struct is None:
-        functional = getattr(model, "_functional", None)  # Sequential wraps a functional model
-        struct = getattr(functional, "_outputs_struct", None)
+    struct = _keras.outputs_structure_of(model)  # None for a subclassed model
     if struct is None:
         return flat[0] if len(flat) == 1 else list(flat)
     return tree.pack_sequence_as(struct, flat)

@@ -85,9 +85,9 @@ def synchronized_batchnorm(comm, layers):
     compute their batch moments over every replica of `comm`."""
     for layer in layers:
         moments = functools.partial(_global_moments(comm, layer.synchronized), layer)
-        object.__setattr__(layer, "_moments", moments)  # this layer alone, until exit
+        _keras.replace_moments(layer, moments)  # this layer alone, until exit
     try:
         yield
     finally:
         for layer in layers:
-            object.__delattr__(layer, "_moments")
+            _keras.restore_moments(layer)

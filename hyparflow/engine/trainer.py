@@ -95,104 +95,111 @@ class Trainer:
             self._build(model, strategy, plan, topo, graph, comm_backend)
 
     def _build(self, model, strategy, plan, topo, graph, comm_backend):
+        """Wire the parts: variables, runner, gradient path, pipeline walk, saved state."""
         self.output_losses = OutputLosses(model)  # per-output loss means weighted as Keras's
-        self.variables = list(graph.trainable_variables)
-        self.owned = list(self.variables) if plan is None else owned_variables(plan, topo.stage)
-        layers = _keras.all_layers(graph)
-        # Embedding tables: their gradients stay row slices, apart from the flat dense ones.
-        self.sparse = rows.row_sparse_positions(self.variables, layers)
-        self.dense = sorted(set(range(len(self.variables))) - set(self.sparse))
+        layers = self._find_variables(model, plan, topo, graph)
         shared = SharedAcrossStages.find(plan, model, self.variables)
         self._loss_adders: set = set()  # layers calling add_loss, found while tracing
         self._any_added_losses = None  # whether any stage's layers add losses (agreed once)
         self._moving_statistics = unsynchronized_moving_statistics(layers, strategy.sync_batchnorm)
-        seeds = seed_variables(model, graph)
         parts = RunnerParts(
             model, self.stage, topo, strategy,
             call=self._call_whole_model if plan is None else self._call_stage,
             loss=self._loss, metrics=self._update_metrics, loss_adders=self._loss_adders,
         )  # fmt: skip
-        layout = FlatLayout([self.variables[i] for i in self.dense])
-        facts = dict(
-            partitioned=plan is not None,
-            replicas=topo.num_replicas,
-            backend=comm_backend,
-            flat_gradients=strategy.flat_gradients,
-            dense_variables=len(self.dense),
-            all_float32=layout.usable,
-            large_variables=layout.large_variables,
-            shared_across_stages=shared is not None,
-            tables=len(self.sparse),
-        )
-        # Memory first (Strategy.update_by_segment; by default for hf.scope() models): a stage
-        # cut into segments (`segments_for`) applies each segment's update as soon as the
-        # last backward has finished it.
-        asked = strategy.update_by_segment
-        count = segments_for(sum(nbytes(v) for v in self.variables))
-        if asked is True:
-            count = max(2, count)
-        elif asked is False or not deferred.built_in_scope(model):
-            count = 1
-        facts["segments"] = count
-        facts["tensor_split"] = self.shards is not None
-        self.gradient_form = choose_gradient_form(**facts, overlap_groups=strategy.overlap_groups)
-        segments = None
-        if self.gradient_form.overlap or self.gradient_form.update_per_segment:
-            groups = strategy.overlap_groups if strategy.overlap_groups > 1 else count
-            segmented = build_segmented_runner(parts, self.variables, groups)
-            if segmented is None:  # the stage cannot be cut: reduce after the backward
-                self.gradient_form = choose_gradient_form(**{**facts, "segments": 1})
-            else:
-                self.runner, segments = segmented
-        if segments is None:
-            form = self.gradient_form
-            self.runner = build_runner(parts, self.variables, self.sparse, form, layout)
-        overlap = segments if self.gradient_form.overlap else None
+        segments = self._build_runner(parts, shared is not None, comm_backend)
         self._update_metrics_fn = tf.function(self._update_metrics)
         # Compiled like Keras's own step: metric updates and results are a call each.
         self._loss_tracker_fn = tf.function(
             lambda value, count: _keras.loss_tracker(model).update_state(value, sample_weight=count)
         )
         self._replica_metrics = ReplicaMetrics(model, topo.stage_comm)
+        self._build_gradient_path(shared, segments, comm_backend)
+        self.walk = PipelineWalk(
+            model, topo, strategy, self.stage, self.runner, guard=self._guard, loss=self._loss,
+            update_metrics=self._update_metrics_fn, seed_variables=seed_variables(model, graph),
+            whole_inputs=plan is None and segments is None,
+        )  # fmt: skip
+        split = {s.whole.path: s.axis for s in self.shards.shards} if self.shards else {}
+        shard_of = self.shards.by_path() if self.shards else {}
+        self.stage_state = TrainingState(
+            model, topo, plan, self.variables, self._guard, split, shard_of
+        )  # fmt: skip
+        if self.zero is not None:
+            self.stage_state.optimizer_shard = ZeroCheckpoint(self.zero)
+        self._log_root = topo.grid.rank_of(topo.num_stages - 1, 0)
+        self.attach_recorder(None)
+
+    def _find_variables(self, model, plan, topo, graph) -> list:
+        """The stage's trainable variables, those it owns, its embedding tables (row-sparse
+        gradients) and dense ones; returns the stage's layers."""
+        self.variables = list(graph.trainable_variables)
+        self.owned = list(self.variables) if plan is None else owned_variables(plan, topo.stage)
+        layers = _keras.all_layers(graph)
+        self.sparse = rows.row_sparse_positions(self.variables, layers)
+        self.dense = sorted(set(range(len(self.variables))) - set(self.sparse))
+        return layers
+
+    def _build_runner(self, parts, shared_across_stages: bool, comm_backend: str):
+        """The stage's runner for the gradient form its facts call for; returns its segments
+        (None unless the runner cuts the stage into segments)."""
+        strategy, topo = self.strategy, self.topology
+        layout = FlatLayout([self.variables[i] for i in self.dense])
+        facts = dict(
+            partitioned=self.plan is not None,
+            replicas=topo.num_replicas,
+            backend=comm_backend,
+            flat_gradients=strategy.flat_gradients,
+            dense_variables=len(self.dense),
+            all_float32=layout.usable,
+            large_variables=layout.large_variables,
+            shared_across_stages=shared_across_stages,
+            tables=len(self.sparse),
+            segments=_segment_count(strategy, self.model, self.variables),
+            tensor_split=self.shards is not None,
+        )
+        self.gradient_form = choose_gradient_form(**facts, overlap_groups=strategy.overlap_groups)
+        if self.gradient_form.overlap or self.gradient_form.update_per_segment:
+            groups = strategy.overlap_groups if strategy.overlap_groups > 1 else facts["segments"]
+            segmented = build_segmented_runner(parts, self.variables, groups)
+            if segmented is not None:
+                self.runner, segments = segmented
+                return segments
+            # the stage cannot be cut: reduce after the backward
+            self.gradient_form = choose_gradient_form(**{**facts, "segments": 1})
+        self.runner = build_runner(parts, self.variables, self.sparse, self.gradient_form, layout)
+        return None
+
+    def _build_gradient_path(self, shared, segments, comm_backend: str) -> None:
+        """Reduction across stages and replicas, the optimizer step, the update by segment and
+        ZeRO-1's sharded update, as the gradient form asks."""
+        model, topo, form = self.model, self.topology, self.gradient_form
         self.gradient_sync = GradientSync(
             topo, self.runner, self.variables, self.dense, self.sparse,
-            backend=comm_backend, shared=shared, overlap=overlap,
+            backend=comm_backend, shared=shared, overlap=segments if form.overlap else None,
         )  # fmt: skip
         self.update = Update(
-            model, topo, self.variables, self.owned, partitioned=plan is not None,
+            model, topo, self.variables, self.owned, partitioned=self.plan is not None,
             guard=self._guard, merge=self.gradient_sync.merge, layout=self.runner.layout,
             split=self.shards.variables if self.shards else (),
         )  # fmt: skip
         self.segment_update = None
-        if self.gradient_form.update_per_segment:
+        if form.update_per_segment:
             replicas = topo.stage_comm if topo.num_replicas > 1 else None
             self.segment_update = SegmentUpdate(
                 self.update, self.runner, segments, replicas=replicas, guard=self._guard
             )  # fmt: skip
-        self.walk = PipelineWalk(
-            model, topo, strategy, self.stage, self.runner, guard=self._guard, loss=self._loss,
-            update_metrics=self._update_metrics_fn, seed_variables=seeds,
-            whole_inputs=plan is None and segments is None,
-        )  # fmt: skip
-        split = {s.whole.path: s.axis for s in self.shards.shards} if self.shards else {}
-        pieces = self.shards.by_path() if self.shards else {}
-        self.stage_state = TrainingState(
-            model, topo, plan, self.variables, self._guard, split, pieces
-        )  # fmt: skip
         # ZeRO-1: the replicas split the optimizer state and its update (engine/zero.py)
         self.zero = None
-        if strategy.shard_optimizer and topo.num_replicas > 1:
+        if self.strategy.shard_optimizer and topo.num_replicas > 1:
             # by segment: each segment reduce-scattered, its slice updated, its parameters
             # gathered as soon as the last backward has finished it
             parts = None if self.segment_update is None else self.segment_update.parts
             self.zero = ShardedUpdate(
                 model, topo, self.variables, self.update, self.gradient_sync, segments=parts
             )  # fmt: skip
-            self.stage_state.optimizer_shard = ZeroCheckpoint(self.zero)
             if self.segment_update is not None:
                 self.segment_update.shard(self.zero)
-        self._log_root = topo.grid.rank_of(topo.num_stages - 1, 0)
-        self.attach_recorder(None)
 
     def tensor_active(self):
         """The context in which the layers hold this rank's tensor shards (none without
@@ -271,7 +278,7 @@ class Trainer:
             self._train_step(batch)
 
     def _train_step(self, batch: GlobalBatch) -> None:
-        pieces = self.walk.microbatches(batch)
+        microbatches = self.walk.microbatches(batch)
         self.output_losses.begin(batch.size)
         # Segment by segment only where the optimizer allows it and no check needs every
         # gradient before the update.
@@ -283,9 +290,9 @@ class Trainer:
         if by_segment:
             self.segment_update.begin()
             on_segment_done = self.segment_update.on_segment_done
-        with self._step_span(batch.size, len(pieces)):
+        with self._step_span(batch.size, len(microbatches)):
             losses = self.walk.run(
-                pieces, batch.size, train=True, loss_scale=self.update.loss_scale(),
+                microbatches, batch.size, train=True, loss_scale=self.update.loss_scale(),
                 on_segment_done=on_segment_done,
             )  # fmt: skip
             if by_segment:  # applied during the backward (inside its spans)
@@ -321,9 +328,9 @@ class Trainer:
 
     def predict_step(self, batch: GlobalBatch) -> list | None:
         """Forward-only pass; the last stage returns its shard's outputs (micro-batch list)."""
-        pieces = self.walk.microbatches(batch)
+        microbatches = self.walk.microbatches(batch)
         with self.tensor_active():
-            return self.walk.run(pieces, batch.size, train=False, predict=True)
+            return self.walk.run(microbatches, batch.size, train=False, predict=True)
 
     def regularization(self) -> float:
         """The model's total weight regularization (collective over the pipeline)."""
@@ -406,6 +413,18 @@ class Trainer:
         self.watchdog.close()
         self.walk.close()
         self.topology.free()
+
+
+def _segment_count(strategy, model, variables) -> int:
+    """How many segments the stage's update runs in (Strategy.update_by_segment; by default
+    segments only for hf.scope() models, which put memory first)."""
+    asked = strategy.update_by_segment
+    count = segments_for(sum(nbytes(v) for v in variables))
+    if asked is True:
+        return max(2, count)
+    if asked is False or not deferred.built_in_scope(model):
+        return 1
+    return count
 
 
 def _tensor_listener(recorder: events.Recorder):

@@ -9,20 +9,16 @@ import numpy as np
 import tensorflow as tf
 from keras import ops
 from keras.optimizers import LossScaleOptimizer
-from keras.src.optimizers.base_optimizer import BaseOptimizer
 
+from hyparflow import _keras
 from hyparflow.comm.agree import AgreedError
 from hyparflow.engine import sparse as rows
 from hyparflow.engine.mpi import mpi_op
 from hyparflow.engine.weights import byte_groups
+from hyparflow.sizes import UPDATE_GROUP_BYTES
 
-# Bytes of variables updated per compiled optimizer call when a step's update is grouped: an
-# optimizer given every gradient at once runs all variables' updates side by side, their
-# temporaries (Adam's: about 1.5x the gradients) alive together; in groups they are one
-# group's, and each group's gradients can go once it is applied. A group closes once it holds
-# this many bytes, so a larger variable is a group of its own (measured on a P=4 rank of 16 MiB
-# kernels: 31 MiB lower peak than groups of 25 MiB, i.e. two kernels; docs/memory.md).
-GROUP_BYTES = 8 * 2**20
+# Bytes of variables per compiled optimizer call of a grouped update (hyparflow/sizes.py).
+GROUP_BYTES = UPDATE_GROUP_BYTES
 
 
 def update_groups(variables, group_bytes: int | None = None) -> list[list[int]]:
@@ -30,8 +26,9 @@ def update_groups(variables, group_bytes: int | None = None) -> list[list[int]]:
     `GROUP_BYTES`).
 
     Example:
-        >>> [len(g) for g in update_groups([keras.Variable(np.zeros(2**20))] * 20)]
-        [4, 4, 4, 4, 4]
+        >>> kernels = [np.zeros(2**20, np.float32) for _ in range(5)]  # 4 MiB each
+        >>> update_groups(kernels)  # groups close at 8 MiB
+        [[0, 1], [2, 3], [4]]
     """
     position = {id(v): i for i, v in enumerate(variables)}
     groups = byte_groups(variables, GROUP_BYTES if group_bytes is None else group_bytes)
@@ -44,13 +41,11 @@ def applies_per_variable(optimizer) -> bool:
     state and the step. Not with loss scaling (one finite check per call, one scale update),
     moving averages or gradient accumulation (over all variables per call), or an optimizer
     that overrides `apply`."""
-    base = BaseOptimizer
     return (
         not isinstance(optimizer, LossScaleOptimizer)
         and not getattr(optimizer, "use_ema", False)
         and not (getattr(optimizer, "gradient_accumulation_steps", None) or 0) > 1
-        and type(optimizer).apply is base.apply
-        and type(optimizer)._backend_apply_gradients is base._backend_apply_gradients
+        and _keras.applies_as_base_optimizer(optimizer)
     )
 
 
@@ -152,7 +147,7 @@ class Update:
         if key not in self._position_groups:
             groups = update_groups([self.variables[i] for i in positions])
             self._position_groups[key] = [[positions[j] for j in g] for g in groups]
-        where = dict(zip(positions, range(len(positions))))
+        where = dict(zip(positions, range(len(positions)), strict=True))
         scale = tf.constant(self.loss_scale(), tf.float32)
         for members in self._position_groups[key]:
             taken = [grads[where[i]] for i in members]
@@ -175,7 +170,7 @@ class Update:
         if any(not np.isfinite(float(loss)) for loss, _ in losses):
             problem = "loss"
         elif any(not _finite(g) for g in grads):
-            bad = next(v for v, g in zip(self.variables, grads) if not _finite(g))
+            bad = next(v for v, g in zip(self.variables, grads, strict=True) if not _finite(g))
             problem = f"gradient of {bad.path}"
         topo = self.topology
         with self._guard("agree on numerics"):
@@ -243,10 +238,16 @@ class Update:
         Collective over the pipeline."""
         owned = {id(v) for v in self.owned}
         scale = tf.constant(self.loss_scale(), tf.float32)
-        mine = [g for v, g in zip(self.variables, grads) if id(v) in owned - self._split]
+        mine = [
+            g for v, g in zip(self.variables, grads, strict=True) if id(v) in owned - self._split
+        ]
         squares = float(self._squares_fn(mine, scale)) if mine else 0.0
         if self._tensor_comm is not None:  # shards' squares add up to their whole variables'
-            parts = [g for v, g in zip(self.variables, grads) if id(v) in owned & self._split]
+            parts = [
+                g
+                for v, g in zip(self.variables, grads, strict=True)
+                if id(v) in owned & self._split
+            ]
             parts = float(self._squares_fn(parts, scale)) if parts else 0.0
             with self._guard("sum the gradient norm over the tensor ranks"):
                 squares += self._tensor_comm.allreduce(parts)
@@ -258,7 +259,7 @@ class Update:
         """`grads` with the owned variables' regularization gradients (times the loss scale)."""
         grads = list(grads)
         position = {id(v): i for i, v in enumerate(self.variables)}
-        for v, g in zip(self.regularized, reg_grads):
+        for v, g in zip(self.regularized, reg_grads, strict=True):
             i = position[id(v)]
             # dense, as one process's tape sums a table's row slices and a dense gradient
             grads[i] = tf.convert_to_tensor(grads[i]) + tf.cast(g, grads[i].dtype) * scale
@@ -345,8 +346,10 @@ class Update:
     def _reg_values(self):
         """(regularization of whole variables, of tensor shards), without gradients."""
         values = [tf.reduce_sum(v.regularizer(v)) for v in self.regularized]
-        whole = [x for v, x in zip(self.regularized, values) if id(v) not in self._split]
-        parts = [x for v, x in zip(self.regularized, values) if id(v) in self._split]
+        whole = [
+            x for v, x in zip(self.regularized, values, strict=True) if id(v) not in self._split
+        ]
+        parts = [x for v, x in zip(self.regularized, values, strict=True) if id(v) in self._split]
         zero = tf.constant(0.0)
         return (tf.add_n(whole) if whole else zero), (tf.add_n(parts) if parts else zero)
 
@@ -359,7 +362,9 @@ class Update:
         if regularized:
             with tf.GradientTape() as tape:
                 total = tf.add_n([tf.reduce_sum(v.regularizer(v)) for v in regularized])
-            by_variable = dict(zip(map(id, regularized), tape.gradient(total, regularized)))
+            by_variable = dict(
+                zip(map(id, regularized), tape.gradient(total, regularized), strict=True)
+            )
             for j, v in enumerate(variables):
                 if id(v) in by_variable:
                     grads[j] = tf.convert_to_tensor(grads[j]) + tf.cast(

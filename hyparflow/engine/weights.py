@@ -88,7 +88,7 @@ def broadcast_owned_weights(model, plan, comm, guard) -> None:
     `guard(operation, peer)` watches each broadcast."""
     owners = weight_owners(plan, model)
     for root in range(comm.Get_size()):
-        mine = [v for v, owner in zip(model.weights, owners) if owner == root]
+        mine = [v for v, owner in zip(model.weights, owners, strict=True) if owner == root]
         for group in byte_groups(mine):
             arrays = None
             if comm.Get_rank() == root:

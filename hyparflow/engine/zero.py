@@ -157,7 +157,7 @@ class ShardedUpdate:
         kept = None
         if self.keep_local:
             kept = list(local)
-            for i, table in zip(self.table_positions, own_tables):
+            for i, table in zip(self.table_positions, own_tables, strict=True):
                 kept[i] = table
         slices = []
         for group in self.groups:
@@ -210,14 +210,14 @@ class ShardedUpdate:
         tables = runner.take_sparse_gradients()
         chunks = getattr(layout, "chunks", None)
         parts = [(layout, range(len(layout.slots)), flat)] if chunks is None else list(
-            zip(chunks, layout.members, flat)
+            zip(chunks, layout.members, flat, strict=True)
         )  # fmt: skip
         del flat
         local = [None] * len(self.variables)
         dense = sync.dense
         for chunk, members, tensor in parts:
             values = np.asarray(tensor)
-            for slot, k in zip(chunk.slots, members):
+            for slot, k in zip(chunk.slots, members, strict=True):
                 local[dense[k]] = values[slot.offset : slot.offset + slot.size]
         return local, tables
 
@@ -250,10 +250,10 @@ class ShardedUpdate:
         the stage's gradients are of the scaled loss), `tables` plus theirs (dense, as one
         process's tape sums them); the regularization's two parts."""
         whole, parts, reg_grads = self.update._regularization_and_grads()
-        by_variable = {id(v): g for v, g in zip(self.update.regularized, reg_grads)}
+        by_variable = {id(v): g for v, g in zip(self.update.regularized, reg_grads, strict=True)}
         added = [
             self._plus_regularization(group, grad, by_variable, scale)
-            for group, grad in zip(self.groups, slices)
+            for group, grad in zip(self.groups, slices, strict=True)
         ]
         tables = list(tables)
         for j, table in enumerate(self.tables):
@@ -285,7 +285,7 @@ class ShardedUpdate:
         then the same of the owned `tables` (each (row, value) pair counts, as in Keras)."""
         whole, split = tf.constant(0.0), tf.constant(0.0)
         table_whole, table_split = tf.constant(0.0), tf.constant(0.0)
-        for grad, is_split in zip(tables, self._table_norm):
+        for grad, is_split in zip(tables, self._table_norm, strict=True):
             if is_split is None:
                 continue
             part = tf.reduce_sum(tf.square(tf.cast(rows.values_of(grad), "float32")))
@@ -293,7 +293,7 @@ class ShardedUpdate:
                 table_split += part
             else:
                 table_whole += part
-        for grad, pieces in zip(slices, self._norm_pieces):
+        for grad, pieces in zip(slices, self._norm_pieces, strict=True):
             for p, is_split in pieces:
                 part = tf.reduce_sum(
                     tf.square(tf.cast(grad[p.offset : p.offset + p.size], "float32"))
@@ -362,7 +362,7 @@ class ShardedUpdate:
         variable's pieces are broadcast by the replicas that hold them, through one buffer the
         size of the largest variable, so no rank holds a second copy of the whole stage."""
         groups = self.groups if groups is None else groups
-        for group, value in zip(groups, values):
+        for group, value in zip(groups, values, strict=True):
             mine = np.asarray(value)
             held = {p.variable: p for p in group.pieces}  # this replica's piece of each
             buffer = np.empty(max(group.layout.sizes), mine.dtype)
@@ -410,9 +410,12 @@ class ShardedUpdate:
         if regularized:
             with tf.GradientTape() as tape:
                 total = tf.add_n([tf.reduce_sum(v.regularizer(v)) for v in regularized])
-            by_variable = dict(zip(map(id, regularized), tape.gradient(total, regularized)))
+            by_variable = dict(
+                zip(map(id, regularized), tape.gradient(total, regularized), strict=True)
+            )
             slices = [
-                self._plus_regularization(g, s, by_variable, scale) for g, s in zip(groups, slices)
+                self._plus_regularization(g, s, by_variable, scale)
+                for g, s in zip(groups, slices, strict=True)
             ]
         self.model.optimizer.apply(list(slices), [g.variable for g in groups])
         return [g.variable.value for g in groups]

@@ -60,7 +60,7 @@ class ZeroLayout:
         """The pieces of variables that slice `part` holds, in order (padding not included)."""
         start, stop = self.bounds(part)
         found = []
-        for index, (offset, size) in enumerate(zip(self.offsets, self.sizes)):
+        for index, (offset, size) in enumerate(zip(self.offsets, self.sizes, strict=True)):
             low, high = max(start, offset), min(stop, offset + size)
             if low < high:
                 found.append(Piece(index, low - offset, high - offset, low - start))
@@ -79,7 +79,7 @@ class ZeroLayout:
             [(0, 4, 2), (1, 0, 2)]
         """
         found = []
-        for index, (offset, size) in enumerate(zip(self.offsets, self.sizes)):
+        for index, (offset, size) in enumerate(zip(self.offsets, self.sizes, strict=True)):
             low, high = max(start, offset), min(stop, offset + size)
             if low < high:
                 found.append((index, low - offset, high - low))

@@ -20,7 +20,9 @@ def refusal(optimizer, strategy, comm_backend: str) -> str | None:
     update of each element must depend on that element alone (docs/zero.md).
 
     Example:
-        >>> refusal(keras.optimizers.Lamb(), strategy, "mpi")
+        >>> import keras
+        >>> from hyparflow.strategy import Strategy
+        >>> refusal(keras.optimizers.Lamb(), Strategy("data", shard_optimizer=True), "mpi")
         'shard_optimizer=True: Lamb does not update each element ...'
     """
     name = "shard_optimizer=True"

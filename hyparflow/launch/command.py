@@ -304,7 +304,9 @@ def _mpirun_hosts(options: Options, facts: Facts) -> tuple[list[_Host], list[str
         cpus = slurm_counts(env.get("SLURM_JOB_CPUS_PER_NODE") or str(facts.cores))
         tasks = env.get("SLURM_TASKS_PER_NODE")
         slots = slurm_counts(tasks) if tasks else cpus
-        hosts = [_Host(f"Slurm node {i}", c, s) for i, (c, s) in enumerate(zip(cpus, slots))]
+        hosts = [
+            _Host(f"Slurm node {i}", c, s) for i, (c, s) in enumerate(zip(cpus, slots, strict=True))
+        ]
         return hosts, [], "the Slurm allocation has {slots} task(s)"
     return [_Host("this machine", facts.cores, facts.cores)], [], "this machine has {slots} core(s)"
 
@@ -323,21 +325,13 @@ def _mpirun(options: Options, facts: Facts, ranks: int, program: list[str]) -> L
             + (", or give more hosts or slots" if host_arguments else "")
         )
     placed = fill_slots([host.slots for host in hosts], ranks)
-    slurm_cpus = _int(env, "SLURM_CPUS_PER_TASK") if not host_arguments else None
-    if options.cpus_per_rank is not None:
-        per_rank = options.cpus_per_rank
-    elif _in_slurm(env) and slurm_cpus:
-        per_rank = slurm_cpus
-    elif over:
-        per_rank = 1
-    else:
-        per_rank = max(1, min(host.cpus // n for host, n in zip(hosts, placed) if n))
+    per_rank = _cores_per_rank(options, env, hosts, placed, over=over, named=bool(host_arguments))
     if host_arguments and options.cpus_per_rank is None:
         notes.append(
             f"assuming every host has {facts.cores} cores like this one "
             "(--cpus-per-rank sets the cores per rank instead)"
         )
-    crowded = [(host, n) for host, n in zip(hosts, placed) if n * per_rank > host.cpus]
+    crowded = [(host, n) for host, n in zip(hosts, placed, strict=True) if n * per_rank > host.cpus]
     argv = ["mpirun", "-np", str(ranks), *host_arguments]
     if options.oversubscribe:
         argv.append("--oversubscribe")
@@ -345,14 +339,7 @@ def _mpirun(options: Options, facts: Facts, ranks: int, program: list[str]) -> L
         argv += ["--map-by", f"slot:PE={per_rank}", "--bind-to", "core"]
     else:
         argv += ["--bind-to", "none"]
-        if not options.bind:
-            reason = "--no-bind"
-        elif over:
-            reason = f"{ranks} ranks, but {offered}; one thread each"
-        else:
-            host, n = crowded[0]
-            reason = f"{n} ranks x {per_rank} core(s) do not fit {host.name}'s {host.cpus} cores"
-        notes.append(f"not binding ranks to cores: {reason}{_PIN_HINT if over else ''}")
+        notes.append(_unbound(options, ranks, offered, crowded, per_rank, over=over))
     added = _threads(env, per_rank)
     names = list(THREAD_VARIABLES)
     if facts.root:  # Open MPI refuses root unless told twice
@@ -365,6 +352,31 @@ def _mpirun(options: Options, facts: Facts, ranks: int, program: list[str]) -> L
 
 
 _PIN_HINT = " (hf.Strategy(tune_process=True) pins ranks that share cores)"
+
+
+def _cores_per_rank(options, env, hosts, placed, *, over: bool, named: bool) -> int:
+    """The cores each rank's threads get: asked, Slurm's, one when oversubscribed, else the
+    fullest host's cores shared among its ranks."""
+    slurm_cpus = _int(env, "SLURM_CPUS_PER_TASK") if not named else None
+    if options.cpus_per_rank is not None:
+        return options.cpus_per_rank
+    if _in_slurm(env) and slurm_cpus:
+        return slurm_cpus
+    if over:
+        return 1
+    return max(1, min(host.cpus // n for host, n in zip(hosts, placed, strict=True) if n))
+
+
+def _unbound(options, ranks, offered, crowded, per_rank, *, over: bool) -> str:
+    """The note saying why ranks are not bound to cores."""
+    if not options.bind:
+        reason = "--no-bind"
+    elif over:
+        reason = f"{ranks} ranks, but {offered}; one thread each"
+    else:
+        host, n = crowded[0]
+        reason = f"{n} ranks x {per_rank} core(s) do not fit {host.name}'s {host.cpus} cores"
+    return f"not binding ranks to cores: {reason}{_PIN_HINT if over else ''}"
 
 
 def _srun(options: Options, facts: Facts, ranks: int, program: list[str]) -> Launch:

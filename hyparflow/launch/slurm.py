@@ -48,10 +48,10 @@ class SlurmJob:
 def slurm_job(environ: Mapping[str, str] | None = None) -> SlurmJob | None:
     """The Slurm job this process belongs to, or None outside Slurm.
 
-    Example:
-        >>> job = slurm_job()
-        >>> if job is not None and hf.rank() == 0:
-        ...     print(job.describe())
+    For example:
+        job = slurm_job()
+        if job is not None and hf.rank() == 0:
+            print(job.describe())
     """
     env = os.environ if environ is None else environ
     job_id = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
@@ -74,10 +74,10 @@ def local_rank(environ: Mapping[str, str] | None = None) -> int | None:
     Open MPI's `mpirun` sets OMPI_COMM_WORLD_LOCAL_RANK; `srun` sets SLURM_LOCALID per task
     (trusted only inside an srun step: a batch shell's value is inherited by every rank).
 
-    Example:
-        >>> gpus = tf.config.list_physical_devices("GPU")
-        >>> if gpus and local_rank() is not None:
-        ...     tf.config.set_visible_devices(gpus[local_rank() % len(gpus)], "GPU")
+    For example:
+        gpus = tf.config.list_physical_devices("GPU")
+        if gpus and local_rank() is not None:
+            tf.config.set_visible_devices(gpus[local_rank() % len(gpus)], "GPU")
     """
     env = os.environ if environ is None else environ
     found = _int(env, "OMPI_COMM_WORLD_LOCAL_RANK")

@@ -3,7 +3,7 @@
 This is the one place to update when the engine's buffers change (docs/memory.md): today a
 data-parallel step concatenates its gradients in chunks of `CHUNK_BYTES` (`engine/flat.py`),
 a pipeline stage of small variables packs its parameters and gradients whole, the optimizer
-updates groups of about `CHUNK_BYTES` of variables at a time (`engine/update.py`), ZeRO-1
+updates groups of about `UPDATE_GROUP_BYTES` of variables at a time (`engine/update.py`), ZeRO-1
 updates its slice in one call (`engine/zero.py`), and at each epoch's end the stages broadcast
 their weights in groups of about `CHUNK_BYTES` (`engine/weights.py`).
 """
@@ -12,15 +12,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# The engine's `engine.flat.FLAT_BACKWARD_MAX_MEAN_BYTES` (memory may not import the engine;
-# tests/test_memory_plan.py checks the two agree).
-FLAT_BACKWARD_MAX_MEAN_BYTES = 128 * 1024
-# engine/flat.py's chunks, engine/update.py's groups, engine/weights.py's broadcast groups
-# (DEFAULT_BUCKET_BYTES; tests/test_memory_plan.py checks they agree).
-CHUNK_BYTES = 25 * 2**20
-UPDATE_GROUP_BYTES = 8 * 2**20  # engine/update.py's GROUP_BYTES
-# engine/gradient_form.py's SEGMENT_BYTES and MAX_SEGMENTS (`segments_for`)
-SEGMENT_BYTES, MAX_SEGMENTS = 16 * 2**20, 8
+# The sizes the engine uses, from the one module both read (no copy to keep in step).
+from hyparflow.sizes import (
+    CHUNK_BYTES,
+    FLAT_BACKWARD_MAX_MEAN_BYTES,
+    MAX_SEGMENTS,
+    SEGMENT_BYTES,
+    UPDATE_GROUP_BYTES,
+)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ def in_flight(schedule: str, stages: int, microbatches: int, stage: int) -> int:
 
     GPipe forwards every micro-batch before the first backward; 1F1B (PipeDream-Flush) runs
     `p - s - 1` warm-up forwards, so at most `min(m, p - s)` are in flight (the engine's
-    `engine.schedule.peak_in_flight`, which the tests compare this with).
+    `schedule.peak_in_flight`, which the tests compare this with).
 
     Example:
         >>> in_flight("gpipe", 4, 8, 0), in_flight("1f1b", 4, 8, 0), in_flight("1f1b", 4, 8, 3)

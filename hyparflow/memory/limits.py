@@ -16,9 +16,9 @@ def memory_limit(root: str = "/sys/fs/cgroup", proc: str = "/proc/self/cgroup") 
     Reads the process's cgroup from `proc` and the limits of it and its ancestors under
     `root` (v1: `memory/.../memory.limit_in_bytes`; v2: `.../memory.max`); the tightest wins.
 
-    Example:
-        >>> limit = memory_limit()
-        >>> plan.largest.total > limit if limit else False   # the plan cannot fit here
+    For example:
+        limit = memory_limit()
+        plan.largest.total > limit if limit else False   # the plan cannot fit here
     """
     found = _controller(root, proc)
     return None if found is None else _tightest(found[0], found[1], found[2][0])
@@ -30,9 +30,9 @@ def memory_room(root: str = "/sys/fs/cgroup", proc: str = "/proc/self/cgroup") -
     set or readable. What a cgroup is charged, not the process's resident size: shared
     library pages already charged elsewhere do not count against it.
 
-    Example:
-        >>> room = memory_room()
-        >>> plan.largest.total > room if room is not None else False
+    For example:
+        room = memory_room()
+        plan.largest.total > room if room is not None else False
     """
     found = _controller(root, proc)
     if found is None:

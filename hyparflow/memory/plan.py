@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import keras
 import numpy as np
 
@@ -37,93 +40,139 @@ def memory_plan(model, strategy="auto", batch_size: int = 32, *, num_partitions=
     detected when None) counts only what the rank materialises. `runtime=False` leaves out
     TensorFlow's own measured constant.
 
-    Example:
-        >>> plan = hf.memory_plan(model, hf.Strategy("model", partitions=4), batch_size=64)
-        >>> plan.summary()
-        >>> plan.largest.total / 2**30  # GiB on the fullest rank
+    For example:
+        plan = hf.memory_plan(model, hf.Strategy("model", partitions=4), batch_size=64)
+        plan.summary()
+        plan.largest.total / 2**30  # GiB on the fullest rank
     """
     if whole_model is None:
         whole_model = not deferred.any_deferred(model)
     strategy = make_strategy(strategy, num_partitions, num_replicas, num_microbatches)
     world = (strategy.partitions or 1) * (strategy.replicas or 1) * strategy.tensor
     resolved = strategy.resolve(world)
-    p, r, t = resolved.partitions, resolved.replicas, resolved.tensor
     notes = []
-    stage_models, per_sample = _stages(model, resolved, notes)
-    layouts = [
-        tensor_rules.tensor_layout(m, t, resolved.tensor_layout) if t > 1 else None
-        for m in stage_models
+    shared = _shared_facts(model, resolved, world, batch_size, whole_model, notes)
+    grid = Grid(resolved.partitions, resolved.replicas, resolved.tensor)
+    ranks = [
+        _rank_memory(shared, rank, *grid.coords3(rank), runtime=runtime) for rank in range(world)
     ]
+    return MemoryPlan(model.name, _label(resolved), batch_size, ranks, notes)
+
+
+@dataclass(frozen=True)
+class _Shared:
+    """What every rank's prediction reads: the resolved strategy and each stage's facts."""
+
+    resolved: object
+    world: int
+    whole_model: bool
+    by_segment: bool
+    stage_models: list
+    per_sample: list  # per stage: layout -> (layer output bytes, received input bytes)
+    layouts: list  # per stage: its tensor layout, or None without tensor parallelism
+    slots: float
+    owned: list[int]
+    largest: list[int]
+    whole: int
+    samples: int
+    saving: Callable[[int, int, int], dict[str, int]]
+
+
+def _shared_facts(model, resolved, world, batch_size, whole_model, notes) -> _Shared:
+    """The model-wide facts of the plan, computed once for all ranks."""
+    t = resolved.tensor
+    stage_models, per_sample = _stages(model, resolved, notes)
     optimizer = getattr(model, "optimizer", None)
     if optimizer is None:
         notes.append("the model is not compiled: no optimizer state counted")
     slots = optimizer_slots(optimizer)
-    owned = _owned_bytes(stage_models)
-    largest = [max((_nbytes(v) for v in m.weights), default=0) for m in stage_models]
-    whole = sum(_nbytes(v) for v in model.weights)
-    samples = counts.microbatch_size(batch_size, r, resolved.microbatches)
-    grid = Grid(p, r, t)
     asked = resolved.update_by_segment  # None: on for a hf.scope() model, as the engine does
-    by_segment = (not whole_model) if asked is None else asked
-    saving = _saving(model, slots, resolved, world)
-    ranks = []
-    for rank in range(world):
-        stage, replica, shard = grid.coords3(rank)
-        layout, stage_model = layouts[stage], stage_models[stage]
-        weights = sum(_shard_bytes(v, layout, t) for v in stage_model.weights)
-        unsplit = sum(_nbytes(v) for v in stage_model.weights if _axis(v, layout) is None)
-        trainable = [v for v in stage_model.trainable_variables]
-        grad_bytes = sum(_shard_bytes(v, layout, t) for v in trainable)
-        layer_bytes, input_bytes = per_sample[stage](layout)
-        flight = counts.in_flight(resolved.schedule, p, resolved.microbatches, stage)
-        own_optimizer = counts.optimizer_bytes(
-            grad_bytes, slots, r, getattr(resolved, "shard_optimizer", False)
-        )
-        facts = buffers.StageFacts(
-            gradient_bytes=sum(_shard_bytes(v, layout, t, itemsize=4) for v in trainable),
-            variables=len(trainable),
-            stages=p,
-            replicas=r,
-            microbatches=resolved.microbatches,
-            world=world,
-            flat_gradients=resolved.flat_gradients,
-            largest=max((_shard_bytes(v, layout, t, itemsize=4) for v in trainable), default=0),
-            tensor=t,
-            by_segment=by_segment,
-            zero=getattr(resolved, "shard_optimizer", False),
-        )
-        ranks.append(
-            RankMemory(
-                rank=rank,
-                stage=stage,
-                replica=replica,
-                shard=shard,
-                weights=weights,
-                model_copy=whole - unsplit if whole_model else 0,
-                optimizer=own_optimizer,
-                gradients=buffers.held_gradients(facts, grad_bytes),
-                activations=counts.activation_bytes(
-                    layer_bytes, input_bytes, samples, flight, resolved.recompute
-                ),
-                step_buffers=buffers.step_buffers(
-                    facts, slots, getattr(resolved, "shard_optimizer", False)
-                ),
-                exchange={
-                    **buffers.exchange_buffers(owned, stage, largest[stage]),
-                    **buffers.gather_buffers(_largest_split(stage_model, layout)),
-                    **saving(rank, replica, own_optimizer),
-                }
-                if whole_model
-                else {},  # a hf.scope() model keeps its stage: nothing is gathered
-                runtime=RUNTIME_BYTES if runtime else 0,
-            )
-        )
-    label = f"P={p} x R={r} x T={t}, {resolved.schedule}, M={resolved.microbatches}"
+    return _Shared(
+        resolved=resolved,
+        world=world,
+        whole_model=whole_model,
+        by_segment=(not whole_model) if asked is None else asked,
+        stage_models=stage_models,
+        per_sample=per_sample,
+        layouts=[
+            tensor_rules.tensor_layout(m, t, resolved.tensor_layout) if t > 1 else None
+            for m in stage_models
+        ],
+        slots=slots,
+        owned=_owned_bytes(stage_models),
+        largest=[max((_nbytes(v) for v in m.weights), default=0) for m in stage_models],
+        whole=sum(_nbytes(v) for v in model.weights),
+        samples=counts.microbatch_size(batch_size, resolved.replicas, resolved.microbatches),
+        saving=_saving(model, slots, resolved, world),
+    )
+
+
+def _rank_memory(shared: _Shared, rank, stage, replica, shard, *, runtime: bool) -> RankMemory:
+    """One rank's predicted bytes, by kind."""
+    resolved, t = shared.resolved, shared.resolved.tensor
+    layout, stage_model = shared.layouts[stage], shared.stage_models[stage]
+    zero = getattr(resolved, "shard_optimizer", False)
+    unsplit = sum(_nbytes(v) for v in stage_model.weights if _axis(v, layout) is None)
+    trainable = list(stage_model.trainable_variables)
+    grad_bytes = sum(_shard_bytes(v, layout, t) for v in trainable)
+    layer_bytes, input_bytes = shared.per_sample[stage](layout)
+    flight = counts.in_flight(resolved.schedule, resolved.partitions, resolved.microbatches, stage)
+    own_optimizer = counts.optimizer_bytes(grad_bytes, shared.slots, resolved.replicas, zero)
+    facts = _stage_facts(shared, trainable, layout)
+    return RankMemory(
+        rank=rank,
+        stage=stage,
+        replica=replica,
+        shard=shard,
+        weights=sum(_shard_bytes(v, layout, t) for v in stage_model.weights),
+        model_copy=shared.whole - unsplit if shared.whole_model else 0,
+        optimizer=own_optimizer,
+        gradients=buffers.held_gradients(facts, grad_bytes),
+        activations=counts.activation_bytes(
+            layer_bytes, input_bytes, shared.samples, flight, resolved.recompute
+        ),
+        step_buffers=buffers.step_buffers(facts, shared.slots, zero),
+        exchange={
+            **buffers.exchange_buffers(shared.owned, stage, shared.largest[stage]),
+            **buffers.gather_buffers(_largest_split(stage_model, layout)),
+            **shared.saving(rank, replica, own_optimizer),
+        }
+        if shared.whole_model
+        else {},  # a hf.scope() model keeps its stage: nothing is gathered
+        runtime=RUNTIME_BYTES if runtime else 0,
+    )
+
+
+def _stage_facts(shared: _Shared, trainable, layout) -> buffers.StageFacts:
+    """The facts the step's gradient and update buffers depend on, for one rank's stage."""
+    resolved, t = shared.resolved, shared.resolved.tensor
+    float32 = [_shard_bytes(v, layout, t, itemsize=4) for v in trainable]
+    return buffers.StageFacts(
+        gradient_bytes=sum(float32),
+        variables=len(trainable),
+        stages=resolved.partitions,
+        replicas=resolved.replicas,
+        microbatches=resolved.microbatches,
+        world=shared.world,
+        flat_gradients=resolved.flat_gradients,
+        largest=max(float32, default=0),
+        tensor=t,
+        by_segment=shared.by_segment,
+        zero=getattr(resolved, "shard_optimizer", False),
+    )
+
+
+def _label(resolved) -> str:
+    """The plan's one-line description of the layout."""
+    label = (
+        f"P={resolved.partitions} x R={resolved.replicas} x T={resolved.tensor}, "
+        f"{resolved.schedule}, M={resolved.microbatches}"
+    )
     if resolved.recompute:
         label += ", recompute"
     if getattr(resolved, "shard_optimizer", False):
         label += ", sharded optimizer"
-    return MemoryPlan(model.name, label, batch_size, ranks, notes)
+    return label
 
 
 def _stages(model, strategy, notes) -> tuple[list, list]:

@@ -36,10 +36,10 @@ def reset_peak() -> bool:
 class PeakGrowth:
     """Context manager measuring how far resident memory peaked above where the block began.
 
-    Example:
-        >>> with PeakGrowth() as growth:
-        ...     hf.fit(model, x, y, epochs=1)
-        >>> print(f"{growth.mib:.0f} MiB")
+    For example:
+        with PeakGrowth() as growth:
+            hf.fit(model, x, y, epochs=1)
+        print(f"{growth.mib:.0f} MiB")
     """
 
     def __enter__(self) -> PeakGrowth:

@@ -61,10 +61,10 @@ class RankMemory:
 class MemoryPlan:
     """Every rank's predicted memory for one model, strategy and batch size.
 
-    Example:
-        >>> plan = hf.memory_plan(model, hf.Strategy("model", partitions=2), batch_size=64)
-        >>> plan.largest.total / 2**20  # MiB on the fullest rank
-        >>> print(plan.summary(print_fn=None))
+    For example:
+        plan = hf.memory_plan(model, hf.Strategy("model", partitions=2), batch_size=64)
+        plan.largest.total / 2**20  # MiB on the fullest rank
+        print(plan.summary(print_fn=None))
     """
 
     model: str
@@ -110,9 +110,9 @@ class MemoryPlan:
         lines = [
             f"Memory plan for '{self.model}': {self.strategy}, batch {self.batch_size} "
             "(MiB per rank; * the largest)",
-            "  ".join(h.rjust(w) for h, w in zip(header, widths)),
+            "  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True)),
         ]
-        lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
+        lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
         lines += [f"note: {n}" for n in self.notes]
         text = "\n".join(lines)
         if print_fn is not None:

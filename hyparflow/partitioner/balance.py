@@ -84,7 +84,7 @@ def split_between(
             "not separate a Keras mask from the layers that read it; use fewer stages."
         )
     bounds = [*groups, n]
-    group_costs = [float(np.sum(costs[a:b])) for a, b in zip(bounds[:-1], bounds[1:])]
+    group_costs = [float(np.sum(costs[a:b])) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
     group_cuts = None
     if cut_costs is not None:
         group_cuts = [cut_costs[p] for p in bounds]
@@ -105,7 +105,7 @@ def stage_costs(
     cuts = _cut_costs(cut_costs, n)
     bounds = list(starts) + [n]
     result = []
-    for a, b in zip(bounds[:-1], bounds[1:]):
+    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
         extra = 0.0 if cuts is None else cuts[a] + cuts[b]
         result.append(float(costs[a:b].sum() + extra))
     return result

@@ -51,22 +51,8 @@ def node_flops(graph: LayerGraph, node) -> float:
         kernel = _kernel_size(op)
         positions = out / max(1, _last(out_shapes[0]))
         return 2.0 * kernel * positions + out
-    if kind in ("Conv1D", "Conv2D", "Conv3D"):
-        window = math.prod(config["kernel_size"])
-        channels_in = _channels(in_shapes[0], config) // max(1, config.get("groups", 1))
-        return 2.0 * window * channels_in * out + out
-    if kind in ("Conv1DTranspose", "Conv2DTranspose", "Conv3DTranspose"):
-        window = math.prod(config["kernel_size"])
-        return 2.0 * window * config["filters"] * inputs[0] + out
-    if kind in ("DepthwiseConv1D", "DepthwiseConv2D"):
-        return 2.0 * math.prod(config["kernel_size"]) * out + out
-    if kind in ("SeparableConv1D", "SeparableConv2D"):
-        window = math.prod(config["kernel_size"])
-        channels_in = _channels(in_shapes[0], config)
-        spatial = out / max(1, config["filters"])
-        depth_multiplier = config.get("depth_multiplier", 1)
-        depthwise = 2.0 * window * channels_in * depth_multiplier * spatial
-        return depthwise + 2.0 * channels_in * depth_multiplier * out + out
+    if kind in _CONVOLUTIONS:
+        return _convolution_flops(kind, config, in_shapes[0], inputs[0], out)
     if kind in ("BatchNormalization", "LayerNormalization", "GroupNormalization"):
         return 5.0 * out
     if kind in ("UnitNormalization", "Normalization", "RMSNormalization"):
@@ -86,6 +72,37 @@ def node_flops(graph: LayerGraph, node) -> float:
     params = op.count_params() if node.is_layer else 0
     positions = out / max(1, _last(out_shapes[0])) if out_shapes and out_shapes[0] else 1
     return 2.0 * params * positions + out
+
+
+_CONVOLUTIONS = (
+    "Conv1D",
+    "Conv2D",
+    "Conv3D",
+    "Conv1DTranspose",
+    "Conv2DTranspose",
+    "Conv3DTranspose",
+    "DepthwiseConv1D",
+    "DepthwiseConv2D",
+    "SeparableConv1D",
+    "SeparableConv2D",
+)
+
+
+def _convolution_flops(kind: str, config, in_shape, inputs: int, out: int) -> float:
+    """Forward FLOPs per sample of a convolution layer of any kind (`node_flops`)."""
+    window = math.prod(config["kernel_size"])
+    if kind.startswith("Depthwise"):
+        return 2.0 * window * out + out
+    if kind.endswith("Transpose"):
+        return 2.0 * window * config["filters"] * inputs + out
+    if kind.startswith("Separable"):
+        channels_in = _channels(in_shape, config)
+        spatial = out / max(1, config["filters"])
+        depth_multiplier = config.get("depth_multiplier", 1)
+        depthwise = 2.0 * window * channels_in * depth_multiplier * spatial
+        return depthwise + 2.0 * channels_in * depth_multiplier * out + out
+    channels_in = _channels(in_shape, config) // max(1, config.get("groups", 1))
+    return 2.0 * window * channels_in * out + out
 
 
 def cut_costs(graph: LayerGraph, samples: int, bandwidth: float) -> np.ndarray:

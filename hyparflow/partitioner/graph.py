@@ -165,7 +165,7 @@ class _Builder:
                 stack.pop()
                 if outer_call is not None:  # map the nested call's outputs to inner results
                     outer_node, inner, outer_mapping = outer_call
-                    for outer_kt, inner_kt in zip(outer_node.outputs, inner.outputs):
+                    for outer_kt, inner_kt in zip(outer_node.outputs, inner.outputs, strict=True):
                         outer_mapping[id(outer_kt)] = mapping[id(inner_kt)]
                 continue
             if keras_node.is_input:
@@ -176,7 +176,9 @@ class _Builder:
                 continue
             inner_mapping = {
                 id(inner_kt): mapping[id(outer_kt)]
-                for inner_kt, outer_kt in zip(inner.inputs, _call_inputs(keras_node, inner))
+                for inner_kt, outer_kt in zip(
+                    inner.inputs, _call_inputs(keras_node, inner), strict=True
+                )
             }
             inner_prefix = f"{prefix}{keras_node.operation.name}/"
             outer_call = (keras_node, inner, mapping)
@@ -257,7 +259,7 @@ def _call_inputs(keras_node, inner):
         flat = [argument[name] for name in sorted(argument, key=order.__getitem__)]
     else:
         flat = tree.flatten(argument)
-    if len(flat) != len(inner.inputs) or not all(hasattr(x, "_keras_history") for x in flat):
+    if len(flat) != len(inner.inputs) or not all(map(_keras.is_keras_tensor, flat)):
         return None
     return flat
 

@@ -133,10 +133,10 @@ class Stage:
 class Plan:
     """Pipeline stages of a model, as a linear chain: stage i+1 receives what stage i sends.
 
-    Example:
-        >>> plan = hyparflow.partition(model, 4, balance="flops")
-        >>> plan.summary()
-        >>> y = plan.run(x)  # same as model(x)
+    For example:
+        plan = hyparflow.partition(model, 4, balance="flops")
+        plan.summary()
+        y = plan.run(x)  # same as model(x)
     """
 
     model: object
@@ -179,7 +179,7 @@ class Plan:
         batch_size = batch_size or self.batch_size
         inputs = profile.make_sample(self._graph, sample, input_shape, batch_size)
         times = profile.stage_times(self.stages, inputs, self.model, repeats)
-        for stage, seconds in zip(self.stages, times):
+        for stage, seconds in zip(self.stages, times, strict=True):
             stage.measured_time = seconds
         return times
 
@@ -227,9 +227,9 @@ class Plan:
             f"Plan for '{self.model.name}': {self.num_partitions} stages, "
             f"balance={self._balance_label()}"
             + (f", bandwidth={self.bandwidth:g} B/unit" if self.bandwidth else ""),
-            "  ".join(h.ljust(w) for h, w in zip(header, widths)),
+            "  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)),
         ]
-        lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+        lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
         imbalance = f"imbalance (slowest/mean): estimated {self.estimated_imbalance:.3f}"
         if measured:
             imbalance += f", measured {self.measured_imbalance:.3f}"

@@ -54,10 +54,10 @@ def partition(
         A `Plan`: `plan.stages[i].model`, `.receives`, `.sends`, `.layers`, `.cost`;
         `plan.run(x)`, `plan.summary()`, `plan.to_json()`.
 
-    Example:
-        >>> plan = hyparflow.partition(model, 4, balance="time", batch_size=64)
-        >>> plan.summary()
-        >>> assert np.allclose(plan.run(x), model(x))
+    For example:
+        plan = hyparflow.partition(model, 4, balance="time", batch_size=64)
+        plan.summary()
+        assert np.allclose(plan.run(x), model(x))
     """
 
     if not isinstance(num_partitions, numbers.Integral) or num_partitions < 1:
@@ -151,7 +151,7 @@ def _partition_by_time(
             break
         node_costs = _rescaled(node_costs, starts, stages, times)
     _, stages, shared, times = best
-    for stage, seconds in zip(stages, times):
+    for stage, seconds in zip(stages, times, strict=True):
         stage.measured_time = seconds
     return Plan(
         model=graph.model,

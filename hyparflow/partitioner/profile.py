@@ -37,7 +37,7 @@ def make_sample(graph: LayerGraph, sample=None, input_shape=None, batch_size=Non
     batch = batch_size or DEFAULT_PROFILE_BATCH
     rng = np.random.default_rng(0)
     values = []
-    for spec, shape in zip(specs, shapes):
+    for spec, shape in zip(specs, shapes, strict=True):
         if any(d is None for d in shape):
             raise ValueError(
                 f"Model input '{spec.name}' has unknown dimensions {tuple(spec.shape)}; pass "
@@ -56,13 +56,13 @@ def node_times(graph: LayerGraph, inputs: list, repeats: int = 5) -> np.ndarray:
     """Seconds of forward plus backward of each node on `inputs` (training mode), each compiled
     alone with tf.function; the cost of an empty compiled call is subtracted."""
     overhead = _best_time(tf.function(lambda xs: [tf.identity(x) for x in xs]), inputs, repeats)
-    values = dict(zip(graph.inputs, inputs))
+    values = dict(zip(graph.inputs, inputs, strict=True))
     times = np.zeros(len(graph.nodes))
     with preserved_state(graph.model):
         for node in graph.nodes:
             node_inputs = [values[t] for t in node.inputs]
             outputs = _node_call(node)(node_inputs)
-            values.update(zip(node.outputs, outputs))
+            values.update(zip(node.outputs, outputs, strict=True))
             step = _forward_backward(_node_call(node), _trainable(node.operation))
             times[node.position] = max(0.0, _best_time(step, node_inputs, repeats) - overhead)
             for t in node.inputs:  # free activations nobody reads any more
@@ -114,7 +114,7 @@ def _node_call(node):
         lookup = {kt_id: inputs[positions[t]] for kt_id, t in node.argument_tensors.items()}
         args, kwargs = node.arguments.fill_in(lookup)
         # as Keras's Functional does: hand the training flag to operations that take it
-        if "training" in getattr(operation, "_call_context_args", ()):
+        if "training" in _keras.call_context_args(operation):
             kwargs = {**kwargs, "training": True}
         return tree.flatten(operation(*args, **kwargs))
 

@@ -25,77 +25,35 @@ def build_stages(
     forwarded unchanged. Stage 0 receives the model inputs; the last stage sends exactly the
     model outputs, in order.
     """
-    n = len(graph.nodes)
-    bounds = [*starts, n]
-    num_stages = len(starts)
-    stage_of = [0] * n
-    for k in range(num_stages):
-        for position in range(bounds[k], bounds[k + 1]):
-            stage_of[position] = k
-    reader_stages = [sorted({stage_of[c] for c in t.consumers}) for t in graph.tensors]
-    is_output = set(graph.outputs)
-    source_stage = [stage_of[t.producer] if t.producer >= 0 else -1 for t in graph.tensors]
-
-    def needed_after(t, k):
-        return t in is_output or (reader_stages[t] and reader_stages[t][-1] > k)
-
-    def boundary(t, k, name=None):
-        tensor = graph.tensors[t]
-        return BoundaryTensor(
-            name=name or tensor.name,
-            shape=tensor.shape,
-            dtype=tensor.dtype,
-            source_stage=source_stage[t],
-            dest_stage=-1 if t in is_output else reader_stages[t][-1],
-            forwarded=source_stage[t] != k,
-            consumer_stages=tuple(reader_stages[t]),
-        )
-
-    owner = _owner_stages(graph, stage_of)
-    shared = _shared_layers(graph, stage_of)
+    chain = _Chain(graph, starts)
+    owner = _owner_stages(graph, chain.stage_of)
+    shared = _shared_layers(graph, chain.stage_of)
     stages = []
-    receives_ids = list(graph.inputs)
-    receives = [
-        BoundaryTensor(
-            name=graph.tensors[t].name,
-            shape=graph.tensors[t].shape,
-            dtype=graph.tensors[t].dtype,
-            source_stage=-1,
-            dest_stage=-1 if t in is_output else (reader_stages[t] or [0])[-1],
-            consumer_stages=tuple(reader_stages[t]),
-        )
-        for t in graph.inputs
-    ]
-    for k in range(num_stages):
-        nodes = graph.nodes[bounds[k] : bounds[k + 1]]
-        if k == num_stages - 1:
-            send_ids = list(graph.outputs)
-            sends = _unique_names([boundary(t, k) for t in send_ids])
-        else:
-            produced = [t for node in nodes for t in node.outputs]
-            send_ids = [t for t in receives_ids + produced if needed_after(t, k)]
-            sends = [boundary(t, k) for t in send_ids]
-        _warn_about_masks(graph, send_ids if k < num_stages - 1 else [])
+    receives_ids, receives = list(graph.inputs), chain.model_inputs()
+    for k in range(len(starts)):
+        first, end = chain.bounds[k], chain.bounds[k + 1]
+        nodes = graph.nodes[first:end]
+        send_ids, sends = chain.sends(k, nodes, receives_ids)
+        # here, not in _Chain: the warning's stacklevel names build_stages's caller
+        _warn_about_masks(graph, send_ids if k < chain.last else [])
         model = stage_model(graph, k, nodes, receives_ids, send_ids)
         layer_objects = {}
         for node in nodes:
             if node.is_layer:
                 layer_objects.setdefault(node.layer_name, node.operation)
-        ops = list(dict.fromkeys(node.layer_name for node in nodes if not node.is_layer))
-        compute_cost = float(sum(node_costs[bounds[k] : bounds[k + 1]]))
         comm_cost = 0.0
         if cut_costs is not None:
-            comm_cost = float(cut_costs[bounds[k]] + cut_costs[bounds[k + 1]])
+            comm_cost = float(cut_costs[first] + cut_costs[end])
         stages.append(
             Stage(
                 index=k,
                 model=model,
                 layers=list(layer_objects),
-                ops=ops,
+                ops=list(dict.fromkeys(node.layer_name for node in nodes if not node.is_layer)),
                 nodes=[node.name for node in nodes],
                 receives=receives,
                 sends=sends,
-                cost=compute_cost + comm_cost,
+                cost=float(sum(node_costs[first:end])) + comm_cost,
                 comm_cost=comm_cost,
                 param_count=sum(layer.count_params() for layer in layer_objects.values()),
                 owned_layers=[name for name in layer_objects if owner[name] == k],
@@ -104,6 +62,63 @@ def build_stages(
         )
         receives_ids, receives = send_ids, sends
     return stages, shared
+
+
+class _Chain:
+    """Which stage computes each tensor of a linear split, which stages read it, and what each
+    stage therefore receives and sends."""
+
+    def __init__(self, graph: LayerGraph, starts: list[int]):
+        n = len(graph.nodes)
+        self.graph = graph
+        self.bounds = [*starts, n]
+        self.last = len(starts) - 1
+        self.stage_of = [0] * n
+        for k in range(len(starts)):
+            for position in range(self.bounds[k], self.bounds[k + 1]):
+                self.stage_of[position] = k
+        self.readers = [sorted({self.stage_of[c] for c in t.consumers}) for t in graph.tensors]
+        self.outputs = set(graph.outputs)
+        self.source = [self.stage_of[t.producer] if t.producer >= 0 else -1 for t in graph.tensors]
+
+    def model_inputs(self) -> list[BoundaryTensor]:
+        """What stage 0 receives: the model's inputs."""
+        return [
+            BoundaryTensor(
+                name=self.graph.tensors[t].name,
+                shape=self.graph.tensors[t].shape,
+                dtype=self.graph.tensors[t].dtype,
+                source_stage=-1,
+                dest_stage=-1 if t in self.outputs else (self.readers[t] or [0])[-1],
+                consumer_stages=tuple(self.readers[t]),
+            )
+            for t in self.graph.inputs
+        ]
+
+    def sends(self, k: int, nodes, receives_ids) -> tuple[list[int], list[BoundaryTensor]]:
+        """Stage `k`'s sent tensor ids and boundaries: the model outputs from the last stage,
+        else every received or computed tensor still needed after it."""
+        if k == self.last:
+            send_ids = list(self.graph.outputs)
+            return send_ids, _unique_names([self._boundary(t, k) for t in send_ids])
+        produced = [t for node in nodes for t in node.outputs]
+        send_ids = [t for t in receives_ids + produced if self._needed_after(t, k)]
+        return send_ids, [self._boundary(t, k) for t in send_ids]
+
+    def _needed_after(self, t: int, k: int) -> bool:
+        return t in self.outputs or (self.readers[t] and self.readers[t][-1] > k)
+
+    def _boundary(self, t: int, k: int) -> BoundaryTensor:
+        tensor = self.graph.tensors[t]
+        return BoundaryTensor(
+            name=tensor.name,
+            shape=tensor.shape,
+            dtype=tensor.dtype,
+            source_stage=self.source[t],
+            dest_stage=-1 if t in self.outputs else self.readers[t][-1],
+            forwarded=self.source[t] != k,
+            consumer_stages=tuple(self.readers[t]),
+        )
 
 
 def stage_model(graph: LayerGraph, k: int, nodes, receives_ids, send_ids):
@@ -124,13 +139,13 @@ def stage_model(graph: LayerGraph, k: int, nodes, receives_ids, send_ids):
             )
             for i, t in enumerate(receives_ids)
         ]
-    symbolic = dict(zip(receives_ids, inputs))
+    symbolic = dict(zip(receives_ids, inputs, strict=True))
     for node in nodes:
         lookup = {kt_id: symbolic[t] for kt_id, t in node.argument_tensors.items()}
         args, kwargs = node.arguments.fill_in(lookup)
         outputs = [_like(graph.tensors[t].keras_tensor) for t in node.outputs]
         _keras.Node(node.operation, call_args=args, call_kwargs=kwargs, outputs=outputs)
-        symbolic.update(zip(node.outputs, outputs))
+        symbolic.update(zip(node.outputs, outputs, strict=True))
     name = f"{safe_name(graph.model.name)}_stage{k}"
     return keras.Model(inputs=inputs, outputs=[symbolic[t] for t in send_ids], name=name)
 

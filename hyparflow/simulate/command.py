@@ -112,7 +112,7 @@ def table(costs, network, machine, args, rows) -> str:
             f"{efficiency(prediction, base):.1%}", f"{prediction.bubble:.1%}",
             f"{prediction.allreduce_time * 1e3:.2f}",
         )  # fmt: skip
-        lines.append("".join(str(v).rjust(width) for v, (_, width) in zip(values, COLUMNS)))
+        lines.append("".join(str(v).rjust(w) for v, (_, w) in zip(values, COLUMNS, strict=True)))
     unit = "one rank (plain model.fit)" if args.baseline == "rank" else "one node, same layout"
     lines.append(f"speed-up and efficiency relative to {unit}")
     return "\n".join(lines)

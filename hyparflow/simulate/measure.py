@@ -40,9 +40,9 @@ def measure_model(
     two `batch_sizes`; its weights are restored afterwards. The `model.fit` baseline (on a
     copy) runs at `fit_batch_sizes` (default `batch_sizes`: give those one rank trains at).
 
-    Example:
-        >>> costs = measure_model(model, batch_sizes=(16, 64))
-        >>> costs.save("costs.json")   # then: hyparflow simulate costs.json ...
+    For example:
+        costs = measure_model(model, batch_sizes=(16, 64))
+        costs.save("costs.json")   # then: hyparflow simulate costs.json ...
     """
     if getattr(model, "optimizer", None) is None:
         raise ValueError("measure_model needs a compiled model (model.compile(...) first)")
@@ -159,9 +159,9 @@ def _stage_step(model, call, variables, x, microbatches, repeats) -> tuple[float
             forward += time.perf_counter() - start
             start = time.perf_counter()
             seeds = [tf.ones_like(y) for y in outputs]
-            grads = tape.gradient(outputs, sources, output_gradients=seeds)[: len(variables)]
-            grads = [tf.zeros_like(v) if g is None else g for g, v in zip(grads, variables)]
-            total = grads if total is None else [a + g for a, g in zip(total, grads)]
+            zero = tf.UnconnectedGradients.ZERO  # a variable the stage does not use: zeros
+            grads = tape.gradient(outputs, sources, seeds, zero)[: len(variables)]
+            total = grads if total is None else [a + g for a, g in zip(total, grads, strict=True)]
             backward += time.perf_counter() - start
         start = time.perf_counter()
         if copies:
@@ -247,7 +247,7 @@ def fit_step(model, batch_sizes, steps: int = 8, input_shape=None) -> Affine:
         starts.clear()
         clone.fit(x, y, batch_size=batch, epochs=2, verbose=0, callbacks=[timer])
         typical[batch] = statistics.median(
-            b - a for a, b in zip(starts, starts[1:]) if a is not None and b is not None
+            b - a for a, b in itertools.pairwise(starts) if a is not None and b is not None
         )
     (small, a), (large, b) = sorted(typical.items())
     return Affine.through(small, a, large, b)

@@ -1,7 +1,7 @@
 """Step time, throughput and efficiency of P partitions x R replicas, from costs and a network.
 
 A step of hyparflow's engine (docs/engine.md) is, on every rank: the pipeline schedule over
-the micro-batches (`engine.schedule.simulate` with per-stage forward and backward times and
+the micro-batches (`schedule.simulate` with per-stage forward and backward times and
 the link delay), the sum of the stage's gradients over its replicas (`network.py`), then the
 optimizer; the slowest stage sets the step. Every rank is assumed to have a core of its own.
 With jitter, a stage's replicas meet at their allreduce when the slowest arrives (the expected
@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from hyparflow.engine.schedule import make_schedule, simulate
+from hyparflow.schedule import make_schedule, simulate
 from hyparflow.simulate.costs import ModelCosts
 from hyparflow.simulate.network import Network
 from hyparflow.simulate.placement import Layout
@@ -98,8 +98,8 @@ def predict(
     callback reads every batch's logs (verbose=1, `ScalingProfiler`), so after each step the
     last stage reads its metrics out and all ranks agree on the logs and on stopping.
 
-    Example:
-        >>> p = predict(costs, Network(intra=Link(1e-6, 10e9)), Layout(2, 2, 4), 256)
+    For example:
+        p = predict(costs, Network(intra=Link(1e-6, 10e9)), Layout(2, 2, 4), 256)
     """
     machine.check(layout)
     if layout.world == 1 and costs.single_process is not None:
@@ -114,7 +114,7 @@ def predict(
     engine = costs.engine
     starts = list(starts) if starts is not None else costs.split(p, batch)
     bounds = [*starts, len(costs.layers)]
-    stages = [costs.stage(a, b, batch) for a, b in zip(bounds[:-1], bounds[1:])]
+    stages = [costs.stage(a, b, batch) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
     forward, backward, transfers = [], [], []
     fused = p == 1 and costs.fused is not None  # the engine's one-call step, flat gradients

@@ -115,7 +115,7 @@ class TensorShards:
             yield
         finally:
             self._depth -= 1
-            for layer, spec in zip(self._rows, specs):
+            for layer, spec in zip(self._rows, specs, strict=True):
                 layer.input_spec = spec
             for layer, _ in self._calls.values():
                 if "call" in vars(layer):

@@ -1,6 +1,7 @@
-"""Every input `model.fit` takes, on 2 ranks, against Keras in the same process.
+"""Every input `model.fit` takes, on 2 or 4 ranks, against Keras in the same process.
 
-Arguments: the strategy kinds to run each case with ("data", "model"). Each case is a factory
+Arguments: the layouts to run each case in ("data", "model", "tensor" on 2 ranks; "hybrid",
+P2 x R2, on 4). Each case is a factory
 of fresh `fit` arguments (a generator is used up by one fit), trained once by Keras and once by
 `hf.fit` from the same initial weights, with `shuffle=False`. Refusals are compared with the
 error Keras raises for the same arguments. docs/keras_parity.md lists the cases.
@@ -99,17 +100,24 @@ REFUSED = {  # what Keras refuses, hyparflow must refuse with Keras's message
 }
 
 
-# The tensor layout (T=2) reads data as the others do: it runs the cases that exercise each
-# way in (docs/keras_parity.md), not every argument again.
-TENSOR_CASES = (
+# The tensor (T=2) and hybrid (P2 x R2) layouts read data as the data and model layouts do:
+# they run the cases that exercise each way in (docs/keras_parity.md), not every argument again.
+WAYS_IN = (
     "tf_data", "tf_data_with_tf_data_validation", "py_dataset_sample_weight",
     "generator_steps_per_epoch", "arrays_steps_per_epoch_carry_over", "class_weight",
     "sample_weight_validation_split", "validation_freq_steps",
 )  # fmt: skip
 
 
+LAYOUTS = {
+    "tensor": hf.Strategy("data", tensor=2),
+    "hybrid": hf.Strategy("hybrid", partitions=2, replicas=2, microbatches=2),
+}
+EVERY_CASE = ("data", "model")  # the layouts that run every case and every refusal
+
+
 def strategy_of(kind: str):
-    return hf.Strategy("data", tensor=2) if kind == "tensor" else kind
+    return LAYOUTS.get(kind, kind)
 
 
 def run(kinds, name: str, arguments) -> list[dict]:
@@ -122,7 +130,7 @@ def run(kinds, name: str, arguments) -> list[dict]:
         warnings.simplefilter("ignore")  # Keras's "ran out of data" is expected in some cases
         ref = reference.fit(**options, epochs=epochs, shuffle=False, verbose=0)
         for kind in kinds:
-            if kind == "tensor" and name not in TENSOR_CASES:
+            if kind not in EVERY_CASE and name not in WAYS_IN:
                 continue
             again = arguments()  # fresh arguments: a generator is used up by one fit
             again.pop("epochs", None)
@@ -198,8 +206,11 @@ def per_output(kinds) -> list[dict]:
     results = []
     for kind in kinds:
         model = compiled("multi_io", "adam")
-        got = hf.fit(model, x, y, **fit, strategy=kind)
-        evaluated = hf.evaluate(model, *validation, batch_size=8, strategy=kind, return_dict=True)
+        strategy = strategy_of(kind)
+        got = hf.fit(model, x, y, **fit, strategy=strategy)
+        evaluated = hf.evaluate(
+            model, *validation, batch_size=8, strategy=strategy, return_dict=True
+        )
         results.append({
             "case": f"{kind}:per_output_losses",
             "weights": relative_difference(model.get_weights(), reference.get_weights()),
@@ -218,9 +229,9 @@ if __name__ == "__main__":
     keras.config.disable_interactive_logging()
     kinds = args()
     results = [result for name, case in CASES.items() for result in run(kinds, name, case)]
-    split = [kind for kind in kinds if kind != "tensor"]  # the layouts every case runs in
     results += custom_steps.results() if "data" in kinds else []  # own train_step, compute_loss
-    results += per_output(split)
+    results += per_output([kind for kind in kinds if kind != "tensor"])
     results += [r for name, case in EVALUATED.items() for r in evaluated(kinds, name, case)]
-    refusals = [refusal(kind, name, case) for kind in split for name, case in REFUSED.items()]
+    every = [kind for kind in kinds if kind in EVERY_CASE]
+    refusals = [refusal(kind, name, case) for kind in every for name, case in REFUSED.items()]
     report({"rank": hf.rank(), "results": results, "refusals": refusals})

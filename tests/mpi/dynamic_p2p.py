@@ -56,10 +56,10 @@ def nothing_pending(comm, peer) -> bool:
 
 
 def check_dynamic(transport):
+    """Five steps of changing sequence lengths, a wrong batch size, a static-only channel."""
     comm = MPI.COMM_WORLD.Dup()  # its own tag space: nothing from other checks can match
     rank = comm.Get_rank()
     peer = 1 - rank
-    receives = BACKWARD if rank == 0 else FORWARD
     channel = PipeChannel(
         comm,
         peer,
@@ -70,6 +70,17 @@ def check_dynamic(transport):
     )
     out = {"values_ok": [], "shapes": [], "zero_copy": [], "allocations": [], "capacity": []}
     out.update(reused=[], held_intact=[], modes=[])
+    exchange_steps(channel, comm, BACKWARD if rank == 0 else FORWARD, out)
+    check_wrong_batch(channel, rank, out)
+    out["dynamic_nothing_pending"] = nothing_pending(comm, peer)
+    channel.close()
+    check_static_only(comm, peer, transport, out)
+    comm.Free()
+    return out
+
+
+def exchange_steps(channel, comm, receives, out):
+    """Every step of LENGTHS in both directions; facts on the direction this rank `receives`."""
     held, previous = None, None
     for step, length in enumerate(LENGTHS):
         for direction in DIRECTIONS:
@@ -82,33 +93,14 @@ def check_dynamic(transport):
                 channel.wait_sends()
                 continue
             out["modes"].append("irecv" if upfront else "recv")
-            if upfront:
-                handles = [channel.irecv(mb, direction) for mb in range(len(SIZES))]
-                comm.Barrier()
-                got = {mb: handles[mb].wait(batch_size=SIZES[mb]) for mb in (2, 0, 1)}
-            else:
-                got = {mb: channel.recv(mb, direction) for mb in (2, 0, 1)}
-            got = [got[mb] for mb in range(len(SIZES))]
-            buffers = [
-                [channel.receive_buffer(mb, direction, i) for i in range(len(SPECS[direction]))]
-                for mb in range(len(SIZES))
-            ]
-            out["values_ok"].append(
-                [same(got[mb], payload(direction, step, mb, length)) for mb in range(len(SIZES))]
-            )
-            out["shapes"].append([[list(t.shape) for t in tensors] for tensors in got])
-            out["zero_copy"].append(
-                all(
-                    address(t) == address(b)
-                    for tensors, bufs in zip(got, buffers)
-                    for t, b in zip(tensors, bufs)
-                )
-            )
-            out["allocations"].append(channel.allocations)
-            out["capacity"].append([math.prod(bufs[0].shape) for bufs in buffers])
+            got, buffers = receive_step(channel, comm, direction, upfront)
+            record_step(out, channel, got, buffers, direction, step, length)
             if previous is not None:  # the same buffer objects as last step, per slot and tensor
                 out["reused"].append(
-                    [[b is p for b, p in zip(bufs, prev)] for bufs, prev in zip(buffers, previous)]
+                    [
+                        [b is p for b, p in zip(bufs, prev, strict=True)]
+                        for bufs, prev in zip(buffers, previous, strict=True)
+                    ]
                 )
             previous = buffers
             if held is not None:  # received a step ago into slot 0, kept through this one
@@ -118,26 +110,60 @@ def check_dynamic(transport):
             held = got[0] if step in HOLD else None
             del got, buffers
 
-    # A receiver expecting another batch size says so; the data is still drained, so the
-    # next message of the same tag arrives intact.
+
+def receive_step(channel, comm, direction, upfront):
+    """One step's micro-batches, out of order, by `irecv` posted up front or by `recv`; and
+    each slot's receive buffers."""
+    if upfront:
+        handles = [channel.irecv(mb, direction) for mb in range(len(SIZES))]
+        comm.Barrier()
+        got = {mb: handles[mb].wait(batch_size=SIZES[mb]) for mb in (2, 0, 1)}
+    else:
+        got = {mb: channel.recv(mb, direction) for mb in (2, 0, 1)}
+    got = [got[mb] for mb in range(len(SIZES))]
+    buffers = [
+        [channel.receive_buffer(mb, direction, i) for i in range(len(SPECS[direction]))]
+        for mb in range(len(SIZES))
+    ]
+    return got, buffers
+
+
+def record_step(out, channel, got, buffers, direction, step, length):
+    """A received step's values, shapes, zero copy and buffer sizes."""
+    out["values_ok"].append(
+        [same(got[mb], payload(direction, step, mb, length)) for mb in range(len(SIZES))]
+    )
+    out["shapes"].append([[list(t.shape) for t in tensors] for tensors in got])
+    out["zero_copy"].append(
+        all(
+            address(t) == address(b)
+            for tensors, bufs in zip(got, buffers, strict=True)
+            for t, b in zip(tensors, bufs, strict=True)
+        )
+    )
+    out["allocations"].append(channel.allocations)
+    out["capacity"].append([math.prod(bufs[0].shape) for bufs in buffers])
+
+
+def check_wrong_batch(channel, rank, out):
+    """A receiver expecting another batch size says so; the data is still drained, so the
+    next message of the same tag arrives intact."""
     if rank == 0:
         channel.isend(payload(FORWARD, 5, 2, 5), 2, FORWARD).wait()
         channel.isend(payload(FORWARD, 6, 2, 6), 2, FORWARD).wait()
-    else:
-        try:
-            channel.recv(2, FORWARD, batch_size=MAX_BATCH)
-            out["wrong_batch_error"] = ""
-        except RuntimeError as error:
-            out["wrong_batch_error"] = str(error)
-        out["after_error_ok"] = same(
-            channel.recv(2, FORWARD, batch_size=2), payload(FORWARD, 6, 2, 6)
-        )
-    out["dynamic_nothing_pending"] = nothing_pending(comm, peer)
-    channel.close()
+        return
+    try:
+        channel.recv(2, FORWARD, batch_size=MAX_BATCH)
+        out["wrong_batch_error"] = ""
+    except RuntimeError as error:
+        out["wrong_batch_error"] = str(error)
+    out["after_error_ok"] = same(channel.recv(2, FORWARD, batch_size=2), payload(FORWARD, 6, 2, 6))
 
-    # A static-only channel sends no shape header: nothing is left unreceived.
+
+def check_static_only(comm, peer, transport, out):
+    """A static-only channel sends no shape header: nothing is left unreceived."""
     static = PipeChannel(comm, peer, [FORWARD_SPECS[2]], 1, transport=transport)
-    if rank == 0:
+    if comm.Get_rank() == 0:
         static.isend(payload(FORWARD, 7, 2, 0)[2:], 0, FORWARD).wait()
     else:
         (got,) = static.recv(0, FORWARD)
@@ -146,8 +172,6 @@ def check_dynamic(transport):
         del got
     out["static_nothing_pending"] = nothing_pending(comm, peer)
     static.close()
-    comm.Free()
-    return out
 
 
 def main():

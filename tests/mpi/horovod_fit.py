@@ -87,7 +87,7 @@ def reducer_cases() -> dict:
             "dtypes": [None if g is None else g.dtype.name for g in got],
             "equal": all(
                 (g is None and w is None) or np.array_equal(np.asarray(g), np.asarray(w))
-                for g, w in zip(got, want)
+                for g, w in zip(got, want, strict=True)
             ),
         }
     return out

@@ -104,98 +104,125 @@ def _resume_each(folder, strategies: dict):
     return results, keras.saving.load_model(exported)
 
 
+def crash(folder):
+    """Train with checkpoints; rank 1 kills itself in the middle of epoch 2."""
+    train(folder, callbacks=[KillRank(1, after_batches=7)])  # 4 batches per epoch
+    report({"finished": True})  # must never happen
+
+
+def resume(folder):
+    """Resume the crashed run, train it uninterrupted, and continue saved P=2 and T=2 files."""
+    resumed, history = train(folder, resume=True)
+    reference, ref_history = train(folder + "-uninterrupted")
+    saved = {"P2": f"{folder}-saved-P2", "T2": f"{folder}-saved-T2"}
+    train_and_save(saved["P2"], hf.Strategy("model", partitions=2))
+    train_and_save(saved["T2"], hf.Strategy("data", tensor=2))
+    report(
+        {
+            # rank 0 alone, after the MPI work: no rank waits for it in a barrier
+            "saved_files": continue_saved_files(saved) if hf.rank() == 0 else None,
+            "rank": hf.rank(),
+            "weights": relative_difference(resumed.get_weights(), reference.get_weights()),
+            "bitwise": all(
+                np.array_equal(a, b)
+                for a, b in zip(resumed.get_weights(), reference.get_weights(), strict=True)
+            ),
+            "resumed_epochs": history.epoch,
+            "last_loss": history.history["loss"][-1],
+            "ref_last_loss": ref_history.history["loss"][-1],
+        }
+    )
+
+
+def torn_save(folder):
+    """Rank 0 is killed during the second checkpoint save, before its manifest."""
+    x, y = data("mlp", n=64)
+    hf.fit(
+        model_with_dropout(), x, y, batch_size=BATCH, epochs=EPOCHS, verbose=0,
+        callbacks=[TornCheckpoint(folder, every_n_steps=2, every_epoch=False)],
+        strategy="model", watchdog_timeout=30,
+    )  # fmt: skip
+    report({"finished": True})  # must never happen
+
+
+def after_torn(folder):
+    """Resume from the folder the torn save left."""
+    found = [step for step, _ in manifest.complete_checkpoints(folder)]
+    partial = sorted(n for n in os.listdir(folder) if n.startswith("ckpt-"))
+    model, history = train(folder, resume=True)
+    report({"rank": hf.rank(), "complete": found, "folders": partial, "epochs": history.epoch})
+
+
+def reshape(folder):
+    """Checkpoint a 2x2 hybrid run, resume it as 4x1, 1x4 and 2x2; export it."""
+    first, _ = train(folder, strategy=hf.Strategy("hybrid", partitions=2, replicas=2),
+                     epochs=2, dropout=0.0)  # fmt: skip
+    results, exported = _resume_each(folder, {
+        "same": hf.Strategy("hybrid", partitions=2, replicas=2),
+        "model4": hf.Strategy("model", partitions=4),
+        "data4": hf.Strategy("data"),
+    })  # fmt: skip
+    report(
+        {
+            "rank": hf.rank(),
+            "model4": relative_difference(results["model4"], results["same"]),
+            "data4": relative_difference(results["data4"], results["same"]),
+            "export": relative_difference(exported.get_weights(), first.get_weights()),
+            "export_compiled": exported.compiled and exported.optimizer.__class__.__name__,
+        }
+    )
+
+
+def tensor_reshape(folder):
+    """Checkpoint a 2-stage run split over 2 tensor ranks; resume it with T = 2, 1 and 4."""
+    strategies = {
+        "same": hf.Strategy("model", partitions=2, tensor=2),
+        "tensor1": hf.Strategy("hybrid", partitions=2, replicas=2),
+        "data4": hf.Strategy("data"),
+        "tensor4": hf.Strategy("data", tensor=4),
+    }
+    first, _ = train(folder, strategy=strategies["same"], epochs=2, dropout=0.0)
+    shard_files = sorted(n for n in os.listdir(manifest.latest(folder)) if n.endswith(".npz"))
+    results, exported = _resume_each(folder, strategies)
+    report(
+        {
+            "rank": hf.rank(),
+            "files": shard_files,
+            **{
+                name: relative_difference(weights, results["same"])
+                for name, weights in results.items() if name != "same"
+            },
+            "export": relative_difference(exported.get_weights(), first.get_weights()),
+        }
+    )  # fmt: skip
+
+
+def stall(folder):
+    """Rank 1 stops answering; the watchdog must end the job."""
+
+    class Hang(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 1 and hf.rank() == 1:
+                time.sleep(600)
+
+    start = time.time()
+    x, y = data("mlp", n=64)
+    hf.fit(
+        model_with_dropout(), x, y, batch_size=BATCH, epochs=EPOCHS, verbose=0,
+        callbacks=[Hang()], strategy="model", watchdog_timeout=5,
+    )  # fmt: skip
+    report({"finished": True, "elapsed": time.time() - start})  # must never happen
+
+
+MODES = {
+    f.__name__: f for f in (crash, resume, torn_save, after_torn, reshape, tensor_reshape, stall)
+}
+
+
 def main():
     mode, folder = args()
     keras.config.disable_interactive_logging()
-    if mode == "crash":
-        train(folder, callbacks=[KillRank(1, after_batches=7)])  # 4 batches per epoch
-        report({"finished": True})  # must never happen
-    elif mode == "resume":
-        resumed, history = train(folder, resume=True)
-        reference, ref_history = train(folder + "-uninterrupted")
-        saved = {"P2": f"{folder}-saved-P2", "T2": f"{folder}-saved-T2"}
-        train_and_save(saved["P2"], hf.Strategy("model", partitions=2))
-        train_and_save(saved["T2"], hf.Strategy("data", tensor=2))
-        report(
-            {
-                # rank 0 alone, after the MPI work: no rank waits for it in a barrier
-                "saved_files": continue_saved_files(saved) if hf.rank() == 0 else None,
-                "rank": hf.rank(),
-                "weights": relative_difference(resumed.get_weights(), reference.get_weights()),
-                "bitwise": all(
-                    np.array_equal(a, b)
-                    for a, b in zip(resumed.get_weights(), reference.get_weights())
-                ),
-                "resumed_epochs": history.epoch,
-                "last_loss": history.history["loss"][-1],
-                "ref_last_loss": ref_history.history["loss"][-1],
-            }
-        )
-    elif mode == "torn_save":
-        x, y = data("mlp", n=64)
-        hf.fit(
-            model_with_dropout(), x, y, batch_size=BATCH, epochs=EPOCHS, verbose=0,
-            callbacks=[TornCheckpoint(folder, every_n_steps=2, every_epoch=False)],
-            strategy="model", watchdog_timeout=30,
-        )  # fmt: skip
-        report({"finished": True})  # must never happen
-    elif mode == "after_torn":
-        found = [step for step, _ in manifest.complete_checkpoints(folder)]
-        partial = sorted(n for n in os.listdir(folder) if n.startswith("ckpt-"))
-        model, history = train(folder, resume=True)
-        report({"rank": hf.rank(), "complete": found, "folders": partial, "epochs": history.epoch})
-    elif mode == "reshape":
-        first, _ = train(folder, strategy=hf.Strategy("hybrid", partitions=2, replicas=2),
-                         epochs=2, dropout=0.0)  # fmt: skip
-        results, exported = _resume_each(folder, {
-            "same": hf.Strategy("hybrid", partitions=2, replicas=2),
-            "model4": hf.Strategy("model", partitions=4),
-            "data4": hf.Strategy("data"),
-        })  # fmt: skip
-        report(
-            {
-                "rank": hf.rank(),
-                "model4": relative_difference(results["model4"], results["same"]),
-                "data4": relative_difference(results["data4"], results["same"]),
-                "export": relative_difference(exported.get_weights(), first.get_weights()),
-                "export_compiled": exported.compiled and exported.optimizer.__class__.__name__,
-            }
-        )
-    elif mode == "tensor_reshape":
-        strategies = {
-            "same": hf.Strategy("model", partitions=2, tensor=2),
-            "tensor1": hf.Strategy("hybrid", partitions=2, replicas=2),
-            "data4": hf.Strategy("data"),
-            "tensor4": hf.Strategy("data", tensor=4),
-        }
-        first, _ = train(folder, strategy=strategies["same"], epochs=2, dropout=0.0)
-        shard_files = sorted(n for n in os.listdir(manifest.latest(folder)) if n.endswith(".npz"))
-        results, exported = _resume_each(folder, strategies)
-        report(
-            {
-                "rank": hf.rank(),
-                "files": shard_files,
-                **{
-                    name: relative_difference(weights, results["same"])
-                    for name, weights in results.items() if name != "same"
-                },
-                "export": relative_difference(exported.get_weights(), first.get_weights()),
-            }
-        )  # fmt: skip
-    elif mode == "stall":
-
-        class Hang(keras.callbacks.Callback):
-            def on_train_batch_end(self, batch, logs=None):
-                if batch == 1 and hf.rank() == 1:
-                    time.sleep(600)
-
-        start = time.time()
-        x, y = data("mlp", n=64)
-        hf.fit(
-            model_with_dropout(), x, y, batch_size=BATCH, epochs=EPOCHS, verbose=0,
-            callbacks=[Hang()], strategy="model", watchdog_timeout=5,
-        )  # fmt: skip
-        report({"finished": True, "elapsed": time.time() - start})  # must never happen
+    MODES[mode](folder)
 
 
 if __name__ == "__main__":

@@ -62,7 +62,7 @@ class TwoOptimizers(keras.Model):
         body, head = self.trainable_variables[:2], self.trainable_variables[2:]
         grads = tape.gradient(loss, body + head)
         self.optimizer.apply(grads[:2], body)
-        self.head_optimizer.apply_gradients(zip(grads[2:], head))
+        self.head_optimizer.apply_gradients(zip(grads[2:], head, strict=True))
         self.tracker.update_state(loss)
         return {"step_loss": self.tracker.result()}
 

@@ -32,6 +32,9 @@ MPI_ENV = {
 # this one (docs/testing.md)
 POOLED_ALLOCATOR_ENV = {"TF_CPU_ALLOCATOR_USE_BFC": "true"}
 
+# "0" while pytest runs a test not marked `mpi` (tests/conftest.py): such a test may not launch
+MPI_ALLOWED_ENV = "HF_TEST_MPI_ALLOWED"
+
 # a folder where the launches of one pytest session share Keras references
 # (tests/support/references.py; tests/conftest.py sets it)
 REFERENCES_ENV = "HF_TEST_REFERENCES"
@@ -63,7 +66,7 @@ class MpiRun:
 
     def describe(self, tail: int = 3000) -> str:
         parts = [f"mpirun exit code {self.returncode}"]
-        for r, (out, err) in enumerate(zip(self.stdout, self.stderr)):
+        for r, (out, err) in enumerate(zip(self.stdout, self.stderr, strict=True)):
             parts.append(f"--- rank {r} stdout (tail) ---\n{out[-tail:]}")
             parts.append(f"--- rank {r} stderr (tail) ---\n{err[-tail:]}")
         return "\n".join(parts)
@@ -84,6 +87,11 @@ def _load_json(path: str):
         return json.load(f)
 
 
+def sharing() -> int:
+    """How many pytest-xdist workers share this machine's cores (1 without xdist)."""
+    return int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+
+
 def launch(
     scenario: str, np: int, *args: str, timeout: float = 300, env=None, prefix=(), collect=None,
     mpirun=("mpirun",), on_start=None,
@@ -96,6 +104,13 @@ def launch(
     `{scratch}`). `mpirun`: the launcher and its first arguments (e.g. emulated nodes,
     tests/support/nodes.py). `on_start(process, scratch)`, if given, runs once the job has
     started and before waiting for it (to act on the running job, e.g. kill a node)."""
+    # limits are set for a launch alone on the machine; W workers' launches share its cores
+    timeout *= sharing()
+    if os.environ.get(MPI_ALLOWED_ENV) == "0":
+        raise RuntimeError(
+            f"this test launches {scenario!r} under mpirun: mark it `pytest.mark.mpi`, so that "
+            "`make test-fast` leaves it out"
+        )
     with tempfile.TemporaryDirectory(prefix=f"hf-{scenario}-") as tmp:
         out, logs = os.path.join(tmp, "results"), os.path.join(tmp, "logs")
         os.makedirs(out)

@@ -23,7 +23,8 @@ def check_chain(model, plan):
     sends model.outputs; receives/sends describe the stage models' inputs/outputs."""
     stages = plan.stages
     assert [id(t) for t in stages[0].model.inputs] == [id(t) for t in model.inputs]
-    for previous, stage in zip(stages, stages[1:]):
+    # consecutive pairs: the shifted copy is one shorter, hence strict=False
+    for previous, stage in zip(stages, stages[1:], strict=False):
         assert _specs(stage.model.inputs) == _specs(previous.model.outputs)
         assert stage.receives == previous.sends
     assert _specs(stages[-1].model.outputs) == _specs(model.outputs)

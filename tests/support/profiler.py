@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from hyparflow.engine import events
-from hyparflow.engine.schedule import make_schedule, simulate
+from hyparflow.schedule import make_schedule, simulate
 
 
 def simulated_steps(

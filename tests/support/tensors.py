@@ -8,7 +8,7 @@ def same(received, expected) -> bool:
     """Every tensor equal in dtype, shape and values."""
     return all(
         r.dtype == e.dtype and r.shape == e.shape and np.array_equal(np.asarray(r), np.asarray(e))
-        for r, e in zip(received, expected)
+        for r, e in zip(received, expected, strict=True)
     )
 
 

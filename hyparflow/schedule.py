@@ -11,8 +11,9 @@ order. Two schedules are provided:
   backward, then drains the remaining backwards. Same bubble as GPipe, but at most `p - s`
   micro-batches are in flight on stage `s`.
 
-Nothing here imports MPI or TensorFlow: the engine walks these lists, and tests and the CLI
-simulate them.
+Nothing here imports MPI, TensorFlow or the rest of hyparflow: the engine walks these lists,
+and the simulator, the memory plan, the profiler, tests and the CLI read or simulate them, so
+it sits below all of them (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -231,7 +232,9 @@ def simulate(
         sum(forward_times[s] if a.is_forward else backward_times[s] for a in actions)
         for s, actions in enumerate(schedule)
     ]
-    span = max((end - setup for end, setup in zip(stage_free, setup_times)), default=0.0)
+    span = max(
+        (end - setup for end, setup in zip(stage_free, setup_times, strict=True)), default=0.0
+    )
     return Simulation(times=times, makespan=max(stage_free, default=0.0), busy=busy, span=span)
 
 
