@@ -129,7 +129,9 @@ def test_network_fit_recovers_a_synthetic_machine():
 def test_network_is_measured_on_two_ranks(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", REPO)
     measured = Network.from_dict(launch(str(tmp_path / "network.json"), timeout=120))
-    assert 0 < measured.intra.latency < 1e-3 and measured.intra.bandwidth > 1e8
+    # a measurement, so a loose bound: microseconds alone, 2-4 ms seen while other jobs ran; it
+    # catches a unit or fitting error, not a slow machine
+    assert 0 < measured.intra.latency < 0.05 and measured.intra.bandwidth > 1e8
     assert measured.source["measured"] == "hyparflow.simulate.netbench"
     assert measured.source["cores_got"] > 0
 
