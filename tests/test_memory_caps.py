@@ -2,10 +2,13 @@
 a model one process cannot train in the cap trains on four ranks built under hf.scope(), with
 the loss of an uncapped process.
 
-Each layout's cap is derived from the memory plan, not tuned: room for its largest rank plus
-35%, above what the cgroup holds before the model exists (imports, MPI). The plan errs low by
-up to 17% on these ranks (what an engine rank grows outside TensorFlow's allocator,
-docs/memory.md); with 15% the cap sat within 3% of a rank's peak and CI's run crossed it.
+Every process runs under TensorFlow's pooled allocator (docs/testing.md, "Memory"): without it,
+on a CPU where TensorFlow leaves oneDNN off, glibc's heap keeps freed blocks and a P=2 x T=2
+rank crossed its cap. Each layout's cap is derived from the memory plan, not tuned: room for
+its largest rank plus 35%, above what the cgroup holds before the model exists (imports,
+MPI). The plan errs low by up to 17% on these ranks (what an engine rank grows outside
+TensorFlow's allocator, docs/memory.md); with 15% the cap sat within 3% of a rank's peak and
+CI's run crossed it.
 One process needs 2.9x P=4's room (asserted >= 2.5, the issue's figure) and 2.4x P=2 x T=2's
 (asserted >= 2.0: tensor shards still update after the whole backward).
 
@@ -21,6 +24,7 @@ import pytest
 import hyparflow as hf
 from tests.mpi.memory_checks import BATCH, layout, wide_mlp
 from tests.support import cgroup
+from tests.support.mpirun import POOLED_ALLOCATOR_ENV
 
 pytestmark = [
     pytest.mark.mpi,
@@ -44,7 +48,9 @@ def _predicted(spec: str) -> int:
 @pytest.fixture(scope="module")
 def reference():
     """One uncapped process: its loss, and what its cgroup held beyond the training's growth."""
-    run, (outcome,) = cgroup.launch_capped("memory_checks", 1, "16G", "measure", "1,1,1", SHAPE)
+    run, (outcome,) = cgroup.launch_capped(
+        "memory_checks", 1, "16G", "measure", "1,1,1", SHAPE, env=POOLED_ALLOCATOR_ENV
+    )
     assert run.returncode == 0 and run.results[0], run.describe()
     result = run.results[0]
     return {**result, "base": outcome.peak - result["growth"], "total": outcome.peak}
@@ -56,11 +62,15 @@ def test_one_process_is_refused_where_four_ranks_train_with_its_loss(reference, 
     cap = reference["base"] + room
     needs = reference["total"] - reference["base"]
     assert needs >= SPLIT[spec] * room, (needs / MIB, room / MIB)  # the premise
-    run, (alone,) = cgroup.launch_capped("memory_checks", 1, cap, "measure", "1,1,1,scope", SHAPE)
+    run, (alone,) = cgroup.launch_capped(
+        "memory_checks", 1, cap, "measure", "1,1,1,scope", SHAPE, env=POOLED_ALLOCATOR_ENV
+    )
     # refused up front by the plan against the cgroup's limit, with the way out
     assert not alone.killed_for_memory and "MemoryError" in run.stderr[0], run.describe()
     assert "hf.memory_plan" in run.stderr[0] and "mpirun -np N" in run.stderr[0]
-    run, outcomes = cgroup.launch_capped("memory_checks", 4, cap, "measure", spec, SHAPE)
+    run, outcomes = cgroup.launch_capped(
+        "memory_checks", 4, cap, "measure", spec, SHAPE, env=POOLED_ALLOCATOR_ENV
+    )
     assert run.returncode == 0, (spec, cap / MIB, outcomes, run.describe())
     for result, outcome in zip(run.results, outcomes, strict=True):
         assert outcome.peak <= cap and not outcome.killed_for_memory
