@@ -114,9 +114,11 @@ def fit_loop(
     # Keras hands every batch's logs to the callbacks; when none on any rank looks at them,
     # the loop shares the logs once an epoch instead (docs/engine.md, "Logs")
     batch_logs = trainer.agree_any(any(needs_batch_logs(cb) for cb in callback_list.callbacks))
-    epoch_loop = _EpochLoop(trainer, source, callback_list, progbar, batch_logs)
-    epoch_loop.sync_every_batch = _saves_mid_epoch(callbacks)
-    epoch_loop.saving = saves_files(trainer, mine)  # files need the whole optimizer state
+    epoch_loop = _EpochLoop(
+        trainer, source, callback_list, progbar, batch_logs,
+        sync_every_batch=_saves_mid_epoch(callbacks),
+        saving=saves_files(trainer, mine),  # files need the whole optimizer state
+    )  # fmt: skip
     drop_gathered_state(trainer)
     callback_list.on_train_begin()
     logs = {}
@@ -164,12 +166,14 @@ def _sync(trainer, *, saving: bool) -> None:
 class _EpochLoop:
     """One epoch of training steps with the callbacks' batch hooks, on every rank."""
 
-    sync_every_batch = False  # a checkpoint saves every N batches
-    saving = False  # a callback may save files at the epoch's end
-
-    def __init__(self, trainer, source, callbacks, progbar, batch_logs: bool):
+    def __init__(
+        self, trainer, source, callbacks, progbar, batch_logs: bool, *, sync_every_batch: bool,
+        saving: bool,
+    ):  # fmt: skip
         self.trainer, self.source, self.callbacks = trainer, source, callbacks
         self.progbar, self.batch_logs = progbar, batch_logs
+        self.sync_every_batch = sync_every_batch  # a checkpoint saves every N batches
+        self.saving = saving  # a callback may save files at the epoch's end
 
     def train(self, epoch: int, skip: int) -> dict:
         """Train `epoch` (its first `skip` batches are skipped); its logs, the full model
