@@ -142,10 +142,10 @@ def _check(case, ranks):
         assert r["weights"] < tol, f"{where}: weights differ by {r['weights']:.2e}"
         assert r["history"] < tol, f"{where}: History differs by {r['history']:.2e}"
         if case.model in TEXT_MODELS:
-            # Four distinct sequence lengths: traced once, once more with the length unknown
-            # (as Keras's own train function), and once more where the first call creates
-            # variables (tf.function's rule); a trace per length would be 4 or 5.
-            assert r["traces"] <= 3, f"{where}: a step function traced {r['traces']} times"
+            # Four distinct sequence lengths: traced once, then once more with the length
+            # unknown, as Keras's own train function; a trace per length would be 4 or 5, and a
+            # step that built the compiled metrics itself would be traced once more.
+            assert r["traces"] <= 2, f"{where}: a step function traced {r['traces']} times"
 
 
 @pytest.mark.timeout(600)

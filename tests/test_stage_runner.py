@@ -14,6 +14,7 @@ import tensorflow as tf
 from hyparflow.engine import flat
 from hyparflow.engine.flat import FlatLayout
 from hyparflow.engine.fused import FusedRunner
+from hyparflow.engine.metrics import build_outside_the_trace
 from hyparflow.engine.stage import StageRunner
 from tests.support.mpirun import POOLED_ALLOCATOR_ENV
 
@@ -203,9 +204,11 @@ def test_take_gradients_hands_over_the_sum_and_resets():
     assert len(whole) == len(model.trainable_variables)
 
 
-def test_fused_runner_matches_the_taped_stage_runner_and_updates_metrics():
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_fused_runner_matches_the_taped_stage_runner_and_updates_metrics(microbatches):
     """FusedRunner (one compiled forward+backward) accumulates the same gradients over
-    micro-batches as StageRunner, Dropout and BatchNormalization included."""
+    micro-batches as StageRunner, Dropout and BatchNormalization included. Told that a step has
+    several micro-batches, it sums every one into zeros: one function, traced once per shape."""
     reference, stats, _ = _run(recompute=False)
     model = _model()
     seen = []
@@ -216,6 +219,7 @@ def test_fused_runner_matches_the_taped_stage_runner_and_updates_metrics():
         model.trainable_variables,
         loss=lambda yt, yp, sw: model._compile_loss(yt, yp, sw),
         metrics=lambda yt, yp, sw: seen.append(yp.shape[0]),  # runs while tracing
+        microbatches=microbatches,
     )
     for k, part in enumerate((slice(0, 8), slice(8, 12))):
         y_pred, loss = runner.forward(k, tf.constant(x[part]), (tf.constant(y[part]), None))
@@ -228,6 +232,9 @@ def test_fused_runner_matches_the_taped_stage_runner_and_updates_metrics():
         np.testing.assert_allclose(got.numpy(), want, rtol=1e-6)
     zeros = runner.take_gradients()  # nothing forwarded since: zeros
     assert all(not np.any(g.numpy()) for g in zeros)
+    traces = (runner._first_fn.experimental_get_tracing_count(),
+              runner._accumulate_fn.experimental_get_tracing_count())  # fmt: skip
+    assert traces == ((1, 1) if microbatches == 1 else (0, 2))
 
 
 def test_flat_layout_round_trips_gradients_with_aligned_pieces():
@@ -351,3 +358,28 @@ def test_fused_step_holds_its_gradients_about_once_not_twice():
     assert whole > 1.8 * gradient_bytes, ratios  # the measurement sees the whole-model copy
     assert chunked < gradient_bytes + 4 * chunk_bytes, ratios
     assert whole - chunked > 0.5 * gradient_bytes, ratios
+
+
+def test_compiled_metrics_built_inside_a_step_leave_it_traced_once():
+    """Keras's compiled metrics build at their first update; built from inside a compiled step
+    by `build_outside_the_trace`, their variables are not the step's, so TensorFlow does not
+    trace the step again on its second call, and the metrics count as Keras's do."""
+    model = _dense_stage()
+    metrics = model._compile_metrics
+    x = tf.constant(np.random.default_rng(3).normal(size=(4, 6)).astype("float32"))
+    y = tf.constant(np.random.default_rng(4).normal(size=(4, 3)).astype("float32"))
+
+    @tf.function
+    def step(x, y):
+        y_pred = model(x)
+        if not metrics.built:
+            build_outside_the_trace(metrics, y, y_pred)
+        metrics.update_state(y, y_pred)
+
+    step(x, y)
+    step(x, y)
+    assert step.experimental_get_tracing_count() == 1 and not step._created_variables
+    want = keras.metrics.MeanAbsoluteError()
+    want.update_state(y, model(x))
+    want.update_state(y, model(x))
+    np.testing.assert_allclose(metrics.result()["mae"], want.result(), rtol=1e-6)

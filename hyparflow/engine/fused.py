@@ -33,6 +33,10 @@ class FusedRunner:
     `added_losses()` (`last_added`, `has_added_losses`), `relax_shapes` and `train_scope` mean
     what they mean for `StageRunner`.
 
+    `microbatches`: how many micro-batches a step has. With more than one, every micro-batch,
+    the first included, adds its gradients to a total (zeros at first), so one function is
+    traced instead of a first-micro-batch function and an accumulating one.
+
     For example:
         runner = FusedRunner(lambda x, training: model(x, training=training),
                              model.trainable_variables, loss=_keras.compiled_loss(model))
@@ -51,6 +55,7 @@ class FusedRunner:
         added_losses=None,
         relax_shapes=False,
         train_scope=None,
+        microbatches=1,
     ):
         self.variables = list(variables)
         self.layout = layout
@@ -68,6 +73,7 @@ class FusedRunner:
         self._loss = loss
         self._grads = None
         self._forwarded: set[int] = set()
+        self._sums_from_zeros = microbatches > 1
         self._first_fn = tf.function(self._first_body, reduce_retracing=relax_shapes)
         self._accumulate_fn = tf.function(self._accumulate_body, reduce_retracing=relax_shapes)
         self._infer_fn = tf.function(self._infer_body, reduce_retracing=relax_shapes)
@@ -123,6 +129,8 @@ class FusedRunner:
         y, sample_weight = targets
         scale = tf.constant(scale, tf.float32)
         piece = None if piece is None else tf.constant(piece, tf.int32)
+        if self._grads is None and self._sums_from_zeros:
+            self._grads = self._zero_totals()
         if self._grads is None:
             y_pred, loss, self.last_added, self._grads, sparse = self._first_fn(
                 inputs, y, sample_weight, scale, piece
@@ -134,6 +142,11 @@ class FusedRunner:
         self._sparse_pieces.append(sparse)
         self._forwarded.add(microbatch)
         return y_pred, loss
+
+    def _zero_totals(self):
+        if self.layout is not None:
+            return self.layout.zeros()
+        return [tf.zeros_like(self._sources[i]) for i in self.dense]
 
     def backward(self, microbatch: int, output_grads=None) -> list:
         """Nothing to compute (the forward took the gradients); no inputs need gradients."""

@@ -75,3 +75,20 @@ class ReplicaMetrics:
 def to_floats(logs: dict) -> dict:
     """Scalar tensors to Python floats, so logs pickle cheaply and compare exactly."""
     return {k: float(np.asarray(v)) if np.ndim(v) == 0 else np.asarray(v) for k, v in logs.items()}
+
+
+def build_outside_the_trace(metrics, y, y_pred) -> None:
+    """Build Keras's compiled `metrics` for `y` and `y_pred` from inside a traced step, with
+    their variables made eagerly and not recorded as the trace's own.
+
+    Keras builds them lazily, at the first update. A `tf.function` whose first call creates
+    variables is traced a second time before it runs again (TensorFlow's rule for functions
+    that create state), so the compiled step would be traced once more; Keras's own `fit`
+    avoids that by building them before its first step.
+    """
+
+    def unrecorded(next_creator, **options):
+        return next_creator(**{**options, "experimental_enable_variable_lifting": False})
+
+    with tf.init_scope(), tf.variable_creator_scope(unrecorded):
+        metrics.build(y, y_pred)

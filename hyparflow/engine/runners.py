@@ -65,7 +65,8 @@ def build_runner(parts: RunnerParts, variables, sparse, form, layout):
         # Chunks, not one tensor: the step then never holds its gradients twice (flat.py).
         return FusedRunner(
             parts.call, variables, loss=parts.loss, metrics=parts.metrics,
-            layout=ChunkedLayout(layout.slots) if form.flat else None, **common,
+            layout=ChunkedLayout(layout.slots) if form.flat else None,
+            microbatches=strategy.microbatches, **common,
         )  # fmt: skip
     return StageRunner(
         parts.call,

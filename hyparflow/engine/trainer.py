@@ -25,7 +25,7 @@ from hyparflow.engine.added_losses import warn_unless_batch_means
 from hyparflow.engine.flat import FlatLayout
 from hyparflow.engine.gradient_form import choose_gradient_form, segments_for
 from hyparflow.engine.gradient_sync import GradientSync, SharedAcrossStages
-from hyparflow.engine.metrics import ReplicaMetrics
+from hyparflow.engine.metrics import ReplicaMetrics, build_outside_the_trace
 from hyparflow.engine.mpi import mpi_op
 from hyparflow.engine.output_losses import OutputLosses
 from hyparflow.engine.pipeline import PipelineWalk
@@ -268,8 +268,11 @@ class Trainer:
 
     def _update_metrics(self, y, y_pred, sample_weight):
         metrics = _keras.compiled_metrics(self.model)
-        if metrics is not None:
-            metrics.update_state(y, y_pred, sample_weight)
+        if metrics is None:
+            return
+        if not metrics.built:
+            build_outside_the_trace(metrics, y, y_pred)
+        metrics.update_state(y, y_pred, sample_weight)
 
     # --- steps ---------------------------------------------------------------------------
     def train_step(self, batch: GlobalBatch) -> None:

@@ -32,13 +32,10 @@ def run(case: Case) -> dict:
 
 
 def _run(case: Case) -> dict:
-    name = case.model
-    x, y = data(name)
-    vx, vy = data(name, n=20, seed=1)
-    key = {"scenario": "equivalence", "model": name, "optimizer": case.optimizer,
-           "policy": case.policy}  # fmt: skip
-    reference = references.shared(key, lambda: _train_reference(case, (x, y), (vx, vy)))
-    model = compiled(name, case.optimizer, case.policy)
+    x, y = data(case.model)
+    vx, vy = data(case.model, n=20, seed=1)
+    reference = references.shared(*_reference_request(case))
+    model = compiled(case.model, case.optimizer, case.policy)
     strategy = hf.Strategy(**case.strategy_options())
     history = hf.fit(
         model, x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
@@ -79,6 +76,14 @@ def _run(case: Case) -> dict:
     }
 
 
+def _reference_request(case: Case) -> references.Request:
+    """The key and training of `case`'s Keras reference (tests/support/references.py)."""
+    key = {"scenario": "equivalence", "model": case.model, "optimizer": case.optimizer,
+           "policy": case.policy}  # fmt: skip
+    train, validation = data(case.model), data(case.model, n=20, seed=1)
+    return key, lambda: _train_reference(case, train, validation)
+
+
 def _train_reference(case: Case, train: tuple, validation: tuple) -> dict:
     """Plain Keras's fit, predict and evaluate of the case's model: what `_run` compares with."""
     reference = compiled(case.model, case.optimizer, case.policy)
@@ -97,4 +102,6 @@ def _train_reference(case: Case, train: tuple, validation: tuple) -> dict:
 
 if __name__ == "__main__":
     keras.config.disable_interactive_logging()
-    report({"rank": hf.rank(), "results": [run(Case.from_json(c)) for c in args()]})
+    cases = [Case.from_json(c) for c in args()]
+    references.prefetch([_reference_request(c) for c in cases])
+    report({"rank": hf.rank(), "results": [run(c) for c in cases]})

@@ -130,7 +130,9 @@ def resumes_four(folder: str) -> dict:
 def main():
     folder, *cases = args()
     keras.config.disable_interactive_logging()
-    results = [run(Case.from_json(c)) for c in cases]
+    cases = [Case.from_json(c) for c in cases]
+    references.prefetch([references.zoo_request(c.model, c.optimizer, c.policy) for c in cases])
+    results = [run(c) for c in cases]
     extra = {}
     if hf.size() == 2:
         extra = {"refusals": refusals(), "resume": resumes_two(folder)}
