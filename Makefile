@@ -46,7 +46,7 @@ TEST_WORKERS ?= 1
 WORKERS_OPTION = $(if $(filter 1,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 test: lint test-tools
-	$(PY) -m pytest $(WORKERS_OPTION)
+	$(PY) -m pytest --durations=30 $(WORKERS_OPTION)
 
 # The fast tier, for development: everything but the tests marked `mpi` (MPI jobs, Slurm,
 # notebooks, minutes of training); a test that launches mpirun unmarked fails here.

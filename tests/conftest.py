@@ -37,12 +37,25 @@ def pytest_unconfigure(config):
         del os.environ[REFERENCES_ENV]
 
 
+# The longest files, slowest first (the launch report of a full run): pytest-xdist's loadfile
+# scheduling hands files out in collection order, so these start first and a long file does not
+# run alone at the end while the other worker idles.
+LONGEST_FILES = [
+    "test_real_models.py", "test_tensor_parallel.py", "test_keras_inputs.py", "test_engine.py",
+    "test_memory_caps.py", "test_zero.py", "test_nodes.py", "test_hdf5.py", "test_deferred.py",
+    "test_memory_plan.py",
+]  # fmt: skip
+
+
 def pytest_collection_modifyitems(config, items):
-    """Each test's pytest-timeout grows with the workers sharing the cores, as launch limits
-    do (tests/support/mpirun.py): limits are set for a test alone on the machine."""
+    """With several workers, the longest files come first, and each test's pytest-timeout grows
+    with the workers sharing the cores, as launch limits do (tests/support/mpirun.py): limits
+    are set for a test alone on the machine."""
     workers = sharing()
     if workers == 1:
         return
+    rank = {name: k for k, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FILES)))  # stable
     for item in items:
         mark = item.get_closest_marker("timeout")
         limit = float(mark.args[0]) if mark and mark.args else float(config.getini("timeout"))
