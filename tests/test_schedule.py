@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 
 from hyparflow.schedule import (
     Action,
+    ActionKind,
     B,
     DeadlockError,
     F,
@@ -16,6 +17,7 @@ from hyparflow.schedule import (
     peak_in_flight,
     simulate,
     theoretical_bubble,
+    with_transfers,
 )
 
 stages = st.integers(min_value=1, max_value=8)
@@ -138,3 +140,30 @@ def test_deadlocks_are_detected():
         simulate([[], [F(0)]])  # depends on an action never scheduled
     with pytest.raises(ValueError, match="twice"):
         simulate([[F(0), F(0)]])
+
+
+@given(stages, microbatches, names)
+def test_transfers_wrap_each_pass_where_a_neighbour_exists(p, m, name):
+    """Lowered lists keep the passes in order; each pass is preceded by its receive and followed
+    by its send exactly where the stage has that neighbour; simulating them is refused."""
+    for stage, actions in enumerate(make_schedule(name, p, m)):
+        lowered = with_transfers(actions, stage, p)
+        assert [a for a in lowered if a.kind.computes] == actions
+        for i, action in enumerate(lowered):
+            k = action.microbatch
+            if action.kind is ActionKind.FORWARD:
+                assert (i > 0 and lowered[i - 1] == Action("recv_activations", k)) == (stage > 0)
+                after = i + 1 < len(lowered) and lowered[i + 1] == Action("send_activations", k)
+                assert after == (stage < p - 1)
+            if action.kind is ActionKind.BACKWARD:
+                before = i > 0 and lowered[i - 1] == Action("recv_gradients", k)
+                assert before == (stage < p - 1)
+                after = i + 1 < len(lowered) and lowered[i + 1] == Action("send_gradients", k)
+                assert after == (stage > 0)
+        transfers = len(lowered) - len(actions)
+        assert transfers == 2 * m * ((stage > 0) + (stage < p - 1))
+    if p > 1:
+        with pytest.raises(ValueError, match="transfers"):
+            simulate([with_transfers(make_schedule(name, p, m)[0], 0, p)] * p)
+        with pytest.raises(ValueError, match="transfer already"):
+            with_transfers(with_transfers([F(0)], 1, p), 1, p)

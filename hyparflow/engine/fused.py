@@ -9,16 +9,15 @@ from fusing kernels such as oneDNN's MatMul+BiasAdd+ReLU (docs/engine.md).
 
 from __future__ import annotations
 
-import contextlib
-
 import tensorflow as tf
 
 from hyparflow.engine import sparse as rows
 from hyparflow.engine.random_slices import slice_of
+from hyparflow.engine.runner import RunnerBase
 
 
-class FusedRunner:
-    """`StageRunner`'s interface for a model that is the only stage of its pipeline.
+class FusedRunner(RunnerBase):
+    """A `Runner` (engine/runner.py) for a model that is the only stage of its pipeline.
 
     `forward` computes the outputs, the loss and the micro-batch's gradients at once and adds
     them to the step's total; `backward` has nothing left to do. `call(inputs, training)`,
@@ -28,55 +27,32 @@ class FusedRunner:
     dense variables, or `ChunkedLayout`), their gradients are kept as one flat tensor (or a
     tuple of chunks: `take_flat_gradients`).
 
-    `sparse`: positions of embedding tables, whose gradients stay row slices: each
-    micro-batch's are kept as they come and concatenated in order (`take_sparse_gradients`).
-    `added_losses()` (`last_added`, `has_added_losses`), `relax_shapes` and `train_scope` mean
-    what they mean for `StageRunner`.
+    `sparse`, `added_losses`, `train_scope` and `relax_shapes` are `RunnerBase`'s options.
 
     `microbatches`: how many micro-batches a step has. With more than one, every micro-batch,
     the first included, adds its gradients to a total (zeros at first), so one function is
     traced instead of a first-micro-batch function and an accumulating one.
 
-    For example:
+    For example, a step of two micro-batches (halves of the batch):
         runner = FusedRunner(lambda x, training: model(x, training=training),
-                             model.trainable_variables, loss=_keras.compiled_loss(model))
-        runner.forward(0, x, targets=(y, None), scale=1.0); runner.backward(0)
-        grads = runner.take_gradients()
+                             model.trainable_variables, loss=_keras.compiled_loss(model),
+                             microbatches=2)
+        for k, (x, y) in enumerate(halves):
+            runner.forward(k, x, targets=(y, None), scale=0.5)
+        grads = runner.take_gradients()  # their sum: no backward call was needed
     """
 
-    def __init__(
-        self,
-        call,
-        variables,
-        loss,
-        metrics=None,
-        layout=None,
-        sparse=(),
-        added_losses=None,
-        relax_shapes=False,
-        train_scope=None,
-        microbatches=1,
-    ):
-        self.variables = list(variables)
+    def __init__(self, call, variables, loss, metrics=None, layout=None, microbatches=1, **common):
+        super().__init__(call, variables, **common)  # RunnerBase's options
         self.layout = layout
-        self.sparse = sorted(sparse)
-        self.dense = sorted(set(range(len(self.variables))) - set(self.sparse))
-        self._sparse_pieces: list[list] = []  # per micro-batch, the row-sparse gradients
-        self._added_losses = added_losses
-        self._train_scope = train_scope or contextlib.nullcontext
-        self.has_added_losses = False
-        self.last_added = None
+        self.flat_backward = False  # the compiled call reads the variables themselves
         self._metrics = metrics
         self.updates_metrics = metrics is not None
-        self._sources = [getattr(v, "value", v) for v in self.variables]
-        self._call = call
         self._loss = loss
-        self._grads = None
         self._forwarded: set[int] = set()
         self._sums_from_zeros = microbatches > 1
-        self._first_fn = tf.function(self._first_body, reduce_retracing=relax_shapes)
-        self._accumulate_fn = tf.function(self._accumulate_body, reduce_retracing=relax_shapes)
-        self._infer_fn = tf.function(self._infer_body, reduce_retracing=relax_shapes)
+        self._first_fn = tf.function(self._first_body, reduce_retracing=self.relax_shapes)
+        self._accumulate_fn = tf.function(self._accumulate_body, reduce_retracing=self.relax_shapes)
 
     def _gradients(self, inputs, y, sample_weight, scale, piece):
         with tf.GradientTape(watch_accessed_variables=False) as tape:
@@ -103,13 +79,6 @@ class FusedRunner:
             return y_pred, loss, added, self.layout.flatten(dense, scaled), sparse
         return y_pred, loss, added, dense, sparse
 
-    def _added(self):
-        added = self._added_losses() if self._added_losses is not None else None
-        if added is None:
-            return tf.zeros((), tf.float32)
-        self.has_added_losses = True
-        return added
-
     def _first_body(self, inputs, y, sample_weight, scale, piece):
         return self._gradients(inputs, y, sample_weight, scale, piece)
 
@@ -118,10 +87,6 @@ class FusedRunner:
         if self.layout is not None:  # one flat tensor, or a tuple of chunks
             return y_pred, loss, added, tf.nest.map_structure(tf.add, totals, grads), sparse
         return y_pred, loss, added, [t + g for t, g in zip(totals, grads, strict=True)], sparse
-
-    def _infer_body(self, inputs):
-        outputs = self._call(inputs, False)
-        return outputs, self._added()
 
     def forward(self, microbatch: int, inputs, targets=None, scale=1.0, piece=None):
         """Outputs and loss of `microbatch` as `(y_pred, loss)`; its gradient, weighted by
@@ -153,33 +118,18 @@ class FusedRunner:
         self._forwarded.discard(microbatch)
         return []
 
-    def infer(self, inputs):
-        """Forward without gradients, in inference mode (validation, evaluate, predict)."""
-        outputs, self.last_added = self._infer_fn(inputs)
-        return outputs
+    def prepare(self) -> None:
+        """Nothing to pack: the compiled call reads the variables themselves."""
 
-    def take_gradients(self) -> list:
-        """Summed variable gradients of the micro-batches since the last call (zeros if none);
-        row slices concatenated for the embedding tables."""
-        if self.layout is not None:
-            dense = self.layout.unflatten_fn(self.take_flat_gradients())
-        else:
-            dense, self._grads = self._grads, None
-            if dense is None:
-                dense = [tf.zeros_like(self.variables[i]) for i in self.dense]
-        tables = self.take_sparse_gradients()
-        return rows.in_order(len(self.variables), self.dense, dense, self.sparse, tables)
+    @property
+    def _totals_are_flat(self) -> bool:
+        return self.layout is not None
 
     def take_flat_gradients(self):
         """The dense variables' summed gradients as the layout's one flat tensor (needs a
         `layout`); take the tables' with `take_sparse_gradients`."""
         flat, self._grads = self._grads, None
         return self.layout.zeros() if flat is None else flat
-
-    def take_sparse_gradients(self) -> list:
-        """The embedding tables' gradients since the last call, in `sparse` order."""
-        pieces, self._sparse_pieces = self._sparse_pieces, []
-        return rows.concat_pieces(pieces, self.sparse, self.variables)
 
     @property
     def in_flight(self) -> int:

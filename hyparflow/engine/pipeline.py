@@ -8,11 +8,12 @@ import numpy as np
 import tensorflow as tf
 from keras import tree
 
-from hyparflow.comm.p2p import BACKWARD, FORWARD, PipeChannel
+from hyparflow.comm import p2p
+from hyparflow.comm.p2p import PipeChannel
 from hyparflow.data import GlobalBatch, piece_bounds
 from hyparflow.engine import events
 from hyparflow.engine.structure import model_input_list
-from hyparflow.schedule import forward_only, make_schedule
+from hyparflow.schedule import ActionKind, forward_only, make_schedule, with_transfers
 
 
 class MicroBatch(NamedTuple):
@@ -49,18 +50,13 @@ class PipelineWalk:
         self, model, topology, strategy, stage, runner, *, guard, loss, update_metrics,
         seed_variables, whole_inputs,
     ):  # fmt: skip
-        self.model = model
-        self.topology = topology
-        self.strategy = strategy
-        self.stage = stage
-        self.runner = runner
+        self.model, self.topology, self.strategy = model, topology, strategy
+        self.stage, self.runner = stage, runner  # what this rank computes, and how
         self.is_first, self.is_last = topology.is_first_stage, topology.is_last_stage
         self._guard = guard
-        self._loss = loss
+        self._loss, self._update_metrics_fn = loss, update_metrics
         self._eval_loss_fn = None
-        self._update_metrics_fn = update_metrics
-        self._seed_variables = seed_variables
-        self._whole_inputs = whole_inputs
+        self._seed_variables, self._whole_inputs = seed_variables, whole_inputs
         self.span = events.no_span
         self.channels: dict[tuple, tuple] = {}  # (largest micro-batch, count) -> (prev, next)
         self._schedules: dict[tuple, tuple] = {}  # (train, micro-batches) -> this stage's actions
@@ -114,15 +110,12 @@ class PipelineWalk:
         step = _Step(self, microbatches, global_size, train=train, predict=predict)
         step.loss_scale = loss_scale
         actions = self._stage_actions(train, len(microbatches))
-        final_backward = max(
-            (i for i, a in enumerate(actions) if not a.is_forward), default=-1
-        )  # the step's last backward: every gradient of this stage is final after it
-        for index, action in enumerate(actions):
-            if action.is_forward:
-                step.forward(action.microbatch)
-            else:
-                last = on_segment_done if index == final_backward else None
-                step.backward(action.microbatch, on_segment_done=last)
+        backwards = [a.microbatch for a in actions if a.kind is ActionKind.BACKWARD]
+        if backwards and on_segment_done is not None:
+            # the step's last backward: every gradient of this stage is final after it
+            step.on_segment_done = (backwards[-1], on_segment_done)
+        for action in actions:
+            step.act(action)
         step.complete_sends()
         return step.results
 
@@ -151,7 +144,8 @@ class PipelineWalk:
         return self.channels[key]
 
     def _stage_actions(self, train: bool, count: int) -> tuple:
-        """This stage's actions for a step of `count` micro-batches (built once per count)."""
+        """This stage's actions, transfers included, for a step of `count` micro-batches
+        (built once per count)."""
         key = (train, count)
         if key not in self._schedules:
             topo = self.topology
@@ -159,7 +153,8 @@ class PipelineWalk:
                 schedule = make_schedule(self.strategy.schedule, topo.num_stages, count)
             else:
                 schedule = forward_only(topo.num_stages, count)
-            self._schedules[key] = tuple(schedule[topo.stage])
+            actions = with_transfers(schedule[topo.stage], topo.stage, topo.num_stages)
+            self._schedules[key] = tuple(actions)
         return self._schedules[key]
 
     def _post_receives(self, prev, count: int) -> dict:
@@ -169,7 +164,7 @@ class PipelineWalk:
         which every later stage waits for)."""
         if prev is None:
             return {}
-        return {(FORWARD, k): self._receive(prev, k, FORWARD) for k in range(count)}
+        return {(p2p.FORWARD, k): self._receive(prev, k, p2p.FORWARD) for k in range(count)}
 
     def _receive(self, channel, k: int, direction: str):
         """Micro-batch `k`'s receive from `channel`: posted now with `overlap_p2p`, else a
@@ -197,10 +192,12 @@ class PipelineWalk:
 
 
 class _Step:
-    """One step's walk at this stage: its channels, posted receives and the last stage's
-    results; `forward` and `backward` run one action each (the walk's order)."""
+    """One step's walk at this stage: its channels, posted receives, the tensors between an
+    action and the next that uses them, and the last stage's results. `act` runs one action
+    (the walk's order); each kind of action has its method."""
 
     loss_scale = 1.0
+    on_segment_done: tuple | None = None  # (micro-batch of the step's last backward, callback)
 
     def __init__(self, walk: PipelineWalk, microbatches, global_size: int, *, train, predict):
         self.walk, self.microbatches, self.global_size = walk, microbatches, global_size
@@ -220,23 +217,41 @@ class _Step:
         self.posted = walk._post_receives(self.prev, count)
         self.seeds = _SeedSnapshot(walk._seed_variables) if train and count > 1 else None
         self.results: list = []
+        self.held: dict[tuple, Any] = {}  # (kind of the action that uses it, k) -> tensors
+        self._methods = {
+            ActionKind.RECV_ACTIVATIONS: self.receive_activations,
+            ActionKind.FORWARD: self.forward,
+            ActionKind.SEND_ACTIVATIONS: self.send_activations,
+            ActionKind.RECV_GRADIENTS: self.receive_gradients,
+            ActionKind.BACKWARD: self.backward,
+            ActionKind.SEND_GRADIENTS: self.send_gradients,
+        }
         if train and not walk.is_first and walk.runner.flat_backward:
             # Pack while this stage waits for its first activations, off the critical path.
             with walk.span(events.FORWARD):
                 walk.runner.prepare()
 
+    def act(self, action) -> None:
+        self._methods[action.kind](action.microbatch)
+
+    def receive_activations(self, k: int) -> None:
+        """Wait for micro-batch `k`'s inputs from the previous stage."""
+        walk = self.walk
+        with walk.span(events.RECV, k), walk._guard("receive activations", self.before, k):
+            received = self.posted.pop((p2p.FORWARD, k)).wait(self.microbatches[k].size)
+        self.held[ActionKind.FORWARD, k] = received
+
     def forward(self, k: int) -> None:
-        """Micro-batch `k`'s forward: receive its activations, run, send them on."""
-        walk, span, runner = self.walk, self.walk.span, self.walk.runner
+        """Micro-batch `k`'s forward, on its data (first stage) or received inputs."""
+        walk, runner = self.walk, self.walk.runner
         mb = self.microbatches[k]
         if self.seeds is not None:  # every micro-batch draws from the step's seeds
             self.seeds.restore()
         if walk.is_first:
             inputs = mb.x if walk._whole_inputs else model_input_list(walk.model, mb.x)
         else:
-            with span(events.RECV, k), walk._guard("receive activations", self.before, k):
-                inputs = self.posted.pop((FORWARD, k)).wait(mb.size)
-        with span(events.FORWARD, k):
+            inputs = self.held.pop((ActionKind.FORWARD, k))
+        with walk.span(events.FORWARD, k):
             if self.train:
                 out = runner.forward(
                     k,
@@ -251,28 +266,43 @@ class _Step:
                 walk._added_parts.append((mb.size, runner.last_added))
             if walk.is_last:
                 self.results.append(walk._finish_forward(out, mb, self.train, self.predict))
-        if not walk.is_last:
-            with span(events.SEND, k):
-                self.next.isend(out, k, FORWARD)
-                if self.train:  # its gradients cannot come back before it has gone
-                    self.posted[BACKWARD, k] = walk._receive(self.next, k, BACKWARD)
+            else:
+                self.held[ActionKind.SEND_ACTIVATIONS, k] = out
 
-    def backward(self, k: int, *, on_segment_done=None) -> None:
-        """Micro-batch `k`'s backward: receive its output gradients, run, send the input
-        gradients back; `on_segment_done` (the step's last backward only) as for `run`."""
-        walk, span = self.walk, self.walk.span
-        grads = None
-        if not walk.is_last:
-            with span(events.RECV, k), walk._guard("receive gradients", self.after, k):
-                grads = self.posted.pop((BACKWARD, k)).wait(self.microbatches[k].size)
-        with span(events.BACKWARD, k):
-            if on_segment_done is not None:
-                input_grads = walk.runner.backward(k, grads, on_segment_done)
+    def send_activations(self, k: int) -> None:
+        """Send micro-batch `k`'s outputs to the next stage; in training, post the receive of
+        their gradients (they cannot come back before the outputs have gone)."""
+        walk = self.walk
+        with walk.span(events.SEND, k):
+            self.next.isend(self.held.pop((ActionKind.SEND_ACTIVATIONS, k)), k, p2p.FORWARD)
+            if self.train:
+                self.posted[p2p.BACKWARD, k] = walk._receive(self.next, k, p2p.BACKWARD)
+
+    def receive_gradients(self, k: int) -> None:
+        """Wait for the gradients of micro-batch `k`'s outputs from the next stage."""
+        walk = self.walk
+        with walk.span(events.RECV, k), walk._guard("receive gradients", self.after, k):
+            received = self.posted.pop((p2p.BACKWARD, k)).wait(self.microbatches[k].size)
+        self.held[ActionKind.BACKWARD, k] = received
+
+    def backward(self, k: int) -> None:
+        """Micro-batch `k`'s backward; after the step's last one, `on_segment_done` (as for
+        `PipelineWalk.run`) runs as each segment finishes."""
+        walk = self.walk
+        grads = self.held.pop((ActionKind.BACKWARD, k), None)  # None at the last stage
+        with walk.span(events.BACKWARD, k):
+            if self.on_segment_done is not None and self.on_segment_done[0] == k:
+                input_grads = walk.runner.backward(k, grads, self.on_segment_done[1])
             else:
                 input_grads = walk.runner.backward(k, grads)
         if not walk.is_first:
-            with span(events.SEND, k):
-                self.prev.isend([g for g in input_grads if g is not None], k, BACKWARD)
+            self.held[ActionKind.SEND_GRADIENTS, k] = input_grads
+
+    def send_gradients(self, k: int) -> None:
+        """Send micro-batch `k`'s input gradients back to the previous stage."""
+        input_grads = self.held.pop((ActionKind.SEND_GRADIENTS, k))
+        with self.walk.span(events.SEND, k):
+            self.prev.isend([g for g in input_grads if g is not None], k, p2p.BACKWARD)
 
     def complete_sends(self) -> None:
         """Wait until this step's sends have left (their buffers are reused next step)."""

@@ -13,20 +13,22 @@ import tensorflow as tf
 
 
 class SegmentedRunner:
-    """`StageRunner`'s interface over a chain of segment runners (same results, finer steps).
+    """A `Runner` (engine/runner.py) over a chain of segment `StageRunner`s (same results,
+    finer steps).
 
     `variables` is the stage's variable list; `take_gradients` returns their gradients in that
     order, summing the parts of a variable used by several segments.
     """
 
     updates_metrics = False  # the trainer updates metrics from the outputs
-    layout = None  # gradients stay a list (FusedRunner may keep them flat)
+    layout = None  # gradients stay a list
     flat_backward = False  # nothing to pack before the first forward
 
     def __init__(self, segments: list, variables: list):
         self.segments = segments
         self.variables = list(variables)
         self.is_last = segments[-1].is_last
+        self.last_added = None
         self._accumulated: dict[int, object] = {}
 
     def forward(self, microbatch: int, inputs, targets=None, scale=1.0, piece=None):
@@ -39,6 +41,9 @@ class SegmentedRunner:
     @property
     def has_added_losses(self) -> bool:
         return any(s.has_added_losses for s in self.segments)
+
+    def prepare(self) -> None:
+        """Nothing to pack: the segments read their variables themselves."""
 
     def backward(self, microbatch: int, output_grads=None, on_segment_done=None):
         """Backward through the segments, last first; `on_segment_done(j)` after segment j."""

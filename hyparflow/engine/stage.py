@@ -7,8 +7,6 @@ only that micro-batch's activations alive until its backward (GPipe's activation
 
 from __future__ import annotations
 
-import contextlib
-
 import keras
 import numpy as np
 import tensorflow as tf
@@ -16,6 +14,7 @@ from keras import tree
 
 from hyparflow.engine import sparse as rows
 from hyparflow.engine.random_slices import slice_of
+from hyparflow.engine.runner import RunnerBase
 
 
 def _is_float(tensor) -> bool:
@@ -32,7 +31,7 @@ def _constant(tensor):
     return None if tensor is None else tf.stop_gradient(tensor)
 
 
-class StageRunner:
+class StageRunner(RunnerBase):
     """Forward, backward and gradient accumulation of one pipeline stage.
 
     `call(inputs, training)` computes the stage's outputs; `variables` are the trainable
@@ -59,29 +58,19 @@ class StageRunner:
     concatenated once, when taken. `FlatLayout.flat_backward_pays` says which is cheaper
     (docs/engine.md, "Flat pipeline gradients").
 
-    `sparse`: positions of embedding tables, whose gradients stay row slices (`layout`, if
-    any, covers the other variables): each micro-batch's are kept as they come and
-    concatenated in order (`take_sparse_gradients`).
-
-    `added_losses()`, if given, returns (inside the stage's trace) the sum of the losses its
-    layers added during the call (`add_loss`, activity regularizers; None if none): it joins
-    the micro-batch's loss, weighted by `scale` like the compiled loss, and `last_added` holds
-    its value after each `forward` or `infer` (`has_added_losses` once any call added one).
-
-    `train_scope()`, if given, returns a context entered around tracing the training call
-    (e.g. BatchNormalization statistics summed across replicas).
-
-    `relax_shapes`: the inputs have dimensions of varying size (sequence lengths), so traces
-    generalise shapes as Keras's own train function does instead of one trace per shape.
+    `sparse`, `added_losses`, `train_scope` and `relax_shapes` are `RunnerBase`'s options
+    (`layout`, if any, covers the variables that are not embedding tables). The layers' added
+    loss joins the micro-batch's loss, weighted by `scale` like the compiled loss.
 
     `recompute=True` keeps only each micro-batch's inputs between forward and backward and
     recomputes its activations in the backward (Chen et al. 2016, "Training Deep Nets with
     Sublinear Memory Cost"; GPipe's re-materialization).
 
-    For example:
-        runner = StageRunner(lambda x, training: model(x, training=training),
-                             model.trainable_variables, loss=_keras.compiled_loss(model))
-        runner.forward(0, x, targets=(y, None), scale=1.0); runner.backward(0)
+    For example, a first stage (no loss; its inputs need no gradients):
+        runner = StageRunner(lambda x, training: stage_model(x, training=training),
+                             stage_model.trainable_variables, input_grads=False)
+        outputs = runner.forward(0, x)
+        runner.backward(0, output_grads)  # the outputs' gradients, from the next stage
         grads = runner.take_gradients()
     """
 
@@ -96,19 +85,9 @@ class StageRunner:
         input_grads=True,
         layout=None,
         flat_backward=True,
-        sparse=(),
-        added_losses=None,
-        relax_shapes=False,
-        train_scope=None,
+        **common,
     ):
-        self.variables = list(variables)
-        self.sparse = sorted(sparse)
-        self.dense = sorted(set(range(len(self.variables))) - set(self.sparse))
-        self._sparse_pieces: list[list] = []  # per micro-batch, the row-sparse gradients
-        self._added_losses = added_losses
-        self._train_scope = train_scope or contextlib.nullcontext
-        self.has_added_losses = False  # set while tracing a call whose layers added a loss
-        self.last_added = None
+        super().__init__(call, variables, **common)  # RunnerBase's options
         self.layout = layout
         self.flat_backward = layout is not None and flat_backward
         self.input_grads = input_grads
@@ -119,13 +98,9 @@ class StageRunner:
         # What a forward changes besides activations (BatchNormalization statistics, Dropout
         # seeds): put back around a recomputation so that it replays the first forward exactly.
         self.state_variables = list(state_variables)
-        # The tf.Variable behind each Keras variable: what a tape can watch and differentiate.
-        self._sources = [getattr(v, "value", v) for v in self.variables]
         self.is_last = loss is not None
-        self._call = call
         self._loss = loss
         self._pending = {}
-        self._grads = None
         self._params = None  # this step's flat variable values (with flat_backward)
         self._pack_fn = tf.function(self._pack_body)
         self._flatten_fn = tf.function(self._flatten_body)
@@ -133,9 +108,9 @@ class StageRunner:
         # keeps Keras's per-output loss trackers weighting by batch size. With `relax_shapes`
         # (inputs of unknown length), as Keras's own train function: a second shape retraces
         # once with the differing dimensions unknown, then never again.
-        self._forward_fn = tf.function(self._forward_body, reduce_retracing=relax_shapes)
-        self._loss_forward_fn = tf.function(self._loss_forward_body, reduce_retracing=relax_shapes)
-        self._infer_fn = tf.function(self._infer_body, reduce_retracing=relax_shapes)
+        relax = self.relax_shapes
+        self._forward_fn = tf.function(self._forward_body, reduce_retracing=relax)
+        self._loss_forward_fn = tf.function(self._loss_forward_body, reduce_retracing=relax)
 
     def _differentiable(self, inputs):
         # A taped function's backward graph computes the gradient of every float input unless
@@ -172,13 +147,6 @@ class StageRunner:
             variable.assign(value)
         return outputs, added
 
-    def _added(self):
-        added = self._added_losses() if self._added_losses is not None else None
-        if added is None:
-            return tf.zeros((), tf.float32)
-        self.has_added_losses = True
-        return added
-
     def _forward_body(self, inputs, scale, piece, params):
         outputs, added = self._training_call(inputs, piece, params)
         return outputs, added, added * _constant(scale)
@@ -191,10 +159,6 @@ class StageRunner:
         if self._metrics is not None:
             self._metrics(y, y_pred, sample_weight)
         return y_pred, loss, added, (loss + added) * scale
-
-    def _infer_body(self, inputs):
-        outputs = self._call(inputs, False)
-        return outputs, self._added()
 
     def forward(self, microbatch: int, inputs, targets=None, scale=1.0, piece=None):
         """Run the forward of `microbatch`, keeping what its backward needs.
@@ -302,11 +266,6 @@ class StageRunner:
         by_input = iter(input_grads)
         return [next(by_input) if _is_float(t) else None for t in tree.flatten(inputs)]
 
-    def infer(self, inputs):
-        """Forward without gradients, in inference mode (validation, evaluate, predict)."""
-        outputs, self.last_added = self._infer_fn(inputs)
-        return outputs
-
     def _parameters(self):
         """This step's flat variable values (None unless `flat_backward`), packed at its
         first forward (or `prepare`): variables change only between steps (optimizer,
@@ -322,22 +281,9 @@ class StageRunner:
         the stage waits for its first activations, instead of at its first forward."""
         self._parameters()
 
-    def take_gradients(self) -> list:
-        """Summed variable gradients of the micro-batches since the last call (zeros if none);
-        row slices concatenated for the embedding tables."""
-        if self.flat_backward:
-            dense = self.layout.unflatten_fn(self.take_flat_gradients())
-        else:
-            dense, self._grads = self._grads, None
-            if dense is None:
-                dense = [tf.zeros_like(self.variables[i]) for i in self.dense]
-        tables = self.take_sparse_gradients()
-        return rows.in_order(len(self.variables), self.dense, dense, self.sparse, tables)
-
-    def take_sparse_gradients(self) -> list:
-        """The embedding tables' gradients since the last call, in `sparse` order."""
-        pieces, self._sparse_pieces = self._sparse_pieces, []
-        return rows.concat_pieces(pieces, self.sparse, self.variables)
+    @property
+    def _totals_are_flat(self) -> bool:
+        return self.flat_backward
 
     def take_flat_gradients(self):
         """The dense variables' summed gradients as the layout's one flat tensor (needs a

@@ -56,6 +56,15 @@ from hyparflow.tensor.shards import TensorShards
 __all__ = ["Trainer", "model_input_list", "pack_model_outputs"]
 
 
+def _training_state_field(name: str, doc: str) -> property:
+    """A Trainer attribute that is `stage_state`'s field `name` (checkpoints save that state)."""
+    return property(
+        lambda trainer: getattr(trainer.stage_state, name),
+        lambda trainer, value: setattr(trainer.stage_state, name, value),
+        doc=doc,
+    )
+
+
 class Trainer:
     """Training, evaluation and prediction steps for this rank's (stage, replica).
 
@@ -213,23 +222,10 @@ class Trainer:
             self.shards.load()
 
     # --- what checkpoints and callbacks read ---------------------------------------------
-    @property
-    def step(self) -> int:
-        """Optimizer steps taken through this trainer."""
-        return self.stage_state.step
-
-    @step.setter
-    def step(self, value: int) -> None:
-        self.stage_state.step = value
-
-    @property
-    def seed(self) -> int:
-        """The shared shuffle seed of the current fit (checkpoints record it)."""
-        return self.stage_state.seed
-
-    @seed.setter
-    def seed(self, value: int) -> None:
-        self.stage_state.seed = value
+    step = _training_state_field("step", "Optimizer steps taken through this trainer.")
+    seed = _training_state_field(
+        "seed", "The shared shuffle seed of the current fit (checkpoints record it)."
+    )
 
     def use_watchdog(self, timeout: float) -> None:
         """Guard blocking MPI waits with a `timeout`-second watchdog (0: none)."""

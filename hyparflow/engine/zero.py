@@ -28,6 +28,7 @@ from keras.optimizers import LossScaleOptimizer
 
 from hyparflow.comm.allreduce import DEFAULT_BUCKET_BYTES, reduction_dtype
 from hyparflow.engine import sparse as rows
+from hyparflow.engine.flat import FlatLayout
 from hyparflow.engine.mpi import mpi_op
 from hyparflow.engine.update import apply_clipped, inner_optimizer
 from hyparflow.engine.zero_layout import ZeroLayout, group_by_dtype, ring_bytes, segment_parts
@@ -199,8 +200,8 @@ class ShardedUpdate:
         """(each variable's gradient, None for tables; the tables' row slices). Flat gradients
         are read as views of their flat tensors (no per-variable copies of a whole model)."""
         sync, runner = self.sync, self.sync.runner
-        layout = getattr(runner, "layout", None)
-        if sync.shared is not None or layout is None or not hasattr(runner, "take_flat_gradients"):
+        layout = runner.layout
+        if sync.shared is not None or layout is None:
             local = runner.take_gradients()
             if sync.shared is not None:
                 local = sync.shared.sum(local, sync.shared_reducer, self.topology.pipeline_comm)
@@ -208,9 +209,8 @@ class ShardedUpdate:
             return [None if i in self.table_positions else g for i, g in enumerate(local)], tables
         flat = runner.take_flat_gradients()
         tables = runner.take_sparse_gradients()
-        chunks = getattr(layout, "chunks", None)
-        parts = [(layout, range(len(layout.slots)), flat)] if chunks is None else list(
-            zip(chunks, layout.members, flat, strict=True)
+        parts = [(layout, range(len(layout.slots)), flat)] if isinstance(layout, FlatLayout) else (
+            list(zip(layout.chunks, layout.members, flat, strict=True))
         )  # fmt: skip
         del flat
         local = [None] * len(self.variables)

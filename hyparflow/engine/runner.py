@@ -1,0 +1,122 @@
+"""The runner seam: one stage's forward and backward of a micro-batch, gradients summed until taken.
+
+The pipeline walk (`engine/pipeline.py`) and the gradient reduction (`engine/gradient_sync.py`)
+drive any `Runner`: `FusedRunner` (the whole model, forward and backward in one compiled call),
+`StageRunner` (a pipeline stage, forward under a tape) and `SegmentedRunner` (a stage cut into
+segments whose gradients are final one after another). `RunnerBase` holds what the first two
+share: the variables split into dense ones and embedding tables, the layers' added losses,
+inference, and the tables' row-slice gradients.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Protocol
+
+import tensorflow as tf
+
+from hyparflow.engine import sparse as rows
+
+
+class Runner(Protocol):
+    """What the walk and the reduction ask of a stage's runner.
+
+    `layout`: None when the gradients come as a list (`take_gradients`), else the `FlatLayout`
+    or `ChunkedLayout` whose flat tensors `take_flat_gradients` returns, the tables' row
+    slices apart (`take_sparse_gradients`). `flat_backward`: the variables are read from one
+    packed tensor during the step, packed by `prepare`. `updates_metrics`: the runner updates
+    the compiled metrics itself. `last_added`: the layers' added loss of the last forward or
+    inference; `has_added_losses` once any call added one.
+    """
+
+    variables: list
+    layout: object | None
+    flat_backward: bool
+    updates_metrics: bool
+    last_added: tf.Tensor | None
+
+    @property
+    def has_added_losses(self) -> bool: ...
+
+    def forward(self, microbatch: int, inputs, targets=None, scale=1.0, piece=None): ...
+
+    def backward(self, microbatch: int, output_grads=None): ...
+
+    def infer(self, inputs): ...
+
+    def prepare(self) -> None: ...
+
+    def take_gradients(self) -> list: ...
+
+
+class RunnerBase:
+    """The part of a runner that is the same whether forward and backward are one compiled call
+    (`FusedRunner`) or a taped forward and a later backward (`StageRunner`).
+
+    `call(inputs, training)` computes the stage; `variables` are its trainable variables, of
+    which `sparse` are the positions of embedding tables, whose gradients stay row slices: each
+    micro-batch's are kept as they come and concatenated in order (`take_sparse_gradients`).
+    `added_losses()`, if given, returns (inside a trace) the sum of the losses the layers added
+    during the call (`add_loss`, activity regularizers), or None; `last_added` holds its value
+    after each forward or inference, and `has_added_losses` turns True once a call added one.
+    `train_scope()`, if given, returns a context entered around tracing a training call (e.g.
+    BatchNormalization statistics summed across replicas). `relax_shapes`: the inputs have
+    dimensions of varying size (sequence lengths), so traces generalise shapes as Keras's own
+    train function does instead of one trace per shape.
+    """
+
+    def __init__(
+        self, call, variables, *, sparse=(), added_losses=None, train_scope=None, relax_shapes=False
+    ):
+        self.variables = list(variables)
+        self.sparse = sorted(sparse)
+        self.dense = sorted(set(range(len(self.variables))) - set(self.sparse))
+        # The tf.Variable behind each Keras variable: what a tape can watch and differentiate.
+        self._sources = [getattr(v, "value", v) for v in self.variables]
+        self._sparse_pieces: list[list] = []  # per micro-batch, the row-sparse gradients
+        self._added_losses = added_losses
+        self._train_scope = train_scope or contextlib.nullcontext
+        self.has_added_losses = False  # set while tracing a call whose layers added a loss
+        self.last_added = None
+        self._call = call
+        self.relax_shapes = relax_shapes
+        self._grads = None  # the step's summed dense gradients: a list, or flat tensors
+        self._infer_fn = tf.function(self._infer_body, reduce_retracing=relax_shapes)
+
+    def _added(self):
+        added = self._added_losses() if self._added_losses is not None else None
+        if added is None:
+            return tf.zeros((), tf.float32)
+        self.has_added_losses = True
+        return added
+
+    def _infer_body(self, inputs):
+        outputs = self._call(inputs, False)
+        return outputs, self._added()
+
+    def infer(self, inputs):
+        """Forward without gradients, in inference mode (validation, evaluate, predict)."""
+        outputs, self.last_added = self._infer_fn(inputs)
+        return outputs
+
+    def take_sparse_gradients(self) -> list:
+        """The embedding tables' gradients since the last call, in `sparse` order."""
+        pieces, self._sparse_pieces = self._sparse_pieces, []
+        return rows.concat_pieces(pieces, self.sparse, self.variables)
+
+    @property
+    def _totals_are_flat(self) -> bool:
+        """Whether the step's summed dense gradients (`_grads`) are the layout's flat tensors."""
+        raise NotImplementedError
+
+    def take_gradients(self) -> list:
+        """Summed variable gradients of the micro-batches since the last call (zeros if none);
+        row slices concatenated for the embedding tables."""
+        if self._totals_are_flat:
+            dense = self.layout.unflatten_fn(self.take_flat_gradients())
+        else:
+            dense, self._grads = self._grads, None
+            if dense is None:
+                dense = [tf.zeros_like(self.variables[i]) for i in self.dense]
+        tables = self.take_sparse_gradients()
+        return rows.in_order(len(self.variables), self.dense, dense, self.sparse, tables)
