@@ -24,6 +24,7 @@ from hyparflow.engine import sparse as rows
 from hyparflow.engine.added_losses import warn_unless_batch_means
 from hyparflow.engine.flat import FlatLayout
 from hyparflow.engine.gradient_form import choose_gradient_form, segments_for
+from hyparflow.engine.gradient_path import build_gradient_path
 from hyparflow.engine.gradient_sync import GradientSync, SharedAcrossStages
 from hyparflow.engine.metrics import ReplicaMetrics, build_outside_the_trace
 from hyparflow.engine.mpi import mpi_op
@@ -209,6 +210,11 @@ class Trainer:
             )  # fmt: skip
             if self.segment_update is not None:
                 self.segment_update.shard(self.zero)
+        self.gradient_path = build_gradient_path(
+            self.gradient_sync, self.update, self.segment_update, self.zero,
+            span=lambda *kind: self._span(*kind), guard=lambda op: self._guard(op),
+            step=lambda: self.step,
+        )  # fmt: skip
 
     def tensor_active(self):
         """The context in which the layers hold this rank's tensor shards (none without
@@ -279,44 +285,17 @@ class Trainer:
     def _train_step(self, batch: GlobalBatch) -> None:
         microbatches = self.walk.microbatches(batch)
         self.output_losses.begin(batch.size)
-        # Segment by segment only where the optimizer allows it and no check needs every
-        # gradient before the update.
-        by_segment = (
-            self.segment_update is not None and not self.check_numerics
-            and self.segment_update.usable()
-        )  # fmt: skip
-        on_segment_done = self.gradient_sync.on_segment_done
-        if by_segment:
-            self.segment_update.begin()
-            on_segment_done = self.segment_update.on_segment_done
+        on_segment_done = self.gradient_path.begin(self.check_numerics)
         with self._step_span(batch.size, len(microbatches)):
             losses = self.walk.run(
                 microbatches, batch.size, train=True, loss_scale=self.update.loss_scale(),
                 on_segment_done=on_segment_done,
             )  # fmt: skip
-            if by_segment:  # applied during the backward (inside its spans)
-                reg_value = self.segment_update.finish()
-            else:
-                reg_value = self._reduce_and_apply(losses)
+            reg_value = self.gradient_path.finish(losses, self.check_numerics)
         self._track_loss(losses, reg_value, self._added_total())
         self._average_moving_statistics()
         self.step += 1
         self.watchdog.step = self.step
-
-    def _reduce_and_apply(self, losses) -> float:
-        """Sum the step's gradients across stages and replicas, step the optimizer; return the
-        model's regularization."""
-        guard = self._guard("reduce gradients across stages and replicas")
-        reduction, update = self.gradient_sync, self.update
-        if self.zero is not None:  # reduce-scatter, update the slice, all-gather
-            reduction = update = self.zero
-            self.zero.keep_local = self.check_numerics
-        with self._span(events.ALLREDUCE), guard:
-            gradients = reduction.reduce()
-        if self.check_numerics:
-            self.update.check_finite(losses, gradients.as_list(), self.step)
-        with self._span(events.OPTIMIZER):
-            return update.apply(gradients)
 
     def eval_step(self, batch: GlobalBatch, reg_value: float) -> None:
         """Forward-only pass of one batch: loss and metrics accumulate at the last stage."""

@@ -81,6 +81,11 @@ class Update:
     compiled call. `guard(operation)` watches each blocking collective; `merge(dense, tables)`
     puts dense gradients and tables' row slices back in variable order; `layout` is the
     `FlatLayout` of flat gradients (None if they are a list).
+
+    ZeRO-1's `ShardedUpdate` (engine/zero.py) applies slices of the same gradients and builds
+    on the public parts: `guard`, `split_ids` (ids of tensor-split variables), `tensor_comm`,
+    `regularization_and_grads`, `total_regularization`, `sum_over_pipeline`,
+    `agree_finite_for_loss_scaling` and `compiled_update`.
     """
 
     def __init__(
@@ -92,20 +97,20 @@ class Update:
         self.variables = variables
         self.owned = owned
         self._partitioned = partitioned
-        self._guard = guard
+        self.guard = guard
         self._merge = merge
         self._layout = layout
         self.regularized = [v for v in owned if getattr(v, "regularizer", None)]
         # Tensor shards (`split`): their regularization and squared norms are parts, summed
         # over the tensor ranks; every other variable is whole on each of them.
-        self._split = {id(v) for v in split}
-        self._tensor_comm = topology.tensor_comm if self._split else None
-        self._reg_fn = tf.function(self._regularization_and_grads)
+        self.split_ids = {id(v) for v in split}
+        self.tensor_comm = topology.tensor_comm if self.split_ids else None
+        self._reg_fn = tf.function(self.regularization_and_grads)
         self._has_regularizers = bool(
             topology.pipeline_comm.allreduce(len(self.regularized) > 0, op=mpi_op("LOR"))
         )
         # Keras clips by the norm of the whole model's gradient: stages must agree on it.
-        self.clips_across_stages = (partitioned or bool(self._split)) and bool(
+        self.clips_across_stages = (partitioned or bool(self.split_ids)) and bool(
             getattr(inner_optimizer(model.optimizer), "global_clipnorm", None)
         )
         self._squares_fn = tf.function(_sum_of_squares, reduce_retracing=True)
@@ -122,18 +127,13 @@ class Update:
         the model's total regularization (collective over the pipeline)."""
         if self._grouped():
             return self._apply_grouped(gradients)
-        if gradients.layout is None or self.clips_across_stages or self._split:
+        if gradients.layout is None or self.clips_across_stages or self.split_ids:
             return self._apply(gradients.as_list())
         return self._apply_flat(gradients.flat, gradients.tables)
 
     def local_regularization(self) -> float:
         """This stage's weight regularization (its tensor ranks' parts summed)."""
-        return self._total(*self._reg_values_fn()) if self.regularized else 0.0
-
-    def sum_over_pipeline(self, value: float) -> float:
-        """This stage's regularization summed over its pipeline (collective when any stage
-        has regularizers)."""
-        return self._sum_over_pipeline(value)
+        return self.total_regularization(*self._reg_values_fn()) if self.regularized else 0.0
 
     def apply_some(self, grads: list, positions: list[int], step: int, norm=None) -> None:
         """The update of the variables at `positions` (`grads` in that order) in update groups,
@@ -154,14 +154,14 @@ class Update:
             for i in members:
                 grads[where[i]] = None
             optimizer.iterations.assign(step)
-            update = self._compiled_update(self._group_body, key=tuple(members), group=members)
+            update = self.compiled_update(self._group_body, key=tuple(members), group=members)
             update(taken, scale) if norm is None else update(taken, scale, norm)
             taken = None
 
     def regularization(self) -> float:
         """The model's total weight regularization (collective over the pipeline)."""
-        return self._sum_over_pipeline(
-            self._total(*self._reg_fn()[:2]) if self.regularized else 0.0
+        return self.sum_over_pipeline(
+            self.total_regularization(*self._reg_fn()[:2]) if self.regularized else 0.0
         )
 
     def check_finite(self, losses, grads, step: int) -> None:
@@ -173,7 +173,7 @@ class Update:
             bad = next(v for v, g in zip(self.variables, grads, strict=True) if not _finite(g))
             problem = f"gradient of {bad.path}"
         topo = self.topology
-        with self._guard("agree on numerics"):
+        with self.guard("agree on numerics"):
             reports = topo.world.allgather(
                 None if problem is None else (topo.rank, topo.stage, problem)
             )
@@ -188,26 +188,26 @@ class Update:
                 )
             )
 
-    def _regularization_and_grads(self):
+    def regularization_and_grads(self):
         """(regularization of whole variables, of tensor shards, the gradients of both)."""
         with tf.GradientTape() as tape:
             whole, parts = self._reg_values()
             total = whole + parts
         return whole, parts, tape.gradient(total, self.regularized)
 
-    def _total(self, whole, parts) -> float:
+    def total_regularization(self, whole, parts) -> float:
         """This stage's regularization: the whole variables' plus every tensor rank's part."""
-        if self._tensor_comm is None:
+        if self.tensor_comm is None:
             return float(whole) + float(parts)
-        with self._guard("sum regularization over the tensor ranks"):
-            return float(whole) + self._tensor_comm.allreduce(float(parts))
+        with self.guard("sum regularization over the tensor ranks"):
+            return float(whole) + self.tensor_comm.allreduce(float(parts))
 
-    def _agree_finite_for_loss_scaling(self, grads: list) -> list:
+    def agree_finite_for_loss_scaling(self, grads: list) -> list:
         """Under loss scaling, every stage must skip an overflowing step together: if any rank
         saw Inf/NaN, all hand NaN gradients to their LossScaleOptimizer, which then skips the
         step and lowers the scale identically everywhere."""
         finite = all(_finite(g) for g in grads)
-        with self._guard("agree on finite scaled gradients"):
+        with self.guard("agree on finite scaled gradients"):
             finite = self.topology.world.allreduce(finite, op=mpi_op("LAND"))
         if finite:
             return grads
@@ -221,12 +221,12 @@ class Update:
         reg_value = 0.0
         if self.regularized:
             whole, parts, reg_grads = self._reg_fn()
-            reg_value = self._total(whole, parts)
+            reg_value = self.total_regularization(whole, parts)
             # the stage gradients are of the scaled loss
             grads = self._add_regularization(grads, reg_grads, self.loss_scale())
-        reg_value = self._sum_over_pipeline(reg_value)
+        reg_value = self.sum_over_pipeline(reg_value)
         if isinstance(self.model.optimizer, LossScaleOptimizer):
-            grads = self._agree_finite_for_loss_scaling(grads)
+            grads = self.agree_finite_for_loss_scaling(grads)
         norm = self._pipeline_norm(grads) if self.clips_across_stages else None
         if self.variables:  # a stage of only Add/Activation layers has nothing to update
             self._optimizer_step(grads, norm)
@@ -239,19 +239,19 @@ class Update:
         owned = {id(v) for v in self.owned}
         scale = tf.constant(self.loss_scale(), tf.float32)
         mine = [
-            g for v, g in zip(self.variables, grads, strict=True) if id(v) in owned - self._split
+            g for v, g in zip(self.variables, grads, strict=True) if id(v) in owned - self.split_ids
         ]
         squares = float(self._squares_fn(mine, scale)) if mine else 0.0
-        if self._tensor_comm is not None:  # shards' squares add up to their whole variables'
+        if self.tensor_comm is not None:  # shards' squares add up to their whole variables'
             parts = [
                 g
                 for v, g in zip(self.variables, grads, strict=True)
-                if id(v) in owned & self._split
+                if id(v) in owned & self.split_ids
             ]
             parts = float(self._squares_fn(parts, scale)) if parts else 0.0
-            with self._guard("sum the gradient norm over the tensor ranks"):
-                squares += self._tensor_comm.allreduce(parts)
-        with self._guard("sum the gradient norm over the pipeline"):
+            with self.guard("sum the gradient norm over the tensor ranks"):
+                squares += self.tensor_comm.allreduce(parts)
+        with self.guard("sum the gradient norm over the pipeline"):
             total = self.topology.pipeline_comm.allreduce(squares)
         return tf.constant(math.sqrt(total), tf.float32)
 
@@ -270,23 +270,24 @@ class Update:
         add regularization, step the optimizer. Pipeline stages agree on a loss-scale overflow
         first (an unpartitioned model's replicas hold the same sums: they see it alike)."""
         if self._partitioned and isinstance(self.model.optimizer, LossScaleOptimizer):
-            (flat, *tables) = self._agree_finite_for_loss_scaling([flat, *tables])
-        update = self._compiled_update(self._flat_apply_body)
+            (flat, *tables) = self.agree_finite_for_loss_scaling([flat, *tables])
+        update = self.compiled_update(self._flat_apply_body)
         value = update(flat, tables, tf.constant(self.loss_scale(), tf.float32))
-        return self._sum_over_pipeline(float(value) if self.regularized else 0.0)
+        return self.sum_over_pipeline(float(value) if self.regularized else 0.0)
 
-    def _sum_over_pipeline(self, reg_value: float) -> float:
-        """This stage's regularization summed over its pipeline (as is, if no stage has any)."""
+    def sum_over_pipeline(self, reg_value: float) -> float:
+        """This stage's regularization summed over its pipeline (collective when any stage has
+        regularizers; as is, if none has)."""
         if not self._has_regularizers:
             return reg_value
-        with self._guard("sum regularization over the pipeline"):
+        with self.guard("sum regularization over the pipeline"):
             return self.topology.pipeline_comm.allreduce(reg_value)
 
     def _flat_apply_body(self, flat, tables, scale):
         grads = self._merge(self._layout.unflatten(flat), tables)
         value = tf.constant(0.0)
         if self.regularized:  # never tensor shards: their update takes `_apply`
-            whole, parts, reg_grads = self._regularization_and_grads()
+            whole, parts, reg_grads = self.regularization_and_grads()
             value = whole + parts
             grads = self._add_regularization(grads, reg_grads, scale)
         self.model.optimizer.apply(grads, self.variables)
@@ -297,9 +298,9 @@ class Update:
         eagerly, Keras's optimizers dispatch a few dozen ops per variable); with `norm`,
         clipped by that global norm instead of the stage's own."""
         if norm is None:
-            self._compiled_update(self._optimizer_body)(list(grads))
+            self.compiled_update(self._optimizer_body)(list(grads))
         else:
-            self._compiled_update(self._clipped_optimizer_body)(list(grads), norm)
+            self.compiled_update(self._clipped_optimizer_body)(list(grads), norm)
 
     def _optimizer_body(self, grads):
         self.model.optimizer.apply(grads, self.variables)
@@ -328,7 +329,7 @@ class Update:
         grads = list(gradients.as_list())
         gradients.grads = gradients.flat = None  # this list is the last reference
         gradients.tables = []
-        reg_value = self._sum_over_pipeline(self.local_regularization())
+        reg_value = self.sum_over_pipeline(self.local_regularization())
         optimizer = inner_optimizer(self.model.optimizer)
         norm = None
         if getattr(optimizer, "global_clipnorm", None):  # without regularization (`_grouped`)
@@ -347,9 +348,11 @@ class Update:
         """(regularization of whole variables, of tensor shards), without gradients."""
         values = [tf.reduce_sum(v.regularizer(v)) for v in self.regularized]
         whole = [
-            x for v, x in zip(self.regularized, values, strict=True) if id(v) not in self._split
+            x for v, x in zip(self.regularized, values, strict=True) if id(v) not in self.split_ids
         ]
-        parts = [x for v, x in zip(self.regularized, values, strict=True) if id(v) in self._split]
+        parts = [
+            x for v, x in zip(self.regularized, values, strict=True) if id(v) in self.split_ids
+        ]
         zero = tf.constant(0.0)
         return (tf.add_n(whole) if whole else zero), (tf.add_n(parts) if parts else zero)
 
@@ -375,7 +378,7 @@ class Update:
         else:
             apply_clipped(self.model.optimizer, grads, variables, norm)
 
-    def _compiled_update(self, body, key=None, **bound):
+    def compiled_update(self, body, key=None, **bound):
         """`body` as a `tf.function`, traced anew for each optimizer object (a recompiled model
         gets a new one), the optimizer built first: variables cannot be created in a trace."""
         optimizer = self.model.optimizer

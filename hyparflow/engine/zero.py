@@ -99,7 +99,7 @@ class ShardedUpdate:
         self.variables = variables
         self.update = update
         self.sync = sync
-        self._guard = update._guard
+        self._guard = update.guard
         parts, part = self.comm.Get_size(), self.comm.Get_rank()
         self.table_positions = list(sync.sparse)
         self.tables = [variables[i] for i in self.table_positions]
@@ -116,7 +116,7 @@ class ShardedUpdate:
         self.groups = [group for groups in self.segments for group in groups]
         self._table_prefixes = [(v.path.replace("/", "_") + "_", v) for v in self.tables]
         owned = {id(v) for v in update.owned}
-        split = update._split
+        split = update.split_ids
         # which pieces count in the global norm: each variable once over the pipeline (the
         # stage that owns it), tensor shards summed over the tensor ranks
         self._norm_pieces = [
@@ -233,11 +233,11 @@ class ShardedUpdate:
             slices, tables, whole, parts = self._regularize_fn(
                 slices, tables, tf.constant(scale, tf.float32)
             )
-            reg_value = update._total(whole, parts)
-        reg_value = update._sum_over_pipeline(reg_value)
+            reg_value = update.total_regularization(whole, parts)
+        reg_value = update.sum_over_pipeline(reg_value)
         if isinstance(self.model.optimizer, LossScaleOptimizer):
             # each rank sees only its slice: every rank of the world must agree on skipping
-            grads = update._agree_finite_for_loss_scaling([*slices, *tables])
+            grads = update.agree_finite_for_loss_scaling([*slices, *tables])
             slices, tables = grads[: len(slices)], grads[len(slices) :]
         norm = self._global_norm(slices, tables, scale) if self.clips else None
         if self.groups or self.tables:
@@ -249,7 +249,7 @@ class ShardedUpdate:
         """`slices` plus this slice of the regularization gradients (times the loss scale, as
         the stage's gradients are of the scaled loss), `tables` plus theirs (dense, as one
         process's tape sums them); the regularization's two parts."""
-        whole, parts, reg_grads = self.update._regularization_and_grads()
+        whole, parts, reg_grads = self.update.regularization_and_grads()
         by_variable = {id(v): g for v, g in zip(self.update.regularized, reg_grads, strict=True)}
         added = [
             self._plus_regularization(group, grad, by_variable, scale)
@@ -315,9 +315,9 @@ class ShardedUpdate:
         with self._guard("sum the gradient norm over the replicas"):
             self.comm.Allreduce(mpi_op("IN_PLACE"), replicas)
         whole, split = float(replicas[0] + squares[2]), float(replicas[1] + squares[3])
-        if self.update._tensor_comm is not None:
+        if self.update.tensor_comm is not None:
             with self._guard("sum the gradient norm over the tensor ranks"):
-                split = self.update._tensor_comm.allreduce(split)
+                split = self.update.tensor_comm.allreduce(split)
         with self._guard("sum the gradient norm over the pipeline"):
             total = self.topology.pipeline_comm.allreduce(whole + split)
         return tf.constant(math.sqrt(total), tf.float32)
@@ -327,8 +327,8 @@ class ShardedUpdate:
         slice values."""
         self.build_optimizer()
         if norm is None:
-            return self.update._compiled_update(self._update_body)(list(slices))
-        return self.update._compiled_update(self._clipped_update_body)(list(slices), norm)
+            return self.update.compiled_update(self._update_body)(list(slices))
+        return self.update.compiled_update(self._clipped_update_body)(list(slices), norm)
 
     def _load_slices(self, groups=None) -> None:
         """Each slice variable (of `groups`, default all) takes its elements of the stage's
@@ -397,7 +397,7 @@ class ShardedUpdate:
             self.sent_bytes += group.reduce_scatter_bytes
         self.build_optimizer()
         self.model.optimizer.iterations.assign(step)
-        update = self.update._compiled_update(self._segment_body, key=k, segment=k)
+        update = self.update.compiled_update(self._segment_body, key=k, segment=k)
         values = update(slices, tf.constant(self.update.loss_scale(), tf.float32))
         self._gather(values, groups)
 
