@@ -1,0 +1,196 @@
+"""The engine's parts built one by one on `MPI.COMM_SELF` (one stage, one replica), each checked
+against what Keras computes in the same process: the walk over a runner, the reduction, the
+update and the gradient paths (whole and ZeRO-1). The multi-rank behaviour of the same parts is
+tested under mpirun (tests/test_engine.py, tests/test_zero.py); these run in seconds."""
+
+import contextlib
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from mpi4py import MPI
+
+import hyparflow as hf
+from hyparflow import _keras
+from hyparflow.comm.topology import Topology
+from hyparflow.data.batches import GlobalBatch
+from hyparflow.engine.fused import FusedRunner
+from hyparflow.engine.gradient_path import BySegmentPath, WholePath, build_gradient_path
+from hyparflow.engine.gradient_sync import GradientSync
+from hyparflow.engine.pipeline import PipelineWalk
+from hyparflow.engine.update import Update
+from hyparflow.engine.zero import ShardedUpdate
+
+BATCH = 12
+
+
+def _no_guard(*args, **kwargs):
+    return contextlib.nullcontext()
+
+
+def _model():
+    """A small regularized model; SGD with momentum, which has optimizer state (ZeRO-1 splits
+    it) but, unlike Adam's first step, does not turn a near-zero gradient's float noise into a
+    full step."""
+    optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((5,))
+    hidden = keras.layers.Dense(7, activation="tanh", kernel_regularizer="l2")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(2)(hidden))
+    model.compile(loss="mse", optimizer=optimizer)
+    return model
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(BATCH, 5)).astype("float32")
+    y = rng.normal(size=(BATCH, 2)).astype("float32")
+    return x, y
+
+
+def _parts(model, microbatches=2):
+    """The walk, the runner and the reduction of a whole-model stage on COMM_SELF."""
+    topology = Topology.create(MPI.COMM_SELF, 1, 1)
+    strategy = hf.Strategy("data", microbatches=microbatches).resolve(1)
+    variables = list(model.trainable_variables)
+    runner = FusedRunner(
+        lambda inputs, training: model(inputs, training=training), variables,
+        loss=_keras.compiled_loss(model),  # the penalties are the update's (as in the trainer)
+        microbatches=microbatches,
+    )  # fmt: skip
+    walk = PipelineWalk(
+        model, topology, strategy, None, runner, guard=_no_guard, loss=None,
+        update_metrics=lambda *args: None, seed_variables=[], whole_inputs=True,
+    )  # fmt: skip
+    sync = GradientSync(
+        topology, runner, variables, list(range(len(variables))), [], backend="mpi",
+        shared=None, overlap=None,
+    )  # fmt: skip
+    return topology, walk, runner, sync
+
+
+def _batch(x, y):
+    return GlobalBatch(len(x), lambda start, stop: (x[start:stop], y[start:stop], None))
+
+
+def _keras_gradients(model, x, y):
+    """The gradients of the compiled loss on the whole batch (no weight penalties)."""
+    with tf.GradientTape() as tape:
+        loss = _keras.compiled_loss(model)(y, model(x, training=True))
+    return tape.gradient(loss, model.trainable_variables)
+
+
+@pytest.mark.parametrize("microbatches", [1, 2, 3])
+def test_the_walk_sums_micro_batches_into_the_whole_batch_gradient(microbatches):
+    """A step's walk over `microbatches` pieces, each weighted by its share of the batch, gives
+    the gradient of the whole batch's mean loss."""
+    model = _model()
+    x, y = _data()
+    want = _keras_gradients(model, x, y)
+    _, walk, runner, sync = _parts(model, microbatches)
+    pieces = walk.microbatches(_batch(x, y))
+    assert [p.size for p in pieces] == [BATCH // microbatches] * microbatches
+    losses = walk.run(pieces, BATCH, train=True)
+    assert len(losses) == microbatches and sum(size for _, size in losses) == BATCH
+    got = sync.reduce().as_list()  # one replica: the runner's sums, unchanged
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-5, atol=1e-7)
+
+
+def test_update_and_the_whole_path_step_the_optimizer_as_keras_does():
+    """`WholePath` (reduce, then `Update.apply`) moves every weight as Keras's own
+    `train_on_batch` does, the L2 penalty's gradient added by `Update`."""
+    x, y = _data()
+    reference = _model()
+    reference.train_on_batch(x, y)
+    model = _model()
+    topology, walk, runner, sync = _parts(model)
+    variables = list(model.trainable_variables)
+    update = Update(
+        model, topology, variables, variables, partitioned=False, guard=_no_guard,
+        merge=sync.merge,
+    )  # fmt: skip
+    path = build_gradient_path(
+        sync, update, None, None, span=lambda *kind: contextlib.nullcontext(), guard=_no_guard,
+        step=lambda: 0,
+    )  # fmt: skip
+    assert isinstance(path, WholePath) and path.begin(check_numerics=False) is None
+    penalty = float(sum(model.losses))  # of the weights the step's forward saw
+    losses = walk.run(walk.microbatches(_batch(x, y)), BATCH, train=True)
+    assert path.finish(losses, check_numerics=True) == pytest.approx(penalty, rel=1e-6)
+    for got, want in zip(model.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_the_zero_path_on_one_replica_is_the_whole_update():
+    """ZeRO-1's `ShardedUpdate`, on one replica (its slice is everything), reduces and applies
+    as the whole path does: the same weights after a step."""
+    x, y = _data()
+    reference = _model()
+    reference.train_on_batch(x, y)
+    model = _model()
+    topology, walk, runner, sync = _parts(model)
+    variables = list(model.trainable_variables)
+    update = Update(
+        model, topology, variables, variables, partitioned=False, guard=_no_guard,
+        merge=sync.merge,
+    )  # fmt: skip
+    zero = ShardedUpdate(model, topology, variables, update, sync)
+    path = build_gradient_path(
+        sync, update, None, zero, span=lambda *kind: contextlib.nullcontext(), guard=_no_guard,
+        step=lambda: 0,
+    )  # fmt: skip
+    assert path.reduction is zero and path.application is zero
+    path.begin(check_numerics=False)
+    path.finish(walk.run(walk.microbatches(_batch(x, y)), BATCH, train=True), False)
+    for got, want in zip(model.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
+class _SegmentUpdateDouble:
+    """What `BySegmentPath` calls of a `SegmentUpdate`, recorded (usable or not, as told)."""
+
+    def __init__(self, usable):
+        self._usable, self.calls = usable, []
+
+    def usable(self):
+        return self._usable
+
+    def begin(self):
+        self.calls.append("begin")
+
+    def on_segment_done(self, j):
+        self.calls.append(j)
+
+    def finish(self):
+        self.calls.append("finish")
+        return 0.5
+
+
+class _WholeDouble:
+    def __init__(self):
+        self.calls = []
+
+    def begin(self, check_numerics):
+        self.calls.append(("begin", check_numerics))
+
+    def finish(self, losses, check_numerics):
+        self.calls.append(("finish", check_numerics))
+        return 1.5
+
+
+@pytest.mark.parametrize("usable, check_numerics", [(True, False), (True, True), (False, False)])
+def test_the_segment_path_serves_the_steps_it_can_and_hands_the_others_to_the_whole(
+    usable, check_numerics
+):
+    segments, whole = _SegmentUpdateDouble(usable), _WholeDouble()
+    path = BySegmentPath(segments, whole)
+    hook = path.begin(check_numerics)
+    result = path.finish([], check_numerics)
+    if usable and not check_numerics:
+        assert hook == segments.on_segment_done and result == 0.5
+        assert segments.calls == ["begin", "finish"] and whole.calls == []
+    else:
+        assert hook is None and result == 1.5 and segments.calls == []
+        assert whole.calls == [("begin", check_numerics), ("finish", check_numerics)]
