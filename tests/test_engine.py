@@ -42,7 +42,8 @@ TWO_RANKS = [
     Case("l2_mlp", "adam", "model", partitions=2, policy="mixed_bfloat16"),
     Case("batchnorm", "adam", "model", partitions=2, schedule="1f1b", recompute=True),
     Case("resnet", "sgd", "model", partitions=2, microbatches=4, recompute=True),
-    Case("multi_io", "adam", "model", partitions=2, microbatches=4, schedule="1f1b", blocking=True),
+    Case("multi_io", "adam", "model", partitions=2, microbatches=4, schedule="1f1b",
+         overlap_p2p=False),
     Case("cnn", "sgd", "data", replicas=2, microbatches=2, schedule="1f1b", overlap_groups=3),
     # one replica: each segment's update applied as the last backward ends it
     Case("l2_mlp", "adam", "model", partitions=2, microbatches=2, schedule="1f1b",
@@ -53,15 +54,15 @@ TWO_RANKS = [
     Case("l2_mlp", "adam", "model", partitions=2, microbatches=2, policy="mixed_float16",
          overlap_groups=2),  # loss scaling: one update after the backward
     # update_by_segment with replicas: each segment summed over them, then applied
-    Case("l2_mlp", "adam", "data", replicas=2, by_segment=True),
-    Case("multi_io", "adam", "data", replicas=2, microbatches=2, by_segment=True),
+    Case("l2_mlp", "adam", "data", replicas=2, update_by_segment=True),
+    Case("multi_io", "adam", "data", replicas=2, microbatches=2, update_by_segment=True),
     Case("mlp", "adam", "data", replicas=2, microbatches=2, flat_gradients=False),
     # an embedding table's row-sparse gradients through every gradient path
     Case("embedding", "adam", "data", replicas=2, microbatches=2),
     Case("embedding", "adam", "data", replicas=2, microbatches=2, flat_gradients=False),
     Case("embedding", "adam", "model", partitions=2, microbatches=2, schedule="1f1b",
          recompute=True),
-    Case("embedding", "adam", "model", partitions=2, microbatches=2, blocking=True),
+    Case("embedding", "adam", "model", partitions=2, microbatches=2, overlap_p2p=False),
     Case("embedding", "adam", "model", partitions=2, microbatches=2, schedule="1f1b",
          policy="mixed_float16"),
 ]  # fmt: skip
@@ -92,11 +93,11 @@ FOUR_RANKS = [
          policy="mixed_float16"),
     Case("cnn", "adam", "hybrid", partitions=2, replicas=2, microbatches=2, schedule="1f1b",
          recompute=True),
-    Case("resnet", "adam", "model", partitions=4, microbatches=4, blocking=True),
+    Case("resnet", "adam", "model", partitions=4, microbatches=4, overlap_p2p=False),
     Case("mlp", "adam", "data", replicas=4, microbatches=2, overlap_groups=3),
-    Case("resnet", "adam", "data", replicas=4, by_segment=True),
+    Case("resnet", "adam", "data", replicas=4, update_by_segment=True),
     Case("l2_mlp", "adam", "hybrid", partitions=2, replicas=2, microbatches=2, schedule="1f1b",
-         by_segment=True),
+         update_by_segment=True),
     Case("resnet", "sgd", "hybrid", partitions=2, replicas=2, microbatches=2, schedule="1f1b",
          overlap_groups=3),
     Case("multi_io", "adam", "hybrid", partitions=2, replicas=2, microbatches=2, recompute=True,
@@ -138,7 +139,7 @@ def _check(case, ranks):
         assert r["loss_scale"] == r["ref_loss_scale"], f"{where}: loss scales differ"
         if case.overlap_groups > 1 and case.replicas > 1:  # reductions started in the backward
             assert r["overlap_early_starts"], f"{where}: no gradient reduced early"
-        by_segment = case.by_segment or (case.overlap_groups > 1 and case.replicas == 1)
+        by_segment = case.update_by_segment or (case.overlap_groups > 1 and case.replicas == 1)
         if by_segment:  # updates ran inside the backward
             scaled = case.policy == "mixed_float16"  # LossScaleOptimizer: after it, at once
             assert bool(r["segment_updates"]) != scaled, f"{where}: {r['segment_updates']}"

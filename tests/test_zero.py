@@ -121,16 +121,17 @@ TWO_RANKS = [
     Case("wide_mlp", "adam+globalclip", "data", replicas=2, **ZERO),
     # by segment: each segment reduce-scattered, updated and gathered inside the backward;
     # under loss scaling the same segment layout updates after the backward
-    Case("wide_mlp", "adam", "data", replicas=2, by_segment=True, **ZERO),
-    Case("wide_mlp", "adam", "data", replicas=2, policy="mixed_float16", by_segment=True, **ZERO),
-]
+    Case("wide_mlp", "adam", "data", replicas=2, update_by_segment=True, **ZERO),
+    Case("wide_mlp", "adam", "data", replicas=2, policy="mixed_float16",
+         update_by_segment=True, **ZERO),
+]  # fmt: skip
 FOUR_RANKS = [
     Case("wide_mlp", "adam", "hybrid", partitions=2, replicas=2, microbatches=2,
          schedule="1f1b", **ZERO),
     Case("wide_mlp", "adam+globalclip", "data", replicas=2, tensor=2, **ZERO),
     Case("wide_mlp", "adam", "hybrid", partitions=2, replicas=2, microbatches=2,
-         schedule="1f1b", by_segment=True, **ZERO),
-    Case("wide_mlp", "sgd", "data", replicas=4, by_segment=True, **ZERO),
+         schedule="1f1b", update_by_segment=True, **ZERO),
+    Case("wide_mlp", "sgd", "data", replicas=4, update_by_segment=True, **ZERO),
 ]  # fmt: skip
 
 
@@ -162,7 +163,7 @@ def _check(case: Case, results: list) -> None:
         padding = 8 * case.replicas * r["groups"]  # a slice's padding per flat vector
         assert abs(2 * step["allgather"] - r["allreduce_bytes"]) <= padding, where
         assert r["sent_bytes"] == r["steps"] * 2 * step["allgather"], where
-        if case.by_segment:  # cut into segments, each updated inside the backward but under
+        if case.update_by_segment:  # cut into segments, each updated inside the backward but under
             # loss scaling (one finite check of every gradient first)
             assert r["groups"] >= 2, where
             scaled = case.policy == "mixed_float16"

@@ -15,51 +15,58 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
+import hyparflow as hf
 from tests.support.mpirun import run_scenario
 
-# options that become hf.Strategy's arguments only where they differ from its defaults
-_STRATEGY_OPTIONS = {
-    "recompute": ("recompute", False),
-    "blocking": ("overlap_p2p", True),
-    "overlap_groups": ("overlap_groups", 1),
-    "flat_gradients": ("flat_gradients", True),
-    "sync_batchnorm": ("sync_batchnorm", False),
-    "tensor": ("tensor", 1),
-    "shard_optimizer": ("shard_optimizer", False),
-    "by_segment": ("update_by_segment", None),
+# Every hf.Strategy field but `kind` is a Case field, with Strategy's default, except the grid's
+# sizes: a case names them, 1 where it does not split that axis.
+_GRID_DEFAULTS = {"partitions": 1, "replicas": 1}
+_StrategyFields = dataclasses.make_dataclass(
+    "_StrategyFields",
+    [
+        (f.name, f.type, dataclasses.field(default=_GRID_DEFAULTS.get(f.name, f.default),
+                                           kw_only=True))
+        for f in dataclasses.fields(hf.Strategy)
+        if f.name != "kind"
+    ],
+    frozen=True,
+)  # fmt: skip
+_STRATEGY_DEFAULTS = {f.name: f.default for f in dataclasses.fields(hf.Strategy)}
+# Fields that show in a case's id as a flag, in id order, each where it differs from its default
+# (other Strategy fields a case sets show as name=value at the end)
+_FLAGS = {
+    "recompute": lambda c: "recompute" if c.recompute else "",
+    "overlap_p2p": lambda c: "" if c.overlap_p2p else "blocking",
+    "overlap_groups": lambda c: f"overlap{c.overlap_groups}" if c.overlap_groups > 1 else "",
+    "flat_gradients": lambda c: "" if c.flat_gradients else "listgrads",
+    "large_variables": lambda c: "largevars" if c.large_variables else "",
+    "sync_batchnorm": lambda c: "syncbn" if c.sync_batchnorm else "",
+    "one_step": lambda c: "1step" if c.one_step else "",
+    "shard_optimizer": lambda c: "zero" if c.shard_optimizer else "",
+    "update_by_segment": lambda c: {True: "bysegment", False: "whole"}.get(c.update_by_segment, ""),
 }
+_IN_ID = {"partitions", "replicas", "tensor", "microbatches", "schedule"}  # shown before flags
 
 
 @dataclass(frozen=True)
-class Case:
+class Case(_StrategyFields):
     """One model trained by hf.fit under one layout, to be compared with Keras's own fit.
 
     `model` and `optimizer` are names the scenario's model module knows (tests/support/models.py
-    or zoo.py); `policy` is the Keras dtype policy the model is built under. The layout fields
-    are hf.Strategy's; `blocking` posts each receive only when its action needs it
-    (overlap_p2p=False). `large_variables` makes every variable count as large (summed per
-    variable over micro-batches, flattened once per step, updated in a compiled optimizer call
-    of its own); `one_step` trains a single step.
+    or zoo.py); `kind` and every keyword that names a field of hf.Strategy (`partitions`,
+    `microbatches`, `overlap_p2p`, `update_by_segment`, ...) are the layout, passed to
+    hf.Strategy where they differ from its defaults. Only three fields are the tests' own:
+    `policy` is the Keras dtype policy the model is built under; `large_variables` makes every
+    variable count as large (summed per variable over micro-batches, flattened once per step,
+    updated in a compiled optimizer call of its own); `one_step` trains a single step.
     """
 
     model: str
     optimizer: str
     kind: str
-    partitions: int = 1
-    replicas: int = 1
-    microbatches: int = 1
-    schedule: str = "gpipe"
     policy: str = "float32"
-    recompute: bool = False
-    blocking: bool = False
-    overlap_groups: int = 1
-    flat_gradients: bool = True
     large_variables: bool = False
-    sync_batchnorm: bool = False
     one_step: bool = False
-    tensor: int = 1
-    shard_optimizer: bool = False
-    by_segment: bool | None = None  # Strategy(update_by_segment=...)
 
     def __str__(self) -> str:
         """The readable id: defaults left out, e.g. `mlp-sgd-data-R2`."""
@@ -68,18 +75,11 @@ class Case:
             + (f"R{self.replicas}" if self.replicas > 1 else "")
             + (f"T{self.tensor}" if self.tensor > 1 else "")
         )
-        flags = {
-            "recompute": self.recompute,
-            "blocking": self.blocking,
-            f"overlap{self.overlap_groups}": self.overlap_groups > 1,
-            "listgrads": not self.flat_gradients,
-            "largevars": self.large_variables,
-            "syncbn": self.sync_batchnorm,
-            "1step": self.one_step,
-            "zero": self.shard_optimizer,
-            "bysegment": self.by_segment is True,
-            "whole": self.by_segment is False,
-        }
+        others = [
+            f"{name}={value}"
+            for name, value in self._changed_options().items()
+            if name not in _FLAGS and name not in _IN_ID
+        ]
         parts = [
             self.model,
             self.optimizer,
@@ -88,7 +88,8 @@ class Case:
             f"M{self.microbatches}" if self.microbatches > 1 else "",
             self.schedule if self.schedule != "gpipe" else "",
             self.policy if self.policy != "float32" else "",
-            *(name for name, on in flags.items() if on),
+            *(flag(self) for flag in _FLAGS.values()),
+            *others,
         ]
         return "-".join(p for p in parts if p)
 
@@ -96,21 +97,18 @@ class Case:
     def id(self) -> str:
         return str(self)
 
+    def _changed_options(self) -> dict:
+        """The Strategy fields this case sets to something other than Strategy's default."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(_StrategyFields)
+            if getattr(self, f.name) != _STRATEGY_DEFAULTS[f.name]
+        }
+
     def strategy_options(self) -> dict:
         """Keyword arguments of hf.Strategy for this case."""
-        options = {
-            "kind": self.kind,
-            "partitions": self.partitions,
-            "replicas": self.replicas,
-            "microbatches": self.microbatches,
-            "schedule": self.schedule,
-        }
-        for field, (name, default) in _STRATEGY_OPTIONS.items():
-            value = getattr(self, field)
-            value = not value if field == "blocking" else value
-            if value != default:
-                options[name] = value
-        return options
+        grid = {"partitions": self.partitions, "replicas": self.replicas}
+        return {"kind": self.kind, **grid, **self._changed_options()}
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
