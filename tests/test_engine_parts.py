@@ -70,6 +70,14 @@ def _parts(model, microbatches=2):
     return topology, walk, runner, sync
 
 
+def _update(model, topology, variables, sync):
+    """The stage's `Update` (it owns every variable: one stage)."""
+    return Update(
+        model, topology, variables, variables, partitioned=False, guard=_no_guard,
+        merge=sync.merge,
+    )  # fmt: skip
+
+
 def _batch(x, y):
     return GlobalBatch(len(x), lambda start, stop: (x[start:stop], y[start:stop], None))
 
@@ -98,52 +106,29 @@ def test_the_walk_sums_micro_batches_into_the_whole_batch_gradient(microbatches)
         np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-5, atol=1e-7)
 
 
-def test_update_and_the_whole_path_step_the_optimizer_as_keras_does():
-    """`WholePath` (reduce, then `Update.apply`) moves every weight as Keras's own
-    `train_on_batch` does, the L2 penalty's gradient added by `Update`."""
+@pytest.mark.parametrize("sharded", [False, True], ids=["whole", "zero"])
+def test_a_gradient_path_steps_the_optimizer_as_keras_does(sharded):
+    """`WholePath` (reduce, then `Update.apply`, which adds the L2 penalty's gradient) moves
+    every weight as Keras's own `train_on_batch` does; so does ZeRO-1's `ShardedUpdate`, which
+    reduces and applies in its place (on one replica its slice is everything)."""
     x, y = _data()
     reference = _model()
     reference.train_on_batch(x, y)
     model = _model()
-    topology, walk, runner, sync = _parts(model)
+    topology, walk, _, sync = _parts(model)
     variables = list(model.trainable_variables)
-    update = Update(
-        model, topology, variables, variables, partitioned=False, guard=_no_guard,
-        merge=sync.merge,
-    )  # fmt: skip
-    path = build_gradient_path(
-        sync, update, None, None, span=lambda *kind: contextlib.nullcontext(), guard=_no_guard,
-        step=lambda: 0,
-    )  # fmt: skip
-    assert isinstance(path, WholePath) and path.begin(check_numerics=False) is None
-    penalty = float(sum(model.losses))  # of the weights the step's forward saw
-    losses = walk.run(walk.microbatches(_batch(x, y)), BATCH, train=True)
-    assert path.finish(losses, check_numerics=True) == pytest.approx(penalty, rel=1e-6)
-    for got, want in zip(model.get_weights(), reference.get_weights(), strict=True):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
-
-
-def test_the_zero_path_on_one_replica_is_the_whole_update():
-    """ZeRO-1's `ShardedUpdate`, on one replica (its slice is everything), reduces and applies
-    as the whole path does: the same weights after a step."""
-    x, y = _data()
-    reference = _model()
-    reference.train_on_batch(x, y)
-    model = _model()
-    topology, walk, runner, sync = _parts(model)
-    variables = list(model.trainable_variables)
-    update = Update(
-        model, topology, variables, variables, partitioned=False, guard=_no_guard,
-        merge=sync.merge,
-    )  # fmt: skip
-    zero = ShardedUpdate(model, topology, variables, update, sync)
+    update = _update(model, topology, variables, sync)
+    zero = ShardedUpdate(model, topology, variables, update, sync) if sharded else None
     path = build_gradient_path(
         sync, update, None, zero, span=lambda *kind: contextlib.nullcontext(), guard=_no_guard,
         step=lambda: 0,
     )  # fmt: skip
-    assert path.reduction is zero and path.application is zero
-    path.begin(check_numerics=False)
-    path.finish(walk.run(walk.microbatches(_batch(x, y)), BATCH, train=True), False)
+    assert isinstance(path, WholePath)
+    assert path.reduction is (zero or sync) and path.application is (zero or update)
+    assert path.begin(check_numerics=True) is None  # no overlap: nothing to call per segment
+    penalty = float(sum(model.losses))  # of the weights the step's forward saw
+    losses = walk.run(walk.microbatches(_batch(x, y)), BATCH, train=True)
+    assert path.finish(losses, check_numerics=True) == pytest.approx(penalty, rel=1e-6)
     for got, want in zip(model.get_weights(), reference.get_weights(), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
 

@@ -13,7 +13,8 @@ from mpi4py import MPI
 from hyparflow.comm.allreduce import GradientReducer
 from hyparflow.comm.backends import check_backend, make_reducer
 from hyparflow.comm.topology import Topology
-from tests.support.cases import Case, run_cases, selected
+from tests.support.cases import Case
+from tests.support.equivalence import assert_within, launched
 from tests.support.mpirun import run_scenario
 
 pytestmark = pytest.mark.mpi  # every test here starts MPI jobs
@@ -45,24 +46,17 @@ FOUR_RANKS = [
 TOLERANCE = 1e-5
 
 
-@pytest.fixture(scope="module")
-def two_ranks(request):
-    return run_cases("horovod_fit", 2, selected(request, TWO_RANKS), timeout=540)
-
-
-@pytest.fixture(scope="module")
-def four_ranks(request):
-    return run_cases("horovod_fit", 4, selected(request, FOUR_RANKS), timeout=840)
+two_ranks = launched("horovod_fit", 2, TWO_RANKS, timeout=540)
+four_ranks = launched("horovod_fit", 4, FOUR_RANKS, timeout=840)
 
 
 def _check(case, ranks):
+    assert_within(ranks, TOLERANCE, "horovod_vs_mpi", "horovod_vs_keras", "mpi_vs_keras",
+                  "history_vs_keras", "predict_vs_mpi")  # fmt: skip
     for r in ranks:
         where = f"rank {r['rank']}"
         assert r["reducer"] == "HorovodReducer", where
         assert (r["horovod_calls"] > 0) == (case.replicas > 1), f"{where}: {r['horovod_calls']}"
-        for key in ("horovod_vs_mpi", "horovod_vs_keras", "mpi_vs_keras", "history_vs_keras"):
-            assert r[key] < TOLERANCE, f"{where}: {key} is {r[key]:.2e}"
-        assert r["predict_vs_mpi"] < TOLERANCE, f"{where}: predict {r['predict_vs_mpi']:.2e}"
 
 
 @needs_horovod

@@ -236,9 +236,7 @@ class _Step:
 
     def receive_activations(self, k: int) -> None:
         """Wait for micro-batch `k`'s inputs from the previous stage."""
-        walk = self.walk
-        with walk.span(events.RECV, k), walk._guard("receive activations", self.before, k):
-            received = self.posted.pop((p2p.FORWARD, k)).wait(self.microbatches[k].size)
+        received = self._wait(k, p2p.FORWARD, "receive activations", self.before)
         self.held[ActionKind.FORWARD, k] = received
 
     def forward(self, k: int) -> None:
@@ -280,10 +278,14 @@ class _Step:
 
     def receive_gradients(self, k: int) -> None:
         """Wait for the gradients of micro-batch `k`'s outputs from the next stage."""
-        walk = self.walk
-        with walk.span(events.RECV, k), walk._guard("receive gradients", self.after, k):
-            received = self.posted.pop((p2p.BACKWARD, k)).wait(self.microbatches[k].size)
+        received = self._wait(k, p2p.BACKWARD, "receive gradients", self.after)
         self.held[ActionKind.BACKWARD, k] = received
+
+    def _wait(self, k: int, direction: str, operation: str, peer):
+        """Micro-batch `k`'s posted receive in `direction` from `peer`, once it has landed."""
+        walk = self.walk
+        with walk.span(events.RECV, k), walk._guard(operation, peer, k):
+            return self.posted.pop((direction, k)).wait(self.microbatches[k].size)
 
     def backward(self, k: int) -> None:
         """Micro-batch `k`'s backward; after the step's last one, `on_segment_done` (as for
