@@ -82,11 +82,11 @@ def build_runner(parts: RunnerParts, variables, sparse, form, layout):
     )
 
 
-def build_segmented_runner(parts: RunnerParts, variables, groups: int):
-    """The stage as up to `groups` segments, so reductions overlap the backward: a
+def build_segmented_runner(parts: RunnerParts, variables, segments: int):
+    """The stage as up to `segments` segments, so reductions overlap the backward: a
     `SegmentedRunner` and its `Overlap` plan, or None when the stage cannot be cut (e.g. a
     subclassed model or too few layers)."""
-    for count in range(groups, 1, -1):
+    for count in range(segments, 1, -1):
         try:
             sub = partition(parts.graph, count, balance="params")
             break

@@ -45,11 +45,11 @@ class SegmentUpdate:
         position = {id(v): i for i, v in enumerate(update.variables)}
         done = sorted(overlap.ready_at)
         # the stage's variables in parts: those final after each segment, then the rest
-        self.parts = [[position[id(v)] for _, v in overlap.ready_at[j]] for j in done]
-        reached = {i for part in self.parts for i in part}
+        self.segment_positions = [[position[id(v)] for _, v in overlap.ready_at[j]] for j in done]
+        reached = {i for part in self.segment_positions for i in part}
         left = [i for i in range(len(update.variables)) if i not in reached]
         if left:
-            self.parts.append(left)
+            self.segment_positions.append(left)
         self._part_after = {j: k for k, j in enumerate(done)}
         self.zero = None  # a `ShardedUpdate` over the same parts (`shard`)
         self._usable_for: tuple = (None, False)
@@ -59,12 +59,12 @@ class SegmentUpdate:
         self.early_updates = 0  # parts applied inside a backward (all steps)
 
     def shard(self, zero) -> None:
-        """Update through `zero`, a ZeRO-1 `ShardedUpdate` built with `segments=self.parts`:
-        each part's gradients reduce-scattered, this replica's slice of it stepped, its
-        parameters all-gathered, so no rank holds more than one part's gradients or more than
-        its slice of the optimizer state."""
+        """Update through `zero`, a ZeRO-1 `ShardedUpdate` built with
+        `segments=self.segment_positions`: each part's gradients reduce-scattered, this
+        replica's slice of it stepped, its parameters all-gathered, so no rank holds more than
+        one part's gradients or more than its slice of the optimizer state."""
         theirs = [sorted(i for g in groups for i in g.positions) for groups in zero.segments]
-        if theirs != [sorted(part) for part in self.parts]:
+        if theirs != [sorted(part) for part in self.segment_positions]:
             raise ValueError("the ShardedUpdate was not built over this SegmentUpdate's parts")
         self.zero = zero
         self._reducer = None  # the reduce-scatter sums them
@@ -98,14 +98,14 @@ class SegmentUpdate:
     def finish(self) -> float:
         """Apply what is left; return the model's regularization (collective over the
         pipeline when any stage has regularizers)."""
-        for k in range(len(self.parts)):
+        for k in range(len(self.segment_positions)):
             if k not in self._applied:
                 self._apply(k)
         self.runner.reset()
         return self.update.sum_over_pipeline(self._regularization)
 
     def _apply(self, k: int) -> None:
-        positions = self.parts[k]
+        positions = self.segment_positions[k]
         variables = self.update.variables
         grads = [self.runner.take(variables[i]) for i in positions]
         if self.zero is not None:

@@ -170,8 +170,8 @@ class Trainer:
         )
         self.gradient_form = choose_gradient_form(**facts, overlap_groups=strategy.overlap_groups)
         if self.gradient_form.overlap or self.gradient_form.update_per_segment:
-            groups = strategy.overlap_groups if strategy.overlap_groups > 1 else facts["segments"]
-            segmented = build_segmented_runner(parts, self.variables, groups)
+            count = strategy.overlap_groups if strategy.overlap_groups > 1 else facts["segments"]
+            segmented = build_segmented_runner(parts, self.variables, count)
             if segmented is not None:
                 self.runner, segments = segmented
                 return segments
@@ -204,7 +204,7 @@ class Trainer:
         if self.strategy.shard_optimizer and topo.num_replicas > 1:
             # by segment: each segment reduce-scattered, its slice updated, its parameters
             # gathered as soon as the last backward has finished it
-            parts = None if self.segment_update is None else self.segment_update.parts
+            parts = None if self.segment_update is None else self.segment_update.segment_positions
             self.zero = ShardedUpdate(
                 model, topo, self.variables, self.update, self.gradient_sync, segments=parts
             )  # fmt: skip

@@ -31,13 +31,13 @@ from hyparflow.engine import sparse as rows
 from hyparflow.engine.flat import FlatLayout
 from hyparflow.engine.mpi import mpi_op
 from hyparflow.engine.update import apply_clipped, inner_optimizer
-from hyparflow.engine.zero_layout import ZeroLayout, group_by_dtype, ring_bytes, segment_parts
+from hyparflow.engine.zero_layout import ZeroLayout, group_by_dtype, ring_bytes, segment_positions
 
 # Bytes of gradients reduce-scattered per MPI call (as the fused allreduce's buckets).
-CHUNK_BYTES = DEFAULT_BUCKET_BYTES
+WINDOW_BYTES = DEFAULT_BUCKET_BYTES
 
 
-class _Group:
+class _DtypeSlice:
     """The stage's variables of one dtype (in one segment): their layout, this replica's
     pieces, its slice, and the bytes a step sends for them."""
 
@@ -106,10 +106,10 @@ class ShardedUpdate:
         dense = [i for i in range(len(variables)) if i not in set(self.table_positions)]
         # one flat vector per dtype of each segment (a whole stage's dense variables by default)
         self.segments = []
-        for k, members in enumerate(segment_parts(dense, segments)):
+        for k, members in enumerate(segment_positions(dense, segments)):
             by_dtype = group_by_dtype([variables[i].dtype for i in members])
             self.segments.append([
-                _Group(dtype, [members[j] for j in positions], variables, parts, part,
+                _DtypeSlice(dtype, [members[j] for j in positions], variables, parts, part,
                        f"hyparflow_zero_{dtype}" + ("" if segments is None else f"_s{k}"))
                 for dtype, positions in by_dtype.items()
             ])  # fmt: skip
@@ -172,12 +172,12 @@ class ShardedUpdate:
     def _reduce_scatter(self, group, views: list) -> np.ndarray:
         """This replica's slice of the sum of `views` (the group's flattened gradients) over
         the replicas, reduce-scattered window by window: each call sends every replica its
-        next `window` elements, so the buffers hold about CHUNK_BYTES, never a second copy of
+        next `window` elements, so the buffers hold about WINDOW_BYTES, never a second copy of
         the gradients (nor the whole-size temporary MPI's reduce-then-scatter keeps on one
         rank)."""
         layout, parts = group.layout, self.comm.Get_size()
         dtype = group.reduced_dtype
-        window = max(1, CHUNK_BYTES // (parts * dtype.itemsize))
+        window = max(1, WINDOW_BYTES // (parts * dtype.itemsize))
         received = np.empty(layout.shard_size, dtype)
         buffer = np.empty(parts * min(window, layout.shard_size), dtype)
         for first in range(0, layout.shard_size, window):
@@ -187,7 +187,7 @@ class ShardedUpdate:
                 row = send[part]
                 row[:] = 0  # the padding
                 start = layout.bounds(part)[0] + first
-                for j, begin, size in layout.segments(start, start + count):
+                for j, begin, size in layout.element_ranges(start, start + count):
                     position = layout.offsets[j] + begin - start
                     row[position : position + size] = views[j][begin : begin + size]
             with self._guard("reduce-scatter the gradients over the replicas"):

@@ -70,12 +70,12 @@ class ZeroLayout:
         """Zeros at the end of slice `part` (beyond the last variable)."""
         return self.shard_size - sum(p.size for p in self.pieces(part))
 
-    def segments(self, start: int, stop: int) -> list[tuple[int, int, int]]:
+    def element_ranges(self, start: int, stop: int) -> list[tuple[int, int, int]]:
         """(variable, its first element, count) of the variables' elements in the flat
         vector's [start, stop), in order; the padding beyond the variables yields nothing.
 
         Example:
-            >>> ZeroLayout([6, 3], parts=2).segments(4, 8)
+            >>> ZeroLayout([6, 3], parts=2).element_ranges(4, 8)
             [(0, 4, 2), (1, 0, 2)]
         """
         found = []
@@ -107,11 +107,11 @@ class ZeroLayout:
         return [p for p in range(self.parts) if any(x.variable == variable for x in self.pieces(p))]
 
 
-def segment_parts(dense: list[int], segments) -> list[list[int]]:
+def segment_positions(dense: list[int], segments) -> list[list[int]]:
     """The dense positions of each of `segments` in order, then those of none (None: all one).
 
     Example:
-        >>> segment_parts([0, 1, 3, 4], [[4, 3], [1, 2]])
+        >>> segment_positions([0, 1, 3, 4], [[4, 3], [1, 2]])
         [[3, 4], [1], [0]]
     """
     if segments is None:
