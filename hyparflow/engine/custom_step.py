@@ -113,10 +113,10 @@ class CustomStepTrainer(Trainer):
         self._train_fn = tf.function(self._train_body, reduce_retracing=True)
         self._test_fn = tf.function(model.test_step, reduce_retracing=True)
 
-    def _train_body(self, data, weight, piece):
+    def _train_body(self, data, weight, rows):
         optimizers = optimizers_of(self.model)
         # dropout: this share's rows of the global batch's masks, as the engine's own step
-        with averaged_gradients(optimizers, self.topology.stage_comm, weight), slice_of(piece):
+        with averaged_gradients(optimizers, self.topology.stage_comm, weight), slice_of(rows):
             return self.model.train_step(data)
 
     def _share(self, batch):
@@ -148,10 +148,10 @@ class CustomStepTrainer(Trainer):
                     "(tf.debugging.check_numerics) and pass check_numerics=False."
                 )
             )
-        data, share, piece = self._share(batch)
+        data, share, rows = self._share(batch)
         with self._guard("custom train step (gradients summed over replicas)"):
             weight = tf.constant(share, tf.float32)
-            self._returned = _any_batch_size(self._train_fn, data, weight, piece)
+            self._returned = _any_batch_size(self._train_fn, data, weight, rows)
         self._average_moving_statistics()
         self.step += 1
         self.watchdog.step = self.step

@@ -5,7 +5,7 @@ al. 2020, "PyTorch Distributed", `gradient_as_bucket_view`). TensorFlow cannot w
 gradient into a given buffer, but the compiled step can concatenate its gradients as its last
 op: the copy then runs inside the step (no per-tensor Python work), the reduction is one
 `Allreduce` of one buffer, and the optimizer's step splits the result back into views
-without copying (TF's Split along the first dimension shares the buffer of aligned pieces).
+without copying (TF's Split along the first dimension shares the buffer of aligned spans).
 Every piece starts on a 64-byte boundary for that reason.
 
 The reduction writes the sums into the step's own output buffer (no copy in or out). That is
@@ -68,23 +68,23 @@ class FlatLayout:
         gradient_bytes = 4 * sum(slot.size for slot in self.slots)
         return gradient_bytes > FLAT_BACKWARD_MAX_MEAN_BYTES * len(self.slots)
 
-    def pieces(self) -> list[tuple[int, int | None]]:
-        """(size, slot index or None for padding) of every piece of the flat tensor, in order.
+    def spans(self) -> list[tuple[int, int | None]]:
+        """(size, slot index or None for padding) of every span of the flat tensor, in order.
 
         Example:
-            >>> FlatLayout([tf.TensorSpec((3,)), tf.TensorSpec((2, 2))]).pieces()
+            >>> FlatLayout([tf.TensorSpec((3,)), tf.TensorSpec((2, 2))]).spans()
             [(3, 0), (13, None), (4, 1), (12, None), (16, None)]
         """
-        pieces, position = [], 0
+        spans, position = [], 0
         for number, slot in enumerate(self.slots):
             if slot.offset > position:
-                pieces.append((slot.offset - position, None))
-            pieces.append((slot.size, number))
+                spans.append((slot.offset - position, None))
+            spans.append((slot.size, number))
             position = slot.offset + slot.size
         if self.tail_offset > position:
-            pieces.append((self.tail_offset - position, None))
-        pieces.append((TAIL, None))
-        return pieces
+            spans.append((self.tail_offset - position, None))
+        spans.append((TAIL, None))
+        return spans
 
     def zeros(self) -> tf.Tensor:
         """A flat tensor of zeros (no gradient yet)."""
@@ -92,10 +92,10 @@ class FlatLayout:
 
     def flatten(self, grads, tail) -> tf.Tensor:
         """The gradients concatenated in layout order, zeros in the padding and the scalar
-        `tail` (a value computed from the step's data, e.g. its loss) in the last piece."""
-        pieces = self.pieces()
+        `tail` (a value computed from the step's data, e.g. its loss) in the last span."""
+        spans = self.spans()
         parts = []
-        for size, number in pieces[:-1]:
+        for size, number in spans[:-1]:
             if number is None:
                 parts.append(tf.zeros([size], tf.float32))
             else:
@@ -105,10 +105,10 @@ class FlatLayout:
 
     def unflatten(self, flat) -> list:
         """The gradients back in their shapes and order, as views of `flat` (graph ops)."""
-        pieces = self.pieces()
-        parts = tf.split(flat, [size for size, _ in pieces], axis=0)
+        spans = self.spans()
+        parts = tf.split(flat, [size for size, _ in spans], axis=0)
         grads = [None] * len(self.slots)
-        for part, (_, number) in zip(parts, pieces, strict=True):
+        for part, (_, number) in zip(parts, spans, strict=True):
             if number is not None:
                 grads[number] = tf.reshape(part, self.slots[number].shape)
         return grads
@@ -121,7 +121,7 @@ class ChunkedLayout:
     One concat of the whole model needs every per-variable gradient alive beside its output:
     twice the gradient bytes at the peak. A chunk's concat needs only its own variables'
     gradients, which die as soon as it has run, so the step holds the gradients about once
-    (docs/engine.md, "Memory"). Each chunk is a `FlatLayout` of its own (aligned pieces, a
+    (docs/engine.md, "Memory"). Each chunk is a `FlatLayout` of its own (aligned spans, a
     data-dependent tail), so `GradientReducer.reduce_flat` reduces each one in place.
 
     Example:

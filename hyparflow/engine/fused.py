@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from hyparflow.engine import sparse as rows
+from hyparflow.engine import sparse as row_sparse
 from hyparflow.engine.random_slices import slice_of
 from hyparflow.engine.runner import RunnerBase
 
@@ -54,11 +54,11 @@ class FusedRunner(RunnerBase):
         self._first_fn = tf.function(self._first_body, reduce_retracing=self.relax_shapes)
         self._accumulate_fn = tf.function(self._accumulate_body, reduce_retracing=self.relax_shapes)
 
-    def _gradients(self, inputs, y, sample_weight, scale, piece):
+    def _gradients(self, inputs, y, sample_weight, scale, rows):
         with tf.GradientTape(watch_accessed_variables=False) as tape:
             tape.watch(self._sources)
-            # dropout: this piece's rows of the global batch's masks
-            with slice_of(piece), self._train_scope():
+            # dropout: this micro-batch's rows of the global batch's masks
+            with slice_of(rows), self._train_scope():
                 y_pred = self._call(inputs, True)
             added = self._added()
             loss = self._loss(y, y_pred, sample_weight)
@@ -68,9 +68,9 @@ class FusedRunner(RunnerBase):
         grads = tape.gradient(
             scaled, self._sources, unconnected_gradients=tf.UnconnectedGradients.NONE
         )
-        rows.check_kinds(grads, self.sparse, self.variables)
+        row_sparse.check_kinds(grads, self.sparse, self.variables)
         # a table the loss does not read contributes no rows (zeros would be dense)
-        sparse = [rows.or_empty(grads[i], self.variables[i]) for i in self.sparse]
+        sparse = [row_sparse.or_empty(grads[i], self.variables[i]) for i in self.sparse]
         dense = [
             tf.zeros_like(self._sources[i]) if grads[i] is None else tf.convert_to_tensor(grads[i])
             for i in self.dense
@@ -79,32 +79,32 @@ class FusedRunner(RunnerBase):
             return y_pred, loss, added, self.layout.flatten(dense, scaled), sparse
         return y_pred, loss, added, dense, sparse
 
-    def _first_body(self, inputs, y, sample_weight, scale, piece):
-        return self._gradients(inputs, y, sample_weight, scale, piece)
+    def _first_body(self, inputs, y, sample_weight, scale, rows):
+        return self._gradients(inputs, y, sample_weight, scale, rows)
 
-    def _accumulate_body(self, inputs, y, sample_weight, scale, piece, totals):
-        y_pred, loss, added, grads, sparse = self._gradients(inputs, y, sample_weight, scale, piece)
+    def _accumulate_body(self, inputs, y, sample_weight, scale, rows, totals):
+        y_pred, loss, added, grads, sparse = self._gradients(inputs, y, sample_weight, scale, rows)
         if self.layout is not None:  # one flat tensor, or a tuple of chunks
             return y_pred, loss, added, tf.nest.map_structure(tf.add, totals, grads), sparse
         return y_pred, loss, added, [t + g for t, g in zip(totals, grads, strict=True)], sparse
 
-    def forward(self, microbatch: int, inputs, targets=None, scale=1.0, piece=None):
+    def forward(self, microbatch: int, inputs, targets=None, scale=1.0, rows=None):
         """Outputs and loss of `microbatch` as `(y_pred, loss)`; its gradient, weighted by
-        `scale`, is added to the step's total. `piece` means what it means for `StageRunner`."""
+        `scale`, is added to the step's total. `rows` means what it means for `StageRunner`."""
         y, sample_weight = targets
         scale = tf.constant(scale, tf.float32)
-        piece = None if piece is None else tf.constant(piece, tf.int32)
+        rows = None if rows is None else tf.constant(rows, tf.int32)
         if self._grads is None and self._sums_from_zeros:
             self._grads = self._zero_totals()
         if self._grads is None:
             y_pred, loss, self.last_added, self._grads, sparse = self._first_fn(
-                inputs, y, sample_weight, scale, piece
+                inputs, y, sample_weight, scale, rows
             )
         else:
             y_pred, loss, self.last_added, self._grads, sparse = self._accumulate_fn(
-                inputs, y, sample_weight, scale, piece, self._grads
+                inputs, y, sample_weight, scale, rows, self._grads
             )
-        self._sparse_pieces.append(sparse)
+        self._sparse_per_microbatch.append(sparse)
         self._forwarded.add(microbatch)
         return y_pred, loss
 

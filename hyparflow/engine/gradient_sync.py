@@ -7,7 +7,7 @@ import tensorflow as tf
 from hyparflow import _keras
 from hyparflow.comm.allreduce import GradientReducer
 from hyparflow.comm.backends import make_reducer
-from hyparflow.engine import sparse as rows
+from hyparflow.engine import sparse as row_sparse
 
 
 class Gradients:
@@ -47,7 +47,7 @@ class SharedAcrossStages:
         if not shared:
             return None
         mine = {id(v): i for i, v in enumerate(stage_variables)}
-        table_positions = rows.row_sparse_positions(shared, _keras.all_layers(model))
+        table_positions = row_sparse.row_sparse_positions(shared, _keras.all_layers(model))
         tables = [j in table_positions for j in range(len(shared))]
         return cls(shared, tables, [mine.get(id(v)) for v in shared])
 
@@ -64,11 +64,11 @@ class SharedAcrossStages:
         dense, tables = [], []
         for i, v, table in zip(self.positions, self.variables, self.tables, strict=True):
             if table:
-                tables.append(grads[i] if i is not None else rows.empty_rows(v))
+                tables.append(grads[i] if i is not None else row_sparse.empty_rows(v))
             else:
                 dense.append(grads[i] if i is not None else tf.zeros(v.shape, v.dtype))
         dense = iter(reducer.reduce(dense) if dense else [])
-        tables = iter(rows.reduce_rows(comm, tables))
+        tables = iter(row_sparse.reduce_rows(comm, tables))
         grads = list(grads)
         for i, table in zip(self.positions, self.tables, strict=True):
             total = next(tables) if table else tf.convert_to_tensor(next(dense))
@@ -143,7 +143,7 @@ class GradientSync:
 
     def merge(self, dense: list, tables: list) -> list:
         """One gradient list in variable order from the dense ones and the tables'."""
-        return rows.in_order(len(self.variables), self.dense, dense, self.sparse, tables)
+        return row_sparse.in_order(len(self.variables), self.dense, dense, self.sparse, tables)
 
     def reduce(self) -> Gradients:
         """Take the step's gradients from the runner and sum them over the pipeline's shared
@@ -175,7 +175,7 @@ class GradientSync:
         """The embedding tables' gradients over this stage's replicas, as one process has them."""
         if not tables or self.topology.num_replicas == 1:
             return tables
-        return rows.reduce_rows(self.topology.stage_comm, tables)
+        return row_sparse.reduce_rows(self.topology.stage_comm, tables)
 
     def _on_segment_done(self, j: int) -> None:
         """Last micro-batch's backward finished segment j: reduce what is now final."""

@@ -256,7 +256,7 @@ class _Step:
                     inputs,
                     (mb.y, mb.sample_weight),
                     scale=mb.size / self.global_size * self.loss_scale,
-                    piece=(mb.offset, self.global_size),
+                    rows=(mb.offset, self.global_size),
                 )
             else:
                 out = runner.infer(inputs)

@@ -105,12 +105,12 @@ def _pushed(stack, entry):
                 _keras.tf_random.dropout = _keras_dropout
 
 
-def slice_of(piece):
-    """`global_batch_slice(offset, global_size)` for `piece` = [offset, global_size] (a tensor
+def slice_of(rows):
+    """`global_batch_slice(offset, global_size)` for `rows` = [offset, global_size] (a tensor
     or pair), or no context for None (the input is the whole batch)."""
-    if piece is None:
+    if rows is None:
         return contextlib.nullcontext()
-    return global_batch_slice(piece[0], piece[1])
+    return global_batch_slice(rows[0], rows[1])
 
 
 def _dropout_in_slice(inputs, rate, noise_shape=None, seed=None):

@@ -15,7 +15,7 @@ from typing import Protocol
 
 import tensorflow as tf
 
-from hyparflow.engine import sparse as rows
+from hyparflow.engine import sparse as row_sparse
 
 
 class Runner(Protocol):
@@ -38,7 +38,7 @@ class Runner(Protocol):
     @property
     def has_added_losses(self) -> bool: ...
 
-    def forward(self, microbatch: int, inputs, targets=None, scale=1.0, piece=None): ...
+    def forward(self, microbatch: int, inputs, targets=None, scale=1.0, rows=None): ...
 
     def backward(self, microbatch: int, output_grads=None): ...
 
@@ -73,7 +73,7 @@ class RunnerBase:
         self.dense = sorted(set(range(len(self.variables))) - set(self.sparse))
         # The tf.Variable behind each Keras variable: what a tape can watch and differentiate.
         self._sources = [getattr(v, "value", v) for v in self.variables]
-        self._sparse_pieces: list[list] = []  # per micro-batch, the row-sparse gradients
+        self._sparse_per_microbatch: list[list] = []  # per micro-batch, the row-sparse gradients
         self._added_losses = added_losses
         self._train_scope = train_scope or contextlib.nullcontext
         self.has_added_losses = False  # set while tracing a call whose layers added a loss
@@ -101,8 +101,8 @@ class RunnerBase:
 
     def take_sparse_gradients(self) -> list:
         """The embedding tables' gradients since the last call, in `sparse` order."""
-        pieces, self._sparse_pieces = self._sparse_pieces, []
-        return rows.concat_pieces(pieces, self.sparse, self.variables)
+        per_microbatch, self._sparse_per_microbatch = self._sparse_per_microbatch, []
+        return row_sparse.concat_microbatches(per_microbatch, self.sparse, self.variables)
 
     @property
     def _totals_are_flat(self) -> bool:
@@ -119,4 +119,4 @@ class RunnerBase:
             if dense is None:
                 dense = [tf.zeros_like(self.variables[i]) for i in self.dense]
         tables = self.take_sparse_gradients()
-        return rows.in_order(len(self.variables), self.dense, dense, self.sparse, tables)
+        return row_sparse.in_order(len(self.variables), self.dense, dense, self.sparse, tables)

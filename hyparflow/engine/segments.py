@@ -31,10 +31,10 @@ class SegmentedRunner:
         self.last_added = None
         self._accumulated: dict[int, object] = {}
 
-    def forward(self, microbatch: int, inputs, targets=None, scale=1.0, piece=None):
+    def forward(self, microbatch: int, inputs, targets=None, scale=1.0, rows=None):
         for segment in self.segments[:-1]:
-            inputs = segment.forward(microbatch, inputs, scale=scale, piece=piece)
-        outputs = self.segments[-1].forward(microbatch, inputs, targets, scale, piece)
+            inputs = segment.forward(microbatch, inputs, scale=scale, rows=rows)
+        outputs = self.segments[-1].forward(microbatch, inputs, targets, scale, rows)
         self.last_added = tf.add_n([s.last_added for s in self.segments])
         return outputs
 

@@ -62,26 +62,29 @@ def or_empty(grad, variable):
     return empty_rows(variable) if grad is None else grad
 
 
-def concat_rows(pieces: list, variable):
-    """One gradient from the micro-batches' pieces, as one call on their concatenated batch
-    gives it: row slices concatenated in order; a dense sum if any piece is dense."""
-    if not pieces:
+def concat_rows(per_microbatch: list, variable):
+    """One gradient from the micro-batches' gradients, as one call on their concatenated batch
+    gives it: row slices concatenated in order; a dense sum if any of them is dense."""
+    if not per_microbatch:
         return empty_rows(variable)
-    if not all(isinstance(p, tf.IndexedSlices) for p in pieces):
-        return tf.add_n([tf.convert_to_tensor(p) for p in pieces])
-    if len(pieces) == 1:
-        return pieces[0]
+    if not all(isinstance(g, tf.IndexedSlices) for g in per_microbatch):
+        return tf.add_n([tf.convert_to_tensor(g) for g in per_microbatch])
+    if len(per_microbatch) == 1:
+        return per_microbatch[0]
     return tf.IndexedSlices(
-        tf.concat([p.values for p in pieces], axis=0),
-        tf.concat([tf.cast(p.indices, tf.int64) for p in pieces], axis=0),
+        tf.concat([g.values for g in per_microbatch], axis=0),
+        tf.concat([tf.cast(g.indices, tf.int64) for g in per_microbatch], axis=0),
         tf.constant(tuple(variable.shape), tf.int64),
     )
 
 
-def concat_pieces(pieces: list, positions: list, variables: list) -> list:
-    """Each table's gradient (`concat_rows`) from per-micro-batch lists of the tables' pieces;
-    `positions` are the tables' indices in `variables`."""
-    return [concat_rows([p[j] for p in pieces], variables[i]) for j, i in enumerate(positions)]
+def concat_microbatches(per_microbatch: list, positions: list, variables: list) -> list:
+    """Each table's gradient (`concat_rows`) from per-micro-batch lists of the tables'
+    gradients; `positions` are the tables' indices in `variables`."""
+    return [
+        concat_rows([tables[j] for tables in per_microbatch], variables[i])
+        for j, i in enumerate(positions)
+    ]
 
 
 def in_order(count: int, dense_positions, dense, table_positions, tables) -> list:

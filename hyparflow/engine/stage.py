@@ -12,7 +12,7 @@ import numpy as np
 import tensorflow as tf
 from keras import tree
 
-from hyparflow.engine import sparse as rows
+from hyparflow.engine import sparse as row_sparse
 from hyparflow.engine.random_slices import slice_of
 from hyparflow.engine.runner import RunnerBase
 
@@ -124,20 +124,20 @@ class StageRunner(RunnerBase):
     def _flatten_body(self, grads):
         return self.layout.flatten(grads, 0.0)
 
-    def _training_call(self, inputs, piece, params):
+    def _training_call(self, inputs, rows, params):
         """The stage's training forward and its layers' added loss (zero if none); with
-        `params`, its variables read views of it. `piece` ([offset, global batch size]) places
+        `params`, its variables read views of it. `rows` ([offset, global batch size]) places
         the micro-batch in the global batch, whose dropout masks it takes its rows of."""
         inputs = self._differentiable(inputs)
         if params is None:
-            with slice_of(piece), self._train_scope():
+            with slice_of(rows), self._train_scope():
                 outputs = self._call(inputs, True)
             return outputs, self._added()
         views = self.layout.unflatten(params)
         dense = [self.variables[i] for i in self.dense]  # tables are read as they are
         scopes = (
             _UpdateRecordingScope(zip(dense, views, strict=True)),
-            slice_of(piece),
+            slice_of(rows),
             self._train_scope(),
         )
         with scopes[0] as scope, scopes[1], scopes[2]:
@@ -147,12 +147,12 @@ class StageRunner(RunnerBase):
             variable.assign(value)
         return outputs, added
 
-    def _forward_body(self, inputs, scale, piece, params):
-        outputs, added = self._training_call(inputs, piece, params)
+    def _forward_body(self, inputs, scale, rows, params):
+        outputs, added = self._training_call(inputs, rows, params)
         return outputs, added, added * _constant(scale)
 
-    def _loss_forward_body(self, inputs, y, sample_weight, scale, piece, params):
-        y_pred, added = self._training_call(inputs, piece, params)
+    def _loss_forward_body(self, inputs, y, sample_weight, scale, rows, params):
+        y_pred, added = self._training_call(inputs, rows, params)
         # Targets, weights and scale are data: no gradient flows to them.
         y, sample_weight, scale = tree.map_structure(_constant, (y, sample_weight, scale))
         loss = self._loss(y, y_pred, sample_weight)
@@ -160,28 +160,28 @@ class StageRunner(RunnerBase):
             self._metrics(y, y_pred, sample_weight)
         return y_pred, loss, added, (loss + added) * scale
 
-    def forward(self, microbatch: int, inputs, targets=None, scale=1.0, piece=None):
+    def forward(self, microbatch: int, inputs, targets=None, scale=1.0, rows=None):
         """Run the forward of `microbatch`, keeping what its backward needs.
 
         Returns the outputs; at the last stage `(y_pred, loss)` where `loss` is the micro-batch
-        mean and `scale` (its share of the global batch) weights its gradient. `piece`
+        mean and `scale` (its share of the global batch) weights its gradient. `rows`
         (offset, global batch size) says which rows of the global batch these are, so that
         dropout applies Keras's full-batch mask. With `recompute`, only the inputs and the
         stage's random/statistics state are kept, and the backward runs the forward again.
         """
         scale = tf.constant(scale, tf.float32)
-        piece = None if piece is None else tf.constant(piece, tf.int32)
+        rows = None if rows is None else tf.constant(rows, tf.int32)
         if self.recompute:
             snapshot = [np.array(v.numpy()) for v in self.state_variables]
-            result, _ = self._taped_forward(inputs, targets, scale, piece, tape=None)
-            self._pending[microbatch] = (None, (inputs, targets, scale, piece, snapshot))
+            result, _ = self._taped_forward(inputs, targets, scale, rows, tape=None)
+            self._pending[microbatch] = (None, (inputs, targets, scale, rows, snapshot))
             return result
         with tf.GradientTape(watch_accessed_variables=False) as tape:
-            result, differentiate = self._taped_forward(inputs, targets, scale, piece, tape)
+            result, differentiate = self._taped_forward(inputs, targets, scale, rows, tape)
         self._pending[microbatch] = (tape, differentiate)
         return result
 
-    def _taped_forward(self, inputs, targets, scale, piece, tape):
+    def _taped_forward(self, inputs, targets, scale, rows, tape):
         """The forward; under `tape`, also what to differentiate: (inputs, watched inputs,
         sources, targets)."""
         watched = [t for t in tree.flatten(inputs) if _is_float(t)] if self.input_grads else []
@@ -196,16 +196,16 @@ class StageRunner(RunnerBase):
         if self.is_last:
             y, sample_weight = targets
             y_pred, loss, self.last_added, scaled = self._loss_forward_fn(
-                inputs, y, sample_weight, scale, piece, params
+                inputs, y, sample_weight, scale, rows, params
             )
             return (y_pred, loss), (inputs, watched, sources, scaled)
-        result, self.last_added, added = self._forward_fn(inputs, scale, piece, params)
+        result, self.last_added, added = self._forward_fn(inputs, scale, rows, params)
         floats = [t for t in tree.flatten(result) if _is_float(t)]
         if self.has_added_losses:  # differentiated with the outputs (its gradient: 1)
             floats.append(added)
         return result, (inputs, watched, sources, floats)
 
-    def _recomputed(self, inputs, targets, scale, piece, snapshot):
+    def _recomputed(self, inputs, targets, scale, rows, snapshot):
         """Run the forward again under a tape, from the state it first saw (same Dropout masks,
         no second BatchNormalization update)."""
         current = [np.array(v.numpy()) for v in self.state_variables]
@@ -213,7 +213,7 @@ class StageRunner(RunnerBase):
             variable.assign(value)
         try:
             with tf.GradientTape(watch_accessed_variables=False) as tape:
-                _, differentiate = self._taped_forward(inputs, targets, scale, piece, tape)
+                _, differentiate = self._taped_forward(inputs, targets, scale, rows, tape)
         finally:
             for variable, value in zip(self.state_variables, current, strict=True):
                 variable.assign(value)
@@ -246,12 +246,13 @@ class StageRunner(RunnerBase):
         tables = [self.variables[i] for i in self.sparse]
         if self.flat_backward:
             flat = _or_zeros(var_grads[0], sources[0])
-            sparse = [rows.or_empty(g, v) for g, v in zip(var_grads[1:], tables, strict=True)]
+            sparse = [row_sparse.or_empty(g, v) for g, v in zip(var_grads[1:], tables, strict=True)]
             self._grads = flat if self._grads is None else self._grads + flat
         else:
-            rows.check_kinds(var_grads, self.sparse, self.variables)
+            row_sparse.check_kinds(var_grads, self.sparse, self.variables)
             sparse = [
-                rows.or_empty(var_grads[i], v) for i, v in zip(self.sparse, tables, strict=True)
+                row_sparse.or_empty(var_grads[i], v)
+                for i, v in zip(self.sparse, tables, strict=True)
             ]
             dense = [
                 tf.convert_to_tensor(_or_zeros(var_grads[i], self._sources[i])) for i in self.dense
@@ -260,7 +261,7 @@ class StageRunner(RunnerBase):
                 self._grads = dense
             else:
                 self._grads = [a + g for a, g in zip(self._grads, dense, strict=True)]
-        self._sparse_pieces.append(sparse)
+        self._sparse_per_microbatch.append(sparse)
         if not self.input_grads:
             return [None] * len(tree.flatten(inputs))
         by_input = iter(input_grads)

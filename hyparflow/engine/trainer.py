@@ -20,7 +20,7 @@ from hyparflow.comm.topology import Topology
 from hyparflow.comm.watchdog import NoWatchdog, Watchdog
 from hyparflow.data import GlobalBatch
 from hyparflow.engine import events
-from hyparflow.engine import sparse as rows
+from hyparflow.engine import sparse as row_sparse
 from hyparflow.engine.added_losses import warn_unless_batch_means
 from hyparflow.engine.flat import FlatLayout
 from hyparflow.engine.gradient_form import choose_gradient_form, segments_for
@@ -146,7 +146,7 @@ class Trainer:
         self.variables = list(graph.trainable_variables)
         self.owned = list(self.variables) if plan is None else owned_variables(plan, topo.stage)
         layers = _keras.all_layers(graph)
-        self.sparse = rows.row_sparse_positions(self.variables, layers)
+        self.sparse = row_sparse.row_sparse_positions(self.variables, layers)
         self.dense = sorted(set(range(len(self.variables))) - set(self.sparse))
         return layers
 
@@ -321,8 +321,8 @@ class Trainer:
         parts = self.walk.take_added()
         pipeline = self.topology.pipeline_comm
         if self._any_added_losses is None:  # known once every stage has traced its calls
-            pieces = self.topology.num_replicas * self.strategy.microbatches
-            warn_unless_batch_means(self._loss_adders, pieces)
+            microbatches_per_batch = self.topology.num_replicas * self.strategy.microbatches
+            warn_unless_batch_means(self._loss_adders, microbatches_per_batch)
             with self._guard("agree on added losses"):
                 self._any_added_losses = bool(
                     pipeline.allreduce(bool(self.runner.has_added_losses), op=mpi_op("LOR"))

@@ -12,7 +12,7 @@ from keras.optimizers import LossScaleOptimizer
 
 from hyparflow import _keras
 from hyparflow.comm.agree import AgreedError
-from hyparflow.engine import sparse as rows
+from hyparflow.engine import sparse as row_sparse
 from hyparflow.engine.mpi import mpi_op
 from hyparflow.engine.weights import byte_groups
 from hyparflow.sizes import UPDATE_GROUP_BYTES
@@ -212,7 +212,7 @@ class Update:
         if finite:
             return grads
         return [
-            rows.like(g, tf.fill(tf.shape(rows.values_of(g)), tf.constant(float("nan"), g.dtype)))
+            row_sparse.like(g, tf.fill(tf.shape(row_sparse.values_of(g)), _nan(g.dtype)))
             for g in grads
         ]
 
@@ -403,4 +403,8 @@ def _sum_of_squares(grads, scale):
 
 
 def _finite(grad) -> bool:
-    return bool(tf.reduce_all(tf.math.is_finite(rows.values_of(grad))))
+    return bool(tf.reduce_all(tf.math.is_finite(row_sparse.values_of(grad))))
+
+
+def _nan(dtype):
+    return tf.constant(float("nan"), dtype)

@@ -27,7 +27,7 @@ import tensorflow as tf
 from keras.optimizers import LossScaleOptimizer
 
 from hyparflow.comm.allreduce import DEFAULT_BUCKET_BYTES, reduction_dtype
-from hyparflow.engine import sparse as rows
+from hyparflow.engine import sparse as row_sparse
 from hyparflow.engine.flat import FlatLayout
 from hyparflow.engine.mpi import mpi_op
 from hyparflow.engine.update import apply_clipped, inner_optimizer
@@ -154,7 +154,7 @@ class ShardedUpdate:
         local, tables = self._take_gradients()
         own_tables = tables
         if tables:  # row slices of every replica, in rank order, as without ZeRO
-            tables = rows.reduce_rows(self.comm, tables)
+            tables = row_sparse.reduce_rows(self.comm, tables)
         kept = None
         if self.keep_local:
             kept = list(local)
@@ -288,7 +288,7 @@ class ShardedUpdate:
         for grad, is_split in zip(tables, self._table_norm, strict=True):
             if is_split is None:
                 continue
-            part = tf.reduce_sum(tf.square(tf.cast(rows.values_of(grad), "float32")))
+            part = tf.reduce_sum(tf.square(tf.cast(row_sparse.values_of(grad), "float32")))
             if is_split:
                 table_split += part
             else:
