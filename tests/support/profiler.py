@@ -34,7 +34,7 @@ def simulated_steps(
             begin, end = (start + t for t in sim.times[stage, action])
             if begin > cursor:
                 spans.append(events.Span(events.RECV, step, action.microbatch, cursor, begin))
-            spans.append(events.Span(action.kind, step, action.microbatch, begin, end))
+            spans.append(events.Span(action.kind.value, step, action.microbatch, begin, end))
             cursor = end
         flush = start + sim.makespan
         spans.append(events.Span(events.ALLREDUCE, step, None, flush, flush + allreduce))
