@@ -109,9 +109,7 @@ class FusedRunner(RunnerBase):
         return y_pred, loss
 
     def _zero_totals(self):
-        if self.layout is not None:
-            return self.layout.zeros()
-        return [tf.zeros_like(self._sources[i]) for i in self.dense]
+        return self.layout.zeros() if self.layout is not None else self._zero_dense()
 
     def backward(self, microbatch: int, output_grads=None) -> list:
         """Nothing to compute (the forward took the gradients); no inputs need gradients."""

@@ -46,6 +46,10 @@ class Runner(Protocol):
 
     def prepare(self) -> None: ...
 
+    def _zero_dense(self) -> list:
+        """Zeros for each dense variable's gradient (no micro-batch summed yet)."""
+        return [tf.zeros_like(self._sources[i]) for i in self.dense]
+
     def take_gradients(self) -> list: ...
 
 
@@ -109,6 +113,10 @@ class RunnerBase:
         """Whether the step's summed dense gradients (`_grads`) are the layout's flat tensors."""
         raise NotImplementedError
 
+    def _zero_dense(self) -> list:
+        """Zeros for each dense variable's gradient (no micro-batch summed yet)."""
+        return [tf.zeros_like(self._sources[i]) for i in self.dense]
+
     def take_gradients(self) -> list:
         """Summed variable gradients of the micro-batches since the last call (zeros if none);
         row slices concatenated for the embedding tables."""
@@ -117,6 +125,6 @@ class RunnerBase:
         else:
             dense, self._grads = self._grads, None
             if dense is None:
-                dense = [tf.zeros_like(self.variables[i]) for i in self.dense]
+                dense = self._zero_dense()
         tables = self.take_sparse_gradients()
         return row_sparse.in_order(len(self.variables), self.dense, dense, self.sparse, tables)

@@ -293,10 +293,10 @@ class StageRunner(RunnerBase):
         if not self.flat_backward:
             grads, self._grads = self._grads, None
             if grads is None:
-                return tf.zeros([self.layout.length], tf.float32)
+                return self.layout.zeros()
             return self._flatten_fn(grads)  # one copy per step, not per micro-batch
         flat, self._grads, self._params = self._grads, None, None
-        return tf.zeros([self.layout.length], tf.float32) if flat is None else flat
+        return self.layout.zeros() if flat is None else flat
 
     @property
     def in_flight(self) -> int:

@@ -212,8 +212,8 @@ class Trainer:
                 self.segment_update.shard(self.zero)
         self.gradient_path = build_gradient_path(
             self.gradient_sync, self.update, self.segment_update, self.zero,
-            span=lambda *kind: self._span(*kind), guard=lambda op: self._guard(op),
-            step=lambda: self.step,
+            # a lambda: attach_recorder replaces `_span` (`_guard` reads the current watchdog)
+            span=lambda *kind: self._span(*kind), guard=self._guard, step=lambda: self.step,
         )  # fmt: skip
 
     def tensor_active(self):
