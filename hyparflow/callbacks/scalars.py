@@ -9,6 +9,7 @@ from tensorboard.plugins.scalar import metadata
 from hyparflow.callbacks.aggregate import JobStep
 from hyparflow.callbacks.breakdown import KINDS, TENSOR_KINDS, StepBreakdown
 from hyparflow.engine import events
+from hyparflow.traced import traced
 
 STEP_MS = "step_ms/total"
 COMPUTE_MS = "step_ms/compute"
@@ -108,7 +109,6 @@ class ScalarWriter:
             tf.TensorSpec([None, len(tags)], tf.float32),
         )  # any number of rows, one trace
 
-        @tf.function(autograph=False, input_signature=signature)
         def write_rows(steps, values):
             def body(i):
                 for j, tag in enumerate(tags):
@@ -118,7 +118,7 @@ class ScalarWriter:
             with writer.as_default():
                 tf.while_loop(lambda i: i < tf.shape(steps)[0], body, (tf.constant(0),))
 
-        return write_rows
+        return traced(write_rows, input_signature=signature)
 
     def close(self) -> None:
         self._writer.close()

@@ -24,6 +24,7 @@ from hyparflow.comm.in_graph import allreduce
 from hyparflow.data.batches import piece_bounds, split_sizes
 from hyparflow.engine.random_slices import slice_of
 from hyparflow.engine.trainer import Trainer
+from hyparflow.traced import traced
 
 OWN_STEPS = ("train_step", "test_step", "compute_loss")
 TAG = "custom_step"  # in-graph collectives' traffic record (comm/in_graph.py)
@@ -110,8 +111,8 @@ class CustomStepTrainer(Trainer):
         self._equal_shares = needs_equal_shares(model)
         self._returned = None  # what the last step returned (Keras's logs of that batch)
         self._matches: dict = {}
-        self._train_fn = tf.function(self._train_body, reduce_retracing=True)
-        self._test_fn = tf.function(model.test_step, reduce_retracing=True)
+        self._train_fn = traced(self._train_body, reduce_retracing=True)
+        self._test_fn = traced(model.test_step, reduce_retracing=True)
 
     def _train_body(self, data, weight, rows):
         optimizers = optimizers_of(self.model)

@@ -19,6 +19,7 @@ import tensorflow as tf
 
 from hyparflow import sizes
 from hyparflow.comm.allreduce import DEFAULT_BUCKET_BYTES, plan_buckets
+from hyparflow.traced import traced
 
 # Mean gradient bytes per variable up to which a stage's backward is flat (hyparflow/sizes.py).
 FLAT_BACKWARD_MAX_MEAN_BYTES = sizes.FLAT_BACKWARD_MAX_MEAN_BYTES
@@ -47,7 +48,7 @@ class FlatLayout:
         gradients_end = buckets[0].length if buckets else 0
         self.tail_offset = -(-gradients_end // TAIL) * TAIL
         self.length = self.tail_offset + TAIL
-        self.unflatten_fn = tf.function(self.unflatten)
+        self.unflatten_fn = traced(self.unflatten)
 
     @property
     def flat_backward_pays(self) -> bool:
@@ -138,7 +139,7 @@ class ChunkedLayout:
         self.members = [bucket.indices for bucket in buckets]
         self.chunks = [FlatLayout([specs[i] for i in members]) for members in self.members]
         self.length = sum(chunk.length for chunk in self.chunks)
-        self.unflatten_fn = tf.function(self.unflatten)
+        self.unflatten_fn = traced(self.unflatten)
 
     def zeros(self) -> tuple:
         return tuple(chunk.zeros() for chunk in self.chunks)

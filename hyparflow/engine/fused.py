@@ -14,6 +14,7 @@ import tensorflow as tf
 from hyparflow.engine import sparse as row_sparse
 from hyparflow.engine.random_slices import slice_of
 from hyparflow.engine.runner import RunnerBase
+from hyparflow.traced import traced
 
 
 class FusedRunner(RunnerBase):
@@ -51,8 +52,8 @@ class FusedRunner(RunnerBase):
         self._loss = loss
         self._forwarded: set[int] = set()
         self._sums_from_zeros = microbatches > 1
-        self._first_fn = tf.function(self._first_body, reduce_retracing=self.relax_shapes)
-        self._accumulate_fn = tf.function(self._accumulate_body, reduce_retracing=self.relax_shapes)
+        self._first_fn = traced(self._first_body, reduce_retracing=self.relax_shapes)
+        self._accumulate_fn = traced(self._accumulate_body, reduce_retracing=self.relax_shapes)
 
     def _gradients(self, inputs, y, sample_weight, scale, rows):
         with tf.GradientTape(watch_accessed_variables=False) as tape:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
+from hyparflow.traced import traced
+
 
 class ReplicaMetrics:
     """`model.get_metrics_result()` as if all replicas on `comm` had fed one metric set.
@@ -21,7 +23,7 @@ class ReplicaMetrics:
 
     def __init__(self, model, comm) -> None:
         self.model, self.comm = model, comm
-        self._results = tf.function(model.get_metrics_result)
+        self._results = traced(model.get_metrics_result)
         self._built_for: tuple = ()
 
     def __call__(self) -> dict:
@@ -66,9 +68,9 @@ class ReplicaMetrics:
                 variable.assign(value)
             return results
 
-        compiled = tf.function(pack)
+        compiled = traced(pack)
         self._pack = read if len(variables) <= 6 else lambda: compiled().numpy()
-        self._results_of = tf.function(results_of)
+        self._results_of = traced(results_of)
         self._built_for = tuple(id(v) for v in variables)
 
 

@@ -14,6 +14,7 @@ from hyparflow.data import GlobalBatch, piece_bounds
 from hyparflow.engine import events
 from hyparflow.engine.structure import model_input_list
 from hyparflow.schedule import ActionKind, forward_only, make_schedule, with_transfers
+from hyparflow.traced import traced
 
 
 class MicroBatch(NamedTuple):
@@ -184,7 +185,7 @@ class PipelineWalk:
         else:
             y_pred = out
             if self._eval_loss_fn is None:
-                self._eval_loss_fn = tf.function(self._loss)
+                self._eval_loss_fn = traced(self._loss)
             loss = self._eval_loss_fn(y, y_pred, sw)
         if not (train and self.runner.updates_metrics):
             self._update_metrics_fn(y, y_pred, sw)

@@ -16,6 +16,7 @@ from typing import Protocol
 import tensorflow as tf
 
 from hyparflow.engine import sparse as row_sparse
+from hyparflow.traced import traced
 
 
 class Runner(Protocol):
@@ -85,7 +86,7 @@ class RunnerBase:
         self._call = call
         self.relax_shapes = relax_shapes
         self._grads = None  # the step's summed dense gradients: a list, or flat tensors
-        self._infer_fn = tf.function(self._infer_body, reduce_retracing=relax_shapes)
+        self._infer_fn = traced(self._infer_body, reduce_retracing=relax_shapes)
 
     def _added(self):
         added = self._added_losses() if self._added_losses is not None else None

@@ -20,6 +20,7 @@ import tensorflow as tf
 from hyparflow.comm.allreduce import GradientReducer
 from hyparflow.engine.flat import FlatLayout
 from hyparflow.engine.update import applies_per_variable, inner_optimizer
+from hyparflow.traced import traced
 
 
 class SegmentUpdate:
@@ -122,7 +123,7 @@ class SegmentUpdate:
         key = tuple(positions)
         if key not in self._layouts:
             layout = FlatLayout([self.update.variables[i] for i in positions])
-            flatten = tf.function(lambda g, layout=layout: layout.flatten(g, 0.0))
+            flatten = traced(lambda g, layout=layout: layout.flatten(g, 0.0))
             self._layouts[key] = (layout, flatten)
         layout, flatten = self._layouts[key]
         flat = flatten([tf.convert_to_tensor(g) for g in grads])

@@ -15,6 +15,7 @@ from keras import tree
 from hyparflow.engine import sparse as row_sparse
 from hyparflow.engine.random_slices import slice_of
 from hyparflow.engine.runner import RunnerBase
+from hyparflow.traced import traced
 
 
 def _is_float(tensor) -> bool:
@@ -102,15 +103,15 @@ class StageRunner(RunnerBase):
         self._loss = loss
         self._pending = {}
         self._params = None  # this step's flat variable values (with flat_backward)
-        self._pack_fn = tf.function(self._pack_body)
-        self._flatten_fn = tf.function(self._flatten_body)
+        self._pack_fn = traced(self._pack_body)
+        self._flatten_fn = traced(self._flatten_body)
         # Static shapes: one trace per micro-batch size (usually two: full and last), which
         # keeps Keras's per-output loss trackers weighting by batch size. With `relax_shapes`
         # (inputs of unknown length), as Keras's own train function: a second shape retraces
         # once with the differing dimensions unknown, then never again.
         relax = self.relax_shapes
-        self._forward_fn = tf.function(self._forward_body, reduce_retracing=relax)
-        self._loss_forward_fn = tf.function(self._loss_forward_body, reduce_retracing=relax)
+        self._forward_fn = traced(self._forward_body, reduce_retracing=relax)
+        self._loss_forward_fn = traced(self._loss_forward_body, reduce_retracing=relax)
 
     def _differentiable(self, inputs):
         # A taped function's backward graph computes the gradient of every float input unless

@@ -53,6 +53,7 @@ from hyparflow.engine.zero import ShardedUpdate
 from hyparflow.engine.zero_checkpoint import ZeroCheckpoint
 from hyparflow.tensor import collectives
 from hyparflow.tensor.shards import TensorShards
+from hyparflow.traced import traced
 
 __all__ = ["Trainer", "model_input_list", "pack_model_outputs"]
 
@@ -118,9 +119,9 @@ class Trainer:
             loss=self._loss, metrics=self._update_metrics, loss_adders=self._loss_adders,
         )  # fmt: skip
         segments = self._build_runner(parts, shared is not None, comm_backend)
-        self._update_metrics_fn = tf.function(self._update_metrics)
+        self._update_metrics_fn = traced(self._update_metrics)
         # Compiled like Keras's own step: metric updates and results are a call each.
-        self._loss_tracker_fn = tf.function(
+        self._loss_tracker_fn = traced(
             lambda value, count: _keras.loss_tracker(model).update_state(value, sample_weight=count)
         )
         self._replica_metrics = ReplicaMetrics(model, topo.stage_comm)

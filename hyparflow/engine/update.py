@@ -16,6 +16,7 @@ from hyparflow.engine import sparse as row_sparse
 from hyparflow.engine.mpi import mpi_op
 from hyparflow.engine.weights import byte_groups
 from hyparflow.sizes import UPDATE_GROUP_BYTES
+from hyparflow.traced import traced
 
 # Bytes of variables per compiled optimizer call of a grouped update (hyparflow/sizes.py).
 GROUP_BYTES = UPDATE_GROUP_BYTES
@@ -105,7 +106,7 @@ class Update:
         # over the tensor ranks; every other variable is whole on each of them.
         self.split_ids = {id(v) for v in split}
         self.tensor_comm = topology.tensor_comm if self.split_ids else None
-        self._reg_fn = tf.function(self.regularization_and_grads)
+        self._reg_fn = traced(self.regularization_and_grads)
         self._has_regularizers = bool(
             topology.pipeline_comm.allreduce(len(self.regularized) > 0, op=mpi_op("LOR"))
         )
@@ -113,8 +114,8 @@ class Update:
         self.clips_across_stages = (partitioned or bool(self.split_ids)) and bool(
             getattr(inner_optimizer(model.optimizer), "global_clipnorm", None)
         )
-        self._squares_fn = tf.function(_sum_of_squares, reduce_retracing=True)
-        self._reg_values_fn = tf.function(self._reg_values)
+        self._squares_fn = traced(_sum_of_squares, reduce_retracing=True)
+        self._reg_values_fn = traced(self._reg_values)
         self._groups_for: tuple = (None, False)  # (id of the optimizer, whether grouped)
         self._position_groups: dict = {}  # positions -> their update groups (`apply_some`)
         self._compiled: dict = {}
@@ -388,7 +389,7 @@ class Update:
         if name not in self._compiled or self._compiled[name][0] is not optimizer:
             function = functools.partial(body, **bound) if bound else body
             # Tables' row counts vary by step: generalise shapes after a retrace, as Keras does.
-            self._compiled[name] = (optimizer, tf.function(function, reduce_retracing=True))
+            self._compiled[name] = (optimizer, traced(function, reduce_retracing=True))
         return self._compiled[name][1]
 
 

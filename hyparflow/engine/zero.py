@@ -32,6 +32,7 @@ from hyparflow.engine.flat import FlatLayout
 from hyparflow.engine.mpi import mpi_op
 from hyparflow.engine.update import apply_clipped, inner_optimizer
 from hyparflow.engine.zero_layout import ZeroLayout, group_by_dtype, ring_bytes, segment_positions
+from hyparflow.traced import traced
 
 # Bytes of gradients reduce-scattered per MPI call (as the fused allreduce's buckets).
 WINDOW_BYTES = DEFAULT_BUCKET_BYTES
@@ -138,8 +139,8 @@ class ShardedUpdate:
         self.allreduce_bytes = sum(
             2 * ring_bytes(g.layout.length, parts, g.reduced_dtype.itemsize) for g in self.groups
         )
-        self._regularize_fn = tf.function(self._regularize, reduce_retracing=True)
-        self._squares_fn = tf.function(self._squares, reduce_retracing=True)
+        self._regularize_fn = traced(self._regularize, reduce_retracing=True)
+        self._squares_fn = traced(self._squares, reduce_retracing=True)
         self.keep_local = False  # keep each rank's own gradients (the trainer's finite check)
         self._built_for = None
 

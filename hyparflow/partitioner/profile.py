@@ -11,6 +11,7 @@ from keras import tree
 
 from hyparflow import _keras
 from hyparflow.partitioner.graph import LayerGraph
+from hyparflow.traced import traced
 
 DEFAULT_PROFILE_BATCH = 32
 
@@ -55,7 +56,7 @@ def make_sample(graph: LayerGraph, sample=None, input_shape=None, batch_size=Non
 def node_times(graph: LayerGraph, inputs: list, repeats: int = 5) -> np.ndarray:
     """Seconds of forward plus backward of each node on `inputs` (training mode), each compiled
     alone with tf.function; the cost of an empty compiled call is subtracted."""
-    overhead = _best_time(tf.function(lambda xs: [tf.identity(x) for x in xs]), inputs, repeats)
+    overhead = _best_time(traced(lambda xs: [tf.identity(x) for x in xs]), inputs, repeats)
     values = dict(zip(graph.inputs, inputs, strict=True))
     times = np.zeros(len(graph.nodes))
     with preserved_state(graph.model):
@@ -125,7 +126,7 @@ def _forward_backward(call, variables):
     """Compiled forward and backward: gradients of all outputs (seeded with ones) with respect
     to the floating-point inputs and `variables`."""
 
-    @tf.function
+    @traced
     def step(inputs):
         floats = [x for x in inputs if x.dtype.is_floating]
         with tf.GradientTape() as tape:

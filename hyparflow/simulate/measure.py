@@ -5,8 +5,7 @@ times them): its growth with the batch is the layer's share of the work. Stages 
 as the engine runs them (`_stage_step`), on the whole model and on 2- and 4-way splits, and a
 non-negative least-squares fit (`_fit_stages`) turns the shares into what a stage pays. The
 loss, the unpartitioned step, the logs' read-out and a plain `model.fit` step (the one-rank
-baseline) are timed as they are. Run it with the ranks' thread settings
-(`TF_NUM_INTRAOP_THREADS`).
+baseline) are timed as they are. Run it with the ranks' threads (`TF_NUM_INTRAOP_THREADS`).
 """
 
 from __future__ import annotations
@@ -26,6 +25,7 @@ from hyparflow import _keras
 from hyparflow.partitioner import cost, partition, profile
 from hyparflow.partitioner.graph import build_graph
 from hyparflow.simulate.costs import Affine, EngineCosts, LayerCost, ModelCosts
+from hyparflow.traced import traced
 
 DEFAULT_BATCH_SIZES = (16, 64)
 SPLITS = (2, 4)  # stage variants the engine costs are fitted on (besides the whole model)
@@ -139,13 +139,13 @@ def _run_stages(stages, inputs):
 def _stage_step(model, call, variables, x, microbatches, repeats) -> tuple[float, float, float]:
     """Median seconds of the forwards, the backwards (output gradients given, as a middle
     stage gets them) and the optimizer update of one step of one stage."""
-    forward_fn = tf.function(call)
+    forward_fn = traced(call)
     inputs = [t for t in tf.nest.flatten(x) if t.dtype.is_floating]
     optimizer = keras.optimizers.deserialize(keras.optimizers.serialize(model.optimizer))
     copies = [keras.Variable(v.numpy(), dtype=v.dtype) for v in variables]
     if copies:
         optimizer.build(copies)
-    apply = tf.function(lambda grads: optimizer.apply(grads, copies))
+    apply = traced(lambda grads: optimizer.apply(grads, copies))
     sources = [*variables, *inputs]
     timings = []
     for i in range(repeats + 1):
@@ -189,7 +189,7 @@ def _nonnegative_least_squares(matrix, target) -> np.ndarray:
 def _loss_cost(model, samples, repeats) -> Affine:
     """The last stage's extra forward work: the compiled loss and metric update."""
 
-    @tf.function
+    @traced
     def loss(y, y_pred):
         _update_metrics(model, y, y_pred)
         return _keras.compiled_loss(model)(y, y_pred, None)
@@ -204,7 +204,7 @@ def _fused_cost(model, samples, repeats) -> Affine:
     runs data parallelism."""
     variables = list(model.trainable_variables)
 
-    @tf.function
+    @traced
     def step(x, y):
         with tf.GradientTape() as tape:
             y_pred = model(x, training=True)
