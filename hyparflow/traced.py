@@ -4,8 +4,8 @@ Keras marks its train, test and predict steps `do_not_convert` and AutoGraph nev
 `keras` modules, so a model's code (a custom layer, an overridden `train_step`) runs as plain
 Python when Keras traces it. hyparflow's step functions are straight-line TensorFlow; converting
 them to AutoGraph's form re-parses their source and routes every call through
-`converted_call`, about a quarter of a small model's first-step time (docs/engine.md), and would
-convert user code that Keras leaves alone. Tensor-valued control flow is written with `tf.cond`
+`converted_call`, which slows every first step (measured in docs/engine.md), and would convert
+user code that Keras leaves alone. Tensor-valued control flow is written with `tf.cond`
 and `tf.while_loop`; a Python `if` on a tensor fails at trace time instead of changing meaning.
 """
 
