@@ -3,10 +3,12 @@
 Each equivalence scenario compares hf.fit with plain Keras's fit of the same model on the same
 data. Training that reference on every rank repeats one process's work N times on a machine
 with fewer cores than ranks, and the same reference serves several launches (a model's data,
-pipeline and hybrid layouts). Here one rank (its owner, chosen from the key) trains it when no
-earlier launch of the session has, writes what the comparison needs to a file, and every rank
-reads that file. A scenario that knows its cases first calls `prefetch`, so that each rank trains
-the references it owns at once and no rank waits alone while another trains them one by one.
+pipeline and hybrid layouts). Here the first rank to claim a reference trains it, when no earlier
+launch of the session has, and writes what the comparison needs to a file that every rank reads.
+A claim is a file made with `O_EXCL`, so exactly one rank of a launch wins it. A scenario that
+knows its cases first calls `prefetch`: each rank claims and trains the next unclaimed reference
+until none is left, so the ranks share the work by its real cost (a keras_hub model's reference
+takes ten times a small MLP's) and no rank waits alone while another trains.
 
 The files live in the folder `HF_TEST_REFERENCES` names (tests/conftest.py makes one for the
 pytest session), or, for a scenario launched by hand, in the launch's own result folder. A
@@ -22,8 +24,6 @@ import os
 import pickle
 import time
 from collections.abc import Callable
-
-from mpi4py import MPI
 
 from tests.support import zoo
 from tests.support.mpirun import REFERENCES_ENV
@@ -43,14 +43,14 @@ Request = tuple[dict, Callable[[], dict]]  # a reference's key and how to train 
 
 
 def shared(key: dict, train: Callable[[], dict]) -> dict:
-    """`train()`'s result (picklable) for `key`: trained by the key's owner rank unless on file,
-    read by all.
+    """`train()`'s result (picklable) for `key`: trained by the rank that claims it unless on
+    file, read by all.
 
     `key` names everything the reference depends on (scenario, model, optimizer, dtype policy,
-    epochs); two callers with equal keys must train the same thing. The owner writes the file
-    atomically; the other ranks sleep-poll for it (a failure on the owner ends the job, as any
+    epochs); two callers with equal keys must train the same thing. The claiming rank writes the
+    file atomically; the other ranks sleep-poll for it (a failure there ends the job, as any
     scenario error does)."""
-    result = _train_if_owner(key, train)
+    result = _train_if_claimed(key, train)
     if result is not None:
         return result
     path = _path(key)
@@ -61,28 +61,34 @@ def shared(key: dict, train: Callable[[], dict]) -> dict:
 
 
 def prefetch(requests: list[Request]) -> None:
-    """Train now, each on its owner rank, the references of `requests` not on file yet; no
-    waiting here (`shared` reads them when each case needs its own)."""
-    done = set()
+    """Train now the references of `requests` not on file yet, each on the first rank to claim
+    it; no waiting here (`shared` reads them when each case needs its own)."""
     for key, train in requests:
-        path = _path(key)
-        if path not in done:
-            done.add(path)
-            _train_if_owner(key, train)
+        _train_if_claimed(key, train)
 
 
-def _train_if_owner(key: dict, train: Callable[[], dict]) -> dict | None:
-    """Train and write `key`'s reference if this rank owns it and no file holds it yet."""
+def _train_if_claimed(key: dict, train: Callable[[], dict]) -> dict | None:
+    """Train and write `key`'s reference if no file holds it yet and this rank is the first of
+    its launch to claim it."""
     path = _path(key)
-    comm = MPI.COMM_WORLD
-    owner = int(os.path.basename(path).split(".")[0], 16) % comm.Get_size()
-    if comm.Get_rank() != owner or os.path.exists(path):
+    if os.path.exists(path) or not _claim(path):
         return None
     result = train()
     with open(path + ".tmp", "wb") as f:
         pickle.dump(result, f)
     os.replace(path + ".tmp", path)
     return result
+
+
+def _claim(path: str) -> bool:
+    """True for the one rank of this launch that creates `path`'s claim file. A launch's ranks
+    share their parent (mpirun), so a claim left by a launch that failed holds no later one."""
+    claim = f"{path}.{os.getppid()}.claim"
+    try:
+        os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
 
 
 def _path(key: dict) -> str:
