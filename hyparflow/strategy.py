@@ -58,7 +58,7 @@ class Strategy:
       Refused above 1 with globally synchronised BatchNormalization and with a model that
       overrides its own train step.
     - `schedule` ("gpipe"): "gpipe" (all forwards, then all backwards) or "1f1b" (one
-      forward, one backward in the steady state), as `schedule.py` lays them out
+      forward, one backward in the steady state), as `schedule/builders.py` lays them out
       (docs/schedules.md).
     - `overlap_p2p` (True): posts a step's activation receives up front, and each gradient
       receive as soon as its activation is sent, so that they arrive while the stage

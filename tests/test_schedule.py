@@ -10,6 +10,7 @@ from hyparflow.schedule import (
     B,
     DeadlockError,
     F,
+    ScheduleError,
     forward_only,
     gpipe,
     make_schedule,
@@ -17,6 +18,7 @@ from hyparflow.schedule import (
     peak_in_flight,
     simulate,
     theoretical_bubble,
+    validate,
     with_transfers,
 )
 
@@ -167,3 +169,38 @@ def test_transfers_wrap_each_pass_where_a_neighbour_exists(p, m, name):
             simulate([with_transfers(make_schedule(name, p, m)[0], 0, p)] * p)
         with pytest.raises(ValueError, match="transfer already"):
             with_transfers(with_transfers([F(0)], 1, p), 1, p)
+
+
+@given(names, stages, microbatches)
+def test_every_built_schedule_validates_with_and_without_transfers(name, p, m):
+    schedule = make_schedule(name, p, m)
+    validate(schedule, m)
+    validate([with_transfers(actions, s, p) for s, actions in enumerate(schedule)], m)
+    validate(forward_only(p, m), m, training=False)
+    lowered = [with_transfers(actions, s, p) for s, actions in enumerate(forward_only(p, m))]
+    validate(lowered, m, training=False)
+
+
+def test_the_validator_names_each_kind_of_broken_schedule():
+    broken = {
+        "misses [B1]": ([[F(0), F(1), B(0)]], 2, True),
+        "repeats or adds [F0, F0]": ([[F(0), F(0), B(0)]], 1, True),
+        "adds [B0]": ([[F(0), B(0)]], 1, False),  # forward-only steps have no backward
+        "runs B0 before F0": ([[B(0), F(0)]], 1, True),
+        # each stage complete, but stage 0 waits for B0 of stage 1, which waits for F1 first
+        "deadlocks": ([[F(0), B(0), F(1), B(1)], [F(1), F(0), B(0), B(1)]], 2, True),
+    }
+    for message, (schedule, m, training) in broken.items():
+        with pytest.raises(ScheduleError, match=message.replace("[", r"\[").replace("]", r"\]")):
+            validate(schedule, m, training=training)
+
+
+def test_the_validator_refuses_sends_the_neighbour_receives_in_another_order():
+    schedule = [with_transfers(actions, s, 2) for s, actions in enumerate(gpipe(2, 2))]
+    first = list(schedule[0])
+    a, b = first.index(Action("send_activations", 0)), first.index(Action("send_activations", 1))
+    first[a], first[b] = first[b], first[a]  # the second stage would take micro-batch 1 for 0
+    with pytest.raises(ScheduleError, match=r"sends send_activations of micro-batches \[1, 0\]"):
+        validate([first, schedule[1]], 2)
+    with pytest.raises(ScheduleError, match="to no stage"):
+        validate([with_transfers([F(0), B(0)], 0, 2)], 1)

@@ -13,7 +13,13 @@ from hyparflow.comm.p2p import PipeChannel
 from hyparflow.data import GlobalBatch, piece_bounds
 from hyparflow.engine import events
 from hyparflow.engine.structure import model_input_list
-from hyparflow.schedule import ActionKind, forward_only, make_schedule, with_transfers
+from hyparflow.schedule import (
+    ActionKind,
+    forward_only,
+    make_schedule,
+    validate,
+    with_transfers,
+)
 from hyparflow.traced import traced
 
 
@@ -146,16 +152,17 @@ class PipelineWalk:
 
     def _stage_actions(self, train: bool, count: int) -> tuple:
         """This stage's actions, transfers included, for a step of `count` micro-batches
-        (built once per count)."""
+        (built and validated, every stage's with its transfers, once per count)."""
         key = (train, count)
         if key not in self._schedules:
-            topo = self.topology
+            p = self.topology.num_stages
             if train:
-                schedule = make_schedule(self.strategy.schedule, topo.num_stages, count)
+                schedule = make_schedule(self.strategy.schedule, p, count)
             else:
-                schedule = forward_only(topo.num_stages, count)
-            actions = with_transfers(schedule[topo.stage], topo.stage, topo.num_stages)
-            self._schedules[key] = tuple(actions)
+                schedule = forward_only(p, count)
+            lowered = [with_transfers(actions, s, p) for s, actions in enumerate(schedule)]
+            validate(lowered, count, training=train)
+            self._schedules[key] = tuple(lowered[self.topology.stage])
         return self._schedules[key]
 
     def _post_receives(self, prev, count: int) -> dict:

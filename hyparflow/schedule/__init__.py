@@ -1,0 +1,46 @@
+"""Pipeline schedules as data (GPipe, 1F1B), their validation and a pure simulator of their timing.
+
+A schedule is one ordered list of actions per stage: stage `s` executes `schedule[s]` strictly in
+order (`actions.py`). The builders make the lists (`builders.py`), `validate` checks that one is
+a step the engine can run exactly (`validation.py`), and `simulate` times it on an ideal machine
+(`simulation.py`).
+
+Nothing here imports MPI, TensorFlow or the rest of hyparflow: the engine walks these lists,
+and the simulator, the memory plan, the profiler, tests and the CLI read or simulate them, so
+it sits below all of them (docs/architecture.md).
+"""
+
+from hyparflow.schedule.actions import (
+    BACKWARD,
+    FORWARD,
+    Action,
+    ActionKind,
+    B,
+    F,
+    Schedule,
+    with_transfers,
+)
+from hyparflow.schedule.builders import (
+    SCHEDULES,
+    forward_only,
+    gpipe,
+    make_schedule,
+    one_f_one_b,
+)
+from hyparflow.schedule.simulation import (
+    DeadlockError,
+    Simulation,
+    peak_in_flight,
+    raise_if_blocked,
+    ready_time,
+    simulate,
+    theoretical_bubble,
+)
+from hyparflow.schedule.validation import ScheduleError, validate
+
+__all__ = [
+    "BACKWARD", "FORWARD", "SCHEDULES", "Action", "ActionKind", "B", "DeadlockError", "F",
+    "Schedule", "ScheduleError", "Simulation", "forward_only", "gpipe", "make_schedule",
+    "one_f_one_b", "peak_in_flight", "raise_if_blocked", "ready_time", "simulate",
+    "theoretical_bubble", "validate", "with_transfers",
+]  # fmt: skip

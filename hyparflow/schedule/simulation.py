@@ -1,0 +1,167 @@
+"""A pure simulator of a schedule's timing on an ideal machine, and the bounds it is checked by."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from hyparflow.schedule.actions import BACKWARD, FORWARD, Action, B, F, Schedule, check_sizes
+
+
+def peak_in_flight(stage_actions: Sequence[Action]) -> int:
+    """Largest number of micro-batches forwarded but not yet backwarded on one stage.
+
+    This bounds the activations a stage must keep alive (and the receive slots it needs).
+
+    Example:
+        >>> from hyparflow.schedule import gpipe, one_f_one_b
+        >>> peak_in_flight(one_f_one_b(4, 8)[0]), peak_in_flight(gpipe(4, 8)[0])
+        (4, 8)
+    """
+    in_flight, peak = set(), 0
+    for action in stage_actions:  # transfers (`with_transfers`) change nothing here
+        if action.kind is FORWARD:
+            in_flight.add(action.microbatch)
+            peak = max(peak, len(in_flight))
+        elif action.kind is BACKWARD:
+            in_flight.discard(action.microbatch)
+    return peak
+
+
+def theoretical_bubble(num_stages: int, num_microbatches: int) -> float:
+    """Idle fraction of a flushed pipeline with equal stages: `(p - 1) / (m + p - 1)`.
+
+    Example:
+        >>> theoretical_bubble(4, 12)
+        0.2
+    """
+    check_sizes(num_stages, num_microbatches)
+    return (num_stages - 1) / (num_microbatches + num_stages - 1)
+
+
+class DeadlockError(RuntimeError):
+    """A schedule whose stages wait on each other forever (or on an action never scheduled)."""
+
+
+@dataclass
+class Simulation:
+    """Timing of a schedule: each action's (start, end), the makespan, busy time and bubble.
+
+    `span` is the longest time a stage took from the end of its own setup to its last
+    action's end (the makespan when there is no setup): what a profiler's step, which begins
+    once the loop has cut the micro-batches, sees of the pipeline."""
+
+    times: dict[tuple[int, Action], tuple[float, float]]
+    makespan: float
+    busy: list[float]
+    span: float | None = None
+
+    @property
+    def bubble(self) -> float:
+        """Fraction of stage-time spent idle in the pipeline, setups left out:
+        `1 - sum(busy) / (num_stages * span)`."""
+        span = self.makespan if self.span is None else self.span
+        if span == 0:
+            return 0.0
+        return 1.0 - sum(self.busy) / (len(self.busy) * span)
+
+
+def simulate(
+    schedule: Schedule,
+    forward_time: float | Sequence[float] = 1.0,
+    backward_time: float | Sequence[float] = 2.0,
+    comm_time: float = 0.0,
+    setup_time: float | Sequence[float] = 0.0,
+) -> Simulation:
+    """Execute `schedule` on an ideal machine and return when every action starts and ends.
+
+    F(s, m) waits for F(s-1, m) plus `comm_time`; B(s, m) waits for F(s, m) and for B(s+1, m)
+    plus `comm_time`; each stage runs its list in order, one action at a time, after
+    `setup_time` of its own work before its first action (a training loop's bookkeeping
+    between steps; not counted as busy). Times may be one number or one per stage. Raises
+    `DeadlockError` if the stages can never finish.
+
+    Example:
+        >>> from hyparflow.schedule import gpipe
+        >>> sim = simulate(gpipe(4, 12), forward_time=1.0, backward_time=1.0)
+        >>> sim.makespan, round(sim.bubble, 6)
+        (30.0, 0.2)
+    """
+    num_stages = len(schedule)
+    forward_times = _per_stage(forward_time, num_stages, "forward_time")
+    backward_times = _per_stage(backward_time, num_stages, "backward_time")
+    setup_times = _per_stage(setup_time, num_stages, "setup_time")
+    for stage, actions in enumerate(schedule):
+        if len(set(actions)) != len(actions):
+            raise ValueError(f"stage {stage} lists an action twice: {actions}")
+        if not all(a.kind.computes for a in actions):
+            raise ValueError(f"stage {stage} lists transfers; simulate the passes only")
+
+    times: dict[tuple[int, Action], tuple[float, float]] = {}
+    next_index = [0] * num_stages
+    stage_free = list(setup_times)
+    progressed = True
+    while progressed:
+        progressed = False
+        for stage, actions in enumerate(schedule):
+            while next_index[stage] < len(actions):
+                action = actions[next_index[stage]]
+                ready = ready_time(times, stage, action, num_stages, comm_time)
+                if ready is None:
+                    break
+                start = max(ready, stage_free[stage])
+                duration = (forward_times if action.is_forward else backward_times)[stage]
+                times[stage, action] = (start, start + duration)
+                stage_free[stage] = start + duration
+                next_index[stage] += 1
+                progressed = True
+
+    raise_if_blocked(schedule, next_index)
+    busy = [
+        sum(forward_times[s] if a.is_forward else backward_times[s] for a in actions)
+        for s, actions in enumerate(schedule)
+    ]
+    span = max(
+        (end - setup for end, setup in zip(stage_free, setup_times, strict=True)), default=0.0
+    )
+    return Simulation(times=times, makespan=max(stage_free, default=0.0), busy=busy, span=span)
+
+
+def raise_if_blocked(schedule: Schedule, next_index: list[int]) -> None:
+    """Raise `DeadlockError` naming each stage that stopped short of its last action
+    (`next_index[s]`: the first action stage `s` never ran)."""
+    blocked = [
+        f"stage {s} waits at {actions[next_index[s]]}"
+        for s, actions in enumerate(schedule)
+        if next_index[s] < len(actions)
+    ]
+    if blocked:
+        raise DeadlockError("schedule deadlocks: " + "; ".join(blocked))
+
+
+def ready_time(times, stage, action, num_stages, comm_time) -> float | None:
+    """When `action`'s dependencies are met on `stage` (`times`: the (start, end) of the
+    actions run so far), or None if one has not run yet."""
+    deps = []
+    if action.is_forward:
+        if stage > 0:
+            deps.append((stage - 1, F(action.microbatch), comm_time))
+    else:
+        deps.append((stage, F(action.microbatch), 0.0))
+        if stage < num_stages - 1:
+            deps.append((stage + 1, B(action.microbatch), comm_time))
+    ready = 0.0
+    for dep_stage, dep, delay in deps:
+        if (dep_stage, dep) not in times:
+            return None
+        ready = max(ready, times[dep_stage, dep][1] + delay)
+    return ready
+
+
+def _per_stage(value, num_stages: int, name: str) -> list[float]:
+    if isinstance(value, (int, float)):
+        return [float(value)] * num_stages
+    values = [float(v) for v in value]
+    if len(values) != num_stages:
+        raise ValueError(f"{name} has {len(values)} entries but the schedule has {num_stages}")
+    return values
