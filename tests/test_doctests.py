@@ -40,6 +40,7 @@ KNOWN = {
     "hyparflow.schedule.builders",
     "hyparflow.schedule.simulation",
     "hyparflow.schedule.validation",
+    "hyparflow.schedule.zero_bubble",
     "hyparflow.launch.gpu",
     "hyparflow.partitioner.balance",
     "hyparflow.simulate.costs",

@@ -11,6 +11,7 @@ from hyparflow.schedule import (
     DeadlockError,
     F,
     ScheduleError,
+    W,
     forward_only,
     gpipe,
     make_schedule,
@@ -20,6 +21,7 @@ from hyparflow.schedule import (
     theoretical_bubble,
     validate,
     with_transfers,
+    zero_bubble,
 )
 
 stages = st.integers(min_value=1, max_value=8)
@@ -204,3 +206,52 @@ def test_the_validator_refuses_sends_the_neighbour_receives_in_another_order():
         validate([first, schedule[1]], 2)
     with pytest.raises(ScheduleError, match="to no stage"):
         validate([with_transfers([F(0), B(0)], 0, 2)], 1)
+
+
+def _between(actions, start, end) -> int:
+    """Most micro-batches of one stage past their `start` pass and not yet through `end`."""
+    held, peak = set(), 0
+    for action in actions:
+        if action.kind is start:
+            held.add(action.microbatch)
+            peak = max(peak, len(held))
+        elif action.kind is end:
+            held.discard(action.microbatch)
+    return peak
+
+
+@given(stages, microbatches)
+def test_zero_bubble_is_1f1b_with_weight_passes_in_its_bubbles(p, m):
+    """ZB-H1 (Qi et al. 2024): 1F1B's order of F and B; each stage at most 1F1B's count between
+    F and B and the first stage's, p, between F and W; a third of 1F1B's bubble at equal times,
+    and never slower."""
+    schedule = zero_bubble(p, m)
+    validate(schedule, m)
+    validate([with_transfers(actions, s, p) for s, actions in enumerate(schedule)], m)
+    for s, actions in enumerate(schedule):
+        assert [a for a in actions if a.kind is not ActionKind.WEIGHT] == one_f_one_b(p, m)[s]
+        assert _between(actions, ActionKind.FORWARD, ActionKind.BACKWARD) <= min(p - s, m)
+        assert peak_in_flight(actions) == _between(actions, ActionKind.FORWARD, ActionKind.WEIGHT)
+        assert peak_in_flight(actions) <= min(p, m)
+    split = simulate(schedule, forward_time=1.0, backward_time=1.0, weight_time=1.0)
+    merged = simulate(one_f_one_b(p, m), forward_time=1.0, backward_time=2.0)
+    assert split.makespan <= merged.makespan
+    if m >= p:
+        assert split.makespan == 3 * m + p - 1  # 1F1B: 3m + 3(p - 1)
+        assert merged.makespan == 3 * m + 3 * (p - 1)
+    slow_weights = simulate(schedule, forward_time=1.0, backward_time=0.5, weight_time=1.5)
+    assert slow_weights.makespan <= merged.makespan
+
+
+def test_weight_passes_follow_their_backward_and_need_a_time():
+    with pytest.raises(ValueError, match="weight_time"):
+        simulate(zero_bubble(2, 2))
+    times = simulate([[F(0), B(0), W(0)]], 1.0, 1.0, weight_time=3.0).times
+    assert times[0, W(0)] == (2.0, 5.0)
+    with pytest.raises(ScheduleError, match="runs W0 before B0"):
+        validate([[F(0), W(0), B(0)]], 1)
+    with pytest.raises(ScheduleError, match=r"misses \[W1\]"):
+        validate([[F(0), F(1), B(0), B(1), W(0)]], 2)  # a stage that splits splits every backward
+    with pytest.raises(ScheduleError, match="adds"):
+        validate([[F(0), W(0)]], 1, training=False)
+    assert with_transfers([F(0), B(0), W(0)], 1, 3)[-1] == W(0)  # nothing moves for W

@@ -1,7 +1,9 @@
-"""Pipeline schedules as data (GPipe, 1F1B), their validation and a pure simulator of their timing.
+"""Pipeline schedules as data (GPipe, 1F1B, ZB-H1), one validator and a pure timing simulator.
 
 A schedule is one ordered list of actions per stage: stage `s` executes `schedule[s]` strictly in
-order (`actions.py`). The builders make the lists (`builders.py`), `validate` checks that one is
+order (`actions.py`). The builders make the lists (`builders.py`; ZB-H1, whose backwards are
+split into B and W passes, in `zero_bubble.py`: simulated and validated, not yet run by the
+engine), `validate` checks that one is
 a step the engine can run exactly (`validation.py`), and `simulate` times it on an ideal machine
 (`simulation.py`).
 
@@ -13,11 +15,13 @@ it sits below all of them (docs/architecture.md).
 from hyparflow.schedule.actions import (
     BACKWARD,
     FORWARD,
+    WEIGHT,
     Action,
     ActionKind,
     B,
     F,
     Schedule,
+    W,
     with_transfers,
 )
 from hyparflow.schedule.builders import (
@@ -37,10 +41,11 @@ from hyparflow.schedule.simulation import (
     theoretical_bubble,
 )
 from hyparflow.schedule.validation import ScheduleError, validate
+from hyparflow.schedule.zero_bubble import zero_bubble
 
 __all__ = [
     "BACKWARD", "FORWARD", "SCHEDULES", "Action", "ActionKind", "B", "DeadlockError", "F",
     "Schedule", "ScheduleError", "Simulation", "forward_only", "gpipe", "make_schedule",
     "one_f_one_b", "peak_in_flight", "raise_if_blocked", "ready_time", "simulate",
-    "theoretical_bubble", "validate", "with_transfers",
+    "theoretical_bubble", "validate", "with_transfers", "W", "WEIGHT", "zero_bubble",
 ]  # fmt: skip

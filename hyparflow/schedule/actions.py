@@ -20,7 +20,8 @@ class ActionKind(Enum):
     tensors to or from a neighbouring stage."""
 
     FORWARD = "forward"
-    BACKWARD = "backward"
+    BACKWARD = "backward"  # the whole backward, or its input-gradient half where W is split off
+    WEIGHT = "weight"  # the weight-gradient half of a split backward (zero-bubble schedules)
     RECV_ACTIVATIONS = "recv_activations"  # the previous stage's outputs: this forward's inputs
     SEND_ACTIVATIONS = "send_activations"  # this forward's outputs, to the next stage
     RECV_GRADIENTS = "recv_gradients"  # the next stage's input gradients: this backward's start
@@ -29,11 +30,11 @@ class ActionKind(Enum):
     @property
     def computes(self) -> bool:
         """A pass of the stage's layers (not a transfer)."""
-        return self in (ActionKind.FORWARD, ActionKind.BACKWARD)
+        return self in (ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.WEIGHT)
 
 
-FORWARD, BACKWARD = ActionKind.FORWARD, ActionKind.BACKWARD
-_SHORT = {FORWARD: "F", BACKWARD: "B", ActionKind.RECV_ACTIVATIONS: "RA",
+FORWARD, BACKWARD, WEIGHT = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.WEIGHT
+_SHORT = {FORWARD: "F", BACKWARD: "B", WEIGHT: "W", ActionKind.RECV_ACTIVATIONS: "RA",
           ActionKind.SEND_ACTIVATIONS: "SA", ActionKind.RECV_GRADIENTS: "RG",
           ActionKind.SEND_GRADIENTS: "SG"}  # fmt: skip
 
@@ -78,6 +79,11 @@ def B(microbatch: int) -> Action:
     return Action(BACKWARD, microbatch)
 
 
+def W(microbatch: int) -> Action:
+    """Shorthand for `Action("weight", microbatch)`."""
+    return Action(WEIGHT, microbatch)
+
+
 def with_transfers(stage_actions: Sequence[Action], stage: int, num_stages: int) -> list[Action]:
     """`stage_actions` (passes only) with the transfers each pass implies, in the order stage
     `stage` of `num_stages` runs them: a forward receives its inputs before (but at the first
@@ -97,6 +103,7 @@ def with_transfers(stage_actions: Sequence[Action], stage: int, num_stages: int)
                   None if last else ActionKind.SEND_ACTIVATIONS),
         BACKWARD: (None if last else ActionKind.RECV_GRADIENTS,
                    None if first else ActionKind.SEND_GRADIENTS),
+        WEIGHT: (None, None),  # the stage's own weights: nothing moves
     }  # fmt: skip
     lowered = []
     for action in stage_actions:

@@ -5,11 +5,21 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from hyparflow.schedule.actions import BACKWARD, FORWARD, Action, B, F, Schedule, check_sizes
+from hyparflow.schedule.actions import (
+    BACKWARD,
+    FORWARD,
+    WEIGHT,
+    Action,
+    B,
+    F,
+    Schedule,
+    check_sizes,
+)
 
 
 def peak_in_flight(stage_actions: Sequence[Action]) -> int:
-    """Largest number of micro-batches forwarded but not yet backwarded on one stage.
+    """Largest number of micro-batches forwarded but not yet backwarded on one stage (where the
+    stage splits its backwards, not yet through their weight pass, W, which still reads them).
 
     This bounds the activations a stage must keep alive (and the receive slots it needs).
 
@@ -18,12 +28,13 @@ def peak_in_flight(stage_actions: Sequence[Action]) -> int:
         >>> peak_in_flight(one_f_one_b(4, 8)[0]), peak_in_flight(gpipe(4, 8)[0])
         (4, 8)
     """
+    release = WEIGHT if any(a.kind is WEIGHT for a in stage_actions) else BACKWARD
     in_flight, peak = set(), 0
     for action in stage_actions:  # transfers (`with_transfers`) change nothing here
         if action.kind is FORWARD:
             in_flight.add(action.microbatch)
             peak = max(peak, len(in_flight))
-        elif action.kind is BACKWARD:
+        elif action.kind is release:
             in_flight.discard(action.microbatch)
     return peak
 
@@ -72,11 +83,14 @@ def simulate(
     backward_time: float | Sequence[float] = 2.0,
     comm_time: float = 0.0,
     setup_time: float | Sequence[float] = 0.0,
+    weight_time: float | Sequence[float] | None = None,
 ) -> Simulation:
     """Execute `schedule` on an ideal machine and return when every action starts and ends.
 
     F(s, m) waits for F(s-1, m) plus `comm_time`; B(s, m) waits for F(s, m) and for B(s+1, m)
-    plus `comm_time`; each stage runs its list in order, one action at a time, after
+    plus `comm_time`; W(s, m), the weight pass split off a backward, waits for B(s, m) and
+    takes `weight_time` (needed when the schedule has W passes; `backward_time` is then the
+    input-gradient pass alone); each stage runs its list in order, one action at a time, after
     `setup_time` of its own work before its first action (a training loop's bookkeeping
     between steps; not counted as busy). Times may be one number or one per stage. Raises
     `DeadlockError` if the stages can never finish.
@@ -91,6 +105,11 @@ def simulate(
     forward_times = _per_stage(forward_time, num_stages, "forward_time")
     backward_times = _per_stage(backward_time, num_stages, "backward_time")
     setup_times = _per_stage(setup_time, num_stages, "setup_time")
+    splits = any(a.kind is WEIGHT for actions in schedule for a in actions)
+    if splits and weight_time is None:
+        raise ValueError("the schedule splits backwards into B and W passes: give weight_time")
+    weight_times = _per_stage(weight_time or 0.0, num_stages, "weight_time")
+    durations = {FORWARD: forward_times, BACKWARD: backward_times, WEIGHT: weight_times}
     for stage, actions in enumerate(schedule):
         if len(set(actions)) != len(actions):
             raise ValueError(f"stage {stage} lists an action twice: {actions}")
@@ -110,17 +129,14 @@ def simulate(
                 if ready is None:
                     break
                 start = max(ready, stage_free[stage])
-                duration = (forward_times if action.is_forward else backward_times)[stage]
+                duration = durations[action.kind][stage]
                 times[stage, action] = (start, start + duration)
                 stage_free[stage] = start + duration
                 next_index[stage] += 1
                 progressed = True
 
     raise_if_blocked(schedule, next_index)
-    busy = [
-        sum(forward_times[s] if a.is_forward else backward_times[s] for a in actions)
-        for s, actions in enumerate(schedule)
-    ]
+    busy = [sum(durations[a.kind][s] for a in actions) for s, actions in enumerate(schedule)]
     span = max(
         (end - setup for end, setup in zip(stage_free, setup_times, strict=True)), default=0.0
     )
@@ -146,6 +162,8 @@ def ready_time(times, stage, action, num_stages, comm_time) -> float | None:
     if action.is_forward:
         if stage > 0:
             deps.append((stage - 1, F(action.microbatch), comm_time))
+    elif action.kind is WEIGHT:
+        deps.append((stage, B(action.microbatch), 0.0))
     else:
         deps.append((stage, F(action.microbatch), 0.0))
         if stage < num_stages - 1:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from hyparflow.schedule.actions import Action, ActionKind, B, F, Schedule
+import itertools
+
+from hyparflow.schedule.actions import WEIGHT, Action, ActionKind, B, F, Schedule, W
 from hyparflow.schedule.simulation import DeadlockError, simulate
 
 
@@ -12,7 +14,8 @@ class ScheduleError(ValueError):
 
 def validate(schedule: Schedule, num_microbatches: int, training: bool = True) -> None:
     """Raise `ScheduleError` unless `schedule` is one step over `num_microbatches`: on every
-    stage each micro-batch forwarded once and, in training, backwarded once after its forward;
+    stage each micro-batch forwarded once and, in training, backwarded once after its forward
+    (and, on a stage that splits its backwards, its weight pass W once after its B);
     transfers (`with_transfers`' lists) sent in the order the neighbour receives them; and the
     stages never wait on each other forever.
 
@@ -29,20 +32,23 @@ def validate(schedule: Schedule, num_microbatches: int, training: bool = True) -
         _check_passes(stage, actions, num_microbatches, training)
     _check_transfers_pair(schedule)
     try:
-        simulate(passes)
+        simulate(passes, weight_time=0.0)
     except DeadlockError as error:
         raise ScheduleError(str(error)) from None
 
 
 def _check_passes(stage: int, actions: list[Action], count: int, training: bool) -> None:
-    expected = [F(k) for k in range(count)] + ([B(k) for k in range(count)] if training else [])
+    splits = training and any(a.kind is WEIGHT for a in actions)
+    passes = [F] + ([B] if training else []) + ([W] if splits else [])
+    expected = [make(k) for make in passes for k in range(count)]
     if sorted(actions, key=repr) != sorted(expected, key=repr):
         missing = sorted(set(expected) - set(actions), key=repr)
         extra = [a for a in actions if actions.count(a) > 1 or a not in expected]
         raise ScheduleError(f"stage {stage} misses {missing} or repeats or adds {extra}")
-    for k in range(count if training else 0):
-        if actions.index(B(k)) < actions.index(F(k)):
-            raise ScheduleError(f"stage {stage} runs B{k} before F{k}")
+    for earlier, later in itertools.pairwise(passes):  # F before B before W
+        for k in range(count):
+            if actions.index(later(k)) < actions.index(earlier(k)):
+                raise ScheduleError(f"stage {stage} runs {later(k)} before {earlier(k)}")
 
 
 def _check_transfers_pair(schedule: Schedule) -> None:
