@@ -1,5 +1,7 @@
 """Pipeline schedules as data: completeness, ordering, memory bound and simulated bubble."""
 
+import itertools
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -208,16 +210,11 @@ def test_the_validator_refuses_sends_the_neighbour_receives_in_another_order():
         validate([with_transfers([F(0), B(0)], 0, 2)], 1)
 
 
-def _between(actions, start, end) -> int:
-    """Most micro-batches of one stage past their `start` pass and not yet through `end`."""
-    held, peak = set(), 0
-    for action in actions:
-        if action.kind is start:
-            held.add(action.microbatch)
-            peak = max(peak, len(held))
-        elif action.kind is end:
-            held.discard(action.microbatch)
-    return peak
+def _most_held(actions, start, end) -> int:
+    """Most micro-batches of one stage past their `start` pass and not yet through `end`:
+    the largest count of `start` passes less `end` passes over the list's prefixes."""
+    counts = itertools.accumulate((a.kind is start) - (a.kind is end) for a in actions)
+    return max(counts, default=0)
 
 
 @given(stages, microbatches)
@@ -230,8 +227,8 @@ def test_zero_bubble_is_1f1b_with_weight_passes_in_its_bubbles(p, m):
     validate([with_transfers(actions, s, p) for s, actions in enumerate(schedule)], m)
     for s, actions in enumerate(schedule):
         assert [a for a in actions if a.kind is not ActionKind.WEIGHT] == one_f_one_b(p, m)[s]
-        assert _between(actions, ActionKind.FORWARD, ActionKind.BACKWARD) <= min(p - s, m)
-        assert peak_in_flight(actions) == _between(actions, ActionKind.FORWARD, ActionKind.WEIGHT)
+        assert _most_held(actions, ActionKind.FORWARD, ActionKind.BACKWARD) <= min(p - s, m)
+        assert peak_in_flight(actions) == _most_held(actions, ActionKind.FORWARD, ActionKind.WEIGHT)
         assert peak_in_flight(actions) <= min(p, m)
     split = simulate(schedule, forward_time=1.0, backward_time=1.0, weight_time=1.0)
     merged = simulate(one_f_one_b(p, m), forward_time=1.0, backward_time=2.0)
