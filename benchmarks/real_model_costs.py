@@ -5,7 +5,7 @@ Run: .venv/bin/python benchmarks/real_model_costs.py [--rounds 9]
 
 Dropout (one process, one TF thread): the data-parallel compiled step (`FusedRunner`) of an
 MLP with two Dropout layers, global batch 256 in 4 micro-batches, each piece taking its rows of
-the mask Keras draws for the whole batch (`piece=...`, hyparflow's default) against each piece
+the mask Keras draws for the whole batch (`rows=...`, hyparflow's default) against each piece
 drawing its own mask (what hyparflow did before, and what differs from Keras). Prints the
 median step of each, interleaved, and their ratio.
 
@@ -58,8 +58,8 @@ def _dropout_steps(rounds: int) -> dict:
     def step(sliced: bool) -> float:
         start = time.perf_counter()
         for k, (data, labels) in enumerate(pieces):
-            piece = (k * n, GLOBAL_BATCH) if sliced else None
-            runner.forward(k, data, (labels, None), scale=n / GLOBAL_BATCH, piece=piece)
+            rows = (k * n, GLOBAL_BATCH) if sliced else None
+            runner.forward(k, data, (labels, None), scale=n / GLOBAL_BATCH, rows=rows)
         runner.take_gradients()[0].numpy()
         return time.perf_counter() - start
 

@@ -10,7 +10,7 @@ import pytest
 from hyparflow.checkpoint import manifest as manifests
 from hyparflow.checkpoint import store
 from hyparflow.checkpoint.atomic import sha256, write_atomic
-from hyparflow.checkpoint.state import join_shards, piece, shard_key
+from hyparflow.checkpoint.state import cut_shard, join_shards, shard_key
 from hyparflow.comm.watchdog import Watchdog, resolve_timeout
 
 
@@ -159,7 +159,7 @@ class _StageState:
         self.num_stages = self.num_replicas = 1
         self.is_last = True
         self.step, self.seed, self.pending_metric_states = step, 5, []
-        self.shard, self.num_shards, self.split, self.pieces = 0, 1, {}, {}
+        self.shard, self.num_shards, self.split, self.shard_variables = 0, 1, {}, {}
 
     def guard(self, operation):
         return contextlib.nullcontext()
@@ -191,7 +191,7 @@ def test_tensor_pieces_join_along_their_axis_and_a_missing_piece_is_named():
     whole = np.arange(24.0).reshape(4, 6)
     state = {
         "w/0": np.ones(3),
-        **{shard_key("w/1", t, 3, 1): piece(whole, t, 3, 1) for t in range(3)},
+        **{shard_key("w/1", t, 3, 1): cut_shard(whole, t, 3, 1) for t in range(3)},
     }
     joined = join_shards(state)
     assert sorted(joined) == ["w/0", "w/1"] and np.array_equal(joined["w/1"], whole)

@@ -9,7 +9,7 @@ from hyparflow.data import (
     ArraySource,
     check_divisible,
     epoch_order,
-    piece_bounds,
+    split_bounds,
     split_sizes,
     unpack,
 )
@@ -21,7 +21,7 @@ def test_split_sizes_are_even_and_complete(total, parts):
     assert sum(sizes) == total and len(sizes) == parts
     assert max(sizes) - min(sizes) <= 1
     assert sizes == sorted(sizes, reverse=True)
-    bounds = [piece_bounds(total, parts, i) for i in range(parts)]
+    bounds = [split_bounds(total, parts, i) for i in range(parts)]
     assert bounds[0][0] == 0 and bounds[-1][1] == total
     # consecutive pairs: the shifted copy is one shorter, hence strict=False
     assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:], strict=False))
@@ -45,12 +45,12 @@ def test_each_sample_lands_in_exactly_one_microbatch_per_epoch(
     seen = []
     for batch in source.epoch(epoch):
         for replica in range(replicas):
-            start, stop = piece_bounds(batch.size, replicas, replica)
+            start, stop = split_bounds(batch.size, replicas, replica)
             x, y, _ = batch.part(start, stop)
             np.testing.assert_array_equal(y, x * 10)  # targets travel with their inputs
             count = min(microbatches, stop - start)
             for k in range(count):
-                a, b = piece_bounds(stop - start, count, k)
+                a, b = split_bounds(stop - start, count, k)
                 assert b > a  # no empty micro-batch
                 seen.extend(x[a:b].tolist())
     assert sorted(seen) == ids.tolist()

@@ -21,7 +21,7 @@ import pytest
 import hyparflow as hf
 from hyparflow import api, deferred
 from hyparflow.checkpoint.reader import LazyState
-from hyparflow.checkpoint.state import join_shards, piece, shard_key, slice_key
+from hyparflow.checkpoint.state import cut_shard, join_shards, shard_key, slice_key
 from hyparflow.memory.resident import PeakGrowth
 from tests.support.mpirun import run_scenario
 
@@ -168,8 +168,8 @@ def test_checkpoints_are_read_lazily_with_pieces_joined():
         paths = []
         for t in range(3):
             paths.append(f"{folder}/stage-0-shard-{t}.npz")
-            entries = {shard_key("w/1", t, 3, 1): piece(whole, t, 3, 1)}
-            flat = piece(whole, t, 3, 1).ravel()  # a tensor piece's slot in two ZeRO ranges
+            entries = {shard_key("w/1", t, 3, 1): cut_shard(whole, t, 3, 1)}
+            flat = cut_shard(whole, t, 3, 1).ravel()  # a tensor piece's slot in two ZeRO ranges
             for start, stop in ((0, 3), (3, 8)):
                 key = slice_key(shard_key("opt/1/m", t, 3, 1), start, stop, (4, 2))
                 entries[key] = flat[start:stop]

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hyparflow.data import HDF5, ArraySource, piece_bounds
+from hyparflow.data import HDF5, ArraySource, split_bounds
 from hyparflow.data.hdf5 import Rows, read_rows
 from tests.support.compare import relative_difference
 from tests.support.models import compiled, data, sample_weights
@@ -60,7 +60,7 @@ def test_batches_and_shards_equal_in_memory_arrays(small_file, shuffle):
         for a, b in zip(ours.epoch(epoch), theirs.epoch(epoch), strict=True):
             assert a.size == b.size
             for replica in range(3):  # uneven shards, as the engine cuts them
-                start, stop = piece_bounds(a.size, 3, replica)
+                start, stop = split_bounds(a.size, 3, replica)
                 got = [None if r is None else r[0 : stop - start] for r in a.part(start, stop)]
                 assert _equal(got, b.part(start, stop))
 
@@ -72,7 +72,7 @@ def test_shuffle_covers_each_sample_once_per_epoch(small_file):
         seen = []
         for batch in source.epoch(epoch):
             for replica in range(2):
-                start, stop = piece_bounds(batch.size, 2, replica)
+                start, stop = split_bounds(batch.size, 2, replica)
                 x, y, sw = batch.part(start, stop)
                 assert y is None and sw is None
                 seen.extend(x[:].tolist())

@@ -16,7 +16,7 @@ import pytest
 import hyparflow as hf
 from hyparflow import model_checks
 from hyparflow.checkpoint.state import join_shards, shard_key, slice_key
-from hyparflow.engine.zero_layout import Piece, ZeroLayout, group_by_dtype, ring_bytes
+from hyparflow.engine.zero_layout import Extent, ZeroLayout, group_by_dtype, ring_bytes
 from tests.support.cases import Case
 from tests.support.equivalence import assert_within
 from tests.support.mpirun import run_scenario
@@ -30,19 +30,19 @@ def test_slices_cover_the_padded_vector_once_in_order():
     layout = ZeroLayout([6, 3, 4], parts=3)  # 13 elements, padded to 15
     assert (layout.length, layout.padded, layout.shard_size) == (13, 15, 5)
     assert [layout.bounds(r) for r in range(3)] == [(0, 5), (5, 10), (10, 15)]
-    assert layout.pieces(0) == [Piece(0, 0, 5, 0)]
-    assert layout.pieces(1) == [Piece(0, 5, 6, 0), Piece(1, 0, 3, 1), Piece(2, 0, 1, 4)]
-    assert layout.pieces(2) == [Piece(2, 1, 4, 0)]
+    assert layout.extents(0) == [Extent(0, 0, 5, 0)]
+    assert layout.extents(1) == [Extent(0, 5, 6, 0), Extent(1, 0, 3, 1), Extent(2, 0, 1, 4)]
+    assert layout.extents(2) == [Extent(2, 1, 4, 0)]
     assert [layout.padding(r) for r in range(3)] == [0, 0, 2]
     assert layout.owners(0) == [0, 1] and layout.owners(2) == [1, 2]
     for parts in (1, 2, 3, 4, 7):
         layout = ZeroLayout([5, 1, 9, 2], parts)
         covered = [
-            (p.variable, e) for r in range(parts) for p in layout.pieces(r)
+            (p.variable, e) for r in range(parts) for p in layout.extents(r)
             for e in range(p.start, p.stop)
         ]  # fmt: skip
         assert covered == [(v, e) for v, n in enumerate([5, 1, 9, 2]) for e in range(n)]
-    assert ZeroLayout([], 2).pieces(1) == [] and ZeroLayout([], 2).shard_size == 0
+    assert ZeroLayout([], 2).extents(1) == [] and ZeroLayout([], 2).shard_size == 0
 
 
 def test_dtype_groups_and_ring_bytes():

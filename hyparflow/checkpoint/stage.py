@@ -28,7 +28,7 @@ class StageState(Protocol):
     shard: int  # this rank's tensor shard (0 without tensor parallelism)
     num_shards: int
     split: dict  # path -> split axis of each variable this rank holds a piece of
-    pieces: dict  # path -> the shard variable holding this rank's piece of it
+    shard_variables: dict  # path -> the shard variable holding this rank's part of it
     # None, or (ZeRO-1) this replica's slice of the optimizer state: `optimizer_state(model,
     # split, shard, parts, replica)` gives its entries, `restore_optimizer(model, state, split,
     # shard, parts)` loads them; then every replica writes a file

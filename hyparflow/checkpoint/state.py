@@ -139,7 +139,7 @@ def join_shards(state: dict) -> dict:
     return _join(join_slices(state), split_key, add, join_pieces)
 
 
-def piece(value, shard: int, parts: int, axis: int):
+def cut_shard(value, shard: int, parts: int, axis: int):
     """Tensor rank `shard`'s piece of `value`, cut in `parts` along `axis`."""
     step = value.shape[axis] // parts
     return np.take(value, np.arange(shard * step, (shard + 1) * step), axis=axis)
@@ -185,7 +185,7 @@ def restore_optimizer(model, optimizer, variables, state: dict, split=None, shar
                 break
         if key in state:
             value = state[key]
-            variable.assign(value if axis is None else piece(value, shard, parts, axis))
+            variable.assign(value if axis is None else cut_shard(value, shard, parts, axis))
         else:
             missing.append(name)
     if missing:

@@ -13,9 +13,9 @@ from hyparflow.checkpoint.atomic import sha256, write_atomic
 from hyparflow.checkpoint.reader import LazyState
 from hyparflow.checkpoint.stage import StageState
 from hyparflow.checkpoint.state import (
+    cut_shard,
     layers_of_seed_keys,
     optimizer_state,
-    piece,
     restore_optimizer,
     seed_generators,
     shard_key,
@@ -94,9 +94,9 @@ def _stage_state(stage: StageState) -> dict:
         return state
     for i in stage.owned_weight_indices():
         path = model.weights[i].path
-        if path in stage.pieces:  # a tensor rank's own shard is its piece
+        if path in stage.shard_variables:  # a tensor rank's own shard is its piece
             key = shard_key(f"w/{i}", stage.shard, stage.num_shards, split[path])
-            state[key] = np.asarray(stage.pieces[path].numpy())
+            state[key] = np.asarray(stage.shard_variables[path].numpy())
         elif first:
             state[f"w/{i}"] = np.asarray(model.weights[i].numpy())
     if sharded is None and stage.variables and model.optimizer.built:
@@ -170,12 +170,12 @@ def restore(stage: StageState, manifest, state) -> None:
     hf.scope()), this rank's tensor shards, this stage's optimizer slots, the step counter and
     the metric sums of a resumed epoch (`stage.pending_metric_states`)."""
     model = stage.model
-    pieces = stage.pieces
+    shard_variables = stage.shard_variables
     for i, variable in enumerate(model.weights):
-        if variable.path in pieces:
+        if variable.path in shard_variables:
             axis = stage.split[variable.path]
-            pieces[variable.path].assign(
-                piece(state[f"w/{i}"], stage.shard, stage.num_shards, axis)
+            shard_variables[variable.path].assign(
+                cut_shard(state[f"w/{i}"], stage.shard, stage.num_shards, axis)
             )
         if not deferred.is_deferred(variable):
             variable.assign(state[f"w/{i}"])

@@ -17,13 +17,13 @@ from keras import tree
 
 
 def split_sizes(total: int, parts: int) -> list[int]:
-    """Sizes of `parts` contiguous pieces of `total` items, as even as possible, larger first."""
+    """Sizes of `parts` contiguous parts of `total` items, as even as possible, larger first."""
     base, extra = divmod(total, parts)
     return [base + (1 if i < extra else 0) for i in range(parts)]
 
 
-def piece_bounds(total: int, parts: int, index: int) -> tuple[int, int]:
-    """[start, stop) of piece `index` when `total` items are split by `split_sizes`."""
+def split_bounds(total: int, parts: int, index: int) -> tuple[int, int]:
+    """[start, stop) of part `index` when `total` items are split by `split_sizes`."""
     sizes = split_sizes(total, parts)
     start = sum(sizes[:index])
     return start, start + sizes[index]

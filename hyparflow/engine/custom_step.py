@@ -21,7 +21,7 @@ from keras import tree
 
 from hyparflow.comm.agree import AgreedError
 from hyparflow.comm.in_graph import allreduce
-from hyparflow.data.batches import piece_bounds, split_sizes
+from hyparflow.data.batches import split_bounds, split_sizes
 from hyparflow.engine.random_slices import slice_of
 from hyparflow.engine.trainer import Trainer
 from hyparflow.traced import traced
@@ -135,7 +135,7 @@ class CustomStepTrainer(Trainer):
                     f"the last one included, is a multiple of {replicas} (or drop the rest)."
                 )
             )
-        start, stop = piece_bounds(batch.size, replicas, self.topology.replica)
+        start, stop = split_bounds(batch.size, replicas, self.topology.replica)
         x, y, sample_weight = (_as_tensors(part) for part in batch.part(start, stop))
         data = keras.utils.pack_x_y_sample_weight(x, y, sample_weight)
         return data, (stop - start) / batch.size, tf.constant([start, batch.size], tf.int32)

@@ -253,10 +253,10 @@ def predict_loop(trainer, source, *, steps=None):
     topo = trainer.topology
     last_stage_ranks = [topo.grid.rank_of(topo.num_stages - 1, r) for r in range(topo.num_replicas)]
     gathered = topo.world.allgather(shards if trainer.is_last else None)
-    pieces = []
+    outputs = []
     for step in range(len(shards)):
         for r in last_stage_ranks:
-            pieces.extend(gathered[r][step])  # micro-batch outputs of replica r, in order
-    if not pieces:
+            outputs.extend(gathered[r][step])  # micro-batch outputs of replica r, in order
+    if not outputs:
         raise ValueError("predict got no samples; pass at least one sample.")
-    return tree.map_structure(lambda *parts: np.concatenate(parts, axis=0), *pieces)
+    return tree.map_structure(lambda *parts: np.concatenate(parts, axis=0), *outputs)

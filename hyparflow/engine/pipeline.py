@@ -10,7 +10,7 @@ from keras import tree
 
 from hyparflow.comm import p2p
 from hyparflow.comm.p2p import PipeChannel
-from hyparflow.data import GlobalBatch, piece_bounds
+from hyparflow.data import GlobalBatch, split_bounds
 from hyparflow.engine import events
 from hyparflow.engine.structure import model_input_list
 from hyparflow.schedule import (
@@ -77,7 +77,7 @@ class PipelineWalk:
     def microbatches(self, batch: GlobalBatch) -> list[MicroBatch]:
         """This replica's shard of `batch` cut into micro-batches."""
         topo = self.topology
-        start, stop = piece_bounds(batch.size, topo.num_replicas, topo.replica)
+        start, stop = split_bounds(batch.size, topo.num_replicas, topo.replica)
         shard = stop - start
         if shard == 0:
             return []
@@ -85,7 +85,7 @@ class PipelineWalk:
         count = min(self.strategy.microbatches, shard)
         microbatches = []
         for k in range(count):
-            a, b = piece_bounds(shard, count, k)
+            a, b = split_bounds(shard, count, k)
             cut = slice(a, b)
             microbatches.append(
                 MicroBatch(

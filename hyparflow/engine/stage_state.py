@@ -15,7 +15,9 @@ class TrainingState:
     every layer); `guard(operation)` watches blocking MPI waits (the trainer's watchdog).
     """
 
-    def __init__(self, model, topology, plan, variables: list, guard, split=None, pieces=None):
+    def __init__(
+        self, model, topology, plan, variables: list, guard, split=None, shard_variables=None
+    ):
         self.model = model
         self.variables = variables
         self.world = topology.world
@@ -27,7 +29,9 @@ class TrainingState:
         self.pending_metric_states: list = []
         self.shard, self.num_shards = topology.shard, topology.num_shards
         self.split = dict(split or {})  # path -> axis of the variables split over tensor ranks
-        self.pieces = dict(pieces or {})  # path -> this rank's shard variable of each of them
+        self.shard_variables = dict(
+            shard_variables or {}
+        )  # path -> this rank's shard variable of each of them
         self.optimizer_shard = None  # ZeRO-1's ShardedUpdate: each replica saves its slices
         self._stage_comm = topology.stage_comm
         self._plan = plan

@@ -40,14 +40,14 @@ WINDOW_BYTES = DEFAULT_BUCKET_BYTES
 
 class _DtypeSlice:
     """The stage's variables of one dtype (in one segment): their layout, this replica's
-    pieces, its slice, and the bytes a step sends for them."""
+    extents, its slice, and the bytes a step sends for them."""
 
     def __init__(self, dtype: str, positions: list[int], variables: list, parts: int, part: int,
                  name: str):  # fmt: skip
         self.dtype = dtype
         self.positions = positions  # indices in the stage's variable list
         self.layout = ZeroLayout([int(np.prod(variables[i].shape)) for i in positions], parts)
-        self.pieces = self.layout.pieces(part)
+        self.extents = self.layout.extents(part)
         self.padding = self.layout.padding(part)
         self.variable = keras.Variable(
             np.zeros(self.layout.shard_size, dtype), trainable=True, name=name
@@ -118,12 +118,12 @@ class ShardedUpdate:
         self._table_prefixes = [(v.path.replace("/", "_") + "_", v) for v in self.tables]
         owned = {id(v) for v in update.owned}
         split = update.split_ids
-        # which pieces count in the global norm: each variable once over the pipeline (the
+        # which extents count in the global norm: each variable once over the pipeline (the
         # stage that owns it), tensor shards summed over the tensor ranks
-        self._norm_pieces = [
+        self._norm_extents = [
             [
                 (p, id(variables[g.positions[p.variable]]) in split)
-                for p in g.pieces
+                for p in g.extents
                 if id(variables[g.positions[p.variable]]) in owned
             ]
             for g in self.groups
@@ -267,22 +267,22 @@ class ShardedUpdate:
     def _plus_regularization(self, group, grad, by_variable: dict, scale):
         """`grad`, the slice of `group`, plus the slice of its variables' regularization
         gradients `by_variable` (id -> gradient) times `scale`."""
-        pieces = []
-        for p in group.pieces:
+        extents = []
+        for p in group.extents:
             reg = by_variable.get(id(self.variables[group.positions[p.variable]]))
             if reg is None:
-                pieces.append(tf.zeros([p.size], group.dtype))
+                extents.append(tf.zeros([p.size], group.dtype))
             else:
                 flat = tf.reshape(tf.convert_to_tensor(reg), [-1])[p.start : p.stop]
-                pieces.append(tf.cast(flat, group.dtype))
+                extents.append(tf.cast(flat, group.dtype))
         if group.padding:
-            pieces.append(tf.zeros([group.padding], group.dtype))
-        if not pieces:
+            extents.append(tf.zeros([group.padding], group.dtype))
+        if not extents:
             return grad
-        return grad + tf.concat(pieces, axis=0) * tf.cast(scale, group.dtype)
+        return grad + tf.concat(extents, axis=0) * tf.cast(scale, group.dtype)
 
     def _squares(self, slices, tables, scale):
-        """Squared norms of the owned pieces of `slices`, unscaled: (whole variables, shards),
+        """Squared norms of the owned extents of `slices`, unscaled: (whole variables, shards),
         then the same of the owned `tables` (each (row, value) pair counts, as in Keras)."""
         whole, split = tf.constant(0.0), tf.constant(0.0)
         table_whole, table_split = tf.constant(0.0), tf.constant(0.0)
@@ -294,8 +294,8 @@ class ShardedUpdate:
                 table_split += part
             else:
                 table_whole += part
-        for grad, pieces in zip(slices, self._norm_pieces, strict=True):
-            for p, is_split in pieces:
+        for grad, extents in zip(slices, self._norm_extents, strict=True):
+            for p, is_split in extents:
                 part = tf.reduce_sum(
                     tf.square(tf.cast(grad[p.offset : p.offset + p.size], "float32"))
                 )
@@ -336,13 +336,13 @@ class ShardedUpdate:
         variables, which are the truth between steps (restores, callbacks and tensor shards
         write those)."""
         for group in self.groups if groups is None else groups:
-            pieces = [
+            extents = [
                 tf.reshape(self.variables[group.positions[p.variable]], [-1])[p.start : p.stop]
-                for p in group.pieces
+                for p in group.extents
             ]
             if group.padding:
-                pieces.append(tf.zeros([group.padding], group.dtype))
-            group.variable.assign(tf.concat(pieces, axis=0))
+                extents.append(tf.zeros([group.padding], group.dtype))
+            group.variable.assign(tf.concat(extents, axis=0))
 
     def _targets(self) -> list:
         return [g.variable for g in self.groups] + self.tables
@@ -360,20 +360,20 @@ class ShardedUpdate:
 
     def _gather(self, values, groups=None) -> None:
         """Give every replica the updated parameters (of `groups`, default all): each
-        variable's pieces are broadcast by the replicas that hold them, through one buffer the
+        variable's extents are broadcast by the replicas that hold them, through one buffer the
         size of the largest variable, so no rank holds a second copy of the whole stage."""
         groups = self.groups if groups is None else groups
         for group, value in zip(groups, values, strict=True):
             mine = np.asarray(value)
-            held = {p.variable: p for p in group.pieces}  # this replica's piece of each
+            held = {p.variable: p for p in group.extents}  # this replica's extent of each
             buffer = np.empty(max(group.layout.sizes), mine.dtype)
             for j, i in enumerate(group.positions):
                 variable = self.variables[i]
                 size = group.layout.sizes[j]
                 for owner, (start, stop) in group.layout.holders(j):
                     if owner == self.comm.Get_rank():
-                        piece = held[j]
-                        buffer[start:stop] = mine[piece.offset : piece.offset + piece.size]
+                        extent = held[j]
+                        buffer[start:stop] = mine[extent.offset : extent.offset + extent.size]
                     with self._guard("all-gather the updated parameters", peer=owner):
                         # bytes, so that any dtype travels (MPI has no float16 or bfloat16)
                         self.comm.Bcast(buffer[start:stop].view(np.uint8), root=owner)

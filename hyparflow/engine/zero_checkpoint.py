@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hyparflow.checkpoint.state import piece as tensor_piece
-from hyparflow.checkpoint.state import shard_key, slice_key
+from hyparflow.checkpoint.state import cut_shard, shard_key, slice_key
 
 
 class ZeroCheckpoint:
@@ -54,7 +53,7 @@ class ZeroCheckpoint:
                         key = _key(index, table, slot, axis, shard, parts)
                     state[key] = value
                 continue
-            for p in group.pieces:
+            for p in group.extents:
                 variable = self.zero.variables[group.positions[p.variable]]
                 axis = split.get(variable.path)
                 if axis is None and shard != 0:
@@ -78,7 +77,7 @@ class ZeroCheckpoint:
                 missing.append(key)
                 return None
             axis = split.get(variable.path)
-            return state[key] if axis is None else tensor_piece(state[key], shard, parts, axis)
+            return state[key] if axis is None else cut_shard(state[key], shard, parts, axis)
 
         for opt_variable in self.zero.model.optimizer.variables:
             group, table, slot = self._slot_of(opt_variable.name)
@@ -90,7 +89,7 @@ class ZeroCheckpoint:
                     missing.append(opt_variable.name)
             else:
                 value = np.zeros(group.layout.shard_size, opt_variable.dtype)
-                for p in group.pieces:
+                for p in group.extents:
                     entry = whole(self.zero.variables[group.positions[p.variable]], slot)
                     if entry is not None:
                         value[p.offset : p.offset + p.size] = np.ravel(entry)[p.start : p.stop]

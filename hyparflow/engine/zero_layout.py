@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
-class Piece:
+class Extent:
     """The elements [start, stop) of flattened variable `variable` (its index in the layout),
     found at `offset` in the slice that holds them."""
 
@@ -34,8 +34,9 @@ class ZeroLayout:
         >>> layout = ZeroLayout([6, 3], parts=2)     # 9 elements, padded to 10
         >>> layout.bounds(1), layout.shard_size, layout.padding(1)
         ((5, 10), 5, 1)
-        >>> layout.pieces(1)
-        [Piece(variable=0, start=5, stop=6, offset=0), Piece(variable=1, start=0, stop=3, offset=1)]
+        >>> layout.extents(1)  # doctest: +NORMALIZE_WHITESPACE
+        [Extent(variable=0, start=5, stop=6, offset=0),
+         Extent(variable=1, start=0, stop=3, offset=1)]
     """
 
     def __init__(self, sizes: list[int], parts: int):
@@ -56,19 +57,19 @@ class ZeroLayout:
         """[start, stop) of slice `part` in the padded flat vector."""
         return part * self.shard_size, (part + 1) * self.shard_size
 
-    def pieces(self, part: int) -> list[Piece]:
-        """The pieces of variables that slice `part` holds, in order (padding not included)."""
+    def extents(self, part: int) -> list[Extent]:
+        """The extents of variables that slice `part` holds, in order (padding not included)."""
         start, stop = self.bounds(part)
         found = []
         for index, (offset, size) in enumerate(zip(self.offsets, self.sizes, strict=True)):
             low, high = max(start, offset), min(stop, offset + size)
             if low < high:
-                found.append(Piece(index, low - offset, high - offset, low - start))
+                found.append(Extent(index, low - offset, high - offset, low - start))
         return found
 
     def padding(self, part: int) -> int:
         """Zeros at the end of slice `part` (beyond the last variable)."""
-        return self.shard_size - sum(p.size for p in self.pieces(part))
+        return self.shard_size - sum(p.size for p in self.extents(part))
 
     def element_ranges(self, start: int, stop: int) -> list[tuple[int, int, int]]:
         """(variable, its first element, count) of the variables' elements in the flat
@@ -104,7 +105,9 @@ class ZeroLayout:
 
     def owners(self, variable: int) -> list[int]:
         """The slices holding some element of `variable`."""
-        return [p for p in range(self.parts) if any(x.variable == variable for x in self.pieces(p))]
+        return [
+            p for p in range(self.parts) if any(x.variable == variable for x in self.extents(p))
+        ]
 
 
 def segment_positions(dense: list[int], segments) -> list[list[int]]:

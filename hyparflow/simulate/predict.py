@@ -72,14 +72,14 @@ class Prediction:
 
 def microbatch_size(global_batch: int, layout: Layout) -> int:
     """Samples per micro-batch; the engine needs the global batch to split evenly."""
-    pieces = layout.replicas * layout.microbatches
-    if global_batch % pieces:
-        valid = max(pieces, global_batch // pieces * pieces)
+    per_batch = layout.replicas * layout.microbatches  # micro-batches of one global batch
+    if global_batch % per_batch:
+        valid = max(per_batch, global_batch // per_batch * per_batch)
         raise ValueError(
             f"a global batch of {global_batch} does not split into {layout.replicas} replicas "
-            f"x {layout.microbatches} micro-batches; use a multiple of {pieces}, e.g. {valid}"
+            f"x {layout.microbatches} micro-batches; use a multiple of {per_batch}, e.g. {valid}"
         )
-    return global_batch // pieces
+    return global_batch // per_batch
 
 
 def predict(

@@ -18,7 +18,7 @@ import numpy as np
 from keras import ops
 
 from hyparflow import _keras, deferred
-from hyparflow.checkpoint.state import piece
+from hyparflow.checkpoint.state import cut_shard
 from hyparflow.tensor.collectives import copy_to_shards, gather_from_shards, reduce_from_shards
 from hyparflow.tensor.layout import bounds
 from hyparflow.tensor.splits import COLUMN, ROW, VOCAB
@@ -31,14 +31,14 @@ class _Shard:
         self.layer, self.whole, self.axis = layer, whole, axis
         self.parts, self.index = parts, index
         self.attribute = _attribute_holding(layer, whole)
-        self.shard = _new_variable_like(whole, self.piece_of_whole())
+        self.shard = _new_variable_like(whole, self.shard_of_whole())
 
-    def piece_of_whole(self):
+    def shard_of_whole(self):
         """This rank's piece of the whole variable's current value (its initial value when
         it was built under hf.scope(): the whole is then never allocated)."""
         whole = self.whole
         value = deferred.initial_value(whole) if deferred.is_deferred(whole) else whole.numpy()
-        return piece(np.asarray(value), self.index, self.parts, self.axis)
+        return cut_shard(np.asarray(value), self.index, self.parts, self.axis)
 
 
 class TensorShards:
@@ -74,7 +74,7 @@ class TensorShards:
         allocated, under hf.scope(), leaves its shard as it is: the shard is the truth)."""
         for s in self.shards:
             if not deferred.is_deferred(s.whole):
-                s.shard.assign(s.piece_of_whole())
+                s.shard.assign(s.shard_of_whole())
 
     def by_path(self) -> dict:
         """Path -> this rank's shard variable, for each split variable."""

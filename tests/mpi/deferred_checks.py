@@ -12,7 +12,7 @@ from mpi4py import MPI
 
 import hyparflow as hf
 from hyparflow import deferred
-from hyparflow.checkpoint.state import piece
+from hyparflow.checkpoint.state import cut_shard
 from tests.support import zoo
 from tests.support.compare import history_difference, relative_difference
 from tests.support.models import seeded_build
@@ -62,7 +62,7 @@ def held_report(model, ref) -> dict:
         if v.path in shards:
             axis = trainer.stage_state.split[v.path]
             topo = trainer.topology
-            expected = piece(ref.weights[i].numpy(), topo.shard, topo.num_shards, axis)
+            expected = cut_shard(ref.weights[i].numpy(), topo.shard, topo.num_shards, axis)
             shard_diffs.append(relative_difference([shards[v.path].numpy()], [expected]))
     refused = None
     missing = [v for v in model.weights if deferred.is_deferred(v)]
