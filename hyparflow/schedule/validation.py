@@ -45,9 +45,10 @@ def _check_passes(stage: int, actions: list[Action], count: int, training: bool)
         missing = sorted(set(expected) - set(actions), key=repr)
         extra = [a for a in actions if actions.count(a) > 1 or a not in expected]
         raise ScheduleError(f"stage {stage} misses {missing} or repeats or adds {extra}")
+    position = {action: i for i, action in enumerate(actions)}  # each pass once, checked above
     for earlier, later in itertools.pairwise(passes):  # F before B before W
         for k in range(count):
-            if actions.index(later(k)) < actions.index(earlier(k)):
+            if position[later(k)] < position[earlier(k)]:
                 raise ScheduleError(f"stage {stage} runs {later(k)} before {earlier(k)}")
 
 
