@@ -21,6 +21,10 @@ from dataclasses import dataclass, field
 TOOLS = ("munged", "mungekey", "slurmctld", "slurmd", "srun", "sbatch", "scontrol", "sinfo")
 INSTALL_HINT = "install them with `apt-get install slurm-wlm munge` (as root)"
 CPUS = 2
+# `sbatch --wait` polls the job every 2 s, 8 s, then 32 s unless completed jobs may be purged
+# sooner (it keeps its sleep under half of MinJobAge, Slurm's sbatch.c): with the default 300 s a
+# 12 s job is seen done after 42 s. 4 s keeps it polling every 2 s.
+MIN_JOB_AGE = 4
 
 SLURM_CONF = """\
 ClusterName={cluster}
@@ -48,6 +52,7 @@ AccountingStorageType=accounting_storage/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 ReturnToService=2
+MinJobAge={min_job_age}
 MpiDefault=none
 NodeName=localhost NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN
 PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
@@ -174,6 +179,7 @@ def start_cluster(extra_env: dict | None = None) -> SlurmCluster:
                 munge_socket=munge_socket,
                 root=root,
                 cpus=CPUS,
+                min_job_age=MIN_JOB_AGE,
                 # job ids name PMIx's per-step folders: never reuse an earlier cluster's
                 first_job=random.randrange(1000, 1_000_000),
             )
