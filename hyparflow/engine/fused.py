@@ -28,7 +28,7 @@ class FusedRunner(RunnerBase):
     dense variables, or `ChunkedLayout`), their gradients are kept as one flat tensor (or a
     tuple of chunks: `take_flat_gradients`).
 
-    `sparse`, `added_losses`, `train_scope` and `relax_shapes` are `RunnerBase`'s options.
+    `sparse`, `added_losses`, `train_scope` and `varying` are `RunnerBase`'s options.
 
     `microbatches`: how many micro-batches a step has. With more than one, every micro-batch,
     the first included, adds its gradients to a total (zeros at first), so one function is
@@ -98,13 +98,12 @@ class FusedRunner(RunnerBase):
         if self._grads is None and self._sums_from_zeros:
             self._grads = self._zero_totals()
         if self._grads is None:
-            y_pred, loss, self.last_added, self._grads, sparse = self._first_fn(
-                inputs, y, sample_weight, scale, rows
-            )
+            args = (inputs, y, sample_weight, scale, rows)
+            function = self._relaxed(self._first_fn, args, targets=(1, 2))
         else:
-            y_pred, loss, self.last_added, self._grads, sparse = self._accumulate_fn(
-                inputs, y, sample_weight, scale, rows, self._grads
-            )
+            args = (inputs, y, sample_weight, scale, rows, self._grads)
+            function = self._relaxed(self._accumulate_fn, args, targets=(1, 2))
+        y_pred, loss, self.last_added, self._grads, sparse = function(*args)
         self._sparse_per_microbatch.append(sparse)
         self._forwarded.add(microbatch)
         return y_pred, loss

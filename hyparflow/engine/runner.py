@@ -15,6 +15,7 @@ from typing import Protocol
 
 import tensorflow as tf
 
+from hyparflow.engine import relaxed
 from hyparflow.engine import sparse as row_sparse
 from hyparflow.traced import traced
 
@@ -65,13 +66,15 @@ class RunnerBase:
     during the call (`add_loss`, activity regularizers), or None; `last_added` holds its value
     after each forward or inference, and `has_added_losses` turns True once a call added one.
     `train_scope()`, if given, returns a context entered around tracing a training call (e.g.
-    BatchNormalization statistics summed across replicas). `relax_shapes`: the inputs have
-    dimensions of varying size (sequence lengths), so traces generalise shapes as Keras's own
-    train function does instead of one trace per shape.
+    BatchNormalization statistics summed across replicas). `varying`: the declared shapes of
+    the inputs when some dimension varies in size (sequence lengths; `relaxed.declared_shapes`),
+    so that each step function is traced once with those dimensions unknown, before its first
+    call, and generalises further as Keras's own train function does, instead of one trace per
+    shape.
     """
 
     def __init__(
-        self, call, variables, *, sparse=(), added_losses=None, train_scope=None, relax_shapes=False
+        self, call, variables, *, sparse=(), added_losses=None, train_scope=None, varying=None
     ):
         self.variables = list(variables)
         self.sparse = sorted(sparse)
@@ -84,9 +87,10 @@ class RunnerBase:
         self.has_added_losses = False  # set while tracing a call whose layers added a loss
         self.last_added = None
         self._call = call
-        self.relax_shapes = relax_shapes
+        self.varying = varying
+        self.relax_shapes = varying is not None
         self._grads = None  # the step's summed dense gradients: a list, or flat tensors
-        self._infer_fn = traced(self._infer_body, reduce_retracing=relax_shapes)
+        self._infer_fn = traced(self._infer_body, reduce_retracing=self.relax_shapes)
 
     def _added(self):
         added = self._added_losses() if self._added_losses is not None else None
@@ -99,9 +103,15 @@ class RunnerBase:
         outputs = self._call(inputs, False)
         return outputs, self._added()
 
+    def _relaxed(self, function, args: tuple, targets: tuple = ()):
+        """`function` once traced with the varying dimensions of `args` unknown (if any vary)."""
+        if self.varying is not None:
+            relaxed.trace_first(function, args, self.varying, targets)
+        return function
+
     def infer(self, inputs):
         """Forward without gradients, in inference mode (validation, evaluate, predict)."""
-        outputs, self.last_added = self._infer_fn(inputs)
+        outputs, self.last_added = self._relaxed(self._infer_fn, (inputs,))(inputs)
         return outputs
 
     def take_sparse_gradients(self) -> list:

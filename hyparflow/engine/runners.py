@@ -10,6 +10,7 @@ from hyparflow.engine.added_losses import added_loss
 from hyparflow.engine.flat import ChunkedLayout
 from hyparflow.engine.fused import FusedRunner
 from hyparflow.engine.gradient_sync import Overlap
+from hyparflow.engine.relaxed import declared_shapes
 from hyparflow.engine.segments import SegmentedRunner
 from hyparflow.engine.stage import StageRunner
 from hyparflow.engine.structure import pack_model_outputs
@@ -58,7 +59,7 @@ def build_runner(parts: RunnerParts, variables, sparse, form, layout):
     common = dict(
         sparse=sparse,
         added_losses=parts.added_losses(layers),
-        relax_shapes=has_varying_dimensions(whole, parts.stage),
+        varying=declared_shapes(whole, parts.stage),
         train_scope=parts.batchnorm_scope(layers),
     )
     if parts.stage is None:  # nothing lives between forward and backward: one compiled call
@@ -114,7 +115,7 @@ def build_segmented_runner(parts: RunnerParts, variables, segments: int):
                 state_variables=(parts.forward_state(segment.model) if strategy.recompute else ()),
                 input_grads=j > 0 or not parts.is_first,
                 added_losses=parts.added_losses(layers),
-                relax_shapes=has_varying_dimensions(None, segment),
+                varying=declared_shapes(None, segment),
                 train_scope=parts.batchnorm_scope(layers),
             )
         )
@@ -137,13 +138,3 @@ def unsynchronized_moving_statistics(layers, sync_batchnorm: bool) -> list:
         if isinstance(layer, keras.layers.BatchNormalization) and id(layer) not in synced
         for v in (layer.moving_mean, layer.moving_variance)
     ]
-
-
-def has_varying_dimensions(model, stage) -> bool:
-    """Whether the inputs of `stage` (or of the whole `model`) have unknown dimensions besides
-    the batch, e.g. a sequence length that varies from batch to batch."""
-    if stage is not None:
-        shapes = [tuple(t.shape) for t in stage.receives]  # without the batch dimension
-    else:
-        shapes = [tuple(t.shape)[1:] for t in getattr(model, "inputs", None) or []]
-    return any(d is None for shape in shapes for d in shape)

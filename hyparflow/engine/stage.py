@@ -59,7 +59,7 @@ class StageRunner(RunnerBase):
     concatenated once, when taken. `FlatLayout.flat_backward_pays` says which is cheaper
     (docs/engine.md, "Flat pipeline gradients").
 
-    `sparse`, `added_losses`, `train_scope` and `relax_shapes` are `RunnerBase`'s options
+    `sparse`, `added_losses`, `train_scope` and `varying` are `RunnerBase`'s options
     (`layout`, if any, covers the variables that are not embedding tables). The layers' added
     loss joins the micro-batch's loss, weighted by `scale` like the compiled loss.
 
@@ -106,9 +106,9 @@ class StageRunner(RunnerBase):
         self._pack_fn = traced(self._pack_body)
         self._flatten_fn = traced(self._flatten_body)
         # Static shapes: one trace per micro-batch size (usually two: full and last), which
-        # keeps Keras's per-output loss trackers weighting by batch size. With `relax_shapes`
-        # (inputs of unknown length), as Keras's own train function: a second shape retraces
-        # once with the differing dimensions unknown, then never again.
+        # keeps Keras's per-output loss trackers weighting by batch size. With `varying` inputs
+        # (of unknown length): traced once with those lengths unknown (engine/relaxed.py), and a
+        # micro-batch of another size retraces once with its size unknown, as Keras's own.
         relax = self.relax_shapes
         self._forward_fn = traced(self._forward_body, reduce_retracing=relax)
         self._loss_forward_fn = traced(self._loss_forward_body, reduce_retracing=relax)
@@ -196,11 +196,12 @@ class StageRunner(RunnerBase):
             tape.watch(sources)
         if self.is_last:
             y, sample_weight = targets
-            y_pred, loss, self.last_added, scaled = self._loss_forward_fn(
-                inputs, y, sample_weight, scale, rows, params
-            )
+            args = (inputs, y, sample_weight, scale, rows, params)
+            function = self._relaxed(self._loss_forward_fn, args, targets=(1, 2))
+            y_pred, loss, self.last_added, scaled = function(*args)
             return (y_pred, loss), (inputs, watched, sources, scaled)
-        result, self.last_added, added = self._forward_fn(inputs, scale, rows, params)
+        args = (inputs, scale, rows, params)
+        result, self.last_added, added = self._relaxed(self._forward_fn, args)(*args)
         floats = [t for t in tree.flatten(result) if _is_float(t)]
         if self.has_added_losses:  # differentiated with the outputs (its gradient: 1)
             floats.append(added)

@@ -1,0 +1,59 @@
+"""engine/relaxed.py: a step over data of varying length is traced once, lengths unknown."""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from hyparflow.engine.relaxed import declared_shapes, trace_first
+from hyparflow.traced import traced
+
+
+def _token_model():
+    tokens = keras.Input((None,), dtype="int32", name="tokens")
+    mask = keras.Input((None,), dtype="int32", name="mask")
+    width = keras.Input((3,), name="width")
+    embedded = keras.layers.Embedding(10, 4)(tokens * mask)
+    pooled = keras.layers.GlobalAveragePooling1D()(embedded)
+    return keras.Model({"tokens": tokens, "mask": mask, "width": width}, pooled + width[:, :1])
+
+
+def _batch(length, batch=4):
+    x = {
+        "tokens": np.ones((batch, length), "int32"),
+        "mask": np.ones((batch, length), "int32"),
+        "width": np.ones((batch, 3), "float32"),
+    }
+    return x, np.zeros((batch, length), "int32")
+
+
+def test_declared_shapes_follow_the_inputs_flattened_order_and_need_a_varying_dimension():
+    assert declared_shapes(_token_model(), None) == [(None,), (None,), (3,)]  # sorted keys
+    fixed = keras.Sequential([keras.Input((5,)), keras.layers.Dense(2)])
+    assert declared_shapes(fixed, None) is None
+
+
+def test_one_trace_serves_every_length_and_keeps_the_batch_size():
+    model = _token_model()
+    declared = declared_shapes(model, None)
+    seen = []
+
+    def step(x, y, sample_weight):
+        seen.append((x["tokens"].shape.as_list(), x["width"].shape.as_list(), y.shape.as_list()))
+        return tf.reduce_sum(model(x)) + tf.cast(tf.reduce_sum(y), tf.float32)
+
+    function = traced(step, reduce_retracing=True)
+    for length in (7, 5, 9):
+        x, y = _batch(length)
+        trace_first(function, (x, y, None), declared, targets=(1, 2))
+        function(x, y, None)
+    assert function.experimental_get_tracing_count() == 1
+    assert seen == [([4, None], [4, 3], [4, None])]
+
+
+def test_inputs_of_another_structure_trace_as_they_come():
+    """A structure the declared shapes do not describe is traced exactly (no relaxation)."""
+    function = traced(lambda x: tf.reduce_sum(x), reduce_retracing=True)
+    trace_first(function, (np.ones((4, 7), "float32"),), [(None,), (None,)])
+    concrete = function.get_concrete_function(tf.TensorSpec((4, 7), tf.float32))
+    assert function.experimental_get_tracing_count() == 1
+    assert concrete.structured_input_signature[0][0].shape.as_list() == [4, 7]
