@@ -10,6 +10,7 @@ import tempfile
 
 import pytest
 
+from tests.support import pool
 from tests.support.mpirun import LAUNCHES, MPI_ALLOWED_ENV, REFERENCES_ENV, Launch, sharing
 
 # A launch's limit must be at least twice its slowest measured duration (docs/testing.md):
@@ -69,7 +70,9 @@ def pytest_runtest_setup(item):
 
 
 def pytest_sessionfinish(session):
-    """A worker hands its launches to the main process, which prints the summary."""
+    """This process's pools of ranks stop; a worker hands its launches to the main process,
+    which prints the summary."""
+    pool.stop_all()
     if _is_worker(session.config):
         launches = [dataclasses.asdict(launch) for launch in LAUNCHES]
         session.config.workeroutput["hf_launches"] = json.dumps(launches)

@@ -12,6 +12,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 
+from tests.support import pool
+
 # the checkout holding this file (tests/support/mpirun.py): its hyparflow is the one imported
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -94,7 +96,7 @@ def sharing() -> int:
 
 def launch(
     scenario: str, np: int, *args: str, timeout: float = 300, env=None, prefix=(), collect=None,
-    mpirun=("mpirun",), on_start=None,
+    mpirun=("mpirun",), on_start=None, pooled=None,
 ) -> MpiRun:  # fmt: skip
     """Run `python -m tests.mpi.<scenario> OUT args...` on `np` ranks; never raises on failure.
 
@@ -103,7 +105,10 @@ def launch(
     own files, e.g. per-rank reports the prefix wrote there: `env` values may name
     `{scratch}`). `mpirun`: the launcher and its first arguments (e.g. emulated nodes,
     tests/support/nodes.py). `on_start(process, scratch)`, if given, runs once the job has
-    started and before waiting for it (to act on the running job, e.g. kill a node)."""
+    started and before waiting for it (to act on the running job, e.g. kill a node).
+    A scenario of `pool.POOLED` launched with none of these runs in this process's pool of
+    `np` ranks (tests/support/pool.py) instead of an `mpirun` of its own; `pooled` True or
+    False says so for any scenario."""
     # limits are set for a launch alone on the machine; W workers' launches share its cores
     timeout *= sharing()
     if os.environ.get(MPI_ALLOWED_ENV) == "0":
@@ -111,51 +116,71 @@ def launch(
             f"this test launches {scenario!r} under mpirun: mark it `pytest.mark.mpi`, so that "
             "`make test-fast` leaves it out"
         )
+    if pooled is None:
+        pooled = scenario in pool.POOLED and not (env or prefix or collect or on_start)
+        pooled = pooled and tuple(mpirun) == ("mpirun",)
     with tempfile.TemporaryDirectory(prefix=f"hf-{scenario}-") as tmp:
         out, logs = os.path.join(tmp, "results"), os.path.join(tmp, "logs")
         os.makedirs(out)
         env = {k: v.replace("{scratch}", tmp) for k, v in (env or {}).items()}
-        cmd = [
-            *mpirun, "-np", str(np), "--oversubscribe", "--bind-to", "none",
-            "--output-filename", logs, *prefix,
-            sys.executable, "-m", f"tests.mpi.{scenario}", out, *args,
-        ]  # fmt: skip
-        proc = subprocess.Popen(
-            cmd, cwd=REPO, env={**os.environ, **MPI_ENV, **env}, start_new_session=True
-        )
         started = time.monotonic()
         try:
-            if on_start is not None:
-                on_start(proc, tmp)
-            returncode = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            returncode = -9
-        except BaseException:  # on_start failed: leave no job behind
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            raise
+            if pooled:
+                job_pool = pool.pool(np, REPO, {**os.environ, **MPI_ENV})
+                job = job_pool.submit(scenario, out, os.path.join(logs, "1"), args)
+                returncode = job_pool.wait(job, timeout)
+            else:
+                cmd = [
+                    *mpirun, "-np", str(np), "--oversubscribe", "--bind-to", "none",
+                    "--output-filename", logs, *prefix,
+                    sys.executable, "-m", f"tests.mpi.{scenario}", out, *args,
+                ]  # fmt: skip
+                returncode = _run_alone(
+                    cmd, {**os.environ, **MPI_ENV, **env}, tmp, timeout, on_start
+                )
         finally:
             test = os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0]
             LAUNCHES.append(Launch(test, scenario, np, time.monotonic() - started, timeout))
-        results, stdout, stderr = [], [], []
-        for r in range(np):
-            path = os.path.join(out, f"rank{r}.json")
-            results.append(_load_json(path))
-            rank_dir = glob.glob(os.path.join(logs, "*", f"rank.{r}"))
-            stdout.append(_read(os.path.join(rank_dir[0], "stdout")) if rank_dir else "")
-            stderr.append(_read(os.path.join(rank_dir[0], "stderr")) if rank_dir else "")
+        run = _collected(np, out, logs, returncode)
         if collect is not None:
             collect(tmp)
-        return MpiRun(returncode, results, stdout, stderr)
+        return run
+
+
+def _run_alone(cmd: list, env: dict, scratch: str, timeout: float, on_start) -> int:
+    """Run the job `cmd` in its own session; its exit code, or -9 once killed after `timeout`."""
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, start_new_session=True)
+    try:
+        if on_start is not None:
+            on_start(proc, scratch)
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return -9
+    except BaseException:  # on_start failed: leave no job behind
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
+
+
+def _collected(np: int, out: str, logs: str, returncode: int) -> MpiRun:
+    """Each rank's JSON result, stdout and stderr from a finished job's folders."""
+    results, stdout, stderr = [], [], []
+    for r in range(np):
+        results.append(_load_json(os.path.join(out, f"rank{r}.json")))
+        rank_dir = glob.glob(os.path.join(logs, "*", f"rank.{r}"))
+        stdout.append(_read(os.path.join(rank_dir[0], "stdout")) if rank_dir else "")
+        stderr.append(_read(os.path.join(rank_dir[0], "stderr")) if rank_dir else "")
+    return MpiRun(returncode, results, stdout, stderr)
 
 
 def run_scenario(
-    scenario: str, np: int, *args: str, timeout: float = 300, env=None, mpirun=("mpirun",)
-) -> list:
+    scenario: str, np: int, *args: str, timeout: float = 300, env=None, mpirun=("mpirun",),
+    pooled=None,
+) -> list:  # fmt: skip
     """Launch and require success: every rank exits 0 and reports; else fail with all tails."""
-    run = launch(scenario, np, *args, timeout=timeout, env=env, mpirun=mpirun)
+    run = launch(scenario, np, *args, timeout=timeout, env=env, mpirun=mpirun, pooled=pooled)
     if run.returncode != 0 or any(r is None for r in run.results):
         raise AssertionError(f"scenario {scenario} failed on {np} ranks\n{run.describe()}")
     return run.results
