@@ -57,13 +57,17 @@ class Pool:
         own if it ended (a rank aborted), or -9 after `timeout` (the pool is killed)."""
         deadline = time.monotonic() + timeout
         done = [os.path.join(self.spool, f"done{number}.rank{r}.json") for r in range(self.np)]
-        while not all(os.path.exists(path) for path in done):
-            if not self.alive():
-                return self.process.returncode or 1
-            if time.monotonic() > deadline:
-                self.kill()
-                return -9
-            time.sleep(POLL_SECONDS)
+        try:
+            while not all(os.path.exists(path) for path in done):
+                if not self.alive():
+                    return self.process.returncode or 1
+                if time.monotonic() > deadline:
+                    self.kill()
+                    return -9
+                time.sleep(POLL_SECONDS)
+        except BaseException:  # e.g. the test's own timeout: no job may outlive its test
+            self.kill()
+            raise
         failed = [code for code in map(_read_code, done) if code != 0]
         if failed:  # its ranks abort: this pool takes no more jobs
             self.kill()
