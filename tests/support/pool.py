@@ -11,8 +11,10 @@ launch. A pool whose job failed or ran out of time is gone; the next job starts 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -77,15 +79,15 @@ class Pool:
         if self.alive():
             os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait()
+        shutil.rmtree(self.spool, ignore_errors=True)
 
     def stop(self) -> None:
         """Let the ranks leave their loop and MPI finish; kill them if they do not."""
         if self.alive():
             _write(os.path.join(self.spool, f"job{self.jobs}.json"), {"stop": True})
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.process.wait(timeout=STOP_SECONDS)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        self.kill()
 
 
 _pools: dict[int, Pool] = {}
