@@ -40,7 +40,7 @@ demo: setup
 
 # TEST_WORKERS=N spreads the test files over N pytest-xdist workers, each file whole on one
 # worker (its module fixtures launch once); 1, the default, runs them in this process
-# (docs/testing.md: on 2 cores two workers measured no faster, 46:04 of pytest).
+# (docs/testing.md: on 2 cores two workers measured no faster, 37:42 against 39:54 serial).
 TEST_WORKERS ?= 1
 WORKERS_OPTION = $(if $(filter 1,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
