@@ -88,7 +88,6 @@ class RunnerBase:
         self.last_added = None
         self._call = call
         self.varying = varying
-        self.relax_shapes = varying is not None
         self._grads = None  # the step's summed dense gradients: a list, or flat tensors
         self._infer_fn = traced(self._infer_body, reduce_retracing=self.relax_shapes)
 
@@ -102,6 +101,11 @@ class RunnerBase:
     def _infer_body(self, inputs):
         outputs = self._call(inputs, False)
         return outputs, self._added()
+
+    @property
+    def relax_shapes(self) -> bool:
+        """Whether traces generalise shapes (`reduce_retracing`): some input dimension varies."""
+        return self.varying is not None
 
     def _relaxed(self, function, args: tuple, targets: tuple = ()):
         """`function` once traced with the varying dimensions of `args` unknown (if any vary)."""

@@ -22,6 +22,8 @@ import traceback
 
 from mpi4py import MPI
 
+from tests.support.pool import write_json
+
 POLL_SECONDS = 0.02
 
 
@@ -42,12 +44,6 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
-
-
-def _write(path: str, content: dict) -> None:
-    with open(path + ".tmp", "w") as f:
-        json.dump(content, f)
-    os.replace(path + ".tmp", path)
 
 
 class _Redirected:
@@ -108,7 +104,7 @@ def main() -> None:
             except BaseException:
                 traceback.print_exc()
                 code = 1
-        _write(os.path.join(spool, f"done{number}.rank{rank}.json"), {"returncode": code})
+        write_json(os.path.join(spool, f"done{number}.rank{rank}.json"), {"returncode": code})
         if code != 0:  # as the scenario alone: a failed rank ends the job, no peer left waiting
             MPI.COMM_WORLD.Abort(code)
         _reset()

@@ -50,7 +50,7 @@ class Pool:
         """Hand the ranks a job; its number."""
         number = self.jobs
         job = {"scenario": scenario, "out": out, "logs": logs, "args": list(args)}
-        _write(os.path.join(self.spool, f"job{number}.json"), job)
+        write_json(os.path.join(self.spool, f"job{number}.json"), job)
         self.jobs += 1
         return number
 
@@ -62,7 +62,9 @@ class Pool:
         try:
             while not all(os.path.exists(path) for path in done):
                 if not self.alive():
-                    return self.process.returncode or 1
+                    code = self.process.returncode or 1
+                    self.kill()  # gone already: only its spool folder is left to remove
+                    return code
                 if time.monotonic() > deadline:
                     self.kill()
                     return -9
@@ -84,7 +86,7 @@ class Pool:
     def stop(self) -> None:
         """Let the ranks leave their loop and MPI finish; kill them if they do not."""
         if self.alive():
-            _write(os.path.join(self.spool, f"job{self.jobs}.json"), {"stop": True})
+            write_json(os.path.join(self.spool, f"job{self.jobs}.json"), {"stop": True})
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.process.wait(timeout=STOP_SECONDS)
         self.kill()
@@ -115,7 +117,8 @@ def stop_all() -> None:
     _pools.clear()
 
 
-def _write(path: str, content: dict) -> None:
+def write_json(path: str, content: dict) -> None:
+    """Write `content` to `path` at once (a reader polling for the file never sees half)."""
     with open(path + ".tmp", "w") as f:
         json.dump(content, f)
     os.replace(path + ".tmp", path)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import traceback
 
 from mpi4py import MPI
+
+from tests.support.pool import write_json
 
 
 def out_dir() -> str:
@@ -23,10 +24,7 @@ def args() -> list[str]:
 def report(result: dict) -> None:
     """Write this rank's result as `rank<N>.json` in the result folder."""
     rank = MPI.COMM_WORLD.Get_rank()
-    path = os.path.join(out_dir(), f"rank{rank}.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(result, f)
-    os.replace(path + ".tmp", path)
+    write_json(os.path.join(out_dir(), f"rank{rank}.json"), result)
 
 
 def run_or_abort(main) -> None:
