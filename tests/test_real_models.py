@@ -112,9 +112,13 @@ TOLERANCE = 1e-5
 # steps. Tested against that floor.
 ADAM_TRANSFORMER_TOLERANCE = 1e-4
 # keras.applications' MobileNets at 32x32, one step (one_step): Keras alone, every initial weight
-# moved by 1e-7 relative (about one float32 unit), ends 7.9e-5 (V2) and 2.2e-3 (V3) away after
-# that step; their last BatchNormalization layers normalise 1x1 maps of 16 samples.
-ONE_STEP_TOLERANCE = 1e-4
+# moved by 1e-7 relative (about one float32 unit), ends 4.5e-3 (V2) and 2.2e-3 (V3) away after
+# that step on an Intel Xeon with AVX-512 (7.9e-5 and 2.2e-3 on an AMD EPYC); their last
+# BatchNormalization layers normalise 1x1 maps of 16 samples. That step moves the weights by
+# 0.84 (V3) and 9.1 (V2) on this measure; unsynchronised statistics end 1.4 away. hyparflow's
+# kernels differ from Keras's in rounding (its synchronised BatchNormalization, the stage's own
+# graph), so the tolerance sits above the floor of both CPUs (1e-4 held on the AMD only).
+ONE_STEP_TOLERANCE = 2e-2
 
 
 sparse_optimizers = launched("real_models", 2, SPARSE_OPTIMIZERS, timeout=540)

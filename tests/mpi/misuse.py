@@ -79,10 +79,13 @@ class FailsOnNaN(keras.layers.Layer):
 
 
 def failing_mid_step():
+    # Linear layers up to the check: a compiled Dense with ReLU (oneDNN's fused MatMul + BiasAdd
+    # + ReLU, on CPUs where TensorFlow turns oneDNN on) turns NaN into 0, eager ReLU keeps it.
     inputs = keras.Input((6,))
-    hidden = keras.layers.Dense(8, activation="relu")(inputs)
-    checked = FailsOnNaN(name="checked")(keras.layers.Dense(8, activation="relu")(hidden))
-    model = keras.Model(inputs, keras.layers.Dense(3, activation="softmax")(checked))
+    hidden = keras.layers.Dense(8)(inputs)
+    checked = FailsOnNaN(name="checked")(keras.layers.Dense(8)(hidden))
+    activated = keras.layers.Activation("relu")(checked)
+    model = keras.Model(inputs, keras.layers.Dense(3, activation="softmax")(activated))
     model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
     return model
 
