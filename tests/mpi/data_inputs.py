@@ -1,10 +1,11 @@
-"""Every input `model.fit` takes, on 2 or 4 ranks, against Keras in the same process.
+"""Every input `model.fit` takes, on 2 or 4 ranks, against Keras on the same ranks.
 
 Arguments: the layouts to run each case in ("data", "model", "tensor" on 2 ranks; "hybrid",
-P2 x R2, on 4). Each case is a factory
-of fresh `fit` arguments (a generator is used up by one fit), trained once by Keras and once by
-`hf.fit` from the same initial weights, with `shuffle=False`. Refusals are compared with the
-error Keras raises for the same arguments. docs/keras_parity.md lists the cases.
+P2 x R2, on 4). Each case is a factory of fresh `fit` arguments (a generator is used up by one
+fit), trained once by Keras (by one rank, read by all: tests/support/references.py) and once by
+`hf.fit` in each layout, from the same initial weights, with `shuffle=False`. Refusals are
+compared with the error Keras raises for the same arguments, in the same process.
+docs/keras_parity.md lists the cases.
 """
 
 import warnings
@@ -14,7 +15,7 @@ import numpy as np
 import tensorflow as tf
 
 import hyparflow as hf
-from tests.support import custom_steps
+from tests.support import custom_steps, references
 from tests.support.compare import history_difference, relative_difference
 from tests.support.models import compiled, data
 from tests.support.report import args, report
@@ -120,30 +121,46 @@ def strategy_of(kind: str):
     return LAYOUTS.get(kind, kind)
 
 
+def layouts_of(kinds, name: str) -> list[str]:
+    """The layouts of `kinds` that run case `name`."""
+    return [kind for kind in kinds if kind in EVERY_CASE or name in WAYS_IN]
+
+
+def fit_request(name: str, arguments) -> references.Request:
+    """Keras's fit of case `name` (tests/support/references.py: one rank trains it, all read)."""
+
+    def train() -> dict:
+        options = arguments()
+        epochs = options.pop("epochs", 2)
+        model = compiled("mlp", "adam")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Keras's "ran out of data" is expected in some cases
+            history = model.fit(**options, epochs=epochs, shuffle=False, verbose=0)
+        return {"weights": model.get_weights(), "history": history.history}
+
+    return {"fit": "data_inputs", "case": name}, train
+
+
 def run(kinds, name: str, arguments) -> list[dict]:
-    """Keras once, then `hf.fit` in each layout of `kinds`, from the same initial weights."""
-    options = arguments()
-    epochs = options.pop("epochs", 2)
-    reference = compiled("mlp", "adam")
+    """`hf.fit` in each layout of `kinds` that runs case `name`, against Keras's fit from the
+    same initial weights."""
     results = []
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # Keras's "ran out of data" is expected in some cases
-        ref = reference.fit(**options, epochs=epochs, shuffle=False, verbose=0)
-        for kind in kinds:
-            if kind not in EVERY_CASE and name not in WAYS_IN:
-                continue
-            again = arguments()  # fresh arguments: a generator is used up by one fit
-            again.pop("epochs", None)
-            model = compiled("mlp", "adam")
+    for kind in layouts_of(kinds, name):
+        reference = references.shared(*fit_request(name, arguments))
+        again = arguments()  # fresh arguments: a generator is used up by one fit
+        epochs = again.pop("epochs", 2)
+        model = compiled("mlp", "adam")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # as Keras's, above
             got = hf.fit(model, **again, epochs=epochs, shuffle=False, verbose=0,
                          strategy=strategy_of(kind))  # fmt: skip
-            results.append({
-                "case": f"{kind}:{name}",
-                "weights": relative_difference(model.get_weights(), reference.get_weights()),
-                "history": history_difference(got.history, ref.history),
-                "epochs": [len(got.history["loss"]), len(ref.history["loss"])],
-                "keys": [sorted(got.history), sorted(ref.history)],
-            })  # fmt: skip
+        results.append({
+            "case": f"{kind}:{name}",
+            "weights": relative_difference(model.get_weights(), reference["weights"]),
+            "history": history_difference(got.history, reference["history"]),
+            "epochs": [len(got.history["loss"]), len(reference["history"]["loss"])],
+            "keys": [sorted(got.history), sorted(reference["history"])],
+        })  # fmt: skip
     return results
 
 
@@ -167,18 +184,31 @@ EVALUATED = {  # evaluate's inputs (predict takes their x)
 }
 
 
+def evaluate_request(name: str, arguments) -> references.Request:
+    """Keras's `evaluate` and `predict` on case `name`'s inputs (shared as `fit_request`'s)."""
+
+    def train() -> dict:
+        reference = compiled("mlp", "adam")
+        logs = reference.evaluate(**arguments(), verbose=0, return_dict=True)
+        predicted = reference.predict(**_without_labels(arguments()), verbose=0)
+        return {"logs": logs, "predicted": predicted}
+
+    return {"evaluate": "data_inputs", "case": name}, train
+
+
+def _without_labels(options: dict) -> dict:
+    return {k: v for k, v in options.items() if k not in ("y", "sample_weight")}
+
+
 def evaluated(kinds, name: str, arguments) -> list[dict]:
     """`evaluate` and `predict` of Keras and of hf on the same inputs (the same weights)."""
-    reference = compiled("mlp", "adam")
-    ref_logs = reference.evaluate(**arguments(), verbose=0, return_dict=True)
-    without_labels = {k: v for k, v in arguments().items() if k not in ("y", "sample_weight")}
-    ref_predicted = reference.predict(**without_labels, verbose=0)
+    reference = references.shared(*evaluate_request(name, arguments))
+    ref_logs, ref_predicted = reference["logs"], reference["predicted"]
     results = []
     for kind in kinds:
         model, strategy = compiled("mlp", "adam"), strategy_of(kind)
         logs = hf.evaluate(model, **arguments(), verbose=0, return_dict=True, strategy=strategy)
-        without_labels = {k: v for k, v in arguments().items() if k not in ("y", "sample_weight")}
-        predicted = hf.predict(model, **without_labels, verbose=0, strategy=strategy)
+        predicted = hf.predict(model, **_without_labels(arguments()), verbose=0, strategy=strategy)
         results.append({
             "case": f"{kind}:evaluate_predict_{name}",
             "evaluate": history_difference({k: [v] for k, v in logs.items()},
@@ -196,38 +226,61 @@ def evaluated(kinds, name: str, arguments) -> list[dict]:
 PER_OUTPUT_LOSS_WEIGHTS = {"regression": 0.5, "classes": 2.0}  # compiled("multi_io", ...)'s
 
 
+def per_output_request() -> references.Request:
+    """Keras's fit (validation included) and evaluate of the 2-output model."""
+
+    def train() -> dict:
+        (x, y), validation = data("multi_io", n=44), data("multi_io", n=20, seed=1)
+        reference = compiled("multi_io", "adam")
+        history = reference.fit(x, y, **_PER_OUTPUT_FIT, validation_data=validation)
+        logs = reference.evaluate(*validation, batch_size=8, verbose=0, return_dict=True)
+        return {"weights": reference.get_weights(), "history": history.history, "logs": logs}
+
+    return {"fit": "data_inputs", "case": "per_output_losses"}, train
+
+
+_PER_OUTPUT_FIT = dict(batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+
+
 def per_output(kinds) -> list[dict]:
     """History (with validation) and evaluate of Keras and `hf.fit` for a 2-output model."""
     (x, y), validation = data("multi_io", n=44), data("multi_io", n=20, seed=1)
-    fit = dict(batch_size=BATCH, epochs=2, shuffle=False, verbose=0, validation_data=validation)
-    reference = compiled("multi_io", "adam")
-    ref = reference.fit(x, y, **fit)
-    ref_evaluated = reference.evaluate(*validation, batch_size=8, verbose=0, return_dict=True)
+    reference = references.shared(*per_output_request())
+    ref_history, ref_evaluated = reference["history"], reference["logs"]
     results = []
     for kind in kinds:
         model = compiled("multi_io", "adam")
         strategy = strategy_of(kind)
-        got = hf.fit(model, x, y, **fit, strategy=strategy)
+        got = hf.fit(model, x, y, **_PER_OUTPUT_FIT, validation_data=validation,
+                     strategy=strategy)  # fmt: skip
         evaluated = hf.evaluate(
             model, *validation, batch_size=8, strategy=strategy, return_dict=True
         )
         results.append({
             "case": f"{kind}:per_output_losses",
-            "weights": relative_difference(model.get_weights(), reference.get_weights()),
-            "history": history_difference(got.history, ref.history),
+            "weights": relative_difference(model.get_weights(), reference["weights"]),
+            "history": history_difference(got.history, ref_history),
             "evaluate": history_difference(
                 {k: [v] for k, v in evaluated.items()}, {k: [v] for k, v in ref_evaluated.items()}
             ),
-            "epochs": [len(got.history["loss"]), len(ref.history["loss"])],
-            "keys": [sorted(got.history), sorted(ref.history)],
-            "reference": ref.history,
+            "epochs": [len(got.history["loss"]), len(ref_history["loss"])],
+            "keys": [sorted(got.history), sorted(ref_history)],
+            "reference": ref_history,
         })  # fmt: skip
     return results
+
+
+def requests(kinds) -> list[references.Request]:
+    """The Keras references the layouts of `kinds` compare with, for `references.prefetch`."""
+    fits = [fit_request(name, case) for name, case in CASES.items() if layouts_of(kinds, name)]
+    evaluations = [evaluate_request(name, case) for name, case in EVALUATED.items()]
+    return fits + [per_output_request()] + evaluations
 
 
 if __name__ == "__main__":
     keras.config.disable_interactive_logging()
     kinds = args()
+    references.prefetch(requests(kinds))  # each reference trained by one rank
     results = [result for name, case in CASES.items() for result in run(kinds, name, case)]
     results += custom_steps.results() if "data" in kinds else []  # own train_step, compute_loss
     results += per_output([kind for kind in kinds if kind != "tensor"])
