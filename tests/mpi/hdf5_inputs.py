@@ -11,6 +11,7 @@ import keras
 
 import hyparflow as hf
 import hyparflow.data
+from tests.support import references
 from tests.support.compare import history_difference, relative_difference
 from tests.support.models import compiled, data, sample_weights
 from tests.support.report import args, report
@@ -52,20 +53,31 @@ def equivalence_cases(path: str):
     }
 
 
+def reference_request(name: str, model_name: str, arrays: dict) -> references.Request:
+    """Keras's fit and evaluate on the arrays of case `name` (one rank trains it, all read:
+    tests/support/references.py)."""
+
+    def train() -> dict:
+        reference = compiled(model_name, "adam")
+        ref = reference.fit(**arrays, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+        logs = reference.evaluate(**arrays, batch_size=8, verbose=0, return_dict=True)
+        return {"weights": reference.get_weights(), "history": ref.history, "logs": logs}
+
+    return {"fit": "hdf5_inputs", "case": name}, train
+
+
 def equivalence(kind: str, name: str, model_name: str, reader, arrays: dict) -> dict:
-    reference = compiled(model_name, "adam")
-    ref = reference.fit(**arrays, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+    reference = references.shared(*reference_request(name, model_name, arrays))
     model = compiled(model_name, "adam")
     got = hf.fit(model, reader, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
                  strategy=kind)  # fmt: skip
     evaluated = hf.evaluate(model, reader, batch_size=8, strategy=kind, return_dict=True)
-    ref_evaluated = reference.evaluate(**arrays, batch_size=8, verbose=0, return_dict=True)
     return {
         "case": f"{kind}-{name}",
-        "weights": relative_difference(model.get_weights(), reference.get_weights()),
-        "history": history_difference(got.history, ref.history),
+        "weights": relative_difference(model.get_weights(), reference["weights"]),
+        "history": history_difference(got.history, reference["history"]),
         "evaluate": history_difference(
-            {k: [v] for k, v in evaluated.items()}, {k: [v] for k, v in ref_evaluated.items()}
+            {k: [v] for k, v in evaluated.items()}, {k: [v] for k, v in reference["logs"].items()}
         ),
     }
 
@@ -129,6 +141,10 @@ if __name__ == "__main__":
     keras.config.disable_interactive_logging()
     mode, path, *rest = args()
     if mode == "equivalence":
+        cases = equivalence_cases(path)
+        references.prefetch(
+            [reference_request(name, model, arrays) for name, (model, _, arrays) in cases.items()]
+        )
         results = []
         for kind in rest:
             for name, case in equivalence_cases(path).items():
