@@ -44,8 +44,17 @@ demo: setup
 TEST_WORKERS ?= 1
 WORKERS_OPTION = $(if $(filter 1,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
+# `make test` runs two pytest sessions at once: the tests that launch MPI jobs (`-m mpi`), one
+# after another as before, and the in-process tests (`-m "not mpi"`), which take the core the
+# MPI jobs leave idle (docs/testing.md). The in-process report is printed after the MPI one.
+IN_PROCESS_LOG := .pytest-in-process.log
 test: lint test-tools
-	$(PY) -m pytest --durations=30 $(WORKERS_OPTION)
+	@$(PY) -m pytest -m "not mpi" -p no:cacheprovider --durations=10 > $(IN_PROCESS_LOG) 2>&1 & in_process=$$!; \
+	$(PY) -m pytest -m mpi --durations=30 $(WORKERS_OPTION); mpi=$$?; \
+	wait $$in_process; in_process_rc=$$?; \
+	echo "=== the in-process tests (pytest -m 'not mpi'), run beside the MPI ones ==="; \
+	cat $(IN_PROCESS_LOG); \
+	exit $$(( mpi != 0 ? mpi : in_process_rc ))
 
 # The fast tier, for development: everything but the tests marked `mpi` (MPI jobs, Slurm,
 # notebooks, minutes of training); a test that launches mpirun unmarked fails here.
