@@ -6,8 +6,10 @@ own test (tests/support/cases.py).
 """
 
 import os
+from importlib import metadata
 
 import pytest
+from packaging import version
 
 from tests.support.cases import Case
 from tests.support.equivalence import assert_within, launched
@@ -114,8 +116,14 @@ FOUR_RANKS = [
 ]  # fmt: skip
 TOLERANCE = 1e-5
 # mixed_float16: Keras and the pipeline round float16 activations of different micro-batch
-# shapes differently; weights agree to about 1e-3, and the dynamic loss scale exactly.
-MIXED_TOLERANCE = 5e-3
+# shapes differently; weights agree to about 1e-3, and the dynamic loss scale exactly. The floor
+# depends on TensorFlow's float16 kernels: Keras alone, the embedding model with Adam, every
+# weight moved by 1e-6 relative, ends 5.7e-4 away under TensorFlow 2.21 but 1.7e-2 under 2.17
+# on an Intel Xeon with AVX-512 FP16 and AMX (the compatibility job; the pipeline measured
+# 1.69e-2 there, 2026-11-28), so the older TensorFlow gets ten times the tolerance.
+MIXED_TOLERANCE = (
+    5e-3 if version.parse(metadata.version("tensorflow")) >= version.parse("2.18") else 5e-2
+)
 
 
 two_ranks = launched("equivalence", 2, TWO_RANKS, timeout=540)
