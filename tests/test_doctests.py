@@ -38,6 +38,7 @@ KNOWN = {
     "hyparflow.engine.gradient_form",
     "hyparflow.schedule.actions",
     "hyparflow.schedule.builders",
+    "hyparflow.schedule.interleaved",
     "hyparflow.schedule.simulation",
     "hyparflow.schedule.validation",
     "hyparflow.schedule.zero_bubble",

@@ -16,6 +16,7 @@ from hyparflow.schedule import (
     W,
     forward_only,
     gpipe,
+    interleaved,
     make_schedule,
     one_f_one_b,
     peak_in_flight,
@@ -252,3 +253,55 @@ def test_weight_passes_follow_their_backward_and_need_a_time():
     with pytest.raises(ScheduleError, match="adds"):
         validate([[F(0), W(0)]], 1, training=False)
     assert with_transfers([F(0), B(0), W(0)], 1, 3)[-1] == W(0)  # nothing moves for W
+
+
+# Interleaved 1F1B: p stages, v model chunks each, m a multiple of p
+interleavings = st.tuples(
+    st.integers(min_value=1, max_value=6),
+    st.integers(min_value=1, max_value=4),
+    st.integers(min_value=2, max_value=4),
+).map(lambda t: (t[0], t[0] * t[1], t[2]))  # (p, m, v)
+
+
+@given(interleavings)
+def test_interleaved_is_a_valid_step_whose_bubble_is_divided_by_its_chunks(layout):
+    """Every (micro-batch, chunk) forwarded and backwarded once per stage, sends matched across
+    every link (the last stage's back to the first included), no deadlock; with each chunk
+    taking 1/v of a stage's time the simulated idle fraction is (p - 1) / (v m + p - 1)."""
+    p, m, v = layout
+    schedule = interleaved(p, m, v)
+    validate(schedule, m)
+    validate([with_transfers(a, s, p, num_chunks=v) for s, a in enumerate(schedule)], m)
+    sim = simulate(schedule, forward_time=1.0 / v, backward_time=2.0 / v)
+    assert sim.bubble == pytest.approx((p - 1) / (v * m + p - 1))
+    if p > 1:
+        assert sim.bubble < simulate(one_f_one_b(p, m), 1.0, 2.0).bubble
+    # Megatron's warm-up: the first stage holds (p - 1) * 2 + (v - 1) * p + 1 chunks' inputs
+    assert peak_in_flight(schedule[0]) == min((p - 1) * 2 + (v - 1) * p + 1, m * v)
+
+
+def test_interleaved_with_one_chunk_is_1f1b_and_refuses_uneven_groups():
+    assert interleaved(3, 5, 1) == one_f_one_b(3, 5)
+    with pytest.raises(ValueError, match="5 micro-batches are not a multiple of 2"):
+        interleaved(2, 5, 2)
+    with pytest.raises(ValueError, match="virtual_stages"):
+        interleaved(2, 2, 0)
+
+
+def test_the_validator_follows_chunks_across_stages():
+    """A chunk's forward missing, a chunk's backward before its forward, and a wrap-around link
+    whose sends come in another order than its receives are each refused."""
+    schedule = interleaved(2, 2, 2)
+    with pytest.raises(ScheduleError, match="misses"):
+        validate([schedule[0][1:], schedule[1]], 2)
+    swapped = list(schedule[1])
+    swapped[2], swapped[3] = swapped[3], swapped[2]  # B0c1 before F0c1 on the last stage
+    with pytest.raises(ScheduleError, match="runs B0c1 before F0c1"):
+        validate([schedule[0], swapped], 2)
+    lowered = [with_transfers(a, s, 2, num_chunks=2) for s, a in enumerate(schedule)]
+    last = list(lowered[1])  # its chunk 0 sends activations on to the first stage's chunk 1
+    a, b = last.index(Action("send_activations", 0)), last.index(Action("send_activations", 1))
+    last[a], last[b] = last[b], last[a]
+    with pytest.raises(ScheduleError, match=r"stage 1 sends send_activations of \(micro-batch"):
+        validate([lowered[0], last], 2)
+    assert repr(F(3, chunk=2)) == "F3c2" and F(3, chunk=0) == F(3)

@@ -1,9 +1,10 @@
-"""Pipeline schedules as data (GPipe, 1F1B, ZB-H1), one validator and a pure timing simulator.
+"""Pipeline schedules as data (GPipe, 1F1B, ZB-H1, interleaved), one validator, a simulator.
 
 A schedule is one ordered list of actions per stage: stage `s` executes `schedule[s]` strictly in
 order (`actions.py`). The builders make the lists (`builders.py`; ZB-H1, whose backwards are
-split into B and W passes, in `zero_bubble.py`: simulated and validated, not yet run by the
-engine), `validate` checks that one is
+split into B and W passes, in `zero_bubble.py`, and interleaved 1F1B, whose stages hold several
+model chunks, in `interleaved.py`: both simulated and validated, not yet run by the engine),
+`validate` checks that one is
 a step the engine can run exactly (`validation.py`), and `simulate` times it on an ideal machine
 (`simulation.py`).
 
@@ -22,6 +23,9 @@ from hyparflow.schedule.actions import (
     F,
     Schedule,
     W,
+    chunks_of,
+    place_of,
+    virtual_stage,
     with_transfers,
 )
 from hyparflow.schedule.builders import (
@@ -31,6 +35,7 @@ from hyparflow.schedule.builders import (
     make_schedule,
     one_f_one_b,
 )
+from hyparflow.schedule.interleaved import interleaved
 from hyparflow.schedule.simulation import (
     DeadlockError,
     Simulation,
@@ -45,7 +50,8 @@ from hyparflow.schedule.zero_bubble import zero_bubble
 
 __all__ = [
     "BACKWARD", "FORWARD", "SCHEDULES", "Action", "ActionKind", "B", "DeadlockError", "F",
-    "Schedule", "ScheduleError", "Simulation", "forward_only", "gpipe", "make_schedule",
-    "one_f_one_b", "peak_in_flight", "raise_if_blocked", "ready_time", "simulate",
-    "theoretical_bubble", "validate", "with_transfers", "W", "WEIGHT", "zero_bubble",
+    "Schedule", "ScheduleError", "Simulation", "chunks_of", "forward_only", "gpipe",
+    "interleaved", "make_schedule", "one_f_one_b", "peak_in_flight", "place_of",
+    "raise_if_blocked", "ready_time", "simulate", "theoretical_bubble", "validate",
+    "virtual_stage", "with_transfers", "W", "WEIGHT", "zero_bubble",
 ]  # fmt: skip

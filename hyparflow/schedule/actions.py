@@ -51,6 +51,7 @@ class Action:
 
     kind: ActionKind
     microbatch: int
+    chunk: int = 0  # which of the stage's model chunks (interleaved schedules; else 0)
 
     def __post_init__(self):
         try:
@@ -60,59 +61,90 @@ class Action:
             raise ValueError(f"Action kind must be one of {kinds}, got {self.kind!r}") from None
         if not is_count(self.microbatch, minimum=0):
             raise ValueError(f"Action microbatch must be an int >= 0, got {self.microbatch!r}")
+        if not is_count(self.chunk, minimum=0):
+            raise ValueError(f"Action chunk must be an int >= 0, got {self.chunk!r}")
 
     @property
     def is_forward(self) -> bool:
         return self.kind is FORWARD
 
     def __repr__(self) -> str:
-        return f"{_SHORT[self.kind]}{self.microbatch}"
+        chunk = f"c{self.chunk}" if self.chunk else ""
+        return f"{_SHORT[self.kind]}{self.microbatch}{chunk}"
 
 
-def F(microbatch: int) -> Action:
-    """Shorthand for `Action("forward", microbatch)`."""
-    return Action(FORWARD, microbatch)
+def F(microbatch: int, chunk: int = 0) -> Action:
+    """Shorthand for `Action("forward", microbatch, chunk)`."""
+    return Action(FORWARD, microbatch, chunk)
 
 
-def B(microbatch: int) -> Action:
-    """Shorthand for `Action("backward", microbatch)`."""
-    return Action(BACKWARD, microbatch)
+def B(microbatch: int, chunk: int = 0) -> Action:
+    """Shorthand for `Action("backward", microbatch, chunk)`."""
+    return Action(BACKWARD, microbatch, chunk)
 
 
-def W(microbatch: int) -> Action:
-    """Shorthand for `Action("weight", microbatch)`."""
-    return Action(WEIGHT, microbatch)
+def W(microbatch: int, chunk: int = 0) -> Action:
+    """Shorthand for `Action("weight", microbatch, chunk)`."""
+    return Action(WEIGHT, microbatch, chunk)
 
 
-def with_transfers(stage_actions: Sequence[Action], stage: int, num_stages: int) -> list[Action]:
+def chunks_of(schedule: Sequence[Sequence[Action]]) -> int:
+    """How many model chunks each stage of `schedule` holds (1 unless interleaved).
+
+    Example:
+        >>> chunks_of([[F(0), F(0, chunk=1), B(0, chunk=1), B(0)]])
+        2
+    """
+    return 1 + max((a.chunk for actions in schedule for a in actions), default=0)
+
+
+def virtual_stage(stage: int, chunk: int, num_stages: int) -> int:
+    """The place in the model of `chunk` on `stage`: stage `s` holds chunks `s`, `s + p`, ...
+    of the model's `p * v` (Megatron's interleaved layout)."""
+    return chunk * num_stages + stage
+
+
+def place_of(virtual: int, num_stages: int) -> tuple[int, int]:
+    """The (stage, chunk) that holds model chunk `virtual` (`virtual_stage`'s inverse)."""
+    chunk, stage = divmod(virtual, num_stages)
+    return stage, chunk
+
+
+def with_transfers(
+    stage_actions: Sequence[Action], stage: int, num_stages: int, num_chunks: int = 1
+) -> list[Action]:
     """`stage_actions` (passes only) with the transfers each pass implies, in the order stage
-    `stage` of `num_stages` runs them: a forward receives its inputs before (but at the first
-    stage) and sends its outputs after (but at the last); a backward receives its output
-    gradients before (but at the last stage) and sends its input gradients after (but at the
-    first). The engine walks these lists; the simulator and the memory plan read the passes.
+    `stage` of `num_stages` runs them: a forward receives its inputs before (but at the model's
+    first chunk) and sends its outputs after (but at its last); a backward receives its output
+    gradients before (but at the last chunk) and sends its input gradients after (but at the
+    first). With `num_chunks` chunks per stage (interleaved), chunk `c` of stage `s` is the
+    model's chunk `c * num_stages + s` (`virtual_stage`). The engine walks these lists; the
+    simulator and the memory plan read the passes.
 
     Example:
         >>> with_transfers([F(0), B(0)], stage=1, num_stages=3)
         [RA0, F0, SA0, RG0, B0, SG0]
         >>> with_transfers([F(0), B(0)], stage=0, num_stages=1)
         [F0, B0]
+        >>> with_transfers([F(0, chunk=1), B(0, chunk=1)], stage=1, num_stages=2, num_chunks=2)
+        [RA0c1, F0c1, B0c1, SG0c1]
     """
-    first, last = stage == 0, stage == num_stages - 1
-    kinds = {  # (before, after) the pass, each None where there is no neighbour
-        FORWARD: (None if first else ActionKind.RECV_ACTIVATIONS,
-                  None if last else ActionKind.SEND_ACTIVATIONS),
-        BACKWARD: (None if last else ActionKind.RECV_GRADIENTS,
-                   None if first else ActionKind.SEND_GRADIENTS),
-        WEIGHT: (None, None),  # the stage's own weights: nothing moves
-    }  # fmt: skip
     lowered = []
     for action in stage_actions:
         if not action.kind.computes:
             raise ValueError(f"{action!r} is a transfer already; give the passes only")
-        before, after = kinds[action.kind]
-        lowered += [Action(before, action.microbatch)] if before else []
+        virtual = virtual_stage(stage, action.chunk, num_stages)
+        first, last = virtual == 0, virtual == num_stages * num_chunks - 1
+        before, after = {  # each None where there is no neighbour
+            FORWARD: (None if first else ActionKind.RECV_ACTIVATIONS,
+                      None if last else ActionKind.SEND_ACTIVATIONS),
+            BACKWARD: (None if last else ActionKind.RECV_GRADIENTS,
+                       None if first else ActionKind.SEND_GRADIENTS),
+            WEIGHT: (None, None),  # the stage's own weights: nothing moves
+        }[action.kind]  # fmt: skip
+        lowered += [Action(before, action.microbatch, action.chunk)] if before else []
         lowered.append(action)
-        lowered += [Action(after, action.microbatch)] if after else []
+        lowered += [Action(after, action.microbatch, action.chunk)] if after else []
     return lowered
 
 

@@ -14,6 +14,9 @@ from hyparflow.schedule.actions import (
     F,
     Schedule,
     check_sizes,
+    chunks_of,
+    place_of,
+    virtual_stage,
 )
 
 
@@ -31,11 +34,11 @@ def peak_in_flight(stage_actions: Sequence[Action]) -> int:
     release = WEIGHT if any(a.kind is WEIGHT for a in stage_actions) else BACKWARD
     in_flight, peak = set(), 0
     for action in stage_actions:  # transfers (`with_transfers`) change nothing here
-        if action.kind is FORWARD:
-            in_flight.add(action.microbatch)
+        if action.kind is FORWARD:  # interleaved: each chunk's micro-batch counts
+            in_flight.add((action.microbatch, action.chunk))
             peak = max(peak, len(in_flight))
         elif action.kind is release:
-            in_flight.discard(action.microbatch)
+            in_flight.discard((action.microbatch, action.chunk))
     return peak
 
 
@@ -116,6 +119,7 @@ def simulate(
         if not all(a.kind.computes for a in actions):
             raise ValueError(f"stage {stage} lists transfers; simulate the passes only")
 
+    num_chunks = chunks_of(schedule)
     times: dict[tuple[int, Action], tuple[float, float]] = {}
     next_index = [0] * num_stages
     stage_free = list(setup_times)
@@ -125,7 +129,7 @@ def simulate(
         for stage, actions in enumerate(schedule):
             while next_index[stage] < len(actions):
                 action = actions[next_index[stage]]
-                ready = ready_time(times, stage, action, num_stages, comm_time)
+                ready = ready_time(times, stage, action, num_stages, comm_time, num_chunks)
                 if ready is None:
                     break
                 start = max(ready, stage_free[stage])
@@ -155,19 +159,25 @@ def raise_if_blocked(schedule: Schedule, next_index: list[int]) -> None:
         raise DeadlockError("schedule deadlocks: " + "; ".join(blocked))
 
 
-def ready_time(times, stage, action, num_stages, comm_time) -> float | None:
+def ready_time(times, stage, action, num_stages, comm_time, num_chunks=1) -> float | None:
     """When `action`'s dependencies are met on `stage` (`times`: the (start, end) of the
-    actions run so far), or None if one has not run yet."""
+    actions run so far), or None if one has not run yet. With `num_chunks` chunks per stage
+    (interleaved), a forward waits for the model's previous chunk (`virtual_stage`), wherever
+    it runs, and a backward for the next."""
+    virtual = virtual_stage(stage, action.chunk, num_stages)
+    mb = action.microbatch
     deps = []
     if action.is_forward:
-        if stage > 0:
-            deps.append((stage - 1, F(action.microbatch), comm_time))
+        if virtual > 0:
+            previous, chunk = place_of(virtual - 1, num_stages)
+            deps.append((previous, F(mb, chunk), comm_time))
     elif action.kind is WEIGHT:
-        deps.append((stage, B(action.microbatch), 0.0))
+        deps.append((stage, B(mb, action.chunk), 0.0))
     else:
-        deps.append((stage, F(action.microbatch), 0.0))
-        if stage < num_stages - 1:
-            deps.append((stage + 1, B(action.microbatch), comm_time))
+        deps.append((stage, F(mb, action.chunk), 0.0))
+        if virtual < num_stages * num_chunks - 1:
+            following, chunk = place_of(virtual + 1, num_stages)
+            deps.append((following, B(mb, chunk), comm_time))
     ready = 0.0
     for dep_stage, dep, delay in deps:
         if (dep_stage, dep) not in times:
