@@ -144,9 +144,10 @@ def fit_request(name: str, arguments) -> references.Request:
 def run(kinds, name: str, arguments) -> list[dict]:
     """`hf.fit` in each layout of `kinds` that runs case `name`, against Keras's fit from the
     same initial weights."""
+    layouts = layouts_of(kinds, name)
+    reference = references.shared(*fit_request(name, arguments)) if layouts else None
     results = []
-    for kind in layouts_of(kinds, name):
-        reference = references.shared(*fit_request(name, arguments))
+    for kind in layouts:
         again = arguments()  # fresh arguments: a generator is used up by one fit
         epochs = again.pop("epochs", 2)
         model = compiled("mlp", "adam")
