@@ -137,6 +137,8 @@ def _check(case, ranks):
         where = f"rank {r['rank']}"
         assert r["keys"] == r["ref_keys"], f"{where}: History keys differ"
         assert r["loss_scale"] == r["ref_loss_scale"], f"{where}: loss scales differ"
+        # micro-batches of several sizes, validation, evaluate and predict: one trace each
+        assert r["traces"] == 1, f"{where}: a step function traced {r['traces']} times"
         if case.overlap_groups > 1 and case.replicas > 1:  # reductions started in the backward
             assert r["overlap_early_starts"], f"{where}: no gradient reduced early"
         by_segment = case.update_by_segment or (case.overlap_groups > 1 and case.replicas == 1)

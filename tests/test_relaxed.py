@@ -1,4 +1,4 @@
-"""engine/relaxed.py: a step over data of varying length is traced once, lengths unknown."""
+"""engine/relaxed.py: a step is traced once, its batch size and varying lengths unknown."""
 
 import keras
 import numpy as np
@@ -26,13 +26,24 @@ def _batch(length, batch=4):
     return x, np.zeros((batch, length), "int32")
 
 
-def test_declared_shapes_follow_the_inputs_flattened_order_and_need_a_varying_dimension():
-    assert declared_shapes(_token_model(), None) == [(None,), (None,), (3,)]  # sorted keys
+def test_declared_shapes_follow_the_inputs_flattened_order_batch_first():
+    assert declared_shapes(_token_model(), None) == [(None, None), (None, None), (None, 3)]
     fixed = keras.Sequential([keras.Input((5,)), keras.layers.Dense(2)])
-    assert declared_shapes(fixed, None) is None
+    assert declared_shapes(fixed, None) == [(None, 5)]
+    fixed_batch = keras.Sequential([keras.Input(batch_shape=(8, 5)), keras.layers.Dense(2)])
+    assert declared_shapes(fixed_batch, None) == [(8, 5)]
 
 
-def test_one_trace_serves_every_length_and_keeps_the_batch_size():
+class _Subclassed(keras.Model):
+    def call(self, x):
+        return x
+
+
+def test_a_model_without_declared_inputs_has_no_declared_shapes():
+    assert declared_shapes(_Subclassed(), None) is None
+
+
+def test_one_trace_serves_every_length_and_batch_size():
     model = _token_model()
     declared = declared_shapes(model, None)
     seen = []
@@ -42,12 +53,29 @@ def test_one_trace_serves_every_length_and_keeps_the_batch_size():
         return tf.reduce_sum(model(x)) + tf.cast(tf.reduce_sum(y), tf.float32)
 
     function = traced(step, reduce_retracing=True)
-    for length in (7, 5, 9):
-        x, y = _batch(length)
+    for length, batch in ((7, 4), (5, 4), (9, 3), (2, 1)):
+        x, y = _batch(length, batch)
         trace_first(function, (x, y, None), declared, targets=(1, 2))
         function(x, y, None)
     assert function.experimental_get_tracing_count() == 1
-    assert seen == [([4, None], [4, 3], [4, None])]
+    assert seen == [([None, None], [None, 3], [None, None])]
+
+
+def test_a_fixed_batch_size_stays_known():
+    """A model whose input fixes its batch size (`batch_shape`) is traced with that size."""
+    inputs = keras.Input(batch_shape=(4, 3))
+    model = keras.Model(inputs, keras.layers.Dense(2)(inputs))
+    seen = []
+
+    def step(x):
+        seen.append(x.shape.as_list())
+        return model(x)
+
+    function = traced(step, reduce_retracing=True)
+    x = np.ones((4, 3), "float32")
+    trace_first(function, (x,), declared_shapes(model, None))
+    function(x)
+    assert seen == [[4, 3]]
 
 
 def test_inputs_of_another_structure_trace_as_they_come():

@@ -15,6 +15,7 @@ from hyparflow.engine import flat
 from hyparflow.engine.flat import FlatLayout
 from hyparflow.engine.fused import FusedRunner
 from hyparflow.engine.metrics import build_outside_the_trace
+from hyparflow.engine.relaxed import declared_shapes
 from hyparflow.engine.stage import StageRunner
 from tests.support.mpirun import POOLED_ALLOCATOR_ENV
 
@@ -208,7 +209,8 @@ def test_take_gradients_hands_over_the_sum_and_resets():
 def test_fused_runner_matches_the_taped_stage_runner_and_updates_metrics(microbatches):
     """FusedRunner (one compiled forward+backward) accumulates the same gradients over
     micro-batches as StageRunner, Dropout and BatchNormalization included. Told that a step has
-    several micro-batches, it sums every one into zeros: one function, traced once per shape."""
+    several micro-batches, it sums every one into zeros: one function, traced once with the
+    batch size unknown (engine/relaxed.py), whatever the micro-batches' sizes."""
     reference, stats, _ = _run(recompute=False)
     model = _model()
     seen = []
@@ -220,11 +222,13 @@ def test_fused_runner_matches_the_taped_stage_runner_and_updates_metrics(microba
         loss=lambda yt, yp, sw: model._compile_loss(yt, yp, sw),
         metrics=lambda yt, yp, sw: seen.append(yp.shape[0]),  # runs while tracing
         microbatches=microbatches,
+        input_shapes=declared_shapes(model, None),
     )
     for k, part in enumerate((slice(0, 8), slice(8, 12))):
         y_pred, loss = runner.forward(k, tf.constant(x[part]), (tf.constant(y[part]), None))
         assert y_pred.shape[0] == part.stop - part.start and loss.shape == ()
-    assert runner.in_flight == 2 and runner.updates_metrics and seen == [8, 4]
+    traced = [None] * (2 if microbatches == 1 else 1)  # sizes seen while tracing: unknown
+    assert runner.in_flight == 2 and runner.updates_metrics and seen == traced
     assert runner.backward(1) == [] and runner.backward(0) == [] and runner.in_flight == 0
     for got, want in zip(runner.take_gradients(), reference, strict=True):
         np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-6)
@@ -234,7 +238,7 @@ def test_fused_runner_matches_the_taped_stage_runner_and_updates_metrics(microba
     assert all(not np.any(g.numpy()) for g in zeros)
     traces = (runner._first_fn.experimental_get_tracing_count(),
               runner._accumulate_fn.experimental_get_tracing_count())  # fmt: skip
-    assert traces == ((1, 1) if microbatches == 1 else (0, 2))
+    assert traces == ((1, 1) if microbatches == 1 else (0, 1))
 
 
 def test_flat_layout_round_trips_gradients_with_aligned_pieces():

@@ -28,7 +28,7 @@ class FusedRunner(RunnerBase):
     dense variables, or `ChunkedLayout`), their gradients are kept as one flat tensor (or a
     tuple of chunks: `take_flat_gradients`).
 
-    `sparse`, `added_losses`, `train_scope` and `varying` are `RunnerBase`'s options.
+    `sparse`, `added_losses`, `train_scope` and `input_shapes` are `RunnerBase`'s options.
 
     `microbatches`: how many micro-batches a step has. With more than one, every micro-batch,
     the first included, adds its gradients to a total (zeros at first), so one function is
@@ -52,8 +52,8 @@ class FusedRunner(RunnerBase):
         self._loss = loss
         self._forwarded: set[int] = set()
         self._sums_from_zeros = microbatches > 1
-        self._first_fn = traced(self._first_body, reduce_retracing=self.relax_shapes)
-        self._accumulate_fn = traced(self._accumulate_body, reduce_retracing=self.relax_shapes)
+        self._first_fn = traced(self._first_body, reduce_retracing=True)
+        self._accumulate_fn = traced(self._accumulate_body, reduce_retracing=True)
 
     def _gradients(self, inputs, y, sample_weight, scale, rows):
         with tf.GradientTape(watch_accessed_variables=False) as tape:

@@ -8,6 +8,7 @@ import tensorflow as tf
 from keras import tree
 
 from hyparflow import _keras
+from hyparflow.engine.metrics import build_outside_the_trace
 
 
 class OutputLosses:
@@ -23,8 +24,9 @@ class OutputLosses:
     rows (compiled) or its rows (eager). The total loss is tracked apart (trainer._track_loss).
 
     This reaches into Keras's private `CompileLoss` (`_keras.output_loss_means`, made by its
-    `build()` on the first call) and the `update_state` call it makes on each Mean. The weight is
-    put in for the length of one call only, so the model's own `fit` is left as it was.
+    `build()`, which the first call runs eagerly so that the trace creates no variable and is
+    not traced again) and the `update_state` call it makes on each Mean. The weight is put in
+    for the length of one call only, so the model's own `fit` is left as it was.
 
     For example:
         losses = OutputLosses(model)
@@ -46,6 +48,8 @@ class OutputLosses:
 
     def __call__(self, y, y_pred, sample_weight):
         compile_loss = _keras.compiled_loss(self.model)
+        if not compile_loss.built:  # its per-output Means: not variables of the trace
+            build_outside_the_trace(compile_loss, y, y_pred)
         rows = tf.cast(tf.shape(tree.flatten(y_pred)[0])[0], tf.float32)
         weight = rows if self.model.run_eagerly else rows / self._rows
         with _weighted(compile_loss, weight):
@@ -54,8 +58,8 @@ class OutputLosses:
 
 @contextlib.contextmanager
 def _weighted(compile_loss, weight):
-    """For the length of one call of `compile_loss`: its per-output Means take `weight` as the
-    sample weight of each update, including Means its first call builds."""
+    """For the length of one call of `compile_loss` (built): its per-output Means take `weight`
+    as the sample weight of each update."""
     patched = []
 
     def weigh(metric) -> None:
@@ -69,18 +73,8 @@ def _weighted(compile_loss, weight):
 
     for metric in _keras.output_loss_means(compile_loss):
         weigh(metric)
-    if not compile_loss.built:
-        build = compile_loss.build
-
-        def building(*args, **kwargs):
-            build(*args, **kwargs)
-            for metric in _keras.output_loss_means(compile_loss):
-                weigh(metric)
-
-        compile_loss.build = building
     try:
         yield
     finally:
-        vars(compile_loss).pop("build", None)
         for metric in patched:
             vars(metric).pop("update_state", None)

@@ -192,7 +192,7 @@ class PipelineWalk:
         else:
             y_pred = out
             if self._eval_loss_fn is None:
-                self._eval_loss_fn = traced(self._loss)
+                self._eval_loss_fn = traced(self._loss, reduce_retracing=True)
             loss = self._eval_loss_fn(y, y_pred, sw)
         if not (train and self.runner.updates_metrics):
             self._update_metrics_fn(y, y_pred, sw)

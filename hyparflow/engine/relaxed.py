@@ -1,13 +1,18 @@
-"""The first trace of a step over data of varying length already leaves those lengths unknown.
+"""A step's first trace already leaves unknown what varies: the batch and declared lengths.
 
-Keras's train function is a `tf.function(reduce_retracing=True)`: its second call with another
-sequence length traces again with the lengths that differ unknown, and never again. A model
-declares which dimensions of its inputs vary (None in `model.input`, or in what a pipeline stage
-receives), so a runner can trace once, before its first call, with exactly those unknown: one
-trace instead of two, and for a large model one long trace less in the first epoch. The batch
-size stays known, as in Keras's first trace (Keras's per-output loss trackers weight each batch
-by its static size). Targets and sample weights have no declared shape: every dimension after
-the batch is left unknown, as a `tf.data` input of unknown shapes gives Keras's fit.
+Keras's train function is a `tf.function(reduce_retracing=True)`: its first call traces the
+batch's exact shape, and a second call with another shape (the last, smaller batch; another
+sequence length) traces again with the dimensions that differ unknown, and never again. The
+engine calls its functions on micro-batches of several sizes (a replica's shard cut in
+micro-batches, the last batch, validation, `evaluate` and `predict` at their own batch sizes),
+so traced by shape it would trace each function three or four times. A model declares which
+dimensions of its inputs vary (None in `model.input`, or in what a pipeline stage receives), so
+a runner traces once, before its first call, with the batch size and exactly those dimensions
+unknown: one trace where Keras makes two, and for a large model long traces fewer in the first
+epoch. Every model Keras trains with a smaller last batch already runs Keras's second, relaxed
+trace. Per-output loss means do not depend on the static batch size: the engine weights them
+itself (`output_losses.py`). Targets and sample weights have no declared shape: every
+dimension is left unknown, as a `tf.data` input of unknown shapes gives Keras's fit.
 """
 
 from __future__ import annotations
@@ -18,27 +23,29 @@ from keras import tree
 
 
 def declared_shapes(model, stage) -> list[tuple] | None:
-    """The declared shape (batch dimension left out) of each flattened input of `stage` (or of
-    the whole `model`, in `tree.flatten` order of its inputs), or None when no dimension varies."""
+    """The declared shape, batch dimension first, of each flattened input of `stage` (or of the
+    whole `model`, in `tree.flatten` order of its inputs), or None for a model that declares no
+    inputs (subclassed: its functions trace as the data comes). A stage's batch is unknown; a
+    model's is too unless it fixes one (`keras.Input(batch_shape=...)`)."""
     if stage is not None:
-        shapes = [tuple(t.shape) for t in stage.receives]  # without the batch dimension
-    else:
-        shapes = [tuple(t.shape)[1:] for t in tree.flatten(_model_input(model))]
-    return shapes if any(d is None for shape in shapes for d in shape) else None
+        return [(None, *t.shape) for t in stage.receives]  # receives: batch dimension left out
+    shapes = [tuple(t.shape) for t in tree.flatten(_model_input(model))]
+    return shapes or None
 
 
 def _model_input(model):
     """`model.input` (the structure a call takes), or nothing for a model without one."""
     try:
         return model.input
-    except (AttributeError, ValueError):  # subclassed, or not built on inputs
-        return []
+    except (AttributeError, ValueError):  # a Sequential never called; subclassed
+        return getattr(model, "inputs", None) or []
 
 
 def trace_first(function, args: tuple, declared: list[tuple], targets: tuple = ()) -> None:
-    """Trace `function` (a `tf.function`) for `args` with the varying dimensions unknown, unless
-    it has been traced before. `args[0]` are the inputs (`declared`: their shapes, by
-    `declared_shapes`); `targets` are the positions of targets and sample weights."""
+    """Trace `function` (a `tf.function`) for `args` with the batch size and the varying
+    dimensions unknown, unless it has been traced before. `args[0]` are the inputs (`declared`:
+    their shapes, by `declared_shapes`); `targets` are the positions of targets and sample
+    weights."""
     if function.experimental_get_tracing_count() > 0:
         return
     specs = list(args)
@@ -57,22 +64,18 @@ def _input_specs(inputs, declared: list[tuple]):
 
 
 def _spec(value, declared: tuple) -> tf.TensorSpec:
-    """`value`'s spec with the dimensions `declared` None unknown (its batch size kept)."""
+    """`value`'s spec with the dimensions `declared` None unknown."""
     shape = tuple(value.shape)
-    if len(shape) != len(declared) + 1:
+    if len(shape) != len(declared):
         return tf.TensorSpec(shape, _dtype(value))
-    dims = [
-        shape[0],
-        *(None if want is None else have for want, have in zip(declared, shape[1:], strict=True)),
-    ]
+    dims = [None if want is None else have for want, have in zip(declared, shape, strict=True)]
     return tf.TensorSpec(dims, _dtype(value))
 
 
 def _target_spec(value):
     if value is None:
         return None
-    shape = tuple(np.shape(value))
-    return tf.TensorSpec(shape[:1] + (None,) * (len(shape) - 1), _dtype(value))
+    return tf.TensorSpec((None,) * len(np.shape(value)), _dtype(value))
 
 
 def _dtype(value) -> tf.DType:

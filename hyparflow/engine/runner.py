@@ -66,15 +66,15 @@ class RunnerBase:
     during the call (`add_loss`, activity regularizers), or None; `last_added` holds its value
     after each forward or inference, and `has_added_losses` turns True once a call added one.
     `train_scope()`, if given, returns a context entered around tracing a training call (e.g.
-    BatchNormalization statistics summed across replicas). `varying`: the declared shapes of
-    the inputs when some dimension varies in size (sequence lengths; `relaxed.declared_shapes`),
-    so that each step function is traced once with those dimensions unknown, before its first
-    call, and generalises further as Keras's own train function does, instead of one trace per
-    shape.
+    BatchNormalization statistics summed across replicas). `input_shapes`: the declared
+    shapes of the inputs (`relaxed.declared_shapes`), so that each step function is traced
+    once, before its first call, with the batch size and the varying lengths unknown, instead of
+    once per micro-batch shape; without them (None), it traces as the data comes, at most twice
+    (`reduce_retracing`, as Keras's own train function).
     """
 
     def __init__(
-        self, call, variables, *, sparse=(), added_losses=None, train_scope=None, varying=None
+        self, call, variables, *, sparse=(), added_losses=None, train_scope=None, input_shapes=None
     ):
         self.variables = list(variables)
         self.sparse = sorted(sparse)
@@ -87,9 +87,9 @@ class RunnerBase:
         self.has_added_losses = False  # set while tracing a call whose layers added a loss
         self.last_added = None
         self._call = call
-        self.varying = varying
+        self.input_shapes = input_shapes
         self._grads = None  # the step's summed dense gradients: a list, or flat tensors
-        self._infer_fn = traced(self._infer_body, reduce_retracing=self.relax_shapes)
+        self._infer_fn = traced(self._infer_body, reduce_retracing=True)
 
     def _added(self):
         added = self._added_losses() if self._added_losses is not None else None
@@ -102,15 +102,11 @@ class RunnerBase:
         outputs = self._call(inputs, False)
         return outputs, self._added()
 
-    @property
-    def relax_shapes(self) -> bool:
-        """Whether traces generalise shapes (`reduce_retracing`): some input dimension varies."""
-        return self.varying is not None
-
     def _relaxed(self, function, args: tuple, targets: tuple = ()):
-        """`function` once traced with the varying dimensions of `args` unknown (if any vary)."""
-        if self.varying is not None:
-            relaxed.trace_first(function, args, self.varying, targets)
+        """`function`, once traced with the batch size and the varying dimensions of `args`
+        unknown (engine/relaxed.py; without declared inputs, as the data comes)."""
+        if self.input_shapes is not None:
+            relaxed.trace_first(function, args, self.input_shapes, targets)
         return function
 
     def infer(self, inputs):

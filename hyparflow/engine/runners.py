@@ -59,7 +59,7 @@ def build_runner(parts: RunnerParts, variables, sparse, form, layout):
     common = dict(
         sparse=sparse,
         added_losses=parts.added_losses(layers),
-        varying=declared_shapes(whole, parts.stage),
+        input_shapes=declared_shapes(whole, parts.stage),
         train_scope=parts.batchnorm_scope(layers),
     )
     if parts.stage is None:  # nothing lives between forward and backward: one compiled call
@@ -115,7 +115,7 @@ def build_segmented_runner(parts: RunnerParts, variables, segments: int):
                 state_variables=(parts.forward_state(segment.model) if strategy.recompute else ()),
                 input_grads=j > 0 or not parts.is_first,
                 added_losses=parts.added_losses(layers),
-                varying=declared_shapes(None, segment),
+                input_shapes=declared_shapes(None, segment),
                 train_scope=parts.batchnorm_scope(layers),
             )
         )

@@ -59,7 +59,7 @@ class StageRunner(RunnerBase):
     concatenated once, when taken. `FlatLayout.flat_backward_pays` says which is cheaper
     (docs/engine.md, "Flat pipeline gradients").
 
-    `sparse`, `added_losses`, `train_scope` and `varying` are `RunnerBase`'s options
+    `sparse`, `added_losses`, `train_scope` and `input_shapes` are `RunnerBase`'s options
     (`layout`, if any, covers the variables that are not embedding tables). The layers' added
     loss joins the micro-batch's loss, weighted by `scale` like the compiled loss.
 
@@ -105,13 +105,10 @@ class StageRunner(RunnerBase):
         self._params = None  # this step's flat variable values (with flat_backward)
         self._pack_fn = traced(self._pack_body)
         self._flatten_fn = traced(self._flatten_body)
-        # Static shapes: one trace per micro-batch size (usually two: full and last), which
-        # keeps Keras's per-output loss trackers weighting by batch size. With `varying` inputs
-        # (of unknown length): traced once with those lengths unknown (engine/relaxed.py), and a
-        # micro-batch of another size retraces once with its size unknown, as Keras's own.
-        relax = self.relax_shapes
-        self._forward_fn = traced(self._forward_body, reduce_retracing=relax)
-        self._loss_forward_fn = traced(self._loss_forward_body, reduce_retracing=relax)
+        # Traced once, before the first call, with the batch size and varying lengths unknown
+        # (engine/relaxed.py): every micro-batch size then runs the one trace.
+        self._forward_fn = traced(self._forward_body, reduce_retracing=True)
+        self._loss_forward_fn = traced(self._loss_forward_body, reduce_retracing=True)
 
     def _differentiable(self, inputs):
         # A taped function's backward graph computes the gradient of every float input unless

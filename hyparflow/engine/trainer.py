@@ -119,7 +119,7 @@ class Trainer:
             loss=self._loss, metrics=self._update_metrics, loss_adders=self._loss_adders,
         )  # fmt: skip
         segments = self._build_runner(parts, shared is not None, comm_backend)
-        self._update_metrics_fn = traced(self._update_metrics)
+        self._update_metrics_fn = traced(self._update_metrics, reduce_retracing=True)
         # Compiled like Keras's own step: metric updates and results are a call each.
         self._loss_tracker_fn = traced(
             lambda value, count: _keras.loss_tracker(model).update_state(value, sample_weight=count)

@@ -18,6 +18,8 @@ from tests.support.models import compiled, data
 from tests.support.report import args, report
 
 BATCH, EPOCHS = 16, 2
+# the runners' compiled steps (engine/fused.py, engine/stage.py) and their inference forward
+TRACED = ("_first_fn", "_accumulate_fn", "_forward_fn", "_loss_forward_fn", "_infer_fn")
 
 
 def run(case: Case) -> dict:
@@ -62,6 +64,7 @@ def _run(case: Case) -> dict:
             model._hyparflow_trainer[1].segment_update, "early_updates", None
         ),
         "flat_gradients": model._hyparflow_trainer[1].runner.layout is not None,
+        "traces": _most_traces(model._hyparflow_trainer[1].runner),
         "grid_nodes": model._hyparflow_trainer[1].topology.nodes,  # host of each grid place
         "flat_backward": getattr(model._hyparflow_trainer[1].runner, "flat_backward", None),
         "shared_across_stages": model._hyparflow_trainer[1].gradient_sync.shared is not None,
@@ -74,6 +77,15 @@ def _run(case: Case) -> dict:
         "ref_keys": sorted(reference["history"]),
         "optimizer_variables": len(model.optimizer.variables),
     }
+
+
+def _most_traces(runner) -> int:
+    """The most traces of one compiled step or inference function of `runner` (or of its
+    segments'): micro-batches of 1, 2 and 4 rows, validation, evaluate and predict all run
+    one trace each (engine/relaxed.py)."""
+    runners = getattr(runner, "segments", [runner])
+    functions = [getattr(r, name, None) for r in runners for name in TRACED]
+    return max(f.experimental_get_tracing_count() for f in functions if f is not None)
 
 
 def _reference_request(case: Case) -> references.Request:
