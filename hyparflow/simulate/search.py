@@ -1,0 +1,209 @@
+"""The planner's search: every layout of a world size, each scored, and the fastest that fits.
+
+`strategy="auto"` chooses among partitions x replicas x tensor ranks (their product the world
+size), micro-batches, schedule, recomputation and ZeRO-1. This module is the pure part of that
+choice: `candidates` lists the layouts a world size and a global batch allow, an estimator gives
+each one's step time and peak bytes per rank, and `search` ranks them. The pick is the fastest
+layout whose bytes fit the budget; every other layout keeps the reason it lost (out of memory,
+refused by the estimator, or slower), so the choice can explain itself. The estimator is where
+measured costs, the network and the memory plan come in (`simulate.predict`,
+`memory.plan`); here it is any function, so the search is tested in milliseconds. The same
+inputs give the same pick on every rank: ties go to the layout with fewer bytes, then to the
+simpler one (fewer partitions, tensor ranks and micro-batches).
+
+For example:
+    result = search(candidates(4, 64, layers=12), estimate, 64, budget_bytes=8 * 2**30)
+    print(result.line())  # the pick, its predicted samples/s and bytes, and the runner-up
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+SCHEDULES = ("gpipe", "1f1b")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One layout: `partitions` x `replicas` x `tensor` ranks, the pipeline's `microbatches`
+    and `schedule`, `recompute` and ZeRO-1 (`shard_optimizer`)."""
+
+    partitions: int = 1
+    replicas: int = 1
+    tensor: int = 1
+    microbatches: int = 1
+    schedule: str = "gpipe"
+    recompute: bool = False
+    shard_optimizer: bool = False
+
+    @property
+    def world(self) -> int:
+        return self.partitions * self.replicas * self.tensor
+
+    def label(self) -> str:
+        """Short and unique, e.g. `P2 R2 T1 M4 1f1b zero`."""
+        parts = [f"P{self.partitions}", f"R{self.replicas}", f"T{self.tensor}"]
+        parts.append(f"M{self.microbatches}")
+        if self.partitions > 1:
+            parts.append(self.schedule)
+        if self.recompute:
+            parts.append("recompute")
+        if self.shard_optimizer:
+            parts.append("zero")
+        return " ".join(parts)
+
+    def strategy_options(self) -> dict:
+        """Keyword arguments of `hf.Strategy` for this layout."""
+        kind = "data" if self.partitions == 1 else "model" if self.replicas == 1 else "hybrid"
+        return {
+            "kind": kind, "partitions": self.partitions, "replicas": self.replicas,
+            "tensor": self.tensor, "microbatches": self.microbatches, "schedule": self.schedule,
+            "recompute": self.recompute, "shard_optimizer": self.shard_optimizer,
+        }  # fmt: skip
+
+    def simplicity(self) -> tuple:
+        """Sorts simpler layouts first, for ties."""
+        return (self.partitions, self.tensor, self.microbatches, self.recompute,
+                self.shard_optimizer, self.schedule)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A layout's predicted step time and the peak bytes of its fullest rank."""
+
+    step_seconds: float
+    bytes_per_rank: int
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A candidate, its estimate (None if the estimator refused it) and why it lost (None for
+    the pick)."""
+
+    candidate: Candidate
+    estimate: Estimate | None
+    reason: str | None = None
+
+
+@dataclass
+class SearchResult:
+    """The fitting candidates, fastest first (the pick, then the runner-up, ...), and the
+    rejected ones with their reasons."""
+
+    global_batch: int
+    ranked: list[Verdict] = field(default_factory=list)
+    rejected: list[Verdict] = field(default_factory=list)
+
+    @property
+    def pick(self) -> Verdict:
+        return self.ranked[0]
+
+    @property
+    def runner_up(self) -> Verdict | None:
+        return self.ranked[1] if len(self.ranked) > 1 else None
+
+    def samples_per_second(self, verdict: Verdict) -> float:
+        return self.global_batch / verdict.estimate.step_seconds
+
+    def line(self) -> str:
+        """One line: the pick, its predicted samples/s and bytes per rank, and the runner-up."""
+        text = f"auto: {self._describe(self.pick)}"
+        if self.runner_up is not None:
+            text += f"; runner-up {self._describe(self.runner_up)}"
+        return text
+
+    def _describe(self, verdict: Verdict) -> str:
+        gib = verdict.estimate.bytes_per_rank / 2**30
+        rate = self.samples_per_second(verdict)
+        return f"{verdict.candidate.label()} ({rate:,.0f} samples/s, {gib:.2f} GiB per rank)"
+
+
+def candidates(
+    world: int, global_batch: int, *, layers: int, schedules: Iterable[str] = SCHEDULES,
+    max_microbatches: int = 16,
+) -> list[Candidate]:  # fmt: skip
+    """Every layout of `world` ranks for `global_batch` samples over a model of `layers` layer
+    calls: P x R x T = `world` with at most one stage per layer, micro-batches that split each
+    replica's share evenly (1 to `max_microbatches`, powers of two and multiples of P), each
+    pipeline under every schedule with and without recompute, and replicas with and without
+    ZeRO-1."""
+    found = []
+    for partitions, replicas, tensor in _factorizations(world):
+        if partitions > layers or global_batch % replicas:
+            continue
+        pipelined = partitions > 1
+        options = itertools.product(
+            _microbatch_counts(global_batch // replicas, partitions, max_microbatches),
+            tuple(schedules) if pipelined else ("gpipe",),
+            (False, True) if pipelined else (False,),  # recompute
+            (False, True) if replicas > 1 else (False,),  # ZeRO-1
+        )
+        found += [Candidate(partitions, replicas, tensor, *option) for option in options]
+    return found
+
+
+def search(
+    layouts: Iterable[Candidate], estimate: Callable[[Candidate], Estimate], global_batch: int,
+    budget_bytes: int | None = None,
+) -> SearchResult:  # fmt: skip
+    """Score every layout with `estimate` (which raises ValueError for a layout it cannot run,
+    with the reason) and rank those within `budget_bytes` per rank (None: any), fastest first.
+    Raises ValueError when none fits, naming the one that needs the fewest bytes."""
+    result = SearchResult(global_batch)
+    for candidate in layouts:
+        try:
+            guess = estimate(candidate)
+        except ValueError as error:
+            result.rejected.append(Verdict(candidate, None, str(error)))
+            continue
+        if budget_bytes is not None and guess.bytes_per_rank > budget_bytes:
+            reason = f"needs {_gib(guess.bytes_per_rank)} per rank, over {_gib(budget_bytes)}"
+            result.rejected.append(Verdict(candidate, guess, reason))
+        else:
+            result.ranked.append(Verdict(candidate, guess))
+    if not result.ranked:
+        raise ValueError(_nothing_fits(result.rejected, budget_bytes))
+    result.ranked.sort(key=_order)
+    pick = result.ranked[0]
+    for k, verdict in enumerate(result.ranked[1:], start=1):
+        slower = verdict.estimate.step_seconds / pick.estimate.step_seconds - 1
+        result.ranked[k] = Verdict(verdict.candidate, verdict.estimate, f"{slower:.0%} slower")
+    return result
+
+
+def _order(verdict: Verdict) -> tuple:
+    guess = verdict.estimate
+    return (guess.step_seconds, guess.bytes_per_rank, verdict.candidate.simplicity())
+
+
+def _nothing_fits(rejected: list[Verdict], budget_bytes: int | None) -> str:
+    sized = [v for v in rejected if v.estimate is not None]
+    if not sized:
+        reasons = "; ".join(f"{v.candidate.label()}: {v.reason}" for v in rejected[:3])
+        return f"no layout can run: {reasons}"
+    smallest = min(sized, key=lambda v: v.estimate.bytes_per_rank)
+    return (
+        f"no layout fits {_gib(budget_bytes)} per rank; the smallest, "
+        f"{smallest.candidate.label()}, needs {_gib(smallest.estimate.bytes_per_rank)}: "
+        "use more ranks or a larger budget"
+    )
+
+
+def _factorizations(world: int) -> list[tuple[int, int, int]]:
+    """Every (P, R, T) of positive integers whose product is `world`."""
+    divisors = [d for d in range(1, world + 1) if world % d == 0]
+    return [(p, r, world // (p * r)) for p in divisors for r in divisors if (world // p) % r == 0]
+
+
+def _microbatch_counts(share: int, partitions: int, most: int) -> list[int]:
+    """Micro-batch counts that split `share` samples evenly: powers of two and multiples of
+    `partitions`, at most `most` and at most `share`."""
+    counts = {1 << k for k in range(most.bit_length()) if 1 << k <= most}
+    counts |= set(range(partitions, most + 1, partitions))
+    return sorted(m for m in counts if m <= share and share % m == 0)
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB"

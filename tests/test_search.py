@@ -1,0 +1,166 @@
+"""simulate/search.py: the planner's layouts of a world size, scored, and the fastest that fits."""
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hyparflow.simulate.auto import estimator
+from hyparflow.simulate.costs import Affine, EngineCosts, LayerCost, ModelCosts
+from hyparflow.simulate.network import Link, Network
+from hyparflow.simulate.search import Candidate, Estimate, candidates, search
+
+
+def _estimate(candidate: Candidate) -> Estimate:
+    """A made-up model: pipelines pay a bubble, replicas an allreduce, recompute a forward;
+    bytes fall with partitions, micro-batches, recompute and ZeRO."""
+    p, r, m = candidate.partitions, candidate.replicas, candidate.microbatches
+    bubble = (p - 1) / (m + p - 1)
+    compute = 1.0 / candidate.world * (1.3 if candidate.recompute else 1.0)
+    step = compute / (1 - bubble) + 0.05 * (r > 1) + 0.02 * candidate.tensor
+    activations = 8 / (p * m) * (0.3 if candidate.recompute else 1.0)
+    optimizer = 2 / (p * candidate.tensor) / (r if candidate.shard_optimizer else 1)
+    return Estimate(step, int((activations + optimizer + 1 / p) * 2**30))
+
+
+def test_every_layout_multiplies_to_the_world_and_splits_the_batch():
+    layouts = candidates(4, 64, layers=3)
+    assert len(set(layouts)) == len(layouts)
+    assert all(c.world == 4 for c in layouts)
+    assert all(64 % (c.replicas * c.microbatches) == 0 for c in layouts)
+    assert all(c.partitions <= 3 for c in layouts)  # never more stages than layers
+    labels = {c.label() for c in layouts}
+    assert {"P1 R4 T1 M1", "P2 R2 T1 M4 1f1b recompute zero", "P1 R1 T4 M1"} <= labels
+    assert not any(c.partitions == 1 and c.schedule != "gpipe" for c in layouts)
+    assert not any(c.replicas == 1 and c.shard_optimizer for c in layouts)
+
+
+def test_microbatches_are_powers_of_two_or_multiples_of_the_stages():
+    counts = {c.microbatches for c in candidates(3, 96, layers=8) if c.partitions == 3}
+    assert counts == {1, 2, 3, 4, 6, 8, 9, 12, 15, 16} & {m for m in range(1, 17) if 96 % m == 0}
+
+
+def test_the_pick_is_the_fastest_and_the_others_say_how_much_slower():
+    result = search(candidates(4, 64, layers=8), _estimate, 64)
+    times = [v.estimate.step_seconds for v in result.ranked]
+    assert times == sorted(times) and result.pick.reason is None
+    assert result.runner_up.reason.endswith("% slower")
+    # P2 x T2 with 16 micro-batches: 0.25 s / (16/17) + 2 x 0.02 s = 0.306 s, against 0.32 s
+    # for R=4 (allreduce), 0.317 s for P=4 (bubble 3/19) and 0.33 s for T=4
+    assert result.pick.candidate.label() == "P2 R1 T2 M16 1f1b"  # 1f1b before gpipe on a tie
+    assert result.line().startswith("auto: P2 R1 T2 M16 1f1b (") and "runner-up" in result.line()
+
+
+def test_a_budget_rules_out_layouts_and_says_why():
+    budget = int(1.5 * 2**30)
+    result = search(candidates(4, 64, layers=8), _estimate, 64, budget_bytes=budget)
+    assert all(v.estimate.bytes_per_rank <= budget for v in result.ranked)
+    over = [v for v in result.rejected if "per rank, over 1.50 GiB" in v.reason]
+    assert over and all(v.estimate.bytes_per_rank > budget for v in over)
+    assert result.pick.candidate.partitions > 1  # data parallelism does not fit
+
+
+def test_refusals_are_kept_with_their_reason():
+    def no_tensor(candidate):
+        if candidate.tensor > 1:
+            raise ValueError("no layer to split")
+        return _estimate(candidate)
+
+    result = search(candidates(2, 16, layers=4), no_tensor, 16)
+    refused = [v for v in result.rejected if v.reason == "no layer to split"]
+    assert refused and all(v.candidate.tensor == 2 and v.estimate is None for v in refused)
+    assert all(v.candidate.tensor == 1 for v in result.ranked)
+
+
+def test_nothing_fits_names_the_smallest_layout():
+    with pytest.raises(ValueError, match=r"no layout fits 0\.00 GiB per rank; the smallest, P2"):
+        search(candidates(2, 16, layers=4), _estimate, 16, budget_bytes=1)
+
+
+def test_strategy_options_name_the_kind():
+    assert Candidate(replicas=2).strategy_options()["kind"] == "data"
+    assert Candidate(partitions=2).strategy_options()["kind"] == "model"
+    assert Candidate(partitions=2, replicas=2).strategy_options()["kind"] == "hybrid"
+
+
+@given(
+    world=st.sampled_from([1, 2, 3, 4, 6, 8, 12]),
+    batch=st.sampled_from([8, 12, 24, 64]),
+    layers=st.integers(1, 10),
+    budget=st.one_of(st.none(), st.integers(2**29, 2**33)),
+)
+def test_every_layout_is_ranked_or_rejected_and_the_pick_is_fastest(world, batch, layers, budget):
+    layouts = candidates(world, batch, layers=layers)
+    try:
+        result = search(layouts, _estimate, batch, budget_bytes=budget)
+    except ValueError as error:
+        assert "no layout fits" in str(error)
+        return
+    assert len(result.ranked) + len(result.rejected) == len(layouts)
+    fastest = min(v.estimate.step_seconds for v in result.ranked)
+    assert result.pick.estimate.step_seconds == fastest
+    # the same inputs in another order give the same pick (every rank decides alike)
+    again = search(list(reversed(layouts)), _estimate, batch, budget_bytes=budget)
+    assert again.pick.candidate == result.pick.candidate
+
+
+# --- the estimator from the scaling model (simulate/auto.py) --------------------------------
+
+
+def _costs(param_bytes: int, layers: int = 8) -> ModelCosts:
+    """`layers` equal layers: 1e-4 s forward and 2e-4 s backward per sample, `param_bytes`
+    each, 1 kB per sample across every cut; an optimizer step of 1 ns per byte."""
+    return ModelCosts(
+        "uniform",
+        [
+            LayerCost(f"l{i}", Affine(0, 1e-4), Affine(0, 2e-4), param_bytes, 2)
+            for i in range(layers)
+        ],
+        [0.0] + [1000.0] * (layers - 1) + [0.0],
+        engine=EngineCosts(optimizer_per_byte=1e-9),
+    )
+
+
+SLOW = Network(intra=Link(5e-5, 1e8))  # 100 MB/s: gradient allreduces dominate heavy models
+
+
+def _pick(costs, world, batch, network=SLOW, budget_bytes=None, **options):
+    estimate = estimator(costs, network, batch, **options)
+    layouts = candidates(world, batch, layers=len(costs.layers))
+    return search(layouts, estimate, batch, budget_bytes=budget_bytes)
+
+
+def test_weight_heavy_models_pipeline_and_light_ones_replicate():
+    heavy = _pick(_costs(param_bytes=16 * 2**20), 2, 64).pick.candidate
+    light = _pick(_costs(param_bytes=1000), 2, 64).pick.candidate
+    assert heavy.partitions == 2 and heavy.replicas == 1  # 128 MiB allreduced at 100 MB/s
+    assert light.partitions == 1 and light.replicas == 2  # no bubble, a tiny allreduce
+
+
+def test_recompute_costs_a_forward_and_zero_saves_optimizer_time():
+    estimate = estimator(_costs(param_bytes=2**20), SLOW, 64)
+    plain = estimate(Candidate(partitions=2, microbatches=4, schedule="1f1b"))
+    again = estimate(Candidate(partitions=2, microbatches=4, schedule="1f1b", recompute=True))
+    assert again.step_seconds > plain.step_seconds + 4 * 1e-4 * 16  # a stage forward, 4 x 16 rows
+    replicated = estimate(Candidate(replicas=2))
+    sharded = estimate(Candidate(replicas=2, shard_optimizer=True))
+    # each replica updates half of the 8 MiB: 4 MiB x 1 ns per byte less
+    assert replicated.step_seconds - sharded.step_seconds == pytest.approx(4 * 2**20 * 1e-9)
+
+
+def test_what_the_scaling_model_cannot_price_is_rejected_with_its_reason():
+    result = _pick(_costs(param_bytes=1000, layers=1), 2, 64)
+    reasons = {v.candidate.label(): v.reason for v in result.rejected}
+    assert "no cost for tensor parallelism" in reasons["P1 R1 T2 M1"]
+    assert not any(c.partitions == 2 for c in candidates(2, 64, layers=1))  # one layer: no cut
+
+
+def test_a_memory_budget_makes_the_planner_recompute():
+    def memory(candidate):  # activations of a micro-batch per stage, cut 4x by recompute
+        activations = 2**30 / (candidate.partitions * candidate.microbatches)
+        return int(activations / (4 if candidate.recompute else 1))
+
+    costs = _costs(param_bytes=16 * 2**20)
+    free = _pick(costs, 2, 64, memory=memory).pick.candidate
+    tight = _pick(costs, 2, 64, memory=memory, budget_bytes=2**30 // 64).pick.candidate
+    assert not free.recompute
+    assert memory(tight) <= 2**30 // 64 and tight.recompute
