@@ -463,3 +463,54 @@ def test_simulate_command_needs_a_network(tmp_path, capsys):
     uniform_costs(layers=2).save(path)
     assert main(["simulate", str(path), "--batch-size", "8"]) == 1
     assert "--latency" in capsys.readouterr().err
+
+
+def test_simulate_auto_picks_a_layout_and_explains_the_others(tmp_path, capsys):
+    path = tmp_path / "costs.json"
+    uniform_costs(layers=8, param_bytes=4 * 2**20).save(path)  # 32 MiB of gradients
+    argv = ["simulate", str(path), "--batch-size", "64", "--auto", "4",
+            "--latency", "5e-5", "--bandwidth", "1e8"]  # fmt: skip
+    assert main([*argv, "--json"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    pick = found["pick"]
+    assert pick["partitions"] * pick["replicas"] * pick["tensor"] == 4 and pick["reason"] is None
+    assert pick["partitions"] > 1  # at 100 MB/s a 32 MiB allreduce costs more than a bubble
+    assert {"schedule", "microbatches", "memory_per_rank_bytes"} <= set(pick)
+    steps = [r["step_seconds"] for r in found["ranked"]]
+    assert steps == sorted(steps) and found["ranked"][0] == pick
+    assert all("tensor" in r["reason"] for r in found["rejected"])  # T > 1: not priced yet
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert text.startswith(f"auto: {pick['label']} (") and "runner-up" in text
+    assert "rejected" in text and "slower" in text
+    assert main([*argv, "--memory", "1GiB"]) == 1  # no model, no memory plan
+    assert "--memory needs the model" in capsys.readouterr().err
+
+
+def test_simulate_auto_keeps_layouts_within_the_memory_budget(saved_model, capsys):
+    import keras
+
+    from hyparflow.memory import memory_plan
+    from hyparflow.strategy import Strategy
+
+    argv = ["simulate", str(saved_model), "--batch-size", "16", "--auto", "2",
+            "--latency", "2e-6", "--bandwidth", "12e9", "--profile-batch-sizes", "4,8",
+            "--json"]  # fmt: skip
+    assert main(argv) == 0
+    every = json.loads(capsys.readouterr().out)["ranked"]
+    model = keras.saving.load_model(saved_model)
+    for layout in every[:3]:  # the bytes are the memory plan's
+        options = {k: layout[k] for k in ("kind", "partitions", "replicas", "tensor",
+                                          "microbatches", "schedule", "recompute",
+                                          "shard_optimizer")}  # fmt: skip
+        plan = memory_plan(model, Strategy(**options), batch_size=16)
+        assert layout["memory_per_rank_bytes"] == plan.largest.total
+    sizes = sorted(r["memory_per_rank_bytes"] for r in every)
+    budget = (sizes[0] + sizes[-1]) // 2
+    assert main([*argv, "--memory", str(budget)]) == 0
+    fitting = json.loads(capsys.readouterr().out)
+    assert all(r["memory_per_rank_bytes"] <= budget for r in fitting["ranked"])
+    over = [r for r in fitting["rejected"] if "per rank, over" in r["reason"]]
+    assert over and all(r["memory_per_rank_bytes"] > budget for r in over)
+    assert main([*argv, "--memory", str(sizes[0] - 1)]) == 1
+    assert "no layout fits" in capsys.readouterr().err
