@@ -280,12 +280,28 @@ def test_interleaved_is_a_valid_step_whose_bubble_is_divided_by_its_chunks(layou
     assert peak_in_flight(schedule[0]) == min((p - 1) * 2 + (v - 1) * p + 1, m * v)
 
 
-def test_interleaved_with_one_chunk_is_1f1b_and_refuses_uneven_groups():
+def test_interleaved_with_one_chunk_is_1f1b():
     assert interleaved(3, 5, 1) == one_f_one_b(3, 5)
-    with pytest.raises(ValueError, match="5 micro-batches are not a multiple of 2"):
-        interleaved(2, 5, 2)
     with pytest.raises(ValueError, match="virtual_stages"):
         interleaved(2, 2, 0)
+
+
+@given(
+    st.integers(min_value=1, max_value=6),
+    st.integers(min_value=1, max_value=13),
+    st.integers(min_value=2, max_value=4),
+)
+def test_interleaved_takes_any_count_with_the_padding_left_idle(p, m, v):
+    """Micro-batches fewer than the stages or not a multiple of them: the order of the next
+    multiple of p without the padding's actions, still a valid step (sends matched, no
+    deadlock), and never slower than the padded step."""
+    schedule = interleaved(p, m, v)
+    validate([with_transfers(a, s, p, num_chunks=v) for s, a in enumerate(schedule)], m)
+    padded_count = -(-m // p) * p
+    padded = interleaved(p, padded_count, v)
+    assert schedule == [[a for a in actions if a.microbatch < m] for actions in padded]
+    step = simulate(schedule, forward_time=1.0 / v, backward_time=2.0 / v).makespan
+    assert step <= simulate(padded, forward_time=1.0 / v, backward_time=2.0 / v).makespan
 
 
 def test_the_validator_follows_chunks_across_stages():

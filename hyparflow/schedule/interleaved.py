@@ -7,8 +7,13 @@ chunks `s, s + p, s + 2p, ...` (`actions.virtual_stage`), so a micro-batch cross
 micro-batches, chunk by chunk (its backwards in the same order, chunks reversed), with
 1F1B's warm-up, steady state and drain. With equal chunks the idle fraction falls from
 `(p - 1) / (m + p - 1)` to `(p - 1) / (v * m + p - 1)`, for `v` times the point-to-point
-messages and, on the first stage, `(v - 1) * p` more micro-batch chunks in flight. As in
-Megatron, `m` must be a multiple of `p`. Simulated and validated; not yet run by the engine.
+messages and, on the first stage, `(v - 1) * p` more micro-batch chunks in flight.
+
+Megatron requires `m` to be a multiple of `p`. Here any `m` works: the order is built for the
+next multiple of `p` and the padding micro-batches' actions are left out, so their slots stay
+idle. Leaving out a micro-batch whole keeps the order valid: no other micro-batch's action
+waits for one of its actions, so every remaining action can only start earlier. Simulated and
+validated; not yet run by the engine.
 """
 
 from __future__ import annotations
@@ -25,19 +30,22 @@ def interleaved(num_stages: int, num_microbatches: int, virtual_stages: int) -> 
         [F0, F1, F0c1, F1c1, B0c1, B1c1, B0, B1]
         >>> interleaved(2, 2, 2)[1]
         [F0, F1, F0c1, B0c1, F1c1, B1c1, B0, B1]
+        >>> interleaved(2, 1, 2)[1]  # one micro-batch: the second's slots stay idle
+        [F0, F0c1, B0c1, B0]
     """
     check_sizes(num_stages, num_microbatches)
     if not is_count(virtual_stages, 1):
         raise ValueError(f"virtual_stages must be an int >= 1, got {virtual_stages!r}")
     if virtual_stages == 1:
         return one_f_one_b(num_stages, num_microbatches)
-    if num_microbatches % num_stages:
-        raise ValueError(
-            f"an interleaved schedule takes micro-batches in groups of the {num_stages} stages: "
-            f"{num_microbatches} micro-batches are not a multiple of {num_stages}"
-        )
+    padded = -(-num_microbatches // num_stages) * num_stages  # groups of the stages
     return [
-        _stage(stage, num_stages, num_microbatches, virtual_stages) for stage in range(num_stages)
+        [
+            a
+            for a in _stage(stage, num_stages, padded, virtual_stages)
+            if a.microbatch < num_microbatches
+        ]
+        for stage in range(num_stages)
     ]
 
 
