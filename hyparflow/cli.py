@@ -8,6 +8,7 @@ rather than at module level.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 
@@ -240,6 +241,7 @@ def _run_report(args) -> int:
 
 
 def _add_simulate_command(commands):
+    from hyparflow.auto import command as auto_command
     from hyparflow.simulate import command
 
     simulate = commands.add_parser(
@@ -251,7 +253,30 @@ def _add_simulate_command(commands):
         "measured). See docs/simulate.md.",
     )
     command.add_arguments(simulate)
-    simulate.set_defaults(run=command.run)
+    auto_command.add_arguments(simulate)
+    simulate.set_defaults(run=_run_simulate)
+
+
+def _run_simulate(args) -> int:
+    from hyparflow.auto import command as auto_command
+    from hyparflow.simulate import command
+
+    if args.auto is not None:
+        return auto_command.run(args, memory_of=_memory_of)
+    return command.run(args)
+
+
+def _memory_of(model, batch_size: int):
+    """`simulate --auto`'s bytes per rank of a layout: the memory plan of `model` under it."""
+    from hyparflow.memory import memory_plan  # imports Keras: only with a model
+    from hyparflow.strategy import Strategy
+
+    @functools.cache
+    def memory(candidate) -> int:
+        strategy = Strategy(**candidate.strategy_options())
+        return memory_plan(model, strategy, batch_size=batch_size).largest.total
+
+    return memory
 
 
 def _steps(text: str) -> list[int]:

@@ -1,13 +1,13 @@
-"""simulate/search.py: the planner's layouts of a world size, scored, and the fastest that fits."""
+"""auto/search.py, auto/estimate.py: layouts of a world size, priced; the fastest that fits."""
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hyparflow.simulate.auto import estimator
+from hyparflow.auto.estimate import estimator
+from hyparflow.auto.search import Candidate, Estimate, candidates, search
 from hyparflow.simulate.costs import Affine, EngineCosts, LayerCost, ModelCosts
 from hyparflow.simulate.network import Link, Network
-from hyparflow.simulate.search import Candidate, Estimate, candidates, search
 
 
 def _estimate(candidate: Candidate) -> Estimate:
@@ -103,7 +103,7 @@ def test_every_layout_is_ranked_or_rejected_and_the_pick_is_fastest(world, batch
     assert again.pick.candidate == result.pick.candidate
 
 
-# --- the estimator from the scaling model (simulate/auto.py) --------------------------------
+# --- the estimator from the scaling model (auto/estimate.py) --------------------------------
 
 
 def _costs(param_bytes: int, layers: int = 8) -> ModelCosts:

@@ -11,8 +11,6 @@ import tempfile
 from dataclasses import replace
 
 from hyparflow.partitioner.source import CUSTOM_OBJECTS_HELP, load_model
-from hyparflow.simulate import auto_command
-from hyparflow.simulate.auto_command import byte_size
 from hyparflow.simulate.costs import ModelCosts
 from hyparflow.simulate.netbench import launch
 from hyparflow.simulate.network import Link, Network
@@ -48,11 +46,6 @@ def add_arguments(parser) -> None:
     add("--batch-logs", action="store_true", help="callbacks read every batch's logs "
         "(verbose=1, ScalingProfiler): the loop shares them after each step")
     add("--json", action="store_true", help="print the predictions as JSON")
-    auto = parser.add_argument_group("the planner (docs/simulate.md)").add_argument
-    auto("--auto", type=int, metavar="RANKS", help="search every layout of RANKS ranks (P x R x "
-         "T, micro-batches, schedule, recompute, ZeRO-1) and print the fastest that fits")
-    auto("--memory", type=byte_size, metavar="SIZE", help="with --auto: the budget per rank, "
-         "e.g. 16GiB (needs the model, for its memory plan)")
     net = parser.add_argument_group("network (Hockney alpha-beta links)").add_argument
     net("--latency", type=float, help="inter-node latency in seconds, e.g. 2e-6")
     net("--bandwidth", type=float, help="inter-node bytes/s, e.g. 12e9")
@@ -74,13 +67,11 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     """Resolve costs and network, predict every (P, R), print the table."""
     try:
-        (costs, model), network = _costs(args), _network(args)
+        (costs, _), network = costs_of(args), network_of(args)
     except (OSError, ValueError, RuntimeError) as error:
         print(f"hyparflow simulate: {error}", file=sys.stderr)
         return 1
     machine = Machine(args.cores_per_node or costs.measured.get("cores"), args.jitter)
-    if args.auto is not None:
-        return auto_command.run(args, costs, network, machine, model)
 
     def step(layout: Layout, batch: int) -> Prediction:
         return predict(costs, network, layout, batch, machine, batch_logs=args.batch_logs)
@@ -136,8 +127,7 @@ def _network_line(network: Network, machine: Machine) -> str:
     return f"Network: {'; '.join(parts)}. Cores per node: {machine.cores_per_node or 'unlimited'}"
 
 
-def _costs(args) -> tuple[ModelCosts, object]:
-    """The costs, and the model they were measured on (None for a costs file)."""
+def costs_of(args) -> tuple[ModelCosts, object]:  # and the model timed (None: a costs file)
     if args.source.endswith(".json"):
         return ModelCosts.load(args.source), None
     if len(args.profile_batch_sizes) != 2:
@@ -153,7 +143,7 @@ def _costs(args) -> tuple[ModelCosts, object]:
     return costs, model
 
 
-def _network(args) -> Network:
+def network_of(args) -> Network:
     if args.network:
         with open(args.network) as f:
             network = Network.from_dict(json.load(f))

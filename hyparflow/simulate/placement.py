@@ -16,9 +16,8 @@ from hyparflow.comm.topology import Grid
 
 @dataclass(frozen=True)
 class Layout:
-    """HyPar-Flow's partitions and replicas, the pipeline's micro-batches and schedule, how
-    many ranks fill a node (None: one node for all), and whether stages recompute their
-    forward in the backward (`recompute`).
+    """HyPar-Flow's partitions and replicas, the pipeline's micro-batches and schedule, and
+    how many ranks fill a node (None: one node for all).
 
     Example:
         >>> where = Layout(partitions=4, replicas=2, ranks_per_node=2)
@@ -31,7 +30,6 @@ class Layout:
     microbatches: int = 1
     schedule: str = "1f1b"
     ranks_per_node: int | None = None
-    recompute: bool = False
 
     def __post_init__(self):
         if self.ranks_per_node is not None and (

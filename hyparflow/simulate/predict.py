@@ -120,8 +120,7 @@ def predict(
     fused = p == 1 and costs.fused is not None  # the engine's one-call step, flat gradients
     for s, stage in enumerate(stages):
         f = stage.forward + engine.forward_call + (engine.loss.at(batch) if s == p - 1 else 0)
-        # with recompute, the backward runs the stage's forward again first
-        b = stage.backward + engine.backward_call + (stage.forward if layout.recompute else 0)
+        b = stage.backward + engine.backward_call
         if fused:
             f, b = costs.fused.at(batch), 0.0
         forward.append(f)

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 import sys
 
-from hyparflow.simulate.auto import estimator
-from hyparflow.simulate.search import Candidate, SearchResult, candidates, search
+from hyparflow.auto.estimate import estimator
+from hyparflow.auto.search import SearchResult, candidates, search
+from hyparflow.simulate import command as simulate_command
+from hyparflow.simulate.predict import Machine
 
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
@@ -28,27 +29,36 @@ def byte_size(text: str) -> int:
     return int(float(match.group(1)) * UNITS[unit])
 
 
-def memory_of(model, batch_size: int):
-    """A candidate's peak bytes on its fullest rank, by hyparflow's memory plan of `model`."""
-    from hyparflow.memory import memory_plan  # imports Keras: only with a model
-    from hyparflow.strategy import Strategy
+def add_arguments(parser) -> None:
+    """`--auto` and `--memory`, added to `hyparflow simulate`'s options."""
+    auto = parser.add_argument_group("the planner (docs/simulate.md)").add_argument
+    auto(
+        "--auto",
+        type=int,
+        metavar="RANKS",
+        help="search every layout of RANKS ranks (P x R x "
+        "T, micro-batches, schedule, recompute, ZeRO-1) and print the fastest that fits",
+    )
+    auto("--memory", type=byte_size, metavar="SIZE", help="with --auto: the budget per rank, "
+         "e.g. 16GiB (needs the model, for its memory plan)")  # fmt: skip
 
-    @functools.cache
-    def memory(candidate: Candidate) -> int:
-        strategy = Strategy(**candidate.strategy_options())
-        return memory_plan(model, strategy, batch_size=batch_size).largest.total
 
-    return memory
-
-
-def run(args, costs, network, machine, model) -> int:
-    """Search every layout of `args.auto` ranks; print the pick (or JSON); 1 if none fits."""
+def run(args, memory_of) -> int:
+    """Search every layout of `args.auto` ranks; print the pick (or JSON); 1 if none fits.
+    `memory_of(model, batch_size)` gives a function of a layout's bytes per rank (hyparflow's
+    memory plan, which the CLI passes in)."""
+    try:
+        (costs, model), network = simulate_command.costs_of(args), simulate_command.network_of(args)
+    except (OSError, ValueError, RuntimeError) as error:
+        print(f"hyparflow simulate: {error}", file=sys.stderr)
+        return 1
+    machine = Machine(args.cores_per_node or costs.measured.get("cores"), args.jitter)
+    memory = None if model is None else memory_of(model, args.batch_size)
     budget = args.memory
-    if budget is not None and model is None:
+    if budget is not None and memory is None:
         print("hyparflow simulate: --memory needs the model (a .keras file or module:function) "
               "for its memory plan, not a costs file", file=sys.stderr)  # fmt: skip
         return 1
-    memory = None if model is None else memory_of(model, args.batch_size)
     estimate = estimator(
         costs, network, args.batch_size, machine=machine, memory=memory,
         ranks_per_node=args.ranks_per_node,

@@ -17,12 +17,13 @@ stage's variables: the step is the prediction's with the optimizer's time divide
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
-from hyparflow.simulate.costs import ModelCosts
+from hyparflow.auto.search import Candidate, Estimate
+from hyparflow.simulate.costs import Affine, ModelCosts
 from hyparflow.simulate.network import Network
 from hyparflow.simulate.placement import Layout
 from hyparflow.simulate.predict import Machine, predict
-from hyparflow.simulate.search import Candidate, Estimate
 
 
 def estimator(
@@ -32,17 +33,33 @@ def estimator(
     """A function giving each candidate's `Estimate` for `global_batch` samples per step:
     `memory(candidate)` its peak bytes per rank (None: 0, for a search without a budget)."""
 
+    recomputing = _recomputing(costs)
+
     def estimate(candidate: Candidate) -> Estimate:
         if candidate.tensor > 1:
             raise ValueError("the scaling model has no cost for tensor parallelism yet")
         layout = Layout(
             candidate.partitions, candidate.replicas, candidate.microbatches,
-            candidate.schedule, ranks_per_node, candidate.recompute,
+            candidate.schedule, ranks_per_node,
         )  # fmt: skip
-        prediction = predict(costs, network, layout, global_batch, machine or Machine())
+        priced = recomputing if candidate.recompute else costs
+        prediction = predict(priced, network, layout, global_batch, machine or Machine())
         step = prediction.step_time
         if candidate.shard_optimizer:
             step -= prediction.optimizer_time * (1 - 1 / candidate.replicas)
         return Estimate(step, 0 if memory is None else int(memory(candidate)))
 
     return estimate
+
+
+def _recomputing(costs: ModelCosts) -> ModelCosts:
+    """`costs` with each layer's forward run again in its backward, as `recompute` does."""
+
+    def again(layer):
+        backward = Affine(
+            layer.backward.fixed + layer.forward.fixed,
+            layer.backward.per_sample + layer.forward.per_sample,
+        )
+        return replace(layer, backward=backward)
+
+    return replace(costs, layers=[again(layer) for layer in costs.layers])
