@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import re
 import sys
@@ -86,9 +87,7 @@ def report(result: SearchResult) -> str:
         )
     if len(result.ranked) > SHOWN:
         lines.append(f"... and {len(result.ranked) - SHOWN} slower layouts")
-    reasons: dict[str, int] = {}
-    for verdict in result.rejected:
-        reasons[verdict.reason] = reasons.get(verdict.reason, 0) + 1
+    reasons = collections.Counter(verdict.reason for verdict in result.rejected)
     lines += [f"rejected {count}: {reason}" for reason, count in sorted(reasons.items())]
     return "\n".join(lines)
 

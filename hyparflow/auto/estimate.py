@@ -33,7 +33,7 @@ def estimator(
     """A function giving each candidate's `Estimate` for `global_batch` samples per step:
     `memory(candidate)` its peak bytes per rank (None: 0, for a search without a budget)."""
 
-    recomputing = _recomputing(costs)
+    recomputing, machine = _recomputing(costs), machine or Machine()
 
     def estimate(candidate: Candidate) -> Estimate:
         if candidate.tensor > 1:
@@ -43,7 +43,7 @@ def estimator(
             candidate.schedule, ranks_per_node,
         )  # fmt: skip
         priced = recomputing if candidate.recompute else costs
-        prediction = predict(priced, network, layout, global_batch, machine or Machine())
+        prediction = predict(priced, network, layout, global_batch, machine)
         step = prediction.step_time
         if candidate.shard_optimizer:
             step -= prediction.optimizer_time * (1 - 1 / candidate.replicas)

@@ -200,7 +200,7 @@ def _factorizations(world: int) -> list[tuple[int, int, int]]:
 def _microbatch_counts(share: int, partitions: int, most: int) -> list[int]:
     """Micro-batch counts that split `share` samples evenly: powers of two and multiples of
     `partitions`, at most `most` and at most `share`."""
-    counts = {1 << k for k in range(most.bit_length()) if 1 << k <= most}
+    counts = {1 << k for k in range(most.bit_length())}
     counts |= set(range(partitions, most + 1, partitions))
     return sorted(m for m in counts if m <= share and share % m == 0)
 

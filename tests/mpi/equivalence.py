@@ -13,13 +13,19 @@ import hyparflow as hf
 from hyparflow.engine import flat, update
 from tests.support import references
 from tests.support.cases import Case
-from tests.support.compare import history_difference, relative_difference
+from tests.support.compare import (
+    STEP_FUNCTIONS,
+    history_difference,
+    most_traces,
+    relative_difference,
+)
 from tests.support.models import compiled, data
 from tests.support.report import args, report
 
 BATCH, EPOCHS = 16, 2
-# the runners' compiled steps (engine/fused.py, engine/stage.py) and their inference forward
-TRACED = ("_first_fn", "_accumulate_fn", "_forward_fn", "_loss_forward_fn", "_infer_fn")
+# the runners' compiled steps and their inference forward: micro-batches of 1, 2 and 4 rows,
+# validation, evaluate and predict all run one trace each (engine/relaxed.py)
+TRACED = (*STEP_FUNCTIONS, "_infer_fn")
 
 
 def run(case: Case) -> dict:
@@ -64,7 +70,7 @@ def _run(case: Case) -> dict:
             model._hyparflow_trainer[1].segment_update, "early_updates", None
         ),
         "flat_gradients": model._hyparflow_trainer[1].runner.layout is not None,
-        "traces": _most_traces(model._hyparflow_trainer[1].runner),
+        "traces": most_traces(model._hyparflow_trainer[1].runner, TRACED),
         "grid_nodes": model._hyparflow_trainer[1].topology.nodes,  # host of each grid place
         "flat_backward": getattr(model._hyparflow_trainer[1].runner, "flat_backward", None),
         "shared_across_stages": model._hyparflow_trainer[1].gradient_sync.shared is not None,
@@ -77,15 +83,6 @@ def _run(case: Case) -> dict:
         "ref_keys": sorted(reference["history"]),
         "optimizer_variables": len(model.optimizer.variables),
     }
-
-
-def _most_traces(runner) -> int:
-    """The most traces of one compiled step or inference function of `runner` (or of its
-    segments'): micro-batches of 1, 2 and 4 rows, validation, evaluate and predict all run
-    one trace each (engine/relaxed.py)."""
-    runners = getattr(runner, "segments", [runner])
-    functions = [getattr(r, name, None) for r in runners for name in TRACED]
-    return max(f.experimental_get_tracing_count() for f in functions if f is not None)
 
 
 def _reference_request(case: Case) -> references.Request:

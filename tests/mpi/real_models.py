@@ -11,10 +11,8 @@ import keras
 import hyparflow as hf
 from tests.support import references, zoo
 from tests.support.cases import Case
-from tests.support.compare import history_difference, relative_difference
+from tests.support.compare import history_difference, most_traces, relative_difference
 from tests.support.report import args, report
-
-TRACED = ("_first_fn", "_accumulate_fn", "_forward_fn", "_loss_forward_fn")  # runners' steps
 
 
 def run(case: Case) -> dict:
@@ -30,11 +28,10 @@ def run(case: Case) -> dict:
     trainer = model._hyparflow_trainer[1]
     runner = trainer.runner
     shards = trainer.shards
-    functions = [getattr(runner, name, None) for name in TRACED]
     return {
         "case": case.id,
         # most traces of one compiled step function (Keras's own: 2 for varying lengths)
-        "traces": max(f.experimental_get_tracing_count() for f in functions if f is not None),
+        "traces": most_traces(runner),
         "weights": relative_difference(model.get_weights(), reference["weights"]),
         "history": history_difference(history.history, reference["history"]),
         "grid_nodes": trainer.topology.nodes,  # host of each grid place

@@ -22,3 +22,14 @@ def history_difference(got: dict, expected: dict) -> float:
         / max(1e-6, float(np.max(np.abs(expected[k]))))
         for k in expected
     )
+
+
+# the runners' compiled steps (engine/fused.py, engine/stage.py)
+STEP_FUNCTIONS = ("_first_fn", "_accumulate_fn", "_forward_fn", "_loss_forward_fn")
+
+
+def most_traces(runner, names=STEP_FUNCTIONS) -> int:
+    """The most traces of one of `runner`'s compiled functions `names` (or of its segments')."""
+    runners = getattr(runner, "segments", [runner])
+    functions = [getattr(r, name, None) for r in runners for name in names]
+    return max(f.experimental_get_tracing_count() for f in functions if f is not None)
