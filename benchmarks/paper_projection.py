@@ -43,6 +43,8 @@ def _arguments(argv=None):
     parser.add_argument("--intra-bandwidth", type=float, default=10e9)
     parser.add_argument("--compute-scale", type=float, help="both systems' core slowdown vs here")
     parser.add_argument("--json", help="also write the tables to this JSON file")
+    parser.add_argument("--save-inputs", metavar="DIR", help="write each system's ResNet-1001 "
+                        "costs and network there, for hyparflow plan --auto")  # fmt: skip
     parser.add_argument("--measure-cell", metavar="OUT", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -88,8 +90,7 @@ def load_network_here(remeasure: bool) -> dict:
         from hyparflow.simulate.netbench import launch
 
         launch(str(NETWORK_HERE))
-    with open(NETWORK_HERE) as f:
-        return json.load(f)
+    return json.loads(NETWORK_HERE.read_text())
 
 
 def load_cell(remeasure: bool):
@@ -105,11 +106,8 @@ def load_cell(remeasure: bool):
 
 def layouts(cores: int) -> dict:
     """The per-node layouts compared: name -> (partitions, replicas per node, micro-batches)."""
-    return {
-        "pipeline per node": (cores, 1, 64),
-        f"hybrid 8 x {cores // 8}": (8, cores // 8, 16),
-        "data parallel": (1, cores, 1),
-    }
+    return {"pipeline per node": (cores, 1, 64), f"hybrid 8 x {cores // 8}": (8, cores // 8, 16),
+            "data parallel": (1, cores, 1)}  # fmt: skip
 
 
 def project(costs, network, cores: int, shape, nodes_list, per_core=SAMPLES_PER_CORE, jitter=0.0):
@@ -158,6 +156,7 @@ def main(argv=None) -> None:
             inter=Link(args.latency, args.bandwidth),
             reduce_rate=(here["reduce_rate"] or float("inf")) / factor,
         )
+        save_inputs(args.save_inputs, system.lower(), costs, network)
         counts = [n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if n <= nodes]
         report["systems"][system] = {"paper_speedup": paper, "nodes": nodes, "cores": cores,
                                      "compute_scale": factor, "layouts": {}}  # fmt: skip
@@ -180,23 +179,28 @@ def main(argv=None) -> None:
                   f"{extra * 1e3:+.0f} ms per step more")  # fmt: skip
         report["systems"][system]["sensitivity"] = sensitivity(costs, network, cores, nodes)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+        Path(args.json).write_text(json.dumps(report, indent=1))
+
+
+def save_inputs(folder: str, system: str, costs, network) -> None:
+    """`<system>_costs.json` and `<system>_network.json` in `folder` (None: nothing)."""
+    if folder is None:
+        return
+    os.makedirs(folder, exist_ok=True)
+    costs.save(os.path.join(folder, f"{system}_costs.json"))
+    Path(folder, f"{system}_network.json").write_text(json.dumps(network.to_dict(), indent=1))
 
 
 def sensitivity(costs, network, cores: int, nodes: int) -> dict:
     """Speed-up of the pipeline-per-node layout on `nodes` nodes when one assumption moves."""
-    inter = network.inter
+
+    def moved(**change):  # the inter-node link with one assumption changed
+        return dataclasses.replace(network, inter=dataclasses.replace(network.inter, **change))
+
     variants = {
         "as above": (network, SAMPLES_PER_CORE, 0.0),
-        "10x less bandwidth (1.2 GB/s)": (
-            dataclasses.replace(network, inter=dataclasses.replace(inter, bandwidth=1.2e9)),
-            SAMPLES_PER_CORE, 0.0,
-        ),
-        "10x more latency (15 us)": (
-            dataclasses.replace(network, inter=dataclasses.replace(inter, latency=15e-6)),
-            SAMPLES_PER_CORE, 0.0,
-        ),
+        "10x less bandwidth (1.2 GB/s)": (moved(bandwidth=1.2e9), SAMPLES_PER_CORE, 0.0),
+        "10x more latency (15 us)": (moved(latency=15e-6), SAMPLES_PER_CORE, 0.0),
         "1 sample per core, 8 micro-batches": (network, 1, 0.0),
         "jitter 1% per rank and step": (network, SAMPLES_PER_CORE, 0.01),
         "jitter 2%": (network, SAMPLES_PER_CORE, 0.02),

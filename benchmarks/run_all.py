@@ -28,26 +28,20 @@ from benchmarks.harness.report import write_results  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 FIGURES = {  # report order: key -> module and its arguments
-    "overhead": "one_rank_overhead",
-    "p2p": "p2p_bandwidth",
-    "allreduce": "gradient_reduction",
-    "data_parallel": "data_parallel",
-    "pipeline": "pipeline_bubble",
-    "resnet": "resnet_paper",
-    "memory": "memory",
-    "tensor": "tensor_parallel",
+    "overhead": "one_rank_overhead", "p2p": "p2p_bandwidth", "allreduce": "gradient_reduction",
+    "data_parallel": "data_parallel", "pipeline": "pipeline_bubble", "resnet": "resnet_paper",
+    "memory": "memory", "tensor": "tensor_parallel",
     "overlap": "engine_options --option overlap",
     "recompute": "engine_options --option recompute",
     "precision": "engine_options --option precision",
-}
+}  # fmt: skip
 # Text-printing benchmarks: (title, script, venv, ranks, arguments).
 OTHERS = [
     ("Dropout: global-batch masks sliced vs a mask per piece", "real_model_costs.py", "main", 1,
      []),
     ("Embedding tables: gathered rows vs a dense allreduce", "real_model_costs.py", "main", 2,
      ["--tables"]),
-    ("Scaling model vs measured runs, a core per rank", "simulator_validation.py", "main", 1,
-     []),
+    ("Scaling model vs measured runs, a core per rank", "simulator_validation.py", "main", 1, []),
     ("Scaling model: the paper's runs projected", "paper_projection.py", "main", 1,
      ["--json", "benchmarks/out/paper_projection.json"]),
 ]  # fmt: skip

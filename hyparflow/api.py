@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import numpy as np
 
 from hyparflow import _keras, checkpoint, deferred, devices, model_checks
+from hyparflow.auto.choose import last_choice, planned_strategy
 from hyparflow.comm.agree import AgreedError, agree
 from hyparflow.comm.backends import check_backend
 from hyparflow.comm.failure import run_collectively
@@ -15,7 +17,7 @@ from hyparflow.comm.watchdog import resolve_timeout
 from hyparflow.comm.world import launched, size, world
 from hyparflow.data import make_source
 from hyparflow.data.fingerprint import data_digest, differing_ranks, mismatch_message
-from hyparflow.data.sources import fit_sources, split_validation
+from hyparflow.data.sources import fit_sources, nominal_batch_size, split_validation
 from hyparflow.engine.custom_step import make_trainer
 from hyparflow.engine.loops import evaluate_loop, fit_loop, predict_loop
 from hyparflow.engine.weights import held_elsewhere
@@ -58,10 +60,12 @@ def _resolve(model, strategy, num_partitions, num_replicas, num_microbatches, co
     agreed error, which ends each rank by itself (no abort; comm/uncaught.py)."""
 
     def resolve():
-        resolved = make_strategy(strategy, num_partitions, num_replicas, num_microbatches)
+        requested = make_strategy(strategy, num_partitions, num_replicas, num_microbatches)
         if compiled:
             model_checks.check_compiled(model)
-        return resolved.resolve(size())
+        # an open "auto": the layout fit last planned (fit plans again, knowing the batch)
+        chosen = last_choice(model, size()) if requested.leaves_layout_open() else None
+        return chosen.strategy if chosen else requested.resolve(size())
 
     return agree(world(), resolve) if size() > 1 else resolve()
 
@@ -209,7 +213,9 @@ def fit(
     returns a `keras.callbacks.History`, identical on every rank. Without a launcher (world size
     1) this is exactly `model.fit`. Under `mpirun -np N`, `strategy` is "data", "model",
     "hybrid" or "auto" (or an `hf.Strategy`), with HyPar-Flow's `num_partitions`,
-    `num_replicas` and `num_microbatches`. When it returns, every rank's `model` holds the
+    `num_replicas` and `num_microbatches`. "auto" without a layout times the model on rank 0,
+    probes the network and trains with the fastest layout that fits the memory budget; rank 0
+    prints which (docs/auto.md). When it returns, every rank's `model` holds the
     trained weights (and rank 0's `model.save` writes the whole optimizer state); a model
     built under `hf.scope()` keeps only the weights of each rank's own stage and tensor shard
     (others raise `hf.NotHeldError`; `hf.export` writes the whole model from a checkpoint).
@@ -253,6 +259,8 @@ def fit(
             batch_size = None
             fit_kwargs["shuffle"] = False  # the reader shuffles samples itself
         return model.fit(x, y, batch_size=batch_size, epochs=epochs, **fit_kwargs)
+    requested = make_strategy(strategy, num_partitions, num_replicas, num_microbatches)
+    options["planning"] = requested if requested.leaves_layout_open() else None
     return _distributed_fit(model, x, y, batch_size, epochs, resolved, options, **fit_kwargs)
 
 
@@ -300,6 +308,14 @@ def _check_same_data(comm, digest: str | None) -> None:
         raise AgreedError(ValueError(mismatch_message(groups)))
 
 
+def _planned(comm, model, source, batch_size, options, fit_kwargs):
+    """The layout the planner picks for `options["planning"]`, an open "auto" strategy."""
+    global_batch = nominal_batch_size(source) or batch_size or 32
+    refusal = functools.partial(model_checks.check_layout, model, comm_backend=options["comm"])
+    say = fit_kwargs.get("verbose", "auto") != 0
+    return planned_strategy(comm, model, options["planning"], global_batch, refusal, say=say)
+
+
 def _check_fit_keys(fit_kwargs) -> None:
     unknown = set(fit_kwargs) - _FIT_KEYS
     if unknown:
@@ -322,6 +338,8 @@ def _resume_folder(options, fit_kwargs):
 
 
 def _distributed_fit(model, x, y, batch_size, epochs, resolved, options, **kwargs):
+    """hf.fit on more than one rank; `options["planning"]`: an open "auto" strategy to plan
+    the layout from (None: `resolved` is the layout)."""
     comm = world()
     agree(comm, _check_fit_keys, kwargs)
     devices.prepare(comm, resolved.bind_gpus)  # one GPU per rank; CUDA-aware MPI or staging
@@ -335,12 +353,14 @@ def _distributed_fit(model, x, y, batch_size, epochs, resolved, options, **kwarg
         model_checks.check_inputs(model, data[0], options["check_numerics"], *data[1:])
         digest = data_digest(*data) if options["check_data"] else None
         sources = fit_sources(data, validation_data, kwargs, batch_size=batch_size, seed=seed,
-                              strategy=resolved)  # fmt: skip
+                              strategy=None if options["planning"] else resolved)  # fmt: skip
         return *sources, digest
 
     source, validation_source, digest = agree(comm, prepare)
     if options["check_data"]:
         _check_same_data(comm, digest)
+    if options["planning"] is not None:
+        resolved = _planned(comm, model, source, batch_size, options, kwargs)
     agree(comm, model_checks.check_tensor_parallel, model, resolved, options["comm"])
     agree(comm, model_checks.check_sharded_optimizer, model, resolved, options["comm"])
     trainer = _make_trainer(

@@ -8,7 +8,6 @@ rather than at module level.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import sys
 
@@ -21,12 +20,18 @@ def main(argv=None) -> int:
     Example:
         $ hyparflow run -n 4 train.py --epochs 10
         $ hyparflow plan model.keras --partitions 4 --balance time --batch-size 64
+        $ hyparflow plan --auto model.keras --ranks 8 --batch 256 --memory 16GiB
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["run"]:  # before the parser: its simulate options import Keras
         from hyparflow.run import main as run
 
         return run(argv[1:], prog="hyparflow run")
+    if argv[:1] == ["plan"] and "--auto" in argv:  # the planner's options (auto/command.py)
+        from hyparflow.auto import command as auto_command
+        from hyparflow.auto.choose import memory_of
+
+        return auto_command.plan(argv[1:], memory_of=memory_of)
     parser = _parser()
     args = parser.parse_args(argv)
     if not hasattr(args, "run"):
@@ -56,7 +61,8 @@ def _parser() -> argparse.ArgumentParser:
 def _add_plan_command(commands):
     plan = commands.add_parser(
         "plan",
-        help="split a saved model into pipeline stages and print the plan",
+        help="split a saved model into pipeline stages and print the plan (plan --auto: "
+        "search every layout of N ranks, hyparflow plan --auto --help)",
         description="Split a saved Keras model into balanced pipeline stages; print the table.",
     )
     plan.add_argument(
@@ -262,21 +268,10 @@ def _run_simulate(args) -> int:
     from hyparflow.simulate import command
 
     if args.auto is not None:
-        return auto_command.run(args, memory_of=_memory_of)
+        from hyparflow.auto.choose import memory_of
+
+        return auto_command.run(args, memory_of=memory_of)
     return command.run(args)
-
-
-def _memory_of(model, batch_size: int):
-    """`simulate --auto`'s bytes per rank of a layout: the memory plan of `model` under it."""
-    from hyparflow.memory import memory_plan  # imports Keras: only with a model
-    from hyparflow.strategy import Strategy
-
-    @functools.cache
-    def memory(candidate) -> int:
-        strategy = Strategy(**candidate.strategy_options())
-        return memory_plan(model, strategy, batch_size=batch_size).largest.total
-
-    return memory
 
 
 def _steps(text: str) -> list[int]:

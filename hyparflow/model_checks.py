@@ -202,3 +202,14 @@ def check_optimizer_unbuilt(model, strategy) -> None:
             f"{name}: the model's optimizer was already built for whole variables; compile the "
             "model again (a fresh optimizer) before hf.fit builds it for the shards or slices."
         )
+
+
+def check_layout(model, strategy, comm_backend: str) -> None:
+    """Every refusal that depends on the layout, for the planner to leave out what `hf.fit`
+    would refuse (each raises ValueError with its reason)."""
+    check_standard_steps(model, strategy)
+    check_random_layers(model, strategy)
+    check_batchnorm(model, strategy)
+    check_tensor_parallel(model, strategy, comm_backend)
+    check_sharded_optimizer(model, strategy, comm_backend)
+    check_optimizer_unbuilt(model, strategy)

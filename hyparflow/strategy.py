@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from hyparflow.units import byte_size
+
 KINDS = ("data", "model", "hybrid", "auto")
 SCHEDULES = ("gpipe", "1f1b")
 BALANCES = ("layers", "params", "flops", "time")
@@ -29,9 +31,16 @@ class Strategy:
 
     - `kind` ("auto"): "data" keeps the whole model on every rank (refuses `partitions` > 1);
       "model" is one pipeline (refuses `replicas` > 1); "hybrid" is pipelines of
-      `partitions` stages replicated `replicas` times and needs one of the two; "auto" is
-      data parallel over all ranks unless `partitions` is given, in which case the remaining
-      ranks become replicas (`resolve` then names the kind it chose).
+      `partitions` stages replicated `replicas` times and needs one of the two. "auto" with
+      no `partitions`, `replicas` or `tensor` given leaves the layout to the planner, which
+      `hf.fit` runs on a multi-rank job (`leaves_layout_open`; docs/auto.md): it times the
+      model on rank 0, probes the network and picks the fastest layout that fits
+      `memory_per_rank`, searching only the fields left at their defaults. "auto" with
+      `partitions` or `replicas` given makes the remaining ranks the other factor; `resolve`
+      alone (no planner) makes an open "auto" data parallel over all ranks.
+    - `memory_per_rank` (None): with an open "auto", the planner's budget of bytes per rank,
+      an int or a string such as "16GiB". None: the cgroup's memory limit shared by the
+      ranks of a node, or no budget where there is none.
     - `partitions` (None): pipeline stages the model is cut into (`hf.fit`'s
       `num_partitions`). None: derived from the world size and `kind`.
     - `replicas` (None): copies of each stage that split every global batch between them and
@@ -141,6 +150,7 @@ class Strategy:
     shard_optimizer: bool = False
     bind_gpus: bool = False
     update_by_segment: bool | None = None
+    memory_per_rank: int | str | None = None
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -168,6 +178,9 @@ class Strategy:
                 f"Strategy update_by_segment={self.update_by_segment!r} must be True, False or "
                 "None (on for models built under hf.scope())."
             )
+        if isinstance(self.memory_per_rank, str):  # frozen: set once, as bytes
+            object.__setattr__(self, "memory_per_rank", byte_size(self.memory_per_rank))
+        _check_positive_int("memory_per_rank", self.memory_per_rank, 'pass bytes or "16GiB".')
         if self.schedule not in SCHEDULES:
             raise ValueError(
                 f"Unknown schedule {self.schedule!r}; use one of {', '.join(map(repr, SCHEDULES))}."
@@ -187,6 +200,24 @@ class Strategy:
                 f"strategy 'model' is one pipeline, but replicas={self.replicas}; "
                 "use strategy 'hybrid' to replicate the pipeline."
             )
+
+    def leaves_layout_open(self) -> bool:
+        """True for an "auto" strategy with no partitions, replicas or tensor ranks given:
+        the layout is the planner's to pick (`hf.fit` on more than one rank)."""
+        return (
+            self.kind == "auto"
+            and self.partitions is None
+            and self.replicas is None
+            and (self.tensor == 1)
+        )
+
+    def set_fields(self) -> dict:
+        """The fields given a value other than their default, by name."""
+        return {
+            field.name: getattr(self, field.name)
+            for field in dataclasses.fields(self)
+            if getattr(self, field.name) != field.default
+        }
 
     def resolve(self, world_size: int) -> Strategy:
         """Return a copy with partitions and replicas fixed for `world_size` ranks.

@@ -44,7 +44,7 @@ KNOWN = {
     "hyparflow.schedule.zero_bubble",
     "hyparflow.launch.gpu",
     "hyparflow.partitioner.balance",
-    "hyparflow.auto.command",
+    "hyparflow.units",
     "hyparflow.simulate.costs",
     "hyparflow.simulate.network",
     "hyparflow.simulate.placement",

@@ -72,8 +72,8 @@ def test_refusals_are_kept_with_their_reason():
 
 
 def test_nothing_fits_names_the_smallest_layout():
-    with pytest.raises(ValueError, match=r"no layout fits 0\.00 GiB per rank; the smallest, P2"):
-        search(candidates(2, 16, layers=4), _estimate, 16, budget_bytes=1)
+    with pytest.raises(ValueError, match=r"no layout fits 1\.0 MiB per rank; the smallest, P2"):
+        search(candidates(2, 16, layers=4), _estimate, 16, budget_bytes=2**20)
 
 
 def test_strategy_options_name_the_kind():

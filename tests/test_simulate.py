@@ -483,6 +483,14 @@ def test_simulate_auto_picks_a_layout_and_explains_the_others(tmp_path, capsys):
     text = capsys.readouterr().out
     assert text.startswith(f"auto: {pick['label']} (") and "runner-up" in text
     assert "rejected" in text and "slower" in text
+    plain = found["data_parallel"]  # the fastest P1 T1 layout, and how much the pick beats it
+    assert plain["label"].startswith("P1 R4 T1") and plain in found["ranked"]
+    assert (
+        found["speedup_over_data_parallel"]
+        == pytest.approx(plain["step_seconds"] / pick["step_seconds"])
+        and found["speedup_over_data_parallel"] > 1
+    )
+    assert f"data parallelism: {plain['label']} at" in text
     assert main([*argv, "--memory", "1GiB"]) == 1  # no model, no memory plan
     assert "--memory needs the model" in capsys.readouterr().err
 
@@ -493,7 +501,7 @@ def test_simulate_auto_keeps_layouts_within_the_memory_budget(saved_model, capsy
     from hyparflow.memory import memory_plan
     from hyparflow.strategy import Strategy
 
-    argv = ["simulate", str(saved_model), "--batch-size", "16", "--auto", "2",
+    argv = ["plan", "--auto", str(saved_model), "--ranks", "2", "--batch", "16",
             "--latency", "2e-6", "--bandwidth", "12e9", "--profile-batch-sizes", "4,8",
             "--json"]  # fmt: skip
     assert main(argv) == 0

@@ -1,33 +1,20 @@
-"""`hyparflow simulate --auto N`: the planner's pick for N ranks, its rivals, and why each lost."""
+"""`hyparflow plan --auto` (and `simulate --auto N`): the planner's pick for N ranks, its
+rivals, and why each lost."""
 
 from __future__ import annotations
 
+import argparse
 import collections
 import json
-import re
 import sys
 
 from hyparflow.auto.estimate import estimator
 from hyparflow.auto.search import SearchResult, candidates, search
 from hyparflow.simulate import command as simulate_command
 from hyparflow.simulate.predict import Machine
+from hyparflow.units import byte_size
 
-UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-         "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
 SHOWN = 10  # ranked layouts printed
-
-
-def byte_size(text: str) -> int:
-    """Bytes in `text`, e.g. "16GiB", "1.5 GB", "4096".
-
-    >>> byte_size("16GiB"), byte_size("1.5 GB"), byte_size("4096")
-    (17179869184, 1500000000, 4096)
-    """
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    unit = match.group(2).lower() if match else None
-    if unit not in UNITS:
-        raise ValueError(f"{text!r} is not a size: write e.g. 16GiB, 1.5GB or 4096")
-    return int(float(match.group(1)) * UNITS[unit])
 
 
 def add_arguments(parser) -> None:
@@ -42,6 +29,36 @@ def add_arguments(parser) -> None:
     )
     auto("--memory", type=byte_size, metavar="SIZE", help="with --auto: the budget per rank, "
          "e.g. 16GiB (needs the model, for its memory plan)")  # fmt: skip
+
+
+# simulate's options that fix one layout; the planner searches them
+FIXED_LAYOUT = {"partitions", "replicas", "microbatches", "schedule", "baseline", "batch_logs"}
+
+
+def plan_parser() -> argparse.ArgumentParser:
+    """`hyparflow plan --auto SOURCE --ranks N --batch B [--memory SIZE] [--nodes K ...]`."""
+    parser = argparse.ArgumentParser(
+        prog="hyparflow plan --auto",
+        description="Search every layout of N ranks for a model (timed here) or a costs file, "
+        "priced by the scaling model and, with a model, its memory plan; print the fastest "
+        "that fits, its rivals, and why the others lost (docs/auto.md).",
+    )
+    simulate_command.add_arguments(parser)
+    for action in parser._actions:  # argparse has no public way to hide an added option
+        if action.dest in FIXED_LAYOUT:
+            action.help = argparse.SUPPRESS
+    parser.add_argument("--auto", action="store_true", required=True, help="search layouts")
+    parser.add_argument("--ranks", type=int, required=True, help="the world size N")
+    parser.add_argument("--memory", type=byte_size, metavar="SIZE",
+                        help="the budget per rank, e.g. 16GiB (needs the model)")  # fmt: skip
+    return parser
+
+
+def plan(argv, memory_of) -> int:
+    """`hyparflow plan --auto ...`: `run` with `--ranks` as the world size."""
+    args = plan_parser().parse_args(argv)
+    args.auto = args.ranks
+    return run(args, memory_of)
 
 
 def run(args, memory_of) -> int:
@@ -60,9 +77,9 @@ def run(args, memory_of) -> int:
         print("hyparflow simulate: --memory needs the model (a .keras file or module:function) "
               "for its memory plan, not a costs file", file=sys.stderr)  # fmt: skip
         return 1
+    per_node = args.ranks_per_node or (-(-args.auto // args.nodes) if args.nodes else None)
     estimate = estimator(
-        costs, network, args.batch_size, machine=machine, memory=memory,
-        ranks_per_node=args.ranks_per_node,
+        costs, network, args.batch_size, machine=machine, memory=memory, ranks_per_node=per_node
     )  # fmt: skip
     layouts = candidates(args.auto, args.batch_size, layers=len(costs.layers))
     try:
@@ -77,7 +94,8 @@ def run(args, memory_of) -> int:
 def report(result: SearchResult) -> str:
     """The pick's line, the fastest layouts with their step, rate and bytes, and the
     rejected ones counted by reason."""
-    lines = [result.line(), "", f"{'layout':30}{'step ms':>10}{'samples/s':>12}{'GiB/rank':>10}"]
+    lines = [result.line(), _against_data_parallel(result), ""]
+    lines.append(f"{'layout':30}{'step ms':>10}{'samples/s':>12}{'GiB/rank':>10}")
     for verdict in result.ranked[:SHOWN]:
         guess = verdict.estimate
         lines.append(
@@ -92,6 +110,23 @@ def report(result: SearchResult) -> str:
     return "\n".join(lines)
 
 
+def data_parallel(result: SearchResult):
+    """The fastest fitting layout without stages or tensor ranks, or None."""
+    return next((v for v in result.ranked if v.candidate.partitions == v.candidate.tensor == 1),
+                None)  # fmt: skip
+
+
+def _against_data_parallel(result: SearchResult) -> str:
+    plain = data_parallel(result)
+    if plain is None:
+        return "data parallelism: no layout of it fits or runs"
+    speedup = plain.estimate.step_seconds / result.pick.estimate.step_seconds
+    rate = result.samples_per_second(plain)
+    return (
+        f"data parallelism: {plain.candidate.label()} at {rate:,.0f} samples/s; pick {speedup:.2f}x"
+    )
+
+
 def to_dict(result: SearchResult) -> dict:
     """`--json`: the pick (hf.Strategy's options, predicted rate and bytes), every ranked
     layout, and every rejected one with its reason."""
@@ -104,8 +139,13 @@ def to_dict(result: SearchResult) -> dict:
             data["memory_per_rank_bytes"] = verdict.estimate.bytes_per_rank
         return {**data, "reason": verdict.reason}
 
+    plain = data_parallel(result)
     return {
         "pick": entry(result.pick),
+        "data_parallel": None if plain is None else entry(plain),
+        "speedup_over_data_parallel": None
+        if plain is None
+        else plain.estimate.step_seconds / result.pick.estimate.step_seconds,
         "ranked": [entry(v) for v in result.ranked],
         "rejected": [entry(v) for v in result.rejected],
     }

@@ -115,9 +115,9 @@ class SearchResult:
         return text
 
     def _describe(self, verdict: Verdict) -> str:
-        gib = verdict.estimate.bytes_per_rank / 2**30
+        held = size_text(verdict.estimate.bytes_per_rank)
         rate = self.samples_per_second(verdict)
-        return f"{verdict.candidate.label()} ({rate:,.0f} samples/s, {gib:.2f} GiB per rank)"
+        return f"{verdict.candidate.label()} ({rate:,.0f} samples/s, {held} per rank)"
 
 
 def candidates(
@@ -159,7 +159,8 @@ def search(
             result.rejected.append(Verdict(candidate, None, str(error)))
             continue
         if budget_bytes is not None and guess.bytes_per_rank > budget_bytes:
-            reason = f"needs {_gib(guess.bytes_per_rank)} per rank, over {_gib(budget_bytes)}"
+            needs, budget = size_text(guess.bytes_per_rank), size_text(budget_bytes)
+            reason = f"needs {needs} per rank, over {budget}"
             result.rejected.append(Verdict(candidate, guess, reason))
         else:
             result.ranked.append(Verdict(candidate, guess))
@@ -185,8 +186,8 @@ def _nothing_fits(rejected: list[Verdict], budget_bytes: int | None) -> str:
         return f"no layout can run: {reasons}"
     smallest = min(sized, key=lambda v: v.estimate.bytes_per_rank)
     return (
-        f"no layout fits {_gib(budget_bytes)} per rank; the smallest, "
-        f"{smallest.candidate.label()}, needs {_gib(smallest.estimate.bytes_per_rank)}: "
+        f"no layout fits {size_text(budget_bytes)} per rank; the smallest, "
+        f"{smallest.candidate.label()}, needs {size_text(smallest.estimate.bytes_per_rank)}: "
         "use more ranks or a larger budget"
     )
 
@@ -205,5 +206,6 @@ def _microbatch_counts(share: int, partitions: int, most: int) -> list[int]:
     return sorted(m for m in counts if m <= share and share % m == 0)
 
 
-def _gib(nbytes: int) -> str:
-    return f"{nbytes / 2**30:.2f} GiB"
+def size_text(nbytes: int) -> str:
+    """Bytes in GiB (2 decimals) from 1 GiB up, else in MiB (1 decimal)."""
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"

@@ -55,19 +55,28 @@ def split_validation(data: tuple, fit_kwargs: dict) -> tuple:
 
 def fit_sources(data: tuple, validation_data, fit_kwargs: dict, *, batch_size, seed, strategy):
     """`hf.fit`'s training source (epochs cut as Keras 3 cuts them) and validation source
-    (or None) for (x, y, sample_weight) and `model.fit`'s other data arguments."""
+    (or None) for (x, y, sample_weight) and `model.fit`'s other data arguments; a batch that
+    `strategy` cannot split is refused (None: the planner picks a layout that can)."""
     steps = fit_kwargs.get("steps_per_epoch")
     source = make_source(
         *data, batch_size=batch_size, shuffle=fit_kwargs.get("shuffle", True), seed=seed,
         class_weight=fit_kwargs.get("class_weight"), steps=steps,
     )  # fmt: skip
-    if hasattr(source, "batch_size"):  # arrays, hf.data.HDF5: batched here
+    if strategy is not None and hasattr(source, "batch_size"):  # arrays, hf.data.HDF5
         check_divisible(source.batch_size, strategy.replicas, strategy.microbatches)
     if validation_data is not None:
         batch = fit_kwargs.get("validation_batch_size") or batch_size
         validation_data = make_source(*unpack(validation_data), batch_size=batch)
     epochs = EpochSteps(source, steps, first_epoch=fit_kwargs.get("initial_epoch", 0))
     return epochs, validation_data
+
+
+def nominal_batch_size(epochs: EpochSteps) -> int | None:
+    """Samples in a full batch of `fit_sources`' training source, where known before reading."""
+    source = epochs.source
+    if isinstance(source, AdapterSource):
+        return source.adapter.batch_size
+    return source.batch_size
 
 
 def _no_separate_targets(y, sample_weight, class_weight, kind: str) -> None:

@@ -30,7 +30,7 @@ def add_arguments(parser) -> None:
     add = parser.add_argument
     add("source", help="a saved Keras model (.keras: its layers are timed here), module:function "
         "that builds a compiled one, or a costs file (.json, from --save-costs)")
-    add("--batch-size", type=int, required=True, help="global batch per step")
+    add("--batch-size", "--batch", type=int, required=True, help="global batch per step")
     add("--partitions", "-p", type=_ints, default=[1], help='e.g. "1,2,4"')
     add("--replicas", "-r", type=_ints, default=[1], help='e.g. "1,2,4"')
     add("--microbatches", "-m", type=int, default=1, help="per step, for pipelines (P > 1)")

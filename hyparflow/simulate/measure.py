@@ -10,12 +10,14 @@ baseline) are timed as they are. Run it with the ranks' threads (`TF_NUM_INTRAOP
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import os
 import platform
 import statistics
 import time
+import timeit
 
 import keras
 import numpy as np
@@ -195,7 +197,7 @@ def _loss_cost(model, samples, repeats) -> Affine:
         return _keras.compiled_loss(model)(y, y_pred, None)
 
     outputs = {b: model(_unlisted(x), training=False) for b, x in samples.items()}
-    return _affine(loss, {b: (_targets(y), y) for b, y in outputs.items()}, repeats)
+    return _affine(loss, {b: (_targets(model, y), y) for b, y in outputs.items()}, repeats)
 
 
 def _fused_cost(model, samples, repeats) -> Affine:
@@ -214,8 +216,8 @@ def _fused_cost(model, samples, repeats) -> Affine:
         return loss, tf.concat(grads, 0) if grads else loss
 
     inputs = {b: _unlisted(x) for b, x in samples.items()}
-    line = _affine(step, {b: (x, _targets(model(x, training=False))) for b, x in inputs.items()},
-                   repeats)  # fmt: skip
+    targets = {b: _targets(model, model(x, training=False)) for b, x in inputs.items()}
+    line = _affine(step, {b: (x, targets[b]) for b, x in inputs.items()}, repeats)
     for metric in model.metrics:
         metric.reset_state()
     return line
@@ -242,7 +244,7 @@ def fit_step(model, batch_sizes, steps: int = 8, input_shape=None) -> Affine:
     for batch in batch_sizes:
         inputs = profile.make_sample(graph, input_shape=input_shape, batch_size=batch * steps)
         x = _unlisted([np.asarray(t) for t in inputs])
-        y = _targets(clone(x, training=False), as_numpy=True)
+        y = _targets(clone, clone(x, training=False), as_numpy=True)
         clone.fit(x, y, batch_size=batch, epochs=1, verbose=0)  # traces
         starts.clear()
         clone.fit(x, y, batch_size=batch, epochs=2, verbose=0, callbacks=[timer])
@@ -264,17 +266,20 @@ def _read_metrics(model) -> list[float]:
     return [float(v) for v in keras.tree.flatten(model.get_metrics_result())]
 
 
-def _targets(y_pred, as_numpy=False):
-    """Class-index targets for a classifier's output, else targets shaped like the output
-    (random data: only the costs matter)."""
-    made = []
-    for out in tf.nest.flatten(y_pred):
-        if len(out.shape) == 2 and out.shape[-1] > 1:
-            value = np.zeros(out.shape[0], dtype="int64")
-        else:
-            value = np.zeros(out.shape, dtype="float32")
-        made.append(value if as_numpy else tf.convert_to_tensor(value))
-    return made[0] if len(made) == 1 else made
+def _targets(model, y_pred, as_numpy=False):
+    """Targets (zeros: only the costs matter) that `model`'s loss takes for `y_pred`: class
+    indices for a 2-D output if the loss takes them (sparse losses), else the output's shape."""
+    outputs = tf.nest.flatten(y_pred)
+    shaped = [np.zeros(out.shape, "float32") for out in outputs]
+    indices = [np.zeros(out.shape[:1], "int64") if len(out.shape) == 2 and out.shape[-1] > 1
+               else like for out, like in zip(outputs, shaped, strict=True)]  # fmt: skip
+    for made in (indices, shaped):
+        made = made if as_numpy else [tf.convert_to_tensor(value) for value in made]
+        made = made[0] if len(made) == 1 else made
+        with contextlib.suppress(ValueError, tf.errors.InvalidArgumentError):  # the other kind
+            _keras.compiled_loss(model)(made, y_pred, None)
+            return made
+    return made
 
 
 def _unlisted(inputs):
@@ -284,12 +289,7 @@ def _unlisted(inputs):
 def _median_seconds(function, repeats, *args) -> float:
     """Median seconds of `repeats` calls of `function(*args)` after a warm-up (tracing) one."""
     function(*args)
-    seconds = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        function(*args)
-        seconds.append(time.perf_counter() - start)
-    return statistics.median(seconds)
+    return statistics.median(timeit.repeat(lambda: function(*args), number=1, repeat=repeats))
 
 
 def _nbytes(variable) -> int:

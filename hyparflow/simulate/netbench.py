@@ -20,10 +20,7 @@ import numpy as np
 
 PINGPONG_SIZES = [8, 1024, 16 * 1024, 256 * 1024, 1 << 20, 4 << 20, 16 << 20]
 ALLREDUCE_SIZES = [64 * 1024, 1 << 20, 4 << 20, 16 << 20]
-MPI_ENV = {
-    "OMPI_ALLOW_RUN_AS_ROOT": "1",
-    "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-}
+MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
 
 
 def launch(out_path: str, python: str = sys.executable, timeout: float = 600) -> dict:

@@ -1,0 +1,144 @@
+"""`strategy="auto"` under a real mpirun: the planner's pick, agreed by every rank, trains
+exactly as Keras does; a budget moves it off data parallelism; what cannot be timed stays data
+parallel; a budget nothing fits is refused on every rank.
+
+Usage: `python -m tests.mpi.auto_fit OUT`.
+"""
+
+import keras
+import numpy as np
+
+import hyparflow as hf
+from hyparflow.auto.choose import last_choice
+from tests.support.compare import history_difference, relative_difference
+from tests.support.report import report, run_or_abort
+
+BATCH, EPOCHS, WIDTH = 32, 2, 256
+
+
+def weight_heavy(seed: int = 3):
+    """An MLP whose weights dominate its bytes, so a pipeline holds less per rank than a
+    replica of the whole."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((32,))
+    x = inputs
+    for k in range(4):
+        x = keras.layers.Dense(WIDTH, activation="relu", name=f"dense_{k}")(x)
+    outputs = keras.layers.Dense(4, name="head")(x)
+    model = keras.Model(inputs, outputs)
+    model.compile(keras.optimizers.Adam(1e-3), keras.losses.MeanSquaredError())
+    return model
+
+
+def activation_heavy():
+    """Few weights, wide activations: micro-batches and recomputation hold less than a
+    replica's whole share."""
+    keras.utils.set_random_seed(4)
+    inputs = keras.Input((32,))
+    x = keras.layers.Dense(2048, name="wide")(inputs)
+    for k in range(8):
+        x = keras.layers.Activation("tanh", name=f"tanh_{k}")(x)
+    model = keras.Model(inputs, keras.layers.Dense(4, name="head")(x))
+    # SGD: Adam divides near-zero gradients of saturated units by their own size, so the
+    # summation order of micro-batches shows at 1e-5 (the weight-heavy model trains Adam)
+    model.compile(keras.optimizers.SGD(0.01, momentum=0.9), keras.losses.MeanSquaredError())
+    return model
+
+
+class Subclassed(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(4)
+
+    def call(self, x):
+        return self.dense(x)
+
+
+def data():
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(16 * BATCH, 32)).astype("float32"), rng.normal(
+        size=(16 * BATCH, 4)
+    ).astype("float32")
+
+
+def keras_reference(x, y) -> dict:
+    model = weight_heavy()
+    history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+    return {"weights": model.get_weights(), "history": history.history}
+
+
+def picked(model) -> dict:
+    choice = last_choice(model, hf.size())
+    return {"strategy": repr(choice.strategy), "label": choice.result.pick.candidate.label(),
+            "bytes": choice.result.pick.estimate.bytes_per_rank}  # fmt: skip
+
+
+def open_auto(x, y) -> dict:
+    """The default strategy: the planner picks; a second fit reuses the pick; evaluate runs
+    on the layout trained."""
+    reference = keras_reference(x, y)
+    model = weight_heavy()
+    history = hf.fit(model, x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=2)
+    first = last_choice(model, hf.size())
+    trainer = model._hyparflow_trainer[1]
+    hf.evaluate(model, x, y, batch_size=BATCH, verbose=0)
+    again = weight_heavy()
+    hf.fit(again, x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    hf.fit(again, x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    return {
+        **picked(model),
+        "weights": relative_difference(model.get_weights(), reference["weights"]),
+        "history": history_difference(history.history, reference["history"]),
+        "evaluate_same_trainer": model._hyparflow_trainer[1] is trainer,
+        "planned_once": len(again._hyparflow_auto_plans) == 1,
+        "seconds": first.seconds,
+    }
+
+
+def under_budget(x, y) -> dict:
+    """A budget below data parallelism's bytes without micro-batches (and above a 1F1B
+    pipeline's with 8 and recomputation): the pick fits it and trains exactly."""
+    batch, world = 8 * BATCH, hf.size()
+    plain = hf.memory_plan(activation_heavy(), hf.Strategy("data", replicas=world), batch)
+    piped = hf.memory_plan(
+        activation_heavy(),
+        hf.Strategy("model", partitions=world, microbatches=8, schedule="1f1b", recompute=True),
+        batch,
+    )
+    budget = (plain.largest.total + piped.largest.total) // 2
+    reference = activation_heavy()
+    reference.fit(x, y, batch_size=batch, epochs=EPOCHS, shuffle=False, verbose=0)
+    model = activation_heavy()
+    hf.fit(model, x, y, batch_size=batch, epochs=EPOCHS, shuffle=False, verbose=0,
+           strategy=hf.Strategy(memory_per_rank=budget))  # fmt: skip
+    weights = relative_difference(model.get_weights(), reference.get_weights())
+    return {**picked(model), "budget": budget, "data_bytes": plain.largest.total,
+            "weights": weights}  # fmt: skip
+
+
+def nothing_fits(x, y) -> str:
+    try:
+        hf.fit(weight_heavy(), x, y, batch_size=BATCH, verbose=0,
+               strategy=hf.Strategy(memory_per_rank="1MiB"))  # fmt: skip
+    except (ValueError, RuntimeError) as error:  # RemoteRankError on the ranks that did not search
+        return f"{type(error).__name__}: {error}"
+    return "trained"
+
+
+def subclassed(x, y) -> str:
+    model = Subclassed()
+    model.compile("sgd", "mse")
+    hf.fit(model, x, y, batch_size=BATCH, epochs=1, verbose=0)
+    return repr(model._hyparflow_trainer[0][0])
+
+
+def main():
+    x, y = data()
+    report({
+        "open": open_auto(x, y), "budget": under_budget(x, y), "nothing_fits": nothing_fits(x, y),
+        "subclassed": subclassed(x, y),
+    })  # fmt: skip
+
+
+if __name__ == "__main__":
+    run_or_abort(main)

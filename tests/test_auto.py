@@ -1,0 +1,92 @@
+"""`strategy="auto"` in hf.fit (hyparflow/auto/choose.py): which strategies leave the layout to
+the planner, which fields it keeps, and, on 2 ranks under mpirun (tests/mpi/auto_fit.py), the
+pick agreed, exact against Keras, within a budget, refused when nothing fits."""
+
+import keras
+import pytest
+
+import hyparflow as hf
+from hyparflow.auto.choose import _keeping_user_fields, why_unplannable
+from hyparflow.auto.search import candidates
+from tests.support.mpirun import launch
+
+TOLERANCE = 1e-5
+
+
+def test_only_an_auto_strategy_without_a_layout_is_open():
+    assert hf.Strategy().leaves_layout_open()
+    assert hf.Strategy(shard_optimizer=True, memory_per_rank="2GiB").leaves_layout_open()
+    for given in (hf.Strategy("data"), hf.Strategy(partitions=2), hf.Strategy(replicas=2),
+                  hf.Strategy(tensor=2), hf.Strategy("model")):  # fmt: skip
+        assert not given.leaves_layout_open(), given
+
+
+def test_memory_per_rank_takes_bytes_or_a_size():
+    assert hf.Strategy(memory_per_rank="1.5GiB").memory_per_rank == int(1.5 * 2**30)
+    assert hf.Strategy(memory_per_rank=4096).memory_per_rank == 4096
+    with pytest.raises(ValueError, match="not a size"):
+        hf.Strategy(memory_per_rank="lots")
+    with pytest.raises(ValueError, match="memory_per_rank"):
+        hf.Strategy(memory_per_rank=0)
+
+
+def test_the_search_keeps_the_fields_the_user_set():
+    layouts = candidates(4, 32, layers=8)
+    kept = _keeping_user_fields(layouts, hf.Strategy(shard_optimizer=True, microbatches=2))
+    assert kept and all(c.shard_optimizer and c.microbatches == 2 for c in kept)
+    assert {c.partitions for c in kept} == {1, 2}  # ZeRO-1 needs replicas: no P4 R1
+    assert _keeping_user_fields(layouts, hf.Strategy()) == layouts
+
+
+def test_what_cannot_be_timed_is_named():
+    class Subclassed(keras.Model):
+        def call(self, x):
+            return x
+
+    assert "not a layer graph" in why_unplannable(Subclassed())
+    with hf.scope():
+        inputs = keras.Input((4,))
+        deferred = keras.Model(inputs, keras.layers.Dense(2)(inputs))
+    assert "hf.scope()" in why_unplannable(deferred)
+    inputs = keras.Input((4,))
+    assert why_unplannable(keras.Model(inputs, keras.layers.Dense(2)(inputs))) is None
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    run = launch("auto_fit", 2, timeout=400)
+    assert run.returncode == 0 and all(run.results), run.describe()
+    return run
+
+
+@pytest.mark.mpi
+def test_every_rank_trains_the_same_pick_exactly(two_ranks):
+    opened = [r["open"] for r in two_ranks.results]
+    assert len({o["strategy"] for o in opened}) == 1, opened
+    for o in opened:
+        assert o["weights"] < TOLERANCE and o["history"] < TOLERANCE, o
+        assert o["evaluate_same_trainer"] and o["planned_once"], o
+    line = next(x for x in two_ranks.stdout[0].splitlines() if x.startswith("hyparflow auto:"))
+    assert opened[0]["label"] in line and "samples/s" in line and "planned in" in line, line
+    assert not any("hyparflow auto" in out for out in two_ranks.stdout[1:])
+
+
+@pytest.mark.mpi
+def test_a_budget_that_rules_out_data_parallelism_is_kept(two_ranks):
+    for r in two_ranks.results:
+        budget = r["budget"]
+        assert budget["data_bytes"] > budget["budget"] >= budget["bytes"], budget
+        assert budget["label"] != "P1 R2 T1 M1" and budget["weights"] < TOLERANCE, budget
+
+
+@pytest.mark.mpi
+def test_a_budget_nothing_fits_is_refused_on_every_rank(two_ranks):
+    refused = [r["nothing_fits"] for r in two_ranks.results]
+    assert "no layout fits 1.0 MiB per rank" in refused[0], refused
+    assert refused[1].startswith("RemoteRankError") and "no layout fits" in refused[1], refused
+
+
+@pytest.mark.mpi
+def test_a_model_that_cannot_be_timed_stays_data_parallel(two_ranks):
+    for r in two_ranks.results:
+        assert "kind='data'" in r["subclassed"] and "replicas=2" in r["subclassed"], r
