@@ -29,9 +29,8 @@ def main(argv=None) -> int:
         return run(argv[1:], prog="hyparflow run")
     if argv[:1] == ["plan"] and "--auto" in argv:  # the planner's options (auto/command.py)
         from hyparflow.auto import command as auto_command
-        from hyparflow.auto.choose import memory_of
 
-        return auto_command.plan(argv[1:], memory_of=memory_of)
+        return auto_command.plan(argv[1:], memory_of=_memory_of)
     parser = _parser()
     args = parser.parse_args(argv)
     if not hasattr(args, "run"):
@@ -268,10 +267,16 @@ def _run_simulate(args) -> int:
     from hyparflow.simulate import command
 
     if args.auto is not None:
-        from hyparflow.auto.choose import memory_of
-
-        return auto_command.run(args, memory_of=memory_of)
+        return auto_command.run(args, memory_of=_memory_of)
     return command.run(args)
+
+
+def _memory_of(model, batch_size: int):
+    """The planner's bytes of a layout (auto/choose.py), imported only with a model: it
+    imports Keras."""
+    from hyparflow.auto.choose import memory_of
+
+    return memory_of(model, batch_size)
 
 
 def _steps(text: str) -> list[int]:

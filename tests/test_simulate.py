@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hyparflow.auto.search import OUTRUN
 from hyparflow.cli import main
 from hyparflow.schedule import theoretical_bubble
 from hyparflow.simulate import (
@@ -478,7 +479,9 @@ def test_simulate_auto_picks_a_layout_and_explains_the_others(tmp_path, capsys):
     assert {"schedule", "microbatches", "memory_per_rank_bytes"} <= set(pick)
     steps = [r["step_seconds"] for r in found["ranked"]]
     assert steps == sorted(steps) and found["ranked"][0] == pick
-    assert all("tensor" in r["reason"] for r in found["rejected"])  # T > 1: not priced yet
+    tensor = [r for r in found["rejected"] if r["tensor"] > 1]  # T > 1: not priced yet
+    assert tensor and all("no cost for tensor" in r["reason"] for r in tensor)
+    assert all(r["reason"] == OUTRUN for r in found["rejected"] if r["tensor"] == 1)
     assert main(argv) == 0
     text = capsys.readouterr().out
     assert text.startswith(f"auto: {pick['label']} (") and "runner-up" in text
@@ -522,3 +525,30 @@ def test_simulate_auto_keeps_layouts_within_the_memory_budget(saved_model, capsy
     assert over and all(r["memory_per_rank_bytes"] > budget for r in over)
     assert main([*argv, "--memory", str(sizes[0] - 1)]) == 1
     assert "no layout fits" in capsys.readouterr().err
+
+
+def test_plan_auto_on_the_papers_resnet_1001_setting(tmp_path, capsys):
+    """`hyparflow plan --auto` on HyPar-Flow's ResNet-1001 run (128 Stampede2-like nodes of 48
+    cores, a rank per core, 8 samples per rank): the inputs benchmarks/paper_projection.py
+    writes with --save-inputs, searched over 6,144 ranks."""
+    sys.path.insert(0, REPO)
+    from benchmarks import paper_projection as paper
+
+    network = Network(intra=Link(0.5e-6, 10e9), inter=Link(1.5e-6, 12e9), reduce_rate=4e9)
+    costs = paper.expand_to_resnet1001(paper.load_cell(remeasure=False)).scaled(1.5)
+    paper.save_inputs(str(tmp_path), "stampede2", costs, network)
+    argv = ["plan", "--auto", str(tmp_path / "stampede2_costs.json"), "--ranks", "6144",
+            "--batch", "49152", "--nodes", "128", "--cores-per-node", "48",
+            "--network", str(tmp_path / "stampede2_network.json")]  # fmt: skip
+    assert main([*argv, "--json"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    pick = found["pick"]
+    assert pick["partitions"] * pick["replicas"] * pick["tensor"] == 6144
+    assert {"microbatches", "schedule", "memory_per_rank_bytes"} <= set(pick)
+    assert found["data_parallel"]["label"] == "P1 R6144 T1 M1"
+    assert found["speedup_over_data_parallel"] >= 1
+    assert any(r["partitions"] > 1 for r in found["ranked"])  # pipelines were simulated
+    assert any(r["reason"] == OUTRUN for r in found["rejected"])  # and the hopeless bounded
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "data parallelism: P1 R6144 T1 M1 at" in text and text.startswith("auto: ")

@@ -199,7 +199,8 @@ def _search(model, strategy, layout, costs, network, budget, refusal) -> SearchR
         ranks_per_node=ranks_per_node,
     )  # fmt: skip
     layouts = candidates(world, global_batch, layers=len(costs.layers))
-    return search(_keeping_user_fields(layouts, strategy), estimate, global_batch, budget)
+    layouts = _keeping_user_fields(layouts, strategy)
+    return search(layouts, estimate, global_batch, budget, bound=estimate.bound)
 
 
 def _keeping_user_fields(layouts: list[Candidate], strategy: Strategy) -> list[Candidate]:

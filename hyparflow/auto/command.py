@@ -9,7 +9,7 @@ import json
 import sys
 
 from hyparflow.auto.estimate import estimator
-from hyparflow.auto.search import SearchResult, candidates, search
+from hyparflow.auto.search import Candidate, SearchResult, candidates, search
 from hyparflow.simulate import command as simulate_command
 from hyparflow.simulate.predict import Machine
 from hyparflow.units import byte_size
@@ -83,7 +83,7 @@ def run(args, memory_of) -> int:
     )  # fmt: skip
     layouts = candidates(args.auto, args.batch_size, layers=len(costs.layers))
     try:
-        result = search(layouts, estimate, args.batch_size, budget_bytes=budget)
+        result = search(layouts, estimate, args.batch_size, budget, bound=estimate.bound)
     except ValueError as error:
         print(f"hyparflow simulate: {error}", file=sys.stderr)
         return 1
@@ -111,9 +111,11 @@ def report(result: SearchResult) -> str:
 
 
 def data_parallel(result: SearchResult):
-    """The fastest fitting layout without stages or tensor ranks, or None."""
-    return next((v for v in result.ranked if v.candidate.partitions == v.candidate.tensor == 1),
-                None)  # fmt: skip
+    """Plain data parallelism (every rank a replica, one micro-batch, no ZeRO) if it fits,
+    else the fastest fitting layout without stages or tensor ranks, or None."""
+    plain = [v for v in result.ranked if v.candidate.partitions == v.candidate.tensor == 1]
+    simplest = [v for v in plain if v.candidate.simplicity() == Candidate().simplicity()]
+    return (simplest or plain or [None])[0]
 
 
 def _against_data_parallel(result: SearchResult) -> str:

@@ -1,6 +1,7 @@
 """The planner's estimator: a layout's step time from the scaling model, its bytes from a plan.
 
-`search.search` ranks layouts by what an estimator says of each. This one asks
+`search.search` ranks layouts by what an estimator says of each, skipping those whose
+`bound` (their compute alone) is already slower than the best found. This one asks
 `predict.predict` (measured per-layer costs, an alpha-beta network, the schedule simulator)
 for the step time, and a memory function (in hyparflow, `memory_plan` of the model) for the
 peak bytes of the fullest rank. What the scaling model cannot price is refused with the reason,
@@ -26,30 +27,66 @@ from hyparflow.simulate.placement import Layout
 from hyparflow.simulate.predict import Machine, predict
 
 
-def estimator(
-    costs: ModelCosts, network: Network, global_batch: int, *, machine: Machine | None = None,
-    memory: Callable[[Candidate], int] | None = None, ranks_per_node: int | None = None,
-) -> Callable[[Candidate], Estimate]:  # fmt: skip
-    """A function giving each candidate's `Estimate` for `global_batch` samples per step:
-    `memory(candidate)` its peak bytes per rank (None: 0, for a search without a budget)."""
+class Estimator:
+    """Each candidate's `Estimate` for `global_batch` samples per step (call it), and a
+    `bound` on its step time that costs no simulation. `memory(candidate)` gives its peak bytes
+    per rank (None: 0, for a search without a budget). A pipeline's prediction is shared by
+    its ZeRO-1 twin."""
 
-    recomputing, machine = _recomputing(costs), machine or Machine()
+    def __init__(
+        self, costs: ModelCosts, network: Network, global_batch: int, *,
+        machine: Machine | None = None, memory: Callable[[Candidate], int] | None = None,
+        ranks_per_node: int | None = None,
+    ):  # fmt: skip
+        self.costs, self.network, self.global_batch = costs, network, global_batch
+        self.machine, self.memory, self.ranks_per_node = (
+            machine or Machine(),
+            memory,
+            ranks_per_node,
+        )
+        self.recomputing = _recomputing(costs)
+        self._predictions = {}
 
-    def estimate(candidate: Candidate) -> Estimate:
+    def __call__(self, candidate: Candidate) -> Estimate:
         if candidate.tensor > 1:
             raise ValueError("the scaling model has no cost for tensor parallelism yet")
-        layout = Layout(
-            candidate.partitions, candidate.replicas, candidate.microbatches,
-            candidate.schedule, ranks_per_node,
-        )  # fmt: skip
-        priced = recomputing if candidate.recompute else costs
-        prediction = predict(priced, network, layout, global_batch, machine)
+        prediction = self._prediction(candidate)
         step = prediction.step_time
         if candidate.shard_optimizer:
             step -= prediction.optimizer_time * (1 - 1 / candidate.replicas)
-        return Estimate(step, 0 if memory is None else int(memory(candidate)))
+        return Estimate(step, 0 if self.memory is None else int(self.memory(candidate)))
 
-    return estimate
+    def bound(self, candidate: Candidate) -> float:
+        """Seconds no prediction of `candidate` goes below: its compute alone. A stage does one
+        micro-batch at a time, so the busiest of P stages computes at least m/P of every
+        micro-batch's forward and backward, and the first micro-batch passes through all of
+        them; replicas only add their allreduce, ZeRO-1 saves only optimizer time. 0 where the
+        prediction is not the layers' (one rank's plain fit, tensor ranks)."""
+        p, m = candidate.partitions, candidate.microbatches
+        if candidate.world == 1 or candidate.tensor > 1:
+            return 0.0
+        costs = self.recomputing if candidate.recompute else self.costs
+        batch = self.global_batch / (candidate.replicas * m)
+        if p == 1 and costs.fused is not None:  # the engine's one-call step
+            return m * costs.fused.at(batch)
+        whole = sum(layer.forward.at(batch) + layer.backward.at(batch) for layer in costs.layers)
+        return max(whole, m * whole / p)
+
+    def _prediction(self, candidate: Candidate):
+        key = (candidate.partitions, candidate.replicas, candidate.microbatches,
+               candidate.schedule, candidate.recompute)  # fmt: skip
+        if key not in self._predictions:
+            layout = Layout(*key[:4], self.ranks_per_node)
+            priced = self.recomputing if candidate.recompute else self.costs
+            self._predictions[key] = predict(
+                priced, self.network, layout, self.global_batch, self.machine
+            )  # fmt: skip
+        return self._predictions[key]
+
+
+def estimator(costs: ModelCosts, network: Network, global_batch: int, **options) -> Estimator:
+    """An `Estimator` (its keyword options: `machine`, `memory`, `ranks_per_node`)."""
+    return Estimator(costs, network, global_batch, **options)
 
 
 def _recomputing(costs: ModelCosts) -> ModelCosts:

@@ -19,10 +19,15 @@ For example:
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 SCHEDULES = ("gpipe", "1f1b")
+OUTRUN = "slower than the pick by its compute alone (not simulated)"
+# micro-batch actions of one pass (P x m) the schedule simulator replays for a candidate beyond
+# `max_microbatches`: it walks every action in Python, about 30 us each
+MOST_ACTIONS = 4096
 
 
 @dataclass(frozen=True)
@@ -126,7 +131,8 @@ def candidates(
 ) -> list[Candidate]:  # fmt: skip
     """Every layout of `world` ranks for `global_batch` samples over a model of `layers` layer
     calls: P x R x T = `world` with at most one stage per layer, micro-batches that split each
-    replica's share evenly (1 to `max_microbatches`, powers of two and multiples of P), each
+    replica's share evenly (powers of two up to `max_microbatches`, and for pipelines P, 2P,
+    4P and 8P, Megatron's advice being m >= 4P, while P x m stays within `MOST_ACTIONS`), each
     pipeline under every schedule with and without recompute, and replicas with and without
     ZeRO-1."""
     found = []
@@ -146,13 +152,19 @@ def candidates(
 
 def search(
     layouts: Iterable[Candidate], estimate: Callable[[Candidate], Estimate], global_batch: int,
-    budget_bytes: int | None = None,
+    budget_bytes: int | None = None, bound: Callable[[Candidate], float] | None = None,
 ) -> SearchResult:  # fmt: skip
     """Score every layout with `estimate` (which raises ValueError for a layout it cannot run,
     with the reason) and rank those within `budget_bytes` per rank (None: any), fastest first.
+    `bound(candidate)`, if given, is a step time its estimate never goes below: layouts are
+    then scored in the order of their bounds, and those whose bound is slower than the
+    fastest fitting one so far are rejected unscored (branch and bound; the pick is the same).
     Raises ValueError when none fits, naming the one that needs the fewest bytes."""
-    result = SearchResult(global_batch)
-    for candidate in layouts:
+    result, best = SearchResult(global_batch), math.inf
+    for candidate in sorted(layouts, key=bound) if bound else layouts:
+        if bound is not None and bound(candidate) > best:
+            result.rejected.append(Verdict(candidate, None, OUTRUN))
+            continue
         try:
             guess = estimate(candidate)
         except ValueError as error:
@@ -164,6 +176,7 @@ def search(
             result.rejected.append(Verdict(candidate, guess, reason))
         else:
             result.ranked.append(Verdict(candidate, guess))
+            best = min(best, guess.step_seconds)
     if not result.ranked:
         raise ValueError(_nothing_fits(result.rejected, budget_bytes))
     result.ranked.sort(key=_order)
@@ -199,10 +212,10 @@ def _factorizations(world: int) -> list[tuple[int, int, int]]:
 
 
 def _microbatch_counts(share: int, partitions: int, most: int) -> list[int]:
-    """Micro-batch counts that split `share` samples evenly: powers of two and multiples of
-    `partitions`, at most `most` and at most `share`."""
+    """Micro-batch counts that split `share` samples evenly: powers of two up to `most`, and
+    P, 2P, 4P and 8P for a pipeline of P stages within `MOST_ACTIONS`."""
     counts = {1 << k for k in range(most.bit_length())}
-    counts |= set(range(partitions, most + 1, partitions))
+    counts |= {partitions * k for k in (1, 2, 4, 8) if partitions * partitions * k <= MOST_ACTIONS}
     return sorted(m for m in counts if m <= share and share % m == 0)
 
 
