@@ -8,7 +8,7 @@ import warnings
 import numpy as np
 
 from hyparflow import _keras, checkpoint, deferred, devices, model_checks
-from hyparflow.auto.choose import last_choice, planned_strategy
+from hyparflow.auto.choose import Request, last_choice, planned_strategy
 from hyparflow.comm.agree import AgreedError, agree
 from hyparflow.comm.backends import check_backend
 from hyparflow.comm.failure import run_collectively
@@ -17,7 +17,7 @@ from hyparflow.comm.watchdog import resolve_timeout
 from hyparflow.comm.world import launched, size, world
 from hyparflow.data import make_source
 from hyparflow.data.fingerprint import data_digest, differing_ranks, mismatch_message
-from hyparflow.data.sources import fit_sources, nominal_batch_size, split_validation
+from hyparflow.data.sources import fit_sources, input_shapes, nominal_batch_size, split_validation
 from hyparflow.engine.custom_step import make_trainer
 from hyparflow.engine.loops import evaluate_loop, fit_loop, predict_loop
 from hyparflow.engine.weights import held_elsewhere
@@ -260,7 +260,7 @@ def fit(
             fit_kwargs["shuffle"] = False  # the reader shuffles samples itself
         return model.fit(x, y, batch_size=batch_size, epochs=epochs, **fit_kwargs)
     requested = make_strategy(strategy, num_partitions, num_replicas, num_microbatches)
-    options["planning"] = requested if requested.leaves_layout_open() else None
+    options["planning"] = requested if requested.leaves_layout_open() and size() > 1 else None
     return _distributed_fit(model, x, y, batch_size, epochs, resolved, options, **fit_kwargs)
 
 
@@ -308,12 +308,12 @@ def _check_same_data(comm, digest: str | None) -> None:
         raise AgreedError(ValueError(mismatch_message(groups)))
 
 
-def _planned(comm, model, source, batch_size, options, fit_kwargs):
+def _planned(comm, model, source, options, fit_kwargs):
     """The layout the planner picks for `options["planning"]`, an open "auto" strategy."""
-    global_batch = nominal_batch_size(source) or batch_size or 32
     refusal = functools.partial(model_checks.check_layout, model, comm_backend=options["comm"])
-    say = fit_kwargs.get("verbose", "auto") != 0
-    return planned_strategy(comm, model, options["planning"], global_batch, refusal, say=say)
+    request = Request(options["planning"], nominal_batch_size(source), refusal,
+                      input_shapes(source))  # fmt: skip
+    return planned_strategy(comm, model, request, say=fit_kwargs.get("verbose", "auto") != 0)
 
 
 def _check_fit_keys(fit_kwargs) -> None:
@@ -360,7 +360,7 @@ def _distributed_fit(model, x, y, batch_size, epochs, resolved, options, **kwarg
     if options["check_data"]:
         _check_same_data(comm, digest)
     if options["planning"] is not None:
-        resolved = _planned(comm, model, source, batch_size, options, kwargs)
+        resolved = _planned(comm, model, source, options, kwargs)
     agree(comm, model_checks.check_tensor_parallel, model, resolved, options["comm"])
     agree(comm, model_checks.check_sharded_optimizer, model, resolved, options["comm"])
     trainer = _make_trainer(

@@ -3,11 +3,13 @@ the planner, which fields it keeps, and, on 2 ranks under mpirun (tests/mpi/auto
 pick agreed, exact against Keras, within a budget, refused when nothing fits."""
 
 import keras
+import numpy as np
 import pytest
 
 import hyparflow as hf
 from hyparflow.auto.choose import _keeping_user_fields, why_unplannable
 from hyparflow.auto.search import candidates
+from hyparflow.data.sources import fit_sources, input_shapes, nominal_batch_size
 from tests.support.mpirun import launch
 
 TOLERANCE = 1e-5
@@ -52,6 +54,22 @@ def test_what_cannot_be_timed_is_named():
     assert why_unplannable(keras.Model(inputs, keras.layers.Dense(2)(inputs))) is None
 
 
+def test_the_planner_reads_the_batch_and_the_input_shapes_from_the_data():
+    import tensorflow as tf
+
+    def source(x, y=None, batch_size=None):
+        return fit_sources((x, y, None), None, {}, batch_size=batch_size, seed=0, strategy=None)[0]
+
+    x, y = np.zeros((10, 3, 4), "float32"), np.zeros((10, 1), "float32")
+    arrays = source(x, y, batch_size=5)
+    assert nominal_batch_size(arrays) == 5 and input_shapes(arrays) == (3, 4)
+    assert input_shapes(source([x, x[:, 0]], y)) == [(3, 4), (4,)]
+    assert nominal_batch_size(source(x, y)) == 32  # Keras's default
+    partial = tf.data.Dataset.from_tensor_slices((x, y)).batch(4)  # no static batch size
+    assert nominal_batch_size(source(partial)) is None and input_shapes(source(partial)) is None
+    assert nominal_batch_size(source(partial.unbatch().batch(4, drop_remainder=True))) == 4
+
+
 @pytest.fixture(scope="module")
 def two_ranks():
     run = launch("auto_fit", 2, timeout=400)
@@ -81,12 +99,17 @@ def test_a_budget_that_rules_out_data_parallelism_is_kept(two_ranks):
 
 @pytest.mark.mpi
 def test_a_budget_nothing_fits_is_refused_on_every_rank(two_ranks):
-    refused = [r["nothing_fits"] for r in two_ranks.results]
+    refused = [r["budget"]["refused"] for r in two_ranks.results]
+    assert all(r["budget"]["timed_once"] for r in two_ranks.results)
     assert "no layout fits 1.0 MiB per rank" in refused[0], refused
     assert refused[1].startswith("RemoteRankError") and "no layout fits" in refused[1], refused
 
 
 @pytest.mark.mpi
-def test_a_model_that_cannot_be_timed_stays_data_parallel(two_ranks):
-    for r in two_ranks.results:
-        assert "kind='data'" in r["subclassed"] and "replicas=2" in r["subclassed"], r
+def test_what_cannot_be_planned_stays_data_parallel(two_ranks):
+    for r in two_ranks.results:  # a subclassed model; a Dataset without a static batch size;
+        # variable-length inputs given as a dict (no shape to time them at)
+        for layout in (r["subclassed"], r["unknown_batch"], r["untimeable"]):
+            assert "kind='data'" in layout and "replicas=2" in layout, r
+    said = [x for x in two_ranks.stdout[0].splitlines() if x.startswith("hyparflow auto: data")]
+    assert len(said) == 1 and "it could not be timed: ValueError" in said[0], said

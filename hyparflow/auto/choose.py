@@ -10,8 +10,9 @@ The steps (docs/auto.md), each a collective that ends every rank alike if one fa
    model, and only among the values of the fields the user left at their defaults;
 4. every rank receives the pick, so all train with the same layout.
 
-The result is kept on the model, per world size, global batch and strategy, so a second
-`hf.fit` with the same arguments does not time the model again.
+The costs are kept on the model, per world size, global batch and input shapes, and the pick
+per world size, global batch and strategy: a second `hf.fit` with the same data does not time
+the model again, and one with the same arguments does not search again.
 """
 
 from __future__ import annotations
@@ -32,9 +33,16 @@ from hyparflow.simulate.network import Link, Network
 from hyparflow.simulate.predict import Machine
 from hyparflow.strategy import Strategy
 
-NETWORK_REPEATS = 5  # per message size: the probe is a sanity figure, not a benchmark
+QUIET_POLL_SECONDS = 0.02  # how often a waiting rank looks whether rank 0 has finished
+NETWORK_REPEATS = 5
+# timings per layer, and per stage step, loss and fused step (the simulator's own: 5 and 9);
+# no plain model.fit baseline: only a one-rank prediction needs it
+TIMING_REPEATS = (3, 3)  # per message size: the probe is a sanity figure, not a benchmark
 SEARCHED = ("microbatches", "schedule", "recompute", "shard_optimizer")  # besides P, R, T
 _PLANS_ATTRIBUTE = "_hyparflow_auto_plans"
+_COSTS_ATTRIBUTE = "_hyparflow_auto_costs"
+UNKNOWN_BATCH = ("the batch size is unknown before reading the data: a generator, a PyDataset or "
+                 "a Dataset with a partial last batch")  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,37 +59,58 @@ class Choice:
         return f"hyparflow {self.result.line()} (planned in {spent})"
 
 
-def planned_strategy(
-    comm, model, strategy: Strategy, global_batch: int, refusal: Callable[[Strategy], None],
-    say: bool = True,
-) -> Strategy:  # fmt: skip
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """What `hf.fit` asks the planner: an open "auto" `strategy`, the `global_batch` (None:
+    unknown before the data is read), the inputs' shapes without the batch (`input_shape`,
+    as `measure_model` takes them; None: the model's own), and `refusal(strategy)`, which
+    raises ValueError for a layout `hf.fit` would refuse."""
+
+    strategy: Strategy
+    global_batch: int | None
+    refusal: Callable[[Strategy], None]
+    input_shape: object = None
+
+
+class Untimeable(Exception):
+    """The model could not be timed here (raised alike on every rank)."""
+
+
+def planned_strategy(comm, model, request: Request, say: bool = True) -> Strategy:
     """The resolved Strategy to train `model` with: the planner's pick (`choose`), or data
-    parallelism where it cannot time the model; rank 0 prints which if `say`. Collective."""
-    unplannable = agree(comm, why_unplannable, model)
+    parallelism where it cannot time the model or the batch is unknown before the data is read;
+    rank 0 prints which if `say`. Collective."""
+    known = None if request.global_batch else UNKNOWN_BATCH
+    unplannable = agree(comm, why_unplannable, model) or known
+    try:
+        choice = None if unplannable else choose(comm, model, request)
+    except Untimeable as error:
+        unplannable = f"it could not be timed: {error}"
     if unplannable:
-        resolved = strategy.resolve(comm.Get_size())
+        resolved = request.strategy.resolve(comm.Get_size())
         line = f"hyparflow auto: data parallel over {resolved.replicas} ranks ({unplannable})"
     else:
-        choice = choose(comm, model, strategy, global_batch, refusal)
         resolved, line = choice.strategy, choice.line()
     if say and comm.Get_rank() == 0:
         print(line, flush=True)
     return resolved
 
 
-def choose(comm, model, strategy: Strategy, global_batch: int,
-           refusal: Callable[[Strategy], None]) -> Choice:  # fmt: skip
-    """The layout for `model` on the ranks of `comm` at `global_batch` samples per step, from
-    an open "auto" `strategy` (`Strategy.leaves_layout_open`). `refusal(strategy)` raises
-    ValueError for a layout `hf.fit` would refuse. Collective; the same Choice on every rank."""
-    key = (comm.Get_size(), global_batch, repr(strategy))
-    plans = getattr(model, _PLANS_ATTRIBUTE, None)
-    if plans is None:
-        plans = {}
-        object.__setattr__(model, _PLANS_ATTRIBUTE, plans)  # not a tracked attribute
+def choose(comm, model, request: Request) -> Choice:
+    """The layout for `model` on the ranks of `comm` (`Request`). Collective; the same Choice
+    on every rank; raises `Untimeable` on every rank where the model could not be timed."""
+    key = (comm.Get_size(), request.global_batch, repr(request.strategy))
+    plans = _kept(model, _PLANS_ATTRIBUTE)
     if key not in plans:
-        plans[key] = _choose(comm, model, strategy, global_batch, refusal)
+        plans[key] = _choose(comm, model, request)
     return plans[key]
+
+
+def _kept(model, name: str) -> dict:
+    """The dict kept on `model` under `name` (made empty the first time)."""
+    if getattr(model, name, None) is None:
+        object.__setattr__(model, name, {})  # not a tracked attribute
+    return getattr(model, name)
 
 
 def why_unplannable(model) -> str | None:
@@ -98,26 +127,25 @@ def why_unplannable(model) -> str | None:
 def last_choice(model, world: int) -> Choice | None:
     """The most recent Choice `hf.fit` made for `model` on `world` ranks (evaluate and predict
     run on it), or None."""
-    plans = getattr(model, _PLANS_ATTRIBUTE, {})
-    found = [choice for (size, _, _), choice in plans.items() if size == world]
+    found = [choice for (size, *_), choice in _kept(model, _PLANS_ATTRIBUTE).items()
+             if size == world]  # fmt: skip
     return found[-1] if found else None
 
 
-def _choose(comm, model, strategy, global_batch, refusal) -> Choice:
-    rank, started = comm.Get_rank(), time.perf_counter()
+def _choose(comm, model, request: Request) -> Choice:
+    started, world = time.perf_counter(), comm.Get_size()
     nodes, _ = node_map(comm)
-    costs = agree(comm, _measure if rank == 0 else _nothing, model, global_batch, comm.Get_size())
+    costs = _costs(comm, model, request)
     timed = time.perf_counter()
     network = _probe(comm, nodes)
     probed = time.perf_counter()
     on_node = nodes.count(nodes[0])
-    budget = strategy.memory_per_rank or _cgroup_share(on_node)
-    search_on_zero = _search if rank == 0 else _nothing
-    layout = (comm.Get_size(), global_batch, on_node if max(nodes) > 0 else None)
-    result = agree(comm, search_on_zero, model, strategy, layout, costs, network, budget, refusal)
+    budget = request.strategy.memory_per_rank or _cgroup_share(on_node)
+    layout = (world, request.global_batch, on_node if max(nodes) > 0 else None)
+    result = _on_rank_zero(comm, _search, model, request, layout, costs, network, budget)
     result = comm.bcast(result, root=0)
     options = result.pick.candidate.strategy_options()
-    picked = dataclasses.replace(strategy, **options).resolve(comm.Get_size())
+    picked = dataclasses.replace(request.strategy, **options).resolve(world)
     seconds = {
         "timing": timed - started, "network": probed - timed,
         "search": time.perf_counter() - probed,
@@ -125,17 +153,54 @@ def _choose(comm, model, strategy, global_batch, refusal) -> Choice:
     return Choice(picked, result, seconds)
 
 
-def _nothing(*_):
-    return None
+def _costs(comm, model, request: Request):
+    """Rank 0's costs of `model` (None on the others), timed once per world size, batch and
+    input shapes; raises `Untimeable` on every rank where the model could not be timed."""
+    key = (comm.Get_size(), request.global_batch, repr(request.input_shape))
+    timed = _kept(model, _COSTS_ATTRIBUTE)
+    if key not in timed:
+        world = comm.Get_size()
+        costs, failure = _on_rank_zero(comm, _measure, model, request, world) or (None, None)
+        timed[key] = costs, comm.bcast(failure, root=0)
+    costs, failure = timed[key]
+    if failure:
+        raise Untimeable(failure)
+    return costs
 
 
-def _measure(model, global_batch: int, world: int):
-    """This rank's costs of `model` at the micro-batch sizes the layouts will run."""
+def _on_rank_zero(comm, work, *args):
+    """`work(*args)` on rank 0, its result (or error) agreed by all; the other ranks sleep
+    meanwhile rather than spin in MPI, so that rank 0's timings have the node to themselves."""
+    try:
+        outcome = (work(*args) if comm.Get_rank() == 0 else None), None
+    except Exception as error:  # noqa: BLE001 - agreed below, on every rank
+        outcome = None, error
+    arrived = comm.Ibarrier()
+    while not arrived.Test():
+        time.sleep(QUIET_POLL_SECONDS)
+    return agree(comm, _unpacked, outcome)
+
+
+def _unpacked(outcome):
+    result, error = outcome
+    if error is not None:
+        raise error
+    return result
+
+
+def _measure(model, request: Request, world: int):
+    """(This rank's costs of `model` at the micro-batch sizes the layouts will run, None), or
+    (None, why it could not be timed)."""
     from hyparflow.simulate.measure import measure_model  # imports TensorFlow: only now
 
-    small = max(1, global_batch // (4 * world))
-    large = max(small + 1, global_batch // world)
-    return measure_model(model, (small, large), fit_batch_sizes=(small, global_batch))
+    small = max(1, request.global_batch // (4 * world))
+    large = max(small + 1, request.global_batch // world)
+    try:
+        costs = measure_model(model, (small, large), request.input_shape, fit_batch_sizes=(),
+                              repeats=TIMING_REPEATS)  # fmt: skip
+    except Exception as error:  # noqa: BLE001 - any failure: data parallelism, said why
+        return None, f"{type(error).__name__}: {error}"
+    return costs, None
 
 
 def _probe(comm, nodes: list[int]) -> Network | None:
@@ -185,21 +250,22 @@ def _cgroup_share(ranks_on_node: int) -> int | None:
     return None if limit is None else limit // ranks_on_node
 
 
-def _search(model, strategy, layout, costs, network, budget, refusal) -> SearchResult:
+def _search(model, request: Request, layout, costs, network, budget) -> SearchResult:
     """Rank 0's search over `layout` = (world, global batch, ranks per node or None)."""
     world, global_batch, ranks_per_node = layout
+    strategy = request.strategy
     memory = memory_of(model, global_batch, strategy)
 
     def allowed(candidate: Candidate) -> int:  # the estimator's bytes, after hf.fit's refusals
-        refusal(_strategy_of(strategy, candidate))
+        request.refusal(_strategy_of(strategy, candidate))
         return memory(candidate)
 
     estimate = estimator(
         costs, network, global_batch, machine=Machine(None), memory=allowed,
         ranks_per_node=ranks_per_node,
     )  # fmt: skip
-    layouts = candidates(world, global_batch, layers=len(costs.layers))
-    layouts = _keeping_user_fields(layouts, strategy)
+    layouts = _keeping_user_fields(candidates(world, global_batch, layers=len(costs.layers)),
+                                   strategy)  # fmt: skip
     return search(layouts, estimate, global_batch, budget, bound=estimate.bound)
 
 

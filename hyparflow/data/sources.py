@@ -79,6 +79,18 @@ def nominal_batch_size(epochs: EpochSteps) -> int | None:
     return source.batch_size
 
 
+def input_shapes(epochs: EpochSteps):
+    """The shapes without the batch of the training arrays `x` (one array: its shape; a list:
+    one each), as `measure_model` takes them; None for other data (the model's own)."""
+    source = epochs.source
+    x = source.data[0] if isinstance(source, ArraySource) else None
+    if hasattr(x, "shape"):
+        return tuple(x.shape[1:])
+    if isinstance(x, list | tuple) and all(hasattr(a, "shape") for a in x):
+        return [tuple(a.shape[1:]) for a in x]
+    return None
+
+
 def _no_separate_targets(y, sample_weight, class_weight, kind: str) -> None:
     if y is not None or sample_weight is not None or class_weight is not None:
         raise ValueError(

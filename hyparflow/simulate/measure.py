@@ -36,11 +36,13 @@ STAGE_REPEATS = 9  # timings per stage step, loss and unpartitioned step; the me
 
 
 def measure_model(
-    model, batch_sizes=DEFAULT_BATCH_SIZES, input_shape=None, fit_batch_sizes=None
-) -> ModelCosts:
+    model, batch_sizes=DEFAULT_BATCH_SIZES, input_shape=None, fit_batch_sizes=None,
+    repeats=(REPEATS, STAGE_REPEATS),
+) -> ModelCosts:  # fmt: skip
     """Per-layer and engine costs of a compiled functional or Sequential Keras `model`, at
     two `batch_sizes`; its weights are restored afterwards. The `model.fit` baseline (on a
-    copy) runs at `fit_batch_sizes` (default `batch_sizes`: give those one rank trains at).
+    copy) runs at `fit_batch_sizes` (default `batch_sizes`: give those one rank trains at;
+    `()`: none). `repeats`: timings per layer, and per stage step, loss and fused step.
 
     For example:
         costs = measure_model(model, batch_sizes=(16, 64))
@@ -55,13 +57,14 @@ def measure_model(
     graph = build_graph(model)
     samples = {b: profile.make_sample(graph, input_shape=input_shape, batch_size=b)
                for b in (small, large)}  # fmt: skip
+    layer_repeats, stage_repeats = repeats
     with profile.preserved_state(model):
-        times = {b: profile.node_times(graph, samples[b], REPEATS) for b in (small, large)}
+        times = {b: profile.node_times(graph, samples[b], layer_repeats) for b in (small, large)}
         slopes = np.maximum(times[large] - times[small], 0) / (large - small)
-        fit = _fit_stages(model, samples, slopes, STAGE_REPEATS)
-        loss = _loss_cost(model, samples, STAGE_REPEATS)
-        fused = _fused_cost(model, samples, STAGE_REPEATS)
-        read_out = _median_seconds(_read_metrics, STAGE_REPEATS, model)
+        fit = _fit_stages(model, samples, slopes, stage_repeats)
+        loss = _loss_cost(model, samples, stage_repeats)
+        fused = _fused_cost(model, samples, stage_repeats)
+        read_out = _median_seconds(_read_metrics, stage_repeats, model)
     f, b, o = fit["forward"], fit["backward"], fit["optimizer"]
     layers, seen = [], set()
     for node in graph.nodes:  # a layer's parameters count at its first call
@@ -72,8 +75,8 @@ def measure_model(
         layers.append(LayerCost(node.name, Affine(f[1], float(f[2] * slope)),
                                 Affine(b[1], float(b[2] * slope)),
                                 sum(_nbytes(v) for v in variables), len(variables)))  # fmt: skip
-    sizes = tuple(sorted(fit_batch_sizes or (small, large)))
-    single = fit_step(model, sizes, input_shape=input_shape)
+    sizes = tuple(sorted((small, large) if fit_batch_sizes is None else fit_batch_sizes))
+    single = fit_step(model, sizes, input_shape=input_shape) if sizes else None
     cpu, wall = time.process_time() - started[0], time.perf_counter() - started[1]
     measured = {
         "host": platform.node(), "cores": os.cpu_count(), "tensorflow": tf.__version__,

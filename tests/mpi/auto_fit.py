@@ -82,15 +82,15 @@ def open_auto(x, y) -> dict:
     first = last_choice(model, hf.size())
     trainer = model._hyparflow_trainer[1]
     hf.evaluate(model, x, y, batch_size=BATCH, verbose=0)
-    again = weight_heavy()
-    hf.fit(again, x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
-    hf.fit(again, x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    weights = relative_difference(model.get_weights(), reference["weights"])
+    hf.fit(model, x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)  # same arguments
+    again = last_choice(model, hf.size())
     return {
         **picked(model),
-        "weights": relative_difference(model.get_weights(), reference["weights"]),
+        "weights": weights,
         "history": history_difference(history.history, reference["history"]),
         "evaluate_same_trainer": model._hyparflow_trainer[1] is trainer,
-        "planned_once": len(again._hyparflow_auto_plans) == 1,
+        "planned_once": again is first and len(model._hyparflow_auto_plans) == 1,
         "seconds": first.seconds,
     }
 
@@ -112,14 +112,18 @@ def under_budget(x, y) -> dict:
     hf.fit(model, x, y, batch_size=batch, epochs=EPOCHS, shuffle=False, verbose=0,
            strategy=hf.Strategy(memory_per_rank=budget))  # fmt: skip
     weights = relative_difference(model.get_weights(), reference.get_weights())
+    refused = nothing_fits(model, x, y, batch)
+    timed_once = len(model._hyparflow_auto_costs) == 1
     return {**picked(model), "budget": budget, "data_bytes": plain.largest.total,
-            "weights": weights}  # fmt: skip
+            "weights": weights, "refused": refused, "timed_once": timed_once}  # fmt: skip
 
 
-def nothing_fits(x, y) -> str:
+def nothing_fits(model, x, y, batch) -> str:
+    """A budget no layout fits, on a model already timed at this batch (not timed again)."""
     try:
-        hf.fit(weight_heavy(), x, y, batch_size=BATCH, verbose=0,
-               strategy=hf.Strategy(memory_per_rank="1MiB"))  # fmt: skip
+        hf.fit(
+            model, x, y, batch_size=batch, verbose=0, strategy=hf.Strategy(memory_per_rank="1MiB")
+        )
     except (ValueError, RuntimeError) as error:  # RemoteRankError on the ranks that did not search
         return f"{type(error).__name__}: {error}"
     return "trained"
@@ -132,11 +136,34 @@ def subclassed(x, y) -> str:
     return repr(model._hyparflow_trainer[0][0])
 
 
+def unknown_batch(x, y) -> str:
+    """A Dataset whose batch has no static size: the planner cannot know the batch."""
+    import tensorflow as tf
+
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
+    model = weight_heavy()
+    hf.fit(model, dataset, epochs=1, verbose=0)
+    return repr(model._hyparflow_trainer[0][0])
+
+
+def untimeable(x, y) -> str:
+    """Variable-length token ids given as a dict: no shape to time the layers at."""
+    keras.utils.set_random_seed(5)
+    tokens = keras.Input((None,), dtype="int32", name="tokens")
+    hidden = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(50, 8)(tokens))
+    model = keras.Model(tokens, keras.layers.Dense(4)(hidden))
+    model.compile("sgd", "mse")
+    ids = np.random.default_rng(1).integers(0, 50, size=(len(y), 7)).astype("int32")
+    hf.fit(model, {"tokens": ids}, y, batch_size=BATCH, epochs=1, verbose=2)
+    return repr(model._hyparflow_trainer[0][0])
+
+
 def main():
     x, y = data()
     report({
-        "open": open_auto(x, y), "budget": under_budget(x, y), "nothing_fits": nothing_fits(x, y),
-        "subclassed": subclassed(x, y),
+        "open": open_auto(x, y), "budget": under_budget(x, y),
+        "subclassed": subclassed(x, y), "unknown_batch": unknown_batch(x, y),
+        "untimeable": untimeable(x, y),
     })  # fmt: skip
 
 
