@@ -1,8 +1,8 @@
 """`strategy="auto"` inside `hf.fit`: timed on rank 0, the network probed, one pick for all ranks.
 
 The steps (docs/auto.md), each a collective that ends every rank alike if one fails:
-1. rank 0 times the model (`simulate.measure.measure_model`: each layer's forward and backward
-   at two batch sizes, the engine's costs, a plain Keras step), while the others wait;
+1. rank 0 times the model (`simulate.measure.measure_model`, short: each layer's forward and
+   backward at two batch sizes, the engine's costs), while the others sleep;
 2. ranks 0 and a neighbour on its node, then rank 0 and a rank on another node, ping-pong and
    allreduce (`simulate.netbench`, a fraction of a second);
 3. rank 0 searches every layout (`search`) priced by the scaling model (`estimate`), each
@@ -34,10 +34,10 @@ from hyparflow.simulate.predict import Machine
 from hyparflow.strategy import Strategy
 
 QUIET_POLL_SECONDS = 0.02  # how often a waiting rank looks whether rank 0 has finished
-NETWORK_REPEATS = 5
+NETWORK_REPEATS = 5  # per message size: the probe is a sanity figure, not a benchmark
 # timings per layer, and per stage step, loss and fused step (the simulator's own: 5 and 9);
 # no plain model.fit baseline: only a one-rank prediction needs it
-TIMING_REPEATS = (3, 3)  # per message size: the probe is a sanity figure, not a benchmark
+TIMING_REPEATS = (3, 3)
 SEARCHED = ("microbatches", "schedule", "recompute", "shard_optimizer")  # besides P, R, T
 _PLANS_ATTRIBUTE = "_hyparflow_auto_plans"
 _COSTS_ATTRIBUTE = "_hyparflow_auto_costs"
