@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hyparflow.auto.estimate import estimator
+from hyparflow.auto.estimate import Estimator
 from hyparflow.auto.search import OUTRUN, Candidate, Estimate, candidates, search
 from hyparflow.simulate.costs import Affine, EngineCosts, LayerCost, ModelCosts
 from hyparflow.simulate.network import Link, Network
@@ -140,7 +140,7 @@ SLOW = Network(intra=Link(5e-5, 1e8))  # 100 MB/s: gradient allreduces dominate 
 
 
 def _pick(costs, world, batch, network=SLOW, budget_bytes=None, **options):
-    estimate = estimator(costs, network, batch, **options)
+    estimate = Estimator(costs, network, batch, **options)
     layouts = candidates(world, batch, layers=len(costs.layers))
     return search(layouts, estimate, batch, budget_bytes=budget_bytes)
 
@@ -171,14 +171,14 @@ def test_no_prediction_goes_below_the_estimators_bound(world, batch, forward, ba
         fused=Affine(forward[0] * layers, (forward[1] + backward[1]) * layers) if fused else None,
     )  # fmt: skip
     two_nodes = Network(intra=Link(5e-5, 1e8), inter=Link(2e-4, 2e7))
-    estimate = estimator(costs, two_nodes, batch, ranks_per_node=world // 2)
+    estimate = Estimator(costs, two_nodes, batch, ranks_per_node=world // 2)
     for candidate in candidates(world, batch, layers=layers):
         if candidate.tensor == 1:
             assert estimate(candidate).step_seconds >= estimate.bound(candidate) * (1 - 1e-9)
 
 
 def test_recompute_costs_a_forward_and_zero_saves_optimizer_time():
-    estimate = estimator(_costs(param_bytes=2**20), SLOW, 64)
+    estimate = Estimator(_costs(param_bytes=2**20), SLOW, 64)
     plain = estimate(Candidate(partitions=2, microbatches=4, schedule="1f1b"))
     again = estimate(Candidate(partitions=2, microbatches=4, schedule="1f1b", recompute=True))
     assert again.step_seconds > plain.step_seconds + 4 * 1e-4 * 16  # a stage forward, 4 x 16 rows

@@ -22,7 +22,7 @@ import functools
 import time
 from collections.abc import Callable
 
-from hyparflow.auto.estimate import estimator
+from hyparflow.auto.estimate import Estimator
 from hyparflow.auto.search import Candidate, SearchResult, candidates, search
 from hyparflow.comm.agree import agree
 from hyparflow.comm.topology import node_map
@@ -260,7 +260,7 @@ def _search(model, request: Request, layout, costs, network, budget) -> SearchRe
         request.refusal(_strategy_of(strategy, candidate))
         return memory(candidate)
 
-    estimate = estimator(
+    estimate = Estimator(
         costs, network, global_batch, machine=Machine(None), memory=allowed,
         ranks_per_node=ranks_per_node,
     )  # fmt: skip

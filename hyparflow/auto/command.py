@@ -8,7 +8,7 @@ import collections
 import json
 import sys
 
-from hyparflow.auto.estimate import estimator
+from hyparflow.auto.estimate import Estimator
 from hyparflow.auto.search import Candidate, SearchResult, candidates, search
 from hyparflow.simulate import command as simulate_command
 from hyparflow.simulate.predict import Machine
@@ -78,7 +78,7 @@ def run(args, memory_of) -> int:
               "for its memory plan, not a costs file", file=sys.stderr)  # fmt: skip
         return 1
     per_node = args.ranks_per_node or (-(-args.auto // args.nodes) if args.nodes else None)
-    estimate = estimator(
+    estimate = Estimator(
         costs, network, args.batch_size, machine=machine, memory=memory, ranks_per_node=per_node
     )  # fmt: skip
     layouts = candidates(args.auto, args.batch_size, layers=len(costs.layers))
@@ -122,7 +122,7 @@ def _against_data_parallel(result: SearchResult) -> str:
     plain = data_parallel(result)
     if plain is None:
         return "data parallelism: no layout of it fits or runs"
-    speedup = plain.estimate.step_seconds / result.pick.estimate.step_seconds
+    speedup = result.speedup(plain)
     rate = result.samples_per_second(plain)
     return (
         f"data parallelism: {plain.candidate.label()} at {rate:,.0f} samples/s; pick {speedup:.2f}x"
@@ -145,9 +145,7 @@ def to_dict(result: SearchResult) -> dict:
     return {
         "pick": entry(result.pick),
         "data_parallel": None if plain is None else entry(plain),
-        "speedup_over_data_parallel": None
-        if plain is None
-        else plain.estimate.step_seconds / result.pick.estimate.step_seconds,
+        "speedup_over_data_parallel": None if plain is None else result.speedup(plain),
         "ranked": [entry(v) for v in result.ranked],
         "rejected": [entry(v) for v in result.rejected],
     }

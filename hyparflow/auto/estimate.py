@@ -39,12 +39,11 @@ class Estimator:
         ranks_per_node: int | None = None,
     ):  # fmt: skip
         self.costs, self.network, self.global_batch = costs, network, global_batch
-        self.machine, self.memory, self.ranks_per_node = (
-            machine or Machine(),
-            memory,
-            ranks_per_node,
-        )
+        self.machine = machine or Machine()
+        self.memory, self.ranks_per_node = memory, ranks_per_node
         self.recomputing = _recomputing(costs)
+        # every layer's forward plus backward as one line in the batch, for `bound`
+        self._whole = {False: _whole(costs), True: _whole(self.recomputing)}
         self._predictions = {}
 
     def __call__(self, candidate: Candidate) -> Estimate:
@@ -69,7 +68,7 @@ class Estimator:
         batch = self.global_batch / (candidate.replicas * m)
         if p == 1 and costs.fused is not None:  # the engine's one-call step
             return m * costs.fused.at(batch)
-        whole = sum(layer.forward.at(batch) + layer.backward.at(batch) for layer in costs.layers)
+        whole = self._whole[candidate.recompute].at(batch)
         return max(whole, m * whole / p)
 
     def _prediction(self, candidate: Candidate):
@@ -84,9 +83,12 @@ class Estimator:
         return self._predictions[key]
 
 
-def estimator(costs: ModelCosts, network: Network, global_batch: int, **options) -> Estimator:
-    """An `Estimator` (its keyword options: `machine`, `memory`, `ranks_per_node`)."""
-    return Estimator(costs, network, global_batch, **options)
+def _whole(costs: ModelCosts) -> Affine:
+    """Every layer's forward plus backward, summed."""
+    return Affine(
+        sum(layer.forward.fixed + layer.backward.fixed for layer in costs.layers),
+        sum(layer.forward.per_sample + layer.backward.per_sample for layer in costs.layers),
+    )
 
 
 def _recomputing(costs: ModelCosts) -> ModelCosts:

@@ -109,6 +109,10 @@ class SearchResult:
     def runner_up(self) -> Verdict | None:
         return self.ranked[1] if len(self.ranked) > 1 else None
 
+    def speedup(self, verdict: Verdict) -> float:
+        """How many times `verdict`'s step time the pick's is shorter."""
+        return verdict.estimate.step_seconds / self.pick.estimate.step_seconds
+
     def samples_per_second(self, verdict: Verdict) -> float:
         return self.global_batch / verdict.estimate.step_seconds
 
@@ -180,9 +184,8 @@ def search(
     if not result.ranked:
         raise ValueError(_nothing_fits(result.rejected, budget_bytes))
     result.ranked.sort(key=_order)
-    pick = result.ranked[0]
     for k, verdict in enumerate(result.ranked[1:], start=1):
-        slower = verdict.estimate.step_seconds / pick.estimate.step_seconds - 1
+        slower = result.speedup(verdict) - 1
         result.ranked[k] = Verdict(verdict.candidate, verdict.estimate, f"{slower:.0%} slower")
     return result
 
