@@ -1,6 +1,7 @@
 """Communication building blocks: pure pieces in-process, the rest under a real 4-rank mpirun."""
 
 import ast
+import itertools
 import pathlib
 
 import numpy as np
@@ -10,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from mpi4py import MPI
 
-from hyparflow.comm import dlpack, failure
+from hyparflow.comm import dlpack, failure, idle
 from hyparflow.comm.allreduce import GradientReducer, plan_buckets, reduction_dtype
 from hyparflow.comm.p2p import (
     DIRECTIONS,
@@ -262,6 +263,53 @@ def test_comm_package_never_imports_keras():
 
 
 # ---- under mpirun ------------------------------------------------------------------------
+
+
+class _Clock:
+    """`time.monotonic` and `time.sleep` for `idle`: sleeping moves the clock."""
+
+    def __init__(self, yields_take: float):
+        self.now, self.sleeps, self.yields_take = 0.0, [], yields_take
+
+    def monotonic(self):
+        return self.now
+
+    def sleep(self, seconds):
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+    def sched_yield(self):
+        self.now += self.yields_take
+
+
+@pytest.mark.parametrize("sharing", [False, True])
+def test_a_wait_spins_with_a_core_per_rank_and_backs_off_when_sharing(monkeypatch, sharing):
+    clock = _Clock(yields_take=1e-4)
+    monkeypatch.setattr(idle.time, "monotonic", clock.monotonic)
+    monkeypatch.setattr(idle.time, "sleep", clock.sleep)
+    monkeypatch.setattr(idle.os, "sched_yield", clock.sched_yield)
+    pause = idle.Idle(sharing)
+    for _ in range(40):
+        pause()
+    if not sharing:
+        assert clock.sleeps == []  # full-speed polling, whatever the wait's length
+        return
+    spun = clock.now - sum(clock.sleeps)
+    assert idle.SPIN_SECONDS <= spun <= idle.SPIN_SECONDS + 2e-4  # then the sleeps start
+    assert clock.sleeps[0] == idle.FIRST_SLEEP_SECONDS
+    longest = idle.LONGEST_SLEEP_SECONDS
+    doubled = [b == min(2 * a, longest) for a, b in itertools.pairwise(clock.sleeps)]
+    assert all(doubled) and clock.sleeps[-1] == longest
+
+
+@pytest.mark.parametrize(("setting", "expected"), [("1", True), ("0", False), (None, False)])
+def test_open_mpis_yield_setting_decides_whether_ranks_share_cores(monkeypatch, setting, expected):
+    """One process on its own cores shares none; Open MPI's MCA parameter overrides that."""
+    if setting is None:
+        monkeypatch.delenv(idle.YIELD_ENV, raising=False)
+    else:
+        monkeypatch.setenv(idle.YIELD_ENV, setting)
+    assert idle.shares_cores(MPI.COMM_SELF) is expected
 
 
 @pytest.mark.mpi

@@ -14,7 +14,6 @@ user's own MPI call) never answers: after `FAILURE_AGREEMENT_SECONDS` the job is
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 
 from hyparflow.comm.agree import (
@@ -25,6 +24,7 @@ from hyparflow.comm.agree import (
     failure_comm,
     is_agreed,
 )
+from hyparflow.comm.idle import Idle, shares_cores
 
 NOTICE_TAG = 7_919  # the only tag on the channel's own communicator
 
@@ -47,6 +47,7 @@ class FailureChannel:
 
     def __init__(self, comm):
         self.comm = comm.Dup()
+        self.sharing = shares_cores(comm)  # collective, as the Dup is
         self.notice: tuple[int, str] | None = None  # (rank, error) of the first notice read
         self.announced = False
         self._sends: list = []  # kept so that the notices' buffers live until delivered
@@ -64,9 +65,10 @@ class FailureChannel:
     def wait(self, requests, statuses=None) -> None:
         """`MPI.Request.Waitall(requests, statuses)` that leaves when another rank fails."""
         mpi = _mpi()
+        idle = Idle(self.sharing)
         while not mpi.Request.Testall(requests, statuses):
             self.check()
-            os.sched_yield()  # a rank sharing its core with a busy peer lets it run
+            idle()
 
     def arrive(self, comm) -> None:
         """Wait until every rank of `comm` has reached this point, or another rank fails."""
