@@ -4,7 +4,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from hyparflow.engine.relaxed import declared_shapes, trace_first
+from hyparflow.engine.relaxed import declared_shapes, rows_unknown, trace_first
 from hyparflow.traced import traced
 
 
@@ -85,3 +85,30 @@ def test_inputs_of_another_structure_trace_as_they_come():
     concrete = function.get_concrete_function(tf.TensorSpec((4, 7), tf.float32))
     assert function.experimental_get_tracing_count() == 1
     assert concrete.structured_input_signature[0][0].shape.as_list() == [4, 7]
+
+
+def _rows(count: int) -> tf.IndexedSlices:
+    """An embedding table's gradient (10 rows of 4) holding `count` rows."""
+    return tf.IndexedSlices(tf.ones((count, 4)), tf.range(count), tf.constant([10, 4]))
+
+
+def test_an_update_of_row_slices_traces_once_for_every_row_count():
+    table = tf.Variable(tf.zeros((10, 4)))
+
+    def update(grads, scale):
+        table.scatter_add(tf.IndexedSlices(grads[0].values * scale, grads[0].indices))
+
+    plain = traced(update, reduce_retracing=True)
+    once = traced(update, reduce_retracing=True)
+    relaxed = rows_unknown(once)
+    for count in (3, 5, 2):
+        plain([_rows(count)], tf.constant(1.0))
+        relaxed([_rows(count)], tf.constant(1.0))
+    assert plain.experimental_get_tracing_count() == 2  # by shape: once more for the 5 rows
+    assert once.experimental_get_tracing_count() == 1
+    np.testing.assert_array_equal(table.numpy()[:2], np.full((2, 4), 6.0))  # all six calls ran
+
+
+def test_an_update_without_row_slices_is_traced_as_it_comes():
+    dense = rows_unknown(traced(lambda grads: grads[0] * 2, reduce_retracing=True))
+    assert float(dense([tf.constant(3.0)])) == 6.0

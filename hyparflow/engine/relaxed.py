@@ -80,3 +80,31 @@ def _target_spec(value):
 
 def _dtype(value) -> tf.DType:
     return tf.as_dtype(value.dtype)
+
+
+def rows_unknown(function):
+    """`function` (a `tf.function`) whose first call traces with the row count of every row
+    slice (`tf.IndexedSlices`: an embedding table's gradient) unknown. Each step gathers other
+    rows, so traced by shape the optimizer's update would trace twice, as Keras's own train
+    function does; the update's graph does not depend on the count."""
+
+    def call(*args):
+        if function.experimental_get_tracing_count() == 0 and _has_rows(args):
+            function.get_concrete_function(*tf.nest.map_structure(_rows_spec, args))
+        return function(*args)
+
+    return call
+
+
+def _has_rows(args) -> bool:
+    return any(isinstance(leaf, tf.IndexedSlices) for leaf in tf.nest.flatten(args))
+
+
+def _rows_spec(value):
+    if not isinstance(value, tf.IndexedSlices):
+        return value
+    return tf.IndexedSlicesSpec(
+        shape=tf.get_static_value(value.dense_shape), dtype=value.values.dtype,
+        indices_dtype=value.indices.dtype, dense_shape_dtype=value.dense_shape.dtype,
+        indices_shape=[None],
+    )  # fmt: skip

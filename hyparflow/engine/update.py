@@ -14,6 +14,7 @@ from hyparflow import _keras
 from hyparflow.comm.agree import AgreedError
 from hyparflow.engine import sparse as row_sparse
 from hyparflow.engine.mpi import mpi_op
+from hyparflow.engine.relaxed import rows_unknown
 from hyparflow.engine.weights import byte_groups
 from hyparflow.sizes import UPDATE_GROUP_BYTES
 from hyparflow.traced import traced
@@ -388,8 +389,11 @@ class Update:
         name = (body.__name__, key)
         if name not in self._compiled or self._compiled[name][0] is not optimizer:
             function = functools.partial(body, **bound) if bound else body
-            # Tables' row counts vary by step: generalise shapes after a retrace, as Keras does.
-            self._compiled[name] = (optimizer, traced(function, reduce_retracing=True))
+            # Tables' row counts vary by step: traced with them unknown; any other shape that
+            # varies generalises after a retrace, as Keras does.
+            self._compiled[name] = (
+                optimizer, rows_unknown(traced(function, reduce_retracing=True))
+            )  # fmt: skip
         return self._compiled[name][1]
 
 
