@@ -65,7 +65,10 @@ def test_a_save_torn_by_a_kill_leaves_the_previous_checkpoint_loadable(tmp_path)
 
 @pytest.mark.mpi
 def test_resume_with_another_partitioning_and_export(tmp_path):
-    results = run_scenario("reliability", 4, "reshape", str(tmp_path / "ckpt"), timeout=300)
+    # trains, saves and resumes in the same processes, as a user's script does: pooled
+    results = run_scenario(
+        "reliability", 4, "reshape", str(tmp_path / "ckpt"), timeout=300, pooled=True
+    )
     for r in results:
         assert r["model4"] < 1e-6, f"4x1 resume differs from 2x2 by {r['model4']:.2e}"
         assert r["data4"] < 1e-6, f"1x4 resume differs from 2x2 by {r['data4']:.2e}"
@@ -77,7 +80,9 @@ def test_resume_with_another_partitioning_and_export(tmp_path):
 def test_a_tensor_parallel_checkpoint_resumes_with_other_tensor_counts(tmp_path):
     """Each tensor rank saves its pieces; resuming joins and re-cuts them (weights and Adam's
     slots), with 1, 2 or 4 tensor ranks."""
-    results = run_scenario("reliability", 4, "tensor_reshape", str(tmp_path / "ckpt"), timeout=300)
+    results = run_scenario(
+        "reliability", 4, "tensor_reshape", str(tmp_path / "ckpt"), timeout=300, pooled=True
+    )
     for r in results:
         assert r["files"] == [f"stage-{s}-shard-{t}.npz" for s in (0, 1) for t in (0, 1)]
         for name in ("tensor1", "data4", "tensor4"):
