@@ -31,6 +31,7 @@ def shares_cores(comm) -> bool:
         cores = node.allgather(frozenset(os.sched_getaffinity(0)))
     finally:
         node.Free()
+    # gathered even where the setting decides: every rank makes the same collective calls
     setting = os.environ.get(YIELD_ENV, "").strip()
     if setting in ("0", "1"):
         return setting == "1"
@@ -48,17 +49,14 @@ class Idle:
 
     def __init__(self, sharing: bool):
         self.sharing = sharing
-        self._since: float | None = None
+        self._start = time.monotonic()  # made as its wait begins
         self._sleep = FIRST_SLEEP_SECONDS
 
     def __call__(self) -> None:
         if not self.sharing:
             os.sched_yield()  # a peer that was given this core anyway runs first
             return
-        now = time.monotonic()
-        if self._since is None:
-            self._since = now
-        if now - self._since < SPIN_SECONDS:
+        if time.monotonic() - self._start < SPIN_SECONDS:
             os.sched_yield()
             return
         time.sleep(self._sleep)
