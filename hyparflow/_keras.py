@@ -231,6 +231,12 @@ def own_trainable_variables(layer) -> list:
     return layer._trainable_variables
 
 
+def stored_value(variable):
+    """`Variable._value`: the backend variable behind a Keras variable, whatever a
+    StatelessScope maps it to."""
+    return variable._value
+
+
 def variable_autocast(variable) -> bool:
     """`Variable._autocast`: whether the variable casts to a layer's compute dtype."""
     return getattr(variable, "_autocast", True)

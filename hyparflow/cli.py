@@ -98,7 +98,7 @@ def _add_plan_command(commands):
         "--replicas", "-r", type=int, default=1, help="data-parallel replicas (and --hosts)"
     )
     memory.add_argument("--microbatches", "-m", type=int, default=1, help="micro-batches")
-    memory.add_argument("--schedule", default="gpipe", choices=("gpipe", "1f1b"))
+    memory.add_argument("--schedule", default="gpipe", choices=("gpipe", "1f1b", "zero_bubble"))
     memory.add_argument("--recompute", action="store_true", help="recompute activations")
     memory.add_argument(
         "--optimizer", help="count this optimizer's state (e.g. adam) when the file has none"

@@ -7,7 +7,7 @@ import dataclasses
 from hyparflow.units import byte_size
 
 KINDS = ("data", "model", "hybrid", "auto")
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "zero_bubble")
 BALANCES = ("layers", "params", "flops", "time")
 
 
@@ -66,9 +66,10 @@ class Strategy:
       (`num_microbatches`); a full batch must split evenly over `replicas * microbatches`.
       Refused above 1 with globally synchronised BatchNormalization and with a model that
       overrides its own train step.
-    - `schedule` ("gpipe"): "gpipe" (all forwards, then all backwards) or "1f1b" (one
-      forward, one backward in the steady state), as `schedule/builders.py` lays them out
-      (docs/schedules.md).
+    - `schedule` ("gpipe"): "gpipe" (all forwards, then all backwards), "1f1b" (one
+      forward, one backward in the steady state) or "zero_bubble" (ZB-H1: 1F1B with each
+      backward split into its input and weight halves, the weight halves run in 1F1B's
+      bubbles), as `schedule/` lays them out (docs/schedules.md).
     - `overlap_p2p` (True): posts a step's activation receives up front, and each gradient
       receive as soon as its activation is sent, so that they arrive while the stage
       computes; False posts each receive when its action needs it.
@@ -181,10 +182,7 @@ class Strategy:
         if isinstance(self.memory_per_rank, str):  # frozen: set once, as bytes
             object.__setattr__(self, "memory_per_rank", byte_size(self.memory_per_rank))
         _check_positive_int("memory_per_rank", self.memory_per_rank, 'pass bytes or "16GiB".')
-        if self.schedule not in SCHEDULES:
-            raise ValueError(
-                f"Unknown schedule {self.schedule!r}; use one of {', '.join(map(repr, SCHEDULES))}."
-            )
+        self._check_schedule()
         if isinstance(self.balance, str) and self.balance not in BALANCES:
             raise ValueError(
                 f"Unknown balance {self.balance!r}; use one of {', '.join(map(repr, BALANCES))} "
@@ -199,6 +197,18 @@ class Strategy:
             raise ValueError(
                 f"strategy 'model' is one pipeline, but replicas={self.replicas}; "
                 "use strategy 'hybrid' to replicate the pipeline."
+            )
+
+    def _check_schedule(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(
+                f"Unknown schedule {self.schedule!r}; use one of {', '.join(map(repr, SCHEDULES))}."
+            )
+        if self.schedule == "zero_bubble" and (self.overlap_groups > 1 or self.update_by_segment):
+            raise ValueError(
+                "schedule='zero_bubble' computes a stage's weight gradients after its backward, "
+                "so they cannot be reduced or applied segment by segment during it: use "
+                "overlap_groups=1 and update_by_segment=False (or None) with it."
             )
 
     def leaves_layout_open(self) -> bool:

@@ -68,6 +68,20 @@ TWO_RANKS = [
     Case("embedding", "adam", "model", partitions=2, microbatches=2, overlap_p2p=False),
     Case("embedding", "adam", "model", partitions=2, microbatches=2, schedule="1f1b",
          policy="mixed_float16"),
+    # ZB-H1: each backward split into input gradients (B) and weight gradients (W, later)
+    Case("mlp", "adam", "model", partitions=2, microbatches=4, schedule="zero_bubble"),
+    Case("sequential", "sgd", "model", partitions=2, microbatches=2, schedule="zero_bubble"),
+    Case("cnn", "adam", "model", partitions=2, microbatches=2, schedule="zero_bubble"),
+    Case("resnet", "sgd", "model", partitions=2, microbatches=4, schedule="zero_bubble",
+         recompute=True),
+    Case("multi_io", "adam", "model", partitions=2, microbatches=2, schedule="zero_bubble"),
+    Case("shared", "sgd", "model", partitions=2, microbatches=2, schedule="zero_bubble"),
+    Case("l2_mlp", "adam", "model", partitions=2, microbatches=2, schedule="zero_bubble"),
+    Case("batchnorm", "adam", "model", partitions=2, schedule="zero_bubble"),
+    Case("embedding", "adam", "model", partitions=2, microbatches=2, schedule="zero_bubble"),
+    # float16 layers cannot be split: the stages run 1F1B's merged backward
+    Case("l2_mlp", "adam", "model", partitions=2, microbatches=2, schedule="zero_bubble",
+         policy="mixed_float16"),
 ]  # fmt: skip
 FOUR_RANKS = [
     Case("mlp", "adam", "data", replicas=4),
@@ -113,6 +127,14 @@ FOUR_RANKS = [
          large_variables=True),
     Case("embedding", "adam", "hybrid", partitions=2, replicas=2, microbatches=2,
          flat_gradients=False),
+    Case("mlp", "adam", "model", partitions=4, microbatches=4, schedule="zero_bubble"),
+    Case("resnet", "adam", "model", partitions=4, microbatches=2, schedule="zero_bubble"),
+    Case("multi_io", "sgd", "hybrid", partitions=2, replicas=2, microbatches=2,
+         schedule="zero_bubble"),
+    Case("embedding", "adam", "hybrid", partitions=2, replicas=2, microbatches=2,
+         schedule="zero_bubble"),
+    Case("cnn", "adam", "hybrid", partitions=2, replicas=2, microbatches=2, schedule="zero_bubble",
+         recompute=True),
 ]  # fmt: skip
 TOLERANCE = 1e-5
 # mixed_float16: Keras and the pipeline round float16 activations of different micro-batch
@@ -145,6 +167,8 @@ def _check(case, ranks):
         if by_segment:  # updates ran inside the backward
             scaled = case.policy == "mixed_float16"  # LossScaleOptimizer: after it, at once
             assert bool(r["segment_updates"]) != scaled, f"{where}: {r['segment_updates']}"
+        if case.schedule == "zero_bubble" and case.partitions > 1:  # float16 stays merged
+            assert r["split_backward"] == (case.policy == "float32"), f"{where}: split?"
         if case.partitions > 1:  # optimizer state lives only with the stage's own variables
             assert r["optimizer_variables"] < r["reference_optimizer_variables"], where
 

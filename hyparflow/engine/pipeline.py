@@ -36,7 +36,7 @@ class MicroBatch(NamedTuple):
 
 
 class PipelineWalk:
-    """Runs one stage's actions (GPipe, 1F1B, forward-only) for a step's micro-batches.
+    """Runs one stage's actions (GPipe, 1F1B, ZB-H1, forward-only) for a step's micro-batches.
 
     Cuts the replica's shard of a global batch into micro-batches, runs each forward and
     backward on `runner`, and moves activations and gradients to the neighbouring stages over
@@ -232,6 +232,7 @@ class _Step:
             ActionKind.SEND_ACTIVATIONS: self.send_activations,
             ActionKind.RECV_GRADIENTS: self.receive_gradients,
             ActionKind.BACKWARD: self.backward,
+            ActionKind.WEIGHT: self.weight,
             ActionKind.SEND_GRADIENTS: self.send_gradients,
         }
         if train and not walk.is_first and walk.runner.flat_backward:
@@ -307,6 +308,12 @@ class _Step:
                 input_grads = walk.runner.backward(k, grads)
         if not walk.is_first:
             self.held[ActionKind.SEND_GRADIENTS, k] = input_grads
+
+    def weight(self, k: int) -> None:
+        """Micro-batch `k`'s weight gradients, where its backward left them (zero-bubble
+        schedules; timed as backward compute)."""
+        with self.walk.span(events.BACKWARD, k):
+            self.walk.runner.weight(k)
 
     def send_gradients(self, k: int) -> None:
         """Send micro-batch `k`'s input gradients back to the previous stage."""

@@ -44,6 +44,10 @@ class Runner(Protocol):
 
     def backward(self, microbatch: int, output_grads=None): ...
 
+    def weight(self, microbatch: int) -> None:
+        """The weight half of a split backward (zero-bubble schedules); nothing where
+        `backward` computed the weight gradients too."""
+
     def infer(self, inputs): ...
 
     def prepare(self) -> None: ...
@@ -108,6 +112,9 @@ class RunnerBase:
         if self.input_shapes is not None:
             relaxed.trace_first(function, args, self.input_shapes, targets)
         return function
+
+    def weight(self, microbatch: int) -> None:
+        """Nothing: this runner's backward computes the weight gradients too."""
 
     def infer(self, inputs):
         """Forward without gradients, in inference mode (validation, evaluate, predict)."""

@@ -12,6 +12,7 @@ from hyparflow.engine.fused import FusedRunner
 from hyparflow.engine.gradient_sync import Overlap
 from hyparflow.engine.relaxed import declared_shapes
 from hyparflow.engine.segments import SegmentedRunner
+from hyparflow.engine.split_stage import SplitStageRunner
 from hyparflow.engine.stage import StageRunner
 from hyparflow.engine.structure import pack_model_outputs
 from hyparflow.engine.sync_batchnorm import synchronized_batchnorm, synchronized_layers
@@ -51,8 +52,9 @@ class RunnerParts:
 
 
 def build_runner(parts: RunnerParts, variables, sparse, form, layout):
-    """The stage's `FusedRunner` (whole model) or `StageRunner`, gradients in `form`
-    (`GradientForm`; `layout` the `FlatLayout` of the dense variables when `form.flat`)."""
+    """The stage's `FusedRunner` (whole model), `StageRunner` or, under the zero-bubble
+    schedule, `SplitStageRunner`, gradients in `form` (`GradientForm`; `layout` the
+    `FlatLayout` of the dense variables when `form.flat`)."""
     layers = _keras.all_layers(parts.graph)
     strategy = parts.strategy
     whole = parts.model if parts.stage is None else None
@@ -69,18 +71,18 @@ def build_runner(parts: RunnerParts, variables, sparse, form, layout):
             layout=ChunkedLayout(layout.slots) if form.flat else None,
             microbatches=strategy.microbatches, **common,
         )  # fmt: skip
-    return StageRunner(
-        parts.call,
-        variables,
+    options = dict(
         loss=parts.loss if parts.is_last else None,
         recompute=strategy.recompute,
         state_variables=parts.forward_state(parts.graph) if strategy.recompute else (),
         metrics=parts.metrics if parts.is_last else None,
         input_grads=not parts.is_first,
         layout=layout if form.flat else None,
-        flat_backward=form.flat_backward,
         **common,
     )
+    if strategy.schedule == "zero_bubble":  # the backward's weight half runs apart
+        return SplitStageRunner(parts.call, variables, layers=layers, **options)
+    return StageRunner(parts.call, variables, flat_backward=form.flat_backward, **options)
 
 
 def build_segmented_runner(parts: RunnerParts, variables, segments: int):

@@ -45,6 +45,9 @@ class SegmentedRunner:
     def prepare(self) -> None:
         """Nothing to pack: the segments read their variables themselves."""
 
+    def weight(self, microbatch: int) -> None:
+        """Nothing: each segment's backward computes its weight gradients too."""
+
     def backward(self, microbatch: int, output_grads=None, on_segment_done=None):
         """Backward through the segments, last first; `on_segment_done(j)` after segment j."""
         grads = output_grads

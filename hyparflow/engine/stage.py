@@ -134,7 +134,7 @@ class StageRunner(RunnerBase):
         views = self.layout.unflatten(params)
         dense = [self.variables[i] for i in self.dense]  # tables are read as they are
         scopes = (
-            _UpdateRecordingScope(zip(dense, views, strict=True)),
+            UpdateRecordingScope(zip(dense, views, strict=True)),
             slice_of(rows),
             self._train_scope(),
         )
@@ -229,19 +229,28 @@ class StageRunner(RunnerBase):
         if tape is None:
             tape, kept = self._recomputed(*kept)
         inputs, watched, sources, targets = kept
+        grads = self._differentiate(tape, targets, watched + sources, output_grads)
+        self._accumulate(grads[len(watched) :], sources)
+        return self._input_gradients(inputs, watched, grads[: len(watched)])
+
+    def _differentiate(self, tape, targets, wrt: list, output_grads) -> list:
+        """The gradients of `targets` with respect to `wrt`, given the gradients of the stage's
+        float outputs (`output_grads`, in `forward`'s flattened order; None at the last
+        stage)."""
         if not self.is_last:
             output_grads = list(output_grads)
             if self.has_added_losses:
                 output_grads.append(tf.ones((), tf.float32))
-        grads = tape.gradient(
+        return tape.gradient(
             targets,
-            watched + sources,
+            wrt,
             output_gradients=None if self.is_last else output_grads,
             # None, not zeros: a table this stage does not read contributes no rows
             unconnected_gradients=tf.UnconnectedGradients.NONE,
         )
-        input_grads = [_or_zeros(g, t) for g, t in zip(grads[: len(watched)], watched, strict=True)]
-        var_grads = grads[len(watched) :]
+
+    def _accumulate(self, var_grads: list, sources: list) -> None:
+        """Add one micro-batch's variable gradients (None where unconnected) to the step's."""
         tables = [self.variables[i] for i in self.sparse]
         if self.flat_backward:
             flat = _or_zeros(var_grads[0], sources[0])
@@ -261,9 +270,13 @@ class StageRunner(RunnerBase):
             else:
                 self._grads = [a + g for a, g in zip(self._grads, dense, strict=True)]
         self._sparse_per_microbatch.append(sparse)
+
+    def _input_gradients(self, inputs, watched: list, grads: list) -> list:
+        """The gradients of the flattened inputs: zeros where unconnected, None for integer
+        inputs (and for every input of a stage without `input_grads`)."""
         if not self.input_grads:
             return [None] * len(tree.flatten(inputs))
-        by_input = iter(input_grads)
+        by_input = iter(_or_zeros(g, t) for g, t in zip(grads, watched, strict=True))
         return [next(by_input) if _is_float(t) else None for t in tree.flatten(inputs)]
 
     def _parameters(self):
@@ -303,7 +316,7 @@ class StageRunner(RunnerBase):
         return len(self._pending)
 
 
-class _UpdateRecordingScope(keras.StatelessScope):
+class UpdateRecordingScope(keras.StatelessScope):
     """A `keras.StatelessScope` that also remembers which variables were assigned in it."""
 
     def __init__(self, mapping):

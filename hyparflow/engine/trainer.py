@@ -156,6 +156,7 @@ class Trainer:
         (None unless the runner cuts the stage into segments)."""
         strategy, topo = self.strategy, self.topology
         layout = FlatLayout([self.variables[i] for i in self.dense])
+        split = strategy.schedule == "zero_bubble" and self.plan is not None
         facts = dict(
             partitioned=self.plan is not None,
             replicas=topo.num_replicas,
@@ -166,7 +167,8 @@ class Trainer:
             large_variables=layout.large_variables,
             shared_across_stages=shared_across_stages,
             tables=len(self.sparse),
-            segments=_segment_count(strategy, self.model, self.variables),
+            # a split backward's weight gradients are final only after the step's last W
+            segments=1 if split else _segment_count(strategy, self.model, self.variables),
             tensor_split=self.shards is not None,
         )
         self.gradient_form = choose_gradient_form(**facts, overlap_groups=strategy.overlap_groups)

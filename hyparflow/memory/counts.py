@@ -13,7 +13,8 @@ def in_flight(schedule: str, stages: int, microbatches: int, stage: int) -> int:
     """Micro-batches whose activations stage `stage` holds at once under `schedule`.
 
     GPipe forwards every micro-batch before the first backward; 1F1B (PipeDream-Flush) runs
-    `p - s - 1` warm-up forwards, so at most `min(m, p - s)` are in flight (the engine's
+    `p - s - 1` warm-up forwards, so at most `min(m, p - s)` are in flight; ZB-H1 keeps a
+    micro-batch until its weight half, `min(m, p)` on every stage (the engine's
     `schedule.peak_in_flight`, which the tests compare this with).
 
     Example:
@@ -22,6 +23,8 @@ def in_flight(schedule: str, stages: int, microbatches: int, stage: int) -> int:
     """
     if schedule == "1f1b":
         return min(microbatches, stages - stage)
+    if schedule == "zero_bubble":  # until its weight half: at most p on every stage
+        return min(microbatches, stages)
     return microbatches
 
 

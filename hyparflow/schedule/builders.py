@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from hyparflow.schedule.actions import B, F, Schedule, check_sizes
 from hyparflow.schedule.validation import validate
+from hyparflow.schedule.zero_bubble import zero_bubble
 
 
 def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
@@ -60,11 +61,12 @@ def forward_only(num_stages: int, num_microbatches: int) -> Schedule:
     return [[F(i) for i in range(num_microbatches)] for _ in range(num_stages)]
 
 
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "zero_bubble": zero_bubble}
 
 
 def make_schedule(name: str, num_stages: int, num_microbatches: int) -> Schedule:
-    """Build the training schedule called `name` ("gpipe" or "1f1b"), validated (`validate`).
+    """Build the training schedule called `name` ("gpipe", "1f1b" or "zero_bubble"), validated
+    (`validate`).
 
     Example:
         >>> make_schedule("1f1b", 4, 8)[3][:4]

@@ -71,6 +71,8 @@ def _run(case: Case) -> dict:
         ),
         "flat_gradients": model._hyparflow_trainer[1].runner.layout is not None,
         "traces": most_traces(model._hyparflow_trainer[1].runner, TRACED),
+        # ZB-H1's split backward ran (None: not a SplitStageRunner)
+        "split_backward": getattr(model._hyparflow_trainer[1].runner, "split", None),
         "grid_nodes": model._hyparflow_trainer[1].topology.nodes,  # host of each grid place
         "flat_backward": getattr(model._hyparflow_trainer[1].runner, "flat_backward", None),
         "shared_across_stages": model._hyparflow_trainer[1].gradient_sync.shared is not None,

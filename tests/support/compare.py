@@ -25,7 +25,15 @@ def history_difference(got: dict, expected: dict) -> float:
 
 
 # the runners' compiled steps (engine/fused.py, engine/stage.py)
-STEP_FUNCTIONS = ("_first_fn", "_accumulate_fn", "_forward_fn", "_loss_forward_fn")
+STEP_FUNCTIONS = (
+    "_first_fn",
+    "_accumulate_fn",
+    "_forward_fn",
+    "_loss_forward_fn",
+    "_split_forward_fn",
+    "_split_loss_forward_fn",
+    "_weight_fn",
+)
 
 
 def most_traces(runner, names=STEP_FUNCTIONS) -> int:
