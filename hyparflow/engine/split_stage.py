@@ -13,21 +13,10 @@ import warnings
 import tensorflow as tf
 from keras import tree
 
-from hyparflow.engine import weight_taps
+from hyparflow.engine import relaxed, weight_taps
 from hyparflow.engine.random_slices import slice_of
 from hyparflow.engine.stage import StageRunner, _constant, _is_float, _or_zeros
 from hyparflow.traced import traced
-
-_TAPS_SPEC = tf.TensorSpec([None], tf.float32)
-
-
-def _rows_unknown(value):
-    """`value`'s spec with its first dimension (the batch's) unknown: the taps' size is
-    then known for any micro-batch size."""
-    if value is None:
-        return None
-    shape = list(value.shape)
-    return tf.TensorSpec([None, *shape[1:]] if shape else [], tf.as_dtype(value.dtype))
 
 
 class SplitStageRunner(StageRunner):
@@ -50,6 +39,7 @@ class SplitStageRunner(StageRunner):
         self._saved: dict[int, list] = {}  # micro-batch -> its calls' saved arguments
         self._owed: dict[int, tuple] = {}  # micro-batch -> (saved arguments, taps' gradient)
         self._last_saved = None
+        self._zeros: dict[int, list] = {}  # rows -> zero taps
         self._split_forward_fn = traced(self._split_forward_body, reduce_retracing=True)
         self._split_loss_forward_fn = traced(self._split_loss_forward_body, reduce_retracing=True)
         self._weight_fn = traced(self._weight_body, reduce_retracing=True)
@@ -61,16 +51,12 @@ class SplitStageRunner(StageRunner):
         with slice_of(rows), self._train_scope(), recorder:
             outputs = self._call(inputs, True)
             added = self._added()  # the scope collects what layers add
+        if taps is not None and recorder.tapped != len(taps):
+            raise RuntimeError("hyparflow: the forward made fewer layer calls than discovered")
         for variable, value in recorder.updates.values():  # statistics, seeds: applied for real
             variable.assign(value)
         self._taps = recorder
-        check = tf.debugging.assert_equal(
-            recorder.offset, tf.size(taps, out_type=tf.int32),
-            message="hyparflow: weight taps sized for another forward",
-        )  # fmt: skip
-        with tf.control_dependencies([check]):
-            saved = [tf.identity(t) for t in recorder.saved]
-        return outputs, added, saved
+        return outputs, added, list(recorder.saved)
 
     def _split_forward_body(self, inputs, scale, rows, taps):
         outputs, added, saved = self._tapped_call(inputs, rows, taps)
@@ -84,56 +70,55 @@ class SplitStageRunner(StageRunner):
             self._metrics(y, y_pred, sample_weight)
         return y_pred, loss, added, (loss + added) * scale, saved
 
-    def _traced_split(self, function, args: tuple, targets: tuple = ()):
-        """`function` traced (relaxed, with taps of any length) before its first call; the
-        stage turns unsplittable when that trace found a reason."""
-        if function.experimental_get_tracing_count() == 0:
-            specs = (*args[:-1], _TAPS_SPEC)
-            self._relaxed(function, specs, targets)
-            if function.experimental_get_tracing_count() == 0:  # no declared input shapes
-                specs = (tree.map_structure(_rows_unknown, specs[0]), *specs[1:])
-                for position in targets:
-                    specs = (*specs[:position], tree.map_structure(_rows_unknown, specs[position]),
-                             *specs[position + 1 :])  # fmt: skip
-                function.get_concrete_function(*specs)
-            self.refusals = list(dict.fromkeys(self._taps.refusals))
-            if self.refusals:
-                self.split = False
-                warnings.warn(
-                    "hyparflow: this stage runs its backward whole (the zero-bubble schedule "
-                    "cannot split it): " + "; ".join(self.refusals[:3]),
-                    stacklevel=4,
-                )
-        return function
+    def _traced_split(self, function, args: tuple, targets: tuple = ()) -> None:
+        """Discover the stage's layer calls (a throwaway trace), then trace `function` once
+        with the batch size and varying lengths unknown and a tap per tapped output; the
+        stage turns unsplittable, with the reasons, where discovery found one."""
+        if function.experimental_get_tracing_count() > 0 or not self.split:
+            return
+        specs = relaxed.relaxed_specs(args, self.input_shapes, targets)
+        traced(function.python_function).get_concrete_function(*specs[:-1], None)
+        self.refusals = list(dict.fromkeys(self._taps.refusals))
+        if self.refusals:
+            self.split = False
+            warnings.warn(
+                "hyparflow: this stage runs its backward whole (the zero-bubble schedule cannot "
+                "split it): " + "; ".join(self.refusals[:3]),
+                stacklevel=5,
+            )
+            return
+        function.get_concrete_function(*specs[:-1], weight_taps.tap_specs(self._taps.calls))
+
+    def _tap_zeros(self, rows: int) -> list:
+        """Zero taps for a forward of `rows` rows (kept per size: tensors do not change)."""
+        if rows not in self._zeros:
+            shapes = weight_taps.tap_shapes(self._taps.calls, rows)
+            self._zeros[rows] = [tf.zeros(shape, tf.float32) for shape in shapes]
+        return self._zeros[rows]
 
     def _taped_forward(self, inputs, targets, scale, rows, tape):
+        if self.is_last:
+            y, sample_weight = targets
+            function, args = self._split_loss_forward_fn, (inputs, y, sample_weight, scale, rows)
+            self._traced_split(function, (*args, None), targets=(1, 2))
+        else:
+            function, args = self._split_forward_fn, (inputs, scale, rows)
+            self._traced_split(function, (*args, None))
         if not self.split:
             return super()._taped_forward(inputs, targets, scale, rows, tape)
         watched = [t for t in tree.flatten(inputs) if _is_float(t)] if self.input_grads else []
-        probe = tf.zeros([0], tf.float32)
-        if self.is_last:
-            y, sample_weight = targets
-            args = (inputs, y, sample_weight, scale, rows, probe)
-            function = self._traced_split(self._split_loss_forward_fn, args, targets=(1, 2))
-        else:
-            args = (inputs, scale, rows, probe)
-            function = self._traced_split(self._split_forward_fn, args)
-        if not self.split:  # the trace just refused it
-            return super()._taped_forward(inputs, targets, scale, rows, tape)
-        rows_here = int(tree.flatten(inputs)[0].shape[0])
-        taps = tf.zeros([weight_taps.tap_size(self._taps.calls, rows_here)], tf.float32)
-        args = (*args[:-1], taps)
+        taps = self._tap_zeros(int(tree.flatten(inputs)[0].shape[0]))
         if tape is not None:
             tape.watch(watched)
             tape.watch(taps)
         if self.is_last:
-            y_pred, loss, self.last_added, scaled, self._last_saved = function(*args)
-            return (y_pred, loss), (inputs, watched, [taps], scaled)
-        result, self.last_added, added, self._last_saved = function(*args)
+            y_pred, loss, self.last_added, scaled, self._last_saved = function(*args, taps)
+            return (y_pred, loss), (inputs, watched, taps, scaled)
+        result, self.last_added, added, self._last_saved = function(*args, taps)
         floats = [t for t in tree.flatten(result) if _is_float(t)]
         if self.has_added_losses:
             floats.append(added)
-        return result, (inputs, watched, [taps], floats)
+        return result, (inputs, watched, taps, floats)
 
     def forward(self, microbatch: int, inputs, targets=None, scale=1.0, rows=None):
         result = super().forward(microbatch, inputs, targets, scale, rows)
@@ -156,7 +141,8 @@ class SplitStageRunner(StageRunner):
             saved = self._saved.pop(microbatch)
         inputs, watched, taps, targets = kept
         grads = self._differentiate(tape, targets, watched + taps, output_grads)
-        self._owed[microbatch] = (saved, _or_zeros(grads[-1], taps[0]))
+        tapped = [_or_zeros(g, t) for g, t in zip(grads[len(watched) :], taps, strict=True)]
+        self._owed[microbatch] = (saved, tapped)
         return self._input_gradients(inputs, watched, grads[: len(watched)])
 
     def weight(self, microbatch: int) -> None:
@@ -165,8 +151,8 @@ class SplitStageRunner(StageRunner):
             return
         saved, output_grads = self._owed.pop(microbatch)
         if self._weight_fn.experimental_get_tracing_count() == 0:  # once, for any batch size
-            specs = [_rows_unknown(t) for t in saved]
-            self._weight_fn.get_concrete_function(specs, _TAPS_SPEC)
+            specs = [relaxed.rows_unknown_spec(t) for t in saved]
+            self._weight_fn.get_concrete_function(specs, weight_taps.tap_specs(self._taps.calls))
         grads = self._weight_fn(saved, output_grads)
         self._accumulate(list(grads), self._sources)
 

@@ -5,12 +5,14 @@ gradient of its inputs, which the previous stage waits for, and W, the gradient 
 weights, which only the optimizer step waits for. A TensorFlow function called under a tape
 has one backward that computes both, so the split is made at the layers:
 
-- While the taped forward is traced, `Taps` reads the stage's weights as constants and adds,
-  to each float output of every call of a layer that owns weights, a slice of one zero vector
-  (the taps). It records each call: the layer, its arguments (the tensors among them become
-  outputs of the forward) and its outputs' shapes.
-- B is the tape's gradient of the stage's inputs and of the taps: the taps' gradient holds
-  each call's output gradient. No weight gradient is computed.
+- A first trace (discovery, `taps=None`) records each call of a layer that owns weights: the
+  layer, its arguments and its float outputs' shapes.
+- The taped forward is then traced with one zero tensor (a tap) per such output as an input:
+  `Taps` reads the stage's weights as constants and adds each tap to its output, and the
+  call's tensor arguments become outputs of the forward.
+- B is the tape's gradient of the stage's inputs and of the taps: each tap's gradient is its
+  output's. No weight gradient is computed. (One tap per output, not slices of one vector: a
+  slice's gradient is as long as the whole vector, measured 2x slower for 6 layers.)
 - W (`weight_gradients`) calls each recorded layer again on its saved arguments and
   differentiates its outputs with respect to the layer's own weights, given that output
   gradient. Grappler prunes what the weight gradient does not read (a linear layer's product).
@@ -25,7 +27,6 @@ more than their first (batch) dimension.
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass, field
 
 import keras
@@ -47,6 +48,7 @@ class LayerCall:
     kwargs: dict
     saved: int  # how many tensors of the saved list are this call's
     output_shapes: list = field(default_factory=list)
+    hoisted: bool = False  # tapped before its activation, which W then leaves out
 
 
 class _Slot:
@@ -54,6 +56,35 @@ class _Slot:
 
     def __init__(self, index: int):
         self.index = index
+
+
+def _stock_call_classes() -> tuple:
+    """Keras layers whose own `call` applies `self.activation` last, to its whole output."""
+    return (keras.layers.Dense, keras.layers.EinsumDense, keras.layers.Conv1D,
+            keras.layers.Conv2D, keras.layers.Conv3D)  # fmt: skip
+
+
+def hoistable_activation(layer):
+    """`layer`'s activation where its call applies it last (a stock Dense, EinsumDense or
+    convolution) and it is not linear, else None. The tap then goes before it and W replays
+    the call without it: a ReLU's or GELU's gradient needs the call's output, which W would
+    otherwise compute again."""
+    activation = getattr(layer, "activation", None)
+    if activation is None or activation is keras.activations.linear:
+        return None
+    stock = any(type(layer).call is cls.call for cls in _stock_call_classes())
+    return activation if stock else None
+
+
+@contextlib.contextmanager
+def _without_activation(layer):
+    """`layer` with its activation set to linear for a moment."""
+    activation = layer.activation
+    object.__setattr__(layer, "activation", keras.activations.linear)
+    try:
+        yield
+    finally:
+        object.__setattr__(layer, "activation", activation)
 
 
 def _is_tensor(value) -> bool:
@@ -95,10 +126,10 @@ class Taps:
     """Trace-time recorder of the calls of weight-owning layers (see the module docstring).
 
     Use inside the traced forward, around the stage's call:
-        taps = Taps(owners, tap_vector)
+        taps = Taps(owners, tap_tensors)  # None: discovery
         with taps:
             outputs = call(inputs)
-        saved, end = taps.saved, taps.offset  # outputs of the forward
+        saved = taps.saved  # outputs of the forward
 
     After the trace, `calls` lists the recorded calls in order, `refusals` why the stage
     cannot be split (empty: it can), and `updates` the assignments the layers made (the
@@ -112,7 +143,7 @@ class Taps:
         self.calls: list[LayerCall] = []
         self.saved: list = []
         self.refusals: list[str] = []
-        self.offset = tf.zeros((), tf.int32)
+        self.tapped = 0  # outputs tapped so far
         self._active: list = []
         self._stack = contextlib.ExitStack()
 
@@ -163,15 +194,19 @@ class Taps:
         if self._refuse_layer(layer):
             return original(*args, **kwargs)
         losses_before = len(_keras.own_losses(layer))
+        activation = hoistable_activation(layer)
         self._active.append(layer)
         try:
-            outputs = original(*args, **kwargs)
+            with _without_activation(layer) if activation else contextlib.nullcontext():
+                outputs = original(*args, **kwargs)
         finally:
             self._active.pop()
         if len(_keras.own_losses(layer)) != losses_before:
             self.refusals.append(f"layer {layer.name} adds a loss in its call")
         record = self._record(layer, args, kwargs)
-        return tree.map_structure(lambda t: self._tap(t, record), outputs)
+        record.hoisted = activation is not None
+        outputs = tree.map_structure(lambda t: self._tap(t, record), outputs)
+        return activation(outputs) if activation else outputs
 
     def _record(self, layer, args, kwargs) -> LayerCall:
         start = len(self.saved)
@@ -193,7 +228,7 @@ class Taps:
         return call
 
     def _tap(self, tensor, call: LayerCall):
-        """`tensor` plus the next slice of the taps (float tensors only)."""
+        """`tensor` plus its tap (float tensors only; at discovery, `tensor` itself)."""
         if not _is_tensor(tensor) or not tensor.dtype.is_floating:
             return tensor
         shape = tensor.shape
@@ -203,34 +238,41 @@ class Taps:
             )
             return tensor
         call.output_shapes.append(tuple(shape))
-        size = tf.size(tensor, out_type=tf.int32)
-        piece = tf.reshape(self.taps[self.offset : self.offset + size], tf.shape(tensor))
-        self.offset = self.offset + size
-        tapped = tensor + tf.cast(piece, tensor.dtype)
+        if self.taps is None:
+            return tensor
+        if self.tapped >= len(self.taps):
+            raise RuntimeError("hyparflow: the forward made more layer calls than discovered")
+        tap = self.taps[self.tapped]
+        self.tapped += 1
+        tapped = tensor + tf.cast(tap, tensor.dtype)
         mask = _keras.keras_mask(tensor)
         if mask is not None:
             _keras.set_keras_mask(tapped, mask)
         return tapped
 
 
-def tap_size(calls: list[LayerCall], rows: int) -> int:
-    """Elements of the taps a forward of `rows` rows needs (sum of the tapped outputs)."""
-    total = 0
-    for call in calls:
-        for shape in call.output_shapes:
-            rest = math.prod(shape[1:])
-            total += rest * (rows if shape[0] is None else shape[0])
-    return total
+def tap_shapes(calls: list[LayerCall], rows: int) -> list[tuple]:
+    """The shape of each tap of a forward of `rows` rows (each tapped output's)."""
+    return [
+        (rows if shape[0] is None else shape[0], *shape[1:])
+        for call in calls
+        for shape in call.output_shapes
+    ]
+
+
+def tap_specs(calls: list[LayerCall]) -> list[tf.TensorSpec]:
+    """The taps' specs for any number of rows (the first dimension left unknown)."""
+    return [tf.TensorSpec((None, *shape[1:]), tf.float32) for shape in tap_shapes(calls, 0)]
 
 
 def weight_gradients(calls: list[LayerCall], variables: list, saved, output_grads):
     """Each variable's gradient (None where no call reads it), in `variables`' order: every
     call of `calls` replayed on its `saved` arguments and differentiated with respect to its
-    layer's own weights, given its outputs' gradients (`output_grads`, the taps' gradient).
+    layer's own weights, given its outputs' gradients (`output_grads`, the taps').
     Call inside a trace."""
     positions = {id(v): i for i, v in enumerate(variables)}
     grads: list[list] = [[] for _ in variables]
-    offset, start = tf.zeros((), tf.int32), 0
+    start, by_output = 0, iter(output_grads)
     for call in calls:
         mine = saved[start : start + call.saved]
         start += call.saved
@@ -242,15 +284,13 @@ def weight_gradients(calls: list[LayerCall], variables: list, saved, output_grad
         with tf.GradientTape(watch_accessed_variables=False) as tape:
             tape.watch(sources)
             # what the replay assigns (BatchNormalization's statistics) is dropped
-            with keras.StatelessScope(initialize_variables=False):
+            with (
+                keras.StatelessScope(initialize_variables=False),
+                _without_activation(call.layer) if call.hoisted else contextlib.nullcontext(),
+            ):
                 outputs = type(call.layer).call(call.layer, *args, **kwargs)
         floats = [t for t in tree.flatten(outputs) if _is_tensor(t) and t.dtype.is_floating]
-        pieces = []
-        for tensor in floats:
-            size = tf.size(tensor, out_type=tf.int32)
-            piece = tf.reshape(output_grads[offset : offset + size], tf.shape(tensor))
-            pieces.append(tf.cast(piece, tensor.dtype))
-            offset = offset + size
+        pieces = [tf.cast(next(by_output), t.dtype) for t in floats]
         found = tape.gradient(
             floats, sources, output_gradients=pieces,
             unconnected_gradients=tf.UnconnectedGradients.NONE,
