@@ -13,10 +13,15 @@ import warnings
 import tensorflow as tf
 from keras import tree
 
-from hyparflow.engine import relaxed, weight_taps
+from hyparflow.engine import relaxed, tap_shapes, weight_taps
 from hyparflow.engine.random_slices import slice_of
 from hyparflow.engine.stage import StageRunner, _constant, _is_float, _or_zeros
 from hyparflow.traced import traced
+
+
+def _shapes_of(inputs) -> list[tuple]:
+    """The shape of each flattened input."""
+    return [tuple(t.shape) for t in tree.flatten(inputs)]
 
 
 class SplitStageRunner(StageRunner):
@@ -35,11 +40,14 @@ class SplitStageRunner(StageRunner):
         self._owners = weight_taps.weight_owners(layers, self.variables)
         self.split = bool(self._owners)
         self.refusals: list[str] = []
-        self._taps = None  # the Taps of the forward's trace: its calls, what it saves
+        self._recorder = None  # the Taps of the last trace: its calls, what it saves
+        self._calls = []  # the forward's layer calls (its trace's), which W replays
+        self._shapes = []  # each tap's shape (engine/tap_shapes.py)
+        self._saved_specs = []  # specs of the calls' saved arguments
         self._saved: dict[int, list] = {}  # micro-batch -> its calls' saved arguments
         self._owed: dict[int, tuple] = {}  # micro-batch -> (saved arguments, taps' gradient)
         self._last_saved = None
-        self._zeros: dict[int, list] = {}  # rows -> zero taps
+        self._zeros: dict[tuple, list] = {}  # input shapes -> zero taps
         self._split_forward_fn = traced(self._split_forward_body, reduce_retracing=True)
         self._split_loss_forward_fn = traced(self._split_loss_forward_body, reduce_retracing=True)
         self._weight_fn = traced(self._weight_body, reduce_retracing=True)
@@ -55,7 +63,7 @@ class SplitStageRunner(StageRunner):
             raise RuntimeError("hyparflow: the forward made fewer layer calls than discovered")
         for variable, value in recorder.updates.values():  # statistics, seeds: applied for real
             variable.assign(value)
-        self._taps = recorder
+        self._recorder = recorder
         return outputs, added, list(recorder.saved)
 
     def _split_forward_body(self, inputs, scale, rows, taps):
@@ -71,43 +79,83 @@ class SplitStageRunner(StageRunner):
         return y_pred, loss, added, (loss + added) * scale, saved
 
     def _traced_split(self, function, args: tuple, targets: tuple = ()) -> None:
-        """Discover the stage's layer calls (a throwaway trace), then trace `function` once
-        with the batch size and varying lengths unknown and a tap per tapped output; the
-        stage turns unsplittable, with the reasons, where discovery found one."""
+        """Discover the stage's layer calls and each tap's shape (throwaway traces, relaxed
+        and at `args`' shapes), then trace `function` once with the batch size and varying
+        lengths unknown and a tap per tapped output; the stage turns unsplittable, with the
+        reasons, where discovery found one."""
         if function.experimental_get_tracing_count() > 0 or not self.split:
             return
-        specs = relaxed.relaxed_specs(args, self.input_shapes, targets)
-        traced(function.python_function).get_concrete_function(*specs[:-1], None)
-        self.refusals = list(dict.fromkeys(self._taps.refusals))
-        if self.refusals:
-            self.split = False
-            warnings.warn(
-                "hyparflow: this stage runs its backward whole (the zero-bubble schedule cannot "
-                "split it): " + "; ".join(self.refusals[:3]),
-                stacklevel=5,
-            )
+        if self.input_shapes is None:  # its function would trace per shape: taps per trace
+            self._refuse(["the stage declares no input shapes"])
             return
-        function.get_concrete_function(*specs[:-1], weight_taps.tap_specs(self._taps.calls))
+        specs = relaxed.relaxed_specs((*args, None), self.input_shapes, targets)
+        refusals = self._discover(function, specs)
+        relaxed_shapes = self._discovered_shapes()
+        if not refusals:
+            exact = self._discover(function, (*args, None)) or self._discovered_shapes()
+            varying = _shapes_of(specs[0])
+            shapes = tap_shapes.template(relaxed_shapes, exact, _shapes_of(args[0]), varying)
+            refusals = [shapes] if isinstance(shapes, str) else refusals
+        if refusals:
+            self._refuse(refusals)
+            return
+        self._shapes = shapes
+        function.get_concrete_function(*specs[:-1], self._tap_specs())
+        self._calls = self._recorder.calls
+        # the arguments W gets, as the relaxed trace shaped them
+        self._saved_specs = [tf.TensorSpec(t.shape, t.dtype) for t in self._recorder.saved]
 
-    def _tap_zeros(self, rows: int) -> list:
-        """Zero taps for a forward of `rows` rows (kept per size: tensors do not change)."""
-        if rows not in self._zeros:
-            shapes = weight_taps.tap_shapes(self._taps.calls, rows)
-            self._zeros[rows] = [tf.zeros(shape, tf.float32) for shape in shapes]
-        return self._zeros[rows]
+    def _refuse(self, refusals: list[str]) -> None:
+        self.refusals, self.split = list(dict.fromkeys(refusals)), False
+        warnings.warn(
+            "hyparflow: this stage runs its backward whole (the zero-bubble schedule cannot "
+            "split it): " + "; ".join(self.refusals[:3]),
+            stacklevel=6,
+        )
+
+    def _discover(self, function, args) -> list[str]:
+        """Trace `function`'s body for `args` without taps (the trace is thrown away); the
+        reasons it cannot be split."""
+        traced(function.python_function).get_concrete_function(*args)
+        return self._recorder.refusals
+
+    def _discovered_shapes(self) -> list[tuple]:
+        return [shape for call in self._recorder.calls for shape in call.output_shapes]
+
+    def _tap_specs(self) -> list:
+        return [tf.TensorSpec(tap_shapes.specs_shape(s), tf.float32) for s in self._shapes]
+
+    def _tap_zeros(self, function, args: tuple) -> list:
+        """Zero taps for a forward of `args` (kept per input shapes: tensors do not change)."""
+        inputs = _shapes_of(args[0])
+        key = tuple(inputs)
+        if key not in self._zeros:
+            shapes = tap_shapes.resolve(self._shapes, inputs)
+            if shapes is None:  # candidates disagree here: which does the output follow?
+                self._discover(function, (*args, None))
+                narrowed = tap_shapes.narrow(self._shapes, self._discovered_shapes(), inputs)
+                if isinstance(narrowed, str):
+                    raise ValueError(
+                        f"hyparflow: schedule='zero_bubble' cannot shape this stage's weight "
+                        f"taps: {narrowed}; use schedule='1f1b' for this model."
+                    )
+                self._shapes = narrowed
+                shapes = tap_shapes.resolve(self._shapes, inputs)
+            self._zeros[key] = [tf.zeros(shape, tf.float32) for shape in shapes]
+        return self._zeros[key]
 
     def _taped_forward(self, inputs, targets, scale, rows, tape):
         if self.is_last:
             y, sample_weight = targets
             function, args = self._split_loss_forward_fn, (inputs, y, sample_weight, scale, rows)
-            self._traced_split(function, (*args, None), targets=(1, 2))
+            self._traced_split(function, args, targets=(1, 2))
         else:
             function, args = self._split_forward_fn, (inputs, scale, rows)
-            self._traced_split(function, (*args, None))
+            self._traced_split(function, args)
         if not self.split:
             return super()._taped_forward(inputs, targets, scale, rows, tape)
         watched = [t for t in tree.flatten(inputs) if _is_float(t)] if self.input_grads else []
-        taps = self._tap_zeros(int(tree.flatten(inputs)[0].shape[0]))
+        taps = self._tap_zeros(function, args)
         if tape is not None:
             tape.watch(watched)
             tape.watch(taps)
@@ -150,14 +198,13 @@ class SplitStageRunner(StageRunner):
         if not self.split:
             return
         saved, output_grads = self._owed.pop(microbatch)
-        if self._weight_fn.experimental_get_tracing_count() == 0:  # once, for any batch size
-            specs = [relaxed.rows_unknown_spec(t) for t in saved]
-            self._weight_fn.get_concrete_function(specs, weight_taps.tap_specs(self._taps.calls))
+        if self._weight_fn.experimental_get_tracing_count() == 0:  # once, for any shapes
+            self._weight_fn.get_concrete_function(self._saved_specs, self._tap_specs())
         grads = self._weight_fn(saved, output_grads)
         self._accumulate(list(grads), self._sources)
 
     def _weight_body(self, saved, output_grads):
-        return weight_taps.weight_gradients(self._taps.calls, self.variables, saved, output_grads)
+        return weight_taps.weight_gradients(self._calls, self.variables, saved, output_grads)
 
     @property
     def in_flight(self) -> int:

@@ -20,8 +20,8 @@ has one backward that computes both, so the split is made at the layers:
 `Taps.refusals` says why a stage cannot be split this way, and the stage then runs a merged
 backward: a weight read outside its owner's call (e.g. a tied embedding read by another
 layer), a layer called inside a loop or nested function (an RNN's cell), a layer with random
-draws, one that adds a loss or runs in another dtype than float32, or whose outputs vary in
-more than their first (batch) dimension.
+draws, one that adds a loss or runs in another dtype than float32; `engine/tap_shapes.py`
+gives each tap its shape.
 """
 
 from __future__ import annotations
@@ -231,38 +231,29 @@ class Taps:
         """`tensor` plus its tap (float tensors only; at discovery, `tensor` itself)."""
         if not _is_tensor(tensor) or not tensor.dtype.is_floating:
             return tensor
-        shape = tensor.shape
-        if shape.rank is None or any(d is None for d in shape[1:]):
-            self.refusals.append(
-                f"layer {call.layer.name}'s output {shape} varies beyond its batch dimension"
-            )
+        if tensor.shape.rank is None:
+            self.refusals.append(f"layer {call.layer.name}'s output has no known rank")
             return tensor
-        call.output_shapes.append(tuple(shape))
+        call.output_shapes.append(tuple(tensor.shape))
         if self.taps is None:
             return tensor
         if self.tapped >= len(self.taps):
             raise RuntimeError("hyparflow: the forward made more layer calls than discovered")
         tap = self.taps[self.tapped]
         self.tapped += 1
-        tapped = tensor + tf.cast(tap, tensor.dtype)
+        # a tap shaped for another dimension than its output's would broadcast, silently
+        same = tf.debugging.assert_equal(
+            tf.shape(tap), tf.shape(tensor),
+            message=f"hyparflow: the weight tap of layer {call.layer.name} has another shape "
+            "than its output (an output dimension that follows another input dimension than "
+            "on the first micro-batch); use schedule='1f1b' for this model",
+        )  # fmt: skip
+        with tf.control_dependencies([same]):
+            tapped = tensor + tf.cast(tap, tensor.dtype)
         mask = _keras.keras_mask(tensor)
         if mask is not None:
             _keras.set_keras_mask(tapped, mask)
         return tapped
-
-
-def tap_shapes(calls: list[LayerCall], rows: int) -> list[tuple]:
-    """The shape of each tap of a forward of `rows` rows (each tapped output's)."""
-    return [
-        (rows if shape[0] is None else shape[0], *shape[1:])
-        for call in calls
-        for shape in call.output_shapes
-    ]
-
-
-def tap_specs(calls: list[LayerCall]) -> list[tf.TensorSpec]:
-    """The taps' specs for any number of rows (the first dimension left unknown)."""
-    return [tf.TensorSpec((None, *shape[1:]), tf.float32) for shape in tap_shapes(calls, 0)]
 
 
 def weight_gradients(calls: list[LayerCall], variables: list, saved, output_grads):

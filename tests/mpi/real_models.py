@@ -32,6 +32,8 @@ def run(case: Case) -> dict:
         "case": case.id,
         # most traces of one compiled step function (Keras's own: 2 for varying lengths)
         "traces": most_traces(runner),
+        "split_backward": getattr(runner, "split", None),
+        "refusals": getattr(runner, "refusals", None),
         "weights": relative_difference(model.get_weights(), reference["weights"]),
         "history": history_difference(history.history, reference["history"]),
         "grid_nodes": trainer.topology.nodes,  # host of each grid place
