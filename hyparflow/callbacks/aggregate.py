@@ -6,7 +6,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from hyparflow.callbacks.breakdown import TENSOR_KINDS, StepBreakdown
-from hyparflow.schedule import theoretical_bubble
+from hyparflow.engine import events
+from hyparflow.schedule import theoretical_bubble, zero_bubble_bubble
 
 
 @dataclass(frozen=True)
@@ -17,10 +18,11 @@ class JobStep:
     `makespans[r]` is the pipeline phase of rank r's pipeline: the longest among its stages.
     `bubbles[r]` is rank r's `1 - compute / makespan`; `bubble_measured` their mean, which for
     each pipeline is `1 - sum(compute) / (p * makespan)`, the definition the formula and the
-    schedule simulator use. `bubble_theoretical` is the mean over ranks of `(p - 1) / (m + p - 1)`
-    for the rank's micro-batch count `m`. `mean_seconds` is each span kind averaged over ranks
-    (None without spans; tensor only where the ranks report it) and `mean_wall` the ranks' mean
-    step time, so `mean_wall - sum(mean_seconds)` is the mean idle time.
+    schedule simulator use. `bubble_theoretical` is the mean over ranks of the schedule's
+    formula (`formula_bubble`) for the rank's micro-batch count `m`. `mean_seconds` is each
+    span kind averaged over ranks (None without spans; tensor only where the ranks report it)
+    and `mean_wall` the ranks' mean step time, so `mean_wall - sum(mean_seconds)` is the mean
+    idle time.
     """
 
     step: int
@@ -53,10 +55,25 @@ def scaling_efficiency(
     return throughput / (world_size * baseline)
 
 
-def formula_bubble(num_stages: int, microbatches: int) -> float | None:
-    """`(p - 1) / (m + p - 1)`, or None for a rank that ran no micro-batch this step."""
+def formula_bubble(
+    num_stages: int, microbatches: int, schedule: str | None = None, seconds: dict | None = None
+) -> float | None:
+    """The schedule's bubble by formula, or None for a rank that ran no micro-batch this step:
+    `(p - 1) / (m + p - 1)` for GPipe and 1F1B; for ZB-H1 (`schedule="zero_bubble"`) its idle
+    fraction at the forward, backward and weight `seconds` of the step (`zero_bubble_bubble`),
+    where they are known.
+
+    Example:
+        >>> times = dict(forward=0.2, backward=0.2, weight=0.2)
+        >>> round(formula_bubble(2, 2), 4), round(formula_bubble(2, 2, "zero_bubble", times), 4)
+        (0.3333, 0.1429)
+    """
     if microbatches < 1:
         return None
+    if schedule == "zero_bubble" and seconds is not None:
+        f, b, w = (seconds.get(kind, 0.0) / microbatches for kind in events.COMPUTE)
+        if f + b + w > 0:
+            return zero_bubble_bubble(num_stages, microbatches, f, b, w)
     return theoretical_bubble(num_stages, microbatches)
 
 
@@ -86,6 +103,7 @@ def job_step(
     replicas: Sequence[int],
     num_stages: int,
     baseline: float | None = None,
+    schedule: str | None = None,
 ) -> JobStep:
     """Combine one step's breakdowns from every rank (in rank order; `replicas[r]` is rank r's
     pipeline).
@@ -112,7 +130,7 @@ def job_step(
         for b, m in zip(ranks, spans, strict=True)
     ]
     known = [x for x in bubbles if x is not None]
-    formulas = [formula_bubble(num_stages, b.microbatches) for b in ranks]
+    formulas = [formula_bubble(num_stages, b.microbatches, schedule, b.seconds) for b in ranks]
     formulas = [f for f in formulas if f is not None]
     detailed = [b for b in ranks if b.detailed]
     mean_seconds = None

@@ -42,10 +42,10 @@ class StepBreakdown:
 
     @property
     def compute(self) -> float | None:
-        """Forward plus backward: the work a pipeline stage exists to do."""
+        """Forward, backward and weight passes: the work a pipeline stage exists to do."""
         if self.seconds is None:
             return None
-        return self.seconds[events.FORWARD] + self.seconds[events.BACKWARD]
+        return sum(self.seconds.get(kind, 0.0) for kind in events.COMPUTE)
 
     @property
     def idle(self) -> float | None:
@@ -114,7 +114,7 @@ def breakdown(record: events.StepRecord, tensor: bool = False) -> StepBreakdown:
     inner = [s for s in record.spans if s.kind == events.TENSOR]
     if inner:
         for span in record.spans:
-            if span.kind in (events.FORWARD, events.BACKWARD):
+            if span.kind in events.COMPUTE:
                 seconds[span.kind] -= sum(_overlap(span, t) for t in inner)
     return StepBreakdown(
         step=record.step,

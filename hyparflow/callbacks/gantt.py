@@ -17,6 +17,7 @@ MAX_STEPS = 3  # more steps make each micro-batch too thin to read
 COLORS = {
     events.FORWARD: "#4C72B0",
     events.BACKWARD: "#55A868",
+    events.WEIGHT: "#64B5CD",
     events.RECV: "#C44E52",
     events.SEND: "#DD8452",
     events.ALLREDUCE: "#8172B3",
@@ -25,7 +26,7 @@ COLORS = {
 }
 IDLE_COLOR = "#E6E6E6"
 LEGEND_NAMES = {events.RECV: "recv (waiting)"}
-LABELLED = (events.FORWARD, events.BACKWARD)  # bars that show their micro-batch number
+LABELLED = events.COMPUTE  # bars that show their micro-batch number
 # Tensor collectives run inside a forward or backward: thinner bars drawn over them.
 INNER = (events.TENSOR,)
 

@@ -103,7 +103,7 @@ class ScalingProfiler(keras.callbacks.Callback):
             layout = {"world_size": 1, "kind": "single process", "stages": 1, "replicas": 1,
                       "microbatches": 1, "schedule": None}  # fmt: skip
             ranks = [{"rank": 0, "stage": 0, "replica": 0, "node": socket.gethostname()}]
-            self._num_stages = 1
+            self._num_stages, self._schedule = 1, None
         else:
             topo, strategy = trainer.topology, trainer.strategy
             self._comm = topo.world.Dup()  # our gathers and ping-pongs never meet the engine's
@@ -125,7 +125,7 @@ class ScalingProfiler(keras.callbacks.Callback):
             for r in range(layout["world_size"]):
                 stage, replica = topo.grid.coords(r)
                 ranks.append({"rank": r, "stage": stage, "replica": replica, "node": topo.nodes[r]})
-            self._num_stages = topo.num_stages
+            self._num_stages, self._schedule = topo.num_stages, strategy.schedule
             self._recorder = Recorder()
             trainer.attach_recorder(self._recorder)
         self._layout, self._ranks = layout, ranks
@@ -209,7 +209,9 @@ class ScalingProfiler(keras.callbacks.Callback):
             if None in ranks:  # every rank records every step; skip rather than guess
                 logger.warning("profiler: step %d is missing on some ranks; skipped", step)
                 continue
-            job = job_step(ranks, replicas, self._num_stages, self.baseline_throughput)
+            job = job_step(
+                ranks, replicas, self._num_stages, self.baseline_throughput, self._schedule
+            )
             rows.append((step, scalars.job_values(job)))
             self._summary.add(job, ranks)
             for rank, bubble in enumerate(job.bubbles):

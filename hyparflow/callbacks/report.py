@@ -123,10 +123,15 @@ def _bubble_line(job: dict, layout: dict) -> str:
     if layout.get("stages") == 1:
         idle = "" if measured is None else f"; measured non-compute share: {_percent(measured)}"
         return f"Pipeline bubble: none in theory (one stage){idle}"
+    name = (
+        "ZB-H1 at these F, B, W times"
+        if layout.get("schedule") == "zero_bubble"
+        else ("(p-1)/(m+p-1)")
+    )
     if measured is None:
-        return f"Pipeline bubble: not measured; theoretical (p-1)/(m+p-1) = {_percent(formula)}"
+        return f"Pipeline bubble: not measured; theoretical {name} = {_percent(formula)}"
     line = (
-        f"Pipeline bubble: measured {_percent(measured)} vs theoretical (p-1)/(m+p-1) = "
+        f"Pipeline bubble: measured {_percent(measured)} vs theoretical {name} = "
         f"{_percent(formula)}"
     )
     simulated = job.get("bubble_simulated")

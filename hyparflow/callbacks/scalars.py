@@ -32,11 +32,11 @@ AGGREGATE_TAGS = (*RANK_TAGS, BUBBLE_THEORETICAL)
 
 def _time_values(wall: float, seconds: dict[str, float] | None, busy_wall: float):
     """Milliseconds of the step and its parts; idle is `busy_wall` minus every span. Compute is
-    forward + backward, which exclude the tensor collectives inside them (breakdown.py)."""
+    forward + backward + weight, which exclude the tensor collectives inside them (breakdown.py)."""
     values = {STEP_MS: 1e3 * wall}
     if seconds is not None:
         values.update({KIND_MS[k]: 1e3 * v for k, v in seconds.items()})
-        values[COMPUTE_MS] = 1e3 * (seconds[events.FORWARD] + seconds[events.BACKWARD])
+        values[COMPUTE_MS] = 1e3 * sum(seconds.get(kind, 0.0) for kind in events.COMPUTE)
         values[P2P_WAIT_MS] = 1e3 * seconds[events.RECV]
         values[IDLE_MS] = max(0.0, 1e3 * (busy_wall - sum(seconds.values())))
     return values

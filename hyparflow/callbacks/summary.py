@@ -47,7 +47,7 @@ class Totals:
         self.samples += samples or 0
         if makespan is not None and seconds is not None:
             self.makespan += makespan
-            self.busy += seconds[events.FORWARD] + seconds[events.BACKWARD]
+            self.busy += sum(seconds.get(kind, 0.0) for kind in events.COMPUTE)
         if seconds is None or self.seconds is None:
             self.seconds = None  # one step without spans makes the split unknown
         else:
@@ -56,14 +56,14 @@ class Totals:
 
     def per_step_ms(self) -> dict[str, float | None]:
         """Mean milliseconds per step: the step and, when known, each part of it (compute is
-        forward + backward, without the tensor collectives inside them: breakdown.py)."""
+        forward + backward + weight, without the tensor collectives inside them: breakdown.py)."""
         n = max(self.steps, 1)
         ms = {"step": 1e3 * self.wall / n}
         parts = dict.fromkeys((*KINDS, "compute", "p2p_wait", "idle"))
         if self.seconds is not None:
             s = self.seconds
             parts.update({k: 1e3 * v / n for k, v in s.items()})
-            parts["compute"] = 1e3 * (s[events.FORWARD] + s[events.BACKWARD]) / n
+            parts["compute"] = 1e3 * sum(s.get(kind, 0.0) for kind in events.COMPUTE) / n
             parts["p2p_wait"] = 1e3 * s[events.RECV] / n
             parts["idle"] = max(0.0, 1e3 * (self.wall - sum(s.values())) / n)
         ms.update(parts)
@@ -79,18 +79,19 @@ class Totals:
         return self.samples / self.wall if self.samples and self.wall > 0 else None
 
     def per_microbatch(self, kind: str) -> float | None:
-        """Mean seconds of `kind` (forward or backward) per micro-batch."""
+        """Mean seconds of `kind` (forward, backward or weight) per micro-batch."""
         if self.seconds is None or self.microbatches == 0:
             return None
-        return self.seconds[kind] / self.microbatches
+        return self.seconds.get(kind, 0.0) / self.microbatches
 
 
 def simulated_bubble(
     stage_of_rank: Sequence[int], totals: Sequence[Totals], schedule: str | None, microbatches: int
 ) -> float | None:
-    """The bubble an ideal machine would show with these measured per-stage forward and
-    backward times per micro-batch (no communication, no overhead): it differs from the formula
-    by the stages' imbalance, and from the measurement by everything else.
+    """The bubble an ideal machine would show with these measured per-stage forward, backward
+    (and, for zero-bubble schedules, weight) times per micro-batch (no communication, no
+    overhead): it differs from the formula by the stages' imbalance, and from the measurement by
+    everything else.
 
     Example:
         >>> t = Totals(steps=1, wall=1.0, microbatches=4,
@@ -102,8 +103,7 @@ def simulated_bubble(
     num_stages = max(stage_of_rank, default=0) + 1
     if schedule is None or num_stages < 2 or microbatches < 1:
         return None
-    times = {events.FORWARD: [[] for _ in range(num_stages)],
-             events.BACKWARD: [[] for _ in range(num_stages)]}  # fmt: skip
+    times = {kind: [[] for _ in range(num_stages)] for kind in events.COMPUTE}
     for stage, t in zip(stage_of_rank, totals, strict=True):
         for kind, per_stage in times.items():
             value = t.per_microbatch(kind)
@@ -116,6 +116,7 @@ def simulated_bubble(
         make_schedule(schedule, num_stages, microbatches),
         forward_time=mean[events.FORWARD],
         backward_time=mean[events.BACKWARD],
+        weight_time=mean[events.WEIGHT],
     )
     return sim.bubble
 

@@ -13,12 +13,14 @@ from dataclasses import dataclass
 
 # Span kinds, in the order a timeline shows them.
 FORWARD = "forward"  # stage compute, forward (includes the loss at the last stage)
-BACKWARD = "backward"  # stage compute, backward
+BACKWARD = "backward"  # stage compute, backward (its input half, where W is split off)
+WEIGHT = "weight"  # stage compute, the weight half of a split backward (zero-bubble schedules)
 RECV = "recv"  # blocked waiting for a neighbour's activations or gradients
 SEND = "send"  # posting sends and waiting for them to complete at the end of the step
 ALLREDUCE = "allreduce"  # gradient sums across shared stages and replicas
 OPTIMIZER = "optimizer"  # regularization gradients and the optimizer update
-KINDS = (FORWARD, BACKWARD, RECV, SEND, ALLREDUCE, OPTIMIZER)
+KINDS = (FORWARD, BACKWARD, WEIGHT, RECV, SEND, ALLREDUCE, OPTIMIZER)
+COMPUTE = (FORWARD, BACKWARD, WEIGHT)  # the work a pipeline stage exists to do
 # Tensor-parallel collectives (hyparflow.tensor's allreduces and allgathers), recorded only with
 # tensor parallelism. They run inside the compiled forward and backward, so their spans lie
 # inside forward and backward spans: a breakdown takes them out of compute (breakdown.py).

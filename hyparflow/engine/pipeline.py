@@ -311,8 +311,8 @@ class _Step:
 
     def weight(self, k: int) -> None:
         """Micro-batch `k`'s weight gradients, where its backward left them (zero-bubble
-        schedules; timed as backward compute)."""
-        with self.walk.span(events.BACKWARD, k):
+        schedules)."""
+        with self.walk.span(events.WEIGHT, k):
             self.walk.runner.weight(k)
 
     def send_gradients(self, k: int) -> None:

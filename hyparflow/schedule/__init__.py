@@ -46,12 +46,12 @@ from hyparflow.schedule.simulation import (
     theoretical_bubble,
 )
 from hyparflow.schedule.validation import ScheduleError, validate
-from hyparflow.schedule.zero_bubble import zero_bubble
+from hyparflow.schedule.zero_bubble import zero_bubble, zero_bubble_bubble
 
 __all__ = [
     "BACKWARD", "FORWARD", "SCHEDULES", "Action", "ActionKind", "B", "DeadlockError", "F",
     "Schedule", "ScheduleError", "Simulation", "chunks_of", "forward_only", "gpipe",
     "interleaved", "make_schedule", "one_f_one_b", "peak_in_flight", "place_of",
     "raise_if_blocked", "ready_time", "simulate", "theoretical_bubble", "validate",
-    "virtual_stage", "with_transfers", "W", "WEIGHT", "zero_bubble",
+    "virtual_stage", "with_transfers", "W", "WEIGHT", "zero_bubble", "zero_bubble_bubble",
 ]  # fmt: skip

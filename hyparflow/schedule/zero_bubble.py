@@ -14,6 +14,7 @@ B and W of equal time a step takes `3m + p - 1` pass times for `m >= p` micro-ba
 from __future__ import annotations
 
 from hyparflow.schedule.actions import Action, B, F, Schedule, W, check_sizes
+from hyparflow.schedule.simulation import simulate
 
 
 def zero_bubble(num_stages: int, num_microbatches: int) -> Schedule:
@@ -42,3 +43,19 @@ def _stage(stage: int, num_stages: int, count: int) -> list[Action]:
             actions.append(W(weights))
             weights += 1
     return actions + [W(k) for k in range(weights, count)]
+
+
+def zero_bubble_bubble(
+    num_stages: int, num_microbatches: int, forward: float, backward: float, weight: float
+) -> float:
+    """ZB-H1's idle fraction with equal stages taking `forward`, `backward` (input half) and
+    `weight` per micro-batch, as `simulate` replays the schedule: its formula. With equal times
+    and `m >= p` it is `(p - 1) / (3m + p - 1)`; the paper's `(p - 1)(F + B - W)` idle time
+    per stage holds only for some ratios (not W > B, nor F < B), so no closed form is used.
+
+    Example:
+        >>> round(zero_bubble_bubble(4, 8, 1.0, 1.0, 1.0), 6), round(3 / 27, 6)
+        (0.111111, 0.111111)
+    """
+    schedule = zero_bubble(num_stages, num_microbatches)
+    return simulate(schedule, forward, backward, weight_time=weight).bubble
