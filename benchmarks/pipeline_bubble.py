@@ -1,15 +1,20 @@
-"""Figure 5, pipeline: measured bubble vs (p-1)/(m+p-1), GPipe and 1F1B; peak memory per rank.
+"""Figure 5, pipeline: measured bubble vs formula, GPipe, 1F1B and ZB-H1; peak memory per rank.
 
 Run: .venv/bin/python benchmarks/pipeline_bubble.py [--rounds 3] [--microbatches 1 2 4 8 16]
      (starts `mpirun -np 2` itself)
 
 Bubble: a 2-stage MLP pipeline trained with `hf.fit` and the `ScalingProfiler` for each
 schedule and micro-batch count m (one launch per round, order reversed every round). Measured:
-the profiler's `1 - compute / makespan` over steady steps; formula: (p-1)/(m+p-1); simulated:
-the schedule on an ideal machine with the measured stage times (what imbalance is left).
-Target: 1F1B within 5 points of the formula. The stages are balanced by measurement: for each
-m the first layer's input is widened (secant steps on profiled stage times) until both stages
-compute as long, since the last stage also computes the head and the loss.
+the profiler's `1 - compute / makespan` over steady steps; formula: (p-1)/(m+p-1) for GPipe
+and 1F1B, and for ZB-H1 (`schedule="zero_bubble"`, each backward split into its input half B
+and its weight half W) the schedule's idle fraction at the measured F, B and W times
+(`schedule.zero_bubble_bubble`; (p-1)/(3m+p-1) when they are equal); simulated: the schedule
+on an ideal machine with the measured stage times (what imbalance is left). Targets: 1F1B and
+ZB-H1 within 5 points of their formulas, and ZB-H1's bubble below 1F1B's (paired, same launch).
+Step times are reported beside them: ZB-H1 idles less but its split backward costs more. The
+stages are balanced by measurement: for each m the first layer's input is widened (secant
+steps on profiled stage times) until both stages compute as long, since the last stage also
+computes the head and the loss.
 
 Memory: each schedule in its own launch (alternating), a bigger batch and m = 8; each rank's
 peak resident memory (VmHWM) and its growth over the memory before training.
@@ -29,8 +34,9 @@ from benchmarks.harness.launch import run_worker, write_result  # noqa: E402
 from benchmarks.harness.records import measurement, target  # noqa: E402
 
 FIGURE = "pipeline"
-TITLE = "(5) Pipeline: measured bubble vs formula (GPipe, 1F1B), memory per rank"
-SCHEDULES = ("gpipe", "1f1b")
+TITLE = "(5) Pipeline: measured bubble vs formula (GPipe, 1F1B, ZB-H1), memory per rank"
+SCHEDULES = ("gpipe", "1f1b", "zero_bubble")
+LABELS = {"gpipe": "GPipe", "1f1b": "1F1B", "zero_bubble": "ZB-H1"}
 MIB = 2**20
 
 
@@ -152,20 +158,29 @@ def _bubble_records(args) -> list[dict]:
         widths = [r["inputs"] for r in mine if r["schedule"] == SCHEDULES[0]]
         name = f"first layer's input width chosen for balance (one per launch), m={m}"
         records.append(measurement(FIGURE, name, widths, "features"))
-        formula = mine[0]["theoretical"]
+        formula = next(r["theoretical"] for r in mine if r["schedule"] == "1f1b")
         records.append(point("formula (p-1)/(m+p-1)", [formula], "bubble", "formula"))
-        for schedule in SCHEDULES:
-            runs_s = [r for r in mine if r["schedule"] == schedule]
-            label = {"gpipe": "GPipe", "1f1b": "1F1B"}[schedule]
+        by_schedule = {s: [r for r in mine if r["schedule"] == s] for s in SCHEDULES}
+        for schedule, runs_s in by_schedule.items():
+            label = LABELS[schedule]
             for kind in ("measured", "simulated"):
                 values = [r[kind] for r in runs_s]
                 records.append(point(f"{label} {kind}", values, "bubble", f"{label} {kind}"))
             steps = [r["step_ms"] for r in runs_s]
             records.append(point(f"{label} step time", steps, "ms per step", label))
-            if schedule == "1f1b" and m > 1:
-                excess = [r["measured"] - formula for r in runs_s]
-                name = f"1F1B bubble minus formula (points/100), m={m}"
+            if schedule != "gpipe" and m > 1:  # each against its own formula
+                excess = [r["measured"] - r["theoretical"] for r in runs_s]
+                name = f"{label} bubble minus its formula (points/100), m={m}"
                 records.append(target(FIGURE, name, excess, "<= 0.05"))
+        if m > 1:  # paired: the runs of one launch
+            pairs = list(zip(by_schedule["zero_bubble"], by_schedule["1f1b"], strict=True))
+            gap = [z["measured"] - o["measured"] for z, o in pairs]
+            name = f"ZB-H1 bubble minus 1F1B's (points/100), m={m}"
+            records.append(target(FIGURE, name, gap, "< 0"))
+            ratio = [z["step_ms"] / o["step_ms"] for z, o in pairs]
+            records.append(measurement(FIGURE, f"ZB-H1 / 1F1B step time, m={m}", ratio, "ratio"))
+            zb_formula = [z["theoretical"] for z, _ in pairs]
+            records.append(point("ZB-H1 formula", zb_formula, "bubble", "ZB-H1 formula"))
     return records
 
 
@@ -181,7 +196,7 @@ def _memory_records(args) -> list[dict]:
     records = []
     m = args.memory_microbatches
     for schedule in SCHEDULES:
-        label = {"gpipe": "GPipe", "1f1b": "1F1B"}[schedule]
+        label = LABELS[schedule]
         for rank in (0, 1):
             where = f"{label}, stage {rank}, m={m}, batch {args.memory_batch}"
             records.append(measurement(FIGURE, f"peak RSS, {where}", peaks[schedule][rank], "MiB"))
