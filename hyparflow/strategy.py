@@ -204,6 +204,12 @@ class Strategy:
             raise ValueError(
                 f"Unknown schedule {self.schedule!r}; use one of {', '.join(map(repr, SCHEDULES))}."
             )
+        if self.schedule == "zero_bubble" and self.tensor > 1:
+            raise ValueError(
+                "schedule='zero_bubble' does not split the backward of tensor-parallel layers "
+                "yet (their weight half would repeat their collectives): use tensor=1 or "
+                "schedule='1f1b'."
+            )
         if self.schedule == "zero_bubble" and (self.overlap_groups > 1 or self.update_by_segment):
             raise ValueError(
                 "schedule='zero_bubble' computes a stage's weight gradients after its backward, "

@@ -6,6 +6,8 @@ B returns and the weight gradients the W passes sum must be the merged backward'
 be split runs merged and says why.
 """
 
+import contextlib
+
 import keras
 import numpy as np
 import pytest
@@ -71,6 +73,22 @@ def _tied():
 def _recurrent():
     x = keras.Input((5, 4))
     return keras.Model(x, keras.layers.Dense(3)(keras.layers.GRU(6)(x)))
+
+
+class _Noisy(keras.layers.Layer):
+    """Owns a kernel and drops out inside its call: a replay would draw another mask."""
+
+    def build(self, shape):
+        self.kernel = self.add_weight(shape=(shape[-1], 3))
+        self.dropout = keras.layers.Dropout(0.5)
+
+    def call(self, x, training=None):
+        return self.dropout(keras.ops.matmul(x, self.kernel), training=training)
+
+
+def _noisy():
+    x = keras.Input((6,))
+    return keras.Model(x, _Noisy()(keras.layers.Dense(6)(x)))
 
 
 def _half():
@@ -179,14 +197,21 @@ def test_a_tap_equal_to_two_input_lengths_is_told_apart_when_they_differ():
         (_tied, "read outside a call of its layer"),
         (_recurrent, "inside a loop or nested function"),
         (_half, "computes in float16"),
+        (_noisy, "draws random numbers"),
     ],
-    ids=["tied", "recurrent", "float16"],
+    ids=["tied", "recurrent", "float16", "random"],
 )
 def test_what_cannot_be_split_runs_merged_and_says_why(build, reason):
     with pytest.warns(UserWarning, match="runs its backward whole"):
         runner = _compare(build, [(3, None), (3, None)], steps=1)
     assert not runner.split
     assert any(reason in r for r in runner.refusals), runner.refusals
+
+
+def test_batchnorm_summed_across_replicas_runs_merged():
+    with pytest.warns(UserWarning, match="summed across replicas"):
+        runner = _compare(_batchnorm, [(3, None)], steps=1, train_scope=contextlib.nullcontext)
+    assert not runner.split
 
 
 def test_tap_shapes_refuse_a_length_that_follows_no_input():

@@ -43,6 +43,10 @@ def test_resolve(strategy, world, expected):
         (lambda: Strategy("model", partitions=2).resolve(4), "mpirun -np 2"),
         (lambda: make_strategy(42), "must be a string or hf.Strategy"),
         (lambda: Strategy("data", update_by_segment="yes"), "must be True, False or None"),
+        # ZB-H1's weight gradients are final only after the backward
+        (lambda: Strategy("model", schedule="zero_bubble", overlap_groups=2), "overlap_groups=1"),
+        (lambda: Strategy("model", schedule="zero_bubble", update_by_segment=True), "by segment"),
+        (lambda: Strategy("hybrid", schedule="zero_bubble", tensor=2), "tensor=1"),
     ],
 )
 def test_invalid_strategies_name_the_fix(make, message):

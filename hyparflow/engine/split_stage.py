@@ -18,6 +18,8 @@ from hyparflow.engine.random_slices import slice_of
 from hyparflow.engine.stage import StageRunner, _constant, _is_float, _or_zeros
 from hyparflow.traced import traced
 
+KEPT_TAP_SHAPES = 4  # zero taps kept for this many input shapes (each a micro-batch's outputs)
+
 
 def _shapes_of(inputs) -> list[tuple]:
     """The shape of each flattened input."""
@@ -38,6 +40,7 @@ class SplitStageRunner(StageRunner):
         options["flat_backward"] = False
         super().__init__(call, variables, **options)
         self._owners = weight_taps.weight_owners(layers, self.variables)
+        self._synchronized = options.get("train_scope") is not None
         self.split = bool(self._owners)
         self.refusals: list[str] = []
         self._recorder = None  # the Taps of the last trace: its calls, what it saves
@@ -88,11 +91,15 @@ class SplitStageRunner(StageRunner):
         if self.input_shapes is None:  # its function would trace per shape: taps per trace
             self._refuse(["the stage declares no input shapes"])
             return
+        if self._synchronized:  # W would replay BatchNormalization on its replica's rows only
+            self._refuse(["BatchNormalization statistics are summed across replicas"])
+            return
         specs = relaxed.relaxed_specs((*args, None), self.input_shapes, targets)
         refusals = self._discover(function, specs)
         relaxed_shapes = self._discovered_shapes()
         if not refusals:
-            exact = self._discover(function, (*args, None)) or self._discovered_shapes()
+            refusals = self._discover(function, (*args, None))
+            exact = self._discovered_shapes()
             varying = _shapes_of(specs[0])
             shapes = tap_shapes.template(relaxed_shapes, exact, _shapes_of(args[0]), varying)
             refusals = [shapes] if isinstance(shapes, str) else refusals
@@ -141,6 +148,8 @@ class SplitStageRunner(StageRunner):
                     )
                 self._shapes = narrowed
                 shapes = tap_shapes.resolve(self._shapes, inputs)
+            if len(self._zeros) >= KEPT_TAP_SHAPES:  # varying lengths: keep the latest few
+                del self._zeros[next(iter(self._zeros))]
             self._zeros[key] = [tf.zeros(shape, tf.float32) for shape in shapes]
         return self._zeros[key]
 

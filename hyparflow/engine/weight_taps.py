@@ -181,8 +181,8 @@ class Taps:
         reasons = []
         if tf.compat.v1.get_default_graph() is not self._graph:
             reasons.append(f"layer {layer.name} is called inside a loop or nested function")
-        if _keras.seed_generators(layer):
-            reasons.append(f"layer {layer.name} draws random numbers")
+        if any(_keras.seed_generators(inner) for inner in _keras.all_layers(layer)):
+            reasons.append(f"layer {layer.name} draws random numbers")  # a replay would redraw
         if layer.compute_dtype != "float32" or any(
             v.dtype != "float32" for v in _keras.own_trainable_variables(layer)
         ):
