@@ -5,16 +5,12 @@ Run: .venv/bin/python benchmarks/pipeline_bubble.py [--rounds 3] [--microbatches
 
 Bubble: a 2-stage MLP pipeline trained with `hf.fit` and the `ScalingProfiler` for each
 schedule and micro-batch count m (one launch per round, order reversed every round). Measured:
-the profiler's `1 - compute / makespan` over steady steps; formula: (p-1)/(m+p-1) for GPipe
-and 1F1B, and for ZB-H1 (`schedule="zero_bubble"`, each backward split into its input half B
-and its weight half W) the schedule's idle fraction at the measured F, B and W times
-(`schedule.zero_bubble_bubble`; (p-1)/(3m+p-1) when they are equal); simulated: the schedule
-on an ideal machine with the measured stage times (what imbalance is left). Targets: 1F1B and
-ZB-H1 within 5 points of their formulas, and ZB-H1's bubble below 1F1B's (paired, same launch).
-Step times are reported beside them: ZB-H1 idles less but its split backward costs more. The
-stages are balanced by measurement: for each m the first layer's input is widened (secant
-steps on profiled stage times) until both stages compute as long, since the last stage also
-computes the head and the loss.
+the profiler's `1 - compute / makespan` over steady steps; formula: (p-1)/(m+p-1), and for
+ZB-H1 (split backward) its idle fraction at the measured F, B, W times; simulated: the schedule
+with the measured stage times. Targets: 1F1B and ZB-H1 within 5 points of their formulas,
+ZB-H1's bubble below 1F1B's (paired); step times beside. Stages are balanced by measurement:
+for each m the first layer's input is widened (secant steps on profiled stage times) until
+both stages compute as long, since the last stage also computes the head and the loss.
 
 Memory: each schedule in its own launch (alternating), a bigger batch and m = 8; each rank's
 peak resident memory (VmHWM) and its growth over the memory before training.
@@ -35,8 +31,8 @@ from benchmarks.harness.records import measurement, target  # noqa: E402
 
 FIGURE = "pipeline"
 TITLE = "(5) Pipeline: measured bubble vs formula (GPipe, 1F1B, ZB-H1), memory per rank"
-SCHEDULES = ("gpipe", "1f1b", "zero_bubble")
 LABELS = {"gpipe": "GPipe", "1f1b": "1F1B", "zero_bubble": "ZB-H1"}
+SCHEDULES = tuple(LABELS)
 MIB = 2**20
 
 
@@ -51,8 +47,7 @@ def bubble_worker(args) -> None:
     root = MPI.COMM_WORLD.bcast(tempfile.mkdtemp(prefix="hf-bubble-") if hf.rank() == 0 else None)
 
     def profiled_fit(inputs, schedule, m, name):
-        """Train the MLP with `inputs` input features; rank 0 gets the profile's job row and
-        each stage's compute (ms per step)."""
+        """Train the MLP on `inputs` features; rank 0: the job row, each stage's compute."""
         model = mlp(args.width, 4, inputs=inputs)
         x, y = synthetic_data(model, args.batch_size * args.steps)
         log_dir = os.path.join(root, name)
@@ -70,9 +65,7 @@ def bubble_worker(args) -> None:
     # Per micro-batch count: the last stage's fixed per-micro-batch costs (loss, head) weigh
     # more the smaller the micro-batches, so one width cannot balance every m.
     inputs = {m: balanced_inputs(args.width, m, profiled_fit) for m in args.microbatches}
-    configs = [(s, m) for m in args.microbatches for s in SCHEDULES]
-    if args.reverse:
-        configs.reverse()
+    configs = [(s, m) for m in args.microbatches for s in SCHEDULES][:: -1 if args.reverse else 1]
     results = []
     for schedule, m in configs:
         job, _ = profiled_fit(inputs[m], schedule, m, f"{schedule}-{m}")
@@ -87,10 +80,9 @@ def bubble_worker(args) -> None:
 
 
 def balanced_inputs(width: int, m: int, profiled_fit) -> int:
-    """The first layer's input width at which both stages' measured compute per step meet
-    with `m` micro-batches: a secant step from widths 1x and 2x the others, then one more
-    from the two measured widths closest to balance (stage 0's time is only roughly linear
-    in the width, and at m=16 the balanced width lies well beyond 2x)."""
+    """The first layer's input width at which both stages' compute per step meet with `m`
+    micro-batches: a secant step from widths 1x and 2x, then one from the two closest to
+    balance (stage 0's time is only roughly linear in the width)."""
     from mpi4py import MPI
 
     rank0 = MPI.COMM_WORLD.Get_rank() == 0
@@ -160,43 +152,38 @@ def _bubble_records(args) -> list[dict]:
         records.append(measurement(FIGURE, name, widths, "features"))
         formula = next(r["theoretical"] for r in mine if r["schedule"] == "1f1b")
         records.append(point("formula (p-1)/(m+p-1)", [formula], "bubble", "formula"))
-        by_schedule = {s: [r for r in mine if r["schedule"] == s] for s in SCHEDULES}
-        for schedule, runs_s in by_schedule.items():
-            label = LABELS[schedule]
+        by = {s: [r for r in mine if r["schedule"] == s] for s in SCHEDULES}
+        for schedule, label in LABELS.items():
             for kind in ("measured", "simulated"):
-                values = [r[kind] for r in runs_s]
+                values = [r[kind] for r in by[schedule]]
                 records.append(point(f"{label} {kind}", values, "bubble", f"{label} {kind}"))
-            steps = [r["step_ms"] for r in runs_s]
+            steps = [r["step_ms"] for r in by[schedule]]
             records.append(point(f"{label} step time", steps, "ms per step", label))
             if schedule != "gpipe" and m > 1:  # each against its own formula
-                excess = [r["measured"] - r["theoretical"] for r in runs_s]
+                excess = [r["measured"] - r["theoretical"] for r in by[schedule]]
                 name = f"{label} bubble minus its formula (points/100), m={m}"
                 records.append(target(FIGURE, name, excess, "<= 0.05"))
-        if m > 1:  # paired: the runs of one launch
-            pairs = list(zip(by_schedule["zero_bubble"], by_schedule["1f1b"], strict=True))
+        pairs = list(zip(by["zero_bubble"], by["1f1b"], strict=True)) if m > 1 else []
+        if pairs:  # paired: the runs of one launch
             gap = [z["measured"] - o["measured"] for z, o in pairs]
-            name = f"ZB-H1 bubble minus 1F1B's (points/100), m={m}"
-            records.append(target(FIGURE, name, gap, "< 0"))
+            records.append(target(FIGURE, f"ZB-H1 bubble minus 1F1B's, m={m}", gap, "< 0"))
             ratio = [z["step_ms"] / o["step_ms"] for z, o in pairs]
             records.append(measurement(FIGURE, f"ZB-H1 / 1F1B step time, m={m}", ratio, "ratio"))
-            zb_formula = [z["theoretical"] for z, _ in pairs]
-            records.append(point("ZB-H1 formula", zb_formula, "bubble", "ZB-H1 formula"))
+            zb = [z["theoretical"] for z, _ in pairs]
+            records.append(point("ZB-H1 formula", zb, "bubble", "ZB-H1 formula"))
     return records
 
 
 def _memory_records(args) -> list[dict]:
-    peaks = {s: {0: [], 1: []} for s in SCHEDULES}
-    growth = {s: {0: [], 1: []} for s in SCHEDULES}
+    peaks, growth = ({s: {0: [], 1: []} for s in SCHEDULES} for _ in range(2))
     for round_ in range(args.rounds):
         for schedule in SCHEDULES if round_ % 2 == 0 else SCHEDULES[::-1]:
             worker_args = _common(args) + ["--schedule", schedule]
             for rank, r in enumerate(run_worker(__file__, worker_args, np=2)):
                 peaks[schedule][rank].append(r["peak"] / MIB)
                 growth[schedule][rank].append(r["growth"] / MIB)
-    records = []
-    m = args.memory_microbatches
-    for schedule in SCHEDULES:
-        label = LABELS[schedule]
+    records, m = [], args.memory_microbatches
+    for schedule, label in LABELS.items():
         for rank in (0, 1):
             where = f"{label}, stage {rank}, m={m}, batch {args.memory_batch}"
             records.append(measurement(FIGURE, f"peak RSS, {where}", peaks[schedule][rank], "MiB"))
@@ -210,8 +197,8 @@ def run(args) -> list[dict]:
 
 
 def _common(args) -> list:
-    names = ("width", "batch_size", "steps", "epochs", "memory_batch", "memory_microbatches")
-    return cli.flags(args, *names)
+    return cli.flags(args, "width", "batch_size", "steps", "epochs", "memory_batch",
+                     "memory_microbatches")  # fmt: skip
 
 
 def arguments(argv=None):

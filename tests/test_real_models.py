@@ -44,14 +44,11 @@ SPARSE_OPTIMIZERS = [
 ]  # fmt: skip
 TWO_RANKS = [
     Case("dropout_mlp", "adam", "data", replicas=2, microbatches=2),
-    Case("dropout_mlp", "sgd", "model", partitions=2, microbatches=2, schedule="1f1b"),
     Case("added_losses", "adam", "data", replicas=2, microbatches=2),
     Case("added_losses", "adam", "model", partitions=2, microbatches=2),
     Case("masked_gru", "adam", "model", partitions=2, microbatches=2),
     Case("masked_gru", "adam", "data", replicas=2, microbatches=2),
-    Case("gpt2", "sgd", "model", partitions=2, microbatches=2, schedule="1f1b"),
     Case("bert", "sgd", "model", partitions=2, microbatches=2),
-    Case("llama", "adam", "model", partitions=2, microbatches=2, schedule="1f1b"),
     Case("llama", "adam", "data", replicas=2, microbatches=2),
     Case("gpt2", "adam", "data", replicas=2),
     Case("batchnorm_cnn", "sgd", "data", replicas=2, sync_batchnorm=True),
