@@ -145,7 +145,7 @@ class Taps:
         self.refusals: list[str] = []
         self.tapped = 0  # outputs tapped so far
         self._active: list = []
-        self._stack = contextlib.ExitStack()
+        self._patched: list = []
 
     @property
     def updates(self) -> dict:
@@ -156,24 +156,26 @@ class Taps:
         self._scope = _ReadScope(self.owners, self._active, self.refusals)
         for layer in self.layers:
             self._patch(layer)
-        self._stack.enter_context(self._scope)
+        self._scope.__enter__()
         return self
 
     def __exit__(self, *exc):
-        self._stack.close()
-        for layer in self.layers:
+        self._scope.__exit__(*exc)
+        for layer in self._patched:
             object.__delattr__(layer, "call")
         return False
 
     def _patch(self, layer) -> None:
-        if "call" in vars(layer):
-            raise RuntimeError(f"layer {layer.name} already has its own `call` attribute")
+        if "call" in vars(layer):  # a `call` set on the instance: not ours to wrap
+            self.refusals.append(f"layer {layer.name} has a `call` of its own instance")
+            return
         original = type(layer).call.__get__(layer)
 
         def tapped(*args, **kwargs):
             return self._tapped_call(layer, original, args, kwargs)
 
         object.__setattr__(layer, "call", tapped)
+        self._patched.append(layer)
 
     def _refuse_layer(self, layer) -> bool:
         """Record why `layer`'s calls cannot be replayed for its weight gradient, if they
