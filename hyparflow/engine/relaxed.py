@@ -51,25 +51,14 @@ def trace_first(function, args: tuple, declared: list[tuple], targets: tuple = (
     function.get_concrete_function(*relaxed_specs(args, declared, targets))
 
 
-def relaxed_specs(args: tuple, declared: list[tuple] | None, targets: tuple = ()) -> list:
-    """`args` with the inputs (`args[0]`) and `targets` as specs that leave unknown what
-    varies (`trace_first`); without `declared` shapes, the first (batch) dimension of each."""
+def relaxed_specs(args: tuple, declared: list[tuple], targets: tuple = ()) -> list:
+    """`args` with the inputs (`args[0]`, `declared`: their shapes) and `targets` as specs that
+    leave unknown what varies (`trace_first`)."""
     specs = list(args)
-    if declared is None:
-        specs[0] = tree.map_structure(rows_unknown_spec, args[0])
-    else:
-        specs[0] = _input_specs(args[0], declared)
+    specs[0] = _input_specs(args[0], declared)
     for position in targets:
         specs[position] = tree.map_structure(_target_spec, args[position])
     return specs
-
-
-def rows_unknown_spec(value):
-    """`value`'s spec with its first dimension unknown (None stays None)."""
-    if value is None:
-        return None
-    shape = list(value.shape)
-    return tf.TensorSpec([None, *shape[1:]] if shape else [], _dtype(value))
 
 
 def _input_specs(inputs, declared: list[tuple]):
