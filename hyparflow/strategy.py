@@ -7,7 +7,7 @@ import dataclasses
 from hyparflow.units import byte_size
 
 KINDS = ("data", "model", "hybrid", "auto")
-SCHEDULES = ("gpipe", "1f1b", "zero_bubble")
+SCHEDULES = ("gpipe", "1f1b", "zero_bubble", "interleaved")
 BALANCES = ("layers", "params", "flops", "time")
 
 
@@ -69,7 +69,13 @@ class Strategy:
     - `schedule` ("gpipe"): "gpipe" (all forwards, then all backwards), "1f1b" (one
       forward, one backward in the steady state) or "zero_bubble" (ZB-H1: 1F1B with each
       backward split into its input and weight halves, the weight halves run in 1F1B's
-      bubbles), as `schedule/` lays them out (docs/schedules.md).
+      bubbles) or "interleaved" (Megatron's interleaved 1F1B: the model is cut into
+      `partitions * virtual_stages` chunks and each stage holds `virtual_stages` of them,
+      which divides the bubble by `virtual_stages` for as many times the messages), as
+      `schedule/` lays them out (docs/schedules.md).
+    - `virtual_stages` (1; 2 with "interleaved"): model chunks per pipeline stage, for the
+      interleaved schedule only. Interleaved stages are refused with `tensor` > 1,
+      `overlap_groups` > 1 and `update_by_segment=True`.
     - `overlap_p2p` (True): posts a step's activation receives up front, and each gradient
       receive as soon as its activation is sent, so that they arrive while the stage
       computes; False posts each receive when its action needs it.
@@ -139,6 +145,7 @@ class Strategy:
     replicas: int | None = None
     microbatches: int = 1
     schedule: str = "gpipe"
+    virtual_stages: int = 1
     balance: str | list = "layers"
     recompute: bool = False
     overlap_p2p: bool = True
@@ -204,6 +211,14 @@ class Strategy:
             raise ValueError(
                 f"Unknown schedule {self.schedule!r}; use one of {', '.join(map(repr, SCHEDULES))}."
             )
+        _check_positive_int("virtual_stages", self.virtual_stages, "pass e.g. 2.")
+        if self.schedule == "interleaved":
+            self._check_interleaved()
+        elif self.virtual_stages != 1:
+            raise ValueError(
+                f"virtual_stages={self.virtual_stages} needs schedule='interleaved' (other "
+                "schedules hold one model chunk per stage)."
+            )
         if self.schedule == "zero_bubble" and self.tensor > 1:
             raise ValueError(
                 "schedule='zero_bubble' does not split the backward of tensor-parallel layers "
@@ -215,6 +230,22 @@ class Strategy:
                 "schedule='zero_bubble' computes a stage's weight gradients after its backward, "
                 "so they cannot be reduced or applied segment by segment during it: use "
                 "overlap_groups=1 and update_by_segment=False (or None) with it."
+            )
+
+    def _check_interleaved(self) -> None:
+        if self.virtual_stages == 1:  # interleaving one chunk is 1F1B: two is the least
+            object.__setattr__(self, "virtual_stages", 2)
+        refused = {
+            "tensor > 1": self.tensor > 1,
+            "overlap_groups > 1": self.overlap_groups > 1,
+            "update_by_segment=True": self.update_by_segment is True,
+        }
+        named = [name for name, present in refused.items() if present]
+        if named:
+            raise ValueError(
+                f"schedule='interleaved' is not available with {', '.join(named)}: each stage "
+                "runs several model chunks, which the engine neither splits over tensor ranks "
+                "nor cuts into segments. Use schedule='1f1b' for those."
             )
 
     def leaves_layout_open(self) -> bool:

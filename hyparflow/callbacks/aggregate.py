@@ -56,20 +56,26 @@ def scaling_efficiency(
 
 
 def formula_bubble(
-    num_stages: int, microbatches: int, schedule: str | None = None, seconds: dict | None = None
-) -> float | None:
+    num_stages: int, microbatches: int, schedule: str | None = None, seconds: dict | None = None,
+    virtual_stages: int = 1,
+) -> float | None:  # fmt: skip
     """The schedule's bubble by formula, or None for a rank that ran no micro-batch this step:
-    `(p - 1) / (m + p - 1)` for GPipe and 1F1B; for ZB-H1 (`schedule="zero_bubble"`) its idle
-    fraction at the forward, backward and weight `seconds` of the step (`zero_bubble_bubble`),
-    where they are known.
+    `(p - 1) / (m + p - 1)` for GPipe and 1F1B, `(p - 1) / (v m + p - 1)` for interleaved 1F1B
+    with `virtual_stages` v; for ZB-H1 (`schedule="zero_bubble"`) its idle fraction at the
+    forward, backward and weight `seconds` of the step (`zero_bubble_bubble`), where they are
+    known.
 
     Example:
         >>> times = dict(forward=0.2, backward=0.2, weight=0.2)
         >>> round(formula_bubble(2, 2), 4), round(formula_bubble(2, 2, "zero_bubble", times), 4)
         (0.3333, 0.1429)
+        >>> formula_bubble(2, 2, "interleaved", virtual_stages=2)
+        0.2
     """
     if microbatches < 1:
         return None
+    if schedule == "interleaved":
+        return theoretical_bubble(num_stages, microbatches * virtual_stages)
     if schedule == "zero_bubble" and seconds is not None:
         f, b, w = (seconds.get(kind, 0.0) / microbatches for kind in events.COMPUTE)
         if f + b + w > 0:
@@ -104,6 +110,7 @@ def job_step(
     num_stages: int,
     baseline: float | None = None,
     schedule: str | None = None,
+    virtual_stages: int = 1,
 ) -> JobStep:
     """Combine one step's breakdowns from every rank (in rank order; `replicas[r]` is rank r's
     pipeline).
@@ -130,7 +137,10 @@ def job_step(
         for b, m in zip(ranks, spans, strict=True)
     ]
     known = [x for x in bubbles if x is not None]
-    formulas = [formula_bubble(num_stages, b.microbatches, schedule, b.seconds) for b in ranks]
+    formulas = [
+        formula_bubble(num_stages, b.microbatches, schedule, b.seconds, virtual_stages)
+        for b in ranks
+    ]
     formulas = [f for f in formulas if f is not None]
     detailed = [b for b in ranks if b.detailed]
     mean_seconds = None

@@ -103,7 +103,7 @@ class ScalingProfiler(keras.callbacks.Callback):
             layout = {"world_size": 1, "kind": "single process", "stages": 1, "replicas": 1,
                       "microbatches": 1, "schedule": None}  # fmt: skip
             ranks = [{"rank": 0, "stage": 0, "replica": 0, "node": socket.gethostname()}]
-            self._num_stages, self._schedule = 1, None
+            self._num_stages, self._schedule, self._virtual_stages = 1, None, 1
         else:
             topo, strategy = trainer.topology, trainer.strategy
             self._comm = topo.world.Dup()  # our gathers and ping-pongs never meet the engine's
@@ -126,6 +126,9 @@ class ScalingProfiler(keras.callbacks.Callback):
                 stage, replica = topo.grid.coords(r)
                 ranks.append({"rank": r, "stage": stage, "replica": replica, "node": topo.nodes[r]})
             self._num_stages, self._schedule = topo.num_stages, strategy.schedule
+            self._virtual_stages = strategy.virtual_stages
+            if strategy.virtual_stages > 1:  # model chunks per stage (interleaved)
+                layout["virtual_stages"] = strategy.virtual_stages
             self._recorder = Recorder()
             trainer.attach_recorder(self._recorder)
         self._layout, self._ranks = layout, ranks
@@ -210,7 +213,12 @@ class ScalingProfiler(keras.callbacks.Callback):
                 logger.warning("profiler: step %d is missing on some ranks; skipped", step)
                 continue
             job = job_step(
-                ranks, replicas, self._num_stages, self.baseline_throughput, self._schedule
+                ranks,
+                replicas,
+                self._num_stages,
+                self.baseline_throughput,
+                self._schedule,
+                self._virtual_stages,
             )
             rows.append((step, scalars.job_values(job)))
             self._summary.add(job, ranks)

@@ -123,11 +123,10 @@ def _bubble_line(job: dict, layout: dict) -> str:
     if layout.get("stages") == 1:
         idle = "" if measured is None else f"; measured non-compute share: {_percent(measured)}"
         return f"Pipeline bubble: none in theory (one stage){idle}"
-    name = (
-        "ZB-H1 at these F, B, W times"
-        if layout.get("schedule") == "zero_bubble"
-        else ("(p-1)/(m+p-1)")
-    )
+    name = {
+        "zero_bubble": "ZB-H1 at these F, B, W times",
+        "interleaved": f"(p-1)/({layout.get('virtual_stages', 1)}m+p-1)",
+    }.get(layout.get("schedule"), "(p-1)/(m+p-1)")
     if measured is None:
         return f"Pipeline bubble: not measured; theoretical {name} = {_percent(formula)}"
     line = (

@@ -86,12 +86,14 @@ class Totals:
 
 
 def simulated_bubble(
-    stage_of_rank: Sequence[int], totals: Sequence[Totals], schedule: str | None, microbatches: int
-) -> float | None:
+    stage_of_rank: Sequence[int], totals: Sequence[Totals], schedule: str | None,
+    microbatches: int, virtual_stages: int = 1,
+) -> float | None:  # fmt: skip
     """The bubble an ideal machine would show with these measured per-stage forward, backward
     (and, for zero-bubble schedules, weight) times per micro-batch (no communication, no
     overhead): it differs from the formula by the stages' imbalance, and from the measurement by
-    everything else.
+    everything else. An interleaved stage's time is split evenly over its `virtual_stages`
+    model chunks.
 
     Example:
         >>> t = Totals(steps=1, wall=1.0, microbatches=4,
@@ -111,9 +113,12 @@ def simulated_bubble(
                 per_stage[stage].append(value)
     if any(not values for per_stage in times.values() for values in per_stage):
         return None
-    mean = {kind: [sum(v) / len(v) for v in per_stage] for kind, per_stage in times.items()}
+    mean = {
+        kind: [sum(v) / len(v) / virtual_stages for v in per_stage]
+        for kind, per_stage in times.items()
+    }
     sim = simulate(
-        make_schedule(schedule, num_stages, microbatches),
+        make_schedule(schedule, num_stages, microbatches, virtual_stages),
         forward_time=mean[events.FORWARD],
         backward_time=mean[events.BACKWARD],
         weight_time=mean[events.WEIGHT],
@@ -208,6 +213,7 @@ class RunSummary:
                     rank_totals,
                     self.layout.get("schedule"),
                     int(self.layout.get("microbatches") or 0),
+                    int(self.layout.get("virtual_stages", 1)),
                 ),
                 "efficiency": scaling_efficiency(
                     throughput, int(self.layout.get("world_size", len(ranks))), self.baseline

@@ -26,8 +26,9 @@ class Gradients:
 
 
 class SharedAcrossStages:
-    """The variables several pipeline stages use, in one order agreed by every stage, and
-    where this stage's variables sit in it (`positions`, None for those it does not use)."""
+    """The variables the stages of several pipeline ranks use, in one order agreed by every
+    rank, and where this rank's variables sit in it (`positions`, None for those it does not
+    use). Stages of one rank (interleaved) that share a variable sum its gradient locally."""
 
     def __init__(self, variables: list, tables: list[bool], positions: list):
         self.variables, self.tables, self.positions = variables, tables, positions
@@ -42,7 +43,7 @@ class SharedAcrossStages:
         users: dict = {}
         for stage in plan.stages:
             for v in stage.model.trainable_variables:
-                users.setdefault(id(v), set()).add(stage.index)
+                users.setdefault(id(v), set()).add(plan.holder(stage.index))
         shared = [v for v in model.trainable_variables if len(users.get(id(v), ())) > 1]
         if not shared:
             return None

@@ -35,13 +35,27 @@ class MicroBatch(NamedTuple):
     offset: int
 
 
+class Chunk(NamedTuple):
+    """A part of the model a rank runs: its partitioner `stage` (None: the whole model, with no
+    neighbours), its `runner`, and whether it is the model's first and last part. A rank runs
+    one chunk, or several under the interleaved schedule."""
+
+    stage: Any
+    runner: Any
+    is_first: bool
+    is_last: bool
+
+
 class PipelineWalk:
-    """Runs one stage's actions (GPipe, 1F1B, ZB-H1, forward-only) for a step's micro-batches.
+    """Runs one rank's actions (GPipe, 1F1B, ZB-H1, interleaved, forward-only) for a step's
+    micro-batches.
 
     Cuts the replica's shard of a global batch into micro-batches, runs each forward and
-    backward on `runner`, and moves activations and gradients to the neighbouring stages over
-    `PipeChannel`s (one pair per micro-batch size and count, kept for later steps). `stage` is
-    the partitioner's stage (None: the whole model, with no neighbours).
+    backward on the runner of the action's chunk (`chunks`, in model order), and moves
+    activations and gradients to the neighbouring ranks over `PipeChannel`s (one pair per
+    chunk, micro-batch size and count, kept for later steps). A chunk's link to the next part
+    of the model uses its own communicator, so that two links between the same two ranks
+    (interleaved, two stages) never match each other's messages.
 
     - `guard(operation, peer, microbatch)` watches each blocking wait; `span` (set by the
       trainer's recorder) times each action.
@@ -54,18 +68,24 @@ class PipelineWalk:
     """
 
     def __init__(
-        self, model, topology, strategy, stage, runner, *, guard, loss, update_metrics,
+        self, model, topology, strategy, chunks, *, guard, loss, update_metrics,
         seed_variables, whole_inputs,
     ):  # fmt: skip
         self.model, self.topology, self.strategy = model, topology, strategy
-        self.stage, self.runner = stage, runner  # what this rank computes, and how
+        self.chunks = list(chunks)  # what this rank computes, and how
         self.is_first, self.is_last = topology.is_first_stage, topology.is_last_stage
+        # one communicator per link between consecutive chunks of the model (collective)
+        links = len(self.chunks) if self.chunks[0].stage is not None else 0
+        self._comms = [topology.pipeline_comm] + [
+            topology.pipeline_comm.Dup() for _ in range(1, links)
+        ]
         self._guard = guard
         self._loss, self._update_metrics_fn = loss, update_metrics
         self._eval_loss_fn = None
         self._seed_variables, self._whole_inputs = seed_variables, whole_inputs
         self.span = events.no_span
-        self.channels: dict[tuple, tuple] = {}  # (largest micro-batch, count) -> (prev, next)
+        # (chunk, largest micro-batch, count) -> (prev, next)
+        self.channels: dict[tuple, tuple] = {}
         self._schedules: dict[tuple, tuple] = {}  # (train, micro-batches) -> this stage's actions
         self._added_parts: list = []  # this step's (micro-batch size, added loss)
 
@@ -131,22 +151,31 @@ class PipelineWalk:
             for channel in channels:
                 if channel is not None:
                     channel.close()
+        for comm in self._comms[1:]:
+            comm.Free()
+        self._comms = self._comms[:1]
 
-    def _links(self, max_microbatch: int, num_microbatches: int):
-        """Channels to the previous and next stage sized for micro-batches of this size."""
-        key = (max_microbatch, num_microbatches)
+    def _links(self, chunk: int, max_microbatch: int, num_microbatches: int):
+        """Chunk `chunk`'s channels to the previous and next part of the model, sized for
+        micro-batches of this size."""
+        key = (chunk, max_microbatch, num_microbatches)
         if key not in self.channels:
-            topo, stage = self.topology, self.stage
+            topo, part = self.topology, self.chunks[chunk]
+            # the link from model stage j to j + 1 uses communicator j // P (one per chunk)
+            place = chunk * topo.num_stages + topo.stage
 
-            def channel(peer, boundary):
+            def channel(peer, boundary, link):
                 specs = [((max_microbatch, *t.shape), t.dtype) for t in boundary]
                 floats = [s for s in specs if tf.as_dtype(s[1]).is_floating]  # carry gradients
-                return PipeChannel(
-                    topo.pipeline_comm, peer, specs, num_microbatches, backward_specs=floats
-                )
+                comm = self._comms[link // topo.num_stages]
+                return PipeChannel(comm, peer, specs, num_microbatches, backward_specs=floats)
 
-            prev = None if self.is_first else channel(topo.prev_rank, stage.receives)
-            nxt = None if self.is_last else channel(topo.next_rank, stage.sends)
+            prev = None if part.is_first else channel(
+                _pipeline_peer(topo, -1), part.stage.receives, place - 1
+            )  # fmt: skip
+            nxt = None if part.is_last else channel(
+                _pipeline_peer(topo, 1), part.stage.sends, place
+            )  # fmt: skip
             self.channels[key] = (prev, nxt)
         return self.channels[key]
 
@@ -155,24 +184,27 @@ class PipelineWalk:
         (built and validated, every stage's with its transfers, once per count)."""
         key = (train, count)
         if key not in self._schedules:
-            p = self.topology.num_stages
+            p, v = self.topology.num_stages, len(self.chunks)
             if train:
-                schedule = make_schedule(self.strategy.schedule, p, count)
+                schedule = make_schedule(self.strategy.schedule, p, count, v)
             else:
-                schedule = forward_only(p, count)
-            lowered = [with_transfers(actions, s, p) for s, actions in enumerate(schedule)]
+                schedule = forward_only(p, count, v)
+            lowered = [with_transfers(actions, s, p, v) for s, actions in enumerate(schedule)]
             validate(lowered, count, training=train)
             self._schedules[key] = tuple(lowered[self.topology.stage])
         return self._schedules[key]
 
-    def _post_receives(self, prev, count: int) -> dict:
+    def _post_receives(self, links, count: int) -> dict:
         """The step's activation receives, posted up front so that transfers land while this
         stage computes (a gradient receive is posted when its activation leaves, by the
         schedule walk: at the first stage, posting them all here would delay its first forward,
         which every later stage waits for)."""
-        if prev is None:
-            return {}
-        return {(p2p.FORWARD, k): self._receive(prev, k, p2p.FORWARD) for k in range(count)}
+        return {
+            (c, p2p.FORWARD, k): self._receive(prev, k, p2p.FORWARD)
+            for c, (prev, _) in enumerate(links)
+            if prev is not None
+            for k in range(count)
+        }
 
     def _receive(self, channel, k: int, direction: str):
         """Micro-batch `k`'s receive from `channel`: posted now with `overlap_p2p`, else a
@@ -181,7 +213,7 @@ class PipelineWalk:
             return channel.irecv(k, direction)
         return _DeferredReceive(channel, k, direction)
 
-    def _finish_forward(self, out, mb: MicroBatch, train: bool, predict: bool):
+    def _finish_forward(self, runner, out, mb: MicroBatch, train: bool, predict: bool):
         """The last stage's result of one forward: outputs (predict), else (loss, size)."""
         y, sw = mb.y, mb.sample_weight
         if predict:
@@ -194,7 +226,7 @@ class PipelineWalk:
             if self._eval_loss_fn is None:
                 self._eval_loss_fn = traced(self._loss, reduce_retracing=True)
             loss = self._eval_loss_fn(y, y_pred, sw)
-        if not (train and self.runner.updates_metrics):
+        if not (train and runner.updates_metrics):
             self._update_metrics_fn(y, y_pred, sw)
         return loss, mb.size
 
@@ -211,21 +243,19 @@ class _Step:
         self.walk, self.microbatches, self.global_size = walk, microbatches, global_size
         self.train, self.predict = train, predict
         topo, count = walk.topology, len(microbatches)
-        if walk.stage is None:
-            self.prev = self.next = None
-        else:
-            self.prev, self.next = walk._links(max(m.size for m in microbatches), count)
+        largest = max(m.size for m in microbatches)
+        self.links = [  # per chunk: (previous, next) channel, None where there is none
+            (None, None) if chunk.stage is None else walk._links(c, largest, count)
+            for c, chunk in enumerate(walk.chunks)
+        ]
         grid = topo.grid
-        self.before = (
-            grid.rank_of(topo.stage - 1, topo.replica, topo.shard) if not walk.is_first else None
-        )
-        self.after = (
-            grid.rank_of(topo.stage + 1, topo.replica, topo.shard) if not walk.is_last else None
-        )
-        self.posted = walk._post_receives(self.prev, count)
+        self.before = grid.rank_of(_pipeline_peer(topo, -1), topo.replica, topo.shard)
+        self.after = grid.rank_of(_pipeline_peer(topo, 1), topo.replica, topo.shard)
+        self.posted = walk._post_receives(self.links, count)
         self.seeds = _SeedSnapshot(walk._seed_variables) if train and count > 1 else None
         self.results: list = []
-        self.held: dict[tuple, Any] = {}  # (kind of the action that uses it, k) -> tensors
+        # (kind of the action that uses it, k, chunk) -> tensors
+        self.held: dict[tuple, Any] = {}
         self._methods = {
             ActionKind.RECV_ACTIVATIONS: self.receive_activations,
             ActionKind.FORWARD: self.forward,
@@ -235,29 +265,32 @@ class _Step:
             ActionKind.WEIGHT: self.weight,
             ActionKind.SEND_GRADIENTS: self.send_gradients,
         }
-        if train and not walk.is_first and walk.runner.flat_backward:
-            # Pack while this stage waits for its first activations, off the critical path.
-            with walk.span(events.FORWARD):
-                walk.runner.prepare()
+        for chunk in walk.chunks:
+            if train and not chunk.is_first and chunk.runner.flat_backward:
+                # Pack while this stage waits for its first activations, off the critical path.
+                with walk.span(events.FORWARD):
+                    chunk.runner.prepare()
 
     def act(self, action) -> None:
-        self._methods[action.kind](action.microbatch)
+        self._methods[action.kind](action.microbatch, action.chunk)
 
-    def receive_activations(self, k: int) -> None:
-        """Wait for micro-batch `k`'s inputs from the previous stage."""
-        received = self._wait(k, p2p.FORWARD, "receive activations", self.before)
-        self.held[ActionKind.FORWARD, k] = received
+    def receive_activations(self, k: int, c: int) -> None:
+        """Wait for micro-batch `k`'s inputs of chunk `c` from the previous stage."""
+        received = self._wait(c, k, p2p.FORWARD, "receive activations", self.before)
+        self.held[ActionKind.FORWARD, k, c] = received
 
-    def forward(self, k: int) -> None:
-        """Micro-batch `k`'s forward, on its data (first stage) or received inputs."""
-        walk, runner = self.walk, self.walk.runner
+    def forward(self, k: int, c: int) -> None:
+        """Micro-batch `k`'s forward through chunk `c`, on its data (the model's first chunk)
+        or received inputs."""
+        walk, chunk = self.walk, self.walk.chunks[c]
+        runner = chunk.runner
         mb = self.microbatches[k]
         if self.seeds is not None:  # every micro-batch draws from the step's seeds
             self.seeds.restore()
-        if walk.is_first:
+        if chunk.is_first:
             inputs = mb.x if walk._whole_inputs else model_input_list(walk.model, mb.x)
         else:
-            inputs = self.held.pop((ActionKind.FORWARD, k))
+            inputs = self.held.pop((ActionKind.FORWARD, k, c))
         with walk.span(events.FORWARD, k):
             if self.train:
                 out = runner.forward(
@@ -271,62 +304,67 @@ class _Step:
                 out = runner.infer(inputs)
             if not self.predict:
                 walk._added_parts.append((mb.size, runner.last_added))
-            if walk.is_last:
-                self.results.append(walk._finish_forward(out, mb, self.train, self.predict))
+            if chunk.is_last:
+                finished = walk._finish_forward(runner, out, mb, self.train, self.predict)
+                self.results.append(finished)
             else:
-                self.held[ActionKind.SEND_ACTIVATIONS, k] = out
+                self.held[ActionKind.SEND_ACTIVATIONS, k, c] = out
 
-    def send_activations(self, k: int) -> None:
-        """Send micro-batch `k`'s outputs to the next stage; in training, post the receive of
-        their gradients (they cannot come back before the outputs have gone)."""
-        walk = self.walk
+    def send_activations(self, k: int, c: int) -> None:
+        """Send micro-batch `k`'s outputs of chunk `c` to the next stage; in training, post the
+        receive of their gradients (they cannot come back before the outputs have gone)."""
+        walk, link = self.walk, self.links[c][1]
         with walk.span(events.SEND, k):
-            self.next.isend(self.held.pop((ActionKind.SEND_ACTIVATIONS, k)), k, p2p.FORWARD)
+            link.isend(self.held.pop((ActionKind.SEND_ACTIVATIONS, k, c)), k, p2p.FORWARD)
             if self.train:
-                self.posted[p2p.BACKWARD, k] = walk._receive(self.next, k, p2p.BACKWARD)
+                self.posted[c, p2p.BACKWARD, k] = walk._receive(link, k, p2p.BACKWARD)
 
-    def receive_gradients(self, k: int) -> None:
-        """Wait for the gradients of micro-batch `k`'s outputs from the next stage."""
-        received = self._wait(k, p2p.BACKWARD, "receive gradients", self.after)
-        self.held[ActionKind.BACKWARD, k] = received
+    def receive_gradients(self, k: int, c: int) -> None:
+        """Wait for the gradients of micro-batch `k`'s outputs of chunk `c` from the next
+        stage."""
+        received = self._wait(c, k, p2p.BACKWARD, "receive gradients", self.after)
+        self.held[ActionKind.BACKWARD, k, c] = received
 
-    def _wait(self, k: int, direction: str, operation: str, peer):
-        """Micro-batch `k`'s posted receive in `direction` from `peer`, once it has landed."""
+    def _wait(self, c: int, k: int, direction: str, operation: str, peer):
+        """Micro-batch `k`'s posted receive of chunk `c` in `direction` from `peer`, once it
+        has landed."""
         walk = self.walk
         with walk.span(events.RECV, k), walk._guard(operation, peer, k):
-            return self.posted.pop((direction, k)).wait(self.microbatches[k].size)
+            return self.posted.pop((c, direction, k)).wait(self.microbatches[k].size)
 
-    def backward(self, k: int) -> None:
-        """Micro-batch `k`'s backward; after the step's last one, `on_segment_done` (as for
-        `PipelineWalk.run`) runs as each segment finishes."""
-        walk = self.walk
-        grads = self.held.pop((ActionKind.BACKWARD, k), None)  # None at the last stage
+    def backward(self, k: int, c: int) -> None:
+        """Micro-batch `k`'s backward through chunk `c`; after the step's last one,
+        `on_segment_done` (as for `PipelineWalk.run`) runs as each segment finishes."""
+        walk, chunk = self.walk, self.walk.chunks[c]
+        grads = self.held.pop((ActionKind.BACKWARD, k, c), None)  # None at the model's end
         with walk.span(events.BACKWARD, k):
             if self.on_segment_done is not None and self.on_segment_done[0] == k:
-                input_grads = walk.runner.backward(k, grads, self.on_segment_done[1])
+                input_grads = chunk.runner.backward(k, grads, self.on_segment_done[1])
             else:
-                input_grads = walk.runner.backward(k, grads)
-        if not walk.is_first:
-            self.held[ActionKind.SEND_GRADIENTS, k] = input_grads
+                input_grads = chunk.runner.backward(k, grads)
+        if not chunk.is_first:
+            self.held[ActionKind.SEND_GRADIENTS, k, c] = input_grads
 
-    def weight(self, k: int) -> None:
-        """Micro-batch `k`'s weight gradients, where its backward left them (zero-bubble
-        schedules)."""
+    def weight(self, k: int, c: int) -> None:
+        """Micro-batch `k`'s weight gradients in chunk `c`, where its backward left them
+        (zero-bubble schedules)."""
         with self.walk.span(events.WEIGHT, k):
-            self.walk.runner.weight(k)
+            self.walk.chunks[c].runner.weight(k)
 
-    def send_gradients(self, k: int) -> None:
-        """Send micro-batch `k`'s input gradients back to the previous stage."""
-        input_grads = self.held.pop((ActionKind.SEND_GRADIENTS, k))
+    def send_gradients(self, k: int, c: int) -> None:
+        """Send micro-batch `k`'s input gradients of chunk `c` back to the previous stage."""
+        input_grads = self.held.pop((ActionKind.SEND_GRADIENTS, k, c))
         with self.walk.span(events.SEND, k):
-            self.prev.isend([g for g in input_grads if g is not None], k, p2p.BACKWARD)
+            link = self.links[c][0]
+            link.isend([g for g in input_grads if g is not None], k, p2p.BACKWARD)
 
     def complete_sends(self) -> None:
         """Wait until this step's sends have left (their buffers are reused next step)."""
         with self.walk.span(events.SEND), self.walk._guard("complete sends to pipeline neighbours"):
-            for channel in (self.prev, self.next):
-                if channel is not None:
-                    channel.wait_sends()
+            for links in self.links:
+                for channel in links:
+                    if channel is not None:
+                        channel.wait_sends()
 
 
 class _SeedSnapshot:
@@ -350,6 +388,12 @@ class _DeferredReceive:
 
     def wait(self, n: int):
         return self.channel.recv(self.k, self.direction, n)
+
+
+def _pipeline_peer(topology, step: int) -> int:
+    """The pipeline position `step` away from this rank's, around the ring (interleaved
+    chunks pass from the last stage back to the first)."""
+    return (topology.stage + step) % topology.num_stages
 
 
 def _as_tensors(structure):

@@ -30,7 +30,10 @@ class RunnerParts:
     def __init__(self, model, stage, topology, strategy, *, call, loss, metrics, loss_adders):
         self.model, self.stage, self.topology, self.strategy = model, stage, topology, strategy
         self.call, self.loss, self.metrics, self.loss_adders = call, loss, metrics, loss_adders
-        self.is_first, self.is_last = topology.is_first_stage, topology.is_last_stage
+        # the model's first and last stage (not the rank's: interleaved ranks run several)
+        count = 1 if stage is None else topology.num_stages * strategy.virtual_stages
+        self.is_first = stage is None or stage.index == 0
+        self.is_last = stage is None or stage.index == count - 1
         self.graph = model if stage is None else stage.model
 
     def batchnorm_scope(self, layers):

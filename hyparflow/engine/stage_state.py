@@ -36,8 +36,10 @@ class TrainingState:
         self._stage_comm = topology.stage_comm
         self._plan = plan
         self._guard = guard
-        graph = None if plan is None else plan.stages[self.stage].model
-        self._layer_ids = None if graph is None else {id(x) for x in _keras.all_layers(graph)}
+        self._layer_ids = None
+        if plan is not None:  # the layers of every stage this rank runs
+            graphs = [stage.model for stage in plan.stages_on(self.stage)]
+            self._layer_ids = {id(x) for graph in graphs for x in _keras.all_layers(graph)}
 
     def guard(self, operation: str):
         return self._guard(operation)

@@ -11,6 +11,7 @@ the whole global batch.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import tensorflow as tf
 
@@ -22,6 +23,7 @@ from hyparflow.data import GlobalBatch
 from hyparflow.engine import events
 from hyparflow.engine import sparse as row_sparse
 from hyparflow.engine.added_losses import warn_unless_batch_means
+from hyparflow.engine.chunks import ChunkRunners
 from hyparflow.engine.flat import FlatLayout
 from hyparflow.engine.gradient_form import choose_gradient_form, segments_for
 from hyparflow.engine.gradient_path import build_gradient_path
@@ -29,7 +31,7 @@ from hyparflow.engine.gradient_sync import GradientSync, SharedAcrossStages
 from hyparflow.engine.metrics import ReplicaMetrics, build_outside_the_trace
 from hyparflow.engine.mpi import mpi_op
 from hyparflow.engine.output_losses import OutputLosses
-from hyparflow.engine.pipeline import PipelineWalk
+from hyparflow.engine.pipeline import Chunk, PipelineWalk
 from hyparflow.engine.random_slices import feature_slice
 from hyparflow.engine.runners import (
     RunnerParts,
@@ -48,6 +50,7 @@ from hyparflow.engine.weights import (
     nbytes,
     owned_variables,
     packed,
+    rank_variables,
 )
 from hyparflow.engine.zero import ShardedUpdate
 from hyparflow.engine.zero_checkpoint import ZeroCheckpoint
@@ -94,8 +97,8 @@ class Trainer:
         self.use_watchdog(watchdog_timeout)
         self.is_first = topo.is_first_stage
         self.is_last = topo.is_last_stage
-        self.stage = None if plan is None else plan.stages[topo.stage]
-        graph = model if plan is None else self.stage.model
+        # the partitioner's stages this rank runs: one, or several when interleaved
+        self.stages = [None] if plan is None else plan.stages_on(topo.stage)
         # Built under hf.scope(): weights of other stages were never allocated on this rank.
         self.holds_share_only = any(deferred.is_deferred(v) for v in model.variables)
         # Tensor parallelism: this rank's shards of the stage's split layers (docs/tensor.md).
@@ -103,21 +106,17 @@ class Trainer:
         if topo.num_shards > 1:
             self.shards = TensorShards(tensor_layout, topo.tensor_comm, feature_slice)
         with self.tensor_active():  # everything below sees (and traces) the shards
-            self._build(model, strategy, plan, topo, graph, comm_backend)
+            self._build(model, strategy, plan, topo, comm_backend)
 
-    def _build(self, model, strategy, plan, topo, graph, comm_backend):
+    def _build(self, model, strategy, plan, topo, comm_backend):
         """Wire the parts: variables, runner, gradient path, pipeline walk, saved state."""
         self.output_losses = OutputLosses(model)  # per-output loss means weighted as Keras's
-        layers = self._find_variables(model, plan, topo, graph)
+        layers = self._find_variables(model, plan, topo)
         shared = SharedAcrossStages.find(plan, model, self.variables)
         self._loss_adders: set = set()  # layers calling add_loss, found while tracing
         self._any_added_losses = None  # whether any stage's layers add losses (agreed once)
         self._moving_statistics = unsynchronized_moving_statistics(layers, strategy.sync_batchnorm)
-        parts = RunnerParts(
-            model, self.stage, topo, strategy,
-            call=self._call_whole_model if plan is None else self._call_stage,
-            loss=self._loss, metrics=self._update_metrics, loss_adders=self._loss_adders,
-        )  # fmt: skip
+        parts = [self._runner_parts(stage) for stage in self.stages]
         segments = self._build_runner(parts, shared is not None, comm_backend)
         self._update_metrics_fn = traced(self._update_metrics, reduce_retracing=True)
         # Compiled like Keras's own step: metric updates and results are a call each.
@@ -126,9 +125,15 @@ class Trainer:
         )
         self._replica_metrics = ReplicaMetrics(model, topo.stage_comm)
         self._build_gradient_path(shared, segments, comm_backend)
+        runners = self.runner.runners if len(parts) > 1 else [self.runner]
+        chunks = [
+            Chunk(part.stage, runner, part.is_first, part.is_last)
+            for part, runner in zip(parts, runners, strict=True)
+        ]
+        seeds = [v for part in parts for v in seed_variables(model, part.graph)]
         self.walk = PipelineWalk(
-            model, topo, strategy, self.stage, self.runner, guard=self._guard, loss=self._loss,
-            update_metrics=self._update_metrics_fn, seed_variables=seed_variables(model, graph),
+            model, topo, strategy, chunks, guard=self._guard, loss=self._loss,
+            update_metrics=self._update_metrics_fn, seed_variables=seeds,
             whole_inputs=plan is None and segments is None,
         )  # fmt: skip
         split = {s.whole.path: s.axis for s in self.shards.shards} if self.shards else {}
@@ -141,12 +146,25 @@ class Trainer:
         self._log_root = topo.grid.rank_of(topo.num_stages - 1, 0)
         self.attach_recorder(None)
 
-    def _find_variables(self, model, plan, topo, graph) -> list:
-        """The stage's trainable variables, those it owns, its embedding tables (row-sparse
-        gradients) and dense ones; returns the stage's layers."""
-        self.variables = list(graph.trainable_variables)
-        self.owned = list(self.variables) if plan is None else owned_variables(plan, topo.stage)
-        layers = _keras.all_layers(graph)
+    def _runner_parts(self, stage) -> RunnerParts:
+        """What the runner of `stage` (None: the whole model) is built from."""
+        call = self._call_whole_model if stage is None else self._stage_call(stage)
+        return RunnerParts(
+            self.model, stage, self.topology, self.strategy, call=call, loss=self._loss,
+            metrics=self._update_metrics, loss_adders=self._loss_adders,
+        )  # fmt: skip
+
+    def _find_variables(self, model, plan, topo) -> list:
+        """The rank's trainable variables (of every stage it runs), those it owns, its
+        embedding tables (row-sparse gradients) and dense ones; returns the stages' layers."""
+        if plan is None:
+            self.variables = list(model.trainable_variables)
+            self.owned = list(self.variables)
+            layers = _keras.all_layers(model)
+        else:
+            self.variables = rank_variables(plan, topo.stage)
+            self.owned = owned_variables(plan, topo.stage)
+            layers = _unique([x for s in self.stages for x in _keras.all_layers(s.model)])
         self.sparse = row_sparse.row_sparse_positions(self.variables, layers)
         self.dense = sorted(set(range(len(self.variables))) - set(self.sparse))
         return layers
@@ -156,7 +174,9 @@ class Trainer:
         (None unless the runner cuts the stage into segments)."""
         strategy, topo = self.strategy, self.topology
         layout = FlatLayout([self.variables[i] for i in self.dense])
-        split = strategy.schedule == "zero_bubble" and self.plan is not None
+        # a split backward's weight gradients are final only after the step's last W, and
+        # interleaved chunks end their backwards apart: neither is cut into segments
+        whole = strategy.schedule in ("zero_bubble", "interleaved") and self.plan is not None
         facts = dict(
             partitioned=self.plan is not None,
             replicas=topo.num_replicas,
@@ -167,21 +187,37 @@ class Trainer:
             large_variables=layout.large_variables,
             shared_across_stages=shared_across_stages,
             tables=len(self.sparse),
-            # a split backward's weight gradients are final only after the step's last W
-            segments=1 if split else _segment_count(strategy, self.model, self.variables),
+            segments=1 if whole else _segment_count(strategy, self.model, self.variables),
             tensor_split=self.shards is not None,
         )
         self.gradient_form = choose_gradient_form(**facts, overlap_groups=strategy.overlap_groups)
+        if len(parts) > 1:  # interleaved: a runner per chunk, their gradients summed
+            self.runner = self._chunk_runners(parts, layout)
+            return None
         if self.gradient_form.overlap or self.gradient_form.update_per_segment:
             count = strategy.overlap_groups if strategy.overlap_groups > 1 else facts["segments"]
-            segmented = build_segmented_runner(parts, self.variables, count)
+            segmented = build_segmented_runner(parts[0], self.variables, count)
             if segmented is not None:
                 self.runner, segments = segmented
                 return segments
             # the stage cannot be cut: reduce after the backward
             self.gradient_form = choose_gradient_form(**{**facts, "segments": 1})
-        self.runner = build_runner(parts, self.variables, self.sparse, self.gradient_form, layout)
+        self.runner = build_runner(
+            parts[0], self.variables, self.sparse, self.gradient_form, layout
+        )  # fmt: skip
         return None
+
+    def _chunk_runners(self, parts, layout) -> ChunkRunners:
+        """A `StageRunner` per chunk, keeping lists; the rank's gradients flat only to be
+        reduced (`gradient_form.flat`)."""
+        form = self.gradient_form = dataclasses.replace(self.gradient_form, flat_backward=False)
+        listed = dataclasses.replace(form, flat=False)
+        runners = []
+        for part in parts:
+            variables = list(part.graph.trainable_variables)
+            tables = row_sparse.row_sparse_positions(variables, _keras.all_layers(part.graph))
+            runners.append(build_runner(part, variables, tables, listed, None))
+        return ChunkRunners(runners, self.variables, self.sparse, layout if form.flat else None)
 
     def _build_gradient_path(self, shared, segments, comm_backend: str) -> None:
         """Reduction across stages and replicas, the optimizer step, the update by segment and
@@ -261,12 +297,17 @@ class Trainer:
     def _call_whole_model(self, x, training):
         return self.model(x, training=training)
 
-    def _call_stage(self, inputs, training):
-        outputs = self.stage.forward(inputs, training=training)
-        flat = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
-        if self.is_last:
-            return pack_model_outputs(self.model, flat)
-        return flat
+    def _stage_call(self, stage):
+        """`call(inputs, training)` of the partitioner's `stage`: the model's outputs as Keras
+        packs them at the model's last stage, a flat list elsewhere."""
+        last = stage.index == len(self.plan.stages) - 1
+
+        def call(inputs, training):
+            outputs = stage.forward(inputs, training=training)
+            flat = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
+            return pack_model_outputs(self.model, flat) if last else flat
+
+        return call
 
     def _loss(self, y, y_pred, sample_weight):
         return self.output_losses(y, y_pred, sample_weight)
@@ -394,6 +435,12 @@ class Trainer:
         self.watchdog.close()
         self.walk.close()
         self.topology.free()
+
+
+def _unique(items: list) -> list:
+    """`items` without repeats (by identity), in order."""
+    seen: set = set()
+    return [x for x in items if not (id(x) in seen or seen.add(id(x)))]
 
 
 def _segment_count(strategy, model, variables) -> int:

@@ -9,26 +9,37 @@ from hyparflow.comm.allreduce import DEFAULT_BUCKET_BYTES
 
 
 def first_users(plan, attribute: str = "weights") -> dict:
-    """id(variable) -> the first stage whose sub-model holds it (`attribute`: "weights" or
-    "trainable_variables" of each stage's model)."""
+    """id(variable) -> the pipeline rank of the first stage whose sub-model holds it
+    (`attribute`: "weights" or "trainable_variables" of each stage's model)."""
     first_user: dict = {}
     for stage in plan.stages:
         for v in getattr(stage.model, attribute):
-            first_user.setdefault(id(v), stage.index)
+            first_user.setdefault(id(v), plan.holder(stage.index))
     return first_user
 
 
-def owned_variables(plan, stage_index: int) -> list:
-    """Trainable variables whose regularization this stage counts: those first used here."""
+def rank_variables(plan, rank: int, attribute: str = "trainable_variables") -> list:
+    """The variables (`attribute` of each stage's model) of the stages pipeline rank `rank`
+    runs, each once, in model order (one stage's, unless interleaved)."""
+    seen, variables = set(), []
+    for stage in plan.stages_on(rank):
+        for v in getattr(stage.model, attribute):
+            if id(v) not in seen:
+                seen.add(id(v))
+                variables.append(v)
+    return variables
+
+
+def owned_variables(plan, rank: int) -> list:
+    """Trainable variables whose regularization this pipeline rank counts: those first used
+    here."""
     first_user = first_users(plan, "trainable_variables")
-    return [
-        v for v in plan.stages[stage_index].model.trainable_variables
-        if first_user[id(v)] == stage_index
-    ]  # fmt: skip
+    return [v for v in rank_variables(plan, rank) if first_user[id(v)] == rank]
 
 
 def weight_owners(plan, model) -> list:
-    """For each of `model.weights`, the first stage that uses it (it holds the latest value)."""
+    """For each of `model.weights`, the pipeline rank of the first stage that uses it (it
+    holds the latest value)."""
     first_user = first_users(plan)
     return [first_user.get(id(v), 0) for v in model.weights]
 
@@ -109,11 +120,11 @@ def broadcast_owned_weights(model, plan, comm, guard) -> None:
             del arrays, flat
 
 
-def held_elsewhere(model, plan, stage_index: int, layout=None) -> list:
-    """The model's variables this rank does not hold as they are: those only other pipeline
-    stages use, and (under tensor parallelism) the whole forms of the variables it holds a
-    shard of. A model built under hf.scope() leaves them unallocated."""
-    mine = model.variables if plan is None else plan.stages[stage_index].model.variables
+def held_elsewhere(model, plan, rank: int, layout=None) -> list:
+    """The model's variables pipeline rank `rank` does not hold as they are: those only other
+    ranks' stages use, and (under tensor parallelism) the whole forms of the variables it
+    holds a shard of. A model built under hf.scope() leaves them unallocated."""
+    mine = model.variables if plan is None else rank_variables(plan, rank, "variables")
     ids = {id(v) for v in mine}
     others = [v for v in model.variables if id(v) not in ids]
     if layout is not None:

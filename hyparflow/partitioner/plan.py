@@ -150,6 +150,9 @@ class Plan:
     # Each stage's tensor layout when its layers are split over tensor ranks (`hf.partition(...,
     # tensor=T)`): objects with `summary()` and `layout_map()` (hyparflow.tensor.TensorLayout).
     tensor_layouts: list = field(default_factory=list, repr=False)
+    # Model chunks each pipeline rank runs (interleaved schedules): the stages are the model's
+    # chunks, and pipeline rank r holds stages r, r + P, r + 2P, ... (P = `pipeline_ranks`).
+    virtual_stages: int = 1
 
     def __repr__(self) -> str:
         return (
@@ -160,6 +163,19 @@ class Plan:
     @property
     def num_partitions(self) -> int:
         return len(self.stages)
+
+    @property
+    def pipeline_ranks(self) -> int:
+        """The ranks of one pipeline: one per stage, or one per `virtual_stages` chunks."""
+        return len(self.stages) // self.virtual_stages
+
+    def holder(self, stage_index: int) -> int:
+        """The pipeline rank that runs stage `stage_index` (itself unless interleaved)."""
+        return stage_index % self.pipeline_ranks
+
+    def stages_on(self, rank: int) -> list[Stage]:
+        """The stages pipeline rank `rank` runs, in model order."""
+        return self.stages[rank :: self.pipeline_ranks]
 
     def run(self, inputs, training=None):
         """Run the stages one after another; returns what `model(inputs)` returns."""

@@ -3,7 +3,7 @@
 A schedule is one ordered list of actions per stage: stage `s` executes `schedule[s]` strictly in
 order (`actions.py`). The builders make the lists (`builders.py`; ZB-H1, whose backwards are
 split into B and W passes, in `zero_bubble.py`, and interleaved 1F1B, whose stages hold several
-model chunks, in `interleaved.py`: both simulated and validated, not yet run by the engine),
+model chunks, in `interleaved.py`; `make_schedule` names them, `registry.py`),
 `validate` checks that one is
 a step the engine can run exactly (`validation.py`), and `simulate` times it on an ideal machine
 (`simulation.py`).
@@ -28,14 +28,9 @@ from hyparflow.schedule.actions import (
     virtual_stage,
     with_transfers,
 )
-from hyparflow.schedule.builders import (
-    SCHEDULES,
-    forward_only,
-    gpipe,
-    make_schedule,
-    one_f_one_b,
-)
+from hyparflow.schedule.builders import forward_only, gpipe, one_f_one_b
 from hyparflow.schedule.interleaved import interleaved
+from hyparflow.schedule.registry import SCHEDULES, make_schedule
 from hyparflow.schedule.simulation import (
     DeadlockError,
     Simulation,

@@ -12,8 +12,6 @@
 from __future__ import annotations
 
 from hyparflow.schedule.actions import B, F, Schedule, check_sizes
-from hyparflow.schedule.validation import validate
-from hyparflow.schedule.zero_bubble import zero_bubble
 
 
 def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
@@ -50,30 +48,16 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
     return schedule
 
 
-def forward_only(num_stages: int, num_microbatches: int) -> Schedule:
-    """Evaluation and prediction: every stage forwards every micro-batch in order.
+def forward_only(num_stages: int, num_microbatches: int, num_chunks: int = 1) -> Schedule:
+    """Evaluation and prediction: every stage forwards every micro-batch in order, through
+    each of its `num_chunks` model chunks in turn (interleaved stages hold several).
 
     Example:
         >>> forward_only(2, 2)
         [[F0, F1], [F0, F1]]
+        >>> forward_only(2, 2, num_chunks=2)[0]
+        [F0, F1, F0c1, F1c1]
     """
     check_sizes(num_stages, num_microbatches)
-    return [[F(i) for i in range(num_microbatches)] for _ in range(num_stages)]
-
-
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "zero_bubble": zero_bubble}
-
-
-def make_schedule(name: str, num_stages: int, num_microbatches: int) -> Schedule:
-    """Build the training schedule called `name` ("gpipe", "1f1b" or "zero_bubble"), validated
-    (`validate`).
-
-    Example:
-        >>> make_schedule("1f1b", 4, 8)[3][:4]
-        [F0, B0, F1, B1]
-    """
-    if name not in SCHEDULES:
-        raise ValueError(f"unknown pipeline schedule {name!r}; use one of {sorted(SCHEDULES)}")
-    schedule = SCHEDULES[name](num_stages, num_microbatches)
-    validate(schedule, num_microbatches)
-    return schedule
+    stage = [F(i, c) for c in range(num_chunks) for i in range(num_microbatches)]
+    return [list(stage) for _ in range(num_stages)]

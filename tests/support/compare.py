@@ -37,7 +37,8 @@ STEP_FUNCTIONS = (
 
 
 def most_traces(runner, names=STEP_FUNCTIONS) -> int:
-    """The most traces of one of `runner`'s compiled functions `names` (or of its segments')."""
-    runners = getattr(runner, "segments", [runner])
+    """The most traces of one of `runner`'s compiled functions `names` (or of its segments' or
+    interleaved chunks')."""
+    runners = getattr(runner, "segments", None) or getattr(runner, "runners", [runner])
     functions = [getattr(r, name, None) for r in runners for name in names]
     return max(f.experimental_get_tracing_count() for f in functions if f is not None)
