@@ -79,6 +79,21 @@ TWO_RANKS = [
     # float16 layers cannot be split: the stages run 1F1B's merged backward
     Case("l2_mlp", "adam", "model", partitions=2, microbatches=2, schedule="zero_bubble",
          policy="mixed_float16"),
+    # interleaved 1F1B: each rank runs two model chunks (three: the tied layer's two calls
+    # fall in chunks 0 and 2 of rank 0, so one rank sums their gradients itself)
+    Case("mlp", "adam", "model", partitions=2, microbatches=4, schedule="interleaved"),
+    Case("sequential", "sgd", "model", partitions=2, microbatches=2, schedule="interleaved"),
+    Case("cnn", "adam", "model", partitions=2, microbatches=2, schedule="interleaved"),
+    Case("resnet", "sgd", "model", partitions=2, microbatches=4, schedule="interleaved",
+         recompute=True),
+    Case("multi_io", "adam", "model", partitions=2, microbatches=2, schedule="interleaved"),
+    Case("shared", "sgd", "model", partitions=2, microbatches=2, schedule="interleaved",
+         virtual_stages=3),
+    Case("l2_mlp", "adam", "model", partitions=2, schedule="interleaved"),  # m < p: idle slots
+    Case("batchnorm", "adam", "model", partitions=2, schedule="interleaved"),
+    Case("embedding", "adam", "model", partitions=2, microbatches=2, schedule="interleaved"),
+    Case("l2_mlp", "adam", "model", partitions=2, microbatches=2, schedule="interleaved",
+         policy="mixed_float16"),
 ]  # fmt: skip
 FOUR_RANKS = [
     Case("mlp", "adam", "data", replicas=4),
@@ -129,6 +144,11 @@ FOUR_RANKS = [
          schedule="zero_bubble"),
     Case("cnn", "adam", "hybrid", partitions=2, replicas=2, microbatches=2, schedule="zero_bubble",
          recompute=True),
+    Case("resnet", "adam", "model", partitions=4, microbatches=2, schedule="interleaved"),
+    Case("embedding", "adam", "hybrid", partitions=2, replicas=2, microbatches=2,
+         schedule="interleaved"),
+    Case("cnn", "adam", "hybrid", partitions=2, replicas=2, microbatches=2, schedule="interleaved",
+         recompute=True),
 ]  # fmt: skip
 TOLERANCE = 1e-5
 # mixed_float16: Keras and the pipeline round float16 activations of different micro-batch
@@ -163,6 +183,9 @@ def _check(case, ranks):
             assert bool(r["segment_updates"]) != scaled, f"{where}: {r['segment_updates']}"
         if case.schedule == "zero_bubble" and case.partitions > 1:  # float16 stays merged
             assert r["split_backward"] == (case.policy == "float32"), f"{where}: split?"
+        if case.partitions > 1:  # one chunk per rank, or virtual_stages (2 unless given)
+            chunks = max(case.virtual_stages, 2) if case.schedule == "interleaved" else 1
+            assert r["chunks"] == chunks, f"{where}: {r['chunks']} chunks"
         if case.partitions > 1:  # optimizer state lives only with the stage's own variables
             assert r["optimizer_variables"] < r["reference_optimizer_variables"], where
 

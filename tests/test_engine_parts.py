@@ -18,7 +18,7 @@ from hyparflow.data.batches import GlobalBatch
 from hyparflow.engine.fused import FusedRunner
 from hyparflow.engine.gradient_path import BySegmentPath, WholePath, build_gradient_path
 from hyparflow.engine.gradient_sync import GradientSync
-from hyparflow.engine.pipeline import PipelineWalk
+from hyparflow.engine.pipeline import Chunk, PipelineWalk
 from hyparflow.engine.update import Update
 from hyparflow.engine.zero import ShardedUpdate
 
@@ -60,8 +60,8 @@ def _parts(model, microbatches=2):
         microbatches=microbatches,
     )  # fmt: skip
     walk = PipelineWalk(
-        model, topology, strategy, None, runner, guard=_no_guard, loss=None,
-        update_metrics=lambda *args: None, seed_variables=[], whole_inputs=True,
+        model, topology, strategy, [Chunk(None, runner, True, True)], guard=_no_guard, loss=None,
+        update_metrics=lambda *args: None, whole_inputs=True,
     )  # fmt: skip
     sync = GradientSync(
         topology, runner, variables, list(range(len(variables))), [], backend="mpi",

@@ -495,6 +495,7 @@ TWO_RANKS = [
     Case("equal_stages_wide", "sgd", "model", partitions=2, microbatches=4),
     Case("equal_stages", "sgd", "data", replicas=2),
     Case("equal_stages_wide", "sgd", "model", partitions=2, microbatches=4, schedule="zero_bubble"),
+    Case("equal_stages", "sgd", "model", partitions=2, microbatches=4, schedule="interleaved"),
 ]
 FOUR_RANKS = [
     Case("equal_stages", "sgd", "hybrid", partitions=2, replicas=2, microbatches=2, schedule="1f1b")
@@ -524,13 +525,18 @@ def test_profiled_fit_writes_every_documented_output(profiled_runs, case):
     log_dir = ranks[0]["log_dir"]
     assert all(r["detached"] for r in ranks), "profiling must be off again after fit"
     _assert_tensorboard_runs(log_dir, world)
-    tracks = _assert_timeline(log_dir, world, stages, microbatches, case.schedule)
-    if stages > 1:
+    tracks = _assert_timeline(log_dir, world, stages, microbatches, case)
+    if stages > 1 and case.schedule != "interleaved":  # there, rank 1 receives gradients too
         _assert_clocks_aligned(tracks)
     assert _png_size(os.path.join(log_dir, gantt.GANTT_FILE))
     assert not any(s.kind == "tensor" for t in tracks for s in t.slices)  # no tensor split
     _assert_summary(log_dir, case, stages, microbatches)
     _assert_report_table(log_dir, world, stages, case.schedule)
+
+
+def _chunks(case) -> int:
+    """Model chunks each rank runs (interleaved: virtual_stages, 2 unless given)."""
+    return max(case.virtual_stages, 2) if case.schedule == "interleaved" else 1
 
 
 def _assert_tensorboard_runs(log_dir, world):
@@ -546,9 +552,10 @@ def _assert_tensorboard_runs(log_dir, world):
     assert set(aggregate_tags) == {*scalars.AGGREGATE_TAGS, scalars.EFFICIENCY}
 
 
-def _assert_timeline(log_dir, world, stages, microbatches, schedule):
+def _assert_timeline(log_dir, world, stages, microbatches, case):
     """One track per rank, each step's forward and backward (and, split off it, weight pass) of
-    every micro-batch; the tracks."""
+    every micro-batch through each of the rank's chunks; the tracks."""
+    schedule = case.schedule
     trace = tl.load(os.path.join(log_dir, tl.TIMELINE_FILE))
     tracks = tl.read_tracks(trace)
     assert sorted(t.rank for t in tracks) == list(range(world))
@@ -562,7 +569,8 @@ def _assert_timeline(log_dir, world, stages, microbatches, schedule):
             for step in timeline_steps:
                 mine = [s for s in t.slices if s.kind == kind and s.step == step]
                 done = sorted(s.microbatch for s in mine if s.microbatch is not None)
-                assert done == list(range(microbatches)), (t.rank, kind, step)
+                expected = sorted(list(range(microbatches)) * _chunks(case))
+                assert done == expected, (t.rank, kind, step)
                 # Besides: at most one forward of no micro-batch, a later stage packing its
                 # parameters while it waits for its first activations (StageRunner.prepare).
                 unnamed = len(mine) - len(done)
@@ -593,6 +601,10 @@ def _assert_summary(log_dir, case, stages, microbatches):
     one_f_one_b = theoretical_bubble(stages, microbatches)
     if case.schedule == "zero_bubble":  # at the measured F, B, W times: a third of 1F1B's if equal
         assert 0.0 < job["bubble_theoretical"] < one_f_one_b
+    elif case.schedule == "interleaved":  # v chunks a stage: as if v times the micro-batches
+        interleaved = theoretical_bubble(stages, microbatches * _chunks(case))
+        assert job["bubble_theoretical"] == pytest.approx(interleaved)
+        assert interleaved < one_f_one_b
     else:
         assert job["bubble_theoretical"] == pytest.approx(one_f_one_b)
     assert 0.0 <= job["bubble_measured"] <= 1.0
@@ -617,7 +629,10 @@ def _assert_report_table(log_dir, world, stages, schedule):
     table = [line.split() for line in cli.stdout.splitlines()]
     assert table[3][:6] == ["rank", "stage", "replica", "step", "ms", "compute"]
     assert [row[0] for row in table[4 : 5 + world]] == [*map(str, range(world)), "job"]
-    formula = "ZB-H1 at these F, B, W times" if schedule == "zero_bubble" else "(p-1)/(m+p-1)"
+    formula = {
+        "zero_bubble": "ZB-H1 at these F, B, W times",
+        "interleaved": "(p-1)/(2m+p-1)",
+    }.get(schedule, "(p-1)/(m+p-1)")
     assert f"theoretical {formula}" in cli.stdout or stages == 1
 
 

@@ -41,6 +41,9 @@ SPARSE_OPTIMIZERS = [
     # the tables' row slices from a split backward's weight half
     Case("two_tables", "adam+globalclip", "model", partitions=2, microbatches=2,
          schedule="zero_bubble"),
+    # ... and from the chunks of interleaved stages, summed per rank
+    Case("two_tables", "adam+globalclip", "model", partitions=2, microbatches=2,
+         schedule="interleaved"),
 ]  # fmt: skip
 TWO_RANKS = [
     Case("dropout_mlp", "adam", "data", replicas=2, microbatches=2),
@@ -79,6 +82,10 @@ TWO_RANKS = [
     Case("masked_gru", "adam", "model", partitions=2, microbatches=2, schedule="zero_bubble"),
     Case("gpt2", "sgd", "model", partitions=2, microbatches=2, schedule="zero_bubble"),
     Case("llama", "adam", "model", partitions=2, microbatches=2, schedule="zero_bubble"),
+    # interleaved 1F1B: dropout masks, added losses, tied embeddings in two chunks
+    Case("dropout_mlp", "adam", "model", partitions=2, microbatches=2, schedule="interleaved"),
+    Case("added_losses", "sgd", "model", partitions=2, microbatches=2, schedule="interleaved"),
+    Case("gpt2", "adam", "model", partitions=2, microbatches=2, schedule="interleaved"),
     Case("bert", "sgd", "data", replicas=2, microbatches=2),
     Case("falcon", "sgd", "data", replicas=2, microbatches=2),
     Case("falcon", "sgd", "model", partitions=2, microbatches=2, schedule="1f1b"),

@@ -135,6 +135,8 @@ FOUR_RANKS = [
     Case("wide_mlp", "sgd", "data", replicas=4, update_by_segment=True, **ZERO),
     Case("wide_mlp", "adam", "hybrid", partitions=2, replicas=2, microbatches=2,
          schedule="zero_bubble", **ZERO),
+    Case("wide_mlp", "adam", "hybrid", partitions=2, replicas=2, microbatches=2,
+         schedule="interleaved", **ZERO),
 ]  # fmt: skip
 
 

@@ -37,13 +37,15 @@ class MicroBatch(NamedTuple):
 
 class Chunk(NamedTuple):
     """A part of the model a rank runs: its partitioner `stage` (None: the whole model, with no
-    neighbours), its `runner`, and whether it is the model's first and last part. A rank runs
-    one chunk, or several under the interleaved schedule."""
+    neighbours), its `runner`, whether it is the model's first and last part, and its random
+    seed states (`seed_variables`). A rank runs one chunk, or several under the interleaved
+    schedule."""
 
     stage: Any
     runner: Any
     is_first: bool
     is_last: bool
+    seed_variables: tuple = ()
 
 
 class PipelineWalk:
@@ -61,15 +63,16 @@ class PipelineWalk:
       trainer's recorder) times each action.
     - `loss(y, y_pred, sample_weight)` and `update_metrics(...)` (compiled) serve evaluation
       and the metrics a runner does not update itself.
-    - `seed_variables`: the stage's random seed states, put back before each training forward
-      so that every micro-batch draws from the step's seeds, as one full-batch call would.
+    - each chunk's `seed_variables` (its random seed states) are put back before each of its
+      training forwards, so that every micro-batch draws from the step's seeds, as one
+      full-batch call would.
     - `whole_inputs`: the first stage passes the user's `x` as is (an unpartitioned model of
       any structure), else as a list in `model.inputs` order.
     """
 
     def __init__(
         self, model, topology, strategy, chunks, *, guard, loss, update_metrics,
-        seed_variables, whole_inputs,
+        whole_inputs,
     ):  # fmt: skip
         self.model, self.topology, self.strategy = model, topology, strategy
         self.chunks = list(chunks)  # what this rank computes, and how
@@ -82,7 +85,7 @@ class PipelineWalk:
         self._guard = guard
         self._loss, self._update_metrics_fn = loss, update_metrics
         self._eval_loss_fn = None
-        self._seed_variables, self._whole_inputs = seed_variables, whole_inputs
+        self._whole_inputs = whole_inputs
         self.span = events.no_span
         # (chunk, largest micro-batch, count) -> (prev, next)
         self.channels: dict[tuple, tuple] = {}
@@ -252,7 +255,12 @@ class _Step:
         self.before = grid.rank_of(_pipeline_peer(topo, -1), topo.replica, topo.shard)
         self.after = grid.rank_of(_pipeline_peer(topo, 1), topo.replica, topo.shard)
         self.posted = walk._post_receives(self.links, count)
-        self.seeds = _SeedSnapshot(walk._seed_variables) if train and count > 1 else None
+        # per chunk: a chunk's seeds, put back before each of its forwards, advance once a
+        # step, as in one full-batch call, whatever the other chunks run in between
+        self.seeds = [
+            _SeedSnapshot(chunk.seed_variables) if train and count > 1 else None
+            for chunk in walk.chunks
+        ]
         self.results: list = []
         # (kind of the action that uses it, k, chunk) -> tensors
         self.held: dict[tuple, Any] = {}
@@ -285,8 +293,8 @@ class _Step:
         walk, chunk = self.walk, self.walk.chunks[c]
         runner = chunk.runner
         mb = self.microbatches[k]
-        if self.seeds is not None:  # every micro-batch draws from the step's seeds
-            self.seeds.restore()
+        if self.seeds[c] is not None:  # every micro-batch draws from the step's seeds
+            self.seeds[c].restore()
         if chunk.is_first:
             inputs = mb.x if walk._whole_inputs else model_input_list(walk.model, mb.x)
         else:

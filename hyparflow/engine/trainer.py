@@ -127,14 +127,12 @@ class Trainer:
         self._build_gradient_path(shared, segments, comm_backend)
         runners = self.runner.runners if len(parts) > 1 else [self.runner]
         chunks = [
-            Chunk(part.stage, runner, part.is_first, part.is_last)
-            for part, runner in zip(parts, runners, strict=True)
+            Chunk(p.stage, runner, p.is_first, p.is_last, seed_variables(model, p.graph))
+            for p, runner in zip(parts, runners, strict=True)
         ]
-        seeds = [v for part in parts for v in seed_variables(model, part.graph)]
         self.walk = PipelineWalk(
             model, topo, strategy, chunks, guard=self._guard, loss=self._loss,
-            update_metrics=self._update_metrics_fn, seed_variables=seeds,
-            whole_inputs=plan is None and segments is None,
+            update_metrics=self._update_metrics_fn, whole_inputs=plan is None and segments is None,
         )  # fmt: skip
         split = {s.whole.path: s.axis for s in self.shards.shards} if self.shards else {}
         shard_of = self.shards.by_path() if self.shards else {}

@@ -74,6 +74,7 @@ def _run(case: Case) -> dict:
         # ZB-H1's split backward ran (None: not a SplitStageRunner)
         "split_backward": getattr(model._hyparflow_trainer[1].runner, "split", None),
         "grid_nodes": model._hyparflow_trainer[1].topology.nodes,  # host of each grid place
+        "chunks": len(model._hyparflow_trainer[1].walk.chunks),  # model chunks this rank ran
         "flat_backward": getattr(model._hyparflow_trainer[1].runner, "flat_backward", None),
         "shared_across_stages": model._hyparflow_trainer[1].gradient_sync.shared is not None,
         "stage_variables": len(model._hyparflow_trainer[1].variables),
