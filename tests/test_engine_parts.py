@@ -179,3 +179,51 @@ def test_the_segment_path_serves_the_steps_it_can_and_hands_the_others_to_the_wh
     else:
         assert hook is None and result == 1.5 and segments.calls == []
         assert whole.calls == [("begin", check_numerics), ("finish", check_numerics)]
+
+
+def test_chunk_runners_sum_a_shared_variable_and_table_over_the_rank_s_chunks():
+    """Two chunks of one rank (interleaved) that both read a Dense kernel and an embedding
+    table: the rank's gradients are their sums (row slices concatenated), as one stage's
+    would be, in list and in flat form."""
+    from hyparflow.engine.chunks import ChunkRunners
+    from hyparflow.engine.flat import FlatLayout
+    from hyparflow.engine.stage import StageRunner
+
+    keras.utils.set_random_seed(5)
+    table, dense = keras.layers.Embedding(10, 3), keras.layers.Dense(3)
+    table.build((None,))
+    dense.build((None, 3))
+    tokens = tf.constant([1, 4, 4], tf.int32)
+
+    def first(inputs, training):  # tokens -> Dense(table)
+        return [dense(table(inputs[0]))]
+
+    def second(inputs, training):  # activations -> Dense(activations) + table rows
+        return [dense(inputs[0]) + table(tokens)]
+
+    variables = [table.embeddings, dense.kernel, dense.bias]
+    runners = [
+        StageRunner(first, variables, sparse=[0], input_grads=False),
+        StageRunner(second, variables, sparse=[0]),
+    ]
+    upstream = tf.ones((3, 3))
+
+    def step():  # chunk 0 forward, chunk 1 forward and backward, chunk 0 backward
+        runners[1].forward(0, runners[0].forward(0, [tokens]))
+        runners[0].backward(0, runners[1].backward(0, [upstream]))
+
+    with tf.GradientTape() as tape:  # the same two chunks as one call
+        total = tf.reduce_sum(dense(dense(table(tokens))) + table(tokens))
+    expected = tape.gradient(total, [v.value for v in variables])
+    for layout in (None, FlatLayout(variables[1:])):  # in list form, then flat
+        step()
+        chunks = ChunkRunners(runners, variables, sparse=[0], layout=layout)
+        if layout is None:
+            grads = chunks.take_gradients()
+        else:
+            flat = chunks.take_flat_gradients()
+            grads = [chunks.take_sparse_gradients()[0], *layout.unflatten_fn(flat)]
+        assert isinstance(grads[0], tf.IndexedSlices) and grads[0].indices.shape[0] == 6
+        for got, want in zip(grads, expected, strict=True):
+            np.testing.assert_allclose(tf.convert_to_tensor(got), tf.convert_to_tensor(want),
+                                       rtol=1e-6)  # fmt: skip

@@ -47,11 +47,34 @@ def test_resolve(strategy, world, expected):
         (lambda: Strategy("model", schedule="zero_bubble", overlap_groups=2), "overlap_groups=1"),
         (lambda: Strategy("model", schedule="zero_bubble", update_by_segment=True), "by segment"),
         (lambda: Strategy("hybrid", schedule="zero_bubble", tensor=2), "tensor=1"),
+        # interleaved: chunks neither split over tensor ranks nor cut into segments
+        (lambda: Strategy("hybrid", schedule="interleaved", tensor=2), "with tensor > 1"),
+        (lambda: Strategy("model", schedule="interleaved", overlap_groups=2), "overlap_groups"),
+        (lambda: Strategy("model", schedule="interleaved", update_by_segment=True), "segment"),
+        (lambda: Strategy("model", schedule="1f1b", virtual_stages=2), "needs schedule="),
+        (lambda: Strategy("model", schedule="interleaved", virtual_stages=0), "positive"),
     ],
 )
 def test_invalid_strategies_name_the_fix(make, message):
     with pytest.raises(ValueError, match=message):
         make()
+
+
+def test_interleaved_holds_two_chunks_a_stage_unless_told():
+    assert Strategy("model", schedule="interleaved").virtual_stages == 2
+    assert Strategy("model", schedule="interleaved", virtual_stages=3).virtual_stages == 3
+    assert Strategy("model", schedule="1f1b").virtual_stages == 1
+
+
+def test_memory_plan_refuses_interleaved_stages_it_cannot_predict():
+    import keras
+
+    import hyparflow as hf
+
+    model = keras.Sequential([keras.Input((4,))] + [keras.layers.Dense(4) for _ in range(4)])
+    strategy = Strategy("model", partitions=2, schedule="interleaved")
+    with pytest.raises(ValueError, match="does not predict interleaved"):
+        hf.memory_plan(model, strategy)
 
 
 def test_hyparflow_keyword_names_fill_the_strategy():

@@ -50,6 +50,12 @@ def memory_plan(model, strategy="auto", batch_size: int = 32, *, num_partitions=
     strategy = make_strategy(strategy, num_partitions, num_replicas, num_microbatches)
     world = (strategy.partitions or 1) * (strategy.replicas or 1) * strategy.tensor
     resolved = strategy.resolve(world)
+    if resolved.virtual_stages > 1 and resolved.partitions > 1:
+        raise ValueError(
+            "hf.memory_plan does not predict interleaved stages yet (a rank holds several "
+            "model chunks, each with its own micro-batches in flight); plan schedule='1f1b' "
+            "with the same partitions for a lower bound of the weights and optimizer state."
+        )
     notes = []
     shared = _shared_facts(model, resolved, world, batch_size, whole_model, notes)
     grid = Grid(resolved.partitions, resolved.replicas, resolved.tensor)
