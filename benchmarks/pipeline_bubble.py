@@ -1,4 +1,5 @@
-"""Figure 5, pipeline: measured bubble vs formula, GPipe, 1F1B and ZB-H1; peak memory per rank.
+"""Figure 5, pipeline: measured bubble vs formula, GPipe, 1F1B, ZB-H1 and interleaved 1F1B; peak
+memory per rank.
 
 Run: .venv/bin/python benchmarks/pipeline_bubble.py [--rounds 3] [--microbatches 1 2 4 8 16]
      (starts `mpirun -np 2` itself)
@@ -11,6 +12,10 @@ with the measured stage times. Targets: 1F1B and ZB-H1 within 5 points of their 
 ZB-H1's bubble below 1F1B's (paired); step times beside. Stages are balanced by measurement:
 for each m the first layer's input is widened (secant steps on profiled stage times) until
 both stages compute as long, since the last stage also computes the head and the loss.
+Interleaved 1F1B (v = 2) runs on an MLP whose four hidden layers are alike (input as wide as
+them), one layer a chunk (the head, 1% of a layer, joins the last); paired in each launch with
+1F1B on the same model cut into two stages of two layers. Targets: within 5 points of
+(p-1)/(vm+p-1), and below that 1F1B's bubble.
 
 Memory: each schedule in its own launch (alternating), a bigger batch and m = 8; each rank's
 peak resident memory (VmHWM) and its growth over the memory before training.
@@ -33,6 +38,9 @@ FIGURE = "pipeline"
 TITLE = "(5) Pipeline: measured bubble vs formula (GPipe, 1F1B, ZB-H1), memory per rank"
 LABELS = {"gpipe": "GPipe", "1f1b": "1F1B", "zero_bubble": "ZB-H1"}
 SCHEDULES = tuple(LABELS)
+# On the even MLP: where its stages begin (interleaved: P * v = 4 chunks of one layer each)
+EVEN = {"interleaved": ["dense_1", "dense_2", "dense_3"], "1f1b_even": ["dense_2"]}
+EVEN_LABELS = {"interleaved": "Interleaved v=2", "1f1b_even": "1F1B (even MLP)"}
 MIB = 2**20
 
 
@@ -48,10 +56,13 @@ def bubble_worker(args) -> None:
 
     def profiled_fit(inputs, schedule, m, name):
         """Train the MLP on `inputs` features; rank 0: the job row, each stage's compute."""
-        model = mlp(args.width, 4, inputs=inputs)
+        even = EVEN.get(schedule)
+        model = mlp(args.width, 4, inputs=args.width if even else inputs)
         x, y = synthetic_data(model, args.batch_size * args.steps)
         log_dir = os.path.join(root, name)
-        strategy = hf.Strategy("model", microbatches=m, schedule=schedule, tune_process=True)
+        options = dict(schedule="1f1b" if schedule == "1f1b_even" else schedule)
+        options |= dict(balance=even) if even else {}
+        strategy = hf.Strategy("model", microbatches=m, tune_process=True, **options)
         profiler = hf.callbacks.ScalingProfiler(log_dir, timeline=False)
         hf.fit(model, x, y, batch_size=args.batch_size, epochs=args.epochs, verbose=0,
                strategy=strategy, callbacks=[profiler])  # fmt: skip
@@ -65,7 +76,8 @@ def bubble_worker(args) -> None:
     # Per micro-batch count: the last stage's fixed per-micro-batch costs (loss, head) weigh
     # more the smaller the micro-batches, so one width cannot balance every m.
     inputs = {m: balanced_inputs(args.width, m, profiled_fit) for m in args.microbatches}
-    configs = [(s, m) for m in args.microbatches for s in SCHEDULES][:: -1 if args.reverse else 1]
+    schedules = SCHEDULES + tuple(EVEN)
+    configs = [(s, m) for m in args.microbatches for s in schedules][:: -1 if args.reverse else 1]
     results = []
     for schedule, m in configs:
         job, _ = profiled_fit(inputs[m], schedule, m, f"{schedule}-{m}")
@@ -171,6 +183,30 @@ def _bubble_records(args) -> list[dict]:
             records.append(measurement(FIGURE, f"ZB-H1 / 1F1B step time, m={m}", ratio, "ratio"))
             zb = [z["theoretical"] for z, _ in pairs]
             records.append(point("ZB-H1 formula", zb, "bubble", "ZB-H1 formula"))
+        records += _interleaved_records(mine, m, point)
+    return records
+
+
+def _interleaved_records(mine: list[dict], m: int, point) -> list[dict]:
+    """Interleaved 1F1B against its formula and, paired by launch, against 1F1B on the same
+    even MLP."""
+    by = {s: [r for r in mine if r["schedule"] == s] for s in EVEN}
+    records = []
+    for schedule, label in EVEN_LABELS.items():
+        for kind in ("measured", "theoretical", "simulated"):
+            values = [r[kind] for r in by[schedule]]
+            records.append(point(f"{label} {kind}", values, "bubble", f"{label} {kind}"))
+        steps = [r["step_ms"] for r in by[schedule]]
+        records.append(point(f"{label} step time", steps, "ms per step", label))
+    excess = [r["measured"] - r["theoretical"] for r in by["interleaved"]]
+    name = f"Interleaved v=2 bubble minus its formula (points/100), m={m}"
+    records.append(target(FIGURE, name, excess, "<= 0.05"))
+    pairs = list(zip(by["interleaved"], by["1f1b_even"], strict=True))
+    gap = [i["measured"] - o["measured"] for i, o in pairs]
+    records.append(target(FIGURE, f"Interleaved bubble minus 1F1B's (even MLP), m={m}", gap, "< 0"))
+    ratio = [i["step_ms"] / o["step_ms"] for i, o in pairs]
+    name = f"Interleaved / 1F1B step time (even MLP), m={m}"
+    records.append(measurement(FIGURE, name, ratio, "ratio"))
     return records
 
 

@@ -72,6 +72,7 @@ def test_resume_with_another_partitioning_and_export(tmp_path):
     for r in results:
         assert r["model4"] < 1e-6, f"4x1 resume differs from 2x2 by {r['model4']:.2e}"
         assert r["data4"] < 1e-6, f"1x4 resume differs from 2x2 by {r['data4']:.2e}"
+        assert r["interleaved"] < 1e-6, f"interleaved resume differs by {r['interleaved']:.2e}"
         assert r["export"] == 0.0  # the exported .keras holds the checkpoint's weights
         assert r["export_compiled"] == "Adam"  # compiled as for training: evaluate works
 

@@ -154,19 +154,22 @@ def after_torn(folder):
 
 
 def reshape(folder):
-    """Checkpoint a 2x2 hybrid run, resume it as 4x1, 1x4 and 2x2; export it."""
+    """Checkpoint a 2x2 hybrid run, resume it as 4x1, 1x4, 2x2 and 2x2 interleaved (each rank
+    two chunks of the model's four layers); export it."""
     first, _ = train(folder, strategy=hf.Strategy("hybrid", partitions=2, replicas=2),
                      epochs=2, dropout=0.0)  # fmt: skip
     results, exported = _resume_each(folder, {
         "same": hf.Strategy("hybrid", partitions=2, replicas=2),
         "model4": hf.Strategy("model", partitions=4),
         "data4": hf.Strategy("data"),
+        "interleaved": hf.Strategy("hybrid", partitions=2, replicas=2, schedule="interleaved"),
     })  # fmt: skip
     report(
         {
             "rank": hf.rank(),
             "model4": relative_difference(results["model4"], results["same"]),
             "data4": relative_difference(results["data4"], results["same"]),
+            "interleaved": relative_difference(results["interleaved"], results["same"]),
             "export": relative_difference(exported.get_weights(), first.get_weights()),
             "export_compiled": exported.compiled and exported.optimizer.__class__.__name__,
         }
