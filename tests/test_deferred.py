@@ -192,14 +192,14 @@ def four_ranks():
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("layout", ["P4", "P2T2", "P2R2-zero"])
+@pytest.mark.parametrize("layout", ["P4", "P2T2", "P2R2-zero", "P2R2-interleaved"])
 def test_each_rank_holds_and_trains_only_its_share(four_ranks, layout):
     results = [r[layout] for r in four_ranks]
     held = [set(r["held"]) for r in results]
     count = results[0]["count"]
     if layout == "P4":  # four stages: each weight held by exactly one rank
         assert sorted(i for h in held for i in h) == list(range(count))
-    elif layout == "P2R2-zero":  # replicas of a stage hold the same weights
+    elif layout.startswith("P2R2"):  # replicas of a stage hold the same weights
         assert held[0] == held[2] and held[1] == held[3] and not held[0] & held[1]
         assert held[0] | held[1] == set(range(count))
     else:  # tensor ranks of a stage hold the same whole weights; the split ones by no one

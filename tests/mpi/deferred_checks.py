@@ -127,6 +127,14 @@ def main():
     result["P2R2-zero"] = held_report(model, ref2)
     result["P2R2-zero"]["history"] = history_difference(history.history, ref_history.history)
 
+    # the same grid interleaved: each rank allocates and trains the weights of its two chunks
+    model = deferred_model("string")
+    history = hf.fit(model, x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+                     strategy=hf.Strategy("hybrid", partitions=2, replicas=2,
+                                          schedule="interleaved"))  # fmt: skip
+    result["P2R2-interleaved"] = held_report(model, ref2)
+    result["P2R2-interleaved"]["history"] = history_difference(history.history, ref_history.history)
+
     # a checkpoint of one epoch on P2xT2, exported, then resumed as four replicas
     model = deferred_model("after")
     hf.fit(model, x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
