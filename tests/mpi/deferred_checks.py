@@ -84,6 +84,28 @@ def held_report(model, ref) -> dict:
     }
 
 
+def replicated_layouts(x, y, ref2, ref_history) -> dict:
+    """Two stages x two replicas: with ZeRO-1, and interleaved."""
+    result = {}
+    # two stages x two replicas with ZeRO-1: each replica keeps half its stage's Adam state;
+    # the optimizer made before the scope, compiled inside it
+    model = deferred_model("before")
+    history = hf.fit(model, x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+                     strategy=hf.Strategy("hybrid", partitions=2, replicas=2,
+                                          shard_optimizer=True))  # fmt: skip
+    result["P2R2-zero"] = held_report(model, ref2)
+    result["P2R2-zero"]["history"] = history_difference(history.history, ref_history.history)
+
+    # the same grid interleaved: each rank allocates and trains the weights of its two chunks
+    model = deferred_model("string")
+    history = hf.fit(model, x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+                     strategy=hf.Strategy("hybrid", partitions=2, replicas=2,
+                                          schedule="interleaved"))  # fmt: skip
+    result["P2R2-interleaved"] = held_report(model, ref2)
+    result["P2R2-interleaved"]["history"] = history_difference(history.history, ref_history.history)
+    return result
+
+
 def main():
     folder = args()[0]
     x, y = zoo.data(NAME)
@@ -118,22 +140,7 @@ def main():
     result["P2T2"] = held_report(model, ref2)
     result["P2T2"]["history"] = history_difference(history.history, ref_history.history)
 
-    # two stages x two replicas with ZeRO-1: each replica keeps half its stage's Adam state;
-    # the optimizer made before the scope, compiled inside it
-    model = deferred_model("before")
-    history = hf.fit(model, x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
-                     strategy=hf.Strategy("hybrid", partitions=2, replicas=2,
-                                          shard_optimizer=True))  # fmt: skip
-    result["P2R2-zero"] = held_report(model, ref2)
-    result["P2R2-zero"]["history"] = history_difference(history.history, ref_history.history)
-
-    # the same grid interleaved: each rank allocates and trains the weights of its two chunks
-    model = deferred_model("string")
-    history = hf.fit(model, x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
-                     strategy=hf.Strategy("hybrid", partitions=2, replicas=2,
-                                          schedule="interleaved"))  # fmt: skip
-    result["P2R2-interleaved"] = held_report(model, ref2)
-    result["P2R2-interleaved"]["history"] = history_difference(history.history, ref_history.history)
+    result |= replicated_layouts(x, y, ref2, ref_history)
 
     # a checkpoint of one epoch on P2xT2, exported, then resumed as four replicas
     model = deferred_model("after")
