@@ -88,17 +88,15 @@ def cifar_resnet(depth: int = 110, *, image: int = 32, classes: int = 10, base: 
     inputs = keras.Input((image, image, 3), name="images")
     x = layers.Conv2D(base, 3, padding="same", use_bias=False, name="stem")(inputs)
     if block is _basic_block:
-        x = layers.Activation("relu", name="stem_relu")(
-            layers.BatchNormalization(name="stem_bn")(x)
-        )
+        x = layers.BatchNormalization(name="stem_bn")(x)
+        x = layers.Activation("relu", name="stem_relu")(x)
     for stage, width in enumerate(widths):
         for b in range(blocks):
             stride = 2 if stage > 0 and b == 0 else 1
             x = block(x, width, stride, f"s{stage}b{b}")
     if block is _bottleneck_block:
-        x = layers.Activation("relu", name="final_relu")(
-            layers.BatchNormalization(name="final_bn")(x)
-        )
+        x = layers.BatchNormalization(name="final_bn")(x)
+        x = layers.Activation("relu", name="final_relu")(x)
     x = layers.GlobalAveragePooling2D(name="pool")(x)
     outputs = layers.Dense(classes, activation="softmax", name="classes")(x)
     model = keras.Model(inputs, outputs, name=f"resnet{depth}")

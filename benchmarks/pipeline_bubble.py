@@ -1,25 +1,17 @@
-"""Figure 5, pipeline: measured bubble vs formula, GPipe, 1F1B, ZB-H1 and interleaved 1F1B; peak
-memory per rank.
+"""Figure 5, pipeline: bubble vs formula, GPipe, 1F1B, ZB-H1, interleaved; memory per rank.
 
 Run: .venv/bin/python benchmarks/pipeline_bubble.py [--rounds 3] [--microbatches 1 2 4 8 16]
-     (starts `mpirun -np 2` itself)
 
-Bubble: a 2-stage MLP pipeline trained with `hf.fit` and the `ScalingProfiler` for each
-schedule and micro-batch count m (one launch per round, order reversed every round). Measured:
-the profiler's `1 - compute / makespan` over steady steps; formula: (p-1)/(m+p-1), and for
-ZB-H1 (split backward) its idle fraction at the measured F, B, W times; simulated: the schedule
-with the measured stage times. Targets: 1F1B and ZB-H1 within 5 points of their formulas,
-ZB-H1's bubble below 1F1B's (paired); step times beside. Stages are balanced by measurement:
-for each m the first layer's input is widened (secant steps on profiled stage times) until
-both stages compute as long, since the last stage also computes the head and the loss.
-Interleaved 1F1B (v = 2) runs on an MLP whose four hidden layers are alike (input as wide as
-them), one layer a chunk (the head, 1% of a layer, joins the last); paired in each launch with
-1F1B on the same model cut into two stages of two layers. Targets: within 5 points of
-(p-1)/(vm+p-1), and below that 1F1B's bubble.
+Bubble: a 2-stage MLP trained by `hf.fit` with the `ScalingProfiler`, each schedule and m in
+one launch per round (order reversed every round). Measured: `1 - compute / makespan` over
+steady steps; formula: (p-1)/(m+p-1), (p-1)/(vm+p-1) interleaved, ZB-H1's idle fraction at
+the measured F, B, W times; simulated: the schedule at the measured stage times. For each m
+the first layer's input is widened (secant steps on profiled stage times) until both stages
+compute as long (the last also computes the head and loss). Interleaved 1F1B (v = 2) runs an
+MLP of four alike layers, one a chunk, against 1F1B on that "even" MLP, two layers a stage.
+Targets: each within 5 points of its formula; ZB-H1's, interleaved's bubble below 1F1B's.
 
-Memory: each schedule in its own launch (alternating), a bigger batch and m = 8; each rank's
-peak resident memory (VmHWM) and its growth over the memory before training.
-"""
+Memory: GPipe, 1F1B, ZB-H1 in launches of their own, a bigger batch, m = 8: each rank's peak RSS."""
 
 from __future__ import annotations
 
@@ -35,12 +27,12 @@ from benchmarks.harness.launch import run_worker, write_result  # noqa: E402
 from benchmarks.harness.records import measurement, target  # noqa: E402
 
 FIGURE = "pipeline"
-TITLE = "(5) Pipeline: measured bubble vs formula (GPipe, 1F1B, ZB-H1), memory per rank"
-LABELS = {"gpipe": "GPipe", "1f1b": "1F1B", "zero_bubble": "ZB-H1"}
-SCHEDULES = tuple(LABELS)
-# On the even MLP: where its stages begin (interleaved: P * v = 4 chunks of one layer each)
+TITLE = "(5) Pipeline: bubble vs formula (GPipe, 1F1B, ZB-H1, interleaved), memory per rank"
+LABELS = {"gpipe": "GPipe", "1f1b": "1F1B", "zero_bubble": "ZB-H1",
+          "interleaved": "Interleaved v=2", "1f1b_even": "1F1B (even MLP)"}  # fmt: skip
+SCHEDULES = ("gpipe", "1f1b", "zero_bubble")  # on the balanced MLP, and in the memory runs
 EVEN = {"interleaved": ["dense_1", "dense_2", "dense_3"], "1f1b_even": ["dense_2"]}
-EVEN_LABELS = {"interleaved": "Interleaved v=2", "1f1b_even": "1F1B (even MLP)"}
+PAIRS = [("zero_bubble", "1f1b"), ("interleaved", "1f1b_even")]  # each below the second
 MIB = 2**20
 
 
@@ -60,9 +52,8 @@ def bubble_worker(args) -> None:
         model = mlp(args.width, 4, inputs=args.width if even else inputs)
         x, y = synthetic_data(model, args.batch_size * args.steps)
         log_dir = os.path.join(root, name)
-        options = dict(schedule="1f1b" if schedule == "1f1b_even" else schedule)
-        options |= dict(balance=even) if even else {}
-        strategy = hf.Strategy("model", microbatches=m, tune_process=True, **options)
+        strategy = hf.Strategy("model", microbatches=m, tune_process=True, balance=even or "layers",
+                               schedule=schedule.removesuffix("_even"))  # fmt: skip
         profiler = hf.callbacks.ScalingProfiler(log_dir, timeline=False)
         hf.fit(model, x, y, batch_size=args.batch_size, epochs=args.epochs, verbose=0,
                strategy=strategy, callbacks=[profiler])  # fmt: skip
@@ -76,8 +67,7 @@ def bubble_worker(args) -> None:
     # Per micro-batch count: the last stage's fixed per-micro-batch costs (loss, head) weigh
     # more the smaller the micro-batches, so one width cannot balance every m.
     inputs = {m: balanced_inputs(args.width, m, profiled_fit) for m in args.microbatches}
-    schedules = SCHEDULES + tuple(EVEN)
-    configs = [(s, m) for m in args.microbatches for s in schedules][:: -1 if args.reverse else 1]
+    configs = [(s, m) for m in args.microbatches for s in LABELS][:: -1 if args.reverse else 1]
     results = []
     for schedule, m in configs:
         job, _ = profiled_fit(inputs[m], schedule, m, f"{schedule}-{m}")
@@ -92,9 +82,8 @@ def bubble_worker(args) -> None:
 
 
 def balanced_inputs(width: int, m: int, profiled_fit) -> int:
-    """The first layer's input width at which both stages' compute per step meet with `m`
-    micro-batches: a secant step from widths 1x and 2x, then one from the two closest to
-    balance (stage 0's time is only roughly linear in the width)."""
+    """The first layer's input width at which both stages compute as long with `m` micro-batches:
+    secant steps from widths 1x and 2x (stage 0's time is only roughly linear in the width)."""
     from mpi4py import MPI
 
     rank0 = MPI.COMM_WORLD.Get_rank() == 0
@@ -134,9 +123,8 @@ def memory_worker(args) -> None:
     model = mlp(args.width, 4)
     x, y = synthetic_data(model, args.memory_batch * 3)
     before = resident_bytes()
-    strategy = hf.Strategy(
-        "model", microbatches=args.memory_microbatches, schedule=args.schedule, tune_process=True
-    )
+    m = args.memory_microbatches
+    strategy = hf.Strategy("model", microbatches=m, schedule=args.schedule, tune_process=True)
     hf.fit(model, x, y, batch_size=args.memory_batch, epochs=2, verbose=0, strategy=strategy)
     peak = peak_bytes()
     write_result(args.worker_out, hf.rank(), {"peak": peak, "growth": peak - before})
@@ -164,7 +152,7 @@ def _bubble_records(args) -> list[dict]:
         records.append(measurement(FIGURE, name, widths, "features"))
         formula = next(r["theoretical"] for r in mine if r["schedule"] == "1f1b")
         records.append(point("formula (p-1)/(m+p-1)", [formula], "bubble", "formula"))
-        by = {s: [r for r in mine if r["schedule"] == s] for s in SCHEDULES}
+        by = {s: [r for r in mine if r["schedule"] == s] for s in LABELS}
         for schedule, label in LABELS.items():
             for kind in ("measured", "simulated"):
                 values = [r[kind] for r in by[schedule]]
@@ -175,38 +163,16 @@ def _bubble_records(args) -> list[dict]:
                 excess = [r["measured"] - r["theoretical"] for r in by[schedule]]
                 name = f"{label} bubble minus its formula (points/100), m={m}"
                 records.append(target(FIGURE, name, excess, "<= 0.05"))
-        pairs = list(zip(by["zero_bubble"], by["1f1b"], strict=True)) if m > 1 else []
-        if pairs:  # paired: the runs of one launch
-            gap = [z["measured"] - o["measured"] for z, o in pairs]
-            records.append(target(FIGURE, f"ZB-H1 bubble minus 1F1B's, m={m}", gap, "< 0"))
-            ratio = [z["step_ms"] / o["step_ms"] for z, o in pairs]
-            records.append(measurement(FIGURE, f"ZB-H1 / 1F1B step time, m={m}", ratio, "ratio"))
-            zb = [z["theoretical"] for z, _ in pairs]
-            records.append(point("ZB-H1 formula", zb, "bubble", "ZB-H1 formula"))
-        records += _interleaved_records(mine, m, point)
-    return records
-
-
-def _interleaved_records(mine: list[dict], m: int, point) -> list[dict]:
-    """Interleaved 1F1B against its formula and, paired by launch, against 1F1B on the same
-    even MLP."""
-    by = {s: [r for r in mine if r["schedule"] == s] for s in EVEN}
-    records = []
-    for schedule, label in EVEN_LABELS.items():
-        for kind in ("measured", "theoretical", "simulated"):
-            values = [r[kind] for r in by[schedule]]
-            records.append(point(f"{label} {kind}", values, "bubble", f"{label} {kind}"))
-        steps = [r["step_ms"] for r in by[schedule]]
-        records.append(point(f"{label} step time", steps, "ms per step", label))
-    excess = [r["measured"] - r["theoretical"] for r in by["interleaved"]]
-    name = f"Interleaved v=2 bubble minus its formula (points/100), m={m}"
-    records.append(target(FIGURE, name, excess, "<= 0.05"))
-    pairs = list(zip(by["interleaved"], by["1f1b_even"], strict=True))
-    gap = [i["measured"] - o["measured"] for i, o in pairs]
-    records.append(target(FIGURE, f"Interleaved bubble minus 1F1B's (even MLP), m={m}", gap, "< 0"))
-    ratio = [i["step_ms"] / o["step_ms"] for i, o in pairs]
-    name = f"Interleaved / 1F1B step time (even MLP), m={m}"
-    records.append(measurement(FIGURE, name, ratio, "ratio"))
+        for new, old in PAIRS if m > 1 else []:  # paired: the runs of one launch
+            pairs, label = list(zip(by[new], by[old], strict=True)), LABELS[new]
+            gap = [a["measured"] - b["measured"] for a, b in pairs]
+            name = f"{label} bubble minus {LABELS[old]}'s, m={m}"
+            records.append(target(FIGURE, name, gap, "< 0"))
+            ratio = [a["step_ms"] / b["step_ms"] for a, b in pairs]
+            name = f"{label} / {LABELS[old]} step time, m={m}"
+            records.append(measurement(FIGURE, name, ratio, "ratio"))
+            formula = [a["theoretical"] for a, _ in pairs]
+            records.append(point(f"{label} formula", formula, "bubble", f"{label} formula"))
     return records
 
 
@@ -219,7 +185,7 @@ def _memory_records(args) -> list[dict]:
                 peaks[schedule][rank].append(r["peak"] / MIB)
                 growth[schedule][rank].append(r["growth"] / MIB)
     records, m = [], args.memory_microbatches
-    for schedule, label in LABELS.items():
+    for schedule, label in ((s, LABELS[s]) for s in SCHEDULES):
         for rank in (0, 1):
             where = f"{label}, stage {rank}, m={m}, batch {args.memory_batch}"
             records.append(measurement(FIGURE, f"peak RSS, {where}", peaks[schedule][rank], "MiB"))

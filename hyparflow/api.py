@@ -18,6 +18,7 @@ from hyparflow.comm.world import launched, size, world
 from hyparflow.data import make_source
 from hyparflow.data.fingerprint import data_digest, differing_ranks, mismatch_message
 from hyparflow.data.sources import fit_sources, input_shapes, nominal_batch_size, split_validation
+from hyparflow.engine.agreed_plan import agreed_plan
 from hyparflow.engine.custom_step import make_trainer
 from hyparflow.engine.loops import evaluate_loop, fit_loop, predict_loop
 from hyparflow.engine.weights import held_elsewhere
@@ -27,49 +28,6 @@ from hyparflow.partitioner import partition as _partition
 from hyparflow.process_tuning import tune_process
 from hyparflow.strategy import make_strategy
 from hyparflow.tensor import rules as tensor_rules
-
-
-def _build_plan(model, strategy, comm):
-    """Partition the model identically on every rank (time-balanced plans are cut on rank 0):
-    one stage per pipeline rank, or `virtual_stages` per rank for the interleaved schedule."""
-    if strategy.partitions == 1:
-        return None
-    balance = strategy.balance
-    uncut = tensor_rules.pair_cuts if strategy.tensor > 1 else None
-    if balance == "time":
-        agree(comm, _check_timeable, model)
-        plan = agree(comm, lambda: _partition_chunks(model, strategy, balance, uncut)
-                     if comm.Get_rank() == 0 else None)  # fmt: skip
-        starts = comm.bcast(
-            [s.layers[0] for s in plan.stages[1:]] if plan is not None else None, root=0
-        )
-        balance = starts
-    plan = agree(comm, _partition_chunks, model, strategy, balance, uncut)
-    plan.virtual_stages = strategy.virtual_stages
-    return plan
-
-
-def _partition_chunks(model, strategy, balance, uncut):
-    """The plan of `partitions * virtual_stages` stages, an error naming both if it cannot be."""
-    v = strategy.virtual_stages
-    try:
-        return _partition(model, strategy.partitions * v, balance, uncut=uncut)
-    except ValueError as error:
-        if v == 1:
-            raise
-        raise ValueError(
-            f"{error} With schedule='interleaved' the model is cut into partitions x "
-            f"virtual_stages = {strategy.partitions} x {v} stages: lower virtual_stages."
-        ) from None
-
-
-def _check_timeable(model) -> None:
-    if deferred.any_deferred(model):
-        raise ValueError(
-            "balance='time' times each layer by running it, which needs weights that a model "
-            "built under hf.scope() does not hold; use balance='layers' (or 'params', "
-            "'flops', or a list of stage starts)."
-        )
 
 
 def _resolve(model, strategy, num_partitions, num_replicas, num_microbatches, compiled=True):
@@ -151,7 +109,7 @@ def _make_trainer(model, resolved, comm, needs_loss=True, comm_backend=None, res
     if resolved.tune_process and comm.Get_size() > 1:  # the user opted in (Strategy docs)
         tune_process(comm, stage)
     # The partitioner rejects models that are not graphs, naming strategy="data" as the fix.
-    plan = _build_plan(model, resolved, comm)
+    plan = agreed_plan(model, resolved, comm)
     layout = None
     agree(comm, model_checks.check_optimizer_unbuilt, model, resolved)
     if resolved.tensor > 1:

@@ -73,8 +73,8 @@ class Strategy:
       `partitions * virtual_stages` chunks and each stage holds `virtual_stages` of them,
       which divides the bubble by `virtual_stages` for as many times the messages), as
       `schedule/` lays them out (docs/schedules.md).
-    - `virtual_stages` (1; 2 with "interleaved"): model chunks per pipeline stage, for the
-      interleaved schedule only. Interleaved stages are refused with `tensor` > 1,
+    - `virtual_stages` (1): model chunks per pipeline stage, for the interleaved schedule
+      only, which takes 1 as 2. Interleaved stages are refused with `tensor` > 1,
       `overlap_groups` > 1 and `update_by_segment=True`.
     - `overlap_p2p` (True): posts a step's activation receives up front, and each gradient
       receive as soon as its activation is sent, so that they arrive while the stage

@@ -22,6 +22,7 @@ import hyparflow as hf
 from hyparflow import api, deferred
 from hyparflow.checkpoint.reader import LazyState
 from hyparflow.checkpoint.state import cut_shard, join_shards, shard_key, slice_key
+from hyparflow.engine import agreed_plan
 from hyparflow.memory.resident import PeakGrowth
 from tests.support.mpirun import run_scenario
 
@@ -159,7 +160,7 @@ def test_balance_by_time_needs_weights_and_is_refused():
     with hf.scope():
         model = _seeded(_small)
     with pytest.raises(ValueError, match=r"balance='time'.*balance='layers'"):
-        api._check_timeable(model)
+        agreed_plan._check_timeable(model)
 
 
 def test_checkpoints_are_read_lazily_with_pieces_joined():

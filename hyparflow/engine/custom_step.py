@@ -106,8 +106,8 @@ class CustomStepTrainer(Trainer):
     applies them. Prediction, weights, checkpoints' state and the logs' metric sums are the
     data-parallel `Trainer`'s."""
 
-    def _build(self, model, strategy, plan, topo, graph, comm_backend):
-        super()._build(model, strategy, plan, topo, graph, comm_backend)
+    def _build(self, model, strategy, plan, topo, comm_backend):
+        super()._build(model, strategy, plan, topo, comm_backend)
         self._equal_shares = needs_equal_shares(model)
         self._returned = None  # what the last step returned (Keras's logs of that batch)
         self._matches: dict = {}

@@ -3,9 +3,10 @@
 The pipeline walk (`engine/pipeline.py`) and the gradient reduction (`engine/gradient_sync.py`)
 drive any `Runner`: `FusedRunner` (the whole model, forward and backward in one compiled call),
 `StageRunner` (a pipeline stage, forward under a tape) and `SegmentedRunner` (a stage cut into
-segments whose gradients are final one after another). `RunnerBase` holds what the first two
-share: the variables split into dense ones and embedding tables, the layers' added losses,
-inference, and the tables' row-slice gradients.
+segments whose gradients are final one after another); under interleaved 1F1B the walk drives a
+`StageRunner` per model chunk and the reduction one `ChunkRunners` over them (engine/chunks.py).
+`RunnerBase` holds what the first two share: the variables split into dense ones and embedding
+tables, the layers' added losses, inference, and the tables' row-slice gradients.
 """
 
 from __future__ import annotations
@@ -51,10 +52,6 @@ class Runner(Protocol):
     def infer(self, inputs): ...
 
     def prepare(self) -> None: ...
-
-    def _zero_dense(self) -> list:
-        """Zeros for each dense variable's gradient (no micro-batch summed yet)."""
-        return [tf.zeros_like(self._sources[i]) for i in self.dense]
 
     def take_gradients(self) -> list: ...
 

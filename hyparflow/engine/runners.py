@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import keras
 
 from hyparflow import _keras
 from hyparflow.checkpoint.state import layers_of_seed_keys, seed_generators
+from hyparflow.engine import sparse as row_sparse
 from hyparflow.engine.added_losses import added_loss
+from hyparflow.engine.chunks import ChunkRunners
 from hyparflow.engine.flat import ChunkedLayout
 from hyparflow.engine.fused import FusedRunner
 from hyparflow.engine.gradient_sync import Overlap
@@ -86,6 +90,20 @@ def build_runner(parts: RunnerParts, variables, sparse, form, layout):
     if strategy.schedule == "zero_bubble":  # the backward's weight half runs apart
         return SplitStageRunner(parts.call, variables, layers=layers, **options)
     return StageRunner(parts.call, variables, flat_backward=form.flat_backward, **options)
+
+
+def build_chunk_runners(parts: list[RunnerParts], variables, sparse, form, layout):
+    """Interleaved 1F1B: a `StageRunner` per chunk of `parts`, each keeping lists, and the
+    `ChunkRunners` that sums them into the rank's `variables` (flat only to be reduced, with
+    `layout`, when `form.flat`)."""
+    listed = dataclasses.replace(form, flat=False, flat_backward=False)
+    runners = []
+    for part in parts:
+        chunk_variables = list(part.graph.trainable_variables)
+        layers = _keras.all_layers(part.graph)
+        tables = row_sparse.row_sparse_positions(chunk_variables, layers)
+        runners.append(build_runner(part, chunk_variables, tables, listed, None))
+    return ChunkRunners(runners, variables, sparse, layout if form.flat else None)
 
 
 def build_segmented_runner(parts: RunnerParts, variables, segments: int):

@@ -23,7 +23,6 @@ from hyparflow.data import GlobalBatch
 from hyparflow.engine import events
 from hyparflow.engine import sparse as row_sparse
 from hyparflow.engine.added_losses import warn_unless_batch_means
-from hyparflow.engine.chunks import ChunkRunners
 from hyparflow.engine.flat import FlatLayout
 from hyparflow.engine.gradient_form import choose_gradient_form, segments_for
 from hyparflow.engine.gradient_path import build_gradient_path
@@ -35,6 +34,7 @@ from hyparflow.engine.pipeline import Chunk, PipelineWalk
 from hyparflow.engine.random_slices import feature_slice
 from hyparflow.engine.runners import (
     RunnerParts,
+    build_chunk_runners,
     build_runner,
     build_segmented_runner,
     seed_variables,
@@ -162,7 +162,7 @@ class Trainer:
         else:
             self.variables = rank_variables(plan, topo.stage)
             self.owned = owned_variables(plan, topo.stage)
-            layers = _unique([x for s in self.stages for x in _keras.all_layers(s.model)])
+            layers = list(dict.fromkeys(x for s in self.stages for x in _keras.all_layers(s.model)))
         self.sparse = row_sparse.row_sparse_positions(self.variables, layers)
         self.dense = sorted(set(range(len(self.variables))) - set(self.sparse))
         return layers
@@ -190,7 +190,10 @@ class Trainer:
         )
         self.gradient_form = choose_gradient_form(**facts, overlap_groups=strategy.overlap_groups)
         if len(parts) > 1:  # interleaved: a runner per chunk, their gradients summed
-            self.runner = self._chunk_runners(parts, layout)
+            # no chunk packs a flat backward; the rank's sums flat only to be reduced
+            form = dataclasses.replace(self.gradient_form, flat_backward=False)
+            self.gradient_form = form
+            self.runner = build_chunk_runners(parts, self.variables, self.sparse, form, layout)
             return None
         if self.gradient_form.overlap or self.gradient_form.update_per_segment:
             count = strategy.overlap_groups if strategy.overlap_groups > 1 else facts["segments"]
@@ -204,18 +207,6 @@ class Trainer:
             parts[0], self.variables, self.sparse, self.gradient_form, layout
         )  # fmt: skip
         return None
-
-    def _chunk_runners(self, parts, layout) -> ChunkRunners:
-        """A `StageRunner` per chunk, keeping lists; the rank's gradients flat only to be
-        reduced (`gradient_form.flat`)."""
-        form = self.gradient_form = dataclasses.replace(self.gradient_form, flat_backward=False)
-        listed = dataclasses.replace(form, flat=False)
-        runners = []
-        for part in parts:
-            variables = list(part.graph.trainable_variables)
-            tables = row_sparse.row_sparse_positions(variables, _keras.all_layers(part.graph))
-            runners.append(build_runner(part, variables, tables, listed, None))
-        return ChunkRunners(runners, self.variables, self.sparse, layout if form.flat else None)
 
     def _build_gradient_path(self, shared, segments, comm_backend: str) -> None:
         """Reduction across stages and replicas, the optimizer step, the update by segment and
@@ -433,12 +424,6 @@ class Trainer:
         self.watchdog.close()
         self.walk.close()
         self.topology.free()
-
-
-def _unique(items: list) -> list:
-    """`items` without repeats (by identity), in order."""
-    seen: set = set()
-    return [x for x in items if not (id(x) in seen or seen.add(id(x)))]
 
 
 def _segment_count(strategy, model, variables) -> int:
