@@ -38,6 +38,12 @@ def test_the_search_keeps_the_fields_the_user_set():
     assert kept and all(c.shard_optimizer and c.microbatches == 2 for c in kept)
     assert {c.partitions for c in kept} == {1, 2}  # ZeRO-1 needs replicas: no P4 R1
     assert _keeping_user_fields(layouts, hf.Strategy()) == layouts
+    one_f_one_b = _keeping_user_fields(layouts, hf.Strategy(schedule="1f1b"))
+    assert {c.partitions for c in one_f_one_b} == {1, 2, 4}  # data parallelism stays in
+    assert all(c.schedule == "1f1b" for c in one_f_one_b if c.partitions > 1)
+    for schedule in ("zero_bubble", "interleaved"):  # the engine runs them; no price yet
+        with pytest.raises(ValueError, match=f"does not plan schedule='{schedule}'"):
+            _keeping_user_fields(layouts, hf.Strategy(schedule=schedule))
 
 
 def test_what_cannot_be_timed_is_named():

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 
 from hyparflow.auto.estimate import Estimator
-from hyparflow.auto.search import Candidate, SearchResult, candidates, search
+from hyparflow.auto.search import SCHEDULES, Candidate, SearchResult, candidates, search
 from hyparflow.comm.agree import agree
 from hyparflow.comm.topology import node_map
 from hyparflow.deferred import any_deferred
@@ -270,9 +270,20 @@ def _search(model, request: Request, layout, costs, network, budget) -> SearchRe
 
 
 def _keeping_user_fields(layouts: list[Candidate], strategy: Strategy) -> list[Candidate]:
-    """The layouts that keep every searched field the user set (e.g. `shard_optimizer=True`)."""
+    """The layouts that keep every searched field the user set (e.g. `shard_optimizer=True`);
+    a schedule the planner cannot price yet is refused, naming the fix."""
     fixed = {k: v for k, v in strategy.set_fields().items() if k in SEARCHED}
-    return [c for c in layouts if all(getattr(c, k) == v for k, v in fixed.items())]
+    if fixed.get("schedule", SCHEDULES[0]) not in SCHEDULES:
+        raise ValueError(
+            f"strategy='auto' does not plan schedule={fixed['schedule']!r} yet (it prices "
+            f"{' and '.join(SCHEDULES)} only): give the layout yourself, e.g. "
+            f"hf.Strategy('model', partitions=2, schedule={fixed['schedule']!r}), or leave "
+            "the schedule to the planner."
+        )
+    # a schedule acts only where there is a pipeline: it leaves P = 1 layouts in the search
+    return [c for c in layouts if all(
+        getattr(c, k) == v or (k == "schedule" and c.partitions == 1) for k, v in fixed.items()
+    )]  # fmt: skip
 
 
 def _strategy_of(strategy: Strategy, candidate: Candidate) -> Strategy:
