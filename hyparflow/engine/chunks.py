@@ -1,7 +1,7 @@
 """A pipeline rank's model chunks (interleaved schedules): one runner per chunk, one gradient set.
 
 Under interleaved 1F1B (Narayanan et al. 2021, SC'21) a rank runs several non-adjacent stages
-of the model. The walk drives each chunk's own `StageRunner` (`chunk(c)`); the reduction sees
+of the model. The walk drives each chunk's own `StageRunner` (`runners`); the reduction sees
 one runner whose variables are every chunk's, each once, and whose gradients are the chunks'
 summed: a variable two chunks share (a layer called in both) gets both contributions, as it
 would in one stage.
@@ -34,10 +34,6 @@ class ChunkRunners:
         self._tables = None  # tables' gradients taken with the dense ones, not yet handed over
         if layout is not None:
             self._flatten_fn = traced(lambda grads: layout.flatten(grads, 0.0))
-
-    def chunk(self, index: int):
-        """The runner of the rank's chunk `index` (0: the earliest in the model)."""
-        return self.runners[index]
 
     @property
     def has_added_losses(self) -> bool:
