@@ -1,12 +1,14 @@
 """auto/search.py, auto/estimate.py: layouts of a world size, priced; the fastest that fits."""
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hyparflow.auto.estimate import Estimator
 from hyparflow.auto.search import OUTRUN, Candidate, Estimate, candidates, search
-from hyparflow.simulate.costs import Affine, EngineCosts, LayerCost, ModelCosts
+from hyparflow.simulate.costs import Affine, EngineCosts, LayerCost, ModelCosts, TensorShare
 from hyparflow.simulate.network import Link, Network
 
 
@@ -163,36 +165,65 @@ def test_weight_heavy_models_pipeline_and_light_ones_replicate():
 )
 def test_no_prediction_goes_below_the_estimators_bound(world, batch, forward, backward, layers,
                                                        fused):  # fmt: skip
+    share = TensorShare(4096, 0.5, 300.0, 200.0, 1, 1)  # half of each layer splits
     costs = ModelCosts(
-        "drawn", [LayerCost(f"l{i}", Affine(*forward), Affine(*backward), 4096 * (i + 1), 2)
-                  for i in range(layers)],
+        "drawn", [LayerCost(f"l{i}", Affine(*forward), Affine(*backward), 4096 * (i + 1), 2,
+                            share) for i in range(layers)],
         [0.0] + [500.0] * (layers - 1) + [0.0],
-        engine=EngineCosts(forward_call=1e-4, optimizer_per_byte=1e-9),
+        engine=EngineCosts(forward_call=1e-4, optimizer_per_byte=1e-9, collective_call=1e-5),
         fused=Affine(forward[0] * layers, (forward[1] + backward[1]) * layers) if fused else None,
+        measured={"tensor_parts": 2},
     )  # fmt: skip
     two_nodes = Network(intra=Link(5e-5, 1e8), inter=Link(2e-4, 2e7))
     estimate = Estimator(costs, two_nodes, batch, ranks_per_node=world // 2)
     for candidate in candidates(world, batch, layers=layers):
-        if candidate.tensor == 1:
-            assert estimate(candidate).step_seconds >= estimate.bound(candidate) * (1 - 1e-9)
+        assert estimate(candidate).step_seconds >= estimate.bound(candidate) * (1 - 1e-9)
 
 
-def test_recompute_costs_a_forward_and_zero_saves_optimizer_time():
-    estimate = Estimator(_costs(param_bytes=2**20), SLOW, 64)
+def test_recompute_costs_a_forward_and_zero_trades_optimizer_time_for_host_copies():
+    costs = _costs(param_bytes=2**20)  # 8 layers of 1 MiB and 2 variables each
+    estimate = Estimator(costs, SLOW, 64)
     plain = estimate(Candidate(partitions=2, microbatches=4, schedule="1f1b"))
     again = estimate(Candidate(partitions=2, microbatches=4, schedule="1f1b", recompute=True))
     assert again.step_seconds > plain.step_seconds + 4 * 1e-4 * 16  # a stage forward, 4 x 16 rows
-    replicated = estimate(Candidate(replicas=2))
-    sharded = estimate(Candidate(replicas=2, shard_optimizer=True))
-    # each replica updates half of the 8 MiB: 4 MiB x 1 ns per byte less
-    assert replicated.step_seconds - sharded.step_seconds == pytest.approx(4 * 2**20 * 1e-9)
+    replicated = estimate(Candidate(replicas=2)).step_seconds
+    sharded = estimate(Candidate(replicas=2, shard_optimizer=True)).step_seconds
+    # each replica updates half of the 8 MiB (4 MiB x 1 ns less) and broadcasts each of the
+    # 16 variables' pieces (a latency each)
+    assert replicated - sharded == pytest.approx(4 * 2**20 * 1e-9 - 16 * SLOW.intra.latency)
+    # copying 8 MiB out and back on the host at 1 ns per byte loses more than that saves
+    costs.engine = replace(costs.engine, zero_per_byte=1e-9)
+    costly = Estimator(costs, SLOW, 64)(Candidate(replicas=2, shard_optimizer=True))
+    assert costly.step_seconds == pytest.approx(sharded + 8 * 2**20 * 1e-9)
+    assert costly.step_seconds > replicated
 
 
-def test_what_the_scaling_model_cannot_price_is_rejected_with_its_reason():
+def test_tensor_ranks_are_priced_from_measured_shares_or_refused_with_the_reason():
     result = _pick(_costs(param_bytes=1000, layers=1), 2, 64)
     reasons = {v.candidate.label(): v.reason for v in result.rejected}
-    assert "no cost for tensor parallelism" in reasons["P1 R1 T2 M1"]
+    assert "no tensor shares" in reasons["P1 R1 T2 M1"]  # costs timed without them
     assert not any(c.partitions == 2 for c in candidates(2, 64, layers=1))  # one layer: no cut
+    # weight-heavy layers that split whole, exchanging 1 kB per sample each way: T=2 holds
+    # and updates half the weights and reduces none of them, where replicas allreduce 128 MiB
+    heavy = _split_costs(_costs(param_bytes=16 * 2**20), forward_bytes=1000.0)
+    assert _unpipelined_pick(heavy).tensor == 2
+    # light layers whose activations are large: the exchanges cost more than replicas' sums
+    light = _split_costs(_costs(param_bytes=1000), forward_bytes=1e6)
+    assert _unpipelined_pick(light).tensor == 1
+
+
+def _unpipelined_pick(costs: ModelCosts) -> Candidate:
+    """The pick among 2 ranks' layouts without a pipeline: replicas or tensor ranks."""
+    layouts = [c for c in candidates(2, 64, layers=len(costs.layers)) if c.partitions == 1]
+    return search(layouts, Estimator(costs, SLOW, 64), 64).pick.candidate
+
+
+def _split_costs(costs: ModelCosts, forward_bytes: float) -> ModelCosts:
+    """`costs` whose every layer splits whole over tensor ranks, summing `forward_bytes` per
+    sample forward and backward."""
+    share = TensorShare(costs.layers[0].param_bytes, 1.0, forward_bytes, forward_bytes, 1, 1)
+    layers = [replace(layer, tensor=share) for layer in costs.layers]
+    return replace(costs, layers=layers, measured={"tensor_parts": 2})
 
 
 def test_a_memory_budget_makes_the_planner_recompute():

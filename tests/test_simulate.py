@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -25,6 +26,7 @@ from hyparflow.simulate import (
     Network,
     predict,
 )
+from hyparflow.simulate.costs import TensorShare
 from hyparflow.simulate.netbench import fit_network, launch
 from hyparflow.simulate.network import allreduce, allreduce_times, bucketed_allreduce
 
@@ -344,7 +346,9 @@ def test_affine_through_two_points_stays_non_negative():
 
 def test_costs_file_round_trip(tmp_path):
     costs = uniform_costs(layers=3)
-    costs.engine = EngineCosts(forward_call=1e-4, loss=Affine(1e-5, 1e-7), optimizer_fixed=2e-4)
+    costs.layers[1] = replace(costs.layers[1], tensor=TensorShare(4000, 1.0, 512.0, 256.0, 1, 1))
+    costs.engine = EngineCosts(forward_call=1e-4, loss=Affine(1e-5, 1e-7), optimizer_fixed=2e-4,
+                               collective_call=3e-5, zero_per_byte=1e-10)  # fmt: skip
     costs.single_process = Affine(0.003, 2e-5)
     costs.fused = Affine(0.001, 1e-5)
     costs.measured = {"cores": 2}
@@ -359,6 +363,36 @@ def test_costs_file_round_trip(tmp_path):
         ModelCosts.from_dict({"layers": []})
     with pytest.raises(ValueError, match="cut_bytes"):
         ModelCosts("bad", costs.layers, [0.0])
+
+
+def test_tensor_ranks_split_work_and_weights_and_pay_their_exchanges():
+    from hyparflow.auto.tensor_price import tensor_costs
+
+    costs = uniform_costs(layers=2, forward=1e-4, backward=2e-4, param_bytes=4000)
+    # layer 0 splits whole: its output summed forward (1 kB per sample), its input's gradient
+    # backward (500 B); layer 1 stays whole
+    costs.layers[0] = replace(costs.layers[0], tensor=TensorShare(4000, 1.0, 1000.0, 500.0, 1, 1))
+    costs.engine = EngineCosts(collective_call=1e-5)
+    costs.fused = Affine(1e-3, 6e-4)
+    costs.measured = {"tensor_parts": 2, "batch_sizes": [16, 64]}
+    network = Network(Link(1e-5, 1e9))
+    split = tensor_costs(costs, 2, network)
+    first, second = split.layers
+
+    def summed(nbytes):  # one allreduce over 2 ranks plus the host round trip
+        return allreduce(nbytes, 2, network.intra)[0] + 1e-5
+
+    assert first.forward.at(64) == pytest.approx(64 * 1e-4 / 2 + summed(64 * 1000))
+    assert first.backward.at(64) == pytest.approx(64 * 2e-4 / 2 + summed(64 * 500))
+    assert first.param_bytes == 2000 and second == costs.layers[1]
+    assert split.fused.at(64) - costs.fused.at(64) == pytest.approx(
+        first.forward.at(64) + first.backward.at(64) - 64 * 3e-4
+    )  # the one-call step changes as its layers do
+    assert split.single_process is None  # one rank of T runs the engine, not model.fit
+    assert tensor_costs(costs, 1, network) is costs
+    costs.measured = {}
+    with pytest.raises(ValueError, match="no tensor shares"):
+        tensor_costs(costs, 2, network)
 
 
 def test_scaled_costs_stretch_every_time():
@@ -479,8 +513,8 @@ def test_simulate_auto_picks_a_layout_and_explains_the_others(tmp_path, capsys):
     assert {"schedule", "microbatches", "memory_per_rank_bytes"} <= set(pick)
     steps = [r["step_seconds"] for r in found["ranked"]]
     assert steps == sorted(steps) and found["ranked"][0] == pick
-    tensor = [r for r in found["rejected"] if r["tensor"] > 1]  # T > 1: not priced yet
-    assert tensor and all("no cost for tensor" in r["reason"] for r in tensor)
+    tensor = [r for r in found["rejected"] if r["tensor"] > 1]  # costs without tensor shares
+    assert tensor and all("no tensor shares" in r["reason"] for r in tensor)
     assert all(r["reason"] == OUTRUN for r in found["rejected"] if r["tensor"] == 1)
     assert main(argv) == 0
     text = capsys.readouterr().out
@@ -509,6 +543,8 @@ def test_simulate_auto_keeps_layouts_within_the_memory_budget(saved_model, capsy
             "--json"]  # fmt: skip
     assert main(argv) == 0
     every = json.loads(capsys.readouterr().out)["ranked"]
+    # a model timed here is timed with its tensor shares: its Dense pairs split, T=2 is priced
+    assert any(r["tensor"] == 2 for r in every)
     model = keras.saving.load_model(saved_model)
     for layout in every[:3]:  # the bytes are the memory plan's
         options = {k: layout[k] for k in ("kind", "partitions", "replicas", "tensor",

@@ -232,6 +232,10 @@ def _check(case, ranks):
         assert r["shard_elements"] * case.tensor == r["whole_elements"], where
         slots = SLOTS[case.optimizer.split("+")[0]]
         assert r["shard_slot_elements"] == slots * r["shard_elements"], where
+        # the planner's price of tensor ranks counts the bytes their collectives really move
+        if r["predicted_tensor_bytes"] is not None:
+            assert r["tensor_bytes"] > 0, where
+            assert r["predicted_tensor_bytes"] == pytest.approx(r["tensor_bytes"]), where
 
 
 @pytest.mark.mpi

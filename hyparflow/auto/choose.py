@@ -191,16 +191,24 @@ def _unpacked(outcome):
 def _measure(model, request: Request, world: int):
     """(This rank's costs of `model` at the micro-batch sizes the layouts will run, None), or
     (None, why it could not be timed)."""
-    from hyparflow.simulate.measure import measure_model  # imports TensorFlow: only now
+    from hyparflow.auto.planner_costs import with_planner_costs  # TensorFlow: only now
+    from hyparflow.simulate.measure import measure_model
 
     small = max(1, request.global_batch // (4 * world))
     large = max(small + 1, request.global_batch // world)
     try:
         costs = measure_model(model, (small, large), request.input_shape, fit_batch_sizes=(),
                               repeats=TIMING_REPEATS)  # fmt: skip
+        costs = with_planner_costs(costs, model, small, request.input_shape,
+                                   least_factor(world), TIMING_REPEATS[1])  # fmt: skip
     except Exception as error:  # noqa: BLE001 - any failure: data parallelism, said why
         return None, f"{type(error).__name__}: {error}"
     return costs, None
+
+
+def least_factor(world: int) -> int:
+    """The fewest tensor ranks above one that divide `world` (the layout the timing prices)."""
+    return next(t for t in range(2, world + 1) if world % t == 0) if world > 1 else 1
 
 
 def _probe(comm, nodes: list[int]) -> Network | None:

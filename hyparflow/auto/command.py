@@ -70,6 +70,8 @@ def run(args, memory_of) -> int:
     except (OSError, ValueError, RuntimeError) as error:
         print(f"hyparflow simulate: {error}", file=sys.stderr)
         return 1
+    if model is not None:  # timed here: the tensor shares and host costs too
+        costs = _with_planner_costs(costs, model, args)
     machine = Machine(args.cores_per_node or costs.measured.get("cores"), args.jitter)
     memory = None if model is None else memory_of(model, args.batch_size)
     budget = args.memory
@@ -89,6 +91,18 @@ def run(args, memory_of) -> int:
         return 1
     print(json.dumps(to_dict(result), indent=1) if args.json else report(result))
     return 0
+
+
+def _with_planner_costs(costs, model, args):
+    """`costs` of `model` with what the planner times besides (saved, if asked, with them)."""
+    from hyparflow.auto.choose import least_factor
+    from hyparflow.auto.planner_costs import with_planner_costs  # imports TensorFlow
+
+    small = min(args.profile_batch_sizes)
+    costs = with_planner_costs(costs, model, small, args.input_shape, least_factor(args.auto))
+    if args.save_costs:
+        costs.save(args.save_costs)
+    return costs
 
 
 def report(result: SearchResult) -> str:

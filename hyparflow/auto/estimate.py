@@ -4,15 +4,15 @@
 `bound` (their compute alone) is already slower than the best found. This one asks
 `predict.predict` (measured per-layer costs, an alpha-beta network, the schedule simulator)
 for the step time, and a memory function (in hyparflow, `memory_plan` of the model) for the
-peak bytes of the fullest rank. What the scaling model cannot price is refused with the reason,
-so the search lists it among the rejected layouts instead of guessing:
+peak bytes of the fullest rank.
 
-- tensor ranks (T > 1): the model has no cost of a split layer's exchanges yet;
-- a layout the engine cannot run (a batch that does not split, more stages than layers).
-
-ZeRO-1 (`shard_optimizer`) moves the same bytes as the allreduce it replaces (a
-reduce-scatter, then an all-gather of the updated slices), and each replica updates 1/R of the
-stage's variables: the step is the prediction's with the optimizer's time divided by R.
+Tensor ranks are priced by `auto.tensor_price`: each rank of a group of T pays 1/T of its
+split layers' work and weights, plus the allreduces of their activations, from the
+`TensorShare`s the timing measured (costs measured without them refuse T > 1, saying so).
+ZeRO-1 (`shard_optimizer`) is `predict`'s `sharded_update`: a slice's optimizer step plus the
+host copies and broadcasts it costs. A layout the engine cannot run (a batch that does not
+split, more stages than layers) is refused with the reason, so the search lists it among the
+rejected layouts instead of guessing.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from hyparflow.auto.search import Candidate, Estimate
+from hyparflow.auto.tensor_price import tensor_costs
 from hyparflow.simulate.costs import Affine, ModelCosts
 from hyparflow.simulate.network import Network
 from hyparflow.simulate.placement import Layout
@@ -30,8 +31,8 @@ from hyparflow.simulate.predict import Machine, predict
 class Estimator:
     """Each candidate's `Estimate` for `global_batch` samples per step (call it), and a
     `bound` on its step time that costs no simulation. `memory(candidate)` gives its peak bytes
-    per rank (None: 0, for a search without a budget). A pipeline's prediction is shared by
-    its ZeRO-1 twin."""
+    per rank (None: 0, for a search without a budget). Per-layer costs are priced once per
+    (recompute, tensor ranks), predictions once per layout."""
 
     def __init__(
         self, costs: ModelCosts, network: Network, global_batch: int, *,
@@ -41,44 +42,70 @@ class Estimator:
         self.costs, self.network, self.global_batch = costs, network, global_batch
         self.machine = machine or Machine()
         self.memory, self.ranks_per_node = memory, ranks_per_node
-        self.recomputing = _recomputing(costs)
-        # every layer's forward plus backward as one line in the batch, for `bound`
-        self._whole = {False: _whole(costs), True: _whole(self.recomputing)}
-        self._predictions = {}
+        self._priced, self._recomputed, self._whole, self._predictions = {}, {}, {}, {}
 
     def __call__(self, candidate: Candidate) -> Estimate:
-        if candidate.tensor > 1:
-            raise ValueError("the scaling model has no cost for tensor parallelism yet")
-        prediction = self._prediction(candidate)
-        step = prediction.step_time
-        if candidate.shard_optimizer:
-            step -= prediction.optimizer_time * (1 - 1 / candidate.replicas)
+        step = self._prediction(candidate).step_time
         return Estimate(step, 0 if self.memory is None else int(self.memory(candidate)))
 
     def bound(self, candidate: Candidate) -> float:
         """Seconds no prediction of `candidate` goes below: its compute alone. A stage does one
         micro-batch at a time, so the busiest of P stages computes at least m/P of every
         micro-batch's forward and backward, and the first micro-batch passes through all of
-        them; replicas only add their allreduce, ZeRO-1 saves only optimizer time. 0 where the
-        prediction is not the layers' (one rank's plain fit, tensor ranks)."""
+        them; replicas only add their allreduce, ZeRO-1 its update. 0 for one rank's plain
+        fit, and where the costs cannot price the layout (the estimate says why)."""
         p, m = candidate.partitions, candidate.microbatches
-        if candidate.world == 1 or candidate.tensor > 1:
+        if candidate.world == 1:
             return 0.0
-        costs = self.recomputing if candidate.recompute else self.costs
+        try:
+            costs = self._costs(candidate)
+        except ValueError:
+            return 0.0
         batch = self.global_batch / (candidate.replicas * m)
         if p == 1 and costs.fused is not None:  # the engine's one-call step
             return m * costs.fused.at(batch)
-        whole = self._whole[candidate.recompute].at(batch)
+        whole = self._whole[(candidate.recompute, candidate.tensor)].at(batch)
         return max(whole, m * whole / p)
 
+    def _costs(self, candidate: Candidate) -> ModelCosts:
+        """The costs one rank of `candidate` pays per layer, recomputing or tensor-split
+        (priced once each; a ValueError, if they cannot be, once too)."""
+        key = (candidate.recompute, candidate.tensor)
+        if key not in self._priced:
+            try:
+                costs = tensor_costs(
+                    self._recomputing(candidate.recompute),
+                    candidate.tensor,
+                    self.network,
+                    self._tensor_crosses_nodes(candidate.tensor),
+                )
+                self._whole[key] = _whole(costs)
+            except ValueError as error:
+                costs = error
+            self._priced[key] = costs  # fmt: skip
+        if isinstance(self._priced[key], ValueError):
+            raise self._priced[key]
+        return self._priced[key]
+
+    def _recomputing(self, recompute: bool) -> ModelCosts:
+        if recompute not in self._recomputed:
+            self._recomputed[recompute] = _recomputing(self.costs) if recompute else self.costs
+        return self._recomputed[recompute]
+
+    def _tensor_crosses_nodes(self, tensor: int) -> bool:
+        """Whether a group of `tensor` neighbouring ranks spans two nodes."""
+        return self.ranks_per_node is not None and self.ranks_per_node % tensor != 0
+
     def _prediction(self, candidate: Candidate):
-        key = (candidate.partitions, candidate.replicas, candidate.microbatches,
-               candidate.schedule, candidate.recompute)  # fmt: skip
+        c = candidate
+        key = (c.partitions, c.replicas, c.tensor, c.microbatches, c.schedule, c.recompute,
+               c.shard_optimizer)  # fmt: skip
         if key not in self._predictions:
-            layout = Layout(*key[:4], self.ranks_per_node)
-            priced = self.recomputing if candidate.recompute else self.costs
+            per_node = self.ranks_per_node and max(1, self.ranks_per_node // c.tensor)
+            layout = Layout(c.partitions, c.replicas, c.microbatches, c.schedule, per_node)
             self._predictions[key] = predict(
-                priced, self.network, layout, self.global_batch, self.machine
+                self._costs(c), self.network, layout, self.global_batch, self.machine,
+                shard_optimizer=c.shard_optimizer,
             )  # fmt: skip
         return self._predictions[key]
 

@@ -57,19 +57,26 @@ def node_times(graph: LayerGraph, inputs: list, repeats: int = 5) -> np.ndarray:
     """Seconds of forward plus backward of each node on `inputs` (training mode), each compiled
     alone with tf.function; the cost of an empty compiled call is subtracted."""
     overhead = _best_time(traced(lambda xs: [tf.identity(x) for x in xs]), inputs, repeats)
-    values = dict(zip(graph.inputs, inputs, strict=True))
     times = np.zeros(len(graph.nodes))
     with preserved_state(graph.model):
-        for node in graph.nodes:
-            node_inputs = [values[t] for t in node.inputs]
-            outputs = _node_call(node)(node_inputs)
-            values.update(zip(node.outputs, outputs, strict=True))
-            step = _forward_backward(_node_call(node), _trainable(node.operation))
+        for node, node_inputs in node_inputs_in_order(graph, inputs):
+            step = _forward_backward(node_call(node), _trainable(node.operation))
             times[node.position] = max(0.0, _best_time(step, node_inputs, repeats) - overhead)
-            for t in node.inputs:  # free activations nobody reads any more
-                if graph.tensors[t].consumers[-1] == node.position and t not in graph.outputs:
-                    values.pop(t, None)
     return times
+
+
+def node_inputs_in_order(graph: LayerGraph, inputs: list):
+    """Yield each node with its input tensors, running it once (eagerly, training mode) to
+    feed the nodes after it; activations are freed once their last reader has run."""
+    values = dict(zip(graph.inputs, inputs, strict=True))
+    for node in graph.nodes:
+        node_inputs = [values[t] for t in node.inputs]
+        yield node, node_inputs
+        outputs = node_call(node)(node_inputs)
+        values.update(zip(node.outputs, outputs, strict=True))
+        for t in node.inputs:  # free activations nobody reads any more
+            if graph.tensors[t].consumers[-1] == node.position and t not in graph.outputs:
+                values.pop(t, None)
 
 
 def stage_times(stages, inputs: list, model, repeats: int = 5) -> list[float]:
@@ -106,7 +113,7 @@ def preserved_state(model):
             variable.assign(value)
 
 
-def _node_call(node):
+def node_call(node):
     """Function running one node on the list of its input tensors, in training mode."""
     positions = {t: i for i, t in enumerate(node.inputs)}
     operation = node.operation

@@ -35,6 +35,12 @@ class Affine:
     def scaled(self, factor: float) -> Affine:
         return Affine(self.fixed * factor, self.per_sample * factor)
 
+    def __add__(self, other: Affine) -> Affine:
+        return Affine(self.fixed + other.fixed, self.per_sample + other.per_sample)
+
+    def __sub__(self, other: Affine) -> Affine:
+        return Affine(self.fixed - other.fixed, self.per_sample - other.per_sample)
+
     @classmethod
     def through(cls, batch_a: float, time_a: float, batch_b: float, time_b: float) -> Affine:
         """The line through two measurements, kept non-negative in both terms (timing noise
@@ -63,15 +69,32 @@ class Affine:
 
 
 @dataclass(frozen=True)
+class TensorShare:
+    """What a layer call does when tensor ranks split it (measured for `tensor_layout`'s
+    rules): the bytes of its parameters that split (counted at its first call, like
+    `LayerCost.param_bytes`), the fraction of its parameters, hence of its compute, that
+    splits, and the activations it sums over the ranks: bytes per sample and collectives, in
+    the forward (after row layers) and in the backward (the input gradients of column ones)."""
+
+    split_bytes: int = 0
+    split_fraction: float = 0.0
+    forward_bytes: float = 0.0
+    backward_bytes: float = 0.0
+    forward_calls: int = 0
+    backward_calls: int = 0
+
+
+@dataclass(frozen=True)
 class LayerCost:
-    """One layer call (a node of the partitioner's graph): its forward and backward time and
-    the trainable parameters it owns (counted at its first call only)."""
+    """One layer call (a node of the partitioner's graph): its forward and backward time, the
+    trainable parameters it owns (counted at its first call only) and its `TensorShare`."""
 
     name: str
     forward: Affine
     backward: Affine
     param_bytes: int = 0
     variables: int = 0
+    tensor: TensorShare = TensorShare()
 
 
 @dataclass(frozen=True)
@@ -80,7 +103,11 @@ class EngineCosts:
     (`forward_call`, `backward_call`), the last stage's loss and metrics per micro-batch,
     summing a micro-batch's gradients per parameter byte (`accumulate_per_byte`, every
     micro-batch after the first), a stage's optimizer update, and per step the last stage's
-    read-out of the logs when callbacks read them (`step_fixed`)."""
+    read-out of the logs when callbacks read them (`step_fixed`). Where tensor ranks or
+    ZeRO-1 run: an in-graph collective's host round trip beyond the network's time
+    (`collective_call`), and ZeRO-1's host work per step beyond plain data parallelism's,
+    copying the gradients out and assigning the gathered parameters back (`zero_per_byte`,
+    `zero_per_variable`)."""
 
     forward_call: float = 0.0
     backward_call: float = 0.0
@@ -90,6 +117,9 @@ class EngineCosts:
     optimizer_per_variable: float = 0.0
     optimizer_per_byte: float = 0.0
     step_fixed: float = 0.0
+    collective_call: float = 0.0
+    zero_per_byte: float = 0.0
+    zero_per_variable: float = 0.0
 
     def optimizer(self, variables: int, nbytes: float) -> float:
         """The update of `variables` of `nbytes`; stages without variables skip it."""
@@ -205,7 +235,7 @@ class ModelCosts:
         engine["loss"] = Affine.of(engine.get("loss", (0.0, 0.0)))
         layers = [LayerCost(layer["name"], Affine.of(layer["forward"]),
                             Affine.of(layer["backward"]), int(layer.get("param_bytes", 0)),
-                            int(layer.get("variables", 0)))
+                            int(layer.get("variables", 0)), TensorShare(**layer.get("tensor", {})))
                   for layer in data["layers"]]  # fmt: skip
         single, fused = (data.get(k) and Affine.of(data[k]) for k in ("single_process", "fused"))
         cuts, measured = [float(b) for b in data["cut_bytes"]], dict(data.get("measured", {}))

@@ -17,8 +17,8 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from hyparflow.schedule import make_schedule, simulate
-from hyparflow.simulate.costs import ModelCosts
-from hyparflow.simulate.network import Network
+from hyparflow.simulate.costs import EngineCosts, ModelCosts, StageCost
+from hyparflow.simulate.network import Link, Network
 from hyparflow.simulate.placement import Layout
 
 
@@ -90,6 +90,7 @@ def predict(
     machine: Machine = Machine(),
     starts: list[int] | None = None,
     batch_logs: bool = False,
+    shard_optimizer: bool = False,
 ) -> Prediction:
     """Predict one training step of `layout` on `global_batch` samples.
 
@@ -97,6 +98,7 @@ def predict(
     fixes where stages begin (layer indices; default: balanced by time). `batch_logs`: a
     callback reads every batch's logs (verbose=1, `ScalingProfiler`), so after each step the
     last stage reads its metrics out and all ranks agree on the logs and on stopping.
+    `shard_optimizer`: ZeRO-1 over the replicas (`sharded_update`).
 
     For example:
         p = predict(costs, Network(intra=Link(1e-6, 10e9)), Layout(2, 2, 4), 256)
@@ -129,22 +131,19 @@ def predict(
             link = network.link(layout.pipeline_link_crosses_nodes(s))
             transfers.append(link.time(costs.cut_bytes[bounds[s + 1]] * batch))
     # the schedule simulator takes one link delay; the slowest link is the safe choice
-    sim = simulate(make_schedule(layout.schedule, p, m), forward, backward,
-                   max(transfers, default=0.0))  # fmt: skip
+    sim = _simulated(layout.schedule, p, m, tuple(forward), tuple(backward),
+                     max(transfers, default=0.0))  # fmt: skip
     finish = [0.0] * p
     for (s, _), (_, end) in sim.times.items():
         finish[s] = max(finish[s], end)
 
-    flows = layout.offnode_reductions_per_node()
     straggle = 1.0 + machine.jitter * expected_maximum(layout.replicas)
-    ends, parts = [], []
-    for s, stage in enumerate(stages):
-        crosses = layout.stage_nodes(s) > 1
-        reduce = network.gradient_allreduce(stage.param_bytes, layout.replicas, crosses,
-                                            flows if crosses else 1)  # fmt: skip
-        parts.append((finish[s] * straggle, reduce,
-                      engine.optimizer(stage.variables, stage.param_bytes)))  # fmt: skip
-        ends.append(sum(parts[-1]))
+    flows = layout.offnode_reductions_per_node()
+    parts = [(finish[s] * straggle, *_reduce_and_update(stage, layout.stage_nodes(s) > 1, flows,
+                                                        costs.engine, network, layout.replicas,
+                                                        shard_optimizer))
+             for s, stage in enumerate(stages)]  # fmt: skip
+    ends = [sum(part) for part in parts]
     slowest = max(range(p), key=ends.__getitem__)
     step = ends[slowest]
     if batch_logs:
@@ -157,6 +156,35 @@ def predict(
     return Prediction(layout, global_batch, step, pipeline, reduce, update, bubble,
                       step - ends[slowest], starts, costs.start_names(starts),
                       list(sim.busy))  # fmt: skip
+
+
+def _reduce_and_update(stage: StageCost, crosses: bool, flows: int, engine: EngineCosts,
+                       network: Network, replicas: int, shard_optimizer: bool):  # fmt: skip
+    """A stage's sum of gradients over its `replicas` (over nodes if it `crosses` them, where
+    `flows` reductions share a node's link) and its optimizer update, in seconds."""
+    reduce = network.gradient_allreduce(stage.param_bytes, replicas, crosses,
+                                        flows if crosses else 1)  # fmt: skip
+    if shard_optimizer and replicas > 1:
+        return reduce, sharded_update(engine, stage, replicas, network.link(crosses))
+    return reduce, engine.optimizer(stage.variables, stage.param_bytes)
+
+
+def sharded_update(engine: EngineCosts, stage: StageCost, replicas: int, link: Link) -> float:
+    """ZeRO-1's update of a stage (`engine/zero.py`): the optimizer steps one flat slice of
+    1/R of the parameters, the host copies the gradients out and assigns every gathered
+    parameter back, and each variable's pieces are broadcast by the replicas holding them
+    (a binomial tree each; its bytes are the allreduce's second half, already counted)."""
+    if not stage.variables:
+        return 0.0
+    broadcasts = stage.variables * math.ceil(math.log2(replicas)) * link.latency
+    host = engine.zero_per_byte * stage.param_bytes + engine.zero_per_variable * stage.variables
+    return engine.optimizer(1, stage.param_bytes / replicas) + host + broadcasts
+
+
+@functools.lru_cache(maxsize=16)
+def _simulated(schedule: str, p: int, m: int, forward: tuple, backward: tuple, delay: float):
+    """The schedule's simulation, kept for the layouts that share it (ZeRO-1 and without)."""
+    return simulate(make_schedule(schedule, p, m), list(forward), list(backward), delay)
 
 
 def _single_process(costs: ModelCosts, global_batch: int) -> Prediction:

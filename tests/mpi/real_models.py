@@ -7,8 +7,14 @@ holds the full weights.
 """
 
 import keras
+import tensorflow as tf
 
 import hyparflow as hf
+from hyparflow.auto.tensor_traffic import tensor_shares
+from hyparflow.comm.in_graph import traffic
+from hyparflow.partitioner import profile
+from hyparflow.partitioner.graph import build_graph
+from hyparflow.tensor import tensor_layout
 from tests.support import references, zoo
 from tests.support.cases import Case
 from tests.support.compare import history_difference, most_traces, relative_difference
@@ -21,6 +27,8 @@ def run(case: Case) -> dict:
     reference = references.zoo_fit(name, optimizer, case.policy, case.one_step)
     model = zoo.compiled(name, optimizer, case.policy)
     strategy = hf.Strategy(**case.strategy_options())
+    moved = traffic("tensor")
+    moved.reset()
     history = hf.fit(
         model, x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0,
         strategy=strategy,
@@ -44,7 +52,30 @@ def run(case: Case) -> dict:
         "split": [s.layer.name for s in shards.layout.splits] if shards else [],
         "dropouts": [d.name for d, _ in shards.layout.dropouts] if shards else [],
         **(_shard_sizes(model, shards) if shards else {}),
+        # bytes the tensor ranks' collectives moved, and what the planner's shares predict
+        "tensor_bytes": moved.bytes,
+        "predicted_tensor_bytes": _predicted_bytes(model, case, x, batch_size, epochs),
     }
+
+
+def _predicted_bytes(model, case: Case, x, batch_size, epochs) -> float | None:
+    """Bytes one rank's tensor collectives move in `epochs` by `simulate.tensor_traffic`'s
+    shares (per sample, at each batch's shape); None for a pipeline (its stages split)."""
+    if case.tensor == 1 or case.partitions > 1:
+        return None
+    graph = build_graph(model)
+    layout = tensor_layout(model, case.tensor)
+    if isinstance(x, tf.data.Dataset):
+        batches = [inputs for inputs, _ in x]
+    else:
+        batches = [x[i : i + batch_size] for i in range(0, len(x), batch_size)]
+    total = 0.0
+    for inputs in batches:
+        sample = profile.make_sample(graph, sample=inputs)
+        rows = int(sample[0].shape[0])
+        shares = tensor_shares(graph, layout, sample)
+        total += rows * sum(s.forward_bytes + s.backward_bytes for s in shares)
+    return total * epochs / case.replicas
 
 
 def _shard_sizes(model, shards) -> dict:
