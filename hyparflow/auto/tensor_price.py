@@ -49,12 +49,25 @@ def tensor_costs(costs: ModelCosts, tensor: int, network: Network, crosses_nodes
 
     layers = [_split_layer(layer, tensor, exchanged) for layer in costs.layers]
     split = replace(costs, layers=layers, single_process=None)
-    if costs.fused is not None:  # the one-call step: the same change as its layers'
-        fused = costs.fused
-        for new, old in zip(layers, costs.layers, strict=True):
-            fused = fused + new.forward + new.backward - old.forward - old.backward
-        split.fused = Affine(fused.fixed, max(0.0, fused.per_sample))
+    if costs.fused is not None:  # the one-call step: its per-sample work splits as its layers'
+        kept = _kept_work(costs.layers, tensor)
+        fused = Affine(costs.fused.fixed, costs.fused.per_sample * kept)
+        for layer in costs.layers:
+            share = layer.tensor
+            fused = fused + exchanged(share.forward_bytes, share.forward_calls)
+            fused = fused + exchanged(share.backward_bytes, share.backward_calls)
+        split.fused = fused
     return split
+
+
+def _kept_work(layers: list[LayerCost], tensor: int) -> float:
+    """The fraction of the layers' per-sample work one of `tensor` ranks keeps: a ratio of the
+    layers' measured slopes, steadier than their difference from the whole step's."""
+    work = [layer.forward.per_sample + layer.backward.per_sample for layer in layers]
+    if not sum(work):
+        return 1.0
+    split = sum(w * layer.tensor.split_fraction for w, layer in zip(work, layers, strict=True))
+    return 1 - split / sum(work) * (1 - 1 / tensor)
 
 
 def _split_layer(layer: LayerCost, tensor: int, exchanged) -> LayerCost:
