@@ -27,21 +27,14 @@ from benchmarks.harness import cli  # noqa: E402
 from benchmarks.harness.launch import has_horovod, run_worker, write_result  # noqa: E402
 from benchmarks.harness.records import measurement, target  # noqa: E402
 from benchmarks.harness.stats import paired_ratios  # noqa: E402
+from benchmarks.models import cifar_resnet, mlp  # noqa: E402
 
 FIGURE = "data_parallel"
 TITLE = "(4) Data parallel end to end: hyparflow vs Horovod loop vs single-process Keras"
-MODELS = {  # name: (builder arguments, global batch size)
-    "mlp": ({"kind": "mlp", "width": 1024, "depth": 3, "inputs": 784}, 256),
-    "resnet20": ({"kind": "resnet", "depth": 20}, 64),
+MODELS = {  # name: (model builder, global batch size)
+    "mlp": (lambda: mlp(1024, 3, inputs=784), 256),
+    "resnet20": (lambda: cifar_resnet(20), 64),
 }
-
-
-def build(name: str):
-    from benchmarks.models import cifar_resnet, mlp
-
-    spec = dict(MODELS[name][0])
-    kind = spec.pop("kind")
-    return mlp(**spec) if kind == "mlp" else cifar_resnet(**spec)
 
 
 def horovod_epochs(model, x, y, batch: int, epochs: int, steps: int) -> list[float]:
@@ -80,6 +73,15 @@ def horovod_epochs(model, x, y, batch: int, epochs: int, steps: int) -> list[flo
 
 
 def worker(args) -> None:
+    import hyparflow as hf
+
+    build, batch = MODELS[args.model]
+    train_ways(args, build(), batch, hf.Strategy("data", tune_process=True))
+
+
+def train_ways(args, model, batch: int, strategy) -> None:
+    """Train `model` `args.epochs` epochs the `args.way` way (hyparflow: `hf.fit` with
+    `strategy`); rank 0 writes the samples/s of each epoch after the first."""
     import keras
 
     import hyparflow as hf
@@ -87,8 +89,6 @@ def worker(args) -> None:
     from benchmarks.models import synthetic_data
 
     keras.config.disable_interactive_logging()
-    model = build(args.model)
-    batch = MODELS[args.model][1]
     x, y = synthetic_data(model, batch * args.steps)
     if args.way == "horovod":
         seconds = horovod_epochs(model, x, y, batch, args.epochs, args.steps)
@@ -97,13 +97,12 @@ def worker(args) -> None:
         timer = epoch_timer()
         fit = dict(batch_size=batch, epochs=args.epochs, verbose=0, callbacks=[timer])
         if args.way == "hyparflow":
-            hf.fit(model, x, y, strategy=hf.Strategy("data", tune_process=True), **fit)
+            hf.fit(model, x, y, strategy=strategy, **fit)
         else:
             model.fit(x, y, **fit)
         seconds, rank = timer.seconds, hf.rank()
     if rank == 0:
-        samples = batch * args.steps
-        write_result(args.worker_out, 0, [samples / s for s in seconds[1:]])
+        write_result(args.worker_out, 0, [batch * args.steps / s for s in seconds[1:]])
 
 
 def _launch(args, model: str, way: str, ranks: int, threads: int) -> list[float]:
@@ -145,12 +144,9 @@ def run(args) -> list[dict]:
 
 
 def arguments(argv=None):
-    p = cli.parser(__doc__)
+    p = cli.parser(__doc__, rounds=3, steps=20, epochs=4)
     p.add_argument("--models", default="mlp,resnet20")
     p.add_argument("--ranks", type=int, nargs="+", default=[2])
-    p.add_argument("--rounds", type=int, default=3, help="alternating launches per way")
-    p.add_argument("--steps", type=int, default=20, help="steps per epoch")
-    p.add_argument("--epochs", type=int, default=4, help="the first (tracing) is not counted")
     p.add_argument("--model", help="worker: which model")
     p.add_argument("--way", choices=["hyparflow", "horovod", "keras"], help="worker: how")
     args = p.parse_args(argv)

@@ -81,10 +81,9 @@ def worker(args) -> None:
     import keras
 
     import hyparflow as hf
-    from benchmarks.harness.interleave import interleaved_epochs
-    from benchmarks.harness.memory import variable_bytes
-    from benchmarks.harness.timing import epoch_timer
+    from benchmarks.harness.timing import epoch_timer, interleaved_epochs
     from benchmarks.models import mlp, synthetic_data
+    from hyparflow.engine.weights import nbytes
     from hyparflow.memory.resident import peak_bytes, resident_bytes
 
     keras.config.disable_interactive_logging()
@@ -118,7 +117,7 @@ def worker(args) -> None:
             write_result(args.worker_out, 0, {
                 "samples_per_s": [args.batch_size * args.steps / s for s in timer.seconds[1:]],
                 "p2p_bytes": args.batch_size * (row["forward"] + row["backward"]),
-                "gradient_bytes": variable_bytes(trainer.variables),
+                "gradient_bytes": sum(map(nbytes, trainer.variables)),
                 "boundary_dtypes": [s.dtype.name for s in channel.specs("forward")],
             })  # fmt: skip
 
@@ -200,12 +199,8 @@ FIGURES = {"overlap": _overlap, "recompute": _recompute, "precision": _precision
 
 
 def arguments(argv=None):
-    p = cli.parser(__doc__)
+    p = cli.parser(__doc__, rounds=None, epochs=3, **dict.fromkeys(SHAPE))  # None: from OPTIONS
     p.add_argument("--option", choices=sorted(OPTIONS), default="overlap")
-    p.add_argument("--rounds", type=int, help="launches per setting (recompute, precision)")
-    p.add_argument("--epochs", type=int, default=3, help="precision: the first is not counted")
-    for name in SHAPE:
-        p.add_argument(f"--{name.replace('_', '-')}", type=int)
     p.add_argument("--run", help="worker: which setting or pair")
     args = p.parse_args(argv)
     title, defaults, quick = OPTIONS[args.option]

@@ -46,7 +46,8 @@ LABELS = {
 }
 
 WAYS_WITH_TARGETS = (("flat", "engine (flat)"), ("reducer", "GradientReducer, list"))
-RAW_REFERENCE = {"flat": "raw_fresh", "reducer": "raw"}  # same memory conditions as the way
+# the raw Allreduce under the same memory conditions as the way
+RAW_REFERENCE = {"flat": ("raw_fresh", "fresh buffer"), "reducer": ("raw", "reused buffer")}
 
 # Ways whose input the engine's step produces: made fresh before each timed block.
 PREPARE: dict = {}
@@ -184,17 +185,12 @@ def _records(result: dict, venv: str) -> list[dict]:
     for model, r in result.items():
         where = f"{model} ({r['tensors']} tensors, {r['mib']:.1f} MiB), {venv} venv"
         ms = r["ms"]
-        for way, values in ms.items():
-            name = f"{LABELS[way]}: {where}"
-            per_block = r["per_block"]
-            records.append(measurement(FIGURE, name, values, "ms", venv=venv,
-                                       reductions_per_repeat=per_block))  # fmt: skip
+        records += [measurement(FIGURE, f"{LABELS[way]}: {where}", values, "ms", venv=venv,
+                                reductions_per_repeat=r["per_block"])
+                    for way, values in ms.items()]  # fmt: skip
         for way, name in WAYS_WITH_TARGETS:
-            if way not in ms:
-                continue
-            reference = RAW_REFERENCE[way]
+            reference, buffer = RAW_REFERENCE[way]
             ratios = paired_ratios(ms[way], ms[reference])
-            buffer = "fresh buffer" if reference == "raw_fresh" else "reused buffer"
             name = f"{name} / raw Allreduce ({buffer}): {where}"
             records.append(target(FIGURE, name, ratios, "<= 1.1"))
         if "horovod" in ms:
@@ -207,11 +203,10 @@ def _records(result: dict, venv: str) -> list[dict]:
 
 
 def arguments(argv=None):
-    p = cli.parser(__doc__)
+    p = cli.parser(__doc__, rounds=2)
     p.add_argument("--models", default="resnet110,resnet50")
     p.add_argument("--horovod", action="store_true", help="worker: also time Horovod")
     p.add_argument("--block-mib", type=float, default=400, help="MiB reduced per timed block")
-    p.add_argument("--rounds", type=int, default=2, help="alternating launch pairs (compat)")
     args = p.parse_args(argv)
     if args.quick:
         args.models, args.block_mib = "resnet20", 20

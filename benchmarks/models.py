@@ -9,7 +9,7 @@ from __future__ import annotations
 
 
 def mlp(width: int, depth: int, inputs: int | None = None, classes: int = 10, *,
-        optimizer="sgd", seed: int = 0):  # fmt: skip
+        optimizer="sgd", seed: int = 0, metrics=None):  # fmt: skip
     """`depth` Dense(width, relu) layers and a softmax; compiled with sparse cross-entropy."""
     import keras
 
@@ -19,7 +19,7 @@ def mlp(width: int, depth: int, inputs: int | None = None, classes: int = 10, *,
         x = keras.layers.Dense(width, activation="relu", name=f"dense_{i}")(x)
     outputs = keras.layers.Dense(classes, activation="softmax", name="classes")(x)
     model = keras.Model(inputs_, outputs, name=f"mlp_{depth}x{width}")
-    model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy")
+    model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy", metrics=metrics)
     return model
 
 

@@ -25,36 +25,21 @@ TITLE = "(1) Overhead on one rank: hf.fit and the engine vs model.fit"
 WAYS = ("model.fit", "hf.fit", "engine")
 
 
-def build(width: int, depth: int):
-    import keras
-
-    keras.utils.set_random_seed(0)
-    inputs = x = keras.Input((784,))
-    for _ in range(depth):
-        x = keras.layers.Dense(width, activation="relu")(x)
-    model = keras.Model(inputs, keras.layers.Dense(10, activation="softmax")(x))
-    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
-    return model
-
-
 def worker(args) -> None:
     import keras
-    import numpy as np
 
     import hyparflow as hf
     from benchmarks.harness.timing import epoch_timer
+    from benchmarks.models import mlp, synthetic_data
     from hyparflow.api import _distributed_fit, _resolve
 
     keras.config.disable_interactive_logging()
-    model = build(args.width, args.depth)
-    rng = np.random.default_rng(0)
-    samples = args.batch_size * args.steps
-    x = rng.normal(size=(samples, 784)).astype("float32")
-    y = rng.integers(0, 10, size=samples)
+    model = mlp(args.width, args.depth, 784, optimizer="adam", metrics=["accuracy"])
+    x, y = synthetic_data(model, args.batch_size * args.steps, seed=0)
     fit = dict(batch_size=args.batch_size, epochs=1, verbose=0)
     resolved = _resolve(model, "data", None, None, None)
-    options = dict(resume=False, resume_from=None, check_numerics=False, watchdog_timeout=None,
-                   comm="mpi")  # fmt: skip
+    options = dict(resume=False, resume_from=None, check_numerics=False, check_data=True,
+                   watchdog_timeout=None, comm="mpi", planning=None)  # as hf.fit's  # fmt: skip
 
     def one_epoch(way: str) -> tuple[float, float]:
         timer = epoch_timer()
@@ -97,11 +82,7 @@ def run(args) -> list[dict]:
 def arguments(argv=None):
     # 15 rounds: the two ways differ by less than one epoch's spread on a shared VM (hf.fit
     # *is* model.fit here); 7 rounds left the paired median anywhere in 0.95-1.05.
-    p = cli.parser(__doc__, repeats=15)
-    p.add_argument("--width", type=int, default=512)
-    p.add_argument("--depth", type=int, default=3)
-    p.add_argument("--batch-size", type=int, default=128)
-    p.add_argument("--steps", type=int, default=50, help="steps per epoch")
+    p = cli.parser(__doc__, repeats=15, width=512, depth=3, batch_size=128, steps=50)
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.width = 5, 64

@@ -204,15 +204,9 @@ def _common(args) -> list:
 
 
 def arguments(argv=None):
-    p = cli.parser(__doc__)
-    p.add_argument("--rounds", type=int, default=3)
+    p = cli.parser(__doc__, rounds=3, width=1024, batch_size=512, steps=10, epochs=2,
+                   memory_batch=4096, memory_microbatches=8)  # fmt: skip
     p.add_argument("--microbatches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
-    p.add_argument("--width", type=int, default=1024)
-    p.add_argument("--batch-size", type=int, default=512)
-    p.add_argument("--steps", type=int, default=10, help="steps per epoch")
-    p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--memory-batch", type=int, default=4096)
-    p.add_argument("--memory-microbatches", type=int, default=8)
     p.add_argument("--schedule", choices=SCHEDULES, help="worker: memory run of one schedule")
     p.add_argument("--reverse", action="store_true", help="worker: configurations reversed")
     args = p.parse_args(argv)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 from benchmarks.harness import cli  # noqa: E402
-from benchmarks.harness.launch import has_horovod, run_worker, write_result  # noqa: E402
+from benchmarks.harness.launch import has_horovod, run_worker  # noqa: E402
 from benchmarks.harness.records import measurement  # noqa: E402
 from benchmarks.harness.stats import paired_ratios  # noqa: E402
 
@@ -54,53 +54,32 @@ def label(config: dict, cores: int) -> str:
 
 
 def worker(args) -> None:
-    import keras
-
     import hyparflow as hf
-    from benchmarks.data_parallel import horovod_epochs
-    from benchmarks.harness.timing import epoch_timer
-    from benchmarks.models import cifar_resnet, synthetic_data
+    from benchmarks.data_parallel import train_ways
+    from benchmarks.models import cifar_resnet
 
-    keras.config.disable_interactive_logging()
-    model = cifar_resnet(args.depth, image=args.image)
-    x, y = synthetic_data(model, args.batch_size * args.steps)
-    if args.way == "horovod":
-        seconds = horovod_epochs(model, x, y, args.batch_size, args.epochs, args.steps)
-        rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
-    else:
-        timer = epoch_timer()
-        fit = dict(batch_size=args.batch_size, epochs=args.epochs, verbose=0, callbacks=[timer])
-        if args.way == "keras":
-            model.fit(x, y, **fit)
-        else:
-            kind = "data" if args.p == 1 else ("model" if args.r == 1 else "hybrid")
-            m = args.microbatches if args.p > 1 else 1
-            strategy = hf.Strategy(kind, partitions=args.p, replicas=args.r, microbatches=m,
-                                   schedule="1f1b", balance="time", tune_process=True)  # fmt: skip
-            hf.fit(model, x, y, strategy=strategy, **fit)
-        seconds, rank = timer.seconds, hf.rank()
-    if rank == 0:
-        write_result(args.worker_out, 0, [args.batch_size * args.steps / s for s in seconds[1:]])
+    kind = "data" if args.p == 1 else ("model" if args.r == 1 else "hybrid")
+    m = args.microbatches if args.p > 1 else 1
+    strategy = hf.Strategy(kind, partitions=args.p, replicas=args.r, microbatches=m,
+                           schedule="1f1b", balance="time", tune_process=True)  # fmt: skip
+    train_ways(args, cifar_resnet(args.depth, image=args.image), args.batch_size, strategy)
 
 
 def run(args) -> list[dict]:
     cores = os.cpu_count() or 1
     configs = configurations(args.ranks, cores)
     rates = {label(c, cores): [] for c in configs}
+    fixed = cli.flags(args, "depth", "image", "batch_size", "steps", "epochs", "microbatches")
     for round_ in range(args.rounds):
         for config in configs if round_ % 2 == 0 else configs[::-1]:
             way = ["--way", config["way"], "--p", config["p"], "--r", config["r"]]
-            shape = cli.flags(args, "depth", "image", "batch_size", "steps", "epochs",
-                              "microbatches")  # fmt: skip
-            result = run_worker(__file__, [*way, *shape], np=config["p"] * config["r"],
+            result = run_worker(__file__, [*way, *fixed], np=config["p"] * config["r"],
                                 venv="compat" if has_horovod() else "main",
                                 threads=config["threads"], timeout=3600)  # fmt: skip
             rates[label(config, cores)].append(statistics.median(result[0]))
     shape = f"ResNet-{args.depth}, {args.image}x{args.image} images, batch {args.batch_size}"
-    records = [
-        measurement(FIGURE, f"{name} ({shape})", values, "samples/s")
-        for name, values in rates.items()
-    ]
+    records = [measurement(FIGURE, f"{name} ({shape})", values, "samples/s")
+               for name, values in rates.items()]  # fmt: skip
     one = rates[label({"way": "keras", "p": 1, "r": 1, "threads": 1}, cores)]
     whole = rates[label({"way": "keras", "p": 1, "r": 1, "threads": cores}, cores)]
     for ranks in args.ranks:
@@ -122,21 +101,15 @@ def run(args) -> list[dict]:
                 (f"hyparflow {kind} / Horovod, {ranks} ranks {paper}", best, horovod),
                 (f"hyparflow data parallel / Horovod, {ranks} ranks", data_parallel, horovod),
             ]
-        for name, a, b in pairs:
-            ratios = paired_ratios(a, b)
-            records.append(measurement(FIGURE, name, ratios, "ratio", depth=args.depth))
+        records += [measurement(FIGURE, name, paired_ratios(a, b), "ratio", depth=args.depth)
+                    for name, a, b in pairs]  # fmt: skip
     return records
 
 
 def arguments(argv=None):
-    p = cli.parser(__doc__)
+    p = cli.parser(__doc__, batch_size=32, microbatches=4, steps=6, epochs=3, rounds=2)
     p.add_argument("--depth", type=int, default=110, help="6n+2 (basic) or 9n+2 (bottleneck)")
     p.add_argument("--image", type=int, default=32, help="image side (CIFAR: 32)")
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--microbatches", type=int, default=4)
-    p.add_argument("--steps", type=int, default=6, help="steps per epoch")
-    p.add_argument("--epochs", type=int, default=3, help="the first (tracing) is not counted")
-    p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     p.add_argument("--way", choices=["keras", "hyparflow", "horovod"], help="worker: how")
     p.add_argument("--p", type=int, default=1, help="worker: partitions")

@@ -60,18 +60,12 @@ def run_figure(key: str, quick: bool, wait: bool) -> dict:
     seen = quiet.wait_for_quiet() if wait else {"load1": os.getloadavg()[0]}
     start = time.monotonic()
     records = module.run(args)
-    return {
-        "figure": key,
-        "title": getattr(args, "title", None) or module.TITLE,
-        "about": about(module),
-        "records": records,
-        "conditions": {
-            "measured": datetime.datetime.now().strftime("%Y-%m-%d %H:%M UTC"),
-            "load before": f"{seen['load1']:.2f}",
-            "load after": f"{os.getloadavg()[0]:.2f}",
-            "minutes": f"{(time.monotonic() - start) / 60:.1f}",
-        },
-    }
+    conditions = {"measured": datetime.datetime.now().strftime("%Y-%m-%d %H:%M UTC"),
+                  "load before": f"{seen['load1']:.2f}", "load after": f"{os.getloadavg()[0]:.2f}",
+                  "minutes": f"{(time.monotonic() - start) / 60:.1f}"}  # fmt: skip
+    title = getattr(args, "title", None) or module.TITLE
+    return {"figure": key, "title": title, "about": about(module), "records": records,
+            "conditions": conditions}  # fmt: skip
 
 
 def run_other(title: str, script: str, venv: str, ranks: int, args: list, wait: bool):

@@ -25,13 +25,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout
-from benchmarks.harness import quiet  # noqa: E402
-from benchmarks.harness.launch import MPI_ENV, thread_env  # noqa: E402
+from benchmarks.harness import cli, quiet  # noqa: E402
+from benchmarks.harness.launch import MPI_ENV, run_worker, thread_env, write_result  # noqa: E402
 
 # glibc keeps TensorFlow's large temporaries in the heap instead of mapping and unmapping
 # them every step (page faults that two ranks paying at once slowed each other by)
-ENV = {**MPI_ENV, **thread_env(1), "MALLOC_MMAP_THRESHOLD_": str(32 << 20),
-       "MALLOC_TRIM_THRESHOLD_": str(1 << 31)}  # fmt: skip
+MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 31)}
+ENV = {**MPI_ENV, **thread_env(1), **MALLOC}
 CONFIGS = [(1, 1), (1, 2), (2, 1)]  # (partitions, replicas): a core per rank on 2 cores
 
 
@@ -44,7 +44,8 @@ def _arguments(argv=None):
     parser.add_argument("--steps", type=int, default=12, help="steps per epoch")
     parser.add_argument("--epochs", type=int, default=6, help="per run; the first traces")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "out" / "simulator.json"))
-    parser.add_argument("--worker", nargs=4, metavar=("MODEL", "CONFIG", "STARTS", "OUT"))
+    parser.add_argument("--worker", nargs=3, metavar=("MODEL", "CONFIG", "STARTS"))
+    parser.add_argument("--worker-out", help=argparse.SUPPRESS)  # set by harness.launch
     parser.add_argument("--calibrate", nargs=2, metavar=("MODEL", "COSTS"))
     return parser.parse_args(argv)
 
@@ -86,17 +87,14 @@ def build_model(kind: str):
 def worker(args) -> None:
     """One measured run under mpirun: `hf.fit`, each rank's mean step period to a file."""
     import keras
-    import numpy as np
 
     import hyparflow as hf
+    from benchmarks.models import synthetic_data
 
-    model_path, config, starts, out = args.worker
+    model_path, config, starts = args.worker
     partitions, replicas, microbatches = (int(v) for v in config.split("x"))
     model = keras.saving.load_model(model_path)
-    rng = np.random.default_rng(1)
-    samples = args.batch_size * args.steps
-    x = rng.normal(size=(samples, *model.input_shape[1:])).astype("float32")
-    y = rng.integers(0, 10, size=samples)
+    x, y = synthetic_data(model, args.batch_size * args.steps)
     kind = "data" if partitions == 1 else ("model" if replicas == 1 else "hybrid")
     balance = starts.split(",") if starts != "-" else "layers"
     strategy = hf.Strategy(kind, partitions=partitions, replicas=replicas,
@@ -112,8 +110,7 @@ def worker(args) -> None:
            strategy=strategy, callbacks=[timer])  # fmt: skip
     # from one step's start to the next within an epoch, from the second (the first traces)
     periods = [b - a for (e, a), (f, b) in zip(stamps, stamps[1:], strict=False) if e == f >= 1]
-    with open(f"{out}.{hf.rank()}", "w") as f:
-        json.dump({"step_period": statistics.mean(periods)}, f)
+    write_result(args.worker_out, hf.rank(), {"step_period": statistics.mean(periods)})
 
 
 def calibrate(args) -> None:
@@ -141,21 +138,14 @@ def _run(command: list[str], timeout: float = 900) -> None:
         raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr[-4000:]}")
 
 
-def measure(args, model_path: str, layout, starts: list[str], folder: str) -> float:
+def measure(args, model_path: str, layout, starts: list[str]) -> float:
     """Milliseconds per step of one `hf.fit` run of `layout` (mean over the ranks)."""
-    out = os.path.join(folder, f"run-{time.monotonic_ns()}")
     config = f"{layout.partitions}x{layout.replicas}x{layout.microbatches}"
-    command = [sys.executable, __file__, "--worker", model_path, config, ",".join(starts) or "-",
-               out, "--batch-size", str(args.batch_size), "--steps", str(args.steps),
-               "--epochs", str(args.epochs)]  # fmt: skip
-    if layout.world > 1:
-        command = ["mpirun", "-np", str(layout.world), "--bind-to", "none", *command]
-    _run(command)
-    periods = []
-    for rank in range(layout.world):
-        with open(f"{out}.{rank}") as f:
-            periods.append(json.load(f)["step_period"])
-    return 1e3 * statistics.mean(periods)
+    flags = ["--worker", model_path, config, ",".join(starts) or "-"]
+    wait_for_quiet()
+    ranks = run_worker(__file__, flags + cli.flags(args, "batch_size", "steps", "epochs"),
+                       np=layout.world, timeout=900, env=MALLOC)  # fmt: skip
+    return 1e3 * statistics.mean(r["step_period"] for r in ranks)
 
 
 def main(argv=None) -> None:
@@ -187,7 +177,7 @@ def main(argv=None) -> None:
             costs = ModelCosts.load(costs_path)
             for layout in layouts if round_ % 2 == 0 else layouts[::-1]:
                 p = predict(costs, network, layout, args.batch_size, Machine(os.cpu_count()))
-                measured = measure(args, model_path, layout, p.stage_names, folder)
+                measured = measure(args, model_path, layout, p.stage_names)
                 runs[kind][layout].append((measured, p.step_time * 1e3))
                 print(f"{kind} {layout.partitions}x{layout.replicas} round {round_}: measured "
                       f"{measured:.2f} ms, predicted {p.step_time * 1e3:.2f} ms",

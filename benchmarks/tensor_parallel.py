@@ -21,7 +21,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 from benchmarks.harness import cli  # noqa: E402
 from benchmarks.harness.launch import run_worker, write_result  # noqa: E402
-from benchmarks.harness.memory import variable_bytes  # noqa: E402
 from benchmarks.harness.records import measurement  # noqa: E402
 from benchmarks.harness.stats import paired_ratios  # noqa: E402
 
@@ -52,9 +51,10 @@ def _model(size: dict):
 
 def worker(args) -> None:
     import hyparflow as hf
-    from benchmarks.harness.interleave import interleaved_epochs
+    from benchmarks.harness.timing import interleaved_epochs
     from benchmarks.models import synthetic_data
     from hyparflow.comm.in_graph import traffic
+    from hyparflow.engine.weights import nbytes
     from hyparflow.tensor import tensor_layout
 
     size, on = (QUICK if args.quick else SIZES)[args.model], dict(tune_process=True)
@@ -70,8 +70,8 @@ def worker(args) -> None:
         write_result(args.worker_out, 0, {
             "seconds": seconds, "megatron": 4 * size["batch"] * size.get("seq", 0) * size["h"] * 4,
             "calls": moved.calls / args.steps, "bytes": moved.bytes / args.steps,
-            "held": {t: (variable_bytes(m._hyparflow_trainer[1].variables),  # params, slots
-                         variable_bytes(v for v in m.optimizer.variables if len(v.shape)))
+            "held": {t: (sum(map(nbytes, m._hyparflow_trainer[1].variables)),  # params, slots
+                         sum(nbytes(v) for v in m.optimizer.variables if len(v.shape)))
                      for t, m in ((1, setups["data parallel"][0]), (2, model))},
             "layout": {t: sum(tensor_layout(model, t).bytes_per_rank()) for t in (1, 2, 4)},
         })  # fmt: skip
@@ -106,9 +106,8 @@ def run(args) -> list[dict]:
 
 
 def arguments(argv=None):
-    p = cli.parser(__doc__)
+    p = cli.parser(__doc__, steps=5)
     p.add_argument("--model", choices=sorted(SIZES), help="worker: which model")
-    p.add_argument("--steps", type=int, default=5, help="steps per epoch")
     return p.parse_args(argv)
 
 

@@ -6,14 +6,21 @@ import argparse
 
 from benchmarks.harness.records import emit
 
+HELP = {"steps": "steps per epoch", "epochs": "epochs per run; the first traces",
+        "rounds": "rounds of launches, the order alternating"}  # fmt: skip
 
-def parser(doc: str, repeats: int = 7) -> argparse.ArgumentParser:
-    """Common options: `--repeats` (after warm-up), `--quick` (a smoke run), `--out` (JSON)."""
+
+def parser(doc: str, repeats: int = 7, **numbers) -> argparse.ArgumentParser:
+    """Common options: `--repeats` (after warm-up), `--quick` (a smoke run), `--out` (JSON),
+    and an integer option per keyword of `numbers` (`batch_size=32`: `--batch-size`, 32)."""
     p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("--repeats", type=int, default=repeats, help="measured repeats after warm-up")
     p.add_argument("--quick", action="store_true", help="tiny sizes and 2 repeats: a smoke test")
     p.add_argument("--out", help="also write the records to this JSON file")
     p.add_argument("--worker-out", help=argparse.SUPPRESS)  # set by harness.launch
+    for name, default in numbers.items():
+        flag = f"--{name.replace('_', '-')}"
+        p.add_argument(flag, type=int, default=default, help=HELP.get(name))
     return p
 
 

@@ -22,23 +22,15 @@ COMPAT_VENV = Path(os.environ.get("HYPARFLOW_COMPAT_VENV", REPO / ".venv-compat"
 COMPAT_PYTHON = COMPAT_VENV / "bin" / "python"
 INTRAOP_THREADS = 1  # per rank; stated in results.md
 
-MPI_ENV = {
-    "OMPI_ALLOW_RUN_AS_ROOT": "1",
-    "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-    "OMPI_MCA_rmaps_base_oversubscribe": "1",
-    "TF_CPP_MIN_LOG_LEVEL": "2",
-    "PYTHONPATH": str(REPO),
-    "PYTHONUNBUFFERED": "1",
-}
+MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+           "OMPI_MCA_rmaps_base_oversubscribe": "1", "TF_CPP_MIN_LOG_LEVEL": "2",
+           "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}  # fmt: skip
 
 
 def thread_env(threads: int = INTRAOP_THREADS) -> dict:
     """TensorFlow's and OpenMP's thread counts for one process."""
-    return {
-        "TF_NUM_INTRAOP_THREADS": str(threads),
-        "TF_NUM_INTEROP_THREADS": "1",
-        "OMP_NUM_THREADS": str(threads),
-    }
+    return {"TF_NUM_INTRAOP_THREADS": str(threads), "TF_NUM_INTEROP_THREADS": "1",
+            "OMP_NUM_THREADS": str(threads)}  # fmt: skip
 
 
 def python_for(venv: str) -> str:

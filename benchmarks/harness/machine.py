@@ -49,11 +49,9 @@ def describe(pythons: dict[str, str]) -> dict:
     """Cores, CPU model, RAM, Open MPI, and per venv the Python stack's versions."""
     memory_kib = _proc_field("/proc/meminfo", "MemTotal") or "0 kB"
     mpi = _output(["mpirun", "--version"]).strip().splitlines()
-    return {
-        "cores": os.cpu_count(),
-        "cpu": _proc_field("/proc/cpuinfo", "model name") or platform.processor() or "unknown",
-        "memory_gib": round(int(memory_kib.split()[0]) / 2**20, 1),
-        "kernel": platform.release(),
-        "open_mpi": mpi[0].split()[-1] if mpi else None,
-        "venvs": {name: python_versions(python) for name, python in pythons.items()},
-    }
+    cpu = _proc_field("/proc/cpuinfo", "model name") or platform.processor() or "unknown"
+    venvs = {name: python_versions(python) for name, python in pythons.items()}
+    return {"cores": os.cpu_count(), "cpu": cpu,
+            "memory_gib": round(int(memory_kib.split()[0]) / 2**20, 1),
+            "kernel": platform.release(), "open_mpi": mpi[0].split()[-1] if mpi else None,
+            "venvs": venvs}  # fmt: skip

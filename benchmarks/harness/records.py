@@ -11,17 +11,9 @@ from benchmarks.harness.stats import summarize
 GOALS = {"<=": operator.le, ">=": operator.ge, "<": operator.lt, ">": operator.gt}
 
 
-def measurement(
-    figure: str,
-    name: str,
-    values: Sequence[float],
-    unit: str,
-    *,
-    series: str | None = None,
-    x: float | None = None,
-    x_label: str | None = None,
-    **params,
-) -> dict:
+def measurement(figure: str, name: str, values: Sequence[float], unit: str, *,
+                series: str | None = None, x: float | None = None, x_label: str | None = None,
+                **params) -> dict:  # fmt: skip
     """One measured quantity over repeats; `series` and `x` (named `x_label`) place it on a line
     plot.
 
@@ -30,12 +22,8 @@ def measurement(
         11.0
     """
     record = {"figure": figure, "name": name, "unit": unit, **summarize(values)}
-    if series is not None:
-        record["series"] = series
-    if x is not None:
-        record["x"] = x
-    if x_label is not None:
-        record["x_label"] = x_label
+    placed = {"series": series, "x": x, "x_label": x_label}
+    record.update({key: value for key, value in placed.items() if value is not None})
     if params:
         record["params"] = params
     return record

@@ -8,6 +8,9 @@ from pathlib import Path
 from benchmarks.harness.plots import plot_figure
 
 VERSION_KEYS = ("python", "tensorflow", "keras", "mpi4py", "numpy", "horovod")
+# the columns of the targets table and of each figure's table
+TARGETS = ["figure", "target", "goal", "measured ratio (median)", "range of repeats", "n", "met"]
+RECORDS = ["measurement", "median", "range of repeats", "spread (± half-range)", "n", "unit"]
 
 
 def _number(value: float) -> str:
@@ -27,41 +30,26 @@ def _range(record: dict) -> str:
     return f"{_number(record['low'])} – {_number(record['high'])}"
 
 
+def _table(columns: list[str], rows: list[list]) -> list[str]:
+    """A markdown table of `rows` under `columns`, then a blank line."""
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    return lines + ["| " + " | ".join(map(str, row)) + " |" for row in rows] + [""]
+
+
 def machine_section(machine: dict) -> list[str]:
-    lines = [
-        "## Machine",
-        "",
-        "| cores | CPU | RAM | kernel | Open MPI |",
-        "|---|---|---|---|---|",
-        f"| {machine.get('cores')} | {machine.get('cpu')} | {machine.get('memory_gib')} GiB | "
-        f"{machine.get('kernel', '')} | {machine.get('open_mpi')} |",
-        "",
-        "| venv | " + " | ".join(VERSION_KEYS) + " |",
-        "|---|" + "---|" * len(VERSION_KEYS),
-    ]
-    for venv, versions in machine.get("venvs", {}).items():
-        cells = [str(versions.get(key) or "–") for key in VERSION_KEYS]
-        lines.append(f"| {venv} | " + " | ".join(cells) + " |")
-    return lines + [""]
+    here = [machine.get("cores"), machine.get("cpu"), f"{machine.get('memory_gib')} GiB",
+            machine.get("kernel", ""), machine.get("open_mpi")]  # fmt: skip
+    venvs = [[venv, *(versions.get(key) or "–" for key in VERSION_KEYS)]
+             for venv, versions in machine.get("venvs", {}).items()]  # fmt: skip
+    return ["## Machine", "", *_table(["cores", "CPU", "RAM", "kernel", "Open MPI"], [here]),
+            *_table(["venv", *VERSION_KEYS], venvs)]  # fmt: skip
 
 
 def targets_section(figures: list[dict]) -> list[str]:
-    lines = [
-        "## Targets",
-        "",
-        "| figure | target | goal | measured ratio (median) | range of repeats | n | met |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for figure in figures:
-        for record in figure["records"]:
-            if record.get("kind") != "target":
-                continue
-            met = "**met**" if record["met"] else "**missed**"
-            lines.append(
-                f"| {figure['figure']} | {record['name']} | {record['goal']} | "
-                f"{record['median']:.3f} | {_range(record)} | {record['n']} | {met} |"
-            )
-    return lines + [""]
+    targets = [(f["figure"], r) for f in figures for r in f["records"] if r.get("kind") == "target"]
+    rows = [[figure, r["name"], r["goal"], f"{r['median']:.3f}", _range(r), r["n"],
+             "**met**" if r["met"] else "**missed**"] for figure, r in targets]  # fmt: skip
+    return ["## Targets", "", *_table(TARGETS, rows)]
 
 
 def figure_section(figure: dict, plot: str | None, relative_to: Path) -> list[str]:
@@ -71,16 +59,9 @@ def figure_section(figure: dict, plot: str | None, relative_to: Path) -> list[st
     conditions = figure.get("conditions")
     if conditions:
         lines += ["Conditions: " + ", ".join(f"{k} {v}" for k, v in conditions.items()), ""]
-    lines += [
-        "| measurement | median | range of repeats | spread (± half-range) | n | unit |",
-        "|---|---|---|---|---|---|",
-    ]
-    for record in figure["records"]:
-        lines.append(
-            f"| {record['name']} | {_number(record['median'])} | {_range(record)} | "
-            f"{100 * record['spread']:.1f}% | {record['n']} | {record['unit']} |"
-        )
-    lines.append("")
+    lines += _table(RECORDS, [[r["name"], _number(r["median"]), _range(r),
+                               f"{100 * r['spread']:.1f}%", r["n"], r["unit"]]
+                              for r in figure["records"]])  # fmt: skip
     if plot:
         lines += [f"![{figure['figure']}]({os.path.relpath(plot, relative_to)})", ""]
     return lines

@@ -18,14 +18,9 @@ def summarize(values: Sequence[float]) -> dict:
         raise ValueError("summarize needs at least one value")
     median = statistics.median(values)
     low, high = min(values), max(values)
-    return {
-        "median": median,
-        "low": low,
-        "high": high,
-        "spread": (high - low) / (2 * abs(median)) if median else 0.0,
-        "n": len(values),
-        "values": values,
-    }
+    spread = (high - low) / (2 * abs(median)) if median else 0.0
+    return {"median": median, "low": low, "high": high, "spread": spread, "n": len(values),
+            "values": values}  # fmt: skip
 
 
 def paired_ratios(numerators: Sequence[float], denominators: Sequence[float]) -> list[float]:

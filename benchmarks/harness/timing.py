@@ -1,4 +1,5 @@
-"""A Keras callback timing each epoch, and the CPU share the process got meanwhile."""
+"""Epoch times: a Keras callback (with the CPU share the process got meanwhile), and epochs of
+several hf.fit setups interleaved in one launch, so that drift hits them all alike."""
 
 from __future__ import annotations
 
@@ -23,3 +24,36 @@ def epoch_timer():
             self.cpu_share.append((time.process_time() - self._cpu) / wall)
 
     return EpochTimer()
+
+
+def interleaved_epochs(setups: dict, x, y, batch_size: int, repeats: int, steps=None) -> dict:
+    """`setups`: name -> (model, strategy or None: `model.fit` on rank 0 while the others wait),
+    a model object each (hyparflow caches one Trainer per model). One warm-up epoch each
+    (tracing), then `repeats` rounds of one epoch each, the order rotated every round. Returns
+    name -> epoch seconds (None where a rank waited)."""
+    import hyparflow as hf
+
+    def epoch(name):
+        model, strategy = setups[name]
+        timer = epoch_timer()
+        fit = dict(batch_size=batch_size, epochs=1, verbose=0, callbacks=[timer],
+                   steps_per_epoch=steps)  # fmt: skip
+        if strategy is not None:
+            hf.fit(model, x, y, strategy=strategy, **fit)
+        else:
+            from mpi4py import MPI
+
+            if hf.rank() == 0:
+                model.fit(x, y, **fit)
+            MPI.COMM_WORLD.Barrier()
+        return timer.seconds[0] if timer.seconds else None
+
+    names = list(setups)
+    for name in names:
+        epoch(name)
+    seconds = {name: [] for name in names}
+    for round_ in range(repeats):
+        shift = round_ % len(names)
+        for name in names[shift:] + names[:shift]:
+            seconds[name].append(epoch(name))
+    return seconds
