@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from hyparflow.auto.search import OUTRUN
 from hyparflow.cli import main
-from hyparflow.schedule import theoretical_bubble
+from hyparflow.schedule import theoretical_bubble, zero_bubble_bubble
 from hyparflow.simulate import (
     Affine,
     EngineCosts,
@@ -212,6 +212,25 @@ def test_equal_stages_without_communication_follow_the_formula(partitions, micro
         theoretical_bubble(partitions, microbatches) * (partitions > 1)
     )
     assert p.throughput == pytest.approx(batch / p.step_time)
+
+
+@pytest.mark.parametrize("partitions,microbatches", [(2, 2), (2, 8), (4, 4), (4, 16)])
+def test_zero_bubble_splits_the_weight_half_of_each_backward_into_the_bubble(
+    partitions, microbatches
+):  # fmt: skip
+    costs = uniform_costs(layers=8, forward=1e-4, backward=2e-4)  # every layer has weights
+    batch, net = 8 * microbatches, Network(FAST)
+    zb = predict(costs, net, Layout(partitions, 1, microbatches, "zero_bubble"), batch)
+    one_f_one_b = predict(costs, net, Layout(partitions, 1, microbatches, "1f1b"), batch)
+    per_pass = (8 // partitions) * 8 * 1e-4  # F, B and W each: a layer's backward halved
+    assert zb.bubble == pytest.approx(
+        zero_bubble_bubble(partitions, microbatches, per_pass, per_pass, per_pass)
+    )
+    assert zb.bubble < one_f_one_b.bubble and zb.step_time < one_f_one_b.step_time
+    # with engine costs per call, each W pays one more backward call than 1F1B's passes
+    costs.engine = EngineCosts(backward_call=1e-3)
+    slower = predict(costs, net, Layout(partitions, 1, microbatches, "zero_bubble"), batch)
+    assert slower.stage_compute[0] == pytest.approx(zb.stage_compute[0] + 2e-3 * microbatches)
 
 
 def test_data_parallel_step_is_compute_plus_allreduce_plus_optimizer():

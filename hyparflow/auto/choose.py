@@ -284,7 +284,7 @@ def _keeping_user_fields(layouts: list[Candidate], strategy: Strategy) -> list[C
     if fixed.get("schedule", SCHEDULES[0]) not in SCHEDULES:
         raise ValueError(
             f"strategy='auto' does not plan schedule={fixed['schedule']!r} yet (it prices "
-            f"{' and '.join(SCHEDULES)} only): give the layout yourself, e.g. "
+            f"{', '.join(SCHEDULES)} only): give the layout yourself, e.g. "
             f"hf.Strategy('model', partitions=2, schedule={fixed['schedule']!r}), or leave "
             "the schedule to the planner."
         )

@@ -42,7 +42,8 @@ class Estimator:
         self.costs, self.network, self.global_batch = costs, network, global_batch
         self.machine = machine or Machine()
         self.memory, self.ranks_per_node = memory, ranks_per_node
-        self._priced, self._recomputed, self._whole, self._predictions = {}, {}, {}, {}
+        self._priced, self._recomputed, self._predictions = {}, {}, {}
+        self._whole, self._weight = {}, {}  # per (recompute, tensor): lines in the batch
 
     def __call__(self, candidate: Candidate) -> Estimate:
         step = self._prediction(candidate).step_time
@@ -52,8 +53,9 @@ class Estimator:
         """Seconds no prediction of `candidate` goes below: its compute alone. A stage does one
         micro-batch at a time, so the busiest of P stages computes at least m/P of every
         micro-batch's forward and backward, and the first micro-batch passes through all of
-        them; replicas only add their allreduce, ZeRO-1 its update. 0 for one rank's plain
-        fit, and where the costs cannot price the layout (the estimate says why)."""
+        them (under ZB-H1 its weight passes may overlap other stages: not counted); replicas
+        only add their allreduce, ZeRO-1 its update. 0 for one rank's plain fit, and where the
+        costs cannot price the layout (the estimate says why)."""
         p, m = candidate.partitions, candidate.microbatches
         if candidate.world == 1:
             return 0.0
@@ -65,7 +67,10 @@ class Estimator:
         if p == 1 and costs.fused is not None:  # the engine's one-call step
             return m * costs.fused.at(batch)
         whole = self._whole[(candidate.recompute, candidate.tensor)].at(batch)
-        return max(whole, m * whole / p)
+        through = whole
+        if candidate.schedule == "zero_bubble":
+            through -= self._weight[(candidate.recompute, candidate.tensor)].at(batch)
+        return max(through, m * whole / p)
 
     def _costs(self, candidate: Candidate) -> ModelCosts:
         """The costs one rank of `candidate` pays per layer, recomputing or tensor-split
@@ -80,6 +85,7 @@ class Estimator:
                     self._tensor_crosses_nodes(candidate.tensor),
                 )
                 self._whole[key] = _whole(costs)
+                self._weight[key] = _weight(costs)
             except ValueError as error:
                 costs = error
             self._priced[key] = costs  # fmt: skip
@@ -116,6 +122,18 @@ def _whole(costs: ModelCosts) -> Affine:
         sum(layer.forward.fixed + layer.backward.fixed for layer in costs.layers),
         sum(layer.forward.per_sample + layer.backward.per_sample for layer in costs.layers),
     )
+
+
+def _weight(costs: ModelCosts) -> Affine:
+    """Every weight pass (`StageCost.weight_backward`: half a weighted layer's backward)."""
+    halves = [layer.backward.scaled(0.5) for layer in costs.layers if layer.variables]
+    return sum(halves, Affine())
+
+
+def _weight(costs: ModelCosts) -> Affine:
+    """Every weight pass (`StageCost.weight_backward`: half a weighted layer's backward)."""
+    halves = [layer.backward.scaled(0.5) for layer in costs.layers if layer.variables]
+    return sum(halves, Affine())
 
 
 def _recomputing(costs: ModelCosts) -> ModelCosts:

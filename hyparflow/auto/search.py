@@ -23,7 +23,7 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "zero_bubble")
 OUTRUN = "slower than the pick by its compute alone (not simulated)"
 # micro-batch actions of one pass (P x m) the schedule simulator replays for a candidate beyond
 # `max_microbatches`: it walks every action in Python, about 30 us each

@@ -134,12 +134,16 @@ class EngineCosts:
 
 @dataclass(frozen=True)
 class StageCost:
-    """A contiguous run of layers at one micro-batch size: compute seconds and what it owns."""
+    """A contiguous run of layers at one micro-batch size: compute seconds and what it owns.
+    `weight_backward` is the part of `backward` that computes weight gradients, taken as half
+    the backward of each layer with weights (a matmul's input and weight gradients cost the
+    same): ZB-H1's W pass."""
 
     forward: float
     backward: float
     param_bytes: int
     variables: int
+    weight_backward: float = 0.0
 
 
 @dataclass
@@ -197,6 +201,7 @@ class ModelCosts:
             backward=sum(lc.backward.at(batch) for lc in layers),
             param_bytes=sum(lc.param_bytes for lc in layers),
             variables=sum(lc.variables for lc in layers),
+            weight_backward=sum(lc.backward.at(batch) / 2 for lc in layers if lc.variables),
         )
 
     def start_names(self, starts: list[int]) -> list[str]:

@@ -113,26 +113,16 @@ def predict(
             f"{costs.name} has {len(costs.layers)} layers: it cannot be cut into {p} stages; "
             "use fewer partitions"
         )
-    engine = costs.engine
     starts = list(starts) if starts is not None else costs.split(p, batch)
     bounds = [*starts, len(costs.layers)]
     stages = [costs.stage(a, b, batch) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
-    forward, backward, transfers = [], [], []
-    fused = p == 1 and costs.fused is not None  # the engine's one-call step, flat gradients
-    for s, stage in enumerate(stages):
-        f = stage.forward + engine.forward_call + (engine.loss.at(batch) if s == p - 1 else 0)
-        b = stage.backward + engine.backward_call
-        if fused:
-            f, b = costs.fused.at(batch), 0.0
-        forward.append(f)
-        backward.append(b + engine.accumulate_per_byte * stage.param_bytes * (m - 1) / m)
-        if s < p - 1:
-            link = network.link(layout.pipeline_link_crosses_nodes(s))
-            transfers.append(link.time(costs.cut_bytes[bounds[s + 1]] * batch))
+    forward, backward, weight = _pass_times(costs, stages, layout, batch)
+    links = [network.link(layout.pipeline_link_crosses_nodes(s)) for s in range(p - 1)]
+    transfers = [link.time(costs.cut_bytes[bounds[s + 1]] * batch) for s, link in enumerate(links)]
     # the schedule simulator takes one link delay; the slowest link is the safe choice
     sim = _simulated(layout.schedule, p, m, tuple(forward), tuple(backward),
-                     max(transfers, default=0.0))  # fmt: skip
+                     max(transfers, default=0.0), tuple(weight) or None)  # fmt: skip
     finish = [0.0] * p
     for (s, _), (_, end) in sim.times.items():
         finish[s] = max(finish[s], end)
@@ -149,13 +139,34 @@ def predict(
     if batch_logs:
         # every rank waits for the last stage's logs (its metric read-out), then all agree
         # on them and on stopping; without, the loop does so once an epoch
-        step = max(step, ends[-1] + engine.step_fixed)
+        step = max(step, ends[-1] + costs.engine.step_fixed)
         step += network.logs_sync(layout.world, layout.replicas, layout.nodes > 1)
     pipeline, reduce, update = parts[slowest]
     bubble = sim.bubble if p > 1 else 0.0
     return Prediction(layout, global_batch, step, pipeline, reduce, update, bubble,
                       step - ends[slowest], starts, costs.start_names(starts),
                       list(sim.busy))  # fmt: skip
+
+
+def _pass_times(costs: ModelCosts, stages: list[StageCost], layout: Layout, batch: int):
+    """Each stage's seconds per micro-batch: forward, backward and (ZB-H1's W, a call of its
+    own, split off the backward) weight passes, the engine's costs included."""
+    engine, p, m = costs.engine, layout.partitions, layout.microbatches
+    fused = p == 1 and costs.fused is not None  # the engine's one-call step, flat gradients
+    split = layout.schedule == "zero_bubble" and p > 1
+    forward, backward, weight = [], [], []
+    for s, stage in enumerate(stages):
+        f = stage.forward + engine.forward_call + (engine.loss.at(batch) if s == p - 1 else 0)
+        b = stage.backward + engine.backward_call
+        if fused:
+            f, b = costs.fused.at(batch), 0.0
+        forward.append(f)
+        summed = engine.accumulate_per_byte * stage.param_bytes * (m - 1) / m
+        if split:
+            weight.append(stage.weight_backward + engine.backward_call + summed)
+            b, summed = b - stage.weight_backward, 0.0
+        backward.append(b + summed)
+    return forward, backward, weight
 
 
 def _reduce_and_update(stage: StageCost, crosses: bool, flows: int, engine: EngineCosts,
@@ -182,9 +193,12 @@ def sharded_update(engine: EngineCosts, stage: StageCost, replicas: int, link: L
 
 
 @functools.lru_cache(maxsize=16)
-def _simulated(schedule: str, p: int, m: int, forward: tuple, backward: tuple, delay: float):
+def _simulated(schedule: str, p: int, m: int, forward: tuple, backward: tuple, delay: float,
+               weight: tuple | None):  # fmt: skip
     """The schedule's simulation, kept for the layouts that share it (ZeRO-1 and without)."""
-    return simulate(make_schedule(schedule, p, m), list(forward), list(backward), delay)
+    weights = None if weight is None else list(weight)
+    return simulate(make_schedule(schedule, p, m), list(forward), list(backward), delay,
+                    weight_time=weights)  # fmt: skip
 
 
 def _single_process(costs: ModelCosts, global_batch: int) -> Prediction:
