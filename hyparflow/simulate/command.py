@@ -34,7 +34,7 @@ def add_arguments(parser) -> None:
     add("--partitions", "-p", type=_ints, default=[1], help='e.g. "1,2,4"')
     add("--replicas", "-r", type=_ints, default=[1], help='e.g. "1,2,4"')
     add("--microbatches", "-m", type=int, default=1, help="per step, for pipelines (P > 1)")
-    add("--schedule", default="1f1b", choices=("1f1b", "gpipe"))
+    add("--schedule", default="1f1b", choices=("1f1b", "gpipe", "zero_bubble"))
     add("--nodes", type=int, help="spread each layout over this many nodes")
     add("--ranks-per-node", type=int, help="ranks on each node (fills nodes)")
     add("--cores-per-node", type=int, help="cores of a node (default: those of the machine the "
