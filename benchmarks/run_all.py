@@ -33,7 +33,7 @@ FIGURES = {  # report order: key -> module and its arguments
     "memory": "memory", "tensor": "tensor_parallel",
     "overlap": "engine_options --option overlap",
     "recompute": "engine_options --option recompute",
-    "precision": "engine_options --option precision",
+    "precision": "engine_options --option precision", "auto": "auto_choice",
 }  # fmt: skip
 # Text-printing benchmarks: (title, script, venv, ranks, arguments).
 OTHERS = [
