@@ -583,6 +583,29 @@ def test_simulate_auto_keeps_layouts_within_the_memory_budget(saved_model, capsy
     assert "no layout fits" in capsys.readouterr().err
 
 
+def test_the_planner_times_tensor_shares_and_the_hosts_extra_work(saved_model):
+    import keras
+
+    from hyparflow.auto.planner_costs import with_planner_costs
+    from hyparflow.simulate.measure import measure_model
+
+    model = keras.saving.load_model(saved_model)  # Dense(32) x 3, then the head
+    costs = with_planner_costs(measure_model(model, (4, 8), fit_batch_sizes=()), model, 4)
+    assert costs.measured["tensor_parts"] == 2
+    shares = {layer.name: layer.tensor for layer in costs.layers}
+    # first -> second is a column/row pair: the row's output (32 floats) is summed forward;
+    # the column's input is the model's own, which takes no gradient: nothing backward
+    assert shares["first"].split_fraction == 1.0 and shares["first"].backward_calls == 0
+    assert (shares["second"].forward_bytes, shares["second"].forward_calls) == (128.0, 1)
+    assert shares["second"].split_bytes > 0
+    # third -> head is the second pair: third's input (32 floats) takes a gradient backward,
+    # head's 4 outputs are summed forward
+    assert (shares["third"].backward_bytes, shares["head"].forward_bytes) == (128.0, 16.0)
+    # ZeRO-1's engine parts, run on one replica, move bytes the plain update does not; a host
+    # function's round trip in a compiled call is a few microseconds, at most
+    assert costs.engine.zero_per_byte > 0 and 0 <= costs.engine.collective_call < 1e-3
+
+
 def test_plan_auto_on_the_papers_resnet_1001_setting(tmp_path, capsys):
     """`hyparflow plan --auto` on HyPar-Flow's ResNet-1001 run (128 Stampede2-like nodes of 48
     cores, a rank per core, 8 samples per rank): the inputs benchmarks/paper_projection.py

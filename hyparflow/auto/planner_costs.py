@@ -4,26 +4,34 @@
 around them. Tensor ranks and ZeRO-1 add what it does not time: each layer's `TensorShare`
 (`tensor_traffic.py`), the host round trip of an in-graph collective (a compiled call of a host
 function, as `comm/in_graph.py` runs MPI), and ZeRO-1's host work per step beyond plain data
-parallelism's (`engine/zero.py` copies every gradient out and assigns every gathered parameter
-back). `with_planner_costs` adds them to the `ModelCosts`, which `tensor_price.py` and
-`simulate.predict` read.
+parallelism's (`engine/zero.py` moves every gradient and parameter byte through host buffers),
+timed on the engine's own reduction and update. `with_planner_costs` adds them to the
+`ModelCosts`, which `tensor_price.py` and `simulate.predict` read.
 """
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import timeit
 from dataclasses import replace
 
+import keras
 import numpy as np
 import tensorflow as tf
 
 from hyparflow.auto.tensor_traffic import stored_bytes, tensor_shares
+from hyparflow.comm.topology import Topology
+from hyparflow.engine.gradient_sync import GradientSync
+from hyparflow.engine.update import Update
+from hyparflow.engine.zero import ShardedUpdate
 from hyparflow.partitioner import profile
 from hyparflow.partitioner.graph import build_graph
 from hyparflow.simulate.costs import ModelCosts, TensorShare
 from hyparflow.tensor import tensor_layout
 from hyparflow.traced import traced
+
+CALLS = 50  # compiled calls per timing of a collective's host round trip
 
 
 def with_planner_costs(
@@ -31,16 +39,15 @@ def with_planner_costs(
     repeats: int = 3,
 ) -> ModelCosts:  # fmt: skip
     """`costs` of `model` with each layer's share under `tensor_parts` tensor ranks (per
-    sample, at `batch_size` samples of `input_shape`) and the engine's `collective_call`,
-    `zero_per_byte` and `zero_per_variable` (medians of `repeats` timings)."""
+    sample, at `batch_size` samples of `input_shape`) and the engine's `collective_call` and
+    `zero_per_byte` (medians of `repeats` timings)."""
     graph = build_graph(model)
     sample = profile.make_sample(graph, input_shape=input_shape, batch_size=batch_size)
     shares = _tensor_shares(model, graph, sample, tensor_parts)
     layers = [replace(layer, tensor=share) for layer, share in zip(costs.layers, shares,
                                                                    strict=True)]  # fmt: skip
-    per_byte, per_variable = _zero_host_costs(model.trainable_variables, repeats)
     engine = replace(costs.engine, collective_call=_collective_call_cost(repeats),
-                     zero_per_byte=per_byte, zero_per_variable=per_variable)  # fmt: skip
+                     zero_per_byte=_zero_host_cost(model, repeats))  # fmt: skip
     measured = {**costs.measured, "tensor_parts": tensor_parts}
     return replace(costs, layers=layers, engine=engine, measured=measured)
 
@@ -56,39 +63,66 @@ def _tensor_shares(model, graph, sample, parts: int) -> list[TensorShare]:
 
 def _collective_call_cost(repeats: int) -> float:
     """Seconds an in-graph collective adds besides MPI's own: a compiled call of a host
-    function on a small tensor, less an empty compiled call."""
+    function on a small tensor, less an empty compiled call (the fastest of `repeats` runs of
+    `CALLS` each: tens of microseconds, which interference only lengthens)."""
     x = tf.zeros([256])
     host = traced(lambda t: tf.numpy_function(np.copy, [t], tf.float32, stateful=True))
     empty = traced(tf.identity)
-    return max(0.0, _median_seconds(host, repeats, x) - _median_seconds(empty, repeats, x))
+    seconds = []
+    for function in (host, empty):
+        function(x)  # traces
+        runs = timeit.repeat(lambda f=function: f(x), number=CALLS, repeat=max(repeats, 3))
+        seconds.append(min(runs) / CALLS)
+    return max(0.0, seconds[0] - seconds[1])
 
 
-def _zero_host_costs(variables, repeats: int) -> tuple[float, float]:
-    """(seconds per byte, per variable) of ZeRO-1's host work: a read and an assign of every
-    variable and of the smaller half, solved for both terms (each kept >= 0)."""
-    ordered = sorted(variables, key=stored_bytes)
-    half = ordered[: len(ordered) // 2]
-    if not half:
-        return 0.0, 0.0
-    (n_all, b_all), (n_half, b_half) = [
-        (len(s), sum(map(stored_bytes, s))) for s in (ordered, half)
-    ]
-    t_all, t_half = (_median_seconds(_read_and_assign, repeats, s) for s in (ordered, half))
-    determinant = n_all * b_half - n_half * b_all
-    if determinant == 0:
-        return t_all / max(b_all, 1), 0.0
-    per_variable = (t_all * b_half - t_half * b_all) / determinant
-    per_byte = (n_all * t_half - n_half * t_all) / determinant
-    if per_variable < 0:
-        return t_all / b_all, 0.0
-    if per_byte < 0:
-        return 0.0, t_all / n_all
-    return per_byte, per_variable
+class _HeldGradients:
+    """A runner's hand-over of a step's gradients (`engine/runner.py`), as a list of zeros:
+    all that the update paths read of a runner."""
+
+    layout = None  # gradients as a list, not flat
+
+    def __init__(self, variables):
+        self._gradients = [tf.zeros_like(v) for v in variables]
+
+    def take_gradients(self) -> list:
+        return list(self._gradients)
 
 
-def _read_and_assign(variables) -> None:
-    for v in variables:
-        v.assign(np.asarray(v.numpy()).reshape(tuple(v.shape)))
+def _zero_host_cost(model, repeats: int) -> float:
+    """Seconds per parameter byte that ZeRO-1's reduction and update (`engine/zero.py`) add
+    to data parallelism's (`GradientSync`, `Update`): both run for real on one replica
+    (MPI.COMM_SELF) of a copy of `model` each, where they step the same bytes. 0 where the
+    model cannot be copied (ZeRO-1 is then priced by its optimizer and broadcasts alone)."""
+    try:
+        sharded, whole = (_update_seconds(model, zero, repeats) for zero in (True, False))
+    except Exception:  # noqa: BLE001 - a layer Keras cannot clone: not timed
+        return 0.0
+    return max(0.0, sharded - whole) / max(1, sum(map(stored_bytes, model.trainable_variables)))
+
+
+def _update_seconds(model, sharded: bool, repeats: int) -> float:
+    """Median seconds of one reduction and update of a fresh copy of `model` on one replica:
+    ZeRO-1's (`sharded`) or data parallelism's."""
+    from mpi4py import MPI  # on use: importing it initialises MPI
+
+    clone = keras.models.clone_model(model)  # with an unbuilt copy of the optimizer
+    clone.compile(keras.optimizers.deserialize(keras.optimizers.serialize(model.optimizer)))
+    variables = list(clone.trainable_variables)
+    topology = Topology.create(MPI.COMM_SELF, 1, 1)
+    sync = GradientSync(topology, _HeldGradients(variables), variables,
+                        list(range(len(variables))), [], backend="mpi", shared=None,
+                        overlap=None)  # fmt: skip
+    update = Update(clone, topology, variables, variables, partitioned=False,
+                    guard=_unguarded, merge=sync.merge)  # fmt: skip
+    if sharded:
+        zero = ShardedUpdate(clone, topology, variables, update, sync)
+        return _median_seconds(lambda: zero.apply(zero.reduce()), repeats)
+    return _median_seconds(lambda: update.apply(sync.reduce()), repeats)
+
+
+def _unguarded(*args, **kwargs):
+    return contextlib.nullcontext()
 
 
 def _median_seconds(function, repeats: int, *args) -> float:

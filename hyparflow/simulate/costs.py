@@ -105,9 +105,9 @@ class EngineCosts:
     micro-batch after the first), a stage's optimizer update, and per step the last stage's
     read-out of the logs when callbacks read them (`step_fixed`). Where tensor ranks or
     ZeRO-1 run: an in-graph collective's host round trip beyond the network's time
-    (`collective_call`), and ZeRO-1's host work per step beyond plain data parallelism's,
-    copying the gradients out and assigning the gathered parameters back (`zero_per_byte`,
-    `zero_per_variable`)."""
+    (`collective_call`), and ZeRO-1's host work per parameter byte beyond plain data
+    parallelism's update (`zero_per_byte`: its reduce-scatter's buffers, the slice's refresh,
+    the gathered parameters assigned back)."""
 
     forward_call: float = 0.0
     backward_call: float = 0.0
@@ -119,7 +119,6 @@ class EngineCosts:
     step_fixed: float = 0.0
     collective_call: float = 0.0
     zero_per_byte: float = 0.0
-    zero_per_variable: float = 0.0
 
     def optimizer(self, variables: int, nbytes: float) -> float:
         """The update of `variables` of `nbytes`; stages without variables skip it."""

@@ -182,13 +182,14 @@ def _reduce_and_update(stage: StageCost, crosses: bool, flows: int, engine: Engi
 
 def sharded_update(engine: EngineCosts, stage: StageCost, replicas: int, link: Link) -> float:
     """ZeRO-1's update of a stage (`engine/zero.py`): the optimizer steps one flat slice of
-    1/R of the parameters, the host copies the gradients out and assigns every gathered
-    parameter back, and each variable's pieces are broadcast by the replicas holding them
-    (a binomial tree each; its bytes are the allreduce's second half, already counted)."""
+    1/R of the parameters, the host moves every parameter byte through its buffers (the
+    measured `zero_per_byte`), and each variable's pieces are broadcast by the replicas
+    holding them (a binomial tree each; its bytes are the allreduce's second half, already
+    counted)."""
     if not stage.variables:
         return 0.0
     broadcasts = stage.variables * math.ceil(math.log2(replicas)) * link.latency
-    host = engine.zero_per_byte * stage.param_bytes + engine.zero_per_variable * stage.variables
+    host = engine.zero_per_byte * stage.param_bytes
     return engine.optimizer(1, stage.param_bytes / replicas) + host + broadcasts
 
 
