@@ -23,7 +23,14 @@ import time
 from collections.abc import Callable
 
 from hyparflow.auto.estimate import Estimator
-from hyparflow.auto.search import SCHEDULES, Candidate, SearchResult, candidates, search
+from hyparflow.auto.search import (
+    PRICED_SCHEDULES,
+    SCHEDULES,
+    Candidate,
+    SearchResult,
+    candidates,
+    search,
+)
 from hyparflow.comm.agree import agree
 from hyparflow.comm.topology import node_map
 from hyparflow.deferred import any_deferred
@@ -272,8 +279,11 @@ def _search(model, request: Request, layout, costs, network, budget) -> SearchRe
         costs, network, global_batch, machine=Machine(None), memory=allowed,
         ranks_per_node=ranks_per_node,
     )  # fmt: skip
-    layouts = _keeping_user_fields(candidates(world, global_batch, layers=len(costs.layers)),
-                                   strategy)  # fmt: skip
+    schedule = strategy.set_fields().get("schedule")
+    schedules = (schedule,) if schedule in PRICED_SCHEDULES else SCHEDULES
+    layouts = _keeping_user_fields(
+        candidates(world, global_batch, layers=len(costs.layers), schedules=schedules), strategy
+    )  # fmt: skip
     return search(layouts, estimate, global_batch, budget, bound=estimate.bound)
 
 
@@ -281,10 +291,10 @@ def _keeping_user_fields(layouts: list[Candidate], strategy: Strategy) -> list[C
     """The layouts that keep every searched field the user set (e.g. `shard_optimizer=True`);
     a schedule the planner cannot price yet is refused, naming the fix."""
     fixed = {k: v for k, v in strategy.set_fields().items() if k in SEARCHED}
-    if fixed.get("schedule", SCHEDULES[0]) not in SCHEDULES:
+    if fixed.get("schedule", SCHEDULES[0]) not in PRICED_SCHEDULES:
         raise ValueError(
             f"strategy='auto' does not plan schedule={fixed['schedule']!r} yet (it prices "
-            f"{', '.join(SCHEDULES)} only): give the layout yourself, e.g. "
+            f"{', '.join(PRICED_SCHEDULES)} only): give the layout yourself, e.g. "
             f"hf.Strategy('model', partitions=2, schedule={fixed['schedule']!r}), or leave "
             "the schedule to the planner."
         )

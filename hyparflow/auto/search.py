@@ -23,7 +23,11 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-SCHEDULES = ("gpipe", "1f1b", "zero_bubble")
+# the schedules searched by default, and those a user may fix under "auto": ZB-H1 is priced
+# (W as half a weighted layer's backward) but measured no faster than 1F1B on this engine at
+# P = 2 (benchmarks/results.md, figure "auto"), so the planner does not choose it on its own
+SCHEDULES = ("gpipe", "1f1b")
+PRICED_SCHEDULES = (*SCHEDULES, "zero_bubble")
 OUTRUN = "slower than the pick by its compute alone (not simulated)"
 # micro-batch actions of one pass (P x m) the schedule simulator replays for a candidate beyond
 # `max_microbatches`: it walks every action in Python, about 30 us each
