@@ -24,8 +24,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 # the schedules searched by default, and those a user may fix under "auto": ZB-H1 is priced
-# (W as half a weighted layer's backward) but measured no faster than 1F1B on this engine at
-# P = 2 (benchmarks/results.md, figure "auto"), so the planner does not choose it on its own
+# with an untimed W (half a weighted layer's backward), which picked it wrongly once it was
+# searched (docs/auto.md), so the planner does not choose it on its own
 SCHEDULES = ("gpipe", "1f1b")
 PRICED_SCHEDULES = (*SCHEDULES, "zero_bubble")
 OUTRUN = "slower than the pick by its compute alone (not simulated)"
