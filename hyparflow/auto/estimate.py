@@ -79,7 +79,7 @@ class Estimator:
         if key not in self._priced:
             try:
                 costs = tensor_costs(
-                    self._recomputing(candidate.recompute),
+                    self._layer_costs(candidate.recompute),
                     candidate.tensor,
                     self.network,
                     self._tensor_crosses_nodes(candidate.tensor),
@@ -93,7 +93,8 @@ class Estimator:
             raise self._priced[key]
         return self._priced[key]
 
-    def _recomputing(self, recompute: bool) -> ModelCosts:
+    def _layer_costs(self, recompute: bool) -> ModelCosts:
+        """The measured costs, or their recomputing form (made once)."""
         if recompute not in self._recomputed:
             self._recomputed[recompute] = _recomputing(self.costs) if recompute else self.costs
         return self._recomputed[recompute]
