@@ -20,10 +20,11 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from hyparflow.auto.tensor_traffic import stored_bytes, tensor_shares
+from hyparflow.auto.tensor_traffic import tensor_shares
 from hyparflow.comm.topology import Topology
 from hyparflow.engine.gradient_sync import GradientSync
 from hyparflow.engine.update import Update
+from hyparflow.engine.weights import nbytes
 from hyparflow.engine.zero import ShardedUpdate
 from hyparflow.partitioner import profile
 from hyparflow.partitioner.graph import build_graph
@@ -98,7 +99,7 @@ def _zero_host_cost(model, repeats: int) -> float:
         sharded, whole = (_update_seconds(model, zero, repeats) for zero in (True, False))
     except Exception:  # noqa: BLE001 - a layer Keras cannot clone: not timed
         return 0.0
-    return max(0.0, sharded - whole) / max(1, sum(map(stored_bytes, model.trainable_variables)))
+    return max(0.0, sharded - whole) / max(1, sum(map(nbytes, model.trainable_variables)))
 
 
 def _update_seconds(model, sharded: bool, repeats: int) -> float:

@@ -47,16 +47,17 @@ def tensor_costs(costs: ModelCosts, tensor: int, network: Network, crosses_nodes
         low, high = batches
         return Affine.through(low, seconds(low), high, seconds(high))
 
-    layers = [_split_layer(layer, tensor, exchanged) for layer in costs.layers]
+    # each layer's exchanges, forward and backward, priced once for its passes and the step's
+    exchanges = [(exchanged(s.forward_bytes, s.forward_calls),
+                  exchanged(s.backward_bytes, s.backward_calls))
+                 for s in (layer.tensor for layer in costs.layers)]  # fmt: skip
+    layers = [_split_layer(layer, tensor, *pair)
+              for layer, pair in zip(costs.layers, exchanges, strict=True)]  # fmt: skip
     split = replace(costs, layers=layers, single_process=None)
     if costs.fused is not None:  # the one-call step: its per-sample work splits as its layers'
         kept = _kept_work(costs.layers, tensor)
         fused = Affine(costs.fused.fixed, costs.fused.per_sample * kept)
-        for layer in costs.layers:
-            share = layer.tensor
-            fused = fused + exchanged(share.forward_bytes, share.forward_calls)
-            fused = fused + exchanged(share.backward_bytes, share.backward_calls)
-        split.fused = fused
+        split.fused = sum((f + b for f, b in exchanges), fused)
     return split
 
 
@@ -70,11 +71,14 @@ def _kept_work(layers: list[LayerCost], tensor: int) -> float:
     return 1 - split / sum(work) * (1 - 1 / tensor)
 
 
-def _split_layer(layer: LayerCost, tensor: int, exchanged) -> LayerCost:
+def _split_layer(layer: LayerCost, tensor: int, summed_forward: Affine,
+                 summed_backward: Affine) -> LayerCost:  # fmt: skip
+    """`layer` on one of `tensor` ranks, paying its exchanges' `summed_forward` and
+    `summed_backward` seconds."""
     share: TensorShare = layer.tensor
     kept = 1 - share.split_fraction * (1 - 1 / tensor)  # of the layer's per-sample work
-    forward = _kept(layer.forward, kept) + exchanged(share.forward_bytes, share.forward_calls)
-    backward = _kept(layer.backward, kept) + exchanged(share.backward_bytes, share.backward_calls)
+    forward = _kept(layer.forward, kept) + summed_forward
+    backward = _kept(layer.backward, kept) + summed_backward
     param_bytes = layer.param_bytes - int(share.split_bytes * (1 - 1 / tensor))
     return replace(layer, forward=forward, backward=backward, param_bytes=param_bytes)
 

@@ -19,6 +19,7 @@ import keras
 import numpy as np
 from keras import tree
 
+from hyparflow.engine.weights import nbytes
 from hyparflow.partitioner import profile
 from hyparflow.partitioner.graph import numpy_dtype
 from hyparflow.simulate.costs import TensorShare
@@ -61,8 +62,8 @@ def tensor_shares(graph, layout, inputs: list) -> list[TensorShare]:
     shares, seen = [], set()
     for node in graph.nodes:
         variables = list(getattr(node.operation, "trainable_variables", []))
-        whole = sum(stored_bytes(v) for v in variables)
-        parted = sum(stored_bytes(v) for v in variables if id(v) in split)
+        whole = sum(nbytes(v) for v in variables)
+        parted = sum(nbytes(v) for v in variables if id(v) in split)
         first = id(node.operation) not in seen
         seen.add(id(node.operation))
         forward, backward = tally.bytes[node.position] / batch
@@ -140,14 +141,6 @@ def _copying_call(layer, names, tally: _Tally):
         return original(*args, **kwargs)
 
     return call
-
-
-def stored_bytes(variable) -> int:
-    """Bytes a variable holds."""
-    return (
-        math.prod(variable.shape)
-        * np.dtype(numpy_dtype(keras.backend.standardize_dtype(variable.dtype))).itemsize
-    )
 
 
 def _wire_bytes(value) -> int:
