@@ -229,13 +229,6 @@ def qwen3_moe():
     return keras_hub.models.Qwen3MoeCausalLM(backbone, preprocessor=None)
 
 
-def mobilenet_v2():
-    """keras.applications' MobileNetV2 (alpha 0.35), tiny input: depthwise convolutions, BN."""
-    return keras.applications.MobileNetV2(
-        input_shape=(32, 32, 3), alpha=0.35, weights=None, classes=3
-    )
-
-
 def preprocessed():
     """Preprocessing layers in the graph: Normalization and Discretization, then dense layers."""
     inputs = keras.Input((6,))
@@ -295,7 +288,7 @@ BUILDERS = {
     f.__name__: f
     for f in (
         embedding_mlp, two_tables, dropout_mlp, added_losses, masked_gru, batchnorm_cnn,
-        preprocessed, mobilenet_v3, mobilenet_v2, gpt2, bert, llama, gemma, mistral, opt,
+        preprocessed, mobilenet_v3, gpt2, bert, llama, gemma, mistral, opt,
         distil_bert, roberta, albert, falcon, qwen3_moe, wide_mlp, conv_pairs, encoder,
     )
 }  # fmt: skip
@@ -366,7 +359,7 @@ def data(name: str, n: int = 70, seed: int = 0):
         return rng.normal(size=(n, 6)).astype("float32"), labels
     if name in ("batchnorm_cnn", "conv_pairs"):
         return rng.normal(size=(n, 8, 8, 2)).astype("float32"), labels
-    if name in ("mobilenet_v3", "mobilenet_v2"):
+    if name == "mobilenet_v3":
         return rng.normal(size=(n, 32, 32, 3)).astype("float32"), labels
     if name in ("added_losses", "preprocessed"):
         return rng.normal(size=(n, 6)).astype("float32"), labels
