@@ -63,6 +63,7 @@ def test_code_stays_in_proportion():
     """Issue 27's sizes: modules of one idea, a first-order simulator, lean benchmarks."""
     package = _lines("hyparflow")
     assert {path: n for path, n in package.items() if n > 450} == {}
-    # simulate/ grew by the tensor shares' schema and ZeRO-1's price (issue 41): still first order
-    assert sum(n for path, n in package.items() if path.startswith("hyparflow/simulate/")) <= 1400
+    # simulate/ grew by the tensor shares' schema and ZeRO-1's and interleaving's prices (issue
+    # 41): still first order
+    assert sum(n for path, n in package.items() if path.startswith("hyparflow/simulate/")) <= 1410
     assert sum(_lines("benchmarks").values()) <= 3000

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hyparflow.auto.search import OUTRUN
+from hyparflow.callbacks.aggregate import formula_bubble
 from hyparflow.cli import main
 from hyparflow.schedule import theoretical_bubble, zero_bubble_bubble
 from hyparflow.simulate import (
@@ -231,6 +232,31 @@ def test_zero_bubble_splits_the_weight_half_of_each_backward_into_the_bubble(
     costs.engine = EngineCosts(backward_call=1e-3)
     slower = predict(costs, net, Layout(partitions, 1, microbatches, "zero_bubble"), batch)
     assert slower.stage_compute[0] == pytest.approx(zb.stage_compute[0] + 2e-3 * microbatches)
+
+
+@pytest.mark.parametrize("partitions,microbatches,virtual", [(2, 2, 2), (2, 4, 2), (4, 8, 2),
+                                                             (2, 4, 4)])  # fmt: skip
+def test_interleaved_chunks_divide_the_bubble_and_each_pays_its_engine_calls(
+    partitions, microbatches, virtual
+):  # fmt: skip
+    costs = uniform_costs(layers=16, forward=1e-4, backward=2e-4)
+    batch, net = 8 * microbatches, Network(FAST)
+    layout = Layout(partitions, 1, microbatches, "interleaved", virtual_stages=virtual)
+    interleaved = predict(costs, net, layout, batch)
+    one_f_one_b = predict(costs, net, Layout(partitions, 1, microbatches, "1f1b"), batch)
+    assert len(interleaved.stage_starts) == partitions * virtual  # one start per model chunk
+    assert interleaved.bubble == pytest.approx(
+        formula_bubble(partitions, microbatches, "interleaved", virtual_stages=virtual)
+    )
+    assert interleaved.step_time < one_f_one_b.step_time
+    # each chunk's forward and backward are engine calls of their own: v times 1F1B's
+    costs.engine = EngineCosts(forward_call=1e-3, backward_call=1e-3)
+    calls = predict(costs, net, layout, batch).stage_compute[0] - interleaved.stage_compute[0]
+    assert calls == pytest.approx(2e-3 * microbatches * virtual)
+    # the stage's reduction and update cover all its chunks' parameters
+    assert interleaved.stage_compute == pytest.approx(one_f_one_b.stage_compute)
+    with pytest.raises(ValueError, match="model chunks"):
+        predict(uniform_costs(layers=3), net, layout, batch)
 
 
 def test_data_parallel_step_is_compute_plus_allreduce_plus_optimizer():
@@ -499,6 +525,23 @@ def test_simulate_command_reads_costs_and_prints_json(tmp_path, capsys):
     weak = json.loads(capsys.readouterr().out)
     assert weak[2]["speedup"] == pytest.approx(1.0)  # 4 x 1 fills one node: it is its baseline
     assert weak[3]["efficiency"] == pytest.approx(weak[3]["speedup"] / 2)  # per node, 2 nodes
+
+
+def test_simulate_command_prices_interleaved_chunks(tmp_path, capsys):
+    path = tmp_path / "costs.json"
+    uniform_costs(layers=8).save(path)
+    argv = ["simulate", str(path), "--batch-size", "64", "-p", "2", "-m", "4",
+            "--latency", "2e-6", "--bandwidth", "12e9"]  # fmt: skip
+    assert main([*argv, "--schedule", "interleaved", "-v", "2"]) == 0
+    assert "interleaved (v=2) schedule" in capsys.readouterr().out
+    rows = {}
+    for schedule in ("1f1b", "interleaved"):
+        assert main([*argv, "--schedule", schedule, "--json"]) == 0
+        rows[schedule] = json.loads(capsys.readouterr().out)[-1]
+    assert (
+        rows["interleaved"]["virtual_stages"] == 2 and len(rows["interleaved"]["stage_starts"]) == 4
+    )
+    assert rows["interleaved"]["bubble"] < rows["1f1b"]["bubble"]
 
 
 def test_simulate_command_skips_layouts_short_of_cores(tmp_path, capsys):

@@ -95,7 +95,8 @@ def simulate(
     takes `weight_time` (needed when the schedule has W passes; `backward_time` is then the
     input-gradient pass alone); each stage runs its list in order, one action at a time, after
     `setup_time` of its own work before its first action (a training loop's bookkeeping
-    between steps; not counted as busy). Times may be one number or one per stage. Raises
+    between steps; not counted as busy). Times may be one number, one per stage, or, for an
+    interleaved schedule, one per model chunk in model order (`virtual_stage`). Raises
     `DeadlockError` if the stages can never finish.
 
     Example:
@@ -104,22 +105,29 @@ def simulate(
         >>> sim.makespan, round(sim.bubble, 6)
         (30.0, 0.2)
     """
-    num_stages = len(schedule)
-    forward_times = _per_stage(forward_time, num_stages, "forward_time")
-    backward_times = _per_stage(backward_time, num_stages, "backward_time")
-    setup_times = _per_stage(setup_time, num_stages, "setup_time")
+    num_stages, num_chunks = len(schedule), chunks_of(schedule)
     splits = any(a.kind is WEIGHT for actions in schedule for a in actions)
     if splits and weight_time is None:
         raise ValueError("the schedule splits backwards into B and W passes: give weight_time")
-    weight_times = _per_stage(weight_time or 0.0, num_stages, "weight_time")
-    durations = {FORWARD: forward_times, BACKWARD: backward_times, WEIGHT: weight_times}
+    setup_times = _per_stage(setup_time, num_stages, "setup_time")
+    per_chunk = {
+        kind: _per_chunk(value, num_stages, num_chunks, name)
+        for kind, value, name in (
+            (FORWARD, forward_time, "forward_time"),
+            (BACKWARD, backward_time, "backward_time"),
+            (WEIGHT, weight_time or 0.0, "weight_time"),
+        )
+    }
+
+    def duration(stage: int, action: Action) -> float:
+        return per_chunk[action.kind][virtual_stage(stage, action.chunk, num_stages)]
+
     for stage, actions in enumerate(schedule):
         if len(set(actions)) != len(actions):
             raise ValueError(f"stage {stage} lists an action twice: {actions}")
         if not all(a.kind.computes for a in actions):
             raise ValueError(f"stage {stage} lists transfers; simulate the passes only")
 
-    num_chunks = chunks_of(schedule)
     times: dict[tuple[int, Action], tuple[float, float]] = {}
     next_index = [0] * num_stages
     stage_free = list(setup_times)
@@ -133,14 +141,14 @@ def simulate(
                 if ready is None:
                     break
                 start = max(ready, stage_free[stage])
-                duration = durations[action.kind][stage]
-                times[stage, action] = (start, start + duration)
-                stage_free[stage] = start + duration
+                end = start + duration(stage, action)
+                times[stage, action] = (start, end)
+                stage_free[stage] = end
                 next_index[stage] += 1
                 progressed = True
 
     raise_if_blocked(schedule, next_index)
-    busy = [sum(durations[a.kind][s] for a in actions) for s, actions in enumerate(schedule)]
+    busy = [sum(duration(s, a) for a in actions) for s, actions in enumerate(schedule)]
     span = max(
         (end - setup for end, setup in zip(stage_free, setup_times, strict=True)), default=0.0
     )
@@ -184,6 +192,15 @@ def ready_time(times, stage, action, num_stages, comm_time, num_chunks=1) -> flo
             return None
         ready = max(ready, times[dep_stage, dep][1] + delay)
     return ready
+
+
+def _per_chunk(value, num_stages: int, num_chunks: int, name: str) -> list[float]:
+    """`value` for each model chunk in model order: given per chunk, or per stage (each of a
+    stage's chunks takes its stage's time)."""
+    if not isinstance(value, (int, float)) and len(value) == num_stages * num_chunks:
+        return [float(v) for v in value]
+    stages = _per_stage(value, num_stages, name)
+    return [stages[place_of(k, num_stages)[0]] for k in range(num_stages * num_chunks)]
 
 
 def _per_stage(value, num_stages: int, name: str) -> list[float]:

@@ -34,7 +34,8 @@ def add_arguments(parser) -> None:
     add("--partitions", "-p", type=_ints, default=[1], help='e.g. "1,2,4"')
     add("--replicas", "-r", type=_ints, default=[1], help='e.g. "1,2,4"')
     add("--microbatches", "-m", type=int, default=1, help="per step, for pipelines (P > 1)")
-    add("--schedule", default="1f1b", choices=("1f1b", "gpipe", "zero_bubble"))
+    add("--schedule", default="1f1b", choices=("1f1b", "gpipe", "zero_bubble", "interleaved"))
+    add("--virtual-stages", "-v", type=int, default=2, help="chunks per stage, if interleaved")
     add("--nodes", type=int, help="spread each layout over this many nodes")
     add("--ranks-per-node", type=int, help="ranks on each node (fills nodes)")
     add("--cores-per-node", type=int, help="cores of a node (default: those of the machine the "
@@ -98,7 +99,7 @@ def table(costs, network, machine, args, rows) -> str:
     """The printed result: a header on the inputs, one row per layout."""
     lines = [
         f"Scaling model for {costs.name}: global batch {args.batch_size}, "
-        f"{args.schedule} schedule, {len(costs.layers)} layers, "
+        f"{_schedule_name(args)} schedule, {len(costs.layers)} layers, "
         f"{costs.param_bytes / 2**20:.1f} MiB of gradients",
         _network_line(network, machine),
         "".join(name.rjust(width) for name, width in COLUMNS),
@@ -177,7 +178,12 @@ def _layout(args, partitions: int, replicas: int) -> Layout:
     if per_node is None and args.nodes:
         per_node = math.ceil(world / args.nodes)
     micro = args.microbatches if partitions > 1 else 1
-    return Layout(partitions, replicas, micro, args.schedule, per_node)
+    return Layout(partitions, replicas, micro, args.schedule, per_node, args.virtual_stages)
+
+
+def _schedule_name(args) -> str:
+    interleaved = args.schedule == "interleaved"
+    return f"{args.schedule} (v={args.virtual_stages})" if interleaved else args.schedule
 
 
 def _baseline(args, layout: Layout) -> tuple[Layout, int]:
@@ -187,7 +193,7 @@ def _baseline(args, layout: Layout) -> tuple[Layout, int]:
         return Layout(), args.batch_size
     per_node = layout.per_node
     replicas = max(1, per_node // layout.partitions)
-    one_node = Layout(layout.partitions, replicas, layout.microbatches, layout.schedule, per_node)
+    one_node = replace(layout, replicas=replicas, ranks_per_node=per_node)
     return one_node, args.batch_size * one_node.world // layout.world
 
 

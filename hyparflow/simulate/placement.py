@@ -16,8 +16,9 @@ from hyparflow.comm.topology import Grid
 
 @dataclass(frozen=True)
 class Layout:
-    """HyPar-Flow's partitions and replicas, the pipeline's micro-batches and schedule, and
-    how many ranks fill a node (None: one node for all).
+    """HyPar-Flow's partitions and replicas, the pipeline's micro-batches and schedule (with
+    `virtual_stages` model chunks per stage when interleaved), and how many ranks fill a node
+    (None: one node for all).
 
     Example:
         >>> where = Layout(partitions=4, replicas=2, ranks_per_node=2)
@@ -30,12 +31,18 @@ class Layout:
     microbatches: int = 1
     schedule: str = "1f1b"
     ranks_per_node: int | None = None
+    virtual_stages: int = 1
 
     def __post_init__(self):
         if self.ranks_per_node is not None and (
             not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1
         ):
             raise ValueError(f"ranks_per_node must be an int >= 1, got {self.ranks_per_node!r}")
+
+    @property
+    def chunks(self) -> int:
+        """Model chunks per stage: `virtual_stages` when interleaved, else 1."""
+        return self.virtual_stages if self.schedule == "interleaved" else 1
 
     @property
     def world(self) -> int:
@@ -54,10 +61,11 @@ class Layout:
         return rank // self.per_node
 
     def pipeline_link_crosses_nodes(self, stage: int) -> bool:
-        """Whether stage `stage` and stage `stage + 1` are on different nodes in any replica."""
-        grid = Grid(self.partitions, self.replicas)
+        """Whether stage `stage` and the next are on different nodes in any replica (the last
+        stage's next is the first: an interleaved model's next chunk)."""
+        grid, following = Grid(self.partitions, self.replicas), (stage + 1) % self.partitions
         return any(
-            self.node_of(grid.rank_of(stage, q)) != self.node_of(grid.rank_of(stage + 1, q))
+            self.node_of(grid.rank_of(stage, q)) != self.node_of(grid.rank_of(following, q))
             for q in range(self.replicas)
         )
 

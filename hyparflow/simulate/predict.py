@@ -107,22 +107,25 @@ def predict(
     if layout.world == 1 and costs.single_process is not None:
         return _single_process(costs, global_batch)
     batch = microbatch_size(global_batch, layout)
-    p, m = layout.partitions, layout.microbatches
-    if p > len(costs.layers):
+    p, m, v = layout.partitions, layout.microbatches, layout.chunks
+    if p * v > len(costs.layers):
         raise ValueError(
-            f"{costs.name} has {len(costs.layers)} layers: it cannot be cut into {p} stages; "
-            "use fewer partitions"
+            f"{costs.name} has {len(costs.layers)} layers: it cannot be cut into {p * v} "
+            "model chunks; use fewer partitions" + (" or virtual stages" if v > 1 else "")
         )
-    starts = list(starts) if starts is not None else costs.split(p, batch)
+    starts = list(starts) if starts is not None else costs.split(p * v, batch)
     bounds = [*starts, len(costs.layers)]
-    stages = [costs.stage(a, b, batch) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    # one cost per model chunk (interleaved: stage s holds chunks s, s + p, ...)
+    chunks = [costs.stage(a, b, batch) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    stages = [_merged(chunks[s::p]) for s in range(p)]
 
-    forward, backward, weight = _pass_times(costs, stages, layout, batch)
-    links = [network.link(layout.pipeline_link_crosses_nodes(s)) for s in range(p - 1)]
-    transfers = [link.time(costs.cut_bytes[bounds[s + 1]] * batch) for s, link in enumerate(links)]
-    # the schedule simulator takes one link delay; the slowest link is the safe choice
+    forward, backward, weight = _pass_times(costs, chunks, layout, batch)
+    # one link delay for the simulator: the slowest (every chunk boundary crosses stages) is safe
+    crosses = [layout.pipeline_link_crosses_nodes(k % p) for k in range(p * v - 1)]
+    transfers = [network.link(c).time(costs.cut_bytes[bounds[k + 1]] * batch)
+                 for k, c in enumerate(crosses)]  # fmt: skip
     sim = _simulated(layout.schedule, p, m, tuple(forward), tuple(backward),
-                     max(transfers, default=0.0), tuple(weight) or None)  # fmt: skip
+                     max(transfers, default=0.0), tuple(weight) or None, v)  # fmt: skip
     finish = [0.0] * p
     for (s, _), (_, end) in sim.times.items():
         finish[s] = max(finish[s], end)
@@ -148,15 +151,23 @@ def predict(
                       list(sim.busy))  # fmt: skip
 
 
-def _pass_times(costs: ModelCosts, stages: list[StageCost], layout: Layout, batch: int):
-    """Each stage's seconds per micro-batch: forward, backward and (ZB-H1's W, a call of its
-    own, split off the backward) weight passes, the engine's costs included."""
+def _merged(chunks: list[StageCost]) -> StageCost:
+    """One stage's costs from its model chunks' (what its reduction and update handle)."""
+    return StageCost(*(sum(getattr(c, name) for c in chunks) for name in (
+        "forward", "backward", "param_bytes", "variables", "weight_backward")))  # fmt: skip
+
+
+def _pass_times(costs: ModelCosts, chunks: list[StageCost], layout: Layout, batch: int):
+    """Each model chunk's seconds per micro-batch (a stage's, but for an interleaved model):
+    forward, backward and (ZB-H1's W, a call of its own, split off the backward) weight
+    passes, the engine's costs included; every chunk pays its own engine calls."""
     engine, p, m = costs.engine, layout.partitions, layout.microbatches
     fused = p == 1 and costs.fused is not None  # the engine's one-call step, flat gradients
     split = layout.schedule == "zero_bubble" and p > 1
+    last = len(chunks) - 1
     forward, backward, weight = [], [], []
-    for s, stage in enumerate(stages):
-        f = stage.forward + engine.forward_call + (engine.loss.at(batch) if s == p - 1 else 0)
+    for s, stage in enumerate(chunks):
+        f = stage.forward + engine.forward_call + (engine.loss.at(batch) if s == last else 0)
         b = stage.backward + engine.backward_call
         if fused:
             f, b = costs.fused.at(batch), 0.0
@@ -195,11 +206,11 @@ def sharded_update(engine: EngineCosts, stage: StageCost, replicas: int, link: L
 
 @functools.lru_cache(maxsize=16)
 def _simulated(schedule: str, p: int, m: int, forward: tuple, backward: tuple, delay: float,
-               weight: tuple | None):  # fmt: skip
+               weight: tuple | None, virtual_stages: int = 1):  # fmt: skip
     """The schedule's simulation, kept for the layouts that share it (ZeRO-1 and without)."""
     weights = None if weight is None else list(weight)
-    return simulate(make_schedule(schedule, p, m), list(forward), list(backward), delay,
-                    weight_time=weights)  # fmt: skip
+    return simulate(make_schedule(schedule, p, m, virtual_stages), list(forward),
+                    list(backward), delay, weight_time=weights)  # fmt: skip
 
 
 def _single_process(costs: ModelCosts, global_batch: int) -> Prediction:
