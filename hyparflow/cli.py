@@ -13,6 +13,8 @@ import sys
 
 from hyparflow.partitioner.source import CUSTOM_OBJECTS_HELP, load_model
 
+MEASURE_WORKER = "_measure-worker"  # auto/measure_worker.py's COMMAND: one rank of --measure
+
 
 def main(argv=None) -> int:
     """Run the `hyparflow` command; returns the exit status.
@@ -30,7 +32,12 @@ def main(argv=None) -> int:
     if argv[:1] == ["plan"] and "--auto" in argv:  # the planner's options (auto/command.py)
         from hyparflow.auto import command as auto_command
 
-        return auto_command.plan(argv[1:], memory_of=_memory_of)
+        return auto_command.plan(argv[1:], memory_of=_memory_of, launch_facts=_launch_facts)
+    if argv[:1] == [MEASURE_WORKER]:  # hf.fit is above the planner's layer: handed in here
+        from hyparflow.api import fit
+        from hyparflow.auto import measure_worker
+
+        return measure_worker.main(argv[1:], fit)
     parser = _parser()
     args = parser.parse_args(argv)
     if not hasattr(args, "run"):
@@ -277,6 +284,13 @@ def _memory_of(model, batch_size: int):
     from hyparflow.auto.choose import memory_of
 
     return memory_of(model, batch_size)
+
+
+def _launch_facts():
+    """This machine's facts as `hyparflow run` reads them, for `plan --auto --measure`'s jobs."""
+    from hyparflow.run import facts_here
+
+    return facts_here()
 
 
 def _steps(text: str) -> list[int]:

@@ -8,7 +8,9 @@ import collections
 import json
 import sys
 
+from hyparflow.auto import measure_launch
 from hyparflow.auto.estimate import Estimator
+from hyparflow.auto.measure import entries, table
 from hyparflow.auto.search import Candidate, SearchResult, candidates, search
 from hyparflow.simulate import command as simulate_command
 from hyparflow.simulate.predict import Machine
@@ -51,20 +53,55 @@ def plan_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ranks", type=int, required=True, help="the world size N")
     parser.add_argument("--memory", type=byte_size, metavar="SIZE",
                         help="the budget per rank, e.g. 16GiB (needs the model)")  # fmt: skip
+    measure = parser.add_argument_group("measuring the top layouts (docs/auto.md)").add_argument
+    measure(
+        "--measure",
+        action="store_true",
+        help="train the 3 fastest layouts that fit here, "
+        "each on N ranks as `hyparflow run` starts them, on synthetic data, and print "
+        "their measured samples/s beside the predicted (needs the model)",
+    )
+    measure(
+        "--measure-steps",
+        type=int,
+        default=5,
+        metavar="K",
+        help="timed steps per layout, after 2 warm-up steps (default 5)",
+    )
+    measure("--measure-timeout", type=float, default=300, metavar="SECONDS",
+            help="the limit of each layout's run (default 300)")  # fmt: skip
     return parser
 
 
-def plan(argv, memory_of) -> int:
-    """`hyparflow plan --auto ...`: `run` with `--ranks` as the world size."""
-    args = plan_parser().parse_args(argv)
+def plan(argv, memory_of, launch_facts) -> int:
+    """`hyparflow plan --auto ...`: `run` with `--ranks` as the world size; with `--measure`,
+    the top layouts trained too, each on the ranks `launch_facts()` (the facts `hyparflow
+    run` reads, which the CLI passes in) lets it start."""
+    parser = plan_parser()
+    args = parser.parse_args(argv)
     args.auto = args.ranks
-    return run(args, memory_of)
+    if not args.measure:
+        return run(args, memory_of)
+    if args.measure_steps < 1:
+        parser.error(f"--measure-steps {args.measure_steps}: time at least 1 step")
+    if args.source.endswith(".json"):
+        print("hyparflow plan: --measure trains the model, and a costs file has none to train: "
+              "give MODEL (a .keras file or module:function)", file=sys.stderr)  # fmt: skip
+        return 1
+    return run(args, memory_of, measure=lambda result: _measured(result, args, launch_facts()))
 
 
-def run(args, memory_of) -> int:
+def _measured(result: SearchResult, args, facts) -> list:
+    return measure_launch.measure(
+        result, args, facts, say=lambda text: print(text, file=sys.stderr)
+    )
+
+
+def run(args, memory_of, measure=None) -> int:
     """Search every layout of `args.auto` ranks; print the pick (or JSON); 1 if none fits.
     `memory_of(model, batch_size)` gives a function of a layout's bytes per rank (hyparflow's
-    memory plan, which the CLI passes in)."""
+    memory plan, which the CLI passes in); `measure(result)`, if given, trains the top
+    layouts and returns their `auto.measure.Measured`, printed after the report."""
     try:
         (costs, model), network = simulate_command.costs_of(args), simulate_command.network_of(args)
     except (OSError, ValueError, RuntimeError) as error:
@@ -89,8 +126,21 @@ def run(args, memory_of) -> int:
     except ValueError as error:
         print(f"hyparflow simulate: {error}", file=sys.stderr)
         return 1
-    print(json.dumps(to_dict(result), indent=1) if args.json else report(result))
+    _print(result, args, None if measure is None else measure(result))
     return 0
+
+
+def _print(result: SearchResult, args, measured: list | None) -> None:
+    """The report, or `--json`'s object; with `measured`, its table or "measured" list."""
+    if args.json:
+        found = to_dict(result)
+        if measured is not None:
+            found["measured"] = entries(measured)
+        print(json.dumps(found, indent=1))
+    elif measured is None:
+        print(report(result))
+    else:
+        print(f"{report(result)}\n\n{table(measured, args.measure_steps)}")
 
 
 def _with_planner_costs(costs, model, args):
