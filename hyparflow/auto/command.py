@@ -34,7 +34,8 @@ def add_arguments(parser) -> None:
 
 
 # simulate's options that fix one layout; the planner searches them
-FIXED_LAYOUT = {"partitions", "replicas", "microbatches", "schedule", "baseline", "batch_logs"}
+FIXED_LAYOUT = {"partitions", "replicas", "microbatches", "schedule", "virtual_stages", "baseline",
+                "batch_logs"}  # fmt: skip
 
 
 def plan_parser() -> argparse.ArgumentParser:
