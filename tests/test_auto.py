@@ -46,8 +46,12 @@ def test_the_search_keeps_the_fields_the_user_set():
     asked = candidates(4, 32, layers=8, schedules=("zero_bubble",))
     zero_bubble = _keeping_user_fields(asked, hf.Strategy(schedule="zero_bubble"))
     assert {c.schedule for c in zero_bubble if c.partitions > 1} == {"zero_bubble"}
-    with pytest.raises(ValueError, match="does not plan schedule='interleaved'"):
-        _keeping_user_fields(layouts, hf.Strategy(schedule="interleaved"))  # no price yet
+    # interleaved likewise, with two model chunks a stage (or the virtual stages asked for)
+    asked = candidates(4, 32, layers=8, schedules=("interleaved",), virtual_stages=3)
+    interleaved = _keeping_user_fields(asked, hf.Strategy(schedule="interleaved"))
+    assert {(c.schedule, c.virtual_stages) for c in interleaved if c.partitions > 1} == {
+        ("interleaved", 3)
+    }  # fmt: skip
 
 
 def test_what_cannot_be_timed_is_named():

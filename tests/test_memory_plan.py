@@ -29,6 +29,20 @@ def test_in_flight_is_the_engines_schedule(kind):
                 assert counts.in_flight(kind, p, m, s) == schedule.peak_in_flight(actions[s])
 
 
+def test_interleaved_chunks_in_flight_are_the_engines_schedule():
+    for p in range(2, 5):
+        for m in range(1, 9):
+            for v in (2, 3):
+                actions = schedule.make_schedule("interleaved", p, m, virtual_stages=v)
+                for s in range(p):  # one byte per chunk in flight: the (micro-batch, chunk) count
+                    kept = counts.chunk_activation_bytes(actions[s], [(1, 0)] * v, samples=1)
+                    assert kept == schedule.peak_in_flight(actions[s])
+    one_f_one_b = schedule.make_schedule("1f1b", 2, 4)[0]
+    assert counts.chunk_activation_bytes(one_f_one_b, [(10, 1)], 8, recompute=True) == (
+        counts.activation_bytes(10, 1, 8, counts.in_flight("1f1b", 2, 4, 0), recompute=True)
+    )  # fmt: skip
+
+
 def test_arithmetic():
     assert counts.microbatch_size(64, 2, 4) == 8
     assert counts.activation_bytes(1000, 100, 8, 4) == 8 * 1100 * 4
@@ -98,6 +112,28 @@ def test_plan_counts_weights_slots_and_shards():
     assert split.to_dict()["largest_bytes"] == split.largest.total
 
 
+def test_interleaved_ranks_hold_their_chunks_and_each_chunks_micro_batches():
+    x = keras.Input((16,))
+    h = x
+    for width in (64, 32, 32, 8):
+        h = keras.layers.Dense(width, activation="relu")(h)
+    model = keras.Model(x, keras.layers.Dense(4)(h), name="deeper")
+    model.compile("adam", "mse")
+    whole = model.count_params() * 4
+    kwargs = dict(partitions=2, microbatches=4, balance="layers")
+    chunked = hf.Strategy("model", schedule="interleaved", virtual_stages=2, **kwargs)
+    plan = hf.memory_plan(model, chunked, batch_size=16, runtime=False)
+    assert "interleaved (v=2)" in plan.summary(print_fn=None)
+    assert sum(r.weights for r in plan.ranks) == whole
+    assert all(r.weights + r.model_copy == whole for r in plan.ranks)
+    chunks = hf.partition(model, 4, "layers").stages
+    assert plan.ranks[0].weights == 4 * sum(
+        int(v.numpy().size) for c in (chunks[0], chunks[2]) for v in c.model.weights
+    )  # fmt: skip
+    plain = hf.memory_plan(model, hf.Strategy("model", schedule="1f1b", **kwargs), 16)
+    assert plan.ranks[0].activations != plain.ranks[0].activations
+
+
 def test_sharded_optimizer_divides_by_replicas():
     @dataclasses.dataclass(frozen=True)
     class Zero(hf.Strategy):  # until hf.Strategy has the field
@@ -164,8 +200,8 @@ def test_cgroup_cap_kills_only_what_exceeds_it():
 @pytest.mark.mpi
 @pytest.mark.parametrize(
     "ranks, spec",
-    [(1, "1,1,1"), (2, "2,1,1"), (4, "2,2,1")],
-    ids=["keras", "pipeline-2", "hybrid-2x2"],
+    [(1, "1,1,1"), (2, "2,1,1"), (2, "2,1,1,interleaved"), (4, "2,2,1")],
+    ids=["keras", "pipeline-2", "interleaved-2", "hybrid-2x2"],
 )
 def test_prediction_within_25_percent_of_measured_growth(ranks, spec):
     """The plan counts what TensorFlow's pooled (BFC) CPU allocator holds, the allocator it uses

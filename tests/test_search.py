@@ -7,7 +7,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hyparflow.auto.estimate import Estimator
-from hyparflow.auto.search import OUTRUN, Candidate, Estimate, candidates, search
+from hyparflow.auto.search import (
+    OUTRUN,
+    PRICED_SCHEDULES,
+    Candidate,
+    Estimate,
+    candidates,
+    search,
+)
 from hyparflow.simulate.costs import Affine, EngineCosts, LayerCost, ModelCosts, TensorShare
 from hyparflow.simulate.network import Link, Network
 
@@ -176,8 +183,20 @@ def test_no_prediction_goes_below_the_estimators_bound(world, batch, forward, ba
     )  # fmt: skip
     two_nodes = Network(intra=Link(5e-5, 1e8), inter=Link(2e-4, 2e7))
     estimate = Estimator(costs, two_nodes, batch, ranks_per_node=world // 2)
-    for candidate in candidates(world, batch, layers=layers):
+    for candidate in candidates(world, batch, layers=layers, schedules=PRICED_SCHEDULES):
         assert estimate(candidate).step_seconds >= estimate.bound(candidate) * (1 - 1e-9)
+
+
+def test_interleaved_candidates_hold_two_chunks_a_stage_and_are_priced_as_such():
+    layouts = candidates(4, 32, layers=6, schedules=("interleaved",))
+    pipelines = [c for c in layouts if c.partitions > 1]
+    assert pipelines and all(c.virtual_stages == 2 and c.tensor == 1 for c in pipelines)
+    assert {c.partitions for c in pipelines} == {2}  # 4 x 2 chunks exceed 6 layers
+    assert "v2" in pipelines[0].label()
+    assert pipelines[0].strategy_options()["virtual_stages"] == 2
+    estimate = Estimator(_costs(param_bytes=4096, layers=6), SLOW, 32)
+    one_f_one_b = replace(pipelines[0], schedule="1f1b", virtual_stages=1)
+    assert estimate(pipelines[0]).step_seconds != estimate(one_f_one_b).step_seconds
 
 
 def test_recompute_costs_a_forward_and_zero_trades_optimizer_time_for_host_copies():

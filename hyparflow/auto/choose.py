@@ -26,6 +26,7 @@ from hyparflow.auto.estimate import Estimator
 from hyparflow.auto.search import (
     PRICED_SCHEDULES,
     SCHEDULES,
+    VIRTUAL_STAGES,
     Candidate,
     SearchResult,
     candidates,
@@ -281,23 +282,15 @@ def _search(model, request: Request, layout, costs, network, budget) -> SearchRe
     )  # fmt: skip
     schedule = strategy.set_fields().get("schedule")
     schedules = (schedule,) if schedule in PRICED_SCHEDULES else SCHEDULES
-    layouts = _keeping_user_fields(
-        candidates(world, global_batch, layers=len(costs.layers), schedules=schedules), strategy
-    )  # fmt: skip
+    found = candidates(world, global_batch, layers=len(costs.layers), schedules=schedules,
+                       virtual_stages=max(strategy.virtual_stages, VIRTUAL_STAGES))  # fmt: skip
+    layouts = _keeping_user_fields(found, strategy)
     return search(layouts, estimate, global_batch, budget, bound=estimate.bound)
 
 
 def _keeping_user_fields(layouts: list[Candidate], strategy: Strategy) -> list[Candidate]:
-    """The layouts that keep every searched field the user set (e.g. `shard_optimizer=True`);
-    a schedule the planner cannot price yet is refused, naming the fix."""
+    """The layouts that keep every searched field the user set (e.g. `shard_optimizer=True`)."""
     fixed = {k: v for k, v in strategy.set_fields().items() if k in SEARCHED}
-    if fixed.get("schedule", SCHEDULES[0]) not in PRICED_SCHEDULES:
-        raise ValueError(
-            f"strategy='auto' does not plan schedule={fixed['schedule']!r} yet (it prices "
-            f"{', '.join(PRICED_SCHEDULES)} only): give the layout yourself, e.g. "
-            f"hf.Strategy('model', partitions=2, schedule={fixed['schedule']!r}), or leave "
-            "the schedule to the planner."
-        )
     # a schedule acts only where there is a pipeline: it leaves P = 1 layouts in the search
     return [c for c in layouts if all(
         getattr(c, k) == v or (k == "schedule" and c.partitions == 1) for k, v in fixed.items()

@@ -106,10 +106,11 @@ class Estimator:
     def _prediction(self, candidate: Candidate):
         c = candidate
         key = (c.partitions, c.replicas, c.tensor, c.microbatches, c.schedule, c.recompute,
-               c.shard_optimizer)  # fmt: skip
+               c.shard_optimizer, c.virtual_stages)  # fmt: skip
         if key not in self._predictions:
             per_node = self.ranks_per_node and max(1, self.ranks_per_node // c.tensor)
-            layout = Layout(c.partitions, c.replicas, c.microbatches, c.schedule, per_node)
+            layout = Layout(c.partitions, c.replicas, c.microbatches, c.schedule, per_node,
+                            c.virtual_stages)  # fmt: skip
             self._predictions[key] = predict(
                 self._costs(c), self.network, layout, self.global_batch, self.machine,
                 shard_optimizer=c.shard_optimizer,

@@ -25,9 +25,11 @@ from dataclasses import dataclass, field
 
 # the schedules searched by default, and those a user may fix under "auto": ZB-H1 is priced
 # with an untimed W (half a weighted layer's backward), which picked it wrongly once it was
-# searched (docs/auto.md), so the planner does not choose it on its own
+# searched, and interleaved 1F1B never measured faster than the best pipeline on 2 ranks while
+# its price sits within the noise of 1F1B's (docs/auto.md), so the planner chooses neither alone
 SCHEDULES = ("gpipe", "1f1b")
-PRICED_SCHEDULES = (*SCHEDULES, "zero_bubble")
+PRICED_SCHEDULES = (*SCHEDULES, "zero_bubble", "interleaved")
+VIRTUAL_STAGES = 2  # model chunks per stage of an interleaved candidate (Megatron's usual)
 OUTRUN = "slower than the pick by its compute alone (not simulated)"
 # micro-batch actions of one pass (P x m) the schedule simulator replays for a candidate beyond
 # `max_microbatches`: it walks every action in Python, about 30 us each
@@ -37,7 +39,8 @@ MOST_ACTIONS = 4096
 @dataclass(frozen=True)
 class Candidate:
     """One layout: `partitions` x `replicas` x `tensor` ranks, the pipeline's `microbatches`
-    and `schedule`, `recompute` and ZeRO-1 (`shard_optimizer`)."""
+    and `schedule` (interleaved: `virtual_stages` chunks per stage), `recompute` and ZeRO-1
+    (`shard_optimizer`)."""
 
     partitions: int = 1
     replicas: int = 1
@@ -46,6 +49,7 @@ class Candidate:
     schedule: str = "gpipe"
     recompute: bool = False
     shard_optimizer: bool = False
+    virtual_stages: int = 1
 
     @property
     def world(self) -> int:
@@ -57,6 +61,8 @@ class Candidate:
         parts.append(f"M{self.microbatches}")
         if self.partitions > 1:
             parts.append(self.schedule)
+        if self.virtual_stages > 1:
+            parts.append(f"v{self.virtual_stages}")
         if self.recompute:
             parts.append("recompute")
         if self.shard_optimizer:
@@ -70,12 +76,13 @@ class Candidate:
             "kind": kind, "partitions": self.partitions, "replicas": self.replicas,
             "tensor": self.tensor, "microbatches": self.microbatches, "schedule": self.schedule,
             "recompute": self.recompute, "shard_optimizer": self.shard_optimizer,
+            "virtual_stages": self.virtual_stages,
         }  # fmt: skip
 
     def simplicity(self) -> tuple:
         """Sorts simpler layouts first, for ties."""
         return (self.partitions, self.tensor, self.microbatches, self.recompute,
-                self.shard_optimizer, self.schedule)  # fmt: skip
+                self.shard_optimizer, self.virtual_stages, self.schedule)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -135,14 +142,15 @@ class SearchResult:
 
 def candidates(
     world: int, global_batch: int, *, layers: int, schedules: Iterable[str] = SCHEDULES,
-    max_microbatches: int = 16,
+    max_microbatches: int = 16, virtual_stages: int = VIRTUAL_STAGES,
 ) -> list[Candidate]:  # fmt: skip
     """Every layout of `world` ranks for `global_batch` samples over a model of `layers` layer
     calls: P x R x T = `world` with at most one stage per layer, micro-batches that split each
     replica's share evenly (powers of two up to `max_microbatches`, and for pipelines P, 2P,
     4P and 8P, Megatron's advice being m >= 4P, while P x m stays within `MOST_ACTIONS`), each
     pipeline under every schedule with and without recompute, and replicas with and without
-    ZeRO-1."""
+    ZeRO-1. An interleaved pipeline holds `virtual_stages` chunks a stage (P x v at most one per
+    layer; the engine refuses it with tensor ranks)."""
     found = []
     for partitions, replicas, tensor in _factorizations(world):
         if partitions > layers or global_batch % replicas:
@@ -154,7 +162,10 @@ def candidates(
             (False, True) if pipelined else (False,),  # recompute
             (False, True) if replicas > 1 else (False,),  # ZeRO-1
         )
-        found += [Candidate(partitions, replicas, tensor, *option) for option in options]
+        for option in options:
+            chunks = virtual_stages if option[1] == "interleaved" else 1
+            if chunks == 1 or (partitions * chunks <= layers and tensor == 1):
+                found.append(Candidate(partitions, replicas, tensor, *option, chunks))
     return found
 
 

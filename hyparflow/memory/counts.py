@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 
+from hyparflow.schedule.actions import BACKWARD
+
 
 def in_flight(schedule: str, stages: int, microbatches: int, stage: int) -> int:
     """Micro-batches whose activations stage `stage` holds at once under `schedule`.
@@ -26,6 +28,36 @@ def in_flight(schedule: str, stages: int, microbatches: int, stage: int) -> int:
     if schedule == "zero_bubble":  # until its weight half: at most p on every stage
         return min(microbatches, stages)
     return microbatches
+
+
+def chunk_activation_bytes(
+    stage_actions, per_chunk: list[tuple[int, int]], samples: int, recompute: bool = False
+) -> int:
+    """Bytes of activations an interleaved stage keeps at its peak: walking its actions
+    (`schedule.interleaved`'s list for the stage), each micro-batch forwarded through chunk `c`
+    and not yet backwarded keeps `per_chunk[c]` = (layer output bytes, received input bytes)
+    per sample, as `activation_bytes` counts one; with recompute only the inputs, plus the
+    largest chunk's outputs while its backward replays it.
+
+    Example:
+        >>> from hyparflow.schedule import make_schedule
+        >>> actions = make_schedule("interleaved", 2, 2, virtual_stages=2)[0]
+        >>> actions
+        [F0, F1, F0c1, F1c1, B0c1, B1c1, B0, B1]
+        >>> chunk_activation_bytes(actions, [(1000, 100), (10, 1)], 8)  # all four at once
+        17776
+    """
+    kept = [received + (0 if recompute else layer) for layer, received in per_chunk]
+    held = [0] * len(per_chunk)  # micro-batches in flight through each chunk
+    peak = 0
+    for action in stage_actions:
+        if action.is_forward:
+            held[action.chunk] += 1
+            peak = max(peak, sum(n * b for n, b in zip(held, kept, strict=True)))
+        elif action.kind is BACKWARD:
+            held[action.chunk] -= 1
+    replay = max(layer for layer, _ in per_chunk) if recompute else 0
+    return samples * (peak + replay)
 
 
 def microbatch_size(batch_size: int, replicas: int, microbatches: int) -> int:

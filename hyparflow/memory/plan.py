@@ -15,6 +15,7 @@ from hyparflow.memory.slots import optimizer_slots
 from hyparflow.memory.table import MemoryPlan, RankMemory
 from hyparflow.partitioner import partition
 from hyparflow.partitioner.graph import build_graph, numpy_dtype
+from hyparflow.schedule import make_schedule
 from hyparflow.strategy import make_strategy
 from hyparflow.tensor import rules as tensor_rules
 from hyparflow.tensor.splits import COLUMN
@@ -50,12 +51,6 @@ def memory_plan(model, strategy="auto", batch_size: int = 32, *, num_partitions=
     strategy = make_strategy(strategy, num_partitions, num_replicas, num_microbatches)
     world = (strategy.partitions or 1) * (strategy.replicas or 1) * strategy.tensor
     resolved = strategy.resolve(world)
-    if resolved.virtual_stages > 1 and resolved.partitions > 1:
-        raise ValueError(
-            "hf.memory_plan does not predict interleaved stages yet (a rank holds several "
-            "model chunks, each with its own micro-batches in flight); plan schedule='1f1b' "
-            "with the same partitions for a lower bound of the weights and optimizer state."
-        )
     notes = []
     shared = _shared_facts(model, resolved, world, batch_size, whole_model, notes)
     grid = Grid(resolved.partitions, resolved.replicas, resolved.tensor)
@@ -82,6 +77,11 @@ class _Shared:
     whole: int
     samples: int
     saving: Callable[[int, int, int], dict[str, int]]
+
+    def held_by(self, stage: int) -> list[int]:
+        """The model chunks pipeline stage `stage` holds: itself, or (interleaved) the chunks
+        `stage`, `stage + P`, ... of `stage_models`."""
+        return list(range(stage, len(self.stage_models), self.resolved.partitions))
 
 
 def _shared_facts(model, resolved, world, batch_size, whole_model, notes) -> _Shared:
@@ -116,13 +116,14 @@ def _shared_facts(model, resolved, world, batch_size, whole_model, notes) -> _Sh
 def _rank_memory(shared: _Shared, rank, stage, replica, shard, *, runtime: bool) -> RankMemory:
     """One rank's predicted bytes, by kind."""
     resolved, t = shared.resolved, shared.resolved.tensor
-    layout, stage_model = shared.layouts[stage], shared.stage_models[stage]
+    held = shared.held_by(stage)
+    models = [shared.stage_models[c] for c in held]
+    layout, stage_model = shared.layouts[stage], models[0]  # tensor ranks: one chunk a stage
     zero = getattr(resolved, "shard_optimizer", False)
-    unsplit = sum(_nbytes(v) for v in stage_model.weights if _axis(v, layout) is None)
-    trainable = list(stage_model.trainable_variables)
+    weights = _each_once([v for m in models for v in m.weights])  # a layer two chunks call
+    unsplit = sum(_nbytes(v) for v in weights if _axis(v, layout) is None)
+    trainable = _each_once([v for m in models for v in m.trainable_variables])
     grad_bytes = sum(_shard_bytes(v, layout, t) for v in trainable)
-    layer_bytes, input_bytes = shared.per_sample[stage](layout)
-    flight = counts.in_flight(resolved.schedule, resolved.partitions, resolved.microbatches, stage)
     own_optimizer = counts.optimizer_bytes(grad_bytes, shared.slots, resolved.replicas, zero)
     facts = _stage_facts(shared, trainable, layout)
     return RankMemory(
@@ -130,16 +131,14 @@ def _rank_memory(shared: _Shared, rank, stage, replica, shard, *, runtime: bool)
         stage=stage,
         replica=replica,
         shard=shard,
-        weights=sum(_shard_bytes(v, layout, t) for v in stage_model.weights),
+        weights=sum(_shard_bytes(v, layout, t) for v in weights),
         model_copy=shared.whole - unsplit if shared.whole_model else 0,
         optimizer=own_optimizer,
         gradients=buffers.held_gradients(facts, grad_bytes),
-        activations=counts.activation_bytes(
-            layer_bytes, input_bytes, shared.samples, flight, resolved.recompute
-        ),
+        activations=_activations(shared, stage, held, layout),
         step_buffers=buffers.step_buffers(facts, shared.slots, zero),
         exchange={
-            **buffers.exchange_buffers(shared.owned, stage, shared.largest[stage]),
+            **buffers.exchange_buffers(shared.owned, stage, max(shared.largest[c] for c in held)),
             **buffers.gather_buffers(_largest_split(stage_model, layout)),
             **shared.saving(rank, replica, own_optimizer),
         }
@@ -147,6 +146,23 @@ def _rank_memory(shared: _Shared, rank, stage, replica, shard, *, runtime: bool)
         else {},  # a hf.scope() model keeps its stage: nothing is gathered
         runtime=RUNTIME_BYTES if runtime else 0,
     )
+
+
+def _activations(shared: _Shared, stage: int, held: list[int], layout) -> int:
+    """Activation bytes at the stage's peak: its micro-batches in flight, by the schedule, per
+    chunk it holds."""
+    resolved = shared.resolved
+    per_chunk = [shared.per_sample[c](layout) for c in held]
+    if len(held) > 1:
+        actions = make_schedule("interleaved", resolved.partitions, resolved.microbatches,
+                                len(held))[stage]  # fmt: skip
+        return counts.chunk_activation_bytes(actions, per_chunk, shared.samples, resolved.recompute)
+    flight = counts.in_flight(resolved.schedule, resolved.partitions, resolved.microbatches, stage)
+    return counts.activation_bytes(*per_chunk[0], shared.samples, flight, resolved.recompute)
+
+
+def _each_once(variables: list) -> list:
+    return list({id(v): v for v in variables}.values())
 
 
 def _stage_facts(shared: _Shared, trainable, layout) -> buffers.StageFacts:
@@ -172,7 +188,7 @@ def _label(resolved) -> str:
     """The plan's one-line description of the layout."""
     label = (
         f"P={resolved.partitions} x R={resolved.replicas} x T={resolved.tensor}, "
-        f"{resolved.schedule}, M={resolved.microbatches}"
+        f"{_schedule(resolved)}, M={resolved.microbatches}"
     )
     if resolved.recompute:
         label += ", recompute"
@@ -181,9 +197,14 @@ def _label(resolved) -> str:
     return label
 
 
+def _schedule(resolved) -> str:
+    interleaved = resolved.schedule == "interleaved" and resolved.partitions > 1
+    return f"interleaved (v={resolved.virtual_stages})" if interleaved else resolved.schedule
+
+
 def _stages(model, strategy, notes) -> tuple[list, list]:
-    """Each stage's Keras model and a function giving its activation bytes per sample
-    (layer outputs, received inputs) under a tensor layout."""
+    """Each stage's Keras model (each model chunk's, interleaved) and a function giving its
+    activation bytes per sample (layer outputs, received inputs) under a tensor layout."""
     if strategy.partitions == 1:
         try:
             graph = build_graph(model)
@@ -194,7 +215,8 @@ def _stages(model, strategy, notes) -> tuple[list, list]:
         inputs = sum(graph.tensors[i].bytes_per_sample for i in graph.inputs)
         return [model], [lambda layout: (_outputs(graph, nodes, layout), inputs)]
     uncut = tensor_rules.pair_cuts if strategy.tensor > 1 else None
-    plan = partition(model, strategy.partitions, strategy.balance, uncut=uncut)
+    chunks = strategy.virtual_stages if strategy.schedule == "interleaved" else 1
+    plan = partition(model, strategy.partitions * chunks, strategy.balance, uncut=uncut)
     graph = plan._graph
     by_name = {node.name: node for node in graph.nodes}
     per_sample = []

@@ -45,13 +45,16 @@ def layout(spec: str) -> hf.Strategy:
     """ "P,R,T[,flags]" as the Strategy hf.fit trains with; flags: "zero" (the optimizer's
     state sharded over the replicas, ZeRO-1), "params" (stages
     balanced by parameters), "scope" (built under hf.scope(), see `measure`), "segment"
-    (`update_by_segment=True`; "whole": False)."""
+    (`update_by_segment=True`; "whole": False), "interleaved" (two model chunks a stage, 4
+    micro-batches)."""
     p, r, t, *flags = spec.split(",")
     kind = "data" if int(p) == 1 else ("model" if int(r) == 1 else "hybrid")
     balance = "params" if "params" in flags else "layers"
     by_segment = True if "segment" in flags else (False if "whole" in flags else None)
+    chunked = dict(schedule="interleaved", microbatches=4) if "interleaved" in flags else {}
     return hf.Strategy(kind, partitions=int(p), replicas=int(r), tensor=int(t), balance=balance,
-                       shard_optimizer="zero" in flags, update_by_segment=by_segment)  # fmt: skip
+                       shard_optimizer="zero" in flags, update_by_segment=by_segment,
+                       **chunked)  # fmt: skip
 
 
 def measure(spec: str, shape: str, optimizer: str = "adam") -> dict:
