@@ -66,15 +66,16 @@ def test_interleaved_holds_two_chunks_a_stage_unless_told():
     assert Strategy("model", schedule="1f1b").virtual_stages == 1
 
 
-def test_memory_plan_refuses_interleaved_stages_it_cannot_predict():
+def test_memory_plan_takes_the_interleaved_default_of_two_chunks_a_stage():
     import keras
 
     import hyparflow as hf
 
     model = keras.Sequential([keras.Input((4,))] + [keras.layers.Dense(4) for _ in range(4)])
-    strategy = Strategy("model", partitions=2, schedule="interleaved")
-    with pytest.raises(ValueError, match="does not predict interleaved"):
-        hf.memory_plan(model, strategy)
+    strategy = Strategy("model", partitions=2, schedule="interleaved")  # virtual_stages: 2
+    plan = hf.memory_plan(model, strategy, batch_size=8, runtime=False)
+    assert "interleaved (v=2)" in plan.summary(print_fn=None)
+    assert [r.weights for r in plan.ranks] == [2 * 20 * 4] * 2  # two 4x4 Dense layers each
 
 
 def test_hyparflow_keyword_names_fill_the_strategy():
