@@ -3,13 +3,14 @@
 Run: .venv/bin/python benchmarks/pipeline_bubble.py [--rounds 3] [--microbatches 1 2 4 8 16]
 
 Bubble: a 2-stage MLP trained by `hf.fit` with the `ScalingProfiler`, each schedule and m in
-one launch per round (order reversed every round). Measured: `1 - compute / makespan` over
-steady steps; formula: (p-1)/(m+p-1), (p-1)/(vm+p-1) interleaved, ZB-H1's idle fraction at
-the measured F, B, W times; simulated: the schedule at the measured stage times. For each m
-the first layer's input is widened (secant steps on profiled stage times) until both stages
-compute as long (the last also computes the head and loss). Interleaved 1F1B (v = 2) runs an
-MLP of four alike layers, one a chunk, against 1F1B on that "even" MLP, two layers a stage.
-Targets: each within 5 points of its formula; ZB-H1's, interleaved's bubble below 1F1B's.
+one launch per round (order reversed every round), micro-batches of `--microbatch-rows` rows at
+every m (the batch grows with m, as a pipeline's does: shrinking micro-batches would measure the
+per-call overhead, not the schedule). Measured: `1 - compute / makespan` over steady steps;
+formula: (p-1)/(m+p-1), (p-1)/(vm+p-1) interleaved, ZB-H1's idle fraction at the measured F,
+B, W times; simulated: the schedule at the measured stage times (what imbalance is left). The
+stages are alike by construction (see `LAYERS`), 1F1B's two stages and interleaved's (v = 2)
+four chunks alike. Targets: each within 5 points of its formula; ZB-H1's and interleaved's
+bubble below 1F1B's.
 
 Memory: GPipe, 1F1B, ZB-H1 in launches of their own, a bigger batch, m = 8: each rank's peak RSS."""
 
@@ -29,10 +30,21 @@ from benchmarks.harness.records import measurement, target  # noqa: E402
 FIGURE = "pipeline"
 TITLE = "(5) Pipeline: bubble vs formula (GPipe, 1F1B, ZB-H1, interleaved), memory per rank"
 LABELS = {"gpipe": "GPipe", "1f1b": "1F1B", "zero_bubble": "ZB-H1",
-          "interleaved": "Interleaved v=2", "1f1b_even": "1F1B (even MLP)"}  # fmt: skip
-SCHEDULES = ("gpipe", "1f1b", "zero_bubble")  # on the balanced MLP, and in the memory runs
-EVEN = {"interleaved": ["dense_1", "dense_2", "dense_3"], "1f1b_even": ["dense_2"]}
-PAIRS = [("zero_bubble", "1f1b"), ("interleaved", "1f1b_even")]  # each below the second
+          "interleaved": "Interleaved v=2"}  # fmt: skip
+SCHEDULES = ("gpipe", "1f1b", "zero_bubble")  # also in the memory runs
+PAIRS = [("zero_bubble", "1f1b"), ("interleaved", "1f1b")]  # each below the second
+# Stages alike by construction: a first layer on NARROW_INPUTS features costs almost nothing, so
+# every stage (or chunk) computes as many width x width layers, forward, input and weight
+# gradients (stage 0's first full layer still needs its input gradient, for the narrow layer's
+# weights); the last stage's extra head and loss are a 10-class Dense.
+LAYERS, NARROW_INPUTS = 5, 16
+TWO_STAGES = ["dense_3"]  # dense_0-2 | dense_3-4 + head
+STAGE_STARTS = {
+    "gpipe": TWO_STAGES,
+    "1f1b": TWO_STAGES,
+    "zero_bubble": TWO_STAGES,
+    "interleaved": ["dense_2", "dense_3", "dense_4"],
+}  # four chunks of one layer
 MIB = 2**20
 
 
@@ -46,70 +58,34 @@ def bubble_worker(args) -> None:
     keras.config.disable_interactive_logging()
     root = MPI.COMM_WORLD.bcast(tempfile.mkdtemp(prefix="hf-bubble-") if hf.rank() == 0 else None)
 
-    def profiled_fit(inputs, schedule, m, name):
-        """Train the MLP on `inputs` features; rank 0: the job row, each stage's compute."""
-        even = EVEN.get(schedule)
-        model = mlp(args.width, 4, inputs=args.width if even else inputs)
-        x, y = synthetic_data(model, args.batch_size * args.steps)
-        log_dir = os.path.join(root, name)
-        strategy = hf.Strategy("model", microbatches=m, tune_process=True, balance=even or "layers",
-                               schedule=schedule.removesuffix("_even"))  # fmt: skip
+    def profiled_fit(schedule, m):
+        """Train the MLP; rank 0: the job row of the profile."""
+        model = mlp(args.width, LAYERS, inputs=NARROW_INPUTS)
+        batch_size = args.microbatch_rows * m  # micro-batches of one size at every m
+        x, y = synthetic_data(model, batch_size * args.steps)
+        log_dir = os.path.join(root, f"{schedule}-{m}")
+        strategy = hf.Strategy("model", microbatches=m, tune_process=True,
+                               balance=STAGE_STARTS[schedule], schedule=schedule)  # fmt: skip
         profiler = hf.callbacks.ScalingProfiler(log_dir, timeline=False)
-        hf.fit(model, x, y, batch_size=args.batch_size, epochs=args.epochs, verbose=0,
+        hf.fit(model, x, y, batch_size=batch_size, epochs=args.epochs, verbose=0,
                strategy=strategy, callbacks=[profiler])  # fmt: skip
         if hf.rank() != 0:
-            return None, None
+            return None
         with open(os.path.join(log_dir, "profile.json")) as f:
-            profile = json.load(f)
-        compute = {r["rank"]: r["ms_per_step"]["compute"] for r in profile["ranks"]}
-        return profile["job"], [compute[0], compute[1]]
+            return json.load(f)["job"]
 
-    # Per micro-batch count: the last stage's fixed per-micro-batch costs (loss, head) weigh
-    # more the smaller the micro-batches, so one width cannot balance every m.
-    inputs = {m: balanced_inputs(args.width, m, profiled_fit) for m in args.microbatches}
     configs = [(s, m) for m in args.microbatches for s in LABELS][:: -1 if args.reverse else 1]
     results = []
     for schedule, m in configs:
-        job, _ = profiled_fit(inputs[m], schedule, m, f"{schedule}-{m}")
+        job = profiled_fit(schedule, m)
         if hf.rank() == 0:
             results.append({
                 "schedule": schedule, "microbatches": m, "measured": job["bubble_measured"],
                 "theoretical": job["bubble_theoretical"], "simulated": job["bubble_simulated"],
-                "step_ms": job["ms_per_step"]["step"], "inputs": inputs[m],
+                "step_ms": job["ms_per_step"]["step"],
             })  # fmt: skip
     if hf.rank() == 0:
         write_result(args.worker_out, 0, results)
-
-
-def balanced_inputs(width: int, m: int, profiled_fit) -> int:
-    """The first layer's input width at which both stages compute as long with `m` micro-batches:
-    secant steps from widths 1x and 2x (stage 0's time is only roughly linear in the width)."""
-    from mpi4py import MPI
-
-    rank0 = MPI.COMM_WORLD.Get_rank() == 0
-    lowest, highest = width // 2, 4 * width
-    measured = {d: profiled_fit(d, "1f1b", m, f"balance-{m}-{d}")[1] for d in (width, 2 * width)}
-    inputs = None
-    for _ in range(2):
-        if rank0:
-            inputs = _secant_width(measured, lowest, highest)
-        inputs = MPI.COMM_WORLD.bcast(inputs)
-        if inputs in measured:
-            break
-        measured[inputs] = profiled_fit(inputs, "1f1b", m, f"balance-{m}-{inputs}")[1]
-    if rank0:
-        inputs = _secant_width(measured, lowest, highest)
-    return MPI.COMM_WORLD.bcast(inputs)
-
-
-def _secant_width(measured: dict, lowest: int, highest: int) -> int:
-    """Where stage 0's compute (linear between the two measured widths whose imbalance is
-    smallest) meets the last stage's (their mean), rounded to 64 and clamped."""
-    gap = {d: times[0] - times[1] for d, times in measured.items()}  # stage 0 minus stage 1
-    a, b = sorted(sorted(gap, key=lambda d: abs(gap[d]))[:2])
-    slope = (gap[b] - gap[a]) / (b - a)
-    exact = a - gap[a] / slope if slope > 0 else a
-    return int(min(highest, max(lowest, round(exact / 64) * 64)))
 
 
 def memory_worker(args) -> None:
@@ -147,9 +123,6 @@ def _bubble_records(args) -> list[dict]:
             return measurement(FIGURE, f"{name}, m={m}", values, unit, series=series, x=m,
                                x_label="micro-batches m")  # fmt: skip
 
-        widths = [r["inputs"] for r in mine if r["schedule"] == SCHEDULES[0]]
-        name = f"first layer's input width chosen for balance (one per launch), m={m}"
-        records.append(measurement(FIGURE, name, widths, "features"))
         formula = next(r["theoretical"] for r in mine if r["schedule"] == "1f1b")
         records.append(point("formula (p-1)/(m+p-1)", [formula], "bubble", "formula"))
         by = {s: [r for r in mine if r["schedule"] == s] for s in LABELS}
@@ -199,12 +172,12 @@ def run(args) -> list[dict]:
 
 
 def _common(args) -> list:
-    return cli.flags(args, "width", "batch_size", "steps", "epochs", "memory_batch",
+    return cli.flags(args, "width", "microbatch_rows", "steps", "epochs", "memory_batch",
                      "memory_microbatches")  # fmt: skip
 
 
 def arguments(argv=None):
-    p = cli.parser(__doc__, rounds=3, width=1024, batch_size=512, steps=10, epochs=2,
+    p = cli.parser(__doc__, rounds=3, width=1024, microbatch_rows=128, steps=10, epochs=2,
                    memory_batch=4096, memory_microbatches=8)  # fmt: skip
     p.add_argument("--microbatches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     p.add_argument("--schedule", choices=SCHEDULES, help="worker: memory run of one schedule")
