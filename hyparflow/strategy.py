@@ -120,6 +120,10 @@ class Strategy:
       `BatchNormalization(synchronized=True)` layers always are (then exactly Keras's
       training); by default each replica (and micro-batch) normalises its share alone
       (docs/models.md). Refused with `microbatches` > 1.
+    - `sparse_experts` (True): keras_hub's mixture-of-experts blocks (Mixtral, Qwen3-MoE)
+      compute each token through its top-k experts only, instead of every expert on every
+      token multiplied by zero (docs/moe.md): the same sums to float rounding, for a k/E
+      share of the experts' compute. False keeps their dense calls.
 
     Process (opt-ins that change process-wide state):
 
@@ -159,6 +163,7 @@ class Strategy:
     bind_gpus: bool = False
     update_by_segment: bool | None = None
     memory_per_rank: int | str | None = None
+    sparse_experts: bool = True
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -178,7 +183,7 @@ class Strategy:
                 f"Strategy tensor_layout must be a dict from a regex over variable paths to a "
                 f"tuple of axes, got {type(self.tensor_layout).__name__}."
             )
-        for name in ("shard_optimizer", "bind_gpus"):
+        for name in ("shard_optimizer", "bind_gpus", "sparse_experts"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Strategy {name}={getattr(self, name)!r} must be True or False.")
         if self.update_by_segment not in (None, True, False):

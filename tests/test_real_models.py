@@ -4,15 +4,15 @@ Embedding tables with every built-in optimizer (their gradients are row slices, 
 applies with sparse semantics), global clipping across pipeline stages, dropout, added losses,
 masks, preprocessing layers, synchronised BatchNormalization (keras.applications'
 MobileNetV3), and keras_hub's GPT-2, BERT, Llama, Gemma, Mistral, OPT, DistilBERT, RoBERTa, ALBERT,
-Falcon and Qwen3-MoE on batches whose sequence length varies, each under data, pipeline and
-hybrid layouts.
+Falcon, Qwen3-MoE and Mixtral (experts dispatched sparsely) on batches whose sequence length
+varies, each under data, pipeline and hybrid layouts.
 """
 
 import pytest
 
 from tests.support.cases import Case
 from tests.support.equivalence import assert_within, launched
-from tests.support.zoo import TEXT_MODELS
+from tests.support.zoo import MIXTURES, TEXT_MODELS
 
 pytestmark = pytest.mark.mpi  # every test here starts MPI jobs
 
@@ -87,6 +87,7 @@ TWO_RANKS = [
     Case("bert", "sgd", "data", replicas=2, microbatches=2),
     Case("falcon", "sgd", "data", replicas=2, microbatches=2),
     Case("qwen3_moe", "adam", "data", replicas=2),
+    Case("mixtral", "adam", "data", replicas=2, microbatches=2),
 ]  # fmt: skip
 FOUR_RANKS = [
     Case("embedding_mlp", "adam", "hybrid", partitions=2, replicas=2, microbatches=2,
@@ -153,6 +154,8 @@ def _check(case, ranks):
             # length would be 4 or 5, and a step that built the compiled metrics itself would
             # be traced once more.
             assert r["traces"] == 1, f"{where}: a step function traced {r['traces']} times"
+    if case.model in MIXTURES:  # the engine ran sparse dispatch, Keras its dense experts
+        assert all(r["sparse_blocks"] == 2 for r in ranks), [r["sparse_blocks"] for r in ranks]
     if case.schedule == "zero_bubble":  # every stage split its backward, or one says why not
         split = {r["rank"]: (r["split_backward"], r["refusals"]) for r in ranks}
         assert all(s for s, _ in split.values()) != (case.model in MERGED), split

@@ -7,6 +7,7 @@ be split runs merged and says why.
 """
 
 import contextlib
+import types
 
 import keras
 import numpy as np
@@ -19,6 +20,7 @@ from hyparflow.engine.relaxed import declared_shapes
 from hyparflow.engine.sparse import row_sparse_positions
 from hyparflow.engine.split_stage import SplitStageRunner
 from hyparflow.engine.stage import StageRunner
+from hyparflow.moe import SparseDispatch
 
 TOLERANCE = 1e-5
 
@@ -220,3 +222,52 @@ def test_tap_shapes_refuse_a_length_that_follows_no_input():
     shapes = tap_shapes.template([(None, None)], [(2, 7)], [(2, 7), (2, 7)], varying * 2)
     assert tap_shapes.resolve(shapes, [(5, 3), (5, 3)]) == [(5, 3)]
     assert "follows no input" in tap_shapes.narrow(shapes, [(5, 4)], [(5, 3), (5, 6)])
+
+
+def _mixture():
+    """keras_hub's Qwen3-MoE block on tokens of varying length (router loss off)."""
+    from keras_hub.src.models.qwen3_moe.qwen3_moe_decoder import Qwen3SparseMoeBlock
+
+    x = keras.Input((None, 8))
+    block = Qwen3SparseMoeBlock(8, 4, num_experts=4, top_k=2, norm_top_k_prob=True,
+                                router_aux_loss_coefficient=0.0)  # fmt: skip
+    mixed, _ = block(x)
+    return keras.Model(x, keras.layers.Dense(3)(mixed))
+
+
+def test_sparse_expert_dispatch_runs_merged_and_says_why():
+    """Under ZB-H1 a mixture stage (sparse experts or keras_hub's dense ones) runs merged: its
+    router and experts see batch x length tokens as one dimension, which no tap shape follows."""
+    dispatches = contextlib.ExitStack()
+
+    def build():
+        model = _mixture()
+        assert dispatches.enter_context(SparseDispatch(model)).blocks
+        return model
+
+    with dispatches:
+        runner = _compare(build, [(2, 5), (3, 4)], order=[1, 0])
+    assert not runner.split
+    assert runner.refusals == [
+        "a tapped output has a varying dimension (10) equal to no varying input dimension"
+    ]
+
+
+def _instance_call():
+    """A Dense with a call of its own instance (as hyparflow.moe's sparse experts have)."""
+    x = keras.Input((6,))
+    dense = keras.layers.Dense(5)
+
+    def doubled(self, inputs, training=None):
+        return 2.0 * keras.ops.matmul(inputs, self.kernel) + self.bias
+
+    object.__setattr__(dense, "call", types.MethodType(doubled, dense))
+    return keras.Model(x, keras.layers.Dense(3)(dense(x)))
+
+
+def test_a_call_of_the_instance_is_tapped_replayed_and_kept():
+    runner = _compare(_instance_call, [(4, None), (3, None)], order=[1, 0])
+    assert runner.split and not runner.refusals, runner.refusals
+    owners = {id(layer): layer for layer in runner._owners.values()}.values()
+    own = [layer for layer in owners if "call" in vars(layer)]  # restored after each trace
+    assert len(own) == 1 and own[0].call.__func__.__name__ == "doubled"

@@ -17,9 +17,12 @@ import contextlib
 
 import tensorflow as tf
 
+from hyparflow import deferred
 from hyparflow.comm.allreduce import GradientReducer
 from hyparflow.engine.flat import FlatLayout
+from hyparflow.engine.gradient_form import segments_for
 from hyparflow.engine.update import applies_per_variable, inner_optimizer
+from hyparflow.engine.weights import nbytes
 from hyparflow.traced import traced
 
 
@@ -131,3 +134,15 @@ class SegmentUpdate:
         with self._guard("sum a segment's gradients over the replicas"):
             flat = self._reducer.reduce_flat(flat)
         return layout.unflatten_fn(flat)
+
+
+def segment_count(strategy, model, variables) -> int:
+    """How many segments the stage's update runs in (Strategy.update_by_segment; by default
+    segments only for hf.scope() models, which put memory first)."""
+    asked = strategy.update_by_segment
+    count = segments_for(sum(nbytes(v) for v in variables))
+    if asked is True:
+        return max(2, count)
+    if asked is False or not deferred.built_in_scope(model):
+        return 1
+    return count

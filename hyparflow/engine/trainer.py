@@ -24,7 +24,7 @@ from hyparflow.engine import events
 from hyparflow.engine import sparse as row_sparse
 from hyparflow.engine.added_losses import warn_unless_batch_means
 from hyparflow.engine.flat import FlatLayout
-from hyparflow.engine.gradient_form import choose_gradient_form, segments_for
+from hyparflow.engine.gradient_form import choose_gradient_form
 from hyparflow.engine.gradient_path import build_gradient_path
 from hyparflow.engine.gradient_sync import GradientSync, SharedAcrossStages
 from hyparflow.engine.metrics import ReplicaMetrics, build_outside_the_trace
@@ -40,20 +40,20 @@ from hyparflow.engine.runners import (
     seed_variables,
     unsynchronized_moving_statistics,
 )
-from hyparflow.engine.segment_update import SegmentUpdate
+from hyparflow.engine.segment_update import SegmentUpdate, segment_count
 from hyparflow.engine.stage_state import TrainingState
 from hyparflow.engine.structure import model_input_list, pack_model_outputs
 from hyparflow.engine.update import Update
 from hyparflow.engine.weights import (
     assign_packed,
     broadcast_owned_weights,
-    nbytes,
     owned_variables,
     packed,
     rank_variables,
 )
 from hyparflow.engine.zero import ShardedUpdate
 from hyparflow.engine.zero_checkpoint import ZeroCheckpoint
+from hyparflow.moe import SparseDispatch
 from hyparflow.tensor import collectives
 from hyparflow.tensor.shards import TensorShards
 from hyparflow.traced import traced
@@ -105,7 +105,8 @@ class Trainer:
         self.shards = None
         if topo.num_shards > 1:
             self.shards = TensorShards(tensor_layout, topo.tensor_comm, feature_slice)
-        with self.tensor_active():  # everything below sees (and traces) the shards
+        self.sparse_experts = SparseDispatch(model if strategy.sparse_experts else None)
+        with self.layers_active():  # everything below sees (and traces) shards and experts
             self._build(model, strategy, plan, topo, comm_backend)
 
     def _build(self, model, strategy, plan, topo, comm_backend):
@@ -185,7 +186,7 @@ class Trainer:
             large_variables=layout.large_variables,
             shared_across_stages=shared_across_stages,
             tables=len(self.sparse),
-            segments=1 if whole else _segment_count(strategy, self.model, self.variables),
+            segments=1 if whole else segment_count(strategy, self.model, self.variables),
             tensor_split=self.shards is not None,
         )
         self.gradient_form = choose_gradient_form(**facts, overlap_groups=strategy.overlap_groups)
@@ -244,10 +245,14 @@ class Trainer:
             span=lambda *kind: self._span(*kind), guard=self._guard, step=lambda: self.step,
         )  # fmt: skip
 
-    def tensor_active(self):
-        """The context in which the layers hold this rank's tensor shards (none without
-        tensor parallelism)."""
-        return contextlib.nullcontext() if self.shards is None else self.shards.active()
+    def layers_active(self) -> contextlib.ExitStack:
+        """The layers as this rank runs them: with its tensor shards (tensor parallelism) and
+        keras_hub mixture blocks' experts dispatched sparsely (docs/moe.md)."""
+        stack = contextlib.ExitStack()
+        if self.shards is not None:
+            stack.enter_context(self.shards.active())
+        stack.enter_context(self.sparse_experts)
+        return stack
 
     def load_shards(self) -> None:
         """Slice the model's current weights into this rank's tensor shards (each fit, evaluate
@@ -312,7 +317,7 @@ class Trainer:
     # --- steps ---------------------------------------------------------------------------
     def train_step(self, batch: GlobalBatch) -> None:
         """One optimizer step on one global batch (collective over every rank)."""
-        with self.tensor_active():
+        with self.layers_active():
             self._train_step(batch)
 
     def _train_step(self, batch: GlobalBatch) -> None:
@@ -333,14 +338,14 @@ class Trainer:
     def eval_step(self, batch: GlobalBatch, reg_value: float) -> None:
         """Forward-only pass of one batch: loss and metrics accumulate at the last stage."""
         self.output_losses.begin(batch.size)
-        with self.tensor_active():
+        with self.layers_active():
             losses = self.walk.run(self.walk.microbatches(batch), batch.size, train=False)
             self._track_loss(losses, reg_value, self._added_total())
 
     def predict_step(self, batch: GlobalBatch) -> list | None:
         """Forward-only pass; the last stage returns its shard's outputs (micro-batch list)."""
         microbatches = self.walk.microbatches(batch)
-        with self.tensor_active():
+        with self.layers_active():
             return self.walk.run(microbatches, batch.size, train=False, predict=True)
 
     def regularization(self) -> float:
@@ -424,18 +429,6 @@ class Trainer:
         self.watchdog.close()
         self.walk.close()
         self.topology.free()
-
-
-def _segment_count(strategy, model, variables) -> int:
-    """How many segments the stage's update runs in (Strategy.update_by_segment; by default
-    segments only for hf.scope() models, which put memory first)."""
-    asked = strategy.update_by_segment
-    count = segments_for(sum(nbytes(v) for v in variables))
-    if asked is True:
-        return max(2, count)
-    if asked is False or not deferred.built_in_scope(model):
-        return 1
-    return count
 
 
 def _tensor_listener(recorder: events.Recorder):

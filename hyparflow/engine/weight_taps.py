@@ -44,6 +44,7 @@ class LayerCall:
     its float outputs (first dimension the batch's, else fixed)."""
 
     layer: object
+    replay: object  # the layer's call as the forward ran it (its instance's own, if set)
     args: tuple
     kwargs: dict
     saved: int  # how many tensors of the saved list are this call's
@@ -73,7 +74,7 @@ def hoistable_activation(layer):
     if activation is None or activation is keras.activations.linear:
         return None
     stock = any(type(layer).call is cls.call for cls in _stock_call_classes())
-    return activation if stock else None
+    return activation if stock and "call" not in vars(layer) else None
 
 
 @contextlib.contextmanager
@@ -161,21 +162,22 @@ class Taps:
 
     def __exit__(self, *exc):
         self._scope.__exit__(*exc)
-        for layer in self._patched:
-            object.__delattr__(layer, "call")
+        for layer, own in self._patched:
+            if own is None:
+                object.__delattr__(layer, "call")
+            else:  # a call set on the instance before (hyparflow.moe's sparse experts)
+                object.__setattr__(layer, "call", own)
         return False
 
     def _patch(self, layer) -> None:
-        if "call" in vars(layer):  # a `call` set on the instance: not ours to wrap
-            self.refusals.append(f"layer {layer.name} has a `call` of its own instance")
-            return
-        original = type(layer).call.__get__(layer)
+        own = vars(layer).get("call")
+        original = own if own is not None else type(layer).call.__get__(layer)
 
         def tapped(*args, **kwargs):
             return self._tapped_call(layer, original, args, kwargs)
 
         object.__setattr__(layer, "call", tapped)
-        self._patched.append(layer)
+        self._patched.append((layer, own))
 
     def _refuse_layer(self, layer) -> bool:
         """Record why `layer`'s calls cannot be replayed for its weight gradient, if they
@@ -205,12 +207,12 @@ class Taps:
             self._active.pop()
         if len(_keras.own_losses(layer)) != losses_before:
             self.refusals.append(f"layer {layer.name} adds a loss in its call")
-        record = self._record(layer, args, kwargs)
+        record = self._record(layer, original, args, kwargs)
         record.hoisted = activation is not None
         outputs = tree.map_structure(lambda t: self._tap(t, record), outputs)
         return activation(outputs) if activation else outputs
 
-    def _record(self, layer, args, kwargs) -> LayerCall:
+    def _record(self, layer, original, args, kwargs) -> LayerCall:
         start = len(self.saved)
 
         def keep(value):
@@ -221,6 +223,7 @@ class Taps:
 
         call = LayerCall(
             layer,
+            original,
             tree.map_structure(keep, args),
             tree.map_structure(keep, kwargs),
             saved=0,
@@ -281,7 +284,7 @@ def weight_gradients(calls: list[LayerCall], variables: list, saved, output_grad
                 keras.StatelessScope(initialize_variables=False),
                 _without_activation(call.layer) if call.hoisted else contextlib.nullcontext(),
             ):
-                outputs = type(call.layer).call(call.layer, *args, **kwargs)
+                outputs = call.replay(*args, **kwargs)
         floats = [t for t in tree.flatten(outputs) if _is_tensor(t) and t.dtype.is_floating]
         pieces = [tf.cast(next(by_output), t.dtype) for t in floats]
         found = tape.gradient(

@@ -46,6 +46,7 @@ def run(case: Case) -> dict:
         "traces": most_traces(runner),
         "split_backward": getattr(runner, "split", None),
         "refusals": getattr(runner, "refusals", None),
+        "sparse_blocks": len(trainer.sparse_experts.blocks),  # mixtures dispatched sparsely
         "weights": relative_difference(model.get_weights(), reference["weights"]),
         "history": history_difference(history.history, reference["history"]),
         "grid_nodes": trainer.topology.nodes,  # host of each grid place

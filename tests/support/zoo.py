@@ -229,6 +229,18 @@ def qwen3_moe():
     return keras_hub.models.Qwen3MoeCausalLM(backbone, preprocessor=None)
 
 
+def mixtral():
+    """keras_hub's Mixtral, tiny: top-2 routing over 4 experts, each computed sparsely by
+    hyparflow (its dense experts in Keras). Router loss off, as for `qwen3_moe`."""
+    import keras_hub
+
+    backbone = keras_hub.models.MixtralBackbone(
+        vocabulary_size=HUB_VOCAB, num_layers=2, num_query_heads=2, num_key_value_heads=1,
+        hidden_dim=16, intermediate_dim=8, num_experts=4, top_k=2, router_aux_loss_coef=0.0,
+    )  # fmt: skip
+    return keras_hub.models.MixtralCausalLM(backbone, preprocessor=None)
+
+
 def preprocessed():
     """Preprocessing layers in the graph: Normalization and Discretization, then dense layers."""
     inputs = keras.Input((6,))
@@ -289,14 +301,16 @@ BUILDERS = {
     for f in (
         embedding_mlp, two_tables, dropout_mlp, added_losses, masked_gru, batchnorm_cnn,
         preprocessed, mobilenet_v3, gpt2, bert, llama, gemma, mistral, opt,
-        distil_bert, roberta, albert, falcon, qwen3_moe, wide_mlp, conv_pairs, encoder,
+        distil_bert, roberta, albert, falcon, qwen3_moe, mixtral, wide_mlp, conv_pairs,
+        encoder,
     )
 }  # fmt: skip
 # keras_hub: token batches of varying length; classifiers take labels, the others next tokens
 TEXT_MODELS = (
     "gpt2", "bert", "llama", "gemma", "mistral", "opt", "distil_bert", "roberta", "albert",
-    "falcon", "qwen3_moe",
+    "falcon", "qwen3_moe", "mixtral",
 )  # fmt: skip
+MIXTURES = ("qwen3_moe", "mixtral")  # keras_hub mixture-of-experts blocks, dispatched sparsely
 CLASSIFIERS = ("bert", "distil_bert", "roberta", "albert")
 SEGMENTED = ("bert", "albert")  # take segment ids
 HUB_VOCAB = 50

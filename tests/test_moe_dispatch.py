@@ -1,0 +1,118 @@
+"""Sparse expert dispatch (hyparflow/moe) equals the dense mixtures it replaces.
+
+`top_k_mixture` against the dense sum over all experts, and keras_hub's Mixtral and Qwen3-MoE
+blocks under `SparseDispatch` against their own dense calls: outputs, router logits, the
+router's load-balancing loss (on, with a padding mask) and every gradient."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from hyparflow.moe import SparseDispatch, sparse_blocks
+from hyparflow.moe.dispatch import top_k_mixture
+from tests.support import zoo
+
+TOLERANCE = 1e-5
+
+
+def _dense_mixture(tokens, index, weight, kernels):
+    """Every expert on every token, the unpicked ones weighted 0 (what keras_hub computes)."""
+    every = tf.einsum("th,ehm->etm", tokens, kernels)
+    routing = tf.reduce_sum(tf.one_hot(index, kernels.shape[0]) * weight[..., None], axis=1)
+    return tf.reduce_sum(every * tf.transpose(routing)[..., None], axis=0)
+
+
+@pytest.mark.parametrize("picks", [1, 2, 3])
+def test_top_k_mixture_equals_the_dense_sum_and_its_gradients(picks):
+    rng = np.random.default_rng(picks)
+    experts, rows = 5, 12
+    tokens = tf.constant(rng.normal(size=(rows, 4)), tf.float32)
+    kernels = tf.Variable(rng.normal(size=(experts, 4, 3)), dtype=tf.float32)
+    # distinct picks per token, expert 4 never picked: an expert with no tokens
+    index = tf.constant(np.stack([rng.permutation(4)[:picks] for _ in range(rows)]))
+    weight = tf.constant(rng.uniform(size=(rows, picks)), tf.float32)
+    results = []
+    for mixture in (
+        lambda: top_k_mixture(
+            tokens, index, weight, experts, lambda e, x: x @ tf.unstack(kernels.value())[e]
+        ),
+        lambda: _dense_mixture(tokens, index, weight, kernels),
+    ):
+        with tf.GradientTape(persistent=True) as tape:
+            tape.watch([tokens, weight])
+            out = mixture()
+            loss = tf.reduce_sum(out * tf.range(1.0, 4.0))
+        grads = tape.gradient(loss, [tokens, weight, kernels])
+        results.append([out, *map(tf.convert_to_tensor, grads)])
+    for sparse, dense in zip(*results, strict=True):
+        np.testing.assert_allclose(sparse, dense, atol=TOLERANCE, rtol=TOLERANCE)
+    assert not np.any(results[0][3][4]), "the unpicked expert gets no gradient"
+
+
+def _mixtral():
+    import keras_hub
+
+    backbone = keras_hub.models.MixtralBackbone(
+        vocabulary_size=zoo.HUB_VOCAB, num_layers=1, num_query_heads=2, num_key_value_heads=1,
+        hidden_dim=16, intermediate_dim=8, num_experts=4, top_k=2, router_aux_loss_coef=0.5,
+    )  # fmt: skip
+    return backbone.transformer_layers[0]._sparse_moe_block
+
+
+def _qwen3_moe(normalize: bool):
+    import keras_hub
+
+    backbone = keras_hub.models.Qwen3MoeBackbone(
+        vocabulary_size=zoo.HUB_VOCAB, num_layers=1, num_query_heads=2, num_key_value_heads=1,
+        hidden_dim=16, intermediate_dim=32, moe_intermediate_dim=8, num_experts=4, top_k=2,
+        head_dim=8, router_aux_loss_coefficient=0.5, norm_top_k_prob=normalize,
+    )  # fmt: skip
+    return backbone.transformer_layers[0].mlp
+
+
+def _run(block, hidden, mask):
+    """The block's output, router logits, added loss and gradients of a loss of all three."""
+    with tf.GradientTape() as tape:
+        tape.watch(hidden)
+        out, logits = block(hidden, attention_mask=mask, training=True)
+        added = tf.add_n(block.losses)
+        loss = tf.reduce_sum(out**2) + tf.reduce_sum(logits) + added
+    grads = tape.gradient(loss, [hidden, *block.trainable_variables])
+    assert not any(isinstance(g, tf.IndexedSlices) for g in grads), "dense, as Keras's"
+    return [out, logits, added, *grads]
+
+
+@pytest.mark.parametrize(
+    "make, square_mask",
+    [(_mixtral, False), (lambda: _qwen3_moe(True), True), (lambda: _qwen3_moe(False), True)],
+    ids=["mixtral", "qwen3_moe", "qwen3_moe_unnormalized"],
+)  # fmt: skip
+def test_keras_hub_blocks_compute_as_their_dense_calls(make, square_mask):
+    """With the mask each decoder hands its block: Mixtral's padding mask, Qwen3-MoE's
+    self-attention mask (its loss keeps a token that attends to anything)."""
+    keras.utils.set_random_seed(0)
+    block = make()
+    hidden = tf.constant(np.random.default_rng(0).normal(size=(3, 5, 16)), tf.float32)
+    mask = tf.constant([[True] * 5, [True] * 3 + [False] * 2, [True] * 4 + [False]])
+    if square_mask:
+        mask = mask[:, :, None] & mask[:, None, :]
+    dense = _run(block, hidden, mask)
+    with SparseDispatch(block) as dispatch:
+        assert dispatch.blocks == [block]
+        sparse = _run(block, hidden, mask)
+        graph = tf.function(lambda h: block(h, training=False)).get_concrete_function(hidden)
+    assert "call" not in vars(block) and "call" not in vars(block.expert_bank), "calls restored"
+    assert {"DynamicPartition", "DynamicStitch"} <= {op.type for op in graph.graph.get_operations()}
+    for a, b in zip(sparse, dense, strict=True):
+        np.testing.assert_allclose(a, b, atol=TOLERANCE, rtol=TOLERANCE)
+
+
+def test_only_the_blocks_of_the_table_go_sparse():
+    keras.utils.set_random_seed(0)
+    model = zoo.qwen3_moe()
+    blocks = sparse_blocks(model)
+    assert len(blocks) == 2 and all(type(b).__name__ == "Qwen3SparseMoeBlock" for b in blocks)
+    assert sparse_blocks(zoo.llama()) == []
+    with SparseDispatch(None) as nothing:  # strategy sparse_experts=False
+        assert nothing.blocks == []
