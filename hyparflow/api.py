@@ -86,6 +86,7 @@ def _make_trainer(model, resolved, comm, needs_loss=True, comm_backend=None, res
     if needs_loss:
         agree(comm, model_checks.check_loss_reductions, model)
         agree(comm, model_checks.check_standard_steps, model, resolved)
+        agree(comm, model_checks.check_router_losses, model, resolved)
     agree(comm, model_checks.check_random_layers, model, resolved)
     agree(comm, model_checks.check_batchnorm, model, resolved)
     cached = getattr(model, _TRAINER_ATTRIBUTE, None)

@@ -12,6 +12,7 @@ from hyparflow.engine.random_slices import unsliceable_random_layers
 from hyparflow.engine.structure import model_input_list
 from hyparflow.engine.sync_batchnorm import synchronized_layers
 from hyparflow.engine.zero_refusal import refusal as zero_refusal
+from hyparflow.moe import router_loss_weight, sparse_blocks
 
 
 def check_compiled(model) -> None:
@@ -88,6 +89,22 @@ def check_batchnorm(model, strategy) -> None:
             "whole global batch (synchronized=True or sync_batchnorm=True), which micro-batches "
             "cannot see at once; use num_microbatches=1, or let each micro-batch normalise "
             "alone (synchronized=False, sync_batchnorm=False)."
+        )
+
+
+def check_router_losses(model, strategy) -> None:
+    """Refuse micro-batches for keras_hub mixture blocks with a load-balancing loss: its
+    global-batch counts exist only once every micro-batch has been routed, after the first
+    backward would need them (docs/moe.md). Replicas are exact (hyparflow/moe/router_loss.py)."""
+    if not strategy.sparse_experts or strategy.microbatches == 1:
+        return
+    weighted = [block.name for block in sparse_blocks(model) if router_loss_weight(block)]
+    if weighted:
+        raise ValueError(
+            f"Mixture-of-experts blocks {weighted[:5]} add a router load-balancing loss, a "
+            "product of means over the whole batch that hyparflow computes exactly across "
+            f"replicas but not across micro-batches; use num_microbatches=1 (not "
+            f"{strategy.microbatches}), or set the model's router loss coefficient to 0."
         )
 
 
@@ -210,6 +227,7 @@ def check_layout(model, strategy, comm_backend: str) -> None:
     check_standard_steps(model, strategy)
     check_random_layers(model, strategy)
     check_batchnorm(model, strategy)
+    check_router_losses(model, strategy)
     check_tensor_parallel(model, strategy, comm_backend)
     check_sharded_optimizer(model, strategy, comm_backend)
     check_optimizer_unbuilt(model, strategy)

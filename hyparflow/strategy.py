@@ -123,7 +123,9 @@ class Strategy:
     - `sparse_experts` (True): keras_hub's mixture-of-experts blocks (Mixtral, Qwen3-MoE)
       compute each token through its top-k experts only, instead of every expert on every
       token multiplied by zero (docs/moe.md): the same sums to float rounding, for a k/E
-      share of the experts' compute. False keeps their dense calls.
+      share of the experts' compute; and their router's load-balancing loss is that of the
+      whole global batch across replicas (refused with `microbatches` > 1). False keeps
+      keras_hub's dense calls, each piece's loss its own.
 
     Process (opt-ins that change process-wide state):
 

@@ -116,3 +116,65 @@ def test_only_the_blocks_of_the_table_go_sparse():
     assert sparse_blocks(zoo.llama()) == []
     with SparseDispatch(None) as nothing:  # strategy sparse_experts=False
         assert nothing.blocks == []
+
+
+def _router_loss_and_gradient(block, hidden, mask, share=1.0):
+    """`share` x the block's added loss, and its gradient for the router's kernel."""
+    router = block._sparse_feedforward_gate_dense.kernel
+    with tf.GradientTape() as tape:
+        block(hidden, attention_mask=mask, training=True)
+        loss = share * tf.add_n(block.losses)
+    return loss, tape.gradient(loss, router.value)
+
+
+@pytest.mark.parametrize(
+    "make, square_mask",
+    [(_mixtral, False), (lambda: _qwen3_moe(True), True)], ids=["mixtral", "qwen3_moe"],
+)  # fmt: skip
+def test_pieces_of_a_batch_sum_to_the_router_loss_of_the_whole(make, square_mask):
+    """Two pieces (2 and 1 rows), each adding the other's counts through `global_sum` and
+    weighted by its share of the rows as the engine weights added losses, give keras_hub's loss
+    of the whole batch and its gradient; each piece's own keras_hub loss does not."""
+    keras.utils.set_random_seed(0)
+    block = make()
+    hidden = tf.constant(np.random.default_rng(1).normal(size=(3, 5, 16)), tf.float32)
+    mask = tf.constant([[True] * 5, [True] * 3 + [False] * 2, [True] * 4 + [False]])
+    if square_mask:
+        mask = mask[:, :, None] & mask[:, None, :]
+    whole_loss, whole_grad = _router_loss_and_gradient(block, hidden, mask)  # keras_hub's
+    pieces = [slice(0, 2), slice(2, 3)]
+    naive = sum(
+        _router_loss_and_gradient(block, hidden[p], mask[p], share=(p.stop - p.start) / 3)[0]
+        for p in pieces
+    )
+    differs = abs(float(naive - whole_loss)) / float(whole_loss)
+    assert differs > 10 * TOLERANCE, "the pieces' own keras_hub losses are not the whole's"
+    sums = []
+    for p in pieces:  # each piece's counts, tokens and rows, as the allreduce would see them
+        with SparseDispatch(block, global_sum=lambda t: sums.append(t) or t):
+            block(hidden[p], attention_mask=mask[p], training=True)
+    loss, grad = 0.0, 0.0
+    for p, others in zip(pieces, (sums[1], sums[0]), strict=True):
+        with SparseDispatch(block, global_sum=lambda t, others=others: t + others):
+            piece = _router_loss_and_gradient(
+                block, hidden[p], mask[p], share=(p.stop - p.start) / 3
+            )
+        loss, grad = loss + piece[0], grad + piece[1]
+    np.testing.assert_allclose(loss, whole_loss, rtol=TOLERANCE)
+    np.testing.assert_allclose(grad, whole_grad, rtol=TOLERANCE, atol=TOLERANCE)
+
+
+def test_micro_batches_are_refused_with_a_router_loss_only():
+    import hyparflow as hf
+    from hyparflow.model_checks import check_router_losses
+
+    keras.utils.set_random_seed(0)
+    model = zoo.mixtral()  # router loss 0.1
+    pipeline = hf.Strategy("model", partitions=2, microbatches=2)
+    with pytest.raises(ValueError, match=r"router load-balancing loss.*num_microbatches=1"):
+        check_router_losses(model, pipeline)
+    check_router_losses(model, hf.Strategy("hybrid", partitions=2, replicas=2))  # replicas: exact
+    # dense blocks keep keras_hub's loss per piece, with the warning; no loss, nothing to refuse
+    check_router_losses(model, hf.Strategy("model", partitions=2, microbatches=2,
+                                           sparse_experts=False))  # fmt: skip
+    check_router_losses(zoo.qwen3_moe(), pipeline)  # coefficient 0

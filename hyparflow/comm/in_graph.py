@@ -41,7 +41,8 @@ class Traffic:
         self.calls, self.bytes, self.seconds = 0, 0, 0.0
 
 
-# One record per tag: "tensor" (tensor-parallel layers), "batchnorm" (synchronised statistics).
+# One record per tag: "tensor" (tensor-parallel layers), "batchnorm" (synchronised statistics),
+# "experts" (mixture blocks' routing counts).
 TRAFFIC: dict[str, Traffic] = {}
 
 

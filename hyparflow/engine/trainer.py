@@ -16,7 +16,7 @@ import dataclasses
 import tensorflow as tf
 
 from hyparflow import _keras, deferred
-from hyparflow.comm.in_graph import traffic
+from hyparflow.comm.in_graph import allreduce, traffic
 from hyparflow.comm.topology import Topology
 from hyparflow.comm.watchdog import NoWatchdog, Watchdog
 from hyparflow.data import GlobalBatch
@@ -105,7 +105,12 @@ class Trainer:
         self.shards = None
         if topo.num_shards > 1:
             self.shards = TensorShards(tensor_layout, topo.tensor_comm, feature_slice)
-        self.sparse_experts = SparseDispatch(model if strategy.sparse_experts else None)
+        # mixture blocks count their routing over the replicas in the step (hyparflow/moe)
+        replicas = topo.stage_comm if topo.num_replicas > 1 else None
+        replica_sum = replicas and (lambda vector: allreduce(replicas, vector, "experts"))
+        self.sparse_experts = SparseDispatch(
+            model if strategy.sparse_experts else None, replica_sum
+        )
         with self.layers_active():  # everything below sees (and traces) shards and experts
             self._build(model, strategy, plan, topo, comm_backend)
 
@@ -360,7 +365,8 @@ class Trainer:
         pipeline = self.topology.pipeline_comm
         if self._any_added_losses is None:  # known once every stage has traced its calls
             microbatches_per_batch = self.topology.num_replicas * self.strategy.microbatches
-            warn_unless_batch_means(self._loss_adders, microbatches_per_batch)
+            exact = {block.name for block in self.sparse_experts.blocks}  # router losses
+            warn_unless_batch_means(self._loss_adders - exact, microbatches_per_batch)
             with self._guard("agree on added losses"):
                 self._any_added_losses = bool(
                     pipeline.allreduce(bool(self.runner.has_added_losses), op=mpi_op("LOR"))

@@ -6,13 +6,13 @@ experts) and multiply the unpicked outputs by zero. For the classes whose `call`
 `SparseDispatch` gives the block a call that routes the same way and then hands the tokens,
 their picks and weights to the expert bank, whose call computes each expert on its own tokens
 only (`dispatch.top_k_mixture`). The expert weights stay read inside the bank's own call, so
-ZB-H1 can still replay it for their gradients. The router's load-balancing loss is the
-block's own function on the same logits. A block class not in the table keeps its dense call.
+ZB-H1 can still replay it for their gradients. The router's load-balancing loss is keras_hub's
+formula of the whole global batch (`router_loss`). A block class not in the table keeps its
+dense call.
 """
 
 from __future__ import annotations
 
-import sys
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +22,7 @@ import tensorflow as tf
 
 from hyparflow import _keras
 from hyparflow.moe.dispatch import top_k_mixture
+from hyparflow.moe.router_loss import load_balancing_loss
 
 
 @dataclass(frozen=True)
@@ -73,12 +74,17 @@ def policy_of(layer) -> Policy | None:
     return POLICIES.get(kind.__name__)
 
 
+def router_loss_weight(block) -> float:
+    """The coefficient of `block`'s load-balancing loss (0: none), a block of the table."""
+    return float(getattr(block, policy_of(block).loss_coefficient))
+
+
 def sparse_blocks(model) -> list:
     """The layers of `model` that `SparseDispatch` gives a sparse call."""
     return [layer for layer in _keras.all_layers(model) if policy_of(layer) is not None]
 
 
-def _block_call(policy: Policy):
+def _block_call(policy: Policy, global_sum):
     def call(block, hidden_states, attention_mask=None, training=False):
         shape = tf.shape(hidden_states)
         tokens = tf.reshape(hidden_states, [-1, block.hidden_dim])
@@ -93,8 +99,8 @@ def _block_call(policy: Policy):
             weight = weight / tf.reduce_sum(weight, axis=-1, keepdims=True)
         mixed = block.expert_bank((tokens, index, weight))
         if training:
-            balance = sys.modules[type(block).__module__].compute_load_balancing_loss
-            loss = balance(logits, block.num_experts, block.top_k, attention_mask)
+            rows = shape[0]
+            loss = load_balancing_loss(logits, block.top_k, rows, attention_mask, global_sum)
             block.add_loss(getattr(block, policy.loss_coefficient) * loss)
         return tf.reshape(mixed, shape), logits
 
@@ -117,18 +123,21 @@ def _bank_call(policy: Policy):
 
 class SparseDispatch:
     """While entered, the model's keras_hub mixture blocks in `POLICIES` compute each token
-    through its top-k experts only; on the last exit they have their own calls again. With
-    `model` None, it changes nothing (dispatch left dense)."""
+    through its top-k experts only, and their load-balancing loss as this piece's part of the
+    global batch's (`router_loss`; `global_sum` sums a vector over the pieces, in the step);
+    on the last exit they have their own calls again. With `model` None, it changes nothing
+    (the blocks stay dense, with keras_hub's loss of each piece)."""
 
-    def __init__(self, model=None):
+    def __init__(self, model=None, global_sum=None):
         self.blocks = [] if model is None else sparse_blocks(model)
+        self.global_sum = global_sum
         self.depth = 0  # entered again inside itself: the calls stay until the outer exit
 
     def __enter__(self):
         self.depth += 1
         for block in self.blocks if self.depth == 1 else ():
             policy = policy_of(block)
-            block.call = types.MethodType(_block_call(policy), block)
+            block.call = types.MethodType(_block_call(policy, self.global_sum), block)
             block.expert_bank.call = types.MethodType(_bank_call(policy), block.expert_bank)
         return self
 

@@ -217,8 +217,8 @@ def falcon():
 
 def qwen3_moe():
     """keras_hub's Qwen3 mixture of experts, tiny: top-2 routing over 4 experts. Its router's
-    load-balancing loss (a product of batch means, added with `add_loss`) cannot be split into
-    pieces exactly (hyparflow warns, docs/models.md), so its coefficient is 0 here."""
+    load-balancing loss (a product of batch means) is exact across replicas but refused with
+    micro-batches (docs/moe.md), which its cases use, so its coefficient is 0 here."""
     import keras_hub
 
     backbone = keras_hub.models.Qwen3MoeBackbone(
@@ -231,12 +231,13 @@ def qwen3_moe():
 
 def mixtral():
     """keras_hub's Mixtral, tiny: top-2 routing over 4 experts, each computed sparsely by
-    hyparflow (its dense experts in Keras). Router loss off, as for `qwen3_moe`."""
+    hyparflow (its dense experts in Keras), and its router's load-balancing loss on (0.1, five
+    times keras_hub's default): hyparflow sums the routing counts over the replicas."""
     import keras_hub
 
     backbone = keras_hub.models.MixtralBackbone(
         vocabulary_size=HUB_VOCAB, num_layers=2, num_query_heads=2, num_key_value_heads=1,
-        hidden_dim=16, intermediate_dim=8, num_experts=4, top_k=2, router_aux_loss_coef=0.0,
+        hidden_dim=16, intermediate_dim=8, num_experts=4, top_k=2, router_aux_loss_coef=0.1,
     )  # fmt: skip
     return keras_hub.models.MixtralCausalLM(backbone, preprocessor=None)
 
