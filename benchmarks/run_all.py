@@ -34,6 +34,7 @@ FIGURES = {  # report order: key -> module and its arguments
     "overlap": "engine_options --option overlap",
     "recompute": "engine_options --option recompute",
     "precision": "engine_options --option precision", "auto": "auto_choice",
+    "moe": "moe_dispatch",
 }  # fmt: skip
 # Text-printing benchmarks: (title, script, venv, ranks, arguments).
 OTHERS = [

@@ -1,0 +1,89 @@
+"""Mixture of experts: sparse dispatch against keras_hub's dense experts, data parallel, 2 ranks.
+
+Run: .venv/bin/python benchmarks/moe_dispatch.py [--repeats 5] [--steps 4] (starts mpirun)
+
+keras_hub's Mixtral (2 decoder layers, hidden 128, 8 experts of width 256, top-2, router loss
+on at keras_hub's 0.02; 4 query and 2 key-value heads, vocabulary 512), 64 tokens, a global
+batch of 16, Adam. Step time of hf.fit with `Strategy("data", sparse_experts=True)` (each token
+through its 2 experts, hyparflow/moe) and `False` (every expert on every token, as keras_hub
+computes), and `model.fit` on rank 0 alone; epochs interleaved. With 8 experts and top-2 the
+experts' FLOPs fall 4x; the attention, embeddings and head are the same in both.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+from benchmarks.harness import cli  # noqa: E402
+from benchmarks.harness.launch import run_worker, write_result  # noqa: E402
+from benchmarks.harness.records import measurement  # noqa: E402
+from benchmarks.harness.stats import paired_ratios  # noqa: E402
+
+FIGURE, TITLE = "moe", "Mixture of experts: sparse dispatch against dense experts, 2 ranks"
+SIZE = dict(hidden=128, width=256, experts=8, vocabulary=512, tokens=64, batch=16)
+QUICK = dict(hidden=16, width=16, experts=4, vocabulary=64, tokens=8, batch=8)
+SETUPS = ("sparse, data parallel", "dense, data parallel", "one rank (Keras, dense)")
+
+
+def _model(size: dict):
+    import keras
+    import keras_hub
+
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.MixtralBackbone(
+        vocabulary_size=size["vocabulary"], num_layers=2, num_query_heads=4,
+        num_key_value_heads=2, hidden_dim=size["hidden"], intermediate_dim=size["width"],
+        num_experts=size["experts"], top_k=2,
+    )  # fmt: skip
+    model = keras_hub.models.MixtralCausalLM(backbone, preprocessor=None)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    model.compile(optimizer="adam", loss=loss)
+    return model
+
+
+def _data(size: dict, samples: int):
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, size["vocabulary"], size=(samples, size["tokens"] + 1))
+    x = {"token_ids": tokens[:, :-1].astype("int32"),
+         "padding_mask": np.ones((samples, size["tokens"]), "int32")}  # fmt: skip
+    return x, tokens[:, 1:].astype("int32")
+
+
+def worker(args) -> None:
+    import hyparflow as hf
+    from benchmarks.harness.timing import interleaved_epochs
+
+    size = QUICK if args.quick else SIZE
+    strategies = [hf.Strategy("data", sparse_experts=True, tune_process=True),
+                  hf.Strategy("data", sparse_experts=False, tune_process=True), None]  # fmt: skip
+    setups = {name: (_model(size), s) for name, s in zip(SETUPS, strategies, strict=True)}
+    x, y = _data(size, size["batch"] * args.steps)
+    seconds = interleaved_epochs(setups, x, y, size["batch"], args.repeats, steps=args.steps)
+    if hf.rank() == 0:
+        write_result(args.worker_out, 0, {"seconds": seconds})
+
+
+def run(args) -> list[dict]:
+    flags = cli.flags(args, "repeats", "steps") + ["--quick"] * args.quick
+    r = run_worker(__file__, flags, np=2)[0]
+    ms = {k: [1e3 * s / args.steps for s in v] for k, v in r["seconds"].items()}
+    sparse, dense, alone = (ms[k] for k in SETUPS)
+    rows = [(f"{k}, ms per step", v, "ms") for k, v in ms.items()]
+    rows += [
+        ("dense / sparse step time, data parallel", paired_ratios(dense, sparse), "ratio"),
+        ("speed-up over one rank (Keras), sparse", paired_ratios(alone, sparse), "ratio"),
+        ("speed-up over one rank (Keras), dense", paired_ratios(alone, dense), "ratio"),
+    ]
+    return [measurement(FIGURE, what, v, unit) for what, v, unit in rows]
+
+
+def arguments(argv=None):
+    return cli.parser(__doc__, repeats=5, steps=4).parse_args(argv)
+
+
+if __name__ == "__main__":
+    cli.entry(arguments(), worker, run)
