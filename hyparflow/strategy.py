@@ -120,7 +120,7 @@ class Strategy:
       `BatchNormalization(synchronized=True)` layers always are (then exactly Keras's
       training); by default each replica (and micro-batch) normalises its share alone
       (docs/models.md). Refused with `microbatches` > 1.
-    - `sparse_experts` (True): keras_hub's mixture-of-experts blocks (Mixtral, Qwen3-MoE)
+    - `sparse_experts` (True): keras_hub's mixture-of-experts blocks (Mixtral, Qwen3-MoE, gpt-oss)
       compute each token through its top-k experts only, instead of every expert on every
       token multiplied by zero (docs/moe.md): the same sums to float rounding, for a k/E
       share of the experts' compute; and their router's load-balancing loss is that of the

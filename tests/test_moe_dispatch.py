@@ -71,12 +71,28 @@ def _qwen3_moe(normalize: bool):
     return backbone.transformer_layers[0].mlp
 
 
+def _gpt_oss():
+    """gpt-oss's block (no router loss; biased, clamped experts), its biases made non-zero."""
+    from keras_hub.src.models.gpt_oss.gpt_oss_decoder import GptOssSparseMoeBlock
+
+    block = GptOssSparseMoeBlock(16, 8, num_experts=4, top_k=2)
+    block.build((None, None, 16))
+    rng = np.random.default_rng(2)
+    for bias in (block.experts.gate_up_proj_bias, block.experts.down_proj_bias):
+        bias.assign(rng.normal(size=bias.shape))
+    return block
+
+
 def _run(block, hidden, mask):
-    """The block's output, router logits, added loss and gradients of a loss of all three."""
+    """The block's output, router logits (gpt-oss: routing weights), added loss and gradients of
+    a loss of all three."""
     with tf.GradientTape() as tape:
         tape.watch(hidden)
-        out, logits = block(hidden, attention_mask=mask, training=True)
-        added = tf.add_n(block.losses)
+        if mask is None:  # gpt-oss's call takes the hidden states only
+            out, logits = block(hidden)
+        else:
+            out, logits = block(hidden, attention_mask=mask, training=True)
+        added = tf.add_n(block.losses) if block.losses else tf.constant(0.0)
         loss = tf.reduce_sum(out**2) + tf.reduce_sum(logits) + added
     grads = tape.gradient(loss, [hidden, *block.trainable_variables])
     assert not any(isinstance(g, tf.IndexedSlices) for g in grads), "dense, as Keras's"
@@ -85,24 +101,28 @@ def _run(block, hidden, mask):
 
 @pytest.mark.parametrize(
     "make, square_mask",
-    [(_mixtral, False), (lambda: _qwen3_moe(True), True), (lambda: _qwen3_moe(False), True)],
-    ids=["mixtral", "qwen3_moe", "qwen3_moe_unnormalized"],
+    [(_mixtral, False), (lambda: _qwen3_moe(True), True), (lambda: _qwen3_moe(False), True),
+     (_gpt_oss, None)],
+    ids=["mixtral", "qwen3_moe", "qwen3_moe_unnormalized", "gpt_oss"],
 )  # fmt: skip
 def test_keras_hub_blocks_compute_as_their_dense_calls(make, square_mask):
     """With the mask each decoder hands its block: Mixtral's padding mask, Qwen3-MoE's
-    self-attention mask (its loss keeps a token that attends to anything)."""
+    self-attention mask (its loss keeps a token that attends to anything), none for gpt-oss."""
     keras.utils.set_random_seed(0)
     block = make()
     hidden = tf.constant(np.random.default_rng(0).normal(size=(3, 5, 16)), tf.float32)
     mask = tf.constant([[True] * 5, [True] * 3 + [False] * 2, [True] * 4 + [False]])
     if square_mask:
         mask = mask[:, :, None] & mask[:, None, :]
+    if square_mask is None:
+        mask = None
     dense = _run(block, hidden, mask)
     with SparseDispatch(block) as dispatch:
         assert dispatch.blocks == [block]
         sparse = _run(block, hidden, mask)
-        graph = tf.function(lambda h: block(h, training=False)).get_concrete_function(hidden)
-    assert "call" not in vars(block) and "call" not in vars(block.expert_bank), "calls restored"
+        graph = tf.function(lambda h: block(h)).get_concrete_function(hidden)
+    bank = getattr(block, "expert_bank", None) or block.experts
+    assert "call" not in vars(block) and "call" not in vars(bank), "calls restored"
     assert {"DynamicPartition", "DynamicStitch"} <= {op.type for op in graph.graph.get_operations()}
     for a, b in zip(sparse, dense, strict=True):
         np.testing.assert_allclose(a, b, atol=TOLERANCE, rtol=TOLERANCE)

@@ -3,9 +3,9 @@
 Embedding tables with every built-in optimizer (their gradients are row slices, which Keras
 applies with sparse semantics), global clipping across pipeline stages, dropout, added losses,
 masks, preprocessing layers, synchronised BatchNormalization (keras.applications'
-MobileNetV3), and keras_hub's GPT-2, BERT, Llama, Gemma, Mistral, OPT, DistilBERT, RoBERTa, ALBERT,
-Falcon, Qwen3-MoE and Mixtral (experts dispatched sparsely) on batches whose sequence length
-varies, each under data, pipeline and hybrid layouts.
+MobileNetV3), and keras_hub's GPT-2, BERT, Llama, Gemma, Mistral, OPT, DistilBERT, RoBERTa,
+ALBERT, Falcon, Qwen3-MoE, Mixtral and gpt-oss (experts dispatched sparsely) on batches whose
+sequence length varies, each under data, pipeline and hybrid layouts.
 """
 
 import pytest
@@ -88,6 +88,7 @@ TWO_RANKS = [
     Case("falcon", "sgd", "data", replicas=2, microbatches=2),
     Case("qwen3_moe", "adam", "data", replicas=2),
     Case("mixtral", "adam", "data", replicas=2),  # router loss on: counts summed over replicas
+    Case("gpt_oss", "adam", "data", replicas=2, microbatches=2),
 ]  # fmt: skip
 FOUR_RANKS = [
     Case("embedding_mlp", "adam", "hybrid", partitions=2, replicas=2, microbatches=2,

@@ -1,14 +1,14 @@
 """keras_hub's mixture-of-experts blocks with sparse dispatch: a table of policies.
 
-keras_hub 0.32's Mixtral and Qwen3-MoE blocks route each token to its top-k experts, then
-run every expert on every token (`MixtralMoeExperts`, `Qwen3MoeExperts`: one einsum over all
-experts) and multiply the unpicked outputs by zero. For the classes whose `call` was read,
-`SparseDispatch` gives the block a call that routes the same way and then hands the tokens,
-their picks and weights to the expert bank, whose call computes each expert on its own tokens
-only (`dispatch.top_k_mixture`). The expert weights stay read inside the bank's own call, so
-ZB-H1 can still replay it for their gradients. The router's load-balancing loss is keras_hub's
-formula of the whole global batch (`router_loss`). A block class not in the table keeps its
-dense call.
+keras_hub 0.32's Mixtral, Qwen3-MoE and gpt-oss blocks route each token to its top-k experts,
+then run every expert on every token (`MixtralMoeExperts`, `Qwen3MoeExperts`, `GptOssExperts`:
+one einsum over all experts) and multiply the unpicked outputs by zero. For the classes whose
+`call` was read, `SparseDispatch` gives the block a call that routes the same way and then
+hands the tokens, their picks and weights to the expert bank, whose call computes each expert
+on its own tokens only (`dispatch.top_k_mixture`). The expert weights stay read inside the
+bank's own call, so ZB-H1 can still replay it for their gradients. The router's load-balancing
+loss (Mixtral, Qwen3-MoE; gpt-oss has none) is keras_hub's formula of the whole global batch
+(`router_loss`). A block class not in the table keeps its dense call.
 """
 
 from __future__ import annotations
@@ -29,25 +29,62 @@ from hyparflow.moe.router_loss import load_balancing_loss
 class Policy:
     """How one keras_hub block class routes and computes its experts."""
 
-    loss_coefficient: str  # the block's attribute scaling its load-balancing loss
-    kernels: tuple  # the expert bank's attributes holding (experts, ...) kernels, in order
-    expert: Callable  # (bank, one expert's kernels, rows) -> rows through that expert
-    normalizes: Callable = lambda block: True  # whether the top-k weights sum to one
-    jitter: bool = False  # multiplies tokens by uniform noise in training (Mixtral)
+    route: Callable  # (block, tokens, training) -> router logits, picks (T, k), weights (T, k)
+    bank: str  # the block's attribute holding its expert bank
+    kernels: tuple  # the bank's attributes holding (experts, ...) weights, in `expert`'s order
+    expert: Callable  # (bank, one expert's weights, rows) -> rows through that expert
+    loss_coefficient: str | None = None  # the block's load-balancing loss coefficient
+    scores: bool = False  # returns (T, E) routing weights beside its output, not the logits
 
 
-def _gated_expert(bank, kernels, rows):
+def _softmax_route(normalizes: Callable, jitter: bool = False):
+    """Mixtral and Qwen3-MoE: softmax over all experts, then the top k, whose weights are
+    normalised to sum to one where `normalizes(block)`; Mixtral's tokens jittered in training."""
+
+    def route(block, tokens, training):
+        noise = getattr(block, "router_jitter_noise", 0.0) if jitter and training else 0.0
+        if noise > 0:
+            uniform = keras.random.uniform(tf.shape(tokens), 1.0 - noise, 1.0 + noise)
+            tokens = tokens * tf.cast(uniform, tokens.dtype)
+        logits = block._sparse_feedforward_gate_dense(tokens)
+        weight, index = tf.math.top_k(tf.nn.softmax(logits, axis=-1), k=block.top_k)
+        if normalizes(block):
+            weight = weight / tf.reduce_sum(weight, axis=-1, keepdims=True)
+        return logits, index, weight, tokens
+
+    return route
+
+
+def _top_logits_route(block, tokens, training):
+    """gpt-oss: the top k logits, softmax over those k only."""
+    logits = block.router.router_dense(tokens)
+    top, index = tf.math.top_k(logits, k=block.top_k)
+    return logits, index, tf.nn.softmax(top, axis=-1), tokens
+
+
+def _gated_expert(bank, weights, rows):
     """Mixtral: silu(rows @ gate) * (rows @ up) @ down, the activation in float32."""
-    gate_kernel, up_kernel, down_kernel = kernels
+    gate_kernel, up_kernel, down_kernel = weights
     gate = tf.cast(bank.activation(tf.cast(rows @ gate_kernel, "float32")), rows.dtype)
     return ((rows @ up_kernel) * gate) @ down_kernel
 
 
-def _fused_gated_expert(bank, kernels, rows):
+def _fused_gated_expert(bank, weights, rows):
     """Qwen3-MoE: one kernel for gate and up, split in halves: (up * silu(gate)) @ down."""
-    gate_up_kernel, down_kernel = kernels
+    gate_up_kernel, down_kernel = weights
     gate, up = tf.split(rows @ gate_up_kernel, 2, axis=-1)
     return (up * bank.activation(gate)) @ down_kernel
+
+
+def _clamped_glu_expert(bank, weights, rows):
+    """gpt-oss: gate and up interleaved in one biased projection, clamped at `limit`, then
+    (up + 1) * gate * sigmoid(alpha * gate) through a biased down projection."""
+    gate_up_kernel, gate_up_bias, down_kernel, down_bias = weights
+    gate_up = rows @ gate_up_kernel + gate_up_bias
+    gate = tf.minimum(tf.maximum(gate_up[:, ::2], -1e9), bank.limit)
+    up = tf.clip_by_value(gate_up[:, 1::2], -bank.limit, bank.limit)
+    glu = gate * tf.sigmoid(gate * bank.alpha)
+    return ((up + 1) * glu) @ down_kernel + down_bias
 
 
 _GATE, _UP, _DOWN = (
@@ -55,15 +92,19 @@ _GATE, _UP, _DOWN = (
 )
 POLICIES = {  # keras_hub class name -> its policy (keras_hub 0.32)
     "MixtralSparseMoeBlock": Policy(
-        "router_aux_loss_coef", (_GATE, _UP, _DOWN), _gated_expert, jitter=True
+        _softmax_route(lambda block: True, jitter=True), "expert_bank", (_GATE, _UP, _DOWN),
+        _gated_expert, loss_coefficient="router_aux_loss_coef",
     ),
     "Qwen3SparseMoeBlock": Policy(
-        "router_aux_loss_coefficient",
-        (_GATE, _DOWN),
-        _fused_gated_expert,
-        normalizes=lambda block: bool(block.norm_top_k_prob),
+        _softmax_route(lambda block: bool(block.norm_top_k_prob)), "expert_bank", (_GATE, _DOWN),
+        _fused_gated_expert, loss_coefficient="router_aux_loss_coefficient",
     ),
-}
+    "GptOssSparseMoeBlock": Policy(
+        _top_logits_route, "experts",
+        ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"),
+        _clamped_glu_expert, scores=True,
+    ),
+}  # fmt: skip
 
 
 def policy_of(layer) -> Policy | None:
@@ -76,7 +117,8 @@ def policy_of(layer) -> Policy | None:
 
 def router_loss_weight(block) -> float:
     """The coefficient of `block`'s load-balancing loss (0: none), a block of the table."""
-    return float(getattr(block, policy_of(block).loss_coefficient))
+    name = policy_of(block).loss_coefficient
+    return 0.0 if name is None else float(getattr(block, name))
 
 
 def sparse_blocks(model) -> list:
@@ -88,20 +130,14 @@ def _block_call(policy: Policy, global_sum):
     def call(block, hidden_states, attention_mask=None, training=False):
         shape = tf.shape(hidden_states)
         tokens = tf.reshape(hidden_states, [-1, block.hidden_dim])
-        if training and policy.jitter and block.router_jitter_noise > 0:
-            noise = block.router_jitter_noise
-            tokens = tokens * keras.random.uniform(
-                tf.shape(tokens), 1.0 - noise, 1.0 + noise, dtype=tokens.dtype
-            )
-        logits = block._sparse_feedforward_gate_dense(tokens)
-        weight, index = tf.math.top_k(tf.nn.softmax(logits, axis=-1), k=block.top_k)
-        if policy.normalizes(block):
-            weight = weight / tf.reduce_sum(weight, axis=-1, keepdims=True)
-        mixed = block.expert_bank((tokens, index, weight))
-        if training:
-            rows = shape[0]
-            loss = load_balancing_loss(logits, block.top_k, rows, attention_mask, global_sum)
-            block.add_loss(getattr(block, policy.loss_coefficient) * loss)
+        logits, index, weight, tokens = policy.route(block, tokens, training)
+        mixed = getattr(block, policy.bank)((tokens, index, weight))
+        if training and policy.loss_coefficient is not None:
+            loss = load_balancing_loss(logits, block.top_k, shape[0], attention_mask, global_sum)
+            block.add_loss(router_loss_weight(block) * loss)
+        if policy.scores:  # each token's weight for each expert, 0 where not picked
+            one_hot = tf.one_hot(index, block.num_experts, dtype=weight.dtype)
+            return tf.reshape(mixed, shape), tf.reduce_sum(one_hot * weight[..., None], axis=1)
         return tf.reshape(mixed, shape), logits
 
     return call
@@ -138,12 +174,13 @@ class SparseDispatch:
         for block in self.blocks if self.depth == 1 else ():
             policy = policy_of(block)
             block.call = types.MethodType(_block_call(policy, self.global_sum), block)
-            block.expert_bank.call = types.MethodType(_bank_call(policy), block.expert_bank)
+            bank = getattr(block, policy.bank)
+            bank.call = types.MethodType(_bank_call(policy), bank)
         return self
 
     def __exit__(self, *exc):
         self.depth -= 1
         for block in self.blocks if self.depth == 0 else ():
             vars(block).pop("call", None)
-            vars(block.expert_bank).pop("call", None)
+            vars(getattr(block, policy_of(block).bank)).pop("call", None)
         return False

@@ -242,6 +242,18 @@ def mixtral():
     return keras_hub.models.MixtralCausalLM(backbone, preprocessor=None)
 
 
+def gpt_oss():
+    """keras_hub's gpt-oss, tiny: top-2 of 4 biased, clamped experts (no router loss), computed
+    sparsely by hyparflow; attention sinks and a sliding window."""
+    import keras_hub
+
+    backbone = keras_hub.models.GptOssBackbone(
+        vocabulary_size=HUB_VOCAB, num_layers=2, num_query_heads=2, hidden_dim=16,
+        intermediate_dim=8, num_key_value_heads=1, num_experts=4, top_k=2, head_dim=8,
+    )  # fmt: skip
+    return keras_hub.models.GptOssCausalLM(backbone, preprocessor=None)
+
+
 def preprocessed():
     """Preprocessing layers in the graph: Normalization and Discretization, then dense layers."""
     inputs = keras.Input((6,))
@@ -302,16 +314,16 @@ BUILDERS = {
     for f in (
         embedding_mlp, two_tables, dropout_mlp, added_losses, masked_gru, batchnorm_cnn,
         preprocessed, mobilenet_v3, gpt2, bert, llama, gemma, mistral, opt,
-        distil_bert, roberta, albert, falcon, qwen3_moe, mixtral, wide_mlp, conv_pairs,
-        encoder,
+        distil_bert, roberta, albert, falcon, qwen3_moe, mixtral, gpt_oss, wide_mlp,
+        conv_pairs, encoder,
     )
 }  # fmt: skip
 # keras_hub: token batches of varying length; classifiers take labels, the others next tokens
 TEXT_MODELS = (
     "gpt2", "bert", "llama", "gemma", "mistral", "opt", "distil_bert", "roberta", "albert",
-    "falcon", "qwen3_moe", "mixtral",
+    "falcon", "qwen3_moe", "mixtral", "gpt_oss",
 )  # fmt: skip
-MIXTURES = ("qwen3_moe", "mixtral")  # keras_hub mixture-of-experts blocks, dispatched sparsely
+MIXTURES = ("qwen3_moe", "mixtral", "gpt_oss")  # keras_hub mixtures, dispatched sparsely
 CLASSIFIERS = ("bert", "distil_bert", "roberta", "albert")
 SEGMENTED = ("bert", "albert")  # take segment ids
 HUB_VOCAB = 50
