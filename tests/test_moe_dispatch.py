@@ -83,6 +83,18 @@ def _gpt_oss():
     return block
 
 
+def _block_and_batch(make, square_mask: bool | None, seed: int):
+    """A block and 3 sequences of 5 tokens with 0-2 padded: a (batch, length) mask, its
+    (batch, length, length) attention form (`square_mask`), or none (None)."""
+    keras.utils.set_random_seed(0)
+    block = make()
+    hidden = tf.constant(np.random.default_rng(seed).normal(size=(3, 5, 16)), tf.float32)
+    mask = tf.constant([[True] * 5, [True] * 3 + [False] * 2, [True] * 4 + [False]])
+    if square_mask:
+        mask = mask[:, :, None] & mask[:, None, :]
+    return block, hidden, None if square_mask is None else mask
+
+
 def _run(block, hidden, mask):
     """The block's output, router logits (gpt-oss: routing weights), added loss and gradients of
     a loss of all three."""
@@ -108,14 +120,7 @@ def _run(block, hidden, mask):
 def test_keras_hub_blocks_compute_as_their_dense_calls(make, square_mask):
     """With the mask each decoder hands its block: Mixtral's padding mask, Qwen3-MoE's
     self-attention mask (its loss keeps a token that attends to anything), none for gpt-oss."""
-    keras.utils.set_random_seed(0)
-    block = make()
-    hidden = tf.constant(np.random.default_rng(0).normal(size=(3, 5, 16)), tf.float32)
-    mask = tf.constant([[True] * 5, [True] * 3 + [False] * 2, [True] * 4 + [False]])
-    if square_mask:
-        mask = mask[:, :, None] & mask[:, None, :]
-    if square_mask is None:
-        mask = None
+    block, hidden, mask = _block_and_batch(make, square_mask, seed=0)
     dense = _run(block, hidden, mask)
     with SparseDispatch(block) as dispatch:
         assert dispatch.blocks == [block]
@@ -155,12 +160,7 @@ def test_pieces_of_a_batch_sum_to_the_router_loss_of_the_whole(make, square_mask
     """Two pieces (2 and 1 rows), each adding the other's counts through `global_sum` and
     weighted by its share of the rows as the engine weights added losses, give keras_hub's loss
     of the whole batch and its gradient; each piece's own keras_hub loss does not."""
-    keras.utils.set_random_seed(0)
-    block = make()
-    hidden = tf.constant(np.random.default_rng(1).normal(size=(3, 5, 16)), tf.float32)
-    mask = tf.constant([[True] * 5, [True] * 3 + [False] * 2, [True] * 4 + [False]])
-    if square_mask:
-        mask = mask[:, :, None] & mask[:, None, :]
+    block, hidden, mask = _block_and_batch(make, square_mask, seed=1)
     whole_loss, whole_grad = _router_loss_and_gradient(block, hidden, mask)  # keras_hub's
     pieces = [slice(0, 2), slice(2, 3)]
     naive = sum(
