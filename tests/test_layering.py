@@ -66,4 +66,5 @@ def test_code_stays_in_proportion():
     # simulate/ grew by the tensor shares' schema and ZeRO-1's and interleaving's prices (issue
     # 41): still first order
     assert sum(n for path, n in package.items() if path.startswith("hyparflow/simulate/")) <= 1410
-    assert sum(_lines("benchmarks").values()) <= 3000
+    # benchmarks/ grew by the mixture-of-experts figure (issue 42)
+    assert sum(_lines("benchmarks").values()) <= 3100
