@@ -29,7 +29,9 @@ from hyparflow.moe.router_loss import load_balancing_loss
 class Policy:
     """How one keras_hub block class routes and computes its experts."""
 
-    route: Callable  # (block, tokens, training) -> router logits, picks (T, k), weights (T, k)
+    # (block, tokens, training) -> router logits, picks (T, k), weights (T, k), and the tokens
+    # the experts compute (Mixtral's jittered in training)
+    route: Callable
     bank: str  # the block's attribute holding its expert bank
     kernels: tuple  # the bank's attributes holding (experts, ...) weights, in `expert`'s order
     expert: Callable  # (bank, one expert's weights, rows) -> rows through that expert
@@ -173,9 +175,10 @@ class SparseDispatch:
         self.depth += 1
         for block in self.blocks if self.depth == 1 else ():
             policy = policy_of(block)
-            block.call = types.MethodType(_block_call(policy, self.global_sum), block)
+            call = types.MethodType(_block_call(policy, self.global_sum), block)
+            object.__setattr__(block, "call", call)  # untracked, as the weight taps set theirs
             bank = getattr(block, policy.bank)
-            bank.call = types.MethodType(_bank_call(policy), bank)
+            object.__setattr__(bank, "call", types.MethodType(_bank_call(policy), bank))
         return self
 
     def __exit__(self, *exc):
