@@ -338,6 +338,7 @@ def _distributed_fit(model, x, y, batch_size, epochs, resolved, options, **kwarg
     if options["planning"] is not None:
         resolved = _planned(comm, model, source, options, kwargs)
     agree(comm, model_checks.check_tensor_parallel, model, resolved, options["comm"])
+    agree(comm, model_checks.check_expert_parallel, model, resolved, options["comm"])
     agree(comm, model_checks.check_sharded_optimizer, model, resolved, options["comm"])
     trainer = _make_trainer(
         model, resolved, comm, comm_backend=options["comm"], restoring=folder is not None

@@ -12,7 +12,7 @@ from hyparflow.engine.random_slices import unsliceable_random_layers
 from hyparflow.engine.structure import model_input_list
 from hyparflow.engine.sync_batchnorm import synchronized_layers
 from hyparflow.engine.zero_refusal import refusal as zero_refusal
-from hyparflow.moe import router_loss_weight, sparse_blocks
+from hyparflow.moe import expert_weights, router_loss_weight, sparse_blocks
 
 
 def check_compiled(model) -> None:
@@ -194,6 +194,46 @@ def check_tensor_parallel(model, strategy, comm_backend: str) -> None:
         )
 
 
+def check_expert_parallel(model, strategy, comm_backend: str) -> None:
+    """Refuse what expert parallelism (`experts` > 1) does not train exactly yet: a model
+    without mixture blocks it splits, a block whose experts E does not divide, per-variable
+    or global clipping, regularized expert weights, another reduction than MPI's."""
+    if strategy.experts == 1:
+        return
+    name = f"experts={strategy.experts}"
+    blocks = sparse_blocks(model)
+    if not blocks:
+        raise ValueError(
+            f"{name} splits keras_hub mixture-of-experts blocks (Mixtral, Qwen3-MoE, gpt-oss) "
+            "over replicas, and this model has none; use experts=1."
+        )
+    uneven = [b.name for b in blocks if b.num_experts % strategy.experts]
+    if uneven:
+        counts = sorted({b.num_experts for b in blocks})
+        raise ValueError(
+            f"{name} does not divide the experts of blocks {uneven[:5]} (they have {counts}); "
+            "pass an experts= that divides each block's number of experts."
+        )
+    if comm_backend != "mpi":
+        raise ValueError(f"{name} sums gradients with hyparflow's MPI reduction; use comm='mpi'.")
+    if strategy.overlap_groups > 1:
+        raise ValueError(f"{name} does not overlap reductions by groups yet; use overlap_groups=1.")
+    inner = getattr(model.optimizer, "inner_optimizer", model.optimizer)
+    clipping = [c for c in ("clipnorm", "global_clipnorm") if getattr(inner, c, None)]
+    if clipping:
+        raise ValueError(
+            f"{name}: the optimizer's {clipping[0]} needs the norm of whole expert weights, "
+            "which a rank holding a share of them does not sum yet; use clipvalue or no "
+            "clipping with experts > 1."
+        )
+    regularized = [v.path for v in expert_weights(model) if getattr(v, "regularizer", None)]
+    if regularized:
+        raise ValueError(
+            f"{name}: expert weights {regularized[:3]} have regularizers, which a rank holding "
+            "a share of them does not sum yet; drop them or use experts=1."
+        )
+
+
 def check_sharded_optimizer(model, strategy, comm_backend: str) -> None:
     """Refuse what ZeRO-1 (`shard_optimizer=True`) cannot update slice by slice exactly: with
     one replica there is nothing to shard, and everything is accepted."""
@@ -211,10 +251,13 @@ def _shards_optimizer(strategy) -> bool:
 def check_optimizer_unbuilt(model, strategy) -> None:
     """A new tensor-parallel or ZeRO trainer builds the optimizer for its shards or slices: it
     must be fresh."""
-    if (strategy.tensor > 1 or _shards_optimizer(strategy)) and getattr(
-        model.optimizer, "built", False
-    ):
-        name = f"tensor={strategy.tensor}" if strategy.tensor > 1 else "shard_optimizer=True"
+    splits = strategy.tensor > 1 or strategy.experts > 1
+    if (splits or _shards_optimizer(strategy)) and getattr(model.optimizer, "built", False):
+        name = (
+            f"tensor={strategy.tensor}" if strategy.tensor > 1
+            else f"experts={strategy.experts}" if strategy.experts > 1
+            else "shard_optimizer=True"
+        )  # fmt: skip
         raise ValueError(
             f"{name}: the model's optimizer was already built for whole variables; compile the "
             "model again (a fresh optimizer) before hf.fit builds it for the shards or slices."
@@ -229,5 +272,6 @@ def check_layout(model, strategy, comm_backend: str) -> None:
     check_batchnorm(model, strategy)
     check_router_losses(model, strategy)
     check_tensor_parallel(model, strategy, comm_backend)
+    check_expert_parallel(model, strategy, comm_backend)
     check_sharded_optimizer(model, strategy, comm_backend)
     check_optimizer_unbuilt(model, strategy)

@@ -126,6 +126,12 @@ class Strategy:
       share of the experts' compute; and their router's load-balancing loss is that of the
       whole global batch across replicas (refused with `microbatches` > 1). False keeps
       keras_hub's dense calls, each piece's loss its own.
+    - `experts` (1): E > 1 splits each keras_hub mixture block's experts over E of a stage's
+      replicas (expert parallelism, GShard / DeepSpeed-MoE style; docs/moe.md): a rank holds
+      and updates 1/E of the experts, and tokens travel to their experts' rank and back by
+      all-to-all, no token dropped, so training stays exact. E must divide `replicas` and each
+      block's number of experts; it needs `sparse_experts`, and is refused with `tensor` > 1,
+      `shard_optimizer`, Horovod, and regularizers on expert weights (not built yet).
 
     Process (opt-ins that change process-wide state):
 
@@ -166,6 +172,7 @@ class Strategy:
     update_by_segment: bool | None = None
     memory_per_rank: int | str | None = None
     sparse_experts: bool = True
+    experts: int = 1
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -178,6 +185,7 @@ class Strategy:
         _check_positive_int("microbatches", self.microbatches, hint)
         _check_positive_int("overlap_groups", self.overlap_groups, hint)
         _check_positive_int("tensor", self.tensor, hint)
+        _check_positive_int("experts", self.experts, hint)
         if self.tensor is None:
             raise ValueError("Strategy tensor=None: pass the number of ranks that split a layer.")
         if self.tensor_layout is not None and not isinstance(self.tensor_layout, dict):
@@ -197,6 +205,7 @@ class Strategy:
             object.__setattr__(self, "memory_per_rank", byte_size(self.memory_per_rank))
         _check_positive_int("memory_per_rank", self.memory_per_rank, 'pass bytes or "16GiB".')
         self._check_schedule()
+        self._check_experts()
         if isinstance(self.balance, str) and self.balance not in BALANCES:
             raise ValueError(
                 f"Unknown balance {self.balance!r}; use one of {', '.join(map(repr, BALANCES))} "
@@ -239,6 +248,30 @@ class Strategy:
                 "overlap_groups=1 and update_by_segment=False (or None) with it."
             )
 
+    def _check_experts(self) -> None:
+        if self.experts is None:
+            raise ValueError("Strategy experts=None: pass how many replicas split the experts.")
+        if self.experts == 1:
+            return
+        refused = {
+            "sparse_experts=False": not self.sparse_experts,
+            "tensor > 1": self.tensor > 1,
+            "shard_optimizer=True": self.shard_optimizer,
+        }
+        found = [name for name, present in refused.items() if present]
+        if found:
+            raise ValueError(
+                f"Strategy experts={self.experts} splits the mixture blocks' experts over "
+                f"replicas, which is not built with {', '.join(found)}; use experts=1 or drop "
+                "that setting (docs/moe.md)."
+            )
+        if self.replicas is not None and self.replicas % self.experts:
+            raise ValueError(
+                f"Strategy experts={self.experts} must divide replicas={self.replicas}: each "
+                f"group of {self.experts} replicas splits the experts; pass experts= one of "
+                f"{divisors(self.replicas)}."
+            )
+
     def _check_interleaved(self) -> None:
         if self.virtual_stages == 1:  # interleaving one chunk is 1F1B: two is the least
             object.__setattr__(self, "virtual_stages", 2)
@@ -256,13 +289,14 @@ class Strategy:
             )
 
     def leaves_layout_open(self) -> bool:
-        """True for an "auto" strategy with no partitions, replicas or tensor ranks given:
+        """True for an "auto" strategy with no partitions, replicas, tensor or expert ranks given:
         the layout is the planner's to pick (`hf.fit` on more than one rank)."""
         return (
             self.kind == "auto"
             and self.partitions is None
             and self.replicas is None
-            and (self.tensor == 1)
+            and self.tensor == 1
+            and self.experts == 1
         )
 
     def set_fields(self) -> dict:
@@ -313,6 +347,11 @@ class Strategy:
                 f"partitions ({partitions}) x replicas ({replicas}){tensor} = {product} "
                 f"but the job has {total} MPI ranks; launch with "
                 f"`mpirun -np {product}` or change num_partitions/num_replicas."
+            )
+        if replicas % self.experts:
+            raise ValueError(
+                f"experts={self.experts} does not divide the {replicas} replicas of this "
+                f"{total}-rank job; pass experts= one of {divisors(replicas)}."
             )
         kind = self.kind
         if kind == "auto":

@@ -87,7 +87,8 @@ TWO_RANKS = [
     Case("bert", "sgd", "data", replicas=2, microbatches=2),
     Case("falcon", "sgd", "data", replicas=2, microbatches=2),
     Case("qwen3_moe", "adam", "data", replicas=2),
-    Case("mixtral", "adam", "data", replicas=2),  # router loss on: counts summed over replicas
+    # router loss on: counts summed over replicas; experts split over them, tokens exchanged
+    Case("mixtral", "adam", "data", replicas=2, experts=2),
     Case("gpt_oss", "adam", "data", replicas=2, microbatches=2),
 ]  # fmt: skip
 FOUR_RANKS = [
@@ -114,7 +115,10 @@ FOUR_RANKS = [
     Case("albert", "sgd", "hybrid", partitions=2, replicas=2, microbatches=2),
     Case("falcon", "sgd", "hybrid", partitions=2, replicas=2, microbatches=2, schedule="1f1b"),
     Case("qwen3_moe", "sgd", "hybrid", partitions=2, replicas=2, microbatches=2),
-    Case("mixtral", "adam", "hybrid", partitions=2, replicas=2),
+    Case("mixtral", "adam", "hybrid", partitions=2, replicas=2, experts=2),
+    # expert groups of 4 (each rank one expert) and of 2 (gradients summed across groups)
+    Case("mixtral", "adam", "data", replicas=4, experts=4),
+    Case("gpt_oss", "adam", "data", replicas=4, microbatches=2, experts=2),
 ]  # fmt: skip
 TOLERANCE = 1e-5
 # keras_hub transformers with Adam: one process computing the same global-batch gradient in
@@ -158,6 +162,12 @@ def _check(case, ranks):
             assert r["traces"] == 1, f"{where}: a step function traced {r['traces']} times"
     if case.model in MIXTURES:  # the engine ran sparse dispatch, Keras its dense experts
         assert all(r["sparse_blocks"] == 2 for r in ranks), [r["sparse_blocks"] for r in ranks]
+    if case.experts > 1:  # each rank trained 1/E of the experts (and their Adam slots), and
+        # exchanged tokens with its group
+        for r in ranks:
+            assert r["expert_shard_elements"] * case.experts == r["expert_whole_elements"], r
+            assert r["expert_shard_slot_elements"] == 2 * r["expert_shard_elements"], r
+            assert r["expert_bytes"] > 0, r
     if case.schedule == "zero_bubble":  # every stage split its backward, or one says why not
         split = {r["rank"]: (r["split_backward"], r["refusals"]) for r in ranks}
         assert all(s for s, _ in split.values()) != (case.model in MERGED), split

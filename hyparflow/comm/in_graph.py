@@ -42,7 +42,7 @@ class Traffic:
 
 
 # One record per tag: "tensor" (tensor-parallel layers), "batchnorm" (synchronised statistics),
-# "experts" (mixture blocks' routing counts).
+# "experts" (mixture blocks' routing counts, and tokens sent to their experts and back).
 TRAFFIC: dict[str, Traffic] = {}
 
 
@@ -92,6 +92,43 @@ def allgather(comm, tensor, axis: int, tag: str):
                     shape)  # fmt: skip
 
 
+def exchange(comm, counts, tensors: list, tag: str) -> tuple:
+    """Rows sent to each rank of `comm` and rows received from each, all-to-all: the leading
+    `counts[j]` rows of every tensor in `tensors` (after those for ranks before `j`) go to rank
+    `j`. Returns (the counts received from each rank, the received rows of each tensor, in
+    rank order); no gradient (wrap it in a custom one). Its bytes count in `traffic(tag)`."""
+    record = traffic(tag)
+    size = comm.Get_size()
+
+    def swap(sent_counts, *arrays):
+        sent_counts = np.asarray(sent_counts, np.int64)
+        received_counts = np.empty(size, np.int64)
+        start = time.perf_counter()
+        comm.Alltoall(sent_counts, received_counts)
+        received, nbytes = [], 0
+        for array in arrays:
+            send = np.ascontiguousarray(_wire(array) if array.dtype.kind == "f" else array)
+            width = int(np.prod(array.shape[1:], dtype=np.int64))
+            rows = np.empty((int(received_counts.sum()),) + array.shape[1:], send.dtype)
+            comm.Alltoallv(
+                [send, (sent_counts * width, None)], [rows, (received_counts * width, None)]
+            )
+            received.append(rows.astype(array.dtype, copy=False))
+            nbytes += send.nbytes
+        record.record(start, time.perf_counter(), nbytes)
+        return [received_counts.astype(np.int32)] + received
+
+    def make():
+        dtypes = [tf.int32] + [t.dtype for t in tensors]
+        return tf.numpy_function(swap, [counts, *tensors], dtypes, stateful=True)
+
+    outputs = _ordered(make, None)
+    outputs[0].set_shape([size])
+    for tensor, received in zip(tensors, outputs[1:], strict=True):
+        received.set_shape([None] + tensor.shape.as_list()[1:])
+    return outputs[0], outputs[1:]
+
+
 def _ordered(make, shape):
     graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
     previous = getattr(graph, _LAST_COLLECTIVE, None)
@@ -99,8 +136,8 @@ def _ordered(make, shape):
         result = make()
     if shape is not None:
         result.set_shape(shape)
-    if graph is not None:
-        setattr(graph, _LAST_COLLECTIVE, result)
+    if graph is not None:  # a list of outputs (`exchange`): the first stands for the op
+        setattr(graph, _LAST_COLLECTIVE, result[0] if isinstance(result, list) else result)
     return result
 
 

@@ -58,6 +58,7 @@ def choose_gradient_form(
     overlap_groups: int = 1,
     segments: int = 1,
     tensor_split: bool = False,
+    expert_split: bool = False,
 ) -> GradientForm:
     """The gradient form of one stage, from facts about it (no TensorFlow, no MPI).
 
@@ -78,6 +79,8 @@ def choose_gradient_form(
     - `segments`: segments its gradient bytes call for (`segments_for`; > 1: update per
       segment, unless overlap was asked for).
     - `tensor_split`: the stage holds tensor-parallel shards (no update per segment).
+    - `expert_split`: the stage holds expert shards, summed over other ranks than the rest:
+      a list, reduced after the backward.
 
     Overlap wins where it is asked for and applies (replicas to reduce over MPI, nothing
     shared, no tables); then the update per segment. The caller asks again with
@@ -93,6 +96,8 @@ def choose_gradient_form(
         ...                      overlap_groups=4).update_per_segment
         True
     """
+    if expert_split:
+        return GradientForm()
     mpi = backend == "mpi"
     can_cut = not shared_across_stages and not tables
     if can_cut and overlap_groups > 1 and replicas > 1 and mpi:

@@ -110,17 +110,30 @@ class GradientSync:
       reduction in fused buckets (`backend` "mpi") or Horovod's grouped allreduce;
     - overlapped (`overlap`, with a `SegmentedRunner`): each segment's final gradients start
       reducing during the step's last backward (`on_segment_done`), the rest in `reduce`;
-    - embedding tables: row slices gathered from every replica, as one process has them.
+    - embedding tables: row slices gathered from every replica, as one process has them;
+    - expert shards (`experts`, an `ExpertShards`; per variable only): summed over the ranks
+      holding the same experts (`experts.across`), not over every replica.
 
     Reducers are built here, collectively over the world.
     """
 
-    def __init__(self, topology, runner, variables, dense, sparse, *, backend, shared, overlap):
+    def __init__(
+        self, topology, runner, variables, dense, sparse, *, backend, shared, overlap,
+        experts=None,
+    ):  # fmt: skip
         self.topology = topology
         self.runner = runner
-        self.variables, self.dense, self.sparse = variables, dense, sparse
+        self.variables, self.sparse = variables, sparse
         self.shared = shared  # SharedAcrossStages or None
         self.overlap = overlap  # Overlap or None
+        held = {id(v) for v in experts.variables} if experts is not None else set()
+        self.experts = [i for i in dense if id(variables[i]) in held]
+        self.expert_reducer = None
+        if self.experts and experts.across.Get_size() > 1:
+            specs = [variables[i] for i in self.experts]
+            self.expert_reducer = GradientReducer(experts.across, specs=specs, op="sum")
+        self.dense = dense
+        dense = [i for i in dense if id(variables[i]) not in held]
         if overlap is not None:
             self.replica_reducer = GradientReducer(
                 topology.stage_comm,
@@ -165,10 +178,18 @@ class GradientSync:
         return Gradients(self.merge, grads=self._reduce_over_replicas(grads))
 
     def _reduce_over_replicas(self, grads: list) -> list:
-        """Sum every gradient over this stage's replicas (tables' row slices gathered)."""
-        dense = self.replica_reducer.reduce([grads[i] for i in self.dense])
+        """Sum every gradient over this stage's replicas (tables' row slices gathered), an
+        expert shard's over the replicas holding the same experts."""
+        experts = set(self.experts)
+        replicated = [i for i in self.dense if i not in experts]
+        summed = dict(zip(replicated, self.replica_reducer.reduce([grads[i] for i in replicated]),
+                          strict=True))  # fmt: skip
+        shards = [grads[i] for i in self.experts]
+        if self.expert_reducer is not None:
+            shards = self.expert_reducer.reduce(shards)
+        summed.update(zip(self.experts, shards, strict=True))
         return self.merge(
-            [tf.convert_to_tensor(g) for g in dense],
+            [tf.convert_to_tensor(summed[i]) for i in self.dense],
             self._reduce_tables([grads[i] for i in self.sparse]),
         )
 

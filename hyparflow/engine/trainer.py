@@ -16,7 +16,7 @@ import dataclasses
 import tensorflow as tf
 
 from hyparflow import _keras, deferred
-from hyparflow.comm.in_graph import allreduce, traffic
+from hyparflow.comm.in_graph import traffic
 from hyparflow.comm.topology import Topology
 from hyparflow.comm.watchdog import NoWatchdog, Watchdog
 from hyparflow.data import GlobalBatch
@@ -31,7 +31,6 @@ from hyparflow.engine.metrics import ReplicaMetrics, build_outside_the_trace
 from hyparflow.engine.mpi import mpi_op
 from hyparflow.engine.output_losses import OutputLosses
 from hyparflow.engine.pipeline import Chunk, PipelineWalk
-from hyparflow.engine.random_slices import feature_slice
 from hyparflow.engine.runners import (
     RunnerParts,
     build_chunk_runners,
@@ -41,6 +40,7 @@ from hyparflow.engine.runners import (
     unsynchronized_moving_statistics,
 )
 from hyparflow.engine.segment_update import SegmentUpdate, segment_count
+from hyparflow.engine.split_layers import SplitLayers
 from hyparflow.engine.stage_state import TrainingState
 from hyparflow.engine.structure import model_input_list, pack_model_outputs
 from hyparflow.engine.update import Update
@@ -53,9 +53,7 @@ from hyparflow.engine.weights import (
 )
 from hyparflow.engine.zero import ShardedUpdate
 from hyparflow.engine.zero_checkpoint import ZeroCheckpoint
-from hyparflow.moe import SparseDispatch
 from hyparflow.tensor import collectives
-from hyparflow.tensor.shards import TensorShards
 from hyparflow.traced import traced
 
 __all__ = ["Trainer", "model_input_list", "pack_model_outputs"]
@@ -101,16 +99,11 @@ class Trainer:
         self.stages = [None] if plan is None else plan.stages_on(topo.stage)
         # Built under hf.scope(): weights of other stages were never allocated on this rank.
         self.holds_share_only = any(deferred.is_deferred(v) for v in model.variables)
-        # Tensor parallelism: this rank's shards of the stage's split layers (docs/tensor.md).
-        self.shards = None
-        if topo.num_shards > 1:
-            self.shards = TensorShards(tensor_layout, topo.tensor_comm, feature_slice)
-        # mixture blocks count their routing over the replicas in the step (hyparflow/moe)
-        replicas = topo.stage_comm if topo.num_replicas > 1 else None
-        replica_sum = replicas and (lambda vector: allreduce(replicas, vector, "experts"))
-        self.sparse_experts = SparseDispatch(
-            model if strategy.sparse_experts else None, replica_sum
-        )
+        # tensor shards, expert shards, sparse mixtures (docs/tensor.md, docs/moe.md)
+        graphs = [model] if plan is None else [s.model for s in self.stages]
+        self.splits = SplitLayers(model, strategy, topo, graphs, tensor_layout)
+        self.shards, self.experts = self.splits.tensor, self.splits.experts
+        self.sparse_experts = self.splits.dispatch
         with self.layers_active():  # everything below sees (and traces) shards and experts
             self._build(model, strategy, plan, topo, comm_backend)
 
@@ -193,6 +186,7 @@ class Trainer:
             tables=len(self.sparse),
             segments=1 if whole else segment_count(strategy, self.model, self.variables),
             tensor_split=self.shards is not None,
+            expert_split=self.experts is not None,
         )
         self.gradient_form = choose_gradient_form(**facts, overlap_groups=strategy.overlap_groups)
         if len(parts) > 1:  # interleaved: a runner per chunk, their gradients summed
@@ -221,6 +215,7 @@ class Trainer:
         self.gradient_sync = GradientSync(
             topo, self.runner, self.variables, self.dense, self.sparse,
             backend=comm_backend, shared=shared, overlap=segments if form.overlap else None,
+            experts=self.experts,
         )  # fmt: skip
         self.update = Update(
             model, topo, self.variables, self.owned, partitioned=self.plan is not None,
@@ -251,19 +246,14 @@ class Trainer:
         )  # fmt: skip
 
     def layers_active(self) -> contextlib.ExitStack:
-        """The layers as this rank runs them: with its tensor shards (tensor parallelism) and
-        keras_hub mixture blocks' experts dispatched sparsely (docs/moe.md)."""
-        stack = contextlib.ExitStack()
-        if self.shards is not None:
-            stack.enter_context(self.shards.active())
-        stack.enter_context(self.sparse_experts)
-        return stack
+        """The layers as this rank runs them: its tensor and expert shards, and keras_hub
+        mixture blocks' experts dispatched sparsely (`SplitLayers`)."""
+        return self.splits.active()
 
     def load_shards(self) -> None:
-        """Slice the model's current weights into this rank's tensor shards (each fit, evaluate
-        or predict starts from the model as the user holds it)."""
-        if self.shards is not None:
-            self.shards.load()
+        """Slice the model's current weights into this rank's tensor and expert shards (each
+        fit, evaluate or predict starts from the model as the user holds it)."""
+        self.splits.load()
 
     # --- what checkpoints and callbacks read ---------------------------------------------
     step = _training_state_field("step", "Optimizer steps taken through this trainer.")
@@ -425,8 +415,7 @@ class Trainer:
     def sync_weights(self) -> None:
         """Give every rank the full model: each stage broadcasts the weights it owns. A model
         built under hf.scope() stays where it is: each rank keeps its own share."""
-        if self.shards is not None:  # first put each stage's split weights together
-            self.shards.store(self._guard)
+        self.splits.store(self._guard)  # first put split weights together
         if self.plan is None or self.holds_share_only:
             return  # replicas stay identical: every one applies the same reduced gradients
         broadcast_owned_weights(self.model, self.plan, self.topology.pipeline_comm, self._guard)
@@ -434,6 +423,7 @@ class Trainer:
     def close(self) -> None:
         self.watchdog.close()
         self.walk.close()
+        self.splits.free()
         self.topology.free()
 
 

@@ -30,9 +30,23 @@ def top_k_mixture(
     `expert(e, rows)` maps (n, H) rows to (n, H') through expert `e` alone. Returns (T, H')."""
     picks = tf.shape(expert_index)[1]
     flat = tf.reshape(tf.cast(expert_index, tf.int32), [-1])  # pick p = t * k + j
-    routed = tf.dynamic_partition(tf.range(tf.size(flat)), flat, num_experts)
-    outputs = [expert(e, tf.gather(tokens, routed[e] // picks)) for e in range(num_experts)]
-    per_pick = tf.dynamic_stitch(routed, outputs)  # (T * k, H') in pick order
-    per_pick = tf.reshape(per_pick, [tf.shape(tokens)[0], picks, outputs[0].shape[-1]])
+    per_pick = grouped(flat, num_experts, expert, lambda chosen: tf.gather(tokens, chosen // picks))
+    return weighted_sum(per_pick, tokens, expert_weight)
+
+
+def grouped(
+    group: tf.Tensor, groups: int, expert: Callable, rows_of: Callable[[tf.Tensor], tf.Tensor]
+) -> tf.Tensor:
+    """`expert(group[i], row i)` for each i, in order: the rows of each group (`rows_of(the
+    positions)`) computed by their expert together, then stitched back."""
+    positions = tf.dynamic_partition(tf.range(tf.size(group)), group, groups)
+    outputs = [expert(e, rows_of(positions[e])) for e in range(groups)]
+    return tf.dynamic_stitch(positions, outputs)
+
+
+def weighted_sum(per_pick: tf.Tensor, tokens: tf.Tensor, expert_weight: tf.Tensor) -> tf.Tensor:
+    """Each token's k results (`per_pick`, (T * k, H') in pick order) summed by its weights."""
+    picks = tf.shape(expert_weight)[1]
+    per_pick = tf.reshape(per_pick, [tf.shape(tokens)[0], picks, per_pick.shape[-1]])
     weights = tf.cast(expert_weight, per_pick.dtype)[..., None]
     return tf.reduce_sum(per_pick * weights, axis=1)

@@ -22,6 +22,7 @@ import tensorflow as tf
 
 from hyparflow import _keras
 from hyparflow.moe.dispatch import top_k_mixture
+from hyparflow.moe.expert_parallel import expert_parallel_mixture
 from hyparflow.moe.router_loss import load_balancing_loss
 
 
@@ -145,16 +146,21 @@ def _block_call(policy: Policy, global_sum):
     return call
 
 
-def _bank_call(policy: Policy):
+def _bank_call(policy: Policy, expert_comm):
     def call(bank, hidden_states):
         tokens, index, weight = hidden_states  # one argument: the bank's call signature
         # each kernel read whole once and cut per expert: a dense gradient, as the dense einsum
-        # gives (a gather's would be row slices, which optimizers apply differently)
+        # gives (a gather's would be row slices, which optimizers apply differently); under
+        # expert parallelism the bank holds this rank's experts only
         kernels = [
             tf.unstack(keras.ops.convert_to_tensor(getattr(bank, name))) for name in policy.kernels
         ]
         expert = lambda e, rows: policy.expert(bank, [k[e] for k in kernels], rows)  # noqa: E731
-        return top_k_mixture(tokens, index, weight, bank.num_experts, expert)
+        if expert_comm is None:
+            return top_k_mixture(tokens, index, weight, bank.num_experts, expert)
+        return expert_parallel_mixture(
+            tokens, index, weight, bank.num_experts, expert, expert_comm
+        )  # fmt: skip
 
     return call
 
@@ -164,11 +170,13 @@ class SparseDispatch:
     through its top-k experts only, and their load-balancing loss as this piece's part of the
     global batch's (`router_loss`; `global_sum` sums a vector over the pieces, in the step);
     on the last exit they have their own calls again. With `model` None, it changes nothing
-    (the blocks stay dense, with keras_hub's loss of each piece)."""
+    (the blocks stay dense, with keras_hub's loss of each piece). With `expert_comm`, the banks
+    hold the experts of this rank of it (`ExpertShards`) and exchange tokens over it."""
 
-    def __init__(self, model=None, global_sum=None):
+    def __init__(self, model=None, global_sum=None, expert_comm=None):
         self.blocks = [] if model is None else sparse_blocks(model)
         self.global_sum = global_sum
+        self.expert_comm = expert_comm
         self.depth = 0  # entered again inside itself: the calls stay until the outer exit
 
     def __enter__(self):
@@ -178,7 +186,8 @@ class SparseDispatch:
             call = types.MethodType(_block_call(policy, self.global_sum), block)
             object.__setattr__(block, "call", call)  # untracked, as the weight taps set theirs
             bank = getattr(block, policy.bank)
-            object.__setattr__(bank, "call", types.MethodType(_bank_call(policy), bank))
+            call = types.MethodType(_bank_call(policy, self.expert_comm), bank)
+            object.__setattr__(bank, "call", call)
         return self
 
     def __exit__(self, *exc):

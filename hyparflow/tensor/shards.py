@@ -24,7 +24,7 @@ from hyparflow.tensor.layout import bounds
 from hyparflow.tensor.splits import COLUMN, ROW, VOCAB
 
 
-class _Shard:
+class Shard:
     """One split variable: where the layer holds it, its whole form and this rank's shard."""
 
     def __init__(self, layer, whole, axis: int, parts: int, index: int):
@@ -51,7 +51,7 @@ class TensorShards:
         self.parts, self.index = comm.Get_size(), comm.Get_rank()
         self._dropout_scope = dropout_scope
         self.shards = [
-            _Shard(split.layer, v, axis, self.parts, self.index)
+            Shard(split.layer, v, axis, self.parts, self.index)
             for split in layout.splits
             for v, axis in split.axes.values()
         ]
@@ -105,7 +105,7 @@ class TensorShards:
         swapped, specs = [], []
         try:
             for s in self.shards:
-                _put(s.layer, s.attribute, s.whole, s.shard)
+                swap_variable(s.layer, s.attribute, s.whole, s.shard)
                 swapped.append(s)
             for layer, call in self._calls.values():
                 object.__setattr__(layer, "call", call)
@@ -121,7 +121,7 @@ class TensorShards:
                 if "call" in vars(layer):
                     object.__delattr__(layer, "call")
             for s in reversed(swapped):
-                _put(s.layer, s.attribute, s.shard, s.whole)
+                swap_variable(s.layer, s.attribute, s.shard, s.whole)
 
     # --- the calls of split layers --------------------------------------------------------
     def _call_for(self, split):
@@ -244,7 +244,7 @@ def _attribute_holding(layer, variable) -> str:
     raise ValueError(f"cannot find where layer {layer.name!r} holds {variable.path}")
 
 
-def _put(layer, attribute: str, old, new) -> None:
+def swap_variable(layer, attribute: str, old, new) -> None:
     """Make `layer` hold `new` where it held `old`: its attribute and its tracked list."""
     object.__setattr__(layer, attribute, new)
     tracked = _keras.own_trainable_variables(layer)

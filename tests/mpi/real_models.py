@@ -31,8 +31,9 @@ def run(case: Case) -> dict:
     reference = references.zoo_fit(name, optimizer, case.policy, case.one_step)
     model = zoo.compiled(name, optimizer, case.policy)
     strategy = hf.Strategy(**case.strategy_options())
-    moved = traffic("tensor")
+    moved, exchanged = traffic("tensor"), traffic("experts")
     moved.reset()
+    exchanged.reset()
     history = hf.fit(
         model, x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0,
         strategy=strategy,
@@ -57,6 +58,10 @@ def run(case: Case) -> dict:
         "split": [s.layer.name for s in shards.layout.splits] if shards else [],
         "dropouts": [d.name for d, _ in shards.layout.dropouts] if shards else [],
         **(_shard_sizes(model, shards) if shards else {}),
+        # expert parallelism: this rank's expert shards and their optimizer slots, and the
+        # bytes its routing sums and token exchanges moved
+        **(_shard_sizes(model, trainer.experts, "expert_") if trainer.experts else {}),
+        "expert_bytes": exchanged.bytes,
         # bytes the tensor ranks' collectives moved, and what the planner's shares predict
         "tensor_bytes": moved.bytes,
         "predicted_tensor_bytes": _predicted_bytes(model, case, x, batch_size, epochs),
@@ -84,15 +89,15 @@ def _predicted_bytes(model, case: Case, x, batch_size, epochs) -> float | None:
     return total * epochs / case.replicas
 
 
-def _shard_sizes(model, shards) -> dict:
+def _shard_sizes(model, shards, prefix: str = "") -> dict:
     """Elements of this rank's shards, of the whole variables they split, and of the optimizer
     slots built for the shards (Keras names a slot after its variable's path)."""
     names = [s.shard.path.replace("/", "_") for s in shards.shards]
     slots = [v for v in model.optimizer.variables if any(n in v.path for n in names)]
     return {
-        "shard_elements": sum(int(v.numpy().size) for v in shards.variables),
-        "whole_elements": sum(int(s.whole.numpy().size) for s in shards.shards),
-        "shard_slot_elements": sum(int(v.numpy().size) for v in slots),
+        f"{prefix}shard_elements": sum(int(v.numpy().size) for v in shards.variables),
+        f"{prefix}whole_elements": sum(int(s.whole.numpy().size) for s in shards.shards),
+        f"{prefix}shard_slot_elements": sum(int(v.numpy().size) for v in slots),
     }
 
 
