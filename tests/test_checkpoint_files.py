@@ -160,6 +160,7 @@ class _StageState:
         self.is_last = True
         self.step, self.seed, self.pending_metric_states = step, 5, []
         self.shard, self.num_shards, self.split, self.shard_variables = 0, 1, {}, {}
+        self.writes_pieces = True
 
     def guard(self, operation):
         return contextlib.nullcontext()

@@ -27,11 +27,12 @@ class StageState(Protocol):
     pending_metric_states: list  # metric sums of a resumed epoch (`restore` sets them)
     shard: int  # this rank's tensor shard (0 without tensor parallelism)
     num_shards: int
-    split: dict  # path -> split axis of each variable this rank holds a piece of
+    split: dict  # path -> `state.Piece` of each variable this rank holds a part of
+    writes_pieces: bool  # this rank writes its pieces (replica 0; the first expert group)
     shard_variables: dict  # path -> the shard variable holding this rank's part of it
     # None, or (ZeRO-1) this replica's slice of the optimizer state: `optimizer_state(model,
-    # split, shard, parts, replica)` gives its entries, `restore_optimizer(model, state, split,
-    # shard, parts)` loads them; then every replica writes a file
+    # split, shard, replica)` gives its entries, `restore_optimizer(model, state, split)` loads
+    # them; then every replica writes a file
     optimizer_shard: Any
 
     def guard(self, operation: str) -> AbstractContextManager: ...

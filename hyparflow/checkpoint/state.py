@@ -7,7 +7,8 @@ rate), `seed/<layer>/<j>` a layer's random seed state, `m/<i>` a summed metric s
 
 Under tensor parallelism a split variable's weight and slots are saved by every tensor rank as
 its piece, `<key>@<t>/<T>:<axis>`; `join_shards` puts the pieces back together on reading, so a
-checkpoint resumes with any number of tensor ranks (and stages and replicas).
+checkpoint resumes with any number of tensor ranks (and stages and replicas). Expert
+parallelism saves each expert group position's experts the same way, cut along axis 0.
 
 Under ZeRO-1 (`Strategy(shard_optimizer=True)`) each replica saves only its slice of each
 slot, as a range of the flattened entry: `<key>#<start>:<stop>/<shape>` (after the tensor
@@ -15,6 +16,8 @@ piece's `@...` where there is one); `join_shards` puts those ranges back togethe
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -145,9 +148,27 @@ def cut_shard(value, shard: int, parts: int, axis: int):
     return np.take(value, np.arange(shard * step, (shard + 1) * step), axis=axis)
 
 
-def optimizer_state(model, optimizer, split=None, shard=0, parts=1) -> dict:
+@dataclass(frozen=True)
+class Piece:
+    """A rank's part of a split variable: part `index` of `parts`, cut along `axis` (a tensor
+    shard, or an expert group position's experts along axis 0)."""
+
+    index: int
+    parts: int
+    axis: int
+
+    def key(self, key: str) -> str:
+        """The key of this piece of entry `key`."""
+        return shard_key(key, self.index, self.parts, self.axis)
+
+    def cut(self, value):
+        """This piece of the whole `value`."""
+        return cut_shard(value, self.index, self.parts, self.axis)
+
+
+def optimizer_state(model, optimizer, split=None) -> dict:
     """The optimizer's variables, keyed by model variable index and slot name. `split` maps the
-    path of each tensor-split variable to its axis: their slots are this rank's pieces."""
+    path of each variable this rank holds a part of to its `Piece`: their slots are pieces."""
     split = split or {}
     prefixes = _slot_prefixes(model)
     paths = [v.path for v in model.trainable_variables]
@@ -158,7 +179,7 @@ def optimizer_state(model, optimizer, split=None, shard=0, parts=1) -> dict:
             if name.startswith(prefix):
                 key = f"opt/{index}/{name[len(prefix) :]}"
                 if paths[index] in split:
-                    key = shard_key(key, shard, parts, split[paths[index]])
+                    key = split[paths[index]].key(key)
                 state[key] = np.asarray(variable.numpy())
                 break
         else:
@@ -166,9 +187,9 @@ def optimizer_state(model, optimizer, split=None, shard=0, parts=1) -> dict:
     return state
 
 
-def restore_optimizer(model, optimizer, variables, state: dict, split=None, shard=0, parts=1):
+def restore_optimizer(model, optimizer, variables, state: dict, split=None):
     """Build `optimizer` for `variables` (a stage's) and load their slots from `state` (whole:
-    a tensor-split variable's slot, `split` path -> axis, takes this rank's piece)."""
+    a split variable's slot, `split` path -> `Piece`, takes this rank's piece)."""
     split = split or {}
     paths = [v.path for v in model.trainable_variables]
     if variables and not optimizer.built:
@@ -177,15 +198,15 @@ def restore_optimizer(model, optimizer, variables, state: dict, split=None, shar
     missing = []
     for variable in optimizer.variables:
         name = variable.name
-        key, axis = f"opt/{name}", None
+        key, piece = f"opt/{name}", None
         for prefix, index in prefixes:
             if name.startswith(prefix):
                 key = f"opt/{index}/{name[len(prefix) :]}"
-                axis = split.get(paths[index])
+                piece = split.get(paths[index])
                 break
         if key in state:
             value = state[key]
-            variable.assign(value if axis is None else cut_shard(value, shard, parts, axis))
+            variable.assign(value if piece is None else piece.cut(value))
         else:
             missing.append(name)
     if missing:

@@ -13,12 +13,10 @@ from hyparflow.checkpoint.atomic import sha256, write_atomic
 from hyparflow.checkpoint.reader import LazyState
 from hyparflow.checkpoint.stage import StageState
 from hyparflow.checkpoint.state import (
-    cut_shard,
     layers_of_seed_keys,
     optimizer_state,
     restore_optimizer,
     seed_generators,
-    shard_key,
     weight_specs,
 )
 
@@ -46,7 +44,7 @@ def save(
     metric_sums = stage.summed_metric_states()  # collective over the last stage's replicas
     files = {}
     sharded = getattr(stage, "optimizer_shard", None)
-    if stage.replica == 0 or sharded is not None:
+    if stage.writes_pieces or sharded is not None:
         state = _stage_state(stage)
         if stage.is_last and stage.shard == 0 and stage.replica == 0:
             state.update({f"m/{i}": value for i, value in enumerate(metric_sums)})
@@ -81,26 +79,25 @@ def save(
 
 def _stage_state(stage: StageState) -> dict:
     """What this stage owns: its weights, its optimizer slots, its layers' seed states. A tensor
-    rank writes its pieces of split variables; whole ones only the first tensor rank writes.
-    Under ZeRO-1 each replica writes its slices of the slots, replica 0 also the rest."""
-    model, split, first = stage.model, stage.split, stage.shard == 0
+    rank, or an expert group position, writes its pieces of split variables; whole ones only
+    the first tensor rank of replica 0 writes. Under ZeRO-1 each replica writes its slices of
+    the slots, replica 0 also the rest."""
+    model, split = stage.model, stage.split
+    first = stage.shard == 0 and stage.replica == 0
     sharded = getattr(stage, "optimizer_shard", None)
     state = {}
     if sharded is not None and stage.variables and model.optimizer.built:
-        state.update(
-            sharded.optimizer_state(model, split, stage.shard, stage.num_shards, stage.replica)
-        )
-    if stage.replica > 0:
+        state.update(sharded.optimizer_state(model, split, stage.shard, stage.replica))
+    if not stage.writes_pieces:
         return state
     for i in stage.owned_weight_indices():
         path = model.weights[i].path
-        if path in stage.shard_variables:  # a tensor rank's own shard is its piece
-            key = shard_key(f"w/{i}", stage.shard, stage.num_shards, split[path])
-            state[key] = np.asarray(stage.shard_variables[path].numpy())
+        if path in stage.shard_variables:  # a rank's own shard is its piece
+            state[split[path].key(f"w/{i}")] = np.asarray(stage.shard_variables[path].numpy())
         elif first:
             state[f"w/{i}"] = np.asarray(model.weights[i].numpy())
     if sharded is None and stage.variables and model.optimizer.built:
-        slots = optimizer_state(model, model.optimizer, split, stage.shard, stage.num_shards)
+        slots = optimizer_state(model, model.optimizer, split)
         state.update({k: v for k, v in slots.items() if first or "@" in k})
     owners = layers_of_seed_keys(model)
     for key, variable in seed_generators(model):
@@ -173,10 +170,8 @@ def restore(stage: StageState, manifest, state) -> None:
     shard_variables = stage.shard_variables
     for i, variable in enumerate(model.weights):
         if variable.path in shard_variables:
-            axis = stage.split[variable.path]
-            shard_variables[variable.path].assign(
-                cut_shard(state[f"w/{i}"], stage.shard, stage.num_shards, axis)
-            )
+            piece = stage.split[variable.path]
+            shard_variables[variable.path].assign(piece.cut(state[f"w/{i}"]))
         if not deferred.is_deferred(variable):
             variable.assign(state[f"w/{i}"])
     for key, variable in seed_generators(model):
@@ -184,12 +179,9 @@ def restore(stage: StageState, manifest, state) -> None:
             variable.assign(state[key])
     sharded = getattr(stage, "optimizer_shard", None)
     if stage.variables and sharded is not None:
-        sharded.restore_optimizer(model, state, stage.split, stage.shard, stage.num_shards)
+        sharded.restore_optimizer(model, state, stage.split)
     elif stage.variables:
-        restore_optimizer(
-            model, model.optimizer, stage.variables, state, stage.split, stage.shard,
-            stage.num_shards,
-        )  # fmt: skip
+        restore_optimizer(model, model.optimizer, stage.variables, state, stage.split)
     stage.step = manifest.step
     stage.pending_metric_states = [
         state[f"m/{i}"] for i in range(len(model.metrics_variables)) if f"m/{i}" in state

@@ -25,7 +25,8 @@ _GATHERED_AT = "_optimizer_gathered_at"  # the trainer's step when it last gathe
 def needs_gathering(trainer) -> bool:
     """Whether this layout leaves a partial optimizer on rank 0 (the same on every rank). A
     model built under hf.scope() keeps each rank's share (weights are not gathered either)."""
-    split = trainer.plan is not None or trainer.shards is not None or trainer.zero is not None
+    split = trainer.plan is not None or trainer.zero is not None
+    split = split or trainer.shards is not None or trainer.experts is not None
     return split and not trainer.holds_share_only and trainer.topology.world.Get_size() > 1
 
 
@@ -35,13 +36,12 @@ def local_entries(stage) -> dict:
     if not stage.variables or not model.optimizer.built:
         return {}
     if sharded is not None:  # ZeRO-1: every replica holds slices
-        return sharded.optimizer_state(
-            model, stage.split, stage.shard, stage.num_shards, stage.replica
-        )  # fmt: skip
-    if stage.replica > 0:  # the same as replica 0's
+        return sharded.optimizer_state(model, stage.split, stage.shard, stage.replica)
+    if not stage.writes_pieces:  # the same as replica 0's (or its expert group's)
         return {}
-    slots = optimizer_state(model, model.optimizer, stage.split, stage.shard, stage.num_shards)
-    return {k: v for k, v in slots.items() if stage.shard == 0 or "@" in k}
+    slots = optimizer_state(model, model.optimizer, stage.split)
+    first = stage.shard == 0 and stage.replica == 0
+    return {k: v for k, v in slots.items() if first or "@" in k}
 
 
 def saves_files(trainer, callbacks) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 
+from hyparflow.checkpoint.state import Piece
 from hyparflow.comm.in_graph import allreduce
 from hyparflow.engine.random_slices import feature_slice
 from hyparflow.moe import ExpertShards, SparseDispatch, expert_groups
@@ -53,6 +54,17 @@ class SplitLayers:
         """Put every rank's shards together into the model's whole weights (collective)."""
         for shards in self._shards():
             shards.store(guard)
+
+    def pieces(self) -> tuple[dict, dict]:
+        """(path -> `Piece` of this rank, path -> its shard variable) of every variable split
+        over tensor ranks or an expert group, as checkpoints key them."""
+        split, variables = {}, {}
+        for shards in self._shards():
+            parts, index = shards.parts, shards.index
+            for s in shards.shards:
+                split[s.whole.path] = Piece(index, parts, s.axis)
+                variables[s.whole.path] = s.shard
+        return split, variables
 
     def free(self) -> None:
         if self.experts is not None:

@@ -16,8 +16,9 @@ class TrainingState:
     """
 
     def __init__(
-        self, model, topology, plan, variables: list, guard, split=None, shard_variables=None
-    ):
+        self, model, topology, plan, variables: list, guard, split=None, shard_variables=None,
+        experts: int = 1,
+    ):  # fmt: skip
         self.model = model
         self.variables = variables
         self.world = topology.world
@@ -28,10 +29,12 @@ class TrainingState:
         self.seed = 0  # the shared shuffle seed of the current fit (checkpoints record it)
         self.pending_metric_states: list = []
         self.shard, self.num_shards = topology.shard, topology.num_shards
-        self.split = dict(split or {})  # path -> axis of the variables split over tensor ranks
+        self.split = dict(split or {})  # path -> Piece of each variable this rank holds a part of
         self.shard_variables = dict(
             shard_variables or {}
         )  # path -> this rank's shard variable of each of them
+        # replica 0 writes its tensor pieces, each position of the first expert group its experts
+        self.writes_pieces = topology.replica < experts
         self.optimizer_shard = None  # ZeRO-1's ShardedUpdate: each replica saves its slices
         self._stage_comm = topology.stage_comm
         self._plan = plan

@@ -133,10 +133,9 @@ class Trainer:
             model, topo, strategy, chunks, guard=self._guard, loss=self._loss,
             update_metrics=self._update_metrics_fn, whole_inputs=plan is None and segments is None,
         )  # fmt: skip
-        split = {s.whole.path: s.axis for s in self.shards.shards} if self.shards else {}
-        shard_of = self.shards.by_path() if self.shards else {}
         self.stage_state = TrainingState(
-            model, topo, plan, self.variables, self._guard, split, shard_of
+            model, topo, plan, self.variables, self._guard, *self.splits.pieces(),
+            experts=strategy.experts,
         )  # fmt: skip
         if self.zero is not None:
             self.stage_state.optimizer_shard = ZeroCheckpoint(self.zero)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hyparflow.checkpoint.state import cut_shard, shard_key, slice_key
+from hyparflow.checkpoint.state import slice_key
 
 
 class ZeroCheckpoint:
@@ -36,7 +36,7 @@ class ZeroCheckpoint:
                 return None, table, name[len(prefix) :]
         return None, None, None
 
-    def optimizer_state(self, model, split: dict, shard: int, parts: int, replica: int) -> dict:
+    def optimizer_state(self, model, split: dict, shard: int, replica: int) -> dict:
         """This replica's share of the optimizer state: its slice of each slot as ranges of the
         flattened entries (`slice_key`); tables' slots and the optimizer's own variables from
         replica 0. Whole variables are written by tensor rank 0 only, as unsharded runs do."""
@@ -46,24 +46,24 @@ class ZeroCheckpoint:
             group, table, slot = self._slot_of(opt_variable.name)
             value = np.asarray(opt_variable.numpy())
             if group is None:  # the optimizer's own, or a whole table's slot
-                axis = None if table is None else split.get(table.path)
-                if replica == 0 and (shard == 0 or axis is not None):
+                piece = None if table is None else split.get(table.path)
+                if replica == 0 and (shard == 0 or piece is not None):
                     key = f"opt/{opt_variable.name}"
                     if table is not None:
-                        key = _key(index, table, slot, axis, shard, parts)
+                        key = _key(index, table, slot, piece)
                     state[key] = value
                 continue
             for p in group.extents:
                 variable = self.zero.variables[group.positions[p.variable]]
-                axis = split.get(variable.path)
-                if axis is None and shard != 0:
+                piece = split.get(variable.path)
+                if piece is None and shard != 0:
                     continue
-                key = _key(index, variable, slot, axis, shard, parts)
+                key = _key(index, variable, slot, piece)
                 key = slice_key(key, p.start, p.stop, tuple(variable.shape))
                 state[key] = value[p.offset : p.offset + p.size]
         return state
 
-    def restore_optimizer(self, model, state: dict, split: dict, shard: int, parts: int) -> None:
+    def restore_optimizer(self, model, state: dict, split: dict) -> None:
         """Build the optimizer for the slices and load them from a joined checkpoint `state`
         (whole entries, whichever layout wrote them)."""
         self.zero.build_optimizer()
@@ -76,8 +76,8 @@ class ZeroCheckpoint:
             if key not in state:
                 missing.append(key)
                 return None
-            axis = split.get(variable.path)
-            return state[key] if axis is None else cut_shard(state[key], shard, parts, axis)
+            piece = split.get(variable.path)
+            return state[key] if piece is None else piece.cut(state[key])
 
         for opt_variable in self.zero.model.optimizer.variables:
             group, table, slot = self._slot_of(opt_variable.name)
@@ -103,8 +103,8 @@ class ZeroCheckpoint:
             )
 
 
-def _key(index: dict, variable, slot: str, axis, shard: int, parts: int) -> str:
+def _key(index: dict, variable, slot: str, piece) -> str:
     """The key of `slot` of `variable` as an unsharded run writes it (a tensor piece's with
-    `axis`)."""
+    its `Piece`)."""
     key = f"opt/{index[variable.path]}/{slot}"
-    return key if axis is None else shard_key(key, shard, parts, axis)
+    return key if piece is None else piece.key(key)

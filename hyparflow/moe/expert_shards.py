@@ -48,7 +48,7 @@ class ExpertShards:
 
     def __init__(self, graphs: list, group, across):
         self.group, self.across = group, across
-        parts, index = group.Get_size(), group.Get_rank()
+        self.parts, self.index = parts, index = group.Get_size(), group.Get_rank()
         self.shards = []
         blocks = {id(b): b for graph in graphs for b in sparse_blocks(graph)}
         for block in blocks.values():

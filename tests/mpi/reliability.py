@@ -9,6 +9,8 @@ Usage: `python -m tests.mpi.reliability OUT MODE FOLDER` with MODE one of
   reshape      checkpoint a 2x2 hybrid run, resume it as 4x1, 1x4 and 2x2; export it
   tensor_reshape  checkpoint a 2-stage run split over 2 tensor ranks; resume it with T = 2, 1
                (2 stages x 2 replicas; 4 replicas) and 4; export it
+  expert_reshape  checkpoint a Mixtral whose experts split over 2 of 4 replicas; resume it
+               with experts = 2, 4 and 1 and as 2 stages x 2 replicas x experts 2; export it
   stall        rank 1 stops answering; the watchdog must end the job
 """
 
@@ -22,6 +24,7 @@ from mpi4py import MPI
 
 import hyparflow as hf
 from hyparflow.checkpoint import manifest
+from tests.support import zoo
 from tests.support.compare import relative_difference
 from tests.support.models import data
 from tests.support.report import args, report
@@ -200,6 +203,46 @@ def tensor_reshape(folder):
     )  # fmt: skip
 
 
+def expert_reshape(folder):
+    """Checkpoint a Mixtral trained with its experts split over 2 of 4 replicas (Adam, router
+    loss on); resume it with experts = 2, 4 and 1, and as 2 stages x 2 replicas x experts 2."""
+    strategies = {
+        "same": hf.Strategy("data", replicas=4, experts=2),
+        "experts4": hf.Strategy("data", replicas=4, experts=4),
+        "experts1": hf.Strategy("data", replicas=4),
+        "hybrid": hf.Strategy("hybrid", partitions=2, replicas=2, experts=2),
+    }
+
+    def fit(strategy, epochs, **kwargs):
+        model = zoo.compiled("mixtral", "adam")
+        hf.fit(
+            model, zoo.text_batches("mixtral", 16), epochs=epochs, shuffle=False, verbose=0,
+            strategy=strategy, **kwargs,
+        )  # fmt: skip
+        return model
+
+    first = fit(strategies["same"], 1, callbacks=[hf.callbacks.Checkpoint(folder, 2)])
+    files = sorted(n for n in os.listdir(manifest.latest(folder)) if n.endswith(".npz"))
+    results = {name: fit(s, 2, resume_from=folder).get_weights() for name, s in strategies.items()}
+    exported = os.path.join(folder, "exported.keras")
+    if hf.rank() == 0:
+        hf.export(folder, exported)
+    MPI.COMM_WORLD.Barrier()
+    report(
+        {
+            "rank": hf.rank(),
+            "files": files,
+            **{
+                name: relative_difference(weights, results["same"])
+                for name, weights in results.items() if name != "same"
+            },
+            "export": relative_difference(
+                keras.saving.load_model(exported).get_weights(), first.get_weights()
+            ),
+        }
+    )  # fmt: skip
+
+
 def stall(folder):
     """Rank 1 stops answering; the watchdog must end the job."""
 
@@ -218,7 +261,8 @@ def stall(folder):
 
 
 MODES = {
-    f.__name__: f for f in (crash, resume, torn_save, after_torn, reshape, tensor_reshape, stall)
+    f.__name__: f
+    for f in (crash, resume, torn_save, after_torn, reshape, tensor_reshape, expert_reshape, stall)
 }
 
 
