@@ -1,12 +1,15 @@
-"""Mixture of experts: sparse dispatch against keras_hub's dense experts, data parallel, 2 ranks.
+"""Mixture of experts: sparse dispatch and expert parallelism against keras_hub's dense experts.
 
 Run: .venv/bin/python benchmarks/moe_dispatch.py [--repeats 5] [--steps 4] (starts mpirun)
 
 keras_hub's Mixtral (2 layers, hidden 128, 8 experts of width 256, top-2, router loss on at
 0.02, 4 query and 2 key-value heads, vocabulary 512), 64 tokens, a global batch of 16, Adam.
-Step time of hf.fit with `Strategy("data", sparse_experts=True)` (each token through its 2
-experts, hyparflow/moe) and `False` (every expert on every token, as keras_hub computes), and
-`model.fit` on rank 0 alone; epochs interleaved. The experts' FLOPs fall 4x, nothing else.
+Step time of hf.fit on 2 ranks with `Strategy("data", experts=2)` (each rank holds 4 of the 8
+experts; tokens travel to their expert's rank and back), `Strategy("data")` (each token through
+its 2 experts, every rank all 8 experts, hyparflow/moe), `sparse_experts=False` (every expert on
+every token, as keras_hub computes), and `model.fit` on rank 0 alone; epochs interleaved. The
+experts' FLOPs fall 4x; expert parallelism adds two all-to-alls a block and halves the
+experts' gradient allreduce.
 """
 
 from __future__ import annotations
@@ -23,7 +26,10 @@ from benchmarks.harness.stats import paired_ratios  # noqa: E402
 FIGURE, TITLE = "moe", "Mixture of experts: sparse dispatch against dense experts, 2 ranks"
 SIZE = dict(hidden=128, width=256, experts=8, vocabulary=512, tokens=64, batch=16)
 QUICK = dict(hidden=16, width=16, experts=4, vocabulary=64, tokens=8, batch=8)
-SETUPS = ("sparse, data parallel", "dense, data parallel", "one rank (Keras, dense)")
+SETUPS = (
+    "experts split over 2 ranks (sparse)", "sparse, data parallel", "dense, data parallel",
+    "one rank (Keras, dense)",
+)  # fmt: skip
 
 
 def _model(size: dict):
@@ -55,7 +61,8 @@ def worker(args) -> None:
         .astype("int32")
     )
     x = {"token_ids": tokens[:, :-1], "padding_mask": np.ones_like(tokens[:, 1:])}
-    strategies = [hf.Strategy("data", sparse_experts=True, tune_process=True),
+    strategies = [hf.Strategy("data", experts=2, tune_process=True),
+                  hf.Strategy("data", sparse_experts=True, tune_process=True),
                   hf.Strategy("data", sparse_experts=False, tune_process=True), None]  # fmt: skip
     setups = {name: (_model(size), s) for name, s in zip(SETUPS, strategies, strict=True)}
     seconds = interleaved_epochs(setups, x, tokens[:, 1:], size["batch"], args.repeats,
@@ -68,10 +75,16 @@ def run(args) -> list[dict]:
     flags = cli.flags(args, "repeats", "steps") + ["--quick"] * args.quick
     r = run_worker(__file__, flags, np=2)[0]
     ms = {k: [1e3 * s / args.steps for s in v] for k, v in r["seconds"].items()}
-    sparse, dense, alone = (ms[k] for k in SETUPS)
+    split, sparse, dense, alone = (ms[k] for k in SETUPS)
     rows = [(f"{k}, ms per step", v, "ms") for k, v in ms.items()]
     rows += [
+        (
+            "dense / expert-parallel step time (samples/s ratio)",
+            paired_ratios(dense, split),
+            "ratio",
+        ),
         ("dense / sparse step time, data parallel", paired_ratios(dense, sparse), "ratio"),
+        ("sparse / expert-parallel step time", paired_ratios(sparse, split), "ratio"),
         ("speed-up over one rank (Keras), sparse", paired_ratios(alone, sparse), "ratio"),
         ("speed-up over one rank (Keras), dense", paired_ratios(alone, dense), "ratio"),
     ]

@@ -209,7 +209,7 @@ def test_tensor_time_is_its_own_category_and_not_compute(tmp_path):
     plain = simulated_steps("gpipe", 2, 4, allreduce=0.001, optimizer=0.002)
     records = [_with_tensor_spans(r) for r in plain]
     before = [breakdown.breakdown(r) for r in plain]
-    ranks = [breakdown.breakdown(r, tensor=True) for r in records]
+    ranks = [breakdown.breakdown(r, inner=("tensor",)) for r in records]
     # compute gives a quarter to tensor; idle is unchanged
     for b, a in zip(ranks, before, strict=True):
         assert b.seconds["tensor"] == pytest.approx(0.25 * a.compute)
@@ -227,7 +227,7 @@ def test_tensor_time_is_its_own_category_and_not_compute(tmp_path):
     assert "tensor" not in before[0].seconds and scalars.TENSOR_MS not in scalars.job_values(
         job_step(before, [0, 0], 2)
     )
-    assert breakdown.breakdown(plain[0], tensor=True).seconds["tensor"] == 0.0
+    assert breakdown.breakdown(plain[0], inner=("tensor",)).seconds["tensor"] == 0.0
 
     layout = {**LAYOUT, "kind": "tensor", "tensor": 2}
     result = _summary_of([[r] for r in records], layout)
@@ -500,16 +500,20 @@ TWO_RANKS = [
 FOUR_RANKS = [
     Case("equal_stages", "sgd", "hybrid", partitions=2, replicas=2, microbatches=2, schedule="1f1b")
 ]
-# tensor parallelism (two Dense pairs split column then row), in the 2-rank launch
-TENSOR = [Case("dense_pairs", "sgd", "data", tensor=2)]
+# collectives inside compute, in the 2-rank launch: tensor parallelism (two Dense pairs split
+# column then row) and expert parallelism (a Mixtral's experts split over 2 replicas)
+INNER = [
+    Case("dense_pairs", "sgd", "data", tensor=2),
+    Case("mixtral", "sgd", "data", replicas=2, experts=2),
+]
 
 
 @pytest.fixture(scope="module")
 def profiled_runs(request, tmp_path_factory):
     root = tmp_path_factory.mktemp("profiled")
     runs = {}
-    for np_, cases in ((2, TWO_RANKS + TENSOR), (4, FOUR_RANKS)):
-        chosen = [c for c in selected(request, TWO_RANKS + TENSOR + FOUR_RANKS) if c in cases]
+    for np_, cases in ((2, TWO_RANKS + INNER), (4, FOUR_RANKS)):
+        chosen = [c for c in selected(request, TWO_RANKS + INNER + FOUR_RANKS) if c in cases]
         if chosen:
             runs |= run_cases("profiled_fit", np_, chosen, str(root), timeout=300)
     return runs
@@ -649,10 +653,34 @@ def _inside(inner, outer, slack_ms=1e-3):
     return outer.start_ms - slack_ms <= inner.start_ms and end <= outer_end + slack_ms
 
 
+def _assert_inner_spans_inside_compute(track, values, category: str, close: dict):
+    """The timeline: every collective of `category` inside the forward or backward that ran
+    it, and the scalars' forward and backward are those slices minus the time inside them."""
+    r = track.rank
+    for step in range(1, 8):  # the timeline's steps
+        mine = [s for s in track.slices if s.step == step]
+        inner = [s for s in mine if s.kind == category]
+        outer = [s for s in mine if s.kind in ("forward", "backward")]
+        assert inner and all(any(_inside(s, o) for o in outer) for s in inner), (r, step)
+        net = {"forward": 0.0, "backward": 0.0}
+        for o in outer:
+            within = [s for s in inner if _inside(s, o)]
+            # (one stage: forward computes the gradients too, backward has nothing to do)
+            assert within or o.kind == "backward", f"rank {r} step {step}: {o.name}"
+            assert all(s.microbatch == o.microbatch for s in within)
+            net[o.kind] += o.duration_ms - sum(s.duration_ms for s in within)
+        inner_ms = sum(s.duration_ms for s in inner)
+        assert values[scalars.KIND_MS[category]][step] == pytest.approx(inner_ms, **close)
+        for kind in ("forward", "backward"):  # no double counting
+            assert values[scalars.KIND_MS[kind]][step] == pytest.approx(net[kind], **close)
+
+
 @pytest.mark.mpi
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("case", TENSOR, ids=str)
-def test_tensor_collectives_are_their_own_category(profiled_runs, case):
+@pytest.mark.parametrize("case", INNER, ids=str)
+def test_tensor_collectives_and_expert_exchanges_are_their_own_category(profiled_runs, case):
+    category = "tensor" if case.tensor > 1 else "experts"
+    kind_ms = scalars.KIND_MS[category]
     ranks = profiled_runs[case.id]
     log_dir = ranks[0]["log_dir"]
     assert all(r["detached"] and r["listener_cleared"] for r in ranks)
@@ -662,46 +690,30 @@ def test_tensor_collectives_are_their_own_category(profiled_runs, case):
     assert sorted(tracks) == [0, 1]
     for r in (0, 1):
         values = _event_values(os.path.join(log_dir, f"rank_{r}"))
-        assert set(values) == {*scalars.RANK_TAGS, scalars.TENSOR_MS}, f"rank {r}"
+        assert set(values) == {*scalars.RANK_TAGS, kind_ms}, f"rank {r}"
         assert all(sorted(v) == steps for v in values.values()), f"rank {r}"
         for step in steps:
             v = {tag: by_step[step] for tag, by_step in values.items()}
-            assert v[scalars.TENSOR_MS] > 0, (r, step)
-            parts = sum(v[tag] for tag in scalars.KIND_MS.values())
+            assert v[kind_ms] > 0, (r, step)
+            parts = sum(v[tag] for tag in scalars.KIND_MS.values() if tag in v)
             assert parts + v[scalars.IDLE_MS] == pytest.approx(v[scalars.STEP_MS], **close)
             assert v[scalars.COMPUTE_MS] == pytest.approx(
                 v[scalars.KIND_MS["forward"]] + v[scalars.KIND_MS["backward"]], **close
             )
-        # The timeline: every collective inside the forward or backward that ran it, and the
-        # scalars' forward and backward are those slices minus the tensor time inside them.
-        for step in range(1, 8):  # the timeline's steps
-            mine = [s for s in tracks[r].slices if s.step == step]
-            inner = [s for s in mine if s.kind == "tensor"]
-            outer = [s for s in mine if s.kind in ("forward", "backward")]
-            assert inner and all(any(_inside(s, o) for o in outer) for s in inner), (r, step)
-            net = {"forward": 0.0, "backward": 0.0}
-            for o in outer:
-                within = [s for s in inner if _inside(s, o)]
-                # (one stage: forward computes the gradients too, backward has nothing to do)
-                assert within or o.kind == "backward", f"rank {r} step {step}: {o.name}"
-                assert all(s.microbatch == o.microbatch for s in within)
-                net[o.kind] += o.duration_ms - sum(s.duration_ms for s in within)
-            tensor_ms = sum(s.duration_ms for s in inner)
-            assert values[scalars.TENSOR_MS][step] == pytest.approx(tensor_ms, **close)
-            for kind in ("forward", "backward"):  # no double counting
-                assert values[scalars.KIND_MS[kind]][step] == pytest.approx(net[kind], **close)
+        _assert_inner_spans_inside_compute(tracks[r], values, category, close)
     aggregate_values = _event_values(os.path.join(log_dir, "aggregate"))
-    assert set(aggregate_values) == {*scalars.AGGREGATE_TAGS, scalars.TENSOR_MS, scalars.EFFICIENCY}
-    assert all(aggregate_values[scalars.TENSOR_MS][s] > 0 for s in steps)
+    assert set(aggregate_values) == {*scalars.AGGREGATE_TAGS, kind_ms, scalars.EFFICIENCY}
+    assert all(aggregate_values[kind_ms][s] > 0 for s in steps)
     assert _png_size(os.path.join(log_dir, gantt.GANTT_FILE))
 
     result = summary.load_summary(os.path.join(log_dir, summary.SUMMARY_FILE))
-    assert result["layout"]["tensor"] == 2 and result["layout"]["kind"] == "tensor"
+    assert result["layout"][category] == 2
+    assert result["layout"]["kind"] == ("tensor" if category == "tensor" else "data")
     for row in [*result["ranks"], result["job"]]:
         ms = row["ms_per_step"]
-        assert ms["tensor"] > 0
-        assert ms["compute"] + ms["tensor"] <= ms["step"] * (1 + 1e-6)
+        assert ms[category] > 0
+        assert ms["compute"] + ms[category] <= ms["step"] * (1 + 1e-6)
     text = report.format_report(result)
     header = next(line.split() for line in text.splitlines() if line.startswith("rank"))
-    assert header[header.index("compute") + 1] == "tensor"
+    assert header[header.index("compute") + 1] == category
     print(f"{case}: ms per step {result['job']['ms_per_step']}")

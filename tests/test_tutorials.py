@@ -28,10 +28,10 @@ def _code_cells(path):
     return [cell for cell in notebook["cells"] if cell["cell_type"] == "code"]
 
 
-def test_the_six_tutorials_are_listed_in_the_readme():
+def test_the_seven_tutorials_are_listed_in_the_readme():
     names = [path.name for path in NOTEBOOKS]
-    assert len(names) == 6, names
-    assert names[-1] == "06_tensor_parallel.ipynb", names
+    assert len(names) == 7, names
+    assert names[-1] == "07_mixture_of_experts.ipynb", names
     readme = (TUTORIALS / "README.md").read_text()
     for name in names:
         assert name in readme, f"tutorials/README.md does not mention {name}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from hyparflow.callbacks.breakdown import TENSOR_KINDS, StepBreakdown
+from hyparflow.callbacks.breakdown import ALL_KINDS, StepBreakdown
 from hyparflow.engine import events
 from hyparflow.schedule import theoretical_bubble, zero_bubble_bubble
 
@@ -145,7 +145,7 @@ def job_step(
     detailed = [b for b in ranks if b.detailed]
     mean_seconds = None
     if detailed:
-        kinds = [k for k in TENSOR_KINDS if any(k in b.seconds for b in detailed)]
+        kinds = [k for k in ALL_KINDS if any(k in b.seconds for b in detailed)]
         mean_seconds = {
             k: sum(b.seconds.get(k, 0.0) for b in detailed) / len(detailed) for k in kinds
         }

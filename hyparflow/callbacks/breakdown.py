@@ -6,9 +6,10 @@ from dataclasses import asdict, dataclass
 
 from hyparflow.engine import events
 
-# The span kinds a breakdown reports, in table order; with tensor parallelism also TENSOR.
+# The span kinds a breakdown reports, in table order; with tensor or expert parallelism also
+# TENSOR or EXPERTS, the collectives inside forward and backward.
 KINDS = events.KINDS
-TENSOR_KINDS = (*KINDS, events.TENSOR)
+ALL_KINDS = (*KINDS, *events.INNER)
 
 
 @dataclass(frozen=True)
@@ -16,8 +17,9 @@ class StepBreakdown:
     """Seconds one rank spent on each kind of work in one step, and what follows from them.
 
     `seconds` maps every span kind (forward, backward, recv, send, allreduce, optimizer, and
-    with tensor parallelism tensor) to its total in the step, forward and backward without the
-    tensor collectives inside them (see `breakdown`), so the kinds never overlap; it is None
+    with tensor or expert parallelism tensor or experts) to its total in the step, forward and
+    backward without the collectives inside them (see `breakdown`), so the kinds never
+    overlap; it is None
     when the engine recorded no spans (a single process, where `hf.fit` is plain `model.fit`
     and only the step's wall time is known). `samples` is the
     global batch size (None when unknown); `microbatches` is how many this rank's replica ran.
@@ -88,16 +90,17 @@ class StepBreakdown:
         return cls(**data)
 
 
-def breakdown(record: events.StepRecord, tensor: bool = False) -> StepBreakdown:
-    """Sum a recorded step's spans by kind; `tensor` (tensor parallelism) reports the tensor
-    kind even in a step without tensor spans, so every rank and step has the same kinds.
+def breakdown(record: events.StepRecord, inner: tuple = ()) -> StepBreakdown:
+    """Sum a recorded step's spans by kind; `inner` (`events.INNER` kinds the run has: tensor,
+    experts) are reported even in a step without their spans, so every rank and step has the
+    same kinds.
 
-    The engine's spans follow each other (a rank does one thing at a time), except tensor
-    spans: a tensor-parallel collective runs inside the compiled forward or backward, so its
-    span lies inside a forward or backward span. Counting both would count that time twice, so
-    the rule is: forward and backward are their spans minus the tensor time inside them (their
-    compute), and tensor is every tensor span. The kinds then add up to the covered time and
-    idle stays the rest of the step.
+    The engine's spans follow each other (a rank does one thing at a time), except inner
+    spans: a tensor-parallel collective or an expert exchange runs inside the compiled forward
+    or backward, so its span lies inside a forward or backward span. Counting both would count
+    that time twice, so the rule is: forward and backward are their spans minus the inner time
+    inside them (their compute), and each inner kind is the sum of its spans. The kinds then
+    add up to the covered time and idle stays the rest of the step.
 
     Example:
         >>> span = events.Span("forward", 0, 0, 1.0, 1.5)
@@ -108,10 +111,10 @@ def breakdown(record: events.StepRecord, tensor: bool = False) -> StepBreakdown:
         >>> s["forward"], s["tensor"]
         (0.375, 0.125)
     """
-    seconds = dict.fromkeys(TENSOR_KINDS if tensor else KINDS, 0.0)
+    seconds = dict.fromkeys((*KINDS, *inner), 0.0)
     for span in record.spans:
         seconds[span.kind] = seconds.get(span.kind, 0.0) + span.duration
-    inner = [s for s in record.spans if s.kind == events.TENSOR]
+    inner = [s for s in record.spans if s.kind in events.INNER]
     if inner:
         for span in record.spans:
             if span.kind in events.COMPUTE:

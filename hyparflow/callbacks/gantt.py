@@ -23,12 +23,13 @@ COLORS = {
     events.ALLREDUCE: "#8172B3",
     events.OPTIMIZER: "#937860",
     events.TENSOR: "#DA8BC3",
+    events.EXPERTS: "#8C613C",
 }
 IDLE_COLOR = "#E6E6E6"
 LEGEND_NAMES = {events.RECV: "recv (waiting)"}
 LABELLED = events.COMPUTE  # bars that show their micro-batch number
 # Tensor collectives run inside a forward or backward: thinner bars drawn over them.
-INNER = (events.TENSOR,)
+INNER = events.INNER
 
 
 def chosen_steps(trace: dict, steps: Sequence[int] | None, max_steps: int = MAX_STEPS) -> list:

@@ -15,6 +15,7 @@ from hyparflow.callbacks.aggregate import job_step
 from hyparflow.callbacks.breakdown import breakdown, wall_only
 from hyparflow.callbacks.clock import ClockAligner
 from hyparflow.callbacks.summary import SUMMARY_FILE, RunSummary, write_summary
+from hyparflow.engine import events
 from hyparflow.engine.events import Recorder
 
 logger = logging.getLogger(__name__)
@@ -97,7 +98,7 @@ class ScalingProfiler(keras.callbacks.Callback):
         self._single_steps = []
         self._profiling = False
         self._step_trace = None
-        self._tensor = False
+        self._inner = ()  # the collectives inside compute this run reports (breakdown.py)
         if trainer is None:
             self._comm, self.rank = None, 0
             layout = {"world_size": 1, "kind": "single process", "stages": 1, "replicas": 1,
@@ -117,10 +118,13 @@ class ScalingProfiler(keras.callbacks.Callback):
                 "microbatches": strategy.microbatches,
                 "schedule": strategy.schedule,
             }
-            # Tensor parallelism: its collectives are a category of their own (breakdown.py).
-            self._tensor = topo.num_shards > 1
-            if self._tensor:
+            # Tensor and expert parallelism: their collectives are categories of their own.
+            if topo.num_shards > 1:
                 layout["tensor"] = topo.num_shards
+                self._inner += (events.TENSOR,)
+            if strategy.experts > 1:
+                layout["experts"] = strategy.experts
+                self._inner += (events.EXPERTS,)
             ranks = []
             for r in range(layout["world_size"]):
                 stage, replica = topo.grid.coords(r)
@@ -181,7 +185,7 @@ class ScalingProfiler(keras.callbacks.Callback):
             records = []
         else:
             records = self._recorder.take()
-            steps = [breakdown(r, tensor=self._tensor) for r in records]
+            steps = [breakdown(r, inner=self._inner) for r in records]
         window = self._timeline_window()
         kept = [r for r in records if _within(r.step, window)]
         if kept:  # every rank records the same steps, so all ranks take part or none

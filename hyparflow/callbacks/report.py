@@ -20,8 +20,9 @@ TIME_COLUMNS = (
     ("optimizer", "optimizer"),
     ("idle", "idle"),
 )
-# With tensor parallelism its collectives get a column after compute (which excludes them).
-TENSOR_COLUMN = ("tensor", "tensor")
+# With tensor or expert parallelism their collectives get columns after compute (which
+# excludes them).
+INNER_COLUMNS = (("tensor", "tensor"), ("experts", "experts"))
 KIND_NAMES = {"data": "data parallel", "model": "model parallel", "hybrid": "hybrid parallel",
               "tensor": "tensor parallel"}  # fmt: skip
 
@@ -50,6 +51,8 @@ def describe_layout(layout: dict) -> str:
     grid = f"{_count(layout.get('stages'), 'stage')} x {_count(layout.get('replicas'), 'replica')}"
     if layout.get("tensor", 1) > 1:
         grid += f" x {_count(layout['tensor'], 'tensor shard')}"
+    if layout.get("experts", 1) > 1:
+        grid += f", experts split over {layout['experts']} replicas"
     return ", ".join(
         [
             KIND_NAMES.get(kind, str(kind)),
@@ -65,11 +68,10 @@ def _count(n, noun: str) -> str:
 
 
 def time_columns(ms: dict) -> tuple:
-    """TIME_COLUMNS, with the tensor column after compute when the run has tensor parallelism
-    (its summary has tensor times)."""
-    if TENSOR_COLUMN[1] not in ms:
-        return TIME_COLUMNS
-    return (TIME_COLUMNS[0], TENSOR_COLUMN, *TIME_COLUMNS[1:])
+    """TIME_COLUMNS, with the tensor and experts columns after compute where the run has tensor
+    or expert parallelism (its summary has their times)."""
+    inner = tuple(column for column in INNER_COLUMNS if column[1] in ms)
+    return (TIME_COLUMNS[0], *inner, *TIME_COLUMNS[1:])
 
 
 def format_report(summary: dict) -> str:

@@ -7,7 +7,7 @@ import tensorflow as tf
 from tensorboard.plugins.scalar import metadata
 
 from hyparflow.callbacks.aggregate import JobStep
-from hyparflow.callbacks.breakdown import KINDS, TENSOR_KINDS, StepBreakdown
+from hyparflow.callbacks.breakdown import ALL_KINDS, KINDS, StepBreakdown
 from hyparflow.engine import events
 from hyparflow.traced import traced
 
@@ -15,15 +15,17 @@ STEP_MS = "step_ms/total"
 COMPUTE_MS = "step_ms/compute"
 P2P_WAIT_MS = "step_ms/p2p_wait"
 IDLE_MS = "step_ms/idle"
-KIND_MS = {kind: f"step_ms/{kind}" for kind in TENSOR_KINDS}  # step_ms/forward, ...
+KIND_MS = {kind: f"step_ms/{kind}" for kind in ALL_KINDS}  # step_ms/forward, ...
 TENSOR_MS = KIND_MS[events.TENSOR]  # tensor-parallel collectives, only with tensor parallelism
+EXPERTS_MS = KIND_MS[events.EXPERTS]  # expert exchanges, only with expert parallelism
 THROUGHPUT = "throughput/samples_per_sec"
 BUBBLE_MEASURED = "pipeline/bubble_measured"
 BUBBLE_THEORETICAL = "pipeline/bubble_theoretical"
 EFFICIENCY = "scaling/efficiency"
 
 # Tags every rank's run has when the engine recorded spans (more than one rank).
-# With tensor parallelism (Strategy(tensor=T), T > 1) both runs also have TENSOR_MS.
+# With tensor parallelism (Strategy(tensor=T), T > 1) both runs also have TENSOR_MS; with
+# expert parallelism (experts=E, E > 1) EXPERTS_MS.
 RANK_TAGS = (STEP_MS, *(KIND_MS[k] for k in KINDS), COMPUTE_MS, P2P_WAIT_MS, IDLE_MS,
              THROUGHPUT, BUBBLE_MEASURED)  # fmt: skip
 # Tags of the aggregate run; EFFICIENCY only when a baseline throughput is given.

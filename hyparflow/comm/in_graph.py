@@ -92,19 +92,22 @@ def allgather(comm, tensor, axis: int, tag: str):
                     shape)  # fmt: skip
 
 
-def exchange(comm, counts, tensors: list, tag: str) -> tuple:
+def exchange(comm, counts, tensors: list, tag: str, expected=None) -> tuple:
     """Rows sent to each rank of `comm` and rows received from each, all-to-all: the leading
     `counts[j]` rows of every tensor in `tensors` (after those for ranks before `j`) go to rank
     `j`. Returns (the counts received from each rank, the received rows of each tensor, in
-    rank order); no gradient (wrap it in a custom one). Its bytes count in `traffic(tag)`."""
+    rank order); no gradient (wrap it in a custom one). `expected`, when the counts to receive
+    are known (a reply), saves their all-to-all. Its bytes count in `traffic(tag)`."""
     record = traffic(tag)
     size = comm.Get_size()
 
-    def swap(sent_counts, *arrays):
+    def swap(sent_counts, received_counts, *arrays):
         sent_counts = np.asarray(sent_counts, np.int64)
-        received_counts = np.empty(size, np.int64)
         start = time.perf_counter()
-        comm.Alltoall(sent_counts, received_counts)
+        if received_counts.size == 0:
+            received_counts = np.empty(size, np.int64)
+            comm.Alltoall(sent_counts, received_counts)
+        received_counts = np.asarray(received_counts, np.int64)
         received, nbytes = [], 0
         for array in arrays:
             send = np.ascontiguousarray(_wire(array) if array.dtype.kind == "f" else array)
@@ -118,9 +121,11 @@ def exchange(comm, counts, tensors: list, tag: str) -> tuple:
         record.record(start, time.perf_counter(), nbytes)
         return [received_counts.astype(np.int32)] + received
 
+    known = tf.zeros([0], tf.int32) if expected is None else expected
+
     def make():
         dtypes = [tf.int32] + [t.dtype for t in tensors]
-        return tf.numpy_function(swap, [counts, *tensors], dtypes, stateful=True)
+        return tf.numpy_function(swap, [counts, known, *tensors], dtypes, stateful=True)
 
     outputs = _ordered(make, None)
     outputs[0].set_shape([size])

@@ -25,6 +25,10 @@ COMPUTE = (FORWARD, BACKWARD, WEIGHT)  # the work a pipeline stage exists to do
 # tensor parallelism. They run inside the compiled forward and backward, so their spans lie
 # inside forward and backward spans: a breakdown takes them out of compute (breakdown.py).
 TENSOR = "tensor"
+# Expert parallelism's exchanges (tokens to their experts' ranks and back, and the routing
+# counts' allreduce), recorded only with `experts` > 1; inside forward and backward spans too.
+EXPERTS = "experts"
+INNER = (TENSOR, EXPERTS)  # kinds whose spans lie inside compute spans
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,7 @@ from hyparflow.engine.weights import (
 )
 from hyparflow.engine.zero import ShardedUpdate
 from hyparflow.engine.zero_checkpoint import ZeroCheckpoint
+from hyparflow.moe import expert_parallel
 from hyparflow.tensor import collectives
 from hyparflow.traced import traced
 
@@ -277,9 +278,13 @@ class Trainer:
         self._span = events.no_span if recorder is None else recorder.span
         self._step_span = events.no_step if recorder is None else recorder.step
         self.walk.span = self._span
-        if self.shards is not None:  # each tensor collective, as it ends, becomes a span
-            tensor = traffic(collectives.TAG)
-            tensor.listener = None if recorder is None else _tensor_listener(recorder)
+        # each tensor collective or expert exchange, as it ends, becomes a span
+        inner = ((self.shards, collectives.TAG, events.TENSOR),
+                 (self.experts, expert_parallel.TAG, events.EXPERTS))  # fmt: skip
+        for split, tag, kind in inner:
+            if split is not None:
+                listener = None if recorder is None else _span_listener(recorder, kind)
+                traffic(tag).listener = listener
 
     # --- what a stage computes ------------------------------------------------------------
     def _call_whole_model(self, x, training):
@@ -426,11 +431,12 @@ class Trainer:
         self.topology.free()
 
 
-def _tensor_listener(recorder: events.Recorder):
-    """`Traffic.listener` recording each tensor collective into `recorder` (it runs on a
-    TensorFlow executor thread while the stepping thread is inside a forward or backward)."""
+def _span_listener(recorder: events.Recorder, kind: str):
+    """`Traffic.listener` recording each in-graph collective as a span of `kind` into `recorder`
+    (it runs on a TensorFlow executor thread while the stepping thread is inside a forward or
+    backward)."""
 
     def heard(start: float, end: float, nbytes: int) -> None:
-        recorder.add(events.TENSOR, start, end)
+        recorder.add(kind, start, end)
 
     return heard

@@ -45,25 +45,29 @@ def expert_parallel_mixture(
     arrived = {}
     received = _sent(comm, rows, counts, arrived, local_expert)
     results = grouped(arrived["expert"], held, expert, lambda chosen: tf.gather(received, chosen))
-    returned = _sent(comm, results, arrived["counts"], {})
+    returned = _sent(comm, results, arrived["counts"], {}, expected=counts)
     per_pick = tf.gather(returned, tf.math.invert_permutation(order))
     return weighted_sum(per_pick, tokens, expert_weight)
 
 
-def _sent(comm, rows, counts, arrived: dict, beside=None):
+def _sent(comm, rows, counts, arrived: dict, beside=None, expected=None):
     """`rows` exchanged by `counts` (differentiable in `rows`); `arrived` gets the counts
-    received from each rank and, with `beside` (int rows sent alongside), those rows."""
+    received from each rank and, with `beside` (int rows sent alongside), those rows;
+    `expected`: the counts to receive, where known."""
     extra = [] if beside is None else [beside]
 
     @tf.custom_gradient
     def sent(rows):
-        received_counts, (received, *others) = exchange(comm, counts, [rows, *extra], TAG)
+        received_counts, (received, *others) = exchange(
+            comm, counts, [rows, *extra], TAG, expected
+        )  # fmt: skip
         arrived["counts"] = received_counts
         if others:
             arrived["expert"] = others[0]
 
-        def gradient(upstream):
-            _, (back,) = exchange(comm, received_counts, [upstream], TAG)
+        def gradient(upstream):  # a gather's gradient arrives as row slices: made dense
+            upstream = tf.convert_to_tensor(upstream)
+            _, (back,) = exchange(comm, received_counts, [upstream], TAG, counts)
             return back
 
         return received, gradient

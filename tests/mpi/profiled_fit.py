@@ -2,7 +2,8 @@
 
 Arguments: a log root folder, then cases as JSON (tests/support/cases.py). Each trains a
 four-layer MLP whose two halves cost the same (WIDTHS: the case's model), or for tensor
-parallelism two Dense pairs ("dense_pairs"), and profiles it into `<log root>/<case id>`.
+parallelism two Dense pairs ("dense_pairs"), or for expert parallelism keras_hub's tiny
+Mixtral ("mixtral", tests/support/zoo.py), and profiles it into `<log root>/<case id>`.
 """
 
 import os
@@ -13,7 +14,9 @@ import numpy as np
 import hyparflow as hf
 from hyparflow.callbacks import ScalingProfiler
 from hyparflow.comm.in_graph import traffic
-from hyparflow.tensor.collectives import TAG
+from hyparflow.moe import expert_parallel
+from hyparflow.tensor import collectives
+from tests.support import zoo
 from tests.support.cases import Case
 from tests.support.report import args, report
 
@@ -56,14 +59,18 @@ def run(log_root: str, case: Case) -> dict:
     rng = np.random.default_rng(0)
     x = rng.normal(size=(SAMPLES, FEATURES)).astype("float32")
     y = rng.integers(0, CLASSES, size=SAMPLES)
+    batch_size = BATCH
     if case.model == "dense_pairs":
         model = dense_pairs_mlp()
+    elif case.model == "mixtral":  # 4 batches of tokens, as the MLPs have
+        model = zoo.compiled("mixtral", case.optimizer)
+        x, y, batch_size = zoo.text_batches("mixtral", 16).take(4), None, None
     else:
         model = equal_stages_mlp(WIDTHS[case.model])
     strategy = hf.Strategy(**case.strategy_options())
     log_dir = os.path.join(log_root, case.id)
     profiler = ScalingProfiler(log_dir, baseline_throughput=BASELINE, profile_steps=(2, 3))
-    hf.fit(model, x, y, batch_size=BATCH, epochs=EPOCHS, verbose=0, strategy=strategy,
+    hf.fit(model, x, y, batch_size=batch_size, epochs=EPOCHS, verbose=0, strategy=strategy,
            callbacks=[profiler])  # fmt: skip
     trainer = model._hyparflow_trainer[1]
     return {
@@ -72,7 +79,9 @@ def run(log_root: str, case: Case) -> dict:
         "stage": trainer.topology.stage,
         "replica": trainer.topology.replica,
         "detached": trainer.recorder is None,  # profiling off again after fit
-        "listener_cleared": traffic(TAG).listener is None,
+        "listener_cleared": all(
+            traffic(tag).listener is None for tag in (collectives.TAG, expert_parallel.TAG)
+        ),
     }
 
 
