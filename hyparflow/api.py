@@ -119,8 +119,8 @@ def _make_trainer(model, resolved, comm, needs_loss=True, comm_backend=None, res
         )  # fmt: skip
         layout = layouts[stage]
     if deferred.any_deferred(model):  # built under hf.scope(): allocate this rank's share only
-        agree(comm, _materialize_share, model, held_elsewhere(model, plan, stage, layout),
-              restoring)  # fmt: skip
+        elsewhere = held_elsewhere(model, plan, stage, layout, resolved.experts)
+        agree(comm, _materialize_share, model, elsewhere, restoring)
     trainer = make_trainer(model, resolved, comm, plan, comm_backend=comm_backend,
                            tensor_layout=layout)  # fmt: skip
     object.__setattr__(model, _TRAINER_ATTRIBUTE, (key, trainer))  # not a tracked attribute

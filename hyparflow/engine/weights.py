@@ -6,6 +6,7 @@ import numpy as np
 import tensorflow as tf
 
 from hyparflow.comm.allreduce import DEFAULT_BUCKET_BYTES
+from hyparflow.moe import expert_weights
 
 
 def first_users(plan, attribute: str = "weights") -> dict:
@@ -120,13 +121,15 @@ def broadcast_owned_weights(model, plan, comm, guard) -> None:
             del arrays, flat
 
 
-def held_elsewhere(model, plan, rank: int, layout=None) -> list:
+def held_elsewhere(model, plan, rank: int, layout=None, experts: int = 1) -> list:
     """The model's variables pipeline rank `rank` does not hold as they are: those only other
-    ranks' stages use, and (under tensor parallelism) the whole forms of the variables it
-    holds a shard of. A model built under hf.scope() leaves them unallocated."""
+    ranks' stages use, and (under tensor or expert parallelism) the whole forms of the
+    variables it holds a shard of. A model built under hf.scope() leaves them unallocated."""
     mine = model.variables if plan is None else rank_variables(plan, rank, "variables")
     ids = {id(v) for v in mine}
     others = [v for v in model.variables if id(v) not in ids]
     if layout is not None:
         others += [v for split in layout.splits for v, _ in split.axes.values()]
+    if experts > 1:
+        others += expert_weights(model)
     return others

@@ -9,8 +9,8 @@ Usage: `python -m tests.mpi.reliability OUT MODE FOLDER` with MODE one of
   reshape      checkpoint a 2x2 hybrid run, resume it as 4x1, 1x4 and 2x2; export it
   tensor_reshape  checkpoint a 2-stage run split over 2 tensor ranks; resume it with T = 2, 1
                (2 stages x 2 replicas; 4 replicas) and 4; export it
-  expert_reshape  checkpoint a Mixtral whose experts split over 2 of 4 replicas; resume it
-               with experts = 2, 4 and 1 and as 2 stages x 2 replicas x experts 2; export it
+  expert_reshape  checkpoint a Mixtral whose experts split over 2 replicas; resume it with
+               experts = 2 and 1 and as a 2-stage pipeline; export it; count held elements
   stall        rank 1 stops answering; the watchdog must end the job
 """
 
@@ -23,10 +23,12 @@ import numpy as np
 from mpi4py import MPI
 
 import hyparflow as hf
+from hyparflow import deferred
 from hyparflow.checkpoint import manifest
+from hyparflow.moe import expert_weights
 from tests.support import zoo
 from tests.support.compare import relative_difference
-from tests.support.models import data
+from tests.support.models import data, seeded_build
 from tests.support.report import args, report
 from tests.support.saved_files import continue_saved_files, train_and_save
 
@@ -204,13 +206,13 @@ def tensor_reshape(folder):
 
 
 def expert_reshape(folder):
-    """Checkpoint a Mixtral trained with its experts split over 2 of 4 replicas (Adam, router
-    loss on); resume it with experts = 2, 4 and 1, and as 2 stages x 2 replicas x experts 2."""
+    """Checkpoint a Mixtral trained with its experts split over 2 replicas (Adam, router loss
+    on); resume it with experts = 2 and 1, and as a 2-stage pipeline; and count the expert
+    elements a rank holds when the model is built under hf.scope()."""
     strategies = {
-        "same": hf.Strategy("data", replicas=4, experts=2),
-        "experts4": hf.Strategy("data", replicas=4, experts=4),
-        "experts1": hf.Strategy("data", replicas=4),
-        "hybrid": hf.Strategy("hybrid", partitions=2, replicas=2, experts=2),
+        "same": hf.Strategy("data", replicas=2, experts=2),
+        "experts1": hf.Strategy("data", replicas=2),
+        "pipeline": hf.Strategy("model", partitions=2),
     }
 
     def fit(strategy, epochs, **kwargs):
@@ -221,6 +223,7 @@ def expert_reshape(folder):
         )  # fmt: skip
         return model
 
+    held = _expert_elements_held(2)
     first = fit(strategies["same"], 1, callbacks=[hf.callbacks.Checkpoint(folder, 2)])
     files = sorted(n for n in os.listdir(manifest.latest(folder)) if n.endswith(".npz"))
     results = {name: fit(s, 2, resume_from=folder).get_weights() for name, s in strategies.items()}
@@ -239,8 +242,28 @@ def expert_reshape(folder):
             "export": relative_difference(
                 keras.saving.load_model(exported).get_weights(), first.get_weights()
             ),
+            "expert_elements_held": held,
+            # in one process: the whole expert kernels and Adam's two slots of each
+            "expert_elements_whole": 3 * sum(int(np.prod(v.shape)) for v in expert_weights(first)),
         }
     )  # fmt: skip
+
+
+def _expert_elements_held(experts: int) -> int:
+    """Elements of expert weights and Adam slots this rank holds after a step of a Mixtral
+    built under hf.scope() with its experts split `experts` ways over the replicas."""
+    with hf.scope():
+        model = seeded_build(zoo.BUILDERS["mixtral"], "float32")
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    batches = zoo.text_batches("mixtral", 16).take(1)
+    hf.fit(model, batches, verbose=0, strategy=hf.Strategy("data", experts=experts))
+    trainer = model._hyparflow_trainer[1]
+    whole = [v for v in expert_weights(model) if not deferred.is_deferred(v)]
+    shards = trainer.experts.variables if trainer.experts else whole
+    names = [v.path.replace("/", "_") for v in shards]
+    slots = [v for v in model.optimizer.variables if any(n in v.path for n in names)]
+    held = {id(v): v for v in [*whole, *shards, *slots]}
+    return sum(int(np.prod(v.shape)) for v in held.values())
 
 
 def stall(folder):
