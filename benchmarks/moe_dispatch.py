@@ -23,7 +23,8 @@ from benchmarks.harness.launch import run_worker, write_result  # noqa: E402
 from benchmarks.harness.records import measurement  # noqa: E402
 from benchmarks.harness.stats import paired_ratios  # noqa: E402
 
-FIGURE, TITLE = "moe", "Mixture of experts: expert parallelism and sparse dispatch against dense experts, 2 ranks"
+FIGURE = "moe"
+TITLE = "Mixture of experts: expert parallelism and sparse dispatch against dense experts, 2 ranks"
 SIZE = dict(hidden=128, width=256, experts=8, vocabulary=512, tokens=64, batch=16)
 QUICK = dict(hidden=16, width=16, experts=4, vocabulary=64, tokens=8, batch=8)
 SETUPS = (
