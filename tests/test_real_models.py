@@ -90,6 +90,8 @@ TWO_RANKS = [
     # router loss on: counts summed over replicas; experts split over them, tokens exchanged
     Case("mixtral", "adam", "data", replicas=2, experts=2),
     Case("gpt_oss", "adam", "data", replicas=2, microbatches=2),
+    # the mixture blocks whole on both tensor ranks, attention split; router loss on
+    Case("mixtral", "adam", "data", tensor=2),
 ]  # fmt: skip
 FOUR_RANKS = [
     Case("embedding_mlp", "adam", "hybrid", partitions=2, replicas=2, microbatches=2,
