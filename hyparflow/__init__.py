@@ -22,6 +22,7 @@ _WHERE = {
     "evaluate": "hyparflow.api",
     "export": "hyparflow.checkpoint",
     "fit": "hyparflow.api",
+    "global_mean": "hyparflow.comm.global_batch",
     "launch": None,
     "memory_plan": "hyparflow.memory",
     "partition": "hyparflow.api",
@@ -41,6 +42,7 @@ __all__ = [
     "evaluate",
     "export",
     "fit",
+    "global_mean",
     "launch",
     "memory_plan",
     "partition",
@@ -54,6 +56,7 @@ if TYPE_CHECKING:  # what static tools and IDEs see
     from hyparflow import callbacks, data, launch
     from hyparflow.api import evaluate, fit, partition, predict
     from hyparflow.checkpoint import export
+    from hyparflow.comm.global_batch import global_mean
     from hyparflow.comm.world import rank, size
     from hyparflow.deferred import NotHeldError, scope
     from hyparflow.devices import bind_gpus

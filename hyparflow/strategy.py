@@ -126,6 +126,11 @@ class Strategy:
       share of the experts' compute; and their router's load-balancing loss is that of the
       whole global batch across replicas (refused with `microbatches` > 1). False keeps
       keras_hub's dense calls, each piece's loss its own.
+    - `strict_added_losses` (False): True turns the warning about losses layers add with
+      `add_loss` while the batch runs in pieces (replicas x micro-batches; each piece's value is
+      weighted by its share, exact for batch means only) into an error, agreed on every rank
+      after the first step, when the layers that add them are known. keras_hub mixture blocks'
+      router losses (exact, `sparse_experts`) and activity regularizers are not among them.
     - `experts` (1): E > 1 splits each keras_hub mixture block's experts over E of a stage's
       replicas (expert parallelism, GShard / DeepSpeed-MoE style; docs/moe.md): a rank holds
       and updates 1/E of the experts, and tokens travel to their experts' rank and back by
@@ -173,6 +178,7 @@ class Strategy:
     memory_per_rank: int | str | None = None
     sparse_experts: bool = True
     experts: int = 1
+    strict_added_losses: bool = False
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -193,7 +199,7 @@ class Strategy:
                 f"Strategy tensor_layout must be a dict from a regex over variable paths to a "
                 f"tuple of axes, got {type(self.tensor_layout).__name__}."
             )
-        for name in ("shard_optimizer", "bind_gpus", "sparse_experts"):
+        for name in ("shard_optimizer", "bind_gpus", "sparse_experts", "strict_added_losses"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Strategy {name}={getattr(self, name)!r} must be True or False.")
         if self.update_by_segment not in (None, True, False):

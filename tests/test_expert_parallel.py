@@ -104,3 +104,18 @@ def test_the_model_checks_refuse_what_expert_parallelism_does_not_train_exactly(
     expert_weights(model)[0].regularizer = keras.regularizers.L2(0.1)
     with pytest.raises(ValueError, match="regularizers"):
         check_expert_parallel(model, two, "mpi")
+
+
+def test_the_memory_plan_counts_a_share_of_the_experts_and_their_slots():
+    model = _compiled_mixtral("adam")
+    expert_bytes = sum(4 * int(np.prod(v.shape)) for v in expert_weights(model))
+    plans = {
+        e: hf.memory_plan(model, hf.Strategy("data", replicas=4, experts=e), batch_size=8)
+        for e in (1, 2, 4)
+    }
+    for e in (2, 4):
+        assert "experts over" in plans[e].strategy
+        for whole, split in zip(plans[1].ranks, plans[e].ranks, strict=True):
+            # weights and Adam's two slots: the experts' bytes less 1/E of them, once each
+            assert whole.weights - split.weights == expert_bytes - expert_bytes // e
+            assert whole.optimizer - split.optimizer == 2 * (expert_bytes - expert_bytes // e)

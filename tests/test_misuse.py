@@ -34,6 +34,9 @@ MISUSE = {
     "unsliceable_noise": "['noise']",
     "synchronized_batchnorm_microbatches": "use num_microbatches=1",
     "sum_reduction": "reduction='sum_over_batch_size'",
+    "global_mean_microbatches": "hf.global_mean needs the whole global batch",
+    "strict_added_losses": "strict_added_losses=True refuses them",
+    "replica_without_rows": "leaves some of the 2 replicas without rows",
     # every rank raised it mid-step: an ordinary exception everywhere, not MPI_Abort
     "same_error_everywhere": "boom: this layer cannot train",
     "caught_and_continued": "recovered: trained 1 epoch after the error",

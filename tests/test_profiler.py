@@ -713,7 +713,11 @@ def test_tensor_collectives_and_expert_exchanges_are_their_own_category(profiled
         ms = row["ms_per_step"]
         assert ms[category] > 0
         assert ms["compute"] + ms[category] <= ms["step"] * (1 + 1e-6)
+    for row in result["ranks"]:  # the bytes its collectives moved against their count
+        moved = row["collectives"][category]
+        assert moved["calls"] > 0 and moved["bytes"] > 0, row
     text = report.format_report(result)
     header = next(line.split() for line in text.splitlines() if line.startswith("rank"))
     assert header[header.index("compute") + 1] == category
+    assert f"{category.capitalize()} collectives (busiest rank, whole fit):" in text
     print(f"{case}: ms per step {result['job']['ms_per_step']}")

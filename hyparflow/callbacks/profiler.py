@@ -15,8 +15,11 @@ from hyparflow.callbacks.aggregate import job_step
 from hyparflow.callbacks.breakdown import breakdown, wall_only
 from hyparflow.callbacks.clock import ClockAligner
 from hyparflow.callbacks.summary import SUMMARY_FILE, RunSummary, write_summary
+from hyparflow.comm.in_graph import traffic
 from hyparflow.engine import events
 from hyparflow.engine.events import Recorder
+from hyparflow.moe import expert_parallel
+from hyparflow.tensor import collectives
 
 logger = logging.getLogger(__name__)
 
@@ -106,35 +109,7 @@ class ScalingProfiler(keras.callbacks.Callback):
             ranks = [{"rank": 0, "stage": 0, "replica": 0, "node": socket.gethostname()}]
             self._num_stages, self._schedule, self._virtual_stages = 1, None, 1
         else:
-            topo, strategy = trainer.topology, trainer.strategy
-            self._comm = topo.world.Dup()  # our gathers and ping-pongs never meet the engine's
-            self._clock = ClockAligner(self._comm)
-            self.rank = topo.rank
-            layout = {
-                "world_size": topo.world.Get_size(),
-                "kind": _kind(topo.num_stages, topo.num_replicas, topo.num_shards),
-                "stages": topo.num_stages,
-                "replicas": topo.num_replicas,
-                "microbatches": strategy.microbatches,
-                "schedule": strategy.schedule,
-            }
-            # Tensor and expert parallelism: their collectives are categories of their own.
-            if topo.num_shards > 1:
-                layout["tensor"] = topo.num_shards
-                self._inner += (events.TENSOR,)
-            if strategy.experts > 1:
-                layout["experts"] = strategy.experts
-                self._inner += (events.EXPERTS,)
-            ranks = []
-            for r in range(layout["world_size"]):
-                stage, replica = topo.grid.coords(r)
-                ranks.append({"rank": r, "stage": stage, "replica": replica, "node": topo.nodes[r]})
-            self._num_stages, self._schedule = topo.num_stages, strategy.schedule
-            self._virtual_stages = strategy.virtual_stages
-            if strategy.virtual_stages > 1:  # model chunks per stage (interleaved)
-                layout["virtual_stages"] = strategy.virtual_stages
-            self._recorder = Recorder()
-            trainer.attach_recorder(self._recorder)
+            layout, ranks = self._attach(trainer)
         self._layout, self._ranks = layout, ranks
         os.makedirs(self.log_dir, exist_ok=True)
         self._writer = scalars.ScalarWriter(os.path.join(self.log_dir, rank_run(self.rank)))
@@ -142,6 +117,40 @@ class ScalingProfiler(keras.callbacks.Callback):
             self._aggregate_writer = scalars.ScalarWriter(os.path.join(self.log_dir, AGGREGATE_RUN))
             self._summary = RunSummary(layout, ranks, self.baseline_throughput)
             self._tracks = {r["rank"]: (r, []) for r in ranks}
+
+    def _attach(self, trainer) -> tuple[dict, list]:
+        """Record `trainer`'s steps; the run's layout and its ranks' places."""
+        topo, strategy = trainer.topology, trainer.strategy
+        self._comm = topo.world.Dup()  # our gathers and ping-pongs never meet the engine's
+        self._clock = ClockAligner(self._comm)
+        self.rank = topo.rank
+        layout = {
+            "world_size": topo.world.Get_size(),
+            "kind": _kind(topo.num_stages, topo.num_replicas, topo.num_shards),
+            "stages": topo.num_stages,
+            "replicas": topo.num_replicas,
+            "microbatches": strategy.microbatches,
+            "schedule": strategy.schedule,
+        }
+        # Tensor and expert parallelism: their collectives are categories of their own.
+        if topo.num_shards > 1:
+            layout["tensor"] = topo.num_shards
+            self._inner += (events.TENSOR,)
+        if strategy.experts > 1:
+            layout["experts"] = strategy.experts
+            self._inner += (events.EXPERTS,)
+        ranks = []
+        for r in range(layout["world_size"]):
+            stage, replica = topo.grid.coords(r)
+            ranks.append({"rank": r, "stage": stage, "replica": replica, "node": topo.nodes[r]})
+        self._num_stages, self._schedule = topo.num_stages, strategy.schedule
+        self._virtual_stages = strategy.virtual_stages
+        if strategy.virtual_stages > 1:  # model chunks per stage (interleaved)
+            layout["virtual_stages"] = strategy.virtual_stages
+        self._recorder = Recorder()
+        trainer.attach_recorder(self._recorder)
+        self._traffic_start = {kind: _moved(kind) for kind in self._inner}
+        return layout, ranks
 
     def on_train_batch_begin(self, batch, logs=None):
         if self.profile_steps is not None and self._step == self.profile_steps[0]:
@@ -170,6 +179,7 @@ class ScalingProfiler(keras.callbacks.Callback):
     def on_train_end(self, logs=None):
         self._flush()
         self._stop_tf_profiler()
+        self._gather_traffic()
         try:
             if self.rank == 0:
                 self._write_files()
@@ -231,6 +241,19 @@ class ScalingProfiler(keras.callbacks.Callback):
         self._aggregate_writer.write(rows)
         return bubbles
 
+    def _gather_traffic(self) -> None:
+        """Rank 0's summary gets each rank's calls and bytes of the in-graph collectives this
+        fit ran, by category (tensor, experts; collective over the ranks)."""
+        if self._trainer is None or not self._inner:
+            return
+        mine = {}
+        for kind, (calls, nbytes) in self._traffic_start.items():
+            now_calls, now_bytes = _moved(kind)
+            mine[kind] = {"calls": now_calls - calls, "bytes": now_bytes - nbytes}
+        gathered = self._comm.gather(mine, root=0)
+        if self.rank == 0:
+            self._summary.collectives = gathered
+
     def _timeline_window(self):
         if self.timeline is False:
             return None
@@ -277,6 +300,13 @@ class ScalingProfiler(keras.callbacks.Callback):
             self._clock.free()
             self._comm.Free()
         self._trainer = None
+
+
+def _moved(kind: str) -> tuple[int, int]:
+    """(calls, bytes) so far of the in-graph collectives of span kind `kind` in this process."""
+    tag = {events.TENSOR: collectives.TAG, events.EXPERTS: expert_parallel.TAG}[kind]
+    record = traffic(tag)
+    return record.calls, record.bytes
 
 
 def _kind(stages: int, replicas: int, shards: int = 1) -> str:

@@ -115,9 +115,26 @@ def format_report(summary: dict) -> str:
     for row in [header, *rows]:
         lines.append("  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
     lines.append("")
+    lines.extend(_collective_lines(summary["ranks"]))
     lines.append(_bubble_line(job, summary["layout"]))
     lines.append(_throughput_line(summary))
     return "\n".join(lines)
+
+
+def _collective_lines(ranks: list) -> list[str]:
+    """A line per category of in-graph collectives (tensor, experts): calls and bytes a rank
+    moved over the fit, and the mean size of one, the busiest rank's."""
+    found = ranks[0].get("collectives") or {} if ranks else {}
+    lines = []
+    for kind in found:
+        busiest = max((r["collectives"][kind] for r in ranks), key=lambda c: c["bytes"])
+        calls, nbytes = busiest["calls"], busiest["bytes"]
+        each = f", {nbytes / calls / 1024:,.1f} KiB each" if calls else ""
+        lines.append(
+            f"{kind.capitalize()} collectives (busiest rank, whole fit): {calls:,} calls, "
+            f"{nbytes / 2**20:,.2f} MiB{each}"
+        )
+    return lines
 
 
 def _bubble_line(job: dict, layout: dict) -> str:

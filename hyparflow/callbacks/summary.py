@@ -138,6 +138,9 @@ class RunSummary:
         self.rank_info = [dict(r) for r in ranks]
         self.baseline = baseline
         self.recorded = 0
+        # per rank, `{category: {"calls", "bytes"}}` of its in-graph collectives over the fit
+        # (tensor, experts), set by the profiler at its end; None without them
+        self.collectives: list[dict] | None = None
         self.warmup_steps: list[int] = []
         self._sizes_seen: set = set()
         self._rank_totals = [Totals() for _ in ranks]
@@ -174,7 +177,7 @@ class RunSummary:
         job = self._job if steady else self._warm_job
         theoretical = self._theoretical if steady else self._warm_theoretical
         ranks = []
-        for info, totals in zip(self.rank_info, rank_totals, strict=True):
+        for r, (info, totals) in enumerate(zip(self.rank_info, rank_totals, strict=True)):
             ranks.append(
                 {
                     **info,
@@ -182,6 +185,7 @@ class RunSummary:
                     "ms_per_step": totals.per_step_ms(),
                     "bubble": totals.bubble(),
                     "throughput": totals.throughput(),
+                    **({"collectives": self.collectives[r]} if self.collectives else {}),
                 }
             )
         bubbles = [r["bubble"] for r in ranks if r["bubble"] is not None]

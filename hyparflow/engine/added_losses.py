@@ -42,6 +42,22 @@ def added_loss(layers, adders: set | None = None):
     return total
 
 
+def refuse_unless_batch_means(adders: set, pieces: int, comm) -> None:
+    """With `Strategy(strict_added_losses=True)`: raise on every rank of `comm` (collective)
+    if any rank's layers add losses with add_loss while the batch runs in pieces."""
+    found = sorted(set().union(*comm.allgather(sorted(adders))))
+    if not found or pieces == 1:
+        return
+    raise ValueError(
+        f"Layers {found[:5]} add losses with add_loss, and with the global batch cut into "
+        f"{pieces} pieces (replicas x micro-batches) hyparflow can only weight each piece's "
+        "value by its share of the batch, which equals Keras's value for batch means alone "
+        "(strict_added_losses=True refuses them; training stopped after its first step). "
+        "Use one replica and num_microbatches=1, build the loss from hf.global_mean, or pass "
+        "strict_added_losses=False to train with the warning (docs/models.md, 'Added losses')."
+    )
+
+
 def warn_unless_batch_means(adders: set, pieces: int) -> None:
     """Say, once, that `add_loss` values are taken as batch means when a batch runs in pieces."""
     if not adders or pieces == 1:

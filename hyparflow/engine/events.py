@@ -127,6 +127,17 @@ class Recorder:
         return steps
 
 
+def span_listener(recorder: Recorder, kind: str):
+    """`comm.in_graph.Traffic.listener` recording each in-graph collective as a span of `kind`
+    into `recorder` (it runs on a TensorFlow executor thread while the stepping thread is
+    inside a forward or backward)."""
+
+    def heard(start: float, end: float, nbytes: int) -> None:
+        recorder.add(kind, start, end)
+
+    return heard
+
+
 _NO_SPAN = contextlib.nullcontext()
 
 

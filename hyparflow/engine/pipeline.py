@@ -98,14 +98,15 @@ class PipelineWalk:
         return parts
 
     def microbatches(self, batch: GlobalBatch) -> list[MicroBatch]:
-        """This replica's shard of `batch` cut into micro-batches."""
+        """This replica's shard of `batch` cut into micro-batches, as many on every replica
+        (a last, smaller batch in fewer), so that collectives inside the step pair up."""
         topo = self.topology
         start, stop = split_bounds(batch.size, topo.num_replicas, topo.replica)
         shard = stop - start
         if shard == 0:
             return []
         x, y, sw = batch.part(start, stop)
-        count = min(self.strategy.microbatches, shard)
+        count = max(1, min(self.strategy.microbatches, batch.size // topo.num_replicas))
         microbatches = []
         for k in range(count):
             a, b = split_bounds(shard, count, k)

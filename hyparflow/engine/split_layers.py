@@ -1,14 +1,16 @@
-"""The layers as one rank runs them: its tensor shards, its expert shards, and keras_hub's
-mixture blocks dispatched sparsely, made together and entered as one context."""
+"""The layers as one rank runs them: its tensor shards, its expert shards, keras_hub's mixture
+blocks dispatched sparsely and `hf.global_mean`'s replicas, made together and entered as one
+context."""
 
 from __future__ import annotations
 
 import contextlib
 
 from hyparflow.checkpoint.state import Piece
+from hyparflow.comm.global_batch import BatchGroup, batch_group
 from hyparflow.comm.in_graph import allreduce
 from hyparflow.engine.random_slices import feature_slice
-from hyparflow.moe import ExpertShards, SparseDispatch, expert_groups
+from hyparflow.moe import ExpertShards, SparseDispatch, expert_groups, router_loss_weight
 from hyparflow.tensor.shards import TensorShards
 
 
@@ -17,7 +19,8 @@ class SplitLayers:
     parallelism, docs/tensor.md); `experts`: its `ExpertShards` of the mixture blocks in
     `graphs` (None unless `strategy.experts` > 1); `dispatch`: the `SparseDispatch` of the
     model's mixture blocks, their routing counts summed over the stage's replicas in the step
-    and, with `experts`, tokens exchanged in the expert group (docs/moe.md)."""
+    and, with `experts`, tokens exchanged in the expert group (docs/moe.md); `batch`: the
+    replicas `hf.global_mean` means over (comm/global_batch.py)."""
 
     def __init__(self, model, strategy, topology, graphs: list, tensor_layout=None):
         self.tensor = None
@@ -28,21 +31,50 @@ class SplitLayers:
             groups = expert_groups(topology.stage_comm, strategy.experts)
             self.experts = ExpertShards(graphs, *groups)
         replicas = topology.stage_comm if topology.num_replicas > 1 else None
+        # `hf.global_mean`'s replicas, and the layers that take it (their added losses exact)
+        self.batch = BatchGroup(replicas, strategy.microbatches)
+        self.synchronized = False  # BatchNormalization sums its moments over them (the trainer)
         replica_sum = replicas and (lambda vector: allreduce(replicas, vector, "experts"))
         self.dispatch = SparseDispatch(
             model if strategy.sparse_experts else None, replica_sum,
             self.experts and self.experts.group,
         )  # fmt: skip
 
+    def sum_over_replicas(self, training: bool) -> bool:
+        """Whether the layers sum over the stage's replicas inside a forward (expert exchanges,
+        router losses and synchronised BatchNormalization in training, `hf.global_mean` once
+        traced): then every replica must run each forward."""
+        if self.batch.comm is None:
+            return False
+        weighted = any(router_loss_weight(block) for block in self.dispatch.blocks)
+        router_losses = training and self.dispatch.global_sum is not None and weighted
+        synchronized = training and self.synchronized
+        return self.experts is not None or router_losses or synchronized or bool(self.batch.users)
+
+    def refuse_empty_replicas(self, rows: int, replicas: int, training: bool) -> None:
+        """Raise, alike on every rank, when a batch of `rows` leaves one of `replicas` without
+        rows while the layers sum over them inside the step: it would never join their sums,
+        and the others would wait for it."""
+        if rows < replicas and self.sum_over_replicas(training):
+            raise ValueError(
+                f"A batch of {rows} sample(s) leaves some of the {replicas} replicas without "
+                "rows, and this model's layers sum over the replicas inside the step (mixture "
+                "routing, expert exchanges, synchronised BatchNormalization, hf.global_mean); "
+                "give every batch at least "
+                f"{replicas} samples (e.g. drop_remainder=True, or another batch_size)."
+            )
+
     def _shards(self) -> list:
         return [s for s in (self.tensor, self.experts) if s is not None]
 
     def active(self) -> contextlib.ExitStack:
-        """Layers hold this rank's shards and run their split and sparse calls (re-entrant)."""
+        """Layers hold this rank's shards and run their split and sparse calls, and
+        `hf.global_mean` means over the stage's replicas (re-entrant)."""
         stack = contextlib.ExitStack()
         for shards in self._shards():
             stack.enter_context(shards.active())
         stack.enter_context(self.dispatch)
+        stack.enter_context(batch_group(self.batch))
         return stack
 
     def load(self) -> None:

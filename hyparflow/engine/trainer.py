@@ -22,7 +22,7 @@ from hyparflow.comm.watchdog import NoWatchdog, Watchdog
 from hyparflow.data import GlobalBatch
 from hyparflow.engine import events
 from hyparflow.engine import sparse as row_sparse
-from hyparflow.engine.added_losses import warn_unless_batch_means
+from hyparflow.engine.added_losses import refuse_unless_batch_means, warn_unless_batch_means
 from hyparflow.engine.flat import FlatLayout
 from hyparflow.engine.gradient_form import choose_gradient_form
 from hyparflow.engine.gradient_path import build_gradient_path
@@ -43,6 +43,7 @@ from hyparflow.engine.segment_update import SegmentUpdate, segment_count
 from hyparflow.engine.split_layers import SplitLayers
 from hyparflow.engine.stage_state import TrainingState
 from hyparflow.engine.structure import model_input_list, pack_model_outputs
+from hyparflow.engine.sync_batchnorm import synchronized_layers
 from hyparflow.engine.update import Update
 from hyparflow.engine.weights import (
     assign_packed,
@@ -116,6 +117,7 @@ class Trainer:
         self._loss_adders: set = set()  # layers calling add_loss, found while tracing
         self._any_added_losses = None  # whether any stage's layers add losses (agreed once)
         self._moving_statistics = unsynchronized_moving_statistics(layers, strategy.sync_batchnorm)
+        self.splits.synchronized = bool(synchronized_layers(layers, strategy.sync_batchnorm))
         parts = [self._runner_parts(stage) for stage in self.stages]
         segments = self._build_runner(parts, shared is not None, comm_backend)
         self._update_metrics_fn = traced(self._update_metrics, reduce_retracing=True)
@@ -283,7 +285,7 @@ class Trainer:
                  (self.experts, expert_parallel.TAG, events.EXPERTS))  # fmt: skip
         for split, tag, kind in inner:
             if split is not None:
-                listener = None if recorder is None else _span_listener(recorder, kind)
+                listener = None if recorder is None else events.span_listener(recorder, kind)
                 traffic(tag).listener = listener
 
     # --- what a stage computes ------------------------------------------------------------
@@ -320,7 +322,7 @@ class Trainer:
             self._train_step(batch)
 
     def _train_step(self, batch: GlobalBatch) -> None:
-        microbatches = self.walk.microbatches(batch)
+        microbatches = self._microbatches(batch, training=True)
         self.output_losses.begin(batch.size)
         on_segment_done = self.gradient_path.begin(self.check_numerics)
         with self._step_span(batch.size, len(microbatches)):
@@ -338,14 +340,20 @@ class Trainer:
         """Forward-only pass of one batch: loss and metrics accumulate at the last stage."""
         self.output_losses.begin(batch.size)
         with self.layers_active():
-            losses = self.walk.run(self.walk.microbatches(batch), batch.size, train=False)
+            losses = self.walk.run(self._microbatches(batch), batch.size, train=False)
             self._track_loss(losses, reg_value, self._added_total())
 
     def predict_step(self, batch: GlobalBatch) -> list | None:
         """Forward-only pass; the last stage returns its shard's outputs (micro-batch list)."""
-        microbatches = self.walk.microbatches(batch)
+        microbatches = self._microbatches(batch)
         with self.layers_active():
             return self.walk.run(microbatches, batch.size, train=False, predict=True)
+
+    def _microbatches(self, batch: GlobalBatch, training: bool = False) -> list:
+        """This replica's micro-batches of `batch` (refused alike on every rank where one
+        replica would get no rows while the others wait for it inside the step)."""
+        self.splits.refuse_empty_replicas(batch.size, self.topology.num_replicas, training)
+        return self.walk.microbatches(batch)
 
     def regularization(self) -> float:
         """The model's total weight regularization (collective over the pipeline)."""
@@ -359,8 +367,13 @@ class Trainer:
         pipeline = self.topology.pipeline_comm
         if self._any_added_losses is None:  # known once every stage has traced its calls
             microbatches_per_batch = self.topology.num_replicas * self.strategy.microbatches
-            exact = {block.name for block in self.sparse_experts.blocks}  # router losses
-            warn_unless_batch_means(self._loss_adders - exact, microbatches_per_batch)
+            # router losses and losses built from hf.global_mean are the global batch's
+            exact = {block.name for block in self.sparse_experts.blocks} | self.splits.batch.users
+            inexact = self._loss_adders - exact
+            if self.strategy.strict_added_losses:
+                with self._guard("agree on added losses"):
+                    refuse_unless_batch_means(inexact, microbatches_per_batch, self.topology.world)
+            warn_unless_batch_means(inexact, microbatches_per_batch)
             with self._guard("agree on added losses"):
                 self._any_added_losses = bool(
                     pipeline.allreduce(bool(self.runner.has_added_losses), op=mpi_op("LOR"))
@@ -429,14 +442,3 @@ class Trainer:
         self.walk.close()
         self.splits.free()
         self.topology.free()
-
-
-def _span_listener(recorder: events.Recorder, kind: str):
-    """`Traffic.listener` recording each in-graph collective as a span of `kind` into `recorder`
-    (it runs on a TensorFlow executor thread while the stepping thread is inside a forward or
-    backward)."""
-
-    def heard(start: float, end: float, nbytes: int) -> None:
-        recorder.add(kind, start, end)
-
-    return heard

@@ -13,6 +13,7 @@ from hyparflow.comm.topology import Grid
 from hyparflow.memory import buffers, counts
 from hyparflow.memory.slots import optimizer_slots
 from hyparflow.memory.table import MemoryPlan, RankMemory
+from hyparflow.moe import expert_weights
 from hyparflow.partitioner import partition
 from hyparflow.partitioner.graph import build_graph, numpy_dtype
 from hyparflow.schedule import make_schedule
@@ -71,12 +72,20 @@ class _Shared:
     stage_models: list
     per_sample: list  # per stage: layout -> (layer output bytes, received input bytes)
     layouts: list  # per stage: its tensor layout, or None without tensor parallelism
+    experts: frozenset  # ids of the expert kernels split over `resolved.experts` replicas
     slots: float
     owned: list[int]
     largest: list[int]
     whole: int
     samples: int
     saving: Callable[[int, int, int], dict[str, int]]
+
+    def parts(self, variable, layout) -> int:
+        """How many ranks split `variable`: the tensor ranks where `layout` (a stage's tensor
+        layout) splits it, the expert group for an expert kernel, else 1."""
+        if layout is not None and layout.split_of(variable) is not None:
+            return self.resolved.tensor
+        return self.resolved.experts if id(variable) in self.experts else 1
 
     def held_by(self, stage: int) -> list[int]:
         """The model chunks pipeline stage `stage` holds: itself, or (interleaved) the chunks
@@ -104,6 +113,9 @@ def _shared_facts(model, resolved, world, batch_size, whole_model, notes) -> _Sh
             tensor_rules.tensor_layout(m, t, resolved.tensor_layout) if t > 1 else None
             for m in stage_models
         ],
+        experts=frozenset(map(id, expert_weights(model)))
+        if getattr(resolved, "experts", 1) > 1
+        else frozenset(),
         slots=slots,
         owned=_owned_bytes(stage_models),
         largest=[max((_nbytes(v) for v in m.weights), default=0) for m in stage_models],
@@ -115,15 +127,15 @@ def _shared_facts(model, resolved, world, batch_size, whole_model, notes) -> _Sh
 
 def _rank_memory(shared: _Shared, rank, stage, replica, shard, *, runtime: bool) -> RankMemory:
     """One rank's predicted bytes, by kind."""
-    resolved, t = shared.resolved, shared.resolved.tensor
+    resolved = shared.resolved
     held = shared.held_by(stage)
     models = [shared.stage_models[c] for c in held]
     layout, stage_model = shared.layouts[stage], models[0]  # tensor ranks: one chunk a stage
     zero = getattr(resolved, "shard_optimizer", False)
     weights = _each_once([v for m in models for v in m.weights])  # a layer two chunks call
-    unsplit = sum(_nbytes(v) for v in weights if _axis(v, layout) is None)
+    unsplit = sum(_nbytes(v) for v in weights if shared.parts(v, layout) == 1)
     trainable = _each_once([v for m in models for v in m.trainable_variables])
-    grad_bytes = sum(_shard_bytes(v, layout, t) for v in trainable)
+    grad_bytes = sum(_nbytes(v) // shared.parts(v, layout) for v in trainable)
     own_optimizer = counts.optimizer_bytes(grad_bytes, shared.slots, resolved.replicas, zero)
     facts = _stage_facts(shared, trainable, layout)
     return RankMemory(
@@ -131,7 +143,7 @@ def _rank_memory(shared: _Shared, rank, stage, replica, shard, *, runtime: bool)
         stage=stage,
         replica=replica,
         shard=shard,
-        weights=sum(_shard_bytes(v, layout, t) for v in weights),
+        weights=sum(_nbytes(v) // shared.parts(v, layout) for v in weights),
         model_copy=shared.whole - unsplit if shared.whole_model else 0,
         optimizer=own_optimizer,
         gradients=buffers.held_gradients(facts, grad_bytes),
@@ -139,7 +151,7 @@ def _rank_memory(shared: _Shared, rank, stage, replica, shard, *, runtime: bool)
         step_buffers=buffers.step_buffers(facts, shared.slots, zero),
         exchange={
             **buffers.exchange_buffers(shared.owned, stage, max(shared.largest[c] for c in held)),
-            **buffers.gather_buffers(_largest_split(stage_model, layout)),
+            **buffers.gather_buffers(_largest_split(shared, stage_model, layout)),
             **shared.saving(rank, replica, own_optimizer),
         }
         if shared.whole_model
@@ -168,7 +180,7 @@ def _each_once(variables: list) -> list:
 def _stage_facts(shared: _Shared, trainable, layout) -> buffers.StageFacts:
     """The facts the step's gradient and update buffers depend on, for one rank's stage."""
     resolved, t = shared.resolved, shared.resolved.tensor
-    float32 = [_shard_bytes(v, layout, t, itemsize=4) for v in trainable]
+    float32 = [_nbytes(v, itemsize=4) // shared.parts(v, layout) for v in trainable]
     return buffers.StageFacts(
         gradient_bytes=sum(float32),
         variables=len(trainable),
@@ -194,6 +206,8 @@ def _label(resolved) -> str:
         label += ", recompute"
     if getattr(resolved, "shard_optimizer", False):
         label += ", sharded optimizer"
+    if getattr(resolved, "experts", 1) > 1:
+        label += f", experts over {resolved.experts} replicas"
     return label
 
 
@@ -269,20 +283,11 @@ def _owned_bytes(stage_models) -> list[int]:
     return owned
 
 
-def _largest_split(stage_model, layout) -> int:
-    """Whole bytes of the stage's largest variable split over the tensor ranks (0: none)."""
-    split = [_nbytes(v) for v in stage_model.weights if _axis(v, layout) is not None]
+def _largest_split(shared: _Shared, stage_model, layout) -> int:
+    """Whole bytes of the stage's largest variable split over tensor ranks or an expert group
+    (0: none)."""
+    split = [_nbytes(v) for v in stage_model.weights if shared.parts(v, layout) > 1]
     return max(split, default=0)
-
-
-def _axis(variable, layout):
-    return None if layout is None else layout.split_of(variable)
-
-
-def _shard_bytes(variable, layout, parts: int, itemsize: int | None = None) -> int:
-    axis = _axis(variable, layout)
-    n = _nbytes(variable, itemsize)
-    return n // parts if axis is not None else n
 
 
 def _nbytes(variable, itemsize: int | None = None) -> int:

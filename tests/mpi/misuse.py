@@ -18,6 +18,7 @@ from mpi4py import MPI
 
 import hyparflow as hf
 from hyparflow.checkpoint.manifest import latest
+from tests.support import zoo
 from tests.support.models import compiled, data
 from tests.support.report import args, report
 
@@ -217,6 +218,18 @@ CASES = {
         strategy=hf.Strategy("data", sync_batchnorm=True, microbatches=2),
     ),
     "sum_reduction": lambda x, y, tmp: fit(with_sum_reduction(), x, y),
+    "global_mean_microbatches": lambda x, y, tmp: fit(
+        zoo.compiled("global_centered", "sgd"), x, y,
+        strategy=hf.Strategy("data", microbatches=2),
+    ),
+    # a last batch of 1 sample: one replica would never join the global mean's allreduce
+    "replica_without_rows": lambda x, y, tmp: fit(
+        zoo.compiled("global_centered", "sgd"), x[:9], y[:9], strategy="data"
+    ),
+    "strict_added_losses": lambda x, y, tmp: fit(
+        zoo.compiled("added_losses", "sgd"), x, y,
+        strategy=hf.Strategy("data", strict_added_losses=True),
+    ),
     "same_error_everywhere": lambda x, y, tmp: fit(failing_in_training(), x, y, strategy="data"),
     "caught_and_continued": lambda x, y, tmp: recovered(x, y),
     "one_stage_fails_mid_step": lambda x, y, tmp: fail_mid_step(

@@ -73,6 +73,32 @@ def added_losses():
     return keras.Model(inputs, outputs, name="added_losses")
 
 
+@keras.saving.register_keras_serializable(package="zoo")
+class GlobalCentering(keras.layers.Layer):
+    """Centres its input on the mean of the global batch (`hf.global_mean`) and adds that
+    mean's squared norm as a loss: both nonlinear in the batch, so a replica's own rows would
+    give another value and gradient."""
+
+    def call(self, x):
+        import hyparflow as hf
+
+        mean = hf.global_mean(x)
+        self.add_loss(0.5 * keras.ops.sum(keras.ops.square(mean)))
+        return x - mean
+
+
+def global_centered():
+    """A layer that takes a statistic of the whole global batch with `hf.global_mean`. Train
+    it with Adam: under the zoo's SGD, Keras alone turns a 1e-7 nudge of its weights into 0.09
+    (relative) in 2 epochs."""
+    inputs = keras.Input((6,))
+    x = keras.layers.Dense(8, activation="tanh")(inputs)
+    x = GlobalCentering()(x)
+    x = keras.layers.Dense(8, activation="relu")(x)
+    outputs = keras.layers.Dense(3, activation="softmax")(x)
+    return keras.Model(inputs, outputs, name="global_centered")
+
+
 def masked_gru():
     """Padding masked by the embedding and read by a GRU further on."""
     tokens = keras.Input((LENGTH,), dtype="int32")
@@ -312,7 +338,8 @@ def encoder():
 BUILDERS = {
     f.__name__: f
     for f in (
-        embedding_mlp, two_tables, dropout_mlp, added_losses, masked_gru, batchnorm_cnn,
+        embedding_mlp, two_tables, dropout_mlp, added_losses, global_centered, masked_gru,
+        batchnorm_cnn,
         preprocessed, mobilenet_v3, gpt2, bert, llama, gemma, mistral, opt,
         distil_bert, roberta, albert, falcon, qwen3_moe, mixtral, gpt_oss, wide_mlp,
         conv_pairs, encoder,
