@@ -7,8 +7,8 @@ from __future__ import annotations
 import contextlib
 
 from hyparflow.checkpoint.state import Piece
-from hyparflow.comm.global_batch import BatchGroup, batch_group
 from hyparflow.comm.in_graph import allreduce
+from hyparflow.engine.global_batch import BatchGroup, batch_group
 from hyparflow.engine.random_slices import feature_slice
 from hyparflow.moe import ExpertShards, SparseDispatch, expert_groups, router_loss_weight
 from hyparflow.tensor.shards import TensorShards
@@ -20,7 +20,7 @@ class SplitLayers:
     `graphs` (None unless `strategy.experts` > 1); `dispatch`: the `SparseDispatch` of the
     model's mixture blocks, their routing counts summed over the stage's replicas in the step
     and, with `experts`, tokens exchanged in the expert group (docs/moe.md); `batch`: the
-    replicas `hf.global_mean` means over (comm/global_batch.py)."""
+    replicas `hf.global_mean` means over (engine/global_batch.py)."""
 
     def __init__(self, model, strategy, topology, graphs: list, tensor_layout=None):
         self.tensor = None
