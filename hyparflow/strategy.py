@@ -136,7 +136,8 @@ class Strategy:
       and updates 1/E of the experts, and tokens travel to their experts' rank and back by
       all-to-all, no token dropped, so training stays exact. E must divide `replicas` and each
       block's number of experts; it needs `sparse_experts`, and is refused with `tensor` > 1,
-      `shard_optimizer`, Horovod, and regularizers on expert weights (not built yet).
+      `shard_optimizer`, Horovod, `overlap_groups` > 1, clipnorm or global_clipnorm, and
+      regularizers on expert weights (not built yet).
 
     Process (opt-ins that change process-wide state):
 
