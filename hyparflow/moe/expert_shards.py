@@ -13,9 +13,6 @@ from __future__ import annotations
 
 import contextlib
 
-import numpy as np
-
-from hyparflow import deferred
 from hyparflow.comm.failure import watched
 from hyparflow.moe.keras_hub_blocks import policy_of, sparse_blocks
 from hyparflow.tensor.shards import Shard, swap_variable
@@ -31,14 +28,19 @@ def expert_groups(stage_comm, experts: int) -> tuple:
     return within, across
 
 
-def expert_weights(model) -> list:
-    """The whole expert kernels of `model`'s mixture blocks that sparse dispatch computes."""
+def _banks_and_kernels(blocks) -> list:
+    """(expert bank, one of its expert kernels) of each block of `blocks`, in policy order."""
     found = []
-    for block in sparse_blocks(model):
+    for block in blocks:
         policy = policy_of(block)
         bank = getattr(block, policy.bank)
-        found += [getattr(bank, name) for name in policy.kernels]
+        found += [(bank, getattr(bank, name)) for name in policy.kernels]
     return found
+
+
+def expert_weights(model) -> list:
+    """The whole expert kernels of `model`'s mixture blocks that sparse dispatch computes."""
+    return [kernel for _, kernel in _banks_and_kernels(sparse_blocks(model))]
 
 
 class ExpertShards:
@@ -49,13 +51,11 @@ class ExpertShards:
     def __init__(self, graphs: list, group, across):
         self.group, self.across = group, across
         self.parts, self.index = parts, index = group.Get_size(), group.Get_rank()
-        self.shards = []
         blocks = {id(b): b for graph in graphs for b in sparse_blocks(graph)}
-        for block in blocks.values():
-            policy = policy_of(block)
-            bank = getattr(block, policy.bank)
-            for name in policy.kernels:
-                self.shards.append(Shard(bank, getattr(bank, name), 0, parts, index))
+        self.shards = [
+            Shard(bank, kernel, 0, parts, index)
+            for bank, kernel in _banks_and_kernels(blocks.values())
+        ]
         self._depth = 0
 
     @property
@@ -65,20 +65,13 @@ class ExpertShards:
     def load(self) -> None:
         """Cut the model's whole expert kernels into this rank's shards."""
         for s in self.shards:
-            if not deferred.is_deferred(s.whole):
-                s.shard.assign(s.shard_of_whole())
+            s.load()
 
     def store(self, guard) -> None:
         """Gather every rank's shards of its group into the model's whole kernels (collective
         over the group; `guard(operation)` watches the wait)."""
         for s in self.shards:
-            if deferred.is_deferred(s.whole):
-                continue
-            local = np.ascontiguousarray(np.asarray(s.shard.numpy()))
-            pieces = np.empty((self.group.Get_size(),) + local.shape, local.dtype)
-            with guard("gather expert shards"):
-                self.group.Allgather(local, pieces)
-            s.whole.assign(np.concatenate(list(pieces), axis=0))
+            s.store(self.group, guard, "gather expert shards")
 
     @contextlib.contextmanager
     def active(self):

@@ -40,6 +40,24 @@ class Shard:
         value = deferred.initial_value(whole) if deferred.is_deferred(whole) else whole.numpy()
         return cut_shard(np.asarray(value), self.index, self.parts, self.axis)
 
+    def load(self) -> None:
+        """Cut the whole variable's value into the shard (a whole that was never allocated,
+        under hf.scope(), leaves the shard as it is: the shard is the truth)."""
+        if not deferred.is_deferred(self.whole):
+            self.shard.assign(self.shard_of_whole())
+
+    def store(self, comm, guard, operation: str) -> None:
+        """Put the shards of the `parts` ranks of `comm` together into the whole variable
+        (collective over `comm`; `guard(operation)` watches the wait). Under hf.scope() no
+        rank holds the whole: nothing is gathered."""
+        if deferred.is_deferred(self.whole):
+            return
+        local = np.ascontiguousarray(np.asarray(self.shard.numpy()))
+        pieces = np.empty((self.parts,) + local.shape, local.dtype)
+        with guard(operation):
+            comm.Allgather(local, pieces)
+        self.whole.assign(np.concatenate(list(pieces), axis=self.axis))
+
 
 class TensorShards:
     """The shards of `layout` (a `TensorLayout`) held by shard `comm.Get_rank()` of the tensor
@@ -73,8 +91,7 @@ class TensorShards:
         """Slice the model's whole variables into this rank's shards (a whole that was never
         allocated, under hf.scope(), leaves its shard as it is: the shard is the truth)."""
         for s in self.shards:
-            if not deferred.is_deferred(s.whole):
-                s.shard.assign(s.shard_of_whole())
+            s.load()
 
     def by_path(self) -> dict:
         """Path -> this rank's shard variable, for each split variable."""
@@ -84,13 +101,7 @@ class TensorShards:
         """Put the shards of every tensor rank together into the model's whole variables
         (collective over the tensor ranks; `guard(operation)` watches the wait)."""
         for s in self.shards:
-            if deferred.is_deferred(s.whole):  # hf.scope(): no rank holds the whole
-                continue
-            local = np.ascontiguousarray(np.asarray(s.shard.numpy()))
-            pieces = np.empty((self.parts,) + local.shape, local.dtype)
-            with guard("gather tensor shards"):
-                self.comm.Allgather(local, pieces)
-            s.whole.assign(np.concatenate(list(pieces), axis=s.axis))
+            s.store(self.comm, guard, "gather tensor shards")
 
     @contextlib.contextmanager
     def active(self):
