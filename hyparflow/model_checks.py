@@ -93,18 +93,23 @@ def check_batchnorm(model, strategy) -> None:
 
 
 def check_router_losses(model, strategy) -> None:
-    """Refuse micro-batches for keras_hub mixture blocks with a load-balancing loss: its
-    global-batch counts exist only once every micro-batch has been routed, after the first
-    backward would need them (docs/moe.md). Replicas are exact (hyparflow/moe/router_loss.py)."""
+    """Refuse micro-batches for keras_hub mixture blocks with a load-balancing loss unless in
+    GPipe's order: its coefficients need the global batch's counts, which exist only once
+    every micro-batch has been routed, before any backward (moe/router_tally.py); nor with
+    `overlap_groups`, whose segments the tally does not follow. Replicas are exact."""
     if not strategy.sparse_experts or strategy.microbatches == 1:
         return
     weighted = [block.name for block in sparse_blocks(model) if router_loss_weight(block)]
-    if weighted:
+    if not weighted:
+        return
+    if strategy.schedule != "gpipe" or strategy.overlap_groups > 1:
         raise ValueError(
             f"Mixture-of-experts blocks {weighted[:5]} add a router load-balancing loss, a "
-            "product of means over the whole batch that hyparflow computes exactly across "
-            f"replicas but not across micro-batches; use num_microbatches=1 (not "
-            f"{strategy.microbatches}), or set the model's router loss coefficient to 0."
+            "product of means over the whole batch, which hyparflow computes exactly across "
+            f"{strategy.microbatches} micro-batches only in GPipe's order (every forward before "
+            "any backward) and without overlap_groups; use schedule='gpipe' (not "
+            f"{strategy.schedule!r}) with overlap_groups=1, num_microbatches=1, or set the "
+            "model's router loss coefficient to 0."
         )
 
 

@@ -4,12 +4,14 @@
 blocks under `SparseDispatch` against their own dense calls: outputs, router logits, the
 router's load-balancing loss (on, with a padding mask) and every gradient."""
 
+import dataclasses
+
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from hyparflow.moe import SparseDispatch, sparse_blocks
+from hyparflow.moe import RouterTally, SparseDispatch, sparse_blocks
 from hyparflow.moe.dispatch import top_k_mixture
 from tests.support import zoo
 
@@ -184,17 +186,54 @@ def test_pieces_of_a_batch_sum_to_the_router_loss_of_the_whole(make, square_mask
     np.testing.assert_allclose(grad, whole_grad, rtol=TOLERANCE, atol=TOLERANCE)
 
 
-def test_micro_batches_are_refused_with_a_router_loss_only():
+@pytest.mark.parametrize(
+    "make, square_mask",
+    [(_mixtral, False), (lambda: _qwen3_moe(True), True)], ids=["mixtral", "qwen3_moe"],
+)  # fmt: skip
+def test_a_tally_of_micro_batches_gives_the_router_loss_of_the_whole(make, square_mask):
+    """Two micro-batches (2 rows, then 1) record their routing in a `RouterTally` instead of
+    adding a loss; once both have run forward, the gradient it gives each one's probability
+    sums (scaled by its share of the rows, as a stage returns them) and the values it reports
+    are keras_hub's loss of the whole batch and its router gradient."""
+    block, hidden, mask = _block_and_batch(make, square_mask, seed=1)
+    whole_loss, whole_grad = _router_loss_and_gradient(block, hidden, mask)  # keras_hub's
+    router = block._sparse_feedforward_gate_dense.kernel
+    tally, taped = RouterTally(), []
+    with SparseDispatch(block, tally=tally):
+        for k, p in enumerate([slice(0, 2), slice(2, 3)]):
+            with tf.GradientTape() as tape:
+                block(hidden[p], attention_mask=mask[p], training=True)
+                counts, sums = tally.collect()
+                scaled = sums * (p.stop - p.start) / 3
+            assert not block.losses, "a tallied block adds no loss of its own"
+            tally.forwarded(k, counts, sums)
+            taped.append((tape, scaled))
+    grad = sum(
+        tape.gradient(scaled, router.value, output_gradients=tally.output_gradient(k))
+        for k, (tape, scaled) in enumerate(taped)
+    )
+    loss = sum(rows * value for rows, value in tally.take_parts()) / 3
+    np.testing.assert_allclose(loss, whole_loss, rtol=TOLERANCE)
+    np.testing.assert_allclose(grad, whole_grad, rtol=TOLERANCE, atol=TOLERANCE)
+    assert tally.take_parts() == [], "the next step starts empty"
+
+
+def test_router_losses_take_micro_batches_in_gpipe_order_only():
     import hyparflow as hf
     from hyparflow.model_checks import check_router_losses
 
     keras.utils.set_random_seed(0)
     model = zoo.mixtral()  # router loss 0.1
-    pipeline = hf.Strategy("model", partitions=2, microbatches=2)
-    with pytest.raises(ValueError, match=r"router load-balancing loss.*num_microbatches=1"):
-        check_router_losses(model, pipeline)
+    check_router_losses(model, hf.Strategy("model", partitions=2, microbatches=2))  # GPipe
     check_router_losses(model, hf.Strategy("hybrid", partitions=2, replicas=2))  # replicas: exact
+    for strategy in (
+        hf.Strategy("model", partitions=2, microbatches=2, schedule="1f1b"),
+        hf.Strategy("model", partitions=2, microbatches=2, schedule="zero_bubble"),
+        hf.Strategy("data", replicas=2, microbatches=2, overlap_groups=2),
+    ):
+        with pytest.raises(ValueError, match=r"router load-balancing loss.*schedule='gpipe'"):
+            check_router_losses(model, strategy)
     # dense blocks keep keras_hub's loss per piece, with the warning; no loss, nothing to refuse
-    check_router_losses(model, hf.Strategy("model", partitions=2, microbatches=2,
-                                           sparse_experts=False))  # fmt: skip
-    check_router_losses(zoo.qwen3_moe(), pipeline)  # coefficient 0
+    one_f_one_b = hf.Strategy("model", partitions=2, microbatches=2, schedule="1f1b")
+    check_router_losses(model, dataclasses.replace(one_f_one_b, sparse_experts=False))
+    check_router_losses(zoo.gpt_oss(), one_f_one_b)  # gpt-oss adds no router loss

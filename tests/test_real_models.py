@@ -89,7 +89,9 @@ TWO_RANKS = [
     Case("gpt2", "adam", "model", partitions=2, microbatches=2, schedule="interleaved"),
     Case("bert", "sgd", "data", replicas=2, microbatches=2),
     Case("falcon", "sgd", "data", replicas=2, microbatches=2),
-    Case("qwen3_moe", "adam", "data", replicas=2),
+    # router loss on, each replica in 2 micro-batches (the whole model a taped stage): their
+    # counts summed once every micro-batch has run forward (moe/router_tally.py)
+    Case("qwen3_moe", "adam", "data", replicas=2, microbatches=2),
     # router loss on: counts summed over replicas; experts split over them, tokens exchanged
     Case("mixtral", "adam", "data", replicas=2, experts=2),
     Case("gpt_oss", "adam", "data", replicas=2, microbatches=2),
@@ -120,8 +122,9 @@ FOUR_RANKS = [
     Case("roberta", "sgd", "hybrid", partitions=2, replicas=2, schedule="1f1b"),
     Case("albert", "sgd", "hybrid", partitions=2, replicas=2, microbatches=2),
     Case("falcon", "sgd", "hybrid", partitions=2, replicas=2, microbatches=2, schedule="1f1b"),
+    # router losses over micro-batches and replicas (GPipe), with and without expert groups
     Case("qwen3_moe", "sgd", "hybrid", partitions=2, replicas=2, microbatches=2),
-    Case("mixtral", "adam", "hybrid", partitions=2, replicas=2, experts=2),
+    Case("mixtral", "adam", "hybrid", partitions=2, replicas=2, microbatches=2, experts=2),
     # expert groups of 4 (each rank one expert) and of 2 (gradients summed across groups)
     Case("mixtral", "adam", "data", replicas=4, experts=4),
     Case("gpt_oss", "adam", "data", replicas=4, microbatches=2, experts=2),

@@ -29,11 +29,16 @@ class RunnerParts:
     `call(inputs, training)` computes the stage, `loss` and `metrics` are the compiled loss and
     metric update (used at the last stage), `loss_adders` collects the layers that call
     `add_loss` while tracing. `stage` is the partitioner's stage (None: the whole model).
+    `tally`: the mixture blocks' `RouterTally` (None: their router losses, if any, are added
+    in each forward).
     """
 
-    def __init__(self, model, stage, topology, strategy, *, call, loss, metrics, loss_adders):
+    def __init__(
+        self, model, stage, topology, strategy, *, call, loss, metrics, loss_adders, tally=None
+    ):
         self.model, self.stage, self.topology, self.strategy = model, stage, topology, strategy
         self.call, self.loss, self.metrics, self.loss_adders = call, loss, metrics, loss_adders
+        self.tally = tally
         # the model's first and last stage (not the rank's: interleaved ranks run several)
         count = 1 if stage is None else topology.num_stages * strategy.virtual_stages
         self.is_first = stage is None or stage.index == 0
@@ -71,7 +76,8 @@ def build_runner(parts: RunnerParts, variables, sparse, form, layout):
         input_shapes=declared_shapes(whole, parts.stage),
         train_scope=parts.batchnorm_scope(layers),
     )
-    if parts.stage is None:  # nothing lives between forward and backward: one compiled call
+    if parts.stage is None and parts.tally is None:
+        # nothing lives between forward and backward: one compiled call
         # Chunks, not one tensor: the step then never holds its gradients twice (flat.py).
         return FusedRunner(
             parts.call, variables, loss=parts.loss, metrics=parts.metrics,
@@ -89,7 +95,9 @@ def build_runner(parts: RunnerParts, variables, sparse, form, layout):
     )
     if strategy.schedule == "zero_bubble":  # the backward's weight half runs apart
         return SplitStageRunner(parts.call, variables, layers=layers, **options)
-    return StageRunner(parts.call, variables, flat_backward=form.flat_backward, **options)
+    return StageRunner(
+        parts.call, variables, flat_backward=form.flat_backward, tally=parts.tally, **options
+    )
 
 
 def build_chunk_runners(parts: list[RunnerParts], variables, sparse, form, layout):

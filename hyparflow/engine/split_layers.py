@@ -6,11 +6,20 @@ from __future__ import annotations
 
 import contextlib
 
+import numpy as np
+
 from hyparflow.checkpoint.state import Piece
 from hyparflow.comm.in_graph import allreduce
 from hyparflow.engine.global_batch import BatchGroup, batch_group
 from hyparflow.engine.random_slices import feature_slice
-from hyparflow.moe import ExpertShards, SparseDispatch, expert_groups, router_loss_weight
+from hyparflow.moe import (
+    ExpertShards,
+    RouterTally,
+    SparseDispatch,
+    expert_groups,
+    router_loss_weight,
+    sparse_blocks,
+)
 from hyparflow.tensor.shards import TensorShards
 
 
@@ -20,9 +29,12 @@ class SplitLayers:
     `graphs` (None unless `strategy.experts` > 1); `dispatch`: the `SparseDispatch` of the
     model's mixture blocks, their routing counts summed over the stage's replicas in the step
     and, with `experts`, tokens exchanged in the expert group (docs/moe.md); `batch`: the
-    replicas `hf.global_mean` means over (engine/global_batch.py)."""
+    replicas `hf.global_mean` means over (engine/global_batch.py); `tally`: the `RouterTally`
+    of a step of several micro-batches whose mixture blocks add router losses (else None),
+    its counts summed over the replicas under `guard`."""
 
-    def __init__(self, model, strategy, topology, graphs: list, tensor_layout=None):
+    def __init__(self, model, strategy, topology, graphs: list, tensor_layout=None, guard=None):
+        guard = guard or (lambda operation: contextlib.nullcontext())
         self.tensor = None
         if topology.num_shards > 1:
             self.tensor = TensorShards(tensor_layout, topology.tensor_comm, feature_slice)
@@ -35,9 +47,10 @@ class SplitLayers:
         self.batch = BatchGroup(replicas, strategy.microbatches)
         self.synchronized = False  # BatchNormalization sums its moments over them (the trainer)
         replica_sum = replicas and (lambda vector: allreduce(replicas, vector, "experts"))
+        self.tally = _router_tally(model, strategy, replicas, guard)
         self.dispatch = SparseDispatch(
             model if strategy.sparse_experts else None, replica_sum,
-            self.experts and self.experts.group,
+            self.experts and self.experts.group, self.tally,
         )  # fmt: skip
 
     def sum_over_replicas(self, training: bool) -> bool:
@@ -98,6 +111,29 @@ class SplitLayers:
                 variables[s.whole.path] = s.shard
         return split, variables
 
+    def take_router_parts(self) -> list:
+        """The (rows, loss value) of each micro-batch's router losses in the last step (none
+        without a tally), as the engine sums added losses."""
+        return [] if self.tally is None else self.tally.take_parts()
+
     def free(self) -> None:
         if self.experts is not None:
             self.experts.free()
+
+
+def _router_tally(model, strategy, replicas, guard):
+    """A `RouterTally` when a step has several micro-batches and sparse mixture blocks add
+    router losses, its counts summed over `replicas` (None: one) under `guard`."""
+    weighted = strategy.sparse_experts and any(router_loss_weight(b) for b in sparse_blocks(model))
+    if strategy.microbatches == 1 or not weighted:
+        return None
+    if replicas is None:
+        return RouterTally()
+
+    def replica_sum(vector):
+        total = np.empty_like(vector)
+        with guard("sum routing counts over replicas"):
+            replicas.Allreduce(vector, total)
+        return total
+
+    return RouterTally(replica_sum)

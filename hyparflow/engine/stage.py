@@ -67,6 +67,11 @@ class StageRunner(RunnerBase):
     recomputes its activations in the backward (Chen et al. 2016, "Training Deep Nets with
     Sublinear Memory Cost"; GPipe's re-materialization).
 
+    `tally` (a `moe.RouterTally`, GPipe only): the mixture blocks' router losses of a step of
+    several micro-batches. Each forward returns the blocks' routing counts and probability
+    sums beside its outputs; each backward differentiates the sums with the gradient the
+    tally derives from every micro-batch's counts (moe/router_tally.py).
+
     For example, a first stage (no loss; its inputs need no gradients):
         runner = StageRunner(lambda x, training: stage_model(x, training=training),
                              stage_model.trainable_variables, input_grads=False)
@@ -86,9 +91,12 @@ class StageRunner(RunnerBase):
         input_grads=True,
         layout=None,
         flat_backward=True,
+        tally=None,
         **common,
     ):
         super().__init__(call, variables, **common)  # RunnerBase's options
+        self._tally = tally
+        self._last_routed = ()  # the last forward's routing counts and sums (with a tally)
         self.layout = layout
         self.flat_backward = layout is not None and flat_backward
         self.input_grads = input_grads
@@ -145,9 +153,19 @@ class StageRunner(RunnerBase):
             variable.assign(value)
         return outputs, added
 
+    def _routed(self, scale) -> tuple:
+        """Inside a training forward's trace: the tally's (counts, sums, sums times `scale`) of
+        the blocks it ran, or () (no tally, or no block recorded)."""
+        collected = None if self._tally is None else self._tally.collect()
+        if collected is None:
+            return ()
+        self.has_added_losses = True  # the step's loss values then sum the tally's parts
+        counts, sums = collected
+        return counts, _constant(sums), sums * _constant(scale)
+
     def _forward_body(self, inputs, scale, rows, params):
         outputs, added = self._training_call(inputs, rows, params)
-        return outputs, added, added * _constant(scale)
+        return outputs, added, added * _constant(scale), self._routed(scale)
 
     def _loss_forward_body(self, inputs, y, sample_weight, scale, rows, params):
         y_pred, added = self._training_call(inputs, rows, params)
@@ -156,7 +174,7 @@ class StageRunner(RunnerBase):
         loss = self._loss(y, y_pred, sample_weight)
         if self._metrics is not None:
             self._metrics(y, y_pred, sample_weight)
-        return y_pred, loss, added, (loss + added) * scale
+        return y_pred, loss, added, (loss + added) * scale, self._routed(scale)
 
     def forward(self, microbatch: int, inputs, targets=None, scale=1.0, rows=None):
         """Run the forward of `microbatch`, keeping what its backward needs.
@@ -173,10 +191,14 @@ class StageRunner(RunnerBase):
             snapshot = [np.array(v.numpy()) for v in self.state_variables]
             result, _ = self._taped_forward(inputs, targets, scale, rows, tape=None)
             self._pending[microbatch] = (None, (inputs, targets, scale, rows, snapshot))
+            if self._last_routed:
+                self._tally.forwarded(microbatch, *self._last_routed)
             return result
         with tf.GradientTape(watch_accessed_variables=False) as tape:
             result, differentiate = self._taped_forward(inputs, targets, scale, rows, tape)
         self._pending[microbatch] = (tape, differentiate)
+        if self._last_routed:
+            self._tally.forwarded(microbatch, *self._last_routed)
         return result
 
     def _taped_forward(self, inputs, targets, scale, rows, tape):
@@ -195,14 +217,20 @@ class StageRunner(RunnerBase):
             y, sample_weight = targets
             args = (inputs, y, sample_weight, scale, rows, params)
             function = self._relaxed(self._loss_forward_fn, args, targets=(1, 2))
-            y_pred, loss, self.last_added, scaled = function(*args)
-            return (y_pred, loss), (inputs, watched, sources, scaled)
+            y_pred, loss, self.last_added, scaled, routed = function(*args)
+            return (y_pred, loss), (inputs, watched, sources, [scaled, *self._kept(routed)])
         args = (inputs, scale, rows, params)
-        result, self.last_added, added = self._relaxed(self._forward_fn, args)(*args)
+        result, self.last_added, added, routed = self._relaxed(self._forward_fn, args)(*args)
         floats = [t for t in tree.flatten(result) if _is_float(t)]
         if self.has_added_losses:  # differentiated with the outputs (its gradient: 1)
             floats.append(added)
-        return result, (inputs, watched, sources, floats)
+        return result, (inputs, watched, sources, floats + self._kept(routed))
+
+    def _kept(self, routed: tuple) -> list:
+        """The routed sums to differentiate (their gradient from the tally); the counts and
+        sums, for `forward` to hand the tally."""
+        self._last_routed = routed[:2]
+        return list(routed[2:])
 
     def _recomputed(self, inputs, targets, scale, rows, snapshot):
         """Run the forward again under a tape, from the state it first saw (same Dropout masks,
@@ -229,22 +257,35 @@ class StageRunner(RunnerBase):
         if tape is None:
             tape, kept = self._recomputed(*kept)
         inputs, watched, sources, targets = kept
+        output_grads = self._with_routed_gradient(microbatch, output_grads)
         grads = self._differentiate(tape, targets, watched + sources, output_grads)
         self._accumulate(grads[len(watched) :], sources)
         return self._input_gradients(inputs, watched, grads[: len(watched)])
 
+    def _with_routed_gradient(self, microbatch: int, output_grads):
+        """`output_grads` and, where `microbatch` routed tokens through the tally's blocks, the
+        gradient of their sums (at the last stage, after the loss's own gradient, 1)."""
+        if self._tally is None or microbatch not in self._tally.routed:
+            return output_grads
+        routed = self._tally.output_gradient(microbatch)
+        if self.is_last:
+            return [tf.ones((), tf.float32), routed]
+        return [*output_grads, *([tf.ones((), tf.float32)] if self.has_added_losses else []),
+                routed]  # fmt: skip
+
     def _differentiate(self, tape, targets, wrt: list, output_grads) -> list:
         """The gradients of `targets` with respect to `wrt`, given the gradients of the stage's
-        float outputs (`output_grads`, in `forward`'s flattened order; None at the last
-        stage)."""
-        if not self.is_last:
+        float outputs (`output_grads`, in `forward`'s flattened order, then the added loss's
+        and the routed sums' where `_with_routed_gradient` put them; None at the last stage
+        without routed sums)."""
+        if not self.is_last and len(output_grads) < len(targets):
             output_grads = list(output_grads)
             if self.has_added_losses:
                 output_grads.append(tf.ones((), tf.float32))
         return tape.gradient(
             targets,
             wrt,
-            output_gradients=None if self.is_last else output_grads,
+            output_gradients=output_grads,
             # None, not zeros: a table this stage does not read contributes no rows
             unconnected_gradients=tf.UnconnectedGradients.NONE,
         )

@@ -103,7 +103,7 @@ class Trainer:
         self.holds_share_only = any(deferred.is_deferred(v) for v in model.variables)
         # tensor shards, expert shards, sparse mixtures (docs/tensor.md, docs/moe.md)
         graphs = [model] if plan is None else [s.model for s in self.stages]
-        self.splits = SplitLayers(model, strategy, topo, graphs, tensor_layout)
+        self.splits = SplitLayers(model, strategy, topo, graphs, tensor_layout, self._guard)
         self.shards, self.experts = self.splits.tensor, self.splits.experts
         self.sparse_experts = self.splits.dispatch
         with self.layers_active():  # everything below sees (and traces) shards and experts
@@ -150,7 +150,7 @@ class Trainer:
         call = self._call_whole_model if stage is None else self._stage_call(stage)
         return RunnerParts(
             self.model, stage, self.topology, self.strategy, call=call, loss=self._loss,
-            metrics=self._update_metrics, loss_adders=self._loss_adders,
+            metrics=self._update_metrics, loss_adders=self._loss_adders, tally=self.splits.tally,
         )  # fmt: skip
 
     def _find_variables(self, model, plan, topo) -> list:
@@ -174,8 +174,10 @@ class Trainer:
         strategy, topo = self.strategy, self.topology
         layout = FlatLayout([self.variables[i] for i in self.dense])
         # a split backward's weight gradients are final only after the step's last W, and
-        # interleaved chunks end their backwards apart: neither is cut into segments
+        # interleaved chunks end their backwards apart: neither is cut into segments; nor is a
+        # stage whose router losses one runner tallies
         whole = strategy.schedule in ("zero_bubble", "interleaved") and self.plan is not None
+        whole = whole or self.splits.tally is not None
         facts = dict(
             partitioned=self.plan is not None,
             replicas=topo.num_replicas,
@@ -363,7 +365,7 @@ class Trainer:
         """This step's added losses (`add_loss`, activity regularization) of this replica's
         pipeline, each micro-batch's weighted by its size (collective over the pipeline once
         any stage's layers add losses)."""
-        parts = self.walk.take_added()
+        parts = self.walk.take_added() + self.splits.take_router_parts()
         pipeline = self.topology.pipeline_comm
         if self._any_added_losses is None:  # known once every stage has traced its calls
             microbatches_per_batch = self.topology.num_replicas * self.strategy.microbatches

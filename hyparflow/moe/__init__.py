@@ -4,9 +4,11 @@ router's load-balancing loss of the whole global batch, and the experts split ov
 
 from hyparflow.moe.expert_shards import ExpertShards, expert_groups, expert_weights
 from hyparflow.moe.keras_hub_blocks import SparseDispatch, router_loss_weight, sparse_blocks
+from hyparflow.moe.router_tally import RouterTally
 
 __all__ = [
     "ExpertShards",
+    "RouterTally",
     "SparseDispatch",
     "expert_groups",
     "expert_weights",

@@ -23,7 +23,8 @@ import tensorflow as tf
 from hyparflow import _keras
 from hyparflow.moe.dispatch import top_k_mixture
 from hyparflow.moe.expert_parallel import expert_parallel_mixture
-from hyparflow.moe.router_loss import load_balancing_loss
+from hyparflow.moe.router_loss import load_balancing_loss, routing_sums
+from hyparflow.moe.router_tally import RoutedBlock
 
 
 @dataclass(frozen=True)
@@ -129,15 +130,26 @@ def sparse_blocks(model) -> list:
     return [layer for layer in _keras.all_layers(model) if policy_of(layer) is not None]
 
 
-def _block_call(policy: Policy, global_sum):
+def _add_router_loss(block, logits, rows, mask, global_sum, tally) -> None:
+    """The block's load-balancing loss as this piece's part of the global batch's, or, with a
+    `tally` (micro-batches), its counts and sums recorded there (`router_tally.py`)."""
+    weight = router_loss_weight(block)
+    if tally is None:
+        loss = load_balancing_loss(logits, block.top_k, rows, mask, global_sum)
+        block.add_loss(weight * loss)
+    elif weight:
+        picked, tokens, sums = routing_sums(logits, block.top_k, mask)
+        tally.record(RoutedBlock(logits.shape[-1], block.top_k, weight), picked, tokens, rows, sums)
+
+
+def _block_call(policy: Policy, global_sum, tally):
     def call(block, hidden_states, attention_mask=None, training=False):
         shape = tf.shape(hidden_states)
         tokens = tf.reshape(hidden_states, [-1, block.hidden_dim])
         logits, index, weight, tokens = policy.route(block, tokens, training)
         mixed = getattr(block, policy.bank)((tokens, index, weight))
         if training and policy.loss_coefficient is not None:
-            loss = load_balancing_loss(logits, block.top_k, shape[0], attention_mask, global_sum)
-            block.add_loss(router_loss_weight(block) * loss)
+            _add_router_loss(block, logits, shape[0], attention_mask, global_sum, tally)
         if policy.scores:  # each token's weight for each expert, 0 where not picked
             one_hot = tf.one_hot(index, block.num_experts, dtype=weight.dtype)
             return tf.reshape(mixed, shape), tf.reduce_sum(one_hot * weight[..., None], axis=1)
@@ -171,11 +183,14 @@ class SparseDispatch:
     global batch's (`router_loss`; `global_sum` sums a vector over the pieces, in the step);
     on the last exit they have their own calls again. With `model` None, it changes nothing
     (the blocks stay dense, with keras_hub's loss of each piece). With `expert_comm`, the banks
-    hold the experts of this rank of it (`ExpertShards`) and exchange tokens over it."""
+    hold the experts of this rank of it (`ExpertShards`) and exchange tokens over it. With a
+    `tally` (`RouterTally`: a step of several micro-batches), a training call records its
+    routing there instead of adding its loss."""
 
-    def __init__(self, model=None, global_sum=None, expert_comm=None):
+    def __init__(self, model=None, global_sum=None, expert_comm=None, tally=None):
         self.blocks = [] if model is None else sparse_blocks(model)
         self.global_sum = global_sum
+        self.tally = tally
         self.expert_comm = expert_comm
         self.depth = 0  # entered again inside itself: the calls stay until the outer exit
 
@@ -183,7 +198,7 @@ class SparseDispatch:
         self.depth += 1
         for block in self.blocks if self.depth == 1 else ():
             policy = policy_of(block)
-            call = types.MethodType(_block_call(policy, self.global_sum), block)
+            call = types.MethodType(_block_call(policy, self.global_sum, self.tally), block)
             object.__setattr__(block, "call", call)  # untracked, as the weight taps set theirs
             bank = getattr(block, policy.bank)
             call = types.MethodType(_bank_call(policy, self.expert_comm), bank)

@@ -9,8 +9,9 @@ sums `S_e`: `L = E * sum_e f_e * (sum_pieces S_e) / N`. So each piece sums its c
 and rows with the others' (`global_sum`, one allreduce in the step, as synchronised
 BatchNormalization sums its moments) and returns the loss whose share-weighted sum over the
 pieces, as the engine weights added losses (rows / global rows), is `L`, in value and gradient.
-In one process (`global_sum` None) it is keras_hub's own formula. Micro-batches cannot do this:
-a micro-batch's loss would need the counts of those not yet run (docs/notes/moe_design.md).
+In one process (`global_sum` None) it is keras_hub's own formula. A micro-batch cannot do this
+in its forward: its loss needs the counts of those not yet run, so micro-batches record
+`routing_sums` instead and take their gradient once all have run (`router_tally.py`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,19 @@ def _token_mask(mask, tokens: int):
     return tf.reshape(tf.cast(mask, tf.float32), [-1])
 
 
+def routing_sums(logits, top_k: int, mask=None):
+    """What the load-balancing loss needs of these tokens' router `logits` (tokens, experts):
+    each expert's picks (no gradient), the tokens counted (no gradient) and each expert's sum of
+    router probabilities over them (`S_e`, differentiable)."""
+    experts = logits.shape[-1]
+    probs = tf.nn.softmax(tf.cast(logits, tf.float32), axis=-1)
+    _, picks = tf.math.top_k(probs, k=top_k)
+    counted = _token_mask(mask, tf.shape(probs)[0])
+    picked = tf.reduce_sum(tf.one_hot(picks, experts) * counted[:, None, None], axis=[0, 1])
+    probability_sums = tf.reduce_sum(probs * counted[:, None], axis=0)
+    return tf.stop_gradient(picked), tf.stop_gradient(tf.reduce_sum(counted)), probability_sums
+
+
 def load_balancing_loss(
     logits, top_k: int, rows, mask=None, global_sum: Callable | None = None
 ) -> tf.Tensor:
@@ -40,15 +54,11 @@ def load_balancing_loss(
     piece's share of the global batch's rows, `global_sum` adding a vector over every piece
     (None: one piece, the whole batch)."""
     experts = logits.shape[-1]
-    probs = tf.nn.softmax(tf.cast(logits, tf.float32), axis=-1)
-    _, picks = tf.math.top_k(probs, k=top_k)
-    counted = _token_mask(mask, tf.shape(probs)[0])
-    picked = tf.reduce_sum(tf.one_hot(picks, experts) * counted[:, None, None], axis=[0, 1])
+    picked, counted, probability_sums = routing_sums(logits, top_k, mask)
     rows = tf.cast(rows, tf.float32)
-    local = tf.stop_gradient(tf.concat([picked, [tf.reduce_sum(counted), rows]], axis=0))
+    local = tf.concat([picked, [counted, rows]], axis=0)
     total = local if global_sum is None else tf.stop_gradient(global_sum(local))
     tokens = tf.maximum(total[experts], 1e-9)
     share = 1.0 if global_sum is None else local[experts + 1] / total[experts + 1]
     dispatched = total[:experts] / (top_k * tokens)  # f_e
-    probability_sums = tf.reduce_sum(probs * counted[:, None], axis=0)  # S_e of this piece
     return experts * tf.reduce_sum(dispatched * probability_sums) / tokens / share

@@ -242,15 +242,15 @@ def falcon():
 
 
 def qwen3_moe():
-    """keras_hub's Qwen3 mixture of experts, tiny: top-2 routing over 4 experts. Its router's
-    load-balancing loss (a product of batch means) is exact across replicas but refused with
-    micro-batches (docs/moe.md), which its cases use, so its coefficient is 0 here."""
+    """keras_hub's Qwen3 mixture of experts, tiny: top-2 routing over 4 experts, its router's
+    load-balancing loss on (0.1): summed over replicas in the step, and over micro-batches
+    once all have run forward (GPipe; moe/router_tally.py)."""
     import keras_hub
 
     backbone = keras_hub.models.Qwen3MoeBackbone(
         vocabulary_size=HUB_VOCAB, num_layers=2, num_query_heads=2, num_key_value_heads=1,
         hidden_dim=16, intermediate_dim=32, moe_intermediate_dim=8, num_experts=4, top_k=2,
-        head_dim=8, router_aux_loss_coefficient=0.0,
+        head_dim=8, router_aux_loss_coefficient=0.1,
     )  # fmt: skip
     return keras_hub.models.Qwen3MoeCausalLM(backbone, preprocessor=None)
 
