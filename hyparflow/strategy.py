@@ -135,9 +135,10 @@ class Strategy:
       replicas (expert parallelism, GShard / DeepSpeed-MoE style; docs/moe.md): a rank holds
       and updates 1/E of the experts, and tokens travel to their experts' rank and back by
       all-to-all, no token dropped, so training stays exact. E must divide `replicas` and each
-      block's number of experts; it needs `sparse_experts`, and is refused with `tensor` > 1,
-      `shard_optimizer`, Horovod, `overlap_groups` > 1, clipnorm or global_clipnorm, and
-      regularizers on expert weights (not built yet).
+      block's number of experts; with `tensor` > 1 each tensor rank's replicas form their own
+      groups (the mixture blocks stay whole on tensor ranks). It needs `sparse_experts`, and is
+      refused with `shard_optimizer`, Horovod, `overlap_groups` > 1, clipnorm or
+      global_clipnorm, and regularizers on expert weights (not built yet).
 
     Process (opt-ins that change process-wide state):
 
@@ -262,7 +263,6 @@ class Strategy:
             return
         refused = {
             "sparse_experts=False": not self.sparse_experts,
-            "tensor > 1": self.tensor > 1,
             "shard_optimizer=True": self.shard_optimizer,
         }
         found = [name for name, present in refused.items() if present]

@@ -58,9 +58,9 @@ def test_the_mixture_over_one_rank_equals_the_local_one_with_gradients():
 
 def test_the_strategy_refuses_expert_counts_and_settings_it_cannot_split():
     assert hf.Strategy("data", experts=2).resolve(4).experts == 2
+    assert hf.Strategy("data", replicas=2, tensor=2, experts=2).resolve(4).experts == 2
     for options, words in [
         (dict(replicas=4, experts=3), "must divide replicas=4"),
-        (dict(experts=2, tensor=2), "tensor > 1"),
         (dict(experts=2, sparse_experts=False), "sparse_experts=False"),
         (dict(experts=2, shard_optimizer=True), "shard_optimizer=True"),
         (dict(experts=0), "positive integer"),

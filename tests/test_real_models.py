@@ -125,7 +125,9 @@ FOUR_RANKS = [
     # router losses over micro-batches and replicas (GPipe), with and without expert groups
     Case("qwen3_moe", "sgd", "hybrid", partitions=2, replicas=2, microbatches=2),
     Case("mixtral", "adam", "hybrid", partitions=2, replicas=2, microbatches=2, experts=2),
-    # expert groups of 4 (each rank one expert) and of 2 (gradients summed across groups)
+    # expert groups of 4 (each rank one expert) and of 2 (gradients summed across groups);
+    # each tensor rank's replicas an expert group
+    Case("mixtral", "adam", "data", replicas=2, tensor=2, experts=2),
     Case("mixtral", "adam", "data", replicas=4, experts=4),
     Case("gpt_oss", "adam", "data", replicas=4, microbatches=2, experts=2),
 ]  # fmt: skip

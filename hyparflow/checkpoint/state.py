@@ -151,11 +151,19 @@ def cut_shard(value, shard: int, parts: int, axis: int):
 @dataclass(frozen=True)
 class Piece:
     """A rank's part of a split variable: part `index` of `parts`, cut along `axis` (a tensor
-    shard, or an expert group position's experts along axis 0)."""
+    shard, or an expert group position's experts along axis 0), split `over` "tensor" ranks or
+    "experts" (the positions of an expert group)."""
 
     index: int
     parts: int
     axis: int
+    over: str = "tensor"
+
+    def written_by(self, shard: int, replica: int) -> bool:
+        """Whether the rank at tensor `shard` of `replica` writes this piece, so that one rank
+        writes each: a tensor piece the first replica's rank, an expert piece the first tensor
+        rank's (the others hold copies)."""
+        return replica == 0 if self.over == "tensor" else shard == 0
 
     def key(self, key: str) -> str:
         """The key of this piece of entry `key`."""
@@ -164,6 +172,12 @@ class Piece:
     def cut(self, value):
         """This piece of the whole `value`."""
         return cut_shard(value, self.index, self.parts, self.axis)
+
+
+def written_pieces(split: dict, shard: int, replica: int) -> dict:
+    """The entries of `split` (path -> `Piece`) that the rank at tensor `shard` of `replica`
+    writes (`Piece.written_by`)."""
+    return {path: piece for path, piece in split.items() if piece.written_by(shard, replica)}
 
 
 def optimizer_state(model, optimizer, split=None) -> dict:

@@ -18,6 +18,7 @@ from hyparflow.checkpoint.state import (
     restore_optimizer,
     seed_generators,
     weight_specs,
+    written_pieces,
 )
 
 ARCHITECTURE = "model.json"
@@ -90,14 +91,16 @@ def _stage_state(stage: StageState) -> dict:
         state.update(sharded.optimizer_state(model, split, stage.shard, stage.replica))
     if not stage.writes_pieces:
         return state
+    written = written_pieces(split, stage.shard, stage.replica)  # the first rank: every piece
     for i in stage.owned_weight_indices():
         path = model.weights[i].path
-        if path in stage.shard_variables:  # a rank's own shard is its piece
+        if path in written:  # a rank's own shard is its piece
             state[split[path].key(f"w/{i}")] = np.asarray(stage.shard_variables[path].numpy())
         elif first:
             state[f"w/{i}"] = np.asarray(model.weights[i].numpy())
     if sharded is None and stage.variables and model.optimizer.built:
-        slots = optimizer_state(model, model.optimizer, split)
+        # pieces it does not write are keyed whole here, and only the first rank keeps those
+        slots = optimizer_state(model, model.optimizer, written)
         state.update({k: v for k, v in slots.items() if first or "@" in k})
     owners = layers_of_seed_keys(model)
     for key, variable in seed_generators(model):

@@ -15,7 +15,7 @@ import numpy as np
 from keras import callbacks as keras_callbacks
 
 from hyparflow.checkpoint.optimizer_file import drop_whole_state, save_whole_state
-from hyparflow.checkpoint.state import join_shards, optimizer_state
+from hyparflow.checkpoint.state import join_shards, optimizer_state, written_pieces
 from hyparflow.engine.weights import byte_groups
 
 _TAG = 3939  # point-to-point tag of the entries on the world communicator
@@ -39,7 +39,9 @@ def local_entries(stage) -> dict:
         return sharded.optimizer_state(model, stage.split, stage.shard, stage.replica)
     if not stage.writes_pieces:  # the same as replica 0's (or its expert group's)
         return {}
-    slots = optimizer_state(model, model.optimizer, stage.split)
+    slots = optimizer_state(
+        model, model.optimizer, written_pieces(stage.split, stage.shard, stage.replica)
+    )  # the pieces it does not write keyed whole, which only the first rank keeps
     first = stage.shard == 0 and stage.replica == 0
     return {k: v for k, v in slots.items() if first or "@" in k}
 

@@ -104,10 +104,11 @@ class SplitLayers:
         """(path -> `Piece` of this rank, path -> its shard variable) of every variable split
         over tensor ranks or an expert group, as checkpoints key them."""
         split, variables = {}, {}
-        for shards in self._shards():
-            parts, index = shards.parts, shards.index
+        for shards, over in ((self.tensor, "tensor"), (self.experts, "experts")):
+            if shards is None:
+                continue
             for s in shards.shards:
-                split[s.whole.path] = Piece(index, parts, s.axis)
+                split[s.whole.path] = Piece(shards.index, shards.parts, s.axis, over)
                 variables[s.whole.path] = s.shard
         return split, variables
 

@@ -33,8 +33,10 @@ class TrainingState:
         self.shard_variables = dict(
             shard_variables or {}
         )  # path -> this rank's shard variable of each of them
-        # replica 0 writes its tensor pieces, each position of the first expert group its experts
-        self.writes_pieces = topology.replica < experts
+        # replica 0 writes its tensor pieces, each position of the first expert group (its first
+        # tensor rank) its experts
+        first_group = topology.replica < experts and topology.shard == 0
+        self.writes_pieces = topology.replica == 0 or first_group
         self.optimizer_shard = None  # ZeRO-1's ShardedUpdate: each replica saves its slices
         self._stage_comm = topology.stage_comm
         self._plan = plan

@@ -206,13 +206,14 @@ def tensor_reshape(folder):
 
 
 def expert_reshape(folder):
-    """Checkpoint a Mixtral trained with its experts split over 2 replicas (Adam, router loss
-    on); resume it with experts = 2 and 1, and as a 2-stage pipeline; and count the expert
-    elements a rank holds when the model is built under hf.scope()."""
+    """Checkpoint a Mixtral trained with its experts split over 2 replicas, each of 2 tensor
+    ranks (Adam, router loss on); resume it so, with experts = 1 on 4 replicas, and as a 2-stage
+    pipeline of expert groups; and count the expert elements a rank holds when the
+    model is built under hf.scope()."""
     strategies = {
-        "same": hf.Strategy("data", replicas=2, experts=2),
-        "experts1": hf.Strategy("data", replicas=2),
-        "pipeline": hf.Strategy("model", partitions=2),
+        "same": hf.Strategy("data", replicas=2, tensor=2, experts=2),
+        "experts1": hf.Strategy("data", replicas=4),
+        "pipeline": hf.Strategy("hybrid", partitions=2, replicas=2, experts=2),
     }
 
     def fit(strategy, epochs, **kwargs):
@@ -226,6 +227,7 @@ def expert_reshape(folder):
     held = _expert_elements_held(2)
     first = fit(strategies["same"], 1, callbacks=[hf.callbacks.Checkpoint(folder, 2)])
     files = sorted(n for n in os.listdir(manifest.latest(folder)) if n.endswith(".npz"))
+    pieces = _expert_pieces(manifest.latest(folder), files, first)
     results = {name: fit(s, 2, resume_from=folder).get_weights() for name, s in strategies.items()}
     exported = os.path.join(folder, "exported.keras")
     if hf.rank() == 0:
@@ -235,6 +237,7 @@ def expert_reshape(folder):
         {
             "rank": hf.rank(),
             "files": files,
+            "expert_pieces": pieces,
             **{
                 name: relative_difference(weights, results["same"])
                 for name, weights in results.items() if name != "same"
@@ -247,6 +250,19 @@ def expert_reshape(folder):
             "expert_elements_whole": 3 * sum(int(np.prod(v.shape)) for v in expert_weights(first)),
         }
     )  # fmt: skip
+
+
+def _expert_pieces(folder, files, model) -> dict:
+    """file -> how many pieces of expert weights it holds (files holding none left out)."""
+    paths = {v.path for v in expert_weights(model)}
+    experts = {f"w/{i}" for i, v in enumerate(model.weights) if v.path in paths}
+    counts = {}
+    for name in files:
+        with np.load(os.path.join(folder, name)) as archive:
+            found = [k for k in archive.files if "@" in k and k.partition("@")[0] in experts]
+        if found:
+            counts[name] = len(found)
+    return counts
 
 
 def _expert_elements_held(experts: int) -> int:
