@@ -13,6 +13,7 @@ from hyparflow.engine.structure import model_input_list
 from hyparflow.engine.sync_batchnorm import synchronized_layers
 from hyparflow.engine.zero_refusal import refusal as zero_refusal
 from hyparflow.moe import expert_weights, router_loss_weight, sparse_blocks
+from hyparflow.tensor.roles import check_elementwise
 
 
 def check_compiled(model) -> None:
@@ -200,9 +201,10 @@ def check_tensor_parallel(model, strategy, comm_backend: str) -> None:
 
 
 def check_expert_parallel(model, strategy, comm_backend: str) -> None:
-    """Refuse what expert parallelism (`experts` > 1) does not train exactly yet: a model
-    without mixture blocks it splits, a block whose experts E does not divide, per-variable
-    or global clipping, regularized expert weights, another reduction than MPI's."""
+    """Refuse what expert parallelism (`experts` > 1) does not train exactly: a model without
+    mixture blocks it splits, a block whose experts E does not divide, per-variable clipping,
+    expert weights whose regularizer or constraint is not elementwise, another reduction than
+    MPI's. (Global clipping and L1/L2 regularizers sum their shards' parts over the group.)"""
     if strategy.experts == 1:
         return
     name = f"experts={strategy.experts}"
@@ -224,19 +226,14 @@ def check_expert_parallel(model, strategy, comm_backend: str) -> None:
     if strategy.overlap_groups > 1:
         raise ValueError(f"{name} does not overlap reductions by groups yet; use overlap_groups=1.")
     inner = getattr(model.optimizer, "inner_optimizer", model.optimizer)
-    clipping = [c for c in ("clipnorm", "global_clipnorm") if getattr(inner, c, None)]
-    if clipping:
+    if getattr(inner, "clipnorm", None):
         raise ValueError(
-            f"{name}: the optimizer's {clipping[0]} needs the norm of whole expert weights, "
-            "which a rank holding a share of them does not sum yet; use clipvalue or no "
-            "clipping with experts > 1."
+            f"{name}: the optimizer's clipnorm clips each variable by its own norm, which a "
+            "rank holding some of the experts cannot know; use global_clipnorm (clipped by the "
+            "whole model's norm)."
         )
-    regularized = [v.path for v in expert_weights(model) if getattr(v, "regularizer", None)]
-    if regularized:
-        raise ValueError(
-            f"{name}: expert weights {regularized[:3]} have regularizers, which a rank holding "
-            "a share of them does not sum yet; drop them or use experts=1."
-        )
+    for variable in expert_weights(model):
+        check_elementwise(variable, f"expert parallelism ({name})", "Use experts=1")
 
 
 def check_sharded_optimizer(model, strategy, comm_backend: str) -> None:

@@ -137,8 +137,8 @@ class Strategy:
       all-to-all, no token dropped, so training stays exact. E must divide `replicas` and each
       block's number of experts; with `tensor` > 1 each tensor rank's replicas form their own
       groups (the mixture blocks stay whole on tensor ranks). It needs `sparse_experts`, and is
-      refused with `shard_optimizer`, Horovod, `overlap_groups` > 1, clipnorm or
-      global_clipnorm, and regularizers on expert weights (not built yet).
+      refused with `shard_optimizer`, Horovod, `overlap_groups` > 1, clipnorm, and regularizers
+      or constraints on expert weights that are not elementwise.
 
     Process (opt-ins that change process-wide state):
 

@@ -93,7 +93,7 @@ TWO_RANKS = [
     # counts summed once every micro-batch has run forward (moe/router_tally.py)
     Case("qwen3_moe", "adam", "data", replicas=2, microbatches=2),
     # router loss on: counts summed over replicas; experts split over them, tokens exchanged
-    Case("mixtral", "adam", "data", replicas=2, experts=2),
+    Case("mixtral", "adam+globalclip", "data", replicas=2, experts=2),
     Case("gpt_oss", "adam", "data", replicas=2, microbatches=2),
     # the mixture blocks whole on both tensor ranks, attention split; router loss on
     Case("mixtral", "adam", "data", tensor=2),
@@ -129,7 +129,8 @@ FOUR_RANKS = [
     # each tensor rank's replicas an expert group
     Case("mixtral", "adam", "data", replicas=2, tensor=2, experts=2),
     Case("mixtral", "adam", "data", replicas=4, experts=4),
-    Case("gpt_oss", "adam", "data", replicas=4, microbatches=2, experts=2),
+    # experts' L2 penalties and the global norm summed over each group
+    Case("gpt_oss", "adam+globalclip", "data", replicas=4, microbatches=2, experts=2),
 ]  # fmt: skip
 TOLERANCE = 1e-5
 # keras_hub transformers with Adam: one process computing the same global-batch gradient in

@@ -112,6 +112,10 @@ class SplitLayers:
                 variables[s.whole.path] = s.shard
         return split, variables
 
+    def expert_split(self) -> tuple:
+        """(this rank's expert shards, its expert group), or ((), None) without experts."""
+        return (self.experts.variables, self.experts.group) if self.experts else ((), None)
+
     def take_router_parts(self) -> list:
         """The (rows, loss value) of each micro-batch's router losses in the last step (none
         without a tally), as the engine sums added losses."""

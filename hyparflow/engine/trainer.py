@@ -225,6 +225,7 @@ class Trainer:
             model, topo, self.variables, self.owned, partitioned=self.plan is not None,
             guard=self._guard, merge=self.gradient_sync.merge, layout=self.runner.layout,
             split=self.shards.variables if self.shards else (),
+            expert_split=self.splits.expert_split(),
         )  # fmt: skip
         self.segment_update = None
         if form.update_per_segment:

@@ -82,17 +82,18 @@ class Update:
     has `global_clipnorm` and the model is `partitioned`, and runs the optimizer as one
     compiled call. `guard(operation)` watches each blocking collective; `merge(dense, tables)`
     puts dense gradients and tables' row slices back in variable order; `layout` is the
-    `FlatLayout` of flat gradients (None if they are a list).
+    `FlatLayout` of flat gradients (None if they are a list). `split`: the tensor shards;
+    `expert_split`: (expert shards, their expert group's communicator).
 
     ZeRO-1's `ShardedUpdate` (engine/zero.py) applies slices of the same gradients and builds
-    on the public parts: `guard`, `split_ids` (ids of tensor-split variables), `tensor_comm`,
+    on the public parts: `guard`, `split_ids` (ids of split variables), `tensor_comm`,
     `regularization_and_grads`, `total_regularization`, `sum_over_pipeline`,
     `agree_finite_for_loss_scaling` and `compiled_update`.
     """
 
     def __init__(
         self, model, topology, variables, owned, *, partitioned: bool, guard, merge, layout=None,
-        split=(),
+        split=(), expert_split=((), None),
     ):  # fmt: skip
         self.model = model
         self.topology = topology
@@ -103,10 +104,17 @@ class Update:
         self._merge = merge
         self._layout = layout
         self.regularized = [v for v in owned if getattr(v, "regularizer", None)]
-        # Tensor shards (`split`): their regularization and squared norms are parts, summed
-        # over the tensor ranks; every other variable is whole on each of them.
-        self.split_ids = {id(v) for v in split}
-        self.tensor_comm = topology.tensor_comm if self.split_ids else None
+        # Tensor shards (`split`) and expert shards: their regularization and squared norms
+        # are parts, summed over the tensor ranks or the expert group; every other variable is
+        # whole on each of them.
+        self.tensor_comm = topology.tensor_comm if split else None
+        experts, expert_comm = expert_split
+        self.split_groups = [
+            ({id(v) for v in shards}, comm)
+            for shards, comm in ((split, self.tensor_comm), (experts, expert_comm))
+            if shards
+        ]
+        self.split_ids = {i for ids, _ in self.split_groups for i in ids}
         self._reg_fn = traced(self.regularization_and_grads)
         self._has_regularizers = bool(
             topology.pipeline_comm.allreduce(len(self.regularized) > 0, op=mpi_op("LOR"))
@@ -134,7 +142,7 @@ class Update:
         return self._apply_flat(gradients.flat, gradients.tables)
 
     def local_regularization(self) -> float:
-        """This stage's weight regularization (its tensor ranks' parts summed)."""
+        """This stage's weight regularization (its shards' parts summed over their groups)."""
         return self.total_regularization(*self._reg_values_fn()) if self.regularized else 0.0
 
     def apply_some(self, grads: list, positions: list[int], step: int, norm=None) -> None:
@@ -191,18 +199,21 @@ class Update:
             )
 
     def regularization_and_grads(self):
-        """(regularization of whole variables, of tensor shards, the gradients of both)."""
+        """(regularization of whole variables, of each group's shards (`split_groups`), the
+        gradients of both)."""
         with tf.GradientTape() as tape:
             whole, parts = self._reg_values()
-            total = whole + parts
+            total = whole + tf.reduce_sum(parts)
         return whole, parts, tape.gradient(total, self.regularized)
 
     def total_regularization(self, whole, parts) -> float:
-        """This stage's regularization: the whole variables' plus every tensor rank's part."""
-        if self.tensor_comm is None:
-            return float(whole) + float(parts)
-        with self.guard("sum regularization over the tensor ranks"):
-            return float(whole) + self.tensor_comm.allreduce(float(parts))
+        """This stage's regularization: the whole variables' plus each group's shards' parts,
+        summed over the group (tensor ranks, expert group)."""
+        total = float(whole)
+        for (_, comm), part in zip(self.split_groups, np.asarray(parts), strict=True):
+            with self.guard("sum regularization over the ranks holding shards"):
+                total += comm.allreduce(float(part))
+        return total
 
     def agree_finite_for_loss_scaling(self, grads: list) -> list:
         """Under loss scaling, every stage must skip an overflowing step together: if any rank
@@ -244,15 +255,11 @@ class Update:
             g for v, g in zip(self.variables, grads, strict=True) if id(v) in owned - self.split_ids
         ]
         squares = float(self._squares_fn(mine, scale)) if mine else 0.0
-        if self.tensor_comm is not None:  # shards' squares add up to their whole variables'
-            parts = [
-                g
-                for v, g in zip(self.variables, grads, strict=True)
-                if id(v) in owned & self.split_ids
-            ]
+        for ids, comm in self.split_groups:  # shards' squares add up to their whole variables'
+            parts = [g for v, g in zip(self.variables, grads, strict=True) if id(v) in owned & ids]
             parts = float(self._squares_fn(parts, scale)) if parts else 0.0
-            with self.guard("sum the gradient norm over the tensor ranks"):
-                squares += self.tensor_comm.allreduce(parts)
+            with self.guard("sum the gradient norm over the ranks holding shards"):
+                squares += comm.allreduce(parts)
         with self.guard("sum the gradient norm over the pipeline"):
             total = self.topology.pipeline_comm.allreduce(squares)
         return tf.constant(math.sqrt(total), tf.float32)
@@ -290,7 +297,7 @@ class Update:
         value = tf.constant(0.0)
         if self.regularized:  # never tensor shards: their update takes `_apply`
             whole, parts, reg_grads = self.regularization_and_grads()
-            value = whole + parts
+            value = whole + tf.reduce_sum(parts)
             grads = self._add_regularization(grads, reg_grads, scale)
         self.model.optimizer.apply(grads, self.variables)
         return value
@@ -347,16 +354,17 @@ class Update:
         return tf.sqrt(self._squares_fn(grads, scale))
 
     def _reg_values(self):
-        """(regularization of whole variables, of tensor shards), without gradients."""
+        """(regularization of whole variables, a vector of each group's shards' parts
+        (`split_groups`)), without gradients."""
         values = [tf.reduce_sum(v.regularizer(v)) for v in self.regularized]
-        whole = [
-            x for v, x in zip(self.regularized, values, strict=True) if id(v) not in self.split_ids
-        ]
-        parts = [
-            x for v, x in zip(self.regularized, values, strict=True) if id(v) in self.split_ids
-        ]
-        zero = tf.constant(0.0)
-        return (tf.add_n(whole) if whole else zero), (tf.add_n(parts) if parts else zero)
+
+        def total(keep):
+            kept = [x for v, x in zip(self.regularized, values, strict=True) if keep(id(v))]
+            return tf.add_n(kept) if kept else tf.constant(0.0)
+
+        parts = [total(lambda i, ids=ids: i in ids) for ids, _ in self.split_groups]
+        whole = total(lambda i: i not in self.split_ids)
+        return whole, (tf.stack(parts) if parts else tf.zeros([0]))
 
     def _group_body(self, grads, scale, norm=None, *, group):
         """One group's update: its regularization gradients added (times the loss scale),

@@ -103,22 +103,25 @@ def unsplittable(layer, role: str = COLUMN) -> str | None:
     return None
 
 
-def check_elementwise(variable) -> None:
+def check_elementwise(
+    variable, split_by: str = "tensor parallelism", whole: str = "Keep the layer whole "
+    "(tensor_layout)"
+) -> None:  # fmt: skip
     """A shard's regularizer and constraint must give the whole one's values, element by
-    element; others (orthogonality, norms over an axis) cannot be cut."""
+    element; others (orthogonality, norms over an axis) cannot be cut. `split_by` and `whole`
+    say, in the error, what splits the variable and how to keep it whole."""
     regularizer = getattr(variable, "regularizer", None)
     if regularizer is not None and not isinstance(regularizer, _ELEMENTWISE_REGULARIZERS):
         raise ValueError(
-            f"Variable {variable.path} is split by tensor parallelism, but its regularizer "
+            f"Variable {variable.path} is split by {split_by}, but its regularizer "
             f"{type(regularizer).__name__} is not elementwise (L1, L2, L1L2), so a shard cannot "
-            "compute its part. Keep the layer whole (tensor_layout) or use L1/L2."
+            f"compute its part. {whole} or use L1/L2."
         )
     constraint = getattr(variable, "constraint", None)
     if constraint is not None and not isinstance(constraint, _ELEMENTWISE_CONSTRAINTS):
         raise ValueError(
-            f"Variable {variable.path} is split by tensor parallelism, but its constraint "
-            f"{type(constraint).__name__} acts across elements. Keep the layer whole "
-            "(tensor_layout) or drop the constraint."
+            f"Variable {variable.path} is split by {split_by}, but its constraint "
+            f"{type(constraint).__name__} acts across elements. {whole} or drop the constraint."
         )
 
 

@@ -270,14 +270,20 @@ def mixtral():
 
 def gpt_oss():
     """keras_hub's gpt-oss, tiny: top-2 of 4 biased, clamped experts (no router loss), computed
-    sparsely by hyparflow; attention sinks and a sliding window."""
+    sparsely by hyparflow; attention sinks and a sliding window; an L2 penalty on its expert
+    weights (a split expert kernel's penalty is summed over its expert group)."""
     import keras_hub
+
+    from hyparflow.moe import expert_weights
 
     backbone = keras_hub.models.GptOssBackbone(
         vocabulary_size=HUB_VOCAB, num_layers=2, num_query_heads=2, hidden_dim=16,
         intermediate_dim=8, num_key_value_heads=1, num_experts=4, top_k=2, head_dim=8,
     )  # fmt: skip
-    return keras_hub.models.GptOssCausalLM(backbone, preprocessor=None)
+    model = keras_hub.models.GptOssCausalLM(backbone, preprocessor=None)
+    for variable in expert_weights(model):
+        variable.regularizer = keras.regularizers.L2(1e-3)
+    return model
 
 
 def preprocessed():
