@@ -48,6 +48,27 @@ def test_placement_keeps_tensor_groups_in_a_node_and_spreads_replicas(p, r, t, n
         assert order == list(range(grid.size))
 
 
+@given(
+    st.integers(1, 3), st.integers(1, 3), st.sampled_from([2, 4]), st.sampled_from([1, 2]),
+    st.integers(1, 4), st.booleans(),
+)  # fmt: skip
+def test_expert_groups_stay_inside_a_node_wherever_a_node_holds_whole_groups(
+    p, groups, experts, t, nodes, cyclic
+):
+    """An expert group (E consecutive replicas of a stage and shard) spans nodes only where a
+    node cannot hold E whole pipelines: placement deals replicas node by node."""
+    grid = Grid(p, groups * experts, t)
+    if grid.size % nodes or (grid.size // nodes) % (p * t):
+        return  # nodes of equal size holding whole pipelines
+    per_node = grid.size // nodes
+    node_of = [(i % nodes if cyclic else i // per_node) for i in range(grid.size)]
+    found = crossings(place(node_of, grid), node_of, grid, experts=experts)
+    if per_node % (experts * p * t) == 0:
+        assert found["expert_groups"] == 0
+    elif per_node < experts * p * t:  # a group is wider than a node: each one spans
+        assert found["expert_groups"] == p * t * groups
+
+
 def test_placement_of_uneven_nodes_leaves_no_rank_out():
     # 3 ranks per node, groups of 2: one group per node inside it, the odd ranks pair up
     order = place([0, 0, 0, 1, 1, 1], Grid(partitions=1, replicas=3, tensor=2))

@@ -66,13 +66,20 @@ def describe(order: Sequence[int], names: Sequence[str], grid: Grid) -> str:
     return "\n".join(f"{node}: {', '.join(places)}" for node, places in lines.items())
 
 
-def crossings(order: Sequence[int], nodes: Sequence[int], grid: Grid) -> dict[str, int]:
+def crossings(
+    order: Sequence[int], nodes: Sequence[int], grid: Grid, experts: int = 1
+) -> dict[str, int]:
     """How many tensor groups, pipeline links and stage replica sets span nodes (for plans
-    and tests: placement aims at none for the first two and as many as possible for the last).
+    and tests: placement aims at none for the first two and as many as possible for the last);
+    with `experts` > 1, also how many expert groups (`experts` consecutive replicas of a stage
+    and shard, moe/expert_shards.py) do, which the grid's order keeps inside a node wherever a
+    node holds whole groups: their all-to-alls come in every mixture layer.
 
     Example:
         >>> crossings([0, 2, 1, 3], [0, 1, 0, 1], Grid(2, 2))
         {'tensor_groups': 0, 'pipeline_links': 0, 'replica_sets': 2}
+        >>> crossings([0, 1, 2, 3], [0, 0, 1, 1], Grid(1, 4), experts=2)["expert_groups"]
+        0
     """
     node_at = [nodes[rank] for rank in order]
     tensor = sum(
@@ -91,7 +98,15 @@ def crossings(order: Sequence[int], nodes: Sequence[int], grid: Grid) -> dict[st
         for s in range(grid.partitions)
         for t in range(grid.tensor)
     )
-    return {"tensor_groups": tensor, "pipeline_links": links, "replica_sets": replicas}
+    found = {"tensor_groups": tensor, "pipeline_links": links, "replica_sets": replicas}
+    if experts > 1:
+        found["expert_groups"] = sum(
+            len({node_at[p] for p in grid.expert_group_ranks(s, g, experts, t)}) > 1
+            for s in range(grid.partitions)
+            for t in range(grid.tensor)
+            for g in range(grid.replicas // experts)
+        )
+    return found
 
 
 def placement_table(names: Sequence[str], grid: Grid) -> list[dict]:

@@ -74,6 +74,19 @@ class Grid:
         """Ranks that split `stage` of pipeline `replica`, in shard order."""
         return [self.rank_of(stage, replica, shard) for shard in range(self.tensor)]
 
+    def expert_group_ranks(self, stage: int, group: int, experts: int, shard: int = 0) -> list:
+        """Ranks of expert group `group` of `stage`'s shard `shard` when `experts` replicas
+        split the experts (`expert_group`), in position order."""
+        replicas = range(group * experts, (group + 1) * experts)
+        return [self.rank_of(stage, replica, shard) for replica in replicas]
+
+
+def expert_group(replica: int, experts: int) -> tuple[int, int]:
+    """(expert group, position in it) of `replica` when `experts` replicas of a stage split the
+    mixture blocks' experts: consecutive replicas, which placement deals node by node, so a
+    group lies inside a node wherever the node holds whole groups (placement.crossings)."""
+    return divmod(replica, experts)
+
 
 @dataclass
 class Topology:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 
 from hyparflow.comm.failure import watched
+from hyparflow.comm.topology import expert_group
 from hyparflow.moe.keras_hub_blocks import policy_of, sparse_blocks
 from hyparflow.tensor.shards import Shard, swap_variable
 
@@ -21,8 +22,7 @@ from hyparflow.tensor.shards import Shard, swap_variable
 def expert_groups(stage_comm, experts: int) -> tuple:
     """(this rank's expert group, the ranks at its position in every group): two splits of
     `stage_comm` (its rank is the replica), collective over it."""
-    replica = stage_comm.Get_rank()
-    group, position = divmod(replica, experts)
+    group, position = expert_group(stage_comm.Get_rank(), experts)
     within = watched(stage_comm.Split(color=group, key=position))
     across = watched(stage_comm.Split(color=position, key=group))
     return within, across
