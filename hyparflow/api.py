@@ -343,8 +343,7 @@ def _distributed_fit(model, x, y, batch_size, epochs, resolved, options, **kwarg
     trainer = _make_trainer(
         model, resolved, comm, comm_backend=options["comm"], restoring=folder is not None
     )  # fmt: skip
-    notice = model_checks.batchnorm_notice(model, resolved)
-    if notice and comm.Get_rank() == 0:
+    for notice in model_checks.training_notices(model, resolved) if comm.Get_rank() == 0 else ():
         warnings.warn(notice, stacklevel=3)
     trainer.use_watchdog(timeout)
     trainer.check_numerics = options["check_numerics"]

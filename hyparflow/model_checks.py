@@ -140,6 +140,27 @@ def batchnorm_notice(model, strategy) -> str | None:
     )
 
 
+def capacity_notice(model, strategy) -> str | None:
+    """What rank 0 says when training starts if mixture experts drop the picks past their
+    capacity (`Strategy(capacity_factor=...)`): the model trained is not Keras's."""
+    blocks = [block.name for block in sparse_blocks(model)]
+    if strategy.capacity_factor is None or not blocks:
+        return None
+    return (
+        f"capacity_factor={strategy.capacity_factor}: the experts of mixture blocks {blocks[:5]} "
+        "compute at most their capacity of each piece's picks and drop the rest, so training "
+        "differs from Keras in one process (docs/moe.md); capacity_factor=None computes every "
+        "pick."
+    )
+
+
+def training_notices(model, strategy) -> list[str]:
+    """What rank 0 says when training starts about ways this layout trains differently from
+    Keras in one process, by the user's choice."""
+    found = (batchnorm_notice(model, strategy), capacity_notice(model, strategy))
+    return [notice for notice in found if notice]
+
+
 def check_loss_reductions(model) -> None:
     """The engine weights each micro-batch's mean loss by its share of the global batch, which
     is exact for Keras's default "sum_over_batch_size" reduction."""

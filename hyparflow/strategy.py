@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from hyparflow.units import byte_size
 
@@ -139,6 +140,10 @@ class Strategy:
       groups (the mixture blocks stay whole on tensor ranks). It needs `sparse_experts`, and is
       refused with `shard_optimizer`, Horovod, `overlap_groups` > 1, clipnorm, and regularizers
       or constraints on expert weights that are not elementwise.
+    - `capacity_factor` (None): each mixture expert computes at most `ceil(factor * T * k / E)`
+      of a piece's T tokens' k picks (first choices first, earlier tokens first; GShard's
+      capacity), the others dropped: faster where routing is uneven, but **not** Keras's model
+      (rank 0 says so when training starts). None: no limit, every pick computed (exact).
 
     Process (opt-ins that change process-wide state):
 
@@ -181,6 +186,7 @@ class Strategy:
     sparse_experts: bool = True
     experts: int = 1
     strict_added_losses: bool = False
+    capacity_factor: float | None = None
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -214,6 +220,7 @@ class Strategy:
         _check_positive_int("memory_per_rank", self.memory_per_rank, 'pass bytes or "16GiB".')
         self._check_schedule()
         self._check_experts()
+        self._check_capacity_factor()
         if isinstance(self.balance, str) and self.balance not in BALANCES:
             raise ValueError(
                 f"Unknown balance {self.balance!r}; use one of {', '.join(map(repr, BALANCES))} "
@@ -254,6 +261,22 @@ class Strategy:
                 "schedule='zero_bubble' computes a stage's weight gradients after its backward, "
                 "so they cannot be reduced or applied segment by segment during it: use "
                 "overlap_groups=1 and update_by_segment=False (or None) with it."
+            )
+
+    def _check_capacity_factor(self) -> None:
+        factor = self.capacity_factor
+        if factor is None:
+            return
+        number = isinstance(factor, (int, float)) and not isinstance(factor, bool)
+        if not number or not math.isfinite(factor) or factor <= 0:
+            raise ValueError(
+                f"Strategy capacity_factor={factor!r} must be a positive number (e.g. 1.25), "
+                "or None for no capacity limit (exact)."
+            )
+        if not self.sparse_experts:
+            raise ValueError(
+                "Strategy capacity_factor needs sparse_experts=True: the dense mixture blocks "
+                "compute every expert on every token."
             )
 
     def _check_experts(self) -> None:

@@ -11,7 +11,7 @@ from mpi4py import MPI
 import hyparflow as hf
 from hyparflow.comm.in_graph import exchange, traffic
 from hyparflow.engine.gradient_form import GradientForm, choose_gradient_form
-from hyparflow.model_checks import check_expert_parallel, check_layout
+from hyparflow.model_checks import check_expert_parallel, check_layout, training_notices
 from hyparflow.moe import expert_weights
 from hyparflow.moe.dispatch import top_k_mixture
 from hyparflow.moe.expert_parallel import expert_parallel_mixture
@@ -32,7 +32,8 @@ def test_an_exchange_on_one_rank_returns_every_row_and_counts_its_bytes():
     assert traffic("experts").bytes - before == rows.numpy().nbytes + ids.numpy().nbytes
 
 
-def test_the_mixture_over_one_rank_equals_the_local_one_with_gradients():
+@pytest.mark.parametrize("capacity_factor", [None, 0.75])
+def test_the_mixture_over_one_rank_equals_the_local_one_with_gradients(capacity_factor):
     rng = np.random.default_rng(3)
     experts, rows, picks = 4, 10, 2
     tokens = tf.constant(rng.normal(size=(rows, 5)), tf.float32)
@@ -42,8 +43,10 @@ def test_the_mixture_over_one_rank_equals_the_local_one_with_gradients():
     expert = lambda e, x: x @ tf.unstack(kernels.value())[e]  # noqa: E731
     results = []
     for mixture in (
-        lambda: expert_parallel_mixture(tokens, index, weight, experts, expert, MPI.COMM_SELF),
-        lambda: top_k_mixture(tokens, index, weight, experts, expert),
+        lambda: expert_parallel_mixture(
+            tokens, index, weight, experts, expert, MPI.COMM_SELF, capacity_factor
+        ),
+        lambda: top_k_mixture(tokens, index, weight, experts, expert, capacity_factor),
     ):
         with tf.GradientTape() as tape:
             tape.watch([tokens, weight])
@@ -64,6 +67,10 @@ def test_the_strategy_refuses_expert_counts_and_settings_it_cannot_split():
         (dict(experts=2, sparse_experts=False), "sparse_experts=False"),
         (dict(experts=2, shard_optimizer=True), "shard_optimizer=True"),
         (dict(experts=0), "positive integer"),
+        (dict(capacity_factor=0), "positive number"),
+        (dict(capacity_factor=True), "positive number"),
+        (dict(capacity_factor=float("inf")), "positive number"),
+        (dict(capacity_factor=1.25, sparse_experts=False), "needs sparse_experts=True"),
     ]:
         with pytest.raises(ValueError, match=words):
             hf.Strategy("data", **options)
@@ -83,6 +90,15 @@ def _compiled_mixtral(optimizer):
     model = zoo.mixtral()
     model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy")
     return model
+
+
+def test_a_capacity_factor_is_announced_as_training_another_model():
+    model = _compiled_mixtral("adam")
+    capped = hf.Strategy("data", replicas=2, experts=2, capacity_factor=1.25)
+    (notice,) = training_notices(model, capped)
+    assert "capacity_factor=1.25" in notice and "differs from Keras" in notice
+    assert training_notices(model, hf.Strategy("data", replicas=2, experts=2)) == []
+    assert training_notices(zoo.compiled("wide_mlp", "adam"), capped) == []  # no mixture
 
 
 def test_the_model_checks_refuse_what_expert_parallelism_does_not_train_exactly():

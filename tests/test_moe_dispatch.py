@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 
 from hyparflow.moe import RouterTally, SparseDispatch, sparse_blocks
-from hyparflow.moe.dispatch import top_k_mixture
+from hyparflow.moe.dispatch import top_k_mixture, within_capacity
 from tests.support import zoo
 
 TOLERANCE = 1e-5
@@ -50,6 +50,47 @@ def test_top_k_mixture_equals_the_dense_sum_and_its_gradients(picks):
     for sparse, dense in zip(*results, strict=True):
         np.testing.assert_allclose(sparse, dense, atol=TOLERANCE, rtol=TOLERANCE)
     assert not np.any(results[0][3][4]), "the unpicked expert gets no gradient"
+
+
+def test_capacity_keeps_first_choices_then_earlier_tokens():
+    # 4 tokens, top-2 of 4 experts, factor 1: each expert computes ceil(1 * 4 * 2 / 4) = 2 picks;
+    # expert 0 takes the first choices of tokens 0 and 1, not token 2's, nor token 3's second
+    index = tf.constant([[0, 1], [0, 2], [0, 1], [3, 0]])
+    kept = within_capacity(index, 4, 1.0).numpy()
+    assert kept.tolist() == [[True, True], [True, True], [False, True], [True, False]]
+    assert within_capacity(index, 4, 2.0).numpy().all(), "E / k never drops a pick"
+    assert within_capacity(index, 4, 0.5).numpy().sum() == 4  # one pick for each expert
+
+
+def test_a_capacity_drops_exactly_the_picks_past_it_with_their_gradients():
+    """Picks past their expert's capacity add nothing: the mixture with them weighted 0, in
+    value and gradients; with a factor that drops none, the mixture without a capacity."""
+    rng = np.random.default_rng(7)
+    experts, rows, picks = 4, 12, 2
+    tokens = tf.constant(rng.normal(size=(rows, 4)), tf.float32)
+    kernels = tf.Variable(rng.normal(size=(experts, 4, 3)), dtype=tf.float32)
+    index = tf.constant(np.stack([rng.permutation([0, 0, 1, 2])[:picks] % 4 for _ in range(rows)]))
+    weight = tf.constant(rng.uniform(size=(rows, picks)), tf.float32)
+    expert = lambda e, x: x @ tf.unstack(kernels.value())[e]  # noqa: E731
+    kept = within_capacity(index, experts, 1.0)
+    assert 0 < int(tf.reduce_sum(tf.cast(kept, tf.int32))) < rows * picks, "some dropped"
+    zeroed = tf.where(kept, weight, 0.0)
+    results = []
+    for mixture in (
+        lambda: top_k_mixture(tokens, index, weight, experts, expert, capacity_factor=1.0),
+        lambda: top_k_mixture(tokens, index, zeroed, experts, expert),
+        lambda: top_k_mixture(tokens, index, weight, experts, expert, capacity_factor=2.0),
+        lambda: top_k_mixture(tokens, index, weight, experts, expert),
+    ):
+        with tf.GradientTape() as tape:
+            tape.watch(tokens)
+            out = mixture()
+            loss = tf.reduce_sum(out * tf.range(1.0, 4.0))
+        results.append([out, *map(tf.convert_to_tensor, tape.gradient(loss, [tokens, kernels]))])
+    for pair in (results[:2], results[2:]):
+        for capped, reference in zip(*pair, strict=True):
+            np.testing.assert_allclose(capped, reference, atol=TOLERANCE, rtol=TOLERANCE)
+    assert not np.allclose(results[0][0], results[3][0]), "dropping changes the mixture"
 
 
 def _mixtral():

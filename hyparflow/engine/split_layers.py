@@ -50,7 +50,7 @@ class SplitLayers:
         self.tally = _router_tally(model, strategy, replicas, guard)
         self.dispatch = SparseDispatch(
             model if strategy.sparse_experts else None, replica_sum,
-            self.experts and self.experts.group, self.tally,
+            self.experts and self.experts.group, self.tally, strategy.capacity_factor,
         )  # fmt: skip
 
     def sum_over_replicas(self, training: bool) -> bool:

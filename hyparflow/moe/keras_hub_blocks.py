@@ -158,7 +158,7 @@ def _block_call(policy: Policy, global_sum, tally):
     return call
 
 
-def _bank_call(policy: Policy, expert_comm):
+def _bank_call(policy: Policy, expert_comm, capacity_factor):
     def call(bank, hidden_states):
         tokens, index, weight = hidden_states  # one argument: the bank's call signature
         # each kernel read whole once and cut per expert: a dense gradient, as the dense einsum
@@ -169,9 +169,9 @@ def _bank_call(policy: Policy, expert_comm):
         ]
         expert = lambda e, rows: policy.expert(bank, [k[e] for k in kernels], rows)  # noqa: E731
         if expert_comm is None:
-            return top_k_mixture(tokens, index, weight, bank.num_experts, expert)
+            return top_k_mixture(tokens, index, weight, bank.num_experts, expert, capacity_factor)
         return expert_parallel_mixture(
-            tokens, index, weight, bank.num_experts, expert, expert_comm
+            tokens, index, weight, bank.num_experts, expert, expert_comm, capacity_factor
         )  # fmt: skip
 
     return call
@@ -185,12 +185,16 @@ class SparseDispatch:
     (the blocks stay dense, with keras_hub's loss of each piece). With `expert_comm`, the banks
     hold the experts of this rank of it (`ExpertShards`) and exchange tokens over it. With a
     `tally` (`RouterTally`: a step of several micro-batches), a training call records its
-    routing there instead of adding its loss."""
+    routing there instead of adding its loss. With a `capacity_factor`, each expert computes at
+    most its capacity of the picks (`dispatch.within_capacity`; not exact)."""
 
-    def __init__(self, model=None, global_sum=None, expert_comm=None, tally=None):
+    def __init__(
+        self, model=None, global_sum=None, expert_comm=None, tally=None, capacity_factor=None
+    ):
         self.blocks = [] if model is None else sparse_blocks(model)
         self.global_sum = global_sum
         self.tally = tally
+        self.capacity_factor = capacity_factor
         self.expert_comm = expert_comm
         self.depth = 0  # entered again inside itself: the calls stay until the outer exit
 
@@ -201,7 +205,9 @@ class SparseDispatch:
             call = types.MethodType(_block_call(policy, self.global_sum, self.tally), block)
             object.__setattr__(block, "call", call)  # untracked, as the weight taps set theirs
             bank = getattr(block, policy.bank)
-            call = types.MethodType(_bank_call(policy, self.expert_comm), bank)
+            call = types.MethodType(
+                _bank_call(policy, self.expert_comm, self.capacity_factor), bank
+            )  # fmt: skip
             object.__setattr__(bank, "call", call)
         return self
 
