@@ -138,8 +138,9 @@ class Strategy:
       all-to-all, no token dropped, so training stays exact. E must divide `replicas` and each
       block's number of experts; with `tensor` > 1 each tensor rank's replicas form their own
       groups (the mixture blocks stay whole on tensor ranks). It needs `sparse_experts`, and is
-      refused with `shard_optimizer`, Horovod, `overlap_groups` > 1, clipnorm, and regularizers
-      or constraints on expert weights that are not elementwise.
+      refused with Horovod, `overlap_groups` > 1, clipnorm, and regularizers or constraints on
+      expert weights that are not elementwise. With `shard_optimizer`, ZeRO-1 slices the other
+      variables' optimizer state over the replicas; expert shards keep theirs whole.
     - `capacity_factor` (None): each mixture expert computes at most `ceil(factor * T * k / E)`
       of a piece's T tokens' k picks (first choices first, earlier tokens first; GShard's
       capacity), the others dropped: faster where routing is uneven, but **not** Keras's model
@@ -286,7 +287,6 @@ class Strategy:
             return
         refused = {
             "sparse_experts=False": not self.sparse_experts,
-            "shard_optimizer=True": self.shard_optimizer,
         }
         found = [name for name, present in refused.items() if present]
         if found:

@@ -62,10 +62,10 @@ def test_the_mixture_over_one_rank_equals_the_local_one_with_gradients(capacity_
 def test_the_strategy_refuses_expert_counts_and_settings_it_cannot_split():
     assert hf.Strategy("data", experts=2).resolve(4).experts == 2
     assert hf.Strategy("data", replicas=2, tensor=2, experts=2).resolve(4).experts == 2
+    assert hf.Strategy("data", experts=2, shard_optimizer=True).resolve(4).shard_optimizer
     for options, words in [
         (dict(replicas=4, experts=3), "must divide replicas=4"),
         (dict(experts=2, sparse_experts=False), "sparse_experts=False"),
-        (dict(experts=2, shard_optimizer=True), "shard_optimizer=True"),
         (dict(experts=0), "positive integer"),
         (dict(capacity_factor=0), "positive number"),
         (dict(capacity_factor=True), "positive number"),
@@ -138,3 +138,10 @@ def test_the_memory_plan_counts_a_share_of_the_experts_and_their_slots():
             # weights and Adam's two slots: the experts' bytes less 1/E of them, once each
             assert whole.weights - split.weights == expert_bytes - expert_bytes // e
             assert whole.optimizer - split.optimizer == 2 * (expert_bytes - expert_bytes // e)
+    # with ZeRO-1 the other variables' slots are sliced over the 4 replicas, the experts' not
+    zero = hf.memory_plan(
+        model, hf.Strategy("data", replicas=4, experts=2, shard_optimizer=True), batch_size=8
+    )
+    trainable = sum(4 * int(np.prod(v.shape)) for v in model.trainable_variables)
+    for rank in zero.ranks:
+        assert rank.optimizer == 2 * (trainable - expert_bytes) // 4 + 2 * expert_bytes // 2

@@ -675,6 +675,20 @@ def _assert_inner_spans_inside_compute(track, values, category: str, close: dict
             assert values[scalars.KIND_MS[kind]][step] == pytest.approx(net[kind], **close)
 
 
+def _assert_expert_phases(moved: dict) -> None:
+    """Tokens out and results back moved bytes; the experts' compute between them, timed once
+    per exchange pair (each block's forward and backward, per micro-batch), moved none."""
+    phases = moved["phases"]
+    assert list(phases) == ["dispatch", "compute", "combine"], phases
+    for phase in ("dispatch", "combine"):
+        assert phases[phase]["bytes"] > 0 and phases[phase]["ms"] > 0, phases
+    assert phases["compute"]["calls"] == phases["dispatch"]["calls"] > 0, phases
+    assert phases["compute"]["bytes"] == 0 and phases["compute"]["ms"] > 0, phases
+    # every exchange is counted in the category, besides the routing counts' allreduce
+    assert moved["bytes"] >= phases["dispatch"]["bytes"] + phases["combine"]["bytes"]
+    assert moved["calls"] >= phases["dispatch"]["calls"] + phases["combine"]["calls"]
+
+
 @pytest.mark.mpi
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("case", INNER, ids=str)
@@ -716,8 +730,12 @@ def test_tensor_collectives_and_expert_exchanges_are_their_own_category(profiled
     for row in result["ranks"]:  # the bytes its collectives moved against their count
         moved = row["collectives"][category]
         assert moved["calls"] > 0 and moved["bytes"] > 0, row
+        if category == "experts":
+            _assert_expert_phases(moved)
     text = report.format_report(result)
     header = next(line.split() for line in text.splitlines() if line.startswith("rank"))
     assert header[header.index("compute") + 1] == category
     assert f"{category.capitalize()} collectives (busiest rank, whole fit):" in text
+    if category == "experts":
+        assert "dispatch " in text and "; compute " in text and "; combine " in text, text
     print(f"{case}: ms per step {result['job']['ms_per_step']}")

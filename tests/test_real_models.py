@@ -92,8 +92,10 @@ TWO_RANKS = [
     # router loss on, each replica in 2 micro-batches (the whole model a taped stage): their
     # counts summed once every micro-batch has run forward (moe/router_tally.py)
     Case("qwen3_moe", "adam", "data", replicas=2, microbatches=2),
-    # router loss on: counts summed over replicas; experts split over them, tokens exchanged
-    Case("mixtral", "adam+globalclip", "data", replicas=2, experts=2),
+    # router loss on: counts summed over replicas; experts split over them, tokens exchanged;
+    # ZeRO-1 slices the other slots (the expert shards updated whole); the global norm sums
+    # the expert shards' squares over the group
+    Case("mixtral", "adam+globalclip", "data", replicas=2, experts=2, shard_optimizer=True),
     Case("gpt_oss", "adam", "data", replicas=2, microbatches=2),
     # the mixture blocks whole on both tensor ranks, attention split; router loss on
     Case("mixtral", "adam", "data", tensor=2),

@@ -94,14 +94,15 @@ def test_a_tensor_parallel_checkpoint_resumes_with_other_tensor_counts(tmp_path)
 @pytest.mark.mpi
 def test_an_expert_parallel_checkpoint_resumes_with_other_expert_counts(tmp_path):
     """Each position of the first expert group saves its experts (weights and Adam's slots)
-    once, from its first tensor rank, and each tensor rank of the first replica its tensor
-    pieces; resuming joins and re-cuts them, with experts = 2 and 1 and in a pipeline. Under
-    hf.scope() a rank holds 1/E of the expert weights and their slots."""
+    once, from its first tensor rank, each tensor rank of the first replica its tensor pieces,
+    and every rank its ZeRO-1 slices of the other slots; resuming joins and re-cuts them, with
+    experts = 2 and 1 and in a pipeline. Under hf.scope() a rank holds 1/E of the expert
+    weights and their slots."""
     results = run_scenario(
         "reliability", 4, "expert_reshape", str(tmp_path / "ckpt"), timeout=400, pooled=True
     )
     for r in results:
-        written = ["stage-0-shard-0-replica-1.npz", "stage-0-shard-0.npz", "stage-0-shard-1.npz"]
+        written = [f"stage-0-shard-{t}{r}.npz" for t in (0, 1) for r in ("-replica-1", "")]
         assert r["files"] == written, r["files"]
         # each of the first group's positions its 6 expert kernels (2 blocks x 3), once
         assert r["expert_pieces"] == {"stage-0-shard-0-replica-1.npz": 6, "stage-0-shard-0.npz": 6}

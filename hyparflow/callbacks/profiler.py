@@ -247,9 +247,17 @@ class ScalingProfiler(keras.callbacks.Callback):
         if self._trainer is None or not self._inner:
             return
         mine = {}
-        for kind, (calls, nbytes) in self._traffic_start.items():
-            now_calls, now_bytes = _moved(kind)
-            mine[kind] = {"calls": now_calls - calls, "bytes": now_bytes - nbytes}
+        for kind, start in self._traffic_start.items():
+            moved = {tag: [n - s for n, s in zip(now, start[tag], strict=True)]
+                     for tag, now in _moved(kind).items()}  # fmt: skip
+            calls, nbytes, _ = moved[_TAGS[kind][0]]  # the category's collectives, all of them
+            mine[kind] = {"calls": calls, "bytes": nbytes}
+            if kind == events.EXPERTS:  # dispatch, compute and combine apart
+                mine[kind]["phases"] = {
+                    phase: {"calls": moved[tag][0], "bytes": moved[tag][1],
+                            "ms": 1000.0 * moved[tag][2]}
+                    for phase, tag in expert_parallel.PHASE_TAGS.items()
+                }  # fmt: skip
         gathered = self._comm.gather(mine, root=0)
         if self.rank == 0:
             self._summary.collectives = gathered
@@ -302,11 +310,17 @@ class ScalingProfiler(keras.callbacks.Callback):
         self._trainer = None
 
 
-def _moved(kind: str) -> tuple[int, int]:
-    """(calls, bytes) so far of the in-graph collectives of span kind `kind` in this process."""
-    tag = {events.TENSOR: collectives.TAG, events.EXPERTS: expert_parallel.TAG}[kind]
-    record = traffic(tag)
-    return record.calls, record.bytes
+# per span kind, its traffic records: the category's collectives first, then the experts' phases
+_TAGS = {
+    events.TENSOR: (collectives.TAG,),
+    events.EXPERTS: (expert_parallel.TAG, *expert_parallel.PHASE_TAGS.values()),
+}
+
+
+def _moved(kind: str) -> dict:
+    """Tag -> (calls, bytes, seconds) so far of the in-graph work of span kind `kind` in this
+    process: tensor collectives; expert collectives and the experts' phases."""
+    return {t: (traffic(t).calls, traffic(t).bytes, traffic(t).seconds) for t in _TAGS[kind]}
 
 
 def _kind(stages: int, replicas: int, shards: int = 1) -> str:

@@ -134,7 +134,18 @@ def _collective_lines(ranks: list) -> list[str]:
             f"{kind.capitalize()} collectives (busiest rank, whole fit): {calls:,} calls, "
             f"{nbytes / 2**20:,.2f} MiB{each}"
         )
+        phases = busiest.get("phases") or {}
+        if phases:  # experts: dispatch, compute, combine
+            lines.append("  " + "; ".join(_phase_text(p, v) for p, v in phases.items()))
     return lines
+
+
+def _phase_text(phase: str, moved: dict) -> str:
+    """One phase of the experts' work: its time, and its calls and bytes where it moves any."""
+    text = f"{phase} {moved['ms']:,.1f} ms"
+    if moved["bytes"]:
+        text += f" in {moved['calls']:,} exchanges of {moved['bytes'] / 2**20:,.2f} MiB"
+    return text
 
 
 def _bubble_line(job: dict, layout: dict) -> str:

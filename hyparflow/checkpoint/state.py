@@ -162,8 +162,11 @@ class Piece:
     def written_by(self, shard: int, replica: int) -> bool:
         """Whether the rank at tensor `shard` of `replica` writes this piece, so that one rank
         writes each: a tensor piece the first replica's rank, an expert piece the first tensor
-        rank's (the others hold copies)."""
-        return replica == 0 if self.over == "tensor" else shard == 0
+        rank of the first expert group (replicas `0..parts-1`, `comm.topology.expert_group`);
+        the others hold copies."""
+        if self.over == "tensor":
+            return replica == 0
+        return shard == 0 and replica < self.parts
 
     def key(self, key: str) -> str:
         """The key of this piece of entry `key`."""

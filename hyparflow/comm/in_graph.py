@@ -92,12 +92,13 @@ def allgather(comm, tensor, axis: int, tag: str):
                     shape)  # fmt: skip
 
 
-def exchange(comm, counts, tensors: list, tag: str, expected=None) -> tuple:
+def exchange(comm, counts, tensors: list, tag: str, expected=None, timed=None) -> tuple:
     """Rows sent to each rank of `comm` and rows received from each, all-to-all: the leading
     `counts[j]` rows of every tensor in `tensors` (after those for ranks before `j`) go to rank
     `j`. Returns (the counts received from each rank, the received rows of each tensor, in
     rank order); no gradient (wrap it in a custom one). `expected`, when the counts to receive
-    are known (a reply), saves their all-to-all. Its bytes count in `traffic(tag)`."""
+    are known (a reply), saves their all-to-all. Its bytes count in `traffic(tag)`;
+    `timed(start, end, nbytes)`, if given, hears of it too."""
     record = traffic(tag)
     size = comm.Get_size()
 
@@ -118,7 +119,10 @@ def exchange(comm, counts, tensors: list, tag: str, expected=None) -> tuple:
             )
             received.append(rows.astype(array.dtype, copy=False))
             nbytes += send.nbytes
-        record.record(start, time.perf_counter(), nbytes)
+        end = time.perf_counter()
+        record.record(start, end, nbytes)
+        if timed is not None:
+            timed(start, end, nbytes)
         return [received_counts.astype(np.int32)] + received
 
     known = tf.zeros([0], tf.int32) if expected is None else expected

@@ -283,12 +283,12 @@ class Trainer:
         self._span = events.no_span if recorder is None else recorder.span
         self._step_span = events.no_step if recorder is None else recorder.step
         self.walk.span = self._span
-        # each tensor collective or expert exchange, as it ends, becomes a span
-        inner = ((self.shards, collectives.TAG, events.TENSOR),
-                 (self.experts, expert_parallel.TAG, events.EXPERTS))  # fmt: skip
-        for split, tag, kind in inner:
-            if split is not None:
-                listener = None if recorder is None else events.span_listener(recorder, kind)
+        # each tensor collective, expert exchange or experts' compute, as it ends, is a span
+        inner = ((self.shards, (collectives.TAG,), events.TENSOR),
+                 (self.experts, expert_parallel.SPAN_TAGS, events.EXPERTS))  # fmt: skip
+        for split, tags, kind in inner:
+            listener = None if recorder is None else events.span_listener(recorder, kind)
+            for tag in tags if split is not None else ():
                 traffic(tag).listener = listener
 
     # --- what a stage computes ------------------------------------------------------------

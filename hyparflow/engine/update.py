@@ -109,6 +109,7 @@ class Update:
         # whole on each of them.
         self.tensor_comm = topology.tensor_comm if split else None
         experts, expert_comm = expert_split
+        self.expert_comm = expert_comm if experts else None  # the expert group (ZeRO-1 reads it)
         self.split_groups = [
             ({id(v) for v in shards}, comm)
             for shards, comm in ((split, self.tensor_comm), (experts, expert_comm))

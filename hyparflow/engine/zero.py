@@ -64,10 +64,12 @@ class _DtypeSlice:
 
 class ZeroGradients:
     """A step's gradients under ZeRO: this rank's own (`as_list`, for the finite check), the
-    reduced slice of each dtype group (`slices`) and the tables' gathered row slices."""
+    reduced slice of each dtype group (`slices`), the tables' gathered row slices and the
+    expert shards' gradients summed over the ranks holding the same experts (`experts`)."""
 
-    def __init__(self, local: list, slices: list, tables: list):
+    def __init__(self, local: list, slices: list, tables: list, experts: list = ()):
         self.local, self.slices, self.tables = local, slices, tables
+        self.experts = list(experts)
 
     def as_list(self) -> list:
         return self.local
@@ -81,7 +83,10 @@ class ShardedUpdate:
     the pipeline and tensor ranks are reused, so the two paths cannot drift apart.
     `sync` is the stage's `GradientSync`, whose runner and pipeline sum of shared layers give
     each rank's own gradients, and whose `sparse` positions are the embedding tables (kept
-    whole, their slots too). `segments` (lists of variable positions, from `SegmentUpdate`):
+    whole, their slots too), and whose `experts` positions are expert shards (expert
+    parallelism: kept whole too, their gradients summed over `sync.expert_reducer`'s ranks and
+    their squared norm over the expert group). `segments` (lists of variable positions, from
+    `SegmentUpdate`):
     each is laid out and sliced apart, so that it can be updated alone as soon as the last
     backward has finished it (`apply_segment`); None: the stage's variables are one.
     `sent_bytes` counts the bytes this rank has sent (ring volume of the reduce-scatters and
@@ -104,7 +109,10 @@ class ShardedUpdate:
         parts, part = self.comm.Get_size(), self.comm.Get_rank()
         self.table_positions = list(sync.sparse)
         self.tables = [variables[i] for i in self.table_positions]
-        dense = [i for i in range(len(variables)) if i not in set(self.table_positions)]
+        self.expert_positions = list(sync.experts)
+        self.experts = [variables[i] for i in self.expert_positions]
+        whole = set(self.table_positions) | set(self.expert_positions)
+        dense = [i for i in range(len(variables)) if i not in whole]
         # one flat vector per dtype of each segment (a whole stage's dense variables by default)
         self.segments = []
         for k, members in enumerate(segment_positions(dense, segments)):
@@ -115,7 +123,10 @@ class ShardedUpdate:
                 for dtype, positions in by_dtype.items()
             ])  # fmt: skip
         self.groups = [group for groups in self.segments for group in groups]
-        self._table_prefixes = [(v.path.replace("/", "_") + "_", v) for v in self.tables]
+        # Keras's slot names of the variables updated whole: tables and expert shards
+        self._table_prefixes = [
+            (v.path.replace("/", "_") + "_", v) for v in [*self.tables, *self.experts]
+        ]
         owned = {id(v) for v in update.owned}
         split = update.split_ids
         # which extents count in the global norm: each variable once over the pipeline (the
@@ -128,8 +139,10 @@ class ShardedUpdate:
             ]
             for g in self.groups
         ]
-        # per table: None where another stage owns it, else whether it is a tensor shard
+        # per table, then expert shard: None where another stage owns it, else whether it is
+        # a tensor shard, or "experts"
         self._table_norm = [(id(v) in split) if id(v) in owned else None for v in self.tables]
+        self._table_norm += ["experts" if id(v) in owned else None for v in self.experts]
         self.clips = bool(getattr(inner_optimizer(model.optimizer), "global_clipnorm", None))
         self.sent_bytes = 0
         self.step_bytes = {
@@ -161,6 +174,9 @@ class ShardedUpdate:
             kept = list(local)
             for i, table in zip(self.table_positions, own_tables, strict=True):
                 kept[i] = table
+        experts = [tf.convert_to_tensor(local[i]) for i in self.expert_positions]
+        if experts and self.sync.expert_reducer is not None:
+            experts = self.sync.expert_reducer.reduce(experts)
         slices = []
         for group in self.groups:
             views = [np.asarray(local[i]).reshape(-1) for i in group.positions]  # no copies
@@ -168,7 +184,7 @@ class ShardedUpdate:
             slices.append(tf.cast(tf.constant(received), group.dtype))
         local = views = None  # the gradients' memory can go
         self.sent_bytes += self.step_bytes["reduce_scatter"]
-        return ZeroGradients(kept, slices, tables)
+        return ZeroGradients(kept, slices, tables, experts)
 
     def _reduce_scatter(self, group, views: list) -> np.ndarray:
         """This replica's slice of the sum of `views` (the group's flattened gradients) over
@@ -227,7 +243,7 @@ class ShardedUpdate:
         """Step the optimizer on this replica's slices and all-gather the new parameters into
         every replica's variables; return the model's total regularization (collective)."""
         update = self.update
-        slices, tables = gradients.slices, gradients.tables
+        slices, tables = gradients.slices, gradients.tables + gradients.experts  # updated whole
         scale = update.loss_scale()
         reg_value = 0.0
         if update.regularized:
@@ -241,7 +257,7 @@ class ShardedUpdate:
             grads = update.agree_finite_for_loss_scaling([*slices, *tables])
             slices, tables = grads[: len(slices)], grads[len(slices) :]
         norm = self._global_norm(slices, tables, scale) if self.clips else None
-        if self.groups or self.tables:
+        if self.groups or self.tables or self.experts:
             values = self._step(list(slices) + list(tables), norm)
             self._gather(values)
         return reg_value
@@ -257,7 +273,7 @@ class ShardedUpdate:
             for group, grad in zip(self.groups, slices, strict=True)
         ]
         tables = list(tables)
-        for j, table in enumerate(self.tables):
+        for j, table in enumerate([*self.tables, *self.experts]):
             reg = by_variable.get(id(table))
             if reg is not None:
                 grad = tf.convert_to_tensor(tables[j])
@@ -285,12 +301,14 @@ class ShardedUpdate:
         """Squared norms of the owned extents of `slices`, unscaled: (whole variables, shards),
         then the same of the owned `tables` (each (row, value) pair counts, as in Keras)."""
         whole, split = tf.constant(0.0), tf.constant(0.0)
-        table_whole, table_split = tf.constant(0.0), tf.constant(0.0)
+        table_whole, table_split, experts = tf.constant(0.0), tf.constant(0.0), tf.constant(0.0)
         for grad, is_split in zip(tables, self._table_norm, strict=True):
             if is_split is None:
                 continue
             part = tf.reduce_sum(tf.square(tf.cast(row_sparse.values_of(grad), "float32")))
-            if is_split:
+            if is_split == "experts":
+                experts += part
+            elif is_split:
                 table_split += part
             else:
                 table_whole += part
@@ -303,12 +321,13 @@ class ShardedUpdate:
                     split += part
                 else:
                     whole += part
-        return tf.stack([whole, split, table_whole, table_split]) / tf.square(scale)
+        return tf.stack([whole, split, table_whole, table_split, experts]) / tf.square(scale)
 
     def _global_norm(self, slices, tables, scale: float):
         """Keras's global gradient norm of the whole model: slices' squares summed over the
         stage's replicas, shards' over the tensor ranks, stages' over the pipeline. Every
-        replica holds the tables' whole gradients: they count once, after the replica sum."""
+        replica holds the tables' whole gradients: they count once, after the replica sum; the
+        expert shards' are summed over the expert group (each holds other experts)."""
         squares = np.asarray(
             self._squares_fn(slices, tables, tf.constant(scale, tf.float32)), np.float64
         )
@@ -316,6 +335,9 @@ class ShardedUpdate:
         with self._guard("sum the gradient norm over the replicas"):
             self.comm.Allreduce(mpi_op("IN_PLACE"), replicas)
         whole, split = float(replicas[0] + squares[2]), float(replicas[1] + squares[3])
+        if self.experts:
+            with self._guard("sum the gradient norm over the expert group"):
+                whole += self.update.expert_comm.allreduce(float(squares[4]))
         if self.update.tensor_comm is not None:
             with self._guard("sum the gradient norm over the tensor ranks"):
                 split = self.update.tensor_comm.allreduce(split)
@@ -345,7 +367,7 @@ class ShardedUpdate:
             group.variable.assign(tf.concat(extents, axis=0))
 
     def _targets(self) -> list:
-        return [g.variable for g in self.groups] + self.tables
+        return [g.variable for g in self.groups] + self.tables + self.experts
 
     def _update_body(self, slices):
         self._load_slices()

@@ -26,8 +26,8 @@ class ZeroCheckpoint:
 
     def _slot_of(self, name: str):
         """(slice group, table, slot name) of the optimizer variable named `name`: a slot of
-        a dtype group's slice or of a whole embedding table, or neither (the optimizer's own
-        step, learning rate, loss scale)."""
+        a dtype group's slice or of a variable updated whole (an embedding table, an expert
+        shard), or neither (the optimizer's own step, learning rate, loss scale)."""
         for group in self.zero.groups:
             if name.startswith(group.slot_prefix):
                 return group, None, name[len(group.slot_prefix) :]
@@ -39,15 +39,18 @@ class ZeroCheckpoint:
     def optimizer_state(self, model, split: dict, shard: int, replica: int) -> dict:
         """This replica's share of the optimizer state: its slice of each slot as ranges of the
         flattened entries (`slice_key`); tables' slots and the optimizer's own variables from
-        replica 0. Whole variables are written by tensor rank 0 only, as unsharded runs do."""
+        replica 0, expert shards' from the first expert group (each piece once,
+        `Piece.written_by`). Whole variables are written by tensor rank 0 only, as unsharded
+        runs do."""
         index = {v.path: i for i, v in enumerate(model.trainable_variables)}
         state = {}
         for opt_variable in self.zero.model.optimizer.variables:
             group, table, slot = self._slot_of(opt_variable.name)
             value = np.asarray(opt_variable.numpy())
-            if group is None:  # the optimizer's own, or a whole table's slot
+            if group is None:  # the optimizer's own, or a whole table's or expert shard's slot
                 piece = None if table is None else split.get(table.path)
-                if replica == 0 and (shard == 0 or piece is not None):
+                first = replica == 0 and shard == 0
+                if first if piece is None else piece.written_by(shard, replica):
                     key = f"opt/{opt_variable.name}"
                     if table is not None:
                         key = _key(index, table, slot, piece)

@@ -136,7 +136,11 @@ def _rank_memory(shared: _Shared, rank, stage, replica, shard, *, runtime: bool)
     unsplit = sum(_nbytes(v) for v in weights if shared.parts(v, layout) == 1)
     trainable = _each_once([v for m in models for v in m.trainable_variables])
     grad_bytes = sum(_nbytes(v) // shared.parts(v, layout) for v in trainable)
-    own_optimizer = counts.optimizer_bytes(grad_bytes, shared.slots, resolved.replicas, zero)
+    # ZeRO-1 slices the slots over the replicas; expert shards keep theirs whole (1/E)
+    expert_bytes = sum(_nbytes(v) // resolved.experts for v in trainable if id(v) in shared.experts)
+    own_optimizer = counts.optimizer_bytes(
+        grad_bytes - expert_bytes, shared.slots, resolved.replicas, zero
+    ) + counts.optimizer_bytes(expert_bytes, shared.slots)
     facts = _stage_facts(shared, trainable, layout)
     return RankMemory(
         rank=rank,

@@ -16,12 +16,18 @@ from collections.abc import Callable
 
 import tensorflow as tf
 
-from hyparflow.comm.in_graph import exchange
+from hyparflow.comm.in_graph import exchange, traffic
 from hyparflow.moe.dispatch import grouped, scattered, weighted_sum, within_capacity
 
-# The traffic of every exchange (`hyparflow.comm.in_graph.traffic(TAG)`): the profiler's
-# "experts" category, with the routing counts' allreduce (`router_loss`).
+# The profiler's "experts" category: every exchange and the routing counts' allreduce across
+# replicas (`router_loss`) in the in-graph traffic record `traffic(TAG)`, and the local
+# experts' compute between the exchanges in `traffic(PHASE_TAGS["compute"])` (no bytes). The
+# phases apart: the tokens' exchange to their experts and their gradients' back ("dispatch"),
+# the results' back and their gradients' to the experts ("combine").
 TAG = "experts"
+PHASES = ("dispatch", "compute", "combine")
+PHASE_TAGS = {phase: f"{TAG}/{phase}" for phase in PHASES}
+SPAN_TAGS = (TAG, PHASE_TAGS["compute"])  # the profiler's spans: each exchange, each compute
 
 
 def expert_parallel_mixture(
@@ -54,26 +60,61 @@ def expert_parallel_mixture(
     counts = tf.math.bincount(owner, minlength=comm.Get_size(), maxlength=comm.Get_size())
     local_expert = tf.gather(flat % held, order)
     rows = tf.gather(tokens, tf.gather(kept, order) // picks)
-    arrived = {}
-    received = _sent(comm, rows, counts, arrived, local_expert)
+    arrived, clock = {}, _ComputeClock()
+    received = _sent(comm, rows, counts, arrived, clock, "dispatch", beside=local_expert)
     results = grouped(arrived["expert"], held, expert, lambda chosen: tf.gather(received, chosen))
-    returned = _sent(comm, results, arrived["counts"], {}, expected=counts)
+    returned = _sent(comm, results, arrived["counts"], {}, clock, "combine", expected=counts)
     per_pick = tf.gather(returned, tf.math.invert_permutation(order))
     if capacity_factor is not None:
         per_pick = scattered(per_pick, kept, tf.size(every))
     return weighted_sum(per_pick, tokens, expert_weight)
 
 
-def _sent(comm, rows, counts, arrived: dict, beside=None, expected=None):
-    """`rows` exchanged by `counts` (differentiable in `rows`); `arrived` gets the counts
+class _ComputeClock:
+    """Times one mixture call's local experts, as spans of `PHASE_TAGS["compute"]`: from the
+    dispatch's end to the combine's start in the forward, from the combine's gradient's end to
+    the dispatch's gradient's start in the backward (the exchanges are ordered collectives,
+    so nothing of another block's falls in between)."""
+
+    def __init__(self):
+        self.record = traffic(PHASE_TAGS["compute"])
+        self.arrived = None
+
+    def arrive(self, start: float, end: float) -> None:
+        self.arrived = end
+
+    def depart(self, start: float, end: float) -> None:
+        if self.arrived is not None:
+            self.record.record(self.arrived, start, 0)
+        self.arrived = None
+
+
+def _phase_timer(record, clock: _ComputeClock, arrival: bool):
+    """`exchange`'s `timed`: the exchange counted in its phase's `record`, and on `clock` as
+    rows arriving at the experts (`arrival`) or leaving them."""
+
+    def timed(start: float, end: float, nbytes: int) -> None:
+        record.record(start, end, nbytes)
+        (clock.arrive if arrival else clock.depart)(start, end)
+
+    return timed
+
+
+def _sent(comm, rows, counts, arrived: dict, clock, phase: str, beside=None, expected=None):
+    """`rows` exchanged by `counts` (differentiable in `rows`) as `phase` ("dispatch": tokens
+    to the experts, "combine": results back), timed by `clock`; `arrived` gets the counts
     received from each rank and, with `beside` (int rows sent alongside), those rows;
     `expected`: the counts to receive, where known."""
     extra = [] if beside is None else [beside]
+    record = traffic(PHASE_TAGS[phase])
+    # the forward's dispatch and the backward's combine gradient bring rows to the experts
+    arrives = {"dispatch": (True, False), "combine": (False, True)}[phase]
+    forward, backward = (_phase_timer(record, clock, arrival) for arrival in arrives)
 
     @tf.custom_gradient
     def sent(rows):
         received_counts, (received, *others) = exchange(
-            comm, counts, [rows, *extra], TAG, expected
+            comm, counts, [rows, *extra], TAG, expected, timed=forward
         )  # fmt: skip
         arrived["counts"] = received_counts
         if others:
@@ -81,7 +122,7 @@ def _sent(comm, rows, counts, arrived: dict, beside=None, expected=None):
 
         def gradient(upstream):  # a gather's gradient arrives as row slices: made dense
             upstream = tf.convert_to_tensor(upstream)
-            _, (back,) = exchange(comm, received_counts, [upstream], TAG, counts)
+            _, (back,) = exchange(comm, received_counts, [upstream], TAG, counts, timed=backward)
             return back
 
         return received, gradient

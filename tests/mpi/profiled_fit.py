@@ -80,7 +80,7 @@ def run(log_root: str, case: Case) -> dict:
         "replica": trainer.topology.replica,
         "detached": trainer.recorder is None,  # profiling off again after fit
         "listener_cleared": all(
-            traffic(tag).listener is None for tag in (collectives.TAG, expert_parallel.TAG)
+            traffic(tag).listener is None for tag in (collectives.TAG, *expert_parallel.SPAN_TAGS)
         ),
     }
 

@@ -207,9 +207,11 @@ def tensor_reshape(folder):
 
 def expert_reshape(folder):
     """Checkpoint a Mixtral trained with its experts split over 2 replicas, each of 2 tensor
-    ranks (Adam, router loss on); resume it so, with experts = 1 on 4 replicas, and as a 2-stage
-    pipeline of expert groups; and count the expert elements a rank holds when the
-    model is built under hf.scope()."""
+    ranks, ZeRO-1 slicing the other slots over the replicas (Adam, router loss on); resume it
+    so without ZeRO-1, with experts = 1 on 4 replicas, and as a 2-stage pipeline of expert
+    groups; and count the expert elements a rank holds when the model is built under
+    hf.scope()."""
+    saved = hf.Strategy("data", replicas=2, tensor=2, experts=2, shard_optimizer=True)
     strategies = {
         "same": hf.Strategy("data", replicas=2, tensor=2, experts=2),
         "experts1": hf.Strategy("data", replicas=4),
@@ -225,7 +227,7 @@ def expert_reshape(folder):
         return model
 
     held = _expert_elements_held(2)
-    first = fit(strategies["same"], 1, callbacks=[hf.callbacks.Checkpoint(folder, 2)])
+    first = fit(saved, 1, callbacks=[hf.callbacks.Checkpoint(folder, 2)])
     files = sorted(n for n in os.listdir(manifest.latest(folder)) if n.endswith(".npz"))
     pieces = _expert_pieces(manifest.latest(folder), files, first)
     results = {name: fit(s, 2, resume_from=folder).get_weights() for name, s in strategies.items()}
