@@ -130,19 +130,20 @@ class ShardedUpdate:
         owned = {id(v) for v in update.owned}
         split = update.split_ids
         # which extents count in the global norm: each variable once over the pipeline (the
-        # stage that owns it), tensor shards summed over the tensor ranks
+        # stage that owns it), tensor shards summed over the tensor ranks; each one's index in
+        # `_squares`: 0 whole, 1 a tensor shard
         self._norm_extents = [
             [
-                (p, id(variables[g.positions[p.variable]]) in split)
+                (p, int(id(variables[g.positions[p.variable]]) in split))
                 for p in g.extents
                 if id(variables[g.positions[p.variable]]) in owned
             ]
             for g in self.groups
         ]
-        # per table, then expert shard: None where another stage owns it, else whether it is
-        # a tensor shard, or "experts"
-        self._table_norm = [(id(v) in split) if id(v) in owned else None for v in self.tables]
-        self._table_norm += ["experts" if id(v) in owned else None for v in self.experts]
+        # per table, then expert shard: None where another stage owns it, else its index in
+        # `_squares` (2 a whole table, 3 a tensor-split one, 4 an expert shard)
+        self._table_norm = [(2 + (id(v) in split)) if id(v) in owned else None for v in self.tables]
+        self._table_norm += [4 if id(v) in owned else None for v in self.experts]
         self.clips = bool(getattr(inner_optimizer(model.optimizer), "global_clipnorm", None))
         self.sent_bytes = 0
         self.step_bytes = {
@@ -298,30 +299,18 @@ class ShardedUpdate:
         return grad + tf.concat(extents, axis=0) * tf.cast(scale, group.dtype)
 
     def _squares(self, slices, tables, scale):
-        """Squared norms of the owned extents of `slices`, unscaled: (whole variables, shards),
-        then the same of the owned `tables` (each (row, value) pair counts, as in Keras)."""
-        whole, split = tf.constant(0.0), tf.constant(0.0)
-        table_whole, table_split, experts = tf.constant(0.0), tf.constant(0.0), tf.constant(0.0)
-        for grad, is_split in zip(tables, self._table_norm, strict=True):
-            if is_split is None:
-                continue
-            part = tf.reduce_sum(tf.square(tf.cast(row_sparse.values_of(grad), "float32")))
-            if is_split == "experts":
-                experts += part
-            elif is_split:
-                table_split += part
-            else:
-                table_whole += part
+        """Squared norms, unscaled, of the owned extents of `slices` and of the owned `tables`
+        and expert shards (a table's each (row, value) pair counts, as in Keras), by where they
+        are summed: (whole variables, tensor shards, whole tables, split tables, experts)."""
+        sums = [tf.constant(0.0)] * 5
+        for grad, at in zip(tables, self._table_norm, strict=True):
+            if at is not None:
+                sums[at] += tf.reduce_sum(tf.square(tf.cast(row_sparse.values_of(grad), "float32")))
         for grad, extents in zip(slices, self._norm_extents, strict=True):
-            for p, is_split in extents:
-                part = tf.reduce_sum(
-                    tf.square(tf.cast(grad[p.offset : p.offset + p.size], "float32"))
-                )
-                if is_split:
-                    split += part
-                else:
-                    whole += part
-        return tf.stack([whole, split, table_whole, table_split, experts]) / tf.square(scale)
+            for p, at in extents:
+                part = grad[p.offset : p.offset + p.size]
+                sums[at] += tf.reduce_sum(tf.square(tf.cast(part, "float32")))
+        return tf.stack(sums) / tf.square(scale)
 
     def _global_norm(self, slices, tables, scale: float):
         """Keras's global gradient norm of the whole model: slices' squares summed over the
