@@ -55,6 +55,20 @@ def compiled_metrics(model):
     return getattr(model, "_compile_metrics", None)
 
 
+def compiled_metric_objects(model) -> list:
+    """The metric objects given to `compile()` (`CompileMetrics._user_metrics` and
+    `_user_weighted_metrics`), built or not: their variables exist from compile on, while
+    `model.metrics` lists them only once the compiled metrics are built at the first step."""
+    compiled = compiled_metrics(model)
+    if compiled is None:
+        return []
+    specs = (compiled._user_metrics, compiled._user_weighted_metrics)
+    return [
+        m for spec in specs if spec is not None for m in keras.tree.flatten(spec)
+        if isinstance(m, keras.metrics.Metric)
+    ]  # fmt: skip
+
+
 def loss_tracker(model):
     """`model._loss_tracker`: the Mean that `fit` reports as "loss"."""
     return model._loss_tracker

@@ -168,6 +168,8 @@ def any_deferred(model) -> bool:
 
 def _all_variables(model) -> list:
     found = list(model.variables) + list(getattr(model, "metrics_variables", []))
+    for metric in _keras.compiled_metric_objects(model):  # made in compile(), built later
+        found += list(metric.variables)
     optimizer = getattr(model, "optimizer", None)
     if optimizer is not None:
         found += list(optimizer.variables)

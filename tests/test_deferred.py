@@ -93,15 +93,19 @@ def test_reading_a_weight_that_is_not_held_fails_and_symbolic_use_works():
 
 
 def _compiled_inside(optimizer, policy):
-    """_small built and compiled as a strategy.scope() user does: the optimizer made inside."""
+    """_small built and compiled as a strategy.scope() user does: the optimizer made inside,
+    and with it a metric object (as keras_hub's compile makes), whose variables are made in
+    compile() but reached through `model.metrics` only once the first step builds them."""
     keras.mixed_precision.set_global_policy(policy)
+    objects = optimizer == "object"
+    metrics = (lambda: [keras.metrics.MeanAbsoluteError()]) if objects else (lambda: ["mae"])
     try:
         with hf.scope():
             model = _seeded(_small)
-            made = keras.optimizers.Adam(1e-3) if optimizer == "object" else optimizer
-            model.compile(optimizer=made, loss="mse", metrics=["mae"])
+            made = keras.optimizers.Adam(1e-3) if objects else optimizer
+            model.compile(optimizer=made, loss="mse", metrics=metrics())
         reference = _seeded(_small)
-        reference.compile(optimizer="adam", loss="mse", metrics=["mae"])
+        reference.compile(optimizer="adam", loss="mse", metrics=metrics())
     finally:
         keras.mixed_precision.set_global_policy("float32")
     return model, reference

@@ -36,6 +36,10 @@ def test_compiled_model_entries():
     model.evaluate(data, [np.ones((4, 3)), np.ones((4, 1))], verbose=0)
     assert callable(_keras.compiled_loss(model))
     assert _keras.compiled_metrics(model) is not None
+    compiled = keras.Model(model.inputs, model.outputs)
+    accuracy = keras.metrics.BinaryAccuracy()
+    compiled.compile(loss=["mse", "mse"], metrics=[[accuracy], []], weighted_metrics=[["mse"], []])
+    assert _keras.compiled_metric_objects(compiled) == [accuracy]  # strings are built later
     assert isinstance(_keras.loss_tracker(model), keras.metrics.Mean)
     means = _keras.output_loss_means(_keras.compiled_loss(model))
     assert len(means) == 2 and all(isinstance(m, keras.metrics.Mean) for m in means)

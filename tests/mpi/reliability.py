@@ -270,9 +270,9 @@ def _expert_pieces(folder, files, model) -> dict:
 def _expert_elements_held(experts: int) -> int:
     """Elements of expert weights and Adam slots this rank holds after a step of a Mixtral
     built under hf.scope() with its experts split `experts` ways over the replicas."""
-    with hf.scope():
+    with hf.scope():  # compiled inside too: keras_hub's compile makes metric objects there
         model = seeded_build(zoo.BUILDERS["mixtral"], "float32")
-    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     batches = zoo.text_batches("mixtral", 16).take(1)
     hf.fit(model, batches, verbose=0, strategy=hf.Strategy("data", experts=experts))
     trainer = model._hyparflow_trainer[1]
