@@ -605,9 +605,13 @@ def test_simulate_auto_keeps_layouts_within_the_memory_budget(saved_model, capsy
             "--latency", "2e-6", "--bandwidth", "12e9", "--profile-batch-sizes", "4,8",
             "--json"]  # fmt: skip
     assert main(argv) == 0
-    every = json.loads(capsys.readouterr().out)["ranked"]
-    # a model timed here is timed with its tensor shares: its Dense pairs split, T=2 is priced
-    assert any(r["tensor"] == 2 for r in every)
+    found = json.loads(capsys.readouterr().out)
+    every = found["ranked"]
+    # a model timed here is timed with its tensor shares: its Dense pairs split, T=2 is priced,
+    # ranked or outrun by its compute bound alone (which the measured times decide: under load
+    # either happens), never refused as unrunnable
+    outrun = [r for r in found["rejected"] if r["reason"].startswith("slower than the pick")]
+    assert any(r["tensor"] == 2 for r in every + outrun)
     model = keras.saving.load_model(saved_model)
     for layout in every[:3]:  # the bytes are the memory plan's
         options = {k: layout[k] for k in ("kind", "partitions", "replicas", "tensor",

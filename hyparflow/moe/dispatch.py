@@ -37,8 +37,7 @@ def top_k_mixture(
     if capacity_factor is None:
         per_pick = grouped(flat, num_experts, expert, lambda c: tf.gather(tokens, c // picks))
         return weighted_sum(per_pick, tokens, expert_weight)
-    kept = tf.where(tf.reshape(within_capacity(expert_index, num_experts, capacity_factor), [-1]))
-    kept = tf.cast(kept[:, 0], tf.int32)  # the picks computed, in pick order
+    kept = kept_picks(expert_index, num_experts, capacity_factor)
     rows = lambda c: tf.gather(tokens, tf.gather(kept, c) // picks)  # noqa: E731
     computed = grouped(tf.gather(flat, kept), num_experts, expert, rows)
     return weighted_sum(scattered(computed, kept, tf.size(flat)), tokens, expert_weight)
@@ -56,6 +55,13 @@ def within_capacity(expert_index: tf.Tensor, num_experts: int, capacity_factor: 
     capacity = tf.math.ceil(capacity_factor * tf.cast(tokens * picks, tf.float32) / num_experts)
     kept = before < tf.cast(capacity, tf.int32)
     return tf.transpose(tf.reshape(kept, [picks, tokens]))
+
+
+def kept_picks(expert_index: tf.Tensor, num_experts: int, capacity_factor: float) -> tf.Tensor:
+    """The positions (pick order, t * k + j) of the picks their experts compute under
+    `capacity_factor` (`within_capacity`)."""
+    kept = tf.where(tf.reshape(within_capacity(expert_index, num_experts, capacity_factor), [-1]))
+    return tf.cast(kept[:, 0], tf.int32)
 
 
 def scattered(rows: tf.Tensor, at: tf.Tensor, size) -> tf.Tensor:

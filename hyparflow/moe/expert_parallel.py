@@ -17,7 +17,7 @@ from collections.abc import Callable
 import tensorflow as tf
 
 from hyparflow.comm.in_graph import exchange, traffic
-from hyparflow.moe.dispatch import grouped, scattered, weighted_sum, within_capacity
+from hyparflow.moe.dispatch import grouped, kept_picks, scattered, weighted_sum
 
 # The profiler's "experts" category: every exchange and the routing counts' allreduce across
 # replicas (`router_loss`) in the in-graph traffic record `traffic(TAG)`, and the local
@@ -47,25 +47,21 @@ def expert_parallel_mixture(
     held = num_experts // comm.Get_size()
     picks = tf.shape(expert_index)[1]
     every = tf.reshape(tf.cast(expert_index, tf.int32), [-1])  # pick p = t * k + j
-    if capacity_factor is None:
-        kept = tf.range(tf.size(every))
-    else:
-        kept = tf.where(
-            tf.reshape(within_capacity(expert_index, num_experts, capacity_factor), [-1])
-        )
-        kept = tf.cast(kept[:, 0], tf.int32)
-    flat = tf.gather(every, kept)
+    kept = (
+        None if capacity_factor is None else kept_picks(expert_index, num_experts, capacity_factor)
+    )
+    flat = every if kept is None else tf.gather(every, kept)
     owner = flat // held
     order = tf.argsort(owner, stable=True)  # picks grouped by the rank that computes them
     counts = tf.math.bincount(owner, minlength=comm.Get_size(), maxlength=comm.Get_size())
     local_expert = tf.gather(flat % held, order)
-    rows = tf.gather(tokens, tf.gather(kept, order) // picks)
+    rows = tf.gather(tokens, (order if kept is None else tf.gather(kept, order)) // picks)
     arrived, clock = {}, _ComputeClock()
     received = _sent(comm, rows, counts, arrived, clock, "dispatch", beside=local_expert)
     results = grouped(arrived["expert"], held, expert, lambda chosen: tf.gather(received, chosen))
     returned = _sent(comm, results, arrived["counts"], {}, clock, "combine", expected=counts)
     per_pick = tf.gather(returned, tf.math.invert_permutation(order))
-    if capacity_factor is not None:
+    if kept is not None:
         per_pick = scattered(per_pick, kept, tf.size(every))
     return weighted_sum(per_pick, tokens, expert_weight)
 
