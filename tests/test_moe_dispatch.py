@@ -114,6 +114,36 @@ def _qwen3_moe(normalize: bool):
     return backbone.transformer_layers[0].mlp
 
 
+def _qwen_moe(normalize: bool):
+    """Qwen-MoE's block: Qwen3-MoE's routing and experts beside a shared expert, its gate a
+    sigmoid."""
+    import keras_hub
+
+    backbone = keras_hub.models.QwenMoeBackbone(
+        vocabulary_size=zoo.HUB_VOCAB, num_layers=1, num_query_heads=2, num_key_value_heads=1,
+        hidden_dim=16, intermediate_dim=32, moe_intermediate_dim=8,
+        shared_expert_intermediate_dim=12, num_experts=4, top_k=2, norm_top_k_prob=normalize,
+        router_aux_loss_coefficient=0.5,
+    )  # fmt: skip
+    return backbone.transformer_layers[0].mlp
+
+
+def _qwen3_5_moe():
+    """Qwen3.5-MoE's block: normalised top-k routing, a shared expert, the silu in float32."""
+    from keras_hub.src.models.qwen3_5_moe.qwen3_5_moe_decoder import Qwen3_5MoeSparseMoeBlock
+
+    block = Qwen3_5MoeSparseMoeBlock(16, 8, 12, num_experts=4, top_k=2,
+                                     router_aux_loss_coefficient=0.5)  # fmt: skip
+    block.build((None, None, 16))
+    return block
+
+
+def _router(block):
+    """The router Dense's kernel of a block of the policy table."""
+    router = getattr(block, "_router_gate", None) or block._sparse_feedforward_gate_dense
+    return router.kernel
+
+
 def _gpt_oss():
     """gpt-oss's block (no router loss; biased, clamped experts), its biases made non-zero."""
     from keras_hub.src.models.gpt_oss.gpt_oss_decoder import GptOssSparseMoeBlock
@@ -157,12 +187,15 @@ def _run(block, hidden, mask):
 @pytest.mark.parametrize(
     "make, square_mask",
     [(_mixtral, False), (lambda: _qwen3_moe(True), True), (lambda: _qwen3_moe(False), True),
+     (lambda: _qwen_moe(False), True), (lambda: _qwen_moe(True), True), (_qwen3_5_moe, False),
      (_gpt_oss, None)],
-    ids=["mixtral", "qwen3_moe", "qwen3_moe_unnormalized", "gpt_oss"],
+    ids=["mixtral", "qwen3_moe", "qwen3_moe_unnormalized", "qwen_moe", "qwen_moe_normalized",
+         "qwen3_5_moe", "gpt_oss"],
 )  # fmt: skip
 def test_keras_hub_blocks_compute_as_their_dense_calls(make, square_mask):
-    """With the mask each decoder hands its block: Mixtral's padding mask, Qwen3-MoE's
-    self-attention mask (its loss keeps a token that attends to anything), none for gpt-oss."""
+    """With the mask each decoder hands its block: Mixtral's and Qwen3.5-MoE's padding mask,
+    Qwen-MoE's and Qwen3-MoE's self-attention mask (its loss keeps a token that attends to
+    anything), none for gpt-oss."""
     block, hidden, mask = _block_and_batch(make, square_mask, seed=0)
     dense = _run(block, hidden, mask)
     with SparseDispatch(block) as dispatch:
@@ -188,7 +221,7 @@ def test_only_the_blocks_of_the_table_go_sparse():
 
 def _router_loss_and_gradient(block, hidden, mask, share=1.0):
     """`share` x the block's added loss, and its gradient for the router's kernel."""
-    router = block._sparse_feedforward_gate_dense.kernel
+    router = _router(block)
     with tf.GradientTape() as tape:
         block(hidden, attention_mask=mask, training=True)
         loss = share * tf.add_n(block.losses)
@@ -197,7 +230,9 @@ def _router_loss_and_gradient(block, hidden, mask, share=1.0):
 
 @pytest.mark.parametrize(
     "make, square_mask",
-    [(_mixtral, False), (lambda: _qwen3_moe(True), True)], ids=["mixtral", "qwen3_moe"],
+    [(_mixtral, False), (lambda: _qwen3_moe(True), True), (lambda: _qwen_moe(False), True),
+     (_qwen3_5_moe, False)],
+    ids=["mixtral", "qwen3_moe", "qwen_moe", "qwen3_5_moe"],
 )  # fmt: skip
 def test_pieces_of_a_batch_sum_to_the_router_loss_of_the_whole(make, square_mask):
     """Two pieces (2 and 1 rows), each adding the other's counts through `global_sum` and
@@ -229,7 +264,9 @@ def test_pieces_of_a_batch_sum_to_the_router_loss_of_the_whole(make, square_mask
 
 @pytest.mark.parametrize(
     "make, square_mask",
-    [(_mixtral, False), (lambda: _qwen3_moe(True), True)], ids=["mixtral", "qwen3_moe"],
+    [(_mixtral, False), (lambda: _qwen3_moe(True), True), (lambda: _qwen_moe(False), True),
+     (_qwen3_5_moe, False)],
+    ids=["mixtral", "qwen3_moe", "qwen_moe", "qwen3_5_moe"],
 )  # fmt: skip
 def test_a_tally_of_micro_batches_gives_the_router_loss_of_the_whole(make, square_mask):
     """Two micro-batches (2 rows, then 1) record their routing in a `RouterTally` instead of
@@ -238,7 +275,7 @@ def test_a_tally_of_micro_batches_gives_the_router_loss_of_the_whole(make, squar
     are keras_hub's loss of the whole batch and its router gradient."""
     block, hidden, mask = _block_and_batch(make, square_mask, seed=1)
     whole_loss, whole_grad = _router_loss_and_gradient(block, hidden, mask)  # keras_hub's
-    router = block._sparse_feedforward_gate_dense.kernel
+    router = _router(block)
     tally, taped = RouterTally(), []
     with SparseDispatch(block, tally=tally):
         for k, p in enumerate([slice(0, 2), slice(2, 3)]):

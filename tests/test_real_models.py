@@ -4,7 +4,8 @@ Embedding tables with every built-in optimizer (their gradients are row slices, 
 applies with sparse semantics), global clipping across pipeline stages, dropout, added losses,
 masks, preprocessing layers, synchronised BatchNormalization (keras.applications'
 MobileNetV3), and keras_hub's GPT-2, BERT, Llama, Gemma, Mistral, OPT, DistilBERT, RoBERTa,
-ALBERT, Falcon, Qwen3-MoE, Mixtral and gpt-oss (experts dispatched sparsely) on batches whose
+ALBERT, Falcon, Qwen-MoE, Qwen3-MoE, Qwen3.5-MoE, Mixtral and gpt-oss (experts dispatched
+sparsely) on batches whose
 sequence length varies, each under data, pipeline and hybrid layouts.
 """
 
@@ -97,8 +98,14 @@ TWO_RANKS = [
     # the expert shards' squares over the group
     Case("mixtral", "adam+globalclip", "data", replicas=2, experts=2, shard_optimizer=True),
     Case("gpt_oss", "adam", "data", replicas=2, microbatches=2),
-    # the mixture blocks whole on both tensor ranks, attention split; router loss on
+    # the mixture blocks whole on both tensor ranks (Mixtral's attention whole too, Qwen3-MoE's
+    # split by its two key-value heads); router loss on
     Case("mixtral", "adam", "data", tensor=2),
+    Case("qwen3_moe", "adam", "data", tensor=2),
+    # shared experts beside the routed ones (Qwen-MoE; Qwen3.5-MoE with a linear-attention
+    # layer), router loss on: split over an expert group, and over micro-batches
+    Case("qwen_moe", "adam", "data", replicas=2, experts=2),
+    Case("qwen3_5_moe", "adam", "data", replicas=2, microbatches=2),
 ]  # fmt: skip
 FOUR_RANKS = [
     Case("embedding_mlp", "adam", "hybrid", partitions=2, replicas=2, microbatches=2,
@@ -127,6 +134,7 @@ FOUR_RANKS = [
     # router losses over micro-batches and replicas (GPipe), with and without expert groups
     Case("qwen3_moe", "sgd", "hybrid", partitions=2, replicas=2, microbatches=2),
     Case("mixtral", "adam", "hybrid", partitions=2, replicas=2, microbatches=2, experts=2),
+    Case("qwen3_5_moe", "adam", "hybrid", partitions=2, replicas=2, microbatches=2, experts=2),
     # expert groups of 4 (each rank one expert) and of 2 (gradients summed across groups);
     # each tensor rank's replicas an expert group
     Case("mixtral", "adam", "data", replicas=2, tensor=2, experts=2),

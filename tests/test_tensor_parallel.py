@@ -122,8 +122,15 @@ def test_keras_hub_blocks_split_by_their_policies_and_too_few_heads_are_named():
     roles = [role for _, role in _roles(tensor_layout(zoo.llama(), 2))]
     # per decoder: query, key, value | output; gate, up | down
     assert roles[1:8] == ["column"] * 3 + ["row"] + ["column"] * 2 + ["row"]
-    with pytest.raises(ValueError, match=r"'key': its 1 heads are not a multiple of 2"):
-        tensor_layout(zoo.qwen3_moe(), 2)  # one key-value head
+    # Qwen3-MoE: its per-head query and key norms keep whole weights, their gradients summed
+    qwen = tensor_layout(zoo.qwen3_moe(), 2)
+    assert [role for _, role in _roles(qwen)][1:5] == ["column"] * 3 + ["row"]
+    assert [norm.name for norm in qwen.summed] == [
+        "query_dense_layernorm",
+        "key_dense_layernorm",
+    ] * 2
+    with pytest.raises(ValueError, match=r"'query': its 2 heads are not a multiple of 4"):
+        tensor_layout(zoo.qwen3_moe(), 4)
 
 
 def test_regularizers_that_a_shard_cannot_compute_are_refused():

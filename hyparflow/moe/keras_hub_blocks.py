@@ -1,14 +1,15 @@
 """keras_hub's mixture-of-experts blocks with sparse dispatch: a table of policies.
 
-keras_hub 0.32's Mixtral, Qwen3-MoE and gpt-oss blocks route each token to its top-k experts,
-then run every expert on every token (`MixtralMoeExperts`, `Qwen3MoeExperts`, `GptOssExperts`:
-one einsum over all experts) and multiply the unpicked outputs by zero. For the classes whose
-`call` was read, `SparseDispatch` gives the block a call that routes the same way and then
-hands the tokens, their picks and weights to the expert bank, whose call computes each expert
-on its own tokens only (`dispatch.top_k_mixture`). The expert weights stay read inside the
-bank's own call, so ZB-H1 can still replay it for their gradients. The router's load-balancing
-loss (Mixtral, Qwen3-MoE; gpt-oss has none) is keras_hub's formula of the whole global batch
-(`router_loss`). A block class not in the table keeps its dense call.
+keras_hub 0.32's Mixtral, Qwen-MoE, Qwen3-MoE, Qwen3.5-MoE and gpt-oss blocks route each token
+to its top-k experts, then run every expert on every token (`MixtralMoeExperts`,
+`QwenMoeExperts`, ...: one einsum over all experts) and multiply the unpicked outputs by zero;
+Qwen-MoE and Qwen3.5-MoE add a shared expert that every token goes through, gated by a sigmoid.
+For the classes whose `call` was read, `SparseDispatch` gives the block a call that routes the
+same way and then hands the tokens, their picks and weights to the expert bank, whose call
+computes each expert on its own tokens only (`dispatch.top_k_mixture`). The expert weights stay
+read inside the bank's own call, so ZB-H1 can still replay it for their gradients. The router's
+load-balancing loss (all but gpt-oss, which has none) is keras_hub's formula of the whole
+global batch (`router_loss`). A block class not in the table keeps its dense call.
 """
 
 from __future__ import annotations
@@ -39,18 +40,22 @@ class Policy:
     expert: Callable  # (bank, one expert's weights, rows) -> rows through that expert
     loss_coefficient: str | None = None  # the block's load-balancing loss coefficient
     scores: bool = False  # returns (T, E) routing weights beside its output, not the logits
+    shared: Callable | None = None  # (block, tokens) -> the shared expert's gated rows
 
 
-def _softmax_route(normalizes: Callable, jitter: bool = False):
-    """Mixtral and Qwen3-MoE: softmax over all experts, then the top k, whose weights are
-    normalised to sum to one where `normalizes(block)`; Mixtral's tokens jittered in training."""
+def _softmax_route(
+    normalizes: Callable, jitter: bool = False, router: str = "_sparse_feedforward_gate_dense"
+):
+    """Mixtral and the Qwen mixtures: softmax over all experts of the `router` Dense's logits,
+    then the top k, whose weights are normalised to sum to one where `normalizes(block)`;
+    Mixtral's tokens jittered in training."""
 
     def route(block, tokens, training):
         noise = getattr(block, "router_jitter_noise", 0.0) if jitter and training else 0.0
         if noise > 0:
             uniform = keras.random.uniform(tf.shape(tokens), 1.0 - noise, 1.0 + noise)
             tokens = tokens * tf.cast(uniform, tokens.dtype)
-        logits = block._sparse_feedforward_gate_dense(tokens)
+        logits = getattr(block, router)(tokens)
         weight, index = tf.math.top_k(tf.nn.softmax(logits, axis=-1), k=block.top_k)
         if normalizes(block):
             weight = weight / tf.reduce_sum(weight, axis=-1, keepdims=True)
@@ -74,10 +79,28 @@ def _gated_expert(bank, weights, rows):
 
 
 def _fused_gated_expert(bank, weights, rows):
-    """Qwen3-MoE: one kernel for gate and up, split in halves: (up * silu(gate)) @ down."""
+    """Qwen-MoE and Qwen3-MoE: one kernel for gate and up, split in halves:
+    (up * silu(gate)) @ down."""
     gate_up_kernel, down_kernel = weights
     gate, up = tf.split(rows @ gate_up_kernel, 2, axis=-1)
     return (up * bank.activation(gate)) @ down_kernel
+
+
+def _fused_float32_gated_expert(bank, weights, rows):
+    """Qwen3.5-MoE: as Qwen3-MoE's, the silu in float32 (its bank names no activation)."""
+    gate_up_kernel, down_kernel = weights
+    gate, up = tf.split(rows @ gate_up_kernel, 2, axis=-1)
+    return (up * tf.cast(tf.nn.silu(tf.cast(gate, "float32")), rows.dtype)) @ down_kernel
+
+
+def _gated_shared_expert(expert: str, gate: str):
+    """Qwen-MoE and Qwen3.5-MoE: the block's `expert` MLP of every token, times the sigmoid of
+    its one-unit `gate` Dense."""
+
+    def shared(block, tokens):
+        return getattr(block, expert)(tokens) * tf.sigmoid(getattr(block, gate)(tokens))
+
+    return shared
 
 
 def _clamped_glu_expert(bank, weights, rows):
@@ -99,9 +122,20 @@ POLICIES = {  # keras_hub class name -> its policy (keras_hub 0.32)
         _softmax_route(lambda block: True, jitter=True), "expert_bank", (_GATE, _UP, _DOWN),
         _gated_expert, loss_coefficient="router_aux_loss_coef",
     ),
+    "QwenSparseMoeBlock": Policy(
+        _softmax_route(lambda block: bool(block.norm_top_k_prob)), "expert_bank", (_GATE, _DOWN),
+        _fused_gated_expert, loss_coefficient="router_aux_loss_coefficient",
+        shared=_gated_shared_expert("shared_expert_dense", "shared_expert_gate_dense"),
+    ),
     "Qwen3SparseMoeBlock": Policy(
         _softmax_route(lambda block: bool(block.norm_top_k_prob)), "expert_bank", (_GATE, _DOWN),
         _fused_gated_expert, loss_coefficient="router_aux_loss_coefficient",
+    ),
+    "Qwen3_5MoeSparseMoeBlock": Policy(
+        _softmax_route(lambda block: True, router="_router_gate"), "expert_bank",
+        (_GATE, _DOWN), _fused_float32_gated_expert,
+        loss_coefficient="router_aux_loss_coefficient",
+        shared=_gated_shared_expert("shared_expert", "_shared_expert_gate"),
     ),
     "GptOssSparseMoeBlock": Policy(
         _top_logits_route, "experts",
@@ -145,9 +179,11 @@ def _add_router_loss(block, logits, rows, mask, global_sum, tally) -> None:
 def _block_call(policy: Policy, global_sum, tally):
     def call(block, hidden_states, attention_mask=None, training=False):
         shape = tf.shape(hidden_states)
-        tokens = tf.reshape(hidden_states, [-1, block.hidden_dim])
-        logits, index, weight, tokens = policy.route(block, tokens, training)
+        flat = tf.reshape(hidden_states, [-1, block.hidden_dim])
+        logits, index, weight, tokens = policy.route(block, flat, training)
         mixed = getattr(block, policy.bank)((tokens, index, weight))
+        if policy.shared is not None:
+            mixed = mixed + policy.shared(block, flat)
         if training and policy.loss_coefficient is not None:
             _add_router_loss(block, logits, shape[0], attention_mask, global_sum, tally)
         if policy.scores:  # each token's weight for each expert, 0 where not picked

@@ -6,8 +6,10 @@ sublayers by role, for the classes whose `call` was read (keras_hub 0.32):
 
 - attention: query, key and value projections split by (key-value) heads by column, the output
   projection by row; a dropout on the per-head attention output (batch, seq, heads, dim) draws
-  the whole mask. Grouped-query attention splits query and key-value heads alike, so each
-  shard keeps whole groups.
+  the whole mask; a norm applied to each query or key head (Qwen3-MoE's) keeps its whole
+  weights, whose gradient from this rank's heads is summed over the tensor ranks.
+  Grouped-query attention splits query and key-value heads alike, so each shard keeps whole
+  groups.
 - feed-forward: the projections feeding the elementwise product (gated or not) by column, the
   last one by row; the block's other dropouts act on whole tensors after a row layer.
 
@@ -29,6 +31,7 @@ class Attention:
     output: str
     dropout: str  # acts on the attention output, heads on axis 2
     inputs: tuple = ("hidden_states",)  # call arguments the projections read
+    head_norms: tuple = ()  # norms of each query or key head, after the projections
 
 
 @dataclass(frozen=True)
@@ -44,8 +47,11 @@ _BLOCK_DROPOUTS = ("_self_attention_dropout", "_cross_attention_dropout", "_feed
 ATTENTION = {
     "LlamaAttention": _LLAMA_STYLE,
     "CachedMistralAttention": _LLAMA_STYLE,
-    "Qwen3MoeAttention": _LLAMA_STYLE,
-}
+    "Qwen3MoeAttention": Attention(
+        "_query_dense", "_key_dense", "_value_dense", "_output_dense", "_dropout_layer",
+        head_norms=("_query_dense_layer_norm", "_key_dense_layer_norm"),
+    ),
+}  # fmt: skip
 FEED_FORWARD = {
     "TransformerEncoder": FeedForward(
         ("_feedforward_intermediate_dense",), "_feedforward_output_dense", _BLOCK_DROPOUTS
@@ -84,6 +90,7 @@ def split_block(layout, layer) -> None:
             split.input_copied = True
             layout.splits.append(split)
         layout.copies.append((layer, attention.inputs))
+        layout.summed += [getattr(layer, name) for name in attention.head_norms]
         layout.splits.append(split_layer(getattr(layer, attention.output), ROW, parts, reason))
         dropout = getattr(layer, attention.dropout)
         if dropout.rate > 0:

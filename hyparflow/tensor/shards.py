@@ -79,6 +79,8 @@ class TensorShards:
             self._calls[id(layer)] = (layer, self._dropout_call(layer, axis))
         for layer, names in layout.copies:
             self._calls[id(layer)] = (layer, self._copying_call(layer, names))
+        for layer in layout.summed:
+            self._calls[id(layer)] = (layer, self._summing_call(layer))
         self._rows = [split.layer for split in layout.splits if split.role == ROW]
         self._depth = 0
 
@@ -220,6 +222,25 @@ class TensorShards:
 
         return copying_call
 
+    def _summing_call(self, layer):
+        """`layer`'s call reading each of its own weights through `copy_to_shards`: the layer
+        acts on this rank's heads only, so the gradients of the tensor ranks are summed into
+        the whole weight's (Megatron's f, applied to a weight rather than an input)."""
+        original = type(layer).call.__get__(layer)
+        weights = _keras.own_trainable_variables(layer)
+        names = [_attribute_holding(layer, v) for v in weights]
+        comm = self.comm
+
+        def summing_call(*args, **kwargs):
+            read = {
+                name: copy_to_shards(comm, _read(layer, v))
+                for name, v in zip(names, weights, strict=True)
+            }
+            with _attributes(layer, read):
+                return original(*args, **kwargs)
+
+        return summing_call
+
     def _dropout_call(self, layer, axis: int):
         original = type(layer).call.__get__(layer)
         scope, index, parts = self._dropout_scope, self.index, self.parts
@@ -242,6 +263,16 @@ def _attributes(layer, values: dict):
     finally:
         for name, value in saved.items():
             object.__setattr__(layer, name, value)
+
+
+def _read(layer, variable):
+    """`variable`'s value as `layer`'s call would read it: cast to the layer's compute dtype
+    where Keras autocasts it."""
+    value = ops.convert_to_tensor(variable)
+    autocast = layer.autocast and _keras.variable_autocast(variable)
+    if autocast and keras.backend.is_float_dtype(variable.dtype):
+        return ops.cast(value, layer.compute_dtype)
+    return value
 
 
 def _unchanged(comm, tensor):

@@ -40,6 +40,9 @@ class TensorLayout:
     # (attention layer, names of its input arguments): each distinct input is copied to the
     # shards once (one allreduce of its gradient), not once per projection (Megatron's fused QKV)
     copies: list = field(default_factory=list)
+    # layers whose whole weights act on this rank's heads only (a norm of each query or key
+    # head): each rank's gradient is a part of the whole's, summed over the tensor ranks
+    summed: list = field(default_factory=list)
     replicated: list = field(default_factory=list)  # "layer: why it stays whole"
     variables: list = field(default_factory=list)  # every trainable variable of the model
 

@@ -244,15 +244,46 @@ def falcon():
 def qwen3_moe():
     """keras_hub's Qwen3 mixture of experts, tiny: top-2 routing over 4 experts, its router's
     load-balancing loss on (0.1): summed over replicas in the step, and over micro-batches
-    once all have run forward (GPipe; moe/router_tally.py)."""
+    once all have run forward (GPipe; moe/router_tally.py). Two key-value heads: tensor=2
+    splits its attention."""
     import keras_hub
 
     backbone = keras_hub.models.Qwen3MoeBackbone(
-        vocabulary_size=HUB_VOCAB, num_layers=2, num_query_heads=2, num_key_value_heads=1,
+        vocabulary_size=HUB_VOCAB, num_layers=2, num_query_heads=2, num_key_value_heads=2,
         hidden_dim=16, intermediate_dim=32, moe_intermediate_dim=8, num_experts=4, top_k=2,
         head_dim=8, router_aux_loss_coefficient=0.1,
     )  # fmt: skip
     return keras_hub.models.Qwen3MoeCausalLM(backbone, preprocessor=None)
+
+
+def qwen_moe():
+    """keras_hub's Qwen-MoE (Qwen1.5/2), tiny: top-2 of 4 experts beside a shared expert that
+    every token goes through (sigmoid-gated), router loss on (0.1)."""
+    import keras_hub
+
+    backbone = keras_hub.models.QwenMoeBackbone(
+        vocabulary_size=HUB_VOCAB, num_layers=2, num_query_heads=2, num_key_value_heads=1,
+        hidden_dim=16, intermediate_dim=32, moe_intermediate_dim=8,
+        shared_expert_intermediate_dim=12, num_experts=4, top_k=2,
+        router_aux_loss_coefficient=0.1,
+    )  # fmt: skip
+    return keras_hub.models.QwenMoeCausalLM(backbone, preprocessor=None)
+
+
+def qwen3_5_moe():
+    """keras_hub's Qwen3.5-MoE, tiny: two full-attention layers (partial rotary embeddings, gated
+    queries), each with top-2 of 4 experts beside a shared expert; router loss on (0.1). Its
+    linear-attention layers (gated delta rule) fail in Keras's own compiled fit on TensorFlow
+    when the sequence length is unknown (a symbolic tensor used as a Python bool), so none here."""
+    import keras_hub
+
+    backbone = keras_hub.models.Qwen3_5MoeBackbone(
+        vocabulary_size=HUB_VOCAB, num_layers=2, num_query_heads=2, num_key_value_heads=1,
+        head_dim=8, hidden_dim=16, moe_intermediate_dim=8, shared_expert_intermediate_size=12,
+        num_experts=4, top_k=2, layer_types=["full_attention", "full_attention"],
+        router_aux_loss_coefficient=0.1,
+    )  # fmt: skip
+    return keras_hub.models.Qwen3_5MoeCausalLM(backbone, preprocessor=None)
 
 
 def mixtral():
@@ -347,16 +378,18 @@ BUILDERS = {
         embedding_mlp, two_tables, dropout_mlp, added_losses, global_centered, masked_gru,
         batchnorm_cnn,
         preprocessed, mobilenet_v3, gpt2, bert, llama, gemma, mistral, opt,
-        distil_bert, roberta, albert, falcon, qwen3_moe, mixtral, gpt_oss, wide_mlp,
+        distil_bert, roberta, albert, falcon, qwen3_moe, qwen_moe, qwen3_5_moe, mixtral,
+        gpt_oss, wide_mlp,
         conv_pairs, encoder,
     )
 }  # fmt: skip
 # keras_hub: token batches of varying length; classifiers take labels, the others next tokens
 TEXT_MODELS = (
     "gpt2", "bert", "llama", "gemma", "mistral", "opt", "distil_bert", "roberta", "albert",
-    "falcon", "qwen3_moe", "mixtral", "gpt_oss",
+    "falcon", "qwen3_moe", "qwen_moe", "qwen3_5_moe", "mixtral", "gpt_oss",
 )  # fmt: skip
-MIXTURES = ("qwen3_moe", "mixtral", "gpt_oss")  # keras_hub mixtures, dispatched sparsely
+# keras_hub mixtures, dispatched sparsely
+MIXTURES = ("qwen3_moe", "qwen_moe", "qwen3_5_moe", "mixtral", "gpt_oss")
 CLASSIFIERS = ("bert", "distil_bert", "roberta", "albert")
 SEGMENTED = ("bert", "albert")  # take segment ids
 HUB_VOCAB = 50
