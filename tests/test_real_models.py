@@ -90,9 +90,6 @@ TWO_RANKS = [
     Case("gpt2", "adam", "model", partitions=2, microbatches=2, schedule="interleaved"),
     Case("bert", "sgd", "data", replicas=2, microbatches=2),
     Case("falcon", "sgd", "data", replicas=2, microbatches=2),
-    # router loss on, each replica in 2 micro-batches (the whole model a taped stage): their
-    # counts summed once every micro-batch has run forward (moe/router_tally.py)
-    Case("qwen3_moe", "adam", "data", replicas=2, microbatches=2),
     # router loss on: counts summed over replicas; experts split over them, tokens exchanged;
     # ZeRO-1 slices the other slots (the expert shards updated whole); the global norm sums
     # the expert shards' squares over the group
@@ -102,9 +99,10 @@ TWO_RANKS = [
     # split by its two key-value heads); router loss on
     Case("mixtral", "adam", "data", tensor=2),
     Case("qwen3_moe", "adam", "data", tensor=2),
-    # shared experts beside the routed ones (Qwen-MoE; Qwen3.5-MoE with a linear-attention
-    # layer), router loss on: split over an expert group, and over micro-batches
-    Case("qwen_moe", "adam", "data", replicas=2, experts=2),
+    # a shared expert beside the routed ones, router loss on, each replica in 2 micro-batches
+    # (the whole model a taped stage): their counts summed once every micro-batch has run
+    # forward (moe/router_tally.py); Qwen-MoE's experts split over an expert group too
+    Case("qwen_moe", "adam", "data", replicas=2, microbatches=2, experts=2),
     Case("qwen3_5_moe", "adam", "data", replicas=2, microbatches=2),
 ]  # fmt: skip
 FOUR_RANKS = [
