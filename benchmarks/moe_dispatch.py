@@ -7,7 +7,8 @@ keras_hub's Mixtral (2 layers, hidden 128, 8 experts of width 256, top-2, router
 Step time of hf.fit on 2 ranks with `Strategy("data", experts=2)` (each rank holds 4 of the 8
 experts; tokens travel to their expert's rank and back), `Strategy("data")` (each token through
 its 2 experts, every rank all 8 experts, hyparflow/moe), `sparse_experts=False` (every expert on
-every token, as keras_hub computes), and `model.fit` on rank 0 alone; epochs interleaved. The
+every token, as keras_hub computes), and `model.fit` on rank 0 alone, dense (Keras's) and sparse
+(inside `moe.in_keras.sparse_in_keras`, as `hf.fit` runs it in one process); epochs interleaved. The
 experts' FLOPs fall 4x; expert parallelism adds two all-to-alls a block and halves the
 experts' gradient allreduce. Also expert parallelism with `capacity_factor=1.0` (each expert
 computes at most its even share of a rank's picks, the rest dropped: not Keras's model), whose
@@ -32,6 +33,7 @@ QUICK = dict(hidden=16, width=16, experts=4, vocabulary=64, tokens=8, batch=8)
 SETUPS = (
     "experts split over 2 ranks (sparse)", "sparse, data parallel", "dense, data parallel",
     "one rank (Keras, dense)", "experts split over 2 ranks, capacity factor 1.0",
+    "one rank (hf.fit's sparse dispatch)",
 )  # fmt: skip
 
 
@@ -56,6 +58,7 @@ def worker(args) -> None:
 
     import hyparflow as hf
     from benchmarks.harness.timing import interleaved_epochs
+    from hyparflow.moe.in_keras import sparse_in_keras
 
     size = QUICK if args.quick else SIZE
     tokens = (
@@ -70,8 +73,10 @@ def worker(args) -> None:
         hf.Strategy("data", sparse_experts=False, tune_process=True),
         None,
         hf.Strategy("data", experts=2, capacity_factor=1.0, tune_process=True),
+        None,
     ]
     setups = {name: (_model(size), s) for name, s in zip(SETUPS, strategies, strict=True)}
+    setups[SETUPS[-1]] += (sparse_in_keras,)
     seconds = interleaved_epochs(setups, x, tokens[:, 1:], size["batch"], args.repeats,
                                  steps=args.steps)  # fmt: skip
     if hf.rank() == 0:
@@ -82,7 +87,7 @@ def run(args) -> list[dict]:
     flags = cli.flags(args, "repeats", "steps") + ["--quick"] * args.quick
     r = run_worker(__file__, flags, np=2)[0]
     ms = {k: [1e3 * s / args.steps for s in v] for k, v in r["seconds"].items()}
-    split, sparse, dense, alone, capped = (ms[k] for k in SETUPS)
+    split, sparse, dense, alone, capped, alone_sparse = (ms[k] for k in SETUPS)
     rows = [(f"{k}, ms per step", v, "ms") for k, v in ms.items()]
     rows += [
         (
@@ -95,6 +100,7 @@ def run(args) -> list[dict]:
         ("speed-up over one rank (Keras), sparse", paired_ratios(alone, sparse), "ratio"),
         ("speed-up over one rank (Keras), dense", paired_ratios(alone, dense), "ratio"),
         ("expert-parallel / capacity factor 1.0 step time", paired_ratios(split, capped), "ratio"),
+        ("one rank: dense / sparse step time", paired_ratios(alone, alone_sparse), "ratio"),
     ]
     return [measurement(FIGURE, what, v, unit) for what, v, unit in rows]
 

@@ -24,6 +24,7 @@ from hyparflow.engine.loops import evaluate_loop, fit_loop, predict_loop
 from hyparflow.engine.weights import held_elsewhere
 from hyparflow.memory.limits import memory_room
 from hyparflow.memory.plan import memory_plan
+from hyparflow.moe.in_keras import sparse_in_keras
 from hyparflow.partitioner import partition as _partition
 from hyparflow.process_tuning import tune_process
 from hyparflow.strategy import make_strategy
@@ -187,7 +188,9 @@ def fit(
     Accepts every keyword of `keras.Model.fit` (validation_data, validation_split, callbacks,
     shuffle, verbose, sample_weight, class_weight, initial_epoch, steps_per_epoch, ...) and
     returns a `keras.callbacks.History`, identical on every rank. Without a launcher (world size
-    1) this is exactly `model.fit`. Under `mpirun -np N`, `strategy` is "data", "model",
+    1) this is `model.fit` itself, keras_hub's mixture-of-experts blocks computing each token
+    through its top-k experts only (docs/moe.md; `Strategy(sparse_experts=False)`: exactly
+    `model.fit`). Under `mpirun -np N`, `strategy` is "data", "model",
     "hybrid" or "auto" (or an `hf.Strategy`), with HyPar-Flow's `num_partitions`,
     `num_replicas` and `num_microbatches`. "auto" without a layout times the model on rank 0,
     probes the network and trains with the fastest layout that fits the memory budget; rank 0
@@ -234,7 +237,8 @@ def fit(
             )
             batch_size = None
             fit_kwargs["shuffle"] = False  # the reader shuffles samples itself
-        return model.fit(x, y, batch_size=batch_size, epochs=epochs, **fit_kwargs)
+        with sparse_in_keras(model, resolved.sparse_experts):
+            return model.fit(x, y, batch_size=batch_size, epochs=epochs, **fit_kwargs)
     requested = make_strategy(strategy, num_partitions, num_replicas, num_microbatches)
     options["planning"] = requested if requested.leaves_layout_open() and size() > 1 else None
     return _distributed_fit(model, x, y, batch_size, epochs, resolved, options, **fit_kwargs)
@@ -388,10 +392,11 @@ def evaluate(
         deferred.materialize_model(model)
         if hasattr(x, "as_keras"):
             x, batch_size = x.as_keras(batch_size=batch_size or 32), None
-        return model.evaluate(
-            x, y, batch_size=batch_size, sample_weight=sample_weight, steps=steps,
-            callbacks=callbacks, return_dict=return_dict, verbose=verbose,
-        )  # fmt: skip
+        with sparse_in_keras(model, resolved.sparse_experts):
+            return model.evaluate(
+                x, y, batch_size=batch_size, sample_weight=sample_weight, steps=steps,
+                callbacks=callbacks, return_dict=return_dict, verbose=verbose,
+            )  # fmt: skip
     comm = world()
     devices.prepare(comm, resolved.bind_gpus)
     source = agree(comm, make_source, x, y, sample_weight, batch_size=batch_size)
@@ -418,7 +423,8 @@ def predict(
         deferred.materialize_model(model)
         if hasattr(x, "as_keras"):
             x, batch_size = x.as_keras(batch_size=batch_size or 32), None
-        return model.predict(x, batch_size=batch_size, steps=steps, verbose=verbose)
+        with sparse_in_keras(model, resolved.sparse_experts):
+            return model.predict(x, batch_size=batch_size, steps=steps, verbose=verbose)
     comm = world()
     devices.prepare(comm, resolved.bind_gpus)
     source = agree(comm, make_source, x, batch_size=batch_size)

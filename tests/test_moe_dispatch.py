@@ -11,9 +11,12 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import hyparflow as hf
 from hyparflow.moe import RouterTally, SparseDispatch, sparse_blocks
 from hyparflow.moe.dispatch import top_k_mixture, within_capacity
+from hyparflow.moe.in_keras import sparse_in_keras
 from tests.support import zoo
+from tests.support.compare import relative_difference
 
 TOLERANCE = 1e-5
 
@@ -315,3 +318,58 @@ def test_router_losses_take_micro_batches_in_gpipe_order_only():
     one_f_one_b = hf.Strategy("model", partitions=2, microbatches=2, schedule="1f1b")
     check_router_losses(model, dataclasses.replace(one_f_one_b, sparse_experts=False))
     check_router_losses(zoo.gpt_oss(), one_f_one_b)  # gpt-oss adds no router loss
+
+
+def _one_process_fit(fit, model=None, **options):
+    """A tiny Mixtral (`model`, or a new one) trained by `fit` (model.fit or hf.fit in this one
+    process), and for each step whether its blocks ran hyparflow's sparse calls."""
+    x, y, batch_size, epochs = zoo.training_data("mixtral", False)
+    model = model or zoo.compiled("mixtral", "sgd")
+    blocks = sparse_blocks(model)
+    sparse = []
+    probe = keras.callbacks.LambdaCallback(
+        on_train_batch_begin=lambda *_, **__: sparse.append(all("call" in vars(b) for b in blocks))
+    )
+    history = fit(model, x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0,
+                  callbacks=[probe], **options)  # fmt: skip
+    assert not any("call" in vars(b) for b in blocks), "the blocks' own calls again"
+    return model, history.history, sparse
+
+
+def test_one_process_fit_is_model_fit_with_the_experts_dispatched_sparsely():
+    """Without a launcher hf.fit is model.fit, keras_hub's mixture blocks sparse while it runs
+    (within float rounding of Keras's dense fit, its router loss included);
+    `sparse_experts=False` is model.fit exactly."""
+    keras_fit = lambda model, x, y, **kw: model.fit(x, y, **kw)  # noqa: E731
+    dense, dense_history, dense_steps = _one_process_fit(keras_fit)
+    model, history, steps = _one_process_fit(hf.fit)
+    assert steps and all(steps) and not any(dense_steps)
+    assert relative_difference(model.get_weights(), dense.get_weights()) < TOLERANCE
+    for key, values in dense_history.items():
+        np.testing.assert_allclose(history[key], values, rtol=TOLERANCE)
+    plain, plain_history, plain_steps = _one_process_fit(
+        hf.fit, strategy=hf.Strategy("data", sparse_experts=False)
+    )
+    assert not any(plain_steps) and plain_history == dense_history
+    for a, b in zip(plain.get_weights(), dense.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)  # the same call of Keras's: same bytes
+    # Keras keeps the step it compiled around the sparse calls, and drops a dense one
+    compiled = model.train_function
+    _, _, again = _one_process_fit(hf.fit, model=model)
+    assert all(again) and model.train_function is compiled, "hf.fit again: no new trace"
+    model.fit(zoo.training_data("mixtral", False)[0], epochs=1, verbose=0)  # Keras's own
+    assert model.train_function is compiled, "a plain fit reuses the sparse step"
+    traced_dense = dense.train_function
+    _, _, retraced = _one_process_fit(hf.fit, model=dense)
+    assert all(retraced) and dense.train_function is not traced_dense, "traced sparse again"
+
+
+def test_a_model_compiled_for_xla_keeps_its_dense_experts():
+    """tf.dynamic_partition's data-dependent shapes do not compile under XLA."""
+    keras.utils.set_random_seed(0)
+    model = zoo.compiled("mixtral", "sgd")
+    with sparse_in_keras(model) as dispatch:
+        assert len(dispatch.blocks) == 2
+    model.jit_compile = True
+    with sparse_in_keras(model) as dispatch:
+        assert dispatch.blocks == []

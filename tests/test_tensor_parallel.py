@@ -125,10 +125,10 @@ def test_keras_hub_blocks_split_by_their_policies_and_too_few_heads_are_named():
     # Qwen3-MoE: its per-head query and key norms keep whole weights, their gradients summed
     qwen = tensor_layout(zoo.qwen3_moe(), 2)
     assert [role for _, role in _roles(qwen)][1:5] == ["column"] * 3 + ["row"]
-    assert [norm.name for norm in qwen.summed] == [
-        "query_dense_layernorm",
-        "key_dense_layernorm",
-    ] * 2
+    norms = ["query_dense_layernorm", "key_dense_layernorm"] * 2
+    assert [norm.name for norm in qwen.summed] == norms
+    # the same split given as a tensor_layout override sums the same norms
+    assert [n.name for n in tensor_layout(zoo.qwen3_moe(), 2, qwen.layout_map()).summed] == norms
     with pytest.raises(ValueError, match=r"'query': its 2 heads are not a multiple of 4"):
         tensor_layout(zoo.qwen3_moe(), 4)
 

@@ -27,14 +27,17 @@ def epoch_timer():
 
 
 def interleaved_epochs(setups: dict, x, y, batch_size: int, repeats: int, steps=None) -> dict:
-    """`setups`: name -> (model, strategy or None: `model.fit` on rank 0 while the others wait),
-    a model object each (hyparflow caches one Trainer per model). One warm-up epoch each
-    (tracing), then `repeats` rounds of one epoch each, the order rotated every round. Returns
-    name -> epoch seconds (None where a rank waited)."""
+    """`setups`: name -> (model, strategy or None: `model.fit` on rank 0 while the others wait,
+    [a context to enter around that `model.fit`, given the model]), a model object each
+    (hyparflow caches one Trainer per model). One warm-up epoch each (tracing), then `repeats`
+    rounds of one epoch each, the order rotated every round. Returns name -> epoch seconds (None
+    where a rank waited)."""
+    import contextlib
+
     import hyparflow as hf
 
     def epoch(name):
-        model, strategy = setups[name]
+        model, strategy, *around = setups[name]
         timer = epoch_timer()
         fit = dict(batch_size=batch_size, epochs=1, verbose=0, callbacks=[timer],
                    steps_per_epoch=steps)  # fmt: skip
@@ -44,7 +47,8 @@ def interleaved_epochs(setups: dict, x, y, batch_size: int, repeats: int, steps=
             from mpi4py import MPI
 
             if hf.rank() == 0:
-                model.fit(x, y, **fit)
+                with (around[0] if around else contextlib.nullcontext)(model):
+                    model.fit(x, y, **fit)
             MPI.COMM_WORLD.Barrier()
         return timer.seconds[0] if timer.seconds else None
 

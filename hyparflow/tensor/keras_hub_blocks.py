@@ -90,7 +90,6 @@ def split_block(layout, layer) -> None:
             split.input_copied = True
             layout.splits.append(split)
         layout.copies.append((layer, attention.inputs))
-        layout.summed += [getattr(layer, name) for name in attention.head_norms]
         layout.splits.append(split_layer(getattr(layer, attention.output), ROW, parts, reason))
         dropout = getattr(layer, attention.dropout)
         if dropout.rate > 0:
@@ -106,6 +105,20 @@ def split_block(layout, layer) -> None:
         reason = f"feed-forward of {layer.name}"
         layout.splits += [split_layer(c, COLUMN, parts, reason) for c in columns]
         layout.splits.append(split_layer(row, ROW, parts, reason))
+
+
+def split_head_norms(layout, layers) -> list:
+    """The per-head norms of the table's attention layers among `layers` whose query or key
+    projection `layout` splits (by the rules or a `tensor_layout` override alike)."""
+    split = {id(s.layer) for s in layout.splits}
+    norms = []
+    for layer in layers:
+        attention = policy(layer, ATTENTION)
+        if attention is None:
+            continue
+        if any(id(getattr(layer, name)) in split for name in (attention.query, attention.key)):
+            norms += [getattr(layer, name) for name in attention.head_norms]
+    return norms
 
 
 def whole_tensor_dropouts(layer) -> set:

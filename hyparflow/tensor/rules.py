@@ -21,7 +21,7 @@ import keras
 
 from hyparflow import _keras
 from hyparflow.partitioner.graph import build_graph
-from hyparflow.tensor.keras_hub_blocks import split_block, whole_tensor_dropouts
+from hyparflow.tensor.keras_hub_blocks import split_block, split_head_norms, whole_tensor_dropouts
 from hyparflow.tensor.layout import check_divides, lookup, split_axis
 from hyparflow.tensor.roles import (
     CONVS,
@@ -56,6 +56,7 @@ def tensor_layout(model, parts: int, overrides: dict | None = None) -> TensorLay
         _graph_pairs(layout, graph)
         _note_unpaired(layout, graph)
     _check_composite_dropouts(layout, layers)
+    layout.summed = split_head_norms(layout, layers)
     for split in layout.splits:
         for variable, _ in split.axes.values():
             check_elementwise(variable)
