@@ -212,28 +212,21 @@ def check_tensor_parallel(model, strategy, comm_backend: str) -> None:
         raise ValueError(f"{name} sums gradients with hyparflow's MPI reduction; use comm='mpi'.")
     if strategy.overlap_groups > 1:
         raise ValueError(f"{name} does not overlap reductions by groups yet; use overlap_groups=1.")
-    optimizer = model.optimizer
-    inner = getattr(optimizer, "inner_optimizer", optimizer)
-    if getattr(inner, "clipnorm", None):
-        raise ValueError(
-            f"{name}: the optimizer's clipnorm clips each variable by its own norm, which a "
-            "shard cannot know; use global_clipnorm (clipped by the whole model's norm)."
-        )
 
 
 def check_expert_parallel(model, strategy, comm_backend: str) -> None:
     """Refuse what expert parallelism (`experts` > 1) does not train exactly: a model without
-    mixture blocks it splits, a block whose experts E does not divide, per-variable clipping,
+    mixture blocks it splits, a block whose experts E does not divide,
     expert weights whose regularizer or constraint is not elementwise, another reduction than
-    MPI's. (Global clipping and L1/L2 regularizers sum their shards' parts over the group.)"""
+    MPI's. (Clipping and L1/L2 regularizers sum their shards' parts over the group.)"""
     if strategy.experts == 1:
         return
     name = f"experts={strategy.experts}"
     blocks = sparse_blocks(model)
     if not blocks:
         raise ValueError(
-            f"{name} splits keras_hub mixture-of-experts blocks (Mixtral, Qwen3-MoE, gpt-oss) "
-            "over replicas, and this model has none; use experts=1."
+            f"{name} splits keras_hub mixture-of-experts blocks (Mixtral, the Qwen mixtures, "
+            "gpt-oss) over replicas, and this model has none; use experts=1."
         )
     uneven = [b.name for b in blocks if b.num_experts % strategy.experts]
     if uneven:
@@ -246,13 +239,6 @@ def check_expert_parallel(model, strategy, comm_backend: str) -> None:
         raise ValueError(f"{name} sums gradients with hyparflow's MPI reduction; use comm='mpi'.")
     if strategy.overlap_groups > 1:
         raise ValueError(f"{name} does not overlap reductions by groups yet; use overlap_groups=1.")
-    inner = getattr(model.optimizer, "inner_optimizer", model.optimizer)
-    if getattr(inner, "clipnorm", None):
-        raise ValueError(
-            f"{name}: the optimizer's clipnorm clips each variable by its own norm, which a "
-            "rank holding some of the experts cannot know; use global_clipnorm (clipped by the "
-            "whole model's norm)."
-        )
     for variable in expert_weights(model):
         check_elementwise(variable, f"expert parallelism ({name})", "Use experts=1")
 

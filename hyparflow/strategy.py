@@ -48,8 +48,9 @@ class Strategy:
       sum their gradients (`num_replicas`). None: derived from the world size and `kind`.
     - `tensor` (1): T > 1 also splits single layers of every stage over T neighbouring ranks,
       Megatron-LM style (docs/tensor.md); the world size must be a multiple of T. Refused
-      with `comm="horovod"`, `overlap_groups` > 1, an optimizer's per-variable `clipnorm` and
-      an optimizer already built; its stages never update by segment.
+      with `comm="horovod"`, `overlap_groups` > 1 and an optimizer already built; its stages
+      never update by segment. A per-variable `clipnorm` clips each shard by its whole
+      variable's norm.
     - `tensor_layout` (None): with `tensor` > 1, overrides the automatic layout (Dense and
       Conv pairs, attention heads, embedding vocabularies) in Keras's `LayoutMap`
       convention: a dict from a regex over variable paths to one entry per dimension,
@@ -138,8 +139,9 @@ class Strategy:
       all-to-all, no token dropped, so training stays exact. E must divide `replicas` and each
       block's number of experts; with `tensor` > 1 each tensor rank's replicas form their own
       groups (the mixture blocks stay whole on tensor ranks). It needs `sparse_experts`, and is
-      refused with Horovod, `overlap_groups` > 1, clipnorm, and regularizers or constraints on
-      expert weights that are not elementwise. With `shard_optimizer`, ZeRO-1 slices the other
+      refused with Horovod, `overlap_groups` > 1, and regularizers or constraints on expert
+      weights that are not elementwise (`clipnorm` clips each shard by its whole kernel's
+      norm). With `shard_optimizer`, ZeRO-1 slices the other
       variables' optimizer state over the replicas; expert shards keep theirs whole.
     - `capacity_factor` (None): each mixture expert computes at most `ceil(factor * T * k / E)`
       of a piece's T tokens' k picks (first choices first, earlier tokens first; GShard's

@@ -93,7 +93,6 @@ def test_an_uncaught_misuse_ends_every_rank_by_itself(case, tmp_path):
 TENSOR_MISUSE = {
     "tensor_indivisible_units": "'five_units': its 5 units are not a multiple of 2",
     "tensor_not_dividing_world": "tensor=3 does not divide the world size 2",
-    "tensor_with_per_variable_clipnorm": "use global_clipnorm",
 }
 
 

@@ -94,6 +94,8 @@ TWO_RANKS = [
     # ZeRO-1 slices the other slots (the expert shards updated whole); the global norm sums
     # the expert shards' squares over the group
     Case("mixtral", "adam+globalclip", "data", replicas=2, experts=2, shard_optimizer=True),
+    # each expert shard clipped by its whole kernel's norm
+    Case("mixtral", "adam+clipnorm", "data", replicas=2, experts=2),
     Case("gpt_oss", "adam", "data", replicas=2, microbatches=2),
     # the mixture blocks whole on both tensor ranks (Mixtral's attention whole too, Qwen3-MoE's
     # split by its two key-value heads); router loss on

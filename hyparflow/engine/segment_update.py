@@ -80,6 +80,7 @@ class SegmentUpdate:
         optimizer = self.update.model.optimizer
         if self._usable_for[0] is not optimizer:
             clips = bool(getattr(inner_optimizer(optimizer), "global_clipnorm", None))
+            clips = clips or self.update.clips_split_variables()  # whole norms: every shard's
             ok = bool(self.update.variables) and applies_per_variable(optimizer) and not clips
             self._usable_for = (optimizer, ok)
         return self._usable_for[1]

@@ -241,10 +241,35 @@ class Update:
         reg_value = self.sum_over_pipeline(reg_value)
         if isinstance(self.model.optimizer, LossScaleOptimizer):
             grads = self.agree_finite_for_loss_scaling(grads)
+        if self.clips_split_variables():
+            grads = self._clipped_by_whole_norms(grads)
         norm = self._pipeline_norm(grads) if self.clips_across_stages else None
         if self.variables:  # a stage of only Add/Activation layers has nothing to update
             self._optimizer_step(grads, norm)
         return reg_value
+
+    def clips_split_variables(self) -> bool:
+        """Whether the optimizer's per-variable `clipnorm` meets split variables (tensor or
+        expert shards), whose norms are their whole variables': `_apply` clips them first."""
+        return bool(self.split_ids and getattr(inner_optimizer(self.model.optimizer),
+                                               "clipnorm", None))  # fmt: skip
+
+    def _clipped_by_whole_norms(self, grads: list) -> list:
+        """Keras's `clipnorm` of each shard by its whole variable's norm (the shards' squares
+        summed over their group, one allreduce a group): Keras's own clip of the shard then
+        changes nothing, its norm being at most `clipnorm`. Collective over each group."""
+        clip = inner_optimizer(self.model.optimizer).clipnorm
+        scale = tf.constant(self.loss_scale(), tf.float32)
+        grads = list(grads)
+        for ids, comm in self.split_groups:
+            at = [i for i, v in enumerate(self.variables) if id(v) in ids]
+            squares = np.array([float(self._squares_fn([grads[i]], scale)) for i in at])
+            with self.guard("sum each split variable's gradient norm over its group"):
+                comm.Allreduce(mpi_op("IN_PLACE"), squares)
+            for i, square in zip(at, squares, strict=True):
+                factor = tf.cast(clip / max(math.sqrt(square), clip), grads[i].dtype)
+                grads[i] = row_sparse.like(grads[i], row_sparse.values_of(grads[i]) * factor)
+        return grads
 
     def _pipeline_norm(self, grads: list):
         """Keras's global gradient norm of the whole model (its `global_clipnorm`): squares of
@@ -330,6 +355,7 @@ class Update:
             clipping = bool(getattr(inner_optimizer(optimizer), "global_clipnorm", None))
             groups = update_groups(self.variables)
             usable = len(groups) > 1 and applies_per_variable(optimizer)
+            usable = usable and not self.clips_split_variables()  # `_apply` clips them
             self._groups_for = (key, usable and not (clipping and self.regularized))
         return self._groups_for[1]
 

@@ -163,12 +163,6 @@ def odd_pair():
     return model
 
 
-def _clipnorm_mlp():
-    model = compiled("mlp", "sgd")
-    model.compile(optimizer=keras.optimizers.SGD(0.1, clipnorm=1.0), loss=model.loss)
-    return model
-
-
 def unseeded_shuffle(x, y):
     """The habit that breaks data sharing: each rank shuffles with its own generator."""
     order = np.random.default_rng(1000 + hf.rank()).permutation(len(x))
@@ -183,9 +177,6 @@ CASES = {
     "tensor_indivisible_units": lambda x, y, tmp: fit(odd_pair(), x, y, strategy=tensor()),
     "tensor_not_dividing_world": lambda x, y, tmp: fit(
         compiled("mlp", "sgd"), x, y, strategy=hf.Strategy("data", tensor=3)
-    ),
-    "tensor_with_per_variable_clipnorm": lambda x, y, tmp: fit(
-        _clipnorm_mlp(), x, y, strategy=tensor()
     ),
     "wrong_world_size": lambda x, y, tmp: fit(
         compiled("mlp", "sgd"), x, y, strategy="hybrid", num_partitions=2, num_replicas=3
