@@ -227,3 +227,28 @@ def test_chunk_runners_sum_a_shared_variable_and_table_over_the_rank_s_chunks():
         for got, want in zip(grads, expected, strict=True):
             np.testing.assert_allclose(tf.convert_to_tensor(got), tf.convert_to_tensor(want),
                                        rtol=1e-6)  # fmt: skip
+
+
+def test_shards_clip_as_keras_clips_their_whole_variables():
+    """`ShardClipping` on a one-rank group is Keras's `clipnorm` of each variable: a dense
+    gradient over the limit, one under it, and a table's row slices; the gradients are of a
+    loss scaled by 4 (loss scaling), the norms of the unscaled one."""
+    from hyparflow.engine.shard_clipping import ShardClipping
+
+    variables = [keras.Variable(np.zeros((3, 2), "float32")) for _ in range(3)]
+    rng = np.random.default_rng(0)
+    over, under = (tf.constant(rng.normal(size=(3, 2)) * s, tf.float32) for s in (12.0, 0.01))
+    rows = tf.IndexedSlices(
+        tf.constant(rng.normal(size=(2, 2)), tf.float32), tf.constant([0, 2]), tf.constant([3, 2])
+    )
+    groups = [({id(v) for v in variables}, MPI.COMM_SELF)]
+    clipped = ShardClipping(variables, groups, _no_guard).clip([over, under, rows], 1.0, 4.0)
+    for got, grad in zip(clipped, [over, under, rows], strict=True):
+        values = row_values(grad) / 4.0  # Keras clips the unscaled gradient: g * c / max(|g|, c)
+        expected = values * 1.0 / tf.maximum(tf.norm(values), 1.0) * 4.0
+        np.testing.assert_allclose(row_values(got), expected, rtol=1e-6)
+    assert isinstance(clipped[2], tf.IndexedSlices) and float(tf.norm(over / 4.0)) > 1.0
+
+
+def row_values(grad):
+    return grad.values if isinstance(grad, tf.IndexedSlices) else grad

@@ -15,6 +15,7 @@ from hyparflow.comm.agree import AgreedError
 from hyparflow.engine import sparse as row_sparse
 from hyparflow.engine.mpi import mpi_op
 from hyparflow.engine.relaxed import rows_unknown
+from hyparflow.engine.shard_clipping import ShardClipping
 from hyparflow.engine.weights import byte_groups
 from hyparflow.sizes import UPDATE_GROUP_BYTES
 from hyparflow.traced import traced
@@ -125,6 +126,7 @@ class Update:
             getattr(inner_optimizer(model.optimizer), "global_clipnorm", None)
         )
         self._squares_fn = traced(_sum_of_squares, reduce_retracing=True)
+        self._shard_clipping = ShardClipping(self.variables, self.split_groups, guard)
         self._reg_values_fn = traced(self._reg_values)
         self._groups_for: tuple = (None, False)  # (id of the optimizer, whether grouped)
         self._position_groups: dict = {}  # positions -> their update groups (`apply_some`)
@@ -242,7 +244,8 @@ class Update:
         if isinstance(self.model.optimizer, LossScaleOptimizer):
             grads = self.agree_finite_for_loss_scaling(grads)
         if self.clips_split_variables():
-            grads = self._clipped_by_whole_norms(grads)
+            clip = inner_optimizer(self.model.optimizer).clipnorm
+            grads = self._shard_clipping.clip(grads, clip, self.loss_scale())
         norm = self._pipeline_norm(grads) if self.clips_across_stages else None
         if self.variables:  # a stage of only Add/Activation layers has nothing to update
             self._optimizer_step(grads, norm)
@@ -250,26 +253,10 @@ class Update:
 
     def clips_split_variables(self) -> bool:
         """Whether the optimizer's per-variable `clipnorm` meets split variables (tensor or
-        expert shards), whose norms are their whole variables': `_apply` clips them first."""
+        expert shards), whose norms are their whole variables': `_apply` clips them first
+        (`ShardClipping`)."""
         return bool(self.split_ids and getattr(inner_optimizer(self.model.optimizer),
                                                "clipnorm", None))  # fmt: skip
-
-    def _clipped_by_whole_norms(self, grads: list) -> list:
-        """Keras's `clipnorm` of each shard by its whole variable's norm (the shards' squares
-        summed over their group, one allreduce a group): Keras's own clip of the shard then
-        changes nothing, its norm being at most `clipnorm`. Collective over each group."""
-        clip = inner_optimizer(self.model.optimizer).clipnorm
-        scale = tf.constant(self.loss_scale(), tf.float32)
-        grads = list(grads)
-        for ids, comm in self.split_groups:
-            at = [i for i, v in enumerate(self.variables) if id(v) in ids]
-            squares = np.array([float(self._squares_fn([grads[i]], scale)) for i in at])
-            with self.guard("sum each split variable's gradient norm over its group"):
-                comm.Allreduce(mpi_op("IN_PLACE"), squares)
-            for i, square in zip(at, squares, strict=True):
-                factor = tf.cast(clip / max(math.sqrt(square), clip), grads[i].dtype)
-                grads[i] = row_sparse.like(grads[i], row_sparse.values_of(grads[i]) * factor)
-        return grads
 
     def _pipeline_norm(self, grads: list):
         """Keras's global gradient norm of the whole model (its `global_clipnorm`): squares of
