@@ -18,6 +18,7 @@ A class not in the table stays whole (its embeddings still split by vocabulary).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from hyparflow.tensor.roles import COLUMN, ROW, split_layer, unsplittable
@@ -47,11 +48,10 @@ _BLOCK_DROPOUTS = ("_self_attention_dropout", "_cross_attention_dropout", "_feed
 ATTENTION = {
     "LlamaAttention": _LLAMA_STYLE,
     "CachedMistralAttention": _LLAMA_STYLE,
-    "Qwen3MoeAttention": Attention(
-        "_query_dense", "_key_dense", "_value_dense", "_output_dense", "_dropout_layer",
-        head_norms=("_query_dense_layer_norm", "_key_dense_layer_norm"),
+    "Qwen3MoeAttention": dataclasses.replace(
+        _LLAMA_STYLE, head_norms=("_query_dense_layer_norm", "_key_dense_layer_norm")
     ),
-}  # fmt: skip
+}
 FEED_FORWARD = {
     "TransformerEncoder": FeedForward(
         ("_feedforward_intermediate_dense",), "_feedforward_output_dense", _BLOCK_DROPOUTS
