@@ -13,7 +13,9 @@ sublayers by role, for the classes whose `call` was read (keras_hub 0.32):
 - feed-forward: the projections feeding the elementwise product (gated or not) by column, the
   last one by row; the block's other dropouts act on whole tensors after a row layer.
 
-A class not in the table stays whole (its embeddings still split by vocabulary).
+A class not in the table stays whole (its embeddings still split by vocabulary), and so does
+a block's attention or feed-forward whose heads or units the tensor ranks do not divide
+(grouped-query attention with fewer key-value heads than ranks among them).
 """
 
 from __future__ import annotations
@@ -80,20 +82,12 @@ def policy(layer, table: dict):
 
 
 def split_block(layout, layer) -> None:
-    """Add `layer`'s splits to `layout` if it is a keras_hub block of the table."""
-    parts = layout.parts
+    """Add `layer`'s splits to `layout` if it is a keras_hub block of the table; an attention
+    or a feed-forward whose heads or units the tensor ranks do not divide stays whole."""
     attention = policy(layer, ATTENTION)
     if attention is not None:
-        reason = f"heads of {layer.name}"
-        for name in (attention.query, attention.key, attention.value):
-            split = split_layer(getattr(layer, name), COLUMN, parts, reason, heads_axis=1)
-            split.input_copied = True
-            layout.splits.append(split)
-        layout.copies.append((layer, attention.inputs))
-        layout.splits.append(split_layer(getattr(layer, attention.output), ROW, parts, reason))
-        dropout = getattr(layer, attention.dropout)
-        if dropout.rate > 0:
-            layout.dropouts.append((dropout, 2))
+        with layout.all_or_none(layer.name, [layer]):
+            _split_attention(layout, layer, attention)
     feed_forward = policy(layer, FEED_FORWARD)
     if feed_forward is not None and feed_forward.row is not None:
         columns = [getattr(layer, name) for name in feed_forward.columns]
@@ -103,8 +97,22 @@ def split_block(layout, layer) -> None:
             layout.replicated.append(f"{layer.name} feed-forward: {why}")
             return
         reason = f"feed-forward of {layer.name}"
-        layout.splits += [split_layer(c, COLUMN, parts, reason) for c in columns]
-        layout.splits.append(split_layer(row, ROW, parts, reason))
+        with layout.all_or_none(reason, [*columns, row]):
+            layout.splits += [split_layer(c, COLUMN, layout.parts, reason) for c in columns]
+            layout.splits.append(split_layer(row, ROW, layout.parts, reason))
+
+
+def _split_attention(layout, layer, attention: Attention) -> None:
+    parts, reason = layout.parts, f"heads of {layer.name}"
+    for name in (attention.query, attention.key, attention.value):
+        split = split_layer(getattr(layer, name), COLUMN, parts, reason, heads_axis=1)
+        split.input_copied = True
+        layout.splits.append(split)
+    layout.copies.append((layer, attention.inputs))
+    layout.splits.append(split_layer(getattr(layer, attention.output), ROW, parts, reason))
+    dropout = getattr(layer, attention.dropout)
+    if dropout.rate > 0:
+        layout.dropouts.append((dropout, 2))
 
 
 def split_head_norms(layout, layers) -> list:

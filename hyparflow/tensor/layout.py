@@ -45,14 +45,29 @@ def bounds(size: int, parts: int, shard: int) -> tuple[int, int]:
     return shard * step, (shard + 1) * step
 
 
-def check_divides(layer: str, what: str, size: int, parts: int) -> None:
-    """Refuse `parts` tensor ranks for a dimension they cannot split evenly, naming the fix."""
-    if size % parts:
-        raise ValueError(
-            f"tensor={parts} cannot split layer {layer!r}: its {size} {what} are not a multiple "
-            f"of {parts}. tensor values that split it: {divisors(size)}; or name the layers to "
-            "split yourself with Strategy(tensor_layout=...), which replaces the automatic rules."
+class Indivisible(ValueError):
+    """A layer dimension that the tensor ranks do not divide. The automatic rules catch it and
+    keep the layer (with its partners) whole on every tensor rank, `reason` in the layout's
+    table; where a `tensor_layout` names the layer, the user asked for the split: an error."""
+
+    def __init__(self, layer: str, what: str, size: int, parts: int):
+        self.layer, self._fields = layer, (layer, what, size, parts)
+        fits = f"tensor values that split it: {divisors(size)}"
+        undivided = f"{size} {what} of {layer!r} are not a multiple of tensor={parts}"
+        self.reason = f"the {undivided} ({fits})"
+        super().__init__(
+            f"tensor_layout splits layer {layer!r}, but its {size} {what} are not a multiple of "
+            f"tensor={parts}; {fits}. Drop its entries to keep it whole on every tensor rank."
         )
+
+    def __reduce__(self):  # picklable, though its message is not its one argument
+        return Indivisible, self._fields
+
+
+def check_divides(layer: str, what: str, size: int, parts: int) -> None:
+    """Raise `Indivisible` when `parts` tensor ranks cannot split a dimension of `size` evenly."""
+    if size % parts:
+        raise Indivisible(layer, what, size, parts)
 
 
 def lookup(layout_map: dict, path: str):

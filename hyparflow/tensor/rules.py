@@ -73,9 +73,11 @@ def _attention_and_embeddings(layout: TensorLayout, layers) -> None:
             if why:
                 layout.replicated.append(f"{layer.name}: {why}")
                 continue
-            layout.splits.append(split_layer(layer, VOCAB, parts, "vocabulary rows"))
+            with layout.all_or_none(layer.name, [layer]):
+                layout.splits.append(split_layer(layer, VOCAB, parts, "vocabulary rows"))
         elif isinstance(layer, keras.layers.MultiHeadAttention):
-            _split_attention(layout, layer)
+            with layout.all_or_none(layer.name, [layer]):
+                _split_attention(layout, layer)
         else:
             split_block(layout, layer)
 
@@ -84,7 +86,7 @@ def _split_attention(layout: TensorLayout, layer) -> None:
     """Query, key, value (and gate) by column over the heads, output by row."""
     heads, parts = layer.num_heads, _keras.attention_parts(layer)
     if parts["axes"] not in ((), (1,)):
-        layout.replicated.append(f"{layer.name}: attention over axes {parts['axes']}")
+        layout.keep_whole(layer.name, [layer], f"it attends over axes {parts['axes']}")
         return
     check_divides(layer.name, "attention heads", heads, layout.parts)
     reason = f"{heads} heads of {layer.name}"
@@ -109,19 +111,20 @@ def _graph_pairs(layout: TensorLayout, graph) -> None:
     taken = {id(s.layer) for s in layout.splits}
     for column, row, dropouts in _pairs(graph, taken):
         reason = f"pair {column.operation.name} -> {row.operation.name}"
-        layout.splits += [
-            split_layer(column.operation, COLUMN, layout.parts, reason),
-            split_layer(row.operation, ROW, layout.parts, reason),
-        ]
-        layout.dropouts += [(d, -1) for d in dropouts]
+        with layout.all_or_none(reason, [column.operation, row.operation]):
+            layout.splits += [
+                split_layer(column.operation, COLUMN, layout.parts, reason),
+                split_layer(row.operation, ROW, layout.parts, reason),
+            ]
+            layout.dropouts += [(d, -1) for d in dropouts]
 
 
 def _note_unpaired(layout: TensorLayout, graph) -> None:
     """A line for each Dense/Conv of the graph that stays whole, saying why."""
-    split = {id(s.layer) for s in layout.splits}
+    noted = {id(s.layer) for s in layout.splits} | {id(x) for x in layout.kept_whole}
     for node in graph.nodes if graph is not None else ():
         layer = node.operation
-        if not isinstance(layer, (keras.layers.Dense, *CONVS)) or id(layer) in split:
+        if not isinstance(layer, (keras.layers.Dense, *CONVS)) or id(layer) in noted:
             continue
         why = unsplittable(layer) or (
             "no partner: its output reaches no other Dense/Conv through elementwise layers "
@@ -287,13 +290,16 @@ def _graph_of(model):
 
 def _check_composite_dropouts(layout: TensorLayout, layers) -> None:
     """Refuse a Dropout that may draw over a split tensor without knowing its axis: inside a
-    composite layer holding split layers, every Dropout must be placed by a rule or be one of
-    a known block's dropouts that act on whole tensors (keras_hub's, after each pair)."""
+    composite layer holding split layers, every Dropout must be placed by a rule, be one of
+    a known block's dropouts that act on whole tensors (keras_hub's, after each pair) or lie
+    inside a layer kept whole (an attention whose heads do not divide)."""
     split = {id(s.layer) for s in layout.splits}
     placed = {id(d) for d, _ in layout.dropouts}
-    whole = set()
+    whole = set()  # a block's dropouts on whole tensors, and those inside layers kept whole
     for layer in layers:
         whole |= whole_tensor_dropouts(layer)
+    for layer in layout.kept_whole:
+        whole |= {id(x) for x in _keras.all_layers(layer, include_self=False)}
     for layer in layers:
         if isinstance(layer, (_keras.Functional, keras.Sequential)):
             continue

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import keras
 import numpy as np
 
 from hyparflow.partitioner.graph import numpy_dtype
-from hyparflow.tensor.layout import axes_of, shard_bytes
+from hyparflow.tensor.layout import Indivisible, axes_of, shard_bytes
 
 # Megatron-LM's roles: a column layer splits its output units, a row layer its input units
 # (its partial sums are added after), a vocabulary layer its embedding table's rows.
@@ -44,7 +45,28 @@ class TensorLayout:
     # head): each rank's gradient is a part of the whole's, summed over the tensor ranks
     summed: list = field(default_factory=list)
     replicated: list = field(default_factory=list)  # "layer: why it stays whole"
+    # layers a rule would split but keeps whole on every tensor rank (`keep_whole`)
+    kept_whole: list = field(default_factory=list)
     variables: list = field(default_factory=list)  # every trainable variable of the model
+
+    def keep_whole(self, name: str, layers: list, why: str) -> None:
+        """Keep `layers` (a rule's group, `name` in the table) whole on every tensor rank."""
+        self.kept_whole += layers
+        self.replicated.append(f"{name}: kept whole on every tensor rank, as {why}")
+
+    @contextlib.contextmanager
+    def all_or_none(self, name: str, layers: list):
+        """The splits a rule adds inside the context, or none: when one of the group's
+        dimensions does not divide (`Indivisible`), what it added is taken back and `layers`
+        stay whole together. Half a group cannot be split: a row layer needs its column's split
+        output, and a rank's query heads their own keys and values."""
+        marks = [(items, len(items)) for items in (self.splits, self.dropouts, self.copies)]
+        try:
+            yield
+        except Indivisible as error:
+            for items, mark in marks:
+                del items[mark:]
+            self.keep_whole(name, layers, error.reason)
 
     def split_of(self, variable) -> int | None:
         """The split axis of `variable`, or None when every rank holds all of it."""
