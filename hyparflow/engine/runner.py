@@ -70,7 +70,8 @@ class RunnerBase:
     BatchNormalization statistics summed across replicas). `input_shapes`: the declared
     shapes of the inputs (`relaxed.declared_shapes`), so that each step function is traced
     once, before its first call, with the batch size and the varying lengths unknown, instead of
-    once per micro-batch shape; without them (None), it traces as the data comes, at most twice
+    once per micro-batch shape (or, for a model that cannot take a length unknown, once per
+    length: `relaxed.Traces`); without them (None), it traces as the data comes, at most twice
     (`reduce_retracing`, as Keras's own train function).
     """
 
@@ -89,6 +90,7 @@ class RunnerBase:
         self.last_added = None
         self._call = call
         self.input_shapes = input_shapes
+        self._traces = relaxed.Traces(input_shapes)
         self._grads = None  # the step's summed dense gradients: a list, or flat tensors
         self._infer_fn = traced(self._infer_body, reduce_retracing=True)
 
@@ -104,11 +106,10 @@ class RunnerBase:
         return outputs, self._added()
 
     def _relaxed(self, function, args: tuple, targets: tuple = ()):
-        """`function`, once traced with the batch size and the varying dimensions of `args`
-        unknown (engine/relaxed.py; without declared inputs, as the data comes)."""
-        if self.input_shapes is not None:
-            relaxed.trace_first(function, args, self.input_shapes, targets)
-        return function
+        """What to call for `function(*args)`: `function`, once traced with the batch size and
+        the varying dimensions of `args` unknown, or its copy traced per length where that
+        trace raised (`relaxed.Traces`; without declared inputs, as the data comes)."""
+        return self._traces.ready(function, args, targets)
 
     def weight(self, microbatch: int) -> None:
         """Nothing: this runner's backward computes the weight gradients too."""

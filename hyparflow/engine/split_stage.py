@@ -95,7 +95,11 @@ class SplitStageRunner(StageRunner):
             self._refuse(["BatchNormalization statistics are summed across replicas"])
             return
         specs = relaxed.relaxed_specs((*args, None), self.input_shapes, targets)
-        refusals = self._discover(function, specs)
+        if not relaxed.traces(traced(function.python_function), specs):
+            # its taps would be shaped per length; the whole backward traces per length
+            self._refuse(["the stage cannot be traced with its lengths unknown"])
+            return
+        refusals = self._recorder.refusals
         relaxed_shapes = self._discovered_shapes()
         if not refusals:
             refusals = self._discover(function, (*args, None))

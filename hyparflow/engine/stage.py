@@ -134,6 +134,8 @@ class StageRunner(RunnerBase):
         """The stage's training forward and its layers' added loss (zero if none); with
         `params`, its variables read views of it. `rows` ([offset, global batch size]) places
         the micro-batch in the global batch, whose dropout masks it takes its rows of."""
+        if self._tally is not None:  # drop what a trace that raised recorded (relaxed.Traces)
+            self._tally.collect()
         inputs = self._differentiable(inputs)
         if params is None:
             with slice_of(rows), self._train_scope():
