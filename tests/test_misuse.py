@@ -91,7 +91,7 @@ def test_an_uncaught_misuse_ends_every_rank_by_itself(case, tmp_path):
 
 
 TENSOR_MISUSE = {
-    "tensor_indivisible_units": "'five_units': its 5 units are not a multiple of 2",
+    "tensor_indivisible_units": "'five_units', but its 5 units are not a multiple of tensor=2",
     "tensor_not_dividing_world": "tensor=3 does not divide the world size 2",
 }
 
