@@ -7,6 +7,7 @@ the layout's table; a `tensor_layout` that asks for such a split is refused. Und
 (tests/mpi/tensor_whole.py).
 """
 
+import keras
 import pytest
 
 import hyparflow as hf
@@ -63,6 +64,25 @@ def test_grouped_query_attention_that_half_divides_stays_whole_together():
     assert layout.copies == []  # nothing of the attention's copy of its input is left
     whole = [line for line in layout.replicated if "2 heads of 'key'" in line]
     assert len(whole) == 2 and all("kept whole on every tensor rank" in w for w in whole)
+
+
+def test_dropout_inside_a_whole_attention_draws_as_keras_beside_split_layers():
+    class Block(keras.layers.Layer):
+        """One attention that splits at T=2 and one that does not, with score dropout."""
+
+        def __init__(self):
+            super().__init__()
+            self.split = keras.layers.MultiHeadAttention(2, 4, name="split")
+            self.whole = keras.layers.MultiHeadAttention(3, 4, dropout=0.5, name="whole")
+
+        def call(self, x):
+            return self.whole(self.split(x, x), x)
+
+    tokens = keras.Input((3, 8))
+    layout = tensor_layout(keras.Model(tokens, Block()(tokens)), 2)
+    # its dropout acts on the whole attention's scores, on every rank alike: not refused
+    assert [layer.name for layer in layout.kept_whole] == ["whole"]
+    assert layout.dropouts == [] and len(layout.splits) == 4
 
 
 def test_a_layout_map_that_splits_what_does_not_divide_is_refused():
