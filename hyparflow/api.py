@@ -17,10 +17,17 @@ from hyparflow.comm.watchdog import resolve_timeout
 from hyparflow.comm.world import launched, size, world
 from hyparflow.data import make_source
 from hyparflow.data.fingerprint import data_digest, differing_ranks, mismatch_message
-from hyparflow.data.sources import fit_sources, input_shapes, nominal_batch_size, split_validation
+from hyparflow.data.sources import (
+    fit_sources,
+    input_arrays,
+    input_shapes,
+    nominal_batch_size,
+    split_validation,
+)  # fmt: skip
 from hyparflow.engine.agreed_plan import agreed_plan
 from hyparflow.engine.custom_step import make_trainer
 from hyparflow.engine.loops import evaluate_loop, fit_loop, predict_loop
+from hyparflow.engine.sparse_probe import probe_row_kinds
 from hyparflow.engine.weights import held_elsewhere
 from hyparflow.memory.limits import memory_room
 from hyparflow.memory.plan import memory_plan
@@ -79,11 +86,14 @@ def _stage_layouts(model, plan, tensor: int, overrides) -> list:
     return [tensor_rules.tensor_layout(graph, tensor, overrides) for graph in graphs]
 
 
-def _make_trainer(model, resolved, comm, needs_loss=True, comm_backend=None, restoring=False):
+def _make_trainer(
+    model, resolved, comm, needs_loss=True, comm_backend=None, restoring=False, inputs=None
+):  # fmt: skip
     """This rank's Trainer for `model`, reused by later fit/evaluate/predict calls with the same
     strategy, compilation and gradient-reduction backend (so stages are cut and functions traced
     only once). `comm_backend=None` (evaluate, predict: no gradients) takes any cached one.
-    `restoring`: a checkpoint will be restored into the trainer (resume)."""
+    `restoring`: a checkpoint will be restored into the trainer (resume). `inputs`: the
+    data's input arrays, if any (their shapes are where the model's gradient is probed)."""
     if needs_loss:
         agree(comm, model_checks.check_loss_reductions, model)
         agree(comm, model_checks.check_standard_steps, model, resolved)
@@ -122,8 +132,10 @@ def _make_trainer(model, resolved, comm, needs_loss=True, comm_backend=None, res
     if deferred.any_deferred(model):  # built under hf.scope(): allocate this rank's share only
         elsewhere = held_elsewhere(model, plan, stage, layout, resolved.experts)
         agree(comm, _materialize_share, model, elsewhere, restoring)
+    # which variables' gradients are row slices, per sample or per batch (refused: both)
+    row_kinds = agree(comm, probe_row_kinds, model, inputs)
     trainer = make_trainer(model, resolved, comm, plan, comm_backend=comm_backend,
-                           tensor_layout=layout)  # fmt: skip
+                           tensor_layout=layout, row_kinds=row_kinds)  # fmt: skip
     object.__setattr__(model, _TRAINER_ATTRIBUTE, (key, trainer))  # not a tracked attribute
     return trainer
 
@@ -345,7 +357,8 @@ def _distributed_fit(model, x, y, batch_size, epochs, resolved, options, **kwarg
     agree(comm, model_checks.check_expert_parallel, model, resolved, options["comm"])
     agree(comm, model_checks.check_sharded_optimizer, model, resolved, options["comm"])
     trainer = _make_trainer(
-        model, resolved, comm, comm_backend=options["comm"], restoring=folder is not None
+        model, resolved, comm, comm_backend=options["comm"], restoring=folder is not None,
+        inputs=input_arrays(source),
     )  # fmt: skip
     for notice in model_checks.training_notices(model, resolved) if comm.Get_rank() == 0 else ():
         warnings.warn(notice, stacklevel=3)
@@ -400,7 +413,7 @@ def evaluate(
     comm = world()
     devices.prepare(comm, resolved.bind_gpus)
     source = agree(comm, make_source, x, y, sample_weight, batch_size=batch_size)
-    trainer = _make_trainer(model, resolved, comm)
+    trainer = _make_trainer(model, resolved, comm, inputs=input_arrays(source))
     logs = _run(comm, lambda: evaluate_loop(trainer, source, steps=steps), model)
     if return_dict:
         return logs
@@ -428,5 +441,5 @@ def predict(
     comm = world()
     devices.prepare(comm, resolved.bind_gpus)
     source = agree(comm, make_source, x, batch_size=batch_size)
-    trainer = _make_trainer(model, resolved, comm, needs_loss=False)
+    trainer = _make_trainer(model, resolved, comm, needs_loss=False, inputs=input_arrays(source))
     return _run(comm, lambda: predict_loop(trainer, source, steps=steps), model)

@@ -79,6 +79,13 @@ def nominal_batch_size(epochs: EpochSteps) -> int | None:
     return source.batch_size
 
 
+def input_arrays(source):
+    """The arrays `x` of an array source (or of `fit_sources`' training source), whose shapes
+    tell the model's input shapes; None for other data."""
+    source = getattr(source, "source", source)
+    return source.data[0] if isinstance(source, ArraySource) else None
+
+
 def input_shapes(epochs: EpochSteps):
     """The shapes without the batch of the training arrays `x` (one array: its shape; a list:
     one each), as `measure_model` takes them; None for other data (the model's own)."""

@@ -34,8 +34,11 @@ class SharedAcrossStages:
         self.variables, self.tables, self.positions = variables, tables, positions
 
     @classmethod
-    def find(cls, plan, model, stage_variables: list) -> SharedAcrossStages | None:
-        """None when no variable is shared (or the model is not partitioned)."""
+    def find(
+        cls, plan, model, stage_variables: list, row_kinds=row_sparse.UNPROBED
+    ) -> SharedAcrossStages | None:
+        """None when no variable is shared (or the model is not partitioned). Stages look a
+        shared table up in their own calls: their rows concatenate, whatever `row_kinds` says."""
         # By variable, not layer name: a layer may be called in one stage directly and in
         # another inside a composite layer (keras_hub's tied token embedding in OPT).
         if plan is None:
@@ -48,7 +51,9 @@ class SharedAcrossStages:
         if not shared:
             return None
         mine = {id(v): i for i, v in enumerate(stage_variables)}
-        table_positions = row_sparse.row_sparse_positions(shared, _keras.all_layers(model))
+        table_positions = row_sparse.row_sparse_positions(
+            shared, _keras.all_layers(model), row_kinds
+        )  # fmt: skip
         tables = [j in table_positions for j in range(len(shared))]
         return cls(shared, tables, [mine.get(id(v)) for v in shared])
 
@@ -119,11 +124,13 @@ class GradientSync:
 
     def __init__(
         self, topology, runner, variables, dense, sparse, *, backend, shared, overlap,
-        experts=None,
+        experts=None, row_kinds=row_sparse.UNPROBED,
     ):  # fmt: skip
         self.topology = topology
         self.runner = runner
         self.variables, self.sparse = variables, sparse
+        # per table: whether its rows come once per batch (replicas add them row by row)
+        self.tables_per_batch = row_sparse.per_batch_flags(variables, sparse, row_kinds)
         self.shared = shared  # SharedAcrossStages or None
         self.overlap = overlap  # Overlap or None
         held = {id(v) for v in experts.variables} if experts is not None else set()
@@ -197,7 +204,7 @@ class GradientSync:
         """The embedding tables' gradients over this stage's replicas, as one process has them."""
         if not tables or self.topology.num_replicas == 1:
             return tables
-        return row_sparse.reduce_rows(self.topology.stage_comm, tables)
+        return row_sparse.reduce_rows(self.topology.stage_comm, tables, self.tables_per_batch)
 
     def _on_segment_done(self, j: int) -> None:
         """Last micro-batch's backward finished segment j: reduce what is now final."""

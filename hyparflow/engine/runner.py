@@ -62,7 +62,8 @@ class RunnerBase:
 
     `call(inputs, training)` computes the stage; `variables` are its trainable variables, of
     which `sparse` are the positions of embedding tables, whose gradients stay row slices: each
-    micro-batch's are kept as they come and concatenated in order (`take_sparse_gradients`).
+    micro-batch's are kept as they come and concatenated in order, or added row by row where
+    `row_kinds` says a table's rows come once per batch (`take_sparse_gradients`).
     `added_losses()`, if given, returns (inside a trace) the sum of the losses the layers added
     during the call (`add_loss`, activity regularizers), or None; `last_added` holds its value
     after each forward or inference, and `has_added_losses` turns True once a call added one.
@@ -76,10 +77,13 @@ class RunnerBase:
     """
 
     def __init__(
-        self, call, variables, *, sparse=(), added_losses=None, train_scope=None, input_shapes=None
-    ):
+        self, call, variables, *, sparse=(), row_kinds=row_sparse.UNPROBED, added_losses=None,
+        train_scope=None, input_shapes=None,
+    ):  # fmt: skip
         self.variables = list(variables)
         self.sparse = sorted(sparse)
+        # which tables' rows come once per batch: their micro-batches add them row by row
+        self._per_batch = row_sparse.per_batch_flags(self.variables, self.sparse, row_kinds)
         self.dense = sorted(set(range(len(self.variables))) - set(self.sparse))
         # The tf.Variable behind each Keras variable: what a tape can watch and differentiate.
         self._sources = [getattr(v, "value", v) for v in self.variables]
@@ -122,7 +126,9 @@ class RunnerBase:
     def take_sparse_gradients(self) -> list:
         """The embedding tables' gradients since the last call, in `sparse` order."""
         per_microbatch, self._sparse_per_microbatch = self._sparse_per_microbatch, []
-        return row_sparse.concat_microbatches(per_microbatch, self.sparse, self.variables)
+        return row_sparse.concat_microbatches(
+            per_microbatch, self.sparse, self.variables, self._per_batch
+        )
 
     @property
     def _totals_are_flat(self) -> bool:

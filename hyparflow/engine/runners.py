@@ -30,15 +30,17 @@ class RunnerParts:
     metric update (used at the last stage), `loss_adders` collects the layers that call
     `add_loss` while tracing. `stage` is the partitioner's stage (None: the whole model).
     `tally`: the mixture blocks' `RouterTally` (None: their router losses, if any, are added
-    in each forward).
+    in each forward). `row_kinds`: the model's row-sparse variables (`sparse.RowKinds`).
     """
 
     def __init__(
-        self, model, stage, topology, strategy, *, call, loss, metrics, loss_adders, tally=None
-    ):
+        self, model, stage, topology, strategy, *, call, loss, metrics, loss_adders, tally=None,
+        row_kinds=row_sparse.UNPROBED,
+    ):  # fmt: skip
         self.model, self.stage, self.topology, self.strategy = model, stage, topology, strategy
         self.call, self.loss, self.metrics, self.loss_adders = call, loss, metrics, loss_adders
         self.tally = tally
+        self.row_kinds = row_kinds
         # the model's first and last stage (not the rank's: interleaved ranks run several)
         count = 1 if stage is None else topology.num_stages * strategy.virtual_stages
         self.is_first = stage is None or stage.index == 0
@@ -72,6 +74,7 @@ def build_runner(parts: RunnerParts, variables, sparse, form, layout):
     whole = parts.model if parts.stage is None else None
     common = dict(
         sparse=sparse,
+        row_kinds=parts.row_kinds,
         added_losses=parts.added_losses(layers),
         input_shapes=declared_shapes(whole, parts.stage),
         train_scope=parts.batchnorm_scope(layers),
@@ -109,7 +112,7 @@ def build_chunk_runners(parts: list[RunnerParts], variables, sparse, form, layou
     for part in parts:
         chunk_variables = list(part.graph.trainable_variables)
         layers = _keras.all_layers(part.graph)
-        tables = row_sparse.row_sparse_positions(chunk_variables, layers)
+        tables = row_sparse.row_sparse_positions(chunk_variables, layers, part.row_kinds)
         runners.append(build_runner(part, chunk_variables, tables, listed, None))
     return ChunkRunners(runners, variables, sparse, layout if form.flat else None)
 

@@ -6,9 +6,18 @@ each pair's value; clipping norms sum the pairs' squares). Densifying it, as a d
 does, changes the update. So these gradients stay row slices end to end: micro-batches
 concatenate their pairs in order, replicas gather them in rank order, and the optimizer sees
 the very pairs of the global batch (docs/engine.md, "Sparse gradients").
+
+Which variables receive row slices, and how their rows relate to the batch, is found once per
+model by tracing its gradient (`engine/sparse_probe.py`, `RowKinds`): rows looked up with the
+batch's own indices (token ids) come one per sample, and pieces of the batch concatenate
+theirs; rows looked up with indices shared by the whole batch (ViT's position ids broadcast over
+the batch, a relative position table) come once per call with values summed over the batch,
+and pieces of the batch add their values, row by row.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import keras
 import numpy as np
@@ -20,15 +29,46 @@ from hyparflow.comm.rows import gather_rows
 from hyparflow.engine.mpi import mpi_op
 
 
-def row_sparse_positions(variables, layers) -> list[int]:
-    """Positions in `variables` of embedding tables (`keras.layers.Embedding` and subclasses
-    such as keras_hub's `ReversibleEmbedding`), whose gradients arrive as row slices."""
+@dataclass(frozen=True)
+class RowKinds:
+    """The variables of a model whose gradients are row slices (`tf.IndexedSlices`), by id.
+
+    `per_sample`: rows looked up with the batch's own indices; a piece of the batch has its own
+    rows, and the batch's are the pieces' concatenated. `per_batch`: rows looked up with indices
+    the whole batch shares; every piece has the same rows, and the batch's values are their sum.
+    `complete`: every variable was classified by tracing (`sparse_probe.py`); where it is not,
+    row slices of a variable outside these sets must be refused where they show.
+    """
+
+    per_sample: frozenset = frozenset()
+    per_batch: frozenset = frozenset()
+    complete: bool = False
+
+    def has_rows(self, variable) -> bool:
+        return id(variable) in self.per_sample or id(variable) in self.per_batch
+
+    def is_per_batch(self, variable) -> bool:
+        return id(variable) in self.per_batch
+
+
+UNPROBED = RowKinds()
+
+
+def row_sparse_positions(variables, layers, kinds: RowKinds = UNPROBED) -> list[int]:
+    """Positions in `variables` of those whose gradients arrive as row slices: embedding tables
+    (`keras.layers.Embedding` and subclasses such as keras_hub's `ReversibleEmbedding`) and
+    whatever else `kinds` found (a plain variable gathered, as T5's relative position bias)."""
     tables = {
         id(layer.embeddings)
         for layer in layers
         if isinstance(layer, keras.layers.Embedding) and _keras.has_table_variable(layer)
     }
-    return [i for i, v in enumerate(variables) if id(v) in tables]
+    return [i for i, v in enumerate(variables) if id(v) in tables or kinds.has_rows(v)]
+
+
+def per_batch_flags(variables, positions, kinds: RowKinds) -> list[bool]:
+    """For each position in `positions`, whether that variable's rows come once per batch."""
+    return [kinds.is_per_batch(variables[i]) for i in positions]
 
 
 def check_kinds(grads, sparse_positions, variables) -> None:
@@ -41,9 +81,9 @@ def check_kinds(grads, sparse_positions, variables) -> None:
         if isinstance(grad, tf.IndexedSlices) and i not in sparse:
             raise ValueError(
                 f"Variable {variables[i].path!r} receives row-sparse gradients "
-                "(tf.IndexedSlices) but does not belong to a keras.layers.Embedding, so "
-                "hyparflow cannot keep them sparse and would change the optimizer's update; "
-                "look the rows up with a keras.layers.Embedding, or train on one process."
+                "(tf.IndexedSlices) that hyparflow could not classify before training (its "
+                "gradient could not be traced at the data's shapes), so it cannot keep them as "
+                "one process would; train on one process, or report the model."
             )
 
 
@@ -62,13 +102,16 @@ def or_empty(grad, variable):
     return empty_rows(variable) if grad is None else grad
 
 
-def concat_rows(per_microbatch: list, variable):
+def concat_rows(per_microbatch: list, variable, per_batch: bool = False):
     """One gradient from the micro-batches' gradients, as one call on their concatenated batch
-    gives it: row slices concatenated in order; a dense sum if any of them is dense."""
+    gives it: row slices concatenated in order (or, `per_batch`, added row by row); a dense sum
+    if any of them is dense."""
     if not per_microbatch:
         return empty_rows(variable)
     if not all(isinstance(g, tf.IndexedSlices) for g in per_microbatch):
         return tf.add_n([tf.convert_to_tensor(g) for g in per_microbatch])
+    if per_batch:
+        return add_rows(per_microbatch, tuple(variable.shape), variable.path)
     if len(per_microbatch) == 1:
         return per_microbatch[0]
     return tf.IndexedSlices(
@@ -78,11 +121,38 @@ def concat_rows(per_microbatch: list, variable):
     )
 
 
-def concat_microbatches(per_microbatch: list, positions: list, variables: list) -> list:
+def add_rows(pieces: list, dense_shape, name: str = "a gathered variable"):
+    """Row slices that pieces of one batch looked up alike (indices shared by the batch, in
+    the same order), as the whole batch has them: one piece's indices, the values summed. A
+    piece without rows (it did not run the lookup) adds nothing. `dense_shape`: the
+    variable's shape."""
+    present = [g for g in pieces if int(tf.shape(g.indices)[0]) > 0] or pieces[:1]
+    first = tf.cast(present[0].indices, tf.int64)
+    for g in present[1:]:
+        _check_same_rows(first.numpy(), tf.cast(g.indices, tf.int64).numpy(), name)
+    values = tf.add_n([g.values for g in present]) if len(present) > 1 else present[0].values
+    return tf.IndexedSlices(values, first, tf.cast(dense_shape, tf.int64))
+
+
+def _check_same_rows(expected: np.ndarray, got: np.ndarray, name: str) -> None:
+    if not np.array_equal(expected, got):
+        raise ValueError(
+            f"Variable {name!r}: its rows are looked up once per batch, but two pieces "
+            f"of one batch looked up different rows ({len(expected)} and {len(got)}); its "
+            "lookup depends on the data, so hyparflow cannot add the pieces' rows as one "
+            "process would."
+        )
+
+
+def concat_microbatches(
+    per_microbatch: list, positions: list, variables: list, per_batch: list | None = None
+) -> list:
     """Each table's gradient (`concat_rows`) from per-micro-batch lists of the tables'
-    gradients; `positions` are the tables' indices in `variables`."""
+    gradients; `positions` are the tables' indices in `variables`, `per_batch` their flags
+    (`per_batch_flags`; None: all per sample)."""
+    per_batch = per_batch or [False] * len(positions)
     return [
-        concat_rows([tables[j] for tables in per_microbatch], variables[i])
+        concat_rows([tables[j] for tables in per_microbatch], variables[i], per_batch[j])
         for j, i in enumerate(positions)
     ]
 
@@ -102,25 +172,39 @@ def in_order(count: int, dense_positions, dense, table_positions, tables) -> lis
     return grads
 
 
-def reduce_rows(comm, grads: list) -> list:
+def reduce_rows(comm, grads: list, per_batch: list | None = None) -> list:
     """Sum gradients over `comm` as one process would: where every rank holds row slices, all
-    rows gathered in rank order; where any rank's is dense, the dense sum. Collective."""
+    rows gathered in rank order (or, where `per_batch` flags it, added row by row:
+    `add_rows`); where any rank's is dense, the dense sum. Collective."""
     if comm.Get_size() == 1 or not grads:
         return list(grads)
+    per_batch = per_batch or [False] * len(grads)
     kinds = comm.allgather([isinstance(g, tf.IndexedSlices) for g in grads])
     reduced = []
     for i, grad in enumerate(grads):
         if all(k[i] for k in kinds):
-            indices, values = gather_rows(comm, grad.indices.numpy(), grad.values.numpy())
-            reduced.append(
-                tf.IndexedSlices(tf.constant(values), tf.constant(indices), grad.dense_shape)
-            )
+            reduced.append(_gathered(comm, grad, per_batch[i]))
         else:
             dense = tf.convert_to_tensor(grad)
             total = np.array(dense, dtype=reduction_dtype(dense.dtype))  # a private copy
             comm.Allreduce(mpi_op("IN_PLACE"), total)
             reduced.append(tf.cast(tf.constant(total), dense.dtype))
     return reduced
+
+
+def _gathered(comm, grad, per_batch: bool):
+    """Every rank's rows of `grad` in rank order, or added (`per_batch`). Collective."""
+    own_indices, own_values = grad.indices.numpy(), grad.values.numpy()
+    indices, values = gather_rows(comm, own_indices, own_values)
+    if not per_batch:
+        return tf.IndexedSlices(tf.constant(values), tf.constant(indices), grad.dense_shape)
+    counts = comm.allgather(len(own_indices))
+    bounds = np.cumsum([0, *counts])
+    pieces = [
+        tf.IndexedSlices(values[a:b], indices[a:b], grad.dense_shape)
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True)
+    ]
+    return add_rows(pieces, grad.dense_shape)
 
 
 def values_of(grad):

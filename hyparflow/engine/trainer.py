@@ -84,9 +84,10 @@ class Trainer:
 
     def __init__(
         self, model, strategy, comm, plan=None, watchdog_timeout: float = 0.0,
-        comm_backend: str = "mpi", tensor_layout=None,
+        comm_backend: str = "mpi", tensor_layout=None, row_kinds=row_sparse.UNPROBED,
     ):  # fmt: skip
         self.model = model
+        self.row_kinds = row_kinds  # which variables' gradients are row slices, and how
         self.strategy = strategy
         self.plan = plan
         self.topology = topo = Topology.create(
@@ -113,7 +114,7 @@ class Trainer:
         """Wire the parts: variables, runner, gradient path, pipeline walk, saved state."""
         self.output_losses = OutputLosses(model)  # per-output loss means weighted as Keras's
         layers = self._find_variables(model, plan, topo)
-        shared = SharedAcrossStages.find(plan, model, self.variables)
+        shared = SharedAcrossStages.find(plan, model, self.variables, self.row_kinds)
         self._loss_adders: set = set()  # layers calling add_loss, found while tracing
         self._any_added_losses = None  # whether any stage's layers add losses (agreed once)
         self._moving_statistics = unsynchronized_moving_statistics(layers, strategy.sync_batchnorm)
@@ -151,6 +152,7 @@ class Trainer:
         return RunnerParts(
             self.model, stage, self.topology, self.strategy, call=call, loss=self._loss,
             metrics=self._update_metrics, loss_adders=self._loss_adders, tally=self.splits.tally,
+            row_kinds=self.row_kinds,
         )  # fmt: skip
 
     def _find_variables(self, model, plan, topo) -> list:
@@ -164,7 +166,7 @@ class Trainer:
             self.variables = rank_variables(plan, topo.stage)
             self.owned = owned_variables(plan, topo.stage)
             layers = list(dict.fromkeys(x for s in self.stages for x in _keras.all_layers(s.model)))
-        self.sparse = row_sparse.row_sparse_positions(self.variables, layers)
+        self.sparse = row_sparse.row_sparse_positions(self.variables, layers, self.row_kinds)
         self.dense = sorted(set(range(len(self.variables))) - set(self.sparse))
         return layers
 
@@ -193,6 +195,10 @@ class Trainer:
             expert_split=self.experts is not None,
         )
         self.gradient_form = choose_gradient_form(**facts, overlap_groups=strategy.overlap_groups)
+        if not self.row_kinds.complete:
+            # a flat backward differentiates a packed tensor, where an unclassified variable's
+            # row slices would turn dense unseen; per variable, they are refused where they show
+            self.gradient_form = dataclasses.replace(self.gradient_form, flat_backward=False)
         if len(parts) > 1:  # interleaved: a runner per chunk, their gradients summed
             # no chunk packs a flat backward; the rank's sums flat only to be reduced
             form = dataclasses.replace(self.gradient_form, flat_backward=False)
@@ -219,7 +225,7 @@ class Trainer:
         self.gradient_sync = GradientSync(
             topo, self.runner, self.variables, self.dense, self.sparse,
             backend=comm_backend, shared=shared, overlap=segments if form.overlap else None,
-            experts=self.experts,
+            experts=self.experts, row_kinds=self.row_kinds,
         )  # fmt: skip
         self.update = Update(
             model, topo, self.variables, self.owned, partitioned=self.plan is not None,

@@ -169,7 +169,7 @@ class ShardedUpdate:
         local, tables = self._take_gradients()
         own_tables = tables
         if tables:  # row slices of every replica, in rank order, as without ZeRO
-            tables = row_sparse.reduce_rows(self.comm, tables)
+            tables = row_sparse.reduce_rows(self.comm, tables, self.sync.tables_per_batch)
         kept = None
         if self.keep_local:
             kept = list(local)

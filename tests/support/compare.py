@@ -38,7 +38,8 @@ STEP_FUNCTIONS = (
 
 def most_traces(runner, names=STEP_FUNCTIONS) -> int:
     """The most traces of one of `runner`'s compiled functions `names` (or of its segments' or
-    interleaved chunks')."""
+    interleaved chunks'), with those of its copy traced per length where its relaxed trace
+    raised (engine/relaxed.py)."""
     runners = getattr(runner, "segments", None) or getattr(runner, "runners", [runner])
-    functions = [getattr(r, name, None) for r in runners for name in names]
-    return max(f.experimental_get_tracing_count() for f in functions if f is not None)
+    functions = [(r, getattr(r, name, None)) for r in runners for name in names]
+    return max(r._traces.tracing_count(f) for r, f in functions if f is not None)

@@ -99,6 +99,54 @@ def global_centered():
     return keras.Model(inputs, outputs, name="global_centered")
 
 
+@keras.saving.register_keras_serializable(package="zoo")
+class RelativeMixing(keras.layers.Layer):
+    """Attention over positions with a learned bias per relative distance, gathered from a
+    plain variable with the same indices for every sample, duplicates included (T5's and
+    Swin's relative position tables): its gradient is row slices looked up once per batch."""
+
+    def build(self, input_shape):
+        self.table = self.add_weight(shape=(2 * input_shape[1] - 1,), name="relative_bias")
+
+    def call(self, x):
+        length = keras.ops.shape(x)[1]
+        positions = keras.ops.arange(length)
+        distance = positions[None, :] - positions[:, None] + length - 1
+        bias = keras.ops.take(self.table, distance, axis=0)  # axis=None would reshape: dense
+        scores = keras.ops.einsum("bif,bjf->bij", x, x) + bias
+        return keras.ops.einsum("bij,bjf->bif", keras.ops.softmax(scores), x)
+
+
+@keras.saving.register_keras_serializable(package="zoo")
+class BroadcastPositions(keras.layers.Layer):
+    """Adds a learned vector per position, looked up with ids of shape (1, length) and
+    broadcast over the batch, as keras_hub's ViT and PaliGemma encoders do."""
+
+    def __init__(self, length: int, width: int, **kwargs):
+        super().__init__(**kwargs)
+        self.length, self.width = length, width
+        self.table = keras.layers.Embedding(length, width, name="position_table")
+
+    def call(self, x):
+        return x + self.table(keras.ops.arange(self.length)[None, :])
+
+    def get_config(self):
+        return {**super().get_config(), "length": self.length, "width": self.width}
+
+
+def broadcast_tables():
+    """Row-sparse gradients of both kinds: token ids looked up per sample, and position ids of
+    shape (1, length) looked up once and broadcast over the batch (keras_hub's ViT), beside a
+    plain variable gathered by relative distance (`RelativeMixing`)."""
+    tokens = keras.Input((LENGTH,), dtype="int32")
+    x = BroadcastPositions(LENGTH, 8)(keras.layers.Embedding(VOCAB, 8)(tokens))
+    x = keras.layers.Dense(8, activation="tanh")(x)
+    x = RelativeMixing()(x)
+    x = keras.layers.Flatten()(keras.layers.Dense(8, activation="relu")(x))
+    outputs = keras.layers.Dense(3, activation="softmax")(x)
+    return keras.Model(tokens, outputs, name="broadcast_tables")
+
+
 def masked_gru():
     """Padding masked by the embedding and read by a GRU further on."""
     tokens = keras.Input((LENGTH,), dtype="int32")
@@ -375,8 +423,8 @@ def encoder():
 BUILDERS = {
     f.__name__: f
     for f in (
-        embedding_mlp, two_tables, dropout_mlp, added_losses, global_centered, masked_gru,
-        batchnorm_cnn,
+        embedding_mlp, two_tables, broadcast_tables, dropout_mlp, added_losses, global_centered,
+        masked_gru, batchnorm_cnn,
         preprocessed, mobilenet_v3, gpt2, bert, llama, gemma, mistral, opt,
         distil_bert, roberta, albert, falcon, qwen3_moe, qwen_moe, qwen3_5_moe, mixtral,
         gpt_oss, wide_mlp,
@@ -503,3 +551,21 @@ def compiled(name: str, optimizer_spec: str, policy: str = "float32"):
         metrics=["accuracy"],
     )
     return model
+
+
+def rwkv7():
+    """keras_hub's RWKV-7, tiny, classifying its tokens' mean logits. Its time mix loops over
+    the steps in Python: its step traces only at known lengths (engine/relaxed.py)."""
+    import keras_hub
+
+    backbone = keras_hub.models.RWKV7Backbone(
+        hidden_size=16, head_size=8, num_layers=2, vocabulary_size=HUB_VOCAB,
+        intermediate_dim=32, gate_lora=8, mv_lora=8, aaa_lora=8, decay_lora=8,
+    )  # fmt: skip
+    tokens = keras.Input((None,), dtype="int32", name="token_ids")
+    logits = backbone({"token_ids": tokens, "padding_mask": keras.ops.ones_like(tokens)})
+    pooled = keras.layers.GlobalAveragePooling1D()(logits)
+    return keras.Model(tokens, keras.layers.Dense(3, activation="softmax")(pooled), name="rwkv7")
+
+
+BUILDERS["rwkv7"] = rwkv7
