@@ -37,7 +37,8 @@ def probe_row_kinds(model, inputs=None) -> RowKinds:
     if specs is None:
         return RowKinds()
     try:
-        one, two = (_row_counts(model, _with_batch(specs, b)) for b in (1, 2))
+        one = _row_counts(model, _with_batch(specs, 1))
+        two = _row_counts(model, _with_batch(specs, 2)) if one else {}  # no rows: no kinds
     except Exception:  # noqa: BLE001 - a model that cannot be traced so is refused later
         return RowKinds()
     return _classified(model, one, two)
