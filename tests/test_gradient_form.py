@@ -46,6 +46,9 @@ CASES = {
     "stage, no dense variable": (True, {"dense_variables": 0}, LIST),
     "stage, a variable not float32": (True, {"all_float32": False}, LIST),
     "stage, tables beside small variables": (True, {"tables": 2}, FLAT_BACKWARD),
+    # a variable's row slices not classified before training would turn dense in a packed
+    # backward unseen: each gradient apart, where they are refused
+    "stage, row-sparse variables unclassified": (True, {"rows_classified": False}, FLAT),
     # overlap_groups > 1
     "overlap, whole model with replicas": (False, {"replicas": 2, "overlap_groups": 3}, OVERLAP),
     "overlap, stage with replicas": (True, {"replicas": 2, "overlap_groups": 3}, OVERLAP),

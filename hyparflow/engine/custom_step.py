@@ -99,6 +99,20 @@ def _as_tensors(structure):
     return tree.map_structure(lambda a: None if a is None else tf.convert_to_tensor(a), structure)
 
 
+def _refuse_row_slices(model, row_kinds) -> None:
+    """The model's own step hands its optimizer the replicas' sum as one dense tensor, which
+    would change how Keras applies row-sparse gradients (engine/sparse.py): refused."""
+    rows = [v.path for v in model.trainable_variables if row_kinds.has_rows(v)]
+    if rows:
+        raise ValueError(
+            f"{type(model).__name__} overrides train_step, and variables {rows[:3]} receive "
+            "row-sparse gradients (tf.IndexedSlices), which its optimizer applies with sparse "
+            "semantics; hyparflow sums a custom step's gradients over replicas densely, which "
+            "would change that update. Train with the standard step (move the logic into "
+            "layers, losses or metrics) or on one replica."
+        )
+
+
 class CustomStepTrainer(Trainer):
     """`Trainer` whose training and evaluation steps are the model's own (Keras's `train_step`
     and `test_step`, overridden or calling an overridden `compute_loss`), one per replica on
@@ -108,6 +122,8 @@ class CustomStepTrainer(Trainer):
 
     def _build(self, model, strategy, plan, topo, comm_backend):
         super()._build(model, strategy, plan, topo, comm_backend)
+        if topo.num_replicas > 1:
+            _refuse_row_slices(model, self.row_kinds)
         self._equal_shares = needs_equal_shares(model)
         self._returned = None  # what the last step returned (Keras's logs of that batch)
         self._matches: dict = {}

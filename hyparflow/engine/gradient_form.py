@@ -55,6 +55,7 @@ def choose_gradient_form(
     large_variables: bool = False,
     shared_across_stages: bool = False,
     tables: int = 0,
+    rows_classified: bool = True,
     overlap_groups: int = 1,
     segments: int = 1,
     tensor_split: bool = False,
@@ -74,6 +75,10 @@ def choose_gradient_form(
     - `shared_across_stages`: a variable of this stage is used by another stage too; those are
       summed per variable over the pipeline first, so the gradients stay a list.
     - `tables`: number of embedding tables (overlapped segments keep every gradient dense).
+    - `rows_classified`: every variable with row-sparse gradients is known before training
+      (engine/sparse_probe.py). Otherwise no flat backward: it differentiates one packed
+      tensor, where an unknown variable's row slices would turn dense unseen; per variable
+      they show, and are refused.
     - `overlap_groups`: the strategy's segments per stage (> 1 asks for overlap, or without
       replicas for the update per segment).
     - `segments`: segments its gradient bytes call for (`segments_for`; > 1: update per
@@ -113,6 +118,6 @@ def choose_gradient_form(
     if not can_flatten or shared_across_stages or (not mpi and replicas > 1):
         return GradientForm()
     if not large_variables:
-        return GradientForm(flat=True, flat_backward=True)
+        return GradientForm(flat=True, flat_backward=rows_classified)
     # Large variables: summed per variable, flattened once per step only to be reduced.
     return GradientForm(flat=replicas > 1)

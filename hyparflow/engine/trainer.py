@@ -190,15 +190,12 @@ class Trainer:
             large_variables=layout.large_variables,
             shared_across_stages=shared_across_stages,
             tables=len(self.sparse),
+            rows_classified=self.row_kinds.complete,
             segments=1 if whole else segment_count(strategy, self.model, self.variables),
             tensor_split=self.shards is not None,
             expert_split=self.experts is not None,
         )
         self.gradient_form = choose_gradient_form(**facts, overlap_groups=strategy.overlap_groups)
-        if not self.row_kinds.complete:
-            # a flat backward differentiates a packed tensor, where an unclassified variable's
-            # row slices would turn dense unseen; per variable, they are refused where they show
-            self.gradient_form = dataclasses.replace(self.gradient_form, flat_backward=False)
         if len(parts) > 1:  # interleaved: a runner per chunk, their gradients summed
             # no chunk packs a flat backward; the rank's sums flat only to be reduced
             form = dataclasses.replace(self.gradient_form, flat_backward=False)
