@@ -23,7 +23,7 @@ import time
 
 POOLED = frozenset(
     {"equivalence", "real_models", "data_inputs", "zero", "hdf5_inputs", "callbacks_checks",
-     "deferred_checks", "auto_fit"}
+     "deferred_checks", "auto_fit", "hub_zoo"}
 )  # fmt: skip
 POLL_SECONDS = 0.02
 STOP_SECONDS = 30

@@ -1,0 +1,119 @@
+"""Every keras_hub family of the zoo trains as Keras's own fit does, under real mpirun.
+
+One tiny config per family (tests/support/hub_zoo.py), trained with hf.fit on 2 ranks in three
+layouts, data (R=2), pipeline (P=2, 2 micro-batches) and tensor (T=2), against single-process
+`model.fit` from the same weights, Adam, `preprocessor=None` (scenario tests/mpi/hub_zoo.py).
+`make test` runs `SLICE`, a family of each kind; `make zoo` (`HF_ZOO=all`) runs all of them and
+writes docs/models.md's table (scripts/zoo_table.py) from the results this module writes to
+`build/hub_zoo.json`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+
+import pytest
+
+from tests.support.cases import Case, selected
+from tests.support.hub_zoo import BATCHNORM, FAMILIES
+from tests.support.mpirun import REPO, launch
+
+pytestmark = pytest.mark.mpi  # every test here starts MPI jobs
+
+# a causal LM, an encoder, a sequence-to-sequence model, a convolutional classifier, an image
+# and text dual encoder
+SLICE = ("GPT2", "Bert", "Bart", "ResNet", "CLIP")
+ZOO_ENV = "HF_ZOO"  # "all": every family
+RESULTS_ENV = "HF_ZOO_RESULTS"  # where the results go (default build/hub_zoo.json)
+# keras_hub models trained with Adam: the suite's 1e-4 (docs/models.md, "Tolerances")
+TOLERANCE = 1e-4
+CHUNK = 12  # cases per launch: a job that aborts loses at most the rest of its chunk
+LAUNCH_SECONDS = 1200
+
+
+def layouts(family: str) -> dict[str, Case]:
+    """The family's three 2-rank layouts. BatchNormalization is exact with the whole batch's
+    statistics only: synchronised across replicas, and a pipeline of one micro-batch."""
+    bn = family in BATCHNORM
+    return {
+        "data": Case(family, "adam", "data", replicas=2, sync_batchnorm=bn),
+        "pipeline": Case(family, "adam", "model", partitions=2, microbatches=1 if bn else 2),
+        "tensor": Case(family, "adam", "data", tensor=2),
+    }
+
+
+FAMILY_NAMES = list(FAMILIES) if os.environ.get(ZOO_ENV) == "all" else list(SLICE)
+CASES = [case for family in FAMILY_NAMES for case in layouts(family).values()]
+LAYOUT = {case.id: name for f in FAMILIES for name, case in layouts(f).items()}
+
+
+@pytest.fixture(scope="module")
+def zoo(request):
+    results = run_zoo(selected(request, CASES))
+    save(results)
+    return results
+
+
+def run_zoo(cases: list[Case]) -> dict:
+    """Each case's id -> its rank results, launched `CHUNK` cases at a time. A job that ends
+    early (a rank left stuck by a failed peer aborts it) charges its first unreported case
+    with the ranks' reports and the job's exit, and the cases after it run in the next job."""
+    results, pending = {}, list(cases)
+    while pending:
+        chunk = pending[:CHUNK]
+        run = launch("hub_zoo", 2, *(c.to_json() for c in chunk), timeout=LAUNCH_SECONDS)
+        reported = _by_case(run.results)
+        for case in chunk:
+            ranks = reported.get(case.id, [])
+            if len(ranks) < 2:
+                ranks = ranks + [_lost(run, len(ranks))]
+            results[case.id] = ranks
+            if "lost" in ranks[-1]:
+                break
+        pending = pending[len([c for c in chunk if c.id in results]) :]
+    return results
+
+
+def _by_case(rank_results: list) -> dict:
+    by_case: dict = {}
+    for rank, result in enumerate(rank_results):
+        for r in (result or {}).get("results", []):
+            by_case.setdefault(r["case"], []).append({"rank": rank, **r})
+    return by_case
+
+
+def _lost(run, rank: int) -> dict:
+    tail = run.stderr[rank][-400:] if rank < len(run.stderr) else ""
+    return {"rank": rank, "lost": True,
+            "error": f"no report (job ended with {run.returncode}): {tail}"}  # fmt: skip
+
+
+def save(results: dict) -> None:
+    """Merge this run's results into the results file, case by case."""
+    path = os.environ.get(RESULTS_ENV) or os.path.join(REPO, "build", "hub_zoo.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    saved = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            saved = json.load(f)
+    today = datetime.date.today().isoformat()
+    for case_id, ranks in results.items():
+        family = case_id.split("-")[0]
+        saved[case_id] = {"family": family, "layout": LAYOUT[case_id], "date": today,
+                          "ranks": ranks}  # fmt: skip
+    with open(path, "w") as f:
+        json.dump(saved, f, indent=1, sort_keys=True)
+
+
+@pytest.mark.timeout(3600)
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_keras_hub_family_trains_as_keras_does(zoo, case):
+    for r in zoo[case.id]:
+        assert "error" not in r, f"rank {r['rank']}: {r['error']}"
+        for measure in ("weights", "history"):
+            assert r[measure] < TOLERANCE, (
+                f"rank {r['rank']}: {measure} differs from Keras by {r[measure]:.2e}"
+                + (f" (worst: {r['worst']})" if measure == "weights" else "")
+            )
