@@ -11,7 +11,7 @@ export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 export OMPI_MCA_rmaps_base_oversubscribe := 1
 export TF_CPP_MIN_LOG_LEVEL := 2
 
-.PHONY: setup mpi test-tools demo test test-fast test-compat bench lint format containers clean
+.PHONY: setup mpi test-tools demo test test-fast test-compat zoo bench lint format containers clean
 
 setup: mpi $(STAMP)
 
@@ -60,6 +60,13 @@ test: lint test-tools
 # notebooks, minutes of training); a test that launches mpirun unmarked fails here.
 test-fast: setup
 	$(PY) -m pytest -m "not mpi" $(WORKERS_OPTION)
+
+# Every keras_hub family in data, pipeline and tensor layouts on 2 ranks (tests/test_hub_zoo.py;
+# `make test` runs a family of each kind), then docs/models.md's table from the results it wrote
+# to build/hub_zoo.json (scripts/zoo_table.py), whether or not every family passed.
+zoo: setup
+	@HF_ZOO=all $(PY) -m pytest -m mpi tests/test_hub_zoo.py -p no:cacheprovider -rf; rc=$$?; \
+	$(PY) scripts/zoo_table.py; exit $$rc
 
 # TensorFlow 2.17 + tensorflow-io + Horovod 0.28.1 (source build) in .venv-compat.
 test-compat: mpi

@@ -88,8 +88,7 @@ FAMILIES = {
     "RoformerV2": dict(_TEXT, head_size=8),
     "Electra": dict(_POSITIONS, vocabulary_size=None, vocab_size=VOCAB, embedding_dim=8),
     "XLNet": _TEXT,
-    "ESM": dict(_POSITIONS),
-    "ESM2": dict(_POSITIONS),
+    "ESM": _POSITIONS,
     # sequence to sequence
     "Bart": _POSITIONS,
     "T5": dict(_TEXT, key_value_dim=8),
@@ -187,6 +186,23 @@ FAMILIES = {
         projection_dim=16,
     ),  # fmt: skip
 }  # fmt: skip
+# keras_hub's families outside the zoo, and why
+LEFT_OUT = {
+    **dict.fromkeys(
+        ("BASNet", "DeepLabV3", "SegFormer", "SAM", "SAM3PromptableConcept"),
+        "image segmentation (per-pixel targets)",
+    ),
+    **dict.fromkeys(("DFine", "RetinaNet"), "object detection (boxes)"),
+    "DepthAnything": "depth estimation (per-pixel targets)",
+    **dict.fromkeys(("Flux", "StableDiffusion3"), "image generation (diffusion)"),
+    "VideoPrism": "video",
+    "PARSeq": "text recognition: permuted decoding orders drawn in its train step",
+    **dict.fromkeys(
+        ("BLIP2", "Gemma3n", "Gemma4", "T5Gemma2", "MobileNetV5"),
+        "not yet in the table: many sub-model configs to size",
+    ),
+    "FeaturePyramid": "a base class, not a family",
+}
 # Families with BatchNormalization: exact only with statistics of the whole batch (synchronised
 # across replicas, one micro-batch per pipeline; docs/models.md)
 BATCHNORM = {"ResNet", "DenseNet", "EfficientNet", "MobileNet", "CSPNet", "HGNetV2", "Xception"}
@@ -194,6 +210,20 @@ BATCHNORM = {"ResNet", "DenseNet", "EfficientNet", "MobileNet", "CSPNet", "HGNet
 TASK_OPTIONS = {"VGG": {"pooling_hidden_dim": 16}}
 # Inputs whose unknown length is not a token count: Moonshine's raw audio samples
 LENGTHS = {"Moonshine": {"encoder_input_values": 1024, "encoder_padding_mask": 1024}}
+
+
+def hub_families() -> dict[str, str]:
+    """Every family of the installed keras_hub (the prefix of each `...Backbone` class) -> the
+    family whose class it is: itself, or the one it is an alias of (Qwen2 is Qwen)."""
+    import keras_hub
+
+    names = sorted(n[: -len("Backbone")] for n in dir(keras_hub.models) if n.endswith("Backbone"))
+    classes = {name: getattr(keras_hub.models, name + "Backbone") for name in names if name}
+    first = {}
+    for name, cls in classes.items():  # the name the table uses, else the first
+        if name in FAMILIES or cls not in first:
+            first[cls] = name
+    return {name: first[cls] for name, cls in classes.items()}
 
 
 def _hub_class(name: str):
