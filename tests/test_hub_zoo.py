@@ -49,15 +49,14 @@ LAYOUT = {case.id: name for f in FAMILIES for name, case in layouts(f).items()}
 
 @pytest.fixture(scope="module")
 def zoo(request):
-    results = run_zoo(selected(request, CASES))
-    save(results)
-    return results
+    return run_zoo(selected(request, CASES))
 
 
 def run_zoo(cases: list[Case]) -> dict:
-    """Each case's id -> its rank results, launched `CHUNK` cases at a time. A job that ends
-    early (a rank left stuck by a failed peer aborts it) charges its first unreported case
-    with the ranks' reports and the job's exit, and the cases after it run in the next job."""
+    """Each case's id -> its rank results, launched `CHUNK` cases at a time and saved after
+    each launch (a long run stopped early keeps what it measured). A job that ends early (a
+    rank left stuck by a failed peer aborts it) charges its first unreported case with the
+    ranks' reports and the job's exit, and the cases after it run in the next job."""
     results, pending = {}, list(cases)
     while pending:
         chunk = pending[:CHUNK]
@@ -71,6 +70,7 @@ def run_zoo(cases: list[Case]) -> dict:
             if "lost" in ranks[-1]:
                 break
         pending = pending[len([c for c in chunk if c.id in results]) :]
+        save({c.id: results[c.id] for c in chunk if c.id in results})
     return results
 
 
