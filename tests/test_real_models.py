@@ -123,6 +123,8 @@ FOUR_RANKS = [
     Case("embedding_mlp", "adam", "hybrid", partitions=2, replicas=2, microbatches=2,
          schedule="1f1b"),
     Case("broadcast_tables", "adam", "hybrid", partitions=2, replicas=2, microbatches=2),
+    # the tables split over tensor ranks: each shard's rows of the kind of its whole table's
+    Case("broadcast_tables", "adam", "data", replicas=2, tensor=2, microbatches=2),
     Case("two_tables", "adamw+globalclip", "hybrid", partitions=2, replicas=2, microbatches=2),
     Case("dropout_mlp", "adam", "hybrid", partitions=2, replicas=2, microbatches=2),
     Case("added_losses", "rmsprop", "hybrid", partitions=2, replicas=2, microbatches=2,

@@ -37,7 +37,7 @@ def model():
 def test_broadcast_lookups_and_gathered_variables_are_rows_per_batch(model):
     kinds = probe_row_kinds(model, zoo.data("broadcast_tables")[0])
     assert kinds.complete
-    assert _paths(model, kinds.per_sample) == {"embedding/embeddings"}
+    assert _paths(model, kinds.per_sample) == {"token_table/embeddings"}
     assert _paths(model, kinds.per_batch) == {
         "broadcast_positions/position_table/embeddings",
         "relative_mixing/relative_bias",

@@ -17,6 +17,7 @@ and pieces of the batch add their values, row by row.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import keras
@@ -49,6 +50,17 @@ class RowKinds:
 
     def is_per_batch(self, variable) -> bool:
         return id(variable) in self.per_batch
+
+    def with_shards(self, model, shards: dict) -> RowKinds:
+        """These kinds and, for each split variable of `model` (`shards`: its path -> this
+        rank's shard, tensor or expert), its shard's, which are its whole variable's."""
+        whole = {v.path: v for v in model.trainable_variables}
+        pairs = [(id(whole[path]), id(shard)) for path, shard in shards.items() if path in whole]
+        return dataclasses.replace(
+            self,
+            per_sample=self.per_sample | {s for w, s in pairs if w in self.per_sample},
+            per_batch=self.per_batch | {s for w, s in pairs if w in self.per_batch},
+        )
 
 
 UNPROBED = RowKinds()

@@ -12,7 +12,8 @@ confused: concatenated, a broadcast table's pieces would be squared apart.
 The kind is read from the model itself: its gradient is traced (never run) at the data's shapes
 for batches of one and two samples, and each row-sparse gradient's static row count n(b) tells
 it: n(2) = 2 n(1) per sample, n(2) = n(1) per batch. A variable whose rows are both (one table
-looked up both ways) is refused up front.
+looked up both ways) is refused up front. Under `hf.scope()` a rank classifies the variables
+it holds, the only ones whose gradients it combines.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import keras
 import tensorflow as tf
 from keras import tree
 
+from hyparflow import deferred
 from hyparflow.engine.sparse import RowKinds
 from hyparflow.traced import traced
 
@@ -71,8 +73,9 @@ def mixed_message(path: str, rows_of_one: int, rows_of_two: int) -> str:
 
 
 def _row_counts(model, specs) -> dict:
-    """Static row count of each row-sparse gradient (None where unknown), by variable id."""
-    variables = list(model.trainable_variables)
+    """Static row count of each row-sparse gradient (None where unknown), by variable id, of
+    the variables this process holds (under hf.scope(), the others read as placeholders)."""
+    variables = [v for v in model.trainable_variables if not deferred.is_deferred(v)]
     sources = [getattr(v, "value", v) for v in variables]
     found: dict = {}
 

@@ -87,7 +87,6 @@ class Trainer:
         comm_backend: str = "mpi", tensor_layout=None, row_kinds=row_sparse.UNPROBED,
     ):  # fmt: skip
         self.model = model
-        self.row_kinds = row_kinds  # which variables' gradients are row slices, and how
         self.strategy = strategy
         self.plan = plan
         self.topology = topo = Topology.create(
@@ -106,6 +105,7 @@ class Trainer:
         graphs = [model] if plan is None else [s.model for s in self.stages]
         self.splits = SplitLayers(model, strategy, topo, graphs, tensor_layout, self._guard)
         self.shards, self.experts = self.splits.tensor, self.splits.experts
+        self.row_kinds = row_kinds.with_shards(model, self.splits.pieces()[1])
         self.sparse_experts = self.splits.dispatch
         with self.layers_active():  # everything below sees (and traces) shards and experts
             self._build(model, strategy, plan, topo, comm_backend)

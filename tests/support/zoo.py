@@ -139,9 +139,10 @@ def broadcast_tables():
     shape (1, length) looked up once and broadcast over the batch (keras_hub's ViT), beside a
     plain variable gathered by relative distance (`RelativeMixing`)."""
     tokens = keras.Input((LENGTH,), dtype="int32")
-    x = BroadcastPositions(LENGTH, 8)(keras.layers.Embedding(VOCAB, 8)(tokens))
+    x = keras.layers.Embedding(VOCAB, 8, name="token_table")(tokens)
+    x = BroadcastPositions(LENGTH, 8, name="broadcast_positions")(x)
     x = keras.layers.Dense(8, activation="tanh")(x)
-    x = RelativeMixing()(x)
+    x = RelativeMixing(name="relative_mixing")(x)
     x = keras.layers.Flatten()(keras.layers.Dense(8, activation="relu")(x))
     outputs = keras.layers.Dense(3, activation="softmax")(x)
     return keras.Model(tokens, outputs, name="broadcast_tables")
