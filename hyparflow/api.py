@@ -132,6 +132,7 @@ def _make_trainer(
     if deferred.any_deferred(model):  # built under hf.scope(): allocate this rank's share only
         elsewhere = held_elsewhere(model, plan, stage, layout, resolved.experts)
         agree(comm, _materialize_share, model, elsewhere, restoring)
+    agree(comm, model_checks.check_sample_coupling, model, resolved, inputs)
     # which variables' gradients are row slices, per sample or per batch (refused: both)
     row_kinds = agree(comm, probe_row_kinds, model, inputs)
     trainer = make_trainer(model, resolved, comm, plan, comm_backend=comm_backend,

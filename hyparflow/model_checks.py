@@ -7,6 +7,7 @@ import numpy as np
 from keras import tree
 
 from hyparflow import _keras
+from hyparflow.engine.batch_coupling import COUPLING_TOLERANCE, sample_coupling
 from hyparflow.engine.custom_step import own_steps
 from hyparflow.engine.random_slices import unsliceable_random_layers
 from hyparflow.engine.structure import model_input_list
@@ -77,6 +78,25 @@ def check_random_layers(model, strategy) -> None:
             "micro-batches as Keras draws them for the whole batch (Dropout and attention "
             "dropout can); apply such augmentation or noise in the input pipeline, or use "
             "one replica and num_microbatches=1."
+        )
+
+
+def check_sample_coupling(model, strategy, inputs) -> None:
+    """Refuse a model whose outputs for a sample depend on the other samples of its batch
+    where the global batch is cut into pieces (replicas, micro-batches): each piece would see
+    other neighbours than Keras's whole batch (engine/batch_coupling.py). Checked where the
+    data are arrays and this process holds the weights."""
+    if strategy.replicas * strategy.microbatches == 1:
+        return
+    change = sample_coupling(model, inputs)
+    if change is not None and change > COUPLING_TOLERANCE:
+        raise ValueError(
+            f"{type(model).__name__} ({model.name!r}) mixes the samples of a batch: its "
+            f"outputs for one sample move by {change:.1e} (relative) when another sample joins "
+            "the batch, even in inference, so pieces of the global batch (replicas, "
+            "micro-batches) cannot compute what Keras computes on the whole batch. Train it "
+            "with replicas=1 and num_microbatches=1 (a pipeline of whole batches, or tensor "
+            "parallelism), or on one process."
         )
 
 

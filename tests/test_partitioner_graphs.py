@@ -223,6 +223,24 @@ def test_nested_model_called_with_training_false_stays_one_node():
     check_plan(model, plan, rand(3, 4) * 2 + 1, 3, training=True, expected=_top_names(model))
 
 
+def test_nested_models_whose_layers_share_names_stay_one_node_each():
+    """Two encoders side by side, each with its own "embedding" (CLIP's, SigLIP's): inlined,
+    a stage would hold two layers of one name, which keras.Model refuses."""
+
+    def encoder(name):
+        inputs = keras.Input((6,))
+        hidden = layers.Dense(4, name="embedding")(inputs)
+        return keras.Model(inputs, layers.Dense(4, name="projection")(hidden), name=name)
+
+    x = keras.Input((6,))
+    joined = layers.Concatenate()([encoder("image")(x), encoder("text")(x)])
+    model = keras.Model(x, layers.Dense(2, name="head")(layers.Dense(4)(joined)))
+    plan = partition(model, 2)
+    held = [name for s in plan.stages for name in s.layers]
+    assert "image" in held and "text" in held and not any("/" in name for name in held)
+    check_plan(model, plan, rand(3, 6), 2, training=True, expected=_top_names(model))
+
+
 def test_dense_layers_of_different_names_land_in_one_stage_each():
     model = sequential_with_input()
     plan = partition(model, 4)

@@ -334,3 +334,30 @@ def test_unsliceable_rule_covers_nested_and_custom_layers():
     assert sorted(without_custom) == ["alpha_dropout", "gaussian_dropout"]
     for layer in (keras.layers.RandomRotation(0.1), keras.layers.RandomContrast(0.2)):
         assert unsliceable_random_layers(layer) == [layer.name]
+
+
+class _StochasticDepth(keras.layers.Layer):
+    """keras_hub's DropPath (Swin): a uniform draw per sample, unless `drop_prob` is 0."""
+
+    def __init__(self, drop_prob, **kwargs):
+        super().__init__(**kwargs)
+        self.drop_prob = drop_prob
+        self.seed_generator = keras.random.SeedGenerator(1)
+
+    def call(self, x, training=None):
+        if self.drop_prob == 0.0 or not training:
+            return x
+        keep = keras.random.uniform((keras.ops.shape(x)[0], 1), seed=self.seed_generator)
+        return x * keras.ops.floor(1.0 - self.drop_prob + keep) / (1.0 - self.drop_prob)
+
+
+def test_random_layers_at_rate_zero_draw_nothing_and_are_not_listed():
+    inputs = keras.Input((6,))
+    outputs = [
+        _StochasticDepth(0.0, name="depth_off")(inputs),
+        _StochasticDepth(0.1, name="depth_on")(inputs),
+        keras.layers.GaussianDropout(0.0, name="gaussian_off")(inputs),
+        keras.layers.GaussianDropout(0.2, name="gaussian_on")(inputs),
+    ]
+    listed = unsliceable_random_layers(keras.Model(inputs, outputs))
+    assert sorted(listed) == ["depth_on", "gaussian_on"]

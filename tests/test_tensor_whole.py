@@ -112,3 +112,21 @@ def test_layers_kept_whole_train_as_keras_does(two_ranks, case):
     for r in ranks:
         assert r["split"], f"rank {r['rank']}: nothing split"
         assert any("kept whole on every tensor rank" in w for w in r["whole"]), r["whole"]
+
+
+class _OwnAttention(keras.layers.MultiHeadAttention):
+    """A subclass with a call of its own (XLNet's two-stream relative attention is one)."""
+
+    def call(self, query, value, key=None, **kwargs):
+        return super().call(query, value, key, **kwargs) * 2.0
+
+
+def test_an_attention_subclass_with_its_own_call_is_kept_whole():
+    inputs = keras.Input((4, 8))
+    mixed = _OwnAttention(2, 4, name="own")(inputs, inputs)
+    plain = keras.layers.MultiHeadAttention(2, 4, name="plain")(mixed, mixed)
+    layout = tensor_layout(keras.Model(inputs, plain), 2)
+    assert [layer.name for layer in layout.kept_whole] == ["own"]
+    assert any(line.startswith("own: kept whole") and "call overridden" in line
+               for line in layout.replicated)  # fmt: skip
+    assert {s.layer.name for s in layout.splits} == {"query", "key", "value", "attention_output"}

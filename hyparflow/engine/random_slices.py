@@ -248,8 +248,22 @@ def unsliceable_random_layers(model, extra_sliceable_types=()):
     return [
         layer.name
         for layer in _keras.all_layers(model)
-        if _owns_seed_generator(layer) and not isinstance(layer, sliceable)
+        if _owns_seed_generator(layer)
+        and not isinstance(layer, sliceable)
+        and not _draws_nothing(layer)
     ]
+
+
+# The attributes random layers keep their probability in: Keras's `rate`, keras_hub's
+# stochastic depth `drop_prob` (Swin; MiT's says `rate`).
+_RATE_ATTRIBUTES = ("rate", "drop_prob")
+
+
+def _draws_nothing(layer) -> bool:
+    """Whether `layer`'s rate is 0, so that it returns its input without drawing (keras_hub's
+    stochastic depth below its deepest block, a Dropout(0.0))."""
+    rates = [getattr(layer, name) for name in _RATE_ATTRIBUTES if hasattr(layer, name)]
+    return bool(rates) and all(isinstance(r, numbers.Real) and r == 0 for r in rates)
 
 
 def _owns_seed_generator(layer):

@@ -123,7 +123,8 @@ def build_graph(model) -> LayerGraph:
     Iterative throughout: graph depth never becomes Python recursion depth.
     """
     root = root_functional(model)
-    builder = _Builder()
+    leaves = _leaf_operations(root)
+    builder = _Builder(clashing={name for name, ids in leaves.items() if len(ids) > 1})
     mapping = {id(kt): builder.add_model_input(kt) for kt in root.inputs}
     builder.expand(root, "", mapping)
     outputs = [mapping[id(kt)] for kt in root.outputs]
@@ -135,9 +136,11 @@ def build_graph(model) -> LayerGraph:
 
 
 class _Builder:
-    """Collects nodes and tensors while walking Keras graphs, inlining nested models."""
+    """Collects nodes and tensors while walking Keras graphs, inlining nested models (those
+    that hold none of the `clashing` names)."""
 
-    def __init__(self):
+    def __init__(self, clashing: set[str]):
+        self.clashing = clashing
         self.nodes: list[GraphNode] = []
         self.tensors: list[GraphTensor] = []
 
@@ -171,6 +174,8 @@ class _Builder:
             if keras_node.is_input:
                 continue  # an input of this (sub)graph, already mapped
             inner = _flattenable_model(keras_node)
+            if inner is not None and self.clashing & set(_leaf_operations(inner)):
+                inner = None  # its layers' names repeat elsewhere: keras.Model needs them unique
             if inner is None:
                 self._add_leaf(keras_node, prefix, mapping)
                 continue
@@ -217,6 +222,25 @@ def _nodes_in_order(functional):
     """Keras nodes of `functional` from inputs to outputs (decreasing depth is topological)."""
     by_depth = _keras.nodes_by_depth(functional)
     return iter([node for depth in sorted(by_depth, reverse=True) for node in by_depth[depth]])
+
+
+def _leaf_operations(functional) -> dict[str, set[int]]:
+    """The operations a graph of `functional` would hold with every nested model inlined, by
+    name (ids: distinct operations). Two keras_hub encoders side by side (CLIP's) both hold an
+    "embedding": keras.Model refuses a stage holding both, so `expand` keeps each nested model
+    that holds a repeated name as one node."""
+    found: dict[str, set[int]] = {}
+    stack = [functional]
+    while stack:
+        for keras_node in _nodes_in_order(stack.pop()):
+            if keras_node.is_input:
+                continue
+            inner = _flattenable_model(keras_node)
+            if inner is None:
+                found.setdefault(keras_node.operation.name, set()).add(id(keras_node.operation))
+            else:
+                stack.append(inner)
+    return found
 
 
 def _flattenable_model(keras_node):

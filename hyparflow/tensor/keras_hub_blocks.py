@@ -75,6 +75,27 @@ FEED_FORWARD = {
 }
 
 
+# keras_hub's subclasses of keras.layers.MultiHeadAttention whose own `call` reads the query,
+# key, value and output projections as Keras's does (caching keys and values, rotary positions),
+# so they split by heads; other subclasses (XLNet's two-stream relative attention adds its own
+# projections of the heads) are kept whole. Moonshine and Whisper measured exact at T=2.
+HEAD_SPLIT_ATTENTIONS = frozenset(
+    {"CachedMultiHeadAttention", "WhisperCachedMultiHeadAttention", "MoonshineMultiHeadAttention"}
+)
+
+
+def splits_by_heads(layer) -> bool:
+    """Whether a `keras.layers.MultiHeadAttention` computes with its projections as Keras's own
+    `call` does: no class between it and Keras's overrides `call`, or it is one of keras_hub's
+    `HEAD_SPLIT_ATTENTIONS`."""
+    for kind in type(layer).__mro__:
+        if kind.__module__.startswith("keras.") and kind.__name__ == "MultiHeadAttention":
+            return True
+        if "call" in vars(kind) and kind.__name__ not in HEAD_SPLIT_ATTENTIONS:
+            return False
+    return True
+
+
 def policy(layer, table: dict):
     """`layer`'s entry in `table` (ATTENTION or FEED_FORWARD) when it is keras_hub's own."""
     kind = type(layer)

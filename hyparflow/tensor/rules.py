@@ -21,7 +21,12 @@ import keras
 
 from hyparflow import _keras
 from hyparflow.partitioner.graph import build_graph
-from hyparflow.tensor.keras_hub_blocks import split_block, split_head_norms, whole_tensor_dropouts
+from hyparflow.tensor.keras_hub_blocks import (
+    split_block,
+    split_head_norms,
+    splits_by_heads,
+    whole_tensor_dropouts,
+)  # fmt: skip
 from hyparflow.tensor.layout import check_divides, lookup, split_axis
 from hyparflow.tensor.roles import (
     CONVS,
@@ -76,6 +81,10 @@ def _attention_and_embeddings(layout: TensorLayout, layers) -> None:
             with layout.all_or_none(layer.name, [layer]):
                 layout.splits.append(split_layer(layer, VOCAB, parts, "vocabulary rows"))
         elif isinstance(layer, keras.layers.MultiHeadAttention):
+            if not splits_by_heads(layer):
+                why = f"{type(layer).__name__} computes its own attention (its call overridden)"
+                layout.keep_whole(layer.name, [layer], why)
+                continue
             with layout.all_or_none(layer.name, [layer]):
                 _split_attention(layout, layer)
         else:

@@ -115,8 +115,10 @@ FAMILIES = {
                    image_shape=IMAGE, position_embedding_shape=(32, 32)),
     "DINOV3": dict(patch_size=8, num_layers=2, hidden_dim=16, num_heads=2, intermediate_dim=32,
                    image_shape=IMAGE),
+    # stochastic depth (drop_path > 0) draws per sample with keras.random.uniform, which
+    # hyparflow cannot cut into Keras's whole-batch draw: refused with replicas or micro-batches
     "SwinTransformer": dict(image_shape=IMAGE, patch_size=2, embed_dim=8, depths=(1, 1),
-                            num_heads=(2, 2), window_size=4),
+                            num_heads=(2, 2), window_size=4, drop_path=0.0),
     "ResNet": dict(input_conv_filters=[64], input_conv_kernel_sizes=[3],
                    stackwise_num_filters=[64, 8], stackwise_num_blocks=[1, 1],  # 64: keras_hub
                    stackwise_num_strides=[1, 2], block_type="basic_block", image_shape=IMAGE),
