@@ -51,3 +51,18 @@ def test_a_model_of_independent_samples_passes():
 def test_without_arrays_of_two_samples_nothing_is_run():
     assert sample_coupling(_model(mixing=True), None) is None
     assert sample_coupling(_model(mixing=True), X[:1]) is None
+
+
+@keras.saving.register_keras_serializable(package="test_batch_coupling")
+class GlobalCentering(keras.layers.Layer):
+    """Centres on `hf.global_mean`: coupled on purpose, and exact under replicas."""
+
+    def call(self, x):
+        return x - hf.global_mean(x)
+
+
+def test_a_model_taking_hf_global_mean_is_not_refused():
+    inputs = keras.Input((4,))
+    model = keras.Model(inputs, keras.layers.Dense(2)(GlobalCentering()(inputs)))
+    assert sample_coupling(model, X) is None
+    check_sample_coupling(model, hf.Strategy("data", replicas=2, microbatches=1), X)
