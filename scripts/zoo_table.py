@@ -31,8 +31,9 @@ INTRO = """\
 Each family of the installed keras_hub, built tiny from one row of `tests/support/hub_zoo.py`
 (its task class found by the family's prefix; a family without one has its output pooled under a
 Dense head), trained by `hf.fit` on 2 ranks for 4 steps (16 samples in batches of 8, 2 epochs,
-Adam 0.01, SGD 0.01 with momentum 0.9 for BatchNormalization families, `preprocessor=None`) against one process's `model.fit` from the same seeded weights
-(`tests/test_hub_zoo.py`, scenario `tests/mpi/hub_zoo.py`). Layouts: data (R=2), pipeline (P=2,
+Adam 0.01, SGD 0.01 with momentum 0.9 for BatchNormalization families, `preprocessor=None`)
+against one process's `model.fit` from the same seeded weights (`tests/test_hub_zoo.py`,
+scenario `tests/mpi/hub_zoo.py`). Layouts: data (R=2), pipeline (P=2,
 2 micro-batches, GPipe), tensor (T=2). Families with BatchNormalization run data parallel with
 `sync_batchnorm=True` and their pipeline with one micro-batch, the layouts in which
 BatchNormalization is exact ("BatchNormalization" above). A weight's float floor is how far
@@ -48,6 +49,9 @@ def cell(entry: dict | None) -> str:
         return "not run"
     ranks = entry["ranks"]
     errors = [r["error"] for r in ranks if "error" in r]
+    refusal = hub_zoo.REFUSED.get((entry["family"], entry["layout"]))
+    if errors and refusal is not None and refusal in errors[0]:
+        return f"refused: {refusal}"
     if errors:
         return "error: " + _short(errors[0])
     weights = max(r["weights"] for r in ranks)
