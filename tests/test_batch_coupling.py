@@ -54,7 +54,7 @@ def test_without_arrays_of_two_samples_nothing_is_run():
 
 
 @keras.saving.register_keras_serializable(package="test_batch_coupling")
-class GlobalCentering(keras.layers.Layer):
+class GlobalMeanCentering(keras.layers.Layer):
     """Centres on `hf.global_mean`: coupled on purpose, and exact under replicas."""
 
     def call(self, x):
@@ -63,6 +63,6 @@ class GlobalCentering(keras.layers.Layer):
 
 def test_a_model_taking_hf_global_mean_is_not_refused():
     inputs = keras.Input((4,))
-    model = keras.Model(inputs, keras.layers.Dense(2)(GlobalCentering()(inputs)))
+    model = keras.Model(inputs, keras.layers.Dense(2)(GlobalMeanCentering()(inputs)))
     assert sample_coupling(model, X) is None
     check_sample_coupling(model, hf.Strategy("data", replicas=2, microbatches=1), X)
