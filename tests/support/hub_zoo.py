@@ -49,6 +49,16 @@ def _sub(name: str, **config):
     return lambda: _hub_class(name)(**config)
 
 
+def _dual_encoders(family: str) -> dict:
+    """An image and a text encoder of `family` (CLIP's, SigLIP's kinds), the same tiny sizes."""
+    shared = dict(hidden_dim=16, num_layers=2, num_heads=2, intermediate_dim=32)
+    return dict(
+        vision_encoder=_sub(f"{family}VisionEncoder", patch_size=8, image_shape=IMAGE, **shared),
+        text_encoder=_sub(f"{family}TextEncoder", vocabulary_size=VOCAB, embedding_dim=16,
+                          max_sequence_length=LENGTH, **shared),
+    )  # fmt: skip
+
+
 FAMILIES = {
     # causal language models
     "GPT2": _POSITIONS,
@@ -164,29 +174,9 @@ FAMILIES = {
         num_key_value_heads=1, hidden_dim=8, intermediate_dim=16, head_dim=4, vit_patch_size=4,
         vit_num_layers=2, vit_num_heads=2, vit_hidden_dim=8, vit_intermediate_dim=16,
     ),  # fmt: skip
-    "CLIP": dict(
-        vision_encoder=_sub("CLIPVisionEncoder", patch_size=8, hidden_dim=16, num_layers=2,
-                            num_heads=2, intermediate_dim=32, image_shape=IMAGE),
-        text_encoder=_sub("CLIPTextEncoder", vocabulary_size=VOCAB, embedding_dim=16,
-                          hidden_dim=16, num_layers=2, num_heads=2, intermediate_dim=32,
-                          max_sequence_length=LENGTH),
-        projection_dim=16,
-    ),  # fmt: skip
-    "SigLIP": dict(
-        vision_encoder=_sub("SigLIPVisionEncoder", patch_size=8, hidden_dim=16, num_layers=2,
-                            num_heads=2, intermediate_dim=32, image_shape=IMAGE),
-        text_encoder=_sub("SigLIPTextEncoder", vocabulary_size=VOCAB, embedding_dim=16,
-                          hidden_dim=16, num_layers=2, num_heads=2, intermediate_dim=32,
-                          max_sequence_length=LENGTH),
-    ),  # fmt: skip
-    "MetaCLIP2": dict(
-        vision_encoder=_sub("MetaCLIP2VisionEncoder", patch_size=8, hidden_dim=16, num_layers=2,
-                            num_heads=2, intermediate_dim=32, image_shape=IMAGE),
-        text_encoder=_sub("MetaCLIP2TextEncoder", vocabulary_size=VOCAB, embedding_dim=16,
-                          hidden_dim=16, num_layers=2, num_heads=2, intermediate_dim=32,
-                          max_sequence_length=LENGTH),
-        projection_dim=16,
-    ),  # fmt: skip
+    "CLIP": dict(_dual_encoders("CLIP"), projection_dim=16),
+    "SigLIP": _dual_encoders("SigLIP"),
+    "MetaCLIP2": dict(_dual_encoders("MetaCLIP2"), projection_dim=16),
 }  # fmt: skip
 # keras_hub's families outside the zoo, and why
 LEFT_OUT = {
