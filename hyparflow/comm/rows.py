@@ -16,14 +16,17 @@ import math
 import numpy as np
 
 
-def gather_rows(comm, indices: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Every rank's `indices` (1-D) and `values` (rows) concatenated in rank order, on every rank.
+def gather_rows(
+    comm, indices: np.ndarray, values: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """Every rank's `indices` (1-D) and `values` (rows) concatenated in rank order, on every rank,
+    and how many rows each rank gave.
 
     Values travel as raw bytes (MPI has no bfloat16), so any dtype works; all ranks must pass
     the same dtypes and row shape. Collective over `comm`.
 
     Example:
-        idx, val = gather_rows(topo.stage_comm, np.array([3, 7]), np.ones((2, 16), "float32"))
+        idx, val, counts = gather_rows(comm, np.array([3, 7]), np.ones((2, 16), "float32"))
     """
     from mpi4py import MPI  # on use: importing it initialises MPI (docs/architecture.md)
 
@@ -40,7 +43,7 @@ def gather_rows(comm, indices: np.ndarray, values: np.ndarray) -> tuple[np.ndarr
         [values.view(np.uint8).reshape(-1), MPI.BYTE],
         [all_values.view(np.uint8).reshape(-1), byte_counts, _offsets(byte_counts), MPI.BYTE],
     )
-    return all_indices, all_values
+    return all_indices, all_values, counts
 
 
 def _offsets(counts: list[int]) -> list[int]:

@@ -206,11 +206,9 @@ def reduce_rows(comm, grads: list, per_batch: list | None = None) -> list:
 
 def _gathered(comm, grad, per_batch: bool):
     """Every rank's rows of `grad` in rank order, or added (`per_batch`). Collective."""
-    own_indices, own_values = grad.indices.numpy(), grad.values.numpy()
-    indices, values = gather_rows(comm, own_indices, own_values)
+    indices, values, counts = gather_rows(comm, grad.indices.numpy(), grad.values.numpy())
     if not per_batch:
         return tf.IndexedSlices(tf.constant(values), tf.constant(indices), grad.dense_shape)
-    counts = comm.allgather(len(own_indices))
     bounds = np.cumsum([0, *counts])
     pieces = [
         tf.IndexedSlices(values[a:b], indices[a:b], grad.dense_shape)

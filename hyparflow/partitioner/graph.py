@@ -174,7 +174,7 @@ class _Builder:
             if keras_node.is_input:
                 continue  # an input of this (sub)graph, already mapped
             inner = _flattenable_model(keras_node)
-            if inner is not None and self.clashing & set(_leaf_operations(inner)):
+            if inner is not None and self.clashing and self.clashing & set(_leaf_operations(inner)):
                 inner = None  # its layers' names repeat elsewhere: keras.Model needs them unique
             if inner is None:
                 self._add_leaf(keras_node, prefix, mapping)
