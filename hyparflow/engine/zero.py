@@ -124,7 +124,7 @@ class ShardedUpdate:
             ])  # fmt: skip
         self.groups = [group for groups in self.segments for group in groups]
         # Keras's slot names of the variables updated whole: tables and expert shards
-        self._table_prefixes = [
+        self.table_prefixes = [
             (v.path.replace("/", "_") + "_", v) for v in [*self.tables, *self.experts]
         ]
         owned = {id(v) for v in update.owned}

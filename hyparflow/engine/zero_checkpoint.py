@@ -31,7 +31,7 @@ class ZeroCheckpoint:
         for group in self.zero.groups:
             if name.startswith(group.slot_prefix):
                 return group, None, name[len(group.slot_prefix) :]
-        for prefix, table in sorted(self.zero._table_prefixes, key=lambda p: -len(p[0])):
+        for prefix, table in sorted(self.zero.table_prefixes, key=lambda p: -len(p[0])):
             if name.startswith(prefix):
                 return None, table, name[len(prefix) :]
         return None, None, None

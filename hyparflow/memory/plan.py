@@ -235,7 +235,7 @@ def _stages(model, strategy, notes) -> tuple[list, list]:
     uncut = tensor_rules.pair_cuts if strategy.tensor > 1 else None
     chunks = strategy.virtual_stages if strategy.schedule == "interleaved" else 1
     plan = partition(model, strategy.partitions * chunks, strategy.balance, uncut=uncut)
-    graph = plan._graph
+    graph = plan.graph
     by_name = {node.name: node for node in graph.nodes}
     per_sample = []
     for stage in plan.stages:

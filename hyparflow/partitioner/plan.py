@@ -72,7 +72,7 @@ class Stage:
     param_count: int
     owned_layers: list[str]
     measured_time: float | None = None
-    _layer_objects: dict = field(default_factory=dict, repr=False)
+    layer_objects: dict = field(default_factory=dict, repr=False)
 
     def __repr__(self) -> str:
         return (
@@ -98,7 +98,7 @@ class Stage:
         for layer in _keras.all_layers(self.model, include_self=False):
             losses.extend(_keras.own_losses(layer))
         owned = {
-            id(v) for name in self.owned_layers for v in self._layer_objects[name].trainable_weights
+            id(v) for name in self.owned_layers for v in self.layer_objects[name].trainable_weights
         }
         for variable in self.model.trainable_weights:
             if variable.regularizer is not None and id(variable) in owned:
@@ -146,7 +146,7 @@ class Plan:
     cost_unit: str  # unit of `stage.cost`: "layers", "params", "FLOP" or "s"
     batch_size: int | None = None
     bandwidth: float | None = None
-    _graph: object = field(default=None, repr=False)
+    graph: object = field(default=None, repr=False)
     # Each stage's tensor layout when its layers are split over tensor ranks (`hf.partition(...,
     # tensor=T)`): objects with `summary()` and `layout_map()` (hyparflow.tensor.TensorLayout).
     tensor_layouts: list = field(default_factory=list, repr=False)
@@ -180,7 +180,7 @@ class Plan:
     def run(self, inputs, training=None):
         """Run the stages one after another; returns what `model(inputs)` returns."""
 
-        root = self._graph.root
+        root = self.graph.root
         values = _keras.standardize_inputs(root, inputs)
         for stage in self.stages:
             values = stage.forward(values, training=training)
@@ -193,7 +193,7 @@ class Plan:
         `stage.measured_time` and shown by `summary()`."""
 
         batch_size = batch_size or self.batch_size
-        inputs = profile.make_sample(self._graph, sample, input_shape, batch_size)
+        inputs = profile.make_sample(self.graph, sample, input_shape, batch_size)
         times = profile.stage_times(self.stages, inputs, self.model, repeats)
         for stage, seconds in zip(self.stages, times, strict=True):
             stage.measured_time = seconds
@@ -213,8 +213,8 @@ class Plan:
     def layer(self, name: str):
         """The Keras layer called `name` in `stage.layers` (qualified names for nested ones)."""
         for stage in self.stages:
-            if name in stage._layer_objects:
-                return stage._layer_objects[name]
+            if name in stage.layer_objects:
+                return stage.layer_objects[name]
         raise KeyError(f"No layer '{name}' in this plan.")
 
     def summary(self, print_fn=print) -> str:

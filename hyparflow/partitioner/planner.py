@@ -104,7 +104,7 @@ def partition(
         cost_unit="layers" if explicit else _COST_UNITS[balance],
         batch_size=batch_size,
         bandwidth=bandwidth,
-        _graph=graph,
+        graph=graph,
     )
 
 
@@ -161,7 +161,7 @@ def _partition_by_time(
         cost_unit="s",
         batch_size=samples,
         bandwidth=bandwidth,
-        _graph=graph,
+        graph=graph,
     )
 
 

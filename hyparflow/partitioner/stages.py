@@ -57,7 +57,7 @@ def build_stages(
                 comm_cost=comm_cost,
                 param_count=sum(layer.count_params() for layer in layer_objects.values()),
                 owned_layers=[name for name in layer_objects if owner[name] == k],
-                _layer_objects=layer_objects,
+                layer_objects=layer_objects,
             )
         )
         receives_ids, receives = send_ids, sends
