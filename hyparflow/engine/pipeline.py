@@ -82,19 +82,19 @@ class PipelineWalk:
         self._comms = [topology.pipeline_comm] + [
             topology.pipeline_comm.Dup() for _ in range(1, links)
         ]
-        self._guard = guard
+        self.guard = guard
         self._loss, self._update_metrics_fn = loss, update_metrics
         self._eval_loss_fn = None
-        self._whole_inputs = whole_inputs
+        self.whole_inputs = whole_inputs
         self.span = events.no_span
         # (chunk, largest micro-batch, count) -> (prev, next)
         self.channels: dict[tuple, tuple] = {}
         self._schedules: dict[tuple, tuple] = {}  # (train, micro-batches) -> this stage's actions
-        self._added_parts: list = []  # this step's (micro-batch size, added loss)
+        self.added_parts: list = []  # this step's (micro-batch size, added loss)
 
     def take_added(self) -> list:
         """The (micro-batch size, added loss) of each forward since the last call."""
-        parts, self._added_parts = self._added_parts, []
+        parts, self.added_parts = self.added_parts, []
         return parts
 
     def microbatches(self, batch: GlobalBatch) -> list[MicroBatch]:
@@ -159,7 +159,7 @@ class PipelineWalk:
             comm.Free()
         self._comms = self._comms[:1]
 
-    def _links(self, chunk: int, max_microbatch: int, num_microbatches: int):
+    def links(self, chunk: int, max_microbatch: int, num_microbatches: int):
         """Chunk `chunk`'s channels to the previous and next part of the model, sized for
         micro-batches of this size."""
         key = (chunk, max_microbatch, num_microbatches)
@@ -198,26 +198,26 @@ class PipelineWalk:
             self._schedules[key] = tuple(lowered[self.topology.stage])
         return self._schedules[key]
 
-    def _post_receives(self, links, count: int) -> dict:
+    def post_receives(self, links, count: int) -> dict:
         """The step's activation receives, posted up front so that transfers land while this
         stage computes (a gradient receive is posted when its activation leaves, by the
         schedule walk: at the first stage, posting them all here would delay its first forward,
         which every later stage waits for)."""
         return {
-            (c, p2p.FORWARD, k): self._receive(prev, k, p2p.FORWARD)
+            (c, p2p.FORWARD, k): self.receive(prev, k, p2p.FORWARD)
             for c, (prev, _) in enumerate(links)
             if prev is not None
             for k in range(count)
         }
 
-    def _receive(self, channel, k: int, direction: str):
+    def receive(self, channel, k: int, direction: str):
         """Micro-batch `k`'s receive from `channel`: posted now with `overlap_p2p`, else a
         blocking receive posted when waited for."""
         if self.strategy.overlap_p2p:
             return channel.irecv(k, direction)
         return _DeferredReceive(channel, k, direction)
 
-    def _finish_forward(self, runner, out, mb: MicroBatch, train: bool, predict: bool):
+    def finish_forward(self, runner, out, mb: MicroBatch, train: bool, predict: bool):
         """The last stage's result of one forward: outputs (predict), else (loss, size)."""
         y, sw = mb.y, mb.sample_weight
         if predict:
@@ -249,13 +249,13 @@ class _Step:
         topo, count = walk.topology, len(microbatches)
         largest = max(m.size for m in microbatches)
         self.links = [  # per chunk: (previous, next) channel, None where there is none
-            (None, None) if chunk.stage is None else walk._links(c, largest, count)
+            (None, None) if chunk.stage is None else walk.links(c, largest, count)
             for c, chunk in enumerate(walk.chunks)
         ]
         grid = topo.grid
         self.before = grid.rank_of(_pipeline_peer(topo, -1), topo.replica, topo.shard)
         self.after = grid.rank_of(_pipeline_peer(topo, 1), topo.replica, topo.shard)
-        self.posted = walk._post_receives(self.links, count)
+        self.posted = walk.post_receives(self.links, count)
         # per chunk: a chunk's seeds, put back before each of its forwards, advance once a
         # step, as in one full-batch call, whatever the other chunks run in between
         self.seeds = [
@@ -297,7 +297,7 @@ class _Step:
         if self.seeds[c] is not None:  # every micro-batch draws from the step's seeds
             self.seeds[c].restore()
         if chunk.is_first:
-            inputs = mb.x if walk._whole_inputs else model_input_list(walk.model, mb.x)
+            inputs = mb.x if walk.whole_inputs else model_input_list(walk.model, mb.x)
         else:
             inputs = self.held.pop((ActionKind.FORWARD, k, c))
         with walk.span(events.FORWARD, k):
@@ -312,9 +312,9 @@ class _Step:
             else:
                 out = runner.infer(inputs)
             if not self.predict:
-                walk._added_parts.append((mb.size, runner.last_added))
+                walk.added_parts.append((mb.size, runner.last_added))
             if chunk.is_last:
-                finished = walk._finish_forward(runner, out, mb, self.train, self.predict)
+                finished = walk.finish_forward(runner, out, mb, self.train, self.predict)
                 self.results.append(finished)
             else:
                 self.held[ActionKind.SEND_ACTIVATIONS, k, c] = out
@@ -326,7 +326,7 @@ class _Step:
         with walk.span(events.SEND, k):
             link.isend(self.held.pop((ActionKind.SEND_ACTIVATIONS, k, c)), k, p2p.FORWARD)
             if self.train:
-                self.posted[c, p2p.BACKWARD, k] = walk._receive(link, k, p2p.BACKWARD)
+                self.posted[c, p2p.BACKWARD, k] = walk.receive(link, k, p2p.BACKWARD)
 
     def receive_gradients(self, k: int, c: int) -> None:
         """Wait for the gradients of micro-batch `k`'s outputs of chunk `c` from the next
@@ -338,7 +338,7 @@ class _Step:
         """Micro-batch `k`'s posted receive of chunk `c` in `direction` from `peer`, once it
         has landed."""
         walk = self.walk
-        with walk.span(events.RECV, k), walk._guard(operation, peer, k):
+        with walk.span(events.RECV, k), walk.guard(operation, peer, k):
             return self.posted.pop((c, direction, k)).wait(self.microbatches[k].size)
 
     def backward(self, k: int, c: int) -> None:
@@ -369,7 +369,7 @@ class _Step:
 
     def complete_sends(self) -> None:
         """Wait until this step's sends have left (their buffers are reused next step)."""
-        with self.walk.span(events.SEND), self.walk._guard("complete sends to pipeline neighbours"):
+        with self.walk.span(events.SEND), self.walk.guard("complete sends to pipeline neighbours"):
             for links in self.links:
                 for channel in links:
                     if channel is not None:
