@@ -166,7 +166,7 @@ class CustomStepTrainer(Trainer):
                 )
             )
         data, share, rows = self._share(batch)
-        with self._guard("custom train step (gradients summed over replicas)"):
+        with self.guard("custom train step (gradients summed over replicas)"):
             weight = tf.constant(share, tf.float32)
             self._returned = _any_batch_size(self._train_fn, data, weight, rows)
         self._average_moving_statistics()
@@ -191,7 +191,7 @@ class CustomStepTrainer(Trainer):
         share = 1.0 / self.topology.num_replicas  # shares are equal whenever they must be
         values = np.concatenate([v.ravel() for v in flat.values()] + [np.zeros(0)]) * share
         total = np.empty_like(values)
-        with self._guard("average the step's logs over replicas"):
+        with self.guard("average the step's logs over replicas"):
             self.topology.stage_comm.Allreduce(values, total)
         parts = np.split(total, np.cumsum(sizes)[:-1]) if sizes else []
         return {

@@ -62,7 +62,7 @@ def gather_optimizer_state(trainer) -> None:
     if not needs_gathering(trainer) or getattr(trainer, _GATHERED_AT, None) == trainer.step:
         return
     setattr(trainer, _GATHERED_AT, trainer.step)
-    world, guard = trainer.topology.world, trainer._guard
+    world, guard = trainer.topology.world, trainer.guard
     entries = _gather(local_entries(trainer.stage_state), world, guard)
     if entries is None:
         return

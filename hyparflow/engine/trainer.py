@@ -103,7 +103,7 @@ class Trainer:
         self.holds_share_only = any(deferred.is_deferred(v) for v in model.variables)
         # tensor shards, expert shards, sparse mixtures (docs/tensor.md, docs/moe.md)
         graphs = [model] if plan is None else [s.model for s in self.stages]
-        self.splits = SplitLayers(model, strategy, topo, graphs, tensor_layout, self._guard)
+        self.splits = SplitLayers(model, strategy, topo, graphs, tensor_layout, self.guard)
         self.shards, self.experts = self.splits.tensor, self.splits.experts
         self.row_kinds = row_kinds.with_shards(model, self.splits.pieces()[1])
         self.sparse_experts = self.splits.dispatch
@@ -134,11 +134,11 @@ class Trainer:
             for p, runner in zip(parts, runners, strict=True)
         ]
         self.walk = PipelineWalk(
-            model, topo, strategy, chunks, guard=self._guard, loss=self._loss,
+            model, topo, strategy, chunks, guard=self.guard, loss=self._loss,
             update_metrics=self._update_metrics_fn, whole_inputs=plan is None and segments is None,
         )  # fmt: skip
         self.stage_state = TrainingState(
-            model, topo, plan, self.variables, self._guard, *self.splits.pieces(),
+            model, topo, plan, self.variables, self.guard, *self.splits.pieces(),
             experts=strategy.experts,
         )  # fmt: skip
         if self.zero is not None:
@@ -226,7 +226,7 @@ class Trainer:
         )  # fmt: skip
         self.update = Update(
             model, topo, self.variables, self.owned, partitioned=self.plan is not None,
-            guard=self._guard, merge=self.gradient_sync.merge, layout=self.runner.layout,
+            guard=self.guard, merge=self.gradient_sync.merge, layout=self.runner.layout,
             split=self.shards.variables if self.shards else (),
             expert_split=self.splits.expert_split(),
         )  # fmt: skip
@@ -234,7 +234,7 @@ class Trainer:
         if form.update_per_segment:
             replicas = topo.stage_comm if topo.num_replicas > 1 else None
             self.segment_update = SegmentUpdate(
-                self.update, self.runner, segments, replicas=replicas, guard=self._guard
+                self.update, self.runner, segments, replicas=replicas, guard=self.guard
             )  # fmt: skip
         # ZeRO-1: the replicas split the optimizer state and its update (engine/zero.py)
         self.zero = None
@@ -249,8 +249,8 @@ class Trainer:
                 self.segment_update.shard(self.zero)
         self.gradient_path = build_gradient_path(
             self.gradient_sync, self.update, self.segment_update, self.zero,
-            # a lambda: attach_recorder replaces `_span` (`_guard` reads the current watchdog)
-            span=lambda *kind: self._span(*kind), guard=self._guard, step=lambda: self.step,
+            # a lambda: attach_recorder replaces `_span` (`guard` reads the current watchdog)
+            span=lambda *kind: self._span(*kind), guard=self.guard, step=lambda: self.step,
         )  # fmt: skip
 
     def layers_active(self) -> contextlib.ExitStack:
@@ -276,7 +276,7 @@ class Trainer:
         self.watchdog.close()
         self.watchdog = Watchdog(self.topology.world, timeout) if timeout > 0 else NoWatchdog()
 
-    def _guard(self, operation: str, peer=None, microbatch=None):
+    def guard(self, operation: str, peer=None, microbatch=None):
         """The current watchdog's guard (the watchdog changes with `use_watchdog`)."""
         return self.watchdog.guard(operation, peer, microbatch)
 
@@ -377,17 +377,17 @@ class Trainer:
             exact = {block.name for block in self.sparse_experts.blocks} | self.splits.batch.users
             inexact = self._loss_adders - exact
             if self.strategy.strict_added_losses:
-                with self._guard("agree on added losses"):
+                with self.guard("agree on added losses"):
                     refuse_unless_batch_means(inexact, microbatches_per_batch, self.topology.world)
             warn_unless_batch_means(inexact, microbatches_per_batch)
-            with self._guard("agree on added losses"):
+            with self.guard("agree on added losses"):
                 self._any_added_losses = bool(
                     pipeline.allreduce(bool(self.runner.has_added_losses), op=mpi_op("LOR"))
                 )
         if not self._any_added_losses:
             return 0.0
         local = sum(n * float(added) for n, added in parts)
-        with self._guard("sum added losses over the pipeline"):
+        with self.guard("sum added losses over the pipeline"):
             return pipeline.allreduce(local)
 
     def _track_loss(self, losses, reg_value: float, added: float = 0.0) -> None:
@@ -406,14 +406,14 @@ class Trainer:
         if not variables or self.topology.num_replicas == 1:
             return
         flat = packed(variables)
-        with self._guard("average moving statistics over replicas"):
+        with self.guard("average moving statistics over replicas"):
             self.topology.stage_comm.Allreduce(mpi_op("IN_PLACE"), flat)
         assign_packed(variables, flat / self.topology.num_replicas)
 
     # --- results shared by every rank ------------------------------------------------------
     def logs(self) -> dict:
         """Loss and metrics of the data seen since the last reset, identical on every rank."""
-        with self._guard("share loss and metrics", peer=self._log_root):
+        with self.guard("share loss and metrics", peer=self._log_root):
             logs = None
             if self.is_last:
                 logs = self._replica_metrics()
@@ -425,7 +425,7 @@ class Trainer:
 
     def agree_any(self, flag) -> bool:
         """True on every rank if `flag` is true on any rank (early stop, NaN stop)."""
-        with self._guard("agree on stopping"):
+        with self.guard("agree on stopping"):
             return bool(self.topology.world.allreduce(bool(flag), op=mpi_op("LOR")))
 
     def finalize_variables(self) -> None:
@@ -438,10 +438,10 @@ class Trainer:
     def sync_weights(self) -> None:
         """Give every rank the full model: each stage broadcasts the weights it owns. A model
         built under hf.scope() stays where it is: each rank keeps its own share."""
-        self.splits.store(self._guard)  # first put split weights together
+        self.splits.store(self.guard)  # first put split weights together
         if self.plan is None or self.holds_share_only:
             return  # replicas stay identical: every one applies the same reduced gradients
-        broadcast_owned_weights(self.model, self.plan, self.topology.pipeline_comm, self._guard)
+        broadcast_owned_weights(self.model, self.plan, self.topology.pipeline_comm, self.guard)
 
     def close(self) -> None:
         self.watchdog.close()
