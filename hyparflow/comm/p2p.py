@@ -142,22 +142,22 @@ class RecvHandle:
             ]
             # Dynamic data is received even when the batch sizes disagree, so that no message
             # is left behind to be matched by a later receive.
-            buffers = channel._receive_dynamic(direction, microbatch, shapes)
+            buffers = channel.receive_dynamic(direction, microbatch, shapes)
         except BaseException:
-            channel._claim_slot(direction, microbatch, [])  # the slot is free again
+            channel.claim_slot(direction, microbatch, [])  # the slot is free again
             raise
         batches = {shape[0] for shape in shapes}
         if len(batches) != 1 or (batch_size is not None and batches != {batch_size}):
-            channel._claim_slot(direction, microbatch, [])
+            channel.claim_slot(direction, microbatch, [])
             raise RuntimeError(
                 f"micro-batch {microbatch} ({direction}) arrived with batch sizes "
                 f"{sorted(batches)} but {batch_size or 'one common size'} was expected"
             )
         tensors = [
-            channel._as_tensor(buf, spec, shape)
+            channel.as_tensor(buf, spec, shape)
             for buf, spec, shape in zip(buffers, specs, shapes, strict=True)
         ]
-        channel._claim_slot(direction, microbatch, tensors)
+        channel.claim_slot(direction, microbatch, tensors)
         return tensors
 
 
@@ -362,7 +362,7 @@ class PipeChannel:
             return device_empty(shape, dtype, self.device)
         return huge_zeros(shape, storage_dtype(dtype))
 
-    def _receive_dynamic(self, direction: str, microbatch: int, shapes: list) -> list:
+    def receive_dynamic(self, direction: str, microbatch: int, shapes: list) -> list:
         """Receive the dynamic tensors' data (shapes known from their headers) into the slot's
         buffers, growing those too small; return the slot's buffers."""
         MPI = _mpi()
@@ -414,11 +414,11 @@ class PipeChannel:
         self._slot_owner[key] = (microbatch, None)
         return buffers
 
-    def _claim_slot(self, direction: str, microbatch: int, tensors: list) -> None:
+    def claim_slot(self, direction: str, microbatch: int, tensors: list) -> None:
         refs = [weakref.ref(t) for t in tensors]
         self._slot_owner[direction, microbatch % self.num_slots] = (microbatch, refs)
 
-    def _as_tensor(self, buffer, spec: BoundarySpec, shape: tuple[int, ...]) -> tf.Tensor:
+    def as_tensor(self, buffer, spec: BoundarySpec, shape: tuple[int, ...]) -> tf.Tensor:
         batch = shape[0]
         if spec.dynamic:
             count = math.prod(shape)
