@@ -46,10 +46,7 @@ def plan_parser() -> argparse.ArgumentParser:
         "priced by the scaling model and, with a model, its memory plan; print the fastest "
         "that fits, its rivals, and why the others lost (docs/auto.md).",
     )
-    simulate_command.add_arguments(parser)
-    for action in parser._actions:  # argparse has no public way to hide an added option
-        if action.dest in FIXED_LAYOUT:
-            action.help = argparse.SUPPRESS
+    simulate_command.add_arguments(parser, hidden=FIXED_LAYOUT)
     parser.add_argument("--auto", action="store_true", required=True, help="search layouts")
     parser.add_argument("--ranks", type=int, required=True, help="the world size N")
     parser.add_argument("--memory", type=byte_size, metavar="SIZE",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 import math
@@ -24,10 +25,16 @@ COLUMNS = (
 )  # fmt: skip
 
 
-def add_arguments(parser) -> None:
-    """The `simulate` subcommand's options."""
+def add_arguments(parser, hidden=frozenset()) -> None:
+    """The `simulate` subcommand's options; those whose destination is in `hidden` are taken
+    but left out of the help (`plan --auto` fixes the layout itself)."""
+
+    def add(*flags, **options):
+        action = parser.add_argument(*flags, **options)
+        if action.dest in hidden:
+            action.help = argparse.SUPPRESS
+
     # fmt: off
-    add = parser.add_argument
     add("source", help="a saved Keras model (.keras: its layers are timed here), module:function "
         "that builds a compiled one, or a costs file (.json, from --save-costs)")
     add("--batch-size", "--batch", type=int, required=True, help="global batch per step")
