@@ -421,6 +421,48 @@ def test_no_stage_begins_where_a_keras_mask_would_be_cut_off(balance):
         np.testing.assert_allclose(plan.run(tokens), model(tokens), atol=1e-6)
 
 
+class _PositionTable(layers.Layer):
+    """keras_hub 0.32's MoonshineRotaryEmbedding in small: one (length, 4) table per batch,
+    declared as one value per sample."""
+
+    def call(self, x):
+        positions = keras.ops.cast(keras.ops.arange(keras.ops.shape(x)[1]), "float32")
+        return keras.ops.stack([positions * k for k in (1.0, 2.0, 3.0, 4.0)], axis=-1)
+
+    def compute_output_shape(self, input_shape):
+        return (input_shape[0],)
+
+
+class _AddTable(layers.Layer):
+    def call(self, x, table):
+        return x + keras.ops.expand_dims(table, 0)
+
+
+def _table_model():
+    x = keras.Input((5, 4))
+    table = _PositionTable(name="table")(x)
+    h = layers.Dense(4, name="first")(x)
+    h = _AddTable(name="add_1")(h, table)
+    h = layers.Dense(4, name="second")(h)
+    h = _AddTable(name="add_2")(h, table)
+    h = layers.Dense(4, name="third")(h)
+    return keras.Model(x, layers.Dense(3, name="head")(h))
+
+
+def test_no_stage_receives_a_tensor_that_does_not_follow_the_batch_or_its_declared_shape():
+    model = _table_model()  # without the traced shapes, 2 stages would send the table
+    together = {"table", "add_1", "second", "add_2"}
+    x = rand(3, 5, 4)
+    for parts in (2, 3):
+        plan = partition(model, parts)
+        for stage in plan.stages:
+            names = set(stage.layers)
+            assert not names & together or together <= names, [s.layers for s in plan.stages]
+        np.testing.assert_allclose(plan.run(x), model(x), atol=1e-6)
+    with pytest.raises(ValueError, match="'table'.*cannot cross a stage boundary.*computed"):
+        partition(model, 2, balance=["second"])
+
+
 def test_an_explicit_split_cutting_a_mask_is_refused():
     with pytest.raises(ValueError, match="separate a Keras mask"):
         partition(_masked_model(), 2, balance=["gru"])

@@ -88,13 +88,17 @@ class LayerGraph:
         """Positions where no stage may begin: a tensor carrying a Keras mask (e.g. after
         `Embedding(mask_zero=True)`) is alive across them, and a mask is metadata that only
         travels with its tensor inside one Keras call, so cutting there would drop it."""
+        masked = [t.index for t in self.tensors if _keras.keras_mask(t.keras_tensor) is not None]
+        return self.alive_across(masked)
+
+    def alive_across(self, tensor_ids) -> set[int]:
+        """Positions where a stage beginning would have to receive one of `tensor_ids`: from
+        after each one's producer to its last reader (the end, for a model output)."""
         last = self.last_use()
         cuts = set()
-        for tensor in self.tensors:
-            if _keras.keras_mask(tensor.keras_tensor) is None:
-                continue
-            end = min(int(last[tensor.index]), len(self.nodes) - 1)  # outputs: to the end
-            cuts.update(range(max(tensor.producer, 0) + 1, end + 1))
+        for t in tensor_ids:
+            end = min(int(last[t]), len(self.nodes) - 1)
+            cuts.update(range(max(self.tensors[t].producer, 0) + 1, end + 1))
         return cuts
 
 

@@ -9,6 +9,7 @@ from hyparflow.partitioner import cost, profile
 from hyparflow.partitioner.graph import build_graph
 from hyparflow.partitioner.plan import Plan
 from hyparflow.partitioner.stages import build_stages
+from hyparflow.partitioner.traced_shapes import unsendable_tensors
 
 BALANCES = ("layers", "params", "flops", "time")
 TIME_REFINEMENTS = 3  # extra split-and-measure rounds for balance="time"
@@ -89,12 +90,14 @@ def partition(
         )
 
     cut_costs = cost.cut_costs(graph, batch_size or 1, bandwidth) if bandwidth else None
-    masked = graph.masked_cuts()
+    unsendable = unsendable_tensors(graph) if num_partitions > 1 else {}
+    pinned = graph.masked_cuts() | graph.alive_across(unsendable)
     if explicit:
         starts = _starts_from_names(graph, list(balance), num_partitions)
-        _check_masks(graph, starts, masked)
+        _check_masks(graph, starts, graph.masked_cuts())
+        _check_unsendable(graph, starts, unsendable)
     else:
-        starts = _split_keeping(uncut, graph, node_costs, num_partitions, cut_costs, masked)
+        starts = _split_keeping(uncut, graph, node_costs, num_partitions, cut_costs, pinned)
     stages, shared = build_stages(graph, starts, node_costs, cut_costs)
     return Plan(
         model=model,
@@ -108,16 +111,17 @@ def partition(
     )
 
 
-def _split_keeping(uncut, graph, node_costs, num_partitions, cut_costs, masked) -> list[int]:
-    """Balanced stage starts, none at a masked position nor, where the stages still fit, at
-    a position `uncut(graph)` names (layers that should stay in one stage)."""
+def _split_keeping(uncut, graph, node_costs, num_partitions, cut_costs, pinned) -> list[int]:
+    """Balanced stage starts, none at a pinned position (a mask or a tensor that cannot be
+    sent is alive there) nor, where the stages still fit, at a position `uncut(graph)` names
+    (layers that should stay in one stage)."""
     if uncut is not None:
         try:
-            kept = masked | set(uncut(graph))
+            kept = pinned | set(uncut(graph))
             return balancing.split_between(node_costs, num_partitions, cut_costs, kept)
         except ValueError:
-            pass  # too few places left to cut: only masks bind
-    return balancing.split_between(node_costs, num_partitions, cut_costs, masked)
+            pass  # too few places left to cut: only pinned positions bind
+    return balancing.split_between(node_costs, num_partitions, cut_costs, pinned)
 
 
 def _partition_by_time(
@@ -133,12 +137,12 @@ def _partition_by_time(
     inputs = profile.make_sample(graph, sample, input_shape, batch_size)
     samples = int(inputs[0].shape[0])
     node_costs = profile.node_times(graph, inputs)
-    masked = graph.masked_cuts()
+    pinned = graph.masked_cuts() | graph.alive_across(unsendable_tensors(graph))
     cut_costs = cost.cut_costs(graph, samples, bandwidth) if bandwidth else None
     best = None
     tried = set()
     for _ in range(1 + TIME_REFINEMENTS):
-        starts = _split_keeping(uncut, graph, node_costs, num_partitions, cut_costs, masked)
+        starts = _split_keeping(uncut, graph, node_costs, num_partitions, cut_costs, pinned)
         if tuple(starts) in tried:
             break
         tried.add(tuple(starts))
@@ -188,6 +192,21 @@ def _check_masks(graph, starts, masked) -> None:
             "not cross stage boundaries; begin the stage before the masking layer or after "
             "the last layer reading the mask."
         )
+
+
+def _check_unsendable(graph, starts, unsendable: dict[int, str]) -> None:
+    """Refuse an explicit split whose boundary would carry a tensor that cannot be sent."""
+    for position in starts[1:]:
+        crossing = [t for t in unsendable if position in graph.alive_across([t])]
+        if crossing:
+            t = crossing[0]
+            raise ValueError(
+                f"A stage beginning at '{graph.nodes[position].name}' would receive tensor "
+                f"'{graph.tensors[t].name}', which cannot cross a stage boundary: its layer "
+                f"{unsendable[t]}. A boundary tensor travels in slices of the batch with its "
+                "declared shape; begin the stage before that tensor's layer or after its last "
+                "reader."
+            )
 
 
 def _starts_from_names(graph, names, num_partitions) -> list[int]:

@@ -1,0 +1,89 @@
+"""Which tensors of a layer graph may cross a stage boundary: their traced shapes.
+
+A pipeline sends a boundary tensor in slices of the batch, each received into a stage input of
+the shape Keras declares for it. Two kinds of tensor cannot travel that way: one that does not
+follow the batch (a position table computed once per batch), and one whose layer declares
+another shape than it computes (keras_hub 0.32's `MoonshineRotaryEmbedding` declares
+`(batch,)` and computes `(length, dim)`). Tracing the graph once at a batch size that other
+dimensions are unlikely to equal shows both; the partitioner then begins no stage where such
+a tensor is alive. A graph that cannot be traced without its data's lengths (a layer reading a
+length as a Python int) tells nothing here, and its boundaries are checked per message, as
+before.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from hyparflow.partitioner.graph import LayerGraph
+from hyparflow.partitioner.profile import node_call
+from hyparflow.traced import traced
+
+PROBE_BATCH = 7  # prime, and unlike the lengths and widths models are built with
+
+
+def unsendable_tensors(graph: LayerGraph) -> dict[int, str]:
+    """Tensor index -> why it cannot cross a stage boundary (its traced shape against its
+    declared one), for every tensor a trace of `graph` shows; empty where the trace fails."""
+    inputs = [graph.tensors[t].keras_tensor for t in graph.inputs]
+    if any(kt.sparse or getattr(kt, "ragged", False) for kt in inputs):
+        return {}
+    batch = _batch_size(inputs)
+    specs = [tf.TensorSpec((batch, *kt.shape[1:]), kt.dtype) for kt in inputs]
+    shapes = _traced_shapes(graph, specs)
+    reasons = {}
+    for t, shape in shapes.items():
+        reason = why_unsendable(tuple(graph.tensors[t].keras_tensor.shape), shape, batch)
+        if reason:
+            reasons[t] = reason
+    return reasons
+
+
+def why_unsendable(declared: tuple, traced_shape: tuple, batch: int) -> str:
+    """Why a tensor declared `declared` and traced `traced_shape` (at `batch` samples) cannot
+    travel in slices of the batch, or "" where it can (unknown dimensions agree with any).
+
+    Example:
+        >>> why_unsendable((None, 16), (7, 16), 7)
+        ''
+        >>> why_unsendable((None,), (None, 4), 7)
+        'declared (None,) but computed (None, 4), not 7 samples first'
+    """
+    fits = (
+        len(traced_shape) == len(declared)
+        and traced_shape[0] == batch
+        and all(
+            d is None or s is None or d == s
+            for d, s in zip(declared[1:], traced_shape[1:], strict=True)
+        )
+    )
+    if fits:
+        return ""
+    return f"declared {declared} but computed {traced_shape}, not {batch} samples first"
+
+
+def _batch_size(inputs) -> int:
+    """A model fixing its batch (`keras.Input(batch_shape=...)`) is traced at that batch."""
+    fixed = {kt.shape[0] for kt in inputs if kt.shape and kt.shape[0] is not None}
+    return fixed.pop() if len(fixed) == 1 else PROBE_BATCH
+
+
+def _traced_shapes(graph: LayerGraph, specs: list) -> dict[int, tuple]:
+    """Every node output's static shape in one trace of the graph for `specs` (never run)."""
+    shapes: dict[int, tuple] = {}
+
+    def forward(*inputs):
+        values = dict(zip(graph.inputs, inputs, strict=True))
+        for node in graph.nodes:
+            outputs = node_call(node)([values[t] for t in node.inputs])
+            values.update(zip(node.outputs, outputs, strict=True))
+            for t, output in zip(node.outputs, outputs, strict=True):
+                if hasattr(output, "shape"):
+                    shapes[t] = tuple(tf.TensorShape(output.shape).as_list())
+        return []
+
+    try:
+        traced(forward).get_concrete_function(*specs)
+    except Exception:  # noqa: BLE001 - a length read as a Python int: nothing known here
+        return {}
+    return shapes
