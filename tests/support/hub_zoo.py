@@ -41,6 +41,13 @@ _SMOLLM = dict(
     partial_rotary_factor=1.0,
 )  # fmt: skip
 _VIT = dict(image_shape=IMAGE, patch_size=8, num_layers=2, num_heads=2, hidden_dim=16)
+_T5GEMMA = dict(
+    vocabulary_size=VOCAB, encoder_hidden_dim=16, encoder_intermediate_dim=32,
+    encoder_num_layers=2, encoder_num_attention_heads=2, encoder_num_key_value_heads=2,
+    encoder_head_dim=8, encoder_layer_types=["full_attention"] * 2, decoder_hidden_dim=16,
+    decoder_intermediate_dim=32, decoder_num_layers=2, decoder_num_attention_heads=2,
+    decoder_num_key_value_heads=2, decoder_head_dim=8, decoder_layer_types=["full_attention"] * 2,
+)  # fmt: skip
 
 
 def _sub(name: str, **config):
@@ -73,6 +80,16 @@ FAMILIES = {
     "Phi3": _GQA,
     "Gemma": dict(_GQA, head_dim=4),
     "Gemma3": dict(_GQA, head_dim=4, image_size=16),  # text only: no vision encoder
+    "Gemma3n": dict(  # text only: no vision or audio encoder
+        text_vocab_size=VOCAB, text_hidden_size=16, num_hidden_layers=2, pad_token_id=0,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8, intermediate_size=[32, 32],
+        hidden_activation="gelu_approximate", layer_types=["sliding_attention", "full_attention"],
+        sliding_window=4, rope_theta=10000.0, max_position_embeddings=16,
+        vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=4, altup_num_inputs=2,
+        laurel_rank=2,
+    ),  # fmt: skip
+    "Gemma4": dict(_GQA, head_dim=4, image_size=16, sliding_window_size=4,
+                   sliding_window_pattern=2, hidden_size_per_layer_input=4),  # text only
     "Qwen3": dict(_GQA, head_dim=4),
     "Qwen3_5": dict(_GQA, head_dim=4, linear_num_key_heads=2, linear_num_value_heads=2,
                     linear_key_head_dim=4, linear_value_head_dim=4),
@@ -102,14 +119,8 @@ FAMILIES = {
     # sequence to sequence
     "Bart": _POSITIONS,
     "T5": dict(_TEXT, key_value_dim=8),
-    "T5Gemma": dict(
-        vocabulary_size=VOCAB, encoder_hidden_dim=16, encoder_intermediate_dim=32,
-        encoder_num_layers=2, encoder_num_attention_heads=2, encoder_num_key_value_heads=2,
-        encoder_head_dim=8, encoder_layer_types=["full_attention"] * 2, decoder_hidden_dim=16,
-        decoder_intermediate_dim=32, decoder_num_layers=2, decoder_num_attention_heads=2,
-        decoder_num_key_value_heads=2, decoder_head_dim=8,
-        decoder_layer_types=["full_attention"] * 2,
-    ),  # fmt: skip
+    "T5Gemma": _T5GEMMA,
+    "T5Gemma2": _T5GEMMA,  # text only: no vision encoder
     "EdRec": dict(vocab_size=VOCAB, num_layers_enc=2, num_layers_dec=2, hidden_dim=16,
                   intermediate_dim=32, num_heads=2),
     # audio
@@ -125,10 +136,9 @@ FAMILIES = {
                    image_shape=IMAGE, position_embedding_shape=(32, 32)),
     "DINOV3": dict(patch_size=8, num_layers=2, hidden_dim=16, num_heads=2, intermediate_dim=32,
                    image_shape=IMAGE),
-    # stochastic depth (drop_path > 0) draws per sample with keras.random.uniform, which
-    # hyparflow cannot cut into Keras's whole-batch draw: refused with replicas or micro-batches
+    # keras_hub's default stochastic depth (drop_path=0.1): its blocks after the first draw
     "SwinTransformer": dict(image_shape=IMAGE, patch_size=2, embed_dim=8, depths=(1, 1),
-                            num_heads=(2, 2), window_size=4, drop_path=0.0),
+                            num_heads=(2, 2), window_size=4),
     "ResNet": dict(input_conv_filters=[64], input_conv_kernel_sizes=[3],
                    stackwise_num_filters=[64, 8], stackwise_num_blocks=[1, 1],  # 64: keras_hub
                    stackwise_num_strides=[1, 2], block_type="basic_block", image_shape=IMAGE),
@@ -161,11 +171,24 @@ FAMILIES = {
         image_shape=IMAGE,
     ),
     "MiT": dict(layerwise_depths=[1, 1], num_layers=2, layerwise_num_heads=[1, 2],
-                layerwise_sr_ratios=[4, 2], max_drop_path_rate=0.0, layerwise_patch_sizes=[7, 3],
+                layerwise_sr_ratios=[4, 2], max_drop_path_rate=0.1, layerwise_patch_sizes=[7, 3],
                 layerwise_strides=[4, 2], hidden_dims=[8, 16], image_shape=IMAGE),
     "ViTDet": dict(hidden_size=16, num_layers=2, intermediate_dim=32, num_heads=2,
                    global_attention_layer_indices=[1], image_shape=IMAGE, patch_size=8,
                    num_output_channels=8, window_size=2),
+    "MobileNetV5": dict(  # convert_arch_def_to_stackwise([["er_r1_k3_s2_e2_c8"],
+        # ["uir_r1_a3_k3_s2_e2_c16", "mqa_r1_k3_h2_v2_s1_d8_c16"]])
+        stackwise_block_types=[["er"], ["uir", "mqa"]], stackwise_num_blocks=[1, 2],
+        stackwise_num_filters=[[8], [16, 16]], stackwise_strides=[[2], [2, 1]],
+        stackwise_act_layers=[["gelu"], ["gelu", "gelu"]],
+        stackwise_exp_ratios=[[2.0], [2.0, 0.0]], stackwise_se_ratios=[[0.0], [0.0, 0.0]],
+        stackwise_dw_kernel_sizes=[[0], [3, 0]], stackwise_dw_start_kernel_sizes=[[0], [3, 0]],
+        stackwise_dw_end_kernel_sizes=[[0], [0, 0]], stackwise_exp_kernel_sizes=[[3], [0, 0]],
+        stackwise_pw_kernel_sizes=[[1], [0, 0]], stackwise_num_heads=[[0], [0, 2]],
+        stackwise_key_dims=[[0], [0, 8]], stackwise_value_dims=[[0], [0, 8]],
+        stackwise_kv_strides=[[0], [0, 2]], stackwise_use_cpe=[[False], [False, False]],
+        stem_size=8, num_features=16, msfa_output_resolution=4, image_shape=IMAGE,
+    ),
     "Xception": dict(stackwise_conv_filters=[[8, 8], [8, 8]], stackwise_pooling=[True, False],
                      image_shape=IMAGE),
     # image and text
@@ -177,6 +200,18 @@ FAMILIES = {
     "CLIP": dict(_dual_encoders("CLIP"), projection_dim=16),
     "SigLIP": _dual_encoders("SigLIP"),
     "MetaCLIP2": dict(_dual_encoders("MetaCLIP2"), projection_dim=16),
+    "BLIP2": dict(
+        vision_encoder=_sub("BLIP2VisionEncoder", image_size=32, patch_size=8, num_layers=2,
+                            num_heads=2, hidden_dim=16, intermediate_dim=32, use_patch_bias=True,
+                            use_class_token=True, use_mha_bias=True, use_mlp_bias=True,
+                            dropout_rate=0.0, layer_norm_epsilon=1e-6, initializer_range=0.02),
+        qformer=_sub("BLIP2QFormer", num_query_tokens=4, num_layers=2, num_heads=2,
+                     hidden_dim=16, intermediate_dim=32, vision_dim=16,
+                     cross_attention_frequency=1, dropout=0.0, layer_norm_epsilon=1e-6),
+        language_model=_sub("BLIP2CustomOPT", vocabulary_size=VOCAB, num_layers=2, num_heads=2,
+                            hidden_dim=16, intermediate_dim=32, num_query_tokens=4, dropout=0.0,
+                            max_sequence_length=16, qformer_hidden_dim=16),
+    ),  # fmt: skip
 }  # fmt: skip
 # keras_hub's families outside the zoo, and why
 LEFT_OUT = {
@@ -189,10 +224,6 @@ LEFT_OUT = {
     **dict.fromkeys(("Flux", "StableDiffusion3"), "image generation (diffusion)"),
     "VideoPrism": "video",
     "PARSeq": "text recognition: permuted decoding orders drawn in its train step",
-    **dict.fromkeys(
-        ("BLIP2", "Gemma3n", "Gemma4", "T5Gemma2", "MobileNetV5"),
-        "not yet in the table: many sub-model configs to size",
-    ),
     "FeaturePyramid": "a base class, not a family",
 }
 # (family, layout) -> what hf.fit's refusal says: refused up front, before any step
@@ -205,7 +236,7 @@ REFUSED = {
 # across replicas, one micro-batch per pipeline; docs/models.md)
 BATCHNORM = {"ResNet", "DenseNet", "EfficientNet", "MobileNet", "CSPNet", "HGNetV2", "Xception"}
 # Task options besides `num_classes`: VGG's head is two 4,096-wide Dense layers by default
-TASK_OPTIONS = {"VGG": {"pooling_hidden_dim": 16}}
+TASK_OPTIONS = {"VGG": {"pooling_hidden_dim": 16}, "MobileNetV5": {"head_hidden_size": 16}}
 # Inputs whose unknown length is not a token count: Moonshine's raw audio samples
 LENGTHS = {"Moonshine": {"encoder_input_values": 1024, "encoder_padding_mask": 1024}}
 
@@ -329,13 +360,15 @@ def data(family: str, model: keras.Model, seed: int = 0):
 
 def _input(name: str, spec, rng, padding, length: int) -> np.ndarray:
     """One input by its name and spec (`length` for its unknown dimensions): token ids, masks,
-    segment ids, images or features."""
+    segment ids, position ids, images or features."""
     shape = (SAMPLES, *(length if d is None else d for d in spec.shape[1:]))
     if "mask" in name:
         positions = np.arange(shape[1])[None, :]
         return (positions < shape[1] - padding[:, None]).astype(spec.dtype)
     if "segment" in name:
         return np.zeros(shape, spec.dtype)
+    if "position" in name:  # Gemma4's position ids: 0, 1, 2, ... in each sample
+        return np.broadcast_to(np.arange(shape[1]), shape).astype(spec.dtype)
     if "int" in str(spec.dtype):
         return rng.integers(1, VOCAB, size=shape).astype(spec.dtype)
     return rng.normal(size=shape).astype(spec.dtype)
