@@ -134,23 +134,26 @@ def call_context_args(operation) -> tuple:
 
 
 # Frames up the Python stack searched for the Keras layer that called dropout.
-_CALLER_SEARCH_DEPTH = 16
 
 
 def called_by_spatial_dropout() -> bool:
-    """Whether the nearest Keras layer up the Python stack (a frame whose `self` is a Layer),
-    starting at its caller, is a SpatialDropout layer: Keras's dropout is not told who
-    calls it, and SpatialDropout alone passes a 1 read from a one-row input's shape as its
-    noise shape's batch dim (engine/random_slices.py)."""
+    """Whether the nearest Keras layer up the Python stack is a SpatialDropout layer: Keras's
+    dropout is not told who calls it, and SpatialDropout alone passes a 1 read from a one-row
+    input's shape as its noise shape's batch dim (engine/random_slices.py)."""
+    return isinstance(calling_layer(), BaseSpatialDropout)
+
+
+def calling_layer():
+    """The innermost Keras layer running up the Python stack (the nearest frame whose `self` is
+    a Layer), or None: Keras's random functions, and `hf.global_mean`, are not told who calls
+    them. Read at trace time, not per step."""
     frame = sys._getframe(1)
-    for _ in range(_CALLER_SEARCH_DEPTH):
-        if frame is None:
-            break
+    while frame is not None:
         owner = frame.f_locals.get("self")
         if isinstance(owner, keras.layers.Layer):
-            return isinstance(owner, BaseSpatialDropout)
+            return owner
         frame = frame.f_back
-    return False
+    return None
 
 
 # --- a functional graph ---------------------------------------------------------------------

@@ -74,7 +74,18 @@ CASES = {
         _call_attention,
     ),
     "sequential_two_dropouts": (_two_dropout_sequential, (8, 6), _call),
-}
+    # stochastic depth: one keras.random.uniform number per sample
+    "swin_drop_path": (lambda: _hub_layer("swin_transformer.swin_transformer_layers",
+                                          drop_prob=0.5, seed=10), (8, 3, 3, 4), _call),
+    "mit_drop_path": (lambda: _hub_layer("mit.mit_layers", rate=0.5, seed=11), (8, 5, 4), _call),
+}  # fmt: skip
+
+
+def _hub_layer(module: str, **options):
+    """keras_hub's `DropPath` of `module` (keras_hub is installed apart: Makefile)."""
+    import importlib
+
+    return importlib.import_module(f"keras_hub.src.models.{module}").DropPath(**options)
 
 
 # cases whose outputs pass through a matmul (not bitwise across batch splits)
@@ -361,3 +372,12 @@ def test_random_layers_at_rate_zero_draw_nothing_and_are_not_listed():
     ]
     listed = unsliceable_random_layers(keras.Model(inputs, outputs))
     assert sorted(listed) == ["depth_on", "gaussian_on"]
+
+
+def test_keras_hub_stochastic_depth_is_sliced_so_not_listed():
+    inputs = keras.Input((3, 3, 4))
+    swin = _hub_layer("swin_transformer.swin_transformer_layers", drop_prob=0.1, name="swin")
+    mit = _hub_layer("mit.mit_layers", rate=0.1, name="mit")
+    outputs = [swin(inputs), mit(inputs), _StochasticDepth(0.1, name="look_alike")(inputs)]
+    # the look-alike draws the same way, but hyparflow knows only keras_hub's classes
+    assert unsliceable_random_layers(keras.Model(inputs, outputs)) == ["look_alike"]

@@ -13,13 +13,12 @@ other's rows before their backward starts, so a call under them is refused.
 from __future__ import annotations
 
 import contextlib
-import inspect
 from dataclasses import dataclass, field
 
-import keras
 import tensorflow as tf
 from keras import ops
 
+from hyparflow import _keras
 from hyparflow.comm.in_graph import allreduce
 
 TAG = "global"  # its traffic: `hyparflow.comm.in_graph.traffic(TAG)`
@@ -61,7 +60,7 @@ def global_mean(x, axis: int = 0):
     group = _ACTIVE[-1] if _ACTIVE else None
     if group is None:
         return ops.mean(x, axis=axis)
-    layer = _calling_layer()
+    layer = _keras.calling_layer()
     if layer is not None:  # its added losses are exact: no "batch means" warning for them
         group.users.add(layer.name)
     if group.microbatches > 1:
@@ -75,18 +74,6 @@ def global_mean(x, axis: int = 0):
     if group.comm is None:
         return tf.reduce_mean(moved, axis=0)
     return _replicas_mean(group.comm, moved)
-
-
-def _calling_layer():
-    """The innermost Keras layer whose `call` is running (at trace time: the layer that took
-    the mean), or None."""
-    frame = inspect.currentframe()
-    while frame is not None:
-        owner = frame.f_locals.get("self")
-        if frame.f_code.co_name == "call" and isinstance(owner, keras.layers.Layer):
-            return owner
-        frame = frame.f_back
-    return None
 
 
 def _replicas_mean(comm, rows):

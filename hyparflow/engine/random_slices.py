@@ -9,7 +9,10 @@ would draw for the whole (global_size, ...) batch, and applies its rows
 [offset, offset + n) to a piece of n rows; the dropout's outputs on the pieces
 then put together equal its full-batch output bit for bit, gradients included
 (layers around it, such as a matmul over fewer rows, may round differently).
-Random layers whose draws cannot be cut into rows that way are named by
+Stochastic depth (keras_hub's `DropPath` in Swin and MiT) draws one uniform
+number per sample, `keras.random.uniform((batch, 1, ..., 1))`; inside a slice
+it draws the global batch's numbers and keeps the piece's rows the same way.
+Random layers whose draws cannot be cut into rows are named by
 `unsliceable_random_layers`.
 """
 
@@ -33,10 +36,18 @@ __all__ = ["feature_slice", "global_batch_slice", "slice_of", "unsliceable_rando
 # MultiHeadAttention and GroupedQueryAttention draw through a Dropout sub-layer
 # and own no SeedGenerator, so they need no entry.
 SLICEABLE_RANDOM_LAYER_TYPES = (Dropout, Attention, _keras.DropoutRNNCell)
+# Layers (by class, module-qualified: keras_hub is optional) whose only draw is
+# `keras.random.uniform` of shape (batch, 1, ..., 1) from their own SeedGenerator:
+# one number per sample of the tensor they are given.
+PER_SAMPLE_UNIFORM_LAYERS = frozenset({
+    "keras_hub.src.models.swin_transformer.swin_transformer_layers.DropPath",
+    "keras_hub.src.models.mit.mit_layers.DropPath",
+})  # fmt: skip
 
 _install_lock = threading.Lock()
 _install_count = 0
 _keras_dropout = None
+_keras_uniform = None
 _thread_state = threading.local()
 
 
@@ -84,14 +95,15 @@ def feature_slice(axis: int, index: int, parts: int):
 
 @contextlib.contextmanager
 def _pushed(stack, entry):
-    """Install the slicing dropout while `entry` is on this thread's `stack`."""
-    global _install_count, _keras_dropout
+    """Install the slicing dropout and uniform while `entry` is on this thread's `stack`."""
+    global _install_count, _keras_dropout, _keras_uniform
     if keras.backend.backend() != "tensorflow":
         raise RuntimeError("sliced dropout needs the TensorFlow backend of Keras")
     with _install_lock:
         if _install_count == 0:
-            _keras_dropout = _keras.tf_random.dropout
+            _keras_dropout, _keras_uniform = _keras.tf_random.dropout, _keras.tf_random.uniform
             _keras.tf_random.dropout = _dropout_in_slice
+            _keras.tf_random.uniform = _uniform_in_slice
         _install_count += 1
     stack.append(entry)
     try:
@@ -103,6 +115,8 @@ def _pushed(stack, entry):
             # Leave alone a function someone else installed over ours meanwhile.
             if _install_count == 0 and _keras.tf_random.dropout is _dropout_in_slice:
                 _keras.tf_random.dropout = _keras_dropout
+            if _install_count == 0 and _keras.tf_random.uniform is _uniform_in_slice:
+                _keras.tf_random.uniform = _keras_uniform
 
 
 def slice_of(rows):
@@ -123,6 +137,24 @@ def _dropout_in_slice(inputs, rate, noise_shape=None, seed=None):
     offset, global_size = slices[-1] if slices else (0, None)
     feature = features[-1] if features else None
     return _dropout_rows(inputs, rate, noise_shape, seed, offset, global_size, feature)
+
+
+def _uniform_in_slice(shape, minval=0.0, maxval=1.0, dtype=None, seed=None):
+    """Keras's TF uniform; drawn by a per-sample layer inside a batch slice, this piece's rows
+    of the numbers the global batch would draw from the same seed."""
+    slices = _active_slices()
+    if not slices or not _draws_per_sample(_keras.calling_layer()):
+        return _keras_uniform(shape, minval, maxval, dtype=dtype, seed=seed)
+    offset, global_size = slices[-1]
+    shape = list(shape)
+    whole = _keras_uniform([_as_int32(global_size), *shape[1:]], minval, maxval, dtype, seed)
+    begin = [_as_int32(offset)] + [0] * (len(shape) - 1)
+    return tf.slice(whole, begin, [_as_int32(shape[0])] + [-1] * (len(shape) - 1))
+
+
+def _draws_per_sample(layer) -> bool:
+    kind = type(layer)
+    return f"{kind.__module__}.{kind.__qualname__}" in PER_SAMPLE_UNIFORM_LAYERS
 
 
 def _dropout_rows(inputs, rate, noise_shape, seed, offset, global_size, feature=None):
@@ -250,6 +282,7 @@ def unsliceable_random_layers(model, extra_sliceable_types=()):
         for layer in _keras.all_layers(model)
         if _owns_seed_generator(layer)
         and not isinstance(layer, sliceable)
+        and not _draws_per_sample(layer)
         and not _draws_nothing(layer)
     ]
 
