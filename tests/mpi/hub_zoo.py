@@ -40,7 +40,7 @@ def request(family: str):
         floors = [relative_difference([n], [w]) for n, w in zip(nudged, weights, strict=True)]
         return {"weights": weights, "history": history, "floor": max(floors), "floors": floors}
 
-    key = {"fit": "hub_zoo_floors_sgd_bn", "family": family, "samples": hub_zoo.SAMPLES,
+    key = {"fit": "hub_zoo_floors_epsilon", "family": family, "samples": hub_zoo.SAMPLES,
            "batch": hub_zoo.BATCH, "epochs": hub_zoo.EPOCHS}  # fmt: skip
     return key, train
 

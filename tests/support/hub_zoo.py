@@ -235,6 +235,11 @@ REFUSED = {
 # Families with BatchNormalization: exact only with statistics of the whole batch (synchronised
 # across replicas, one micro-batch per pipeline; docs/models.md)
 BATCHNORM = {"ResNet", "DenseNet", "EfficientNet", "MobileNet", "CSPNet", "HGNetV2", "Xception"}
+# Adam's epsilon where the default (1e-7) turns float rounding into steps: T5Gemma at T=2 ended
+# 2.3e-4 from Keras at its encoder's token table with 1e-7, 3e-7 (every weight) with 1e-3, and
+# 1.5e-7 with SGD; the weights whose gradients are near zero take steps of the learning rate
+# from rounding alone (a nudge of the initial weights does not show it in the floor)
+ADAM_EPSILON = {"T5Gemma": 1e-3}
 # Task options besides `num_classes`: VGG's head is two 4,096-wide Dense layers by default
 TASK_OPTIONS = {"VGG": {"pooling_hidden_dim": 16}, "MobileNetV5": {"head_hidden_size": 16}}
 # Inputs whose unknown length is not a token count: Moonshine's raw audio samples
@@ -330,7 +335,7 @@ def compiled(family: str, learning_rate: float = 0.01) -> keras.Model:
     optimizer = (
         keras.optimizers.SGD(learning_rate, momentum=0.9)
         if family in BATCHNORM
-        else keras.optimizers.Adam(learning_rate)
+        else keras.optimizers.Adam(learning_rate, epsilon=ADAM_EPSILON.get(family, 1e-7))
     )
     model.compile(
         optimizer=optimizer,
