@@ -31,7 +31,8 @@ INTRO = """\
 Each family of the installed keras_hub, built tiny from one row of `tests/support/hub_zoo.py`
 (its task class found by the family's prefix; a family without one has its output pooled under a
 Dense head), trained by `hf.fit` on 2 ranks for 4 steps (16 samples in batches of 8, 2 epochs,
-Adam 0.01, SGD 0.01 with momentum 0.9 for BatchNormalization families, `preprocessor=None`)
+Adam 0.01 (epsilon 1e-3 for T5Gemma: `ADAM_EPSILON`), SGD 0.01 with momentum 0.9 for
+BatchNormalization families, `preprocessor=None`)
 against one process's `model.fit` from the same seeded weights (`tests/test_hub_zoo.py`,
 scenario `tests/mpi/hub_zoo.py`). Layouts: data (R=2), pipeline (P=2,
 2 micro-batches, GPipe), tensor (T=2). Families with BatchNormalization run data parallel with

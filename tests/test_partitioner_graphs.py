@@ -463,6 +463,23 @@ def test_no_stage_receives_a_tensor_that_does_not_follow_the_batch_or_its_declar
         partition(model, 2, balance=["second"])
 
 
+class _Rows(layers.Layer):
+    """A reshape to -1 rows: traced at unknown lengths, its batch is unknown too."""
+
+    def call(self, x):
+        return keras.ops.reshape(x, (-1, keras.ops.shape(x)[1], 4))
+
+
+def test_a_tensor_whose_batch_the_trace_cannot_see_is_cut_where_nothing_else_is_left():
+    x = keras.Input((None, 4))
+    h = _Rows(name="rows")(layers.Dense(4, name="first")(x))
+    h = layers.Dense(4, name="second")(h)
+    model = keras.Model(x, layers.Dense(3, name="head")(layers.Dense(4, name="third")(h)))
+    data = rand(3, 6, 4)
+    for parts in (2, 5):  # 5 stages for 5 layer calls: a stage begins after "rows"
+        np.testing.assert_allclose(partition(model, parts).run(data), model(data), atol=1e-6)
+
+
 def test_an_explicit_split_cutting_a_mask_is_refused():
     with pytest.raises(ValueError, match="separate a Keras mask"):
         partition(_masked_model(), 2, balance=["gru"])

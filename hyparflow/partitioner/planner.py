@@ -91,12 +91,12 @@ def partition(
 
     cut_costs = cost.cut_costs(graph, batch_size or 1, bandwidth) if bandwidth else None
     unsendable = unsendable_tensors(graph) if num_partitions > 1 else {}
-    pinned = graph.masked_cuts() | graph.alive_across(unsendable)
     if explicit:
         starts = _starts_from_names(graph, list(balance), num_partitions)
         _check_masks(graph, starts, graph.masked_cuts())
         _check_unsendable(graph, starts, unsendable)
     else:
+        pinned = _pinned(graph, unsendable)
         starts = _split_keeping(uncut, graph, node_costs, num_partitions, cut_costs, pinned)
     stages, shared = build_stages(graph, starts, node_costs, cut_costs)
     return Plan(
@@ -111,17 +111,26 @@ def partition(
     )
 
 
+def _pinned(graph, unsendable: dict) -> list[set[int]]:
+    """Positions where no stage may begin, the strictest first: where a mask, or a tensor
+    that cannot be sent (proven or not) is alive; then where a mask or a proven one is."""
+    masked = graph.masked_cuts()
+    certain = [t for t, why in unsendable.items() if why.certain]
+    return [masked | graph.alive_across(unsendable), masked | graph.alive_across(certain)]
+
+
 def _split_keeping(uncut, graph, node_costs, num_partitions, cut_costs, pinned) -> list[int]:
-    """Balanced stage starts, none at a pinned position (a mask or a tensor that cannot be
-    sent is alive there) nor, where the stages still fit, at a position `uncut(graph)` names
+    """Balanced stage starts, none at a pinned position (`_pinned`: the first set that leaves
+    enough places to cut) nor, where the stages still fit, at a position `uncut(graph)` names
     (layers that should stay in one stage)."""
-    if uncut is not None:
+    kept = set(uncut(graph)) if uncut is not None else set()
+    tries = [p | kept for p in pinned] + [pinned[-1]]
+    for positions in tries[:-1]:
         try:
-            kept = pinned | set(uncut(graph))
-            return balancing.split_between(node_costs, num_partitions, cut_costs, kept)
+            return balancing.split_between(node_costs, num_partitions, cut_costs, positions)
         except ValueError:
-            pass  # too few places left to cut: only pinned positions bind
-    return balancing.split_between(node_costs, num_partitions, cut_costs, pinned)
+            continue  # too few places left to cut: bind fewer
+    return balancing.split_between(node_costs, num_partitions, cut_costs, tries[-1])
 
 
 def _partition_by_time(
@@ -137,7 +146,7 @@ def _partition_by_time(
     inputs = profile.make_sample(graph, sample, input_shape, batch_size)
     samples = int(inputs[0].shape[0])
     node_costs = profile.node_times(graph, inputs)
-    pinned = graph.masked_cuts() | graph.alive_across(unsendable_tensors(graph))
+    pinned = _pinned(graph, unsendable_tensors(graph))
     cut_costs = cost.cut_costs(graph, samples, bandwidth) if bandwidth else None
     best = None
     tried = set()
@@ -194,18 +203,19 @@ def _check_masks(graph, starts, masked) -> None:
         )
 
 
-def _check_unsendable(graph, starts, unsendable: dict[int, str]) -> None:
-    """Refuse an explicit split whose boundary would carry a tensor that cannot be sent."""
+def _check_unsendable(graph, starts, unsendable: dict) -> None:
+    """Refuse an explicit split whose boundary would carry a tensor proven not to be sendable."""
+    certain = [t for t, why in unsendable.items() if why.certain]
     for position in starts[1:]:
-        crossing = [t for t in unsendable if position in graph.alive_across([t])]
+        crossing = [t for t in certain if position in graph.alive_across([t])]
         if crossing:
             t = crossing[0]
             raise ValueError(
                 f"A stage beginning at '{graph.nodes[position].name}' would receive tensor "
                 f"'{graph.tensors[t].name}', which cannot cross a stage boundary: its layer "
-                f"{unsendable[t]}. A boundary tensor travels in slices of the batch with its "
-                "declared shape; begin the stage before that tensor's layer or after its last "
-                "reader."
+                f"{unsendable[t].reason}. A boundary tensor travels in slices of the batch with "
+                "its declared shape; begin the stage before that tensor's layer or after its "
+                "last reader."
             )
 
 

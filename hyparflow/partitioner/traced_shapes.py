@@ -13,6 +13,8 @@ before.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import tensorflow as tf
 
 from hyparflow.partitioner.graph import LayerGraph
@@ -22,7 +24,15 @@ from hyparflow.traced import traced
 PROBE_BATCH = 7  # prime, and unlike the lengths and widths models are built with
 
 
-def unsendable_tensors(graph: LayerGraph) -> dict[int, str]:
+class Unsendable(NamedTuple):
+    """Why a tensor cannot cross a stage boundary, and whether the trace proves it: a batch
+    traced as unknown (a reshape to -1 rows at unknown lengths) only may be another dimension."""
+
+    reason: str
+    certain: bool
+
+
+def unsendable_tensors(graph: LayerGraph) -> dict[int, Unsendable]:
     """Tensor index -> why it cannot cross a stage boundary (its traced shape against its
     declared one), for every tensor a trace of `graph` shows; empty where the trace fails."""
     inputs = [graph.tensors[t].keras_tensor for t in graph.inputs]
@@ -30,36 +40,41 @@ def unsendable_tensors(graph: LayerGraph) -> dict[int, str]:
         return {}
     batch = _batch_size(inputs)
     specs = [tf.TensorSpec((batch, *kt.shape[1:]), kt.dtype) for kt in inputs]
-    shapes = _traced_shapes(graph, specs)
-    reasons = {}
-    for t, shape in shapes.items():
-        reason = why_unsendable(tuple(graph.tensors[t].keras_tensor.shape), shape, batch)
-        if reason:
-            reasons[t] = reason
-    return reasons
+    found = {}
+    for t, shape in _traced_shapes(graph, specs).items():
+        unsendable = why_unsendable(tuple(graph.tensors[t].keras_tensor.shape), shape, batch)
+        if unsendable is not None:
+            found[t] = unsendable
+    return found
 
 
-def why_unsendable(declared: tuple, traced_shape: tuple, batch: int) -> str:
+def why_unsendable(declared: tuple, traced_shape: tuple, batch: int) -> Unsendable | None:
     """Why a tensor declared `declared` and traced `traced_shape` (at `batch` samples) cannot
-    travel in slices of the batch, or "" where it can (unknown dimensions agree with any).
+    travel in slices of the batch, or None where it can (unknown dimensions agree with any,
+    but the batch's own).
 
     Example:
-        >>> why_unsendable((None, 16), (7, 16), 7)
-        ''
-        >>> why_unsendable((None,), (None, 4), 7)
+        >>> why_unsendable((None, 16), (7, 16), 7) is None
+        True
+        >>> why_unsendable((None,), (None, 4), 7).reason
         'declared (None,) but computed (None, 4), not 7 samples first'
+        >>> why_unsendable((None,), (None, 4), 7).certain
+        True
+        >>> why_unsendable((None, 4), (None, 4), 7).certain
+        False
     """
-    fits = (
-        len(traced_shape) == len(declared)
-        and traced_shape[0] == batch
+    agrees = (
+        len(traced_shape) == len(declared) > 0
+        and traced_shape[0] in (batch, None)
         and all(
             d is None or s is None or d == s
             for d, s in zip(declared[1:], traced_shape[1:], strict=True)
         )
     )
-    if fits:
-        return ""
-    return f"declared {declared} but computed {traced_shape}, not {batch} samples first"
+    if agrees and traced_shape[0] == batch:
+        return None
+    reason = f"declared {declared} but computed {traced_shape}, not {batch} samples first"
+    return Unsendable(reason, certain=not agrees)
 
 
 def _batch_size(inputs) -> int:
