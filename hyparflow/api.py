@@ -330,6 +330,20 @@ def _resume_folder(options, fit_kwargs):
     return None
 
 
+def _resume_line(folder, manifest) -> str:
+    """What rank 0 says when a run resumes: from which checkpoint, at which step.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> _resume_line("ckpt/ckpt-000000006", SimpleNamespace(step=6, epoch=1, batch=2))
+        'hyparflow: resuming from ckpt/ckpt-000000006 after step 6 (epoch 2, its batch 3 next)'
+    """
+    return (
+        f"hyparflow: resuming from {folder} after step {manifest.step} "
+        f"(epoch {manifest.epoch + 1}, its batch {manifest.batch + 1} next)"
+    )
+
+
 def _distributed_fit(model, x, y, batch_size, epochs, resolved, options, **kwargs):
     """hf.fit on more than one rank; `options["planning"]`: an open "auto" strategy to plan
     the layout from (None: `resolved` is the layout)."""
@@ -372,6 +386,8 @@ def _distributed_fit(model, x, y, batch_size, epochs, resolved, options, **kwarg
         agree(comm, checkpoint.restore, trainer.stage_state, saved, state)
         trainer.load_shards()  # tensor shards take their pieces of the restored weights
         initial_epoch, start_batch = saved.epoch, saved.batch
+        if kwargs.get("verbose", "auto") != 0 and comm.Get_rank() == 0:
+            print(_resume_line(folder, saved), flush=True)
     return _run(
         comm,
         model=model,

@@ -28,8 +28,13 @@ def test_killed_rank_ends_the_job_and_resume_matches_an_uninterrupted_run(killed
     assert checkpoints == ["ckpt-000000002", "ckpt-000000004", "ckpt-000000006"]
     for r in resumed:
         assert r["resumed_epochs"] == [1, 2]  # step 6 = epoch 1, batch 2 (4 batches an epoch)
+        said = "/ckpt-000000006 after step 6 (epoch 2, its batch 3 next)"
+        assert [said in line for line in r["resume_lines"]] == ([True] if r["rank"] == 0 else [])
         assert r["bitwise"], f"rank {r['rank']}: resumed weights differ by {r['weights']:.2e}"
-        assert r["last_loss"] == r["ref_last_loss"]  # the resumed epoch's metric sums came back
+        # the interrupted epoch's metric sums came back: every History key, accuracy included
+        assert set(r["history"]) == set(r["ref_history"]) == {"loss", "accuracy"}
+        for key, values in r["history"].items():
+            assert values == pytest.approx(r["ref_history"][key], rel=1e-6), key
 
 
 @pytest.mark.mpi

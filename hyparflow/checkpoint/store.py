@@ -186,6 +186,13 @@ def restore(stage: StageState, manifest, state) -> None:
     elif stage.variables:
         restore_optimizer(model, model.optimizer, stage.variables, state, stage.split)
     stage.step = manifest.step
-    stage.pending_metric_states = [
-        state[f"m/{i}"] for i in range(len(model.metrics_variables)) if f"m/{i}" in state
-    ]
+    stage.pending_metric_states = _metric_sums(state)
+
+
+def _metric_sums(state) -> list:
+    """Every saved metric state, in `model.metrics_variables`' order: the compiled metrics'
+    are listed there only once built, by the first step, so they are counted in the file."""
+    sums = []
+    while f"m/{len(sums)}" in state:
+        sums.append(state[f"m/{len(sums)}"])
+    return sums

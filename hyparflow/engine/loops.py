@@ -180,14 +180,12 @@ class _EpochLoop:
         synced for the epoch-end callbacks, which see (and may save) it."""
         trainer, callbacks = self.trainer, self.callbacks
         trainer.model.reset_metrics()
-        if skip:
-            trainer.restore_metric_states()
         callbacks.on_epoch_begin(epoch)
         logs, ran = {}, 0
         for step, batch in enumerate(self.source.epoch(epoch)):  # steps_per_epoch: data/steps.py
             ran += 1
             if step >= skip:
-                logs = self._step(step, batch)
+                logs = self._step(step, batch, resumed=skip > 0 and step == skip)
                 if self.batch_logs and trainer.agree_any(trainer.model.stop_training):
                     break
         if ran == 0:
@@ -201,10 +199,13 @@ class _EpochLoop:
         _sync(trainer, saving=self.saving)
         return epoch_logs
 
-    def _step(self, step: int, batch) -> dict:
-        """One training step between the batch hooks; its logs (empty unless shared)."""
+    def _step(self, step: int, batch, resumed: bool = False) -> dict:
+        """One training step between the batch hooks; its logs (empty unless shared). The
+        first step of a resumed epoch adds the checkpoint's metric sums to its own."""
         self.callbacks.on_train_batch_begin(step)
         self.trainer.train_step(batch)
+        if resumed:
+            self.trainer.restore_metric_states()
         logs = self.trainer.logs() if self.batch_logs else {}
         if self.sync_every_batch:
             _sync(self.trainer, saving=True)

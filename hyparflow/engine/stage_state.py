@@ -68,8 +68,11 @@ class TrainingState:
             return [self._stage_comm.allreduce(a) for a in local]
 
     def restore_metric_states(self) -> None:
-        """Put back the metric sums of a resumed epoch (once, on the last stage's replica 0)."""
+        """Add the metric sums of a resumed epoch's batches before its checkpoint (once, on
+        the last stage's replica 0), after the resumed epoch's first step: the compiled
+        metrics (accuracy) exist in `model.metrics_variables` only once a step has built them.
+        Their states are sums, as the checkpoint's sum over replicas already takes them."""
         states, self.pending_metric_states = self.pending_metric_states, []
         if self.is_last and self.replica == 0 and states:
             for variable, value in zip(self.model.metrics_variables, states, strict=True):
-                variable.assign(value)
+                variable.assign_add(value)

@@ -420,7 +420,7 @@ class Trainer:
             return self.topology.world.bcast(logs, root=self._log_root)
 
     def restore_metric_states(self) -> None:
-        """Put back the metric sums of a resumed epoch (once, on the last stage's replica 0)."""
+        """Add the checkpoint's metric sums to a resumed epoch's (stage_state.py)."""
         self.stage_state.restore_metric_states()
 
     def agree_any(self, flag) -> bool:

@@ -14,6 +14,8 @@ Usage: `python -m tests.mpi.reliability OUT MODE FOLDER` with MODE one of
   stall        rank 1 stops answering; the watchdog must end the job
 """
 
+import contextlib
+import io
 import os
 import signal
 import time
@@ -53,12 +55,12 @@ def model_with_dropout(dropout=0.3):
     return model
 
 
-def train(folder, callbacks=(), strategy="model", epochs=EPOCHS, dropout=0.3, **kwargs):
+def train(folder, callbacks=(), strategy="model", epochs=EPOCHS, dropout=0.3, verbose=0, **kwargs):
     x, y = data("mlp", n=64)
     model = model_with_dropout(dropout)
     np.random.seed(123)  # rank 0 draws the shuffle seed from numpy: same seed in every run
     history = hf.fit(
-        model, x, y, batch_size=BATCH, epochs=epochs, shuffle=True, verbose=0,
+        model, x, y, batch_size=BATCH, epochs=epochs, shuffle=True, verbose=verbose,
         callbacks=[hf.callbacks.Checkpoint(folder, every_n_steps=2), *callbacks],
         strategy=strategy, watchdog_timeout=30, **kwargs,
     )  # fmt: skip
@@ -117,7 +119,9 @@ def crash(folder):
 
 def resume(folder):
     """Resume the crashed run, train it uninterrupted, and continue saved P=2 and T=2 files."""
-    resumed, history = train(folder, resume=True)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):  # progress bars, and the line saying it resumes
+        resumed, history = train(folder, resume=True, verbose=2)
     reference, ref_history = train(folder + "-uninterrupted")
     saved = {"P2": f"{folder}-saved-P2", "T2": f"{folder}-saved-T2"}
     train_and_save(saved["P2"], hf.Strategy("model", partitions=2))
@@ -133,8 +137,11 @@ def resume(folder):
                 for a, b in zip(resumed.get_weights(), reference.get_weights(), strict=True)
             ),
             "resumed_epochs": history.epoch,
-            "last_loss": history.history["loss"][-1],
-            "ref_last_loss": ref_history.history["loss"][-1],
+            "resume_lines": [
+                line for line in printed.getvalue().splitlines() if "resuming from" in line
+            ],
+            "history": history.history,
+            "ref_history": {k: v[-len(history.epoch) :] for k, v in ref_history.history.items()},
         }
     )
 
