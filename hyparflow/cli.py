@@ -96,6 +96,11 @@ def _add_plan_command(commands):
         help="tensor ranks splitting each stage's layers: show the layout and bytes per rank",
     )  # fmt: skip
     plan.add_argument("--json", action="store_true", help="print the plan as JSON instead")
+    plan.add_argument(
+        "--auto", action="store_true",
+        help="instead: search every layout of N ranks for the model and print the fastest "
+        "that fits, with options of its own (hyparflow plan --auto --help; docs/auto.md)",
+    )  # fmt: skip
     memory = plan.add_argument_group("memory plan (--memory; docs/memory.md)")
     memory.add_argument(
         "--memory", action="store_true",

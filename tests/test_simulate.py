@@ -563,6 +563,19 @@ def test_simulate_command_needs_a_network(tmp_path, capsys):
     assert "--latency" in capsys.readouterr().err
 
 
+def test_plan_auto_is_listed_and_names_itself_in_its_errors(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    assert "--auto" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["plan", "--auto", "--help"])
+    assert "one is required: --latency with --bandwidth" in capsys.readouterr().out
+    path = tmp_path / "costs.json"
+    uniform_costs(layers=2).save(path)
+    assert main(["plan", "--auto", str(path), "--ranks", "2", "--batch", "8"]) == 1
+    assert capsys.readouterr().err.startswith("hyparflow plan --auto: give a network")
+
+
 def test_simulate_auto_picks_a_layout_and_explains_the_others(tmp_path, capsys):
     path = tmp_path / "costs.json"
     uniform_costs(layers=8, param_bytes=4 * 2**20).save(path)  # 32 MiB of gradients

@@ -79,14 +79,18 @@ def plan(argv, memory_of, launch_facts) -> int:
     args = parser.parse_args(argv)
     args.auto = args.ranks
     if not args.measure:
-        return run(args, memory_of)
+        return run(args, memory_of, name=parser.prog)
     if args.measure_steps < 1:
         parser.error(f"--measure-steps {args.measure_steps}: time at least 1 step")
     if args.source.endswith(".json"):
-        print("hyparflow plan: --measure trains the model, and a costs file has none to train: "
+        print(f"{parser.prog}: --measure trains the model, and a costs file has none to train: "
               "give MODEL (a .keras file or module:function)", file=sys.stderr)  # fmt: skip
         return 1
-    return run(args, memory_of, measure=lambda result: _measured(result, args, launch_facts()))
+
+    def measure(result):
+        return _measured(result, args, launch_facts())
+
+    return run(args, memory_of, measure=measure, name=parser.prog)
 
 
 def _measured(result: SearchResult, args, facts) -> list:
@@ -95,15 +99,16 @@ def _measured(result: SearchResult, args, facts) -> list:
     )
 
 
-def run(args, memory_of, measure=None) -> int:
+def run(args, memory_of, measure=None, name="hyparflow simulate") -> int:
     """Search every layout of `args.auto` ranks; print the pick (or JSON); 1 if none fits.
     `memory_of(model, batch_size)` gives a function of a layout's bytes per rank (hyparflow's
     memory plan, which the CLI passes in); `measure(result)`, if given, trains the top
-    layouts and returns their `auto.measure.Measured`, printed after the report."""
+    layouts and returns their `auto.measure.Measured`, printed after the report. `name`: the
+    command the user typed, which errors begin with."""
     try:
         (costs, model), network = simulate_command.costs_of(args), simulate_command.network_of(args)
     except (OSError, ValueError, RuntimeError) as error:
-        print(f"hyparflow simulate: {error}", file=sys.stderr)
+        print(f"{name}: {error}", file=sys.stderr)
         return 1
     if model is not None:  # timed here: the tensor shares and host costs too
         costs = _with_planner_costs(costs, model, args)
@@ -111,7 +116,7 @@ def run(args, memory_of, measure=None) -> int:
     memory = None if model is None else memory_of(model, args.batch_size)
     budget = args.memory
     if budget is not None and memory is None:
-        print("hyparflow simulate: --memory needs the model (a .keras file or module:function) "
+        print(f"{name}: --memory needs the model (a .keras file or module:function) "
               "for its memory plan, not a costs file", file=sys.stderr)  # fmt: skip
         return 1
     per_node = args.ranks_per_node or (-(-args.auto // args.nodes) if args.nodes else None)
@@ -122,7 +127,7 @@ def run(args, memory_of, measure=None) -> int:
     try:
         result = search(layouts, estimate, args.batch_size, budget, bound=estimate.bound)
     except ValueError as error:
-        print(f"hyparflow simulate: {error}", file=sys.stderr)
+        print(f"{name}: {error}", file=sys.stderr)
         return 1
     _print(result, args, None if measure is None else measure(result))
     return 0

@@ -54,7 +54,10 @@ def add_arguments(parser, hidden=frozenset()) -> None:
     add("--batch-logs", action="store_true", help="callbacks read every batch's logs "
         "(verbose=1, ScalingProfiler): the loop shares them after each step")
     add("--json", action="store_true", help="print the predictions as JSON")
-    net = parser.add_argument_group("network (Hockney alpha-beta links)").add_argument
+    net = parser.add_argument_group(
+        "network (Hockney alpha-beta links; one is required: --latency with --bandwidth, "
+        "--network FILE or --measure-network)"
+    ).add_argument
     net("--latency", type=float, help="inter-node latency in seconds, e.g. 2e-6")
     net("--bandwidth", type=float, help="inter-node bytes/s, e.g. 12e9")
     net("--intra-latency", type=float, help="intra-node latency in seconds")
