@@ -78,10 +78,30 @@ def test_the_planner_reads_the_batch_and_the_input_shapes_from_the_data():
     arrays = source(x, y, batch_size=5)
     assert nominal_batch_size(arrays) == 5 and input_shapes(arrays) == (3, 4)
     assert input_shapes(source([x, x[:, 0]], y)) == [(3, 4), (4,)]
+    named = {"mask": x[:, 0] > 0, "values": x}  # keras_hub's kind of data: by input name
+    assert input_shapes(source(named, y)) == {"mask": (4,), "values": (3, 4)}
     assert nominal_batch_size(source(x, y)) == 32  # Keras's default
     partial = tf.data.Dataset.from_tensor_slices((x, y)).batch(4)  # no static batch size
     assert nominal_batch_size(source(partial)) is None and input_shapes(source(partial)) is None
     assert nominal_batch_size(source(partial.unbatch().batch(4, drop_remainder=True))) == 4
+
+
+def test_a_model_taking_a_dict_is_timed_at_the_shapes_of_its_data_by_name():
+    from hyparflow.partitioner import profile
+    from hyparflow.partitioner.graph import build_graph
+
+    values, mask = keras.Input((None, 4), name="values"), keras.Input((None,), name="mask")
+    pooled = keras.layers.GlobalAveragePooling1D()(values, mask=keras.ops.cast(mask, "bool"))
+    model = keras.Model({"values": values, "mask": mask}, keras.layers.Dense(2)(pooled))
+    graph = build_graph(model)
+    sample = profile.make_sample(graph, input_shape={"mask": (6,), "values": (6, 4)}, batch_size=3)
+    order = [graph.tensors[t].keras_tensor.name for t in graph.inputs]
+    wanted = [(3, 6, 4) if name == "values" else (3, 6) for name in order]
+    assert [tuple(s.shape) for s in sample] == wanted
+    with pytest.raises(ValueError, match="no shape for the model's inputs"):
+        profile.make_sample(graph, input_shape={"values": (6, 4)})
+    with pytest.raises(ValueError, match="unknown dimensions"):  # what the planner met before
+        profile.make_sample(graph)
 
 
 @pytest.fixture(scope="module")

@@ -88,13 +88,16 @@ def input_arrays(source):
 
 def input_shapes(epochs: EpochSteps):
     """The shapes without the batch of the training arrays `x` (one array: its shape; a list:
-    one each), as `measure_model` takes them; None for other data (the model's own)."""
+    one each; a dict, keras_hub's kind: one each by name), as `measure_model` takes them;
+    None for other data (the model's own)."""
     source = epochs.source
     x = source.data[0] if isinstance(source, ArraySource) else None
     if hasattr(x, "shape"):
         return tuple(x.shape[1:])
     if isinstance(x, list | tuple) and all(hasattr(a, "shape") for a in x):
         return [tuple(a.shape[1:]) for a in x]
+    if isinstance(x, dict) and all(hasattr(a, "shape") for a in x.values()):
+        return {name: tuple(a.shape[1:]) for name, a in x.items()}
     return None
 
 

@@ -20,13 +20,16 @@ def make_sample(graph: LayerGraph, sample=None, input_shape=None, batch_size=Non
     """Flat list of input tensors (model.inputs order) to profile on.
 
     `sample` is anything the model accepts; otherwise random inputs are made from
-    `input_shape` (one shape without the batch dimension, or a list of them, one per input) or
-    the model's input shapes, with `batch_size` rows (default 32).
+    `input_shape` (one shape without the batch dimension, a list of them, one per input, or a
+    dict of them by input name) or the model's input shapes, with `batch_size` rows (default
+    32).
     """
     if sample is not None:
         return _keras.standardize_inputs(graph.root, sample)
     specs = [graph.tensors[t].keras_tensor for t in graph.inputs]
-    if input_shape is not None:
+    if isinstance(input_shape, dict):
+        shapes = _shapes_by_name(graph, input_shape)
+    elif input_shape is not None:
         shapes = [input_shape] if _is_single_shape(input_shape) else list(input_shape)
         if len(shapes) != len(specs):
             raise ValueError(
@@ -51,6 +54,23 @@ def make_sample(graph: LayerGraph, sample=None, input_shape=None, batch_size=Non
             array = np.zeros(full, dtype=_numpy_name(spec.dtype))  # safe for embeddings/lookups
         values.append(tf.convert_to_tensor(array, dtype=spec.dtype))
     return values
+
+
+def _shapes_by_name(graph: LayerGraph, input_shape: dict) -> list:
+    """The shapes of a dict keyed by the model's input names (as keras_hub's models take
+    their data), in `model.inputs`' order."""
+    structure = graph.root.input
+    if not isinstance(structure, dict):
+        raise ValueError(
+            f"input_shape is a dict {sorted(input_shape)}, but the model takes its inputs "
+            "as a list; pass one shape per input, in model.inputs' order."
+        )
+    name_of = {id(tensor): name for name, tensor in structure.items()}
+    names = [name_of[id(graph.tensors[t].keras_tensor)] for t in graph.inputs]
+    missing = [name for name in names if name not in input_shape]
+    if missing:
+        raise ValueError(f"input_shape gives no shape for the model's inputs {missing}.")
+    return [tuple(input_shape[name]) for name in names]
 
 
 def node_times(graph: LayerGraph, inputs: list, repeats: int = 5) -> np.ndarray:

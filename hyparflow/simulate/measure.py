@@ -103,8 +103,8 @@ def _fit_stages(model, samples, slopes, repeats) -> dict:
 
     Returns {"forward"|"backward"|"optimizer": (coefficients..., relative residual)}.
     """
-    whole = (0, len(slopes), lambda xs: model(xs, training=True), model.trainable_variables,
-             _unlisted)  # fmt: skip
+    whole = (0, len(slopes), lambda xs: model(_structured(model, xs), training=True),
+             model.trainable_variables, list)  # fmt: skip
     stages = [whole]
     for parts in (p for p in SPLITS if p <= len(slopes)):
         plan, a = partition(model, parts, balance="layers"), 0
@@ -166,7 +166,7 @@ def _stage_step(model, call, variables, x, microbatches, repeats) -> tuple[float
             seeds = [tf.ones_like(y) for y in outputs]
             zero = tf.UnconnectedGradients.ZERO  # a variable the stage does not use: zeros
             grads = tape.gradient(outputs, sources, seeds, zero)[: len(variables)]
-            total = grads if total is None else [a + g for a, g in zip(total, grads, strict=True)]
+            total = grads if total is None else list(map(_summed, total, grads))
             backward += time.perf_counter() - start
         start = time.perf_counter()
         if copies:
@@ -199,7 +199,7 @@ def _loss_cost(model, samples, repeats) -> Affine:
         _update_metrics(model, y, y_pred)
         return _keras.compiled_loss(model)(y, y_pred, None)
 
-    outputs = {b: model(_unlisted(x), training=False) for b, x in samples.items()}
+    outputs = {b: model(_structured(model, x), training=False) for b, x in samples.items()}
     return _affine(loss, {b: (_targets(model, y), y) for b, y in outputs.items()}, repeats)
 
 
@@ -218,7 +218,7 @@ def _fused_cost(model, samples, repeats) -> Affine:
         grads = [tf.reshape(g, [-1]) for g in tape.gradient(loss, variables) if g is not None]
         return loss, tf.concat(grads, 0) if grads else loss
 
-    inputs = {b: _unlisted(x) for b, x in samples.items()}
+    inputs = {b: _structured(model, x) for b, x in samples.items()}
     targets = {b: _targets(model, model(x, training=False)) for b, x in inputs.items()}
     line = _affine(step, {b: (x, targets[b]) for b, x in inputs.items()}, repeats)
     for metric in model.metrics:
@@ -246,7 +246,7 @@ def fit_step(model, batch_sizes, steps: int = 8, input_shape=None) -> Affine:
     )
     for batch in batch_sizes:
         inputs = profile.make_sample(graph, input_shape=input_shape, batch_size=batch * steps)
-        x = _unlisted([np.asarray(t) for t in inputs])
+        x = _structured(clone, [np.asarray(t) for t in inputs])
         y = _targets(clone, clone(x, training=False), as_numpy=True)
         clone.fit(x, y, batch_size=batch, epochs=1, verbose=0)  # traces
         starts.clear()
@@ -271,10 +271,11 @@ def _read_metrics(model) -> list[float]:
 
 def _targets(model, y_pred, as_numpy=False):
     """Targets (zeros: only the costs matter) that `model`'s loss takes for `y_pred`: class
-    indices for a 2-D output if the loss takes them (sparse losses), else the output's shape."""
+    indices for an output of classes (a sequence's: one per position) if the loss takes them
+    (sparse losses), else the output's shape."""
     outputs = tf.nest.flatten(y_pred)
     shaped = [np.zeros(out.shape, "float32") for out in outputs]
-    indices = [np.zeros(out.shape[:1], "int64") if len(out.shape) == 2 and out.shape[-1] > 1
+    indices = [np.zeros(out.shape[:-1], "int64") if len(out.shape) >= 2 and out.shape[-1] > 1
                else like for out, like in zip(outputs, shaped, strict=True)]  # fmt: skip
     for made in (indices, shaped):
         made = made if as_numpy else [tf.convert_to_tensor(value) for value in made]
@@ -285,8 +286,20 @@ def _targets(model, y_pred, as_numpy=False):
     return made
 
 
-def _unlisted(inputs):
-    return inputs[0] if isinstance(inputs, list) and len(inputs) == 1 else inputs
+def _summed(a, b):
+    """Two micro-batches' gradients of one variable added, as the engine adds them: an
+    embedding's row slices (`tf.IndexedSlices`) concatenated, not densified."""
+    if isinstance(a, tf.IndexedSlices) and isinstance(b, tf.IndexedSlices):
+        return tf.IndexedSlices(
+            tf.concat([a.values, b.values], 0), tf.concat([a.indices, b.indices], 0), a.dense_shape
+        )
+    return tf.convert_to_tensor(a) + tf.convert_to_tensor(b)
+
+
+def _structured(model, inputs):
+    """Flat inputs (in `model.inputs`' order) in the structure `model` takes: one tensor, a
+    list, or a dict by input name (keras_hub's models)."""
+    return keras.tree.pack_sequence_as(model.input, list(inputs))
 
 
 def _median_seconds(function, repeats, *args) -> float:
