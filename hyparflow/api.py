@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import warnings
 
 import numpy as np
@@ -29,12 +30,13 @@ from hyparflow.engine.custom_step import make_trainer
 from hyparflow.engine.loops import evaluate_loop, fit_loop, predict_loop
 from hyparflow.engine.sparse_probe import probe_row_kinds
 from hyparflow.engine.weights import held_elsewhere
+from hyparflow.launch.command import relaunch_command
 from hyparflow.memory.limits import memory_room
 from hyparflow.memory.plan import memory_plan
 from hyparflow.moe.in_keras import sparse_in_keras
 from hyparflow.partitioner import partition as _partition
 from hyparflow.process_tuning import tune_process
-from hyparflow.strategy import make_strategy
+from hyparflow.strategy import Spelling, make_strategy
 from hyparflow.tensor import rules as tensor_rules
 
 
@@ -48,7 +50,8 @@ def _resolve(model, strategy, num_partitions, num_replicas, num_microbatches, co
             model_checks.check_compiled(model)
         # an open "auto": the layout fit last planned (fit plans again, knowing the batch)
         chosen = last_choice(model, size()) if requested.leaves_layout_open() else None
-        return chosen.strategy if chosen else requested.resolve(size())
+        spelling = Spelling.of(strategy, relaunch_command(os.environ))
+        return chosen.strategy if chosen else requested.resolve(size(), spelling)
 
     return agree(world(), resolve) if size() > 1 else resolve()
 

@@ -17,7 +17,15 @@ import signal
 import subprocess
 import sys
 
-from hyparflow.launch.command import LAUNCHERS, Facts, Launch, LaunchError, Options, build
+from hyparflow.launch.command import (
+    LAUNCHED_BY,
+    LAUNCHERS,
+    Facts,
+    Launch,
+    LaunchError,
+    Options,
+    build,
+)
 
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _FLAGS = {"--dry-run", "--oversubscribe", "--no-bind"}  # hyparflow run's options without a value
@@ -147,7 +155,8 @@ def run(launch: Launch) -> int:
     """Run the command with its variables added to this environment; SIGINT, SIGTERM and SIGHUP
     sent to this process are passed on. Returns its exit status (128 + N when killed by signal N).
     """
-    process = subprocess.Popen(list(launch.argv), env={**os.environ, **launch.env})
+    marked = {**os.environ, **launch.env, LAUNCHED_BY: "hyparflow run"}  # for hints (api.py)
+    process = subprocess.Popen(list(launch.argv), env=marked)
     previous = {}
     try:
         for number in FORWARDED_SIGNALS:

@@ -20,6 +20,24 @@ def _check_positive_int(name: str, value, hint: str) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
+class Spelling:
+    """How the user wrote what an error's hint names: the split's keywords (`hf.fit`'s
+    `num_partitions=` or `hf.Strategy`'s `partitions=`) and the command that launched the job,
+    `{ranks}` standing for the rank count."""
+
+    partitions: str = "partitions"
+    replicas: str = "replicas"
+    launch: str = "mpirun -np {ranks}"
+
+    @classmethod
+    def of(cls, strategy, launch: str) -> Spelling:
+        """The spelling of `hf.fit(strategy=...)`: HyPar-Flow's keywords with a string."""
+        if isinstance(strategy, Strategy):
+            return cls(launch=launch)
+        return cls("num_partitions", "num_replicas", launch)
+
+
+@dataclasses.dataclass(frozen=True)
 class Strategy:
     """How `hf.fit` spreads training over ranks, in HyPar-Flow's terms.
 
@@ -339,12 +357,13 @@ class Strategy:
             if getattr(self, field.name) != field.default
         }
 
-    def resolve(self, world_size: int) -> Strategy:
+    def resolve(self, world_size: int, spelling: Spelling = Spelling()) -> Strategy:
         """Return a copy with partitions and replicas fixed for `world_size` ranks.
 
         Rule for "auto": data parallel over all ranks, unless
         `partitions` is given, in which case the rest of the ranks become replicas. The
-        `tensor` ranks of each stage are set aside first.
+        `tensor` ranks of each stage are set aside first. Errors name the keywords and the
+        launch command as the user wrote them (`spelling`).
         """
         if world_size % self.tensor:
             raise ValueError(
@@ -364,21 +383,24 @@ class Strategy:
             if partitions is None and replicas is None:
                 if self.kind == "hybrid":
                     raise ValueError(
-                        "strategy 'hybrid' needs num_partitions or num_replicas "
+                        f"strategy 'hybrid' needs {spelling.partitions} or {spelling.replicas} "
                         f"(their product must be the world size, {world_size})."
                     )
                 partitions = 1
             if partitions is None:
-                partitions = _exact_quotient(world_size, replicas, "replicas", "num_partitions")
+                partitions = _exact_quotient(world_size, replicas, spelling.replicas,
+                                             spelling.partitions)  # fmt: skip
             if replicas is None:
-                replicas = _exact_quotient(world_size, partitions, "partitions", "num_replicas")
+                replicas = _exact_quotient(world_size, partitions, spelling.partitions,
+                                           spelling.replicas)  # fmt: skip
         if partitions * replicas != world_size:
             product = partitions * replicas * self.tensor
             tensor = f" x tensor ({self.tensor})" if self.tensor > 1 else ""
+            launch = spelling.launch.format(ranks=product)
             raise ValueError(
                 f"partitions ({partitions}) x replicas ({replicas}){tensor} = {product} "
-                f"but the job has {total} MPI ranks; launch with "
-                f"`mpirun -np {product}` or change num_partitions/num_replicas."
+                f"but the job has {total} MPI ranks; launch with `{launch}` or change "
+                f"{spelling.partitions}/{spelling.replicas}."
             )
         if replicas % self.experts:
             raise ValueError(

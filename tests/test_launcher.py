@@ -12,6 +12,7 @@ import time
 import pytest
 
 from hyparflow.launch.command import (
+    LAUNCHED_BY,
     Facts,
     Launch,
     LaunchError,
@@ -450,3 +451,13 @@ def _running(pid: int) -> bool:
             return file.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_the_ranks_learn_that_hyparflow_run_launched_them():
+    """Their errors' hints then say `hyparflow run -n N` (launch/command.py's
+    relaunch_command), not the mpirun command the user never typed."""
+    from hyparflow.run import run
+
+    marked = f"os.environ.get('{LAUNCHED_BY}') == 'hyparflow run'"
+    check = f"import os, sys; sys.exit(0 if {marked} else 3)"
+    assert run(Launch("mpirun", (sys.executable, "-c", check))) == 0

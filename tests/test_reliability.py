@@ -144,14 +144,22 @@ def test_an_uncaught_exception_on_one_rank_ends_the_job():
 
 
 @pytest.mark.mpi
-def test_an_error_raised_on_every_rank_exits_each_without_an_abort():
+@pytest.mark.parametrize("full", [False, True])
+def test_an_error_raised_on_every_rank_is_printed_once_and_exits_each_without_an_abort(full):
     """An error `hf.fit` raised on every rank alike (an unknown strategy) is not a reason to
-    abort: every rank prints its own traceback and exits non-zero by itself."""
-    run = launch("uncaught", 2, "agreed", timeout=60)
+    abort: each rank exits non-zero by itself, and rank 0 alone prints it, with the frames of
+    the user's script but none of hyparflow's; `HYPARFLOW_TRACEBACK=full` prints every rank's
+    whole traceback."""
+    env = {"HYPARFLOW_TRACEBACK": "full"} if full else None
+    run = launch("uncaught", 2, "agreed", timeout=60, env=env)
     assert run.returncode not in (0, -9), run.describe()
-    for stderr in run.stderr:
-        assert "ValueError" in stderr and "no_such_strategy" in stderr, run.describe()
+    for rank, stderr in enumerate(run.stderr):
         assert "ending the job" not in stderr and "MPI_ABORT" not in stderr, run.describe()
+        printed = full or rank == 0
+        assert stderr.count("Traceback (most recent call last)") == int(printed), run.describe()
+        assert ("ValueError" in stderr and "no_such_strategy" in stderr) == printed
+        assert ("hyparflow/api.py" in stderr) == full, run.describe()  # hyparflow's frames
+        assert ("tests/mpi/uncaught.py" in stderr) == printed  # the user's script's
 
 
 def test_the_aborting_hook_is_chained_once_and_can_be_refused(monkeypatch):

@@ -1,9 +1,11 @@
 """Strategy validation and resolution against a world size."""
 
+import re
+
 import pytest
 
 from hyparflow import Strategy
-from hyparflow.strategy import make_strategy
+from hyparflow.strategy import Spelling, make_strategy
 
 
 @pytest.mark.parametrize(
@@ -39,7 +41,7 @@ def test_resolve(strategy, world, expected):
         (lambda: Strategy("model", replicas=2), "use strategy 'hybrid'"),
         (lambda: Strategy("hybrid", partitions=2, replicas=3).resolve(4), "mpirun -np 6"),
         (lambda: Strategy("hybrid", partitions=3).resolve(4), "does not divide"),
-        (lambda: Strategy("hybrid").resolve(4), "needs num_partitions or num_replicas"),
+        (lambda: Strategy("hybrid").resolve(4), "needs partitions or replicas"),
         (lambda: Strategy("model", partitions=2).resolve(4), "mpirun -np 2"),
         (lambda: make_strategy(42), "must be a string or hf.Strategy"),
         (lambda: Strategy("data", update_by_segment="yes"), "must be True, False or None"),
@@ -58,6 +60,26 @@ def test_resolve(strategy, world, expected):
 def test_invalid_strategies_name_the_fix(make, message):
     with pytest.raises(ValueError, match=message):
         make()
+
+
+@pytest.mark.parametrize(
+    "strategy, launch, said",
+    [
+        ("hybrid", "mpirun -np {ranks}", "launch with `mpirun -np 6` or change num_partitions/"),
+        (Strategy("hybrid"), "hyparflow run -n {ranks}",
+         "launch with `hyparflow run -n 6` or change partitions/replicas"),
+        ("hybrid", "srun -n {ranks}", "`srun -n 6` or change num_partitions/num_replicas"),
+    ],
+)  # fmt: skip
+def test_hints_name_the_keywords_and_the_launcher_the_user_wrote(strategy, launch, said):
+    """`hf.fit(strategy="hybrid", num_partitions=2, ...)` and `hf.Strategy(partitions=2)` are
+    told their own keywords; `hyparflow run` and srun jobs their own command."""
+    spelling = Spelling.of(strategy, launch)
+    with pytest.raises(ValueError, match=re.escape(said)):
+        Strategy("hybrid", partitions=2, replicas=3).resolve(4, spelling)
+    hybrid = "needs num_partitions or num_replicas" if strategy == "hybrid" else "needs partitions"
+    with pytest.raises(ValueError, match=hybrid):
+        Strategy("hybrid").resolve(4, spelling)
 
 
 def test_interleaved_holds_two_chunks_a_stage_unless_told():
