@@ -15,7 +15,7 @@ from hyparflow.comm.backends import check_backend
 from hyparflow.comm.failure import run_collectively
 from hyparflow.comm.topology import Grid, placed
 from hyparflow.comm.watchdog import resolve_timeout
-from hyparflow.comm.world import launched, size, world
+from hyparflow.comm.world import launched, rank, size, world
 from hyparflow.data import make_source
 from hyparflow.data.fingerprint import data_digest, differing_ranks, mismatch_message
 from hyparflow.data.sources import (
@@ -253,11 +253,20 @@ def fit(
             )
             batch_size = None
             fit_kwargs["shuffle"] = False  # the reader shuffles samples itself
+        _say_layout(model, resolved, fit_kwargs)
         with sparse_in_keras(model, resolved.sparse_experts):
             return model.fit(x, y, batch_size=batch_size, epochs=epochs, **fit_kwargs)
     requested = make_strategy(strategy, num_partitions, num_replicas, num_microbatches)
     options["planning"] = requested if requested.leaves_layout_open() and size() > 1 else None
     return _distributed_fit(model, x, y, batch_size, epochs, resolved, options, **fit_kwargs)
+
+
+def _say_layout(model, resolved, fit_kwargs) -> None:
+    """Rank 0's one line about what runs besides the layout the user named, unless
+    `verbose=0` (model_checks.layout_notice)."""
+    notice = model_checks.layout_notice(model, resolved)
+    if notice and fit_kwargs.get("verbose", "auto") != 0 and rank() == 0:
+        print(notice, flush=True)
 
 
 def _check_fits_one_process(model, batch_size) -> None:
@@ -378,6 +387,7 @@ def _distributed_fit(model, x, y, batch_size, epochs, resolved, options, **kwarg
         model, resolved, comm, comm_backend=options["comm"], restoring=folder is not None,
         inputs=input_arrays(source),
     )  # fmt: skip
+    _say_layout(model, resolved, kwargs)
     for notice in model_checks.training_notices(model, resolved) if comm.Get_rank() == 0 else ():
         warnings.warn(notice, stacklevel=3)
     trainer.use_watchdog(timeout)

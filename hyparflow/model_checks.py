@@ -181,6 +181,33 @@ def training_notices(model, strategy) -> list[str]:
     return [notice for notice in found if notice]
 
 
+def layout_notice(model, strategy) -> str | None:
+    """The line rank 0 prints (unless `verbose=0`) about what runs besides the layout the
+    user named: keras_hub's mixture-of-experts blocks computed sparsely, their experts split
+    over expert groups. None when there is nothing to say.
+
+    Example:
+        >>> from hyparflow import Strategy
+        >>> layout_notice(keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]),
+        ...               Strategy("data")) is None
+        True
+    """
+    blocks = sparse_blocks(model) if strategy.sparse_experts else []
+    if not blocks:
+        return None
+    said = (
+        f"hyparflow: {len(blocks)} mixture-of-experts blocks computed sparsely, each token "
+        "through its top-k experts only (Strategy(sparse_experts=False): every expert, as Keras "
+        "computes them)"
+    )
+    if strategy.experts > 1:
+        said += (
+            f"; their experts split over {strategy.experts} groups of replicas "
+            f"(experts={strategy.experts}), tokens exchanged between them"
+        )
+    return said
+
+
 def check_loss_reductions(model) -> None:
     """The engine weights each micro-batch's mean loss by its share of the global batch, which
     is exact for Keras's default "sum_over_batch_size" reduction."""

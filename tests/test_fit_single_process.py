@@ -148,3 +148,19 @@ def test_one_process_does_not_start_mpi_so_mpirun_from_it_works():
         [sys.executable, "-c", script], env={**env, **MPI_ENV}, capture_output=True, text=True
     )
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("verbose", [2, 0])
+def test_rank_0_says_that_mixture_blocks_run_sparsely_unless_silenced(verbose, capsys):
+    """The layout the user did not name (issue 64: nothing said that the experts ran
+    sparsely): one line, unless `verbose=0`; a Strategy that computes them densely says none."""
+    from hyparflow.model_checks import layout_notice
+    from tests.support import zoo
+
+    model = zoo.compiled("mixtral", "sgd")
+    hf.fit(model, zoo.text_batches("mixtral", 8).take(1), epochs=1, verbose=verbose)
+    said = [line for line in capsys.readouterr().out.splitlines() if "mixture-of-experts" in line]
+    assert said == ([] if verbose == 0 else [layout_notice(model, hf.Strategy("data"))])
+    assert "computed sparsely" in layout_notice(model, hf.Strategy("data"))
+    assert "2 groups of replicas (experts=2)" in layout_notice(model, hf.Strategy(experts=2))
+    assert layout_notice(model, hf.Strategy(sparse_experts=False)) is None

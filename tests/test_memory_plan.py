@@ -3,6 +3,7 @@ peak resident growth measured under real mpirun; the cgroup fixture; the process
 
 import dataclasses
 import sys
+import warnings
 
 import keras
 import pytest
@@ -153,6 +154,23 @@ def test_cli_prints_the_memory_plan(tmp_path, capsys):
     assert main(["plan", path, "-p", "2", "--memory", "--batch-size", "8"]) == 0
     out = capsys.readouterr().out
     assert "Memory plan for 'small'" in out and "P=2 x R=1 x T=1" in out
+
+
+def test_cli_plans_a_trained_keras_hub_file_without_keras_skipping_its_optimizer(tmp_path):
+    """keras_hub's tasks compile themselves when loaded, with an unbuilt optimizer: Keras then
+    warns that it skipped the saved slots, which the plan never reads (issue 64)."""
+    from hyparflow.cli import main
+    from tests.support import hub_zoo
+
+    path = str(tmp_path / "gpt2.keras")
+    model = hub_zoo.compiled("GPT2")
+    model.fit(*hub_zoo.data("GPT2", model), batch_size=8, verbose=0)  # its slots are saved
+    model.save(path)
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        assert main(["plan", path, "-p", "2", "--memory", "--batch-size", "8"]) == 0
+    messages = [str(w.message) for w in warned]
+    assert not [m for m in messages if "Skipping variable loading" in m], messages
 
 
 def test_memory_limit_reads_v1_and_v2(tmp_path):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import warnings
 
 CUSTOM_OBJECTS_HELP = (
     "import this module (e.g. mypkg.layers) before loading the model: its custom layers, "
@@ -41,7 +42,11 @@ def load_model(source: str, custom_objects: str | None = None, compile: bool = T
     if not os.path.exists(source):
         raise ValueError(f"{source!r} is neither a saved model file nor module:function")
     try:
-        return keras.saving.load_model(source, custom_objects=objects, compile=compile)
+        with warnings.catch_warnings():
+            # the slots' values are not read here (only their sizes, from the optimizer's
+            # config), and Keras would say it skipped them before every plan
+            warnings.filterwarnings("ignore", "Skipping variable loading for optimizer")
+            return keras.saving.load_model(source, custom_objects=objects, compile=compile)
     except TypeError as error:  # Keras's "Could not locate class ..." for a custom object
         hint = "" if custom_objects else " (custom objects? pass --custom-objects MODULE)"
         raise ValueError(f"cannot load {source!r}{hint}: {error}") from error
