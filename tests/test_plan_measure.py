@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -15,6 +16,7 @@ from hyparflow.auto.measure import Measured, entries, error_line, median_rate, t
 from hyparflow.auto.search import Candidate, Estimate, search
 from hyparflow.launch.command import Facts, Launch
 from hyparflow.simulate.costs import Affine, LayerCost, ModelCosts
+from tests.support.doc_commands import commands
 from tests.support.mpirun import LAUNCHES, MPI_ENV, REPO, sharing
 from tests.support.mpirun import Launch as Launched
 
@@ -261,7 +263,8 @@ def test_the_report_and_json_gain_the_measured_layouts_and_keep_their_keys(tmp_p
 @pytest.mark.mpi
 @pytest.mark.timeout(240)
 def test_plan_auto_measure_trains_the_top_layouts_on_two_ranks(request):
-    """The real thing: the planner times a tiny MLP here, then one mpirun per top layout."""
+    """The real thing, as docs/auto.md writes it: the planner times a small MLP here, then one
+    mpirun per top layout; the report's table has the pick first."""
     env = {**os.environ, **MPI_ENV}
     for name in (
         "OMPI_ALLOW_RUN_AS_ROOT",
@@ -271,23 +274,20 @@ def test_plan_auto_measure_trains_the_top_layouts_on_two_ranks(request):
         "OMP_NUM_THREADS",
     ):
         env.pop(name, None)  # the launch sets them for its ranks, as `hyparflow run` would
-    hyparflow = os.path.join(os.path.dirname(sys.executable), "hyparflow")
-    argv = [hyparflow, "plan", "--auto", TINY, "--ranks", "2", "--batch", "32", *NETWORK,
-            "--measure", "--measure-timeout", "60", "--json"]  # fmt: skip
-    # measured 35-39 s (2026-11-29, 2 cores); W pytest workers share the cores
+    (shown,) = [c for c in commands("auto.md", "hyparflow plan --auto") if "--measure" in c]
+    argv = [os.path.join(os.path.dirname(sys.executable), "hyparflow"), *shown[1:]]
+    # measured 35-41 s (2026-11-29, 2 cores); W pytest workers share the cores
     started, limit = time.monotonic(), 150 * sharing()
     done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=limit)
     seconds = time.monotonic() - started
     LAUNCHES.append(Launched(request.node.nodeid, "plan --auto --measure", 2, seconds, limit))
     assert done.returncode == 0, done.stderr[-3000:]
-    found = json.loads(done.stdout)
-    measured = found["measured"]
-    assert len(measured) == min(3, len(found["ranked"])) and len(measured) >= 2
-    assert measured[0]["label"] == found["pick"]["label"]
-    assert [m["label"] for m in measured] == [r["label"] for r in found["ranked"][:3]]
-    for entry in measured:
-        assert entry.get("measured_samples_per_second", 0) > 0 or entry["error"], entry
-    assert any("measured_samples_per_second" in entry for entry in measured), measured
-    assert done.stderr.count("measuring P") == len(measured)
-    worker = f"{cli.MEASURE_WORKER}\x00{TINY}".encode()
+    pick = re.match(r"auto: (P\d+ R\d+ T\d+ M\d+)", done.stdout).group(1)
+    table = done.stdout.split("\nmeasured (5 steps each")[1].splitlines()[2:]
+    rows = [line for line in table if re.match(r"P\d+ R\d+ T\d+ M\d+ ", line)]
+    assert 2 <= len(rows) <= 3 and rows[0].startswith(pick + " "), done.stdout
+    measured = [re.split(r"\s{2,}", row)[2] for row in rows]  # samples/s, or an error
+    assert any(m.replace(",", "").isdigit() and int(m.replace(",", "")) > 0 for m in measured)
+    assert done.stderr.count("measuring P") == len(rows)
+    worker = f"{cli.MEASURE_WORKER}\x00{shown[3]}".encode()
     assert not [pid for pid in _all_pids() if _runs(pid, worker)]  # every rank ended

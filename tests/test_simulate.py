@@ -30,6 +30,7 @@ from hyparflow.simulate import (
 from hyparflow.simulate.costs import TensorShare
 from hyparflow.simulate.netbench import fit_network, launch
 from hyparflow.simulate.network import allreduce, allreduce_times, bucketed_allreduce
+from tests.support.doc_commands import commands
 
 FAST = Link(0.0, 1e30)  # a network that costs nothing
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -676,9 +677,9 @@ def test_plan_auto_on_the_papers_resnet_1001_setting(tmp_path, capsys):
     network = Network(intra=Link(0.5e-6, 10e9), inter=Link(1.5e-6, 12e9), reduce_rate=4e9)
     costs = paper.expand_to_resnet1001(paper.load_cell(remeasure=False)).scaled(1.5)
     paper.save_inputs(str(tmp_path), "stampede2", costs, network)
-    argv = ["plan", "--auto", str(tmp_path / "stampede2_costs.json"), "--ranks", "6144",
-            "--batch", "49152", "--nodes", "128", "--cores-per-node", "48",
-            "--network", str(tmp_path / "stampede2_network.json")]  # fmt: skip
+    # the command docs/auto.md shows, as written, in the folder the inputs went to
+    (shown,) = [c for c in commands("auto.md", "hyparflow plan --auto") if "DIR/" in c[3]]
+    argv = [word.replace("DIR/", f"{tmp_path}/") for word in shown[1:]]
     assert main([*argv, "--json"]) == 0
     found = json.loads(capsys.readouterr().out)
     pick = found["pick"]
