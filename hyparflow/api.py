@@ -30,13 +30,13 @@ from hyparflow.engine.custom_step import make_trainer
 from hyparflow.engine.loops import evaluate_loop, fit_loop, predict_loop
 from hyparflow.engine.sparse_probe import probe_row_kinds
 from hyparflow.engine.weights import held_elsewhere
-from hyparflow.launch.command import relaunch_command
-from hyparflow.memory.limits import memory_room
-from hyparflow.memory.plan import memory_plan
+from hyparflow.launch.origin import relaunch_command
+from hyparflow.memory.one_process import check_fits_one_process
 from hyparflow.moe.in_keras import sparse_in_keras
 from hyparflow.partitioner import partition as _partition
 from hyparflow.process_tuning import tune_process
-from hyparflow.strategy import Spelling, make_strategy
+from hyparflow.spelling import Spelling
+from hyparflow.strategy import make_strategy
 from hyparflow.tensor import rules as tensor_rules
 
 
@@ -50,7 +50,7 @@ def _resolve(model, strategy, num_partitions, num_replicas, num_microbatches, co
             model_checks.check_compiled(model)
         # an open "auto": the layout fit last planned (fit plans again, knowing the batch)
         chosen = last_choice(model, size()) if requested.leaves_layout_open() else None
-        spelling = Spelling.of(strategy, relaunch_command(os.environ))
+        spelling = Spelling.of(isinstance(strategy, str), relaunch_command(os.environ))
         return chosen.strategy if chosen else requested.resolve(size(), spelling)
 
     return agree(world(), resolve) if size() > 1 else resolve()
@@ -243,7 +243,7 @@ def fit(
     if size() == 1 and not needs_engine:
         # One rank, one partition, one replica: the embedded default is plain Keras.
         if deferred.any_deferred(model):  # built under hf.scope(): all of it here, if it fits
-            _check_fits_one_process(model, batch_size)
+            check_fits_one_process(model, batch_size)
             deferred.materialize_model(model)
         if hasattr(x, "as_keras"):  # hyparflow readers (hf.data.HDF5) as a Keras PyDataset
             x = x.as_keras(
@@ -267,24 +267,6 @@ def _say_layout(model, resolved, fit_kwargs) -> None:
     notice = model_checks.layout_notice(model, resolved)
     if notice and fit_kwargs.get("verbose", "auto") != 0 and rank() == 0:
         print(notice, flush=True)
-
-
-def _check_fits_one_process(model, batch_size) -> None:
-    """Refuse to materialise a hf.scope() model whose training the memory plan says cannot fit
-    in what this process's cgroup can still be charged, rather than be killed part way."""
-    room = memory_room()
-    if room is None:
-        return
-    needed = memory_plan(model, "data", batch_size or 32).largest.total
-    if needed > room:
-        gib = 2**30
-        raise MemoryError(
-            f"Training this model in one process needs about {needed / gib:.2f} GiB more "
-            f"(hf.memory_plan), but this process's memory limit leaves {room / gib:.2f} GiB. "
-            "Launch it on several ranks (mpirun -np N) with strategy=hf.Strategy('model', "
-            "partitions=N), tensor=T or shard_optimizer=True; `hyparflow plan --memory` "
-            "shows what each rank holds."
-        )
 
 
 def _check_comm(backend: str) -> str:
@@ -342,20 +324,6 @@ def _resume_folder(options, fit_kwargs):
     return None
 
 
-def _resume_line(folder, manifest) -> str:
-    """What rank 0 says when a run resumes: from which checkpoint, at which step.
-
-    Example:
-        >>> from types import SimpleNamespace
-        >>> _resume_line("ckpt/ckpt-000000006", SimpleNamespace(step=6, epoch=1, batch=2))
-        'hyparflow: resuming from ckpt/ckpt-000000006 after step 6 (epoch 2, its batch 3 next)'
-    """
-    return (
-        f"hyparflow: resuming from {folder} after step {manifest.step} "
-        f"(epoch {manifest.epoch + 1}, its batch {manifest.batch + 1} next)"
-    )
-
-
 def _distributed_fit(model, x, y, batch_size, epochs, resolved, options, **kwargs):
     """hf.fit on more than one rank; `options["planning"]`: an open "auto" strategy to plan
     the layout from (None: `resolved` is the layout)."""
@@ -400,7 +368,7 @@ def _distributed_fit(model, x, y, batch_size, epochs, resolved, options, **kwarg
         trainer.load_shards()  # tensor shards take their pieces of the restored weights
         initial_epoch, start_batch = saved.epoch, saved.batch
         if kwargs.get("verbose", "auto") != 0 and comm.Get_rank() == 0:
-            print(_resume_line(folder, saved), flush=True)
+            print(saved.resumed_from(folder), flush=True)
     return _run(
         comm,
         model=model,

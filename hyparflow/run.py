@@ -17,15 +17,8 @@ import signal
 import subprocess
 import sys
 
-from hyparflow.launch.command import (
-    LAUNCHED_BY,
-    LAUNCHERS,
-    Facts,
-    Launch,
-    LaunchError,
-    Options,
-    build,
-)
+from hyparflow.launch.command import LAUNCHERS, Facts, Launch, LaunchError, Options, build
+from hyparflow.launch.origin import LAUNCHED_BY
 
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _FLAGS = {"--dry-run", "--oversubscribe", "--no-bind"}  # hyparflow run's options without a value

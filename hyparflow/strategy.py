@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from hyparflow.spelling import Spelling
 from hyparflow.units import byte_size
 
 KINDS = ("data", "model", "hybrid", "auto")
@@ -17,24 +18,6 @@ def _check_positive_int(name: str, value, hint: str) -> None:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"Strategy {name}={value!r} must be a positive integer; {hint}")
-
-
-@dataclasses.dataclass(frozen=True)
-class Spelling:
-    """How the user wrote what an error's hint names: the split's keywords (`hf.fit`'s
-    `num_partitions=` or `hf.Strategy`'s `partitions=`) and the command that launched the job,
-    `{ranks}` standing for the rank count."""
-
-    partitions: str = "partitions"
-    replicas: str = "replicas"
-    launch: str = "mpirun -np {ranks}"
-
-    @classmethod
-    def of(cls, strategy, launch: str) -> Spelling:
-        """The spelling of `hf.fit(strategy=...)`: HyPar-Flow's keywords with a string."""
-        if isinstance(strategy, Strategy):
-            return cls(launch=launch)
-        return cls("num_partitions", "num_replicas", launch)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -357,14 +340,16 @@ class Strategy:
             if getattr(self, field.name) != field.default
         }
 
-    def resolve(self, world_size: int, spelling: Spelling = Spelling()) -> Strategy:
+    def resolve(self, world_size: int, spelling: Spelling | None = None) -> Strategy:
         """Return a copy with partitions and replicas fixed for `world_size` ranks.
 
         Rule for "auto": data parallel over all ranks, unless
         `partitions` is given, in which case the rest of the ranks become replicas. The
         `tensor` ranks of each stage are set aside first. Errors name the keywords and the
-        launch command as the user wrote them (`spelling`).
+        launch command as the user wrote them (`spelling`; None: `hf.Strategy`'s fields and
+        `mpirun -np N`).
         """
+        spelling = spelling or Spelling()
         if world_size % self.tensor:
             raise ValueError(
                 f"tensor={self.tensor} does not divide the world size {world_size}; launch a "

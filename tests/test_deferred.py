@@ -19,10 +19,11 @@ import numpy as np
 import pytest
 
 import hyparflow as hf
-from hyparflow import api, deferred
+from hyparflow import deferred
 from hyparflow.checkpoint.reader import LazyState
 from hyparflow.checkpoint.state import cut_shard, join_shards, shard_key, slice_key
 from hyparflow.engine import agreed_plan
+from hyparflow.memory import one_process
 from hyparflow.memory.resident import PeakGrowth
 from tests.support.mpirun import run_scenario
 
@@ -254,9 +255,9 @@ def test_one_process_refuses_what_its_memory_limit_cannot_hold(monkeypatch):
     with hf.scope():
         model = _seeded(lambda: keras.Sequential([keras.Input((512,)), keras.layers.Dense(512)]))
     model.compile(optimizer, "mse")
-    monkeypatch.setattr(api, "memory_room", lambda: 2**20)  # 1 MiB left under the limit
+    monkeypatch.setattr(one_process, "memory_room", lambda: 2**20)  # 1 MiB left under the limit
     with pytest.raises(MemoryError, match=r"needs about .* GiB more \(hf.memory_plan\)"):
         hf.fit(model, np.ones((4, 512)), np.ones((4, 512)), verbose=0)
     assert deferred.any_deferred(model)  # nothing was allocated
-    monkeypatch.setattr(api, "memory_room", lambda: None)  # no limit: it trains
+    monkeypatch.setattr(one_process, "memory_room", lambda: None)  # no limit: it trains
     hf.fit(model, np.ones((4, 512)), np.ones((4, 512)), verbose=0)

@@ -12,7 +12,6 @@ import time
 import pytest
 
 from hyparflow.launch.command import (
-    LAUNCHED_BY,
     Facts,
     Launch,
     LaunchError,
@@ -24,6 +23,7 @@ from hyparflow.launch.command import (
     parse_hosts,
     slurm_counts,
 )
+from hyparflow.launch.origin import LAUNCHED_BY
 from hyparflow.run import main, split_arguments, usable_cores
 from tests.support.mpirun import REPO
 

@@ -64,7 +64,8 @@ def test_code_stays_in_proportion():
     package = _lines("hyparflow")
     assert {path: n for path, n in package.items() if n > 450} == {}
     # simulate/ grew by the tensor shares' schema and ZeRO-1's and interleaving's prices (issue
-    # 41): still first order
-    assert sum(n for path, n in package.items() if path.startswith("hyparflow/simulate/")) <= 1410
+    # 41), and by timing models that take a dict and embeddings' row slices (issue 64): still
+    # first order
+    assert sum(n for path, n in package.items() if path.startswith("hyparflow/simulate/")) <= 1430
     # benchmarks/ grew by the mixture-of-experts figure (issue 42)
     assert sum(_lines("benchmarks").values()) <= 3100

@@ -5,7 +5,8 @@ import re
 import pytest
 
 from hyparflow import Strategy
-from hyparflow.strategy import Spelling, make_strategy
+from hyparflow.spelling import Spelling
+from hyparflow.strategy import make_strategy
 
 
 @pytest.mark.parametrize(
@@ -74,7 +75,7 @@ def test_invalid_strategies_name_the_fix(make, message):
 def test_hints_name_the_keywords_and_the_launcher_the_user_wrote(strategy, launch, said):
     """`hf.fit(strategy="hybrid", num_partitions=2, ...)` and `hf.Strategy(partitions=2)` are
     told their own keywords; `hyparflow run` and srun jobs their own command."""
-    spelling = Spelling.of(strategy, launch)
+    spelling = Spelling.of(isinstance(strategy, str), launch)
     with pytest.raises(ValueError, match=re.escape(said)):
         Strategy("hybrid", partitions=2, replicas=3).resolve(4, spelling)
     hybrid = "needs num_partitions or num_replicas" if strategy == "hybrid" else "needs partitions"

@@ -39,6 +39,18 @@ class Manifest:
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=1)
 
+    def resumed_from(self, folder: str) -> str:
+        """What rank 0 says when a run resumes from this checkpoint, in `folder`.
+
+        Example:
+            >>> Manifest(6, 1, 2, 0, 2, 1, [], {}).resumed_from("ckpt/ckpt-000000006")
+            'hyparflow: resuming from ckpt/ckpt-000000006 after step 6 (epoch 2, its batch 3 next)'
+        """
+        return (
+            f"hyparflow: resuming from {folder} after step {self.step} "
+            f"(epoch {self.epoch + 1}, its batch {self.batch + 1} next)"
+        )
+
     @classmethod
     def from_json(cls, text: str) -> Manifest:
         data = json.loads(text)

@@ -118,27 +118,6 @@ def build(options: Options, facts: Facts) -> Launch:
     return _mpirun(options, facts, ranks, program)
 
 
-# Set by `hyparflow run` in the environment its launcher inherits: the ranks' hints can then
-# name the command the user typed (comm's `agree` errors: "launch with `hyparflow run -n 4`")
-LAUNCHED_BY = "HYPARFLOW_LAUNCHED_BY"
-
-
-def relaunch_command(environ: Mapping[str, str]) -> str:
-    """The command that launched this rank, as a hint spells it, `{ranks}` for the count.
-
-    Example:
-        >>> relaunch_command({LAUNCHED_BY: "hyparflow run", "OMPI_COMM_WORLD_SIZE": "2"})
-        'hyparflow run -n {ranks}'
-        >>> relaunch_command({"SLURM_STEP_ID": "0"}), relaunch_command({})
-        ('srun -n {ranks}', 'mpirun -np {ranks}')
-    """
-    if environ.get(LAUNCHED_BY) == "hyparflow run":
-        return "hyparflow run -n {ranks}"
-    if environ.get("SLURM_STEP_ID") is not None:
-        return "srun -n {ranks}"
-    return "mpirun -np {ranks}"
-
-
 def parse_hosts(text: str) -> list[tuple[str, int | None]]:
     """Open MPI's `--host` list as (name, slots) pairs; slots None where not given.
 
