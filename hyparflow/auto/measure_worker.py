@@ -67,14 +67,14 @@ def _synthetic(model, samples: int, batch: int, input_shape):
     from hyparflow.partitioner.graph import build_graph
 
     # the planner's own helpers, so that a model it timed trains on the same kind of data
-    from hyparflow.simulate.measure import _targets, _unlisted
+    from hyparflow.simulate.measure import model_input, zero_targets
 
     shape = None if input_shape is None else tuple(input_shape)
     inputs = profile.make_sample(build_graph(model), input_shape=shape, batch_size=samples)
-    x = _unlisted([np.asarray(tensor) for tensor in inputs])
+    x = model_input(model, [np.asarray(tensor) for tensor in inputs])
     # a batch, not one row: one row's indices broadcast against any output, in any loss
     first = keras.tree.map_structure(lambda array: array[:batch], x)
-    targets = _targets(model, model(first, training=False), as_numpy=True)
+    targets = zero_targets(model, model(first, training=False), as_numpy=True)
     y = keras.tree.map_structure(lambda t: np.zeros((samples, *t.shape[1:]), t.dtype), targets)
     return x, y
 

@@ -103,7 +103,7 @@ def _fit_stages(model, samples, slopes, repeats) -> dict:
 
     Returns {"forward"|"backward"|"optimizer": (coefficients..., relative residual)}.
     """
-    whole = (0, len(slopes), lambda xs: model(_structured(model, xs), training=True),
+    whole = (0, len(slopes), lambda xs: model(model_input(model, xs), training=True),
              model.trainable_variables, list)  # fmt: skip
     stages = [whole]
     for parts in (p for p in SPLITS if p <= len(slopes)):
@@ -199,8 +199,8 @@ def _loss_cost(model, samples, repeats) -> Affine:
         _update_metrics(model, y, y_pred)
         return _keras.compiled_loss(model)(y, y_pred, None)
 
-    outputs = {b: model(_structured(model, x), training=False) for b, x in samples.items()}
-    return _affine(loss, {b: (_targets(model, y), y) for b, y in outputs.items()}, repeats)
+    outputs = {b: model(model_input(model, x), training=False) for b, x in samples.items()}
+    return _affine(loss, {b: (zero_targets(model, y), y) for b, y in outputs.items()}, repeats)
 
 
 def _fused_cost(model, samples, repeats) -> Affine:
@@ -218,8 +218,8 @@ def _fused_cost(model, samples, repeats) -> Affine:
         grads = [tf.reshape(g, [-1]) for g in tape.gradient(loss, variables) if g is not None]
         return loss, tf.concat(grads, 0) if grads else loss
 
-    inputs = {b: _structured(model, x) for b, x in samples.items()}
-    targets = {b: _targets(model, model(x, training=False)) for b, x in inputs.items()}
+    inputs = {b: model_input(model, x) for b, x in samples.items()}
+    targets = {b: zero_targets(model, model(x, training=False)) for b, x in inputs.items()}
     line = _affine(step, {b: (x, targets[b]) for b, x in inputs.items()}, repeats)
     for metric in model.metrics:
         metric.reset_state()
@@ -246,8 +246,8 @@ def fit_step(model, batch_sizes, steps: int = 8, input_shape=None) -> Affine:
     )
     for batch in batch_sizes:
         inputs = profile.make_sample(graph, input_shape=input_shape, batch_size=batch * steps)
-        x = _structured(clone, [np.asarray(t) for t in inputs])
-        y = _targets(clone, clone(x, training=False), as_numpy=True)
+        x = model_input(clone, [np.asarray(t) for t in inputs])
+        y = zero_targets(clone, clone(x, training=False), as_numpy=True)
         clone.fit(x, y, batch_size=batch, epochs=1, verbose=0)  # traces
         starts.clear()
         clone.fit(x, y, batch_size=batch, epochs=2, verbose=0, callbacks=[timer])
@@ -269,7 +269,7 @@ def _read_metrics(model) -> list[float]:
     return [float(v) for v in keras.tree.flatten(model.get_metrics_result())]
 
 
-def _targets(model, y_pred, as_numpy=False):
+def zero_targets(model, y_pred, as_numpy=False):
     """Targets (zeros: only the costs matter) that `model`'s loss takes for `y_pred`: class
     indices for an output of classes (a sequence's: one per position) if the loss takes them
     (sparse losses), else the output's shape."""
@@ -296,7 +296,7 @@ def _summed(a, b):
     return tf.convert_to_tensor(a) + tf.convert_to_tensor(b)
 
 
-def _structured(model, inputs):
+def model_input(model, inputs):
     """Flat inputs (in `model.inputs`' order) in the structure `model` takes: one tensor, a
     list, or a dict by input name (keras_hub's models)."""
     return keras.tree.pack_sequence_as(model.input, list(inputs))
