@@ -147,3 +147,21 @@ def test_what_cannot_be_planned_stays_data_parallel(two_ranks):
             assert "kind='data'" in layout and "replicas=2" in layout, r
     said = [x for x in two_ranks.stdout[0].splitlines() if x.startswith("hyparflow auto: data")]
     assert len(said) == 1 and "it could not be timed: ValueError" in said[0], said
+
+
+def test_the_planner_times_a_keras_hub_causal_lm_from_its_data_shapes():
+    """Before issue 64 the default strategy said a keras_hub causal LM "could not be timed ...
+    pass input_shape=(...)", which hf.fit does not take: its data is a dict, its embedding's
+    gradients row slices, its targets one class per position."""
+    from hyparflow.auto.planner_costs import with_planner_costs
+    from hyparflow.partitioner.graph import build_graph
+    from hyparflow.simulate.measure import measure_model
+    from tests.support import hub_zoo
+
+    model = hub_zoo.compiled("GPT2")
+    x, _ = hub_zoo.data("GPT2", model)
+    shapes = {name: array.shape[1:] for name, array in x.items()}
+    costs = measure_model(model, (2, 4), shapes, fit_batch_sizes=(), repeats=(1, 1))
+    assert [layer.name for layer in costs.layers] == [n.name for n in build_graph(model).nodes]
+    priced = with_planner_costs(costs, model, 2, shapes, 2, 1)  # the tensor shares, timed
+    assert any(layer.tensor.split_bytes > 0 for layer in priced.layers)
