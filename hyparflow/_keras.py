@@ -133,9 +133,6 @@ def call_context_args(operation) -> tuple:
     return tuple(getattr(operation, "_call_context_args", ()))
 
 
-# Frames up the Python stack searched for the Keras layer that called dropout.
-
-
 def called_by_spatial_dropout() -> bool:
     """Whether the nearest Keras layer up the Python stack is a SpatialDropout layer: Keras's
     dropout is not told who calls it, and SpatialDropout alone passes a 1 read from a one-row

@@ -124,7 +124,8 @@ def _split_keeping(uncut, graph, node_costs, num_partitions, cut_costs, pinned) 
     enough places to cut) nor, where the stages still fit, at a position `uncut(graph)` names
     (layers that should stay in one stage)."""
     kept = set(uncut(graph)) if uncut is not None else set()
-    tries = [p | kept for p in pinned] + [pinned[-1]]
+    # each distinct set once (the sets coincide unless an unproven tensor or `uncut` adds one)
+    tries = list(dict.fromkeys(frozenset(p) for p in [*(p | kept for p in pinned), pinned[-1]]))
     for positions in tries[:-1]:
         try:
             return balancing.split_between(node_costs, num_partitions, cut_costs, positions)
@@ -205,9 +206,9 @@ def _check_masks(graph, starts, masked) -> None:
 
 def _check_unsendable(graph, starts, unsendable: dict) -> None:
     """Refuse an explicit split whose boundary would carry a tensor proven not to be sendable."""
-    certain = [t for t, why in unsendable.items() if why.certain]
+    spans = {t: graph.alive_across([t]) for t, why in unsendable.items() if why.certain}
     for position in starts[1:]:
-        crossing = [t for t in certain if position in graph.alive_across([t])]
+        crossing = [t for t, span in spans.items() if position in span]
         if crossing:
             t = crossing[0]
             raise ValueError(
