@@ -28,15 +28,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps 'keras-hub>=0.32,<0.33'
 	@touch $(STAMP)
 
-# TensorFlow 2.21 writes its C++ start-up lines (absl's pre-init notices, oneDNN, CPU features,
-# CUDA probes) whatever TF_CPP_MIN_LOG_LEVEL says; the demo's launch filters exactly those.
-TF_STARTUP_LOGS := ^(WARNING: All log messages before absl::InitializeLog|[IWE][0-9]{4} [0-9:.]+ +[0-9]+ [a-z_]+\.cc:[0-9]+\]|To enable the following instructions:)
-
 # `hyparflow run` prints the mpirun command it runs (srun inside a Slurm allocation); 4 ranks
 # (2 stages x 2 replicas) share the cores of a small machine, one TensorFlow thread each.
 demo: setup
-	@set -o pipefail; $(VENV)/bin/hyparflow run -n $(NP) --oversubscribe examples/demo.py 2>&1 \
-	  | grep --line-buffered -vE '$(TF_STARTUP_LOGS)'
+	$(VENV)/bin/hyparflow run -n $(NP) --oversubscribe examples/demo.py
 
 # TEST_WORKERS=N spreads the test files over N pytest-xdist workers, each file whole on one
 # worker (its module fixtures launch once); 1, the default, runs them in this process

@@ -16,11 +16,15 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 
 from hyparflow.launch.command import LAUNCHERS, Facts, Launch, LaunchError, Options, build
 from hyparflow.launch.origin import LAUNCHED_BY
+from hyparflow.launch.tensorflow_logs import RepeatFilter, could_become_log_line
 
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+ALL_LOGS = ("TF_CPP_MIN_LOG_LEVEL", "0")  # set by the user: every rank's C++ log lines, repeats too
+DRAIN_SECONDS = 5.0  # for the last of standard error once the launcher has exited
 _FLAGS = {"--dry-run", "--oversubscribe", "--no-bind"}  # hyparflow run's options without a value
 _VALUE_OPTIONS = {
     "-n", "-np", "--ranks", "--hosts", "--host", "-H", "--hostfile", "--cpus-per-rank", "-c",
@@ -147,9 +151,21 @@ def usable_cores() -> int:
 def run(launch: Launch) -> int:
     """Run the command with its variables added to this environment; SIGINT, SIGTERM and SIGHUP
     sent to this process are passed on. Returns its exit status (128 + N when killed by signal N).
+
+    The job's standard error shows each of TensorFlow's C++ log lines once, not once per rank
+    (`tensorflow_logs`), unless `TF_CPP_MIN_LOG_LEVEL=0` asks for all of them.
     """
     marked = {**os.environ, **launch.env, LAUNCHED_BY: "hyparflow run"}  # for hints (api.py)
-    process = subprocess.Popen(list(launch.argv), env=marked)
+    every_line = marked.get(ALL_LOGS[0]) == ALL_LOGS[1]
+    process = subprocess.Popen(
+        list(launch.argv), env=marked, stderr=None if every_line else subprocess.PIPE
+    )
+    relay = None
+    if process.stderr is not None:
+        relay = threading.Thread(
+            target=relay_errors, args=(process.stderr, sys.stderr), daemon=True
+        )
+        relay.start()
     previous = {}
     try:
         for number in FORWARDED_SIGNALS:
@@ -161,7 +177,36 @@ def run(launch: Launch) -> int:
     finally:
         for number, handler in previous.items():
             signal.signal(number, handler)
+        if relay is not None:
+            relay.join(DRAIN_SECONDS)  # a rank's daemon may hold the pipe open
     return status if status >= 0 else 128 - status
+
+
+def relay_errors(source, target) -> None:
+    """Copy the job's standard error from `source` (a binary pipe) to `target` as it comes,
+    leaving out TensorFlow's C++ log lines already shown. An unfinished line is passed on at
+    once unless it may become such a line (a progress bar's `\\r` is not held back)."""
+    repeats, pending = RepeatFilter(), b""
+    out = getattr(target, "buffer", None)
+    for chunk in iter(lambda: os.read(source.fileno(), 65536), b""):
+        *lines, pending = (pending + chunk).split(b"\n")
+        kept = [line + b"\n" for line in lines if repeats.keep(line.decode(errors="replace"))]
+        if pending and not could_become_log_line(pending.decode(errors="replace")):
+            kept.append(pending)
+            pending = b""
+        _write(target, out, b"".join(kept))
+    _write(target, out, pending)
+
+
+def _write(target, out, data: bytes) -> None:
+    if not data:
+        return
+    if out is None:  # a text stream without a buffer (pytest's capture)
+        target.write(data.decode(errors="replace"))
+    else:
+        target.flush()
+        out.write(data)
+    target.flush()
 
 
 def _read_text(path: str) -> str:

@@ -13,15 +13,10 @@ import statistics
 from dataclasses import dataclass
 
 from hyparflow.auto.search import Candidate, SearchResult, Verdict
+from hyparflow.launch.tensorflow_logs import STARTUP_LOG  # never the reason a run failed
 
 MEASURED = 3  # layouts trained: the pick and the next two
 ERROR_CHARS = 300  # of a failed run's error line
-# TensorFlow's C++ start-up lines, which it writes whatever TF_CPP_MIN_LOG_LEVEL says (the
-# Makefile's TF_STARTUP_LOGS): never the reason a run failed
-STARTUP_LOG = re.compile(
-    r"WARNING: All log messages before absl::InitializeLog|[IWE][0-9]{4} [0-9:.]+ +[0-9]+ "
-    r"[a-z_]+\.cc:[0-9]+\]|To enable the following instructions:"
-)
 
 
 @dataclass(frozen=True)
