@@ -35,6 +35,7 @@ from hyparflow.memory.one_process import check_fits_one_process
 from hyparflow.moe.in_keras import sparse_in_keras
 from hyparflow.partitioner import partition as _partition
 from hyparflow.process_tuning import tune_process
+from hyparflow.resume import checkpoint_callbacks, resume, resume_folder
 from hyparflow.spelling import Spelling
 from hyparflow.strategy import make_strategy
 from hyparflow.tensor import rules as tensor_rules
@@ -239,7 +240,7 @@ def fit(
         check_data=check_data,
         watchdog_timeout=watchdog_timeout, comm=_check_comm(comm),
     )  # fmt: skip
-    needs_engine = resume or resume_from or check_numerics or _checkpoints(fit_kwargs)
+    needs_engine = resume or resume_from or check_numerics or checkpoint_callbacks(fit_kwargs)
     if size() == 1 and not needs_engine:
         # One rank, one partition, one replica: the embedded default is plain Keras.
         if deferred.any_deferred(model):  # built under hf.scope(): all of it here, if it fits
@@ -283,11 +284,6 @@ _FIT_KEYS = {
 }  # fmt: skip
 
 
-def _checkpoints(fit_kwargs) -> list:
-    # By attribute: the api sits below hyparflow.callbacks (docs/architecture.md).
-    return [cb for cb in fit_kwargs.get("callbacks") or [] if getattr(cb, "saves_checkpoints", 0)]
-
-
 def _check_same_data(comm, digest: str | None) -> None:
     """Every rank's data must match (one small allgather); else the same error on every rank."""
     groups = differing_ranks(comm.allgather(digest))
@@ -309,21 +305,6 @@ def _check_fit_keys(fit_kwargs) -> None:
         raise TypeError(f"hf.fit got unexpected keyword arguments {sorted(unknown)}")
 
 
-def _resume_folder(options, fit_kwargs):
-    """The checkpoint folder to resume from, or None to start fresh."""
-    if options["resume_from"]:
-        return checkpoint.find(options["resume_from"], required=True)
-    if options["resume"]:
-        checkpoints = _checkpoints(fit_kwargs)
-        if not checkpoints:
-            raise ValueError(
-                "resume=True needs an hf.callbacks.Checkpoint in callbacks (its directory is "
-                "where to resume from); or pass resume_from=DIR."
-            )
-        return checkpoint.find(checkpoints[0].directory, required=False)
-    return None
-
-
 def _distributed_fit(model, x, y, batch_size, epochs, resolved, options, **kwargs):
     """hf.fit on more than one rank; `options["planning"]`: an open "auto" strategy to plan
     the layout from (None: `resolved` is the layout)."""
@@ -331,7 +312,7 @@ def _distributed_fit(model, x, y, batch_size, epochs, resolved, options, **kwarg
     agree(comm, _check_fit_keys, kwargs)
     devices.prepare(comm, resolved.bind_gpus)  # one GPU per rank; CUDA-aware MPI or staging
     timeout = agree(comm, resolve_timeout, options["watchdog_timeout"])
-    folder = agree(comm, _resume_folder, options, kwargs)
+    folder = agree(comm, resume_folder, options, kwargs)
     manifest = agree(comm, checkpoint.store.manifests.read, folder) if folder else None
     seed = manifest.seed if manifest else _shuffle_seed(comm)
 
@@ -361,14 +342,7 @@ def _distributed_fit(model, x, y, batch_size, epochs, resolved, options, **kwarg
     trainer.use_watchdog(timeout)
     trainer.check_numerics = options["check_numerics"]
     trainer.seed = seed
-    initial_epoch, start_batch = kwargs.get("initial_epoch", 0), 0
-    if folder:
-        saved, state = agree(comm, checkpoint.read_checked, folder, model)
-        agree(comm, checkpoint.restore, trainer.stage_state, saved, state)
-        trainer.load_shards()  # tensor shards take their pieces of the restored weights
-        initial_epoch, start_batch = saved.epoch, saved.batch
-        if kwargs.get("verbose", "auto") != 0 and comm.Get_rank() == 0:
-            print(saved.resumed_from(folder), flush=True)
+    initial_epoch, start_batch, callback_states = resume(comm, trainer, folder, kwargs)
     return _run(
         comm,
         model=model,
@@ -378,6 +352,7 @@ def _distributed_fit(model, x, y, batch_size, epochs, resolved, options, **kwarg
             epochs=epochs,
             initial_epoch=initial_epoch,
             start_batch=start_batch,
+            callback_states=callback_states,
             steps_per_epoch=kwargs.get("steps_per_epoch"),
             callbacks=kwargs.get("callbacks"),
             verbose=kwargs.get("verbose", "auto"),

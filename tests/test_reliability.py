@@ -27,14 +27,24 @@ def test_killed_rank_ends_the_job_and_resume_matches_an_uninterrupted_run(killed
     assert all(r is None for r in crash.results)
     assert checkpoints == ["ckpt-000000002", "ckpt-000000004", "ckpt-000000006"]
     for r in resumed:
-        assert r["resumed_epochs"] == [1, 2]  # step 6 = epoch 1, batch 2 (4 batches an epoch)
         said = "/ckpt-000000006 after step 6 (epoch 2, its batch 3 next)"
         assert [said in line for line in r["resume_lines"]] == ([True] if r["rank"] == 0 else [])
+        # ReduceLROnPlateau halved the rate after epoch 2 as it would have: its counters came back
         assert r["bitwise"], f"rank {r['rank']}: resumed weights differ by {r['weights']:.2e}"
-        # the interrupted epoch's metric sums came back: every History key, accuracy included
-        assert set(r["history"]) == set(r["ref_history"]) == {"loss", "accuracy"}
+        # History holds every epoch, the one before the checkpoint too (step 6 = epoch 1, batch
+        # 2 of 4), and the interrupted epoch's metric sums came back: every key, accuracy too
+        assert r["epochs"] == [[0, 1, 2], [0, 1, 2]]
+        assert set(r["history"]) == set(r["ref_history"]) == {"loss", "accuracy", "learning_rate"}
         for key, values in r["history"].items():
             assert values == pytest.approx(r["ref_history"][key], rel=1e-6), key
+        resumed, uninterrupted = r["stateful"]
+        for name, (wait, best) in resumed.items():
+            assert (wait, best) == (uninterrupted[name][0], pytest.approx(uninterrupted[name][1]))
+        assert resumed["EarlyStopping"][0] == 2  # patience counted over all three epochs
+        assert (
+            "EarlyStopping(restore_best_weights=True) found its best loss in epoch"
+            in (r["refused"])
+        )
 
 
 @pytest.mark.mpi

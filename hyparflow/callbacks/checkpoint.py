@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import keras
 
+from hyparflow.checkpoint import callback_state, store
 from hyparflow.checkpoint import manifest as manifests
-from hyparflow.checkpoint import store
 
 
 class Checkpoint(keras.callbacks.Callback):
@@ -37,9 +37,15 @@ class Checkpoint(keras.callbacks.Callback):
         self.last_saved = None
         self._trainer = None
         self._epoch = 0
+        self._callbacks = []
 
     def attach_trainer(self, trainer) -> None:
         self._trainer = trainer
+
+    def hold_states_of(self, callbacks: list) -> None:
+        """Save these callbacks' state (History, EarlyStopping, ...) with each checkpoint; hf.fit
+        runs this callback's epoch end after theirs, so an epoch's checkpoint holds it."""
+        self._callbacks = list(callbacks)
 
     def _require_trainer(self):
         if self._trainer is None:
@@ -66,6 +72,7 @@ class Checkpoint(keras.callbacks.Callback):
         self.last_saved = store.save(
             self._require_trainer().stage_state, self.directory, epoch=epoch, batch=batch,
             keep=self.keep, complete=self._complete,
+            callbacks=callback_state.capture(self._callbacks),
         )  # fmt: skip
         return self.last_saved
 

@@ -35,6 +35,7 @@ class Manifest:
     compile_config: str | None = None  # file holding model.get_compile_config()
     format: int = FORMAT
     tensor: int = 1  # tensor ranks per stage (their files hold pieces of split variables)
+    callbacks: list = dataclasses.field(default_factory=list)  # Keras callbacks' state
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=1)

@@ -26,12 +26,20 @@ COMPILE_CONFIG = "compile.json"
 
 
 def save(
-    stage: StageState, directory: str, *, epoch: int, batch: int, keep: int = 3, complete=None
+    stage: StageState,
+    directory: str,
+    *,
+    epoch: int,
+    batch: int,
+    keep: int = 3,
+    complete=None,
+    callbacks: list | None = None,
 ) -> str:
     """Write this step's checkpoint: each stage (replica 0) its own state, rank 0 the manifest.
 
-    `epoch`/`batch` locate the next batch to run. `complete(folder, manifest)` writes the
-    manifest (the moment the checkpoint becomes loadable); tests replace it to simulate a crash.
+    `epoch`/`batch` locate the next batch to run; `callbacks` is rank 0's Keras callbacks' state
+    (`callback_state.capture`). `complete(folder, manifest)` writes the manifest (the moment
+    the checkpoint becomes loadable); tests replace it to simulate a crash.
     """
     model, world = stage.model, stage.world
     folder = os.path.join(directory, manifests.folder_name(stage.step))
@@ -69,7 +77,7 @@ def save(
             step=stage.step, epoch=epoch, batch=batch, seed=stage.seed,
             partitions=stage.num_stages, replicas=stage.num_replicas, tensor=stage.num_shards,
             weights=weight_specs(model), files=files, architecture=architecture,
-            compile_config=compile_config,
+            compile_config=compile_config, callbacks=callbacks or [],
         )  # fmt: skip
         (complete or manifests.write)(folder, manifest)
         manifests.prune(directory, keep, folder)

@@ -8,6 +8,7 @@ import numpy as np
 from keras import callbacks as keras_callbacks
 from keras import tree
 
+from hyparflow.checkpoint import callback_state
 from hyparflow.comm.agree import AgreedError
 from hyparflow.engine.optimizer_gather import (
     drop_gathered_state,
@@ -33,6 +34,14 @@ class TrainerAware(Protocol):
     checkpoint callback)."""
 
     def attach_trainer(self, trainer) -> None: ...
+
+
+@runtime_checkable
+class SavesCallbackStates(Protocol):
+    """A callback whose checkpoints hold the other callbacks' state (hf.callbacks.Checkpoint):
+    it runs last, after History, so an epoch-end checkpoint holds that epoch."""
+
+    def hold_states_of(self, callbacks: list) -> None: ...
 
 
 def callbacks_for_rank(callbacks, rank: int) -> list:
@@ -99,11 +108,14 @@ def fit_loop(
     validation_steps=None,
     validation_freq=1,
     start_batch=0,
+    callback_states=(),
 ):
     """Train for `epochs` epochs; every rank runs the same callbacks with the same logs.
 
     `initial_epoch`/`start_batch` is where a resumed run continues: the batches before it are
-    skipped (same shared order), and the epoch's metric sums come from the checkpoint.
+    skipped (same shared order), the epoch's metric sums come from the checkpoint, and so do
+    the Keras callbacks' states (`callback_states`: History's earlier epochs, EarlyStopping's
+    patience, ...).
     """
     model = trainer.model
     mine = callbacks_for_rank(callbacks, trainer.topology.rank)
@@ -121,6 +133,7 @@ def fit_loop(
     )  # fmt: skip
     drop_gathered_state(trainer)
     callback_list.on_train_begin()
+    callback_state.restore(callback_list.callbacks, callback_states)
     logs = {}
     for epoch in range(initial_epoch, epochs):
         skip = start_batch if epoch == initial_epoch else 0
@@ -140,10 +153,19 @@ def fit_loop(
 
 def _callback_list(trainer, mine: list, verbose, epochs: int, steps):
     """Keras's CallbackList over this rank's callbacks (with the throughput progress bar on
-    rank 0), and that progress bar (None elsewhere or when silent)."""
+    rank 0), and that progress bar (None elsewhere or when silent). History comes after the
+    user's callbacks, as Keras puts it, and checkpoints after History."""
     progbar = ThroughputProgbarLogger() if verbose != 0 and trainer.topology.rank == 0 else None
+    savers = [cb for cb in mine if isinstance(cb, SavesCallbackStates)]
+    others = [cb for cb in mine if not isinstance(cb, SavesCallbackStates)]
+    has_history = any(isinstance(cb, keras_callbacks.History) for cb in others)
     callback_list = keras_callbacks.CallbackList(
-        mine + ([progbar] if progbar else []),
+        [
+            *others,
+            *([progbar] if progbar else []),
+            *([] if has_history else [keras_callbacks.History()]),
+            *savers,
+        ],
         add_history=True,
         verbose=1 if verbose == "auto" else verbose,
         epochs=epochs,
@@ -153,6 +175,8 @@ def _callback_list(trainer, mine: list, verbose, epochs: int, steps):
     for callback in callback_list.callbacks:
         if isinstance(callback, TrainerAware):  # hyparflow-aware callbacks (profiler)
             callback.attach_trainer(trainer)
+        if isinstance(callback, SavesCallbackStates):
+            callback.hold_states_of(callback_list.callbacks)
     return callback_list, progbar
 
 

@@ -55,15 +55,28 @@ def model_with_dropout(dropout=0.3):
     return model
 
 
+def stateful_callbacks():
+    """Keras callbacks whose counters a resume must restore: with min_delta=10 the loss never
+    improves after epoch 1, so ReduceLROnPlateau halves the rate at the end of epoch 2 (which
+    changes the weights) only if it remembers epoch 1, and EarlyStopping counts 2 epochs of
+    patience by the end only if it does."""
+    return [
+        keras.callbacks.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=1, min_delta=10),
+        keras.callbacks.EarlyStopping(monitor="loss", patience=5, min_delta=10),
+    ]
+
+
 def train(folder, callbacks=(), strategy="model", epochs=EPOCHS, dropout=0.3, verbose=0, **kwargs):
     x, y = data("mlp", n=64)
     model = model_with_dropout(dropout)
     np.random.seed(123)  # rank 0 draws the shuffle seed from numpy: same seed in every run
+    stateful = stateful_callbacks()
     history = hf.fit(
         model, x, y, batch_size=BATCH, epochs=epochs, shuffle=True, verbose=verbose,
-        callbacks=[hf.callbacks.Checkpoint(folder, every_n_steps=2), *callbacks],
+        callbacks=[hf.callbacks.Checkpoint(folder, every_n_steps=2), *callbacks, *stateful],
         strategy=strategy, watchdog_timeout=30, **kwargs,
     )  # fmt: skip
+    history.stateful = {type(cb).__name__: (cb.wait, cb.best) for cb in stateful}
     return model, history
 
 
@@ -140,10 +153,28 @@ def resume(folder):
             "resume_lines": [
                 line for line in printed.getvalue().splitlines() if "resuming from" in line
             ],
+            "epochs": (history.epoch, ref_history.epoch),
             "history": history.history,
-            "ref_history": {k: v[-len(history.epoch) :] for k, v in ref_history.history.items()},
+            "ref_history": ref_history.history,
+            "stateful": (history.stateful, ref_history.stateful),
+            "refused": _refused_without_best_weights(folder),
         }
     )
+
+
+def _refused_without_best_weights(folder) -> str:
+    """What resuming with EarlyStopping(restore_best_weights=True) says: the best weights of an
+    epoch before the checkpoint were never saved."""
+    x, y = data("mlp", n=64)
+    try:
+        hf.fit(
+            model_with_dropout(), x, y, batch_size=BATCH, epochs=EPOCHS, verbose=0,
+            resume_from=folder, strategy="model",
+            callbacks=[keras.callbacks.EarlyStopping(monitor="loss", restore_best_weights=True)],
+        )  # fmt: skip
+    except ValueError as error:
+        return str(error)
+    return "not refused"
 
 
 def torn_save(folder):
