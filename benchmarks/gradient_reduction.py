@@ -80,7 +80,7 @@ def ways_for(comm, variables, grads, horovod: bool) -> dict:
     from mpi4py import MPI
 
     from hyparflow.comm.allreduce import GradientReducer
-    from hyparflow.engine.flat import FlatLayout
+    from hyparflow.engine.gradients.flat import FlatLayout
 
     flat = np.concatenate([g.numpy().ravel() for g in grads])
     if horovod:

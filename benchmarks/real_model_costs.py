@@ -39,7 +39,7 @@ def _dropout_steps(rounds: int) -> dict:
     import numpy as np
     import tensorflow as tf
 
-    from hyparflow.engine.fused import FusedRunner
+    from hyparflow.engine.stages.fused import FusedRunner
 
     keras.utils.set_random_seed(0)
     inputs = keras.Input((WIDTH,))
@@ -77,7 +77,7 @@ def _table_reductions(rounds: int) -> list:
     import tensorflow as tf
     from mpi4py import MPI
 
-    from hyparflow.engine.sparse import reduce_rows
+    from hyparflow.engine.gradients.sparse import reduce_rows
 
     comm = MPI.COMM_WORLD
     rng = np.random.default_rng(comm.Get_rank())

@@ -22,7 +22,7 @@ _WHERE = {
     "evaluate": "hyparflow.api",
     "export": "hyparflow.checkpoint",
     "fit": "hyparflow.api",
-    "global_mean": "hyparflow.engine.global_batch",
+    "global_mean": "hyparflow.engine.keras_semantics.global_batch",
     "launch": None,
     "memory_plan": "hyparflow.memory",
     "partition": "hyparflow.api",
@@ -59,7 +59,7 @@ if TYPE_CHECKING:  # what static tools and IDEs see
     from hyparflow.comm.world import rank, size
     from hyparflow.deferred import NotHeldError, scope
     from hyparflow.devices import bind_gpus
-    from hyparflow.engine.global_batch import global_mean
+    from hyparflow.engine.keras_semantics.global_batch import global_mean
     from hyparflow.memory import memory_plan
     from hyparflow.partitioner import Plan
     from hyparflow.strategy import Strategy

@@ -18,8 +18,8 @@ import keras
 # Classes Keras keeps private. Functional is what keras.Model(inputs, outputs) builds; Node is
 # one call of an operation in its graph; the dropout bases are what every Dropout-like layer
 # (SpatialDropout*, RNN cells' dropout) derives from.
-# Keras's TensorFlow random ops; engine/random_slices.py replaces its `dropout` for the length
-# of a sliced call, so that each piece draws its rows of the global batch's mask.
+# Keras's TensorFlow random ops; engine/keras_semantics/random_slices.py replaces its `dropout` for
+# the length of a sliced call, so that each piece draws its rows of the global batch's mask.
 from keras.src.backend.tensorflow import random as tf_random
 from keras.src.layers.regularization.spatial_dropout import BaseSpatialDropout
 from keras.src.layers.rnn.dropout_rnn_cell import DropoutRNNCell
@@ -77,7 +77,7 @@ def loss_tracker(model):
 def output_loss_means(compile_loss) -> list:
     """`CompileLoss.metrics`: the Mean per output ("<output>_loss") that its `build()` makes
     when there are several losses; each call updates them with the output's batch loss,
-    weighted by the batch's static size (engine/output_losses.py)."""
+    weighted by the batch's static size (engine/keras_semantics/output_losses.py)."""
     return list(compile_loss.metrics)
 
 
@@ -118,7 +118,8 @@ def reduction_axes(layer) -> list:
 
 def replace_moments(layer, moments) -> None:
     """`BatchNormalization._moments(inputs, mask)` of this layer alone replaced by `moments`
-    (engine/sync_batchnorm.py: statistics over the replicas), until `restore_moments`."""
+    (engine/keras_semantics/sync_batchnorm.py: statistics over the replicas), until
+    `restore_moments`."""
     object.__setattr__(layer, "_moments", moments)
 
 
@@ -136,7 +137,7 @@ def call_context_args(operation) -> tuple:
 def called_by_spatial_dropout() -> bool:
     """Whether the nearest Keras layer up the Python stack is a SpatialDropout layer: Keras's
     dropout is not told who calls it, and SpatialDropout alone passes a 1 read from a one-row
-    input's shape as its noise shape's batch dim (engine/random_slices.py)."""
+    input's shape as its noise shape's batch dim (engine/keras_semantics/random_slices.py)."""
     return isinstance(calling_layer(), BaseSpatialDropout)
 
 

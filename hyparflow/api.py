@@ -25,10 +25,10 @@ from hyparflow.data.sources import (
     nominal_batch_size,
     split_validation,
 )  # fmt: skip
-from hyparflow.engine.agreed_plan import agreed_plan
 from hyparflow.engine.custom_step import make_trainer
-from hyparflow.engine.loops import evaluate_loop, fit_loop, predict_loop
-from hyparflow.engine.sparse_probe import probe_row_kinds
+from hyparflow.engine.keras_semantics.sparse_probe import probe_row_kinds
+from hyparflow.engine.loops.epochs import evaluate_loop, fit_loop, predict_loop
+from hyparflow.engine.stages.agreed_plan import agreed_plan
 from hyparflow.engine.weights import held_elsewhere
 from hyparflow.launch.origin import relaunch_command
 from hyparflow.memory.one_process import check_fits_one_process

@@ -7,12 +7,12 @@ import numpy as np
 from keras import tree
 
 from hyparflow import _keras
-from hyparflow.engine.batch_coupling import COUPLING_TOLERANCE, sample_coupling
 from hyparflow.engine.custom_step import own_steps
-from hyparflow.engine.random_slices import unsliceable_random_layers
-from hyparflow.engine.structure import model_input_list
-from hyparflow.engine.sync_batchnorm import synchronized_layers
-from hyparflow.engine.zero_refusal import refusal as zero_refusal
+from hyparflow.engine.keras_semantics.batch_coupling import COUPLING_TOLERANCE, sample_coupling
+from hyparflow.engine.keras_semantics.random_slices import unsliceable_random_layers
+from hyparflow.engine.keras_semantics.sync_batchnorm import synchronized_layers
+from hyparflow.engine.sharded_optimizer.refusal import refusal as zero_refusal
+from hyparflow.engine.stages.structure import model_input_list
 from hyparflow.moe import expert_weights, router_loss_weight, sparse_blocks
 from hyparflow.tensor.roles import check_elementwise
 
@@ -84,8 +84,8 @@ def check_random_layers(model, strategy) -> None:
 def check_sample_coupling(model, strategy, inputs) -> None:
     """Refuse a model whose outputs for a sample depend on the other samples of its batch
     where the global batch is cut into pieces (replicas, micro-batches): each piece would see
-    other neighbours than Keras's whole batch (engine/batch_coupling.py). Checked where the
-    data are arrays and this process holds the weights."""
+    other neighbours than Keras's whole batch (engine/keras_semantics/batch_coupling.py). Checked
+    where the data are arrays and this process holds the weights."""
     if strategy.replicas * strategy.microbatches == 1:
         return
     change = sample_coupling(model, inputs)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from hyparflow import checkpoint
 from hyparflow.comm.agree import agree
-from hyparflow.engine.loops import callbacks_for_rank
+from hyparflow.engine.loops.epochs import callbacks_for_rank
 
 
 def checkpoint_callbacks(fit_kwargs) -> list:

@@ -94,7 +94,7 @@ class Strategy:
       variable, which lowers a pipeline stage's peak by about two copies of its parameter
       bytes and runs slower on stages with many variables (docs/engine.md). Where gradients
       cannot be flat (layers shared by stages, non-float32 variables, Horovod with replicas)
-      they stay per variable either way (`engine/gradient_form.py`).
+      they stay per variable either way (`engine/gradients/form.py`).
     - `overlap_groups` (1): G > 1 cuts each stage's backward into G segments and reduces a
       segment's gradients across replicas while the earlier ones are still in backward (over
       MPI, with no layer shared across stages and no embedding table; otherwise the stage

@@ -1,12 +1,13 @@
 """A model whose outputs for a sample depend on the other samples of its batch is refused where
-the batch is cut into pieces (engine/batch_coupling.py, model_checks.check_sample_coupling)."""
+the batch is cut into pieces (engine/keras_semantics/batch_coupling.py,
+model_checks.check_sample_coupling)."""
 
 import keras
 import numpy as np
 import pytest
 
 import hyparflow as hf
-from hyparflow.engine.batch_coupling import sample_coupling
+from hyparflow.engine.keras_semantics.batch_coupling import sample_coupling
 from hyparflow.model_checks import check_sample_coupling
 
 

@@ -4,7 +4,7 @@ import keras
 import pytest
 
 import hyparflow as hf
-from hyparflow.engine.loops import needs_batch_logs
+from hyparflow.engine.loops.epochs import needs_batch_logs
 from tests.support.mpirun import run_scenario
 
 

@@ -22,7 +22,7 @@ import hyparflow as hf
 from hyparflow import deferred
 from hyparflow.checkpoint.reader import LazyState
 from hyparflow.checkpoint.state import cut_shard, join_shards, shard_key, slice_key
-from hyparflow.engine import agreed_plan
+from hyparflow.engine.stages import agreed_plan
 from hyparflow.memory import one_process
 from hyparflow.memory.resident import PeakGrowth
 from tests.support.mpirun import run_scenario

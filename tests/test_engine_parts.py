@@ -15,12 +15,12 @@ import hyparflow as hf
 from hyparflow import _keras
 from hyparflow.comm.topology import Topology
 from hyparflow.data.batches import GlobalBatch
-from hyparflow.engine.fused import FusedRunner
-from hyparflow.engine.gradient_path import BySegmentPath, WholePath, build_gradient_path
-from hyparflow.engine.gradient_sync import GradientSync
-from hyparflow.engine.pipeline import Chunk, PipelineWalk
-from hyparflow.engine.update import Update
-from hyparflow.engine.zero import ShardedUpdate
+from hyparflow.engine.gradients.path import BySegmentPath, WholePath, build_gradient_path
+from hyparflow.engine.gradients.sync import GradientSync
+from hyparflow.engine.gradients.update import Update
+from hyparflow.engine.sharded_optimizer.sharded_update import ShardedUpdate
+from hyparflow.engine.stages.fused import FusedRunner
+from hyparflow.engine.stages.walk import Chunk, PipelineWalk
 
 BATCH = 12
 
@@ -185,9 +185,9 @@ def test_chunk_runners_sum_a_shared_variable_and_table_over_the_rank_s_chunks():
     """Two chunks of one rank (interleaved) that both read a Dense kernel and an embedding
     table: the rank's gradients are their sums (row slices concatenated), as one stage's
     would be, in list and in flat form."""
-    from hyparflow.engine.chunks import ChunkRunners
-    from hyparflow.engine.flat import FlatLayout
-    from hyparflow.engine.stage import StageRunner
+    from hyparflow.engine.gradients.flat import FlatLayout
+    from hyparflow.engine.stages.chunks import ChunkRunners
+    from hyparflow.engine.stages.stage import StageRunner
 
     keras.utils.set_random_seed(5)
     table, dense = keras.layers.Embedding(10, 3), keras.layers.Dense(3)
@@ -233,7 +233,7 @@ def test_shards_clip_as_keras_clips_their_whole_variables():
     """`ShardClipping` on a one-rank group is Keras's `clipnorm` of each variable: a dense
     gradient over the limit, one under it, and a table's row slices; the gradients are of a
     loss scaled by 4 (loss scaling), the norms of the unscaled one."""
-    from hyparflow.engine.shard_clipping import ShardClipping
+    from hyparflow.engine.gradients.shard_clipping import ShardClipping
 
     variables = [keras.Variable(np.zeros((3, 2), "float32")) for _ in range(3)]
     rng = np.random.default_rng(0)

@@ -10,7 +10,7 @@ from mpi4py import MPI
 
 import hyparflow as hf
 from hyparflow.comm.in_graph import exchange, traffic
-from hyparflow.engine.gradient_form import GradientForm, choose_gradient_form
+from hyparflow.engine.gradients.form import GradientForm, choose_gradient_form
 from hyparflow.model_checks import check_expert_parallel, check_layout, training_notices
 from hyparflow.moe import expert_weights
 from hyparflow.moe.dispatch import top_k_mixture

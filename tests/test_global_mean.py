@@ -9,8 +9,8 @@ import tensorflow as tf
 from mpi4py import MPI
 
 import hyparflow as hf
-from hyparflow.engine.added_losses import refuse_unless_batch_means
-from hyparflow.engine.global_batch import BatchGroup, batch_group
+from hyparflow.engine.keras_semantics.added_losses import refuse_unless_batch_means
+from hyparflow.engine.keras_semantics.global_batch import BatchGroup, batch_group
 from tests.support import zoo
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from hyparflow.engine.gradient_form import GradientForm, choose_gradient_form, segments_for
+from hyparflow.engine.gradients.form import GradientForm, choose_gradient_form, segments_for
 
 LIST = GradientForm()
 FLAT = GradientForm(flat=True)

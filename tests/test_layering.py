@@ -46,7 +46,7 @@ def test_an_upward_import_breaks_the_contract(tmp_path):
     result = _lint(root)
     assert result.returncode != 0
     assert "hyparflow.comm is not allowed to import hyparflow.engine" in result.stdout
-    assert "hyparflow.comm.world -> hyparflow.engine.pipeline" in result.stdout
+    assert "hyparflow.comm.world -> hyparflow.engine.stages.walk" in result.stdout
 
 
 def _lines(folder: str) -> dict[str, int]:

@@ -1,11 +1,12 @@
 """A batch's loss computed in pieces leaves Keras's per-output loss means where Keras's own
-compiled or eager `evaluate` of the whole batches leaves them (engine/output_losses.py)."""
+compiled or eager `evaluate` of the whole batches leaves them
+(engine/keras_semantics/output_losses.py)."""
 
 import pytest
 import tensorflow as tf
 
 from hyparflow import _keras
-from hyparflow.engine.output_losses import OutputLosses
+from hyparflow.engine.keras_semantics.output_losses import OutputLosses
 from tests.support.models import compiled, data
 
 

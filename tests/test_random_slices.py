@@ -21,7 +21,10 @@ import tensorflow as tf
 from keras.src import backend as keras_backend
 from keras.src.backend.tensorflow import random as keras_tf_random
 
-from hyparflow.engine.random_slices import global_batch_slice, unsliceable_random_layers
+from hyparflow.engine.keras_semantics.random_slices import (
+    global_batch_slice,
+    unsliceable_random_layers,
+)
 
 GLOBAL_SIZE = 8
 SPLITS = {

@@ -47,7 +47,8 @@ SPARSE_OPTIMIZERS = [
     Case("two_tables", "adam+globalclip", "model", partitions=2, microbatches=2,
          schedule="interleaved"),
     # rows looked up once per batch (broadcast position ids, a gathered plain variable) beside
-    # rows per token: the pieces' rows added, not concatenated (engine/sparse_probe.py)
+    # rows per token: the pieces' rows added, not concatenated
+    # (engine/keras_semantics/sparse_probe.py)
     Case("broadcast_tables", "adam", "data", replicas=2, microbatches=2),
     Case("broadcast_tables", "adam+globalclip", "model", partitions=2, microbatches=2,
          schedule="1f1b"),
@@ -176,8 +177,8 @@ ONE_STEP_TOLERANCE = 2e-2
 
 
 sparse_optimizers = launched("real_models", 2, SPARSE_OPTIMIZERS, timeout=540)
-# models whose stages cannot split their backward (engine/weight_taps.py): the GRU's cell runs
-# inside a loop
+# models whose stages cannot split their backward (engine/stages/weight_taps.py): the GRU's cell
+# runs inside a loop
 MERGED = {"masked_gru"}
 two_ranks = launched("real_models", 2, TWO_RANKS, timeout=1100)
 four_ranks = launched("real_models", 4, FOUR_RANKS, timeout=840)

@@ -7,10 +7,10 @@ import pytest
 import tensorflow as tf
 
 from hyparflow import _keras
-from hyparflow.engine.fused import FusedRunner
 from hyparflow.engine.relaxed import Traces, declared_shapes, rows_unknown
-from hyparflow.engine.split_stage import SplitStageRunner
-from hyparflow.engine.stage import StageRunner
+from hyparflow.engine.stages.fused import FusedRunner
+from hyparflow.engine.stages.split_stage import SplitStageRunner
+from hyparflow.engine.stages.stage import StageRunner
 from hyparflow.traced import traced
 
 

@@ -1,14 +1,15 @@
 """Row-sparse gradients of both kinds, in one process: rows looked up with the batch's own
 indices (pieces concatenate) and rows looked up once per batch (broadcast indices: pieces add),
-as `engine/sparse_probe.py` classifies them and `engine/sparse.py` combines them."""
+as `engine/keras_semantics/sparse_probe.py` classifies them and `engine/gradients/sparse.py`
+combines them."""
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from hyparflow.engine import sparse as row_sparse
-from hyparflow.engine.sparse_probe import probe_row_kinds
+from hyparflow.engine.gradients import sparse as row_sparse
+from hyparflow.engine.keras_semantics.sparse_probe import probe_row_kinds
 from tests.support import zoo
 
 

@@ -1,8 +1,8 @@
 """A backward split into input gradients (B) and weight gradients (W) sums to the merged one.
 
-`SplitStageRunner` (engine/split_stage.py, weight taps in engine/weight_taps.py) against
-`StageRunner` on the same weights and micro-batches, in one process: the input gradients each
-B returns and the weight gradients the W passes sum must be the merged backward's; what cannot
+`SplitStageRunner` (engine/stages/split_stage.py, weight taps in engine/stages/weight_taps.py)
+against `StageRunner` on the same weights and micro-batches, in one process: the input gradients
+each B returns and the weight gradients the W passes sum must be the merged backward's; what cannot
 be split runs merged and says why.
 """
 
@@ -15,11 +15,11 @@ import pytest
 import tensorflow as tf
 
 from hyparflow import _keras
-from hyparflow.engine import tap_shapes
+from hyparflow.engine.gradients.sparse import row_sparse_positions
 from hyparflow.engine.relaxed import declared_shapes
-from hyparflow.engine.sparse import row_sparse_positions
-from hyparflow.engine.split_stage import SplitStageRunner
-from hyparflow.engine.stage import StageRunner
+from hyparflow.engine.stages import tap_shapes
+from hyparflow.engine.stages.split_stage import SplitStageRunner
+from hyparflow.engine.stages.stage import StageRunner
 from hyparflow.moe import SparseDispatch
 
 TOLERANCE = 1e-5

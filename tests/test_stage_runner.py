@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from hyparflow.engine import flat
-from hyparflow.engine.flat import FlatLayout
-from hyparflow.engine.fused import FusedRunner
-from hyparflow.engine.metrics import build_outside_the_trace
+from hyparflow.engine.gradients import flat
+from hyparflow.engine.gradients.flat import FlatLayout
+from hyparflow.engine.keras_semantics.metrics import build_outside_the_trace
 from hyparflow.engine.relaxed import declared_shapes
-from hyparflow.engine.stage import StageRunner
+from hyparflow.engine.stages.fused import FusedRunner
+from hyparflow.engine.stages.stage import StageRunner
 from tests.support.mpirun import POOLED_ALLOCATOR_ENV
 
 

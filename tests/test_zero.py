@@ -16,7 +16,7 @@ import pytest
 import hyparflow as hf
 from hyparflow import model_checks
 from hyparflow.checkpoint.state import join_shards, shard_key, slice_key
-from hyparflow.engine.zero_layout import Extent, ZeroLayout, group_by_dtype, ring_bytes
+from hyparflow.engine.sharded_optimizer.layout import Extent, ZeroLayout, group_by_dtype, ring_bytes
 from tests.support.cases import Case
 from tests.support.equivalence import assert_within
 from tests.support.mpirun import run_scenario

@@ -4,9 +4,9 @@
 around them. Tensor ranks and ZeRO-1 add what it does not time: each layer's `TensorShare`
 (`tensor_traffic.py`), the host round trip of an in-graph collective (a compiled call of a host
 function, as `comm/in_graph.py` runs MPI), and ZeRO-1's host work per step beyond plain data
-parallelism's (`engine/zero.py` moves every gradient and parameter byte through host buffers),
-timed on the engine's own reduction and update. `with_planner_costs` adds them to the
-`ModelCosts`, which `tensor_price.py` and `simulate.predict` read.
+parallelism's (`engine/sharded_optimizer/sharded_update.py` moves every gradient and parameter byte
+through host buffers), timed on the engine's own reduction and update. `with_planner_costs` adds
+them to the `ModelCosts`, which `tensor_price.py` and `simulate.predict` read.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ import tensorflow as tf
 
 from hyparflow.auto.tensor_traffic import tensor_shares
 from hyparflow.comm.topology import Topology
-from hyparflow.engine.gradient_sync import GradientSync
-from hyparflow.engine.update import Update
+from hyparflow.engine.gradients.sync import GradientSync
+from hyparflow.engine.gradients.update import Update
+from hyparflow.engine.sharded_optimizer.sharded_update import ShardedUpdate
 from hyparflow.engine.weights import nbytes
-from hyparflow.engine.zero import ShardedUpdate
 from hyparflow.partitioner import profile
 from hyparflow.partitioner.graph import build_graph
 from hyparflow.simulate.costs import ModelCosts, TensorShare
@@ -78,7 +78,7 @@ def _collective_call_cost(repeats: int) -> float:
 
 
 class _HeldGradients:
-    """A runner's hand-over of a step's gradients (`engine/runner.py`), as a list of zeros:
+    """A runner's hand-over of a step's gradients (`engine/stages/runner.py`), as a list of zeros:
     all that the update paths read of a runner."""
 
     layout = None  # gradients as a list, not flat
@@ -91,10 +91,11 @@ class _HeldGradients:
 
 
 def _zero_host_cost(model, repeats: int) -> float:
-    """Seconds per parameter byte that ZeRO-1's reduction and update (`engine/zero.py`) add
-    to data parallelism's (`GradientSync`, `Update`): both run for real on one replica
-    (MPI.COMM_SELF) of a copy of `model` each, where they step the same bytes. 0 where the
-    model cannot be copied (ZeRO-1 is then priced by its optimizer and broadcasts alone)."""
+    """Seconds per parameter byte that ZeRO-1's reduction and update
+    (`engine/sharded_optimizer/sharded_update.py`) add to data parallelism's (`GradientSync`,
+    `Update`): both run for real on one replica (MPI.COMM_SELF) of a copy of `model` each, where
+    they step the same bytes. 0 where the model cannot be copied (ZeRO-1 is then priced by its
+    optimizer and broadcasts alone)."""
     try:
         sharded, whole = (_update_seconds(model, zero, repeats) for zero in (True, False))
     except Exception:  # noqa: BLE001 - a layer Keras cannot clone: not timed

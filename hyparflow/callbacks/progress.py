@@ -1,5 +1,5 @@
 """`hf.callbacks.ThroughputProgbarLogger`: the progress bar `hf.fit` shows, with samples/s."""
 
-from hyparflow.engine.progress import ThroughputProgbarLogger
+from hyparflow.engine.loops.progress import ThroughputProgbarLogger
 
 __all__ = ["ThroughputProgbarLogger"]

@@ -236,10 +236,10 @@ class GradientReducer:
         """Reduce one contiguous gradient tensor in place, `bucket_bytes` per blocking call.
 
         `flat` must be memory this process alone owns: the fresh output of a compiled step
-        (`hyparflow.engine.flat`), whose last piece depends on the step's data so that it can
-        never be a folded constant. Its own buffer receives the sums (no copy in or out), in
-        slices of `bucket_bytes`: Open MPI reduces 25 MiB slices faster than one 100 MiB call.
-        A tuple or list of such tensors (a `ChunkedLayout`'s chunks) is reduced chunk by
+        (`hyparflow.engine.gradients.flat`), whose last piece depends on the step's data so that it
+        can never be a folded constant. Its own buffer receives the sums (no copy in or out), in
+        slices of `bucket_bytes`: Open MPI reduces 25 MiB slices faster than one 100 MiB call. A
+        tuple or list of such tensors (a `ChunkedLayout`'s chunks) is reduced chunk by
         chunk, each in place. Returns `flat` (for "mean", divided copies). On a one-rank
         communicator nothing happens. A tensor on a GPU is never handed to MPI: it is reduced
         in a host copy and the result copied back to its GPU (docs/gpu.md).

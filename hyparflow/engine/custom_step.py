@@ -22,7 +22,7 @@ from keras import tree
 from hyparflow.comm.agree import AgreedError
 from hyparflow.comm.in_graph import allreduce
 from hyparflow.data.batches import split_bounds, split_sizes
-from hyparflow.engine.random_slices import slice_of
+from hyparflow.engine.keras_semantics.random_slices import slice_of
 from hyparflow.engine.trainer import Trainer
 from hyparflow.traced import traced
 
@@ -101,7 +101,7 @@ def _as_tensors(structure):
 
 def _refuse_row_slices(model, row_kinds) -> None:
     """The model's own step hands its optimizer the replicas' sum as one dense tensor, which
-    would change how Keras applies row-sparse gradients (engine/sparse.py): refused."""
+    would change how Keras applies row-sparse gradients (engine/gradients/sparse.py): refused."""
     rows = [v.path for v in model.trainable_variables if row_kinds.has_rows(v)]
     if rows:
         raise ValueError(

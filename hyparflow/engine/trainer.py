@@ -21,17 +21,26 @@ from hyparflow.comm.topology import Topology
 from hyparflow.comm.watchdog import NoWatchdog, Watchdog
 from hyparflow.data import GlobalBatch
 from hyparflow.engine import events
-from hyparflow.engine import sparse as row_sparse
-from hyparflow.engine.added_losses import refuse_unless_batch_means, warn_unless_batch_means
-from hyparflow.engine.flat import FlatLayout
-from hyparflow.engine.gradient_form import choose_gradient_form
-from hyparflow.engine.gradient_path import build_gradient_path
-from hyparflow.engine.gradient_sync import GradientSync, SharedAcrossStages
-from hyparflow.engine.metrics import ReplicaMetrics, build_outside_the_trace
-from hyparflow.engine.mpi import mpi_op
-from hyparflow.engine.output_losses import OutputLosses
-from hyparflow.engine.pipeline import Chunk, PipelineWalk
-from hyparflow.engine.runners import (
+from hyparflow.engine.gradients import sparse as row_sparse
+from hyparflow.engine.gradients.flat import FlatLayout
+from hyparflow.engine.gradients.form import choose_gradient_form
+from hyparflow.engine.gradients.mpi import mpi_op
+from hyparflow.engine.gradients.path import build_gradient_path
+from hyparflow.engine.gradients.segment_update import SegmentUpdate, segment_count
+from hyparflow.engine.gradients.sync import GradientSync, SharedAcrossStages
+from hyparflow.engine.gradients.update import Update
+from hyparflow.engine.keras_semantics.added_losses import (
+    refuse_unless_batch_means,
+    warn_unless_batch_means,
+)
+from hyparflow.engine.keras_semantics.metrics import ReplicaMetrics, build_outside_the_trace
+from hyparflow.engine.keras_semantics.output_losses import OutputLosses
+from hyparflow.engine.keras_semantics.split_layers import SplitLayers
+from hyparflow.engine.keras_semantics.sync_batchnorm import synchronized_layers
+from hyparflow.engine.sharded_optimizer.checkpoint import ZeroCheckpoint
+from hyparflow.engine.sharded_optimizer.sharded_update import ShardedUpdate
+from hyparflow.engine.stage_state import TrainingState
+from hyparflow.engine.stages.make_runner import (
     RunnerParts,
     build_chunk_runners,
     build_runner,
@@ -39,12 +48,8 @@ from hyparflow.engine.runners import (
     seed_variables,
     unsynchronized_moving_statistics,
 )
-from hyparflow.engine.segment_update import SegmentUpdate, segment_count
-from hyparflow.engine.split_layers import SplitLayers
-from hyparflow.engine.stage_state import TrainingState
-from hyparflow.engine.structure import model_input_list, pack_model_outputs
-from hyparflow.engine.sync_batchnorm import synchronized_layers
-from hyparflow.engine.update import Update
+from hyparflow.engine.stages.structure import model_input_list, pack_model_outputs
+from hyparflow.engine.stages.walk import Chunk, PipelineWalk
 from hyparflow.engine.weights import (
     assign_packed,
     broadcast_owned_weights,
@@ -52,8 +57,6 @@ from hyparflow.engine.weights import (
     packed,
     rank_variables,
 )
-from hyparflow.engine.zero import ShardedUpdate
-from hyparflow.engine.zero_checkpoint import ZeroCheckpoint
 from hyparflow.moe import expert_parallel
 from hyparflow.tensor import collectives
 from hyparflow.traced import traced
@@ -236,7 +239,8 @@ class Trainer:
             self.segment_update = SegmentUpdate(
                 self.update, self.runner, segments, replicas=replicas, guard=self.guard
             )  # fmt: skip
-        # ZeRO-1: the replicas split the optimizer state and its update (engine/zero.py)
+        # ZeRO-1: the replicas split the optimizer state and its update
+        # (engine/sharded_optimizer/sharded_update.py)
         self.zero = None
         if self.strategy.shard_optimizer and topo.num_replicas > 1:
             # by segment: each segment reduce-scattered, its slice updated, its parameters

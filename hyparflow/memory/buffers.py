@@ -1,11 +1,13 @@
 """The engine's own buffers on one rank, as the memory plan counts them (pure).
 
 This is the one place to update when the engine's buffers change (docs/memory.md): today a
-data-parallel step concatenates its gradients in chunks of `CHUNK_BYTES` (`engine/flat.py`),
-a pipeline stage of small variables packs its parameters and gradients whole, the optimizer
-updates groups of about `UPDATE_GROUP_BYTES` of variables at a time (`engine/update.py`), ZeRO-1
-updates its slice in one call (`engine/zero.py`), and at each epoch's end the stages broadcast
-their weights in groups of about `CHUNK_BYTES` (`engine/weights.py`).
+data-parallel step concatenates its gradients in chunks of `CHUNK_BYTES`
+(`engine/gradients/flat.py`), a pipeline stage of small variables packs its parameters and gradients
+whole, the optimizer updates groups of about `UPDATE_GROUP_BYTES` of variables at a time
+(`engine/gradients/update.py`), ZeRO-1 updates its slice in one call
+(`engine/sharded_optimizer/sharded_update.py`), and at each
+epoch's end the stages broadcast their weights in groups of about `CHUNK_BYTES`
+(`engine/weights.py`).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ class StageFacts:
 
 def segments(facts: StageFacts) -> int:
     """Segments whose updates a stage applies one by one during its last backward
-    (engine/segment_update.py, `Strategy.update_by_segment`): one per `SEGMENT_BYTES` of
+    (engine/gradients/segment_update.py, `Strategy.update_by_segment`): one per `SEGMENT_BYTES` of
     gradients, at most `MAX_SEGMENTS`; 1 where the stage is not cut.
 
     Example:
@@ -138,7 +140,7 @@ def exchange_buffers(owned_bytes: list[int], stage: int, largest: int = 0, items
 
 def saving_buffers(held_bytes: int, group_bytes: int, root: bool) -> dict[str, int]:
     """Named bytes of gathering the whole optimizer state on rank 0 after a split fit, so that
-    its saved files carry it (engine/optimizer_gather.py): the slots a rank copies out and
+    its saved files carry it (engine/loops/optimizer_gather.py): the slots a rank copies out and
     sends (`held_bytes`), or on rank 0 every rank's (the whole state), plus one group of raw
     bytes in transit.
 

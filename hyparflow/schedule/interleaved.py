@@ -13,7 +13,7 @@ Megatron requires `m` to be a multiple of `p`. Here any `m` works: the order is 
 next multiple of `p` and the padding micro-batches' actions are left out, so their slots stay
 idle. Leaving out a micro-batch whole keeps the order valid: no other micro-batch's action
 waits for one of its actions, so every remaining action can only start earlier. The engine
-runs it with a runner per chunk (`hyparflow.engine.chunks`, docs/schedules.md).
+runs it with a runner per chunk (`hyparflow.engine.stages.chunks`, docs/schedules.md).
 """
 
 from __future__ import annotations

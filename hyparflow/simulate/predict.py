@@ -192,9 +192,9 @@ def _reduce_and_update(stage: StageCost, crosses: bool, flows: int, engine: Engi
 
 
 def sharded_update(engine: EngineCosts, stage: StageCost, replicas: int, link: Link) -> float:
-    """ZeRO-1's update of a stage (`engine/zero.py`): the optimizer steps one flat slice of
-    1/R of the parameters, the host moves every parameter byte through its buffers (the
-    measured `zero_per_byte`), and each variable's pieces are broadcast by the replicas
+    """ZeRO-1's update of a stage (`engine/sharded_optimizer/sharded_update.py`): the optimizer
+    steps one flat slice of 1/R of the parameters, the host moves every parameter byte through its
+    buffers (the measured `zero_per_byte`), and each variable's pieces are broadcast by the replicas
     holding them (a binomial tree each; its bytes are the allreduce's second half, already
     counted)."""
     if not stage.variables:

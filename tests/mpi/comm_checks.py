@@ -15,7 +15,7 @@ from hyparflow.comm.agree import all_failed, failure_comm
 from hyparflow.comm.allreduce import GradientReducer
 from hyparflow.comm.p2p import BACKWARD, FORWARD, PipeChannel
 from hyparflow.comm.topology import Topology
-from hyparflow.engine.flat import FlatLayout
+from hyparflow.engine.gradients.flat import FlatLayout
 from hyparflow.launch.malloc import keep_temporaries_in_heap
 from tests.support.report import report, run_or_abort
 from tests.support.tensors import address, same

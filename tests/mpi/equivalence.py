@@ -10,7 +10,7 @@ import os
 import keras
 
 import hyparflow as hf
-from hyparflow.engine import flat, update
+from hyparflow.engine.gradients import flat, update
 from tests.support import references
 from tests.support.cases import Case
 from tests.support.compare import (

@@ -13,8 +13,8 @@ import json
 import keras
 import tensorflow as tf
 
-from hyparflow.engine import flat
-from hyparflow.engine.fused import FusedRunner
+from hyparflow.engine.gradients import flat
+from hyparflow.engine.stages.fused import FusedRunner
 
 
 def allocator_peak_of_one_step(layout) -> tuple[int, int]:

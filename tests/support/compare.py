@@ -24,7 +24,7 @@ def history_difference(got: dict, expected: dict) -> float:
     )
 
 
-# the runners' compiled steps (engine/fused.py, engine/stage.py)
+# the runners' compiled steps (engine/stages/fused.py, engine/stages/stage.py)
 STEP_FUNCTIONS = (
     "_first_fn",
     "_accumulate_fn",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from hyparflow.engine import sparse as row_sparse
+from hyparflow.engine.gradients import sparse as row_sparse
 from hyparflow.traced import traced
 
 

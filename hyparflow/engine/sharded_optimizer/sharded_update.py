@@ -27,11 +27,16 @@ import tensorflow as tf
 from keras.optimizers import LossScaleOptimizer
 
 from hyparflow.comm.allreduce import DEFAULT_BUCKET_BYTES, reduction_dtype
-from hyparflow.engine import sparse as row_sparse
-from hyparflow.engine.flat import FlatLayout
-from hyparflow.engine.mpi import mpi_op
-from hyparflow.engine.update import apply_clipped, inner_optimizer
-from hyparflow.engine.zero_layout import ZeroLayout, group_by_dtype, ring_bytes, segment_positions
+from hyparflow.engine.gradients import sparse as row_sparse
+from hyparflow.engine.gradients.flat import FlatLayout
+from hyparflow.engine.gradients.mpi import mpi_op
+from hyparflow.engine.gradients.update import apply_clipped, inner_optimizer
+from hyparflow.engine.sharded_optimizer.layout import (
+    ZeroLayout,
+    group_by_dtype,
+    ring_bytes,
+    segment_positions,
+)
 from hyparflow.traced import traced
 
 # Bytes of gradients reduce-scattered per MPI call (as the fused allreduce's buckets).

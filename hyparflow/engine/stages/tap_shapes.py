@@ -1,6 +1,6 @@
 """Each weight tap's shape for a micro-batch, from the input dimensions it follows (pure).
 
-A split backward (engine/weight_taps.py) needs one zero tensor per tapped layer output, made
+A split backward (engine/stages/weight_taps.py) needs one zero tensor per tapped layer output, made
 before the forward runs. Traced with the batch size and the varying lengths unknown, a tapped
 output shows which of its dimensions vary (None); one trace at the first micro-batch's exact
 shapes says which input dimension each of them equals. A dimension equal to several input

@@ -8,18 +8,21 @@ import keras
 
 from hyparflow import _keras
 from hyparflow.checkpoint.state import layers_of_seed_keys, seed_generators
-from hyparflow.engine import sparse as row_sparse
-from hyparflow.engine.added_losses import added_loss
-from hyparflow.engine.chunks import ChunkRunners
-from hyparflow.engine.flat import ChunkedLayout
-from hyparflow.engine.fused import FusedRunner
-from hyparflow.engine.gradient_sync import Overlap
+from hyparflow.engine.gradients import sparse as row_sparse
+from hyparflow.engine.gradients.flat import ChunkedLayout
+from hyparflow.engine.gradients.sync import Overlap
+from hyparflow.engine.keras_semantics.added_losses import added_loss
+from hyparflow.engine.keras_semantics.sync_batchnorm import (
+    synchronized_batchnorm,
+    synchronized_layers,
+)
 from hyparflow.engine.relaxed import declared_shapes
-from hyparflow.engine.segments import SegmentedRunner
-from hyparflow.engine.split_stage import SplitStageRunner
-from hyparflow.engine.stage import StageRunner
-from hyparflow.engine.structure import pack_model_outputs
-from hyparflow.engine.sync_batchnorm import synchronized_batchnorm, synchronized_layers
+from hyparflow.engine.stages.chunks import ChunkRunners
+from hyparflow.engine.stages.fused import FusedRunner
+from hyparflow.engine.stages.segments import SegmentedRunner
+from hyparflow.engine.stages.split_stage import SplitStageRunner
+from hyparflow.engine.stages.stage import StageRunner
+from hyparflow.engine.stages.structure import pack_model_outputs
 from hyparflow.partitioner import partition
 
 

@@ -23,7 +23,7 @@ import tensorflow as tf
 from keras import tree
 
 from hyparflow import deferred
-from hyparflow.engine.sparse import RowKinds
+from hyparflow.engine.gradients.sparse import RowKinds
 from hyparflow.traced import traced
 
 # Unknown lengths (a declared None other than the batch) take this size where no data gives one.

@@ -10,12 +10,12 @@ from keras import tree
 
 from hyparflow.checkpoint import callback_state
 from hyparflow.comm.agree import AgreedError
-from hyparflow.engine.optimizer_gather import (
+from hyparflow.engine.loops.optimizer_gather import (
     drop_gathered_state,
     gather_optimizer_state,
     saves_files,
 )
-from hyparflow.engine.progress import ThroughputProgbarLogger
+from hyparflow.engine.loops.progress import ThroughputProgbarLogger
 
 # Keras callbacks that write files or talk to the outside: they run on rank 0 only, which holds
 # the full model at every epoch end (and after each batch they save on).

@@ -12,10 +12,10 @@ from keras.optimizers import LossScaleOptimizer
 
 from hyparflow import _keras
 from hyparflow.comm.agree import AgreedError
-from hyparflow.engine import sparse as row_sparse
-from hyparflow.engine.mpi import mpi_op
+from hyparflow.engine.gradients import sparse as row_sparse
+from hyparflow.engine.gradients.mpi import mpi_op
+from hyparflow.engine.gradients.shard_clipping import ShardClipping
 from hyparflow.engine.relaxed import rows_unknown
-from hyparflow.engine.shard_clipping import ShardClipping
 from hyparflow.engine.weights import byte_groups
 from hyparflow.sizes import UPDATE_GROUP_BYTES
 from hyparflow.traced import traced
@@ -86,9 +86,9 @@ class Update:
     `FlatLayout` of flat gradients (None if they are a list). `split`: the tensor shards;
     `expert_split`: (expert shards, their expert group's communicator).
 
-    ZeRO-1's `ShardedUpdate` (engine/zero.py) applies slices of the same gradients and builds
-    on the public parts: `guard`, `split_ids` (ids of split variables), `tensor_comm`,
-    `regularization_and_grads`, `total_regularization`, `sum_over_pipeline`,
+    ZeRO-1's `ShardedUpdate` (engine/sharded_optimizer/sharded_update.py) applies slices of the same
+    gradients and builds on the public parts: `guard`, `split_ids` (ids of split variables),
+    `tensor_comm`, `regularization_and_grads`, `total_regularization`, `sum_over_pipeline`,
     `agree_finite_for_loss_scaling` and `compiled_update`.
     """
 

@@ -12,9 +12,9 @@ import numpy as np
 import tensorflow as tf
 from keras import tree
 
-from hyparflow.engine import sparse as row_sparse
-from hyparflow.engine.random_slices import slice_of
-from hyparflow.engine.runner import RunnerBase
+from hyparflow.engine.gradients import sparse as row_sparse
+from hyparflow.engine.keras_semantics.random_slices import slice_of
+from hyparflow.engine.stages.runner import RunnerBase
 from hyparflow.traced import traced
 
 

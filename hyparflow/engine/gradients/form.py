@@ -20,7 +20,7 @@ class GradientForm:
     - `update_per_segment`: the stage runs as segments, and each segment's update is applied
       as soon as the step's last backward has finished it (its gradients first summed over
       the replicas, if any), so the stage never holds all of its gradients
-      (engine/segment_update.py).
+      (engine/gradients/segment_update.py).
     """
 
     flat: bool = False
@@ -76,8 +76,8 @@ def choose_gradient_form(
       summed per variable over the pipeline first, so the gradients stay a list.
     - `tables`: number of embedding tables (overlapped segments keep every gradient dense).
     - `rows_classified`: every variable with row-sparse gradients is known before training
-      (engine/sparse_probe.py). Otherwise no flat backward: it differentiates one packed
-      tensor, where an unknown variable's row slices would turn dense unseen; per variable
+      (engine/keras_semantics/sparse_probe.py). Otherwise no flat backward: it differentiates one
+      packed tensor, where an unknown variable's row slices would turn dense unseen; per variable
       they show, and are refused.
     - `overlap_groups`: the strategy's segments per stage (> 1 asks for overlap, or without
       replicas for the update per segment).

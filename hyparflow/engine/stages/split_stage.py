@@ -1,7 +1,7 @@
 """A pipeline stage whose backward runs as two passes: input gradients (B), weight gradients (W).
 
 The zero-bubble schedules (`schedule/zero_bubble.py`) run W after B, in the pipeline's
-bubbles; `engine/weight_taps.py` says how a TensorFlow backward is split. A stage that cannot
+bubbles; `engine/stages/weight_taps.py` says how a TensorFlow backward is split. A stage that cannot
 be split (`Taps.refusals`) runs 1F1B's merged backward at B and nothing at W, which the same
 schedule keeps valid: W only ever waits for its own stage's B.
 """
@@ -13,9 +13,10 @@ import warnings
 import tensorflow as tf
 from keras import tree
 
-from hyparflow.engine import relaxed, tap_shapes, weight_taps
-from hyparflow.engine.random_slices import slice_of
-from hyparflow.engine.stage import StageRunner, _constant, _is_float, _or_zeros
+from hyparflow.engine import relaxed
+from hyparflow.engine.keras_semantics.random_slices import slice_of
+from hyparflow.engine.stages import tap_shapes, weight_taps
+from hyparflow.engine.stages.stage import StageRunner, _constant, _is_float, _or_zeros
 from hyparflow.traced import traced
 
 KEPT_TAP_SHAPES = 4  # zero taps kept for this many input shapes (each a micro-batch's outputs)
@@ -45,7 +46,7 @@ class SplitStageRunner(StageRunner):
         self.refusals: list[str] = []
         self._recorder = None  # the Taps of the last trace: its calls, what it saves
         self._calls = []  # the forward's layer calls (its trace's), which W replays
-        self._shapes = []  # each tap's shape (engine/tap_shapes.py)
+        self._shapes = []  # each tap's shape (engine/stages/tap_shapes.py)
         self._saved_specs = []  # specs of the calls' saved arguments
         self._saved: dict[int, list] = {}  # micro-batch -> its calls' saved arguments
         self._owed: dict[int, tuple] = {}  # micro-batch -> (saved arguments, taps' gradient)

@@ -8,7 +8,7 @@ sample's outputs move by 5e-3 when a second sample joins it, and data parallelis
 (relative) off Keras) cannot be cut so. It is found before training by running the model in
 inference on the data's first sample, alone and beside the second one. A model that takes its
 batch statistics with `hf.global_mean` couples its samples on purpose, and the engine computes
-those over the whole global batch (engine/global_batch.py): it is not measured.
+those over the whole global batch (engine/keras_semantics/global_batch.py): it is not measured.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 from keras import tree
 
-from hyparflow.engine.global_batch import BatchGroup, batch_group
+from hyparflow.engine.keras_semantics.global_batch import BatchGroup, batch_group
 
 # A change above this, relative to the outputs' magnitude, is the model's and not rounding:
 # kernels that block rows by batch size differ by about one float32 unit (1e-7).

@@ -10,8 +10,8 @@ import numpy as np
 
 from hyparflow.checkpoint.state import Piece
 from hyparflow.comm.in_graph import allreduce
-from hyparflow.engine.global_batch import BatchGroup, batch_group
-from hyparflow.engine.random_slices import feature_slice
+from hyparflow.engine.keras_semantics.global_batch import BatchGroup, batch_group
+from hyparflow.engine.keras_semantics.random_slices import feature_slice
 from hyparflow.moe import (
     ExpertShards,
     RouterTally,
@@ -29,9 +29,9 @@ class SplitLayers:
     `graphs` (None unless `strategy.experts` > 1); `dispatch`: the `SparseDispatch` of the
     model's mixture blocks, their routing counts summed over the stage's replicas in the step
     and, with `experts`, tokens exchanged in the expert group (docs/moe.md); `batch`: the
-    replicas `hf.global_mean` means over (engine/global_batch.py); `tally`: the `RouterTally`
-    of a step of several micro-batches whose mixture blocks add router losses (else None),
-    its counts summed over the replicas under `guard`."""
+    replicas `hf.global_mean` means over (engine/keras_semantics/global_batch.py); `tally`: the
+    `RouterTally` of a step of several micro-batches whose mixture blocks add router losses (else
+    None), its counts summed over the replicas under `guard`."""
 
     def __init__(self, model, strategy, topology, graphs: list, tensor_layout=None, guard=None):
         guard = guard or (lambda operation: contextlib.nullcontext())

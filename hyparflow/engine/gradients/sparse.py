@@ -8,10 +8,10 @@ concatenate their pairs in order, replicas gather them in rank order, and the op
 the very pairs of the global batch (docs/engine.md, "Sparse gradients").
 
 Which variables receive row slices, and how their rows relate to the batch, is found once per
-model by tracing its gradient (`engine/sparse_probe.py`, `RowKinds`): rows looked up with the
-batch's own indices (token ids) come one per sample, and pieces of the batch concatenate
-theirs; rows looked up with indices shared by the whole batch (ViT's position ids broadcast over
-the batch, a relative position table) come once per call with values summed over the batch,
+model by tracing its gradient (`engine/keras_semantics/sparse_probe.py`, `RowKinds`): rows looked up
+with the batch's own indices (token ids) come one per sample, and pieces of the batch concatenate
+theirs; rows looked up with indices shared by the whole batch (ViT's position ids broadcast over the
+batch, a relative position table) come once per call with values summed over the batch,
 and pieces of the batch add their values, row by row.
 """
 
@@ -27,7 +27,7 @@ import tensorflow as tf
 from hyparflow import _keras
 from hyparflow.comm.allreduce import reduction_dtype
 from hyparflow.comm.rows import gather_rows
-from hyparflow.engine.mpi import mpi_op
+from hyparflow.engine.gradients.mpi import mpi_op
 
 
 @dataclass(frozen=True)

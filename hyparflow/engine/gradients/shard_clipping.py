@@ -15,8 +15,8 @@ import numpy as np
 import tensorflow as tf
 from keras import ops
 
-from hyparflow.engine import sparse as row_sparse
-from hyparflow.engine.mpi import mpi_op
+from hyparflow.engine.gradients import sparse as row_sparse
+from hyparflow.engine.gradients.mpi import mpi_op
 from hyparflow.traced import traced
 
 

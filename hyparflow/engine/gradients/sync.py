@@ -7,7 +7,7 @@ import tensorflow as tf
 from hyparflow import _keras
 from hyparflow.comm.allreduce import GradientReducer
 from hyparflow.comm.backends import make_reducer
-from hyparflow.engine import sparse as row_sparse
+from hyparflow.engine.gradients import sparse as row_sparse
 
 
 class Gradients:

@@ -1,12 +1,13 @@
 """The runner seam: one stage's forward and backward of a micro-batch, gradients summed until taken.
 
-The pipeline walk (`engine/pipeline.py`) and the gradient reduction (`engine/gradient_sync.py`)
+The pipeline walk (`engine/stages/walk.py`) and the gradient reduction (`engine/gradients/sync.py`)
 drive any `Runner`: `FusedRunner` (the whole model, forward and backward in one compiled call),
 `StageRunner` (a pipeline stage, forward under a tape) and `SegmentedRunner` (a stage cut into
 segments whose gradients are final one after another); under interleaved 1F1B the walk drives a
-`StageRunner` per model chunk and the reduction one `ChunkRunners` over them (engine/chunks.py).
-`RunnerBase` holds what the first two share: the variables split into dense ones and embedding
-tables, the layers' added losses, inference, and the tables' row-slice gradients.
+`StageRunner` per model chunk and the reduction one `ChunkRunners` over them
+(engine/stages/chunks.py). `RunnerBase` holds what the first two share: the variables split into
+dense ones and embedding tables, the layers' added losses, inference, and the tables' row-slice
+gradients.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Protocol
 import tensorflow as tf
 
 from hyparflow.engine import relaxed
-from hyparflow.engine import sparse as row_sparse
+from hyparflow.engine.gradients import sparse as row_sparse
 from hyparflow.traced import traced
 
 

@@ -8,7 +8,7 @@ import tensorflow as tf
 from keras import tree
 
 from hyparflow import _keras
-from hyparflow.engine.metrics import build_outside_the_trace
+from hyparflow.engine.keras_semantics.metrics import build_outside_the_trace
 
 
 class OutputLosses:

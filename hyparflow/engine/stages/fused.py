@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from hyparflow.engine import sparse as row_sparse
-from hyparflow.engine.random_slices import slice_of
-from hyparflow.engine.runner import RunnerBase
+from hyparflow.engine.gradients import sparse as row_sparse
+from hyparflow.engine.keras_semantics.random_slices import slice_of
+from hyparflow.engine.stages.runner import RunnerBase
 from hyparflow.traced import traced
 
 
 class FusedRunner(RunnerBase):
-    """A `Runner` (engine/runner.py) for a model that is the only stage of its pipeline.
+    """A `Runner` (engine/stages/runner.py) for a model that is the only stage of its pipeline.
 
     `forward` computes the outputs, the loss and the micro-batch's gradients at once and adds
     them to the step's total; `backward` has nothing left to do. `call(inputs, training)`,

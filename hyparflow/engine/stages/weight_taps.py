@@ -20,7 +20,7 @@ has one backward that computes both, so the split is made at the layers:
 `Taps.refusals` says why a stage cannot be split this way, and the stage then runs a merged
 backward: a weight read outside its owner's call (e.g. a tied embedding read by another
 layer), a layer called inside a loop or nested function (an RNN's cell), a layer with random
-draws, one that adds a loss or runs in another dtype than float32; `engine/tap_shapes.py`
+draws, one that adds a loss or runs in another dtype than float32; `engine/stages/tap_shapes.py`
 gives each tap its shape.
 """
 
@@ -34,7 +34,7 @@ import tensorflow as tf
 from keras import tree
 
 from hyparflow import _keras
-from hyparflow.engine.stage import UpdateRecordingScope
+from hyparflow.engine.stages.stage import UpdateRecordingScope
 
 
 @dataclass

@@ -13,7 +13,7 @@ import tensorflow as tf
 
 
 class SegmentedRunner:
-    """A `Runner` (engine/runner.py) over a chain of segment `StageRunner`s (same results,
+    """A `Runner` (engine/stages/runner.py) over a chain of segment `StageRunner`s (same results,
     finer steps).
 
     `variables` is the stage's variable list; `take_gradients` returns their gradients in that

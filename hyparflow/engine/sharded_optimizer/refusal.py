@@ -4,7 +4,7 @@ gradient and state (docs/zero.md); the check `model_checks` agrees on over every
 from __future__ import annotations
 
 from hyparflow import _keras
-from hyparflow.engine.update import inner_optimizer
+from hyparflow.engine.gradients.update import inner_optimizer
 
 # The optimizers whose update of each element depends only on that element's gradient, state
 # and global scalars (step, learning rate): updating a slice of a flat vector is then exactly

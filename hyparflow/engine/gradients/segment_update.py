@@ -19,9 +19,9 @@ import tensorflow as tf
 
 from hyparflow import deferred
 from hyparflow.comm.allreduce import GradientReducer
-from hyparflow.engine.flat import FlatLayout
-from hyparflow.engine.gradient_form import segments_for
-from hyparflow.engine.update import applies_per_variable, inner_optimizer
+from hyparflow.engine.gradients.flat import FlatLayout
+from hyparflow.engine.gradients.form import segments_for
+from hyparflow.engine.gradients.update import applies_per_variable, inner_optimizer
 from hyparflow.engine.weights import nbytes
 from hyparflow.traced import traced
 

@@ -12,7 +12,7 @@ from hyparflow.comm import p2p
 from hyparflow.comm.p2p import PipeChannel
 from hyparflow.data import GlobalBatch, split_bounds
 from hyparflow.engine import events
-from hyparflow.engine.structure import model_input_list
+from hyparflow.engine.stages.structure import model_input_list
 from hyparflow.schedule import (
     ActionKind,
     forward_only,
