@@ -35,37 +35,46 @@ def _copy_package(tmp_path) -> str:
 def test_the_package_keeps_its_layers(tmp_path):
     result = _lint(_copy_package(tmp_path))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "1 kept, 0 broken" in result.stdout
+    assert "2 kept, 0 broken" in result.stdout
+
+
+def test_an_import_up_the_engine_breaks_its_contract(tmp_path):
+    root = _copy_package(tmp_path)
+    planted = os.path.join(root, "hyparflow", "engine", "gradients", "flat.py")
+    with open(planted, "a") as file:  # the gradient path reaching up into the stages' runners
+        file.write("\nfrom hyparflow.engine.stages import runner as _planted  # noqa: E402,F401\n")
+    result = _lint(root)
+    assert result.returncode != 0
+    assert "hyparflow.engine.gradients is not allowed to import hyparflow.engine.stages" in (
+        result.stdout
+    )
 
 
 def test_an_upward_import_breaks_the_contract(tmp_path):
     root = _copy_package(tmp_path)
     planted = os.path.join(root, "hyparflow", "comm", "world.py")
     with open(planted, "a") as file:  # comm (bottom layer) reaching up into the engine
-        file.write("\nfrom hyparflow.engine import pipeline as _planted  # noqa: E402,F401\n")
+        file.write("\nfrom hyparflow.engine.stages import walk as _planted  # noqa: E402,F401\n")
     result = _lint(root)
     assert result.returncode != 0
     assert "hyparflow.comm is not allowed to import hyparflow.engine" in result.stdout
     assert "hyparflow.comm.world -> hyparflow.engine.stages.walk" in result.stdout
 
 
-def _lines(folder: str) -> dict[str, int]:
-    counts = {}
-    for root, _, files in os.walk(os.path.join(REPO, folder)):
-        for name in files:
-            if name.endswith(".py"):
-                with open(os.path.join(root, name)) as file:
-                    counts[os.path.relpath(os.path.join(root, name), REPO)] = len(file.readlines())
-    return counts
+def _sources(*folders: str) -> dict[str, str]:
+    """Each Python file's text below `folders`, by its path from the repository."""
+    texts = {}
+    for folder in folders:
+        for root, _, files in os.walk(os.path.join(REPO, folder)):
+            for name in files:
+                if name.endswith(".py"):
+                    path = os.path.join(root, name)
+                    with open(path) as file:
+                        texts[os.path.relpath(path, REPO)] = file.read()
+    return texts
 
 
-def test_code_stays_in_proportion():
-    """Issue 27's sizes: modules of one idea, a first-order simulator, lean benchmarks."""
-    package = _lines("hyparflow")
-    assert {path: n for path, n in package.items() if n > 450} == {}
-    # simulate/ grew by the tensor shares' schema and ZeRO-1's and interleaving's prices (issue
-    # 41), and by timing models that take a dict and embeddings' row slices (issue 64): still
-    # first order
-    assert sum(n for path, n in package.items() if path.startswith("hyparflow/simulate/")) <= 1430
-    # benchmarks/ grew by the mixture-of-experts figure (issue 42)
-    assert sum(_lines("benchmarks").values()) <= 3100
+def test_a_module_holds_one_concept_at_the_length_it_needs():
+    """No cap splits a concept over files (issue 63); past 800 lines a module holds several."""
+    lengths = {path: text.count("\n") for path, text in _sources("hyparflow").items()}
+    assert {path: n for path, n in lengths.items() if n > 800} == {}
