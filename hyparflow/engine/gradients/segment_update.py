@@ -21,7 +21,7 @@ from hyparflow import deferred
 from hyparflow.comm.allreduce import GradientReducer
 from hyparflow.engine.gradients.flat import FlatLayout
 from hyparflow.engine.gradients.form import segments_for
-from hyparflow.engine.gradients.update import applies_per_variable, inner_optimizer
+from hyparflow.engine.gradients.update import applies_per_variable
 from hyparflow.engine.weights import nbytes
 from hyparflow.traced import traced
 
@@ -79,8 +79,7 @@ class SegmentUpdate:
         accumulation) and no clipping by a global norm, which needs every gradient first."""
         optimizer = self.update.model.optimizer
         if self._usable_for[0] is not optimizer:
-            clips = bool(getattr(inner_optimizer(optimizer), "global_clipnorm", None))
-            clips = clips or self.update.clips_split_variables()  # whole norms: every shard's
+            clips = self.update.clipping().needs_every_gradient
             ok = bool(self.update.variables) and applies_per_variable(optimizer) and not clips
             self._usable_for = (optimizer, ok)
         return self._usable_for[1]

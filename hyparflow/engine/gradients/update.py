@@ -13,6 +13,7 @@ from keras.optimizers import LossScaleOptimizer
 from hyparflow import _keras
 from hyparflow.comm.agree import AgreedError
 from hyparflow.engine.gradients import sparse as row_sparse
+from hyparflow.engine.gradients.clipping import RANKS, Clipping, decide_clipping
 from hyparflow.engine.gradients.mpi import mpi_op
 from hyparflow.engine.gradients.shard_clipping import ShardClipping
 from hyparflow.engine.relaxed import rows_unknown
@@ -121,10 +122,6 @@ class Update:
         self._has_regularizers = bool(
             topology.pipeline_comm.allreduce(len(self.regularized) > 0, op=mpi_op("LOR"))
         )
-        # Keras clips by the norm of the whole model's gradient: stages must agree on it.
-        self.clips_across_stages = (partitioned or bool(self.split_ids)) and bool(
-            getattr(inner_optimizer(model.optimizer), "global_clipnorm", None)
-        )
         self._squares_fn = traced(_sum_of_squares, reduce_retracing=True)
         self._shard_clipping = ShardClipping(self.variables, self.split_groups, guard)
         self._reg_values_fn = traced(self._reg_values)
@@ -140,7 +137,8 @@ class Update:
         the model's total regularization (collective over the pipeline)."""
         if self._grouped():
             return self._apply_grouped(gradients)
-        if gradients.layout is None or self.clips_across_stages or self.split_ids:
+        across_ranks = self.clipping().global_norm_over == RANKS
+        if gradients.layout is None or across_ranks or self.split_ids:
             return self._apply(gradients.as_list())
         return self._apply_flat(gradients.flat, gradients.tables)
 
@@ -243,20 +241,24 @@ class Update:
         reg_value = self.sum_over_pipeline(reg_value)
         if isinstance(self.model.optimizer, LossScaleOptimizer):
             grads = self.agree_finite_for_loss_scaling(grads)
-        if self.clips_split_variables():
+        clipping = self.clipping()
+        if clipping.shards_by_whole_variable:
             clip = inner_optimizer(self.model.optimizer).clipnorm
             grads = self._shard_clipping.clip(grads, clip, self.loss_scale())
-        norm = self._pipeline_norm(grads) if self.clips_across_stages else None
+        norm = self._pipeline_norm(grads) if clipping.global_norm_over == RANKS else None
         if self.variables:  # a stage of only Add/Activation layers has nothing to update
             self._optimizer_step(grads, norm)
         return reg_value
 
-    def clips_split_variables(self) -> bool:
-        """Whether the optimizer's per-variable `clipnorm` meets split variables (tensor or
-        expert shards), whose norms are their whole variables': `_apply` clips them first
-        (`ShardClipping`)."""
-        return bool(self.split_ids and getattr(inner_optimizer(self.model.optimizer),
-                                               "clipnorm", None))  # fmt: skip
+    def clipping(self) -> Clipping:
+        """How the model's optimizer clips this stage's gradients (`clipping.py`): by a global
+        norm over the ranks, and split variables (tensor or expert shards) by their whole
+        variables' norms, which `_apply` clips first (`ShardClipping`)."""
+        inner = inner_optimizer(self.model.optimizer)
+        return decide_clipping(
+            getattr(inner, "clipnorm", None), getattr(inner, "global_clipnorm", None),
+            partitioned=self._partitioned, split_variables=bool(self.split_ids),
+        )  # fmt: skip
 
     def _pipeline_norm(self, grads: list):
         """Keras's global gradient norm of the whole model (its `global_clipnorm`): squares of
@@ -339,11 +341,11 @@ class Update:
         optimizer = self.model.optimizer
         key = id(optimizer)
         if self._groups_for[0] != key:
-            clipping = bool(getattr(inner_optimizer(optimizer), "global_clipnorm", None))
+            clipping = self.clipping()
             groups = update_groups(self.variables)
             usable = len(groups) > 1 and applies_per_variable(optimizer)
-            usable = usable and not self.clips_split_variables()  # `_apply` clips them
-            self._groups_for = (key, usable and not (clipping and self.regularized))
+            usable = usable and not clipping.shards_by_whole_variable  # `_apply` clips them
+            self._groups_for = (key, usable and not (clipping.by_global_norm and self.regularized))
         return self._groups_for[1]
 
     def _apply_grouped(self, gradients) -> float:
@@ -353,10 +355,10 @@ class Update:
         gradients.grads = gradients.flat = None  # this list is the last reference
         gradients.tables = []
         reg_value = self.sum_over_pipeline(self.local_regularization())
-        optimizer = inner_optimizer(self.model.optimizer)
         norm = None
-        if getattr(optimizer, "global_clipnorm", None):  # without regularization (`_grouped`)
-            norm = self._pipeline_norm(grads) if self.clips_across_stages else self._norm(grads)
+        over = self.clipping().global_norm_over  # without regularization (`_grouped`)
+        if over is not None:
+            norm = self._pipeline_norm(grads) if over == RANKS else self._norm(grads)
         if self.variables:
             step = int(self.model.optimizer.iterations.numpy())
             self.apply_some(grads, list(range(len(self.variables))), step, norm)

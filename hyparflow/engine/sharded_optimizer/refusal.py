@@ -4,6 +4,7 @@ gradient and state (docs/zero.md); the check `model_checks` agrees on over every
 from __future__ import annotations
 
 from hyparflow import _keras
+from hyparflow.engine.gradients.clipping import decide_clipping
 from hyparflow.engine.gradients.update import inner_optimizer
 
 # The optimizers whose update of each element depends only on that element's gradient, state
@@ -38,7 +39,7 @@ def refusal(optimizer, strategy, comm_backend: str) -> str | None:
             f"hyparflow cannot tell), so a replica cannot update a slice alone; use one of "
             f"{', '.join(ELEMENTWISE_OPTIMIZERS)}, or shard_optimizer=False."
         )
-    if getattr(inner, "clipnorm", None):
+    if decide_clipping(getattr(inner, "clipnorm", None), None).per_variable:
         return (
             f"{name}: the optimizer's clipnorm clips each variable by its own norm, which a "
             "slice cannot know; use global_clipnorm (clipped by the whole model's norm)."

@@ -30,7 +30,7 @@ from hyparflow.comm.allreduce import DEFAULT_BUCKET_BYTES, reduction_dtype
 from hyparflow.engine.gradients import sparse as row_sparse
 from hyparflow.engine.gradients.flat import FlatLayout
 from hyparflow.engine.gradients.mpi import mpi_op
-from hyparflow.engine.gradients.update import apply_clipped, inner_optimizer
+from hyparflow.engine.gradients.update import apply_clipped
 from hyparflow.engine.sharded_optimizer.layout import (
     ZeroLayout,
     group_by_dtype,
@@ -149,7 +149,7 @@ class ShardedUpdate:
         # `_squares` (2 a whole table, 3 a tensor-split one, 4 an expert shard)
         self._table_norm = [(2 + (id(v) in split)) if id(v) in owned else None for v in self.tables]
         self._table_norm += [4 if id(v) in owned else None for v in self.experts]
-        self.clips = bool(getattr(inner_optimizer(model.optimizer), "global_clipnorm", None))
+        self.clips = update.clipping().by_global_norm
         self.sent_bytes = 0
         self.step_bytes = {
             "reduce_scatter": sum(g.reduce_scatter_bytes for g in self.groups),
