@@ -20,6 +20,7 @@ import numpy as np
 from keras import tree
 
 from hyparflow.engine.weights import nbytes
+from hyparflow.intercept import instead, replaced_calls
 from hyparflow.partitioner import profile
 from hyparflow.partitioner.graph import numpy_dtype
 from hyparflow.simulate.costs import TensorShare
@@ -100,14 +101,8 @@ def _counting(layout, tally: _Tally):
     inputs) count their exchanges into `tally`, as `TensorShards.active()` would run them."""
     wrapped = [(s.layer, _split_call(s, tally)) for s in layout.splits]
     wrapped += [(layer, _copying_call(layer, names, tally)) for layer, names in layout.copies]
-    try:
-        for layer, call in wrapped:
-            object.__setattr__(layer, "call", call)
+    with replaced_calls((layer, instead(call)) for layer, call in wrapped):
         yield
-    finally:
-        for layer, _ in wrapped:
-            if "call" in vars(layer):
-                object.__delattr__(layer, "call")
 
 
 def _split_call(split, tally: _Tally):

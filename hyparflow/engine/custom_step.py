@@ -24,6 +24,7 @@ from hyparflow.comm.in_graph import allreduce
 from hyparflow.data.batches import split_bounds, split_sizes
 from hyparflow.engine.keras_semantics.random_slices import slice_of
 from hyparflow.engine.trainer import Trainer
+from hyparflow.intercept import Replaced
 from hyparflow.traced import traced
 
 OWN_STEPS = ("train_step", "test_step", "compute_loss")
@@ -82,17 +83,12 @@ def _averaged_apply(apply, comm, weight, grads, trainable_variables=None, **kwar
 def averaged_gradients(optimizers, comm, weight):
     """While active (around a call that may trace the step), each of `optimizers` applies the
     replicas' weighted sum of the gradients it is given; afterwards they are as they were."""
-    saved = [opt.__dict__.get("apply") for opt in optimizers]
-    for opt in optimizers:
-        wrapped = functools.partial(_averaged_apply, opt.apply, comm, weight)
-        object.__setattr__(opt, "apply", wrapped)  # this instance only, until exit
-    try:
+
+    def averaging(apply):
+        return functools.partial(_averaged_apply, apply, comm, weight)
+
+    with Replaced((opt, "apply", averaging) for opt in optimizers):  # these instances only
         yield
-    finally:
-        for opt, before in zip(optimizers, saved, strict=True):
-            object.__delattr__(opt, "apply")
-            if before is not None:
-                object.__setattr__(opt, "apply", before)
 
 
 def _as_tensors(structure):

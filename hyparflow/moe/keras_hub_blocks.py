@@ -22,6 +22,7 @@ import keras
 import tensorflow as tf
 
 from hyparflow import _keras
+from hyparflow.intercept import instead, replaced_calls
 from hyparflow.moe.dispatch import top_k_mixture
 from hyparflow.moe.expert_parallel import expert_parallel_mixture
 from hyparflow.moe.router_loss import load_balancing_loss, routing_sums
@@ -232,24 +233,22 @@ class SparseDispatch:
         self.tally = tally
         self.capacity_factor = capacity_factor
         self.expert_comm = expert_comm
-        self.depth = 0  # entered again inside itself: the calls stay until the outer exit
+        # entered again inside itself, the calls stay until the outer exit (`intercept.py`)
+        self._calls = replaced_calls(self._sparse_calls())
+
+    def _sparse_calls(self):
+        """(layer, make) of each block's routed call and of its expert bank's sparse one."""
+        for block in self.blocks:
+            policy = policy_of(block)
+            bank = getattr(block, policy.bank)
+            block_call = _block_call(policy, self.global_sum, self.tally)
+            bank_call = _bank_call(policy, self.expert_comm, self.capacity_factor)
+            yield block, instead(types.MethodType(block_call, block))
+            yield bank, instead(types.MethodType(bank_call, bank))
 
     def __enter__(self):
-        self.depth += 1
-        for block in self.blocks if self.depth == 1 else ():
-            policy = policy_of(block)
-            call = types.MethodType(_block_call(policy, self.global_sum, self.tally), block)
-            object.__setattr__(block, "call", call)  # untracked, as the weight taps set theirs
-            bank = getattr(block, policy.bank)
-            call = types.MethodType(
-                _bank_call(policy, self.expert_comm, self.capacity_factor), bank
-            )  # fmt: skip
-            object.__setattr__(bank, "call", call)
+        self._calls.__enter__()
         return self
 
     def __exit__(self, *exc):
-        self.depth -= 1
-        for block in self.blocks if self.depth == 0 else ():
-            vars(block).pop("call", None)
-            vars(getattr(block, policy_of(block).bank)).pop("call", None)
-        return False
+        return self._calls.__exit__(*exc)

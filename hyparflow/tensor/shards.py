@@ -19,6 +19,7 @@ from keras import ops
 
 from hyparflow import _keras, deferred
 from hyparflow.checkpoint.state import cut_shard
+from hyparflow.intercept import instead, replaced_calls
 from hyparflow.tensor.collectives import copy_to_shards, gather_from_shards, reduce_from_shards
 from hyparflow.tensor.layout import bounds
 from hyparflow.tensor.splits import COLUMN, ROW, VOCAB
@@ -116,12 +117,12 @@ class TensorShards:
                 self._depth -= 1
             return
         swapped, specs = [], []
+        calls = replaced_calls((layer, instead(call)) for layer, call in self._calls.values())
         try:
             for s in self.shards:
                 swap_variable(s.layer, s.attribute, s.whole, s.shard)
                 swapped.append(s)
-            for layer, call in self._calls.values():
-                object.__setattr__(layer, "call", call)
+            calls.__enter__()
             specs = [layer.input_spec for layer in self._rows]
             for layer in self._rows:  # their input is split: Keras's shape check would refuse
                 layer.input_spec = None
@@ -130,9 +131,7 @@ class TensorShards:
             self._depth -= 1
             for layer, spec in zip(self._rows, specs, strict=True):
                 layer.input_spec = spec
-            for layer, _ in self._calls.values():
-                if "call" in vars(layer):
-                    object.__delattr__(layer, "call")
+            calls.__exit__(None, None, None)
             for s in reversed(swapped):
                 swap_variable(s.layer, s.attribute, s.shard, s.whole)
 

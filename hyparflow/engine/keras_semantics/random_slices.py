@@ -26,6 +26,7 @@ from keras.layers import Attention, Dropout
 from keras.random import SeedGenerator
 
 from hyparflow import _keras
+from hyparflow.intercept import Replaced
 
 __all__ = ["feature_slice", "global_batch_slice", "slice_of", "unsliceable_random_layers"]
 
@@ -45,9 +46,7 @@ PER_SAMPLE_UNIFORM_LAYERS = frozenset({
 })  # fmt: skip
 
 _install_lock = threading.Lock()
-_install_count = 0
-_keras_dropout = None
-_keras_uniform = None
+_keras_functions = {}  # Keras's dropout and uniform, as found when the slicing ones went in
 _thread_state = threading.local()
 
 
@@ -96,27 +95,17 @@ def feature_slice(axis: int, index: int, parts: int):
 @contextlib.contextmanager
 def _pushed(stack, entry):
     """Install the slicing dropout and uniform while `entry` is on this thread's `stack`."""
-    global _install_count, _keras_dropout, _keras_uniform
     if keras.backend.backend() != "tensorflow":
         raise RuntimeError("sliced dropout needs the TensorFlow backend of Keras")
-    with _install_lock:
-        if _install_count == 0:
-            _keras_dropout, _keras_uniform = _keras.tf_random.dropout, _keras.tf_random.uniform
-            _keras.tf_random.dropout = _dropout_in_slice
-            _keras.tf_random.uniform = _uniform_in_slice
-        _install_count += 1
+    with _install_lock:  # one installation for every thread's slices (`intercept.py`)
+        _SLICING.__enter__()
     stack.append(entry)
     try:
         yield
     finally:
         stack.pop()
         with _install_lock:
-            _install_count -= 1
-            # Leave alone a function someone else installed over ours meanwhile.
-            if _install_count == 0 and _keras.tf_random.dropout is _dropout_in_slice:
-                _keras.tf_random.dropout = _keras_dropout
-            if _install_count == 0 and _keras.tf_random.uniform is _uniform_in_slice:
-                _keras.tf_random.uniform = _keras_uniform
+            _SLICING.__exit__(None, None, None)
 
 
 def slice_of(rows):
@@ -133,7 +122,7 @@ def _dropout_in_slice(inputs, rate, noise_shape=None, seed=None):
     # Rates 0 and 1 draw nothing and act row by row, so Keras's shortcuts apply.
     trivial_rate = isinstance(rate, numbers.Real) and rate in (0.0, 1.0)
     if not (slices or features) or trivial_rate:
-        return _keras_dropout(inputs, rate, noise_shape=noise_shape, seed=seed)
+        return _keras_functions["dropout"](inputs, rate, noise_shape=noise_shape, seed=seed)
     offset, global_size = slices[-1] if slices else (0, None)
     feature = features[-1] if features else None
     return _dropout_rows(inputs, rate, noise_shape, seed, offset, global_size, feature)
@@ -144,10 +133,12 @@ def _uniform_in_slice(shape, minval=0.0, maxval=1.0, dtype=None, seed=None):
     of the numbers the global batch would draw from the same seed."""
     slices = _active_slices()
     if not slices or not _draws_per_sample(_keras.calling_layer()):
-        return _keras_uniform(shape, minval, maxval, dtype=dtype, seed=seed)
+        return _keras_functions["uniform"](shape, minval, maxval, dtype=dtype, seed=seed)
     offset, global_size = slices[-1]
     shape = list(shape)
-    whole = _keras_uniform([_as_int32(global_size), *shape[1:]], minval, maxval, dtype, seed)
+    whole = _keras_functions["uniform"](
+        [_as_int32(global_size), *shape[1:]], minval, maxval, dtype, seed
+    )
     begin = [_as_int32(offset)] + [0] * (len(shape) - 1)
     return tf.slice(whole, begin, [_as_int32(shape[0])] + [-1] * (len(shape) - 1))
 
@@ -182,7 +173,9 @@ def _dropout_rows(inputs, rate, noise_shape, seed, offset, global_size, feature=
     # Let Keras draw the seed (once, advancing its SeedGenerator as usual) and
     # the uniform noise of the full batch's mask shape: dropping out ones leaves
     # exactly the kept positions non-zero, since the scale 1 / (1 - rate) is.
-    dropped_ones = _keras_dropout(tf.ones(mask_shape, dtype=inputs.dtype), rate, seed=seed)
+    dropped_ones = _keras_functions["dropout"](
+        tf.ones(mask_shape, dtype=inputs.dtype), rate, seed=seed
+    )
     keep = tf.not_equal(dropped_ones, tf.zeros([], dtype=inputs.dtype))
     if not batch_is_shared:
         begin[0], size[0] = _as_int32(offset), _dim(inputs, 0)
@@ -314,3 +307,19 @@ def _owns_seed_generator(layer):
         elif isinstance(value, SeedGenerator):
             return True
     return False
+
+
+def _slicing(name: str, replacement):
+    """The `make` that puts `replacement` in place of Keras's `name`, kept to draw with."""
+
+    def make(previous):
+        _keras_functions[name] = previous
+        return replacement
+
+    return make
+
+
+_SLICING = Replaced([
+    (_keras.tf_random, "dropout", _slicing("dropout", _dropout_in_slice)),
+    (_keras.tf_random, "uniform", _slicing("uniform", _uniform_in_slice)),
+])  # fmt: skip

@@ -35,6 +35,7 @@ from keras import tree
 
 from hyparflow import _keras
 from hyparflow.engine.stages.stage import UpdateRecordingScope
+from hyparflow.intercept import replaced_calls
 
 
 @dataclass
@@ -146,7 +147,7 @@ class Taps:
         self.refusals: list[str] = []
         self.tapped = 0  # outputs tapped so far
         self._active: list = []
-        self._patched: list = []
+        self._calls = None
 
     @property
     def updates(self) -> dict:
@@ -155,29 +156,27 @@ class Taps:
     def __enter__(self):
         self._graph = tf.compat.v1.get_default_graph()
         self._scope = _ReadScope(self.owners, self._active, self.refusals)
-        for layer in self.layers:
-            self._patch(layer)
+        # each layer's call tapped, over whatever call it had (hyparflow.moe's sparse experts)
+        self._calls = replaced_calls((layer, self._tapping(layer)) for layer in self.layers)
+        self._calls.__enter__()
         self._scope.__enter__()
         return self
 
     def __exit__(self, *exc):
         self._scope.__exit__(*exc)
-        for layer, own in self._patched:
-            if own is None:
-                object.__delattr__(layer, "call")
-            else:  # a call set on the instance before (hyparflow.moe's sparse experts)
-                object.__setattr__(layer, "call", own)
+        self._calls.__exit__(*exc)
         return False
 
-    def _patch(self, layer) -> None:
-        own = vars(layer).get("call")
-        original = own if own is not None else type(layer).call.__get__(layer)
+    def _tapping(self, layer):
+        """The `make` of `layer`'s tapped call, around the call it had (`intercept.py`)."""
 
-        def tapped(*args, **kwargs):
-            return self._tapped_call(layer, original, args, kwargs)
+        def make(original):
+            def tapped(*args, **kwargs):
+                return self._tapped_call(layer, original, args, kwargs)
 
-        object.__setattr__(layer, "call", tapped)
-        self._patched.append((layer, own))
+            return tapped
+
+        return make
 
     def _refuse_layer(self, layer) -> bool:
         """Record why `layer`'s calls cannot be replayed for its weight gradient, if they
