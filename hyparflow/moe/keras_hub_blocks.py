@@ -22,6 +22,7 @@ import keras
 import tensorflow as tf
 
 from hyparflow import _keras
+from hyparflow import _keras_hub as hub
 from hyparflow.intercept import instead, replaced_calls
 from hyparflow.moe.dispatch import top_k_mixture
 from hyparflow.moe.expert_parallel import expert_parallel_mixture
@@ -44,9 +45,7 @@ class Policy:
     shared: Callable | None = None  # (block, tokens) -> the shared expert's gated rows
 
 
-def _softmax_route(
-    normalizes: Callable, jitter: bool = False, router: str = "_sparse_feedforward_gate_dense"
-):
+def _softmax_route(normalizes: Callable, jitter: bool = False, router: str = hub.SPARSE_ROUTER):
     """Mixtral and the Qwen mixtures: softmax over all experts of the `router` Dense's logits,
     then the top k, whose weights are normalised to sum to one where `normalizes(block)`;
     Mixtral's tokens jittered in training."""
@@ -133,10 +132,10 @@ POLICIES = {  # keras_hub class name -> its policy (keras_hub 0.32)
         _fused_gated_expert, loss_coefficient="router_aux_loss_coefficient",
     ),
     "Qwen3_5MoeSparseMoeBlock": Policy(
-        _softmax_route(lambda block: True, router="_router_gate"), "expert_bank",
+        _softmax_route(lambda block: True, router=hub.ROUTER_GATE), "expert_bank",
         (_GATE, _DOWN), _fused_float32_gated_expert,
         loss_coefficient="router_aux_loss_coefficient",
-        shared=_gated_shared_expert("shared_expert", "_shared_expert_gate"),
+        shared=_gated_shared_expert("shared_expert", hub.SHARED_EXPERT_GATE),
     ),
     "GptOssSparseMoeBlock": Policy(
         _top_logits_route, "experts",

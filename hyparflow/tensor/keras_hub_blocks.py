@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from hyparflow import _keras_hub as hub
 from hyparflow.tensor.roles import COLUMN, ROW, split_layer, unsplittable
 
 
@@ -44,34 +45,20 @@ class FeedForward:
     whole_dropouts: tuple  # dropouts on whole tensors
 
 
-_LLAMA_STYLE = Attention("_query_dense", "_key_dense", "_value_dense", "_output_dense",
-                         "_dropout_layer")  # fmt: skip
-_BLOCK_DROPOUTS = ("_self_attention_dropout", "_cross_attention_dropout", "_feedforward_dropout")
+_LLAMA_STYLE = Attention(hub.QUERY, hub.KEY, hub.VALUE, hub.OUTPUT, hub.ATTENTION_DROPOUT)
+_DENSE = FeedForward((hub.FEEDFORWARD_INTERMEDIATE,), hub.FEEDFORWARD_OUTPUT, hub.BLOCK_DROPOUTS)
+_GATED = dataclasses.replace(_DENSE, columns=(hub.FEEDFORWARD_GATE, hub.FEEDFORWARD_INTERMEDIATE))
 ATTENTION = {
     "LlamaAttention": _LLAMA_STYLE,
     "CachedMistralAttention": _LLAMA_STYLE,
-    "Qwen3MoeAttention": dataclasses.replace(
-        _LLAMA_STYLE, head_norms=("_query_dense_layer_norm", "_key_dense_layer_norm")
-    ),
+    "Qwen3MoeAttention": dataclasses.replace(_LLAMA_STYLE, head_norms=hub.HEAD_NORMS),
 }
 FEED_FORWARD = {
-    "TransformerEncoder": FeedForward(
-        ("_feedforward_intermediate_dense",), "_feedforward_output_dense", _BLOCK_DROPOUTS
-    ),
-    "TransformerDecoder": FeedForward(
-        ("_feedforward_intermediate_dense",), "_feedforward_output_dense", _BLOCK_DROPOUTS
-    ),
-    "LlamaTransformerDecoder": FeedForward(
-        ("_feedforward_gate_dense", "_feedforward_intermediate_dense"),
-        "_feedforward_output_dense",
-        _BLOCK_DROPOUTS,
-    ),
-    "MistralTransformerDecoder": FeedForward(
-        ("_feedforward_gate_dense", "_feedforward_intermediate_dense"),
-        "_feedforward_output_dense",
-        _BLOCK_DROPOUTS,
-    ),
-    "Qwen3MoeTransformerDecoder": FeedForward((), None, _BLOCK_DROPOUTS),
+    "TransformerEncoder": _DENSE,
+    "TransformerDecoder": _DENSE,
+    "LlamaTransformerDecoder": _GATED,
+    "MistralTransformerDecoder": _GATED,
+    "Qwen3MoeTransformerDecoder": FeedForward((), None, hub.BLOCK_DROPOUTS),
 }
 
 
