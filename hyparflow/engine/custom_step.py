@@ -116,9 +116,9 @@ class CustomStepTrainer(Trainer):
     applies them. Prediction, weights, checkpoints' state and the logs' metric sums are the
     data-parallel `Trainer`'s."""
 
-    def _build(self, model, strategy, plan, topo, comm_backend):
-        super()._build(model, strategy, plan, topo, comm_backend)
-        if topo.num_replicas > 1:
+    def __init__(self, model, *args, **kwargs):
+        super().__init__(model, *args, **kwargs)
+        if self.topology.num_replicas > 1:
             _refuse_row_slices(model, self.row_kinds)
         self._equal_shares = needs_equal_shares(model)
         self._returned = None  # what the last step returned (Keras's logs of that batch)
@@ -152,7 +152,8 @@ class CustomStepTrainer(Trainer):
         data = keras.utils.pack_x_y_sample_weight(x, y, sample_weight)
         return data, (stop - start) / batch.size, tf.constant([start, batch.size], tf.int32)
 
-    def _train_step(self, batch) -> None:
+    def optimizer_step(self, batch) -> None:
+        """The model's own `train_step` on this replica's share of `batch`."""
         if self.check_numerics:
             raise AgreedError(
                 ValueError(

@@ -329,9 +329,11 @@ class Trainer:
     def train_step(self, batch: GlobalBatch) -> None:
         """One optimizer step on one global batch (collective over every rank)."""
         with self.layers_active():
-            self._train_step(batch)
+            self.optimizer_step(batch)
 
-    def _train_step(self, batch: GlobalBatch) -> None:
+    def optimizer_step(self, batch: GlobalBatch) -> None:
+        """One optimizer step on `batch`, the layers already active (`train_step`): the seam
+        where a trainer of another kind of step plugs in (`CustomStepTrainer`)."""
         microbatches = self._microbatches(batch, training=True)
         self.output_losses.begin(batch.size)
         on_segment_done = self.gradient_path.begin(self.check_numerics)
