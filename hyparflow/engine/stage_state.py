@@ -17,7 +17,7 @@ class TrainingState:
 
     def __init__(
         self, model, topology, plan, variables: list, guard, split=None, shard_variables=None,
-        experts: int = 1,
+        experts: int = 1, optimizer_shard=None,
     ):  # fmt: skip
         self.model = model
         self.variables = variables
@@ -37,7 +37,8 @@ class TrainingState:
         # tensor rank) its experts
         first_group = topology.replica < experts and topology.shard == 0
         self.writes_pieces = topology.replica == 0 or first_group
-        self.optimizer_shard = None  # ZeRO-1's ShardedUpdate: each replica saves its slices
+        # ZeRO-1's `ZeroCheckpoint`: each replica saves its slices of the optimizer state
+        self.optimizer_shard = optimizer_shard
         self._stage_comm = topology.stage_comm
         self._plan = plan
         self._guard = guard

@@ -26,7 +26,11 @@ from hyparflow.engine.gradients.flat import FlatLayout
 from hyparflow.engine.gradients.form import choose_gradient_form
 from hyparflow.engine.gradients.mpi import mpi_op
 from hyparflow.engine.gradients.path import build_gradient_path
-from hyparflow.engine.gradients.segment_update import SegmentUpdate, segment_count
+from hyparflow.engine.gradients.segment_update import (
+    SegmentUpdate,
+    segment_count,
+    segment_parts,
+)
 from hyparflow.engine.gradients.sync import GradientSync, SharedAcrossStages
 from hyparflow.engine.gradients.update import Update
 from hyparflow.engine.keras_semantics.added_losses import (
@@ -123,7 +127,9 @@ class Trainer:
         self._moving_statistics = unsynchronized_moving_statistics(layers, strategy.sync_batchnorm)
         self.splits.synchronized = bool(synchronized_layers(layers, strategy.sync_batchnorm))
         parts = [self._runner_parts(stage) for stage in self.stages]
-        segments = self._build_runner(parts, shared is not None, comm_backend)
+        self.runner, self.gradient_form, segments = self._build_runner(
+            parts, shared is not None, comm_backend
+        )
         self._update_metrics_fn = traced(self._update_metrics, reduce_retracing=True)
         # Compiled like Keras's own step: metric updates and results are a call each.
         self._loss_tracker_fn = traced(
@@ -143,9 +149,8 @@ class Trainer:
         self.stage_state = TrainingState(
             model, topo, plan, self.variables, self.guard, *self.splits.pieces(),
             experts=strategy.experts,
+            optimizer_shard=None if self.zero is None else ZeroCheckpoint(self.zero),
         )  # fmt: skip
-        if self.zero is not None:
-            self.stage_state.optimizer_shard = ZeroCheckpoint(self.zero)
         self._log_root = topo.grid.rank_of(topo.num_stages - 1, 0)
         self.attach_recorder(None)
 
@@ -173,9 +178,9 @@ class Trainer:
         self.dense = sorted(set(range(len(self.variables))) - set(self.sparse))
         return layers
 
-    def _build_runner(self, parts, shared_across_stages: bool, comm_backend: str):
-        """The stage's runner for the gradient form its facts call for; returns its segments
-        (None unless the runner cuts the stage into segments)."""
+    def _build_runner(self, parts, shared_across_stages: bool, comm_backend: str) -> tuple:
+        """(the stage's runner, the gradient form its facts call for, its segments: None
+        unless the runner cuts the stage into segments)."""
         strategy, topo = self.strategy, self.topology
         layout = FlatLayout([self.variables[i] for i in self.dense])
         # a split backward's weight gradients are final only after the step's last W, and
@@ -198,25 +203,20 @@ class Trainer:
             tensor_split=self.shards is not None,
             expert_split=self.experts is not None,
         )
-        self.gradient_form = choose_gradient_form(**facts, overlap_groups=strategy.overlap_groups)
+        form = choose_gradient_form(**facts, overlap_groups=strategy.overlap_groups)
         if len(parts) > 1:  # interleaved: a runner per chunk, their gradients summed
             # no chunk packs a flat backward; the rank's sums flat only to be reduced
-            form = dataclasses.replace(self.gradient_form, flat_backward=False)
-            self.gradient_form = form
-            self.runner = build_chunk_runners(parts, self.variables, self.sparse, form, layout)
-            return None
-        if self.gradient_form.overlap or self.gradient_form.update_per_segment:
+            form = dataclasses.replace(form, flat_backward=False)
+            runner = build_chunk_runners(parts, self.variables, self.sparse, form, layout)
+            return runner, form, None
+        if form.overlap or form.update_per_segment:
             count = strategy.overlap_groups if strategy.overlap_groups > 1 else facts["segments"]
             segmented = build_segmented_runner(parts[0], self.variables, count)
             if segmented is not None:
-                self.runner, segments = segmented
-                return segments
+                return segmented[0], form, segmented[1]
             # the stage cannot be cut: reduce after the backward
-            self.gradient_form = choose_gradient_form(**{**facts, "segments": 1})
-        self.runner = build_runner(
-            parts[0], self.variables, self.sparse, self.gradient_form, layout
-        )  # fmt: skip
-        return None
+            form = choose_gradient_form(**{**facts, "segments": 1})
+        return build_runner(parts[0], self.variables, self.sparse, form, layout), form, None
 
     def _build_gradient_path(self, shared, segments, comm_backend: str) -> None:
         """Reduction across stages and replicas, the optimizer step, the update by segment and
@@ -233,24 +233,23 @@ class Trainer:
             split=self.shards.variables if self.shards else (),
             expert_split=self.splits.expert_split(),
         )  # fmt: skip
+        # ZeRO-1: the replicas split the optimizer state and its update
+        # (engine/sharded_optimizer/sharded_update.py); by segment, each segment is
+        # reduce-scattered, its slice updated, its parameters gathered as soon as the last
+        # backward has finished it
+        parts = segment_parts(self.variables, segments) if form.update_per_segment else None
+        self.zero = None
+        if self.strategy.shard_optimizer and topo.num_replicas > 1:
+            self.zero = ShardedUpdate(
+                model, topo, self.variables, self.update, self.gradient_sync, segments=parts
+            )  # fmt: skip
         self.segment_update = None
         if form.update_per_segment:
             replicas = topo.stage_comm if topo.num_replicas > 1 else None
             self.segment_update = SegmentUpdate(
-                self.update, self.runner, segments, replicas=replicas, guard=self.guard
+                self.update, self.runner, segments, replicas=replicas, guard=self.guard,
+                zero=self.zero,
             )  # fmt: skip
-        # ZeRO-1: the replicas split the optimizer state and its update
-        # (engine/sharded_optimizer/sharded_update.py)
-        self.zero = None
-        if self.strategy.shard_optimizer and topo.num_replicas > 1:
-            # by segment: each segment reduce-scattered, its slice updated, its parameters
-            # gathered as soon as the last backward has finished it
-            parts = None if self.segment_update is None else self.segment_update.segment_positions
-            self.zero = ShardedUpdate(
-                model, topo, self.variables, self.update, self.gradient_sync, segments=parts
-            )  # fmt: skip
-            if self.segment_update is not None:
-                self.segment_update.shard(self.zero)
         self.gradient_path = build_gradient_path(
             self.gradient_sync, self.update, self.segment_update, self.zero,
             # a lambda: attach_recorder replaces `_span` (`guard` reads the current watchdog)

@@ -26,6 +26,16 @@ from hyparflow.engine.weights import nbytes
 from hyparflow.traced import traced
 
 
+def segment_parts(variables: list, overlap) -> list[list[int]]:
+    """The positions of a segmented stage's `variables` in the parts its update applies: those
+    final after each segment of the last backward (`overlap.ready_at`), then the rest."""
+    position = {id(v): i for i, v in enumerate(variables)}
+    parts = [[position[id(v)] for _, v in overlap.ready_at[j]] for j in sorted(overlap.ready_at)]
+    reached = {i for part in parts for i in part}
+    left = [i for i in range(len(variables)) if i not in reached]
+    return parts + [left] if left else parts
+
+
 class SegmentUpdate:
     """Apply a segmented stage's update during its step's last backward.
 
@@ -38,40 +48,31 @@ class SegmentUpdate:
 
     `replicas`: the stage's replica communicator (None: no replicas), over which each
     segment's gradients are summed before its update; `guard(operation)` watches that wait.
+    `zero`: a ZeRO-1 `ShardedUpdate` built over the same parts (`segment_parts`): each part's
+    gradients reduce-scattered, this replica's slice of it stepped, its parameters
+    all-gathered, so no rank holds more than one part's gradients or more than its slice of
+    the optimizer state (the reduce-scatter sums them over the replicas).
     """
 
-    def __init__(self, update, runner, overlap, replicas=None, guard=None):
+    def __init__(self, update, runner, overlap, replicas=None, guard=None, zero=None):
         self.update = update
         self.runner = runner
-        self._reducer = None if replicas is None else GradientReducer(replicas, op="sum")
+        self.segment_positions = segment_parts(update.variables, overlap)
+        if zero is not None:
+            theirs = [sorted(i for g in groups for i in g.positions) for groups in zero.segments]
+            if theirs != [sorted(part) for part in self.segment_positions]:
+                raise ValueError("the ShardedUpdate was not built over this SegmentUpdate's parts")
+        self.zero = zero
+        summed = replicas is None or zero is not None
+        self._reducer = None if summed else GradientReducer(replicas, op="sum")
         self._guard = guard or (lambda operation: contextlib.nullcontext())
         self._layouts: dict = {}  # positions -> (FlatLayout, compiled flatten)
-        position = {id(v): i for i, v in enumerate(update.variables)}
-        done = sorted(overlap.ready_at)
-        # the stage's variables in parts: those final after each segment, then the rest
-        self.segment_positions = [[position[id(v)] for _, v in overlap.ready_at[j]] for j in done]
-        reached = {i for part in self.segment_positions for i in part}
-        left = [i for i in range(len(update.variables)) if i not in reached]
-        if left:
-            self.segment_positions.append(left)
-        self._part_after = {j: k for k, j in enumerate(done)}
-        self.zero = None  # a `ShardedUpdate` over the same parts (`shard`)
+        self._part_after = {j: k for k, j in enumerate(sorted(overlap.ready_at))}
         self._usable_for: tuple = (None, False)
         self._step = 0
         self._regularization = 0.0
         self._applied: set[int] = set()  # parts applied this step
         self.early_updates = 0  # parts applied inside a backward (all steps)
-
-    def shard(self, zero) -> None:
-        """Update through `zero`, a ZeRO-1 `ShardedUpdate` built with
-        `segments=self.segment_positions`: each part's gradients reduce-scattered, this
-        replica's slice of it stepped, its parameters all-gathered, so no rank holds more than
-        one part's gradients or more than its slice of the optimizer state."""
-        theirs = [sorted(i for g in groups for i in g.positions) for groups in zero.segments]
-        if theirs != [sorted(part) for part in self.segment_positions]:
-            raise ValueError("the ShardedUpdate was not built over this SegmentUpdate's parts")
-        self.zero = zero
-        self._reducer = None  # the reduce-scatter sums them
 
     def usable(self) -> bool:
         """Whether the model's optimizer can update in parts: each variable's update reads

@@ -18,7 +18,7 @@ class ZeroCheckpoint:
     """`checkpoint/stage.py`'s `optimizer_shard` for a `ShardedUpdate` `zero`.
 
     Example:
-        stage_state.optimizer_shard = ZeroCheckpoint(zero)
+        TrainingState(..., optimizer_shard=ZeroCheckpoint(zero))
     """
 
     def __init__(self, zero):
