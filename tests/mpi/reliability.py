@@ -149,7 +149,6 @@ def resume(folder):
                 np.array_equal(a, b)
                 for a, b in zip(resumed.get_weights(), reference.get_weights(), strict=True)
             ),
-            "resumed_epochs": history.epoch,
             "resume_lines": [
                 line for line in printed.getvalue().splitlines() if "resuming from" in line
             ],
