@@ -19,6 +19,10 @@ from tests.support import zoo
 from tests.support.compare import relative_difference
 
 TOLERANCE = 1e-5
+# two one-process fits of the tiny Mixtral, 2 epochs of SGD with momentum: Keras alone, every
+# initial weight moved by 1e-7 relative, ends 2.6e-5 from its own run on an AMD EPYC without
+# AVX-512, and sparse dispatch reorders the experts' sums (1.4e-5 there)
+ONE_PROCESS_FIT_TOLERANCE = 1e-4
 
 
 def _dense_mixture(tokens, index, weight, kernels):
@@ -344,9 +348,10 @@ def test_one_process_fit_is_model_fit_with_the_experts_dispatched_sparsely():
     dense, dense_history, dense_steps = _one_process_fit(keras_fit)
     model, history, steps = _one_process_fit(hf.fit)
     assert steps and all(steps) and not any(dense_steps)
-    assert relative_difference(model.get_weights(), dense.get_weights()) < TOLERANCE
+    difference = relative_difference(model.get_weights(), dense.get_weights())
+    assert difference < ONE_PROCESS_FIT_TOLERANCE
     for key, values in dense_history.items():
-        np.testing.assert_allclose(history[key], values, rtol=TOLERANCE)
+        np.testing.assert_allclose(history[key], values, rtol=ONE_PROCESS_FIT_TOLERANCE)
     plain, plain_history, plain_steps = _one_process_fit(
         hf.fit, strategy=hf.Strategy("data", sparse_experts=False)
     )
