@@ -10,7 +10,7 @@ import keras
 import pytest
 
 from hyparflow.intercept import Replaced, instead, replaced_calls
-from tests.support.mpirun import REPO
+from tests.support.sources import python_sources
 
 
 def _dense():
@@ -97,15 +97,11 @@ def test_the_scan_finds_each_way_of_intercepting_by_hand():
 
 
 def test_only_intercept_py_replaces_calls():
-    found = {}
-    for root, _, files in os.walk(os.path.join(REPO, "hyparflow")):
-        for name in files:
-            path = os.path.join(root, name)
-            if name.endswith(".py") and not path.endswith(
-                os.path.join("hyparflow", "intercept.py")
-            ):
-                with open(path) as file:
-                    lines = interceptions(file.read())
-                if lines:
-                    found[os.path.relpath(path, REPO)] = lines
+    found = {
+        path: lines
+        for path, text in python_sources("hyparflow").items()
+        if path != os.path.join("hyparflow", "intercept.py")
+        for lines in [interceptions(text)]
+        if lines
+    }
     assert found == {}

@@ -5,6 +5,8 @@ import shutil
 import subprocess
 import sys
 
+from tests.support.sources import python_sources
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LINT_IMPORTS = os.path.join(os.path.dirname(sys.executable), "lint-imports")
 
@@ -61,20 +63,7 @@ def test_an_upward_import_breaks_the_contract(tmp_path):
     assert "hyparflow.comm.world -> hyparflow.engine.stages.walk" in result.stdout
 
 
-def _sources(*folders: str) -> dict[str, str]:
-    """Each Python file's text below `folders`, by its path from the repository."""
-    texts = {}
-    for folder in folders:
-        for root, _, files in os.walk(os.path.join(REPO, folder)):
-            for name in files:
-                if name.endswith(".py"):
-                    path = os.path.join(root, name)
-                    with open(path) as file:
-                        texts[os.path.relpath(path, REPO)] = file.read()
-    return texts
-
-
 def test_a_module_holds_one_concept_at_the_length_it_needs():
     """No cap splits a concept over files (issue 63); past 800 lines a module holds several."""
-    lengths = {path: text.count("\n") for path, text in _sources("hyparflow").items()}
+    lengths = {path: text.count("\n") for path, text in python_sources("hyparflow").items()}
     assert {path: n for path, n in lengths.items() if n > 800} == {}

@@ -7,7 +7,7 @@ import pytest
 
 from hyparflow import _keras, _keras_hub
 from tests.support import hub_zoo
-from tests.support.mpirun import REPO
+from tests.support.sources import python_sources
 
 # the tiny models of tests/support/hub_zoo.py that hold every class of `_keras_hub.READ`
 HOLDERS = ["Llama", "Mistral", "Qwen3Moe", "Bert", "GPT2", "Mixtral", "QwenMoe", "Qwen3_5Moe"]
@@ -37,16 +37,12 @@ def _names() -> set[str]:
 
 
 def test_no_other_module_spells_a_private_keras_hub_name():
-    spelled = []
-    for root, _, files in os.walk(os.path.join(REPO, "hyparflow")):
-        for name in files:
-            path = os.path.join(root, name)
-            if not name.endswith(".py") or path.endswith(
-                os.path.join("hyparflow", "_keras_hub.py")
-            ):
-                continue
-            with open(path) as file:
-                text = file.read()
-            spelled += [f"{os.path.relpath(path, REPO)}: {n}" for n in _names() if f'"{n}"' in text]
+    spelled = [
+        f"{path}: {n}"
+        for path, text in python_sources("hyparflow").items()
+        if path != os.path.join("hyparflow", "_keras_hub.py")
+        for n in _names()
+        if f'"{n}"' in text
+    ]
     assert spelled == []
     assert "_query_dense" in _names() and "_router_gate" in _names()  # the scan looks for them

@@ -37,10 +37,8 @@ def capture(callbacks) -> list[dict]:
 'best': 0.25, 'best_epoch': 0}}]
     """
     held = []
-    for callback, name, index in _placed(callbacks):
-        state = {
-            attribute: _plain(getattr(callback, attribute, None)) for attribute in _names(callback)
-        }
+    for callback, (name, index), attributes in _placed(callbacks):
+        state = {attribute: _plain(getattr(callback, attribute, None)) for attribute in attributes}
         held.append({"callback": name, "index": index, "state": state})
     return held
 
@@ -48,9 +46,9 @@ def capture(callbacks) -> list[dict]:
 def restore(callbacks, held: list[dict]) -> None:
     """Set each callback's held state back (after Keras's on_train_begin reset it); callbacks
     the checkpoint has no state for keep their fresh one."""
-    saved = {(entry["callback"], entry["index"]): entry["state"] for entry in held}
-    for callback, name, index in _placed(callbacks):
-        for attribute, value in saved.get((name, index), {}).items():
+    saved = _by_place(held)
+    for callback, place, _ in _placed(callbacks):
+        for attribute, value in saved.get(place, {}).items():
             setattr(callback, attribute, _copied(value))
 
 
@@ -58,9 +56,9 @@ def check_resumable(callbacks, held: list[dict], resumed_epoch: int) -> None:
     """Refuse to resume with an `EarlyStopping(restore_best_weights=True)` whose best epoch came
     before the checkpoint: its best weights were kept in memory only, so the resumed run could
     not restore them as the uninterrupted one would."""
-    saved = {(entry["callback"], entry["index"]): entry["state"] for entry in held}
-    for callback, name, index in _placed(callbacks):
-        state = saved.get((name, index), {})
+    saved = _by_place(held)
+    for callback, place, _ in _placed(callbacks):
+        state = saved.get(place, {})
         needed = state.get("best") is not None and state.get("best_epoch", 0) < resumed_epoch
         if getattr(callback, "restore_best_weights", False) and needed:
             raise ValueError(
@@ -73,19 +71,21 @@ def check_resumable(callbacks, held: list[dict], resumed_epoch: int) -> None:
 
 
 def _placed(callbacks):
-    """(callback, class name, its index among callbacks of that class) for the held kinds."""
+    """(callback, its place: (class name, its index among callbacks of that class), the
+    attributes held) for each callback of a held kind."""
     seen = Counter()
     for callback in callbacks:
-        for kind, _ in HELD:
+        for kind, attributes in HELD:
             if isinstance(callback, kind):
                 name = kind.__name__
-                yield callback, name, seen[name]
+                yield callback, (name, seen[name]), attributes
                 seen[name] += 1
                 break
 
 
-def _names(callback) -> tuple[str, ...]:
-    return next(names for kind, names in HELD if isinstance(callback, kind))
+def _by_place(held: list[dict]) -> dict:
+    """Each held state by its callback's place, as `_placed` gives it."""
+    return {(entry["callback"], entry["index"]): entry["state"] for entry in held}
 
 
 def _plain(value):
