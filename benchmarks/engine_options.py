@@ -112,7 +112,7 @@ def worker(args) -> None:
                strategy=strategy, callbacks=[timer])  # fmt: skip
         trainer = model._hyparflow_trainer[1]
         if hf.rank() == 0:
-            (_, channel), *_ = trainer.walk.channels.values()  # stage 0's link to stage 1
+            (_, channel), *_ = trainer.parts.walk.channels.values()  # stage 0's link to stage 1
             row = {d: sum(s.row_bytes for s in channel.specs(d)) for d in ("forward", "backward")}
             write_result(args.worker_out, 0, {
                 "samples_per_s": [args.batch_size * args.steps / s for s in timer.seconds[1:]],

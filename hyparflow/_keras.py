@@ -116,16 +116,10 @@ def reduction_axes(layer) -> list:
     return layer._reduction_axes
 
 
-def replace_moments(layer, moments) -> None:
-    """`BatchNormalization._moments(inputs, mask)` of this layer alone replaced by `moments`
-    (engine/keras_semantics/sync_batchnorm.py: statistics over the replicas), until
-    `restore_moments`."""
-    object.__setattr__(layer, "_moments", moments)
-
-
-def restore_moments(layer) -> None:
-    """The layer's own `BatchNormalization._moments` again (the class's method)."""
-    object.__delattr__(layer, "_moments")
+# `BatchNormalization._moments(inputs, mask)`: a layer's batch moments, which
+# engine/keras_semantics/sync_batchnorm.py replaces per instance (through `intercept.py`) to
+# take them over the replicas.
+BATCHNORM_MOMENTS = "_moments"
 
 
 def call_context_args(operation) -> tuple:

@@ -15,6 +15,7 @@ import hyparflow as hf
 from hyparflow import _keras
 from hyparflow.comm.topology import Topology
 from hyparflow.data.batches import GlobalBatch
+from hyparflow.engine import events
 from hyparflow.engine.gradients.path import BySegmentPath, WholePath, build_gradient_path
 from hyparflow.engine.gradients.sync import GradientSync
 from hyparflow.engine.gradients.update import Update
@@ -60,8 +61,8 @@ def _parts(model, microbatches=2):
         microbatches=microbatches,
     )  # fmt: skip
     walk = PipelineWalk(
-        model, topology, strategy, [Chunk(None, runner, True, True)], guard=_no_guard, loss=None,
-        update_metrics=lambda *args: None, whole_inputs=True,
+        model, topology, strategy, [Chunk(None, runner, True, True)], guard=_no_guard,
+        span=events.Spans().span, loss=None, update_metrics=lambda *args: None, whole_inputs=True,
     )  # fmt: skip
     sync = GradientSync(
         topology, runner, variables, list(range(len(variables))), [], backend="mpi",

@@ -104,3 +104,29 @@ class NoWatchdog:
 
     def close(self) -> None:
         pass
+
+
+class Guard:
+    """The guard every part of a trainer watches its blocking waits with: `guard(operation,
+    peer, microbatch)` uses the watchdog in force, which `use(timeout)` replaces (each fit
+    names its own timeout; 0: none). `at_step(step)` names the step in a stall report."""
+
+    def __init__(self, comm, timeout: float = 0.0):
+        self.comm = comm
+        self.watchdog = NoWatchdog()
+        self.use(timeout)
+
+    def use(self, timeout: float) -> None:
+        if getattr(self.watchdog, "timeout", 0) == timeout:
+            return
+        self.watchdog.close()
+        self.watchdog = Watchdog(self.comm, timeout) if timeout > 0 else NoWatchdog()
+
+    def __call__(self, operation: str, peer=None, microbatch=None):
+        return self.watchdog.guard(operation, peer, microbatch)
+
+    def at_step(self, step: int) -> None:
+        self.watchdog.step = step
+
+    def close(self) -> None:
+        self.watchdog.close()

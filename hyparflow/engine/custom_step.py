@@ -119,7 +119,7 @@ class CustomStepTrainer(Trainer):
     def __init__(self, model, *args, **kwargs):
         super().__init__(model, *args, **kwargs)
         if self.topology.num_replicas > 1:
-            _refuse_row_slices(model, self.row_kinds)
+            _refuse_row_slices(model, self.parts.setting.row_kinds)
         self._equal_shares = needs_equal_shares(model)
         self._returned = None  # what the last step returned (Keras's logs of that batch)
         self._matches: dict = {}
@@ -166,9 +166,7 @@ class CustomStepTrainer(Trainer):
         with self.guard("custom train step (gradients summed over replicas)"):
             weight = tf.constant(share, tf.float32)
             self._returned = _any_batch_size(self._train_fn, data, weight, rows)
-        self._average_moving_statistics()
-        self.step += 1
-        self.watchdog.step = self.step
+        self._end_step()
 
     def eval_step(self, batch, reg_value: float) -> None:
         """The model's `test_step` on this replica's share (it adds its own regularization)."""

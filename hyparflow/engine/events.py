@@ -141,10 +141,24 @@ def span_listener(recorder: Recorder, kind: str):
 _NO_SPAN = contextlib.nullcontext()
 
 
-def no_span(kind: str, microbatch: int | None = None):
-    """The span used when nothing records: one shared, reusable no-op context."""
-    return _NO_SPAN
+class Spans:
+    """Where a trainer's parts time their work: each part is handed this one object when it is
+    built, and `record_into(recorder)` chooses what they record into (None: nothing)."""
 
+    def __init__(self) -> None:
+        self.recorder: Recorder | None = None
 
-def no_step(samples: int, microbatches: int):
-    return _NO_SPAN
+    def record_into(self, recorder: Recorder | None) -> None:
+        self.recorder = recorder
+
+    def span(self, kind: str, microbatch: int | None = None):
+        """A timed span of `kind` (of `microbatch`), or a no-op when nothing records."""
+        if self.recorder is None:
+            return _NO_SPAN
+        return self.recorder.span(kind, microbatch)
+
+    def step(self, samples: int, microbatches: int):
+        """The span of one step of `samples` in `microbatches`."""
+        if self.recorder is None:
+            return _NO_SPAN
+        return self.recorder.step(samples, microbatches)

@@ -1,11 +1,12 @@
 """One rank's share of training: its stage of its replica's pipeline, step by step.
 
-A step walks the stage's schedule over the micro-batches of its replica's shard
-(`pipeline.PipelineWalk`), sums the gradients across the stages that share a layer and across
-replicas (`gradient_sync.GradientSync`), and applies the optimizer with the weight
-regularization added once (`update.Update`). The loss of each micro-batch is its mean times its
-share of the global batch, so the summed gradient is exactly the gradient of Keras's loss on
-the whole global batch.
+`build_parts` is the engine's composition root: it builds every part of a rank's trainer once,
+into the immutable `TrainerParts`. A step (`Trainer.optimizer_step`) walks the stage's schedule
+over the micro-batches of its replica's shard (`stages/walk.py`), sums the gradients across the
+stages that share a layer and across replicas (`gradients/sync.py`), and applies the optimizer
+with the weight regularization added once (`gradients/update.py`). The loss of each
+micro-batch is its mean times its share of the global batch, so the summed gradient is exactly
+the gradient of Keras's loss on the whole global batch.
 """
 
 from __future__ import annotations
@@ -18,12 +19,12 @@ import tensorflow as tf
 from hyparflow import _keras, deferred
 from hyparflow.comm.in_graph import traffic
 from hyparflow.comm.topology import Topology
-from hyparflow.comm.watchdog import NoWatchdog, Watchdog
+from hyparflow.comm.watchdog import Guard
 from hyparflow.data import GlobalBatch
 from hyparflow.engine import events
 from hyparflow.engine.gradients import sparse as row_sparse
 from hyparflow.engine.gradients.flat import FlatLayout
-from hyparflow.engine.gradients.form import choose_gradient_form
+from hyparflow.engine.gradients.form import GradientForm, choose_gradient_form
 from hyparflow.engine.gradients.mpi import mpi_op
 from hyparflow.engine.gradients.path import build_gradient_path
 from hyparflow.engine.gradients.segment_update import (
@@ -37,7 +38,7 @@ from hyparflow.engine.keras_semantics.added_losses import (
     refuse_unless_batch_means,
     warn_unless_batch_means,
 )
-from hyparflow.engine.keras_semantics.metrics import ReplicaMetrics, build_outside_the_trace
+from hyparflow.engine.keras_semantics.metrics import ReplicaMetrics, compiled_metrics_update
 from hyparflow.engine.keras_semantics.output_losses import OutputLosses
 from hyparflow.engine.keras_semantics.split_layers import SplitLayers
 from hyparflow.engine.keras_semantics.sync_batchnorm import synchronized_layers
@@ -52,7 +53,7 @@ from hyparflow.engine.stages.make_runner import (
     seed_variables,
     unsynchronized_moving_statistics,
 )
-from hyparflow.engine.stages.structure import model_input_list, pack_model_outputs
+from hyparflow.engine.stages.structure import model_input_list, pack_model_outputs, stage_call
 from hyparflow.engine.stages.walk import Chunk, PipelineWalk
 from hyparflow.engine.weights import (
     assign_packed,
@@ -65,196 +66,361 @@ from hyparflow.moe import expert_parallel
 from hyparflow.tensor import collectives
 from hyparflow.traced import traced
 
-__all__ = ["Trainer", "model_input_list", "pack_model_outputs"]
+__all__ = ["Trainer", "TrainerParts", "build_parts", "model_input_list", "pack_model_outputs"]
 
 
-def _training_state_field(name: str, doc: str) -> property:
-    """A Trainer attribute that is `stage_state`'s field `name` (checkpoints save that state)."""
-    return property(
-        lambda trainer: getattr(trainer.stage_state, name),
-        lambda trainer, value: setattr(trainer.stage_state, name, value),
-        doc=doc,
+@dataclasses.dataclass(frozen=True)
+class StageVariables:
+    """The trainable variables of every stage a rank runs (`all`), those it owns (a variable
+    shared by stages is owned by one), the positions in `all` of embedding tables (row-sparse
+    gradients, `sparse`) and of the rest (`dense`), and the stages' layers."""
+
+    all: list
+    owned: list
+    sparse: list
+    dense: list
+    layers: list
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """What a rank's parts are built for: its `topology` in the grid, the partitioner's `plan`
+    (None: the whole model is the only stage) and the `stages` of it this rank runs, the
+    `guard` every blocking wait is watched with (`Guard.use` switches its watchdog), its
+    `splits` (tensor shards, expert shards, sparse mixture dispatch) and the model's
+    row-sparse variables (`row_kinds`)."""
+
+    model: object
+    strategy: object
+    plan: object
+    stages: list
+    topology: Topology
+    guard: Guard
+    splits: SplitLayers
+    row_kinds: row_sparse.RowKinds
+    comm_backend: str  # sums gradients across replicas: "mpi" or "horovod"
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerParts:
+    """Everything one rank's trainer runs, built once by `build_parts` (the engine's one
+    composition root): each part gets what it works with as constructor arguments, and none is
+    changed once built. `spans` chooses the recorder the parts time their work into;
+    `loss_adders` collects the layers that add losses while the runners trace."""
+
+    setting: Setting
+    variables: StageVariables
+    spans: events.Spans
+    moving_statistics: list  # normalisation statistics the replicas average after each step
+    output_losses: OutputLosses
+    loss_adders: set
+    runner: object  # the stage's forward and backward (`stages/runner.py` and its kinds)
+    gradient_form: GradientForm
+    walk: PipelineWalk
+    gradient_sync: GradientSync
+    update: Update
+    sharded: ShardedUpdate | None  # ZeRO-1's sharded optimizer update, if any
+    segment_update: SegmentUpdate | None
+    gradient_path: object  # `gradients/path.py`: reduction and update, as the form asks
+    stage_state: TrainingState
+
+
+def build_parts(model, strategy, comm, plan=None, **options) -> TrainerParts:
+    """The parts of the trainer of this rank's (stage, replica) of `model` under `strategy` on
+    `comm` (collective). `options`: `watchdog_timeout`, `comm_backend` ("mpi" or
+    "horovod"), `tensor_layout`, `row_kinds`."""
+    setting = _setting(model, strategy, comm, plan, options)
+    with setting.splits.active():  # everything below sees (and traces) shards and experts
+        variables = _stage_variables(setting)
+        shared = SharedAcrossStages.find(plan, model, variables.all, setting.row_kinds)
+        output_losses = OutputLosses(model)  # per-output loss means weighted as Keras's
+        update_metrics = compiled_metrics_update(model)
+        loss_adders: set = set()
+        runner_parts = [
+            _runner_parts(setting, stage, output_losses, update_metrics, loss_adders)
+            for stage in setting.stages
+        ]
+        runner, form, segments = _build_runner(setting, runner_parts, variables, shared)
+        sync, update, sharded, by_segment = _build_gradient_parts(
+            setting, variables, runner, form, shared, segments
+        )
+        stage_state = _training_state(setting, variables, sharded)
+        spans = events.Spans()
+        gradient_path = build_gradient_path(
+            sync,
+            update,
+            by_segment,
+            sharded,
+            span=spans.span,
+            guard=setting.guard,
+            step=lambda: stage_state.step,
+        )
+        walk = _build_walk(
+            setting,
+            runner_parts,
+            runner,
+            spans,
+            output_losses,
+            update_metrics,
+            whole_inputs=plan is None and segments is None,
+        )
+    moving_statistics = unsynchronized_moving_statistics(variables.layers, strategy.sync_batchnorm)
+    return TrainerParts(
+        setting,
+        variables,
+        spans,
+        moving_statistics,
+        output_losses,
+        loss_adders,
+        runner,
+        form,
+        walk,
+        sync,
+        update,
+        sharded,
+        by_segment,
+        gradient_path,
+        stage_state,
     )
+
+
+def _setting(model, strategy, comm, plan, options: dict) -> Setting:
+    """The rank's `Setting`: its place in the grid, its stages and their split layers."""
+    topology = Topology.create(comm, strategy.partitions, strategy.replicas, strategy.tensor)
+    guard = Guard(topology.world, options.get("watchdog_timeout", 0.0))
+    stages = [None] if plan is None else plan.stages_on(topology.stage)
+    graphs = [model] if plan is None else [stage.model for stage in stages]
+    synchronized = bool(synchronized_layers(_layers_of(graphs), strategy.sync_batchnorm))
+    tensor_layout = options.get("tensor_layout")
+    splits = SplitLayers(model, strategy, topology, graphs, tensor_layout, guard, synchronized)
+    row_kinds = options.get("row_kinds", row_sparse.UNPROBED)
+    row_kinds = row_kinds.with_shards(model, splits.pieces()[1])
+    backend = options.get("comm_backend", "mpi")
+    return Setting(model, strategy, plan, stages, topology, guard, splits, row_kinds, backend)
+
+
+def _layers_of(graphs: list) -> list:
+    """Every layer of `graphs` (Keras models), each once."""
+    return list(dict.fromkeys(x for graph in graphs for x in _keras.all_layers(graph)))
+
+
+def _runner_parts(setting, stage, output_losses, update_metrics, loss_adders) -> RunnerParts:
+    """What the runner of `stage` (None: the whole model) is built from."""
+    return RunnerParts(
+        setting.model,
+        stage,
+        setting.topology,
+        setting.strategy,
+        call=stage_call(setting.model, setting.plan, stage),
+        loss=output_losses,
+        metrics=update_metrics,
+        loss_adders=loss_adders,
+        tally=setting.splits.tally,
+        row_kinds=setting.row_kinds,
+    )
+
+
+def _training_state(setting, variables, sharded) -> TrainingState:
+    """The stage as checkpoints save and restore it (ZeRO-1: with its optimizer slices)."""
+    return TrainingState(
+        setting.model,
+        setting.topology,
+        setting.plan,
+        variables.all,
+        setting.guard,
+        *setting.splits.pieces(),
+        experts=setting.strategy.experts,
+        optimizer_shard=None if sharded is None else ZeroCheckpoint(sharded),
+    )
+
+
+def _build_walk(
+    setting, runner_parts, runner, spans, output_losses, update_metrics, whole_inputs
+) -> PipelineWalk:
+    """The schedule's walk over micro-batches, a chunk per runner (interleaved: several)."""
+    runners = runner.runners if len(runner_parts) > 1 else [runner]
+    chunks = [
+        Chunk(p.stage, r, p.is_first, p.is_last, seed_variables(setting.model, p.graph))
+        for p, r in zip(runner_parts, runners, strict=True)
+    ]
+    return PipelineWalk(
+        setting.model,
+        setting.topology,
+        setting.strategy,
+        chunks,
+        guard=setting.guard,
+        span=spans.span,
+        loss=output_losses,
+        update_metrics=traced(update_metrics, reduce_retracing=True),
+        whole_inputs=whole_inputs,
+    )
+
+
+def _stage_variables(setting: Setting) -> StageVariables:
+    """The rank's `StageVariables` (of every stage it runs)."""
+    model, plan = setting.model, setting.plan
+    if plan is None:
+        variables = list(model.trainable_variables)
+        owned = list(variables)
+        layers = _keras.all_layers(model)
+    else:
+        variables = rank_variables(plan, setting.topology.stage)
+        owned = owned_variables(plan, setting.topology.stage)
+        layers = _layers_of([stage.model for stage in setting.stages])
+    sparse = row_sparse.row_sparse_positions(variables, layers, setting.row_kinds)
+    dense = sorted(set(range(len(variables))) - set(sparse))
+    return StageVariables(variables, owned, sparse, dense, layers)
+
+
+def _build_runner(setting: Setting, runner_parts, variables, shared) -> tuple:
+    """(the stage's runner, the gradient form its facts call for, its segments: None unless
+    the runner cuts the stage into segments)."""
+    layout = FlatLayout([variables.all[i] for i in variables.dense])
+    facts = _gradient_facts(setting, variables, layout, shared_across_stages=shared is not None)
+    form = choose_gradient_form(**facts, overlap_groups=setting.strategy.overlap_groups)
+    if len(runner_parts) > 1:  # interleaved: a runner per chunk, their gradients summed
+        # no chunk packs a flat backward; the rank's sums flat only to be reduced
+        form = dataclasses.replace(form, flat_backward=False)
+        runner = build_chunk_runners(runner_parts, variables.all, variables.sparse, form, layout)
+        return runner, form, None
+    if form.overlap or form.update_per_segment:
+        groups = setting.strategy.overlap_groups
+        count = groups if groups > 1 else facts["segments"]
+        segmented = build_segmented_runner(runner_parts[0], variables.all, count)
+        if segmented is not None:
+            return segmented[0], form, segmented[1]
+        # the stage cannot be cut: reduce after the backward
+        form = choose_gradient_form(**{**facts, "segments": 1})
+    runner = build_runner(runner_parts[0], variables.all, variables.sparse, form, layout)
+    return runner, form, None
+
+
+def _gradient_facts(setting: Setting, variables, layout, shared_across_stages: bool) -> dict:
+    """The facts `choose_gradient_form` decides the gradient form from."""
+    strategy, splits, plan = setting.strategy, setting.splits, setting.plan
+    # a split backward's weight gradients are final only after the step's last W, and
+    # interleaved chunks end their backwards apart: neither is cut into segments; nor is a
+    # stage whose router losses one runner tallies
+    whole = strategy.schedule in ("zero_bubble", "interleaved") and plan is not None
+    whole = whole or splits.tally is not None
+    return dict(
+        partitioned=plan is not None,
+        replicas=setting.topology.num_replicas,
+        backend=setting.comm_backend,
+        flat_gradients=strategy.flat_gradients,
+        dense_variables=len(variables.dense),
+        all_float32=layout.usable,
+        large_variables=layout.large_variables,
+        shared_across_stages=shared_across_stages,
+        tables=len(variables.sparse),
+        rows_classified=setting.row_kinds.complete,
+        segments=1 if whole else segment_count(strategy, setting.model, variables.all),
+        tensor_split=splits.tensor is not None,
+        expert_split=splits.experts is not None,
+    )
+
+
+def _build_gradient_parts(setting: Setting, variables, runner, form, shared, segments) -> tuple:
+    """(reduction across stages and replicas, the optimizer update, ZeRO-1's sharded update
+    or None, the update by segment or None), as the gradient `form` asks."""
+    topology, splits, guard = setting.topology, setting.splits, setting.guard
+    gradient_sync = GradientSync(
+        topology,
+        runner,
+        variables.all,
+        variables.dense,
+        variables.sparse,
+        backend=setting.comm_backend,
+        shared=shared,
+        overlap=segments if form.overlap else None,
+        experts=splits.experts,
+        row_kinds=setting.row_kinds,
+    )
+    update = Update(
+        setting.model,
+        topology,
+        variables.all,
+        variables.owned,
+        partitioned=setting.plan is not None,
+        guard=guard,
+        merge=gradient_sync.merge,
+        layout=runner.layout,
+        split=splits.tensor.variables if splits.tensor else (),
+        expert_split=splits.expert_split(),
+    )
+    # ZeRO-1: the replicas split the optimizer state and its update
+    # (engine/sharded_optimizer/sharded_update.py); by segment, each segment is
+    # reduce-scattered, its slice updated, its parameters gathered as soon as the last
+    # backward has finished it
+    parts = segment_parts(variables.all, segments) if form.update_per_segment else None
+    sharded = None
+    if setting.strategy.shard_optimizer and topology.num_replicas > 1:
+        sharded = ShardedUpdate(
+            setting.model, topology, variables.all, update, gradient_sync, segments=parts
+        )
+    segment_update = None
+    if form.update_per_segment:
+        replicas = topology.stage_comm if topology.num_replicas > 1 else None
+        segment_update = SegmentUpdate(
+            update, runner, segments, replicas=replicas, guard=guard, zero=sharded
+        )
+    return gradient_sync, update, sharded, segment_update
 
 
 class Trainer:
     """Training, evaluation and prediction steps for this rank's (stage, replica).
 
     `plan` is None for data parallelism (the whole user model is the only stage, so any model
-    works, subclassed ones included); otherwise the partitioner's `Plan`. `comm_backend` sums
-    gradients across replicas ("mpi" or "horovod").
-
-    Its parts: `runner` (the stage's forward and backward), `walk` (the schedule over
-    micro-batches and channels), `gradient_sync` (every gradient reduction), `update` (the
-    optimizer step) and `stage_state` (what checkpoints save and restore).
+    works, subclassed ones included); otherwise the partitioner's `Plan`. Its parts
+    (`TrainerParts`, built by `build_parts` from the arguments) are `parts`.
     """
 
-    def __init__(
-        self, model, strategy, comm, plan=None, watchdog_timeout: float = 0.0,
-        comm_backend: str = "mpi", tensor_layout=None, row_kinds=row_sparse.UNPROBED,
-    ):  # fmt: skip
-        self.model = model
-        self.strategy = strategy
-        self.plan = plan
-        self.topology = topo = Topology.create(
-            comm, strategy.partitions, strategy.replicas, strategy.tensor
-        )
+    def __init__(self, model, strategy, comm, plan=None, **options):
+        self.parts = parts = build_parts(model, strategy, comm, plan, **options)
+        self.model, self.strategy, self.plan = model, strategy, plan
+        self.topology = parts.setting.topology
+        self.variables = parts.variables.all
+        self.stage_state = parts.stage_state
+        self.guard = parts.setting.guard
+        self.splits = parts.setting.splits
         self.check_numerics = False
-        self.watchdog = NoWatchdog()
-        self.use_watchdog(watchdog_timeout)
-        self.is_first = topo.is_first_stage
-        self.is_last = topo.is_last_stage
-        # the partitioner's stages this rank runs: one, or several when interleaved
-        self.stages = [None] if plan is None else plan.stages_on(topo.stage)
         # Built under hf.scope(): weights of other stages were never allocated on this rank.
         self.holds_share_only = any(deferred.is_deferred(v) for v in model.variables)
-        # tensor shards, expert shards, sparse mixtures (docs/tensor.md, docs/moe.md)
-        graphs = [model] if plan is None else [s.model for s in self.stages]
-        self.splits = SplitLayers(model, strategy, topo, graphs, tensor_layout, self.guard)
-        self.shards, self.experts = self.splits.tensor, self.splits.experts
-        self.row_kinds = row_kinds.with_shards(model, self.splits.pieces()[1])
-        self.sparse_experts = self.splits.dispatch
-        with self.layers_active():  # everything below sees (and traces) shards and experts
-            self._build(model, strategy, plan, topo, comm_backend)
-
-    def _build(self, model, strategy, plan, topo, comm_backend):
-        """Wire the parts: variables, runner, gradient path, pipeline walk, saved state."""
-        self.output_losses = OutputLosses(model)  # per-output loss means weighted as Keras's
-        layers = self._find_variables(model, plan, topo)
-        shared = SharedAcrossStages.find(plan, model, self.variables, self.row_kinds)
-        self._loss_adders: set = set()  # layers calling add_loss, found while tracing
         self._any_added_losses = None  # whether any stage's layers add losses (agreed once)
-        self._moving_statistics = unsynchronized_moving_statistics(layers, strategy.sync_batchnorm)
-        self.splits.synchronized = bool(synchronized_layers(layers, strategy.sync_batchnorm))
-        parts = [self._runner_parts(stage) for stage in self.stages]
-        self.runner, self.gradient_form, segments = self._build_runner(
-            parts, shared is not None, comm_backend
-        )
-        self._update_metrics_fn = traced(self._update_metrics, reduce_retracing=True)
         # Compiled like Keras's own step: metric updates and results are a call each.
         self._loss_tracker_fn = traced(
             lambda value, count: _keras.loss_tracker(model).update_state(value, sample_weight=count)
         )
-        self._replica_metrics = ReplicaMetrics(model, topo.stage_comm)
-        self._build_gradient_path(shared, segments, comm_backend)
-        runners = self.runner.runners if len(parts) > 1 else [self.runner]
-        chunks = [
-            Chunk(p.stage, runner, p.is_first, p.is_last, seed_variables(model, p.graph))
-            for p, runner in zip(parts, runners, strict=True)
-        ]
-        self.walk = PipelineWalk(
-            model, topo, strategy, chunks, guard=self.guard, loss=self._loss,
-            update_metrics=self._update_metrics_fn, whole_inputs=plan is None and segments is None,
-        )  # fmt: skip
-        self.stage_state = TrainingState(
-            model, topo, plan, self.variables, self.guard, *self.splits.pieces(),
-            experts=strategy.experts,
-            optimizer_shard=None if self.zero is None else ZeroCheckpoint(self.zero),
-        )  # fmt: skip
-        self._log_root = topo.grid.rank_of(topo.num_stages - 1, 0)
-        self.attach_recorder(None)
+        self._replica_metrics = ReplicaMetrics(model, self.topology.stage_comm)
+        self._log_root = self.topology.grid.rank_of(self.topology.num_stages - 1, 0)
 
-    def _runner_parts(self, stage) -> RunnerParts:
-        """What the runner of `stage` (None: the whole model) is built from."""
-        call = self._call_whole_model if stage is None else self._stage_call(stage)
-        return RunnerParts(
-            self.model, stage, self.topology, self.strategy, call=call, loss=self._loss,
-            metrics=self._update_metrics, loss_adders=self._loss_adders, tally=self.splits.tally,
-            row_kinds=self.row_kinds,
-        )  # fmt: skip
+    @property
+    def is_last(self) -> bool:
+        return self.topology.is_last_stage
 
-    def _find_variables(self, model, plan, topo) -> list:
-        """The rank's trainable variables (of every stage it runs), those it owns, its
-        embedding tables (row-sparse gradients) and dense ones; returns the stages' layers."""
-        if plan is None:
-            self.variables = list(model.trainable_variables)
-            self.owned = list(self.variables)
-            layers = _keras.all_layers(model)
-        else:
-            self.variables = rank_variables(plan, topo.stage)
-            self.owned = owned_variables(plan, topo.stage)
-            layers = list(dict.fromkeys(x for s in self.stages for x in _keras.all_layers(s.model)))
-        self.sparse = row_sparse.row_sparse_positions(self.variables, layers, self.row_kinds)
-        self.dense = sorted(set(range(len(self.variables))) - set(self.sparse))
-        return layers
+    @property
+    def shards(self):
+        """This rank's `TensorShards` (None without tensor parallelism)."""
+        return self.splits.tensor
 
-    def _build_runner(self, parts, shared_across_stages: bool, comm_backend: str) -> tuple:
-        """(the stage's runner, the gradient form its facts call for, its segments: None
-        unless the runner cuts the stage into segments)."""
-        strategy, topo = self.strategy, self.topology
-        layout = FlatLayout([self.variables[i] for i in self.dense])
-        # a split backward's weight gradients are final only after the step's last W, and
-        # interleaved chunks end their backwards apart: neither is cut into segments; nor is a
-        # stage whose router losses one runner tallies
-        whole = strategy.schedule in ("zero_bubble", "interleaved") and self.plan is not None
-        whole = whole or self.splits.tally is not None
-        facts = dict(
-            partitioned=self.plan is not None,
-            replicas=topo.num_replicas,
-            backend=comm_backend,
-            flat_gradients=strategy.flat_gradients,
-            dense_variables=len(self.dense),
-            all_float32=layout.usable,
-            large_variables=layout.large_variables,
-            shared_across_stages=shared_across_stages,
-            tables=len(self.sparse),
-            rows_classified=self.row_kinds.complete,
-            segments=1 if whole else segment_count(strategy, self.model, self.variables),
-            tensor_split=self.shards is not None,
-            expert_split=self.experts is not None,
-        )
-        form = choose_gradient_form(**facts, overlap_groups=strategy.overlap_groups)
-        if len(parts) > 1:  # interleaved: a runner per chunk, their gradients summed
-            # no chunk packs a flat backward; the rank's sums flat only to be reduced
-            form = dataclasses.replace(form, flat_backward=False)
-            runner = build_chunk_runners(parts, self.variables, self.sparse, form, layout)
-            return runner, form, None
-        if form.overlap or form.update_per_segment:
-            count = strategy.overlap_groups if strategy.overlap_groups > 1 else facts["segments"]
-            segmented = build_segmented_runner(parts[0], self.variables, count)
-            if segmented is not None:
-                return segmented[0], form, segmented[1]
-            # the stage cannot be cut: reduce after the backward
-            form = choose_gradient_form(**{**facts, "segments": 1})
-        return build_runner(parts[0], self.variables, self.sparse, form, layout), form, None
+    @property
+    def experts(self):
+        """This rank's `ExpertShards` (None unless `strategy.experts` > 1)."""
+        return self.splits.experts
 
-    def _build_gradient_path(self, shared, segments, comm_backend: str) -> None:
-        """Reduction across stages and replicas, the optimizer step, the update by segment and
-        ZeRO-1's sharded update, as the gradient form asks."""
-        model, topo, form = self.model, self.topology, self.gradient_form
-        self.gradient_sync = GradientSync(
-            topo, self.runner, self.variables, self.dense, self.sparse,
-            backend=comm_backend, shared=shared, overlap=segments if form.overlap else None,
-            experts=self.experts, row_kinds=self.row_kinds,
-        )  # fmt: skip
-        self.update = Update(
-            model, topo, self.variables, self.owned, partitioned=self.plan is not None,
-            guard=self.guard, merge=self.gradient_sync.merge, layout=self.runner.layout,
-            split=self.shards.variables if self.shards else (),
-            expert_split=self.splits.expert_split(),
-        )  # fmt: skip
-        # ZeRO-1: the replicas split the optimizer state and its update
-        # (engine/sharded_optimizer/sharded_update.py); by segment, each segment is
-        # reduce-scattered, its slice updated, its parameters gathered as soon as the last
-        # backward has finished it
-        parts = segment_parts(self.variables, segments) if form.update_per_segment else None
-        self.zero = None
-        if self.strategy.shard_optimizer and topo.num_replicas > 1:
-            self.zero = ShardedUpdate(
-                model, topo, self.variables, self.update, self.gradient_sync, segments=parts
-            )  # fmt: skip
-        self.segment_update = None
-        if form.update_per_segment:
-            replicas = topo.stage_comm if topo.num_replicas > 1 else None
-            self.segment_update = SegmentUpdate(
-                self.update, self.runner, segments, replicas=replicas, guard=self.guard,
-                zero=self.zero,
-            )  # fmt: skip
-        self.gradient_path = build_gradient_path(
-            self.gradient_sync, self.update, self.segment_update, self.zero,
-            # a lambda: attach_recorder replaces `_span` (`guard` reads the current watchdog)
-            span=lambda *kind: self._span(*kind), guard=self.guard, step=lambda: self.step,
-        )  # fmt: skip
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken through this trainer (checkpoints save it)."""
+        return self.stage_state.step
+
+    @property
+    def seed(self) -> int:
+        """The shared shuffle seed of the current fit (checkpoints record it)."""
+        return self.stage_state.seed
+
+    @seed.setter
+    def seed(self, value: int) -> None:
+        self.stage_state.seed = value
 
     def layers_active(self) -> contextlib.ExitStack:
         """The layers as this rank runs them: its tensor and expert shards, and keras_hub
@@ -266,63 +432,26 @@ class Trainer:
         fit, evaluate or predict starts from the model as the user holds it)."""
         self.splits.load()
 
-    # --- what checkpoints and callbacks read ---------------------------------------------
-    step = _training_state_field("step", "Optimizer steps taken through this trainer.")
-    seed = _training_state_field(
-        "seed", "The shared shuffle seed of the current fit (checkpoints record it)."
-    )
-
     def use_watchdog(self, timeout: float) -> None:
         """Guard blocking MPI waits with a `timeout`-second watchdog (0: none)."""
-        if getattr(self.watchdog, "timeout", 0) == timeout:
-            return
-        self.watchdog.close()
-        self.watchdog = Watchdog(self.topology.world, timeout) if timeout > 0 else NoWatchdog()
-
-    def guard(self, operation: str, peer=None, microbatch=None):
-        """The current watchdog's guard (the watchdog changes with `use_watchdog`)."""
-        return self.watchdog.guard(operation, peer, microbatch)
+        self.guard.use(timeout)
 
     def attach_recorder(self, recorder: events.Recorder | None) -> None:
         """Record timed spans of each training step into `recorder` (None: record nothing)."""
-        self.recorder = recorder
-        self._span = events.no_span if recorder is None else recorder.span
-        self._step_span = events.no_step if recorder is None else recorder.step
-        self.walk.span = self._span
+        self.parts.spans.record_into(recorder)
         # each tensor collective, expert exchange or experts' compute, as it ends, is a span
-        inner = ((self.shards, (collectives.TAG,), events.TENSOR),
-                 (self.experts, expert_parallel.SPAN_TAGS, events.EXPERTS))  # fmt: skip
+        inner = (
+            (self.shards, (collectives.TAG,), events.TENSOR),
+            (self.experts, expert_parallel.SPAN_TAGS, events.EXPERTS),
+        )
         for split, tags, kind in inner:
             listener = None if recorder is None else events.span_listener(recorder, kind)
             for tag in tags if split is not None else ():
                 traffic(tag).listener = listener
 
-    # --- what a stage computes ------------------------------------------------------------
-    def _call_whole_model(self, x, training):
-        return self.model(x, training=training)
-
-    def _stage_call(self, stage):
-        """`call(inputs, training)` of the partitioner's `stage`: the model's outputs as Keras
-        packs them at the model's last stage, a flat list elsewhere."""
-        last = stage.index == len(self.plan.stages) - 1
-
-        def call(inputs, training):
-            outputs = stage.forward(inputs, training=training)
-            flat = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
-            return pack_model_outputs(self.model, flat) if last else flat
-
-        return call
-
-    def _loss(self, y, y_pred, sample_weight):
-        return self.output_losses(y, y_pred, sample_weight)
-
-    def _update_metrics(self, y, y_pred, sample_weight):
-        metrics = _keras.compiled_metrics(self.model)
-        if metrics is None:
-            return
-        if not metrics.built:
-            build_outside_the_trace(metrics, y, y_pred)
-        metrics.update_state(y, y_pred, sample_weight)
+    @property
+    def recorder(self) -> events.Recorder | None:
+        return self.parts.spans.recorder
 
     # --- steps ---------------------------------------------------------------------------
     def train_step(self, batch: GlobalBatch) -> None:
@@ -333,61 +462,69 @@ class Trainer:
     def optimizer_step(self, batch: GlobalBatch) -> None:
         """One optimizer step on `batch`, the layers already active (`train_step`): the seam
         where a trainer of another kind of step plugs in (`CustomStepTrainer`)."""
+        parts = self.parts
         microbatches = self._microbatches(batch, training=True)
-        self.output_losses.begin(batch.size)
-        on_segment_done = self.gradient_path.begin(self.check_numerics)
-        with self._step_span(batch.size, len(microbatches)):
-            losses = self.walk.run(
-                microbatches, batch.size, train=True, loss_scale=self.update.loss_scale(),
+        parts.output_losses.begin(batch.size)
+        on_segment_done = parts.gradient_path.begin(self.check_numerics)
+        with parts.spans.step(batch.size, len(microbatches)):
+            losses = parts.walk.run(
+                microbatches,
+                batch.size,
+                train=True,
+                loss_scale=parts.update.loss_scale(),
                 on_segment_done=on_segment_done,
-            )  # fmt: skip
-            reg_value = self.gradient_path.finish(losses, self.check_numerics)
+            )
+            reg_value = parts.gradient_path.finish(losses, self.check_numerics)
         self._track_loss(losses, reg_value, self._added_total())
+        self._end_step()
+
+    def _end_step(self) -> None:
+        """After each optimizer step: replicas' moving statistics averaged, the step counted."""
         self._average_moving_statistics()
-        self.step += 1
-        self.watchdog.step = self.step
+        self.stage_state.step += 1
+        self.guard.at_step(self.step)
 
     def eval_step(self, batch: GlobalBatch, reg_value: float) -> None:
         """Forward-only pass of one batch: loss and metrics accumulate at the last stage."""
-        self.output_losses.begin(batch.size)
+        self.parts.output_losses.begin(batch.size)
         with self.layers_active():
-            losses = self.walk.run(self._microbatches(batch), batch.size, train=False)
+            losses = self.parts.walk.run(self._microbatches(batch), batch.size, train=False)
             self._track_loss(losses, reg_value, self._added_total())
 
     def predict_step(self, batch: GlobalBatch) -> list | None:
         """Forward-only pass; the last stage returns its shard's outputs (micro-batch list)."""
         microbatches = self._microbatches(batch)
         with self.layers_active():
-            return self.walk.run(microbatches, batch.size, train=False, predict=True)
+            return self.parts.walk.run(microbatches, batch.size, train=False, predict=True)
 
     def _microbatches(self, batch: GlobalBatch, training: bool = False) -> list:
         """This replica's micro-batches of `batch` (refused alike on every rank where one
         replica would get no rows while the others wait for it inside the step)."""
         self.splits.refuse_empty_replicas(batch.size, self.topology.num_replicas, training)
-        return self.walk.microbatches(batch)
+        return self.parts.walk.microbatches(batch)
 
     def regularization(self) -> float:
         """The model's total weight regularization (collective over the pipeline)."""
-        return self.update.regularization()
+        return self.parts.update.regularization()
 
     def _added_total(self) -> float:
         """This step's added losses (`add_loss`, activity regularization) of this replica's
         pipeline, each micro-batch's weighted by its size (collective over the pipeline once
         any stage's layers add losses)."""
-        parts = self.walk.take_added() + self.splits.take_router_parts()
+        parts = self.parts.walk.take_added() + self.splits.take_router_parts()
         pipeline = self.topology.pipeline_comm
         if self._any_added_losses is None:  # known once every stage has traced its calls
             microbatches_per_batch = self.topology.num_replicas * self.strategy.microbatches
             # router losses and losses built from hf.global_mean are the global batch's
-            exact = {block.name for block in self.sparse_experts.blocks} | self.splits.batch.users
-            inexact = self._loss_adders - exact
+            exact = {block.name for block in self.splits.dispatch.blocks} | self.splits.batch.users
+            inexact = self.parts.loss_adders - exact
             if self.strategy.strict_added_losses:
                 with self.guard("agree on added losses"):
                     refuse_unless_batch_means(inexact, microbatches_per_batch, self.topology.world)
             warn_unless_batch_means(inexact, microbatches_per_batch)
             with self.guard("agree on added losses"):
                 self._any_added_losses = bool(
-                    pipeline.allreduce(bool(self.runner.has_added_losses), op=mpi_op("LOR"))
+                    pipeline.allreduce(bool(self.parts.runner.has_added_losses), op=mpi_op("LOR"))
                 )
         if not self._any_added_losses:
             return 0.0
@@ -407,7 +544,7 @@ class Trainer:
     def _average_moving_statistics(self) -> None:
         """Replicas that normalise their shards alone average their moving statistics after
         each step (for the mean, Keras's update on the global batch), so they never drift."""
-        variables = self._moving_statistics
+        variables = self.parts.moving_statistics
         if not variables or self.topology.num_replicas == 1:
             return
         flat = packed(variables)
@@ -449,7 +586,7 @@ class Trainer:
         broadcast_owned_weights(self.model, self.plan, self.topology.pipeline_comm, self.guard)
 
     def close(self) -> None:
-        self.watchdog.close()
-        self.walk.close()
+        self.guard.close()
+        self.parts.walk.close()
         self.splits.free()
         self.topology.free()

@@ -64,21 +64,22 @@ def _run(case: Case) -> dict:
         "reference_optimizer_variables": reference["optimizer_variables"],
         "loss_scale": float(getattr(model.optimizer, "dynamic_scale", 1.0)),
         "overlap_early_starts": getattr(
-            model._hyparflow_trainer[1].gradient_sync.overlap, "early_starts", None
+            model._hyparflow_trainer[1].parts.gradient_sync.overlap, "early_starts", None
         ),
         "segment_updates": getattr(
-            model._hyparflow_trainer[1].segment_update, "early_updates", None
+            model._hyparflow_trainer[1].parts.segment_update, "early_updates", None
         ),
-        "flat_gradients": model._hyparflow_trainer[1].runner.layout is not None,
-        "traces": most_traces(model._hyparflow_trainer[1].runner, TRACED),
+        "flat_gradients": model._hyparflow_trainer[1].parts.runner.layout is not None,
+        "traces": most_traces(model._hyparflow_trainer[1].parts.runner, TRACED),
         # ZB-H1's split backward ran (None: not a SplitStageRunner)
-        "split_backward": getattr(model._hyparflow_trainer[1].runner, "split", None),
+        "split_backward": getattr(model._hyparflow_trainer[1].parts.runner, "split", None),
         "grid_nodes": model._hyparflow_trainer[1].topology.nodes,  # host of each grid place
-        "chunks": len(model._hyparflow_trainer[1].walk.chunks),  # model chunks this rank ran
-        "flat_backward": getattr(model._hyparflow_trainer[1].runner, "flat_backward", None),
-        "shared_across_stages": model._hyparflow_trainer[1].gradient_sync.shared is not None,
+        "chunks": len(model._hyparflow_trainer[1].parts.walk.chunks),  # model chunks this rank ran
+        "flat_backward": getattr(model._hyparflow_trainer[1].parts.runner, "flat_backward", None),
+        "shared_across_stages": model._hyparflow_trainer[1].parts.gradient_sync.shared is not None,
         "stage_variables": len(model._hyparflow_trainer[1].variables),
-        "dense_variables": len(model._hyparflow_trainer[1].dense),  # tables are not flat
+        # tables are not flat
+        "dense_variables": len(model._hyparflow_trainer[1].parts.variables.dense),
         "ref_loss_scale": reference["loss_scale"],
         "weights": relative_difference(model.get_weights(), reference["weights"]),
         "history": history_difference(history.history, reference["history"]),

@@ -42,7 +42,7 @@ def run(case: Case) -> dict:
     ref_history = reference.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
     mpi_model, mpi_history, mpi_predicted = train(case, "mpi")
     hvd_model, hvd_history, hvd_predicted = train(case, "horovod")
-    reducer = hvd_model._hyparflow_trainer[1].gradient_sync.replica_reducer  # fit's Trainer
+    reducer = hvd_model._hyparflow_trainer[1].parts.gradient_sync.replica_reducer  # fit's Trainer
     return {
         "case": case.id,
         "reducer": type(reducer).__name__,

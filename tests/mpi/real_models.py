@@ -39,7 +39,7 @@ def run(case: Case) -> dict:
         strategy=strategy,
     )  # fmt: skip
     trainer = model._hyparflow_trainer[1]
-    runner = trainer.runner
+    runner = trainer.parts.runner
     shards = trainer.shards
     return {
         "case": case.id,
@@ -47,7 +47,7 @@ def run(case: Case) -> dict:
         "traces": most_traces(runner),
         "split_backward": getattr(runner, "split", None),
         "refusals": getattr(runner, "refusals", None),
-        "sparse_blocks": len(trainer.sparse_experts.blocks),  # mixtures dispatched sparsely
+        "sparse_blocks": len(trainer.splits.dispatch.blocks),  # mixtures dispatched sparsely
         "weights": relative_difference(model.get_weights(), reference["weights"]),
         "history": history_difference(history.history, reference["history"]),
         "grid_nodes": trainer.topology.nodes,  # host of each grid place

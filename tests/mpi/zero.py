@@ -32,7 +32,7 @@ def run(case: Case) -> dict:
         strategy=hf.Strategy(**case.strategy_options()),
     )  # fmt: skip
     trainer = model._hyparflow_trainer[1]
-    zero = trainer.zero
+    zero = trainer.parts.sharded
     # the optimizer's per-element state on this rank, against the unsharded stage's
     slot_elements = sum(
         int(np.prod(v.shape)) for v in model.optimizer.variables if len(v.shape) > 0
@@ -56,7 +56,7 @@ def run(case: Case) -> dict:
         "elements": stage_elements,
         "groups": len(zero.groups) if zero else 0,
         # segments updated inside the backward (update_by_segment), all steps
-        "segment_updates": getattr(trainer.segment_update, "early_updates", None),
+        "segment_updates": getattr(trainer.parts.segment_update, "early_updates", None),
     }
 
 
@@ -105,7 +105,7 @@ def resumes_two(folder: str) -> dict:
         "segments": relative_difference(results["segments"], results["same"]),
         "on": relative_difference(plain_results["on"], plain_results["same"]),
         "segments_off": relative_difference(segmented_results["off"], segmented_results["same"]),
-        "segment_groups": len(model._hyparflow_trainer[1].zero.segments),
+        "segment_groups": len(model._hyparflow_trainer[1].parts.sharded.segments),
     }
 
 

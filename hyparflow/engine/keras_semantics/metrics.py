@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
+from hyparflow import _keras
 from hyparflow.traced import traced
 
 
@@ -94,3 +95,18 @@ def build_outside_the_trace(metrics, y, y_pred) -> None:
 
     with tf.init_scope(), tf.variable_creator_scope(unrecorded):
         metrics.build(y, y_pred)
+
+
+def compiled_metrics_update(model):
+    """`update(y, y_pred, sample_weight)` of `model`'s compiled metrics, as Keras's train step
+    runs it (nothing without compiled metrics); built outside the trace on first use."""
+
+    def update(y, y_pred, sample_weight):
+        metrics = _keras.compiled_metrics(model)
+        if metrics is None:
+            return
+        if not metrics.built:
+            build_outside_the_trace(metrics, y, y_pred)
+        metrics.update_state(y, y_pred, sample_weight)
+
+    return update

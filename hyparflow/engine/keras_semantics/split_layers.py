@@ -31,9 +31,12 @@ class SplitLayers:
     and, with `experts`, tokens exchanged in the expert group (docs/moe.md); `batch`: the
     replicas `hf.global_mean` means over (engine/keras_semantics/global_batch.py); `tally`: the
     `RouterTally` of a step of several micro-batches whose mixture blocks add router losses (else
-    None), its counts summed over the replicas under `guard`."""
+    None), its counts summed over the replicas under `guard`. `synchronized`: whether some
+    BatchNormalization sums its moments over the replicas (`sync_batchnorm.py`)."""
 
-    def __init__(self, model, strategy, topology, graphs: list, tensor_layout=None, guard=None):
+    def __init__(
+        self, model, strategy, topology, graphs, tensor_layout=None, guard=None, synchronized=False
+    ):
         guard = guard or (lambda operation: contextlib.nullcontext())
         self.tensor = None
         if topology.num_shards > 1:
@@ -45,13 +48,16 @@ class SplitLayers:
         replicas = topology.stage_comm if topology.num_replicas > 1 else None
         # `hf.global_mean`'s replicas, and the layers that take it (their added losses exact)
         self.batch = BatchGroup(replicas, strategy.microbatches)
-        self.synchronized = False  # BatchNormalization sums its moments over them (the trainer)
+        self.synchronized = synchronized
         replica_sum = replicas and (lambda vector: allreduce(replicas, vector, "experts"))
         self.tally = _router_tally(model, strategy, replicas, guard)
         self.dispatch = SparseDispatch(
-            model if strategy.sparse_experts else None, replica_sum,
-            self.experts and self.experts.group, self.tally, strategy.capacity_factor,
-        )  # fmt: skip
+            model if strategy.sparse_experts else None,
+            replica_sum,
+            self.experts and self.experts.group,
+            self.tally,
+            strategy.capacity_factor,
+        )
 
     def sum_over_replicas(self, training: bool) -> bool:
         """Whether the layers sum over the stage's replicas inside a forward (expert exchanges,

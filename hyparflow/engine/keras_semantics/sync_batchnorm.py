@@ -12,7 +12,6 @@ with `synchronized=True` always, the others too when the strategy asks for it
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import keras
@@ -20,6 +19,7 @@ import tensorflow as tf
 
 from hyparflow import _keras
 from hyparflow.comm.in_graph import allreduce
+from hyparflow.intercept import Replaced, instead
 
 
 def cross_replica_sum(comm, tensor):
@@ -79,15 +79,15 @@ def synchronized_layers(layers, force: bool) -> list:
     ]
 
 
-@contextlib.contextmanager
-def synchronized_batchnorm(comm, layers):
+def synchronized_batchnorm(comm, layers) -> Replaced:
     """While active (around tracing the stage's training forward), `layers` (BatchNormalization)
-    compute their batch moments over every replica of `comm`."""
-    for layer in layers:
-        moments = functools.partial(_global_moments(comm, layer.synchronized), layer)
-        _keras.replace_moments(layer, moments)  # this layer alone, until exit
-    try:
-        yield
-    finally:
-        for layer in layers:
-            _keras.restore_moments(layer)
+    compute their batch moments over every replica of `comm` (each layer alone, its moments
+    put back on exit)."""
+    return Replaced(
+        (layer, _keras.BATCHNORM_MOMENTS, instead(_moments_over(comm, layer))) for layer in layers
+    )
+
+
+def _moments_over(comm, layer):
+    """`layer`'s `_moments(inputs, mask)` over every replica of `comm`."""
+    return functools.partial(_global_moments(comm, layer.synchronized), layer)

@@ -10,11 +10,7 @@ from keras import tree
 
 from hyparflow.checkpoint import callback_state
 from hyparflow.comm.agree import AgreedError
-from hyparflow.engine.loops.optimizer_gather import (
-    drop_gathered_state,
-    gather_optimizer_state,
-    saves_files,
-)
+from hyparflow.engine.loops.optimizer_gather import OptimizerGather, saves_files
 from hyparflow.engine.loops.progress import ThroughputProgbarLogger
 
 # Keras callbacks that write files or talk to the outside: they run on rank 0 only, which holds
@@ -126,12 +122,17 @@ def fit_loop(
     # Keras hands every batch's logs to the callbacks; when none on any rank looks at them,
     # the loop shares the logs once an epoch instead (docs/engine.md, "Logs")
     batch_logs = trainer.agree_any(any(needs_batch_logs(cb) for cb in callback_list.callbacks))
+    gather = OptimizerGather(trainer)  # files need the whole optimizer state
     epoch_loop = _EpochLoop(
-        trainer, source, callback_list, progbar, batch_logs,
+        trainer,
+        source,
+        callback_list,
+        progbar,
+        batch_logs,
+        gather,
         sync_every_batch=_saves_mid_epoch(callbacks),
-        saving=saves_files(trainer, mine),  # files need the whole optimizer state
-    )  # fmt: skip
-    drop_gathered_state(trainer)
+        saving=saves_files(trainer, mine),
+    )
     callback_list.on_train_begin()
     callback_state.restore(callback_list.callbacks, callback_states)
     logs = {}
@@ -146,7 +147,7 @@ def fit_loop(
         if model.stop_training:
             break
     trainer.finalize_variables()
-    _sync(trainer, saving=True)  # model.save on rank 0 writes the whole optimizer state
+    _sync(trainer, gather)  # model.save on rank 0 writes the whole optimizer state
     callback_list.on_train_end(logs)
     return model.history
 
@@ -180,24 +181,34 @@ def _callback_list(trainer, mine: list, verbose, epochs: int, steps):
     return callback_list, progbar
 
 
-def _sync(trainer, *, saving: bool) -> None:
-    """Give rank 0 the full model, and the whole optimizer state when a file may be saved."""
+def _sync(trainer, gather: OptimizerGather | None) -> None:
+    """Give rank 0 the full model, and the whole optimizer state by `gather` (None: no file
+    may be saved now)."""
     trainer.sync_weights()
-    if saving:
-        gather_optimizer_state(trainer)
+    if gather is not None:
+        gather.gather()
 
 
 class _EpochLoop:
     """One epoch of training steps with the callbacks' batch hooks, on every rank."""
 
     def __init__(
-        self, trainer, source, callbacks, progbar, batch_logs: bool, *, sync_every_batch: bool,
+        self,
+        trainer,
+        source,
+        callbacks,
+        progbar,
+        batch_logs: bool,
+        gather: OptimizerGather,
+        *,
+        sync_every_batch: bool,
         saving: bool,
-    ):  # fmt: skip
+    ):
         self.trainer, self.source, self.callbacks = trainer, source, callbacks
         self.progbar, self.batch_logs = progbar, batch_logs
         self.sync_every_batch = sync_every_batch  # a checkpoint saves every N batches
         self.saving = saving  # a callback may save files at the epoch's end
+        self.gather = gather
 
     def train(self, epoch: int, skip: int) -> dict:
         """Train `epoch` (its first `skip` batches are skipped); its logs, the full model
@@ -220,7 +231,7 @@ class _EpochLoop:
                 )
             )
         epoch_logs = dict(logs) if self.batch_logs else trainer.logs()
-        _sync(trainer, saving=self.saving)
+        _sync(trainer, self.gather if self.saving else None)
         return epoch_logs
 
     def _step(self, step: int, batch, resumed: bool = False) -> dict:
@@ -232,7 +243,7 @@ class _EpochLoop:
             self.trainer.restore_metric_states()
         logs = self.trainer.logs() if self.batch_logs else {}
         if self.sync_every_batch:
-            _sync(self.trainer, saving=True)
+            _sync(self.trainer, self.gather)
         if self.progbar is not None:
             self.progbar.count(batch.size)
         self.callbacks.on_train_batch_end(step, logs)

@@ -19,13 +19,12 @@ from hyparflow.checkpoint.state import join_shards, optimizer_state, written_pie
 from hyparflow.engine.weights import byte_groups
 
 _TAG = 3939  # point-to-point tag of the entries on the world communicator
-_GATHERED_AT = "_optimizer_gathered_at"  # the trainer's step when it last gathered
 
 
 def needs_gathering(trainer) -> bool:
     """Whether this layout leaves a partial optimizer on rank 0 (the same on every rank). A
     model built under hf.scope() keeps each rank's share (weights are not gathered either)."""
-    split = trainer.plan is not None or trainer.zero is not None
+    split = trainer.plan is not None or trainer.parts.sharded is not None
     split = split or trainer.shards is not None or trainer.experts is not None
     return split and not trainer.holds_share_only and trainer.topology.world.Get_size() > 1
 
@@ -55,26 +54,31 @@ def saves_files(trainer, callbacks) -> bool:
     )
 
 
-def gather_optimizer_state(trainer) -> None:
-    """Collective over every rank: rank 0's saved files get the whole optimizer state (until
-    the next step). Costs one message of every rank's optimizer state to rank 0, once a step
-    at most."""
-    if not needs_gathering(trainer) or getattr(trainer, _GATHERED_AT, None) == trainer.step:
-        return
-    setattr(trainer, _GATHERED_AT, trainer.step)
-    world, guard = trainer.topology.world, trainer.guard
-    entries = _gather(local_entries(trainer.stage_state), world, guard)
-    if entries is None:
-        return
-    optimizer = trainer.model.optimizer
-    drop_whole_state(optimizer)  # the last one goes before the new one is kept
-    save_whole_state(optimizer, trainer.model, join_shards(entries))
+class OptimizerGather:
+    """Rank 0's whole optimizer state for the files a fit saves, gathered from `trainer`'s
+    ranks at most once a step. Made at the start of a fit, it first forgets the state an
+    earlier fit gathered (training is about to change the optimizer)."""
 
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.gathered_at = None  # the trainer's step at the last gather
+        drop_whole_state(getattr(trainer.model, "optimizer", None))
 
-def drop_gathered_state(trainer) -> None:
-    """Forget the last gathered state before training changes the optimizer (frees it)."""
-    setattr(trainer, _GATHERED_AT, None)
-    drop_whole_state(getattr(trainer.model, "optimizer", None))
+    def gather(self) -> None:
+        """Collective over every rank: rank 0's saved files get the whole optimizer state
+        (until the next step). Costs one message of every rank's optimizer state to rank 0,
+        once a step at most."""
+        trainer = self.trainer
+        if not needs_gathering(trainer) or self.gathered_at == trainer.step:
+            return
+        self.gathered_at = trainer.step
+        world, guard = trainer.topology.world, trainer.guard
+        entries = _gather(local_entries(trainer.stage_state), world, guard)
+        if entries is None:
+            return
+        optimizer = trainer.model.optimizer
+        drop_whole_state(optimizer)  # the last one goes before the new one is kept
+        save_whole_state(optimizer, trainer.model, join_shards(entries))
 
 
 def _gather(entries: dict, comm, guard) -> dict | None:

@@ -23,3 +23,18 @@ def pack_model_outputs(model, flat: list):
     if struct is None:
         return flat[0] if len(flat) == 1 else list(flat)
     return tree.pack_sequence_as(struct, flat)
+
+
+def stage_call(model, plan, stage):
+    """`call(inputs, training)` of the partitioner's `stage` of `plan` (None: the whole model):
+    the model's outputs as Keras packs them at the model's last stage, a flat list elsewhere."""
+    if stage is None:
+        return lambda x, training: model(x, training=training)
+    last = stage.index == len(plan.stages) - 1
+
+    def call(inputs, training):
+        outputs = stage.forward(inputs, training=training)
+        flat = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
+        return pack_model_outputs(model, flat) if last else flat
+
+    return call

@@ -59,8 +59,8 @@ class PipelineWalk:
     of the model uses its own communicator, so that two links between the same two ranks
     (interleaved, two stages) never match each other's messages.
 
-    - `guard(operation, peer, microbatch)` watches each blocking wait; `span` (set by the
-      trainer's recorder) times each action.
+    - `guard(operation, peer, microbatch)` watches each blocking wait; `span(kind,
+      microbatch)` times each action (`events.Spans.span`).
     - `loss(y, y_pred, sample_weight)` and `update_metrics(...)` (compiled) serve evaluation
       and the metrics a runner does not update itself.
     - each chunk's `seed_variables` (its random seed states) are put back before each of its
@@ -71,9 +71,8 @@ class PipelineWalk:
     """
 
     def __init__(
-        self, model, topology, strategy, chunks, *, guard, loss, update_metrics,
-        whole_inputs,
-    ):  # fmt: skip
+        self, model, topology, strategy, chunks, *, guard, span, loss, update_metrics, whole_inputs
+    ):
         self.model, self.topology, self.strategy = model, topology, strategy
         self.chunks = list(chunks)  # what this rank computes, and how
         self.is_first, self.is_last = topology.is_first_stage, topology.is_last_stage
@@ -86,7 +85,7 @@ class PipelineWalk:
         self._loss, self._update_metrics_fn = loss, update_metrics
         self._eval_loss_fn = None
         self.whole_inputs = whole_inputs
-        self.span = events.no_span
+        self.span = span
         # (chunk, largest micro-batch, count) -> (prev, next)
         self.channels: dict[tuple, tuple] = {}
         self._schedules: dict[tuple, tuple] = {}  # (train, micro-batches) -> this stage's actions
@@ -127,9 +126,15 @@ class PipelineWalk:
         return microbatches
 
     def run(
-        self, microbatches: list[MicroBatch], global_size: int, *, train: bool, predict=False,
-        loss_scale=1.0, on_segment_done=None,
-    ):  # fmt: skip
+        self,
+        microbatches: list[MicroBatch],
+        global_size: int,
+        *,
+        train: bool,
+        predict=False,
+        loss_scale=1.0,
+        on_segment_done=None,
+    ):
         """Walk this stage's actions for the micro-batches; return the last stage's results.
 
         `loss_scale` multiplies every training micro-batch's loss weight (at every stage:
@@ -174,12 +179,14 @@ class PipelineWalk:
                 comm = self._comms[link // topo.num_stages]
                 return PipeChannel(comm, peer, specs, num_microbatches, backward_specs=floats)
 
-            prev = None if part.is_first else channel(
-                _pipeline_peer(topo, -1), part.stage.receives, place - 1
-            )  # fmt: skip
-            nxt = None if part.is_last else channel(
-                _pipeline_peer(topo, 1), part.stage.sends, place
-            )  # fmt: skip
+            prev = (
+                None
+                if part.is_first
+                else channel(_pipeline_peer(topo, -1), part.stage.receives, place - 1)
+            )
+            nxt = (
+                None if part.is_last else channel(_pipeline_peer(topo, 1), part.stage.sends, place)
+            )
             self.channels[key] = (prev, nxt)
         return self.channels[key]
 
