@@ -310,10 +310,12 @@ def check_optimizer_unbuilt(model, strategy) -> None:
     splits = strategy.tensor > 1 or strategy.experts > 1
     if (splits or _shards_optimizer(strategy)) and getattr(model.optimizer, "built", False):
         name = (
-            f"tensor={strategy.tensor}" if strategy.tensor > 1
-            else f"experts={strategy.experts}" if strategy.experts > 1
+            f"tensor={strategy.tensor}"
+            if strategy.tensor > 1
+            else f"experts={strategy.experts}"
+            if strategy.experts > 1
             else "shard_optimizer=True"
-        )  # fmt: skip
+        )
         raise ValueError(
             f"{name}: the model's optimizer was already built for whole variables; compile the "
             "model again (a fresh optimizer) before hf.fit builds it for the shards or slices."
