@@ -308,14 +308,12 @@ def _search(model, request: Request, layout, costs, network, budget) -> SearchRe
 def _keeping_user_fields(layouts: list[Candidate], strategy: Strategy) -> list[Candidate]:
     """The layouts that keep every searched field the user set (e.g. `shard_optimizer=True`)."""
     fixed = {k: v for k, v in strategy.set_fields().items() if k in SEARCHED}
-    # a schedule acts only where there is a pipeline: it leaves P = 1 layouts in the search
-    return [
-        c
-        for c in layouts
-        if all(
-            getattr(c, k) == v or (k == "schedule" and c.partitions == 1) for k, v in fixed.items()
-        )
-    ]
+
+    def keeps(c: Candidate, name: str, value) -> bool:
+        # a schedule acts only where there is a pipeline: it leaves P = 1 layouts in the search
+        return getattr(c, name) == value or (name == "schedule" and c.partitions == 1)
+
+    return [c for c in layouts if all(keeps(c, k, v) for k, v in fixed.items())]
 
 
 def _strategy_of(strategy: Strategy, candidate: Candidate) -> Strategy:

@@ -109,23 +109,13 @@ class Estimator:
         return self.ranks_per_node is not None and self.ranks_per_node % tensor != 0
 
     def _prediction(self, candidate: Candidate):
-        c = candidate
-        key = (
-            c.partitions,
-            c.replicas,
-            c.tensor,
-            c.microbatches,
-            c.schedule,
-            c.recompute,
-            c.shard_optimizer,
-            c.virtual_stages,
-        )
-        if key not in self._predictions:
+        c = candidate  # frozen: it keys its prediction by every field of the layout
+        if c not in self._predictions:
             per_node = self.ranks_per_node and max(1, self.ranks_per_node // c.tensor)
             layout = Layout(
                 c.partitions, c.replicas, c.microbatches, c.schedule, per_node, c.virtual_stages
             )
-            self._predictions[key] = predict(
+            self._predictions[c] = predict(
                 self._costs(c),
                 self.network,
                 layout,
@@ -133,7 +123,7 @@ class Estimator:
                 self.machine,
                 shard_optimizer=c.shard_optimizer,
             )
-        return self._predictions[key]
+        return self._predictions[c]
 
 
 def _whole(costs: ModelCosts) -> Affine:
