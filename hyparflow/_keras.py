@@ -64,9 +64,12 @@ def compiled_metric_objects(model) -> list:
         return []
     specs = (compiled._user_metrics, compiled._user_weighted_metrics)
     return [
-        m for spec in specs if spec is not None for m in keras.tree.flatten(spec)
+        m
+        for spec in specs
+        if spec is not None
+        for m in keras.tree.flatten(spec)
         if isinstance(m, keras.metrics.Metric)
-    ]  # fmt: skip
+    ]
 
 
 def loss_tracker(model):
@@ -205,16 +208,22 @@ def class_weight_to_sample_weights(y, class_weight: dict):
     return _class_weight_to_sample_weights(y, class_weight)
 
 
-def data_adapter(x, y=None, sample_weight=None, *, batch_size=None, steps=None, shuffle=False,
-                 class_weight=None):  # fmt: skip
+def data_adapter(
+    x, y=None, sample_weight=None, *, batch_size=None, steps=None, shuffle=False, class_weight=None
+):
     """`keras.src.trainers.data_adapters.get_data_adapter`: what `model.fit` reads `x` with
     (arrays, tf.data.Dataset, PyDataset, generators), refusing what Keras refuses with its
     message. Its `get_numpy_iterator()` is one pass over the data; `num_batches` is None when
     unknown."""
     return _data_adapters.get_data_adapter(
-        x, y, sample_weight, batch_size=batch_size, steps_per_epoch=steps, shuffle=shuffle,
+        x,
+        y,
+        sample_weight,
+        batch_size=batch_size,
+        steps_per_epoch=steps,
+        shuffle=shuffle,
         class_weight=class_weight,
-    )  # fmt: skip
+    )
 
 
 def is_array_adapter_input(x, y=None, sample_weight=None) -> bool:

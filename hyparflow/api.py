@@ -24,7 +24,7 @@ from hyparflow.data.sources import (
     input_shapes,
     nominal_batch_size,
     split_validation,
-)  # fmt: skip
+)
 from hyparflow.engine.custom_step import make_trainer
 from hyparflow.engine.keras_semantics.sparse_probe import probe_row_kinds
 from hyparflow.engine.loops.epochs import evaluate_loop, fit_loop, predict_loop
@@ -65,8 +65,15 @@ def _shuffle_seed(comm) -> int:
 _TRAINER_ATTRIBUTE = "_hyparflow_trainer"
 
 
-def partition(model, num_partitions: int = 1, balance="layers", *, tensor: int = 1,
-              tensor_layout=None, **options):  # fmt: skip
+def partition(
+    model,
+    num_partitions: int = 1,
+    balance="layers",
+    *,
+    tensor: int = 1,
+    tensor_layout=None,
+    **options,
+):
     """Split `model` into `num_partitions` pipeline stages (`hyparflow.partitioner.partition`,
     whose `options` it takes) and, with `tensor=T` > 1, each stage's layers over T tensor ranks
     as hf.fit would (`tensor_layout`: Strategy's override): `summary()` then also shows which
@@ -92,7 +99,7 @@ def _stage_layouts(model, plan, tensor: int, overrides) -> list:
 
 def _make_trainer(
     model, resolved, comm, needs_loss=True, comm_backend=None, restoring=False, inputs=None
-):  # fmt: skip
+):
     """This rank's Trainer for `model`, reused by later fit/evaluate/predict calls with the same
     strategy, compilation and gradient-reduction backend (so stages are cut and functions traced
     only once). `comm_backend=None` (evaluate, predict: no gradients) takes any cached one.
@@ -129,9 +136,7 @@ def _make_trainer(
     layout = None
     agree(comm, model_checks.check_optimizer_unbuilt, model, resolved)
     if resolved.tensor > 1:
-        layouts = agree(
-            comm, _stage_layouts, model, plan, resolved.tensor, resolved.tensor_layout
-        )  # fmt: skip
+        layouts = agree(comm, _stage_layouts, model, plan, resolved.tensor, resolved.tensor_layout)
         layout = layouts[stage]
     if deferred.any_deferred(model):  # built under hf.scope(): allocate this rank's share only
         elsewhere = held_elsewhere(model, plan, stage, layout, resolved.experts)
@@ -139,8 +144,15 @@ def _make_trainer(
     agree(comm, model_checks.check_sample_coupling, model, resolved, inputs)
     # which variables' gradients are row slices, per sample or per batch (refused: both)
     row_kinds = agree(comm, probe_row_kinds, model, inputs)
-    trainer = make_trainer(model, resolved, comm, plan, comm_backend=comm_backend,
-                           tensor_layout=layout, row_kinds=row_kinds)  # fmt: skip
+    trainer = make_trainer(
+        model,
+        resolved,
+        comm,
+        plan,
+        comm_backend=comm_backend,
+        tensor_layout=layout,
+        row_kinds=row_kinds,
+    )
     object.__setattr__(model, _TRAINER_ATTRIBUTE, (key, trainer))  # not a tracked attribute
     return trainer
 
@@ -236,10 +248,13 @@ def fit(
     """
     resolved = _resolve(model, strategy, num_partitions, num_replicas, num_microbatches)
     options = dict(
-        resume=resume, resume_from=resume_from, check_numerics=check_numerics,
+        resume=resume,
+        resume_from=resume_from,
+        check_numerics=check_numerics,
         check_data=check_data,
-        watchdog_timeout=watchdog_timeout, comm=_check_comm(comm),
-    )  # fmt: skip
+        watchdog_timeout=watchdog_timeout,
+        comm=_check_comm(comm),
+    )
     needs_engine = resume or resume_from or check_numerics or checkpoint_callbacks(fit_kwargs)
     if size() == 1 and not needs_engine:
         # One rank, one partition, one replica: the embedded default is plain Keras.
@@ -278,10 +293,19 @@ def _check_comm(backend: str) -> str:
 
 
 _FIT_KEYS = {
-    "verbose", "callbacks", "validation_split", "validation_data", "shuffle", "class_weight",
-    "sample_weight", "initial_epoch", "steps_per_epoch", "validation_steps",
-    "validation_batch_size", "validation_freq",
-}  # fmt: skip
+    "verbose",
+    "callbacks",
+    "validation_split",
+    "validation_data",
+    "shuffle",
+    "class_weight",
+    "sample_weight",
+    "initial_epoch",
+    "steps_per_epoch",
+    "validation_steps",
+    "validation_batch_size",
+    "validation_freq",
+}
 
 
 def _check_same_data(comm, digest: str | None) -> None:
@@ -294,8 +318,9 @@ def _check_same_data(comm, digest: str | None) -> None:
 def _planned(comm, model, source, options, fit_kwargs):
     """The layout the planner picks for `options["planning"]`, an open "auto" strategy."""
     refusal = functools.partial(model_checks.check_layout, model, comm_backend=options["comm"])
-    request = Request(options["planning"], nominal_batch_size(source), refusal,
-                      input_shapes(source))  # fmt: skip
+    request = Request(
+        options["planning"], nominal_batch_size(source), refusal, input_shapes(source)
+    )
     return planned_strategy(comm, model, request, say=fit_kwargs.get("verbose", "auto") != 0)
 
 
@@ -320,8 +345,14 @@ def _distributed_fit(model, x, y, batch_size, epochs, resolved, options, **kwarg
         data, validation_data = split_validation((x, y, kwargs.get("sample_weight")), kwargs)
         model_checks.check_inputs(model, data[0], options["check_numerics"], *data[1:])
         digest = data_digest(*data) if options["check_data"] else None
-        sources = fit_sources(data, validation_data, kwargs, batch_size=batch_size, seed=seed,
-                              strategy=None if options["planning"] else resolved)  # fmt: skip
+        sources = fit_sources(
+            data,
+            validation_data,
+            kwargs,
+            batch_size=batch_size,
+            seed=seed,
+            strategy=None if options["planning"] else resolved,
+        )
         return *sources, digest
 
     source, validation_source, digest = agree(comm, prepare)
@@ -333,41 +364,61 @@ def _distributed_fit(model, x, y, batch_size, epochs, resolved, options, **kwarg
     agree(comm, model_checks.check_expert_parallel, model, resolved, options["comm"])
     agree(comm, model_checks.check_sharded_optimizer, model, resolved, options["comm"])
     trainer = _make_trainer(
-        model, resolved, comm, comm_backend=options["comm"], restoring=folder is not None,
+        model,
+        resolved,
+        comm,
+        comm_backend=options["comm"],
+        restoring=folder is not None,
         inputs=input_arrays(source),
-    )  # fmt: skip
+    )
     _say_layout(model, resolved, kwargs)
     for notice in model_checks.training_notices(model, resolved) if comm.Get_rank() == 0 else ():
         warnings.warn(notice, stacklevel=3)
     trainer.use_watchdog(timeout)
     trainer.check_numerics = options["check_numerics"]
     trainer.seed = seed
-    initial_epoch, start_batch, callback_states = resume(comm, trainer, folder, kwargs)
-    return _run(
-        comm,
-        model=model,
-        work=lambda: fit_loop(
-            trainer,
-            source,
-            epochs=epochs,
-            initial_epoch=initial_epoch,
-            start_batch=start_batch,
-            callback_states=callback_states,
-            steps_per_epoch=kwargs.get("steps_per_epoch"),
-            callbacks=kwargs.get("callbacks"),
-            verbose=kwargs.get("verbose", "auto"),
-            validation_source=validation_source,
-            validation_steps=kwargs.get("validation_steps"),
-            validation_freq=kwargs.get("validation_freq", 1),
-        ),
+    resumed = resume(comm, trainer, folder, kwargs)
+    sources = (source, validation_source)
+    return _run(comm, model=model, work=lambda: _epochs(trainer, sources, epochs, resumed, kwargs))
+
+
+def _epochs(trainer, sources, epochs: int, resumed, kwargs):
+    """The engine's epochs over the (training, validation) `sources`, from where `resumed`
+    (resume's first epoch, first batch and callback states) starts, with hf.fit's `kwargs`."""
+    source, validation_source = sources
+    initial_epoch, start_batch, callback_states = resumed
+    return fit_loop(
+        trainer,
+        source,
+        epochs=epochs,
+        initial_epoch=initial_epoch,
+        start_batch=start_batch,
+        callback_states=callback_states,
+        steps_per_epoch=kwargs.get("steps_per_epoch"),
+        callbacks=kwargs.get("callbacks"),
+        verbose=kwargs.get("verbose", "auto"),
+        validation_source=validation_source,
+        validation_steps=kwargs.get("validation_steps"),
+        validation_freq=kwargs.get("validation_freq", 1),
     )
 
 
 def evaluate(
-    model, x=None, y=None, *, batch_size=None, sample_weight=None, steps=None, callbacks=None,
-    return_dict=False, verbose="auto", strategy="auto", num_partitions=None, num_replicas=None,
+    model,
+    x=None,
+    y=None,
+    *,
+    batch_size=None,
+    sample_weight=None,
+    steps=None,
+    callbacks=None,
+    return_dict=False,
+    verbose="auto",
+    strategy="auto",
+    num_partitions=None,
+    num_replicas=None,
     num_microbatches=None,
-):  # fmt: skip
+):
     """Loss and metrics of `model` on the data, like `model.evaluate`, on every strategy.
 
     For example:
@@ -380,9 +431,15 @@ def evaluate(
             x, batch_size = x.as_keras(batch_size=batch_size or 32), None
         with sparse_in_keras(model, resolved.sparse_experts):
             return model.evaluate(
-                x, y, batch_size=batch_size, sample_weight=sample_weight, steps=steps,
-                callbacks=callbacks, return_dict=return_dict, verbose=verbose,
-            )  # fmt: skip
+                x,
+                y,
+                batch_size=batch_size,
+                sample_weight=sample_weight,
+                steps=steps,
+                callbacks=callbacks,
+                return_dict=return_dict,
+                verbose=verbose,
+            )
     comm = world()
     devices.prepare(comm, resolved.bind_gpus)
     source = agree(comm, make_source, x, y, sample_weight, batch_size=batch_size)
@@ -394,9 +451,17 @@ def evaluate(
 
 
 def predict(
-    model, x, *, batch_size=None, steps=None, verbose="auto", strategy="auto",
-    num_partitions=None, num_replicas=None, num_microbatches=None,
-):  # fmt: skip
+    model,
+    x,
+    *,
+    batch_size=None,
+    steps=None,
+    verbose="auto",
+    strategy="auto",
+    num_partitions=None,
+    num_replicas=None,
+    num_microbatches=None,
+):
     """The model's outputs for `x`, like `model.predict`, identical on every rank.
 
     For example:

@@ -92,20 +92,35 @@ def _add_plan_command(commands):
         "--bandwidth", type=float, help="bytes per unit of cost; adds communication to stages"
     )
     plan.add_argument(
-        "--tensor", "-t", type=int, default=1,
+        "--tensor",
+        "-t",
+        type=int,
+        default=1,
         help="tensor ranks splitting each stage's layers: show the layout and bytes per rank",
-    )  # fmt: skip
+    )
     plan.add_argument("--json", action="store_true", help="print the plan as JSON instead")
     plan.add_argument(
-        "--auto", action="store_true",
+        "--auto",
+        action="store_true",
         help="instead: search every layout of N ranks for the model and print the fastest "
         "that fits, with options of its own (hyparflow plan --auto --help; docs/auto.md)",
-    )  # fmt: skip
-    memory = plan.add_argument_group("memory plan (--memory; docs/memory.md)")
+    )
+    _add_memory_options(plan.add_argument_group("memory plan (--memory; docs/memory.md)"))
+    plan.add_argument(
+        "--hosts",
+        help='mpirun\'s host list, e.g. "nodeA:4,nodeB:4": also print the node of each rank '
+        "(with --replicas and --tensor: the whole grid) as hf.fit places them (docs/nodes.md)",
+    )
+    plan.set_defaults(run=_run_plan)
+
+
+def _add_memory_options(memory) -> None:
+    """`hyparflow plan --memory`'s options: the strategy whose memory it predicts."""
     memory.add_argument(
-        "--memory", action="store_true",
+        "--memory",
+        action="store_true",
         help="print every rank's predicted peak bytes instead (needs --batch-size)",
-    )  # fmt: skip
+    )
     memory.add_argument(
         "--replicas", "-r", type=int, default=1, help="data-parallel replicas (and --hosts)"
     )
@@ -115,12 +130,6 @@ def _add_plan_command(commands):
     memory.add_argument(
         "--optimizer", help="count this optimizer's state (e.g. adam) when the file has none"
     )
-    plan.add_argument(
-        "--hosts",
-        help='mpirun\'s host list, e.g. "nodeA:4,nodeB:4": also print the node of each rank '
-        "(with --replicas and --tensor: the whole grid) as hf.fit places them (docs/nodes.md)",
-    )
-    plan.set_defaults(run=_run_plan)
 
 
 def _placement(args) -> list[dict] | None:
@@ -149,8 +158,10 @@ def _print_plan(plan, args, placement: list[dict] | None) -> int:
     print(plan.summary(print_fn=None))
     if placement is not None:
         nodes = len({row["node"] for row in placement})
-        print(f"\nPlacement on {nodes} node(s) (hf.fit deals tensor groups, then pipelines, "
-              "node by node):")  # fmt: skip
+        print(
+            f"\nPlacement on {nodes} node(s) (hf.fit deals tensor groups, then pipelines, "
+            "node by node):"
+        )
         header = ["rank", "node", "stage", "replica", "shard"]
         rows = [header] + [[str(row[key]) for key in header] for row in placement]
         widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
@@ -218,10 +229,15 @@ def _run_memory_plan(args, placement: list[dict] | None) -> int:
     kind = "hybrid" if args.partitions > 1 and args.replicas > 1 else "auto"
     try:
         strategy = Strategy(
-            kind, partitions=args.partitions, replicas=args.replicas,
-            microbatches=args.microbatches, schedule=args.schedule, balance=balance,
-            recompute=args.recompute, tensor=args.tensor,
-        )  # fmt: skip
+            kind,
+            partitions=args.partitions,
+            replicas=args.replicas,
+            microbatches=args.microbatches,
+            schedule=args.schedule,
+            balance=balance,
+            recompute=args.recompute,
+            tensor=args.tensor,
+        )
         plan = memory_plan(model, strategy, batch_size=args.batch_size or 32)
     except ValueError as error:
         print(f"hyparflow plan: {error}", file=sys.stderr)

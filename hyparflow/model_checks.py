@@ -57,13 +57,19 @@ def _check_custom_step_options(model, strategy, name: str) -> None:
         raise ValueError(
             f"{what}: its optimizer updates whole variables; use shard_optimizer=False."
         )
-    synced = synchronized_layers(_keras.all_layers(model), strategy.sync_batchnorm)
+    synced = _global_batchnorm(model, strategy)
     if synced and strategy.replicas > 1:
         raise ValueError(
-            f"{what}: BatchNormalization layers {[layer.name for layer in synced][:5]} cannot "
-            "sum their statistics over the replicas inside it; use synchronized=False and "
-            "sync_batchnorm=False."
+            f"{what}: BatchNormalization layers {synced} cannot sum their statistics over the "
+            "replicas inside it; use synchronized=False and sync_batchnorm=False."
         )
+
+
+def _global_batchnorm(model, strategy) -> list[str]:
+    """The first five of the model's BatchNormalization layers that normalise by the whole
+    global batch (synchronized=True or `strategy.sync_batchnorm`), as named in errors."""
+    synced = synchronized_layers(_keras.all_layers(model), strategy.sync_batchnorm)
+    return [layer.name for layer in synced][:5]
 
 
 def check_random_layers(model, strategy) -> None:
@@ -103,13 +109,13 @@ def check_sample_coupling(model, strategy, inputs) -> None:
 def check_batchnorm(model, strategy) -> None:
     """Refuse global-batch BatchNormalization statistics where a pipeline cannot have them: a
     micro-batch is normalised before the later ones reach the layer."""
-    synced = synchronized_layers(_keras.all_layers(model), strategy.sync_batchnorm)
+    synced = _global_batchnorm(model, strategy)
     if synced and strategy.microbatches > 1:
         raise ValueError(
-            f"BatchNormalization layers {[layer.name for layer in synced][:5]} normalise by the "
-            "whole global batch (synchronized=True or sync_batchnorm=True), which micro-batches "
-            "cannot see at once; use num_microbatches=1, or let each micro-batch normalise "
-            "alone (synchronized=False, sync_batchnorm=False)."
+            f"BatchNormalization layers {synced} normalise by the whole global batch "
+            "(synchronized=True or sync_batchnorm=True), which micro-batches cannot see at once; "
+            "use num_microbatches=1, or let each micro-batch normalise alone (synchronized=False, "
+            "sync_batchnorm=False)."
         )
 
 
@@ -310,10 +316,12 @@ def check_optimizer_unbuilt(model, strategy) -> None:
     splits = strategy.tensor > 1 or strategy.experts > 1
     if (splits or _shards_optimizer(strategy)) and getattr(model.optimizer, "built", False):
         name = (
-            f"tensor={strategy.tensor}" if strategy.tensor > 1
-            else f"experts={strategy.experts}" if strategy.experts > 1
+            f"tensor={strategy.tensor}"
+            if strategy.tensor > 1
+            else f"experts={strategy.experts}"
+            if strategy.experts > 1
             else "shard_optimizer=True"
-        )  # fmt: skip
+        )
         raise ValueError(
             f"{name}: the model's optimizer was already built for whole variables; compile the "
             "model again (a fresh optimizer) before hf.fit builds it for the shards or slices."

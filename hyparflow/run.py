@@ -27,9 +27,18 @@ ALL_LOGS = ("TF_CPP_MIN_LOG_LEVEL", "0")  # set by the user: every rank's C++ lo
 DRAIN_SECONDS = 5.0  # for the last of standard error once the launcher has exited
 _FLAGS = {"--dry-run", "--oversubscribe", "--no-bind"}  # hyparflow run's options without a value
 _VALUE_OPTIONS = {
-    "-n", "-np", "--ranks", "--hosts", "--host", "-H", "--hostfile", "--cpus-per-rank", "-c",
-    "--launcher", "--launcher-args",
-}  # fmt: skip
+    "-n",
+    "-np",
+    "--ranks",
+    "--hosts",
+    "--host",
+    "-H",
+    "--hostfile",
+    "--cpus-per-rank",
+    "-c",
+    "--launcher",
+    "--launcher-args",
+}
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m hyparflow.run") -> int:
@@ -224,35 +233,62 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         "script; everything after the script is the script's.",
         epilog="Plain mpirun and srun keep working; see docs/launch.md.",
     )
+    _add_placement_options(parser)
+    _add_launcher_options(parser)
+    return parser
+
+
+def _add_placement_options(parser) -> None:
+    """How many ranks, on which hosts, with how many cores each."""
     parser.add_argument(
-        "-n", "-np", "--ranks", type=int, metavar="N",
+        "-n",
+        "-np",
+        "--ranks",
+        type=int,
+        metavar="N",
         help="number of ranks (inside Slurm: the allocation's tasks when not given)",
-    )  # fmt: skip
+    )
     hosts = parser.add_mutually_exclusive_group()
     hosts.add_argument(
-        "--hosts", "--host", "-H", metavar="LIST",
+        "--hosts",
+        "--host",
+        "-H",
+        metavar="LIST",
         help='mpirun: hosts and slots, e.g. "node1:4,node2:4"; srun: node names (--nodelist)',
-    )  # fmt: skip
+    )
     hosts.add_argument("--hostfile", metavar="FILE", help="mpirun: an Open MPI hostfile")
     parser.add_argument(
-        "--oversubscribe", action="store_true",
+        "--oversubscribe",
+        action="store_true",
         help="allow more ranks than cores (mpirun --oversubscribe, srun --overcommit); such "
         "ranks are not bound and run one thread each",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--cpus-per-rank", "-c", type=int, metavar="C",
+        "--cpus-per-rank",
+        "-c",
+        type=int,
+        metavar="C",
         help="cores per rank (binding and thread pools); default: Slurm's --cpus-per-task, "
         "else the cores of the most crowded host divided by its ranks",
-    )  # fmt: skip
+    )
+
+
+def _add_launcher_options(parser) -> None:
+    """Which launcher starts the ranks, with what options of its own."""
     parser.add_argument(
-        "--launcher", choices=LAUNCHERS, default="auto",
+        "--launcher",
+        choices=LAUNCHERS,
+        default="auto",
         help="auto (default): srun inside a Slurm allocation, mpirun elsewhere",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--launcher-args", action="append", default=[], metavar="ARGS",
+        "--launcher-args",
+        action="append",
+        default=[],
+        metavar="ARGS",
         help='more options for mpirun or srun, placed before the script, e.g. "--mca btl '
         'self,tcp" (may be repeated)',
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--no-bind",
         action="store_true",
@@ -261,7 +297,6 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument(
         "--dry-run", action="store_true", help="print the command and exit without running it"
     )
-    return parser
 
 
 if __name__ == "__main__":

@@ -373,11 +373,13 @@ class Strategy:
                     )
                 partitions = 1
             if partitions is None:
-                partitions = _exact_quotient(world_size, replicas, spelling.replicas,
-                                             spelling.partitions)  # fmt: skip
+                partitions = _exact_quotient(
+                    world_size, replicas, spelling.replicas, spelling.partitions
+                )
             if replicas is None:
-                replicas = _exact_quotient(world_size, partitions, spelling.partitions,
-                                           spelling.replicas)  # fmt: skip
+                replicas = _exact_quotient(
+                    world_size, partitions, spelling.partitions, spelling.replicas
+                )
         if partitions * replicas != world_size:
             product = partitions * replicas * self.tensor
             tensor = f" x tensor ({self.tensor})" if self.tensor > 1 else ""

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import re
 
-UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-         "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3,  "mb": 10**6,  "gb": 10**9,  "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}  # fmt: skip
 
 
 def byte_size(text: str) -> int:

@@ -49,8 +49,10 @@ TIMING_REPEATS = (3, 3)
 SEARCHED = ("microbatches", "schedule", "recompute", "shard_optimizer")  # besides P, R, T
 _PLANS_ATTRIBUTE = "_hyparflow_auto_plans"
 _COSTS_ATTRIBUTE = "_hyparflow_auto_costs"
-UNKNOWN_BATCH = ("the batch size is unknown before reading the data: a generator, a PyDataset or "
-                 "a Dataset with a partial last batch")  # fmt: skip
+UNKNOWN_BATCH = (
+    "the batch size is unknown before reading the data: a generator, a PyDataset or "
+    "a Dataset with a partial last batch"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,8 +137,9 @@ def why_unplannable(model) -> str | None:
 def last_choice(model, world: int) -> Choice | None:
     """The most recent Choice `hf.fit` made for `model` on `world` ranks (evaluate and predict
     run on it), or None."""
-    found = [choice for (size, *_), choice in _kept(model, _PLANS_ATTRIBUTE).items()
-             if size == world]  # fmt: skip
+    found = [
+        choice for (size, *_), choice in _kept(model, _PLANS_ATTRIBUTE).items() if size == world
+    ]
     return found[-1] if found else None
 
 
@@ -155,9 +158,10 @@ def _choose(comm, model, request: Request) -> Choice:
     options = result.pick.candidate.strategy_options()
     picked = dataclasses.replace(request.strategy, **options).resolve(world)
     seconds = {
-        "timing": timed - started, "network": probed - timed,
+        "timing": timed - started,
+        "network": probed - timed,
         "search": time.perf_counter() - probed,
-    }  # fmt: skip
+    }
     return Choice(picked, result, seconds)
 
 
@@ -205,10 +209,12 @@ def _measure(model, request: Request, world: int):
     small = max(1, request.global_batch // (4 * world))
     large = max(small + 1, request.global_batch // world)
     try:
-        costs = measure_model(model, (small, large), request.input_shape, fit_batch_sizes=(),
-                              repeats=TIMING_REPEATS)  # fmt: skip
-        costs = with_planner_costs(costs, model, small, request.input_shape,
-                                   least_factor(world), TIMING_REPEATS[1])  # fmt: skip
+        costs = measure_model(
+            model, (small, large), request.input_shape, fit_batch_sizes=(), repeats=TIMING_REPEATS
+        )
+        costs = with_planner_costs(
+            costs, model, small, request.input_shape, least_factor(world), TIMING_REPEATS[1]
+        )
     except Exception as error:  # noqa: BLE001 - any failure: data parallelism, said why
         return None, f"{type(error).__name__}: {error}"
     return costs, None
@@ -231,9 +237,11 @@ def _probe(comm, nodes: list[int]) -> Network | None:
     first = intra or inter
     link = functools.partial(_link, first=first)
     return Network(
-        intra=link(intra), inter=link(inter) if inter else None,
-        reduce_rate=first["reduce_rate"] or float("inf"), source={"measured": "hf.fit auto"},
-    )  # fmt: skip
+        intra=link(intra),
+        inter=link(inter) if inter else None,
+        reduce_rate=first["reduce_rate"] or float("inf"),
+        source={"measured": "hf.fit auto"},
+    )
 
 
 def _link(measured: dict | None, first: dict) -> Link:
@@ -277,13 +285,22 @@ def _search(model, request: Request, layout, costs, network, budget) -> SearchRe
         return memory(candidate)
 
     estimate = Estimator(
-        costs, network, global_batch, machine=Machine(None), memory=allowed,
+        costs,
+        network,
+        global_batch,
+        machine=Machine(None),
+        memory=allowed,
         ranks_per_node=ranks_per_node,
-    )  # fmt: skip
+    )
     schedule = strategy.set_fields().get("schedule")
     schedules = (schedule,) if schedule in PRICED_SCHEDULES else SCHEDULES
-    found = candidates(world, global_batch, layers=len(costs.layers), schedules=schedules,
-                       virtual_stages=max(strategy.virtual_stages, VIRTUAL_STAGES))  # fmt: skip
+    found = candidates(
+        world,
+        global_batch,
+        layers=len(costs.layers),
+        schedules=schedules,
+        virtual_stages=max(strategy.virtual_stages, VIRTUAL_STAGES),
+    )
     layouts = _keeping_user_fields(found, strategy)
     return search(layouts, estimate, global_batch, budget, bound=estimate.bound)
 
@@ -291,10 +308,12 @@ def _search(model, request: Request, layout, costs, network, budget) -> SearchRe
 def _keeping_user_fields(layouts: list[Candidate], strategy: Strategy) -> list[Candidate]:
     """The layouts that keep every searched field the user set (e.g. `shard_optimizer=True`)."""
     fixed = {k: v for k, v in strategy.set_fields().items() if k in SEARCHED}
-    # a schedule acts only where there is a pipeline: it leaves P = 1 layouts in the search
-    return [c for c in layouts if all(
-        getattr(c, k) == v or (k == "schedule" and c.partitions == 1) for k, v in fixed.items()
-    )]  # fmt: skip
+
+    def keeps(c: Candidate, name: str, value) -> bool:
+        # a schedule acts only where there is a pipeline: it leaves P = 1 layouts in the search
+        return getattr(c, name) == value or (name == "schedule" and c.partitions == 1)
+
+    return [c for c in layouts if all(keeps(c, k, v) for k, v in fixed.items())]
 
 
 def _strategy_of(strategy: Strategy, candidate: Candidate) -> Strategy:

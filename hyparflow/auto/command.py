@@ -29,13 +29,24 @@ def add_arguments(parser) -> None:
         help="search every layout of RANKS ranks (P x R x "
         "T, micro-batches, schedule, recompute, ZeRO-1) and print the fastest that fits",
     )
-    auto("--memory", type=byte_size, metavar="SIZE", help="with --auto: the budget per rank, "
-         "e.g. 16GiB (needs the model, for its memory plan)")  # fmt: skip
+    auto(
+        "--memory",
+        type=byte_size,
+        metavar="SIZE",
+        help="with --auto: the budget per rank, e.g. 16GiB (needs the model, for its memory plan)",
+    )
 
 
 # simulate's options that fix one layout; the planner searches them
-FIXED_LAYOUT = {"partitions", "replicas", "microbatches", "schedule", "virtual_stages", "baseline",
-                "batch_logs"}  # fmt: skip
+FIXED_LAYOUT = {
+    "partitions",
+    "replicas",
+    "microbatches",
+    "schedule",
+    "virtual_stages",
+    "baseline",
+    "batch_logs",
+}
 
 
 def plan_parser() -> argparse.ArgumentParser:
@@ -49,8 +60,12 @@ def plan_parser() -> argparse.ArgumentParser:
     simulate_command.add_arguments(parser, hidden=FIXED_LAYOUT)
     parser.add_argument("--auto", action="store_true", required=True, help="search layouts")
     parser.add_argument("--ranks", type=int, required=True, help="the world size N")
-    parser.add_argument("--memory", type=byte_size, metavar="SIZE",
-                        help="the budget per rank, e.g. 16GiB (needs the model)")  # fmt: skip
+    parser.add_argument(
+        "--memory",
+        type=byte_size,
+        metavar="SIZE",
+        help="the budget per rank, e.g. 16GiB (needs the model)",
+    )
     measure = parser.add_argument_group("measuring the top layouts (docs/auto.md)").add_argument
     measure(
         "--measure",
@@ -66,8 +81,13 @@ def plan_parser() -> argparse.ArgumentParser:
         metavar="K",
         help="timed steps per layout, after 2 warm-up steps (default 5)",
     )
-    measure("--measure-timeout", type=float, default=300, metavar="SECONDS",
-            help="the limit of each layout's run (default 300)")  # fmt: skip
+    measure(
+        "--measure-timeout",
+        type=float,
+        default=300,
+        metavar="SECONDS",
+        help="the limit of each layout's run (default 300)",
+    )
     return parser
 
 
@@ -83,8 +103,11 @@ def plan(argv, memory_of, launch_facts) -> int:
     if args.measure_steps < 1:
         parser.error(f"--measure-steps {args.measure_steps}: time at least 1 step")
     if args.source.endswith(".json"):
-        print(f"{parser.prog}: --measure trains the model, and a costs file has none to train: "
-              "give MODEL (a .keras file or module:function)", file=sys.stderr)  # fmt: skip
+        print(
+            f"{parser.prog}: --measure trains the model, and a costs file has none to train: "
+            "give MODEL (a .keras file or module:function)",
+            file=sys.stderr,
+        )
         return 1
 
     def measure(result):
@@ -116,13 +139,16 @@ def run(args, memory_of, measure=None, name="hyparflow simulate") -> int:
     memory = None if model is None else memory_of(model, args.batch_size)
     budget = args.memory
     if budget is not None and memory is None:
-        print(f"{name}: --memory needs the model (a .keras file or module:function) "
-              "for its memory plan, not a costs file", file=sys.stderr)  # fmt: skip
+        print(
+            f"{name}: --memory needs the model (a .keras file or module:function) "
+            "for its memory plan, not a costs file",
+            file=sys.stderr,
+        )
         return 1
     per_node = args.ranks_per_node or (-(-args.auto // args.nodes) if args.nodes else None)
     estimate = Estimator(
         costs, network, args.batch_size, machine=machine, memory=memory, ranks_per_node=per_node
-    )  # fmt: skip
+    )
     layouts = candidates(args.auto, args.batch_size, layers=len(costs.layers))
     try:
         result = search(layouts, estimate, args.batch_size, budget, bound=estimate.bound)

@@ -35,10 +35,15 @@ class Estimator:
     (recompute, tensor ranks), predictions once per layout."""
 
     def __init__(
-        self, costs: ModelCosts, network: Network, global_batch: int, *,
-        machine: Machine | None = None, memory: Callable[[Candidate], int] | None = None,
+        self,
+        costs: ModelCosts,
+        network: Network,
+        global_batch: int,
+        *,
+        machine: Machine | None = None,
+        memory: Callable[[Candidate], int] | None = None,
         ranks_per_node: int | None = None,
-    ):  # fmt: skip
+    ):
         self.costs, self.network, self.global_batch = costs, network, global_batch
         self.machine = machine or Machine()
         self.memory, self.ranks_per_node = memory, ranks_per_node
@@ -88,7 +93,7 @@ class Estimator:
                 self._weight[key] = _weight(costs)
             except ValueError as error:
                 costs = error
-            self._priced[key] = costs  # fmt: skip
+            self._priced[key] = costs
         if isinstance(self._priced[key], ValueError):
             raise self._priced[key]
         return self._priced[key]
@@ -104,18 +109,21 @@ class Estimator:
         return self.ranks_per_node is not None and self.ranks_per_node % tensor != 0
 
     def _prediction(self, candidate: Candidate):
-        c = candidate
-        key = (c.partitions, c.replicas, c.tensor, c.microbatches, c.schedule, c.recompute,
-               c.shard_optimizer, c.virtual_stages)  # fmt: skip
-        if key not in self._predictions:
+        c = candidate  # frozen: it keys its prediction by every field of the layout
+        if c not in self._predictions:
             per_node = self.ranks_per_node and max(1, self.ranks_per_node // c.tensor)
-            layout = Layout(c.partitions, c.replicas, c.microbatches, c.schedule, per_node,
-                            c.virtual_stages)  # fmt: skip
-            self._predictions[key] = predict(
-                self._costs(c), self.network, layout, self.global_batch, self.machine,
+            layout = Layout(
+                c.partitions, c.replicas, c.microbatches, c.schedule, per_node, c.virtual_stages
+            )
+            self._predictions[c] = predict(
+                self._costs(c),
+                self.network,
+                layout,
+                self.global_batch,
+                self.machine,
                 shard_optimizer=c.shard_optimizer,
-            )  # fmt: skip
-        return self._predictions[key]
+            )
+        return self._predictions[c]
 
 
 def _whole(costs: ModelCosts) -> Affine:

@@ -55,8 +55,11 @@ def worker_program(candidate, args, out: str) -> tuple[str, ...]:
     """What each rank runs: the CLI's worker on MODEL under `candidate`'s hf.Strategy."""
     program = [
         "-m", "hyparflow.cli", COMMAND, args.source,
-        "--strategy", json.dumps(candidate.strategy_options()), "--batch", str(args.batch_size),
-        "--warmup", str(WARMUP), "--steps", str(args.measure_steps), "--out", out,
+        "--strategy", json.dumps(candidate.strategy_options()),
+        "--batch",    str(args.batch_size),
+        "--warmup",   str(WARMUP),
+        "--steps",    str(args.measure_steps),
+        "--out",      out,
     ]  # fmt: skip
     if args.custom_objects:
         program += ["--custom-objects", args.custom_objects]
@@ -88,9 +91,13 @@ def run_job(launch, timeout: float) -> tuple[int | None, str]:
     env = {**os.environ, **launch.env}
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's start-up lines, on every rank
     process = subprocess.Popen(
-        list(launch.argv), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        list(launch.argv),
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         start_new_session=True,  # a session of its own: its ranks can be found and ended
-    )  # fmt: skip
+    )
     try:
         output, _ = process.communicate(timeout=timeout)
         return process.returncode, output

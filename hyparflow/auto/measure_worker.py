@@ -50,8 +50,16 @@ def _timed_steps(args, fit) -> list[float]:
     x, y = _synthetic(model, samples, args.batch, args.input_shape)
     ends = []
     strategy = Strategy(**json.loads(args.strategy))
-    fit(model, x, y, batch_size=args.batch, epochs=1, verbose=0, strategy=strategy,
-        callbacks=[_step_timer(ends)])  # fmt: skip
+    fit(
+        model,
+        x,
+        y,
+        batch_size=args.batch,
+        epochs=1,
+        verbose=0,
+        strategy=strategy,
+        callbacks=[_step_timer(ends)],
+    )
     timed = ends[args.warmup - 1 :]  # from the last warm-up step's end
     return [later - earlier for earlier, later in itertools.pairwise(timed)]
 

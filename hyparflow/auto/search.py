@@ -73,16 +73,28 @@ class Candidate:
         """Keyword arguments of `hf.Strategy` for this layout."""
         kind = "data" if self.partitions == 1 else "model" if self.replicas == 1 else "hybrid"
         return {
-            "kind": kind, "partitions": self.partitions, "replicas": self.replicas,
-            "tensor": self.tensor, "microbatches": self.microbatches, "schedule": self.schedule,
-            "recompute": self.recompute, "shard_optimizer": self.shard_optimizer,
+            "kind": kind,
+            "partitions": self.partitions,
+            "replicas": self.replicas,
+            "tensor": self.tensor,
+            "microbatches": self.microbatches,
+            "schedule": self.schedule,
+            "recompute": self.recompute,
+            "shard_optimizer": self.shard_optimizer,
             "virtual_stages": self.virtual_stages,
-        }  # fmt: skip
+        }
 
     def simplicity(self) -> tuple:
         """Sorts simpler layouts first, for ties."""
-        return (self.partitions, self.tensor, self.microbatches, self.recompute,
-                self.shard_optimizer, self.virtual_stages, self.schedule)  # fmt: skip
+        return (
+            self.partitions,
+            self.tensor,
+            self.microbatches,
+            self.recompute,
+            self.shard_optimizer,
+            self.virtual_stages,
+            self.schedule,
+        )
 
 
 @dataclass(frozen=True)
@@ -141,9 +153,14 @@ class SearchResult:
 
 
 def candidates(
-    world: int, global_batch: int, *, layers: int, schedules: Iterable[str] = SCHEDULES,
-    max_microbatches: int = 16, virtual_stages: int = VIRTUAL_STAGES,
-) -> list[Candidate]:  # fmt: skip
+    world: int,
+    global_batch: int,
+    *,
+    layers: int,
+    schedules: Iterable[str] = SCHEDULES,
+    max_microbatches: int = 16,
+    virtual_stages: int = VIRTUAL_STAGES,
+) -> list[Candidate]:
     """Every layout of `world` ranks for `global_batch` samples over a model of `layers` layer
     calls: P x R x T = `world` with at most one stage per layer, micro-batches that split each
     replica's share evenly (powers of two up to `max_microbatches`, and for pipelines P, 2P,
@@ -170,9 +187,12 @@ def candidates(
 
 
 def search(
-    layouts: Iterable[Candidate], estimate: Callable[[Candidate], Estimate], global_batch: int,
-    budget_bytes: int | None = None, bound: Callable[[Candidate], float] | None = None,
-) -> SearchResult:  # fmt: skip
+    layouts: Iterable[Candidate],
+    estimate: Callable[[Candidate], Estimate],
+    global_batch: int,
+    budget_bytes: int | None = None,
+    bound: Callable[[Candidate], float] | None = None,
+) -> SearchResult:
     """Score every layout with `estimate` (which raises ValueError for a layout it cannot run,
     with the reason) and rank those within `budget_bytes` per rank (None: any), fastest first.
     `bound(candidate)`, if given, is a step time its estimate never goes below: layouts are

@@ -48,11 +48,14 @@ def tensor_costs(costs: ModelCosts, tensor: int, network: Network, crosses_nodes
         return Affine.through(low, seconds(low), high, seconds(high))
 
     # each layer's exchanges, forward and backward, priced once for its passes and the step's
-    exchanges = [(exchanged(s.forward_bytes, s.forward_calls),
-                  exchanged(s.backward_bytes, s.backward_calls))
-                 for s in (layer.tensor for layer in costs.layers)]  # fmt: skip
-    layers = [_split_layer(layer, tensor, *pair)
-              for layer, pair in zip(costs.layers, exchanges, strict=True)]  # fmt: skip
+    exchanges = [
+        (exchanged(s.forward_bytes, s.forward_calls), exchanged(s.backward_bytes, s.backward_calls))
+        for s in (layer.tensor for layer in costs.layers)
+    ]
+    layers = [
+        _split_layer(layer, tensor, *pair)
+        for layer, pair in zip(costs.layers, exchanges, strict=True)
+    ]
     split = replace(costs, layers=layers, single_process=None)
     if costs.fused is not None:  # the one-call step: its per-sample work splits as its layers'
         kept = _kept_work(costs.layers, tensor)
@@ -71,8 +74,9 @@ def _kept_work(layers: list[LayerCost], tensor: int) -> float:
     return 1 - split / sum(work) * (1 - 1 / tensor)
 
 
-def _split_layer(layer: LayerCost, tensor: int, summed_forward: Affine,
-                 summed_backward: Affine) -> LayerCost:  # fmt: skip
+def _split_layer(
+    layer: LayerCost, tensor: int, summed_forward: Affine, summed_backward: Affine
+) -> LayerCost:
     """`layer` on one of `tensor` ranks, paying its exchanges' `summed_forward` and
     `summed_backward` seconds."""
     share: TensorShare = layer.tensor

@@ -69,9 +69,16 @@ def tensor_shares(graph, layout, inputs: list) -> list[TensorShare]:
         seen.add(id(node.operation))
         forward, backward = tally.bytes[node.position] / batch
         calls = tally.calls[node.position]
-        shares.append(TensorShare(parted if first else 0, parted / whole if whole else 0.0,
-                                  float(forward), float(backward), int(calls[0]),
-                                  int(calls[1])))  # fmt: skip
+        shares.append(
+            TensorShare(
+                parted if first else 0,
+                parted / whole if whole else 0.0,
+                float(forward),
+                float(backward),
+                int(calls[0]),
+                int(calls[1]),
+            )
+        )
     return shares
 
 

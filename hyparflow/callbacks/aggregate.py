@@ -56,9 +56,12 @@ def scaling_efficiency(
 
 
 def formula_bubble(
-    num_stages: int, microbatches: int, schedule: str | None = None, seconds: dict | None = None,
+    num_stages: int,
+    microbatches: int,
+    schedule: str | None = None,
+    seconds: dict | None = None,
     virtual_stages: int = 1,
-) -> float | None:  # fmt: skip
+) -> float | None:
     """The schedule's bubble by formula, or None for a rank that ran no micro-batch this step:
     `(p - 1) / (m + p - 1)` for GPipe and 1F1B, `(p - 1) / (v m + p - 1)` for interleaved 1F1B
     with `virtual_stages` v; for ZB-H1 (`schedule="zero_bubble"`) its idle fraction at the

@@ -70,10 +70,14 @@ class Checkpoint(keras.callbacks.Callback):
     def save(self, epoch: int, batch: int) -> str:
         """Save now (collective: every rank's callback calls it at the same point)."""
         self.last_saved = store.save(
-            self._require_trainer().stage_state, self.directory, epoch=epoch, batch=batch,
-            keep=self.keep, complete=self._complete,
+            self._require_trainer().stage_state,
+            self.directory,
+            epoch=epoch,
+            batch=batch,
+            keep=self.keep,
+            complete=self._complete,
             callbacks=callback_state.capture(self._callbacks),
-        )  # fmt: skip
+        )
         return self.last_saved
 
     def _complete(self, folder: str, manifest) -> None:

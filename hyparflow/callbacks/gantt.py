@@ -28,6 +28,7 @@ COLORS = {
 IDLE_COLOR = "#E6E6E6"
 LEGEND_NAMES = {events.RECV: "recv (waiting)"}
 LABELLED = events.COMPUTE  # bars that show their micro-batch number
+MICROBATCH_LABEL = {"ha": "center", "va": "center", "fontsize": 7, "color": "white", "zorder": 5}
 # Tensor collectives run inside a forward or backward: thinner bars drawn over them.
 INNER = events.INNER
 
@@ -64,23 +65,7 @@ def draw(trace: dict, path: str, steps: Sequence[int] | None = None, title: str 
     kinds_seen = set()
     for row, slices in enumerate(shown):
         y = len(tracks) - 1 - row  # first rank on top
-        for s in slices:
-            x = s.start_ms - origin
-            if s.kind == STEP:  # the step's extent; uncovered parts of it are idle
-                axes.broken_barh([(x, s.duration_ms)], (y - 0.4, 0.8), facecolor=IDLE_COLOR,
-                                 edgecolor="#888888", linewidth=0.8, zorder=1)  # fmt: skip
-                if row == 0:
-                    axes.text(x, y + 0.45, f"step {s.step}", fontsize=8, color="#555555",
-                              va="bottom")  # fmt: skip
-                continue
-            kinds_seen.add(s.kind)
-            half, layer = (0.15, 4) if s.kind in INNER else (0.3, 2)
-            axes.broken_barh([(x, s.duration_ms)], (y - half, 2 * half),
-                             facecolor=COLORS.get(s.kind, "#333333"), edgecolor="white",
-                             linewidth=0.3, zorder=layer)  # fmt: skip
-            if s.kind in LABELLED and s.microbatch is not None and s.duration_ms > span_ms / 90:
-                axes.text(x + s.duration_ms / 2, y, str(s.microbatch), ha="center",
-                          va="center", fontsize=7, color="white", zorder=5)  # fmt: skip
+        kinds_seen |= _draw_row(axes, slices, y, origin, span_ms, label_steps=row == 0)
     axes.set_yticks(range(len(tracks)))
     axes.set_yticklabels([t.label for t in reversed(tracks)], fontsize=9)
     axes.set_ylim(-0.7, len(tracks) - 0.2)
@@ -93,11 +78,52 @@ def draw(trace: dict, path: str, steps: Sequence[int] | None = None, title: str 
         Patch(facecolor=COLORS[k], label=LEGEND_NAMES.get(k, k)) for k in COLORS if k in kinds_seen
     ]
     handles.append(Patch(facecolor=IDLE_COLOR, edgecolor="#888888", label="idle"))
-    figure.legend(handles=handles, loc="lower center", ncol=len(handles), frameon=False,
-                  fontsize=9)  # fmt: skip
+    figure.legend(handles=handles, loc="lower center", ncol=len(handles), frameon=False, fontsize=9)
     figure.tight_layout(rect=(0, 0.4 / figure.get_figheight(), 1, 1))  # room for the legend
     figure.savefig(path)
     return path
+
+
+def _draw_row(axes, slices, y: float, origin: float, span_ms: float, label_steps: bool) -> set:
+    """One rank's bars at height `y` (the first row also names the steps); the kinds drawn."""
+    kinds = set()
+    for s in slices:
+        x = s.start_ms - origin
+        if s.kind == STEP:
+            _draw_step(axes, s, x, y, label_steps)
+        else:
+            kinds.add(s.kind)
+            _draw_work(axes, s, x, y, span_ms)
+    return kinds
+
+
+def _draw_step(axes, s, x: float, y: float, labelled: bool) -> None:
+    """The step's extent, under the work bars: the parts of it they leave uncovered are idle."""
+    axes.broken_barh(
+        [(x, s.duration_ms)],
+        (y - 0.4, 0.8),
+        facecolor=IDLE_COLOR,
+        edgecolor="#888888",
+        linewidth=0.8,
+        zorder=1,
+    )
+    if labelled:
+        axes.text(x, y + 0.45, f"step {s.step}", fontsize=8, color="#555555", va="bottom")
+
+
+def _draw_work(axes, s, x: float, y: float, span_ms: float) -> None:
+    """One slice of work; a compute bar wide enough to read shows its micro-batch."""
+    half, layer = (0.15, 4) if s.kind in INNER else (0.3, 2)
+    axes.broken_barh(
+        [(x, s.duration_ms)],
+        (y - half, 2 * half),
+        facecolor=COLORS.get(s.kind, "#333333"),
+        edgecolor="white",
+        linewidth=0.3,
+        zorder=layer,
+    )
+    if s.kind in LABELLED and s.microbatch is not None and s.duration_ms > span_ms / 90:
+        axes.text(x + s.duration_ms / 2, y, str(s.microbatch), **MICROBATCH_LABEL)
 
 
 def default_title(trace: dict, steps: Sequence[int]) -> str:

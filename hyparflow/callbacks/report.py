@@ -23,8 +23,12 @@ TIME_COLUMNS = (
 # With tensor or expert parallelism their collectives get columns after compute (which
 # excludes them).
 INNER_COLUMNS = (("tensor", "tensor"), ("experts", "experts"))
-KIND_NAMES = {"data": "data parallel", "model": "model parallel", "hybrid": "hybrid parallel",
-              "tensor": "tensor parallel"}  # fmt: skip
+KIND_NAMES = {
+    "data": "data parallel",
+    "model": "model parallel",
+    "hybrid": "hybrid parallel",
+    "tensor": "tensor parallel",
+}
 
 
 def _percent(value: float | None) -> str:
@@ -94,23 +98,44 @@ def format_report(summary: dict) -> str:
     # a node column where the ranks ran on several nodes (older profiles record none)
     nodes = [r.get("node") for r in summary["ranks"]]
     by_node = len(set(nodes)) > 1
-    header = ["rank", *(["node"] if by_node else []), "stage", "replica", "step ms",
-              *(h for h, _ in columns), "bubble", "samples/s"]  # fmt: skip
+    header = [
+        "rank",
+        *(["node"] if by_node else []),
+        "stage",
+        "replica",
+        "step ms",
+        *(h for h, _ in columns),
+        "bubble",
+        "samples/s",
+    ]
     rows = []
     for r, node in zip(summary["ranks"], nodes, strict=True):
         ms = r["ms_per_step"]
         rows.append(
-            [str(r["rank"]), *([str(node)] if by_node else []), str(r["stage"]),
-             str(r["replica"]), _number(ms["step"], 2),
-             *(_time_cell(ms, key) for _, key in columns), _percent(r["bubble"]),
-             _number(r["throughput"])]
-        )  # fmt: skip
+            [
+                str(r["rank"]),
+                *([str(node)] if by_node else []),
+                str(r["stage"]),
+                str(r["replica"]),
+                _number(ms["step"], 2),
+                *(_time_cell(ms, key) for _, key in columns),
+                _percent(r["bubble"]),
+                _number(r["throughput"]),
+            ]
+        )
     ms = job["ms_per_step"]
     rows.append(
-        ["job", *([""] if by_node else []), "", "", _number(ms["step"], 2),
-         *(_time_cell(ms, key) for _, key in columns), _percent(job["bubble_measured"]),
-         _number(job["throughput"])]
-    )  # fmt: skip
+        [
+            "job",
+            *([""] if by_node else []),
+            "",
+            "",
+            _number(ms["step"], 2),
+            *(_time_cell(ms, key) for _, key in columns),
+            _percent(job["bubble_measured"]),
+            _number(job["throughput"]),
+        ]
+    )
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     for row in [header, *rows]:
         lines.append("  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)).rstrip())

@@ -26,8 +26,15 @@ EFFICIENCY = "scaling/efficiency"
 # Tags every rank's run has when the engine recorded spans (more than one rank).
 # With tensor parallelism (Strategy(tensor=T), T > 1) both runs also have TENSOR_MS; with
 # expert parallelism (experts=E, E > 1) EXPERTS_MS.
-RANK_TAGS = (STEP_MS, *(KIND_MS[k] for k in KINDS), COMPUTE_MS, P2P_WAIT_MS, IDLE_MS,
-             THROUGHPUT, BUBBLE_MEASURED)  # fmt: skip
+RANK_TAGS = (
+    STEP_MS,
+    *(KIND_MS[k] for k in KINDS),
+    COMPUTE_MS,
+    P2P_WAIT_MS,
+    IDLE_MS,
+    THROUGHPUT,
+    BUBBLE_MEASURED,
+)
 # Tags of the aggregate run; EFFICIENCY only when a baseline throughput is given.
 AGGREGATE_TAGS = (*RANK_TAGS, BUBBLE_THEORETICAL)
 

@@ -86,9 +86,12 @@ class Totals:
 
 
 def simulated_bubble(
-    stage_of_rank: Sequence[int], totals: Sequence[Totals], schedule: str | None,
-    microbatches: int, virtual_stages: int = 1,
-) -> float | None:  # fmt: skip
+    stage_of_rank: Sequence[int],
+    totals: Sequence[Totals],
+    schedule: str | None,
+    microbatches: int,
+    virtual_stages: int = 1,
+) -> float | None:
     """The bubble an ideal machine would show with these measured per-stage forward, backward
     (and, for zero-bubble schedules, weight) times per micro-batch (no communication, no
     overhead): it differs from the formula by the stages' imbalance, and from the measurement by
@@ -163,9 +166,12 @@ class RunSummary:
             rank_totals, ranks, job.makespans, job.bubbles, strict=True
         ):
             totals.add(
-                b.wall, b.samples, b.seconds, makespan if bubble is not None else None,
+                b.wall,
+                b.samples,
+                b.seconds,
+                makespan if bubble is not None else None,
                 b.microbatches,
-            )  # fmt: skip
+            )
         (self._warm_job if warm else self._job).add(job.wall, job.samples, None)
         if job.bubble_theoretical is not None:
             (self._warm_theoretical if warm else self._theoretical).append(job.bubble_theoretical)

@@ -85,16 +85,32 @@ def to_trace(
         trace_events.append(_meta("thread_sort_index", q, rank, {"sort_index": stage}))
         for record in steps:
             trace_events.append(
-                _slice(f"step {record.step}", STEP, q, rank, us(record.start), us(record.end),
-                       {"step": record.step, "samples": record.samples,
-                        "microbatches": record.microbatches})
-            )  # fmt: skip
+                _slice(
+                    f"step {record.step}",
+                    STEP,
+                    q,
+                    rank,
+                    us(record.start),
+                    us(record.end),
+                    {
+                        "step": record.step,
+                        "samples": record.samples,
+                        "microbatches": record.microbatches,
+                    },
+                )
+            )
             for span in sorted(record.spans, key=lambda s: s.start):
                 trace_events.append(
-                    _slice(span_name(span.kind, span.microbatch), span.kind, q, rank,
-                           us(span.start), us(span.end),
-                           {"step": record.step, "microbatch": span.microbatch})
-                )  # fmt: skip
+                    _slice(
+                        span_name(span.kind, span.microbatch),
+                        span.kind,
+                        q,
+                        rank,
+                        us(span.start),
+                        us(span.end),
+                        {"step": record.step, "microbatch": span.microbatch},
+                    )
+                )
             for start, end in idle_gaps(record, min_idle):
                 trace_events.append(
                     _slice(IDLE, IDLE, q, rank, us(start), us(end), {"step": record.step})
@@ -120,9 +136,15 @@ def _meta(name: str, pid: int, tid: int | None, args: dict) -> dict:
 
 def _slice(name, category, pid, tid, start_us, end_us, args) -> dict:
     return {
-        "ph": "X", "name": name, "cat": category, "pid": pid, "tid": tid,
-        "ts": start_us, "dur": round(end_us - start_us, 3), "args": args,
-    }  # fmt: skip
+        "ph": "X",
+        "name": name,
+        "cat": category,
+        "pid": pid,
+        "tid": tid,
+        "ts": start_us,
+        "dur": round(end_us - start_us, 3),
+        "args": args,
+    }
 
 
 def write(trace: dict, path: str) -> None:
@@ -170,9 +192,15 @@ def read_tracks(trace: dict) -> list[Track]:
         elif event["ph"] == "X":
             args = event.get("args", {})
             slices.setdefault(event["tid"], []).append(
-                Slice(event["cat"], event["name"], args.get("step", -1), args.get("microbatch"),
-                      event["ts"] / 1e3, event["dur"] / 1e3)
-            )  # fmt: skip
+                Slice(
+                    event["cat"],
+                    event["name"],
+                    args.get("step", -1),
+                    args.get("microbatch"),
+                    event["ts"] / 1e3,
+                    event["dur"] / 1e3,
+                )
+            )
     tracks = [
         Track(rank, stage, replica, tuple(slices.get(tid, ())), node)
         for tid, (rank, stage, replica, node) in where.items()

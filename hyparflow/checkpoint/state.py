@@ -127,8 +127,12 @@ def join_slices(state: dict) -> dict:
         found.setdefault("ranges", []).append((start, stop, value))
         found["dims"] = dims
 
-    return _join(state, split_slice_key, add,
-                 lambda base, found: join_ranges(base, found["dims"], found["ranges"]))  # fmt: skip
+    return _join(
+        state,
+        split_slice_key,
+        add,
+        lambda base, found: join_ranges(base, found["dims"], found["ranges"]),
+    )
 
 
 def join_shards(state: dict) -> dict:

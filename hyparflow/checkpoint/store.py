@@ -74,11 +74,19 @@ def save(
         architecture = _write_architecture(model, folder, files)
         compile_config = _write_compile_config(model, folder, files)
         manifest = manifests.Manifest(
-            step=stage.step, epoch=epoch, batch=batch, seed=stage.seed,
-            partitions=stage.num_stages, replicas=stage.num_replicas, tensor=stage.num_shards,
-            weights=weight_specs(model), files=files, architecture=architecture,
-            compile_config=compile_config, callbacks=callbacks or [],
-        )  # fmt: skip
+            step=stage.step,
+            epoch=epoch,
+            batch=batch,
+            seed=stage.seed,
+            partitions=stage.num_stages,
+            replicas=stage.num_replicas,
+            tensor=stage.num_shards,
+            weights=weight_specs(model),
+            files=files,
+            architecture=architecture,
+            compile_config=compile_config,
+            callbacks=callbacks or [],
+        )
         (complete or manifests.write)(folder, manifest)
         manifests.prune(directory, keep, folder)
     with stage.guard("finish checkpoint"):

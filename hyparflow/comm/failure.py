@@ -164,10 +164,24 @@ def _watched_class():
 _WATCHED = None
 # mpi4py's blocking collectives that hyparflow calls on the grid's communicators.
 _COLLECTIVES = (
-    "Allreduce", "allreduce", "Bcast", "bcast", "Allgather", "allgather", "Allgatherv",
-    "Reduce_scatter_block", "Reduce", "reduce", "Gather", "gather", "Barrier", "barrier",
-    "Alltoall", "Alltoallv", "alltoall",
-)  # fmt: skip
+    "Allreduce",
+    "allreduce",
+    "Bcast",
+    "bcast",
+    "Allgather",
+    "allgather",
+    "Allgatherv",
+    "Reduce_scatter_block",
+    "Reduce",
+    "reduce",
+    "Gather",
+    "gather",
+    "Barrier",
+    "barrier",
+    "Alltoall",
+    "Alltoallv",
+    "alltoall",
+)
 
 
 def _make_watched_class():

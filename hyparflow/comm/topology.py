@@ -244,7 +244,9 @@ def placed(comm, grid: Grid):
         if comm.Get_rank() == 0 and len(set(nodes)) > 1:
             reordered = "" if _PLACED[key] is comm else " (reordered from the launcher's)"
             logging.getLogger(__name__).info(
-                "placement on %d nodes%s:\n%s", len(set(nodes)), reordered,
+                "placement on %d nodes%s:\n%s",
+                len(set(nodes)),
+                reordered,
                 describe(order, names, grid),
-            )  # fmt: skip
+            )
     return _PLACED[key]

@@ -44,9 +44,10 @@ class SharedOrder(keras.utils.PyDataset):
 
     def __init__(self, dataset: keras.utils.PyDataset, seed: int):
         super().__init__(
-            workers=dataset.workers, use_multiprocessing=dataset.use_multiprocessing,
+            workers=dataset.workers,
+            use_multiprocessing=dataset.use_multiprocessing,
             max_queue_size=dataset.max_queue_size,
-        )  # fmt: skip
+        )
         self.dataset, self.seed, self.epochs = dataset, seed, 0
         self.order = epoch_order(len(dataset), True, seed, 0)
 

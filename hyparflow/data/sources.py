@@ -19,8 +19,17 @@ from hyparflow.data.batches import ArraySource, check_divisible, unpack
 from hyparflow.data.steps import EpochSteps
 
 
-def make_source(x, y=None, sample_weight=None, *, batch_size=None, shuffle=False, seed=0,
-                class_weight=None, steps=None):  # fmt: skip
+def make_source(
+    x,
+    y=None,
+    sample_weight=None,
+    *,
+    batch_size=None,
+    shuffle=False,
+    seed=0,
+    class_weight=None,
+    steps=None,
+):
     """A batch source for `x` as `model.fit(x, y, ...)` takes it, in an order every rank shares.
 
     Arrays are batched here (`batch_size`, default 32, or enough for `steps` batches); datasets,
@@ -33,14 +42,20 @@ def make_source(x, y=None, sample_weight=None, *, batch_size=None, shuffle=False
     if shuffle and isinstance(x, keras.utils.PyDataset) and x.num_batches is not None:
         x, shuffle = SharedOrder(x, seed), False  # Keras would shuffle with each rank's `random`
     adapter = _keras.data_adapter(
-        x, y, sample_weight, batch_size=batch_size, steps=steps, class_weight=class_weight,
+        x,
+        y,
+        sample_weight,
+        batch_size=batch_size,
+        steps=steps,
+        class_weight=class_weight,
         shuffle=shuffle and not _keras.is_array_adapter_input(x, y, sample_weight),
-    )  # fmt: skip
+    )
     if not _keras.is_array_adapter(adapter):
         return AdapterSource(adapter)
     x, y, sample_weight = unpack(_keras.adapter_arrays(adapter))
-    return ArraySource(x, y, sample_weight, batch_size=adapter.batch_size, shuffle=shuffle,
-                       seed=seed)  # fmt: skip
+    return ArraySource(
+        x, y, sample_weight, batch_size=adapter.batch_size, shuffle=shuffle, seed=seed
+    )
 
 
 def split_validation(data: tuple, fit_kwargs: dict) -> tuple:
@@ -59,9 +74,13 @@ def fit_sources(data: tuple, validation_data, fit_kwargs: dict, *, batch_size, s
     `strategy` cannot split is refused (None: the planner picks a layout that can)."""
     steps = fit_kwargs.get("steps_per_epoch")
     source = make_source(
-        *data, batch_size=batch_size, shuffle=fit_kwargs.get("shuffle", True), seed=seed,
-        class_weight=fit_kwargs.get("class_weight"), steps=steps,
-    )  # fmt: skip
+        *data,
+        batch_size=batch_size,
+        shuffle=fit_kwargs.get("shuffle", True),
+        seed=seed,
+        class_weight=fit_kwargs.get("class_weight"),
+        steps=steps,
+    )
     if strategy is not None and hasattr(source, "batch_size"):  # arrays, hf.data.HDF5
         check_divisible(source.batch_size, strategy.replicas, strategy.microbatches)
     if validation_data is not None:

@@ -87,9 +87,9 @@ def choose_gpu(local_rank: int, node: Sequence[RankGpus], enabled: bool = True) 
         return Binding(None, "this process already chose its visible GPUs (tf.config)")
     if any((rank.gpus, rank.visibility) != (mine.gpus, mine.visibility) for rank in node):
         return Binding(
-            None, "the ranks on this node see different GPUs (their own visibility): each "
-            "keeps its own"
-        )  # fmt: skip
+            None,
+            "the ranks on this node see different GPUs (their own visibility): each keeps its own",
+        )
     if len(node) > mine.gpus:
         raise NoGpuError(
             f"{len(node)} ranks share a node whose ranks see {mine.gpus} GPU(s)"
@@ -167,8 +167,10 @@ def bind(binding: Binding) -> bool:
             "GPUs already (%s), so it keeps the GPUs it has, probably the same as other ranks "
             "on its node. Call hf.bind_gpus() at the top of the script, before building the "
             "model (docs/gpu.md).",
-            gpu.name, binding.reason, error,
-        )  # fmt: skip
+            gpu.name,
+            binding.reason,
+            error,
+        )
         return False
     logger.info("hyparflow bound this process to %s: %s", gpu.name, binding.reason)
     return True

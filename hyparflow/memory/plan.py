@@ -28,9 +28,17 @@ from hyparflow.tensor.splits import COLUMN
 RUNTIME_BYTES = 30 * 2**20
 
 
-def memory_plan(model, strategy="auto", batch_size: int = 32, *, num_partitions=None,
-                num_replicas=None, num_microbatches=None, whole_model: bool | None = None,
-                runtime: bool = True) -> MemoryPlan:  # fmt: skip
+def memory_plan(
+    model,
+    strategy="auto",
+    batch_size: int = 32,
+    *,
+    num_partitions=None,
+    num_replicas=None,
+    num_microbatches=None,
+    whole_model: bool | None = None,
+    runtime: bool = True,
+) -> MemoryPlan:
     """Predict the peak bytes of every rank when `hf.fit(model, ..., strategy=strategy)`
     trains `model` with global batches of `batch_size` (docs/memory.md).
 
@@ -170,8 +178,9 @@ def _activations(shared: _Shared, stage: int, held: list[int], layout) -> int:
     resolved = shared.resolved
     per_chunk = [shared.per_sample[c](layout) for c in held]
     if len(held) > 1:
-        actions = make_schedule("interleaved", resolved.partitions, resolved.microbatches,
-                                len(held))[stage]  # fmt: skip
+        actions = make_schedule(
+            "interleaved", resolved.partitions, resolved.microbatches, len(held)
+        )[stage]
         return counts.chunk_activation_bytes(actions, per_chunk, shared.samples, resolved.recompute)
     flight = counts.in_flight(resolved.schedule, resolved.partitions, resolved.microbatches, stage)
     return counts.activation_bytes(*per_chunk[0], shared.samples, flight, resolved.recompute)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 from keras import tree
@@ -114,19 +114,12 @@ class Stage:
         return sum(t.bytes_per_sample for t in self.sends)
 
     def to_dict(self) -> dict:
-        return {
-            "index": self.index,
-            "layers": self.layers,
-            "ops": self.ops,
-            "nodes": self.nodes,
-            "cost": self.cost,
-            "comm_cost": self.comm_cost,
-            "param_count": self.param_count,
-            "owned_layers": self.owned_layers,
-            "measured_time": self.measured_time,
-            "receives": [t.to_dict() for t in self.receives],
-            "sends": [t.to_dict() for t in self.sends],
-        }
+        """Its fields as JSON-ready data, in their order, the boundaries last; no Keras objects."""
+        left_out = {"model", "layer_objects", "receives", "sends"}
+        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in left_out}
+        data["receives"] = [t.to_dict() for t in self.receives]
+        data["sends"] = [t.to_dict() for t in self.sends]
+        return data
 
 
 @dataclass(eq=False)

@@ -55,8 +55,12 @@ def load_model(source: str, custom_objects: str | None = None, compile: bool = T
 def _is_builder(source: str) -> bool:
     """`module:function`, not a file (a Windows drive letter or an existing path is a file)."""
     module, colon, function = source.partition(":")
-    return bool(colon) and not os.path.exists(source) and module.replace(".", "").isidentifier() \
-        and function.isidentifier()  # fmt: skip
+    return (
+        bool(colon)
+        and not os.path.exists(source)
+        and module.replace(".", "").isidentifier()
+        and function.isidentifier()
+    )
 
 
 def _import(module: str):
@@ -72,5 +76,8 @@ def _import(module: str):
 def _public_objects(module: str) -> dict:
     """The public classes and functions of `module`, by name (imported, so registered too)."""
     namespace = vars(_import(module))
-    return {name: value for name, value in namespace.items()
-            if not name.startswith("_") and callable(value)}  # fmt: skip
+    return {
+        name: value
+        for name, value in namespace.items()
+        if not name.startswith("_") and callable(value)
+    }

@@ -34,9 +34,15 @@ class ActionKind(Enum):
 
 
 FORWARD, BACKWARD, WEIGHT = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.WEIGHT
-_SHORT = {FORWARD: "F", BACKWARD: "B", WEIGHT: "W", ActionKind.RECV_ACTIVATIONS: "RA",
-          ActionKind.SEND_ACTIVATIONS: "SA", ActionKind.RECV_GRADIENTS: "RG",
-          ActionKind.SEND_GRADIENTS: "SG"}  # fmt: skip
+_SHORT = {
+    FORWARD: "F",
+    BACKWARD: "B",
+    WEIGHT: "W",
+    ActionKind.RECV_ACTIVATIONS: "RA",
+    ActionKind.SEND_ACTIVATIONS: "SA",
+    ActionKind.RECV_GRADIENTS: "RG",
+    ActionKind.SEND_GRADIENTS: "SG",
+}
 
 
 @dataclass(frozen=True)
@@ -136,12 +142,16 @@ def with_transfers(
         virtual = virtual_stage(stage, action.chunk, num_stages)
         first, last = virtual == 0, virtual == num_stages * num_chunks - 1
         before, after = {  # each None where there is no neighbour
-            FORWARD: (None if first else ActionKind.RECV_ACTIVATIONS,
-                      None if last else ActionKind.SEND_ACTIVATIONS),
-            BACKWARD: (None if last else ActionKind.RECV_GRADIENTS,
-                       None if first else ActionKind.SEND_GRADIENTS),
+            FORWARD: (
+                None if first else ActionKind.RECV_ACTIVATIONS,
+                None if last else ActionKind.SEND_ACTIVATIONS,
+            ),
+            BACKWARD: (
+                None if last else ActionKind.RECV_GRADIENTS,
+                None if first else ActionKind.SEND_GRADIENTS,
+            ),
             WEIGHT: (None, None),  # the stage's own weights: nothing moves
-        }[action.kind]  # fmt: skip
+        }[action.kind]
         lowered += [Action(before, action.microbatch, action.chunk)] if before else []
         lowered.append(action)
         lowered += [Action(after, action.microbatch, action.chunk)] if after else []

@@ -72,8 +72,10 @@ def _check_transfers_pair(schedule: Schedule, num_chunks: int) -> None:
     messages of one tag in order, so a mismatch would swap micro-batches). A message is named by
     its micro-batch and the model chunk that receives it (`virtual_stage`)."""
     num_stages = len(schedule)
-    pairs = ((ActionKind.SEND_ACTIVATIONS, ActionKind.RECV_ACTIVATIONS, 1),
-             (ActionKind.SEND_GRADIENTS, ActionKind.RECV_GRADIENTS, -1))  # fmt: skip
+    pairs = (
+        (ActionKind.SEND_ACTIVATIONS, ActionKind.RECV_ACTIVATIONS, 1),
+        (ActionKind.SEND_GRADIENTS, ActionKind.RECV_GRADIENTS, -1),
+    )
     links: dict[tuple[ActionKind, int, int], list[list[tuple[int, int]]]] = {}
     for stage, actions in enumerate(schedule):
         for send, receive, step in pairs:

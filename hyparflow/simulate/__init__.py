@@ -5,5 +5,17 @@ from hyparflow.simulate.network import Link, Network
 from hyparflow.simulate.placement import Layout
 from hyparflow.simulate.predict import Machine, Prediction, efficiency, predict, speedup
 
-__all__ = ["Affine", "EngineCosts", "LayerCost", "Layout", "Link", "Machine", "ModelCosts",
-           "Network", "Prediction", "efficiency", "predict", "speedup"]  # fmt: skip
+__all__ = [
+    "Affine",
+    "EngineCosts",
+    "LayerCost",
+    "Layout",
+    "Link",
+    "Machine",
+    "ModelCosts",
+    "Network",
+    "Prediction",
+    "efficiency",
+    "predict",
+    "speedup",
+]

@@ -19,10 +19,18 @@ from hyparflow.simulate.placement import Layout
 from hyparflow.simulate.predict import Machine, Prediction, efficiency, predict, speedup
 
 COLUMNS = (
-    ("P", 3), ("R", 4), ("M", 3), ("ranks", 6), ("nodes", 6), ("step ms", 10),
-    ("samples/s", 11), ("speed-up", 9), ("efficiency", 11), ("bubble", 7),
+    ("P", 3),
+    ("R", 4),
+    ("M", 3),
+    ("ranks", 6),
+    ("nodes", 6),
+    ("step ms", 10),
+    ("samples/s", 11),
+    ("speed-up", 9),
+    ("efficiency", 11),
+    ("bubble", 7),
     ("allreduce ms", 13),
-)  # fmt: skip
+)
 
 
 def add_arguments(parser, hidden=frozenset()) -> None:
@@ -95,9 +103,20 @@ def run(args) -> int:
         except ValueError as error:
             skipped.append(f"{partitions}x{replicas}: {error}")
     if args.json:
-        print(json.dumps([{**p.to_dict(), "speedup": speedup(p, b), "efficiency": efficiency(p, b),
-                           "baseline_throughput": b.throughput}
-                          for p, b in rows], indent=1))  # fmt: skip
+        print(
+            json.dumps(
+                [
+                    {
+                        **p.to_dict(),
+                        "speedup": speedup(p, b),
+                        "efficiency": efficiency(p, b),
+                        "baseline_throughput": b.throughput,
+                    }
+                    for p, b in rows
+                ],
+                indent=1,
+            )
+        )
     else:
         print(table(costs, network, machine, args, rows))
     for reason in skipped:
@@ -117,12 +136,18 @@ def table(costs, network, machine, args, rows) -> str:
     for prediction, base in rows:
         layout = prediction.layout
         values = (
-            layout.partitions, layout.replicas, layout.microbatches, layout.world,
-            prediction.layout.nodes, f"{prediction.step_time * 1e3:.2f}",
-            f"{prediction.throughput:,.0f}", f"{speedup(prediction, base):.2f}",
-            f"{efficiency(prediction, base):.1%}", f"{prediction.bubble:.1%}",
+            layout.partitions,
+            layout.replicas,
+            layout.microbatches,
+            layout.world,
+            prediction.layout.nodes,
+            f"{prediction.step_time * 1e3:.2f}",
+            f"{prediction.throughput:,.0f}",
+            f"{speedup(prediction, base):.2f}",
+            f"{efficiency(prediction, base):.1%}",
+            f"{prediction.bubble:.1%}",
             f"{prediction.allreduce_time * 1e3:.2f}",
-        )  # fmt: skip
+        )
         lines.append("".join(str(v).rjust(w) for v, (_, w) in zip(values, COLUMNS, strict=True)))
     unit = "one rank (plain model.fit)" if args.baseline == "rank" else "one node, same layout"
     lines.append(f"speed-up and efficiency relative to {unit}")
@@ -131,8 +156,11 @@ def table(costs, network, machine, args, rows) -> str:
 
 def _network_line(network: Network, machine: Machine) -> str:
     links = [("intra", network.intra), ("inter", network.inter)]
-    parts = [f"{where}-node {link.latency * 1e6:.2f} us, {link.bandwidth / 1e9:.2f} GB/s"
-             for where, link in links if link is not None]  # fmt: skip
+    parts = [
+        f"{where}-node {link.latency * 1e6:.2f} us, {link.bandwidth / 1e9:.2f} GB/s"
+        for where, link in links
+        if link is not None
+    ]
     if not math.isinf(network.reduce_rate):
         parts.append(f"reduction {network.reduce_rate / 1e9:.2f} GB/s")
     return f"Network: {'; '.join(parts)}. Cores per node: {machine.cores_per_node or 'unlimited'}"

@@ -213,15 +213,20 @@ class ModelCosts:
         def slower(value):
             return value.scaled(factor) if isinstance(value, Affine) else value * factor
 
-        layers = [replace(lc, forward=slower(lc.forward), backward=slower(lc.backward))
-                  for lc in self.layers]  # fmt: skip
-        engine = replace(self.engine, **{f.name: slower(getattr(self.engine, f.name))
-                                         for f in fields(EngineCosts)})  # fmt: skip
+        layers = [
+            replace(lc, forward=slower(lc.forward), backward=slower(lc.backward))
+            for lc in self.layers
+        ]
+        engine = replace(
+            self.engine,
+            **{f.name: slower(getattr(self.engine, f.name)) for f in fields(EngineCosts)},
+        )
         single, fused = (
             None if a is None else slower(a) for a in (self.single_process, self.fused)
         )
-        return ModelCosts(self.name, layers, list(self.cut_bytes), engine, single,
-                          dict(self.measured), fused)  # fmt: skip
+        return ModelCosts(
+            self.name, layers, list(self.cut_bytes), engine, single, dict(self.measured), fused
+        )
 
     def to_dict(self) -> dict:
         data = asdict(self)  # Affines as {"fixed", "per_sample"}
@@ -237,14 +242,22 @@ class ModelCosts:
         known = {f.name for f in fields(EngineCosts)}  # older files may hold more
         engine = {k: v for k, v in data.get("engine", {}).items() if k in known}
         engine["loss"] = Affine.of(engine.get("loss", (0.0, 0.0)))
-        layers = [LayerCost(layer["name"], Affine.of(layer["forward"]),
-                            Affine.of(layer["backward"]), int(layer.get("param_bytes", 0)),
-                            int(layer.get("variables", 0)), TensorShare(**layer.get("tensor", {})))
-                  for layer in data["layers"]]  # fmt: skip
+        layers = [
+            LayerCost(
+                layer["name"],
+                Affine.of(layer["forward"]),
+                Affine.of(layer["backward"]),
+                int(layer.get("param_bytes", 0)),
+                int(layer.get("variables", 0)),
+                TensorShare(**layer.get("tensor", {})),
+            )
+            for layer in data["layers"]
+        ]
         single, fused = (data.get(k) and Affine.of(data[k]) for k in ("single_process", "fused"))
         cuts, measured = [float(b) for b in data["cut_bytes"]], dict(data.get("measured", {}))
-        return cls(data.get("name", "model"), layers, cuts, EngineCosts(**engine), single,
-                   measured, fused)  # fmt: skip
+        return cls(
+            data.get("name", "model"), layers, cuts, EngineCosts(**engine), single, measured, fused
+        )
 
     def save(self, path) -> None:
         with open(path, "w") as f:

@@ -36,9 +36,12 @@ STAGE_REPEATS = 9  # timings per stage step, loss and unpartitioned step; the me
 
 
 def measure_model(
-    model, batch_sizes=DEFAULT_BATCH_SIZES, input_shape=None, fit_batch_sizes=None,
+    model,
+    batch_sizes=DEFAULT_BATCH_SIZES,
+    input_shape=None,
+    fit_batch_sizes=None,
     repeats=(REPEATS, STAGE_REPEATS),
-) -> ModelCosts:  # fmt: skip
+) -> ModelCosts:
     """Per-layer and engine costs of a compiled functional or Sequential Keras `model`, at
     two `batch_sizes`; its weights are restored afterwards. The `model.fit` baseline (on a
     copy) runs at `fit_batch_sizes` (default `batch_sizes`: give those one rank trains at;
@@ -55,8 +58,9 @@ def measure_model(
         raise ValueError(f"batch_sizes needs two different sizes, got {batch_sizes}")
     started = (time.process_time(), time.perf_counter())
     graph = build_graph(model)
-    samples = {b: profile.make_sample(graph, input_shape=input_shape, batch_size=b)
-               for b in (small, large)}  # fmt: skip
+    samples = {
+        b: profile.make_sample(graph, input_shape=input_shape, batch_size=b) for b in (small, large)
+    }
     layer_repeats, stage_repeats = repeats
     with profile.preserved_state(model):
         times = {b: profile.node_times(graph, samples[b], layer_repeats) for b in (small, large)}
@@ -72,21 +76,30 @@ def measure_model(
         seen.add(id(node.operation))
         variables = list(node.operation.trainable_variables) if owned else []
         slope = slopes[node.position]
-        layers.append(LayerCost(node.name, Affine(f[1], float(f[2] * slope)),
-                                Affine(b[1], float(b[2] * slope)),
-                                sum(_nbytes(v) for v in variables), len(variables)))  # fmt: skip
+        layers.append(
+            LayerCost(
+                node.name,
+                Affine(f[1], float(f[2] * slope)),
+                Affine(b[1], float(b[2] * slope)),
+                sum(_nbytes(v) for v in variables),
+                len(variables),
+            )
+        )
     sizes = tuple(sorted((small, large) if fit_batch_sizes is None else fit_batch_sizes))
     single = fit_step(model, sizes, input_shape=input_shape) if sizes else None
     cpu, wall = time.process_time() - started[0], time.perf_counter() - started[1]
     measured = {
-        "host": platform.node(), "cores": os.cpu_count(), "tensorflow": tf.__version__,
+        "host": platform.node(),
+        "cores": os.cpu_count(),
+        "tensorflow": tf.__version__,
         "intra_op_threads": os.environ.get("TF_NUM_INTRAOP_THREADS", "default"),
-        "batch_sizes": [small, large], "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "batch_sizes": [small, large],
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         # about 1 on an otherwise idle core; lower: other jobs shared it, timings inflated
         "cpu_share": cpu / wall,
         # the stage fit's coefficients (see _fit_stages), the last its relative residual
         "stage_fit": fit,
-    }  # fmt: skip
+    }
     engine = EngineCosts(f[0], b[0], loss, b[3], o[0], o[1], o[2], read_out)
     cuts = [float(c) for c in cost.cut_bytes_per_sample(graph)]
     return ModelCosts(model.name, layers, cuts, engine, single, measured, fused)
@@ -103,8 +116,13 @@ def _fit_stages(model, samples, slopes, repeats) -> dict:
 
     Returns {"forward"|"backward"|"optimizer": (coefficients..., relative residual)}.
     """
-    whole = (0, len(slopes), lambda xs: model(model_input(model, xs), training=True),
-             model.trainable_variables, list)  # fmt: skip
+    whole = (
+        0,
+        len(slopes),
+        lambda xs: model(model_input(model, xs), training=True),
+        model.trainable_variables,
+        list,
+    )
     stages = [whole]
     for parts in (p for p in SPLITS if p <= len(slopes)):
         plan, a = partition(model, parts, balance="layers"), 0
@@ -118,8 +136,9 @@ def _fit_stages(model, samples, slopes, repeats) -> dict:
     for a, b, call, variables, before in stages:
         nbytes, work = sum(_nbytes(v) for v in variables), slopes[a:b].sum()
         for batch, micro in ((small, 4), (small, 1), (large, 1)):
-            f, bwd, opt = _stage_step(model, call, variables, before(samples[batch]), micro,
-                                      repeats)  # fmt: skip
+            f, bwd, opt = _stage_step(
+                model, call, variables, before(samples[batch]), micro, repeats
+            )
             per_call = [micro, micro * (b - a), micro * batch * work]
             rows["forward"].append((per_call, f))
             rows["backward"].append(([*per_call, (micro - 1) * nbytes], bwd))
@@ -228,8 +247,9 @@ def _fused_cost(model, samples, repeats) -> Affine:
 
 def _affine(function, arguments: dict, repeats: int) -> Affine:
     """The line through the median seconds of `function(*arguments[batch])` at two batches."""
-    (small, a), (large, b) = sorted((k, _median_seconds(function, repeats, *v))
-                                    for k, v in arguments.items())  # fmt: skip
+    (small, a), (large, b) = sorted(
+        (k, _median_seconds(function, repeats, *v)) for k, v in arguments.items()
+    )
     return Affine.through(small, a, large, b)
 
 
@@ -275,8 +295,10 @@ def zero_targets(model, y_pred, as_numpy=False):
     (sparse losses), else the output's shape."""
     outputs = tf.nest.flatten(y_pred)
     shaped = [np.zeros(out.shape, "float32") for out in outputs]
-    indices = [np.zeros(out.shape[:-1], "int64") if len(out.shape) >= 2 and out.shape[-1] > 1
-               else like for out, like in zip(outputs, shaped, strict=True)]  # fmt: skip
+    indices = [
+        np.zeros(out.shape[:-1], "int64") if len(out.shape) >= 2 and out.shape[-1] > 1 else like
+        for out, like in zip(outputs, shaped, strict=True)
+    ]
     for made in (indices, shaped):
         made = made if as_numpy else [tf.convert_to_tensor(value) for value in made]
         made = made[0] if len(made) == 1 else made

@@ -158,5 +158,9 @@ class Network:
         names = {f.name for f in fields(cls)} - {"intra", "inter", "source"}
         values = {k: float(v) for k, v in data.items() if k in names and v is not None}
         inter = data.get("inter")
-        return cls(Link(**data["intra"]), inter and Link(**inter), **values,
-                   source=dict(data.get("source", {})))  # fmt: skip
+        return cls(
+            Link(**data["intra"]),
+            inter and Link(**inter),
+            **values,
+            source=dict(data.get("source", {})),
+        )

@@ -107,7 +107,7 @@ def predict(
     if layout.world == 1 and costs.single_process is not None:
         return _single_process(costs, global_batch)
     batch = microbatch_size(global_batch, layout)
-    p, m, v = layout.partitions, layout.microbatches, layout.chunks
+    p, v = layout.partitions, layout.chunks
     if p * v > len(costs.layers):
         raise ValueError(
             f"{costs.name} has {len(costs.layers)} layers: it cannot be cut into {p * v} "
@@ -119,23 +119,25 @@ def predict(
     chunks = [costs.stage(a, b, batch) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
     stages = [_merged(chunks[s::p]) for s in range(p)]
 
-    forward, backward, weight = _pass_times(costs, chunks, layout, batch)
-    # one link delay for the simulator: the slowest (every chunk boundary crosses stages) is safe
-    crosses = [layout.pipeline_link_crosses_nodes(k % p) for k in range(p * v - 1)]
-    transfers = [network.link(c).time(costs.cut_bytes[bounds[k + 1]] * batch)
-                 for k, c in enumerate(crosses)]  # fmt: skip
-    sim = _simulated(layout.schedule, p, m, tuple(forward), tuple(backward),
-                     max(transfers, default=0.0), tuple(weight) or None, v)  # fmt: skip
+    sim = _pipeline(costs, network, layout, chunks, bounds, batch)
     finish = [0.0] * p
     for (s, _), (_, end) in sim.times.items():
         finish[s] = max(finish[s], end)
 
     straggle = 1.0 + machine.jitter * expected_maximum(layout.replicas)
     flows = layout.offnode_reductions_per_node()
-    parts = [(finish[s] * straggle, *_reduce_and_update(stage, layout.stage_nodes(s) > 1, flows,
-                                                        costs.engine, network, layout.replicas,
-                                                        shard_optimizer))
-             for s, stage in enumerate(stages)]  # fmt: skip
+    reduce_and_update = functools.partial(
+        _reduce_and_update,
+        flows=flows,
+        engine=costs.engine,
+        network=network,
+        replicas=layout.replicas,
+        shard_optimizer=shard_optimizer,
+    )
+    parts = [
+        (finish[s] * straggle, *reduce_and_update(stage, layout.stage_nodes(s) > 1))
+        for s, stage in enumerate(stages)
+    ]
     ends = [sum(part) for part in parts]
     slowest = max(range(p), key=ends.__getitem__)
     step = ends[slowest]
@@ -146,15 +148,33 @@ def predict(
         step += network.logs_sync(layout.world, layout.replicas, layout.nodes > 1)
     pipeline, reduce, update = parts[slowest]
     bubble = sim.bubble if p > 1 else 0.0
-    return Prediction(layout, global_batch, step, pipeline, reduce, update, bubble,
-                      step - ends[slowest], starts, costs.start_names(starts),
-                      list(sim.busy))  # fmt: skip
+    times = (step, pipeline, reduce, update, bubble, step - ends[slowest])
+    names = costs.start_names(starts)
+    return Prediction(layout, global_batch, *times, starts, names, list(sim.busy))
+
+
+def _pipeline(costs: ModelCosts, network: Network, layout: Layout, chunks, bounds, batch: int):
+    """The schedule's simulation of the model chunks (cut at `bounds`) on `layout`."""
+    p, v = layout.partitions, layout.chunks
+    forward, backward, weight = _pass_times(costs, chunks, layout, batch)
+    # one link delay for the simulator: the slowest (every chunk boundary crosses stages) is safe
+    crosses = [layout.pipeline_link_crosses_nodes(k % p) for k in range(p * v - 1)]
+    transfers = [
+        network.link(c).time(costs.cut_bytes[bounds[k + 1]] * batch) for k, c in enumerate(crosses)
+    ]
+    delay = max(transfers, default=0.0)
+    passes = (tuple(forward), tuple(backward), delay, tuple(weight) or None)
+    return _simulated(layout.schedule, p, layout.microbatches, *passes, v)
 
 
 def _merged(chunks: list[StageCost]) -> StageCost:
     """One stage's costs from its model chunks' (what its reduction and update handle)."""
-    return StageCost(*(sum(getattr(c, name) for c in chunks) for name in (
-        "forward", "backward", "param_bytes", "variables", "weight_backward")))  # fmt: skip
+    return StageCost(
+        *(
+            sum(getattr(c, name) for c in chunks)
+            for name in ("forward", "backward", "param_bytes", "variables", "weight_backward")
+        )
+    )
 
 
 def _pass_times(costs: ModelCosts, chunks: list[StageCost], layout: Layout, batch: int):
@@ -180,12 +200,20 @@ def _pass_times(costs: ModelCosts, chunks: list[StageCost], layout: Layout, batc
     return forward, backward, weight
 
 
-def _reduce_and_update(stage: StageCost, crosses: bool, flows: int, engine: EngineCosts,
-                       network: Network, replicas: int, shard_optimizer: bool):  # fmt: skip
+def _reduce_and_update(
+    stage: StageCost,
+    crosses: bool,
+    flows: int,
+    engine: EngineCosts,
+    network: Network,
+    replicas: int,
+    shard_optimizer: bool,
+):
     """A stage's sum of gradients over its `replicas` (over nodes if it `crosses` them, where
     `flows` reductions share a node's link) and its optimizer update, in seconds."""
-    reduce = network.gradient_allreduce(stage.param_bytes, replicas, crosses,
-                                        flows if crosses else 1)  # fmt: skip
+    reduce = network.gradient_allreduce(
+        stage.param_bytes, replicas, crosses, flows if crosses else 1
+    )
     if shard_optimizer and replicas > 1:
         return reduce, sharded_update(engine, stage, replicas, network.link(crosses))
     return reduce, engine.optimizer(stage.variables, stage.param_bytes)
@@ -205,18 +233,32 @@ def sharded_update(engine: EngineCosts, stage: StageCost, replicas: int, link: L
 
 
 @functools.lru_cache(maxsize=16)
-def _simulated(schedule: str, p: int, m: int, forward: tuple, backward: tuple, delay: float,
-               weight: tuple | None, virtual_stages: int = 1):  # fmt: skip
+def _simulated(
+    schedule: str,
+    p: int,
+    m: int,
+    forward: tuple,
+    backward: tuple,
+    delay: float,
+    weight: tuple | None,
+    virtual_stages: int = 1,
+):
     """The schedule's simulation, kept for the layouts that share it (ZeRO-1 and without)."""
     weights = None if weight is None else list(weight)
-    return simulate(make_schedule(schedule, p, m, virtual_stages), list(forward),
-                    list(backward), delay, weight_time=weights)  # fmt: skip
+    return simulate(
+        make_schedule(schedule, p, m, virtual_stages),
+        list(forward),
+        list(backward),
+        delay,
+        weight_time=weights,
+    )
 
 
 def _single_process(costs: ModelCosts, global_batch: int) -> Prediction:
     step = costs.single_process.at(global_batch)
-    return Prediction(Layout(), global_batch, step, step, 0.0, 0.0, 0.0, 0.0, [0], [], [step],
-                      single_process=True)  # fmt: skip
+    return Prediction(
+        Layout(), global_batch, step, step, 0.0, 0.0, 0.0, 0.0, [0], [], [step], single_process=True
+    )
 
 
 @functools.cache
