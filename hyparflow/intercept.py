@@ -1,7 +1,8 @@
 """The one way hyparflow replaces a method or function for a while: a layer instance's `call`
 (tensor shards, sparse expert dispatch, weight taps, traffic counting), an optimizer's `apply`
 (a model's own train step), Keras's random functions (dropout masks sliced from the global
-batch's).
+batch's), a per-output loss Mean's `update_state` (weighted by the global batch) and
+BatchNormalization's moments (taken over the replicas).
 
 `Replaced([(target, name, make), ...])` sets each `target.name` to `make(previous)`, where
 `previous` is what the attribute gave before: an instance's own value (a call the user or

@@ -72,10 +72,13 @@ def test_a_module_function_is_replaced_and_put_back():
 
 # --- no other module intercepts by itself -----------------------------------------------------
 
+# the methods hyparflow replaces for a while: a layer's call, an optimizer's apply, a loss
+# Mean's update_state (per-output losses), BatchNormalization's moments (`_keras.py` names it)
+_METHODS = r"(?:call|apply|update_state|_moments)"
 _SETS_ITSELF = re.compile(
-    r"object\.__(?:set|del)attr__\([^,\n]+,\s*[\"'](?:call|apply)[\"']"
-    r"|vars\([^)\n]*\)\.pop\(\s*[\"'](?:call|apply)[\"']"
-    r"|\.(?:call|apply)\s*=[^=]"
+    rf"object\.__(?:set|del)attr__\([^,\n]+,\s*[\"']{_METHODS}[\"']"
+    rf"|vars\([^)\n]*\)\.pop\(\s*[\"']{_METHODS}[\"']"
+    rf"|\.{_METHODS}\s*=[^=]"
     r"|tf_random\.\w+\s*=[^=]"
 )
 
@@ -90,6 +93,8 @@ def test_the_scan_finds_each_way_of_intercepting_by_hand():
         "object.__delattr__(opt, 'apply')",
         'vars(block).pop("call", None)',
         "layer.call = wrapped",
+        "metric.update_state = weighted",
+        'object.__setattr__(norm, "_moments", moments)',
         "_keras.tf_random.dropout = sliced",
     ]
     assert interceptions("\n".join(planted)) == planted

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import tensorflow as tf
 from keras import tree
 
 from hyparflow import _keras
 from hyparflow.engine.keras_semantics.metrics import build_outside_the_trace
+from hyparflow.intercept import Replaced
 
 
 class OutputLosses:
@@ -56,25 +55,12 @@ class OutputLosses:
             return compile_loss(y, y_pred, sample_weight)
 
 
-@contextlib.contextmanager
-def _weighted(compile_loss, weight):
+def _weighted(compile_loss, weight) -> Replaced:
     """For the length of one call of `compile_loss` (built): its per-output Means take `weight`
     as the sample weight of each update."""
-    patched = []
 
-    def weigh(metric) -> None:
-        update = metric.update_state
+    def weigh(update):
+        return lambda values, sample_weight=None: update(values, sample_weight=weight)
 
-        def weighted(values, sample_weight=None):
-            return update(values, sample_weight=weight)
-
-        metric.update_state = weighted
-        patched.append(metric)
-
-    for metric in _keras.output_loss_means(compile_loss):
-        weigh(metric)
-    try:
-        yield
-    finally:
-        for metric in patched:
-            vars(metric).pop("update_state", None)
+    means = _keras.output_loss_means(compile_loss)
+    return Replaced((metric, "update_state", weigh) for metric in means)
