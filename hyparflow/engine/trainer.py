@@ -16,8 +16,8 @@ import dataclasses
 import tensorflow as tf
 
 from hyparflow import _keras, deferred
-from hyparflow.comm.in_graph import traffic
 from hyparflow.comm.topology import Topology
+from hyparflow.comm.traffic import TrafficLog
 from hyparflow.comm.watchdog import NoWatchdog, Watchdog
 from hyparflow.data import GlobalBatch
 from hyparflow.engine import events
@@ -86,7 +86,8 @@ class Trainer:
 
     Its parts: `runner` (the stage's forward and backward), `walk` (the schedule over
     micro-batches and channels), `gradient_sync` (every gradient reduction), `update` (the
-    optimizer step) and `stage_state` (what checkpoints save and restore).
+    optimizer step) and `stage_state` (what checkpoints save and restore). `traffic`: the
+    `TrafficLog` its in-graph collectives count in (the profiler reads it).
     """
 
     def __init__(
@@ -110,7 +111,10 @@ class Trainer:
         self.holds_share_only = any(deferred.is_deferred(v) for v in model.variables)
         # tensor shards, expert shards, sparse mixtures (docs/tensor.md, docs/moe.md)
         graphs = [model] if plan is None else [s.model for s in self.stages]
-        self.splits = SplitLayers(model, strategy, topo, graphs, tensor_layout, self.guard)
+        self.traffic = TrafficLog()  # this trainer's alone: its parts are handed its records
+        self.splits = SplitLayers(
+            model, strategy, topo, graphs, tensor_layout, self.guard, traffic=self.traffic
+        )
         self.shards, self.experts = self.splits.tensor, self.splits.experts
         self.row_kinds = row_kinds.with_shards(model, self.splits.pieces()[1])
         self.sparse_experts = self.splits.dispatch
@@ -160,7 +164,7 @@ class Trainer:
         return RunnerParts(
             self.model, stage, self.topology, self.strategy, call=call, loss=self._loss,
             metrics=self._update_metrics, loss_adders=self._loss_adders, tally=self.splits.tally,
-            row_kinds=self.row_kinds,
+            row_kinds=self.row_kinds, traffic=self.traffic,
         )  # fmt: skip
 
     def _find_variables(self, model, plan, topo) -> list:
@@ -290,12 +294,14 @@ class Trainer:
         self._step_span = events.no_step if recorder is None else recorder.step
         self.walk.span = self._span
         # each tensor collective, expert exchange or experts' compute, as it ends, is a span
-        inner = ((self.shards, (collectives.TAG,), events.TENSOR),
-                 (self.experts, expert_parallel.SPAN_TAGS, events.EXPERTS))  # fmt: skip
+        inner = (
+            (self.shards, (collectives.TAG,), events.TENSOR),
+            (self.experts, expert_parallel.SPAN_TAGS, events.EXPERTS),
+        )
         for split, tags, kind in inner:
-            listener = None if recorder is None else events.span_listener(recorder, kind)
-            for tag in tags if split is not None else ():
-                traffic(tag).listener = listener
+            if split is not None:
+                listener = None if recorder is None else events.span_listener(recorder, kind)
+                self.traffic.listen(tags, listener)
 
     # --- what a stage computes ------------------------------------------------------------
     def _call_whole_model(self, x, training):
