@@ -9,7 +9,8 @@ import tensorflow as tf
 from mpi4py import MPI
 
 import hyparflow as hf
-from hyparflow.comm.in_graph import exchange, traffic
+from hyparflow.comm.in_graph import exchange
+from hyparflow.comm.traffic import Traffic, TrafficLog
 from hyparflow.engine.gradients.form import GradientForm, choose_gradient_form
 from hyparflow.model_checks import check_expert_parallel, check_layout, training_notices
 from hyparflow.moe import expert_weights
@@ -23,13 +24,14 @@ TOLERANCE = 1e-6
 def test_an_exchange_on_one_rank_returns_every_row_and_counts_its_bytes():
     rows = tf.constant(np.arange(12.0).reshape(4, 3), tf.float32)
     ids = tf.constant([3, 1, 2, 0], tf.int32)
-    before = traffic("experts").bytes
-    counts, (back, back_ids) = exchange(MPI.COMM_SELF, tf.constant([4], tf.int32), [rows, ids],
-                                        "experts")  # fmt: skip
+    record = Traffic()
+    counts, (back, back_ids) = exchange(
+        MPI.COMM_SELF, tf.constant([4], tf.int32), [rows, ids], record
+    )
     assert counts.numpy().tolist() == [4]
     np.testing.assert_array_equal(back, rows)
     np.testing.assert_array_equal(back_ids, ids)
-    assert traffic("experts").bytes - before == rows.numpy().nbytes + ids.numpy().nbytes
+    assert (record.calls, record.bytes) == (1, rows.numpy().nbytes + ids.numpy().nbytes)
 
 
 @pytest.mark.parametrize("capacity_factor", [None, 0.75])
@@ -44,7 +46,7 @@ def test_the_mixture_over_one_rank_equals_the_local_one_with_gradients(capacity_
     results = []
     for mixture in (
         lambda: expert_parallel_mixture(
-            tokens, index, weight, experts, expert, MPI.COMM_SELF, capacity_factor
+            tokens, index, weight, experts, expert, MPI.COMM_SELF, TrafficLog(), capacity_factor
         ),
         lambda: top_k_mixture(tokens, index, weight, experts, expert, capacity_factor),
     ):

@@ -15,7 +15,6 @@ from hyparflow.callbacks.aggregate import job_step
 from hyparflow.callbacks.breakdown import breakdown, wall_only
 from hyparflow.callbacks.clock import ClockAligner
 from hyparflow.callbacks.summary import SUMMARY_FILE, RunSummary, write_summary
-from hyparflow.comm.in_graph import traffic
 from hyparflow.engine import events
 from hyparflow.engine.events import Recorder
 from hyparflow.moe import expert_parallel
@@ -104,8 +103,14 @@ class ScalingProfiler(keras.callbacks.Callback):
         self._inner = ()  # the collectives inside compute this run reports (breakdown.py)
         if trainer is None:
             self._comm, self.rank = None, 0
-            layout = {"world_size": 1, "kind": "single process", "stages": 1, "replicas": 1,
-                      "microbatches": 1, "schedule": None}  # fmt: skip
+            layout = {
+                "world_size": 1,
+                "kind": "single process",
+                "stages": 1,
+                "replicas": 1,
+                "microbatches": 1,
+                "schedule": None,
+            }
             ranks = [{"rank": 0, "stage": 0, "replica": 0, "node": socket.gethostname()}]
             self._num_stages, self._schedule, self._virtual_stages = 1, None, 1
         else:
@@ -149,7 +154,7 @@ class ScalingProfiler(keras.callbacks.Callback):
             layout["virtual_stages"] = strategy.virtual_stages
         self._recorder = Recorder()
         trainer.attach_recorder(self._recorder)
-        self._traffic_start = {kind: _moved(kind) for kind in self._inner}
+        self._traffic_start = {kind: _moved(trainer.traffic, kind) for kind in self._inner}
         return layout, ranks
 
     def on_train_batch_begin(self, batch, logs=None):
@@ -248,16 +253,15 @@ class ScalingProfiler(keras.callbacks.Callback):
             return
         mine = {}
         for kind, start in self._traffic_start.items():
-            moved = {tag: [n - s for n, s in zip(now, start[tag], strict=True)]
-                     for tag, now in _moved(kind).items()}  # fmt: skip
+            now = _moved(self._trainer.traffic, kind)
+            moved = {tag: [n - s for n, s in zip(now[tag], start[tag], strict=True)] for tag in now}
             calls, nbytes, _ = moved[_TAGS[kind][0]]  # the category's collectives, all of them
             mine[kind] = {"calls": calls, "bytes": nbytes}
             if kind == events.EXPERTS:  # dispatch, compute and combine apart
                 mine[kind]["phases"] = {
-                    phase: {"calls": moved[tag][0], "bytes": moved[tag][1],
-                            "ms": 1000.0 * moved[tag][2]}
+                    phase: _phase_totals(*moved[tag])
                     for phase, tag in expert_parallel.PHASE_TAGS.items()
-                }  # fmt: skip
+                }
         gathered = self._comm.gather(mine, root=0)
         if self.rank == 0:
             self._summary.collectives = gathered
@@ -317,10 +321,17 @@ _TAGS = {
 }
 
 
-def _moved(kind: str) -> dict:
-    """Tag -> (calls, bytes, seconds) so far of the in-graph work of span kind `kind` in this
-    process: tensor collectives; expert collectives and the experts' phases."""
-    return {t: (traffic(t).calls, traffic(t).bytes, traffic(t).seconds) for t in _TAGS[kind]}
+def _moved(traffic, kind: str) -> dict:
+    """Tag -> (calls, bytes, seconds) so far of the in-graph work of span kind `kind` in
+    `traffic` (a trainer's `TrafficLog`): tensor collectives; expert collectives and the
+    experts' phases."""
+    records = {tag: traffic.of(tag) for tag in _TAGS[kind]}
+    return {tag: (r.calls, r.bytes, r.seconds) for tag, r in records.items()}
+
+
+def _phase_totals(calls: int, nbytes: int, seconds: float) -> dict:
+    """One expert phase's line of the summary."""
+    return {"calls": calls, "bytes": nbytes, "ms": 1000.0 * seconds}
 
 
 def _kind(stages: int, replicas: int, shards: int = 1) -> str:

@@ -5,60 +5,29 @@ tensor-parallel layers' allreduces) through `tf.numpy_function`. TensorFlow may 
 independent ops in any order, but every rank must enter a communicator's collectives in the
 same one, so each new collective waits for the last one created in its graph (creation order
 is the same on every rank: the graph is traced from the same code). The graph itself holds
-that last collective, in an attribute: it lives and goes with the graph.
+that last collective, in an attribute: it lives and goes with the graph. Each collective
+counts its calls, bytes and seconds in the `Traffic` record its caller passes
+(`comm/traffic.py`: the caller's trainer owns the records).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 import tensorflow as tf
 
+from hyparflow.comm.traffic import Traffic
+
 _LAST_COLLECTIVE = "_hyparflow_last_collective"
-
-
-@dataclass
-class Traffic:
-    """What one kind (tag) of in-graph collective did in this process: calls, bytes each rank
-    contributed, seconds inside MPI. `listener(start, end, nbytes)`, when set, hears of each
-    call as it ends (the profiler records it as a span; times from `time.perf_counter`)."""
-
-    calls: int = 0
-    bytes: int = 0
-    seconds: float = 0.0
-    listener: object = field(default=None, repr=False)
-
-    def record(self, start: float, end: float, nbytes: int) -> None:
-        self.calls += 1
-        self.bytes += nbytes
-        self.seconds += end - start
-        if self.listener is not None:
-            self.listener(start, end, nbytes)
-
-    def reset(self) -> None:
-        self.calls, self.bytes, self.seconds = 0, 0, 0.0
-
-
-# One record per tag: "tensor" (tensor-parallel layers), "batchnorm" (synchronised statistics),
-# "experts" (mixture blocks' routing counts, and tokens sent to their experts and back).
-TRAFFIC: dict[str, Traffic] = {}
-
-
-def traffic(tag: str) -> Traffic:
-    """The `Traffic` record of collectives tagged `tag` (created on first use)."""
-    return TRAFFIC.setdefault(tag, Traffic())
-
 
 # MPI reduces these natively; other floats (float16, bfloat16) travel as float32.
 _MPI_FLOATS = (np.float32, np.float64)
 
 
-def allreduce(comm, tensor, tag: str):
+def allreduce(comm, tensor, record: Traffic):
     """`tensor` summed over the ranks of `comm` (no gradient: wrap it in a custom one); counted
-    in `traffic(tag)`."""
-    record = traffic(tag)
+    in `record`."""
 
     def reduce(array):
         total = _wire(array)
@@ -67,15 +36,15 @@ def allreduce(comm, tensor, tag: str):
         record.record(start, time.perf_counter(), total.nbytes)
         return total.astype(array.dtype, copy=False)
 
-    return _ordered(lambda: tf.numpy_function(reduce, [tensor], tensor.dtype, stateful=True),
-                    tensor.shape)  # fmt: skip
+    return _ordered(
+        lambda: tf.numpy_function(reduce, [tensor], tensor.dtype, stateful=True), tensor.shape
+    )
 
 
-def allgather(comm, tensor, axis: int, tag: str):
+def allgather(comm, tensor, axis: int, record: Traffic):
     """The `comm` ranks' `tensor`s put together along `axis`, in rank order; counted in
-    `traffic(tag)`."""
+    `record`."""
     size = comm.Get_size()
-    record = traffic(tag)
 
     def gather(array):
         parts = np.empty((size,) + array.shape, _wire(array[:0]).dtype)
@@ -88,18 +57,16 @@ def allgather(comm, tensor, axis: int, tag: str):
     shape = tensor.shape.as_list() if tensor.shape.rank is not None else None
     if shape is not None and shape[axis] is not None:
         shape[axis] *= size
-    return _ordered(lambda: tf.numpy_function(gather, [tensor], tensor.dtype, stateful=True),
-                    shape)  # fmt: skip
+    return _ordered(lambda: tf.numpy_function(gather, [tensor], tensor.dtype, stateful=True), shape)
 
 
-def exchange(comm, counts, tensors: list, tag: str, expected=None, timed=None) -> tuple:
+def exchange(comm, counts, tensors: list, record: Traffic, expected=None, timed=None) -> tuple:
     """Rows sent to each rank of `comm` and rows received from each, all-to-all: the leading
     `counts[j]` rows of every tensor in `tensors` (after those for ranks before `j`) go to rank
     `j`. Returns (the counts received from each rank, the received rows of each tensor, in
     rank order); no gradient (wrap it in a custom one). `expected`, when the counts to receive
-    are known (a reply), saves their all-to-all. Its bytes count in `traffic(tag)`;
+    are known (a reply), saves their all-to-all. Its bytes count in `record`;
     `timed(start, end, nbytes)`, if given, hears of it too."""
-    record = traffic(tag)
     size = comm.Get_size()
 
     def swap(sent_counts, received_counts, *arrays):

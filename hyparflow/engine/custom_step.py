@@ -28,7 +28,7 @@ from hyparflow.intercept import Replaced
 from hyparflow.traced import traced
 
 OWN_STEPS = ("train_step", "test_step", "compute_loss")
-TAG = "custom_step"  # in-graph collectives' traffic record (comm/in_graph.py)
+TAG = "custom_step"  # the tag of its traffic record in the trainer's `TrafficLog`
 
 
 def own_steps(model) -> list[str]:
@@ -63,16 +63,17 @@ def optimizers_of(model) -> list:
     return found
 
 
-def _averaged_apply(apply, comm, weight, grads, trainable_variables=None, **kwargs):
+def _averaged_apply(apply, comm, traffic, weight, grads, trainable_variables=None, **kwargs):
     """`optimizer.apply` on the gradients summed over `comm`, this replica's weighted by
-    `weight` (a tensor: its share of the global batch): one flat allreduce in the graph."""
+    `weight` (a tensor: its share of the global batch): one flat allreduce in the graph,
+    counted in `traffic`."""
     grads = list(grads)
     present = [i for i, g in enumerate(grads) if g is not None]
     if present:
         dense = [tf.convert_to_tensor(grads[i]) for i in present]  # row slices become dense
         wire = tf.float64 if any(g.dtype == tf.float64 for g in dense) else tf.float32
         flat = tf.concat([tf.reshape(tf.cast(g, wire), [-1]) for g in dense], 0)
-        total = allreduce(comm, flat * tf.cast(weight, wire), TAG)
+        total = allreduce(comm, flat * tf.cast(weight, wire), traffic)
         sizes = [int(np.prod(g.shape)) for g in dense]
         for i, g, part in zip(present, dense, tf.split(total, sizes), strict=True):
             grads[i] = tf.cast(tf.reshape(part, tf.shape(g)), g.dtype)
@@ -80,12 +81,13 @@ def _averaged_apply(apply, comm, weight, grads, trainable_variables=None, **kwar
 
 
 @contextlib.contextmanager
-def averaged_gradients(optimizers, comm, weight):
+def averaged_gradients(optimizers, comm, traffic, weight):
     """While active (around a call that may trace the step), each of `optimizers` applies the
-    replicas' weighted sum of the gradients it is given; afterwards they are as they were."""
+    replicas' weighted sum of the gradients it is given (its allreduces counted in `traffic`);
+    afterwards they are as they were."""
 
     def averaging(apply):
-        return functools.partial(_averaged_apply, apply, comm, weight)
+        return functools.partial(_averaged_apply, apply, comm, traffic, weight)
 
     with Replaced((opt, "apply", averaging) for opt in optimizers):  # these instances only
         yield
@@ -128,8 +130,11 @@ class CustomStepTrainer(Trainer):
 
     def _train_body(self, data, weight, rows):
         optimizers = optimizers_of(self.model)
+        sums = averaged_gradients(
+            optimizers, self.topology.stage_comm, self.traffic.of(TAG), weight
+        )
         # dropout: this share's rows of the global batch's masks, as the engine's own step
-        with averaged_gradients(optimizers, self.topology.stage_comm, weight), slice_of(rows):
+        with sums, slice_of(rows):
             return self.model.train_step(data)
 
     def _share(self, batch):

@@ -128,7 +128,7 @@ class Recorder:
 
 
 def span_listener(recorder: Recorder, kind: str):
-    """`comm.in_graph.Traffic.listener` recording each in-graph collective as a span of `kind`
+    """`comm.traffic.Traffic.listener` recording each in-graph collective as a span of `kind`
     into `recorder` (it runs on a TensorFlow executor thread while the stepping thread is
     inside a forward or backward)."""
 

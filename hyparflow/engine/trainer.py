@@ -17,8 +17,8 @@ import dataclasses
 import tensorflow as tf
 
 from hyparflow import _keras, deferred
-from hyparflow.comm.in_graph import traffic
 from hyparflow.comm.topology import Topology
+from hyparflow.comm.traffic import TrafficLog
 from hyparflow.comm.watchdog import Guard
 from hyparflow.data import GlobalBatch
 from hyparflow.engine import events
@@ -87,8 +87,9 @@ class Setting:
     """What a rank's parts are built for: its `topology` in the grid, the partitioner's `plan`
     (None: the whole model is the only stage) and the `stages` of it this rank runs, the
     `guard` every blocking wait is watched with (`Guard.use` switches its watchdog), its
-    `splits` (tensor shards, expert shards, sparse mixture dispatch) and the model's
-    row-sparse variables (`row_kinds`)."""
+    `splits` (tensor shards, expert shards, sparse mixture dispatch), the model's row-sparse
+    variables (`row_kinds`) and the `TrafficLog` its in-graph collectives count in (this
+    trainer's alone)."""
 
     model: object
     strategy: object
@@ -98,6 +99,7 @@ class Setting:
     guard: Guard
     splits: SplitLayers
     row_kinds: row_sparse.RowKinds
+    traffic: TrafficLog  # what the rank's in-graph collectives moved (the profiler reads it)
     comm_backend: str  # sums gradients across replicas: "mpi" or "horovod"
 
 
@@ -192,11 +194,16 @@ def _setting(model, strategy, comm, plan, options: dict) -> Setting:
     graphs = [model] if plan is None else [stage.model for stage in stages]
     synchronized = bool(synchronized_layers(_layers_of(graphs), strategy.sync_batchnorm))
     tensor_layout = options.get("tensor_layout")
-    splits = SplitLayers(model, strategy, topology, graphs, tensor_layout, guard, synchronized)
+    traffic = TrafficLog()
+    splits = SplitLayers(
+        model, strategy, topology, graphs, tensor_layout, guard, synchronized, traffic=traffic
+    )
     row_kinds = options.get("row_kinds", row_sparse.UNPROBED)
     row_kinds = row_kinds.with_shards(model, splits.pieces()[1])
     backend = options.get("comm_backend", "mpi")
-    return Setting(model, strategy, plan, stages, topology, guard, splits, row_kinds, backend)
+    return Setting(
+        model, strategy, plan, stages, topology, guard, splits, row_kinds, traffic, backend
+    )
 
 
 def _layers_of(graphs: list) -> list:
@@ -217,6 +224,7 @@ def _runner_parts(setting, stage, output_losses, update_metrics, loss_adders) ->
         loss_adders=loss_adders,
         tally=setting.splits.tally,
         row_kinds=setting.row_kinds,
+        traffic=setting.traffic,
     )
 
 
@@ -383,6 +391,7 @@ class Trainer:
         self.stage_state = parts.stage_state
         self.guard = parts.setting.guard
         self.splits = parts.setting.splits
+        self.traffic = parts.setting.traffic  # the profiler reads it
         self.check_numerics = False
         # Built under hf.scope(): weights of other stages were never allocated on this rank.
         self.holds_share_only = any(deferred.is_deferred(v) for v in model.variables)
@@ -445,9 +454,9 @@ class Trainer:
             (self.experts, expert_parallel.SPAN_TAGS, events.EXPERTS),
         )
         for split, tags, kind in inner:
-            listener = None if recorder is None else events.span_listener(recorder, kind)
-            for tag in tags if split is not None else ():
-                traffic(tag).listener = listener
+            if split is not None:
+                listener = None if recorder is None else events.span_listener(recorder, kind)
+                self.traffic.listen(tags, listener)
 
     @property
     def recorder(self) -> events.Recorder | None:

@@ -16,12 +16,13 @@ from collections.abc import Callable
 
 import tensorflow as tf
 
-from hyparflow.comm.in_graph import exchange, traffic
+from hyparflow.comm.in_graph import exchange
+from hyparflow.comm.traffic import TrafficLog
 from hyparflow.moe.dispatch import grouped, kept_picks, scattered, weighted_sum
 
-# The profiler's "experts" category: every exchange and the routing counts' allreduce across
-# replicas (`router_loss`) in the in-graph traffic record `traffic(TAG)`, and the local
-# experts' compute between the exchanges in `traffic(PHASE_TAGS["compute"])` (no bytes). The
+# The profiler's "experts" category, in the records of a `TrafficLog`: every exchange and the
+# routing counts' allreduce across replicas (`router_loss`) in `of(TAG)`, and the local
+# experts' compute between the exchanges in `of(PHASE_TAGS["compute"])` (no bytes). The
 # phases apart: the tokens' exchange to their experts and their gradients' back ("dispatch"),
 # the results' back and their gradients' to the experts ("combine").
 TAG = "experts"
@@ -37,11 +38,13 @@ def expert_parallel_mixture(
     num_experts: int,
     expert: Callable[[int, tf.Tensor], tf.Tensor],
     comm,
+    traffic: TrafficLog,
     capacity_factor: float | None = None,
 ) -> tf.Tensor:
     """`dispatch.top_k_mixture` of this rank's tokens, with expert `e` held by rank
     `e // (num_experts / comm size)` of `comm`: `expert(local e, rows)` computes this rank's
-    experts only. Collective over `comm` (every rank calls it in the same order). With a
+    experts only. Collective over `comm` (every rank calls it in the same order), counted in
+    `traffic`'s records of `TAG` and `PHASE_TAGS`. With a
     `capacity_factor`, a rank sends each expert at most its capacity of this rank's picks
     (`dispatch.within_capacity`); the others are neither sent nor computed."""
     held = num_experts // comm.Get_size()
@@ -56,10 +59,12 @@ def expert_parallel_mixture(
     counts = tf.math.bincount(owner, minlength=comm.Get_size(), maxlength=comm.Get_size())
     local_expert = tf.gather(flat % held, order)
     rows = tf.gather(tokens, (order if kept is None else tf.gather(kept, order)) // picks)
-    arrived, clock = {}, _ComputeClock()
-    received = _sent(comm, rows, counts, arrived, clock, "dispatch", beside=local_expert)
+    arrived, clock = {}, _ComputeClock(traffic.of(PHASE_TAGS["compute"]))
+    received = _sent(comm, traffic, rows, counts, arrived, clock, "dispatch", beside=local_expert)
     results = grouped(arrived["expert"], held, expert, lambda chosen: tf.gather(received, chosen))
-    returned = _sent(comm, results, arrived["counts"], {}, clock, "combine", expected=counts)
+    returned = _sent(
+        comm, traffic, results, arrived["counts"], {}, clock, "combine", expected=counts
+    )
     per_pick = tf.gather(returned, tf.math.invert_permutation(order))
     if kept is not None:
         per_pick = scattered(per_pick, kept, tf.size(every))
@@ -70,10 +75,10 @@ class _ComputeClock:
     """Times one mixture call's local experts, as spans of `PHASE_TAGS["compute"]`: from the
     dispatch's end to the combine's start in the forward, from the combine's gradient's end to
     the dispatch's gradient's start in the backward (the exchanges are ordered collectives,
-    so nothing of another block's falls in between)."""
+    so nothing of another block's falls in between), into `record`."""
 
-    def __init__(self):
-        self.record = traffic(PHASE_TAGS["compute"])
+    def __init__(self, record):
+        self.record = record
         self.arrived = None
 
     def arrive(self, start: float, end: float) -> None:
@@ -96,13 +101,13 @@ def _phase_timer(record, clock: _ComputeClock, arrival: bool):
     return timed
 
 
-def _sent(comm, rows, counts, arrived: dict, clock, phase: str, beside=None, expected=None):
+def _sent(comm, traffic, rows, counts, arrived: dict, clock, phase, beside=None, expected=None):
     """`rows` exchanged by `counts` (differentiable in `rows`) as `phase` ("dispatch": tokens
-    to the experts, "combine": results back), timed by `clock`; `arrived` gets the counts
-    received from each rank and, with `beside` (int rows sent alongside), those rows;
-    `expected`: the counts to receive, where known."""
+    to the experts, "combine": results back), counted in `traffic` and timed by `clock`;
+    `arrived` gets the counts received from each rank and, with `beside` (int rows sent
+    alongside), those rows; `expected`: the counts to receive, where known."""
     extra = [] if beside is None else [beside]
-    record = traffic(PHASE_TAGS[phase])
+    exchanges, record = traffic.of(TAG), traffic.of(PHASE_TAGS[phase])
     # the forward's dispatch and the backward's combine gradient bring rows to the experts
     arrives = {"dispatch": (True, False), "combine": (False, True)}[phase]
     forward, backward = (_phase_timer(record, clock, arrival) for arrival in arrives)
@@ -110,15 +115,17 @@ def _sent(comm, rows, counts, arrived: dict, clock, phase: str, beside=None, exp
     @tf.custom_gradient
     def sent(rows):
         received_counts, (received, *others) = exchange(
-            comm, counts, [rows, *extra], TAG, expected, timed=forward
-        )  # fmt: skip
+            comm, counts, [rows, *extra], exchanges, expected, timed=forward
+        )
         arrived["counts"] = received_counts
         if others:
             arrived["expert"] = others[0]
 
         def gradient(upstream):  # a gather's gradient arrives as row slices: made dense
             upstream = tf.convert_to_tensor(upstream)
-            _, (back,) = exchange(comm, received_counts, [upstream], TAG, counts, timed=backward)
+            _, (back,) = exchange(
+                comm, received_counts, [upstream], exchanges, counts, timed=backward
+            )
             return back
 
         return received, gradient

@@ -23,6 +23,7 @@ import tensorflow as tf
 
 from hyparflow import _keras
 from hyparflow import _keras_hub as hub
+from hyparflow.comm.traffic import TrafficLog
 from hyparflow.intercept import instead, replaced_calls
 from hyparflow.moe.dispatch import top_k_mixture
 from hyparflow.moe.expert_parallel import expert_parallel_mixture
@@ -194,7 +195,7 @@ def _block_call(policy: Policy, global_sum, tally):
     return call
 
 
-def _bank_call(policy: Policy, expert_comm, capacity_factor):
+def _bank_call(policy: Policy, expert_comm, traffic, capacity_factor):
     def call(bank, hidden_states):
         tokens, index, weight = hidden_states  # one argument: the bank's call signature
         # each kernel read whole once and cut per expert: a dense gradient, as the dense einsum
@@ -207,8 +208,8 @@ def _bank_call(policy: Policy, expert_comm, capacity_factor):
         if expert_comm is None:
             return top_k_mixture(tokens, index, weight, bank.num_experts, expert, capacity_factor)
         return expert_parallel_mixture(
-            tokens, index, weight, bank.num_experts, expert, expert_comm, capacity_factor
-        )  # fmt: skip
+            tokens, index, weight, bank.num_experts, expert, expert_comm, traffic, capacity_factor
+        )
 
     return call
 
@@ -219,19 +220,27 @@ class SparseDispatch:
     global batch's (`router_loss`; `global_sum` sums a vector over the pieces, in the step);
     on the last exit they have their own calls again. With `model` None, it changes nothing
     (the blocks stay dense, with keras_hub's loss of each piece). With `expert_comm`, the banks
-    hold the experts of this rank of it (`ExpertShards`) and exchange tokens over it. With a
+    hold the experts of this rank of it (`ExpertShards`) and exchange tokens over it, counted
+    in `traffic` (a `TrafficLog`; one of the dispatch's own when not given). With a
     `tally` (`RouterTally`: a step of several micro-batches), a training call records its
     routing there instead of adding its loss. With a `capacity_factor`, each expert computes at
     most its capacity of the picks (`dispatch.within_capacity`; not exact)."""
 
     def __init__(
-        self, model=None, global_sum=None, expert_comm=None, tally=None, capacity_factor=None
+        self,
+        model=None,
+        global_sum=None,
+        expert_comm=None,
+        tally=None,
+        capacity_factor=None,
+        traffic=None,
     ):
         self.blocks = [] if model is None else sparse_blocks(model)
         self.global_sum = global_sum
         self.tally = tally
         self.capacity_factor = capacity_factor
         self.expert_comm = expert_comm
+        self.traffic = TrafficLog() if traffic is None else traffic
         # entered again inside itself, the calls stay until the outer exit (`intercept.py`)
         self._calls = replaced_calls(self._sparse_calls())
 
@@ -241,7 +250,7 @@ class SparseDispatch:
             policy = policy_of(block)
             bank = getattr(block, policy.bank)
             block_call = _block_call(policy, self.global_sum, self.tally)
-            bank_call = _bank_call(policy, self.expert_comm, self.capacity_factor)
+            bank_call = _bank_call(policy, self.expert_comm, self.traffic, self.capacity_factor)
             yield block, instead(types.MethodType(block_call, block))
             yield bank, instead(types.MethodType(bank_call, bank))
 

@@ -62,11 +62,12 @@ class Shard:
 
 class TensorShards:
     """The shards of `layout` (a `TensorLayout`) held by shard `comm.Get_rank()` of the tensor
-    ranks in `comm`. `dropout_scope(axis, index, parts)` is the context under which a Dropout
-    draws the whole tensor's mask and keeps its slice (the engine's `random_slices`)."""
+    ranks in `comm`, whose collectives count in `traffic` (a `Traffic` record).
+    `dropout_scope(axis, index, parts)` is the context under which a Dropout draws the whole
+    tensor's mask and keeps its slice (the engine's `random_slices`)."""
 
-    def __init__(self, layout, comm, dropout_scope):
-        self.layout, self.comm = layout, comm
+    def __init__(self, layout, comm, traffic, dropout_scope):
+        self.layout, self.comm, self.traffic = layout, comm, traffic
         self.parts, self.index = comm.Get_size(), comm.Get_rank()
         self._dropout_scope = dropout_scope
         self.shards = [
@@ -74,8 +75,7 @@ class TensorShards:
             for split in layout.splits
             for v, axis in split.axes.values()
         ]
-        self._calls = {id(split.layer): (split.layer, self._call_for(split)) for split in
-                       layout.splits}  # fmt: skip
+        self._calls = {id(s.layer): (s.layer, self._call_for(s)) for s in layout.splits}
         for layer, axis in layout.dropouts:
             self._calls[id(layer)] = (layer, self._dropout_call(layer, axis))
         for layer, names in layout.copies:
@@ -137,7 +137,7 @@ class TensorShards:
 
     # --- the calls of split layers --------------------------------------------------------
     def _call_for(self, split):
-        layer, comm = split.layer, self.comm
+        layer, comm, traffic = split.layer, self.comm, self.traffic
         original = type(layer).call.__get__(layer)
         if split.role == COLUMN:
             # A convolution reshapes its bias to its `filters`: this rank's share of them.
@@ -147,7 +147,7 @@ class TensorShards:
 
             def column_call(inputs, *args, **kwargs):
                 with _attributes(layer, narrowed):
-                    return original(copy(comm, inputs), *args, **kwargs)
+                    return original(copy(comm, inputs, traffic), *args, **kwargs)
 
             return column_call
         if split.role == ROW:
@@ -156,7 +156,7 @@ class TensorShards:
         return self._vocab_call(layer, original)
 
     def _row_call(self, layer, original):
-        comm = self.comm
+        comm, traffic = self.comm, self.traffic
 
         unbiased = {"bias": None, "activation": None}
         if hasattr(layer, "use_bias"):  # convolutions test the flag, not the variable
@@ -167,7 +167,7 @@ class TensorShards:
             # The partial products are summed first; bias and activation come after, once.
             with _attributes(layer, unbiased):
                 outputs = original(inputs, *args, **kwargs)
-            outputs = reduce_from_shards(comm, outputs)
+            outputs = reduce_from_shards(comm, outputs, traffic)
             if bias is not None:
                 outputs = ops.add(outputs, bias)
             if activation is not None:
@@ -177,20 +177,20 @@ class TensorShards:
         return row_call
 
     def _vocab_call(self, layer, original):
-        comm = self.comm
+        comm, traffic = self.comm, self.traffic
         begin = bounds(layer.input_dim, self.parts, self.index)[0]
         rows = layer.input_dim // self.parts
 
         def vocab_call(inputs, reverse=False, **kwargs):
             if reverse:  # a tied (or untied) output projection: logits of this rank's rows
-                logits = original(copy_to_shards(comm, inputs), reverse=True, **kwargs)
-                return gather_from_shards(comm, logits, axis=-1)
+                logits = original(copy_to_shards(comm, inputs, traffic), reverse=True, **kwargs)
+                return gather_from_shards(comm, logits, traffic, axis=-1)
             ids = inputs if inputs.dtype in ("int32", "int64") else ops.cast(inputs, "int32")
             local = ids - ops.cast(begin, ids.dtype)
             inside = ops.logical_and(local >= 0, local < rows)
             found = ops.take(layer.embeddings, ops.where(inside, local, 0), axis=0)
             found = ops.where(ops.expand_dims(inside, -1), found, ops.zeros_like(found))
-            outputs = reduce_from_shards(comm, ops.cast(found, layer.compute_dtype))
+            outputs = reduce_from_shards(comm, ops.cast(found, layer.compute_dtype), traffic)
             if isinstance(layer, keras.layers.ReversibleEmbedding) and layer.mask_zero:
                 _keras.set_keras_mask(outputs, ops.not_equal(inputs, 0))
             return outputs
@@ -202,7 +202,7 @@ class TensorShards:
         shards once, its Keras mask kept (the projections inside then copy nothing)."""
         original = type(layer).call.__get__(layer)
         signature = inspect.signature(original)
-        comm = self.comm
+        comm, traffic = self.comm, self.traffic
 
         def copying_call(*args, **kwargs):
             bound = signature.bind_partial(*args, **kwargs)
@@ -212,7 +212,7 @@ class TensorShards:
                 if value is None:
                     continue
                 if id(value) not in copies:
-                    copies[id(value)] = copy_to_shards(comm, value)
+                    copies[id(value)] = copy_to_shards(comm, value, traffic)
                     mask = _keras.keras_mask(value)
                     if mask is not None:
                         _keras.set_keras_mask(copies[id(value)], mask)
@@ -228,11 +228,11 @@ class TensorShards:
         original = type(layer).call.__get__(layer)
         weights = _keras.own_trainable_variables(layer)
         names = [_attribute_holding(layer, v) for v in weights]
-        comm = self.comm
+        comm, traffic = self.comm, self.traffic
 
         def summing_call(*args, **kwargs):
             read = {
-                name: copy_to_shards(comm, _read(layer, v))
+                name: copy_to_shards(comm, _read(layer, v), traffic)
                 for name, v in zip(names, weights, strict=True)
             }
             with _attributes(layer, read):
@@ -274,7 +274,7 @@ def _read(layer, variable):
     return value
 
 
-def _unchanged(comm, tensor):
+def _unchanged(comm, tensor, traffic):
     return tensor
 
 
@@ -301,9 +301,12 @@ def _new_variable_like(whole, value):
         for scope in scopes:
             stack.enter_context(keras.name_scope(scope))
         shard = keras.Variable(
-            value, dtype=whole.dtype, trainable=whole.trainable, name=whole.name,
+            value,
+            dtype=whole.dtype,
+            trainable=whole.trainable,
+            name=whole.name,
             autocast=_keras.variable_autocast(whole),
-        )  # fmt: skip
+        )
     shard.regularizer = getattr(whole, "regularizer", None)
     shard.constraint = getattr(whole, "constraint", None)
     return shard

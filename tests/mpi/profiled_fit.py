@@ -13,7 +13,6 @@ import numpy as np
 
 import hyparflow as hf
 from hyparflow.callbacks import ScalingProfiler
-from hyparflow.comm.in_graph import traffic
 from hyparflow.moe import expert_parallel
 from hyparflow.tensor import collectives
 from tests.support import zoo
@@ -70,18 +69,25 @@ def run(log_root: str, case: Case) -> dict:
     strategy = hf.Strategy(**case.strategy_options())
     log_dir = os.path.join(log_root, case.id)
     profiler = ScalingProfiler(log_dir, baseline_throughput=BASELINE, profile_steps=(2, 3))
-    hf.fit(model, x, y, batch_size=batch_size, epochs=EPOCHS, verbose=0, strategy=strategy,
-           callbacks=[profiler])  # fmt: skip
+    hf.fit(
+        model,
+        x,
+        y,
+        batch_size=batch_size,
+        epochs=EPOCHS,
+        verbose=0,
+        strategy=strategy,
+        callbacks=[profiler],
+    )
     trainer = model._hyparflow_trainer[1]
+    records = [trainer.traffic.of(tag) for tag in (collectives.TAG, *expert_parallel.SPAN_TAGS)]
     return {
         "case": case.id,
         "log_dir": log_dir,
         "stage": trainer.topology.stage,
         "replica": trainer.topology.replica,
         "detached": trainer.recorder is None,  # profiling off again after fit
-        "listener_cleared": all(
-            traffic(tag).listener is None for tag in (collectives.TAG, *expert_parallel.SPAN_TAGS)
-        ),
+        "listener_cleared": all(record.listener is None for record in records),
     }
 
 

@@ -11,7 +11,6 @@ import tensorflow as tf
 
 import hyparflow as hf
 from hyparflow.auto.tensor_traffic import tensor_shares
-from hyparflow.comm.in_graph import traffic
 from hyparflow.partitioner import profile
 from hyparflow.partitioner.graph import build_graph
 from hyparflow.tensor import tensor_layout
@@ -31,14 +30,18 @@ def run(case: Case) -> dict:
     reference = references.zoo_fit(name, optimizer, case.policy, case.one_step)
     model = zoo.compiled(name, optimizer, case.policy)
     strategy = hf.Strategy(**case.strategy_options())
-    moved, exchanged = traffic("tensor"), traffic("experts")
-    moved.reset()
-    exchanged.reset()
     history = hf.fit(
-        model, x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0,
+        model,
+        x,
+        y,
+        batch_size=batch_size,
+        epochs=epochs,
+        shuffle=False,
+        verbose=0,
         strategy=strategy,
-    )  # fmt: skip
-    trainer = model._hyparflow_trainer[1]
+    )
+    trainer = model._hyparflow_trainer[1]  # a new model's: its traffic is this fit's alone
+    moved, exchanged = trainer.traffic.of("tensor"), trainer.traffic.of("experts")
     runner = trainer.parts.runner
     shards = trainer.shards
     return {

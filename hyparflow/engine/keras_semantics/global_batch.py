@@ -20,18 +20,21 @@ from keras import ops
 
 from hyparflow import _keras
 from hyparflow.comm.in_graph import allreduce
+from hyparflow.comm.traffic import Traffic
 
-TAG = "global"  # its traffic: `hyparflow.comm.in_graph.traffic(TAG)`
+TAG = "global"  # the tag of its traffic record in the trainer's `TrafficLog`
 
 
 @dataclass
 class BatchGroup:
     """The replicas whose rows form the global batch (`comm`, None with one replica), the
-    micro-batches each runs, and the names of the layers whose calls took a global mean."""
+    micro-batches each runs, the names of the layers whose calls took a global mean, and the
+    record their sums count in (`traffic`: the trainer's, else one of the group's own)."""
 
     comm: object
     microbatches: int
     users: set = field(default_factory=set)
+    traffic: Traffic = field(default_factory=Traffic)
 
 
 _ACTIVE: list[BatchGroup] = []
@@ -73,23 +76,24 @@ def global_mean(x, axis: int = 0):
     moved = tf.experimental.numpy.moveaxis(x, axis, 0)
     if group.comm is None:
         return tf.reduce_mean(moved, axis=0)
-    return _replicas_mean(group.comm, moved)
+    return _replicas_mean(group.comm, group.traffic, moved)
 
 
-def _replicas_mean(comm, rows):
-    """The mean of `rows` (batch first) over every replica's rows in `comm`."""
+def _replicas_mean(comm, traffic: Traffic, rows):
+    """The mean of `rows` (batch first) over every replica's rows in `comm`, its sums counted
+    in `traffic`."""
     shape = tf.shape(rows)[1:]
 
     @tf.custom_gradient
     def mean(rows):
         count = tf.cast(tf.shape(rows)[0], rows.dtype)
         local = tf.concat([tf.reshape(tf.reduce_sum(rows, axis=0), [-1]), [count]], axis=0)
-        total = allreduce(comm, local, TAG)
+        total = allreduce(comm, local, traffic)
         rows_everywhere = total[-1]
         value = tf.reshape(total[:-1], shape) / rows_everywhere
 
         def gradient(upstream):  # every replica's loss reaches these rows through the mean
-            summed = allreduce(comm, tf.reshape(upstream, [-1]), TAG)
+            summed = allreduce(comm, tf.reshape(upstream, [-1]), traffic)
             each = tf.reshape(summed, shape) / rows_everywhere
             return tf.broadcast_to(each[None], tf.shape(rows))
 

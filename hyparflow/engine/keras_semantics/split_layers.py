@@ -10,6 +10,7 @@ import numpy as np
 
 from hyparflow.checkpoint.state import Piece
 from hyparflow.comm.in_graph import allreduce
+from hyparflow.engine.keras_semantics import global_batch
 from hyparflow.engine.keras_semantics.global_batch import BatchGroup, batch_group
 from hyparflow.engine.keras_semantics.random_slices import feature_slice
 from hyparflow.moe import (
@@ -17,9 +18,11 @@ from hyparflow.moe import (
     RouterTally,
     SparseDispatch,
     expert_groups,
+    expert_parallel,
     router_loss_weight,
     sparse_blocks,
 )
+from hyparflow.tensor import collectives
 from hyparflow.tensor.shards import TensorShards
 
 
@@ -32,24 +35,39 @@ class SplitLayers:
     replicas `hf.global_mean` means over (engine/keras_semantics/global_batch.py); `tally`: the
     `RouterTally` of a step of several micro-batches whose mixture blocks add router losses (else
     None), its counts summed over the replicas under `guard`. `synchronized`: whether some
-    BatchNormalization sums its moments over the replicas (`sync_batchnorm.py`)."""
+    BatchNormalization sums its moments over the replicas (`sync_batchnorm.py`). Their in-graph
+    collectives count in `traffic`, the trainer's `TrafficLog`."""
 
     def __init__(
-        self, model, strategy, topology, graphs, tensor_layout=None, guard=None, synchronized=False
+        self,
+        model,
+        strategy,
+        topology,
+        graphs,
+        tensor_layout=None,
+        guard=None,
+        synchronized=False,
+        *,
+        traffic,
     ):
         guard = guard or (lambda operation: contextlib.nullcontext())
         self.tensor = None
         if topology.num_shards > 1:
-            self.tensor = TensorShards(tensor_layout, topology.tensor_comm, feature_slice)
+            self.tensor = TensorShards(
+                tensor_layout, topology.tensor_comm, traffic.of(collectives.TAG), feature_slice
+            )
         self.experts = None
         if strategy.experts > 1:
             groups = expert_groups(topology.stage_comm, strategy.experts)
             self.experts = ExpertShards(graphs, *groups)
         replicas = topology.stage_comm if topology.num_replicas > 1 else None
         # `hf.global_mean`'s replicas, and the layers that take it (their added losses exact)
-        self.batch = BatchGroup(replicas, strategy.microbatches)
+        self.batch = BatchGroup(
+            replicas, strategy.microbatches, traffic=traffic.of(global_batch.TAG)
+        )
         self.synchronized = synchronized
-        replica_sum = replicas and (lambda vector: allreduce(replicas, vector, "experts"))
+        routing = traffic.of(expert_parallel.TAG)  # the routing counts' sums
+        replica_sum = replicas and (lambda vector: allreduce(replicas, vector, routing))
         self.tally = _router_tally(model, strategy, replicas, guard)
         self.dispatch = SparseDispatch(
             model if strategy.sparse_experts else None,
@@ -57,6 +75,7 @@ class SplitLayers:
             self.experts and self.experts.group,
             self.tally,
             strategy.capacity_factor,
+            traffic=traffic,
         )
 
     def sum_over_replicas(self, training: bool) -> bool:

@@ -12,6 +12,7 @@ from hyparflow.engine.gradients import sparse as row_sparse
 from hyparflow.engine.gradients.flat import ChunkedLayout
 from hyparflow.engine.gradients.sync import Overlap
 from hyparflow.engine.keras_semantics.added_losses import added_loss
+from hyparflow.engine.keras_semantics.sync_batchnorm import TAG as BATCHNORM_TAG
 from hyparflow.engine.keras_semantics.sync_batchnorm import (
     synchronized_batchnorm,
     synchronized_layers,
@@ -34,15 +35,27 @@ class RunnerParts:
     `add_loss` while tracing. `stage` is the partitioner's stage (None: the whole model).
     `tally`: the mixture blocks' `RouterTally` (None: their router losses, if any, are added
     in each forward). `row_kinds`: the model's row-sparse variables (`sparse.RowKinds`).
+    `traffic`: the trainer's `TrafficLog`, where synchronised BatchNormalization counts its sums.
     """
 
     def __init__(
-        self, model, stage, topology, strategy, *, call, loss, metrics, loss_adders, tally=None,
+        self,
+        model,
+        stage,
+        topology,
+        strategy,
+        *,
+        call,
+        loss,
+        metrics,
+        loss_adders,
+        traffic,
+        tally=None,
         row_kinds=row_sparse.UNPROBED,
-    ):  # fmt: skip
+    ):
         self.model, self.stage, self.topology, self.strategy = model, stage, topology, strategy
         self.call, self.loss, self.metrics, self.loss_adders = call, loss, metrics, loss_adders
-        self.tally = tally
+        self.tally, self.traffic = tally, traffic
         self.row_kinds = row_kinds
         # the model's first and last stage (not the rank's: interleaved ranks run several)
         count = 1 if stage is None else topology.num_stages * strategy.virtual_stages
@@ -57,8 +70,8 @@ class RunnerParts:
         synced = synchronized_layers(layers, self.strategy.sync_batchnorm)
         if not synced or self.topology.num_replicas == 1:
             return None
-        comm = self.topology.stage_comm
-        return lambda: synchronized_batchnorm(comm, synced)
+        comm, traffic = self.topology.stage_comm, self.traffic.of(BATCHNORM_TAG)
+        return lambda: synchronized_batchnorm(comm, traffic, synced)
 
     def added_losses(self, layers):
         return lambda: added_loss(layers, self.loss_adders)
@@ -86,10 +99,14 @@ def build_runner(parts: RunnerParts, variables, sparse, form, layout):
         # nothing lives between forward and backward: one compiled call
         # Chunks, not one tensor: the step then never holds its gradients twice (flat.py).
         return FusedRunner(
-            parts.call, variables, loss=parts.loss, metrics=parts.metrics,
+            parts.call,
+            variables,
+            loss=parts.loss,
+            metrics=parts.metrics,
             layout=ChunkedLayout(layout.slots) if form.flat else None,
-            microbatches=strategy.microbatches, **common,
-        )  # fmt: skip
+            microbatches=strategy.microbatches,
+            **common,
+        )
     options = dict(
         loss=parts.loss if parts.is_last else None,
         recompute=strategy.recompute,
