@@ -426,20 +426,9 @@ def evaluate(
     """
     resolved = _resolve(model, strategy, num_partitions, num_replicas, num_microbatches)
     if size() == 1:
-        deferred.materialize_model(model)
-        if hasattr(x, "as_keras"):
-            x, batch_size = x.as_keras(batch_size=batch_size or 32), None
-        with sparse_in_keras(model, resolved.sparse_experts):
-            return model.evaluate(
-                x,
-                y,
-                batch_size=batch_size,
-                sample_weight=sample_weight,
-                steps=steps,
-                callbacks=callbacks,
-                return_dict=return_dict,
-                verbose=verbose,
-            )
+        keras_options = dict(sample_weight=sample_weight, steps=steps, callbacks=callbacks)
+        keras_options.update(return_dict=return_dict, verbose=verbose)
+        return _in_keras(model.evaluate, resolved, x, batch_size, y, **keras_options)
     comm = world()
     devices.prepare(comm, resolved.bind_gpus)
     source = agree(comm, make_source, x, y, sample_weight, batch_size=batch_size)
@@ -448,6 +437,17 @@ def evaluate(
     if return_dict:
         return logs
     return _keras.metrics_in_order(model, logs)
+
+
+def _in_keras(method, resolved, x, batch_size, *args, **options):
+    """Keras's own bound `method` (evaluate, predict) in one process: the model materialised,
+    an `hf.data` reader handed over as Keras data, mixtures dispatched as `hf.fit` would."""
+    model = method.__self__
+    deferred.materialize_model(model)
+    if hasattr(x, "as_keras"):
+        x, batch_size = x.as_keras(batch_size=batch_size or 32), None
+    with sparse_in_keras(model, resolved.sparse_experts):
+        return method(x, *args, batch_size=batch_size, **options)
 
 
 def predict(
@@ -471,11 +471,7 @@ def predict(
         model, strategy, num_partitions, num_replicas, num_microbatches, compiled=False
     )
     if size() == 1:
-        deferred.materialize_model(model)
-        if hasattr(x, "as_keras"):
-            x, batch_size = x.as_keras(batch_size=batch_size or 32), None
-        with sparse_in_keras(model, resolved.sparse_experts):
-            return model.predict(x, batch_size=batch_size, steps=steps, verbose=verbose)
+        return _in_keras(model.predict, resolved, x, batch_size, steps=steps, verbose=verbose)
     comm = world()
     devices.prepare(comm, resolved.bind_gpus)
     source = agree(comm, make_source, x, batch_size=batch_size)

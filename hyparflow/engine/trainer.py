@@ -408,16 +408,6 @@ class Trainer:
         return self.topology.is_last_stage
 
     @property
-    def shards(self):
-        """This rank's `TensorShards` (None without tensor parallelism)."""
-        return self.splits.tensor
-
-    @property
-    def experts(self):
-        """This rank's `ExpertShards` (None unless `strategy.experts` > 1)."""
-        return self.splits.experts
-
-    @property
     def step(self) -> int:
         """Optimizer steps taken through this trainer (checkpoints save it)."""
         return self.stage_state.step
@@ -450,8 +440,8 @@ class Trainer:
         self.parts.spans.record_into(recorder)
         # each tensor collective, expert exchange or experts' compute, as it ends, is a span
         inner = (
-            (self.shards, (collectives.TAG,), events.TENSOR),
-            (self.experts, expert_parallel.SPAN_TAGS, events.EXPERTS),
+            (self.splits.tensor, (collectives.TAG,), events.TENSOR),
+            (self.splits.experts, expert_parallel.SPAN_TAGS, events.EXPERTS),
         )
         for split, tags, kind in inner:
             if split is not None:

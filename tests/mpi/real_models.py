@@ -43,7 +43,7 @@ def run(case: Case) -> dict:
     trainer = model._hyparflow_trainer[1]  # a new model's: its traffic is this fit's alone
     moved, exchanged = trainer.traffic.of("tensor"), trainer.traffic.of("experts")
     runner = trainer.parts.runner
-    shards = trainer.shards
+    shards = trainer.splits.tensor
     return {
         "case": case.id,
         # most traces of one compiled step function (Keras's own: 2 for varying lengths)
@@ -63,7 +63,9 @@ def run(case: Case) -> dict:
         **(_shard_sizes(model, shards) if shards else {}),
         # expert parallelism: this rank's expert shards and their optimizer slots, and the
         # bytes its routing sums and token exchanges moved
-        **(_shard_sizes(model, trainer.experts, "expert_") if trainer.experts else {}),
+        **(
+            _shard_sizes(model, trainer.splits.experts, "expert_") if trainer.splits.experts else {}
+        ),
         "expert_bytes": exchanged.bytes,
         # bytes the tensor ranks' collectives moved, and what the planner's shares predict
         "tensor_bytes": moved.bytes,

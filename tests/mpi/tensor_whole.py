@@ -36,7 +36,7 @@ def run(case: Case) -> dict:
         model, x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
         strategy=hf.Strategy(**case.strategy_options()),
     )  # fmt: skip
-    layout = model._hyparflow_trainer[1].shards.layout
+    layout = model._hyparflow_trainer[1].splits.tensor.layout
     weights = model.get_weights()
     return {
         "case": case.id,

@@ -25,7 +25,7 @@ def needs_gathering(trainer) -> bool:
     """Whether this layout leaves a partial optimizer on rank 0 (the same on every rank). A
     model built under hf.scope() keeps each rank's share (weights are not gathered either)."""
     split = trainer.plan is not None or trainer.parts.sharded is not None
-    split = split or trainer.shards is not None or trainer.experts is not None
+    split = split or trainer.splits.tensor is not None or trainer.splits.experts is not None
     return split and not trainer.holds_share_only and trainer.topology.world.Get_size() > 1
 
 
