@@ -58,8 +58,12 @@ def worker(args) -> None:
     from hyparflow.tensor import tensor_layout
 
     size, on = (QUICK if args.quick else SIZES)[args.model], dict(tune_process=True)
-    strategies = [hf.Strategy("data", **on), hf.Strategy("model", microbatches=4,
-                  schedule="1f1b", **on), hf.Strategy("data", tensor=2, **on), None]  # fmt: skip
+    strategies = [
+        hf.Strategy("data", **on),
+        hf.Strategy("model", microbatches=4, schedule="1f1b", **on),
+        hf.Strategy("data", tensor=2, **on),
+        None,
+    ]
     setups = {name: (_model(size), s) for name, s in zip(SETUPS, strategies, strict=True)}
     x, y = synthetic_data(setups["tensor"][0], size["batch"] * args.steps)
     seconds = interleaved_epochs(setups, x, y, size["batch"], args.repeats, steps=args.steps)
@@ -67,14 +71,24 @@ def worker(args) -> None:
     moved.reset()  # one more epoch of `args.steps` steps, counted
     hf.fit(model, x, y, batch_size=size["batch"], verbose=0, strategy=tensor)
     if hf.rank() == 0:
-        write_result(args.worker_out, 0, {
-            "seconds": seconds, "megatron": 4 * size["batch"] * size.get("seq", 0) * size["h"] * 4,
-            "calls": moved.calls / args.steps, "bytes": moved.bytes / args.steps,
-            "held": {t: (sum(map(nbytes, m._hyparflow_trainer[1].variables)),  # params, slots
-                         sum(nbytes(v) for v in m.optimizer.variables if len(v.shape)))
-                     for t, m in ((1, setups["data parallel"][0]), (2, model))},
-            "layout": {t: sum(tensor_layout(model, t).bytes_per_rank()) for t in (1, 2, 4)},
-        })  # fmt: skip
+        write_result(
+            args.worker_out,
+            0,
+            {
+                "seconds": seconds,
+                "megatron": 4 * size["batch"] * size.get("seq", 0) * size["h"] * 4,
+                "calls": moved.calls / args.steps,
+                "bytes": moved.bytes / args.steps,
+                "held": {
+                    t: (
+                        sum(map(nbytes, m._hyparflow_trainer[1].variables)),  # params, slots
+                        sum(nbytes(v) for v in m.optimizer.variables if len(v.shape)),
+                    )
+                    for t, m in ((1, setups["data parallel"][0]), (2, model))
+                },
+                "layout": {t: sum(tensor_layout(model, t).bytes_per_rank()) for t in (1, 2, 4)},
+            },
+        )
 
 
 def run(args) -> list[dict]:
@@ -84,24 +98,38 @@ def run(args) -> list[dict]:
         r = run_worker(__file__, flags, np=2)[0]
         ms = {k: [1e3 * s / args.steps for s in v] for k, v in r["seconds"].items()}
         rows = [(f"{k}, ms per step", v, "ms") for k, v in ms.items()]
-        rows += [(f"{k} / data parallel step time", paired_ratios(ms[k], ms["data parallel"]),
-                  "ratio") for k in ("pipeline", "tensor")]  # fmt: skip
-        rows += [(f"speed-up over one rank, {k}", paired_ratios(ms["one rank"], ms[k]), "ratio")
-                 for k in SETUPS[:3]]  # fmt: skip
+        rows += [
+            (f"{k} / data parallel step time", paired_ratios(ms[k], ms["data parallel"]), "ratio")
+            for k in ("pipeline", "tensor")
+        ]
+        rows += [
+            (f"speed-up over one rank, {k}", paired_ratios(ms["one rank"], ms[k]), "ratio")
+            for k in SETUPS[:3]
+        ]
         if r["megatron"]:
             per_step = [("measured", r["bytes"]), ("Megatron's 4 x b·s·h·4", r["megatron"])]
             rows += [(f"bytes per step, {k}", [v / MIB], "MiB per step") for k, v in per_step]
             ratio = r["bytes"] / r["megatron"]
-            rows += [("bytes per step, measured / Megatron's", [ratio], "ratio"),
-                     ("collectives per step (Megatron: 4)", [r["calls"]], "calls")]  # fmt: skip
+            rows += [
+                ("bytes per step, measured / Megatron's", [ratio], "ratio"),
+                ("collectives per step (Megatron: 4)", [r["calls"]], "calls"),
+            ]
         records += [measurement(FIGURE, f"{name}: {what}", v, unit) for what, v, unit in rows]
         held = [(t, "measured", pair) for t, pair in r["held"].items()]
         held += [(t, "computed from the layout", (b, 2 * b)) for t, b in r["layout"].items()]
-        records += [measurement(FIGURE, f"{name}: {what} per rank, T={t}, {how}", [n / MIB],
-                                "MiB", series=f"{name}: {what}, {how}", x=int(t),
-                                x_label="tensor ranks T") for t, how, pair in held
-                    for what, n in zip(("parameters", "Adam slots"), pair,
-                                       strict=True)]  # fmt: skip
+        records += [
+            measurement(
+                FIGURE,
+                f"{name}: {what} per rank, T={t}, {how}",
+                [n / MIB],
+                "MiB",
+                series=f"{name}: {what}, {how}",
+                x=int(t),
+                x_label="tensor ranks T",
+            )
+            for t, how, pair in held
+            for what, n in zip(("parameters", "Adam slots"), pair, strict=True)
+        ]
     return records
 
 

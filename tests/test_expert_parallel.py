@@ -24,8 +24,9 @@ def test_an_exchange_on_one_rank_returns_every_row_and_counts_its_bytes():
     rows = tf.constant(np.arange(12.0).reshape(4, 3), tf.float32)
     ids = tf.constant([3, 1, 2, 0], tf.int32)
     before = traffic("experts").bytes
-    counts, (back, back_ids) = exchange(MPI.COMM_SELF, tf.constant([4], tf.int32), [rows, ids],
-                                        "experts")  # fmt: skip
+    counts, (back, back_ids) = exchange(
+        MPI.COMM_SELF, tf.constant([4], tf.int32), [rows, ids], "experts"
+    )
     assert counts.numpy().tolist() == [4]
     np.testing.assert_array_equal(back, rows)
     np.testing.assert_array_equal(back_ids, ids)

@@ -180,9 +180,10 @@ def test_a_gathered_variable_outside_an_embedding_is_refused_not_densified():
     x = keras.layers.Flatten()(keras.layers.Embedding(10, 4)(inputs))
     model = keras.Model(inputs, keras.layers.Dense(2)(x))
     runner = StageRunner(
-        lambda i, training: model(i, training=training), model.trainable_variables,
+        lambda i, training: model(i, training=training),
+        model.trainable_variables,
         input_grads=False,
-    )  # fmt: skip
+    )
     runner.forward(0, tf.constant([[1, 2, 3]]))
     with pytest.raises(ValueError, match="row-sparse gradients"):
         runner.backward(0, [tf.ones((1, 2))])
@@ -236,8 +237,10 @@ def test_fused_runner_matches_the_taped_stage_runner_and_updates_metrics(microba
         np.testing.assert_allclose(got.numpy(), want, rtol=1e-6)
     zeros = runner.take_gradients()  # nothing forwarded since: zeros
     assert all(not np.any(g.numpy()) for g in zeros)
-    traces = (runner._first_fn.experimental_get_tracing_count(),
-              runner._accumulate_fn.experimental_get_tracing_count())  # fmt: skip
+    traces = (
+        runner._first_fn.experimental_get_tracing_count(),
+        runner._accumulate_fn.experimental_get_tracing_count(),
+    )
     assert traces == ((1, 1) if microbatches == 1 else (0, 1))
 
 
@@ -350,10 +353,12 @@ def test_fused_step_holds_its_gradients_about_once_not_twice():
     counts chunks, not a ratio: at most four in flight, and at least half a copy saved against
     the whole concat of the same run."""
     run = subprocess.run(
-        [sys.executable, "-m", "tests.support.allocator_peak"], capture_output=True, text=True,
+        [sys.executable, "-m", "tests.support.allocator_peak"],
+        capture_output=True,
+        text=True,
         cwd=Path(__file__).resolve().parents[1],
         env={**os.environ, **POOLED_ALLOCATOR_ENV},
-    )  # fmt: skip
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     peaks = json.loads(run.stdout.strip().splitlines()[-1])
     chunked, whole = peaks["chunked"], peaks["whole"]

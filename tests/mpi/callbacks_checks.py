@@ -32,14 +32,26 @@ def both(make_callbacks, epochs=4, x=None, y=None, optimizer="sgd", build=None):
     build = build or (lambda: compiled("mlp", optimizer))
     reference = build()
     ref = reference.fit(
-        x, y, batch_size=16, epochs=epochs, shuffle=False, verbose=0,
+        x,
+        y,
+        batch_size=16,
+        epochs=epochs,
+        shuffle=False,
+        verbose=0,
         callbacks=make_callbacks("keras"),
-    )  # fmt: skip
+    )
     model = build()
     got = hf.fit(
-        model, x, y, batch_size=16, epochs=epochs, shuffle=False, verbose=0,
-        callbacks=make_callbacks("hf"), strategy=STRATEGY,
-    )  # fmt: skip
+        model,
+        x,
+        y,
+        batch_size=16,
+        epochs=epochs,
+        shuffle=False,
+        verbose=0,
+        callbacks=make_callbacks("hf"),
+        strategy=STRATEGY,
+    )
     return reference, ref, model, got
 
 
@@ -59,13 +71,20 @@ def checkpoint_and_csv(folder):
     x, y = data("mlp", n=48)
     model = compiled("mlp", "adam")
     history = hf.fit(
-        model, x, y, batch_size=16, epochs=3, shuffle=False, verbose=0, strategy=STRATEGY,
+        model,
+        x,
+        y,
+        batch_size=16,
+        epochs=3,
+        shuffle=False,
+        verbose=0,
+        strategy=STRATEGY,
         callbacks=[
             keras.callbacks.ModelCheckpoint(path),
             keras.callbacks.CSVLogger(csv),
             keras.callbacks.TensorBoard(tensorboard),
         ],
-    )  # fmt: skip
+    )
     MPI.COMM_WORLD.Barrier()  # rank 0's files are complete before anyone looks
     result = {
         "checkpoint_exists": os.path.exists(path),

@@ -32,8 +32,9 @@ def deferred_model(compile_as: str):
         model = seeded_build(zoo.BUILDERS[NAME])
         inside = {"string": "adam", "object": keras.optimizers.Adam(1e-3), "before": before}
         if compile_as in inside:
-            model.compile(inside[compile_as], "sparse_categorical_crossentropy",
-                          metrics=["accuracy"])  # fmt: skip
+            model.compile(
+                inside[compile_as], "sparse_categorical_crossentropy", metrics=["accuracy"]
+            )
     if compile_as == "after":
         model.compile(before, "sparse_categorical_crossentropy", metrics=["accuracy"])
     return model
@@ -88,17 +89,31 @@ def replicated_layouts(x, y, ref2, ref_history) -> dict:
     # two stages x two replicas with ZeRO-1: each replica keeps half its stage's Adam state;
     # the optimizer made before the scope, compiled inside it
     model = deferred_model("before")
-    history = hf.fit(model, x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
-                     strategy=hf.Strategy("hybrid", partitions=2, replicas=2,
-                                          shard_optimizer=True))  # fmt: skip
+    history = hf.fit(
+        model,
+        x,
+        y,
+        batch_size=BATCH,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
+        strategy=hf.Strategy("hybrid", partitions=2, replicas=2, shard_optimizer=True),
+    )
     result["P2R2-zero"] = held_report(model, ref2)
     result["P2R2-zero"]["history"] = history_difference(history.history, ref_history.history)
 
     # the same grid interleaved: each rank allocates and trains the weights of its two chunks
     model = deferred_model("string")
-    history = hf.fit(model, x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
-                     strategy=hf.Strategy("hybrid", partitions=2, replicas=2,
-                                          schedule="interleaved"))  # fmt: skip
+    history = hf.fit(
+        model,
+        x,
+        y,
+        batch_size=BATCH,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
+        strategy=hf.Strategy("hybrid", partitions=2, replicas=2, schedule="interleaved"),
+    )
     result["P2R2-interleaved"] = held_report(model, ref2)
     result["P2R2-interleaved"]["history"] = history_difference(history.history, ref_history.history)
     return result
@@ -114,8 +129,9 @@ def main():
     # four pipeline stages, compiled inside the scope with optimizer="adam"
     model = deferred_model("string")
     strategy = hf.Strategy("model", partitions=4)
-    history = hf.fit(model, x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
-                     strategy=strategy)  # fmt: skip
+    history = hf.fit(
+        model, x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, strategy=strategy
+    )
     result["P4"] = held_report(model, ref2)
     result["P4"]["history"] = history_difference(history.history, ref_history.history)
     result["P4"]["predict"] = relative_difference(
@@ -133,8 +149,16 @@ def main():
     # two stages x two tensor ranks: the whole split variables are never allocated; compiled
     # inside the scope with an optimizer object made there
     model = deferred_model("object")
-    history = hf.fit(model, x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
-                     strategy=hf.Strategy("model", partitions=2, tensor=2))  # fmt: skip
+    history = hf.fit(
+        model,
+        x,
+        y,
+        batch_size=BATCH,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
+        strategy=hf.Strategy("model", partitions=2, tensor=2),
+    )
     result["P2T2"] = held_report(model, ref2)
     result["P2T2"]["history"] = history_difference(history.history, ref_history.history)
 
@@ -142,16 +166,33 @@ def main():
 
     # a checkpoint of one epoch on P2xT2, exported, then resumed as four replicas
     model = deferred_model("after")
-    hf.fit(model, x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
-           strategy=hf.Strategy("model", partitions=2, tensor=2),
-           callbacks=[hf.callbacks.Checkpoint(folder)])  # fmt: skip
+    hf.fit(
+        model,
+        x,
+        y,
+        batch_size=BATCH,
+        epochs=1,
+        shuffle=False,
+        verbose=0,
+        strategy=hf.Strategy("model", partitions=2, tensor=2),
+        callbacks=[hf.callbacks.Checkpoint(folder)],
+    )
     if MPI.COMM_WORLD.Get_rank() == 0:
         path = hf.export(folder, folder + "/exported.keras")
         exported = keras.saving.load_model(path)
         result["export"] = relative_difference(exported.get_weights(), ref1.get_weights())
     model = deferred_model("string")  # data parallel, compiled inside with optimizer="adam"
-    hf.fit(model, x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
-           strategy=hf.Strategy("data", replicas=4), resume_from=folder)  # fmt: skip
+    hf.fit(
+        model,
+        x,
+        y,
+        batch_size=BATCH,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
+        strategy=hf.Strategy("data", replicas=4),
+        resume_from=folder,
+    )
     result["resumed"] = relative_difference(model.get_weights(), ref2.get_weights())
     result["resumed_steps"] = [int(m.optimizer.iterations.numpy()) for m in (model, ref2)]
     report(result)

@@ -29,9 +29,16 @@ def train(case: Case, comm: str):
     strategy = hf.Strategy(**case.strategy_options())
     model = compiled(name, case.optimizer)
     history = hf.fit(
-        model, x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
-        strategy=strategy, comm=comm,
-    )  # fmt: skip
+        model,
+        x,
+        y,
+        batch_size=BATCH,
+        epochs=EPOCHS,
+        shuffle=False,
+        verbose=0,
+        strategy=strategy,
+        comm=comm,
+    )
     predicted = hf.predict(model, data(name, n=20, seed=1)[0], batch_size=8, strategy=strategy)
     return model, history.history, predicted
 

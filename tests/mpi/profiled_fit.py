@@ -70,8 +70,16 @@ def run(log_root: str, case: Case) -> dict:
     strategy = hf.Strategy(**case.strategy_options())
     log_dir = os.path.join(log_root, case.id)
     profiler = ScalingProfiler(log_dir, baseline_throughput=BASELINE, profile_steps=(2, 3))
-    hf.fit(model, x, y, batch_size=batch_size, epochs=EPOCHS, verbose=0, strategy=strategy,
-           callbacks=[profiler])  # fmt: skip
+    hf.fit(
+        model,
+        x,
+        y,
+        batch_size=batch_size,
+        epochs=EPOCHS,
+        verbose=0,
+        strategy=strategy,
+        callbacks=[profiler],
+    )
     trainer = model._hyparflow_trainer[1]
     return {
         "case": case.id,

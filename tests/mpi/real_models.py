@@ -35,9 +35,15 @@ def run(case: Case) -> dict:
     moved.reset()
     exchanged.reset()
     history = hf.fit(
-        model, x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0,
+        model,
+        x,
+        y,
+        batch_size=batch_size,
+        epochs=epochs,
+        shuffle=False,
+        verbose=0,
         strategy=strategy,
-    )  # fmt: skip
+    )
     trainer = model._hyparflow_trainer[1]
     runner = trainer.runner
     shards = trainer.shards

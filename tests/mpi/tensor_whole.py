@@ -33,9 +33,15 @@ def run(case: Case) -> dict:
     x, y = whole_models.data(case.model)
     model = whole_models.compiled(case.model, case.optimizer)
     history = hf.fit(
-        model, x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
+        model,
+        x,
+        y,
+        batch_size=BATCH,
+        epochs=EPOCHS,
+        shuffle=False,
+        verbose=0,
         strategy=hf.Strategy(**case.strategy_options()),
-    )  # fmt: skip
+    )
     layout = model._hyparflow_trainer[1].shards.layout
     weights = model.get_weights()
     return {
@@ -50,8 +56,9 @@ def run(case: Case) -> dict:
 
 def _worst(weights, reference) -> str:
     """The path of the weight farthest from Keras's, for the failure message."""
-    gaps = [relative_difference([w], [r]) for w, r in zip(weights, reference["weights"],
-                                                          strict=True)]  # fmt: skip
+    gaps = [
+        relative_difference([w], [r]) for w, r in zip(weights, reference["weights"], strict=True)
+    ]
     return reference["paths"][int(np.argmax(gaps))]
 
 

@@ -22,9 +22,18 @@ import tempfile
 import time
 
 POOLED = frozenset(
-    {"equivalence", "real_models", "data_inputs", "zero", "hdf5_inputs", "callbacks_checks",
-     "deferred_checks", "auto_fit", "hub_zoo"}
-)  # fmt: skip
+    {
+        "equivalence",
+        "real_models",
+        "data_inputs",
+        "zero",
+        "hdf5_inputs",
+        "callbacks_checks",
+        "deferred_checks",
+        "auto_fit",
+        "hub_zoo",
+    }
+)
 POLL_SECONDS = 0.02
 STOP_SECONDS = 30
 
@@ -37,10 +46,20 @@ class Pool:
         self.spool = tempfile.mkdtemp(prefix=f"hf-pool{np}-")
         self.jobs = 0
         cmd = [
-            "mpirun", "-np", str(np), "--oversubscribe", "--bind-to", "none",
-            "--output-filename", os.path.join(self.spool, "logs"),
-            sys.executable, "-m", "tests.mpi.pool", self.spool, str(os.getpid()),
-        ]  # fmt: skip
+            "mpirun",
+            "-np",
+            str(np),
+            "--oversubscribe",
+            "--bind-to",
+            "none",
+            "--output-filename",
+            os.path.join(self.spool, "logs"),
+            sys.executable,
+            "-m",
+            "tests.mpi.pool",
+            self.spool,
+            str(os.getpid()),
+        ]
         self.process = subprocess.Popen(cmd, cwd=cwd, env=env, start_new_session=True)
 
     def alive(self) -> bool:

@@ -69,9 +69,16 @@ def train_and_save(folder: str, strategy) -> None:
     x, y = data("mlp", n=SAMPLES)
     model = _model()
     hf.fit(
-        model, x, y, batch_size=BATCH, epochs=EPOCHS_BEFORE, shuffle=False, verbose=0,
-        strategy=strategy, callbacks=[hf.callbacks.Checkpoint(checkpoints)],
-    )  # fmt: skip
+        model,
+        x,
+        y,
+        batch_size=BATCH,
+        epochs=EPOCHS_BEFORE,
+        shuffle=False,
+        verbose=0,
+        strategy=strategy,
+        callbacks=[hf.callbacks.Checkpoint(checkpoints)],
+    )
     if hf.rank() == 0:
         model.save(os.path.join(folder, FILES["save"]))
         hf.export(checkpoints, os.path.join(folder, FILES["export"]))

@@ -176,9 +176,14 @@ def batchnorm_cnn():
 def mobilenet_v3():
     """keras.applications' MobileNetV3Small, tiny input: BatchNormalization, hard-swish, SE."""
     return keras.applications.MobileNetV3Small(
-        input_shape=(32, 32, 3), alpha=0.75, minimalistic=True, weights=None, classes=3,
-        include_preprocessing=False, dropout_rate=0.0,
-    )  # fmt: skip
+        input_shape=(32, 32, 3),
+        alpha=0.75,
+        minimalistic=True,
+        weights=None,
+        classes=3,
+        include_preprocessing=False,
+        dropout_rate=0.0,
+    )
 
 
 def gpt2():
@@ -186,9 +191,13 @@ def gpt2():
     import keras_hub
 
     backbone = keras_hub.models.GPT2Backbone(
-        vocabulary_size=HUB_VOCAB, num_layers=2, num_heads=2, hidden_dim=16,
-        intermediate_dim=32, max_sequence_length=16,
-    )  # fmt: skip
+        vocabulary_size=HUB_VOCAB,
+        num_layers=2,
+        num_heads=2,
+        hidden_dim=16,
+        intermediate_dim=32,
+        max_sequence_length=16,
+    )
     return keras_hub.models.GPT2CausalLM(backbone, preprocessor=None)
 
 
@@ -197,9 +206,13 @@ def bert():
     import keras_hub
 
     backbone = keras_hub.models.BertBackbone(
-        vocabulary_size=HUB_VOCAB, num_layers=2, num_heads=2, hidden_dim=16,
-        intermediate_dim=32, max_sequence_length=16,
-    )  # fmt: skip
+        vocabulary_size=HUB_VOCAB,
+        num_layers=2,
+        num_heads=2,
+        hidden_dim=16,
+        intermediate_dim=32,
+        max_sequence_length=16,
+    )
     return keras_hub.models.BertTextClassifier(backbone, num_classes=3, preprocessor=None)
 
 
@@ -208,9 +221,13 @@ def llama():
     import keras_hub
 
     backbone = keras_hub.models.LlamaBackbone(
-        vocabulary_size=HUB_VOCAB, num_layers=2, num_query_heads=4, num_key_value_heads=2,
-        hidden_dim=16, intermediate_dim=32,
-    )  # fmt: skip
+        vocabulary_size=HUB_VOCAB,
+        num_layers=2,
+        num_query_heads=4,
+        num_key_value_heads=2,
+        hidden_dim=16,
+        intermediate_dim=32,
+    )
     return keras_hub.models.LlamaCausalLM(backbone, preprocessor=None)
 
 
@@ -219,9 +236,14 @@ def gemma():
     import keras_hub
 
     backbone = keras_hub.models.GemmaBackbone(
-        vocabulary_size=HUB_VOCAB, num_layers=2, num_query_heads=2, num_key_value_heads=1,
-        hidden_dim=16, intermediate_dim=32, head_dim=8,
-    )  # fmt: skip
+        vocabulary_size=HUB_VOCAB,
+        num_layers=2,
+        num_query_heads=2,
+        num_key_value_heads=1,
+        hidden_dim=16,
+        intermediate_dim=32,
+        head_dim=8,
+    )
     return keras_hub.models.GemmaCausalLM(backbone, preprocessor=None)
 
 
@@ -230,9 +252,14 @@ def mistral():
     import keras_hub
 
     backbone = keras_hub.models.MistralBackbone(
-        vocabulary_size=HUB_VOCAB, num_layers=2, num_query_heads=4, num_key_value_heads=2,
-        hidden_dim=16, intermediate_dim=32, sliding_window=4,
-    )  # fmt: skip
+        vocabulary_size=HUB_VOCAB,
+        num_layers=2,
+        num_query_heads=4,
+        num_key_value_heads=2,
+        hidden_dim=16,
+        intermediate_dim=32,
+        sliding_window=4,
+    )
     return keras_hub.models.MistralCausalLM(backbone, preprocessor=None)
 
 
@@ -241,9 +268,13 @@ def opt():
     import keras_hub
 
     backbone = keras_hub.models.OPTBackbone(
-        vocabulary_size=HUB_VOCAB, num_layers=2, num_heads=2, hidden_dim=16,
-        intermediate_dim=32, max_sequence_length=16,
-    )  # fmt: skip
+        vocabulary_size=HUB_VOCAB,
+        num_layers=2,
+        num_heads=2,
+        hidden_dim=16,
+        intermediate_dim=32,
+        max_sequence_length=16,
+    )
     return keras_hub.models.OPTCausalLM(backbone, preprocessor=None)
 
 
@@ -252,9 +283,13 @@ def distil_bert():
     import keras_hub
 
     backbone = keras_hub.models.DistilBertBackbone(
-        vocabulary_size=HUB_VOCAB, num_layers=2, num_heads=2, hidden_dim=16,
-        intermediate_dim=32, max_sequence_length=16,
-    )  # fmt: skip
+        vocabulary_size=HUB_VOCAB,
+        num_layers=2,
+        num_heads=2,
+        hidden_dim=16,
+        intermediate_dim=32,
+        max_sequence_length=16,
+    )
     return keras_hub.models.DistilBertTextClassifier(backbone, num_classes=3, preprocessor=None)
 
 
@@ -263,9 +298,13 @@ def roberta():
     import keras_hub
 
     backbone = keras_hub.models.RobertaBackbone(
-        vocabulary_size=HUB_VOCAB, num_layers=2, num_heads=2, hidden_dim=16,
-        intermediate_dim=32, max_sequence_length=16,
-    )  # fmt: skip
+        vocabulary_size=HUB_VOCAB,
+        num_layers=2,
+        num_heads=2,
+        hidden_dim=16,
+        intermediate_dim=32,
+        max_sequence_length=16,
+    )
     return keras_hub.models.RobertaTextClassifier(backbone, num_classes=3, preprocessor=None)
 
 
@@ -275,9 +314,14 @@ def albert():
     import keras_hub
 
     backbone = keras_hub.models.AlbertBackbone(
-        vocabulary_size=HUB_VOCAB, num_layers=3, num_heads=2, embedding_dim=8, hidden_dim=16,
-        intermediate_dim=32, max_sequence_length=16,
-    )  # fmt: skip
+        vocabulary_size=HUB_VOCAB,
+        num_layers=3,
+        num_heads=2,
+        embedding_dim=8,
+        hidden_dim=16,
+        intermediate_dim=32,
+        max_sequence_length=16,
+    )
     return keras_hub.models.AlbertTextClassifier(backbone, num_classes=3, preprocessor=None)
 
 
@@ -286,9 +330,13 @@ def falcon():
     import keras_hub
 
     backbone = keras_hub.models.FalconBackbone(
-        vocabulary_size=HUB_VOCAB, num_layers=2, num_attention_heads=2, hidden_dim=16,
-        intermediate_dim=32, feedforward_dropout_rate=0.1,
-    )  # fmt: skip
+        vocabulary_size=HUB_VOCAB,
+        num_layers=2,
+        num_attention_heads=2,
+        hidden_dim=16,
+        intermediate_dim=32,
+        feedforward_dropout_rate=0.1,
+    )
     return keras_hub.models.FalconCausalLM(backbone, preprocessor=None)
 
 
@@ -300,10 +348,18 @@ def qwen3_moe():
     import keras_hub
 
     backbone = keras_hub.models.Qwen3MoeBackbone(
-        vocabulary_size=HUB_VOCAB, num_layers=2, num_query_heads=2, num_key_value_heads=2,
-        hidden_dim=16, intermediate_dim=32, moe_intermediate_dim=8, num_experts=4, top_k=2,
-        head_dim=8, router_aux_loss_coefficient=0.1,
-    )  # fmt: skip
+        vocabulary_size=HUB_VOCAB,
+        num_layers=2,
+        num_query_heads=2,
+        num_key_value_heads=2,
+        hidden_dim=16,
+        intermediate_dim=32,
+        moe_intermediate_dim=8,
+        num_experts=4,
+        top_k=2,
+        head_dim=8,
+        router_aux_loss_coefficient=0.1,
+    )
     return keras_hub.models.Qwen3MoeCausalLM(backbone, preprocessor=None)
 
 
@@ -313,11 +369,18 @@ def qwen_moe():
     import keras_hub
 
     backbone = keras_hub.models.QwenMoeBackbone(
-        vocabulary_size=HUB_VOCAB, num_layers=2, num_query_heads=2, num_key_value_heads=1,
-        hidden_dim=16, intermediate_dim=32, moe_intermediate_dim=8,
-        shared_expert_intermediate_dim=12, num_experts=4, top_k=2,
+        vocabulary_size=HUB_VOCAB,
+        num_layers=2,
+        num_query_heads=2,
+        num_key_value_heads=1,
+        hidden_dim=16,
+        intermediate_dim=32,
+        moe_intermediate_dim=8,
+        shared_expert_intermediate_dim=12,
+        num_experts=4,
+        top_k=2,
         router_aux_loss_coefficient=0.1,
-    )  # fmt: skip
+    )
     return keras_hub.models.QwenMoeCausalLM(backbone, preprocessor=None)
 
 
@@ -329,11 +392,19 @@ def qwen3_5_moe():
     import keras_hub
 
     backbone = keras_hub.models.Qwen3_5MoeBackbone(
-        vocabulary_size=HUB_VOCAB, num_layers=2, num_query_heads=2, num_key_value_heads=1,
-        head_dim=8, hidden_dim=16, moe_intermediate_dim=8, shared_expert_intermediate_size=12,
-        num_experts=4, top_k=2, layer_types=["full_attention", "full_attention"],
+        vocabulary_size=HUB_VOCAB,
+        num_layers=2,
+        num_query_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        hidden_dim=16,
+        moe_intermediate_dim=8,
+        shared_expert_intermediate_size=12,
+        num_experts=4,
+        top_k=2,
+        layer_types=["full_attention", "full_attention"],
         router_aux_loss_coefficient=0.1,
-    )  # fmt: skip
+    )
     return keras_hub.models.Qwen3_5MoeCausalLM(backbone, preprocessor=None)
 
 
@@ -344,9 +415,16 @@ def mixtral():
     import keras_hub
 
     backbone = keras_hub.models.MixtralBackbone(
-        vocabulary_size=HUB_VOCAB, num_layers=2, num_query_heads=2, num_key_value_heads=1,
-        hidden_dim=16, intermediate_dim=8, num_experts=4, top_k=2, router_aux_loss_coef=0.1,
-    )  # fmt: skip
+        vocabulary_size=HUB_VOCAB,
+        num_layers=2,
+        num_query_heads=2,
+        num_key_value_heads=1,
+        hidden_dim=16,
+        intermediate_dim=8,
+        num_experts=4,
+        top_k=2,
+        router_aux_loss_coef=0.1,
+    )
     return keras_hub.models.MixtralCausalLM(backbone, preprocessor=None)
 
 
@@ -359,9 +437,16 @@ def gpt_oss():
     from hyparflow.moe import expert_weights
 
     backbone = keras_hub.models.GptOssBackbone(
-        vocabulary_size=HUB_VOCAB, num_layers=2, num_query_heads=2, hidden_dim=16,
-        intermediate_dim=8, num_key_value_heads=1, num_experts=4, top_k=2, head_dim=8,
-    )  # fmt: skip
+        vocabulary_size=HUB_VOCAB,
+        num_layers=2,
+        num_query_heads=2,
+        hidden_dim=16,
+        intermediate_dim=8,
+        num_key_value_heads=1,
+        num_experts=4,
+        top_k=2,
+        head_dim=8,
+    )
     model = keras_hub.models.GptOssCausalLM(backbone, preprocessor=None)
     for variable in expert_weights(model):
         variable.regularizer = keras.regularizers.L2(1e-3)
@@ -426,19 +511,54 @@ def encoder():
 BUILDERS = {
     f.__name__: f
     for f in (
-        embedding_mlp, two_tables, broadcast_tables, dropout_mlp, added_losses, global_centered,
-        masked_gru, batchnorm_cnn,
-        preprocessed, mobilenet_v3, gpt2, bert, llama, gemma, mistral, opt,
-        distil_bert, roberta, albert, falcon, qwen3_moe, qwen_moe, qwen3_5_moe, mixtral,
-        gpt_oss, wide_mlp,
-        conv_pairs, encoder,
+        embedding_mlp,
+        two_tables,
+        broadcast_tables,
+        dropout_mlp,
+        added_losses,
+        global_centered,
+        masked_gru,
+        batchnorm_cnn,
+        preprocessed,
+        mobilenet_v3,
+        gpt2,
+        bert,
+        llama,
+        gemma,
+        mistral,
+        opt,
+        distil_bert,
+        roberta,
+        albert,
+        falcon,
+        qwen3_moe,
+        qwen_moe,
+        qwen3_5_moe,
+        mixtral,
+        gpt_oss,
+        wide_mlp,
+        conv_pairs,
+        encoder,
     )
-}  # fmt: skip
+}
 # keras_hub: token batches of varying length; classifiers take labels, the others next tokens
 TEXT_MODELS = (
-    "gpt2", "bert", "llama", "gemma", "mistral", "opt", "distil_bert", "roberta", "albert",
-    "falcon", "qwen3_moe", "qwen_moe", "qwen3_5_moe", "mixtral", "gpt_oss",
-)  # fmt: skip
+    "gpt2",
+    "bert",
+    "llama",
+    "gemma",
+    "mistral",
+    "opt",
+    "distil_bert",
+    "roberta",
+    "albert",
+    "falcon",
+    "qwen3_moe",
+    "qwen_moe",
+    "qwen3_5_moe",
+    "mixtral",
+    "gpt_oss",
+)
 # keras_hub mixtures, dispatched sparsely
 MIXTURES = ("qwen3_moe", "qwen_moe", "qwen3_5_moe", "mixtral", "gpt_oss")
 CLASSIFIERS = ("bert", "distil_bert", "roberta", "albert")
@@ -532,13 +652,21 @@ def optimizer(spec: str):
     classes = {
         cls.__name__.lower(): cls
         for cls in (
-            keras.optimizers.SGD, keras.optimizers.Adam, keras.optimizers.AdamW,
-            keras.optimizers.Adadelta, keras.optimizers.Adafactor, keras.optimizers.Adagrad,
-            keras.optimizers.Adamax, keras.optimizers.Ftrl, keras.optimizers.Lamb,
-            keras.optimizers.Lion, keras.optimizers.Nadam, keras.optimizers.RMSprop,
+            keras.optimizers.SGD,
+            keras.optimizers.Adam,
+            keras.optimizers.AdamW,
+            keras.optimizers.Adadelta,
+            keras.optimizers.Adafactor,
+            keras.optimizers.Adagrad,
+            keras.optimizers.Adamax,
+            keras.optimizers.Ftrl,
+            keras.optimizers.Lamb,
+            keras.optimizers.Lion,
+            keras.optimizers.Nadam,
+            keras.optimizers.RMSprop,
             keras.optimizers.Muon,
         )
-    }  # fmt: skip
+    }
     rates = {"sgd": 0.1, "adadelta": 1.0, "ftrl": 0.1, "adagrad": 0.1}
     if name == "sgd":
         options["momentum"] = 0.9  # state carried across steps, as the adaptive ones have
@@ -565,9 +693,16 @@ def rwkv7():
     import keras_hub
 
     backbone = keras_hub.models.RWKV7Backbone(
-        hidden_size=16, head_size=8, num_layers=2, vocabulary_size=HUB_VOCAB,
-        intermediate_dim=32, gate_lora=8, mv_lora=8, aaa_lora=8, decay_lora=8,
-    )  # fmt: skip
+        hidden_size=16,
+        head_size=8,
+        num_layers=2,
+        vocabulary_size=HUB_VOCAB,
+        intermediate_dim=32,
+        gate_lora=8,
+        mv_lora=8,
+        aaa_lora=8,
+        decay_lora=8,
+    )
     tokens = keras.Input((None,), dtype="int32", name="token_ids")
     logits = backbone({"token_ids": tokens, "padding_mask": keras.ops.ones_like(tokens)})
     pooled = keras.layers.GlobalAveragePooling1D()(logits)
