@@ -19,6 +19,7 @@ from tests.support.compare import (
     most_traces,
     relative_difference,
 )
+from tests.support.fits import fit_in_order
 from tests.support.models import compiled, data
 from tests.support.report import args, report
 
@@ -45,17 +46,7 @@ def _run(case: Case) -> dict:
     reference = references.shared(*_reference_request(case))
     model = compiled(case.model, case.optimizer, case.policy)
     strategy = hf.Strategy(**case.strategy_options())
-    history = hf.fit(
-        model,
-        x,
-        y,
-        batch_size=BATCH,
-        epochs=EPOCHS,
-        shuffle=False,
-        verbose=0,
-        validation_data=(vx, vy),
-        strategy=strategy,
-    )
+    history = fit_in_order(model, x, y, BATCH, EPOCHS, strategy, validation_data=(vx, vy))
     # where hf.fit left this rank's threads (hyparflow.launch.affinity): one set for all
     threads = {frozenset(os.sched_getaffinity(int(t))) for t in os.listdir("/proc/self/task")}
     predicted = hf.predict(model, vx, batch_size=8, strategy=strategy)

@@ -26,6 +26,7 @@ from tests.mpi import equivalence, real_models
 from tests.mpi.reliability import model_with_dropout
 from tests.support.cases import Case
 from tests.support.compare import relative_difference
+from tests.support.fits import fit_in_order
 from tests.support.models import data
 from tests.support.report import args, report, run_or_abort
 
@@ -111,16 +112,8 @@ def main():
     elif mode == "survivor":
         (folder,) = rest
         model = mlp()
-        history = hf.fit(
-            model,
-            x,
-            y,
-            batch_size=BATCH,
-            epochs=EPOCHS,
-            shuffle=False,
-            verbose=0,
-            strategy=hf.Strategy("model", partitions=2),
-            resume_from=folder,
+        history = fit_in_order(
+            model, x, y, BATCH, EPOCHS, hf.Strategy("model", partitions=2), resume_from=folder
         )
         reference = mlp()
         reference.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)

@@ -18,6 +18,7 @@ from hyparflow.tensor import tensor_layout
 from tests.support import references, zoo
 from tests.support.cases import Case
 from tests.support.compare import history_difference, most_traces, relative_difference
+from tests.support.fits import fit_in_order
 from tests.support.report import args, report
 
 # one model per way a layer splits: Dense pairs, convolutions, attention, a table, a tied
@@ -34,16 +35,7 @@ def run(case: Case) -> dict:
     moved, exchanged = traffic("tensor"), traffic("experts")
     moved.reset()
     exchanged.reset()
-    history = hf.fit(
-        model,
-        x,
-        y,
-        batch_size=batch_size,
-        epochs=epochs,
-        shuffle=False,
-        verbose=0,
-        strategy=strategy,
-    )
+    history = fit_in_order(model, x, y, batch_size, epochs, strategy)
     trainer = model._hyparflow_trainer[1]
     runner = trainer.runner
     shards = trainer.shards

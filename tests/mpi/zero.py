@@ -18,6 +18,7 @@ from tests.mpi.reliability import BATCH, EPOCHS, _resume_each, train
 from tests.support import references, zoo
 from tests.support.cases import Case
 from tests.support.compare import history_difference, relative_difference
+from tests.support.fits import fit_in_order
 from tests.support.report import args, report
 
 SLOTS = {"adam": 2, "sgd": 1}  # optimizer slots per element (SGD with momentum)
@@ -27,16 +28,7 @@ def run(case: Case) -> dict:
     x, y, batch_size, epochs = zoo.training_data(case.model)
     reference = references.zoo_fit(case.model, case.optimizer, case.policy)
     model = zoo.compiled(case.model, case.optimizer, case.policy)
-    history = hf.fit(
-        model,
-        x,
-        y,
-        batch_size=batch_size,
-        epochs=epochs,
-        shuffle=False,
-        verbose=0,
-        strategy=hf.Strategy(**case.strategy_options()),
-    )
+    history = fit_in_order(model, x, y, batch_size, epochs, hf.Strategy(**case.strategy_options()))
     trainer = model._hyparflow_trainer[1]
     zero = trainer.zero
     # the optimizer's per-element state on this rank, against the unsharded stage's
