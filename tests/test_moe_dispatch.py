@@ -104,15 +104,7 @@ def _mixtral():
     import keras_hub
 
     backbone = keras_hub.models.MixtralBackbone(
-        vocabulary_size=zoo.HUB_VOCAB,
-        num_layers=1,
-        num_query_heads=2,
-        num_key_value_heads=1,
-        hidden_dim=16,
-        intermediate_dim=8,
-        num_experts=4,
-        top_k=2,
-        router_aux_loss_coef=0.5,
+        **dict(zoo.MIXTRAL, num_layers=1), router_aux_loss_coef=0.5
     )
     return backbone.transformer_layers[0]._sparse_moe_block
 
@@ -121,16 +113,8 @@ def _qwen3_moe(normalize: bool):
     import keras_hub
 
     backbone = keras_hub.models.Qwen3MoeBackbone(
-        vocabulary_size=zoo.HUB_VOCAB,
-        num_layers=1,
-        num_query_heads=2,
+        **dict(zoo.QWEN3_MOE, num_layers=1),
         num_key_value_heads=1,
-        hidden_dim=16,
-        intermediate_dim=32,
-        moe_intermediate_dim=8,
-        num_experts=4,
-        top_k=2,
-        head_dim=8,
         router_aux_loss_coefficient=0.5,
         norm_top_k_prob=normalize,
     )
@@ -143,16 +127,7 @@ def _qwen_moe(normalize: bool):
     import keras_hub
 
     backbone = keras_hub.models.QwenMoeBackbone(
-        vocabulary_size=zoo.HUB_VOCAB,
-        num_layers=1,
-        num_query_heads=2,
-        num_key_value_heads=1,
-        hidden_dim=16,
-        intermediate_dim=32,
-        moe_intermediate_dim=8,
-        shared_expert_intermediate_dim=12,
-        num_experts=4,
-        top_k=2,
+        **dict(zoo.QWEN_MOE, num_layers=1),
         norm_top_k_prob=normalize,
         router_aux_loss_coefficient=0.5,
     )
