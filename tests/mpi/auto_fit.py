@@ -11,6 +11,7 @@ import numpy as np
 import hyparflow as hf
 from hyparflow.auto.choose import last_choice
 from tests.support.compare import history_difference, relative_difference
+from tests.support.fits import fit_in_order
 from tests.support.report import report, run_or_abort
 
 BATCH, EPOCHS, WIDTH = 32, 2, 256
@@ -112,16 +113,7 @@ def under_budget(x, y) -> dict:
     reference = activation_heavy()
     reference.fit(x, y, batch_size=batch, epochs=EPOCHS, shuffle=False, verbose=0)
     model = activation_heavy()
-    hf.fit(
-        model,
-        x,
-        y,
-        batch_size=batch,
-        epochs=EPOCHS,
-        shuffle=False,
-        verbose=0,
-        strategy=hf.Strategy(memory_per_rank=budget),
-    )
+    fit_in_order(model, x, y, batch, EPOCHS, hf.Strategy(memory_per_rank=budget))
     weights = relative_difference(model.get_weights(), reference.get_weights())
     refused = nothing_fits(model, x, y, batch)
     timed_once = len(model._hyparflow_auto_costs) == 1

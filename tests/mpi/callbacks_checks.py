@@ -12,6 +12,7 @@ from mpi4py import MPI
 
 import hyparflow as hf
 from tests.support.compare import relative_difference
+from tests.support.fits import fit_in_order
 from tests.support.models import compiled, data
 from tests.support.report import args, report
 
@@ -41,17 +42,7 @@ def both(make_callbacks, epochs=4, x=None, y=None, optimizer="sgd", build=None):
         callbacks=make_callbacks("keras"),
     )
     model = build()
-    got = hf.fit(
-        model,
-        x,
-        y,
-        batch_size=16,
-        epochs=epochs,
-        shuffle=False,
-        verbose=0,
-        callbacks=make_callbacks("hf"),
-        strategy=STRATEGY,
-    )
+    got = fit_in_order(model, x, y, 16, epochs, STRATEGY, callbacks=make_callbacks("hf"))
     return reference, ref, model, got
 
 
