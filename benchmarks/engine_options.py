@@ -128,16 +128,8 @@ def worker(args) -> None:
         strategy = hf.Strategy(
             "model", microbatches=args.microbatches, schedule="1f1b", tune_process=True
         )
-        hf.fit(
-            model,
-            x,
-            y,
-            batch_size=args.batch_size,
-            epochs=args.epochs,
-            verbose=0,
-            strategy=strategy,
-            callbacks=[timer],
-        )
+        fit = dict(batch_size=args.batch_size, epochs=args.epochs, verbose=0, callbacks=[timer])
+        hf.fit(model, x, y, strategy=strategy, **fit)
         trainer = model._hyparflow_trainer[1]
         if hf.rank() == 0:
             (_, channel), *_ = trainer.walk.channels.values()  # stage 0's link to stage 1

@@ -11,6 +11,7 @@ target is the paired ratio of epoch times per round.
 
 from __future__ import annotations
 
+import inspect
 import sys
 from pathlib import Path
 
@@ -38,15 +39,10 @@ def worker(args) -> None:
     x, y = synthetic_data(model, args.batch_size * args.steps, seed=0)
     fit = dict(batch_size=args.batch_size, epochs=1, verbose=0)
     resolved = _resolve(model, "data", None, None, None)
-    options = dict(
-        resume=False,
-        resume_from=None,
-        check_numerics=False,
-        check_data=True,
-        watchdog_timeout=None,
-        comm="mpi",
-        planning=None,
-    )  # as hf.fit's
+    # hf.fit's own defaults, read from its signature; a closed layout: nothing to plan
+    names = ("resume", "resume_from", "check_numerics", "check_data", "watchdog_timeout", "comm")
+    defaults = inspect.signature(hf.fit).parameters
+    options = {name: defaults[name].default for name in names} | {"planning": None}
 
     def one_epoch(way: str) -> tuple[float, float]:
         timer = epoch_timer()

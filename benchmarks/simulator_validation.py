@@ -112,16 +112,8 @@ def worker(args) -> None:
         on_train_batch_begin=lambda b, logs: stamps.append((epoch[0], time.perf_counter())),
     )
     timer.needs_batch_logs = False  # it reads a clock, not the logs
-    hf.fit(
-        model,
-        x,
-        y,
-        batch_size=args.batch_size,
-        epochs=args.epochs,
-        verbose=0,
-        strategy=strategy,
-        callbacks=[timer],
-    )
+    fit = dict(batch_size=args.batch_size, epochs=args.epochs, verbose=0, callbacks=[timer])
+    hf.fit(model, x, y, strategy=strategy, **fit)
     # from one step's start to the next within an epoch, from the second (the first traces)
     periods = [b - a for (e, a), (f, b) in zip(stamps, stamps[1:], strict=False) if e == f >= 1]
     write_result(args.worker_out, hf.rank(), {"step_period": statistics.mean(periods)})

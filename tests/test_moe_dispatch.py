@@ -239,6 +239,15 @@ def test_only_the_blocks_of_the_table_go_sparse():
         assert nothing.blocks == []
 
 
+# The blocks with a router loss (gpt-oss has none), each with the mask its decoder hands it
+ROUTER_LOSS_BLOCKS = [
+    pytest.param(_mixtral, False, id="mixtral"),
+    pytest.param(lambda: _qwen3_moe(True), True, id="qwen3_moe"),
+    pytest.param(lambda: _qwen_moe(False), True, id="qwen_moe"),
+    pytest.param(_qwen3_5_moe, False, id="qwen3_5_moe"),
+]
+
+
 def _router_loss_and_gradient(block, hidden, mask, share=1.0):
     """`share` x the block's added loss, and its gradient for the router's kernel."""
     router = _router(block)
@@ -248,16 +257,7 @@ def _router_loss_and_gradient(block, hidden, mask, share=1.0):
     return loss, tape.gradient(loss, router.value)
 
 
-@pytest.mark.parametrize(
-    "make, square_mask",
-    [
-        (_mixtral, False),
-        (lambda: _qwen3_moe(True), True),
-        (lambda: _qwen_moe(False), True),
-        (_qwen3_5_moe, False),
-    ],
-    ids=["mixtral", "qwen3_moe", "qwen_moe", "qwen3_5_moe"],
-)
+@pytest.mark.parametrize("make, square_mask", ROUTER_LOSS_BLOCKS)
 def test_pieces_of_a_batch_sum_to_the_router_loss_of_the_whole(make, square_mask):
     """Two pieces (2 and 1 rows), each adding the other's counts through `global_sum` and
     weighted by its share of the rows as the engine weights added losses, give keras_hub's loss
@@ -286,16 +286,7 @@ def test_pieces_of_a_batch_sum_to_the_router_loss_of_the_whole(make, square_mask
     np.testing.assert_allclose(grad, whole_grad, rtol=TOLERANCE, atol=TOLERANCE)
 
 
-@pytest.mark.parametrize(
-    "make, square_mask",
-    [
-        (_mixtral, False),
-        (lambda: _qwen3_moe(True), True),
-        (lambda: _qwen_moe(False), True),
-        (_qwen3_5_moe, False),
-    ],
-    ids=["mixtral", "qwen3_moe", "qwen_moe", "qwen3_5_moe"],
-)
+@pytest.mark.parametrize("make, square_mask", ROUTER_LOSS_BLOCKS)
 def test_a_tally_of_micro_batches_gives_the_router_loss_of_the_whole(make, square_mask):
     """Two micro-batches (2 rows, then 1) record their routing in a `RouterTally` instead of
     adding a loss; once both have run forward, the gradient it gives each one's probability

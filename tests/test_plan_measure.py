@@ -16,6 +16,7 @@ from hyparflow.auto.measure import Measured, entries, error_line, median_rate, t
 from hyparflow.auto.search import Candidate, Estimate, search
 from hyparflow.launch.command import Facts, Launch
 from hyparflow.simulate.costs import Affine, LayerCost, ModelCosts
+from tests.support.cases import LAYOUT_FIELDS
 from tests.support.doc_commands import commands
 from tests.support.mpirun import LAUNCHES, MPI_ENV, REPO, sharing
 from tests.support.mpirun import Launch as Launched
@@ -85,17 +86,7 @@ def test_json_entries_carry_the_layout_and_a_rate_or_an_error():
     assert found[1]["error"] == "ValueError: cannot split"
     assert "measured_samples_per_second" not in found[1]
     for entry in found:
-        assert {
-            "kind",
-            "partitions",
-            "replicas",
-            "tensor",
-            "microbatches",
-            "schedule",
-            "recompute",
-            "shard_optimizer",
-            "predicted_samples_per_second",
-        } <= set(entry)
+        assert {*LAYOUT_FIELDS, "predicted_samples_per_second"} <= set(entry)
 
 
 def test_the_error_line_is_the_exception_not_tensorflows_start_up_log():

@@ -73,33 +73,33 @@ def run_worker(
         command = argv if np == 1 else mpirun_command(np, argv)
         full_env = {**os.environ, **MPI_ENV, **thread_env(threads or INTRAOP_THREADS)}
         full_env.update(env or {})
-        pipe = subprocess.PIPE
-        process = subprocess.Popen(
-            command,
-            cwd=REPO,
-            env=full_env,
-            stdout=pipe,
-            stderr=pipe,
-            text=True,
-            start_new_session=True,
-        )
-        try:
-            stdout, stderr = process.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired as error:
-            os.killpg(process.pid, signal.SIGKILL)  # the whole mpirun job we started
-            stdout, stderr = process.communicate()
-            message = f"{' '.join(command)} ran over {timeout} s:\n{stderr[-3000:]}"
-            raise RuntimeError(message) from error
-        if process.returncode != 0:
-            raise RuntimeError(
-                f"{' '.join(command)} failed ({process.returncode}):\n{stdout[-2000:]}\n"
-                f"{stderr[-4000:]}"
-            )
+        _communicate(command, full_env, timeout)
         results = []
         for rank in range(np):
             path = Path(folder) / f"rank_{rank}.json"
             results.append(json.loads(path.read_text()) if path.exists() else None)
         return results
+
+
+def _communicate(command: list[str], env: dict, timeout: float) -> None:
+    """Run `command` in a session of its own, so that a timeout kills the whole mpirun job;
+    raises with the tail of its output when it fails or runs over."""
+    pipe = subprocess.PIPE
+    process = subprocess.Popen(
+        command, cwd=REPO, env=env, stdout=pipe, stderr=pipe, text=True, start_new_session=True
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired as error:
+        os.killpg(process.pid, signal.SIGKILL)  # the whole mpirun job we started
+        stdout, stderr = process.communicate()
+        message = f"{' '.join(command)} ran over {timeout} s:\n{stderr[-3000:]}"
+        raise RuntimeError(message) from error
+    if process.returncode != 0:
+        raise RuntimeError(
+            f"{' '.join(command)} failed ({process.returncode}):\n{stdout[-2000:]}\n"
+            f"{stderr[-4000:]}"
+        )
 
 
 def write_result(folder: str, rank: int, result) -> None:

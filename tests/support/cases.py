@@ -49,6 +49,17 @@ _FLAGS = {
     "update_by_segment": lambda c: {True: "bysegment", False: "whole"}.get(c.update_by_segment, ""),
 }
 _IN_ID = {"partitions", "replicas", "tensor", "microbatches", "schedule"}  # shown before flags
+# The Strategy fields of a layout the search reports (hf.auto's JSON, `hyparflow simulate`)
+LAYOUT_FIELDS = (
+    "kind",
+    "partitions",
+    "replicas",
+    "tensor",
+    "microbatches",
+    "schedule",
+    "recompute",
+    "shard_optimizer",
+)
 
 
 @dataclass(frozen=True)
