@@ -29,13 +29,13 @@ from benchmarks.harness.records import measurement, target  # noqa: E402
 
 FIGURE = "pipeline"
 TITLE = "(5) Pipeline: bubble vs formula (GPipe, 1F1B, ZB-H1, interleaved), memory per rank"
+SCHEDULES = ("gpipe", "1f1b", "zero_bubble")  # also in the memory runs
 LABELS = {
     "gpipe": "GPipe",
     "1f1b": "1F1B",
     "zero_bubble": "ZB-H1",
     "interleaved": "Interleaved v=2",
 }
-SCHEDULES = ("gpipe", "1f1b", "zero_bubble")  # also in the memory runs
 PAIRS = [("zero_bubble", "1f1b"), ("interleaved", "1f1b")]  # each below the second
 # Stages alike by construction: a first layer on NARROW_INPUTS features costs almost nothing, so
 # every stage (or chunk) computes as many width x width layers, forward, input and weight

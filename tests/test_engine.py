@@ -16,6 +16,23 @@ from tests.support.equivalence import assert_within, launched
 
 pytestmark = pytest.mark.mpi  # every test here starts MPI jobs
 
+
+def _every_model_under(schedule: str) -> list:
+    """Two-stage cases of a schedule that reshapes the backward (ZB-H1 splits it, interleaved
+    1F1B runs it in chunks), one a model; float16 layers cannot be split: under ZB-H1 its
+    stages run 1F1B's merged backward."""
+    return [
+        two_stages("mlp", "adam", microbatches=4, schedule=schedule),
+        two_stages("sequential", "sgd", microbatches=2, schedule=schedule),
+        two_stages("cnn", "adam", microbatches=2, schedule=schedule),
+        two_stages("resnet", "sgd", microbatches=4, schedule=schedule, recompute=True),
+        two_stages("multi_io", "adam", microbatches=2, schedule=schedule),
+        two_stages("batchnorm", "adam", schedule=schedule),
+        two_stages("embedding", "adam", microbatches=2, schedule=schedule),
+        two_stages("l2_mlp", "adam", microbatches=2, schedule=schedule, policy="mixed_float16"),
+    ]
+
+
 # Case(model, optimizer, kind, ...): models and optimizers of tests/support/models.py
 TWO_RANKS = [
     Case("mlp", "sgd", "data", replicas=2),
@@ -58,29 +75,14 @@ TWO_RANKS = [
     two_stages("embedding", "adam", microbatches=2, overlap_p2p=False),
     two_stages("embedding", "adam", microbatches=2, schedule="1f1b", policy="mixed_float16"),
     # ZB-H1: each backward split into input gradients (B) and weight gradients (W, later)
-    two_stages("mlp", "adam", microbatches=4, schedule="zero_bubble"),
-    two_stages("sequential", "sgd", microbatches=2, schedule="zero_bubble"),
-    two_stages("cnn", "adam", microbatches=2, schedule="zero_bubble"),
-    two_stages("resnet", "sgd", microbatches=4, schedule="zero_bubble", recompute=True),
-    two_stages("multi_io", "adam", microbatches=2, schedule="zero_bubble"),
+    *_every_model_under("zero_bubble"),
     two_stages("shared", "sgd", microbatches=2, schedule="zero_bubble"),
     two_stages("l2_mlp", "adam", microbatches=2, schedule="zero_bubble"),
-    two_stages("batchnorm", "adam", schedule="zero_bubble"),
-    two_stages("embedding", "adam", microbatches=2, schedule="zero_bubble"),
-    # float16 layers cannot be split: the stages run 1F1B's merged backward
-    two_stages("l2_mlp", "adam", microbatches=2, schedule="zero_bubble", policy="mixed_float16"),
     # interleaved 1F1B: each rank runs two model chunks (three: the tied layer's two calls
     # fall in chunks 0 and 2 of rank 0, so one rank sums their gradients itself)
-    two_stages("mlp", "adam", microbatches=4, schedule="interleaved"),
-    two_stages("sequential", "sgd", microbatches=2, schedule="interleaved"),
-    two_stages("cnn", "adam", microbatches=2, schedule="interleaved"),
-    two_stages("resnet", "sgd", microbatches=4, schedule="interleaved", recompute=True),
-    two_stages("multi_io", "adam", microbatches=2, schedule="interleaved"),
+    *_every_model_under("interleaved"),
     two_stages("shared", "sgd", microbatches=2, schedule="interleaved", virtual_stages=3),
     two_stages("l2_mlp", "adam", schedule="interleaved"),  # m < p: idle slots
-    two_stages("batchnorm", "adam", schedule="interleaved"),
-    two_stages("embedding", "adam", microbatches=2, schedule="interleaved"),
-    two_stages("l2_mlp", "adam", microbatches=2, schedule="interleaved", policy="mixed_float16"),
 ]
 FOUR_RANKS = [
     Case("mlp", "adam", "data", replicas=4),

@@ -21,6 +21,7 @@ pytestmark = pytest.mark.mpi  # every test here starts MPI jobs
 
 TOLERANCE = 1e-5
 SBATCH = os.path.join(REPO, "examples", "slurm", "train.sbatch")
+SLURM_FIT = [sys.executable, "-m", "tests.mpi.slurm_fit"]  # each rank's program, given a folder
 
 
 @pytest.fixture(scope="module")
@@ -61,20 +62,8 @@ def _check_training(results, describe):
 
 
 def test_srun_pmix_runs_hf_fit_directly(slurm, tmp_path):
-    command = [
-        "srun",
-        "-n",
-        "2",
-        "-c",
-        "1",
-        "--mpi=pmix",
-        "--time=10",
-        "--job-name=hf-srun",
-        sys.executable,
-        "-m",
-        "tests.mpi.slurm_fit",
-        str(tmp_path),
-    ]
+    srun = shlex.split("srun -n 2 -c 1 --mpi=pmix --time=10 --job-name=hf-srun")
+    command = [*srun, *SLURM_FIT, str(tmp_path)]
     done, results = _run_job(slurm, command, tmp_path)
 
     def describe():
@@ -91,21 +80,9 @@ def test_srun_pmix_runs_hf_fit_directly(slurm, tmp_path):
 
 def test_sbatch_script_runs_mpirun_in_the_allocation(slurm, tmp_path):
     log = tmp_path / "job.out"
-    command = [
-        "sbatch",
-        "--wait",
-        "--nodes=1",
-        "--ntasks=2",
-        "--ntasks-per-node=2",
-        "--cpus-per-task=1",
-        "--time=10",
-        f"--output={log}",
-        SBATCH,
-        sys.executable,
-        "-m",
-        "tests.mpi.slurm_fit",
-        str(tmp_path),
-    ]
+    allocation = "--nodes=1 --ntasks=2 --ntasks-per-node=2 --cpus-per-task=1 --time=10"
+    sbatch = ["sbatch", "--wait", *shlex.split(allocation), f"--output={log}", SBATCH]
+    command = [*sbatch, *SLURM_FIT, str(tmp_path)]
     done, results = _run_job(slurm, command, tmp_path)
 
     def describe():

@@ -60,19 +60,13 @@ def test_the_same_line_from_another_rank_is_left_out_and_a_different_one_kept():
     assert again == [False] * 4 + [True, True, True]
 
 
+# starts of lines that may still become a TensorFlow or absl log line, and of lines that cannot
+MAY_BE_LOG = ["I", "I00", "W0000 00:00:1.2 ", "WARNING: All log", "To enable", ""]
+NOT_LOG = ["\r 40%|####", "Epoch 1/5", "Ix"]
+
+
 @pytest.mark.parametrize(
-    "start, held",
-    [
-        ("I", True),
-        ("I00", True),
-        ("W0000 00:00:1.2 ", True),
-        ("WARNING: All log", True),
-        ("To enable", True),
-        ("\r 40%|####", False),
-        ("Epoch 1/5", False),
-        ("Ix", False),
-        ("", True),
-    ],
+    "start, held", [(s, True) for s in MAY_BE_LOG] + [(s, False) for s in NOT_LOG]
 )
 def test_an_unfinished_line_is_held_only_while_it_may_become_a_log_line(start, held):
     assert could_become_log_line(start) == held

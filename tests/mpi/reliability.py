@@ -176,22 +176,20 @@ def resume(folder):
     )
 
 
+def _fit_dropout_mlp(callbacks: list, **options):
+    """hf.fit of a fresh two-stage dropout MLP for EPOCHS epochs with `callbacks`; `options`:
+    hf.fit's others (resume_from, watchdog_timeout)."""
+    x, y = data("mlp", n=64)
+    fit = dict(batch_size=BATCH, epochs=EPOCHS, verbose=0, strategy="model", callbacks=callbacks)
+    return hf.fit(model_with_dropout(), x, y, **fit, **options)
+
+
 def _refused_without_best_weights(folder) -> str:
     """What resuming with EarlyStopping(restore_best_weights=True) says: the best weights of an
     epoch before the checkpoint were never saved."""
-    x, y = data("mlp", n=64)
+    early = keras.callbacks.EarlyStopping(monitor="loss", restore_best_weights=True)
     try:
-        hf.fit(
-            model_with_dropout(),
-            x,
-            y,
-            batch_size=BATCH,
-            epochs=EPOCHS,
-            verbose=0,
-            resume_from=folder,
-            strategy="model",
-            callbacks=[keras.callbacks.EarlyStopping(monitor="loss", restore_best_weights=True)],
-        )
+        _fit_dropout_mlp([early], resume_from=folder)
     except ValueError as error:
         return str(error)
     return "not refused"
@@ -199,18 +197,8 @@ def _refused_without_best_weights(folder) -> str:
 
 def torn_save(folder):
     """Rank 0 is killed during the second checkpoint save, before its manifest."""
-    x, y = data("mlp", n=64)
-    hf.fit(
-        model_with_dropout(),
-        x,
-        y,
-        batch_size=BATCH,
-        epochs=EPOCHS,
-        verbose=0,
-        callbacks=[TornCheckpoint(folder, every_n_steps=2, every_epoch=False)],
-        strategy="model",
-        watchdog_timeout=30,
-    )
+    torn = TornCheckpoint(folder, every_n_steps=2, every_epoch=False)
+    _fit_dropout_mlp([torn], watchdog_timeout=30)
     report({"finished": True})  # must never happen
 
 
@@ -368,18 +356,7 @@ def stall(folder):
                 time.sleep(600)
 
     start = time.time()
-    x, y = data("mlp", n=64)
-    hf.fit(
-        model_with_dropout(),
-        x,
-        y,
-        batch_size=BATCH,
-        epochs=EPOCHS,
-        verbose=0,
-        callbacks=[Hang()],
-        strategy="model",
-        watchdog_timeout=5,
-    )
+    _fit_dropout_mlp([Hang()], watchdog_timeout=5)
     report({"finished": True, "elapsed": time.time() - start})  # must never happen
 
 

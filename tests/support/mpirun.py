@@ -138,22 +138,8 @@ def launch(
                 job = job_pool.submit(scenario, out, os.path.join(logs, "1"), args)
                 returncode = job_pool.wait(job, timeout)
             else:
-                cmd = [
-                    *mpirun,
-                    "-np",
-                    str(np),
-                    "--oversubscribe",
-                    "--bind-to",
-                    "none",
-                    "--output-filename",
-                    logs,
-                    *prefix,
-                    sys.executable,
-                    "-m",
-                    f"tests.mpi.{scenario}",
-                    out,
-                    *args,
-                ]
+                rank_argv = [sys.executable, "-m", f"tests.mpi.{scenario}", out, *args]
+                cmd = [*mpirun, *pool.mpirun_options(np, logs), *prefix, *rank_argv]
                 returncode = _run_alone(
                     cmd, {**os.environ, **MPI_ENV, **env}, tmp, timeout, on_start
                 )

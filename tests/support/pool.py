@@ -38,6 +38,12 @@ POLL_SECONDS = 0.02
 STOP_SECONDS = 30
 
 
+def mpirun_options(np: int, logs: str) -> list[str]:
+    """mpirun's options for `np` test ranks: oversubscribed and unbound (the machine's cores are
+    shared), each rank's output in `logs`."""
+    return ["-np", str(np), "--oversubscribe", "--bind-to", "none", "--output-filename", logs]
+
+
 class Pool:
     """`np` ranks of `tests.mpi.pool` waiting for jobs in a spool folder."""
 
@@ -45,21 +51,9 @@ class Pool:
         self.np = np
         self.spool = tempfile.mkdtemp(prefix=f"hf-pool{np}-")
         self.jobs = 0
-        cmd = [
-            "mpirun",
-            "-np",
-            str(np),
-            "--oversubscribe",
-            "--bind-to",
-            "none",
-            "--output-filename",
-            os.path.join(self.spool, "logs"),
-            sys.executable,
-            "-m",
-            "tests.mpi.pool",
-            self.spool,
-            str(os.getpid()),
-        ]
+        logs = os.path.join(self.spool, "logs")
+        rank_argv = [sys.executable, "-m", "tests.mpi.pool", self.spool, str(os.getpid())]
+        cmd = ["mpirun", *mpirun_options(np, logs), *rank_argv]
         self.process = subprocess.Popen(cmd, cwd=cwd, env=env, start_new_session=True)
 
     def alive(self) -> bool:
