@@ -17,6 +17,13 @@ from tests.support.equivalence import assert_within, launched
 pytestmark = pytest.mark.mpi  # every test here starts MPI jobs
 
 
+def _replicated(replicas: int, **optimizers: str) -> list:
+    """Data-parallel cases on `replicas` ranks: each model named trained by its optimizer."""
+    return [
+        Case(model, optimizer, "data", replicas=replicas) for model, optimizer in optimizers.items()
+    ]
+
+
 def _every_model_under(schedule: str) -> list:
     """Two-stage cases of a schedule that reshapes the backward (ZB-H1 splits it, interleaved
     1F1B runs it in chunks), one a model; float16 layers cannot be split: under ZB-H1 its
@@ -35,12 +42,9 @@ def _every_model_under(schedule: str) -> list:
 
 # Case(model, optimizer, kind, ...): models and optimizers of tests/support/models.py
 TWO_RANKS = [
-    Case("mlp", "sgd", "data", replicas=2),
-    Case("cnn", "adam", "data", replicas=2),
-    Case("resnet", "sgd", "data", replicas=2),
-    Case("multi_io", "adam", "data", replicas=2),
-    Case("shared", "sgd", "data", replicas=2),
-    Case("l2_mlp", "adam", "data", replicas=2),
+    *_replicated(
+        2, mlp="sgd", cnn="adam", resnet="sgd", multi_io="adam", shared="sgd", l2_mlp="adam"
+    ),
     Case("l2_mlp", "adam", "data", replicas=2, large_variables=True),
     # (the 2-stage mlp, Sequential and CNN run under ZB-H1 and interleaved below, and 1F1B at 4
     # ranks)
@@ -85,11 +89,7 @@ TWO_RANKS = [
     two_stages("l2_mlp", "adam", schedule="interleaved"),  # m < p: idle slots
 ]
 FOUR_RANKS = [
-    Case("mlp", "adam", "data", replicas=4),
-    Case("cnn", "sgd", "data", replicas=4),
-    Case("resnet", "adam", "data", replicas=4),
-    Case("multi_io", "sgd", "data", replicas=4),
-    Case("l2_mlp", "sgd", "data", replicas=4),
+    *_replicated(4, mlp="adam", cnn="sgd", resnet="adam", multi_io="sgd", l2_mlp="sgd"),
     Case("mlp", "sgd", "model", partitions=4, microbatches=4),
     two_by_two("sequential", "sgd", microbatches=2),
     Case("resnet", "adam", "model", partitions=4, microbatches=4, schedule="1f1b"),
