@@ -40,7 +40,8 @@ def _every_model_under(schedule: str) -> list:
     ]
 
 
-# Case(model, optimizer, kind, ...): models and optimizers of tests/support/models.py
+# Case(model, optimizer, kind, ...): models and optimizers of tests/support/models.py; two_stages
+# and two_by_two: the P=2 and P=2 x R=2 layouts (tests/support/cases.py)
 TWO_RANKS = [
     *_replicated(
         2, mlp="sgd", cnn="adam", resnet="sgd", multi_io="adam", shared="sgd", l2_mlp="adam"

@@ -34,7 +34,7 @@ OPTIMIZERS = [
     "muon",
 ]
 # Case(model, optimizer, kind, ...): models of tests/support/zoo.py, optimizers as
-# zoo.optimizer names them
+# zoo.optimizer names them; two_stages and two_by_two: the P=2 and P=2 x R=2 layouts
 SPARSE_OPTIMIZERS = [
     case
     for name in OPTIMIZERS
