@@ -62,8 +62,9 @@ def worker(args) -> None:
     seconds = interleaved_epochs(setups, x, y, batch, args.repeats, steps=args.steps)
     if hf.rank() == 0:
         rates = {name: [batch * args.steps / s for s in v] for name, v in seconds.items()}
-        write_result(args.worker_out, 0, {"rates": rates, "refused": refused,
-                                          **_planned(setups["auto"][0])})  # fmt: skip
+        write_result(
+            args.worker_out, 0, {"rates": rates, "refused": refused, **_planned(setups["auto"][0])}
+        )
 
 
 def _planned(model) -> dict:
@@ -76,8 +77,11 @@ def _planned(model) -> dict:
     result = choice.result
     scored = [v for v in result.ranked + result.rejected if v.estimate is not None]
     predicted = {v.candidate.label(): result.samples_per_second(v) for v in scored}
-    return {"pick": result.pick.candidate.label(), "predicted": predicted,
-            "planning_s": sum(choice.seconds.values())}  # fmt: skip
+    return {
+        "pick": result.pick.candidate.label(),
+        "predicted": predicted,
+        "planning_s": sum(choice.seconds.values()),
+    }
 
 
 def _records(name: str, r: dict) -> list[dict]:
@@ -87,11 +91,20 @@ def _records(name: str, r: dict) -> list[dict]:
     best = max((k for k in rates if k != "auto"), key=lambda k: statistics.median(rates[k]))
     ratios = paired_ratios(rates["auto"], rates[best])
     records = [target(FIGURE, f"{name}: auto / best measured ({best})", ratios, ">= 0.9")]
-    records += [measurement(FIGURE, f"{name}: {shown.get(k, k)}, samples/s", v, "samples/s")
-                for k, v in rates.items()]  # fmt: skip
-    records += [measurement(FIGURE, f"{name}: {shown.get(k, k)}, predicted samples/s",
-                            [predicted[k]], "predicted samples/s")
-                for k in rates if predicted.get(k) is not None]  # fmt: skip
+    records += [
+        measurement(FIGURE, f"{name}: {shown.get(k, k)}, samples/s", v, "samples/s")
+        for k, v in rates.items()
+    ]
+    records += [
+        measurement(
+            FIGURE,
+            f"{name}: {shown.get(k, k)}, predicted samples/s",
+            [predicted[k]],
+            "predicted samples/s",
+        )
+        for k in rates
+        if predicted.get(k) is not None
+    ]
     if "planning_s" in r:
         records.append(measurement(FIGURE, f"{name}: auto's planning", [r["planning_s"]], "s"))
     if r["refused"]:

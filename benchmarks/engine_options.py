@@ -50,11 +50,21 @@ OPTIONS = {  # option -> (title, defaults, quick-mode overrides)
     ),
 }
 OVERLAP = {  # worker run -> (setup, label on, label off, depth, batch size)
-    "groups": ("data parallel 1x2, MLP 6x1024, batch 256", "overlap_groups=4", "overlap_groups=1",
-               6, 256),
-    "p2p": ("model parallel 2x1, 1F1B, m=8, MLP 4x1024, batch 512", "overlap_p2p=True",
-            "overlap_p2p=False", 4, 512),
-}  # fmt: skip
+    "groups": (
+        "data parallel 1x2, MLP 6x1024, batch 256",
+        "overlap_groups=4",
+        "overlap_groups=1",
+        6,
+        256,
+    ),
+    "p2p": (
+        "model parallel 2x1, 1F1B, m=8, MLP 4x1024, batch 512",
+        "overlap_p2p=True",
+        "overlap_p2p=False",
+        4,
+        512,
+    ),
+}
 SHAPE = ("width", "depth", "batch_size", "microbatches", "steps")
 
 
@@ -65,16 +75,25 @@ def _pair(run: str, microbatches: int):
     if run == "groups":
         return [hf.Strategy("data", overlap_groups=g, tune_process=True) for g in (4, 1)]
     if run == "p2p":
-        return [hf.Strategy("model", microbatches=microbatches, schedule="1f1b", overlap_p2p=o,
-                            tune_process=True) for o in (True, False)]  # fmt: skip
+        return [
+            hf.Strategy(
+                "model",
+                microbatches=microbatches,
+                schedule="1f1b",
+                overlap_p2p=o,
+                tune_process=True,
+            )
+            for o in (True, False)
+        ]
     return [_gpipe(on, microbatches) for on in (True, False)]
 
 
 def _gpipe(recompute: bool, microbatches: int):
     import hyparflow as hf
 
-    return hf.Strategy("model", microbatches=microbatches, schedule="gpipe", recompute=recompute,
-                       tune_process=True)  # fmt: skip
+    return hf.Strategy(
+        "model", microbatches=microbatches, schedule="gpipe", recompute=recompute, tune_process=True
+    )
 
 
 def worker(args) -> None:
@@ -106,20 +125,25 @@ def worker(args) -> None:
     else:
         x, y = synthetic_data(model, args.batch_size * args.steps)
         timer = epoch_timer()
-        strategy = hf.Strategy("model", microbatches=args.microbatches, schedule="1f1b",
-                               tune_process=True)  # fmt: skip
-        hf.fit(model, x, y, batch_size=args.batch_size, epochs=args.epochs, verbose=0,
-               strategy=strategy, callbacks=[timer])  # fmt: skip
+        strategy = hf.Strategy(
+            "model", microbatches=args.microbatches, schedule="1f1b", tune_process=True
+        )
+        fit = dict(batch_size=args.batch_size, epochs=args.epochs, verbose=0, callbacks=[timer])
+        hf.fit(model, x, y, strategy=strategy, **fit)
         trainer = model._hyparflow_trainer[1]
         if hf.rank() == 0:
             (_, channel), *_ = trainer.parts.walk.channels.values()  # stage 0's link to stage 1
             row = {d: sum(s.row_bytes for s in channel.specs(d)) for d in ("forward", "backward")}
-            write_result(args.worker_out, 0, {
-                "samples_per_s": [args.batch_size * args.steps / s for s in timer.seconds[1:]],
-                "p2p_bytes": args.batch_size * (row["forward"] + row["backward"]),
-                "gradient_bytes": sum(map(nbytes, trainer.variables)),
-                "boundary_dtypes": [s.dtype.name for s in channel.specs("forward")],
-            })  # fmt: skip
+            write_result(
+                args.worker_out,
+                0,
+                {
+                    "samples_per_s": [args.batch_size * args.steps / s for s in timer.seconds[1:]],
+                    "p2p_bytes": args.batch_size * (row["forward"] + row["backward"]),
+                    "gradient_bytes": sum(map(nbytes, trainer.variables)),
+                    "boundary_dtypes": [s.dtype.name for s in channel.specs("forward")],
+                },
+            )
 
 
 def _launch(args, run: str, **shape) -> list:
@@ -132,20 +156,30 @@ def _overlap(args) -> list[dict]:
     for run, (setup, on, off, depth, batch) in OVERLAP.items():
         seconds = _launch(args, run, depth=depth, batch_size=batch)[0]
         for key, name in (("on", on), ("off", off)):
-            records.append(measurement("overlap", f"{name}: s per epoch ({setup})", seconds[key],
-                                       "s", steps=args.steps))  # fmt: skip
+            records.append(
+                measurement(
+                    "overlap", f"{name}: s per epoch ({setup})", seconds[key], "s", steps=args.steps
+                )
+            )
         gain = paired_ratios(seconds["off"], seconds["on"])
-        records.append(measurement("overlap", f"gain of {on} (off / on time), {setup}", gain,
-                                   "ratio"))  # fmt: skip
+        records.append(
+            measurement("overlap", f"gain of {on} (off / on time), {setup}", gain, "ratio")
+        )
     return records
 
 
 def _recompute(args) -> list[dict]:
-    setup = (f"2-stage GPipe, m={args.microbatches}, MLP {args.depth}x{args.width}, "
-             f"batch {args.batch_size}")  # fmt: skip
+    setup = (
+        f"2-stage GPipe, m={args.microbatches}, MLP {args.depth}x{args.width}, "
+        f"batch {args.batch_size}"
+    )
     seconds = _launch(args, "recompute")[0]
-    records = [measurement("recompute", f"recompute={key == 'on'}: s per epoch ({setup})",
-                           seconds[key], "s") for key in ("off", "on")]  # fmt: skip
+    records = [
+        measurement(
+            "recompute", f"recompute={key == 'on'}: s per epoch ({setup})", seconds[key], "s"
+        )
+        for key in ("off", "on")
+    ]
     cost = paired_ratios(seconds["on"], seconds["off"])
     records.append(measurement("recompute", "time cost of recompute (on / off)", cost, "ratio"))
     peaks = {(key, rank): [] for key in ("off", "on") for rank in (0, 1)}
@@ -158,12 +192,16 @@ def _recompute(args) -> list[dict]:
     for key, rank in peaks:
         where = f"recompute={key == 'on'}, stage {rank}"
         records.append(measurement("recompute", f"peak RSS, {where}", peaks[key, rank], "MiB"))
-        records.append(measurement("recompute", f"peak RSS minus RSS before fit, {where}",
-                                   growth[key, rank], "MiB"))  # fmt: skip
+        records.append(
+            measurement(
+                "recompute", f"peak RSS minus RSS before fit, {where}", growth[key, rank], "MiB"
+            )
+        )
     for rank in (0, 1):
         saved = [a - b for a, b in zip(growth["off", rank], growth["on", rank], strict=True)]
-        records.append(measurement("recompute", f"memory saved by recompute, stage {rank}",
-                                   saved, "MiB"))  # fmt: skip
+        records.append(
+            measurement("recompute", f"memory saved by recompute, stage {rank}", saved, "MiB")
+        )
     return records
 
 
@@ -178,13 +216,26 @@ def _precision(args) -> list[dict]:
     for policy in POLICIES:
         dtypes = "/".join(sorted(set(info[policy]["boundary_dtypes"])))
         records += [
-            measurement("precision", f"{policy}: samples/s ({setup})", rates[policy],
-                        "samples/s", boundary_dtype=dtypes),
-            measurement("precision", f"{policy}: stage-to-stage bytes per step",
-                        [info[policy]["p2p_bytes"] / MIB], "MiB per step"),
-            measurement("precision", f"{policy}: stage 0 gradient bytes per reduction",
-                        [info[policy]["gradient_bytes"] / MIB], "MiB per step"),
-        ]  # fmt: skip
+            measurement(
+                "precision",
+                f"{policy}: samples/s ({setup})",
+                rates[policy],
+                "samples/s",
+                boundary_dtype=dtypes,
+            ),
+            measurement(
+                "precision",
+                f"{policy}: stage-to-stage bytes per step",
+                [info[policy]["p2p_bytes"] / MIB],
+                "MiB per step",
+            ),
+            measurement(
+                "precision",
+                f"{policy}: stage 0 gradient bytes per reduction",
+                [info[policy]["gradient_bytes"] / MIB],
+                "MiB per step",
+            ),
+        ]
     for policy in POLICIES[1:]:
         ratio = paired_ratios(rates[policy], rates["float32"])
         records.append(measurement("precision", f"{policy} / float32 samples/s", ratio, "ratio"))

@@ -185,9 +185,17 @@ def _records(result: dict, venv: str) -> list[dict]:
     for model, r in result.items():
         where = f"{model} ({r['tensors']} tensors, {r['mib']:.1f} MiB), {venv} venv"
         ms = r["ms"]
-        records += [measurement(FIGURE, f"{LABELS[way]}: {where}", values, "ms", venv=venv,
-                                reductions_per_repeat=r["per_block"])
-                    for way, values in ms.items()]  # fmt: skip
+        records += [
+            measurement(
+                FIGURE,
+                f"{LABELS[way]}: {where}",
+                values,
+                "ms",
+                venv=venv,
+                reductions_per_repeat=r["per_block"],
+            )
+            for way, values in ms.items()
+        ]
         for way, name in WAYS_WITH_TARGETS:
             reference, buffer = RAW_REFERENCE[way]
             ratios = paired_ratios(ms[way], ms[reference])
@@ -197,8 +205,9 @@ def _records(result: dict, venv: str) -> list[dict]:
             best = [min(a, b) for a, b in zip(ms["horovod"], ms["horovod_function"], strict=True)]
             for way, name in WAYS_WITH_TARGETS:
                 ratios = paired_ratios(ms[way], best)
-                records.append(target(FIGURE, f"{name} / Horovod (faster way): {where}", ratios,
-                                      "< 1.0"))  # fmt: skip
+                records.append(
+                    target(FIGURE, f"{name} / Horovod (faster way): {where}", ratios, "< 1.0")
+                )
     return records
 
 

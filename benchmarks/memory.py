@@ -26,9 +26,23 @@ from benchmarks.harness.records import measurement  # noqa: E402
 
 FIGURE, MIB = "memory", 2**20
 TITLE = "(7) Memory per rank: peak growth vs the plan, ZeRO-1's bytes, the largest MLP under a cap"
-LAYOUTS = ["1,1,1", "2,1,1", "4,1,1", "4,1,1,scope", "1,1,2", "1,1,4", "1,2,1", "1,4,1",
-           "1,2,1,scope", "1,4,1,scope", "1,2,1,zero", "1,4,1,zero", "1,4,1,zero,scope",
-           "2,1,2", "2,1,2,scope"]  # fmt: skip
+LAYOUTS = [
+    "1,1,1",
+    "2,1,1",
+    "4,1,1",
+    "4,1,1,scope",
+    "1,1,2",
+    "1,1,4",
+    "1,2,1",
+    "1,4,1",
+    "1,2,1,scope",
+    "1,4,1,scope",
+    "1,2,1,zero",
+    "1,4,1,zero",
+    "1,4,1,zero,scope",
+    "2,1,2",
+    "2,1,2,scope",
+]
 CAPPED = ["1,1,1", "4,1,1,params,scope", "2,1,2,scope", "1,4,1,scope", "1,4,1,zero,scope"]
 
 
@@ -54,14 +68,18 @@ def worker(args) -> None:
 def growth_records(spec: str, ranks: list[dict]) -> list[dict]:
     top = max(ranks, key=lambda r: r["growth"])
     worst = max((r["predicted"] / r["growth"] - 1 for r in ranks), key=abs)
-    rows = [("peak growth, largest rank, measured", top["growth"] / MIB, "MiB"),
-            ("peak growth, largest rank, plan", top["predicted"] / MIB, "MiB"),
-            ("plan / measured - 1, worst rank", 100 * worst, "%")]  # fmt: skip
+    rows = [
+        ("peak growth, largest rank, measured", top["growth"] / MIB, "MiB"),
+        ("peak growth, largest rank, plan", top["predicted"] / MIB, "MiB"),
+        ("plan / measured - 1, worst rank", 100 * worst, "%"),
+    ]
     if "zero_bytes" in top:  # every replica sends the same
         zero, allreduce = sum(top["zero_bytes"].values()) / MIB, top["allreduce_bytes"] / MIB
-        rows += [("bytes sent per step, reduce-scatter + all-gather", zero, "MiB per step"),
-                 ("bytes sent per step, an allreduce instead", allreduce, "MiB per step"),
-                 ("ZeRO-1 bytes / allreduce bytes", zero / allreduce, "ratio")]  # fmt: skip
+        rows += [
+            ("bytes sent per step, reduce-scatter + all-gather", zero, "MiB per step"),
+            ("bytes sent per step, an allreduce instead", allreduce, "MiB per step"),
+            ("ZeRO-1 bytes / allreduce bytes", zero / allreduce, "ratio"),
+        ]
     return [measurement(FIGURE, f"{label(spec)}: {what}", [v], unit) for what, v, unit in rows]
 
 
@@ -73,15 +91,19 @@ def largest_width(spec: str, args) -> list[dict]:
     (low, high), probed = args.widths, set()
     for _ in range(args.probes):
         probed.add(width := round((low * high) ** 0.5 / 128) * 128)
-        run, caps = launch_capped("memory_checks", size(spec), args.cap, "measure", spec,
-                                  f"{width},8", timeout=600)  # fmt: skip
+        run, caps = launch_capped(
+            "memory_checks", size(spec), args.cap, "measure", spec, f"{width},8", timeout=600
+        )
         trained = run.returncode == 0 and all(run.results)
         how = "trained" if trained else f"{[o and o.killed_for_memory for o in caps]} killed"
         print(f"{label(spec)}, width {width}: {how}", file=sys.stderr, flush=True)
         low, high = (width, high) if trained else (low, width)
     ends = (("largest width trained", low), ("smallest width not trained", high))
-    return [measurement(FIGURE, f"{label(spec)}: {what} under {args.cap} per rank", [w], "width")
-            for what, w in ends if w in probed]  # fmt: skip
+    return [
+        measurement(FIGURE, f"{label(spec)}: {what} under {args.cap} per rank", [w], "width")
+        for what, w in ends
+        if w in probed
+    ]
 
 
 def run(args) -> list[dict]:

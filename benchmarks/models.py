@@ -8,8 +8,16 @@ ResNet-1001 (pre-activation bottleneck blocks, 9n+2 layers: depth 1001 = 111 per
 from __future__ import annotations
 
 
-def mlp(width: int, depth: int, inputs: int | None = None, classes: int = 10, *,
-        optimizer="sgd", seed: int = 0, metrics=None):  # fmt: skip
+def mlp(
+    width: int,
+    depth: int,
+    inputs: int | None = None,
+    classes: int = 10,
+    *,
+    optimizer="sgd",
+    seed: int = 0,
+    metrics=None,
+):
     """`depth` Dense(width, relu) layers and a softmax; compiled with sparse cross-entropy."""
     import keras
 
@@ -60,8 +68,16 @@ def _bottleneck_block(x, width: int, stride: int, name: str):
     return layers.Add(name=f"{name}_add")([x, y])
 
 
-def cifar_resnet(depth: int = 110, *, image: int = 32, classes: int = 10, base: int = 16,
-                 optimizer="sgd", seed: int = 0, bottleneck: bool | None = None):  # fmt: skip
+def cifar_resnet(
+    depth: int = 110,
+    *,
+    image: int = 32,
+    classes: int = 10,
+    base: int = 16,
+    optimizer="sgd",
+    seed: int = 0,
+    bottleneck: bool | None = None,
+):
     """CIFAR ResNet-`depth`: basic blocks when depth = 6n+2 (20, 56, 110), pre-activation
     bottlenecks when depth = 9n+2 (164, 1001) or `bottleneck`. `image` scales the input (32
     is CIFAR).

@@ -31,10 +31,13 @@ TITLE = "Mixture of experts: expert parallelism and sparse dispatch against dens
 SIZE = dict(hidden=128, width=256, experts=8, vocabulary=512, tokens=64, batch=16)
 QUICK = dict(hidden=16, width=16, experts=4, vocabulary=64, tokens=8, batch=8)
 SETUPS = (
-    "experts split over 2 ranks (sparse)", "sparse, data parallel", "dense, data parallel",
-    "one rank (Keras, dense)", "experts split over 2 ranks, capacity factor 1.0",
+    "experts split over 2 ranks (sparse)",
+    "sparse, data parallel",
+    "dense, data parallel",
+    "one rank (Keras, dense)",
+    "experts split over 2 ranks, capacity factor 1.0",
     "one rank (hf.fit's sparse dispatch)",
-)  # fmt: skip
+)
 
 
 def _model(size: dict):
@@ -43,10 +46,15 @@ def _model(size: dict):
 
     keras.utils.set_random_seed(0)
     backbone = keras_hub.models.MixtralBackbone(
-        vocabulary_size=size["vocabulary"], num_layers=2, num_query_heads=4,
-        num_key_value_heads=2, hidden_dim=size["hidden"], intermediate_dim=size["width"],
-        num_experts=size["experts"], top_k=2,
-    )  # fmt: skip
+        vocabulary_size=size["vocabulary"],
+        num_layers=2,
+        num_query_heads=4,
+        num_key_value_heads=2,
+        hidden_dim=size["hidden"],
+        intermediate_dim=size["width"],
+        num_experts=size["experts"],
+        top_k=2,
+    )
     model = keras_hub.models.MixtralCausalLM(backbone, preprocessor=None)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     model.compile(optimizer="adam", loss=loss)
@@ -77,8 +85,9 @@ def worker(args) -> None:
     ]
     setups = {name: (_model(size), s) for name, s in zip(SETUPS, strategies, strict=True)}
     setups[SETUPS[-1]] += (sparse_in_keras,)
-    seconds = interleaved_epochs(setups, x, tokens[:, 1:], size["batch"], args.repeats,
-                                 steps=args.steps)  # fmt: skip
+    seconds = interleaved_epochs(
+        setups, x, tokens[:, 1:], size["batch"], args.repeats, steps=args.steps
+    )
     if hf.rank() == 0:
         write_result(args.worker_out, 0, {"seconds": seconds})
 

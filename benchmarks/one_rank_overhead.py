@@ -11,6 +11,7 @@ target is the paired ratio of epoch times per round.
 
 from __future__ import annotations
 
+import inspect
 import sys
 from pathlib import Path
 
@@ -38,8 +39,10 @@ def worker(args) -> None:
     x, y = synthetic_data(model, args.batch_size * args.steps, seed=0)
     fit = dict(batch_size=args.batch_size, epochs=1, verbose=0)
     resolved = _resolve(model, "data", None, None, None)
-    options = dict(resume=False, resume_from=None, check_numerics=False, check_data=True,
-                   watchdog_timeout=None, comm="mpi", planning=None)  # as hf.fit's  # fmt: skip
+    # hf.fit's own defaults, read from its signature; a closed layout: nothing to plan
+    names = ("resume", "resume_from", "check_numerics", "check_data", "watchdog_timeout", "comm")
+    defaults = inspect.signature(hf.fit).parameters
+    options = {name: defaults[name].default for name in names} | {"planning": None}
 
     def one_epoch(way: str) -> tuple[float, float]:
         timer = epoch_timer()
@@ -48,8 +51,9 @@ def worker(args) -> None:
         elif way == "hf.fit":
             hf.fit(model, x, y, callbacks=[timer], **fit)
         else:
-            _distributed_fit(model, x, y, args.batch_size, 1, resolved, options, verbose=0,
-                             callbacks=[timer])  # fmt: skip
+            _distributed_fit(
+                model, x, y, args.batch_size, 1, resolved, options, verbose=0, callbacks=[timer]
+            )
         return timer.seconds[0], timer.cpu_share[0]
 
     for way in WAYS:  # warm-up: trace, build the engine's Trainer
@@ -69,10 +73,13 @@ def run(args) -> list[dict]:
     shape = ("width", "depth", "batch_size", "steps")
     (result,) = run_worker(__file__, cli.flags(args, "repeats", *shape))
     seconds, base = result["seconds"], result["seconds"]["model.fit"]
-    params = {**{k: getattr(args, k) for k in shape},
-              "min_cpu_share": round(min(result["cpu_share"]), 3)}  # fmt: skip
-    records = [measurement(FIGURE, f"{way}: s per epoch", seconds[way], "s", **params)
-               for way in WAYS]  # fmt: skip
+    params = {
+        **{k: getattr(args, k) for k in shape},
+        "min_cpu_share": round(min(result["cpu_share"]), 3),
+    }
+    records = [
+        measurement(FIGURE, f"{way}: s per epoch", seconds[way], "s", **params) for way in WAYS
+    ]
     for way, name in (("hf.fit", "hf.fit"), ("engine", "engine on one rank")):
         ratios = paired_ratios(seconds[way], base)
         records.append(target(FIGURE, f"{name} / model.fit", ratios, "<= 1.05"))

@@ -33,8 +33,11 @@ TITLE = "(2) Point-to-point: PipeChannel vs raw mpi4py ping-pong"
 KIB = 1024
 SIZES = [64 * KIB, 256 * KIB, 2**20, 4 * 2**20, 16 * 2**20, 64 * 2**20]
 ROW = 256  # float32 values per row of the boundary tensor (its "batch" is the row count)
-WAYS = {"raw": "raw mpi4py Send/Recv", "raw_one_buffer": "raw, one buffer both ways",
-        "channel": "PipeChannel"}  # fmt: skip
+WAYS = {
+    "raw": "raw mpi4py Send/Recv",
+    "raw_one_buffer": "raw, one buffer both ways",
+    "channel": "PipeChannel",
+}
 # glibc's malloc can back its large blocks with transparent huge pages (THP "madvise" mode);
 # TensorFlow's CPU tensors come from malloc, so this changes how fast MPI copies them.
 ENVIRONMENTS = {"default": {}, "glibc hugetlb": {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}}
@@ -134,9 +137,18 @@ def run(args) -> list[dict]:
             for size in sizes:
                 name = f"{label}{suffix}, {_label(size)}"
                 values = result[way][str(size)]
-                records.append(measurement(FIGURE, name, values, "GB/s", series=label + suffix,
-                                           x=size / 2**20, x_label="message size (MiB)",
-                                           round_trips=round_trips(size)))  # fmt: skip
+                records.append(
+                    measurement(
+                        FIGURE,
+                        name,
+                        values,
+                        "GB/s",
+                        series=label + suffix,
+                        x=size / 2**20,
+                        x_label="message size (MiB)",
+                        round_trips=round_trips(size),
+                    )
+                )
         for size in sizes:
             if size >= 4 * 2**20:
                 ratios = paired_ratios(result["channel"][str(size)], result["raw"][str(size)])

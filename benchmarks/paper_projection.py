@@ -43,8 +43,11 @@ def _arguments(argv=None):
     parser.add_argument("--intra-bandwidth", type=float, default=10e9)
     parser.add_argument("--compute-scale", type=float, help="both systems' core slowdown vs here")
     parser.add_argument("--json", help="also write the tables to this JSON file")
-    parser.add_argument("--save-inputs", metavar="DIR", help="write each system's ResNet-1001 "
-                        "costs and network there, for hyparflow plan --auto")  # fmt: skip
+    parser.add_argument(
+        "--save-inputs",
+        metavar="DIR",
+        help="write each system's ResNet-1001 costs and network there, for hyparflow plan --auto",
+    )
     parser.add_argument("--measure-cell", metavar="OUT", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -97,8 +100,13 @@ def load_cell(remeasure: bool):
     from hyparflow.simulate import ModelCosts
 
     if remeasure or not CELL_COSTS.exists():
-        env = {**os.environ, "TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1",
-               "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": str(REPO)}  # fmt: skip
+        env = {
+            **os.environ,
+            "TF_NUM_INTRAOP_THREADS": "1",
+            "TF_NUM_INTEROP_THREADS": "1",
+            "TF_CPP_MIN_LOG_LEVEL": "2",
+            "PYTHONPATH": str(REPO),
+        }
         command = [sys.executable, __file__, "--measure-cell", str(CELL_COSTS)]
         subprocess.run(["taskset", "-c", "0", *command], env=env, check=True)
     return ModelCosts.load(CELL_COSTS)
@@ -106,8 +114,11 @@ def load_cell(remeasure: bool):
 
 def layouts(cores: int) -> dict:
     """The per-node layouts compared: name -> (partitions, replicas per node, micro-batches)."""
-    return {"pipeline per node": (cores, 1, 64), f"hybrid 8 x {cores // 8}": (8, cores // 8, 16),
-            "data parallel": (1, cores, 1)}  # fmt: skip
+    return {
+        "pipeline per node": (cores, 1, 64),
+        f"hybrid 8 x {cores // 8}": (8, cores // 8, 16),
+        "data parallel": (1, cores, 1),
+    }
 
 
 def project(costs, network, cores: int, shape, nodes_list, per_core=SAMPLES_PER_CORE, jitter=0.0):
@@ -118,16 +129,24 @@ def project(costs, network, cores: int, shape, nodes_list, per_core=SAMPLES_PER_
     machine = Machine(cores_per_node=cores, jitter=jitter)
     rows, base = [], None
     for nodes in nodes_list:
-        layout = Layout(partitions, replicas_per_node * nodes, microbatches, "1f1b",
-                        ranks_per_node=cores)  # fmt: skip
+        layout = Layout(
+            partitions, replicas_per_node * nodes, microbatches, "1f1b", ranks_per_node=cores
+        )
         p = predict(costs, network, layout, per_core * cores * nodes, machine)
         base = base or p
         speedup = p.throughput / base.throughput
-        rows.append({
-            "nodes": nodes, "ranks": layout.world, "step_s": p.step_time,
-            "allreduce_ms": p.allreduce_time * 1e3, "bubble": p.bubble,
-            "throughput": p.throughput, "speedup": speedup, "efficiency": speedup / nodes,
-        })  # fmt: skip
+        rows.append(
+            {
+                "nodes": nodes,
+                "ranks": layout.world,
+                "step_s": p.step_time,
+                "allreduce_ms": p.allreduce_time * 1e3,
+                "bubble": p.bubble,
+                "throughput": p.throughput,
+                "speedup": speedup,
+                "efficiency": speedup / nodes,
+            }
+        )
     return rows
 
 
@@ -144,9 +163,11 @@ def main(argv=None) -> None:
     here = load_network_here(args.remeasure)
     resnet = expand_to_resnet1001(cell)
     dates = cell.measured.get("date", "?"), here["source"].get("date", "?")
-    print(f"ResNet-1001: {len(resnet.layers)} layer calls, "
-          f"{resnet.param_bytes / 4 / 1e6:.2f} M parameters; unit cell measured {dates[0]}, "
-          f"network here {dates[1]}")  # fmt: skip
+    print(
+        f"ResNet-1001: {len(resnet.layers)} layer calls, "
+        f"{resnet.param_bytes / 4 / 1e6:.2f} M parameters; unit cell measured {dates[0]}, "
+        f"network here {dates[1]}"
+    )
     report = {"assumptions": vars(args), "systems": {}}
     for system, (nodes, paper, cores, default_scale) in PAPER.items():
         factor = args.compute_scale or default_scale
@@ -158,25 +179,38 @@ def main(argv=None) -> None:
         )
         save_inputs(args.save_inputs, system.lower(), costs, network)
         counts = [n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if n <= nodes]
-        report["systems"][system] = {"paper_speedup": paper, "nodes": nodes, "cores": cores,
-                                     "compute_scale": factor, "layouts": {}}  # fmt: skip
-        print(f"\n{system}: {cores} cores per node, one rank per core, "
-              f"{SAMPLES_PER_CORE * cores} samples per node and step; cores {factor}x slower "
-              f"than here; paper: {paper:.0f}x on {nodes} nodes ({paper / nodes:.0%})")  # fmt: skip
-        print(f"{'layout':>22} {'P':>3} {'R/node':>6} {'M':>3} {'1-node step s':>14} "
-              + " ".join(f"{n:>6}" for n in counts[1:]))  # fmt: skip
+        report["systems"][system] = {
+            "paper_speedup": paper,
+            "nodes": nodes,
+            "cores": cores,
+            "compute_scale": factor,
+            "layouts": {},
+        }
+        print(
+            f"\n{system}: {cores} cores per node, one rank per core, "
+            f"{SAMPLES_PER_CORE * cores} samples per node and step; cores {factor}x slower "
+            f"than here; paper: {paper:.0f}x on {nodes} nodes ({paper / nodes:.0%})"
+        )
+        print(
+            f"{'layout':>22} {'P':>3} {'R/node':>6} {'M':>3} {'1-node step s':>14} "
+            + " ".join(f"{n:>6}" for n in counts[1:])
+        )
         for name, shape in layouts(cores).items():
             rows = project(costs, network, cores, shape, counts)
             report["systems"][system]["layouts"][name] = {"shape": shape, "rows": rows}
             speedups = " ".join(f"{r['speedup']:>6.1f}" for r in rows[1:])
-            print(f"{name:>22} {shape[0]:>3} {shape[1]:>6} {shape[2]:>3} "
-                  f"{rows[0]['step_s']:>14.3f} {speedups}")  # fmt: skip
+            print(
+                f"{name:>22} {shape[0]:>3} {shape[1]:>6} {shape[2]:>3} "
+                f"{rows[0]['step_s']:>14.3f} {speedups}"
+            )
             last = rows[-1]
             extra = last["step_s"] * (last["speedup"] / paper - 1)
-            print(f"{'':>22} -> {last['speedup']:.0f}x on {nodes} nodes "
-                  f"({last['efficiency']:.1%}); allreduce {last['allreduce_ms']:.1f} ms of a "
-                  f"{last['step_s'] * 1e3:.0f} ms step; the paper's {paper:.0f}x would need "
-                  f"{extra * 1e3:+.0f} ms per step more")  # fmt: skip
+            print(
+                f"{'':>22} -> {last['speedup']:.0f}x on {nodes} nodes "
+                f"({last['efficiency']:.1%}); allreduce {last['allreduce_ms']:.1f} ms of a "
+                f"{last['step_s'] * 1e3:.0f} ms step; the paper's {paper:.0f}x would need "
+                f"{extra * 1e3:+.0f} ms per step more"
+            )
         report["systems"][system]["sensitivity"] = sensitivity(costs, network, cores, nodes)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
@@ -205,15 +239,14 @@ def sensitivity(costs, network, cores: int, nodes: int) -> dict:
         "jitter 1% per rank and step": (network, SAMPLES_PER_CORE, 0.01),
         "jitter 2%": (network, SAMPLES_PER_CORE, 0.02),
         "jitter 5%": (network, SAMPLES_PER_CORE, 0.05),
-    }  # fmt: skip
+    }
     results = {}
     print(f"{'':>22} sensitivity on {nodes} nodes (pipeline per node):")
     for name, (net, per_core, jitter) in variants.items():
         shape = (cores, 1, 64 if per_core == SAMPLES_PER_CORE else 8)
         rows = project(costs, net, cores, shape, [1, nodes], per_core, jitter)
         results[name] = rows[-1]["speedup"]
-        print(f"{'':>24}{name:<40} {rows[-1]['speedup']:>6.1f}x "
-              f"({rows[-1]['efficiency']:.1%})")  # fmt: skip
+        print(f"{'':>24}{name:<40} {rows[-1]['speedup']:>6.1f}x ({rows[-1]['efficiency']:.1%})")
     return results
 
 

@@ -29,9 +29,13 @@ from benchmarks.harness.records import measurement, target  # noqa: E402
 
 FIGURE = "pipeline"
 TITLE = "(5) Pipeline: bubble vs formula (GPipe, 1F1B, ZB-H1, interleaved), memory per rank"
-LABELS = {"gpipe": "GPipe", "1f1b": "1F1B", "zero_bubble": "ZB-H1",
-          "interleaved": "Interleaved v=2"}  # fmt: skip
 SCHEDULES = ("gpipe", "1f1b", "zero_bubble")  # also in the memory runs
+LABELS = {
+    "gpipe": "GPipe",
+    "1f1b": "1F1B",
+    "zero_bubble": "ZB-H1",
+    "interleaved": "Interleaved v=2",
+}
 PAIRS = [("zero_bubble", "1f1b"), ("interleaved", "1f1b")]  # each below the second
 # Stages alike by construction: a first layer on NARROW_INPUTS features costs almost nothing, so
 # every stage (or chunk) computes as many width x width layers, forward, input and weight
@@ -64,11 +68,24 @@ def bubble_worker(args) -> None:
         batch_size = args.microbatch_rows * m  # micro-batches of one size at every m
         x, y = synthetic_data(model, batch_size * args.steps)
         log_dir = os.path.join(root, f"{schedule}-{m}")
-        strategy = hf.Strategy("model", microbatches=m, tune_process=True,
-                               balance=STAGE_STARTS[schedule], schedule=schedule)  # fmt: skip
+        strategy = hf.Strategy(
+            "model",
+            microbatches=m,
+            tune_process=True,
+            balance=STAGE_STARTS[schedule],
+            schedule=schedule,
+        )
         profiler = hf.callbacks.ScalingProfiler(log_dir, timeline=False)
-        hf.fit(model, x, y, batch_size=batch_size, epochs=args.epochs, verbose=0,
-               strategy=strategy, callbacks=[profiler])  # fmt: skip
+        hf.fit(
+            model,
+            x,
+            y,
+            batch_size=batch_size,
+            epochs=args.epochs,
+            verbose=0,
+            strategy=strategy,
+            callbacks=[profiler],
+        )
         if hf.rank() != 0:
             return None
         with open(os.path.join(log_dir, "profile.json")) as f:
@@ -79,11 +96,16 @@ def bubble_worker(args) -> None:
     for schedule, m in configs:
         job = profiled_fit(schedule, m)
         if hf.rank() == 0:
-            results.append({
-                "schedule": schedule, "microbatches": m, "measured": job["bubble_measured"],
-                "theoretical": job["bubble_theoretical"], "simulated": job["bubble_simulated"],
-                "step_ms": job["ms_per_step"]["step"],
-            })  # fmt: skip
+            results.append(
+                {
+                    "schedule": schedule,
+                    "microbatches": m,
+                    "measured": job["bubble_measured"],
+                    "theoretical": job["bubble_theoretical"],
+                    "simulated": job["bubble_simulated"],
+                    "step_ms": job["ms_per_step"]["step"],
+                }
+            )
     if hf.rank() == 0:
         write_result(args.worker_out, 0, results)
 
@@ -120,8 +142,15 @@ def _bubble_records(args) -> list[dict]:
         mine = [r for r in runs if r["microbatches"] == m]
 
         def point(name, values, unit, series, m=m):  # a point at m on a line of the plot
-            return measurement(FIGURE, f"{name}, m={m}", values, unit, series=series, x=m,
-                               x_label="micro-batches m")  # fmt: skip
+            return measurement(
+                FIGURE,
+                f"{name}, m={m}",
+                values,
+                unit,
+                series=series,
+                x=m,
+                x_label="micro-batches m",
+            )
 
         formula = next(r["theoretical"] for r in mine if r["schedule"] == "1f1b")
         records.append(point("formula (p-1)/(m+p-1)", [formula], "bubble", "formula"))
@@ -172,13 +201,22 @@ def run(args) -> list[dict]:
 
 
 def _common(args) -> list:
-    return cli.flags(args, "width", "microbatch_rows", "steps", "epochs", "memory_batch",
-                     "memory_microbatches")  # fmt: skip
+    return cli.flags(
+        args, "width", "microbatch_rows", "steps", "epochs", "memory_batch", "memory_microbatches"
+    )
 
 
 def arguments(argv=None):
-    p = cli.parser(__doc__, rounds=3, width=1024, microbatch_rows=128, steps=10, epochs=2,
-                   memory_batch=4096, memory_microbatches=8)  # fmt: skip
+    p = cli.parser(
+        __doc__,
+        rounds=3,
+        width=1024,
+        microbatch_rows=128,
+        steps=10,
+        epochs=2,
+        memory_batch=4096,
+        memory_microbatches=8,
+    )
     p.add_argument("--microbatches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     p.add_argument("--schedule", choices=SCHEDULES, help="worker: memory run of one schedule")
     p.add_argument("--reverse", action="store_true", help="worker: configurations reversed")

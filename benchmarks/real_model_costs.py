@@ -47,13 +47,17 @@ def _dropout_steps(rounds: int) -> dict:
     x = keras.layers.Dropout(0.1)(keras.layers.Dense(WIDTH, activation="relu")(x))
     model = keras.Model(inputs, keras.layers.Dense(10)(x))
     model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    runner = FusedRunner(lambda data, training: model(data, training=training),
-                         model.trainable_variables,
-                         loss=lambda y, y_pred, sw: model._compile_loss(y, y_pred, sw))  # fmt: skip
+    runner = FusedRunner(
+        lambda data, training: model(data, training=training),
+        model.trainable_variables,
+        loss=lambda y, y_pred, sw: model._compile_loss(y, y_pred, sw),
+    )
     rng = np.random.default_rng(0)
     n = GLOBAL_BATCH // MICROBATCHES
-    pieces = [(tf.constant(rng.normal(size=(n, WIDTH)), tf.float32),
-               tf.constant(rng.integers(0, 10, n))) for _ in range(MICROBATCHES)]  # fmt: skip
+    pieces = [
+        (tf.constant(rng.normal(size=(n, WIDTH)), tf.float32), tf.constant(rng.integers(0, 10, n)))
+        for _ in range(MICROBATCHES)
+    ]
 
     def step(sliced: bool) -> float:
         start = time.perf_counter()
@@ -129,8 +133,10 @@ def main(argv=None) -> None:
     for name, seconds in medians.items():
         print(f"{name:28s} {seconds * 1e3:7.2f} ms a step")
     ratio = medians["global-batch mask, sliced"] / medians["own mask per piece"]
-    print(f"global-batch masks / own masks: {ratio:.3f} (MLP {WIDTH} wide, batch "
-          f"{GLOBAL_BATCH} in {MICROBATCHES} micro-batches, 2 Dropout layers)")  # fmt: skip
+    print(
+        f"global-batch masks / own masks: {ratio:.3f} (MLP {WIDTH} wide, batch "
+        f"{GLOBAL_BATCH} in {MICROBATCHES} micro-batches, 2 Dropout layers)"
+    )
 
 
 if __name__ == "__main__":

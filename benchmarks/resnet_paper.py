@@ -60,8 +60,15 @@ def worker(args) -> None:
 
     kind = "data" if args.p == 1 else ("model" if args.r == 1 else "hybrid")
     m = args.microbatches if args.p > 1 else 1
-    strategy = hf.Strategy(kind, partitions=args.p, replicas=args.r, microbatches=m,
-                           schedule="1f1b", balance="time", tune_process=True)  # fmt: skip
+    strategy = hf.Strategy(
+        kind,
+        partitions=args.p,
+        replicas=args.r,
+        microbatches=m,
+        schedule="1f1b",
+        balance="time",
+        tune_process=True,
+    )
     train_ways(args, cifar_resnet(args.depth, image=args.image), args.batch_size, strategy)
 
 
@@ -73,13 +80,20 @@ def run(args) -> list[dict]:
     for round_ in range(args.rounds):
         for config in configs if round_ % 2 == 0 else configs[::-1]:
             way = ["--way", config["way"], "--p", config["p"], "--r", config["r"]]
-            result = run_worker(__file__, [*way, *fixed], np=config["p"] * config["r"],
-                                venv="compat" if has_horovod() else "main",
-                                threads=config["threads"], timeout=3600)  # fmt: skip
+            result = run_worker(
+                __file__,
+                [*way, *fixed],
+                np=config["p"] * config["r"],
+                venv="compat" if has_horovod() else "main",
+                threads=config["threads"],
+                timeout=3600,
+            )
             rates[label(config, cores)].append(statistics.median(result[0]))
     shape = f"ResNet-{args.depth}, {args.image}x{args.image} images, batch {args.batch_size}"
-    records = [measurement(FIGURE, f"{name} ({shape})", values, "samples/s")
-               for name, values in rates.items()]  # fmt: skip
+    records = [
+        measurement(FIGURE, f"{name} ({shape})", values, "samples/s")
+        for name, values in rates.items()
+    ]
     one = rates[label({"way": "keras", "p": 1, "r": 1, "threads": 1}, cores)]
     whole = rates[label({"way": "keras", "p": 1, "r": 1, "threads": cores}, cores)]
     for ranks in args.ranks:
@@ -101,8 +115,10 @@ def run(args) -> list[dict]:
                 (f"hyparflow {kind} / Horovod, {ranks} ranks {paper}", best, horovod),
                 (f"hyparflow data parallel / Horovod, {ranks} ranks", data_parallel, horovod),
             ]
-        records += [measurement(FIGURE, name, paired_ratios(a, b), "ratio", depth=args.depth)
-                    for name, a, b in pairs]  # fmt: skip
+        records += [
+            measurement(FIGURE, name, paired_ratios(a, b), "ratio", depth=args.depth)
+            for name, a, b in pairs
+        ]
     return records
 
 

@@ -28,24 +28,45 @@ from benchmarks.harness.report import write_results  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 FIGURES = {  # report order: key -> module and its arguments
-    "overhead": "one_rank_overhead", "p2p": "p2p_bandwidth", "allreduce": "gradient_reduction",
-    "data_parallel": "data_parallel", "pipeline": "pipeline_bubble", "resnet": "resnet_paper",
-    "memory": "memory", "tensor": "tensor_parallel",
+    "overhead": "one_rank_overhead",
+    "p2p": "p2p_bandwidth",
+    "allreduce": "gradient_reduction",
+    "data_parallel": "data_parallel",
+    "pipeline": "pipeline_bubble",
+    "resnet": "resnet_paper",
+    "memory": "memory",
+    "tensor": "tensor_parallel",
     "overlap": "engine_options --option overlap",
     "recompute": "engine_options --option recompute",
-    "precision": "engine_options --option precision", "auto": "auto_choice",
+    "precision": "engine_options --option precision",
+    "auto": "auto_choice",
     "moe": "moe_dispatch",
-}  # fmt: skip
+}
 # Text-printing benchmarks: (title, script, venv, ranks, arguments).
 OTHERS = [
-    ("Dropout: global-batch masks sliced vs a mask per piece", "real_model_costs.py", "main", 1,
-     []),
-    ("Embedding tables: gathered rows vs a dense allreduce", "real_model_costs.py", "main", 2,
-     ["--tables"]),
+    (
+        "Dropout: global-batch masks sliced vs a mask per piece",
+        "real_model_costs.py",
+        "main",
+        1,
+        [],
+    ),
+    (
+        "Embedding tables: gathered rows vs a dense allreduce",
+        "real_model_costs.py",
+        "main",
+        2,
+        ["--tables"],
+    ),
     ("Scaling model vs measured runs, a core per rank", "simulator_validation.py", "main", 1, []),
-    ("Scaling model: the paper's runs projected", "paper_projection.py", "main", 1,
-     ["--json", "benchmarks/out/paper_projection.json"]),
-]  # fmt: skip
+    (
+        "Scaling model: the paper's runs projected",
+        "paper_projection.py",
+        "main",
+        1,
+        ["--json", "benchmarks/out/paper_projection.json"],
+    ),
+]
 
 
 def about(module) -> str:
@@ -61,12 +82,20 @@ def run_figure(key: str, quick: bool, wait: bool) -> dict:
     seen = quiet.wait_for_quiet() if wait else {"load1": os.getloadavg()[0]}
     start = time.monotonic()
     records = module.run(args)
-    conditions = {"measured": datetime.datetime.now().strftime("%Y-%m-%d %H:%M UTC"),
-                  "load before": f"{seen['load1']:.2f}", "load after": f"{os.getloadavg()[0]:.2f}",
-                  "minutes": f"{(time.monotonic() - start) / 60:.1f}"}  # fmt: skip
+    conditions = {
+        "measured": datetime.datetime.now().strftime("%Y-%m-%d %H:%M UTC"),
+        "load before": f"{seen['load1']:.2f}",
+        "load after": f"{os.getloadavg()[0]:.2f}",
+        "minutes": f"{(time.monotonic() - start) / 60:.1f}",
+    }
     title = getattr(args, "title", None) or module.TITLE
-    return {"figure": key, "title": title, "about": about(module), "records": records,
-            "conditions": conditions}  # fmt: skip
+    return {
+        "figure": key,
+        "title": title,
+        "about": about(module),
+        "records": records,
+        "conditions": conditions,
+    }
 
 
 def run_other(title: str, script: str, venv: str, ranks: int, args: list, wait: bool):
@@ -78,8 +107,9 @@ def run_other(title: str, script: str, venv: str, ranks: int, args: list, wait: 
         command = launch.mpirun_command(ranks, command)
     env = {**os.environ, **launch.MPI_ENV, **launch.thread_env()}
     os.makedirs(HERE / "out", exist_ok=True)
-    result = subprocess.run(command, cwd=launch.REPO, env=env, capture_output=True, text=True,
-                            timeout=7200)  # fmt: skip
+    result = subprocess.run(
+        command, cwd=launch.REPO, env=env, capture_output=True, text=True, timeout=7200
+    )
     text = result.stdout if result.returncode == 0 else result.stdout + result.stderr[-3000:]
     status = "" if result.returncode == 0 else f" (failed, exit {result.returncode})"
     heading = f"{title}: `{script}`{status}, load before {seen['load1']:.2f}"
@@ -140,9 +170,13 @@ def main(argv=None) -> None:
     parser.add_argument("--others-only", action="store_true", help="only the text benchmarks")
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny sizes, 1-2 repeats")
     parser.add_argument("--no-wait", action="store_true", help="do not wait for a quiet machine")
-    parser.add_argument("--record", nargs=3, metavar=("SCRIPT", "OUTPUT", "NOTE"),
-                        help="store the OUTPUT of SCRIPT run by hand as its appendix, NOTE in "
-                        "its heading, and rewrite the report; runs nothing")  # fmt: skip
+    parser.add_argument(
+        "--record",
+        nargs=3,
+        metavar=("SCRIPT", "OUTPUT", "NOTE"),
+        help="store the OUTPUT of SCRIPT run by hand as its appendix, NOTE in "
+        "its heading, and rewrite the report; runs nothing",
+    )
     parser.add_argument("--results", default=str(HERE / "results.md"))
     parser.add_argument("--json", default=str(HERE / "results.json"))
     parser.add_argument("--plots", default=str(HERE / "plots"))
@@ -178,8 +212,9 @@ def write_report(store: dict, results: str, plots: str) -> list[str]:
         "\n\nConclusions drawn from earlier runs, and how the figures got here, are in "
         "[docs/notes/benchmarks.md](../docs/notes/benchmarks.md)."
     )
-    return write_results(results, plots, store.get("machine", {}), figures, preamble=text,
-                         appendix=appendix)  # fmt: skip
+    return write_results(
+        results, plots, store.get("machine", {}), figures, preamble=text, appendix=appendix
+    )
 
 
 def _save(store: dict, path: str) -> None:

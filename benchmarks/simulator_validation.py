@@ -97,17 +97,23 @@ def worker(args) -> None:
     x, y = synthetic_data(model, args.batch_size * args.steps)
     kind = "data" if partitions == 1 else ("model" if replicas == 1 else "hybrid")
     balance = starts.split(",") if starts != "-" else "layers"
-    strategy = hf.Strategy(kind, partitions=partitions, replicas=replicas,
-                           microbatches=microbatches, schedule="1f1b", balance=balance,
-                           tune_process=True)  # fmt: skip
+    strategy = hf.Strategy(
+        kind,
+        partitions=partitions,
+        replicas=replicas,
+        microbatches=microbatches,
+        schedule="1f1b",
+        balance=balance,
+        tune_process=True,
+    )
     stamps, epoch = [], [0]  # (epoch, each step's start)
     timer = keras.callbacks.LambdaCallback(
         on_epoch_begin=lambda e, logs: epoch.__setitem__(0, e),
         on_train_batch_begin=lambda b, logs: stamps.append((epoch[0], time.perf_counter())),
     )
     timer.needs_batch_logs = False  # it reads a clock, not the logs
-    hf.fit(model, x, y, batch_size=args.batch_size, epochs=args.epochs, verbose=0,
-           strategy=strategy, callbacks=[timer])  # fmt: skip
+    fit = dict(batch_size=args.batch_size, epochs=args.epochs, verbose=0, callbacks=[timer])
+    hf.fit(model, x, y, strategy=strategy, **fit)
     # from one step's start to the next within an epoch, from the second (the first traces)
     periods = [b - a for (e, a), (f, b) in zip(stamps, stamps[1:], strict=False) if e == f >= 1]
     write_result(args.worker_out, hf.rank(), {"step_period": statistics.mean(periods)})
@@ -132,8 +138,9 @@ def wait_for_quiet() -> None:
 
 def _run(command: list[str], timeout: float = 900) -> None:
     wait_for_quiet()
-    result = subprocess.run(command, env={**os.environ, **ENV}, capture_output=True, text=True,
-                            timeout=timeout)  # fmt: skip
+    result = subprocess.run(
+        command, env={**os.environ, **ENV}, capture_output=True, text=True, timeout=timeout
+    )
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr[-4000:]}")
 
@@ -143,8 +150,13 @@ def measure(args, model_path: str, layout, starts: list[str]) -> float:
     config = f"{layout.partitions}x{layout.replicas}x{layout.microbatches}"
     flags = ["--worker", model_path, config, ",".join(starts) or "-"]
     wait_for_quiet()
-    ranks = run_worker(__file__, flags + cli.flags(args, "batch_size", "steps", "epochs"),
-                       np=layout.world, timeout=900, env=MALLOC)  # fmt: skip
+    ranks = run_worker(
+        __file__,
+        flags + cli.flags(args, "batch_size", "steps", "epochs"),
+        np=layout.world,
+        timeout=900,
+        env=MALLOC,
+    )
     return 1e3 * statistics.mean(r["step_period"] for r in ranks)
 
 
@@ -162,9 +174,11 @@ def main(argv=None) -> None:
     layouts = [Layout(p, r, args.microbatches if p > 1 else 1) for p, r in CONFIGS]
     runs = {kind: {layout: [] for layout in layouts} for kind in kinds}
     for kind in kinds:
-        code = (f"import sys; sys.path.insert(0, {str(REPO)!r}); from benchmarks."
-                f"simulator_validation import build_model; build_model({kind!r}).save("
-                f"{os.path.join(folder, kind + '.keras')!r})")  # fmt: skip
+        code = (
+            f"import sys; sys.path.insert(0, {str(REPO)!r}); from benchmarks."
+            f"simulator_validation import build_model; build_model({kind!r}).save("
+            f"{os.path.join(folder, kind + '.keras')!r})"
+        )
         _run([sys.executable, "-c", code])
     for round_ in range(args.rounds):
         wait_for_quiet()
@@ -172,16 +186,30 @@ def main(argv=None) -> None:
         print(f"round {round_}: {network.intra}, reduce {network.reduce_rate:.3g} B/s", flush=True)
         for kind in kinds:
             model_path, costs_path = (os.path.join(folder, kind + e) for e in (".keras", ".json"))
-            _run(["taskset", "-c", "0", sys.executable, __file__, "--calibrate", model_path,
-                  costs_path, "--batch-size", str(args.batch_size)])  # fmt: skip
+            _run(
+                [
+                    "taskset",
+                    "-c",
+                    "0",
+                    sys.executable,
+                    __file__,
+                    "--calibrate",
+                    model_path,
+                    costs_path,
+                    "--batch-size",
+                    str(args.batch_size),
+                ]
+            )
             costs = ModelCosts.load(costs_path)
             for layout in layouts if round_ % 2 == 0 else layouts[::-1]:
                 p = predict(costs, network, layout, args.batch_size, Machine(os.cpu_count()))
                 measured = measure(args, model_path, layout, p.stage_names)
                 runs[kind][layout].append((measured, p.step_time * 1e3))
-                print(f"{kind} {layout.partitions}x{layout.replicas} round {round_}: measured "
-                      f"{measured:.2f} ms, predicted {p.step_time * 1e3:.2f} ms",
-                      flush=True)  # fmt: skip
+                print(
+                    f"{kind} {layout.partitions}x{layout.replicas} round {round_}: measured "
+                    f"{measured:.2f} ms, predicted {p.step_time * 1e3:.2f} ms",
+                    flush=True,
+                )
     rows = {kind: [_row(layout, runs[kind][layout]) for layout in layouts] for kind in kinds}
     print(_table(rows, args.batch_size))
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
@@ -200,27 +228,37 @@ def _row(layout, results: list[tuple[float, float]]) -> dict:
     """
     measured = statistics.median(m for m, _ in results)
     predicted = statistics.median(p for _, p in results)
-    return {"partitions": layout.partitions, "replicas": layout.replicas,
-            "microbatches": layout.microbatches, "measured_ms": measured,
-            "predicted_ms": predicted, "error": predicted / measured - 1,
-            "measured_ms_all": [m for m, _ in results],
-            "predicted_ms_all": [p for _, p in results]}  # fmt: skip
+    return {
+        "partitions": layout.partitions,
+        "replicas": layout.replicas,
+        "microbatches": layout.microbatches,
+        "measured_ms": measured,
+        "predicted_ms": predicted,
+        "error": predicted / measured - 1,
+        "measured_ms_all": [m for m, _ in results],
+        "predicted_ms_all": [p for _, p in results],
+    }
 
 
 def _table(rows: dict, batch: int) -> str:
     """One table: a row per model and layout."""
-    lines = [f"\nglobal batch {batch}, 1F1B; ms per step, medians over rounds (range); "
-             "error = median predicted / median measured - 1",
-             f"{'model':<6} {'P x R':>6} {'M':>3} {'measured':>9} {'range':>13} "
-             f"{'predicted':>10} {'range':>13} {'error':>7}"]  # fmt: skip
+    lines = [
+        f"\nglobal batch {batch}, 1F1B; ms per step, medians over rounds (range); "
+        "error = median predicted / median measured - 1",
+        f"{'model':<6} {'P x R':>6} {'M':>3} {'measured':>9} {'range':>13} "
+        f"{'predicted':>10} {'range':>13} {'error':>7}",
+    ]
     for kind, model_rows in rows.items():
         for r in model_rows:
-            spans = [f"{min(r[k]):.1f}-{max(r[k]):.1f}"
-                     for k in ("measured_ms_all", "predicted_ms_all")]  # fmt: skip
-            lines.append(f"{kind:<6} {r['partitions']:>2} x {r['replicas']:<2} "
-                         f"{r['microbatches']:>3} {r['measured_ms']:>9.2f} {spans[0]:>13} "
-                         f"{r['predicted_ms']:>10.2f} {spans[1]:>13} "
-                         f"{r['error']:>+7.1%}")  # fmt: skip
+            spans = [
+                f"{min(r[k]):.1f}-{max(r[k]):.1f}" for k in ("measured_ms_all", "predicted_ms_all")
+            ]
+            lines.append(
+                f"{kind:<6} {r['partitions']:>2} x {r['replicas']:<2} "
+                f"{r['microbatches']:>3} {r['measured_ms']:>9.2f} {spans[0]:>13} "
+                f"{r['predicted_ms']:>10.2f} {spans[1]:>13} "
+                f"{r['error']:>+7.1%}"
+            )
     return "\n".join(lines)
 
 

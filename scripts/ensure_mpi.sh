@@ -1,13 +1,8 @@
 #!/usr/bin/env bash
 # Use the system Open MPI; install it with apt when missing and we are root on Debian/Ubuntu.
 set -euo pipefail
-if command -v mpirun >/dev/null 2>&1 && command -v mpicc >/dev/null 2>&1; then
-  exit 0
-fi
-if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-  echo "hyparflow: installing Open MPI (openmpi-bin libopenmpi-dev) with apt-get" >&2
-  apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openmpi-bin libopenmpi-dev >/dev/null
+source "$(dirname "$0")/apt_tools.sh"
+if ensure_tools "Open MPI" "mpirun mpicc" "openmpi-bin libopenmpi-dev"; then
   exit 0
 fi
 cat >&2 <<'MSG'

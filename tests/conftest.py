@@ -42,11 +42,21 @@ def pytest_unconfigure(config):
 # scheduling hands files out in collection order, so these start first and a long file does not
 # run alone at the end while the other worker idles.
 LONGEST_FILES = [
-    "test_real_models.py", "test_engine.py", "test_tensor_parallel.py", "test_keras_inputs.py",
-    "test_tutorials.py", "test_memory_plan.py", "test_memory_caps.py", "test_reliability.py",
-    "test_deferred.py", "test_nodes.py", "test_hdf5.py", "test_zero.py",
-    "test_partitioner_applications.py", "test_slurm.py",
-]  # fmt: skip
+    "test_real_models.py",
+    "test_engine.py",
+    "test_tensor_parallel.py",
+    "test_keras_inputs.py",
+    "test_tutorials.py",
+    "test_memory_plan.py",
+    "test_memory_caps.py",
+    "test_reliability.py",
+    "test_deferred.py",
+    "test_nodes.py",
+    "test_hdf5.py",
+    "test_zero.py",
+    "test_partitioner_applications.py",
+    "test_slurm.py",
+]
 
 
 def pytest_collection_modifyitems(config, items):

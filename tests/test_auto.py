@@ -18,8 +18,13 @@ TOLERANCE = 1e-5
 def test_only_an_auto_strategy_without_a_layout_is_open():
     assert hf.Strategy().leaves_layout_open()
     assert hf.Strategy(shard_optimizer=True, memory_per_rank="2GiB").leaves_layout_open()
-    for given in (hf.Strategy("data"), hf.Strategy(partitions=2), hf.Strategy(replicas=2),
-                  hf.Strategy(tensor=2), hf.Strategy("model")):  # fmt: skip
+    for given in (
+        hf.Strategy("data"),
+        hf.Strategy(partitions=2),
+        hf.Strategy(replicas=2),
+        hf.Strategy(tensor=2),
+        hf.Strategy("model"),
+    ):
         assert not given.leaves_layout_open(), given
 
 
@@ -51,7 +56,7 @@ def test_the_search_keeps_the_fields_the_user_set():
     interleaved = _keeping_user_fields(asked, hf.Strategy(schedule="interleaved"))
     assert {(c.schedule, c.virtual_stages) for c in interleaved if c.partitions > 1} == {
         ("interleaved", 3)
-    }  # fmt: skip
+    }
 
 
 def test_what_cannot_be_timed_is_named():

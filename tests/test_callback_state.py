@@ -50,11 +50,14 @@ def test_callbacks_the_checkpoint_has_no_state_for_stay_fresh():
     assert (later.wait, later.best) == (0, None)
 
 
-@pytest.mark.parametrize("restores, best, refused", [
-    (True, 0.5, True),  # the best weights of epoch 2 were in memory only
-    (False, 0.5, False),  # no weights to restore
-    (True, None, False),  # resumed inside the first epoch: no best yet
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "restores, best, refused",
+    [
+        (True, 0.5, True),  # the best weights of epoch 2 were in memory only
+        (False, 0.5, False),  # no weights to restore
+        (True, None, False),  # resumed inside the first epoch: no best yet
+    ],
+)
 def test_a_resume_that_needs_unsaved_best_weights_is_refused(restores, best, refused):
     stop = keras.callbacks.EarlyStopping(monitor="loss", restore_best_weights=restores)
     stop.on_train_begin()

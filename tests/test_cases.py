@@ -12,15 +12,12 @@ def test_every_strategy_field_is_a_case_field_and_reaches_the_strategy():
     case_fields = {f.name for f in dataclasses.fields(Case)}
     strategy_fields = {f.name for f in dataclasses.fields(hf.Strategy)}
     assert strategy_fields <= case_fields
-    assert case_fields - strategy_fields == {"model", "optimizer", "policy", "large_variables",
-                                             "one_step"}  # fmt: skip
-    case = Case("mlp", "adam", "hybrid", partitions=2, replicas=2, microbatches=2,
-                schedule="1f1b", overlap_p2p=False, update_by_segment=True,
-                balance="time")  # fmt: skip
-    strategy = hf.Strategy(**case.strategy_options())
-    assert strategy == hf.Strategy("hybrid", partitions=2, replicas=2, microbatches=2,
-                                   schedule="1f1b", overlap_p2p=False, update_by_segment=True,
-                                   balance="time")  # fmt: skip
+    own = {"model", "optimizer", "policy", "large_variables", "one_step"}
+    assert case_fields - strategy_fields == own
+    layout = {"partitions": 2, "replicas": 2, "microbatches": 2, "schedule": "1f1b"}
+    options = {"overlap_p2p": False, "update_by_segment": True, "balance": "time"}
+    case = Case("mlp", "adam", "hybrid", **layout, **options)
+    assert hf.Strategy(**case.strategy_options()) == hf.Strategy("hybrid", **layout, **options)
     assert case.id == "mlp-adam-hybrid-P2R2-M2-1f1b-blocking-bysegment-balance=time"
     assert Case.from_json(case.to_json()) == case
 

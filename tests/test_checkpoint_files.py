@@ -16,9 +16,15 @@ from hyparflow.comm.watchdog import Watchdog, resolve_timeout
 
 def _manifest(step):
     return manifests.Manifest(
-        step=step, epoch=0, batch=step, seed=1, partitions=2, replicas=1,
-        weights=[["d/kernel", [2, 3], "float32"]], files={},
-    )  # fmt: skip
+        step=step,
+        epoch=0,
+        batch=step,
+        seed=1,
+        partitions=2,
+        replicas=1,
+        weights=[["d/kernel", [2, 3], "float32"]],
+        files={},
+    )
 
 
 def _checkpoint(directory, step, complete=True):

@@ -341,8 +341,10 @@ def test_a_failure_notice_frees_ranks_blocked_in_a_receive_and_in_collectives(ra
 
 
 def test_a_failure_is_said_in_one_line():
-    error = ValueError("Graph execution error:\n\nDetected at node x defined at:\n  File a\n"
-                       "bad value : Tensor had NaN values\n\t [[{{node x}}]] [Op:f]")  # fmt: skip
+    error = ValueError(
+        "Graph execution error:\n\nDetected at node x defined at:\n  File a\n"
+        "bad value : Tensor had NaN values\n\t [[{{node x}}]] [Op:f]"
+    )
     assert failure._first_line(error) == "ValueError: bad value : Tensor had NaN values"
     assert failure._first_line(KeyError("k")) == "KeyError: 'k'"
     assert failure._first_line(RuntimeError("")) == "RuntimeError: "

@@ -62,10 +62,16 @@ def test_committed_files_are_what_the_recipe_generates():
 def test_hpccm_command_line_runs_the_same_recipe(variant, container_format):
     generate = _generate()
     command = [
-        _tool("hpccm", "hpccm"), "--recipe", os.path.join(CONTAINERS, "recipe.py"),
-        "--userarg", f"variant={variant}", "--format", container_format,
-        "--singularity-version", generate.SINGULARITY_VERSION,
-    ]  # fmt: skip
+        _tool("hpccm", "hpccm"),
+        "--recipe",
+        os.path.join(CONTAINERS, "recipe.py"),
+        "--userarg",
+        f"variant={variant}",
+        "--format",
+        container_format,
+        "--singularity-version",
+        generate.SINGULARITY_VERSION,
+    ]
     out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
     expected = generate.render(variant, container_format)
     assert out.strip() == expected.removeprefix(generate.HEADER).strip()

@@ -123,8 +123,9 @@ def test_building_and_compiling_inside_the_scope_trains_as_keras(optimizer, poli
     assert int(step.numpy()) == 0 and float(rate.numpy()) == pytest.approx(1e-3)
     assert not any(deferred.is_deferred(v) for v in model.optimizer.variables)
     assert (model.jit_compile, model.steps_per_execution) == (
-        reference.jit_compile, reference.steps_per_execution
-    )  # fmt: skip
+        reference.jit_compile,
+        reference.steps_per_execution,
+    )
     data = [np.ones((8, 16), "float32"), np.arange(24).reshape(8, 3) % 20], np.ones((8, 4))
     history = hf.fit(model, *data, batch_size=4, epochs=2, verbose=0)
     expected = reference.fit(*data, batch_size=4, epochs=2, verbose=0)
@@ -233,8 +234,11 @@ def test_a_deferred_checkpoint_exports_and_resumes_exactly(four_ranks):
 def _python(*arguments) -> dict:
     done = subprocess.run(
         [sys.executable, "-m", "tests.mpi.export_memory", *arguments],
-        capture_output=True, text=True, timeout=300, cwd=REPO,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 

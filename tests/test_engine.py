@@ -11,45 +11,64 @@ from importlib import metadata
 import pytest
 from packaging import version
 
-from tests.support.cases import Case
+from tests.support.cases import Case, two_by_two, two_stages
 from tests.support.equivalence import assert_within, launched
 
 pytestmark = pytest.mark.mpi  # every test here starts MPI jobs
 
-# Case(model, optimizer, kind, ...): models and optimizers of tests/support/models.py
+
+def _replicated(replicas: int, **optimizers: str) -> list:
+    """Data-parallel cases on `replicas` ranks: each model named trained by its optimizer."""
+    return [
+        Case(model, optimizer, "data", replicas=replicas) for model, optimizer in optimizers.items()
+    ]
+
+
+def _every_model_under(schedule: str) -> list:
+    """Two-stage cases of a schedule that reshapes the backward (ZB-H1 splits it, interleaved
+    1F1B runs it in chunks), one a model; float16 layers cannot be split: under ZB-H1 its
+    stages run 1F1B's merged backward."""
+    return [
+        two_stages("mlp", "adam", microbatches=4, schedule=schedule),
+        two_stages("sequential", "sgd", microbatches=2, schedule=schedule),
+        two_stages("cnn", "adam", microbatches=2, schedule=schedule),
+        two_stages("resnet", "sgd", microbatches=4, schedule=schedule, recompute=True),
+        two_stages("multi_io", "adam", microbatches=2, schedule=schedule),
+        two_stages("batchnorm", "adam", schedule=schedule),
+        two_stages("embedding", "adam", microbatches=2, schedule=schedule),
+        two_stages("l2_mlp", "adam", microbatches=2, schedule=schedule, policy="mixed_float16"),
+    ]
+
+
+# Case(model, optimizer, kind, ...): models and optimizers of tests/support/models.py; two_stages
+# and two_by_two: the P=2 and P=2 x R=2 layouts (tests/support/cases.py)
 TWO_RANKS = [
-    Case("mlp", "sgd", "data", replicas=2),
-    Case("cnn", "adam", "data", replicas=2),
-    Case("resnet", "sgd", "data", replicas=2),
-    Case("multi_io", "adam", "data", replicas=2),
-    Case("shared", "sgd", "data", replicas=2),
-    Case("l2_mlp", "adam", "data", replicas=2),
+    *_replicated(
+        2, mlp="sgd", cnn="adam", resnet="sgd", multi_io="adam", shared="sgd", l2_mlp="adam"
+    ),
     Case("l2_mlp", "adam", "data", replicas=2, large_variables=True),
     # (the 2-stage mlp, Sequential and CNN run under ZB-H1 and interleaved below, and 1F1B at 4
     # ranks)
-    Case("resnet", "sgd", "model", partitions=2, microbatches=4, schedule="1f1b"),
-    Case("multi_io", "sgd", "model", partitions=2),
-    Case("shared", "adam", "model", partitions=2, microbatches=4),
-    Case("l2_mlp", "adam", "model", partitions=2, schedule="1f1b"),
-    Case("batchnorm", "sgd", "model", partitions=2),
-    Case("batchnorm", "adam", "model", partitions=2, schedule="1f1b"),
-    Case("resnet", "schedule", "model", partitions=2, microbatches=2, schedule="1f1b"),
-    Case("l2_mlp", "adam", "model", partitions=2, microbatches=2, schedule="1f1b",
-         policy="mixed_float16"),
-    Case("l2_mlp", "adam", "model", partitions=2, policy="mixed_bfloat16"),
-    Case("batchnorm", "adam", "model", partitions=2, schedule="1f1b", recompute=True),
-    Case("resnet", "sgd", "model", partitions=2, microbatches=4, recompute=True),
-    Case("multi_io", "adam", "model", partitions=2, microbatches=4, schedule="1f1b",
-         overlap_p2p=False),
+    two_stages("resnet", "sgd", microbatches=4, schedule="1f1b"),
+    two_stages("multi_io", "sgd"),
+    two_stages("shared", "adam", microbatches=4),
+    two_stages("l2_mlp", "adam", schedule="1f1b"),
+    two_stages("batchnorm", "sgd"),
+    two_stages("batchnorm", "adam", schedule="1f1b"),
+    two_stages("resnet", "schedule", microbatches=2, schedule="1f1b"),
+    two_stages("l2_mlp", "adam", microbatches=2, schedule="1f1b", policy="mixed_float16"),
+    two_stages("l2_mlp", "adam", policy="mixed_bfloat16"),
+    two_stages("batchnorm", "adam", schedule="1f1b", recompute=True),
+    two_stages("resnet", "sgd", microbatches=4, recompute=True),
+    two_stages("multi_io", "adam", microbatches=4, schedule="1f1b", overlap_p2p=False),
     Case("cnn", "sgd", "data", replicas=2, microbatches=2, schedule="1f1b", overlap_groups=3),
     # one replica: each segment's update applied as the last backward ends it
-    Case("l2_mlp", "adam", "model", partitions=2, microbatches=2, schedule="1f1b",
-         overlap_groups=2),
-    Case("resnet", "adam", "model", partitions=2, overlap_groups=3),
-    Case("batchnorm", "adam", "model", partitions=2, recompute=True, overlap_groups=2),
-    Case("l2_mlp", "adam", "model", partitions=2, microbatches=2, recompute=True, overlap_groups=2),
-    Case("l2_mlp", "adam", "model", partitions=2, microbatches=2, policy="mixed_float16",
-         overlap_groups=2),  # loss scaling: one update after the backward
+    two_stages("l2_mlp", "adam", microbatches=2, schedule="1f1b", overlap_groups=2),
+    two_stages("resnet", "adam", overlap_groups=3),
+    two_stages("batchnorm", "adam", recompute=True, overlap_groups=2),
+    two_stages("l2_mlp", "adam", microbatches=2, recompute=True, overlap_groups=2),
+    # loss scaling: one update after the backward
+    two_stages("l2_mlp", "adam", microbatches=2, policy="mixed_float16", overlap_groups=2),
     # update_by_segment with replicas: each segment summed over them, then applied
     Case("l2_mlp", "adam", "data", replicas=2, update_by_segment=True),
     Case("multi_io", "adam", "data", replicas=2, microbatches=2, update_by_segment=True),
@@ -57,94 +76,55 @@ TWO_RANKS = [
     # an embedding table's row-sparse gradients through every gradient path
     Case("embedding", "adam", "data", replicas=2, microbatches=2),
     Case("embedding", "adam", "data", replicas=2, microbatches=2, flat_gradients=False),
-    Case("embedding", "adam", "model", partitions=2, microbatches=2, schedule="1f1b",
-         recompute=True),
-    Case("embedding", "adam", "model", partitions=2, microbatches=2, overlap_p2p=False),
-    Case("embedding", "adam", "model", partitions=2, microbatches=2, schedule="1f1b",
-         policy="mixed_float16"),
+    two_stages("embedding", "adam", microbatches=2, schedule="1f1b", recompute=True),
+    two_stages("embedding", "adam", microbatches=2, overlap_p2p=False),
+    two_stages("embedding", "adam", microbatches=2, schedule="1f1b", policy="mixed_float16"),
     # ZB-H1: each backward split into input gradients (B) and weight gradients (W, later)
-    Case("mlp", "adam", "model", partitions=2, microbatches=4, schedule="zero_bubble"),
-    Case("sequential", "sgd", "model", partitions=2, microbatches=2, schedule="zero_bubble"),
-    Case("cnn", "adam", "model", partitions=2, microbatches=2, schedule="zero_bubble"),
-    Case("resnet", "sgd", "model", partitions=2, microbatches=4, schedule="zero_bubble",
-         recompute=True),
-    Case("multi_io", "adam", "model", partitions=2, microbatches=2, schedule="zero_bubble"),
-    Case("shared", "sgd", "model", partitions=2, microbatches=2, schedule="zero_bubble"),
-    Case("l2_mlp", "adam", "model", partitions=2, microbatches=2, schedule="zero_bubble"),
-    Case("batchnorm", "adam", "model", partitions=2, schedule="zero_bubble"),
-    Case("embedding", "adam", "model", partitions=2, microbatches=2, schedule="zero_bubble"),
-    # float16 layers cannot be split: the stages run 1F1B's merged backward
-    Case("l2_mlp", "adam", "model", partitions=2, microbatches=2, schedule="zero_bubble",
-         policy="mixed_float16"),
+    *_every_model_under("zero_bubble"),
+    two_stages("shared", "sgd", microbatches=2, schedule="zero_bubble"),
+    two_stages("l2_mlp", "adam", microbatches=2, schedule="zero_bubble"),
     # interleaved 1F1B: each rank runs two model chunks (three: the tied layer's two calls
     # fall in chunks 0 and 2 of rank 0, so one rank sums their gradients itself)
-    Case("mlp", "adam", "model", partitions=2, microbatches=4, schedule="interleaved"),
-    Case("sequential", "sgd", "model", partitions=2, microbatches=2, schedule="interleaved"),
-    Case("cnn", "adam", "model", partitions=2, microbatches=2, schedule="interleaved"),
-    Case("resnet", "sgd", "model", partitions=2, microbatches=4, schedule="interleaved",
-         recompute=True),
-    Case("multi_io", "adam", "model", partitions=2, microbatches=2, schedule="interleaved"),
-    Case("shared", "sgd", "model", partitions=2, microbatches=2, schedule="interleaved",
-         virtual_stages=3),
-    Case("l2_mlp", "adam", "model", partitions=2, schedule="interleaved"),  # m < p: idle slots
-    Case("batchnorm", "adam", "model", partitions=2, schedule="interleaved"),
-    Case("embedding", "adam", "model", partitions=2, microbatches=2, schedule="interleaved"),
-    Case("l2_mlp", "adam", "model", partitions=2, microbatches=2, schedule="interleaved",
-         policy="mixed_float16"),
-]  # fmt: skip
+    *_every_model_under("interleaved"),
+    two_stages("shared", "sgd", microbatches=2, schedule="interleaved", virtual_stages=3),
+    two_stages("l2_mlp", "adam", schedule="interleaved"),  # m < p: idle slots
+]
 FOUR_RANKS = [
-    Case("mlp", "adam", "data", replicas=4),
-    Case("cnn", "sgd", "data", replicas=4),
-    Case("resnet", "adam", "data", replicas=4),
-    Case("multi_io", "sgd", "data", replicas=4),
-    Case("l2_mlp", "sgd", "data", replicas=4),
+    *_replicated(4, mlp="adam", cnn="sgd", resnet="adam", multi_io="sgd", l2_mlp="sgd"),
     Case("mlp", "sgd", "model", partitions=4, microbatches=4),
-    Case("sequential", "sgd", "hybrid", partitions=2, replicas=2, microbatches=2),
+    two_by_two("sequential", "sgd", microbatches=2),
     Case("resnet", "adam", "model", partitions=4, microbatches=4, schedule="1f1b"),
     Case("cnn", "adam", "model", partitions=4, microbatches=2),
     Case("multi_io", "adam", "model", partitions=4, microbatches=2, schedule="1f1b"),
     Case("shared", "sgd", "model", partitions=4, microbatches=4, schedule="1f1b"),
     Case("l2_mlp", "adam", "model", partitions=4, microbatches=2),
     Case("batchnorm", "sgd", "model", partitions=4, schedule="1f1b"),
-    Case("mlp", "adam", "hybrid", partitions=2, replicas=2, microbatches=2, schedule="1f1b"),
-    Case("resnet", "sgd", "hybrid", partitions=2, replicas=2, microbatches=2),
-    Case("cnn", "adam", "hybrid", partitions=2, replicas=2, schedule="1f1b"),
-    Case("multi_io", "sgd", "hybrid", partitions=2, replicas=2, microbatches=2, schedule="1f1b"),
-    Case("shared", "adam", "hybrid", partitions=2, replicas=2, microbatches=2),
-    Case("l2_mlp", "sgd", "hybrid", partitions=2, replicas=2, microbatches=2, schedule="1f1b"),
-    Case("cnn", "schedule", "hybrid", partitions=2, replicas=2, microbatches=2),
-    Case("resnet", "adam", "hybrid", partitions=2, replicas=2, microbatches=2,
-         policy="mixed_float16"),
-    Case("cnn", "adam", "hybrid", partitions=2, replicas=2, microbatches=2, schedule="1f1b",
-         recompute=True),
+    two_by_two("mlp", "adam", microbatches=2, schedule="1f1b"),
+    two_by_two("resnet", "sgd", microbatches=2),
+    two_by_two("cnn", "adam", schedule="1f1b"),
+    two_by_two("multi_io", "sgd", microbatches=2, schedule="1f1b"),
+    two_by_two("shared", "adam", microbatches=2),
+    two_by_two("l2_mlp", "sgd", microbatches=2, schedule="1f1b"),
+    two_by_two("cnn", "schedule", microbatches=2),
+    two_by_two("resnet", "adam", microbatches=2, policy="mixed_float16"),
+    two_by_two("cnn", "adam", microbatches=2, schedule="1f1b", recompute=True),
     Case("resnet", "adam", "model", partitions=4, microbatches=4, overlap_p2p=False),
     Case("mlp", "adam", "data", replicas=4, microbatches=2, overlap_groups=3),
     Case("resnet", "adam", "data", replicas=4, update_by_segment=True),
-    Case("l2_mlp", "adam", "hybrid", partitions=2, replicas=2, microbatches=2, schedule="1f1b",
-         update_by_segment=True),
-    Case("resnet", "sgd", "hybrid", partitions=2, replicas=2, microbatches=2, schedule="1f1b",
-         overlap_groups=3),
-    Case("multi_io", "adam", "hybrid", partitions=2, replicas=2, microbatches=2, recompute=True,
-         overlap_groups=3),
-    Case("l2_mlp", "adam", "hybrid", partitions=2, replicas=2, microbatches=2, schedule="1f1b",
-         flat_gradients=False),
-    Case("resnet", "adam", "hybrid", partitions=2, replicas=2, microbatches=2, schedule="1f1b",
-         large_variables=True),
-    Case("embedding", "adam", "hybrid", partitions=2, replicas=2, microbatches=2, schedule="1f1b",
-         large_variables=True),
-    Case("embedding", "adam", "hybrid", partitions=2, replicas=2, microbatches=2,
-         flat_gradients=False),
+    two_by_two("l2_mlp", "adam", microbatches=2, schedule="1f1b", update_by_segment=True),
+    two_by_two("resnet", "sgd", microbatches=2, schedule="1f1b", overlap_groups=3),
+    two_by_two("multi_io", "adam", microbatches=2, recompute=True, overlap_groups=3),
+    two_by_two("l2_mlp", "adam", microbatches=2, schedule="1f1b", flat_gradients=False),
+    two_by_two("resnet", "adam", microbatches=2, schedule="1f1b", large_variables=True),
+    two_by_two("embedding", "adam", microbatches=2, schedule="1f1b", large_variables=True),
+    two_by_two("embedding", "adam", microbatches=2, flat_gradients=False),
     Case("resnet", "adam", "model", partitions=4, microbatches=2, schedule="zero_bubble"),
-    Case("embedding", "adam", "hybrid", partitions=2, replicas=2, microbatches=2,
-         schedule="zero_bubble"),
-    Case("cnn", "adam", "hybrid", partitions=2, replicas=2, microbatches=2, schedule="zero_bubble",
-         recompute=True),
+    two_by_two("embedding", "adam", microbatches=2, schedule="zero_bubble"),
+    two_by_two("cnn", "adam", microbatches=2, schedule="zero_bubble", recompute=True),
     Case("resnet", "adam", "model", partitions=4, microbatches=2, schedule="interleaved"),
-    Case("embedding", "adam", "hybrid", partitions=2, replicas=2, microbatches=2,
-         schedule="interleaved"),
-    Case("cnn", "adam", "hybrid", partitions=2, replicas=2, microbatches=2, schedule="interleaved",
-         recompute=True),
-]  # fmt: skip
+    two_by_two("embedding", "adam", microbatches=2, schedule="interleaved"),
+    two_by_two("cnn", "adam", microbatches=2, schedule="interleaved", recompute=True),
+]
 TOLERANCE = 1e-5
 # mixed_float16: Keras and the pipeline round float16 activations of different micro-batch
 # shapes differently; weights agree to about 1e-3, and the dynamic loss scale exactly. The floor

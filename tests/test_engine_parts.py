@@ -56,27 +56,46 @@ def _parts(model, microbatches=2):
     strategy = hf.Strategy("data", microbatches=microbatches).resolve(1)
     variables = list(model.trainable_variables)
     runner = FusedRunner(
-        lambda inputs, training: model(inputs, training=training), variables,
+        lambda inputs, training: model(inputs, training=training),
+        variables,
         loss=_keras.compiled_loss(model),  # the penalties are the update's (as in the trainer)
         microbatches=microbatches,
-    )  # fmt: skip
+    )
     walk = PipelineWalk(
-        model, topology, strategy, [Chunk(None, runner, True, True)], guard=_no_guard,
-        span=events.Spans().span, loss=None, update_metrics=lambda *args: None, whole_inputs=True,
-    )  # fmt: skip
+        model,
+        topology,
+        strategy,
+        [Chunk(None, runner, True, True)],
+        guard=_no_guard,
+        span=events.Spans().span,
+        loss=None,
+        update_metrics=lambda *args: None,
+        whole_inputs=True,
+    )
     sync = GradientSync(
-        topology, runner, variables, list(range(len(variables))), [], backend="mpi",
-        shared=None, overlap=None,
-    )  # fmt: skip
+        topology,
+        runner,
+        variables,
+        list(range(len(variables))),
+        [],
+        backend="mpi",
+        shared=None,
+        overlap=None,
+    )
     return topology, walk, runner, sync
 
 
 def _update(model, topology, variables, sync):
     """The stage's `Update` (it owns every variable: one stage)."""
     return Update(
-        model, topology, variables, variables, partitioned=False, guard=_no_guard,
+        model,
+        topology,
+        variables,
+        variables,
+        partitioned=False,
+        guard=_no_guard,
         merge=sync.merge,
-    )  # fmt: skip
+    )
 
 
 def _batch(x, y):
@@ -121,9 +140,14 @@ def test_a_gradient_path_steps_the_optimizer_as_keras_does(sharded):
     update = _update(model, topology, variables, sync)
     zero = ShardedUpdate(model, topology, variables, update, sync) if sharded else None
     path = build_gradient_path(
-        sync, update, None, zero, span=lambda *kind: contextlib.nullcontext(), guard=_no_guard,
+        sync,
+        update,
+        None,
+        zero,
+        span=lambda *kind: contextlib.nullcontext(),
+        guard=_no_guard,
         step=lambda: 0,
-    )  # fmt: skip
+    )
     assert isinstance(path, WholePath)
     assert path.reduction is (zero or sync) and path.application is (zero or update)
     assert path.begin(check_numerics=True) is None  # no overlap: nothing to call per segment
@@ -226,8 +250,9 @@ def test_chunk_runners_sum_a_shared_variable_and_table_over_the_rank_s_chunks():
             grads = [chunks.take_sparse_gradients()[0], *layout.unflatten_fn(flat)]
         assert isinstance(grads[0], tf.IndexedSlices) and grads[0].indices.shape[0] == 6
         for got, want in zip(grads, expected, strict=True):
-            np.testing.assert_allclose(tf.convert_to_tensor(got), tf.convert_to_tensor(want),
-                                       rtol=1e-6)  # fmt: skip
+            np.testing.assert_allclose(
+                tf.convert_to_tensor(got), tf.convert_to_tensor(want), rtol=1e-6
+            )
 
 
 def test_shards_clip_as_keras_clips_their_whole_variables():

@@ -82,8 +82,9 @@ CASES = [
 
 
 @pytest.mark.parametrize("version, query, gpu_query, built, env, aware, reason", CASES)
-def test_detection_decides_from_injected_facts(version, query, gpu_query, built, env, aware,
-                                               reason):  # fmt: skip
+def test_detection_decides_from_injected_facts(
+    version, query, gpu_query, built, env, aware, reason
+):
     answer = decide(MpiFacts(version, query, gpu_query, built, env))
     assert answer.aware is aware and reason in answer.reason
 
@@ -236,8 +237,9 @@ def test_forcing_the_device_path_on_a_gpu_without_cuda_aware_mpi_is_refused(monk
     comm = Loopback()
     with pytest.raises(RuntimeError, match="transport='device' would hand GPU memory"):
         PipeChannel(comm, 1, SPECS, 2, transport="device", device=GPU, cuda_aware=NOT_AWARE)
-    cpu_channel = PipeChannel(comm, 1, SPECS, 2, transport="device", device="/CPU:0",
-                              cuda_aware=NOT_AWARE)  # fmt: skip
+    cpu_channel = PipeChannel(
+        comm, 1, SPECS, 2, transport="device", device="/CPU:0", cuda_aware=NOT_AWARE
+    )
     with pytest.raises(RuntimeError, match="HYPARFLOW_CUDA_AWARE=1 if this MPI library"):
         cpu_channel.isend(tensors(), 0, FORWARD)
     assert comm.handed == []  # refused before any MPI call
@@ -328,7 +330,7 @@ SLURM = "CUDA_VISIBLE_DEVICES=0,1,2,3"
             1,
             [RankGpus(2, "CUDA_VISIBLE_DEVICES=0,1"), RankGpus(2, "CUDA_VISIBLE_DEVICES=2,3")],
             None,
-        ),  # fmt: skip
+        ),
         (0, [RankGpus(4, narrowed=True)] * 2, None),  # the process chose already (tf.config)
     ],
 )
@@ -374,8 +376,9 @@ class FakeTf:
     """Records what binding asks of tf.config; `initialised` makes it refuse as TF does."""
 
     def __init__(self, monkeypatch, count=2, initialised=False):
-        self.gpus = [tf.config.PhysicalDevice(f"/physical_device:GPU:{i}", "GPU") for i in
-                     range(count)]  # fmt: skip
+        self.gpus = [
+            tf.config.PhysicalDevice(f"/physical_device:GPU:{i}", "GPU") for i in range(count)
+        ]
         self.visible, self.growth, self.initialised = list(self.gpus), [], initialised
         monkeypatch.setattr(tf.config, "list_physical_devices", lambda kind=None: self.gpus)
         monkeypatch.setattr(tf.config, "get_visible_devices", lambda kind=None: self.visible)
@@ -414,8 +417,9 @@ def test_on_a_machine_without_gpus_binding_touches_nothing(monkeypatch):
     assert not gpu.bind(Binding(None, "no GPU"))
     for name in ("set_visible_devices",):
         monkeypatch.setattr(tf.config, name, lambda *a, **k: pytest.fail("touched TF"))
-    monkeypatch.setattr(tf.config.experimental, "set_memory_growth",
-                        lambda *a, **k: pytest.fail("touched TF"))  # fmt: skip
+    monkeypatch.setattr(
+        tf.config.experimental, "set_memory_growth", lambda *a, **k: pytest.fail("touched TF")
+    )
     monkeypatch.setattr(cuda_aware, "gather_facts", lambda: pytest.fail("detected"))
     monkeypatch.setattr(gpu, "node_view", lambda *a: pytest.fail("split the node"))
     assert devices.prepare(Peers(rank=0, peer={tuple: (0, True)}), bind=True) is None
@@ -502,8 +506,9 @@ def test_the_tensor_handed_back_by_a_staged_receive_is_on_the_channels_device(mo
     comm = Loopback()
     grad = tf.ones((4, 3))
     with pytest.warns(RuntimeWarning):
-        channel = PipeChannel(comm, 1, SPECS, 1, backward_specs=SPECS[:1], device=GPU,
-                              cuda_aware=NOT_AWARE)  # fmt: skip
+        channel = PipeChannel(
+            comm, 1, SPECS, 1, backward_specs=SPECS[:1], device=GPU, cuda_aware=NOT_AWARE
+        )
         channel.isend([grad], 0, BACKWARD)
     (got,) = channel.recv(0, BACKWARD)
     channel.wait_sends()

@@ -51,8 +51,15 @@ four_ranks = launched("horovod_fit", 4, FOUR_RANKS, timeout=840)
 
 
 def _check(case, ranks):
-    assert_within(ranks, TOLERANCE, "horovod_vs_mpi", "horovod_vs_keras", "mpi_vs_keras",
-                  "history_vs_keras", "predict_vs_mpi")  # fmt: skip
+    assert_within(
+        ranks,
+        TOLERANCE,
+        "horovod_vs_mpi",
+        "horovod_vs_keras",
+        "mpi_vs_keras",
+        "history_vs_keras",
+        "predict_vs_mpi",
+    )
     for r in ranks:
         where = f"rank {r['rank']}"
         assert r["reducer"] == "HorovodReducer", where

@@ -87,8 +87,11 @@ def _by_case(rank_results: list) -> dict:
 
 def _lost(run, rank: int) -> dict:
     tail = run.stderr[rank][-400:] if rank < len(run.stderr) else ""
-    return {"rank": rank, "lost": True,
-            "error": f"no report (job ended with {run.returncode}): {tail}"}  # fmt: skip
+    return {
+        "rank": rank,
+        "lost": True,
+        "error": f"no report (job ended with {run.returncode}): {tail}",
+    }
 
 
 def save(results: dict) -> None:
@@ -102,8 +105,12 @@ def save(results: dict) -> None:
     today = datetime.date.today().isoformat()
     for case_id, ranks in results.items():
         family = case_id.split("-")[0]
-        saved[case_id] = {"family": family, "layout": LAYOUT[case_id], "date": today,
-                          "ranks": ranks}  # fmt: skip
+        saved[case_id] = {
+            "family": family,
+            "layout": LAYOUT[case_id],
+            "date": today,
+            "ranks": ranks,
+        }
     with open(path, "w") as f:
         json.dump(saved, f, indent=1, sort_keys=True)
 

@@ -6,15 +6,26 @@ import pytest
 from hyparflow.launch import cpus_per_rank, local_rank, slurm_job
 
 SRUN_TASK = {
-    "SLURM_JOB_ID": "42", "SLURM_JOB_NAME": "train", "SLURM_JOB_NODELIST": "node[1-2]",
-    "SLURM_JOB_NUM_NODES": "2", "SLURM_NTASKS": "8", "SLURM_STEP_NUM_TASKS": "8",
-    "SLURM_CPUS_PER_TASK": "4", "SLURM_STEP_ID": "0", "SLURM_PROCID": "5", "SLURM_LOCALID": "1",
-}  # fmt: skip
+    "SLURM_JOB_ID": "42",
+    "SLURM_JOB_NAME": "train",
+    "SLURM_JOB_NODELIST": "node[1-2]",
+    "SLURM_JOB_NUM_NODES": "2",
+    "SLURM_NTASKS": "8",
+    "SLURM_STEP_NUM_TASKS": "8",
+    "SLURM_CPUS_PER_TASK": "4",
+    "SLURM_STEP_ID": "0",
+    "SLURM_PROCID": "5",
+    "SLURM_LOCALID": "1",
+}
 # What mpirun's ranks inherit from the batch shell: no step, the shell's task ids.
 BATCH_SHELL = {
-    "SLURM_JOB_ID": "43", "SLURM_JOB_NODELIST": "node1", "SLURM_NNODES": "1",
-    "SLURM_NTASKS": "2", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
-}  # fmt: skip
+    "SLURM_JOB_ID": "43",
+    "SLURM_JOB_NODELIST": "node1",
+    "SLURM_NNODES": "1",
+    "SLURM_NTASKS": "2",
+    "SLURM_PROCID": "0",
+    "SLURM_LOCALID": "0",
+}
 
 
 def test_outside_slurm():

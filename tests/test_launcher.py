@@ -34,8 +34,13 @@ X_THREADS = ["-x", "TF_NUM_INTRAOP_THREADS", "-x", "TF_NUM_INTEROP_THREADS"]
 X_THREADS += ["-x", "OMP_NUM_THREADS"]
 X_ROOT = ["-x", "OMPI_ALLOW_RUN_AS_ROOT", "-x", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"]
 # What sbatch -n 2 (2 CPUs) gives its batch script, as the test cluster sets it.
-BATCH = {"SLURM_JOB_ID": "77", "SLURM_NTASKS": "2", "SLURM_JOB_CPUS_PER_NODE": "2",
-         "SLURM_TASKS_PER_NODE": "2", "SLURM_JOB_NUM_NODES": "1"}  # fmt: skip
+BATCH = {
+    "SLURM_JOB_ID": "77",
+    "SLURM_NTASKS": "2",
+    "SLURM_JOB_CPUS_PER_NODE": "2",
+    "SLURM_TASKS_PER_NODE": "2",
+    "SLURM_JOB_NUM_NODES": "1",
+}
 
 
 def facts(environ=None, root=False, cores=2, tools=("mpirun",), files=("train.py",), texts=None):
@@ -67,10 +72,8 @@ def error(opts, here) -> str:
 def test_mpirun_binds_one_core_per_rank_and_one_thread_each():
     launch = build(options("train.py", "--epochs", "3", ranks=2), facts())
     assert launch.launcher == "mpirun"
-    assert list(launch.argv) == [
-        "mpirun", "-np", "2", "--map-by", "slot:PE=1", "--bind-to", "core", *X_THREADS,
-        PY, "train.py", "--epochs", "3",
-    ]  # fmt: skip
+    binding = shlex.split("mpirun -np 2 --map-by slot:PE=1 --bind-to core")
+    assert list(launch.argv) == [*binding, *X_THREADS, PY, "train.py", "--epochs", "3"]
     assert launch.env == THREADS_1
     assert launch.notes == ()
 
@@ -79,8 +82,10 @@ def test_the_cores_are_shared_out_and_size_the_thread_pools():
     launch = build(options(ranks=2), facts(cores=16))
     assert "slot:PE=8" in launch.argv
     assert launch.env == {
-        "TF_NUM_INTRAOP_THREADS": "8", "TF_NUM_INTEROP_THREADS": "2", "OMP_NUM_THREADS": "8"
-    }  # fmt: skip
+        "TF_NUM_INTRAOP_THREADS": "8",
+        "TF_NUM_INTEROP_THREADS": "2",
+        "OMP_NUM_THREADS": "8",
+    }
     assert "slot:PE=2" in build(options(ranks=3), facts(cores=8)).argv  # 3 x 2 <= 8
 
 
@@ -94,8 +99,10 @@ def test_threads_the_user_set_are_kept_and_still_passed_on():
 def test_root_gets_open_mpis_two_variables_and_others_do_not():
     launch = build(options(ranks=2), facts(root=True))
     assert launch.env == {
-        **THREADS_1, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"
-    }  # fmt: skip
+        **THREADS_1,
+        "OMPI_ALLOW_RUN_AS_ROOT": "1",
+        "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+    }
     assert launch.argv[-2 - len(X_ROOT) : -2] == tuple(X_ROOT)
     assert not any(name.startswith("OMPI_ALLOW") for name in build(options(ranks=2), facts()).env)
     assert not any(word.startswith("OMPI_ALLOW") for word in build(options(ranks=2), facts()).argv)
@@ -170,8 +177,14 @@ def test_mpirun_inside_slurm_uses_the_allocations_tasks_and_cpus_per_task():
     here = facts(environ=environ, cores=8, tools=("mpirun", "srun"))
     launch = build(options(launcher="mpirun"), here)  # -n: the allocation's 2 tasks
     assert list(launch.argv[:7]) == [
-        "mpirun", "-np", "2", "--map-by", "slot:PE=4", "--bind-to", "core"
-    ]  # fmt: skip
+        "mpirun",
+        "-np",
+        "2",
+        "--map-by",
+        "slot:PE=4",
+        "--bind-to",
+        "core",
+    ]
     assert launch.env["TF_NUM_INTRAOP_THREADS"] == "4"
     assert "the Slurm allocation has 2 task(s)" in error(options(ranks=3, launcher="mpirun"), here)
 
@@ -183,10 +196,8 @@ def test_inside_an_allocation_srun_starts_the_ranks_with_pmix():
     here = facts(environ=BATCH, root=True, tools=("mpirun", "srun"))
     launch = build(options("train.py", ranks=2), here)
     assert launch.launcher == "srun"
-    assert list(launch.argv) == [
-        "srun", "--mpi=pmix", "-n", "2", "-c", "1", "--cpu-bind=cores", "--kill-on-bad-exit=1",
-        PY, "train.py",
-    ]  # fmt: skip
+    srun = shlex.split("srun --mpi=pmix -n 2 -c 1 --cpu-bind=cores --kill-on-bad-exit=1")
+    assert list(launch.argv) == [*srun, PY, "train.py"]
     assert launch.env == THREADS_1  # no Open MPI root variables: no mpirun runs
     assert build(options(), here).argv[:4] == ("srun", "--mpi=pmix", "-n", "2")  # SLURM_NTASKS
 
@@ -206,13 +217,13 @@ def test_srun_gives_each_task_slurms_cpus_per_task_or_an_even_share():
     launch = build(options(ranks=4), facts(environ=environ, tools=("srun",)))
     assert launch.argv[4:6] == ("-c", "4")
     assert launch.env == {
-        "TF_NUM_INTRAOP_THREADS": "4", "TF_NUM_INTEROP_THREADS": "2", "OMP_NUM_THREADS": "4"
-    }  # fmt: skip
+        "TF_NUM_INTRAOP_THREADS": "4",
+        "TF_NUM_INTEROP_THREADS": "2",
+        "OMP_NUM_THREADS": "4",
+    }
     assert "5 ranks x 4 CPU(s)" in error(options(ranks=5), facts(environ=environ, tools=("srun",)))
     del environ["SLURM_CPUS_PER_TASK"]
-    assert build(options(ranks=8), facts(environ=environ, tools=("srun",))).argv[4:6] == (
-        "-c", "2"
-    )  # fmt: skip
+    assert build(options(ranks=8), facts(environ=environ, tools=("srun",))).argv[4:6] == ("-c", "2")
 
 
 def test_srun_takes_host_names_as_a_nodelist_and_refuses_what_it_cannot_honour():
@@ -241,8 +252,11 @@ def test_scripts_and_modules_run_with_this_python_and_commands_as_given():
     here = facts(tools=("mpirun", "hostname"), files=("train.py", "./bin/job"))
     assert build(options("train.py", ranks=1), here).argv[-2:] == (PY, "train.py")
     assert build(options("-m", "pkg.train", "x", ranks=1), here).argv[-4:] == (
-        PY, "-m", "pkg.train", "x"
-    )  # fmt: skip
+        PY,
+        "-m",
+        "pkg.train",
+        "x",
+    )
     assert build(options("hostname", ranks=1), here).argv[-1] == "hostname"
     assert build(options("./bin/job", "-v", ranks=1), here).argv[-2:] == ("./bin/job", "-v")
 
@@ -294,11 +308,13 @@ def test_options_end_where_the_program_begins():
         ["train.py", "-n", "5"],
     )
     assert split_arguments(["--hosts=a,b", "-n2", "--", "-weird"]) == (
-        ["--hosts=a,b", "-n2"], ["-weird"]
-    )  # fmt: skip
+        ["--hosts=a,b", "-n2"],
+        ["-weird"],
+    )
     assert split_arguments(["-c", "2", "--launcher-args", "-v", "x.py"]) == (
-        ["-c", "2", "--launcher-args", "-v"], ["x.py"]
-    )  # fmt: skip
+        ["-c", "2", "--launcher-args", "-v"],
+        ["x.py"],
+    )
     assert split_arguments(["--dry-run"]) == (["--dry-run"], [])
 
 
@@ -330,8 +346,12 @@ def _env(**extra):
 def _module(*args, env=None, timeout=60):
     return subprocess.run(
         [sys.executable, "-m", "hyparflow.run", *args],
-        cwd=REPO, env=env or _env(), capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
+        cwd=REPO,
+        env=env or _env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_dry_run_prints_only_the_command_and_imports_no_tensorflow():
@@ -342,8 +362,12 @@ def test_dry_run_prints_only_the_command_and_imports_no_tensorflow():
     )
     done = subprocess.run(
         [sys.executable, "-c", probe, "-n", "2", "--dry-run", DEMO, "--epochs", "1"],
-        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     assert "heavy: []" in done.stderr
     lines = done.stdout.splitlines()
@@ -394,8 +418,12 @@ def test_hyparflow_run_trains_the_demo_on_two_ranks():
     measured on 2 cores; its limit is 300 s)."""
     done = subprocess.run(
         [HYPARFLOW, "run", "-n", "2", DEMO],
-        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     output = f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     assert done.returncode == 0, output
     first = shlex.split(done.stdout.splitlines()[0])
@@ -419,9 +447,13 @@ def test_sigterm_to_the_launcher_ends_the_ranks(tmp_path):
     script.write_text(SLEEPER)
     launcher = subprocess.Popen(
         [sys.executable, "-m", "hyparflow.run", "-n", "2", str(script), str(tmp_path)],
-        cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=REPO,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         start_new_session=True,  # the signal reaches the launcher alone, not mpirun
-    )  # fmt: skip
+    )
     pids = []
     try:
         deadline = time.monotonic() + 60

@@ -41,7 +41,7 @@ def test_interleaved_chunks_in_flight_are_the_engines_schedule():
     one_f_one_b = schedule.make_schedule("1f1b", 2, 4)[0]
     assert counts.chunk_activation_bytes(one_f_one_b, [(10, 1)], 8, recompute=True) == (
         counts.activation_bytes(10, 1, 8, counts.in_flight("1f1b", 2, 4, 0), recompute=True)
-    )  # fmt: skip
+    )
 
 
 def test_arithmetic():
@@ -50,8 +50,9 @@ def test_arithmetic():
     assert counts.activation_bytes(1000, 100, 8, 4, recompute=True) == 8 * (400 + 1000)
     assert counts.optimizer_bytes(1000, 2, replicas=4, shard_optimizer=True) == 500
     assert counts.optimizer_bytes(1000, 2, replicas=4) == 2000
-    staged = buffers.StageFacts(2**28, 16, stages=4, replicas=1, microbatches=2, world=4,
-                                by_segment=True)  # fmt: skip
+    staged = buffers.StageFacts(
+        2**28, 16, stages=4, replicas=1, microbatches=2, world=4, by_segment=True
+    )
     assert buffers.held_gradients(staged, 2**28) == 2**25  # at most 8 segments
     replicated = dataclasses.replace(staged, replicas=2)
     assert buffers.held_gradients(replicated, 2**28) == 2**25
@@ -67,11 +68,11 @@ def test_arithmetic():
     one = buffers.StageFacts(400, 2, stages=1, replicas=1, microbatches=1, world=1)
     assert buffers.step_buffers(one) == {}  # plain Keras: no engine
     assert buffers.exchange_buffers([400, 800], 1, largest=10) == {"weights exchange": 1600}
-    big = buffers.StageFacts(2**30, 8, stages=1, replicas=4, microbatches=1, world=4,
-                             largest=2**27)  # fmt: skip
+    big = buffers.StageFacts(2**30, 8, stages=1, replicas=4, microbatches=1, world=4, largest=2**27)
     assert buffers.step_buffers(big, 2) == {  # chunked gradients, update in groups
-        "flat gradients": buffers.CHUNK_BYTES, "optimizer update": 3 * 2**27 // 2
-    }  # fmt: skip
+        "flat gradients": buffers.CHUNK_BYTES,
+        "optimizer update": 3 * 2**27 // 2,
+    }
     sharded = buffers.step_buffers(big, 2, sharded=True)
     assert sharded["optimizer update"] == 3 * 2**28 // 2 and sharded["slice copies"] == 3 * 2**28
 
@@ -99,8 +100,11 @@ def test_plan_counts_weights_slots_and_shards():
     one = hf.memory_plan(model, "data", batch_size=8, runtime=False)
     (rank,) = one.ranks
     assert (rank.weights, rank.gradients, rank.optimizer, rank.model_copy) == (
-        whole, whole, 2 * whole, 0
-    )  # fmt: skip
+        whole,
+        whole,
+        2 * whole,
+        0,
+    )
     assert rank.activations == 8 * 4 * (16 + 32 + 32 + 4)  # inputs and every layer's output
     pipe = hf.memory_plan(model, hf.Strategy("model", partitions=2), batch_size=8)
     assert sum(r.weights for r in pipe.ranks) == whole
@@ -130,7 +134,7 @@ def test_interleaved_ranks_hold_their_chunks_and_each_chunks_micro_batches():
     chunks = hf.partition(model, 4, "layers").stages
     assert plan.ranks[0].weights == 4 * sum(
         int(v.numpy().size) for c in (chunks[0], chunks[2]) for v in c.model.weights
-    )  # fmt: skip
+    )
     plain = hf.memory_plan(model, hf.Strategy("model", schedule="1f1b", **kwargs), 16)
     assert plan.ranks[0].activations != plain.ranks[0].activations
 
@@ -242,8 +246,9 @@ def test_hf_scope_ranks_grow_by_issue_29s_ratios_of_one_process():
     shape = "2048,32"
     (alone,) = run_scenario("memory_checks", 1, "measure", "1,1,1", shape)
     for spec, ratio in (("4,1,1,params,scope", 0.35), ("1,2,1,scope", 1.1)):
-        ranks = run_scenario("memory_checks", 2 if spec.startswith("1,2") else 4, "measure",
-                             spec, shape)  # fmt: skip
+        ranks = run_scenario(
+            "memory_checks", 2 if spec.startswith("1,2") else 4, "measure", spec, shape
+        )
         largest = max(r["growth"] for r in ranks)
         assert largest <= ratio * alone["growth"], (spec, largest / MIB, alone["growth"] / MIB)
         assert all(r["loss"] == pytest.approx(alone["loss"], rel=1e-5) for r in ranks), spec

@@ -104,9 +104,8 @@ def _mixtral():
     import keras_hub
 
     backbone = keras_hub.models.MixtralBackbone(
-        vocabulary_size=zoo.HUB_VOCAB, num_layers=1, num_query_heads=2, num_key_value_heads=1,
-        hidden_dim=16, intermediate_dim=8, num_experts=4, top_k=2, router_aux_loss_coef=0.5,
-    )  # fmt: skip
+        **dict(zoo.MIXTRAL, num_layers=1), router_aux_loss_coef=0.5
+    )
     return backbone.transformer_layers[0]._sparse_moe_block
 
 
@@ -114,10 +113,11 @@ def _qwen3_moe(normalize: bool):
     import keras_hub
 
     backbone = keras_hub.models.Qwen3MoeBackbone(
-        vocabulary_size=zoo.HUB_VOCAB, num_layers=1, num_query_heads=2, num_key_value_heads=1,
-        hidden_dim=16, intermediate_dim=32, moe_intermediate_dim=8, num_experts=4, top_k=2,
-        head_dim=8, router_aux_loss_coefficient=0.5, norm_top_k_prob=normalize,
-    )  # fmt: skip
+        **dict(zoo.QWEN3_MOE, num_layers=1),
+        num_key_value_heads=1,
+        router_aux_loss_coefficient=0.5,
+        norm_top_k_prob=normalize,
+    )
     return backbone.transformer_layers[0].mlp
 
 
@@ -127,11 +127,10 @@ def _qwen_moe(normalize: bool):
     import keras_hub
 
     backbone = keras_hub.models.QwenMoeBackbone(
-        vocabulary_size=zoo.HUB_VOCAB, num_layers=1, num_query_heads=2, num_key_value_heads=1,
-        hidden_dim=16, intermediate_dim=32, moe_intermediate_dim=8,
-        shared_expert_intermediate_dim=12, num_experts=4, top_k=2, norm_top_k_prob=normalize,
+        **dict(zoo.QWEN_MOE, num_layers=1),
+        norm_top_k_prob=normalize,
         router_aux_loss_coefficient=0.5,
-    )  # fmt: skip
+    )
     return backbone.transformer_layers[0].mlp
 
 
@@ -139,8 +138,9 @@ def _qwen3_5_moe():
     """Qwen3.5-MoE's block: normalised top-k routing, a shared expert, the silu in float32."""
     from keras_hub.src.models.qwen3_5_moe.qwen3_5_moe_decoder import Qwen3_5MoeSparseMoeBlock
 
-    block = Qwen3_5MoeSparseMoeBlock(16, 8, 12, num_experts=4, top_k=2,
-                                     router_aux_loss_coefficient=0.5)  # fmt: skip
+    block = Qwen3_5MoeSparseMoeBlock(
+        16, 8, 12, num_experts=4, top_k=2, router_aux_loss_coefficient=0.5
+    )
     block.build((None, None, 16))
     return block
 
@@ -193,12 +193,25 @@ def _run(block, hidden, mask):
 
 @pytest.mark.parametrize(
     "make, square_mask",
-    [(_mixtral, False), (lambda: _qwen3_moe(True), True), (lambda: _qwen3_moe(False), True),
-     (lambda: _qwen_moe(False), True), (lambda: _qwen_moe(True), True), (_qwen3_5_moe, False),
-     (_gpt_oss, None)],
-    ids=["mixtral", "qwen3_moe", "qwen3_moe_unnormalized", "qwen_moe", "qwen_moe_normalized",
-         "qwen3_5_moe", "gpt_oss"],
-)  # fmt: skip
+    [
+        (_mixtral, False),
+        (lambda: _qwen3_moe(True), True),
+        (lambda: _qwen3_moe(False), True),
+        (lambda: _qwen_moe(False), True),
+        (lambda: _qwen_moe(True), True),
+        (_qwen3_5_moe, False),
+        (_gpt_oss, None),
+    ],
+    ids=[
+        "mixtral",
+        "qwen3_moe",
+        "qwen3_moe_unnormalized",
+        "qwen_moe",
+        "qwen_moe_normalized",
+        "qwen3_5_moe",
+        "gpt_oss",
+    ],
+)
 def test_keras_hub_blocks_compute_as_their_dense_calls(make, square_mask):
     """With the mask each decoder hands its block: Mixtral's and Qwen3.5-MoE's padding mask,
     Qwen-MoE's and Qwen3-MoE's self-attention mask (its loss keeps a token that attends to
@@ -226,6 +239,15 @@ def test_only_the_blocks_of_the_table_go_sparse():
         assert nothing.blocks == []
 
 
+# The blocks with a router loss (gpt-oss has none), each with the mask its decoder hands it
+ROUTER_LOSS_BLOCKS = [
+    pytest.param(_mixtral, False, id="mixtral"),
+    pytest.param(lambda: _qwen3_moe(True), True, id="qwen3_moe"),
+    pytest.param(lambda: _qwen_moe(False), True, id="qwen_moe"),
+    pytest.param(_qwen3_5_moe, False, id="qwen3_5_moe"),
+]
+
+
 def _router_loss_and_gradient(block, hidden, mask, share=1.0):
     """`share` x the block's added loss, and its gradient for the router's kernel."""
     router = _router(block)
@@ -235,12 +257,7 @@ def _router_loss_and_gradient(block, hidden, mask, share=1.0):
     return loss, tape.gradient(loss, router.value)
 
 
-@pytest.mark.parametrize(
-    "make, square_mask",
-    [(_mixtral, False), (lambda: _qwen3_moe(True), True), (lambda: _qwen_moe(False), True),
-     (_qwen3_5_moe, False)],
-    ids=["mixtral", "qwen3_moe", "qwen_moe", "qwen3_5_moe"],
-)  # fmt: skip
+@pytest.mark.parametrize("make, square_mask", ROUTER_LOSS_BLOCKS)
 def test_pieces_of_a_batch_sum_to_the_router_loss_of_the_whole(make, square_mask):
     """Two pieces (2 and 1 rows), each adding the other's counts through `global_sum` and
     weighted by its share of the rows as the engine weights added losses, give keras_hub's loss
@@ -269,12 +286,7 @@ def test_pieces_of_a_batch_sum_to_the_router_loss_of_the_whole(make, square_mask
     np.testing.assert_allclose(grad, whole_grad, rtol=TOLERANCE, atol=TOLERANCE)
 
 
-@pytest.mark.parametrize(
-    "make, square_mask",
-    [(_mixtral, False), (lambda: _qwen3_moe(True), True), (lambda: _qwen_moe(False), True),
-     (_qwen3_5_moe, False)],
-    ids=["mixtral", "qwen3_moe", "qwen_moe", "qwen3_5_moe"],
-)  # fmt: skip
+@pytest.mark.parametrize("make, square_mask", ROUTER_LOSS_BLOCKS)
 def test_a_tally_of_micro_batches_gives_the_router_loss_of_the_whole(make, square_mask):
     """Two micro-batches (2 rows, then 1) record their routing in a `RouterTally` instead of
     adding a loss; once both have run forward, the gradient it gives each one's probability
@@ -334,8 +346,17 @@ def _one_process_fit(fit, model=None, **options):
     probe = keras.callbacks.LambdaCallback(
         on_train_batch_begin=lambda *_, **__: sparse.append(all("call" in vars(b) for b in blocks))
     )
-    history = fit(model, x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0,
-                  callbacks=[probe], **options)  # fmt: skip
+    history = fit(
+        model,
+        x,
+        y,
+        batch_size=batch_size,
+        epochs=epochs,
+        shuffle=False,
+        verbose=0,
+        callbacks=[probe],
+        **options,
+    )
     assert not any("call" in vars(b) for b in blocks), "the blocks' own calls again"
     return model, history.history, sparse
 

@@ -25,9 +25,12 @@ TOLERANCE = 1e-5  # as tests/test_engine.py
 
 # --- placement, without MPI ---------------------------------------------------------------------
 @given(
-    st.integers(1, 4), st.integers(1, 4), st.sampled_from([1, 2, 4]), st.integers(1, 4),
+    st.integers(1, 4),
+    st.integers(1, 4),
+    st.sampled_from([1, 2, 4]),
+    st.integers(1, 4),
     st.booleans(),
-)  # fmt: skip
+)
 def test_placement_keeps_tensor_groups_in_a_node_and_spreads_replicas(p, r, t, nodes, cyclic):
     grid = Grid(p, r, t)
     if grid.size % nodes or (grid.size // nodes) % t:
@@ -49,9 +52,13 @@ def test_placement_keeps_tensor_groups_in_a_node_and_spreads_replicas(p, r, t, n
 
 
 @given(
-    st.integers(1, 3), st.integers(1, 3), st.sampled_from([2, 4]), st.sampled_from([1, 2]),
-    st.integers(1, 4), st.booleans(),
-)  # fmt: skip
+    st.integers(1, 3),
+    st.integers(1, 3),
+    st.sampled_from([2, 4]),
+    st.sampled_from([1, 2]),
+    st.integers(1, 4),
+    st.booleans(),
+)
 def test_expert_groups_stay_inside_a_node_wherever_a_node_holds_whole_groups(
     p, groups, experts, t, nodes, cyclic
 ):
@@ -91,8 +98,12 @@ def test_plan_prints_the_node_of_each_rank(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "Placement on 2 node(s)" in text
     rows = [line.split() for line in text.splitlines()[-4:]]
-    assert rows == [["0", "nodeA", "0", "0", "0"], ["1", "nodeA", "1", "0", "0"],
-                    ["2", "nodeB", "0", "1", "0"], ["3", "nodeB", "1", "1", "0"]]  # fmt: skip
+    assert rows == [
+        ["0", "nodeA", "0", "0", "0"],
+        ["1", "nodeA", "1", "0", "0"],
+        ["2", "nodeB", "0", "1", "0"],
+        ["3", "nodeB", "1", "1", "0"],
+    ]
     assert main([*args, "--json"]) == 0
     placed = json.loads(capsys.readouterr().out)["placement"]
     assert [row["node"] for row in placed] == ["nodeA", "nodeA", "nodeB", "nodeB"]
@@ -100,8 +111,11 @@ def test_plan_prints_the_node_of_each_rank(tmp_path, capsys):
     assert main([*args[:-1], "nodeA:1,nodeB:1,nodeA:1,nodeB:1", "--json"]) == 0
     placed = json.loads(capsys.readouterr().out)["placement"]
     assert [(r["node"], r["stage"], r["replica"]) for r in placed] == [
-        ("nodeA", 0, 0), ("nodeB", 0, 1), ("nodeA", 1, 0), ("nodeB", 1, 1)
-    ]  # fmt: skip
+        ("nodeA", 0, 0),
+        ("nodeB", 0, 1),
+        ("nodeA", 1, 0),
+        ("nodeB", 1, 1),
+    ]
     assert main([*args[:-1], "nodeA:2,nodeB:1"]) == 1
     assert "3 slots for 4 ranks" in capsys.readouterr().err
 
@@ -211,9 +225,15 @@ def test_a_killed_node_ends_the_job_and_the_survivor_resumes_exactly(tmp_path):
     folder, killed = str(tmp_path / "checkpoints"), {}
     pids = os.path.join("{scratch}", "pids")
     doomed = launch(
-        "nodes", 4, "doomed", folder, timeout=300, mpirun=nodes.mpirun(HOSTS),
-        env={"HF_NODE_PIDS": pids}, on_start=_kill_node_when_stopped(pids, killed),
-    )  # fmt: skip
+        "nodes",
+        4,
+        "doomed",
+        folder,
+        timeout=300,
+        mpirun=nodes.mpirun(HOSTS),
+        env={"HF_NODE_PIDS": pids},
+        on_start=_kill_node_when_stopped(pids, killed),
+    )
     ended = time.monotonic()
     assert killed.get("ranks") == [2, 3], doomed.describe()  # node B: ranks 2 and 3, by slot
     assert doomed.returncode not in (0, -9), doomed.describe()  # ended by the loss, not timeout

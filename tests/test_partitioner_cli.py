@@ -114,8 +114,10 @@ def test_plan_loads_custom_layers_by_module_or_builds_the_model(tmp_path, monkey
 
     assert main(["plan", "custom.keras", "-p", "2", "--json"]) == 1
     assert "pass --custom-objects MODULE" in capsys.readouterr().err
-    assert main(["plan", "custom.keras", "-p", "2", "--json",
-                 "--custom-objects", "hf_cli_layers"]) == 0  # fmt: skip
+    assert (
+        main(["plan", "custom.keras", "-p", "2", "--json", "--custom-objects", "hf_cli_layers"])
+        == 0
+    )
     loaded = json.loads(capsys.readouterr().out)
     assert main(["plan", "hf_cli_layers:build", "-p", "2", "--json"]) == 0
     built = json.loads(capsys.readouterr().out)

@@ -16,6 +16,7 @@ from hyparflow.auto.measure import Measured, entries, error_line, median_rate, t
 from hyparflow.auto.search import Candidate, Estimate, search
 from hyparflow.launch.command import Facts, Launch
 from hyparflow.simulate.costs import Affine, LayerCost, ModelCosts
+from tests.support.cases import LAYOUT_FIELDS
 from tests.support.doc_commands import commands
 from tests.support.mpirun import LAUNCHES, MPI_ENV, REPO, sharing
 from tests.support.mpirun import Launch as Launched
@@ -30,8 +31,9 @@ def _result(budget=None):
     layouts = [Candidate(p, r, t) for p, r, t in steps]
 
     def estimate(c):
-        return Estimate(steps[c.partitions, c.replicas, c.tensor], 4 << 30 if c.partitions == 4
-                        else 1 << 30)  # fmt: skip
+        return Estimate(
+            steps[c.partitions, c.replicas, c.tensor], 4 << 30 if c.partitions == 4 else 1 << 30
+        )
 
     return search(layouts, estimate, 64, budget_bytes=budget)
 
@@ -52,8 +54,10 @@ def test_a_rate_is_the_median_step():
 def _measured(rates=((48.0, None), (None, "ValueError: cannot split"), (51.2, None))):
     """The top three within 2 GiB (predicted 64, 53 and 43 samples/s), measured as `rates`."""
     result = _result(budget=2 << 30)
-    return [Measured(v.candidate, result.samples_per_second(v), rate, error)
-            for v, (rate, error) in zip(top(result), rates, strict=True)]  # fmt: skip
+    return [
+        Measured(v.candidate, result.samples_per_second(v), rate, error)
+        for v, (rate, error) in zip(top(result), rates, strict=True)
+    ]
 
 
 def test_the_table_sets_measured_beside_predicted_and_names_the_fastest():
@@ -82,23 +86,15 @@ def test_json_entries_carry_the_layout_and_a_rate_or_an_error():
     assert found[1]["error"] == "ValueError: cannot split"
     assert "measured_samples_per_second" not in found[1]
     for entry in found:
-        assert {
-            "kind",
-            "partitions",
-            "replicas",
-            "tensor",
-            "microbatches",
-            "schedule",
-            "recompute",
-            "shard_optimizer",
-            "predicted_samples_per_second",
-        } <= set(entry)
+        assert {*LAYOUT_FIELDS, "predicted_samples_per_second"} <= set(entry)
 
 
 def test_the_error_line_is_the_exception_not_tensorflows_start_up_log():
-    output = ("I0000 00:00:17.7 4578 port.cc:153] oneDNN custom operations are on\n"
-              "Traceback (most recent call last):\n  File x\n"
-              "ValueError: batch_size=32 does not split\n-----\nmpirun detected ...\n")  # fmt: skip
+    output = (
+        "I0000 00:00:17.7 4578 port.cc:153] oneDNN custom operations are on\n"
+        "Traceback (most recent call last):\n  File x\n"
+        "ValueError: batch_size=32 does not split\n-----\nmpirun detected ...\n"
+    )
     assert error_line(output) == "ValueError: batch_size=32 does not split"
     assert error_line("E0000 00:00:17.7 5520 cuda_platform.cc:52] failed call\n") == "no output"
     assert error_line("mpirun was unable to launch\n\n") == "mpirun was unable to launch"
@@ -123,8 +119,16 @@ def test_the_worker_trains_and_times_in_one_process_and_writes_its_errors(tmp_pa
     import hyparflow as hf
 
     out = str(tmp_path / "layout.json")
-    argv = ["--strategy", json.dumps(Candidate().strategy_options()), "--batch", "8",
-            "--steps", "3", "--out", out]  # fmt: skip
+    argv = [
+        "--strategy",
+        json.dumps(Candidate().strategy_options()),
+        "--batch",
+        "8",
+        "--steps",
+        "3",
+        "--out",
+        out,
+    ]
     assert measure_worker.main([TINY, *argv], fit=hf.fit) == 0  # one process: model.fit
     with open(out) as file:
         written = json.load(file)
@@ -149,9 +153,15 @@ def test_synthetic_targets_are_what_the_loss_takes():
 
 
 def _facts(cores=8, root=True, mpirun=True):
-    return Facts(environ={}, root=root, cores=cores, python="/usr/bin/python3",
-                 which=lambda tool: f"/usr/bin/{tool}" if mpirun and tool == "mpirun" else None,
-                 is_file=lambda path: False, read_text=lambda path: "")  # fmt: skip
+    return Facts(
+        environ={},
+        root=root,
+        cores=cores,
+        python="/usr/bin/python3",
+        which=lambda tool: f"/usr/bin/{tool}" if mpirun and tool == "mpirun" else None,
+        is_file=lambda path: False,
+        read_text=lambda path: "",
+    )
 
 
 def _args(*extra):
@@ -183,8 +193,9 @@ def test_without_a_launcher_every_layout_reports_why_and_nothing_starts(monkeypa
 
 def test_the_job_is_hyparflow_runs_command_oversubscribed_past_the_cores(monkeypatch):
     jobs, said = [], []
-    monkeypatch.setattr(measure_launch, "run_job", lambda launch, limit: jobs.append(launch)
-                        or (1, ""))  # fmt: skip
+    monkeypatch.setattr(
+        measure_launch, "run_job", lambda launch, limit: jobs.append(launch) or (1, "")
+    )
     measure_launch.measure(_result(), _args(), _facts(cores=2), say=said.append)
     assert len(jobs) == 3 and len(said) == 3 and said[0].startswith("measuring P4 R1 T1 M1 gpipe")
     argv = jobs[0].argv
@@ -220,10 +231,11 @@ def _runs(pid: int, cmdline: bytes) -> bool:
 def _costs(path):
     ModelCosts(
         name="uniform",
-        layers=[LayerCost(f"l{i}", Affine(0.0, 1e-4), Affine(0.0, 2e-4), 4000, 2)
-                for i in range(4)],
+        layers=[
+            LayerCost(f"l{i}", Affine(0.0, 1e-4), Affine(0.0, 2e-4), 4000, 2) for i in range(4)
+        ],
         cut_bytes=[0.0, 1000.0, 1000.0, 1000.0, 0.0],
-    ).save(path)  # fmt: skip
+    ).save(path)
 
 
 def test_a_costs_file_has_nothing_to_train(tmp_path, capsys):
@@ -240,8 +252,9 @@ def test_a_costs_file_has_nothing_to_train(tmp_path, capsys):
 def test_the_report_and_json_gain_the_measured_layouts_and_keep_their_keys(tmp_path, capsys):
     path = str(tmp_path / "costs.json")
     _costs(path)
-    args = auto_command.plan_parser().parse_args([path, "--auto", "--ranks", "2", "--batch",
-                                                  "8", *NETWORK, "--json"])  # fmt: skip
+    args = auto_command.plan_parser().parse_args(
+        [path, "--auto", "--ranks", "2", "--batch", "8", *NETWORK, "--json"]
+    )
     args.auto = args.ranks
     assert auto_command.run(args, memory_of=None) == 0
     plain = json.loads(capsys.readouterr().out)

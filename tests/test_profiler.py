@@ -199,10 +199,17 @@ def _with_tensor_spans(record, share=0.25):
     for s in record.spans:
         if s.kind in (events.FORWARD, events.BACKWARD):
             middle, half = (s.start + s.end) / 2, share * s.duration / 2
-            inner.append(events.Span(events.TENSOR, s.step, s.microbatch, middle - half,
-                                     middle + half))  # fmt: skip
-    return events.StepRecord(record.step, record.start, record.end, record.samples,
-                             record.microbatches, record.spans + tuple(inner))  # fmt: skip
+            inner.append(
+                events.Span(events.TENSOR, s.step, s.microbatch, middle - half, middle + half)
+            )
+    return events.StepRecord(
+        record.step,
+        record.start,
+        record.end,
+        record.samples,
+        record.microbatches,
+        record.spans + tuple(inner),
+    )
 
 
 def test_tensor_time_is_its_own_category_and_not_compute(tmp_path):
@@ -253,8 +260,10 @@ def test_tensor_time_is_its_own_category_and_not_compute(tmp_path):
 
 # --- the summary -------------------------------------------------------------------------
 def _summary_of(steps_per_rank, layout, baseline=None):
-    ranks = [{"rank": r, "stage": r % layout["stages"], "replica": r // layout["stages"]}
-             for r in range(len(steps_per_rank))]  # fmt: skip
+    ranks = [
+        {"rank": r, "stage": r % layout["stages"], "replica": r // layout["stages"]}
+        for r in range(len(steps_per_rank))
+    ]
     run = summary.RunSummary(layout, ranks, baseline)
     for step_ranks in zip(*steps_per_rank, strict=True):
         bs = [breakdown.breakdown(r) for r in step_ranks]
@@ -263,8 +272,14 @@ def _summary_of(steps_per_rank, layout, baseline=None):
     return run.to_dict()
 
 
-LAYOUT = {"world_size": 2, "kind": "model", "stages": 2, "replicas": 1, "microbatches": 4,
-          "schedule": "gpipe"}  # fmt: skip
+LAYOUT = {
+    "world_size": 2,
+    "kind": "model",
+    "stages": 2,
+    "replicas": 1,
+    "microbatches": 4,
+    "schedule": "gpipe",
+}
 
 
 def test_summary_leaves_out_the_first_step_at_each_batch_size():
@@ -327,8 +342,10 @@ def test_clock_offset_recovers_a_shifted_clock():
             _ThreadComm(rank, boxes), clock=lambda: time.perf_counter() + shift
         )
 
-    threads = [threading.Thread(target=run, args=(0, 0.0)),
-               threading.Thread(target=run, args=(1, 123.0))]  # fmt: skip
+    threads = [
+        threading.Thread(target=run, args=(0, 0.0)),
+        threading.Thread(target=run, args=(1, 123.0)),
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -360,7 +377,7 @@ def _tracks(stages=2, replicas=1, steps=2, microbatches=4, schedule="1f1b"):
                     start=10.0 + step,
                     allreduce=0.001,
                     optimizer=0.002,
-                )  # fmt: skip
+                )
             ):
                 rank = q * stages + s
                 info = {"rank": rank, "stage": s, "replica": q}
@@ -379,8 +396,13 @@ def test_trace_has_one_track_per_rank_and_every_span():
     spans = [e for e in slices if e["cat"] in events.KINDS]
     assert len(spans) == sum(len(r.spans) for _, steps in tracks for r in steps)
     for e in slices:  # every slice nests inside its step on its track
-        step = next(s for s in slices if s["cat"] == "step" and s["tid"] == e["tid"]
-                    and s["args"]["step"] == e["args"]["step"])  # fmt: skip
+        step = next(
+            s
+            for s in slices
+            if s["cat"] == "step"
+            and s["tid"] == e["tid"]
+            and s["args"]["step"] == e["args"]["step"]
+        )
         assert step["ts"] <= e["ts"] and e["ts"] + e["dur"] <= step["ts"] + step["dur"] + 1e-3
     idle = [e for e in slices if e["cat"] == "idle"]
     assert idle and all(e["dur"] >= tl.MIN_IDLE * 1e6 for e in idle)
@@ -406,8 +428,10 @@ def test_idle_gaps_cover_what_no_span_does():
 
 # --- Gantt chart and report --------------------------------------------------------------
 def test_gantt_chart_is_a_png(tmp_path):
-    trace = tl.to_trace(_tracks(stages=4, steps=3, microbatches=6), {"stages": 4, "replicas": 1,
-                        "microbatches": 6, "schedule": "1f1b"})  # fmt: skip
+    trace = tl.to_trace(
+        _tracks(stages=4, steps=3, microbatches=6),
+        {"stages": 4, "replicas": 1, "microbatches": 6, "schedule": "1f1b"},
+    )
     path = gantt.draw(trace, str(tmp_path / "chart.png"))
     width, height = _png_size(path)
     assert width > 800 and height > 300
@@ -432,8 +456,9 @@ def test_report_prints_a_row_per_rank_and_the_bubble_next_to_the_formula(tmp_pat
     result = _synthetic_log_dir(tmp_path)
     text, png = report.report(str(tmp_path), steps=[1, 2])
     lines = text.splitlines()
-    header = next(i for i, line in enumerate(lines) if line.split()[:3] == ["rank", "stage",
-                                                                           "replica"])  # fmt: skip
+    header = next(
+        i for i, line in enumerate(lines) if line.split()[:3] == ["rank", "stage", "replica"]
+    )
     assert [line.split()[0] for line in lines[header + 1 : header + 4]] == ["0", "1", "job"]
     assert "Pipeline bubble: measured 20.0% vs theoretical (p-1)/(m+p-1) = 20.0%" in text
     assert f"{100 * result['job']['efficiency']:.1f}%" in text
@@ -478,8 +503,12 @@ def test_single_process_fit_writes_step_times(tmp_path):
         scalars.THROUGHPUT: list(range(8)),
     }
     aggregate_tags = _event_tags(tmp_path / "aggregate")
-    assert set(aggregate_tags) == {scalars.STEP_MS, scalars.THROUGHPUT,
-                                   scalars.BUBBLE_THEORETICAL, scalars.EFFICIENCY}  # fmt: skip
+    assert set(aggregate_tags) == {
+        scalars.STEP_MS,
+        scalars.THROUGHPUT,
+        scalars.BUBBLE_THEORETICAL,
+        scalars.EFFICIENCY,
+    }
     result = summary.load_summary(str(tmp_path / summary.SUMMARY_FILE))
     assert result["layout"]["kind"] == "single process"
     assert result["steps"] == {"recorded": 8, "summarized": 7, "warmup_excluded": [0]}
@@ -586,8 +615,11 @@ def _assert_clocks_aligned(tracks):
     """Aligned clocks: a stage receives a micro-batch after it was computed."""
     by_rank = {t.rank: t for t in tracks}
     for step in (1, 2):
-        forward_end = {s.microbatch: s.start_ms + s.duration_ms for s in by_rank[0].slices
-                       if s.kind == "forward" and s.step == step}  # fmt: skip
+        forward_end = {
+            s.microbatch: s.start_ms + s.duration_ms
+            for s in by_rank[0].slices
+            if s.kind == "forward" and s.step == step
+        }
         for s in by_rank[1].slices:
             # the last stage only ever receives activations
             if s.kind == "recv" and s.step == step and s.microbatch is not None:
@@ -627,8 +659,11 @@ def _assert_report_table(log_dir, world, stages, schedule):
     """`hyparflow report` prints a row per rank and one for the job."""
     cli = subprocess.run(
         [sys.executable, "-m", "hyparflow.cli", "report", log_dir],
-        capture_output=True, text=True, timeout=120, cwd=REPO,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
     assert cli.returncode == 0, cli.stderr
     table = [line.split() for line in cli.stdout.splitlines()]
     assert table[3][:6] == ["rank", "stage", "replica", "step", "ms", "compute"]
@@ -644,8 +679,10 @@ def _event_values(run_dir):
     """{tag: {step: value}} of a run's scalars."""
     acc = ea.EventAccumulator(str(run_dir), size_guidance={ea.TENSORS: 0})
     acc.Reload()
-    return {tag: {e.step: float(tensor_util.make_ndarray(e.tensor_proto)) for e in acc.Tensors(tag)}
-            for tag in acc.Tags()["tensors"]}  # fmt: skip
+    return {
+        tag: {e.step: float(tensor_util.make_ndarray(e.tensor_proto)) for e in acc.Tensors(tag)}
+        for tag in acc.Tags()["tensors"]
+    }
 
 
 def _inside(inner, outer, slack_ms=1e-3):

@@ -78,10 +78,13 @@ CASES = {
     ),
     "sequential_two_dropouts": (_two_dropout_sequential, (8, 6), _call),
     # stochastic depth: one keras.random.uniform number per sample
-    "swin_drop_path": (lambda: _hub_layer("swin_transformer.swin_transformer_layers",
-                                          drop_prob=0.5, seed=10), (8, 3, 3, 4), _call),
+    "swin_drop_path": (
+        lambda: _hub_layer("swin_transformer.swin_transformer_layers", drop_prob=0.5, seed=10),
+        (8, 3, 3, 4),
+        _call,
+    ),
     "mit_drop_path": (lambda: _hub_layer("mit.mit_layers", rate=0.5, seed=11), (8, 5, 4), _call),
-}  # fmt: skip
+}
 
 
 def _hub_layer(module: str, **options):

@@ -12,50 +12,56 @@ reads its length as a Python int, under data and pipeline layouts.
 
 import pytest
 
-from tests.support.cases import Case
+from tests.support.cases import Case, two_by_two, two_stages
 from tests.support.equivalence import assert_within, launched
 from tests.support.zoo import MIXTURES, TEXT_MODELS
 
 pytestmark = pytest.mark.mpi  # every test here starts MPI jobs
 
 OPTIMIZERS = [
-    "sgd", "adam", "adamw", "adadelta", "adafactor", "adagrad", "adamax", "ftrl", "lamb", "lion",
-    "nadam", "rmsprop", "muon",
-]  # fmt: skip
+    "sgd",
+    "adam",
+    "adamw",
+    "adadelta",
+    "adafactor",
+    "adagrad",
+    "adamax",
+    "ftrl",
+    "lamb",
+    "lion",
+    "nadam",
+    "rmsprop",
+    "muon",
+]
 # Case(model, optimizer, kind, ...): models of tests/support/zoo.py, optimizers as
-# zoo.optimizer names them
+# zoo.optimizer names them; two_stages and two_by_two: the P=2 and P=2 x R=2 layouts
 SPARSE_OPTIMIZERS = [
     case
     for name in OPTIMIZERS
     for case in (
         Case("embedding_mlp", name, "data", replicas=2, microbatches=2),
-        Case("two_tables", f"{name}+globalclip", "model", partitions=2, microbatches=2,
-             schedule="1f1b"),
+        two_stages("two_tables", f"{name}+globalclip", microbatches=2, schedule="1f1b"),
     )
 ] + [
-    Case("embedding_mlp", "adam+clipnorm", "model", partitions=2, microbatches=2),
+    two_stages("embedding_mlp", "adam+clipnorm", microbatches=2),
     Case("two_tables", "rmsprop+clipvalue", "data", replicas=2),
     # fit ends with the moving averages
     Case("embedding_mlp", "adam+ema", "data", replicas=2, microbatches=2),
-    Case("two_tables", "sgd+ema", "model", partitions=2, microbatches=2, schedule="1f1b"),
+    two_stages("two_tables", "sgd+ema", microbatches=2, schedule="1f1b"),
     # clipping alone, no table
-    Case("preprocessed", "sgd+globalclip", "model", partitions=2, microbatches=2),
+    two_stages("preprocessed", "sgd+globalclip", microbatches=2),
     # the tables' row slices from a split backward's weight half
-    Case("two_tables", "adam+globalclip", "model", partitions=2, microbatches=2,
-         schedule="zero_bubble"),
+    two_stages("two_tables", "adam+globalclip", microbatches=2, schedule="zero_bubble"),
     # ... and from the chunks of interleaved stages, summed per rank
-    Case("two_tables", "adam+globalclip", "model", partitions=2, microbatches=2,
-         schedule="interleaved"),
+    two_stages("two_tables", "adam+globalclip", microbatches=2, schedule="interleaved"),
     # rows looked up once per batch (broadcast position ids, a gathered plain variable) beside
     # rows per token: the pieces' rows added, not concatenated
     # (engine/keras_semantics/sparse_probe.py)
     Case("broadcast_tables", "adam", "data", replicas=2, microbatches=2),
-    Case("broadcast_tables", "adam+globalclip", "model", partitions=2, microbatches=2,
-         schedule="1f1b"),
-    Case("broadcast_tables", "adam", "model", partitions=2, microbatches=2,
-         schedule="zero_bubble"),
+    two_stages("broadcast_tables", "adam+globalclip", microbatches=2, schedule="1f1b"),
+    two_stages("broadcast_tables", "adam", microbatches=2, schedule="zero_bubble"),
     Case("broadcast_tables", "adam", "data", replicas=2, shard_optimizer=True),
-]  # fmt: skip
+]
 # A model's pipeline here would repeat a FOUR_RANKS case with its model, optimizer, schedule and
 # micro-batches: the P=2 x R=2 case runs the same two stages and adds the replicas' allreduce,
 # so such pipelines (Gemma, Mistral, OPT, DistilBERT, Falcon, Qwen3-MoE) train there only.
@@ -64,40 +70,40 @@ SPARSE_OPTIMIZERS = [
 TWO_RANKS = [
     Case("dropout_mlp", "adam", "data", replicas=2, microbatches=2),
     Case("added_losses", "adam", "data", replicas=2, microbatches=2),
-    Case("added_losses", "adam", "model", partitions=2, microbatches=2),
+    two_stages("added_losses", "adam", microbatches=2),
     # a mean of the whole global batch inside a layer, in its output and its added loss
     # (exact: strict mode accepts it)
     Case("global_centered", "adam+epsilon", "data", replicas=2, strict_added_losses=True),
-    Case("masked_gru", "adam", "model", partitions=2, microbatches=2),
+    two_stages("masked_gru", "adam", microbatches=2),
     Case("masked_gru", "adam", "data", replicas=2, microbatches=2),
-    Case("bert", "sgd", "model", partitions=2, microbatches=2),
+    two_stages("bert", "sgd", microbatches=2),
     Case("llama", "adam", "data", replicas=2, microbatches=2),
     Case("gpt2", "adam", "data", replicas=2),
     Case("batchnorm_cnn", "sgd", "data", replicas=2, sync_batchnorm=True),
-    Case("batchnorm_cnn", "sgd", "model", partitions=2),
+    two_stages("batchnorm_cnn", "sgd"),
     # one step: at 32x32 this network turns a 1e-6 nudge of its weights into O(1) changes
     # within five steps, in Keras alone; unsynchronised statistics are 1.4 off after one
     Case("mobilenet_v3", "sgd@0.01", "data", replicas=2, sync_batchnorm=True, one_step=True),
-    Case("mobilenet_v3", "sgd@0.01", "model", partitions=2, schedule="1f1b", one_step=True),
+    two_stages("mobilenet_v3", "sgd@0.01", schedule="1f1b", one_step=True),
     Case("preprocessed", "adam", "data", replicas=2, microbatches=2),
-    Case("preprocessed", "adam", "model", partitions=2, microbatches=2, schedule="1f1b"),
+    two_stages("preprocessed", "adam", microbatches=2, schedule="1f1b"),
     Case("gemma", "adam", "data", replicas=2, microbatches=2),
     Case("mistral", "adam", "data", replicas=2),
     # OPT and DistilBERT train as pipelines in the hybrid launch only; RoBERTa and ALBERT
     # with another schedule or micro-batch count there (the whole-model step is model-agnostic;
     # BERT, GPT-2, Llama and others take it here)
-    Case("roberta", "sgd", "model", partitions=2, microbatches=2, schedule="1f1b"),
-    Case("albert", "sgd", "model", partitions=2, microbatches=2, schedule="1f1b"),
+    two_stages("roberta", "sgd", microbatches=2, schedule="1f1b"),
+    two_stages("albert", "sgd", microbatches=2, schedule="1f1b"),
     # ZB-H1's split backward: dropout masks, added losses, tied embeddings, RoPE attention
-    Case("dropout_mlp", "sgd", "model", partitions=2, microbatches=2, schedule="zero_bubble"),
-    Case("added_losses", "adam", "model", partitions=2, microbatches=2, schedule="zero_bubble"),
-    Case("masked_gru", "adam", "model", partitions=2, microbatches=2, schedule="zero_bubble"),
-    Case("gpt2", "sgd", "model", partitions=2, microbatches=2, schedule="zero_bubble"),
-    Case("llama", "adam", "model", partitions=2, microbatches=2, schedule="zero_bubble"),
+    two_stages("dropout_mlp", "sgd", microbatches=2, schedule="zero_bubble"),
+    two_stages("added_losses", "adam", microbatches=2, schedule="zero_bubble"),
+    two_stages("masked_gru", "adam", microbatches=2, schedule="zero_bubble"),
+    two_stages("gpt2", "sgd", microbatches=2, schedule="zero_bubble"),
+    two_stages("llama", "adam", microbatches=2, schedule="zero_bubble"),
     # interleaved 1F1B: dropout masks, added losses, tied embeddings in two chunks
-    Case("dropout_mlp", "adam", "model", partitions=2, microbatches=2, schedule="interleaved"),
-    Case("added_losses", "sgd", "model", partitions=2, microbatches=2, schedule="interleaved"),
-    Case("gpt2", "adam", "model", partitions=2, microbatches=2, schedule="interleaved"),
+    two_stages("dropout_mlp", "adam", microbatches=2, schedule="interleaved"),
+    two_stages("added_losses", "sgd", microbatches=2, schedule="interleaved"),
+    two_stages("gpt2", "adam", microbatches=2, schedule="interleaved"),
     Case("bert", "sgd", "data", replicas=2, microbatches=2),
     Case("falcon", "sgd", "data", replicas=2, microbatches=2),
     # router loss on: counts summed over replicas; experts split over them, tokens exchanged;
@@ -118,39 +124,35 @@ TWO_RANKS = [
     Case("qwen3_5_moe", "adam", "data", replicas=2, microbatches=2),
     # RWKV-7 reads its length as a Python int: its steps trace at the data's length
     Case("rwkv7", "adam", "data", replicas=2),
-    Case("rwkv7", "adam", "model", partitions=2, microbatches=2),
-]  # fmt: skip
+    two_stages("rwkv7", "adam", microbatches=2),
+]
 FOUR_RANKS = [
-    Case("embedding_mlp", "adam", "hybrid", partitions=2, replicas=2, microbatches=2,
-         schedule="1f1b"),
-    Case("broadcast_tables", "adam", "hybrid", partitions=2, replicas=2, microbatches=2),
+    two_by_two("embedding_mlp", "adam", microbatches=2, schedule="1f1b"),
+    two_by_two("broadcast_tables", "adam", microbatches=2),
     # the tables split over tensor ranks: each shard's rows of the kind of its whole table's
     Case("broadcast_tables", "adam", "data", replicas=2, tensor=2, microbatches=2),
-    Case("two_tables", "adamw+globalclip", "hybrid", partitions=2, replicas=2, microbatches=2),
-    Case("dropout_mlp", "adam", "hybrid", partitions=2, replicas=2, microbatches=2),
-    Case("added_losses", "rmsprop", "hybrid", partitions=2, replicas=2, microbatches=2,
-         schedule="1f1b"),
-    Case("global_centered", "adam+epsilon", "hybrid", partitions=2, replicas=2),
-    Case("gpt2", "sgd", "hybrid", partitions=2, replicas=2, microbatches=2, schedule="1f1b"),
-    Case("bert", "sgd", "hybrid", partitions=2, replicas=2),
-    Case("llama", "adam", "hybrid", partitions=2, replicas=2, microbatches=2),
-    Case("batchnorm_cnn", "sgd", "hybrid", partitions=2, replicas=2, schedule="1f1b",
-         sync_batchnorm=True),
-    Case("mobilenet_v3", "sgd@0.01", "hybrid", partitions=2, replicas=2, sync_batchnorm=True,
-         one_step=True),
-    Case("masked_gru", "adam", "hybrid", partitions=2, replicas=2, microbatches=2, schedule="1f1b"),
-    Case("preprocessed", "adam", "hybrid", partitions=2, replicas=2, microbatches=2),
-    Case("gemma", "adam", "hybrid", partitions=2, replicas=2, microbatches=2, schedule="1f1b"),
-    Case("mistral", "adam", "hybrid", partitions=2, replicas=2, microbatches=2),
-    Case("opt", "sgd", "hybrid", partitions=2, replicas=2, microbatches=2, schedule="1f1b"),
-    Case("distil_bert", "sgd", "hybrid", partitions=2, replicas=2, microbatches=2),
-    Case("roberta", "sgd", "hybrid", partitions=2, replicas=2, schedule="1f1b"),
-    Case("albert", "sgd", "hybrid", partitions=2, replicas=2, microbatches=2),
-    Case("falcon", "sgd", "hybrid", partitions=2, replicas=2, microbatches=2, schedule="1f1b"),
+    two_by_two("two_tables", "adamw+globalclip", microbatches=2),
+    two_by_two("dropout_mlp", "adam", microbatches=2),
+    two_by_two("added_losses", "rmsprop", microbatches=2, schedule="1f1b"),
+    two_by_two("global_centered", "adam+epsilon"),
+    two_by_two("gpt2", "sgd", microbatches=2, schedule="1f1b"),
+    two_by_two("bert", "sgd"),
+    two_by_two("llama", "adam", microbatches=2),
+    two_by_two("batchnorm_cnn", "sgd", schedule="1f1b", sync_batchnorm=True),
+    two_by_two("mobilenet_v3", "sgd@0.01", sync_batchnorm=True, one_step=True),
+    two_by_two("masked_gru", "adam", microbatches=2, schedule="1f1b"),
+    two_by_two("preprocessed", "adam", microbatches=2),
+    two_by_two("gemma", "adam", microbatches=2, schedule="1f1b"),
+    two_by_two("mistral", "adam", microbatches=2),
+    two_by_two("opt", "sgd", microbatches=2, schedule="1f1b"),
+    two_by_two("distil_bert", "sgd", microbatches=2),
+    two_by_two("roberta", "sgd", schedule="1f1b"),
+    two_by_two("albert", "sgd", microbatches=2),
+    two_by_two("falcon", "sgd", microbatches=2, schedule="1f1b"),
     # router losses over micro-batches and replicas (GPipe), with and without expert groups
-    Case("qwen3_moe", "sgd", "hybrid", partitions=2, replicas=2, microbatches=2),
-    Case("mixtral", "adam", "hybrid", partitions=2, replicas=2, microbatches=2, experts=2),
-    Case("qwen3_5_moe", "adam", "hybrid", partitions=2, replicas=2, microbatches=2, experts=2),
+    two_by_two("qwen3_moe", "sgd", microbatches=2),
+    two_by_two("mixtral", "adam", microbatches=2, experts=2),
+    two_by_two("qwen3_5_moe", "adam", microbatches=2, experts=2),
     # expert groups of 4 (each rank one expert) and of 2 (gradients summed across groups);
     # each tensor rank's replicas an expert group
     Case("mixtral", "adam", "data", replicas=2, tensor=2, experts=2),
@@ -158,7 +160,7 @@ FOUR_RANKS = [
     Case("mixtral", "adam", "data", replicas=4, experts=4, capacity_factor=2.0),
     # experts' L2 penalties and the global norm summed over each group
     Case("gpt_oss", "adam+globalclip", "data", replicas=4, microbatches=2, experts=2),
-]  # fmt: skip
+]
 TOLERANCE = 1e-5
 # keras_hub transformers with Adam: one process computing the same global-batch gradient in
 # four pieces (a reordering of float sums, nothing else) ends 3.2e-5 (GPT-2) and 1.2e-5 (Gemma)

@@ -260,10 +260,12 @@ def _run_steps(runner, model, kind, steps):
     last = kind != "first_stage"
     for step, (length, sizes) in enumerate(steps):
         batches = [
-            (tf.constant(_sequences(rows, length, seed=10 * step + k)),
-             tf.constant(np.random.default_rng(k).normal(size=(rows, 2)).astype("float32")))
+            (
+                tf.constant(_sequences(rows, length, seed=10 * step + k)),
+                tf.constant(np.random.default_rng(k).normal(size=(rows, 2)).astype("float32")),
+            )
             for k, rows in enumerate(sizes)
-        ]  # fmt: skip
+        ]
         for k, (x, y) in enumerate(batches):
             if last:
                 runner.forward(k, x, targets=(y, None), scale=len(x) / sum(sizes))

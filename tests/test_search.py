@@ -170,17 +170,21 @@ def test_weight_heavy_models_pipeline_and_light_ones_replicate():
     layers=st.integers(2, 12),
     fused=st.booleans(),
 )
-def test_no_prediction_goes_below_the_estimators_bound(world, batch, forward, backward, layers,
-                                                       fused):  # fmt: skip
+def test_no_prediction_goes_below_the_estimators_bound(
+    world, batch, forward, backward, layers, fused
+):
     share = TensorShare(4096, 0.5, 300.0, 200.0, 1, 1)  # half of each layer splits
     costs = ModelCosts(
-        "drawn", [LayerCost(f"l{i}", Affine(*forward), Affine(*backward), 4096 * (i + 1), 2,
-                            share) for i in range(layers)],
+        "drawn",
+        [
+            LayerCost(f"l{i}", Affine(*forward), Affine(*backward), 4096 * (i + 1), 2, share)
+            for i in range(layers)
+        ],
         [0.0] + [500.0] * (layers - 1) + [0.0],
         engine=EngineCosts(forward_call=1e-4, optimizer_per_byte=1e-9, collective_call=1e-5),
         fused=Affine(forward[0] * layers, (forward[1] + backward[1]) * layers) if fused else None,
         measured={"tensor_parts": 2},
-    )  # fmt: skip
+    )
     two_nodes = Network(intra=Link(5e-5, 1e8), inter=Link(2e-4, 2e7))
     estimate = Estimator(costs, two_nodes, batch, ranks_per_node=world // 2)
     for candidate in candidates(world, batch, layers=layers, schedules=PRICED_SCHEDULES):

@@ -30,10 +30,18 @@ from hyparflow.simulate import (
 from hyparflow.simulate.costs import TensorShare
 from hyparflow.simulate.netbench import fit_network, launch
 from hyparflow.simulate.network import allreduce, allreduce_times, bucketed_allreduce
+from tests.support.cases import LAYOUT_FIELDS
 from tests.support.doc_commands import commands
 
 FAST = Link(0.0, 1e30)  # a network that costs nothing
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FAST_NETWORK = "--latency 2e-6 --bandwidth 12e9"  # the command line's link: 2 us, 12 GB/s
+PROFILED = "--profile-batch-sizes 4,8"  # a saved model timed at two batch sizes
+
+
+def _argv(command: str, path, flags: str) -> list:
+    """The arguments of `hyparflow <command> <path> <flags>`, the flags as typed in a shell."""
+    return [*command.split(), str(path), *flags.split()]
 
 
 def uniform_costs(layers=8, forward=1e-4, backward=2e-4, param_bytes=4000, cut_bytes=1000.0):
@@ -219,7 +227,7 @@ def test_equal_stages_without_communication_follow_the_formula(partitions, micro
 @pytest.mark.parametrize("partitions,microbatches", [(2, 2), (2, 8), (4, 4), (4, 16)])
 def test_zero_bubble_splits_the_weight_half_of_each_backward_into_the_bubble(
     partitions, microbatches
-):  # fmt: skip
+):
     costs = uniform_costs(layers=8, forward=1e-4, backward=2e-4)  # every layer has weights
     batch, net = 8 * microbatches, Network(FAST)
     zb = predict(costs, net, Layout(partitions, 1, microbatches, "zero_bubble"), batch)
@@ -235,11 +243,12 @@ def test_zero_bubble_splits_the_weight_half_of_each_backward_into_the_bubble(
     assert slower.stage_compute[0] == pytest.approx(zb.stage_compute[0] + 2e-3 * microbatches)
 
 
-@pytest.mark.parametrize("partitions,microbatches,virtual", [(2, 2, 2), (2, 4, 2), (4, 8, 2),
-                                                             (2, 4, 4)])  # fmt: skip
+@pytest.mark.parametrize(
+    "partitions,microbatches,virtual", [(2, 2, 2), (2, 4, 2), (4, 8, 2), (2, 4, 4)]
+)
 def test_interleaved_chunks_divide_the_bubble_and_each_pays_its_engine_calls(
     partitions, microbatches, virtual
-):  # fmt: skip
+):
     costs = uniform_costs(layers=16, forward=1e-4, backward=2e-4)
     batch, net = 8 * microbatches, Network(FAST)
     layout = Layout(partitions, 1, microbatches, "interleaved", virtual_stages=virtual)
@@ -393,8 +402,13 @@ def test_affine_through_two_points_stays_non_negative():
 def test_costs_file_round_trip(tmp_path):
     costs = uniform_costs(layers=3)
     costs.layers[1] = replace(costs.layers[1], tensor=TensorShare(4000, 1.0, 512.0, 256.0, 1, 1))
-    costs.engine = EngineCosts(forward_call=1e-4, loss=Affine(1e-5, 1e-7), optimizer_fixed=2e-4,
-                               collective_call=3e-5, zero_per_byte=1e-10)  # fmt: skip
+    costs.engine = EngineCosts(
+        forward_call=1e-4,
+        loss=Affine(1e-5, 1e-7),
+        optimizer_fixed=2e-4,
+        collective_call=3e-5,
+        zero_per_byte=1e-10,
+    )
     costs.single_process = Affine(0.003, 2e-5)
     costs.fused = Affine(0.001, 1e-5)
     costs.measured = {"cores": 2}
@@ -476,20 +490,20 @@ def saved_model(tmp_path_factory):
 
 def test_simulate_command_measures_a_saved_model_and_prints_the_table(saved_model, tmp_path):
     costs_file = tmp_path / "costs.json"
-    command = [
-        sys.executable, "-m", "hyparflow.cli", "simulate", str(saved_model),
-        "--batch-size", "16", "--partitions", "1,2", "--replicas", "1,2", "--microbatches", "2",
-        "--latency", "2e-6", "--bandwidth", "12e9", "--profile-batch-sizes", "4,8",
-        "--save-costs", str(costs_file), "--cores-per-node", "4",
-    ]  # fmt: skip
+    layouts = f"--batch-size 16 --partitions 1,2 --replicas 1,2 --microbatches 2 {FAST_NETWORK}"
+    argv = _argv("simulate", saved_model, f"{layouts} {PROFILED} --cores-per-node 4")
+    command = [sys.executable, "-m", "hyparflow.cli", *argv, "--save-costs", str(costs_file)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.split()[:3] == ["P", "R", "M"])
     rows = [line.split() for line in lines[header + 1 : header + 5]]
     assert [(r[0], r[1], r[2]) for r in rows] == [
-        ("1", "1", "1"), ("1", "2", "1"), ("2", "1", "2"), ("2", "2", "2"),
-    ]  # fmt: skip
+        ("1", "1", "1"),
+        ("1", "2", "1"),
+        ("2", "1", "2"),
+        ("2", "2", "2"),
+    ]
     assert rows[0][7] == "1.00" and rows[0][8] == "100.0%"  # the baseline is one rank
     assert all(float(r[5]) > 0 for r in rows)
     saved = ModelCosts.load(costs_file)
@@ -505,14 +519,16 @@ def test_simulate_command_measures_a_saved_model_and_prints_the_table(saved_mode
 def test_simulate_command_reads_costs_and_prints_json(tmp_path, capsys):
     path = tmp_path / "costs.json"
     uniform_costs(layers=8).save(path)
-    argv = ["simulate", str(path), "--batch-size", "64", "-p", "1,4", "-r", "1,2", "-m", "4",
-            "--latency", "2e-6", "--bandwidth", "12e9", "--ranks-per-node", "4",
-            "--json"]  # fmt: skip
+    layouts = "--batch-size 64 -p 1,4 -r 1,2 -m 4"
+    argv = _argv("simulate", path, f"{layouts} {FAST_NETWORK} --ranks-per-node 4 --json")
     assert main(argv) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [(r["partitions"], r["replicas"], r["nodes"]) for r in rows] == [
-        (1, 1, 1), (1, 2, 1), (4, 1, 1), (4, 2, 2),
-    ]  # fmt: skip
+        (1, 1, 1),
+        (1, 2, 1),
+        (4, 1, 1),
+        (4, 2, 2),
+    ]
     assert rows[0]["speedup"] == 1.0
     assert rows[1]["speedup"] > 1.0 and rows[3]["efficiency"] < 1.0
     assert math.isclose(rows[3]["throughput"], 64 / rows[3]["step_time"])
@@ -531,8 +547,7 @@ def test_simulate_command_reads_costs_and_prints_json(tmp_path, capsys):
 def test_simulate_command_prices_interleaved_chunks(tmp_path, capsys):
     path = tmp_path / "costs.json"
     uniform_costs(layers=8).save(path)
-    argv = ["simulate", str(path), "--batch-size", "64", "-p", "2", "-m", "4",
-            "--latency", "2e-6", "--bandwidth", "12e9"]  # fmt: skip
+    argv = _argv("simulate", path, f"--batch-size 64 -p 2 -m 4 {FAST_NETWORK}")
     assert main([*argv, "--schedule", "interleaved", "-v", "2"]) == 0
     assert "interleaved (v=2) schedule" in capsys.readouterr().out
     rows = {}
@@ -548,8 +563,9 @@ def test_simulate_command_prices_interleaved_chunks(tmp_path, capsys):
 def test_simulate_command_skips_layouts_short_of_cores(tmp_path, capsys):
     path = tmp_path / "costs.json"
     uniform_costs(layers=4).save(path)
-    argv = ["simulate", str(path), "--batch-size", "64", "-p", "1,2", "-r", "1,2", "-m", "2",
-            "--latency", "2e-6", "--bandwidth", "12e9", "--cores-per-node", "2"]  # fmt: skip
+    argv = _argv(
+        "simulate", path, f"--batch-size 64 -p 1,2 -r 1,2 -m 2 {FAST_NETWORK} --cores-per-node 2"
+    )
     assert main(argv) == 0
     out, err = capsys.readouterr()
     assert "skipped 2x2" in err and "core per rank" in err
@@ -580,8 +596,7 @@ def test_plan_auto_is_listed_and_names_itself_in_its_errors(tmp_path, capsys):
 def test_simulate_auto_picks_a_layout_and_explains_the_others(tmp_path, capsys):
     path = tmp_path / "costs.json"
     uniform_costs(layers=8, param_bytes=4 * 2**20).save(path)  # 32 MiB of gradients
-    argv = ["simulate", str(path), "--batch-size", "64", "--auto", "4",
-            "--latency", "5e-5", "--bandwidth", "1e8"]  # fmt: skip
+    argv = _argv("simulate", path, "--batch-size 64 --auto 4 --latency 5e-5 --bandwidth 1e8")
     assert main([*argv, "--json"]) == 0
     found = json.loads(capsys.readouterr().out)
     pick = found["pick"]
@@ -615,9 +630,9 @@ def test_simulate_auto_keeps_layouts_within_the_memory_budget(saved_model, capsy
     from hyparflow.memory import memory_plan
     from hyparflow.strategy import Strategy
 
-    argv = ["plan", "--auto", str(saved_model), "--ranks", "2", "--batch", "16",
-            "--latency", "2e-6", "--bandwidth", "12e9", "--profile-batch-sizes", "4,8",
-            "--json"]  # fmt: skip
+    argv = _argv(
+        "plan --auto", saved_model, f"--ranks 2 --batch 16 {FAST_NETWORK} {PROFILED} --json"
+    )
     assert main(argv) == 0
     found = json.loads(capsys.readouterr().out)
     every = found["ranked"]
@@ -628,9 +643,7 @@ def test_simulate_auto_keeps_layouts_within_the_memory_budget(saved_model, capsy
     assert any(r["tensor"] == 2 for r in every + outrun)
     model = keras.saving.load_model(saved_model)
     for layout in every[:3]:  # the bytes are the memory plan's
-        options = {k: layout[k] for k in ("kind", "partitions", "replicas", "tensor",
-                                          "microbatches", "schedule", "recompute",
-                                          "shard_optimizer")}  # fmt: skip
+        options = {k: layout[k] for k in LAYOUT_FIELDS}
         plan = memory_plan(model, Strategy(**options), batch_size=16)
         assert layout["memory_per_rank_bytes"] == plan.largest.total
     sizes = sorted(r["memory_per_rank_bytes"] for r in every)

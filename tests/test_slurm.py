@@ -21,6 +21,7 @@ pytestmark = pytest.mark.mpi  # every test here starts MPI jobs
 
 TOLERANCE = 1e-5
 SBATCH = os.path.join(REPO, "examples", "slurm", "train.sbatch")
+SLURM_FIT = [sys.executable, "-m", "tests.mpi.slurm_fit"]  # each rank's program, given a folder
 
 
 @pytest.fixture(scope="module")
@@ -61,10 +62,8 @@ def _check_training(results, describe):
 
 
 def test_srun_pmix_runs_hf_fit_directly(slurm, tmp_path):
-    command = [
-        "srun", "-n", "2", "-c", "1", "--mpi=pmix", "--time=10", "--job-name=hf-srun",
-        sys.executable, "-m", "tests.mpi.slurm_fit", str(tmp_path),
-    ]  # fmt: skip
+    srun = shlex.split("srun -n 2 -c 1 --mpi=pmix --time=10 --job-name=hf-srun")
+    command = [*srun, *SLURM_FIT, str(tmp_path)]
     done, results = _run_job(slurm, command, tmp_path)
 
     def describe():
@@ -81,11 +80,9 @@ def test_srun_pmix_runs_hf_fit_directly(slurm, tmp_path):
 
 def test_sbatch_script_runs_mpirun_in_the_allocation(slurm, tmp_path):
     log = tmp_path / "job.out"
-    command = [
-        "sbatch", "--wait", "--nodes=1", "--ntasks=2", "--ntasks-per-node=2",
-        "--cpus-per-task=1", "--time=10", f"--output={log}", SBATCH,
-        sys.executable, "-m", "tests.mpi.slurm_fit", str(tmp_path),
-    ]  # fmt: skip
+    allocation = "--nodes=1 --ntasks=2 --ntasks-per-node=2 --cpus-per-task=1 --time=10"
+    sbatch = ["sbatch", "--wait", *shlex.split(allocation), f"--output={log}", SBATCH]
+    command = [*sbatch, *SLURM_FIT, str(tmp_path)]
     done, results = _run_job(slurm, command, tmp_path)
 
     def describe():
@@ -108,9 +105,14 @@ def test_hyparflow_run_starts_the_demo_with_srun_in_the_allocation(slurm, tmp_pa
     hyparflow = os.path.join(os.path.dirname(sys.executable), "hyparflow")  # console script
     script = shlex.join([hyparflow, "run", "-n", "2", os.path.join("examples", "demo.py")])
     command = [
-        "sbatch", "--wait", "--ntasks=2", "--cpus-per-task=1", "--time=10",
-        f"--output={log}", f"--wrap={script}",
-    ]  # fmt: skip
+        "sbatch",
+        "--wait",
+        "--ntasks=2",
+        "--cpus-per-task=1",
+        "--time=10",
+        f"--output={log}",
+        f"--wrap={script}",
+    ]
     done, _ = _run_job(slurm, command, tmp_path)
     job_log = log.read_text() if log.exists() else "(no job output)"
     describe = f"sbatch exit {done.returncode}\n{done.stderr[-2000:]}\n{job_log[-5000:]}"

@@ -61,8 +61,9 @@ def test_pieces_combine_into_the_whole_batchs_row_slices(model):
             combined.values.numpy(), whole[v.path].values.numpy(), rtol=1e-5, atol=1e-6
         )
     table = "broadcast_positions/position_table/embeddings"
-    concatenated = row_sparse.concat_rows([h[table] for h in halves], model.get_layer(
-        "broadcast_positions").table.embeddings)  # fmt: skip
+    concatenated = row_sparse.concat_rows(
+        [h[table] for h in halves], model.get_layer("broadcast_positions").table.embeddings
+    )
     assert len(concatenated.indices) == 2 * len(whole[table].indices)
 
 

@@ -229,8 +229,9 @@ def _mixture():
     from keras_hub.src.models.qwen3_moe.qwen3_moe_decoder import Qwen3SparseMoeBlock
 
     x = keras.Input((None, 8))
-    block = Qwen3SparseMoeBlock(8, 4, num_experts=4, top_k=2, norm_top_k_prob=True,
-                                router_aux_loss_coefficient=0.0)  # fmt: skip
+    block = Qwen3SparseMoeBlock(
+        8, 4, num_experts=4, top_k=2, norm_top_k_prob=True, router_aux_loss_coefficient=0.0
+    )
     mixed, _ = block(x)
     return keras.Model(x, keras.layers.Dense(3)(mixed))
 

@@ -38,14 +38,31 @@ def _state(model):
     return list(model.non_trainable_variables) + seeds
 
 
-def _run(recompute: bool, flat: bool = False):
-    model = _model()
+def _calls(model) -> tuple:
+    """What a runner takes of a stage that is the whole `model`: its call, its trainable
+    variables and its compiled loss."""
+
+    def call(inputs, training):
+        return model(inputs, training=training)
+
+    def loss(y_true, y_pred, sample_weight):
+        return model._compile_loss(y_true, y_pred, sample_weight)
+
+    return call, model.trainable_variables, loss
+
+
+def _data():
+    """12 samples of 5 features and 2 targets, the same every call (pieces of 8 and 4)."""
     x = np.random.default_rng(0).normal(size=(12, 5)).astype("float32")
     y = np.random.default_rng(1).normal(size=(12, 2)).astype("float32")
+    return x, y
+
+
+def _run(recompute: bool, flat: bool = False):
+    model = _model()
+    x, y = _data()
     runner = StageRunner(
-        lambda inputs, training: model(inputs, training=training),
-        model.trainable_variables,
-        loss=lambda yt, yp, sw: model._compile_loss(yt, yp, sw),
+        *_calls(model),
         recompute=recompute,
         state_variables=_state(model) if recompute else (),
         layout=FlatLayout(model.trainable_variables) if flat else None,
@@ -180,9 +197,10 @@ def test_a_gathered_variable_outside_an_embedding_is_refused_not_densified():
     x = keras.layers.Flatten()(keras.layers.Embedding(10, 4)(inputs))
     model = keras.Model(inputs, keras.layers.Dense(2)(x))
     runner = StageRunner(
-        lambda i, training: model(i, training=training), model.trainable_variables,
+        lambda i, training: model(i, training=training),
+        model.trainable_variables,
         input_grads=False,
-    )  # fmt: skip
+    )
     runner.forward(0, tf.constant([[1, 2, 3]]))
     with pytest.raises(ValueError, match="row-sparse gradients"):
         runner.backward(0, [tf.ones((1, 2))])
@@ -194,9 +212,7 @@ def test_take_gradients_hands_over_the_sum_and_resets():
     x = tf.random.stateless_normal((6, 5), seed=(1, 2))
     y = tf.random.stateless_normal((6, 2), seed=(3, 4))
     runner = StageRunner(
-        lambda inputs, training: model(inputs, training=training),
-        model.trainable_variables,
-        loss=lambda yt, yp, sw: model._compile_loss(yt, yp, sw),
+        *_calls(model),
     )
     runner.forward(0, x, (y, None), scale=1.0)
     runner.backward(0)
@@ -214,12 +230,9 @@ def test_fused_runner_matches_the_taped_stage_runner_and_updates_metrics(microba
     reference, stats, _ = _run(recompute=False)
     model = _model()
     seen = []
-    x = np.random.default_rng(0).normal(size=(12, 5)).astype("float32")
-    y = np.random.default_rng(1).normal(size=(12, 2)).astype("float32")
+    x, y = _data()
     runner = FusedRunner(
-        lambda inputs, training: model(inputs, training=training),
-        model.trainable_variables,
-        loss=lambda yt, yp, sw: model._compile_loss(yt, yp, sw),
+        *_calls(model),
         metrics=lambda yt, yp, sw: seen.append(yp.shape[0]),  # runs while tracing
         microbatches=microbatches,
         input_shapes=declared_shapes(model, None),
@@ -236,8 +249,10 @@ def test_fused_runner_matches_the_taped_stage_runner_and_updates_metrics(microba
         np.testing.assert_allclose(got.numpy(), want, rtol=1e-6)
     zeros = runner.take_gradients()  # nothing forwarded since: zeros
     assert all(not np.any(g.numpy()) for g in zeros)
-    traces = (runner._first_fn.experimental_get_tracing_count(),
-              runner._accumulate_fn.experimental_get_tracing_count())  # fmt: skip
+    traces = (
+        runner._first_fn.experimental_get_tracing_count(),
+        runner._accumulate_fn.experimental_get_tracing_count(),
+    )
     assert traces == ((1, 1) if microbatches == 1 else (0, 1))
 
 
@@ -303,9 +318,7 @@ def test_last_stage_updates_metrics_inside_its_call_once_per_forward(recompute):
         model._compile_metrics.update_state(yt, yp, sw)
 
     runner = StageRunner(
-        lambda inputs, training: model(inputs, training=training),
-        model.trainable_variables,
-        loss=lambda yt, yp, sw: model._compile_loss(yt, yp, sw),
+        *_calls(model),
         metrics=metrics,
         recompute=recompute,
         state_variables=(),
@@ -350,10 +363,12 @@ def test_fused_step_holds_its_gradients_about_once_not_twice():
     counts chunks, not a ratio: at most four in flight, and at least half a copy saved against
     the whole concat of the same run."""
     run = subprocess.run(
-        [sys.executable, "-m", "tests.support.allocator_peak"], capture_output=True, text=True,
+        [sys.executable, "-m", "tests.support.allocator_peak"],
+        capture_output=True,
+        text=True,
         cwd=Path(__file__).resolve().parents[1],
         env={**os.environ, **POOLED_ALLOCATOR_ENV},
-    )  # fmt: skip
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     peaks = json.loads(run.stdout.strip().splitlines()[-1])
     chunked, whole = peaks["chunked"], peaks["whole"]

@@ -67,11 +67,14 @@ def test_invalid_strategies_name_the_fix(make, message):
     "strategy, launch, said",
     [
         ("hybrid", "mpirun -np {ranks}", "launch with `mpirun -np 6` or change num_partitions/"),
-        (Strategy("hybrid"), "hyparflow run -n {ranks}",
-         "launch with `hyparflow run -n 6` or change partitions/replicas"),
+        (
+            Strategy("hybrid"),
+            "hyparflow run -n {ranks}",
+            "launch with `hyparflow run -n 6` or change partitions/replicas",
+        ),
         ("hybrid", "srun -n {ranks}", "`srun -n 6` or change num_partitions/num_replicas"),
     ],
-)  # fmt: skip
+)
 def test_hints_name_the_keywords_and_the_launcher_the_user_wrote(strategy, launch, said):
     """`hf.fit(strategy="hybrid", num_partitions=2, ...)` and `hf.Strategy(partitions=2)` are
     told their own keywords; `hyparflow run` and srun jobs their own command."""

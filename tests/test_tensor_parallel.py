@@ -20,7 +20,7 @@ from hyparflow.tensor import tensor_layout
 from hyparflow.tensor.layout import bounds, check_divides, divisors, lookup, split_axis
 from tests.mpi.real_models import TRAFFIC_CHECKED
 from tests.support import zoo
-from tests.support.cases import Case
+from tests.support.cases import Case, two_stages
 from tests.support.equivalence import assert_within, launched
 
 TOLERANCE = 1e-5
@@ -219,16 +219,15 @@ TWO_RANKS = [
     Case("wide_mlp", "adam+clipnorm", "data", tensor=2, policy="mixed_float16"),
 ]
 FOUR_RANKS = [
-    Case("wide_mlp", "adam", "model", partitions=2, tensor=2, microbatches=2, schedule="1f1b"),
-    Case("wide_mlp", "sgd+globalclip", "model", partitions=2, tensor=2, microbatches=2,
-         recompute=True),
+    two_stages("wide_mlp", "adam", tensor=2, microbatches=2, schedule="1f1b"),
+    two_stages("wide_mlp", "sgd+globalclip", tensor=2, microbatches=2, recompute=True),
     # the tied embedding: looked up in stage 0, projecting logits in stage 1
-    Case("gpt2", "sgd", "model", partitions=2, tensor=2, microbatches=2),
+    two_stages("gpt2", "sgd", tensor=2, microbatches=2),
     Case("encoder", "sgd", "data", replicas=2, tensor=2, microbatches=2),
     Case("conv_pairs", "sgd", "data", replicas=2, tensor=2),
-    Case("llama", "sgd", "model", partitions=2, tensor=2, microbatches=2, schedule="1f1b"),
+    two_stages("llama", "sgd", tensor=2, microbatches=2, schedule="1f1b"),
     Case("bert", "sgd", "data", replicas=2, tensor=2, microbatches=2),
-]  # fmt: skip
+]
 SLOTS = {"adam": 2, "sgd": 1}  # optimizer slots per variable (SGD with momentum)
 # mixed_float16 rounds activations to float16; plain data parallelism (no tensor split) ends
 # 5.1e-3 from Keras on wide_mlp, tensor=2 3.2e-3 (tests/test_engine.py's floor)

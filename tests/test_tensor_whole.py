@@ -43,8 +43,11 @@ def test_vits_position_table_is_kept_whole_and_listed_in_the_table():
 def test_a_pair_that_does_not_divide_stays_whole_together_with_one_line():
     layout = tensor_layout(whole_models.odd_mlp(), 2)
     assert _roles(layout) == [
-        ("up", "column"), ("down", "row"), ("head_up", "column"), ("head_down", "row")
-    ]  # fmt: skip
+        ("up", "column"),
+        ("down", "row"),
+        ("head_up", "column"),
+        ("head_down", "row"),
+    ]
     assert [layer.name for layer in layout.kept_whole] == ["table", "narrow", "widen"]
     assert layout.dropouts == []  # the whole pair's Dropout draws as Keras's, whole
     assert [line for line in layout.replicated if "widen" in line] == [
@@ -58,8 +61,9 @@ def test_grouped_query_attention_that_half_divides_stays_whole_together():
     # 32 units do. The query projection must not split alone: the whole attention stays whole.
     layout = tensor_layout(zoo.llama(), 4)
     roles = _roles(layout)
-    assert not any(name.startswith(("query", "key", "value", "attention_output")) for name, _
-                   in roles)  # fmt: skip
+    assert not any(
+        name.startswith(("query", "key", "value", "attention_output")) for name, _ in roles
+    )
     assert [role for _, role in roles] == ["column", "column", "row"] * 2
     assert layout.copies == []  # nothing of the attention's copy of its input is left
     whole = [line for line in layout.replicated if "2 heads of 'key'" in line]
@@ -88,9 +92,12 @@ def test_dropout_inside_a_whole_attention_draws_as_keras_beside_split_layers():
 def test_a_layout_map_that_splits_what_does_not_divide_is_refused():
     model = whole_models.odd_mlp()
     table = model.get_layer("table").embeddings.path
-    with pytest.raises(ValueError, match=r"tensor_layout splits layer 'table', but its 41 "
-                       r"vocabulary rows are not a multiple of tensor=2.*\[1, 41\]\. Drop its "
-                       "entries"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"tensor_layout splits layer 'table', but its 41 "
+        r"vocabulary rows are not a multiple of tensor=2.*\[1, 41\]\. Drop its "
+        "entries",
+    ):
         tensor_layout(model, 2, {table: ("tensor", None)})
 
 
@@ -127,6 +134,8 @@ def test_an_attention_subclass_with_its_own_call_is_kept_whole():
     plain = keras.layers.MultiHeadAttention(2, 4, name="plain")(mixed, mixed)
     layout = tensor_layout(keras.Model(inputs, plain), 2)
     assert [layer.name for layer in layout.kept_whole] == ["own"]
-    assert any(line.startswith("own: kept whole") and "call overridden" in line
-               for line in layout.replicated)  # fmt: skip
+    assert any(
+        line.startswith("own: kept whole") and "call overridden" in line
+        for line in layout.replicated
+    )
     assert {s.layer.name for s in layout.splits} == {"query", "key", "value", "attention_output"}

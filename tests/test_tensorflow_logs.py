@@ -30,18 +30,23 @@ RANK_1 = [line.replace("2915", "2916").replace("1796233674", "1796233677") for l
 @pytest.mark.parametrize(
     "line, key",
     [
-        (RANK_0[1], "I cudart_stub.cc:31] Could not find cuda drivers on your machine, GPU will "
-                    "not be used."),
+        (
+            RANK_0[1],
+            "I cudart_stub.cc:31] Could not find cuda drivers on your machine, GPU will "
+            "not be used.",
+        ),
         (RANK_0[0], RANK_0[0]),
         (RANK_0[3] + "\n", RANK_0[3]),
-        ("E1202 17:44:19.123456 77 cuda_platform.cc:52] failed call to cuInit", "E cuda_platform"
-         ".cc:52] failed call to cuInit"),
+        (
+            "E1202 17:44:19.123456 77 cuda_platform.cc:52] failed call to cuInit",
+            "E cuda_platform.cc:52] failed call to cuInit",
+        ),
         ("Epoch 1/5", None),
         ("I love this model", None),
         ("Traceback (most recent call last):", None),
         ("W0000 00:00:1.0 7 keras.py:12] a Python warning's file is not C++", None),
     ],
-)  # fmt: skip
+)
 def test_a_log_lines_key_drops_what_differs_between_ranks(line, key):
     assert repeat_key(line) == key
 
@@ -55,11 +60,14 @@ def test_the_same_line_from_another_rank_is_left_out_and_a_different_one_kept():
     assert again == [False] * 4 + [True, True, True]
 
 
+# starts of lines that may still become a TensorFlow or absl log line, and of lines that cannot
+MAY_BE_LOG = ["I", "I00", "W0000 00:00:1.2 ", "WARNING: All log", "To enable", ""]
+NOT_LOG = ["\r 40%|####", "Epoch 1/5", "Ix"]
+
+
 @pytest.mark.parametrize(
-    "start, held",
-    [("I", True), ("I00", True), ("W0000 00:00:1.2 ", True), ("WARNING: All log", True),
-     ("To enable", True), ("\r 40%|####", False), ("Epoch 1/5", False), ("Ix", False), ("", True)],
-)  # fmt: skip
+    "start, held", [(s, True) for s in MAY_BE_LOG] + [(s, False) for s in NOT_LOG]
+)
 def test_an_unfinished_line_is_held_only_while_it_may_become_a_log_line(start, held):
     assert could_become_log_line(start) == held
 
@@ -100,9 +108,12 @@ def _launch(tmp_path, **env):
     environ = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
     done = subprocess.run(
         [sys.executable, "-m", "hyparflow.run", "-n", "2", str(script)],
-        cwd=REPO, env={**environ, "PYTHONPATH": REPO, **env}, capture_output=True, text=True,
+        cwd=REPO,
+        env={**environ, "PYTHONPATH": REPO, **env},
+        capture_output=True,
+        text=True,
         timeout=300,
-    )  # fmt: skip
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return collections.Counter(
         key for key in map(repeat_key, done.stderr.splitlines()) if key is not None

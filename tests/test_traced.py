@@ -72,8 +72,17 @@ def test_a_fit_converts_no_function(strategy):
     x, y = np.ones((20, 4), "float32"), np.zeros((20, 2), "float32")
     before = _converted_modules()
     # check_numerics: one process runs the engine (without an option it runs Keras's own fit)
-    hf.fit(model, x, y, batch_size=8, epochs=1, verbose=0, validation_split=0.2,
-           strategy=strategy, check_numerics=True)  # fmt: skip
+    hf.fit(
+        model,
+        x,
+        y,
+        batch_size=8,
+        epochs=1,
+        verbose=0,
+        validation_split=0.2,
+        strategy=strategy,
+        check_numerics=True,
+    )
     assert _converted_modules() - before == set()
 
 

@@ -17,7 +17,7 @@ import hyparflow as hf
 from hyparflow import model_checks
 from hyparflow.checkpoint.state import join_shards, shard_key, slice_key
 from hyparflow.engine.sharded_optimizer.layout import Extent, ZeroLayout, group_by_dtype, ring_bytes
-from tests.support.cases import Case
+from tests.support.cases import Case, two_by_two
 from tests.support.equivalence import assert_within
 from tests.support.mpirun import run_scenario
 
@@ -38,9 +38,11 @@ def test_slices_cover_the_padded_vector_once_in_order():
     for parts in (1, 2, 3, 4, 7):
         layout = ZeroLayout([5, 1, 9, 2], parts)
         covered = [
-            (p.variable, e) for r in range(parts) for p in layout.extents(r)
+            (p.variable, e)
+            for r in range(parts)
+            for p in layout.extents(r)
             for e in range(p.start, p.stop)
-        ]  # fmt: skip
+        ]
         assert covered == [(v, e) for v, n in enumerate([5, 1, 9, 2]) for e in range(n)]
     assert ZeroLayout([], 2).extents(1) == [] and ZeroLayout([], 2).shard_size == 0
 
@@ -96,8 +98,18 @@ def test_what_a_slice_cannot_update_alone_is_refused_naming_the_fix():
     model_checks.check_sharded_optimizer(
         model, hf.Strategy("data", replicas=1, shard_optimizer=True), "mpi"
     )
-    for name in ("sgd", "adam", "adamw", "adamax", "nadam", "rmsprop", "adagrad", "adadelta",
-                 "lion", "ftrl"):  # fmt: skip
+    for name in [
+        "sgd",
+        "adam",
+        "adamw",
+        "adamax",
+        "nadam",
+        "rmsprop",
+        "adagrad",
+        "adadelta",
+        "lion",
+        "ftrl",
+    ]:
         model.compile(optimizer=name, loss="mse")
         model_checks.check_sharded_optimizer(
             model, hf.Strategy("data", replicas=2, shard_optimizer=True), "mpi"
@@ -114,6 +126,7 @@ def test_the_strategy_field_is_checked_and_shown():
 
 # --- training under mpirun ----------------------------------------------------------------------
 ZERO = {"shard_optimizer": True}
+ZERO_BY_SEGMENT = {**ZERO, "update_by_segment": True}
 TWO_RANKS = [
     Case("wide_mlp", "adam", "data", replicas=2, **ZERO),  # L2, dropout, LayerNorm
     Case("embedding_mlp", "adam", "data", replicas=2, **ZERO),  # a table kept whole
@@ -122,22 +135,17 @@ TWO_RANKS = [
     Case("wide_mlp", "adam+globalclip", "data", replicas=2, **ZERO),
     # by segment: each segment reduce-scattered, updated and gathered inside the backward;
     # under loss scaling the same segment layout updates after the backward
-    Case("wide_mlp", "adam", "data", replicas=2, update_by_segment=True, **ZERO),
-    Case("wide_mlp", "adam", "data", replicas=2, policy="mixed_float16",
-         update_by_segment=True, **ZERO),
-]  # fmt: skip
+    Case("wide_mlp", "adam", "data", replicas=2, **ZERO_BY_SEGMENT),
+    Case("wide_mlp", "adam", "data", replicas=2, policy="mixed_float16", **ZERO_BY_SEGMENT),
+]
 FOUR_RANKS = [
-    Case("wide_mlp", "adam", "hybrid", partitions=2, replicas=2, microbatches=2,
-         schedule="1f1b", **ZERO),
+    two_by_two("wide_mlp", "adam", microbatches=2, schedule="1f1b", **ZERO),
     Case("wide_mlp", "adam+globalclip", "data", replicas=2, tensor=2, **ZERO),
-    Case("wide_mlp", "adam", "hybrid", partitions=2, replicas=2, microbatches=2,
-         schedule="1f1b", update_by_segment=True, **ZERO),
-    Case("wide_mlp", "sgd", "data", replicas=4, update_by_segment=True, **ZERO),
-    Case("wide_mlp", "adam", "hybrid", partitions=2, replicas=2, microbatches=2,
-         schedule="zero_bubble", **ZERO),
-    Case("wide_mlp", "adam", "hybrid", partitions=2, replicas=2, microbatches=2,
-         schedule="interleaved", **ZERO),
-]  # fmt: skip
+    two_by_two("wide_mlp", "adam", microbatches=2, schedule="1f1b", **ZERO_BY_SEGMENT),
+    Case("wide_mlp", "sgd", "data", replicas=4, **ZERO_BY_SEGMENT),
+    two_by_two("wide_mlp", "adam", microbatches=2, schedule="zero_bubble", **ZERO),
+    two_by_two("wide_mlp", "adam", microbatches=2, schedule="interleaved", **ZERO),
+]
 
 
 @pytest.fixture(scope="module")

@@ -6,9 +6,12 @@ import argparse
 
 from benchmarks.harness.records import emit
 
-HELP = {"steps": "steps per epoch", "epochs": "epochs per run; the first traces",
-        "rounds": "rounds of launches, the order alternating",
-        "microbatch_rows": "rows in each micro-batch (the batch is m times that)"}  # fmt: skip
+HELP = {
+    "steps": "steps per epoch",
+    "epochs": "epochs per run; the first traces",
+    "rounds": "rounds of launches, the order alternating",
+    "microbatch_rows": "rows in each micro-batch (the batch is m times that)",
+}
 
 
 def parser(doc: str, repeats: int = 7, **numbers) -> argparse.ArgumentParser:

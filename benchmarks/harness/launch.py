@@ -22,15 +22,23 @@ COMPAT_VENV = Path(os.environ.get("HYPARFLOW_COMPAT_VENV", REPO / ".venv-compat"
 COMPAT_PYTHON = COMPAT_VENV / "bin" / "python"
 INTRAOP_THREADS = 1  # per rank; stated in results.md
 
-MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-           "OMPI_MCA_rmaps_base_oversubscribe": "1", "TF_CPP_MIN_LOG_LEVEL": "2",
-           "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}  # fmt: skip
+MPI_ENV = {
+    "OMPI_ALLOW_RUN_AS_ROOT": "1",
+    "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+    "OMPI_MCA_rmaps_base_oversubscribe": "1",
+    "TF_CPP_MIN_LOG_LEVEL": "2",
+    "PYTHONPATH": str(REPO),
+    "PYTHONUNBUFFERED": "1",
+}
 
 
 def thread_env(threads: int = INTRAOP_THREADS) -> dict:
     """TensorFlow's and OpenMP's thread counts for one process."""
-    return {"TF_NUM_INTRAOP_THREADS": str(threads), "TF_NUM_INTEROP_THREADS": "1",
-            "OMP_NUM_THREADS": str(threads)}  # fmt: skip
+    return {
+        "TF_NUM_INTRAOP_THREADS": str(threads),
+        "TF_NUM_INTEROP_THREADS": "1",
+        "OMP_NUM_THREADS": str(threads),
+    }
 
 
 def python_for(venv: str) -> str:
@@ -48,8 +56,16 @@ def mpirun_command(np: int, argv: list[str]) -> list[str]:
     return ["mpirun", "-np", str(np), "--oversubscribe", "--bind-to", "none", *argv]
 
 
-def run_worker(script: str, args: list, *, np: int = 1, venv: str = "main", threads=None,
-               timeout: float = 1800, env: dict | None = None) -> list:  # fmt: skip
+def run_worker(
+    script: str,
+    args: list,
+    *,
+    np: int = 1,
+    venv: str = "main",
+    threads=None,
+    timeout: float = 1800,
+    env: dict | None = None,
+) -> list:
     """Run `script --worker-out DIR args...` on `np` ranks (np=1: no mpirun); every rank's
     JSON result, in rank order. Raises with the tail of stderr when the run fails."""
     with tempfile.TemporaryDirectory(prefix="hf-bench-") as folder:
@@ -57,26 +73,33 @@ def run_worker(script: str, args: list, *, np: int = 1, venv: str = "main", thre
         command = argv if np == 1 else mpirun_command(np, argv)
         full_env = {**os.environ, **MPI_ENV, **thread_env(threads or INTRAOP_THREADS)}
         full_env.update(env or {})
-        pipe = subprocess.PIPE
-        process = subprocess.Popen(command, cwd=REPO, env=full_env, stdout=pipe, stderr=pipe,
-                                   text=True, start_new_session=True)  # fmt: skip
-        try:
-            stdout, stderr = process.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired as error:
-            os.killpg(process.pid, signal.SIGKILL)  # the whole mpirun job we started
-            stdout, stderr = process.communicate()
-            message = f"{' '.join(command)} ran over {timeout} s:\n{stderr[-3000:]}"
-            raise RuntimeError(message) from error
-        if process.returncode != 0:
-            raise RuntimeError(
-                f"{' '.join(command)} failed ({process.returncode}):\n{stdout[-2000:]}\n"
-                f"{stderr[-4000:]}"
-            )
+        _communicate(command, full_env, timeout)
         results = []
         for rank in range(np):
             path = Path(folder) / f"rank_{rank}.json"
             results.append(json.loads(path.read_text()) if path.exists() else None)
         return results
+
+
+def _communicate(command: list[str], env: dict, timeout: float) -> None:
+    """Run `command` in a session of its own, so that a timeout kills the whole mpirun job;
+    raises with the tail of its output when it fails or runs over."""
+    pipe = subprocess.PIPE
+    process = subprocess.Popen(
+        command, cwd=REPO, env=env, stdout=pipe, stderr=pipe, text=True, start_new_session=True
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired as error:
+        os.killpg(process.pid, signal.SIGKILL)  # the whole mpirun job we started
+        stdout, stderr = process.communicate()
+        message = f"{' '.join(command)} ran over {timeout} s:\n{stderr[-3000:]}"
+        raise RuntimeError(message) from error
+    if process.returncode != 0:
+        raise RuntimeError(
+            f"{' '.join(command)} failed ({process.returncode}):\n{stdout[-2000:]}\n"
+            f"{stderr[-4000:]}"
+        )
 
 
 def write_result(folder: str, rank: int, result) -> None:

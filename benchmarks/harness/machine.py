@@ -51,7 +51,11 @@ def describe(pythons: dict[str, str]) -> dict:
     mpi = _output(["mpirun", "--version"]).strip().splitlines()
     cpu = _proc_field("/proc/cpuinfo", "model name") or platform.processor() or "unknown"
     venvs = {name: python_versions(python) for name, python in pythons.items()}
-    return {"cores": os.cpu_count(), "cpu": cpu,
-            "memory_gib": round(int(memory_kib.split()[0]) / 2**20, 1),
-            "kernel": platform.release(), "open_mpi": mpi[0].split()[-1] if mpi else None,
-            "venvs": venvs}  # fmt: skip
+    return {
+        "cores": os.cpu_count(),
+        "cpu": cpu,
+        "memory_gib": round(int(memory_kib.split()[0]) / 2**20, 1),
+        "kernel": platform.release(),
+        "open_mpi": mpi[0].split()[-1] if mpi else None,
+        "venvs": venvs,
+    }

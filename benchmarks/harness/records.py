@@ -11,9 +11,17 @@ from benchmarks.harness.stats import summarize
 GOALS = {"<=": operator.le, ">=": operator.ge, "<": operator.lt, ">": operator.gt}
 
 
-def measurement(figure: str, name: str, values: Sequence[float], unit: str, *,
-                series: str | None = None, x: float | None = None, x_label: str | None = None,
-                **params) -> dict:  # fmt: skip
+def measurement(
+    figure: str,
+    name: str,
+    values: Sequence[float],
+    unit: str,
+    *,
+    series: str | None = None,
+    x: float | None = None,
+    x_label: str | None = None,
+    **params,
+) -> dict:
     """One measured quantity over repeats; `series` and `x` (named `x_label`) place it on a line
     plot.
 

@@ -37,18 +37,39 @@ def _table(columns: list[str], rows: list[list]) -> list[str]:
 
 
 def machine_section(machine: dict) -> list[str]:
-    here = [machine.get("cores"), machine.get("cpu"), f"{machine.get('memory_gib')} GiB",
-            machine.get("kernel", ""), machine.get("open_mpi")]  # fmt: skip
-    venvs = [[venv, *(versions.get(key) or "–" for key in VERSION_KEYS)]
-             for venv, versions in machine.get("venvs", {}).items()]  # fmt: skip
-    return ["## Machine", "", *_table(["cores", "CPU", "RAM", "kernel", "Open MPI"], [here]),
-            *_table(["venv", *VERSION_KEYS], venvs)]  # fmt: skip
+    here = [
+        machine.get("cores"),
+        machine.get("cpu"),
+        f"{machine.get('memory_gib')} GiB",
+        machine.get("kernel", ""),
+        machine.get("open_mpi"),
+    ]
+    venvs = [
+        [venv, *(versions.get(key) or "–" for key in VERSION_KEYS)]
+        for venv, versions in machine.get("venvs", {}).items()
+    ]
+    return [
+        "## Machine",
+        "",
+        *_table(["cores", "CPU", "RAM", "kernel", "Open MPI"], [here]),
+        *_table(["venv", *VERSION_KEYS], venvs),
+    ]
 
 
 def targets_section(figures: list[dict]) -> list[str]:
     targets = [(f["figure"], r) for f in figures for r in f["records"] if r.get("kind") == "target"]
-    rows = [[figure, r["name"], r["goal"], f"{r['median']:.3f}", _range(r), r["n"],
-             "**met**" if r["met"] else "**missed**"] for figure, r in targets]  # fmt: skip
+    rows = [
+        [
+            figure,
+            r["name"],
+            r["goal"],
+            f"{r['median']:.3f}",
+            _range(r),
+            r["n"],
+            "**met**" if r["met"] else "**missed**",
+        ]
+        for figure, r in targets
+    ]
     return ["## Targets", "", *_table(TARGETS, rows)]
 
 
@@ -59,16 +80,34 @@ def figure_section(figure: dict, plot: str | None, relative_to: Path) -> list[st
     conditions = figure.get("conditions")
     if conditions:
         lines += ["Conditions: " + ", ".join(f"{k} {v}" for k, v in conditions.items()), ""]
-    lines += _table(RECORDS, [[r["name"], _number(r["median"]), _range(r),
-                               f"{100 * r['spread']:.1f}%", r["n"], r["unit"]]
-                              for r in figure["records"]])  # fmt: skip
+    lines += _table(
+        RECORDS,
+        [
+            [
+                r["name"],
+                _number(r["median"]),
+                _range(r),
+                f"{100 * r['spread']:.1f}%",
+                r["n"],
+                r["unit"],
+            ]
+            for r in figure["records"]
+        ],
+    )
     if plot:
         lines += [f"![{figure['figure']}]({os.path.relpath(plot, relative_to)})", ""]
     return lines
 
 
-def write_results(path: str, plots_dir: str, machine: dict, figures: list[dict], *,
-                  preamble: str = "", appendix: list = ()) -> list[str]:  # fmt: skip
+def write_results(
+    path: str,
+    plots_dir: str,
+    machine: dict,
+    figures: list[dict],
+    *,
+    preamble: str = "",
+    appendix: list = (),
+) -> list[str]:
     """Write the results markdown at `path` and one PNG per figure into `plots_dir`.
 
     `figures`: dicts with `figure` (a short key), `records`, and optionally `title`, `about`

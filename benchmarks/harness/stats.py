@@ -19,8 +19,14 @@ def summarize(values: Sequence[float]) -> dict:
     median = statistics.median(values)
     low, high = min(values), max(values)
     spread = (high - low) / (2 * abs(median)) if median else 0.0
-    return {"median": median, "low": low, "high": high, "spread": spread, "n": len(values),
-            "values": values}  # fmt: skip
+    return {
+        "median": median,
+        "low": low,
+        "high": high,
+        "spread": spread,
+        "n": len(values),
+        "values": values,
+    }
 
 
 def paired_ratios(numerators: Sequence[float], denominators: Sequence[float]) -> list[float]:

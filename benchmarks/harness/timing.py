@@ -39,8 +39,9 @@ def interleaved_epochs(setups: dict, x, y, batch_size: int, repeats: int, steps=
     def epoch(name):
         model, strategy, *around = setups[name]
         timer = epoch_timer()
-        fit = dict(batch_size=batch_size, epochs=1, verbose=0, callbacks=[timer],
-                   steps_per_epoch=steps)  # fmt: skip
+        fit = dict(
+            batch_size=batch_size, epochs=1, verbose=0, callbacks=[timer], steps_per_epoch=steps
+        )
         if strategy is not None:
             hf.fit(model, x, y, strategy=strategy, **fit)
         else:

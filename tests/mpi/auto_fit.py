@@ -11,6 +11,7 @@ import numpy as np
 import hyparflow as hf
 from hyparflow.auto.choose import last_choice
 from tests.support.compare import history_difference, relative_difference
+from tests.support.fits import fit_in_order
 from tests.support.report import report, run_or_abort
 
 BATCH, EPOCHS, WIDTH = 32, 2, 256
@@ -69,8 +70,11 @@ def keras_reference(x, y) -> dict:
 
 def picked(model) -> dict:
     choice = last_choice(model, hf.size())
-    return {"strategy": repr(choice.strategy), "label": choice.result.pick.candidate.label(),
-            "bytes": choice.result.pick.estimate.bytes_per_rank}  # fmt: skip
+    return {
+        "strategy": repr(choice.strategy),
+        "label": choice.result.pick.candidate.label(),
+        "bytes": choice.result.pick.estimate.bytes_per_rank,
+    }
 
 
 def open_auto(x, y) -> dict:
@@ -109,13 +113,18 @@ def under_budget(x, y) -> dict:
     reference = activation_heavy()
     reference.fit(x, y, batch_size=batch, epochs=EPOCHS, shuffle=False, verbose=0)
     model = activation_heavy()
-    hf.fit(model, x, y, batch_size=batch, epochs=EPOCHS, shuffle=False, verbose=0,
-           strategy=hf.Strategy(memory_per_rank=budget))  # fmt: skip
+    fit_in_order(model, x, y, batch, EPOCHS, hf.Strategy(memory_per_rank=budget))
     weights = relative_difference(model.get_weights(), reference.get_weights())
     refused = nothing_fits(model, x, y, batch)
     timed_once = len(model._hyparflow_auto_costs) == 1
-    return {**picked(model), "budget": budget, "data_bytes": plain.largest.total,
-            "weights": weights, "refused": refused, "timed_once": timed_once}  # fmt: skip
+    return {
+        **picked(model),
+        "budget": budget,
+        "data_bytes": plain.largest.total,
+        "weights": weights,
+        "refused": refused,
+        "timed_once": timed_once,
+    }
 
 
 def nothing_fits(model, x, y, batch) -> str:
@@ -160,11 +169,15 @@ def untimeable(x, y) -> str:
 
 def main():
     x, y = data()
-    report({
-        "open": open_auto(x, y), "budget": under_budget(x, y),
-        "subclassed": subclassed(x, y), "unknown_batch": unknown_batch(x, y),
-        "untimeable": untimeable(x, y),
-    })  # fmt: skip
+    report(
+        {
+            "open": open_auto(x, y),
+            "budget": under_budget(x, y),
+            "subclassed": subclassed(x, y),
+            "unknown_batch": unknown_batch(x, y),
+            "untimeable": untimeable(x, y),
+        }
+    )
 
 
 if __name__ == "__main__":

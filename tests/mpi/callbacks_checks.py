@@ -12,6 +12,7 @@ from mpi4py import MPI
 
 import hyparflow as hf
 from tests.support.compare import relative_difference
+from tests.support.fits import fit_in_order
 from tests.support.models import compiled, data
 from tests.support.report import args, report
 
@@ -32,14 +33,16 @@ def both(make_callbacks, epochs=4, x=None, y=None, optimizer="sgd", build=None):
     build = build or (lambda: compiled("mlp", optimizer))
     reference = build()
     ref = reference.fit(
-        x, y, batch_size=16, epochs=epochs, shuffle=False, verbose=0,
+        x,
+        y,
+        batch_size=16,
+        epochs=epochs,
+        shuffle=False,
+        verbose=0,
         callbacks=make_callbacks("keras"),
-    )  # fmt: skip
+    )
     model = build()
-    got = hf.fit(
-        model, x, y, batch_size=16, epochs=epochs, shuffle=False, verbose=0,
-        callbacks=make_callbacks("hf"), strategy=STRATEGY,
-    )  # fmt: skip
+    got = fit_in_order(model, x, y, 16, epochs, STRATEGY, callbacks=make_callbacks("hf"))
     return reference, ref, model, got
 
 
@@ -59,13 +62,20 @@ def checkpoint_and_csv(folder):
     x, y = data("mlp", n=48)
     model = compiled("mlp", "adam")
     history = hf.fit(
-        model, x, y, batch_size=16, epochs=3, shuffle=False, verbose=0, strategy=STRATEGY,
+        model,
+        x,
+        y,
+        batch_size=16,
+        epochs=3,
+        shuffle=False,
+        verbose=0,
+        strategy=STRATEGY,
         callbacks=[
             keras.callbacks.ModelCheckpoint(path),
             keras.callbacks.CSVLogger(csv),
             keras.callbacks.TensorBoard(tensorboard),
         ],
-    )  # fmt: skip
+    )
     MPI.COMM_WORLD.Barrier()  # rank 0's files are complete before anyone looks
     result = {
         "checkpoint_exists": os.path.exists(path),

@@ -339,8 +339,9 @@ def check_flat_reduction(comm, rank, members):
     out["flat_in_place"] = all(same)
     out["flat_calls"] = [flat_reducer.mpi_calls, -(-layout.length // 16)]
     mean_reducer = GradientReducer(comm, op="mean")
-    mean = mean_reducer.reduce_flat(pack([tf.constant(g) for g in gradients(0, ("float32",))],
-                                         tf.constant(float(rank))))  # fmt: skip
+    mean = mean_reducer.reduce_flat(
+        pack([tf.constant(g) for g in gradients(0, ("float32",))], tf.constant(float(rank)))
+    )
     out["flat_mean_tail"] = float(mean.numpy()[-1]) * len(members) == float(sum(members))
     return out
 

@@ -87,7 +87,7 @@ CASES = {
         validation_freq=2,
         validation_steps=1,
         epochs=3,
-    ),  # fmt: skip
+    ),
     "initial_epoch": lambda: dict(x=X, y=Y, batch_size=BATCH, initial_epoch=1, epochs=3),
 }
 
@@ -104,10 +104,15 @@ REFUSED = {  # what Keras refuses, hyparflow must refuse with Keras's message
 # The tensor (T=2) and hybrid (P2 x R2) layouts read data as the data and model layouts do:
 # they run the cases that exercise each way in (docs/keras_parity.md), not every argument again.
 WAYS_IN = (
-    "tf_data", "tf_data_with_tf_data_validation", "py_dataset_sample_weight",
-    "generator_steps_per_epoch", "arrays_steps_per_epoch_carry_over", "class_weight",
-    "sample_weight_validation_split", "validation_freq_steps",
-)  # fmt: skip
+    "tf_data",
+    "tf_data_with_tf_data_validation",
+    "py_dataset_sample_weight",
+    "generator_steps_per_epoch",
+    "arrays_steps_per_epoch_carry_over",
+    "class_weight",
+    "sample_weight_validation_split",
+    "validation_freq_steps",
+)
 
 
 LAYOUTS = {
@@ -153,22 +158,27 @@ def run(kinds, name: str, arguments) -> list[dict]:
         model = compiled("mlp", "adam")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # as Keras's, above
-            got = hf.fit(model, **again, epochs=epochs, shuffle=False, verbose=0,
-                         strategy=strategy_of(kind))  # fmt: skip
-        results.append({
-            "case": f"{kind}:{name}",
-            "weights": relative_difference(model.get_weights(), reference["weights"]),
-            "history": history_difference(got.history, reference["history"]),
-            "epochs": [len(got.history["loss"]), len(reference["history"]["loss"])],
-            "keys": [sorted(got.history), sorted(reference["history"])],
-        })  # fmt: skip
+            got = hf.fit(
+                model, **again, epochs=epochs, shuffle=False, verbose=0, strategy=strategy_of(kind)
+            )
+        results.append(
+            {
+                "case": f"{kind}:{name}",
+                "weights": relative_difference(model.get_weights(), reference["weights"]),
+                "history": history_difference(got.history, reference["history"]),
+                "epochs": [len(got.history["loss"]), len(reference["history"]["loss"])],
+                "keys": [sorted(got.history), sorted(reference["history"])],
+            }
+        )
     return results
 
 
 def refusal(kind: str, name: str, arguments) -> dict:
     messages = []
-    for fit in (compiled("mlp", "adam").fit, lambda **o: hf.fit(compiled("mlp", "adam"), **o,
-                                                                strategy=kind)):  # fmt: skip
+    for fit in (
+        compiled("mlp", "adam").fit,
+        lambda **o: hf.fit(compiled("mlp", "adam"), **o, strategy=kind),
+    ):
         try:
             fit(**arguments(), epochs=1, verbose=0)
             messages.append(None)
@@ -210,14 +220,17 @@ def evaluated(kinds, name: str, arguments) -> list[dict]:
         model, strategy = compiled("mlp", "adam"), strategy_of(kind)
         logs = hf.evaluate(model, **arguments(), verbose=0, return_dict=True, strategy=strategy)
         predicted = hf.predict(model, **_without_labels(arguments()), verbose=0, strategy=strategy)
-        results.append({
-            "case": f"{kind}:evaluate_predict_{name}",
-            "evaluate": history_difference({k: [v] for k, v in logs.items()},
-                                           {k: [v] for k, v in ref_logs.items()}),
-            "keys": [sorted(logs), sorted(ref_logs)],
-            "predict": relative_difference([predicted], [ref_predicted]),
-            "shapes": [list(predicted.shape), list(ref_predicted.shape)],
-        })  # fmt: skip
+        results.append(
+            {
+                "case": f"{kind}:evaluate_predict_{name}",
+                "evaluate": history_difference(
+                    {k: [v] for k, v in logs.items()}, {k: [v] for k, v in ref_logs.items()}
+                ),
+                "keys": [sorted(logs), sorted(ref_logs)],
+                "predict": relative_difference([predicted], [ref_predicted]),
+                "shapes": [list(predicted.shape), list(ref_predicted.shape)],
+            }
+        )
     return results
 
 
@@ -252,22 +265,24 @@ def per_output(kinds) -> list[dict]:
     for kind in kinds:
         model = compiled("multi_io", "adam")
         strategy = strategy_of(kind)
-        got = hf.fit(model, x, y, **_PER_OUTPUT_FIT, validation_data=validation,
-                     strategy=strategy)  # fmt: skip
+        got = hf.fit(model, x, y, **_PER_OUTPUT_FIT, validation_data=validation, strategy=strategy)
         evaluated = hf.evaluate(
             model, *validation, batch_size=8, strategy=strategy, return_dict=True
         )
-        results.append({
-            "case": f"{kind}:per_output_losses",
-            "weights": relative_difference(model.get_weights(), reference["weights"]),
-            "history": history_difference(got.history, ref_history),
-            "evaluate": history_difference(
-                {k: [v] for k, v in evaluated.items()}, {k: [v] for k, v in ref_evaluated.items()}
-            ),
-            "epochs": [len(got.history["loss"]), len(ref_history["loss"])],
-            "keys": [sorted(got.history), sorted(ref_history)],
-            "reference": ref_history,
-        })  # fmt: skip
+        results.append(
+            {
+                "case": f"{kind}:per_output_losses",
+                "weights": relative_difference(model.get_weights(), reference["weights"]),
+                "history": history_difference(got.history, ref_history),
+                "evaluate": history_difference(
+                    {k: [v] for k, v in evaluated.items()},
+                    {k: [v] for k, v in ref_evaluated.items()},
+                ),
+                "epochs": [len(got.history["loss"]), len(ref_history["loss"])],
+                "keys": [sorted(got.history), sorted(ref_history)],
+                "reference": ref_history,
+            }
+        )
     return results
 
 

@@ -14,6 +14,7 @@ import hyparflow as hf
 from hyparflow import deferred
 from tests.support import zoo
 from tests.support.compare import history_difference, relative_difference
+from tests.support.fits import fit_in_order
 from tests.support.models import seeded_build
 from tests.support.report import args, report, run_or_abort
 
@@ -32,8 +33,9 @@ def deferred_model(compile_as: str):
         model = seeded_build(zoo.BUILDERS[NAME])
         inside = {"string": "adam", "object": keras.optimizers.Adam(1e-3), "before": before}
         if compile_as in inside:
-            model.compile(inside[compile_as], "sparse_categorical_crossentropy",
-                          metrics=["accuracy"])  # fmt: skip
+            model.compile(
+                inside[compile_as], "sparse_categorical_crossentropy", metrics=["accuracy"]
+            )
     if compile_as == "after":
         model.compile(before, "sparse_categorical_crossentropy", metrics=["accuracy"])
     return model
@@ -88,17 +90,15 @@ def replicated_layouts(x, y, ref2, ref_history) -> dict:
     # two stages x two replicas with ZeRO-1: each replica keeps half its stage's Adam state;
     # the optimizer made before the scope, compiled inside it
     model = deferred_model("before")
-    history = hf.fit(model, x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
-                     strategy=hf.Strategy("hybrid", partitions=2, replicas=2,
-                                          shard_optimizer=True))  # fmt: skip
+    zero = hf.Strategy("hybrid", partitions=2, replicas=2, shard_optimizer=True)
+    history = fit_in_order(model, x, y, BATCH, 2, zero)
     result["P2R2-zero"] = held_report(model, ref2)
     result["P2R2-zero"]["history"] = history_difference(history.history, ref_history.history)
 
     # the same grid interleaved: each rank allocates and trains the weights of its two chunks
     model = deferred_model("string")
-    history = hf.fit(model, x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
-                     strategy=hf.Strategy("hybrid", partitions=2, replicas=2,
-                                          schedule="interleaved"))  # fmt: skip
+    interleaved = hf.Strategy("hybrid", partitions=2, replicas=2, schedule="interleaved")
+    history = fit_in_order(model, x, y, BATCH, 2, interleaved)
     result["P2R2-interleaved"] = held_report(model, ref2)
     result["P2R2-interleaved"]["history"] = history_difference(history.history, ref_history.history)
     return result
@@ -114,8 +114,7 @@ def main():
     # four pipeline stages, compiled inside the scope with optimizer="adam"
     model = deferred_model("string")
     strategy = hf.Strategy("model", partitions=4)
-    history = hf.fit(model, x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
-                     strategy=strategy)  # fmt: skip
+    history = fit_in_order(model, x, y, BATCH, 2, strategy)
     result["P4"] = held_report(model, ref2)
     result["P4"]["history"] = history_difference(history.history, ref_history.history)
     result["P4"]["predict"] = relative_difference(
@@ -133,8 +132,8 @@ def main():
     # two stages x two tensor ranks: the whole split variables are never allocated; compiled
     # inside the scope with an optimizer object made there
     model = deferred_model("object")
-    history = hf.fit(model, x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
-                     strategy=hf.Strategy("model", partitions=2, tensor=2))  # fmt: skip
+    stages_by_tensor = hf.Strategy("model", partitions=2, tensor=2)
+    history = fit_in_order(model, x, y, BATCH, 2, stages_by_tensor)
     result["P2T2"] = held_report(model, ref2)
     result["P2T2"]["history"] = history_difference(history.history, ref_history.history)
 
@@ -142,16 +141,15 @@ def main():
 
     # a checkpoint of one epoch on P2xT2, exported, then resumed as four replicas
     model = deferred_model("after")
-    hf.fit(model, x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
-           strategy=hf.Strategy("model", partitions=2, tensor=2),
-           callbacks=[hf.callbacks.Checkpoint(folder)])  # fmt: skip
+    fit_in_order(
+        model, x, y, BATCH, 1, stages_by_tensor, callbacks=[hf.callbacks.Checkpoint(folder)]
+    )
     if MPI.COMM_WORLD.Get_rank() == 0:
         path = hf.export(folder, folder + "/exported.keras")
         exported = keras.saving.load_model(path)
         result["export"] = relative_difference(exported.get_weights(), ref1.get_weights())
     model = deferred_model("string")  # data parallel, compiled inside with optimizer="adam"
-    hf.fit(model, x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
-           strategy=hf.Strategy("data", replicas=4), resume_from=folder)  # fmt: skip
+    fit_in_order(model, x, y, BATCH, 2, hf.Strategy("data", replicas=4), resume_from=folder)
     result["resumed"] = relative_difference(model.get_weights(), ref2.get_weights())
     result["resumed_steps"] = [int(m.optimizer.iterations.numpy()) for m in (model, ref2)]
     report(result)

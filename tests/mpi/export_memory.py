@@ -31,8 +31,15 @@ def main():
         model = build()
         model.compile(keras.optimizers.SGD(1e-3), "mse")
         x = np.ones((8, WIDTH), "float32")
-        hf.fit(model, x, x, batch_size=8, epochs=1, verbose=0,
-               callbacks=[hf.callbacks.Checkpoint(folder)])  # fmt: skip
+        hf.fit(
+            model,
+            x,
+            x,
+            batch_size=8,
+            epochs=1,
+            verbose=0,
+            callbacks=[hf.callbacks.Checkpoint(folder)],
+        )
         np.save(folder + "/last_kernel.npy", model.weights[-2].numpy())
         print(json.dumps({"bytes": sum(v.numpy().nbytes for v in model.weights)}))
     else:

@@ -69,8 +69,9 @@ def reference_request(name: str, model_name: str, arrays: dict) -> references.Re
 def equivalence(kind: str, name: str, model_name: str, reader, arrays: dict) -> dict:
     reference = references.shared(*reference_request(name, model_name, arrays))
     model = compiled(model_name, "adam")
-    got = hf.fit(model, reader, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
-                 strategy=kind)  # fmt: skip
+    got = hf.fit(
+        model, reader, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0, strategy=kind
+    )
     evaluated = hf.evaluate(model, reader, batch_size=8, strategy=kind, return_dict=True)
     return {
         "case": f"{kind}-{name}",
@@ -86,14 +87,16 @@ def shuffled(kind: str, path: str) -> dict:
     """Shuffled HDF5 batches are the shuffled in-memory batches: the same order, every sample."""
     x, y = data("mlp")
     from_arrays = compiled("mlp", "adam")  # seeds Keras: both fits draw the same shuffle seed
-    hf.fit(from_arrays, x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=True, verbose=0,
-           strategy=kind)  # fmt: skip
+    hf.fit(
+        from_arrays, x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=True, verbose=0, strategy=kind
+    )
     model = compiled("mlp", "adam")
     reader = hyparflow.data.HDF5(path, x="mlp/x", y="mlp/y")
     hf.fit(model, reader, batch_size=BATCH, epochs=EPOCHS, shuffle=True, verbose=0, strategy=kind)
     unshuffled = compiled("mlp", "adam")
-    hf.fit(unshuffled, reader, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
-           strategy=kind)  # fmt: skip
+    hf.fit(
+        unshuffled, reader, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0, strategy=kind
+    )
     return {
         "case": f"{kind}-shuffled",
         "weights": relative_difference(model.get_weights(), from_arrays.get_weights()),
@@ -126,8 +129,16 @@ def memory(path: str, kind: str, steps: int) -> dict:
         f.write("5")  # reset the peak RSS (VmHWM) to the current RSS
     before = status_kib("VmRSS")
     start = time.perf_counter()
-    history = hf.fit(model, reader, batch_size=64, epochs=2, steps_per_epoch=steps, shuffle=True,
-                     verbose=0, strategy=kind)  # fmt: skip
+    history = hf.fit(
+        model,
+        reader,
+        batch_size=64,
+        epochs=2,
+        steps_per_epoch=steps,
+        shuffle=True,
+        verbose=0,
+        strategy=kind,
+    )
     return {
         "case": f"{kind}-memory",
         "seconds": time.perf_counter() - start,

@@ -16,6 +16,7 @@ from hyparflow.comm.topology import Topology
 from hyparflow.comm.world import world
 from tests.support.cases import Case
 from tests.support.compare import history_difference, relative_difference
+from tests.support.fits import fit_in_order
 from tests.support.models import compiled, data
 from tests.support.report import args, report
 
@@ -28,10 +29,7 @@ def train(case: Case, comm: str):
     x, y = data(name)
     strategy = hf.Strategy(**case.strategy_options())
     model = compiled(name, case.optimizer)
-    history = hf.fit(
-        model, x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
-        strategy=strategy, comm=comm,
-    )  # fmt: skip
+    history = fit_in_order(model, x, y, BATCH, EPOCHS, strategy, comm=comm)
     predicted = hf.predict(model, data(name, n=20, seed=1)[0], batch_size=8, strategy=strategy)
     return model, history.history, predicted
 

@@ -40,8 +40,13 @@ def request(family: str):
         floors = [relative_difference([n], [w]) for n, w in zip(nudged, weights, strict=True)]
         return {"weights": weights, "history": history, "floor": max(floors), "floors": floors}
 
-    key = {"fit": "hub_zoo_floors_epsilon", "family": family, "samples": hub_zoo.SAMPLES,
-           "batch": hub_zoo.BATCH, "epochs": hub_zoo.EPOCHS}  # fmt: skip
+    key = {
+        "fit": "hub_zoo_floors_epsilon",
+        "family": family,
+        "samples": hub_zoo.SAMPLES,
+        "batch": hub_zoo.BATCH,
+        "epochs": hub_zoo.EPOCHS,
+    }
     return key, train
 
 
@@ -72,11 +77,19 @@ def _trained(case: Case) -> dict:
     model = hub_zoo.compiled(case.model)
     x, y = hub_zoo.data(case.model, model)
     history = hf.fit(
-        model, x, y, batch_size=hub_zoo.BATCH, epochs=hub_zoo.EPOCHS, shuffle=False, verbose=0,
+        model,
+        x,
+        y,
+        batch_size=hub_zoo.BATCH,
+        epochs=hub_zoo.EPOCHS,
+        shuffle=False,
+        verbose=0,
         strategy=hf.Strategy(**case.strategy_options()),
-    )  # fmt: skip
-    differences = [relative_difference([np.asarray(v)], [e])
-                   for v, e in zip(model.weights, reference["weights"], strict=True)]  # fmt: skip
+    )
+    differences = [
+        relative_difference([np.asarray(v)], [e])
+        for v, e in zip(model.weights, reference["weights"], strict=True)
+    ]
     worst = int(np.argmax(differences))
     # each weight against its own floor: a key bias whose true gradient is zero is noise in
     # Keras too, and must not loosen the check of every other weight (tests/test_hub_zoo.py)

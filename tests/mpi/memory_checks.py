@@ -52,9 +52,16 @@ def layout(spec: str) -> hf.Strategy:
     balance = "params" if "params" in flags else "layers"
     by_segment = True if "segment" in flags else (False if "whole" in flags else None)
     chunked = dict(schedule="interleaved", microbatches=4) if "interleaved" in flags else {}
-    return hf.Strategy(kind, partitions=int(p), replicas=int(r), tensor=int(t), balance=balance,
-                       shard_optimizer="zero" in flags, update_by_segment=by_segment,
-                       **chunked)  # fmt: skip
+    return hf.Strategy(
+        kind,
+        partitions=int(p),
+        replicas=int(r),
+        tensor=int(t),
+        balance=balance,
+        shard_optimizer="zero" in flags,
+        update_by_segment=by_segment,
+        **chunked,
+    )
 
 
 def measure(spec: str, shape: str, optimizer: str = "adam") -> dict:
@@ -67,14 +74,18 @@ def measure(spec: str, shape: str, optimizer: str = "adam") -> dict:
     base = resident_bytes()
     with PeakGrowth() as growth:
         model = wide_mlp(width, depth, optimizer, scope="scope" in spec.split(","))
-        history = hf.fit(model, x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False,
-                         strategy=strategy)  # fmt: skip
+        history = hf.fit(
+            model, x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False, strategy=strategy
+        )
     plan = hf.memory_plan(model, strategy, batch_size=BATCH)
     line = plan.ranks[hf.rank()]
     trainer = getattr(model, "_hyparflow_trainer", (None, None))[1]  # none in one process
     zero = getattr(trainer, "zero", None)
-    sent = {} if zero is None else {"zero_bytes": dict(zero.step_bytes),
-                                    "allreduce_bytes": zero.allreduce_bytes}  # fmt: skip
+    sent = (
+        {}
+        if zero is None
+        else {"zero_bytes": dict(zero.step_bytes), "allreduce_bytes": zero.allreduce_bytes}
+    )
     return {
         "spec": spec,
         "growth": growth.bytes,

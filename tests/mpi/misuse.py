@@ -125,9 +125,14 @@ def checkpointed(folder, name="mlp"):
     """A real checkpoint of model `name` in `folder` (trained for one epoch)."""
     x, y = data(name, n=32)
     hf.fit(
-        compiled(name, "sgd"), x, y, batch_size=8, verbose=0, strategy="model",
+        compiled(name, "sgd"),
+        x,
+        y,
+        batch_size=8,
+        verbose=0,
+        strategy="model",
         callbacks=[hf.callbacks.Checkpoint(folder)],
-    )  # fmt: skip
+    )
     return folder
 
 
@@ -199,22 +204,30 @@ CASES = {
         compiled("mlp", "sgd"), x, y, strategy=hf.Strategy("model", balance=["no_such_layer"])
     ),
     "empty_dataset": lambda x, y, tmp: hf.fit(
-        compiled("mlp", "sgd"), tf.data.Dataset.from_tensor_slices((x[:0], y[:0])).batch(8),
-        verbose=0, strategy="data",
+        compiled("mlp", "sgd"),
+        tf.data.Dataset.from_tensor_slices((x[:0], y[:0])).batch(8),
+        verbose=0,
+        strategy="data",
     ),
     "nonfinite_data": lambda x, y, tmp: fit(
-        compiled("mlp", "sgd"), np.where(np.arange(len(x))[:, None] == 5, np.nan, x), y,
+        compiled("mlp", "sgd"),
+        np.where(np.arange(len(x))[:, None] == 5, np.nan, x),
+        y,
         check_numerics=True,
     ),
     "own_train_step": lambda x, y, tmp: fit(with_own_train_step(), x, y, strategy="model"),
     "unsliceable_noise": lambda x, y, tmp: fit(with_noise(), x, y, strategy="data"),
     "synchronized_batchnorm_microbatches": lambda x, y, tmp: fit(
-        compiled("batchnorm", "sgd"), x, y,
+        compiled("batchnorm", "sgd"),
+        x,
+        y,
         strategy=hf.Strategy("data", sync_batchnorm=True, microbatches=2),
     ),
     "sum_reduction": lambda x, y, tmp: fit(with_sum_reduction(), x, y),
     "global_mean_microbatches": lambda x, y, tmp: fit(
-        zoo.compiled("global_centered", "sgd"), x, y,
+        zoo.compiled("global_centered", "sgd"),
+        x,
+        y,
         strategy=hf.Strategy("data", microbatches=2),
     ),
     # a last batch of 1 sample: one replica would never join the global mean's allreduce
@@ -222,7 +235,9 @@ CASES = {
         zoo.compiled("global_centered", "sgd"), x[:9], y[:9], strategy="data"
     ),
     "strict_added_losses": lambda x, y, tmp: fit(
-        zoo.compiled("added_losses", "sgd"), x, y,
+        zoo.compiled("added_losses", "sgd"),
+        x,
+        y,
         strategy=hf.Strategy("data", strict_added_losses=True),
     ),
     "same_error_everywhere": lambda x, y, tmp: fit(failing_in_training(), x, y, strategy="data"),
@@ -235,11 +250,17 @@ CASES = {
         x, y, lambda x, y: fail_mid_step(x, y, hf.Strategy("model", balance=["checked"]))
     ),
     "foreign_checkpoint": lambda x, y, tmp: fit(
-        compiled("mlp", "sgd"), x, y, strategy="model",
+        compiled("mlp", "sgd"),
+        x,
+        y,
+        strategy="model",
         resume_from=checkpointed(os.path.join(tmp, "cnn"), "cnn"),
     ),
     "corrupted_checkpoint": lambda x, y, tmp: fit(
-        compiled("mlp", "sgd"), x, y, strategy="model",
+        compiled("mlp", "sgd"),
+        x,
+        y,
+        strategy="model",
         resume_from=corrupt(checkpointed(os.path.join(tmp, "mlp"))),
     ),
     "missing_checkpoint": lambda x, y, tmp: fit(
@@ -249,14 +270,18 @@ CASES = {
         compiled("mlp", "sgd"), x, y, resume=True
     ),
     "diverging_training": lambda x, y, tmp: fit(
-        diverging(), x, y.astype("float32"), strategy="model", epochs=3,
+        diverging(),
+        x,
+        y.astype("float32"),
+        strategy="model",
+        epochs=3,
         check_numerics=True,
     ),
     "different_data_on_each_rank": lambda x, y, tmp: fit(
         compiled("mlp", "sgd"), *unseeded_shuffle(x, y), strategy="model"
     ),
     "negative_watchdog": lambda x, y, tmp: fit(compiled("mlp", "sgd"), x, y, watchdog_timeout=-1),
-}  # fmt: skip
+}
 
 
 def record_and_exit(kind, error, trace):

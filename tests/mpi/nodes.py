@@ -26,6 +26,7 @@ from tests.mpi import equivalence, real_models
 from tests.mpi.reliability import model_with_dropout
 from tests.support.cases import Case
 from tests.support.compare import relative_difference
+from tests.support.fits import fit_in_order
 from tests.support.models import data
 from tests.support.report import args, report, run_or_abort
 
@@ -77,10 +78,15 @@ def main():
     elif mode == "wiring":
         (log_dir,) = rest
         hf.fit(
-            mlp(), x, y, batch_size=BATCH, epochs=1, verbose=0,
+            mlp(),
+            x,
+            y,
+            batch_size=BATCH,
+            epochs=1,
+            verbose=0,
             strategy=hf.Strategy("hybrid", partitions=2, replicas=2, microbatches=2),
             callbacks=[hf.callbacks.ScalingProfiler(log_dir, timeline=False)],
-        )  # fmt: skip
+        )
         # every pair of ranks exchanges a message, so Open MPI wires up every transport
         # (lazily: a peer on another node gets its TCP connection at the first message)
         hosts = MPI.COMM_WORLD.alltoall([socket.gethostname()] * MPI.COMM_WORLD.Get_size())
@@ -88,20 +94,27 @@ def main():
     elif mode == "doomed":
         (folder,) = rest
         hf.fit(
-            mlp(), x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
+            mlp(),
+            x,
+            y,
+            batch_size=BATCH,
+            epochs=EPOCHS,
+            shuffle=False,
+            verbose=0,
             strategy=hf.Strategy("hybrid", partitions=2, replicas=2),
-            callbacks=[hf.callbacks.Checkpoint(folder, every_n_steps=2),
-                       StopNode(DOOMED_NODE, 7, os.environ["HF_NODE_PIDS"])],
+            callbacks=[
+                hf.callbacks.Checkpoint(folder, every_n_steps=2),
+                StopNode(DOOMED_NODE, 7, os.environ["HF_NODE_PIDS"]),
+            ],
             watchdog_timeout=30,
-        )  # fmt: skip
+        )
         report({"finished": True})  # must never happen
     elif mode == "survivor":
         (folder,) = rest
         model = mlp()
-        history = hf.fit(
-            model, x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
-            strategy=hf.Strategy("model", partitions=2), resume_from=folder,
-        )  # fmt: skip
+        history = fit_in_order(
+            model, x, y, BATCH, EPOCHS, hf.Strategy("model", partitions=2), resume_from=folder
+        )
         reference = mlp()
         reference.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
         report(

@@ -17,6 +17,7 @@ from hyparflow.tensor import tensor_layout
 from tests.support import references, zoo
 from tests.support.cases import Case
 from tests.support.compare import history_difference, most_traces, relative_difference
+from tests.support.fits import fit_in_order
 from tests.support.report import args, report
 
 # one model per way a layer splits: Dense pairs, convolutions, attention, a table, a tied
@@ -30,16 +31,7 @@ def run(case: Case) -> dict:
     reference = references.zoo_fit(name, optimizer, case.policy, case.one_step)
     model = zoo.compiled(name, optimizer, case.policy)
     strategy = hf.Strategy(**case.strategy_options())
-    history = hf.fit(
-        model,
-        x,
-        y,
-        batch_size=batch_size,
-        epochs=epochs,
-        shuffle=False,
-        verbose=0,
-        strategy=strategy,
-    )
+    history = fit_in_order(model, x, y, batch_size, epochs, strategy)
     trainer = model._hyparflow_trainer[1]  # a new model's: its traffic is this fit's alone
     moved, exchanged = trainer.traffic.of("tensor"), trainer.traffic.of("experts")
     runner = trainer.parts.runner

@@ -72,10 +72,18 @@ def train(folder, callbacks=(), strategy="model", epochs=EPOCHS, dropout=0.3, ve
     np.random.seed(123)  # rank 0 draws the shuffle seed from numpy: same seed in every run
     stateful = stateful_callbacks()
     history = hf.fit(
-        model, x, y, batch_size=BATCH, epochs=epochs, shuffle=True, verbose=verbose,
+        model,
+        x,
+        y,
+        batch_size=BATCH,
+        epochs=epochs,
+        shuffle=True,
+        verbose=verbose,
         callbacks=[hf.callbacks.Checkpoint(folder, every_n_steps=2), *callbacks, *stateful],
-        strategy=strategy, watchdog_timeout=30, **kwargs,
-    )  # fmt: skip
+        strategy=strategy,
+        watchdog_timeout=30,
+        **kwargs,
+    )
     history.stateful = {type(cb).__name__: (cb.wait, cb.best) for cb in stateful}
     return model, history
 
@@ -113,9 +121,16 @@ def _resume_each(folder, strategies: dict):
         x, y = data("mlp", n=64)
         model = model_with_dropout(0.0)
         hf.fit(
-            model, x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=True, verbose=0,
-            strategy=strategy, resume_from=folder,
-        )  # fmt: skip
+            model,
+            x,
+            y,
+            batch_size=BATCH,
+            epochs=EPOCHS,
+            shuffle=True,
+            verbose=0,
+            strategy=strategy,
+            resume_from=folder,
+        )
         results[name] = model.get_weights()
     exported = os.path.join(folder, "exported.keras")
     if hf.rank() == 0:
@@ -161,16 +176,20 @@ def resume(folder):
     )
 
 
+def _fit_dropout_mlp(callbacks: list, **options):
+    """hf.fit of a fresh two-stage dropout MLP for EPOCHS epochs with `callbacks`; `options`:
+    hf.fit's others (resume_from, watchdog_timeout)."""
+    x, y = data("mlp", n=64)
+    fit = dict(batch_size=BATCH, epochs=EPOCHS, verbose=0, strategy="model", callbacks=callbacks)
+    return hf.fit(model_with_dropout(), x, y, **fit, **options)
+
+
 def _refused_without_best_weights(folder) -> str:
     """What resuming with EarlyStopping(restore_best_weights=True) says: the best weights of an
     epoch before the checkpoint were never saved."""
-    x, y = data("mlp", n=64)
+    early = keras.callbacks.EarlyStopping(monitor="loss", restore_best_weights=True)
     try:
-        hf.fit(
-            model_with_dropout(), x, y, batch_size=BATCH, epochs=EPOCHS, verbose=0,
-            resume_from=folder, strategy="model",
-            callbacks=[keras.callbacks.EarlyStopping(monitor="loss", restore_best_weights=True)],
-        )  # fmt: skip
+        _fit_dropout_mlp([early], resume_from=folder)
     except ValueError as error:
         return str(error)
     return "not refused"
@@ -178,12 +197,8 @@ def _refused_without_best_weights(folder) -> str:
 
 def torn_save(folder):
     """Rank 0 is killed during the second checkpoint save, before its manifest."""
-    x, y = data("mlp", n=64)
-    hf.fit(
-        model_with_dropout(), x, y, batch_size=BATCH, epochs=EPOCHS, verbose=0,
-        callbacks=[TornCheckpoint(folder, every_n_steps=2, every_epoch=False)],
-        strategy="model", watchdog_timeout=30,
-    )  # fmt: skip
+    torn = TornCheckpoint(folder, every_n_steps=2, every_epoch=False)
+    _fit_dropout_mlp([torn], watchdog_timeout=30)
     report({"finished": True})  # must never happen
 
 
@@ -198,14 +213,18 @@ def after_torn(folder):
 def reshape(folder):
     """Checkpoint a 2x2 hybrid run, resume it as 4x1, 1x4, 2x2 and 2x2 interleaved (each rank
     two chunks of the model's four layers); export it."""
-    first, _ = train(folder, strategy=hf.Strategy("hybrid", partitions=2, replicas=2),
-                     epochs=2, dropout=0.0)  # fmt: skip
-    results, exported = _resume_each(folder, {
-        "same": hf.Strategy("hybrid", partitions=2, replicas=2),
-        "model4": hf.Strategy("model", partitions=4),
-        "data4": hf.Strategy("data"),
-        "interleaved": hf.Strategy("hybrid", partitions=2, replicas=2, schedule="interleaved"),
-    })  # fmt: skip
+    first, _ = train(
+        folder, strategy=hf.Strategy("hybrid", partitions=2, replicas=2), epochs=2, dropout=0.0
+    )
+    results, exported = _resume_each(
+        folder,
+        {
+            "same": hf.Strategy("hybrid", partitions=2, replicas=2),
+            "model4": hf.Strategy("model", partitions=4),
+            "data4": hf.Strategy("data"),
+            "interleaved": hf.Strategy("hybrid", partitions=2, replicas=2, schedule="interleaved"),
+        },
+    )
     report(
         {
             "rank": hf.rank(),
@@ -235,11 +254,12 @@ def tensor_reshape(folder):
             "files": shard_files,
             **{
                 name: relative_difference(weights, results["same"])
-                for name, weights in results.items() if name != "same"
+                for name, weights in results.items()
+                if name != "same"
             },
             "export": relative_difference(exported.get_weights(), first.get_weights()),
         }
-    )  # fmt: skip
+    )
 
 
 def expert_reshape(folder):
@@ -258,9 +278,14 @@ def expert_reshape(folder):
     def fit(strategy, epochs, **kwargs):
         model = zoo.compiled("mixtral", "adam")
         hf.fit(
-            model, zoo.text_batches("mixtral", 16), epochs=epochs, shuffle=False, verbose=0,
-            strategy=strategy, **kwargs,
-        )  # fmt: skip
+            model,
+            zoo.text_batches("mixtral", 16),
+            epochs=epochs,
+            shuffle=False,
+            verbose=0,
+            strategy=strategy,
+            **kwargs,
+        )
         return model
 
     held = _expert_elements_held(2)
@@ -279,7 +304,8 @@ def expert_reshape(folder):
             "expert_pieces": pieces,
             **{
                 name: relative_difference(weights, results["same"])
-                for name, weights in results.items() if name != "same"
+                for name, weights in results.items()
+                if name != "same"
             },
             "export": relative_difference(
                 keras.saving.load_model(exported).get_weights(), first.get_weights()
@@ -288,7 +314,7 @@ def expert_reshape(folder):
             # in one process: the whole expert kernels and Adam's two slots of each
             "expert_elements_whole": 3 * sum(int(np.prod(v.shape)) for v in expert_weights(first)),
         }
-    )  # fmt: skip
+    )
 
 
 def _expert_pieces(folder, files, model) -> dict:
@@ -330,11 +356,7 @@ def stall(folder):
                 time.sleep(600)
 
     start = time.time()
-    x, y = data("mlp", n=64)
-    hf.fit(
-        model_with_dropout(), x, y, batch_size=BATCH, epochs=EPOCHS, verbose=0,
-        callbacks=[Hang()], strategy="model", watchdog_timeout=5,
-    )  # fmt: skip
+    _fit_dropout_mlp([Hang()], watchdog_timeout=5)
     report({"finished": True, "elapsed": time.time() - start})  # must never happen
 
 

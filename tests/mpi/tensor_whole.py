@@ -12,6 +12,7 @@ import hyparflow as hf
 from tests.support import references, whole_models
 from tests.support.cases import Case
 from tests.support.compare import history_difference, relative_difference
+from tests.support.fits import fit_in_order
 from tests.support.report import args, report, run_or_abort
 
 BATCH, EPOCHS = 16, 2
@@ -32,10 +33,7 @@ def run(case: Case) -> dict:
     reference = references.shared(*keras_request(case))
     x, y = whole_models.data(case.model)
     model = whole_models.compiled(case.model, case.optimizer)
-    history = hf.fit(
-        model, x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
-        strategy=hf.Strategy(**case.strategy_options()),
-    )  # fmt: skip
+    history = fit_in_order(model, x, y, BATCH, EPOCHS, hf.Strategy(**case.strategy_options()))
     layout = model._hyparflow_trainer[1].splits.tensor.layout
     weights = model.get_weights()
     return {
@@ -50,8 +48,9 @@ def run(case: Case) -> dict:
 
 def _worst(weights, reference) -> str:
     """The path of the weight farthest from Keras's, for the failure message."""
-    gaps = [relative_difference([w], [r]) for w, r in zip(weights, reference["weights"],
-                                                          strict=True)]  # fmt: skip
+    gaps = [
+        relative_difference([w], [r]) for w, r in zip(weights, reference["weights"], strict=True)
+    ]
     return reference["paths"][int(np.argmax(gaps))]
 
 

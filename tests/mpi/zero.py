@@ -18,6 +18,7 @@ from tests.mpi.reliability import BATCH, EPOCHS, _resume_each, train
 from tests.support import references, zoo
 from tests.support.cases import Case
 from tests.support.compare import history_difference, relative_difference
+from tests.support.fits import fit_in_order
 from tests.support.report import args, report
 
 SLOTS = {"adam": 2, "sgd": 1}  # optimizer slots per element (SGD with momentum)
@@ -27,10 +28,7 @@ def run(case: Case) -> dict:
     x, y, batch_size, epochs = zoo.training_data(case.model)
     reference = references.zoo_fit(case.model, case.optimizer, case.policy)
     model = zoo.compiled(case.model, case.optimizer, case.policy)
-    history = hf.fit(
-        model, x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0,
-        strategy=hf.Strategy(**case.strategy_options()),
-    )  # fmt: skip
+    history = fit_in_order(model, x, y, batch_size, epochs, hf.Strategy(**case.strategy_options()))
     trainer = model._hyparflow_trainer[1]
     zero = trainer.parts.sharded
     # the optimizer's per-element state on this rank, against the unsharded stage's
@@ -88,10 +86,15 @@ def resumes_two(folder: str) -> dict:
     by_segment = hf.Strategy("data", shard_optimizer=True, update_by_segment=True)
     train(folder, strategy=zero, epochs=2, dropout=0.0)
     files = sorted(n for n in os.listdir(manifest.latest(folder)) if n.endswith(".npz"))
-    results, _ = _resume_each(folder, {
-        "same": zero, "off": hf.Strategy("data"), "model2": hf.Strategy("model", partitions=2),
-        "segments": by_segment,
-    })  # fmt: skip
+    results, _ = _resume_each(
+        folder,
+        {
+            "same": zero,
+            "off": hf.Strategy("data"),
+            "model2": hf.Strategy("model", partitions=2),
+            "segments": by_segment,
+        },
+    )
     plain = folder + "-plain"
     train(plain, strategy=hf.Strategy("data"), epochs=2, dropout=0.0)
     plain_results, _ = _resume_each(plain, {"same": hf.Strategy("data"), "on": zero})
@@ -115,12 +118,15 @@ def resumes_four(folder: str) -> dict:
     zero = hf.Strategy("data", replicas=2, tensor=2, shard_optimizer=True)
     train(folder, strategy=zero, epochs=2, dropout=0.0)
     files = sorted(n for n in os.listdir(manifest.latest(folder)) if n.endswith(".npz"))
-    results, _ = _resume_each(folder, {
-        "same": zero,
-        "data4": hf.Strategy("data", shard_optimizer=True),
-        "hybrid": hf.Strategy("hybrid", partitions=2, replicas=2, shard_optimizer=True),
-        "off": hf.Strategy("data", replicas=2, tensor=2),
-    })  # fmt: skip
+    results, _ = _resume_each(
+        folder,
+        {
+            "same": zero,
+            "data4": hf.Strategy("data", shard_optimizer=True),
+            "hybrid": hf.Strategy("hybrid", partitions=2, replicas=2, shard_optimizer=True),
+            "off": hf.Strategy("data", replicas=2, tensor=2),
+        },
+    )
     return {
         "files": files,
         **{k: relative_difference(v, results["same"]) for k, v in results.items() if k != "same"},

@@ -28,9 +28,11 @@ def allocator_peak_of_one_step(layout) -> tuple[int, int]:
     model = keras.Model(inputs, keras.layers.Dense(10)(x))
     model.compile(loss="mse", optimizer="sgd")
     runner = FusedRunner(
-        lambda i, training: model(i, training=training), model.trainable_variables,
-        loss=lambda yt, yp, sw: model._compile_loss(yt, yp, sw), layout=layout(model),
-    )  # fmt: skip
+        lambda i, training: model(i, training=training),
+        model.trainable_variables,
+        loss=lambda yt, yp, sw: model._compile_loss(yt, yp, sw),
+        layout=layout(model),
+    )
     data = tf.ones((16, 1024)), (tf.ones((16, 10)), None)
     runner.forward(0, data[0], data[1])  # traced once, before measuring
     runner.take_flat_gradients()

@@ -24,13 +24,16 @@ _GRID_DEFAULTS = {"partitions": 1, "replicas": 1}
 _StrategyFields = dataclasses.make_dataclass(
     "_StrategyFields",
     [
-        (f.name, f.type, dataclasses.field(default=_GRID_DEFAULTS.get(f.name, f.default),
-                                           kw_only=True))
+        (
+            f.name,
+            f.type,
+            dataclasses.field(default=_GRID_DEFAULTS.get(f.name, f.default), kw_only=True),
+        )
         for f in dataclasses.fields(hf.Strategy)
         if f.name != "kind"
     ],
     frozen=True,
-)  # fmt: skip
+)
 _STRATEGY_DEFAULTS = {f.name: f.default for f in dataclasses.fields(hf.Strategy)}
 # Fields that show in a case's id as a flag, in id order, each where it differs from its default
 # (other Strategy fields a case sets show as name=value at the end)
@@ -46,6 +49,17 @@ _FLAGS = {
     "update_by_segment": lambda c: {True: "bysegment", False: "whole"}.get(c.update_by_segment, ""),
 }
 _IN_ID = {"partitions", "replicas", "tensor", "microbatches", "schedule"}  # shown before flags
+# The Strategy fields of a layout the search reports (hf.auto's JSON, `hyparflow simulate`)
+LAYOUT_FIELDS = (
+    "kind",
+    "partitions",
+    "replicas",
+    "tensor",
+    "microbatches",
+    "schedule",
+    "recompute",
+    "shard_optimizer",
+)
 
 
 @dataclass(frozen=True)
@@ -145,3 +159,14 @@ def run_cases(
         for r in rank_result["results"]:
             by_case[r["case"]].append({"rank": rank, **r})
     return by_case
+
+
+# The layouts most cases share, so that a table of cases keeps one line a case
+def two_stages(model: str, optimizer: str, **options) -> Case:
+    """A pipeline of two stages, one replica each."""
+    return Case(model, optimizer, "model", partitions=2, **options)
+
+
+def two_by_two(model: str, optimizer: str, **options) -> Case:
+    """The four-rank hybrid grid: two pipeline stages, each replicated twice."""
+    return Case(model, optimizer, "hybrid", partitions=2, replicas=2, **options)

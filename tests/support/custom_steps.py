@@ -101,19 +101,23 @@ def run(name: str) -> dict:
     if kind is not TwoOptimizers:  # Keras's test_step needs a compiled loss
         options["validation_data"] = (X[:20], Y[:20])
     runs = []
-    for fit in (lambda m: m.fit(x, y, **options), lambda m: hf.fit(m, x, y, **options,
-                                                                     strategy="data")):  # fmt: skip
+    for fit in (
+        lambda m: m.fit(x, y, **options),
+        lambda m: hf.fit(m, x, y, **options, strategy="data"),
+    ):
         model = build(kind)
         keras.utils.set_random_seed(7)  # the same dropout masks in both runs
         history = fit(model).history
         logs = None
         if "validation_data" in options:
-            logs = hf.evaluate(model, X[:20], Y[:20], return_dict=True, verbose=0,
-                               strategy="data")  # fmt: skip
+            logs = hf.evaluate(model, X[:20], Y[:20], return_dict=True, verbose=0, strategy="data")
         runs.append((model, history, logs))
     (ref, ref_history, _), (model, history, logs) = runs
-    evaluated = 0.0 if logs is None else history_difference(logs, ref.evaluate(
-        X[:20], Y[:20], return_dict=True, verbose=0))  # fmt: skip
+    evaluated = (
+        0.0
+        if logs is None
+        else history_difference(logs, ref.evaluate(X[:20], Y[:20], return_dict=True, verbose=0))
+    )
     return {
         "case": f"data:{name}",
         "weights": relative_difference(model.get_weights(), ref.get_weights()),

@@ -22,32 +22,32 @@ VOCAB, LENGTH, CLASSES = 64, 8, 3
 SAMPLES, BATCH, EPOCHS = 16, 8, 2  # 4 steps: batches of 8 split into 2 pieces of 4
 IMAGE = (32, 32, 3)
 TASK_SUFFIXES = (
-    "CausalLM", "Seq2SeqLM", "AudioToText", "TextClassifier", "ImageClassifier",
+    "CausalLM",
+    "Seq2SeqLM",
+    "AudioToText",
+    "TextClassifier",
+    "ImageClassifier",
     "ProteinClassifier",
-)  # fmt: skip
+)
 
 # The shapes most families share; a row spells out only what differs.
-_TEXT = dict(vocabulary_size=VOCAB, num_layers=2, num_heads=2, hidden_dim=16, intermediate_dim=32)
+_LAYERS = dict(num_layers=2, hidden_dim=16, intermediate_dim=32)
+_TEXT = dict(_LAYERS, vocabulary_size=VOCAB, num_heads=2)
 _POSITIONS = dict(_TEXT, max_sequence_length=16)
-_GQA = dict(
-    vocabulary_size=VOCAB, num_layers=2, num_query_heads=4, num_key_value_heads=2, hidden_dim=16,
-    intermediate_dim=32,
-)  # fmt: skip
-_SMOLLM = dict(
-    vocabulary_size=VOCAB, hidden_dim=16, intermediate_dim=32, num_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, attention_bias=False, attention_dropout=0.0,
-    rope_layer_enabled_list=[True, False], layer_types=["attention", "attention"],
-    mlp_bias=False, layer_norm_epsilon=1e-6, max_position_embeddings=32, rope_theta=10000.0,
-    partial_rotary_factor=1.0,
-)  # fmt: skip
+_GQA = dict(_LAYERS, vocabulary_size=VOCAB, num_query_heads=4, num_key_value_heads=2)
 _VIT = dict(image_shape=IMAGE, patch_size=8, num_layers=2, num_heads=2, hidden_dim=16)
+# T5Gemma's encoder and decoder: the same sizes, each key named with its side
+_T5GEMMA_SIDE = dict(
+    _LAYERS,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    head_dim=8,
+    layer_types=["full_attention"] * 2,
+)
 _T5GEMMA = dict(
-    vocabulary_size=VOCAB, encoder_hidden_dim=16, encoder_intermediate_dim=32,
-    encoder_num_layers=2, encoder_num_attention_heads=2, encoder_num_key_value_heads=2,
-    encoder_head_dim=8, encoder_layer_types=["full_attention"] * 2, decoder_hidden_dim=16,
-    decoder_intermediate_dim=32, decoder_num_layers=2, decoder_num_attention_heads=2,
-    decoder_num_key_value_heads=2, decoder_head_dim=8, decoder_layer_types=["full_attention"] * 2,
-)  # fmt: skip
+    vocabulary_size=VOCAB,
+    **{f"{side}_{key}": v for side in ("encoder", "decoder") for key, v in _T5GEMMA_SIDE.items()},
+)
 
 
 def _sub(name: str, **config):
@@ -58,12 +58,12 @@ def _sub(name: str, **config):
 
 def _dual_encoders(family: str) -> dict:
     """An image and a text encoder of `family` (CLIP's, SigLIP's kinds), the same tiny sizes."""
-    shared = dict(hidden_dim=16, num_layers=2, num_heads=2, intermediate_dim=32)
+    shared = dict(_LAYERS, num_heads=2)
+    text = dict(_TEXT, embedding_dim=16, max_sequence_length=LENGTH)
     return dict(
         vision_encoder=_sub(f"{family}VisionEncoder", patch_size=8, image_shape=IMAGE, **shared),
-        text_encoder=_sub(f"{family}TextEncoder", vocabulary_size=VOCAB, embedding_dim=16,
-                          max_sequence_length=LENGTH, **shared),
-    )  # fmt: skip
+        text_encoder=_sub(f"{family}TextEncoder", **text),
+    )
 
 
 FAMILIES = {
@@ -87,13 +87,17 @@ FAMILIES = {
         sliding_window=4, rope_theta=10000.0, max_position_embeddings=16,
         vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=4, altup_num_inputs=2,
         laurel_rank=2,
-    ),  # fmt: skip
+    ),
     "Gemma4": dict(_GQA, head_dim=4, image_size=16, sliding_window_size=4,
                    sliding_window_pattern=2, hidden_size_per_layer_input=4),  # text only
     "Qwen3": dict(_GQA, head_dim=4),
     "Qwen3_5": dict(_GQA, head_dim=4, linear_num_key_heads=2, linear_num_value_heads=2,
                     linear_key_head_dim=4, linear_value_head_dim=4),
-    "SmolLM3": _SMOLLM,
+    "SmolLM3": dict(_LAYERS, vocabulary_size=VOCAB, num_attention_heads=4, num_key_value_heads=2,
+                    attention_bias=False, attention_dropout=0.0, mlp_bias=False,
+                    rope_layer_enabled_list=[True, False], layer_types=["attention", "attention"],
+                    layer_norm_epsilon=1e-6, max_position_embeddings=32, rope_theta=10000.0,
+                    partial_rotary_factor=1.0),
     "Mixtral": dict(_GQA, intermediate_dim=8, num_experts=4, top_k=2),
     "QwenMoe": dict(_GQA, moe_intermediate_dim=8, shared_expert_intermediate_dim=12,
                     num_experts=4, top_k=2),
@@ -196,7 +200,7 @@ FAMILIES = {
         vocabulary_size=VOCAB, image_size=16, num_layers=2, num_query_heads=2,
         num_key_value_heads=1, hidden_dim=8, intermediate_dim=16, head_dim=4, vit_patch_size=4,
         vit_num_layers=2, vit_num_heads=2, vit_hidden_dim=8, vit_intermediate_dim=16,
-    ),  # fmt: skip
+    ),
     "CLIP": dict(_dual_encoders("CLIP"), projection_dim=16),
     "SigLIP": _dual_encoders("SigLIP"),
     "MetaCLIP2": dict(_dual_encoders("MetaCLIP2"), projection_dim=16),
@@ -211,7 +215,7 @@ FAMILIES = {
         language_model=_sub("BLIP2CustomOPT", vocabulary_size=VOCAB, num_layers=2, num_heads=2,
                             hidden_dim=16, intermediate_dim=32, num_query_tokens=4, dropout=0.0,
                             max_sequence_length=16, qformer_hidden_dim=16),
-    ),  # fmt: skip
+    ),
 }  # fmt: skip
 # keras_hub's families outside the zoo, and why
 LEFT_OUT = {
@@ -308,9 +312,11 @@ def _headed(base: keras.Model, family: str) -> keras.Model:
     if hasattr(base, "get_vision_embeddings"):
         inputs = base.input
         outputs = keras.layers.Concatenate()(
-            [base.get_vision_embeddings(inputs["images"]),
-             base.get_text_embeddings(inputs["token_ids"])]
-        )  # fmt: skip
+            [
+                base.get_vision_embeddings(inputs["images"]),
+                base.get_text_embeddings(inputs["token_ids"]),
+            ]
+        )
     if isinstance(outputs, dict):
         pooled = [k for k in outputs if "pooled" in k]
         outputs = outputs[pooled[0] if pooled else sorted(outputs)[0]]

@@ -95,9 +95,17 @@ def sharing() -> int:
 
 
 def launch(
-    scenario: str, np: int, *args: str, timeout: float = 300, env=None, prefix=(), collect=None,
-    mpirun=("mpirun",), on_start=None, pooled=None,
-) -> MpiRun:  # fmt: skip
+    scenario: str,
+    np: int,
+    *args: str,
+    timeout: float = 300,
+    env=None,
+    prefix=(),
+    collect=None,
+    mpirun=("mpirun",),
+    on_start=None,
+    pooled=None,
+) -> MpiRun:
     """Run `python -m tests.mpi.<scenario> OUT args...` on `np` ranks; never raises on failure.
 
     `prefix`: a command each rank runs the scenario under (e.g. tests/support/cgroup.py's
@@ -130,11 +138,8 @@ def launch(
                 job = job_pool.submit(scenario, out, os.path.join(logs, "1"), args)
                 returncode = job_pool.wait(job, timeout)
             else:
-                cmd = [
-                    *mpirun, "-np", str(np), "--oversubscribe", "--bind-to", "none",
-                    "--output-filename", logs, *prefix,
-                    sys.executable, "-m", f"tests.mpi.{scenario}", out, *args,
-                ]  # fmt: skip
+                rank_argv = [sys.executable, "-m", f"tests.mpi.{scenario}", out, *args]
+                cmd = [*mpirun, *pool.mpirun_options(np, logs), *prefix, *rank_argv]
                 returncode = _run_alone(
                     cmd, {**os.environ, **MPI_ENV, **env}, tmp, timeout, on_start
                 )
@@ -176,9 +181,14 @@ def _collected(np: int, out: str, logs: str, returncode: int) -> MpiRun:
 
 
 def run_scenario(
-    scenario: str, np: int, *args: str, timeout: float = 300, env=None, mpirun=("mpirun",),
+    scenario: str,
+    np: int,
+    *args: str,
+    timeout: float = 300,
+    env=None,
+    mpirun=("mpirun",),
     pooled=None,
-) -> list:  # fmt: skip
+) -> list:
     """Launch and require success: every rank exits 0 and reports; else fail with all tails."""
     run = launch(scenario, np, *args, timeout=timeout, env=env, mpirun=mpirun, pooled=pooled)
     if run.returncode != 0 or any(r is None for r in run.results):

@@ -29,7 +29,7 @@ def skip_reason() -> str | None:
     try:
         probe = subprocess.run(
             ["unshare", "--uts", "hostname", "hf-probe"], capture_output=True, text=True, timeout=10
-        )  # fmt: skip
+        )
     except (OSError, subprocess.TimeoutExpired) as error:
         return f"cannot start a UTS namespace: {error}"
     if probe.returncode != 0:

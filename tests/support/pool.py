@@ -22,11 +22,26 @@ import tempfile
 import time
 
 POOLED = frozenset(
-    {"equivalence", "real_models", "data_inputs", "zero", "hdf5_inputs", "callbacks_checks",
-     "deferred_checks", "auto_fit", "hub_zoo"}
-)  # fmt: skip
+    {
+        "equivalence",
+        "real_models",
+        "data_inputs",
+        "zero",
+        "hdf5_inputs",
+        "callbacks_checks",
+        "deferred_checks",
+        "auto_fit",
+        "hub_zoo",
+    }
+)
 POLL_SECONDS = 0.02
 STOP_SECONDS = 30
+
+
+def mpirun_options(np: int, logs: str) -> list[str]:
+    """mpirun's options for `np` test ranks: oversubscribed and unbound (the machine's cores are
+    shared), each rank's output in `logs`."""
+    return ["-np", str(np), "--oversubscribe", "--bind-to", "none", "--output-filename", logs]
 
 
 class Pool:
@@ -36,11 +51,9 @@ class Pool:
         self.np = np
         self.spool = tempfile.mkdtemp(prefix=f"hf-pool{np}-")
         self.jobs = 0
-        cmd = [
-            "mpirun", "-np", str(np), "--oversubscribe", "--bind-to", "none",
-            "--output-filename", os.path.join(self.spool, "logs"),
-            sys.executable, "-m", "tests.mpi.pool", self.spool, str(os.getpid()),
-        ]  # fmt: skip
+        logs = os.path.join(self.spool, "logs")
+        rank_argv = [sys.executable, "-m", "tests.mpi.pool", self.spool, str(os.getpid())]
+        cmd = ["mpirun", *mpirun_options(np, logs), *rank_argv]
         self.process = subprocess.Popen(cmd, cwd=cwd, env=env, start_new_session=True)
 
     def alive(self) -> bool:

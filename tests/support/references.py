@@ -110,6 +110,11 @@ def zoo_request(name: str, optimizer: str, policy: str = "float32", one_step: bo
         history = model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0)
         return {"weights": model.get_weights(), "history": history.history}
 
-    key = {"fit": "zoo", "model": name, "optimizer": optimizer, "policy": policy,
-           "one_step": one_step}  # fmt: skip
+    key = {
+        "fit": "zoo",
+        "model": name,
+        "optimizer": optimizer,
+        "policy": policy,
+        "one_step": one_step,
+    }
     return key, train

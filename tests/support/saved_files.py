@@ -14,6 +14,7 @@ import numpy as np
 
 import hyparflow as hf
 from tests.support.compare import relative_difference
+from tests.support.fits import fit_in_order
 from tests.support.models import FEATURES, data
 
 BATCH, SAMPLES = 16, 64  # 4 steps an epoch
@@ -68,10 +69,15 @@ def train_and_save(folder: str, strategy) -> None:
     checkpoints = os.path.join(folder, "checkpoints")
     x, y = data("mlp", n=SAMPLES)
     model = _model()
-    hf.fit(
-        model, x, y, batch_size=BATCH, epochs=EPOCHS_BEFORE, shuffle=False, verbose=0,
-        strategy=strategy, callbacks=[hf.callbacks.Checkpoint(checkpoints)],
-    )  # fmt: skip
+    fit_in_order(
+        model,
+        x,
+        y,
+        BATCH,
+        EPOCHS_BEFORE,
+        strategy,
+        callbacks=[hf.callbacks.Checkpoint(checkpoints)],
+    )
     if hf.rank() == 0:
         model.save(os.path.join(folder, FILES["save"]))
         hf.export(checkpoints, os.path.join(folder, FILES["export"]))

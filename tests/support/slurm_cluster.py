@@ -192,11 +192,19 @@ def start_cluster(extra_env: dict | None = None) -> SlurmCluster:
     try:
         key = os.path.join(root, "munge", "munge.key")
         subprocess.run(["mungekey", "--create", f"--keyfile={key}"], check=True)
-        _start(cluster, "munged", [
-            "munged", "--foreground", f"--socket={munge_socket}", f"--key-file={key}",
-            f"--pid-file={root}/munge/munged.pid", f"--log-file={root}/munged.log",
-            f"--seed-file={root}/munge/munged.seed",
-        ])  # fmt: skip
+        _start(
+            cluster,
+            "munged",
+            [
+                "munged",
+                "--foreground",
+                f"--socket={munge_socket}",
+                f"--key-file={key}",
+                f"--pid-file={root}/munge/munged.pid",
+                f"--log-file={root}/munged.log",
+                f"--seed-file={root}/munge/munged.seed",
+            ],
+        )
         _wait_for(munge_socket, cluster, "munged")
         _start(cluster, "slurmctld", ["slurmctld", "-D", "-i"])
         _wait_for(os.path.join(root, "slurmctld.pid"), cluster, "slurmctld")

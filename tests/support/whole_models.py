@@ -35,9 +35,13 @@ def vit():
     import keras_hub  # installed apart; imported where used (tests/support/zoo.py)
 
     backbone = keras_hub.models.ViTBackbone(
-        image_shape=(32, 32, 3), patch_size=8, num_layers=2, num_heads=2, hidden_dim=32,
+        image_shape=(32, 32, 3),
+        patch_size=8,
+        num_layers=2,
+        num_heads=2,
+        hidden_dim=32,
         mlp_dim=64,
-    )  # fmt: skip
+    )
     return keras_hub.models.ViTImageClassifier(backbone, num_classes=3, preprocessor=None)
 
 

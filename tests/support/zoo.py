@@ -176,120 +176,109 @@ def batchnorm_cnn():
 def mobilenet_v3():
     """keras.applications' MobileNetV3Small, tiny input: BatchNormalization, hard-swish, SE."""
     return keras.applications.MobileNetV3Small(
-        input_shape=(32, 32, 3), alpha=0.75, minimalistic=True, weights=None, classes=3,
-        include_preprocessing=False, dropout_rate=0.0,
-    )  # fmt: skip
+        input_shape=(32, 32, 3),
+        alpha=0.75,
+        minimalistic=True,
+        weights=None,
+        classes=3,
+        include_preprocessing=False,
+        dropout_rate=0.0,
+    )
+
+
+HUB_VOCAB = 50
+# The sizes the tiny keras_hub models share; a builder spells out only what differs
+TINY_HUB = {"vocabulary_size": HUB_VOCAB, "num_layers": 2, "hidden_dim": 16}
+# encoders, GPT-2 and OPT: two heads over learned positions
+TINY_ENCODER = dict(TINY_HUB, num_heads=2, intermediate_dim=32, max_sequence_length=16)
+# Llama-style decoders: grouped-query attention, four query heads over two key-value heads
+TINY_GQA = dict(TINY_HUB, num_query_heads=4, num_key_value_heads=2, intermediate_dim=32)
+# the mixtures: top-2 routing over 4 experts, two query heads (tests/test_moe_dispatch.py
+# builds one-layer blocks of the same shapes)
+TINY_MIXTURE = dict(TINY_HUB, num_query_heads=2, num_experts=4, top_k=2)
+MIXTRAL = dict(TINY_MIXTURE, num_key_value_heads=1, intermediate_dim=8)
+QWEN3_MOE = dict(TINY_MIXTURE, intermediate_dim=32, moe_intermediate_dim=8, head_dim=8)
+QWEN_MOE = dict(
+    TINY_MIXTURE,
+    num_key_value_heads=1,
+    intermediate_dim=32,
+    moe_intermediate_dim=8,
+    shared_expert_intermediate_dim=12,
+)
+QWEN3_5_MOE = dict(
+    TINY_MIXTURE,
+    num_key_value_heads=1,
+    head_dim=8,
+    moe_intermediate_dim=8,
+    shared_expert_intermediate_size=12,
+    layer_types=["full_attention", "full_attention"],
+)
+GPT_OSS = dict(MIXTRAL, head_dim=8)
+RWKV7_LORAS = ("gate_lora", "mv_lora", "aaa_lora", "decay_lora")
+
+
+def _keras_hub(family: str, sizes: dict, task: str = "CausalLM", **more_sizes):
+    """keras_hub's `family` `task` model (e.g. "GPT2", "CausalLM"), tiny: its backbone built
+    with `sizes` and `more_sizes` (these win), no preprocessor (the data are token ids already),
+    3 classes for a classifier."""
+    import keras_hub
+
+    backbone = getattr(keras_hub.models, f"{family}Backbone")(**dict(sizes, **more_sizes))
+    classes = {"num_classes": 3} if task == "TextClassifier" else {}
+    return getattr(keras_hub.models, family + task)(backbone, preprocessor=None, **classes)
 
 
 def gpt2():
     """keras_hub's GPT-2 language model, tiny: tied input/output embedding, dropout 0.1."""
-    import keras_hub
-
-    backbone = keras_hub.models.GPT2Backbone(
-        vocabulary_size=HUB_VOCAB, num_layers=2, num_heads=2, hidden_dim=16,
-        intermediate_dim=32, max_sequence_length=16,
-    )  # fmt: skip
-    return keras_hub.models.GPT2CausalLM(backbone, preprocessor=None)
+    return _keras_hub("GPT2", TINY_ENCODER)
 
 
 def bert():
     """keras_hub's BERT classifier, tiny: segment and position embeddings, dropout 0.1."""
-    import keras_hub
-
-    backbone = keras_hub.models.BertBackbone(
-        vocabulary_size=HUB_VOCAB, num_layers=2, num_heads=2, hidden_dim=16,
-        intermediate_dim=32, max_sequence_length=16,
-    )  # fmt: skip
-    return keras_hub.models.BertTextClassifier(backbone, num_classes=3, preprocessor=None)
+    return _keras_hub("Bert", TINY_ENCODER, "TextClassifier")
 
 
 def llama():
     """keras_hub's Llama decoder, tiny: grouped-query attention, rotary embeddings, untied."""
-    import keras_hub
-
-    backbone = keras_hub.models.LlamaBackbone(
-        vocabulary_size=HUB_VOCAB, num_layers=2, num_query_heads=4, num_key_value_heads=2,
-        hidden_dim=16, intermediate_dim=32,
-    )  # fmt: skip
-    return keras_hub.models.LlamaCausalLM(backbone, preprocessor=None)
+    return _keras_hub("Llama", TINY_GQA)
 
 
 def gemma():
     """keras_hub's Gemma decoder, tiny: multi-query attention, RMSNorm, tied embedding."""
-    import keras_hub
-
-    backbone = keras_hub.models.GemmaBackbone(
-        vocabulary_size=HUB_VOCAB, num_layers=2, num_query_heads=2, num_key_value_heads=1,
-        hidden_dim=16, intermediate_dim=32, head_dim=8,
-    )  # fmt: skip
-    return keras_hub.models.GemmaCausalLM(backbone, preprocessor=None)
+    return _keras_hub("Gemma", TINY_GQA, num_query_heads=2, num_key_value_heads=1, head_dim=8)
 
 
 def mistral():
     """keras_hub's Mistral decoder, tiny: grouped-query and sliding-window attention."""
-    import keras_hub
-
-    backbone = keras_hub.models.MistralBackbone(
-        vocabulary_size=HUB_VOCAB, num_layers=2, num_query_heads=4, num_key_value_heads=2,
-        hidden_dim=16, intermediate_dim=32, sliding_window=4,
-    )  # fmt: skip
-    return keras_hub.models.MistralCausalLM(backbone, preprocessor=None)
+    return _keras_hub("Mistral", TINY_GQA, sliding_window=4)
 
 
 def opt():
     """keras_hub's OPT decoder, tiny: learned positions, tied embedding, dropout 0.1."""
-    import keras_hub
-
-    backbone = keras_hub.models.OPTBackbone(
-        vocabulary_size=HUB_VOCAB, num_layers=2, num_heads=2, hidden_dim=16,
-        intermediate_dim=32, max_sequence_length=16,
-    )  # fmt: skip
-    return keras_hub.models.OPTCausalLM(backbone, preprocessor=None)
+    return _keras_hub("OPT", TINY_ENCODER)
 
 
 def distil_bert():
     """keras_hub's DistilBERT classifier, tiny (no segment ids), dropout 0.1."""
-    import keras_hub
-
-    backbone = keras_hub.models.DistilBertBackbone(
-        vocabulary_size=HUB_VOCAB, num_layers=2, num_heads=2, hidden_dim=16,
-        intermediate_dim=32, max_sequence_length=16,
-    )  # fmt: skip
-    return keras_hub.models.DistilBertTextClassifier(backbone, num_classes=3, preprocessor=None)
+    return _keras_hub("DistilBert", TINY_ENCODER, "TextClassifier")
 
 
 def roberta():
     """keras_hub's RoBERTa classifier, tiny, dropout 0.1."""
-    import keras_hub
-
-    backbone = keras_hub.models.RobertaBackbone(
-        vocabulary_size=HUB_VOCAB, num_layers=2, num_heads=2, hidden_dim=16,
-        intermediate_dim=32, max_sequence_length=16,
-    )  # fmt: skip
-    return keras_hub.models.RobertaTextClassifier(backbone, num_classes=3, preprocessor=None)
+    return _keras_hub("Roberta", TINY_ENCODER, "TextClassifier")
 
 
 def albert():
     """keras_hub's ALBERT classifier, tiny: one transformer layer reused at every depth (a
     layer shared by every pipeline stage) and factorised embeddings."""
-    import keras_hub
-
-    backbone = keras_hub.models.AlbertBackbone(
-        vocabulary_size=HUB_VOCAB, num_layers=3, num_heads=2, embedding_dim=8, hidden_dim=16,
-        intermediate_dim=32, max_sequence_length=16,
-    )  # fmt: skip
-    return keras_hub.models.AlbertTextClassifier(backbone, num_classes=3, preprocessor=None)
+    return _keras_hub("Albert", TINY_ENCODER, "TextClassifier", num_layers=3, embedding_dim=8)
 
 
 def falcon():
     """keras_hub's Falcon decoder, tiny: ALiBi attention biases, feed-forward dropout 0.1."""
-    import keras_hub
-
-    backbone = keras_hub.models.FalconBackbone(
-        vocabulary_size=HUB_VOCAB, num_layers=2, num_attention_heads=2, hidden_dim=16,
-        intermediate_dim=32, feedforward_dropout_rate=0.1,
-    )  # fmt: skip
-    return keras_hub.models.FalconCausalLM(backbone, preprocessor=None)
+    return _keras_hub(
+        "Falcon", TINY_HUB, num_attention_heads=2, intermediate_dim=32, feedforward_dropout_rate=0.1
+    )
 
 
 def qwen3_moe():
@@ -297,28 +286,13 @@ def qwen3_moe():
     load-balancing loss on (0.1): summed over replicas in the step, and over micro-batches
     once all have run forward (GPipe; moe/router_tally.py). Two key-value heads: tensor=2
     splits its attention."""
-    import keras_hub
-
-    backbone = keras_hub.models.Qwen3MoeBackbone(
-        vocabulary_size=HUB_VOCAB, num_layers=2, num_query_heads=2, num_key_value_heads=2,
-        hidden_dim=16, intermediate_dim=32, moe_intermediate_dim=8, num_experts=4, top_k=2,
-        head_dim=8, router_aux_loss_coefficient=0.1,
-    )  # fmt: skip
-    return keras_hub.models.Qwen3MoeCausalLM(backbone, preprocessor=None)
+    return _keras_hub("Qwen3Moe", QWEN3_MOE, num_key_value_heads=2, router_aux_loss_coefficient=0.1)
 
 
 def qwen_moe():
     """keras_hub's Qwen-MoE (Qwen1.5/2), tiny: top-2 of 4 experts beside a shared expert that
     every token goes through (sigmoid-gated), router loss on (0.1)."""
-    import keras_hub
-
-    backbone = keras_hub.models.QwenMoeBackbone(
-        vocabulary_size=HUB_VOCAB, num_layers=2, num_query_heads=2, num_key_value_heads=1,
-        hidden_dim=16, intermediate_dim=32, moe_intermediate_dim=8,
-        shared_expert_intermediate_dim=12, num_experts=4, top_k=2,
-        router_aux_loss_coefficient=0.1,
-    )  # fmt: skip
-    return keras_hub.models.QwenMoeCausalLM(backbone, preprocessor=None)
+    return _keras_hub("QwenMoe", QWEN_MOE, router_aux_loss_coefficient=0.1)
 
 
 def qwen3_5_moe():
@@ -326,43 +300,23 @@ def qwen3_5_moe():
     queries), each with top-2 of 4 experts beside a shared expert; router loss on (0.1). Its
     linear-attention layers (gated delta rule) fail in Keras's own compiled fit on TensorFlow
     when the sequence length is unknown (a symbolic tensor used as a Python bool), so none here."""
-    import keras_hub
-
-    backbone = keras_hub.models.Qwen3_5MoeBackbone(
-        vocabulary_size=HUB_VOCAB, num_layers=2, num_query_heads=2, num_key_value_heads=1,
-        head_dim=8, hidden_dim=16, moe_intermediate_dim=8, shared_expert_intermediate_size=12,
-        num_experts=4, top_k=2, layer_types=["full_attention", "full_attention"],
-        router_aux_loss_coefficient=0.1,
-    )  # fmt: skip
-    return keras_hub.models.Qwen3_5MoeCausalLM(backbone, preprocessor=None)
+    return _keras_hub("Qwen3_5Moe", QWEN3_5_MOE, router_aux_loss_coefficient=0.1)
 
 
 def mixtral():
     """keras_hub's Mixtral, tiny: top-2 routing over 4 experts, each computed sparsely by
     hyparflow (its dense experts in Keras), and its router's load-balancing loss on (0.1, five
     times keras_hub's default): hyparflow sums the routing counts over the replicas."""
-    import keras_hub
-
-    backbone = keras_hub.models.MixtralBackbone(
-        vocabulary_size=HUB_VOCAB, num_layers=2, num_query_heads=2, num_key_value_heads=1,
-        hidden_dim=16, intermediate_dim=8, num_experts=4, top_k=2, router_aux_loss_coef=0.1,
-    )  # fmt: skip
-    return keras_hub.models.MixtralCausalLM(backbone, preprocessor=None)
+    return _keras_hub("Mixtral", MIXTRAL, router_aux_loss_coef=0.1)
 
 
 def gpt_oss():
     """keras_hub's gpt-oss, tiny: top-2 of 4 biased, clamped experts (no router loss), computed
     sparsely by hyparflow; attention sinks and a sliding window; an L2 penalty on its expert
     weights (a split expert kernel's penalty is summed over its expert group)."""
-    import keras_hub
-
     from hyparflow.moe import expert_weights
 
-    backbone = keras_hub.models.GptOssBackbone(
-        vocabulary_size=HUB_VOCAB, num_layers=2, num_query_heads=2, hidden_dim=16,
-        intermediate_dim=8, num_key_value_heads=1, num_experts=4, top_k=2, head_dim=8,
-    )  # fmt: skip
-    model = keras_hub.models.GptOssCausalLM(backbone, preprocessor=None)
+    model = _keras_hub("GptOss", GPT_OSS)
     for variable in expert_weights(model):
         variable.regularizer = keras.regularizers.L2(1e-3)
     return model
@@ -426,24 +380,58 @@ def encoder():
 BUILDERS = {
     f.__name__: f
     for f in (
-        embedding_mlp, two_tables, broadcast_tables, dropout_mlp, added_losses, global_centered,
-        masked_gru, batchnorm_cnn,
-        preprocessed, mobilenet_v3, gpt2, bert, llama, gemma, mistral, opt,
-        distil_bert, roberta, albert, falcon, qwen3_moe, qwen_moe, qwen3_5_moe, mixtral,
-        gpt_oss, wide_mlp,
-        conv_pairs, encoder,
+        embedding_mlp,
+        two_tables,
+        broadcast_tables,
+        dropout_mlp,
+        added_losses,
+        global_centered,
+        masked_gru,
+        batchnorm_cnn,
+        preprocessed,
+        mobilenet_v3,
+        gpt2,
+        bert,
+        llama,
+        gemma,
+        mistral,
+        opt,
+        distil_bert,
+        roberta,
+        albert,
+        falcon,
+        qwen3_moe,
+        qwen_moe,
+        qwen3_5_moe,
+        mixtral,
+        gpt_oss,
+        wide_mlp,
+        conv_pairs,
+        encoder,
     )
-}  # fmt: skip
+}
 # keras_hub: token batches of varying length; classifiers take labels, the others next tokens
 TEXT_MODELS = (
-    "gpt2", "bert", "llama", "gemma", "mistral", "opt", "distil_bert", "roberta", "albert",
-    "falcon", "qwen3_moe", "qwen_moe", "qwen3_5_moe", "mixtral", "gpt_oss",
-)  # fmt: skip
+    "gpt2",
+    "bert",
+    "llama",
+    "gemma",
+    "mistral",
+    "opt",
+    "distil_bert",
+    "roberta",
+    "albert",
+    "falcon",
+    "qwen3_moe",
+    "qwen_moe",
+    "qwen3_5_moe",
+    "mixtral",
+    "gpt_oss",
+)
 # keras_hub mixtures, dispatched sparsely
 MIXTURES = ("qwen3_moe", "qwen_moe", "qwen3_5_moe", "mixtral", "gpt_oss")
 CLASSIFIERS = ("bert", "distil_bert", "roberta", "albert")
 SEGMENTED = ("bert", "albert")  # take segment ids
-HUB_VOCAB = 50
 TEXT_LENGTHS = (7, 5, 9, 7, 3)  # one sequence length per batch of an epoch
 
 
@@ -532,13 +520,21 @@ def optimizer(spec: str):
     classes = {
         cls.__name__.lower(): cls
         for cls in (
-            keras.optimizers.SGD, keras.optimizers.Adam, keras.optimizers.AdamW,
-            keras.optimizers.Adadelta, keras.optimizers.Adafactor, keras.optimizers.Adagrad,
-            keras.optimizers.Adamax, keras.optimizers.Ftrl, keras.optimizers.Lamb,
-            keras.optimizers.Lion, keras.optimizers.Nadam, keras.optimizers.RMSprop,
+            keras.optimizers.SGD,
+            keras.optimizers.Adam,
+            keras.optimizers.AdamW,
+            keras.optimizers.Adadelta,
+            keras.optimizers.Adafactor,
+            keras.optimizers.Adagrad,
+            keras.optimizers.Adamax,
+            keras.optimizers.Ftrl,
+            keras.optimizers.Lamb,
+            keras.optimizers.Lion,
+            keras.optimizers.Nadam,
+            keras.optimizers.RMSprop,
             keras.optimizers.Muon,
         )
-    }  # fmt: skip
+    }
     rates = {"sgd": 0.1, "adadelta": 1.0, "ftrl": 0.1, "adagrad": 0.1}
     if name == "sgd":
         options["momentum"] = 0.9  # state carried across steps, as the adaptive ones have
@@ -565,9 +561,13 @@ def rwkv7():
     import keras_hub
 
     backbone = keras_hub.models.RWKV7Backbone(
-        hidden_size=16, head_size=8, num_layers=2, vocabulary_size=HUB_VOCAB,
-        intermediate_dim=32, gate_lora=8, mv_lora=8, aaa_lora=8, decay_lora=8,
-    )  # fmt: skip
+        hidden_size=16,
+        head_size=8,
+        num_layers=2,
+        vocabulary_size=HUB_VOCAB,
+        intermediate_dim=32,
+        **dict.fromkeys(RWKV7_LORAS, 8),  # every low-rank projection of rank 8
+    )
     tokens = keras.Input((None,), dtype="int32", name="token_ids")
     logits = backbone({"token_ids": tokens, "padding_mask": keras.ops.ones_like(tokens)})
     pooled = keras.layers.GlobalAveragePooling1D()(logits)
