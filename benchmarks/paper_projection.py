@@ -157,8 +157,6 @@ def main(argv=None) -> None:
 
         measure_model(cell_model(), batch_sizes=(4, 16)).save(args.measure_cell)
         return
-    from hyparflow.simulate import Link, Network
-
     cell = load_cell(args.remeasure)
     here = load_network_here(args.remeasure)
     resnet = expand_to_resnet1001(cell)
@@ -169,51 +167,64 @@ def main(argv=None) -> None:
         f"network here {dates[1]}"
     )
     report = {"assumptions": vars(args), "systems": {}}
-    for system, (nodes, paper, cores, default_scale) in PAPER.items():
-        factor = args.compute_scale or default_scale
-        costs = resnet.scaled(factor)
-        network = Network(
-            intra=Link(args.intra_latency, args.intra_bandwidth),
-            inter=Link(args.latency, args.bandwidth),
-            reduce_rate=(here["reduce_rate"] or float("inf")) / factor,
-        )
-        save_inputs(args.save_inputs, system.lower(), costs, network)
-        counts = [n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if n <= nodes]
-        report["systems"][system] = {
-            "paper_speedup": paper,
-            "nodes": nodes,
-            "cores": cores,
-            "compute_scale": factor,
-            "layouts": {},
-        }
-        print(
-            f"\n{system}: {cores} cores per node, one rank per core, "
-            f"{SAMPLES_PER_CORE * cores} samples per node and step; cores {factor}x slower "
-            f"than here; paper: {paper:.0f}x on {nodes} nodes ({paper / nodes:.0%})"
-        )
-        print(
-            f"{'layout':>22} {'P':>3} {'R/node':>6} {'M':>3} {'1-node step s':>14} "
-            + " ".join(f"{n:>6}" for n in counts[1:])
-        )
-        for name, shape in layouts(cores).items():
-            rows = project(costs, network, cores, shape, counts)
-            report["systems"][system]["layouts"][name] = {"shape": shape, "rows": rows}
-            speedups = " ".join(f"{r['speedup']:>6.1f}" for r in rows[1:])
-            print(
-                f"{name:>22} {shape[0]:>3} {shape[1]:>6} {shape[2]:>3} "
-                f"{rows[0]['step_s']:>14.3f} {speedups}"
-            )
-            last = rows[-1]
-            extra = last["step_s"] * (last["speedup"] / paper - 1)
-            print(
-                f"{'':>22} -> {last['speedup']:.0f}x on {nodes} nodes "
-                f"({last['efficiency']:.1%}); allreduce {last['allreduce_ms']:.1f} ms of a "
-                f"{last['step_s'] * 1e3:.0f} ms step; the paper's {paper:.0f}x would need "
-                f"{extra * 1e3:+.0f} ms per step more"
-            )
-        report["systems"][system]["sensitivity"] = sensitivity(costs, network, cores, nodes)
+    for system, row in PAPER.items():
+        report["systems"][system] = _project_system(args, resnet, here, system, *row)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
+
+
+def _project_system(args, resnet, here, system, nodes, paper, cores, default_scale) -> dict:
+    """One system's projection: printed as a table, and its report entry."""
+    from hyparflow.simulate import Link, Network
+
+    factor = args.compute_scale or default_scale
+    costs = resnet.scaled(factor)
+    network = Network(
+        intra=Link(args.intra_latency, args.intra_bandwidth),
+        inter=Link(args.latency, args.bandwidth),
+        reduce_rate=(here["reduce_rate"] or float("inf")) / factor,
+    )
+    save_inputs(args.save_inputs, system.lower(), costs, network)
+    counts = [n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if n <= nodes]
+    entry = {
+        "paper_speedup": paper,
+        "nodes": nodes,
+        "cores": cores,
+        "compute_scale": factor,
+        "layouts": {},
+    }
+    print(
+        f"\n{system}: {cores} cores per node, one rank per core, "
+        f"{SAMPLES_PER_CORE * cores} samples per node and step; cores {factor}x slower "
+        f"than here; paper: {paper:.0f}x on {nodes} nodes ({paper / nodes:.0%})"
+    )
+    print(
+        f"{'layout':>22} {'P':>3} {'R/node':>6} {'M':>3} {'1-node step s':>14} "
+        + " ".join(f"{n:>6}" for n in counts[1:])
+    )
+    for name, shape in layouts(cores).items():
+        rows = project(costs, network, cores, shape, counts)
+        entry["layouts"][name] = {"shape": shape, "rows": rows}
+        _print_layout(name, shape, rows, nodes, paper)
+    entry["sensitivity"] = sensitivity(costs, network, cores, nodes)
+    return entry
+
+
+def _print_layout(name: str, shape, rows: list, nodes: int, paper: float) -> None:
+    """A layout's row of projected speedups, and what the paper's figure would need."""
+    speedups = " ".join(f"{r['speedup']:>6.1f}" for r in rows[1:])
+    print(
+        f"{name:>22} {shape[0]:>3} {shape[1]:>6} {shape[2]:>3} "
+        f"{rows[0]['step_s']:>14.3f} {speedups}"
+    )
+    last = rows[-1]
+    extra = last["step_s"] * (last["speedup"] / paper - 1)
+    print(
+        f"{'':>22} -> {last['speedup']:.0f}x on {nodes} nodes "
+        f"({last['efficiency']:.1%}); allreduce {last['allreduce_ms']:.1f} ms of a "
+        f"{last['step_s'] * 1e3:.0f} ms step; the paper's {paper:.0f}x would need "
+        f"{extra * 1e3:+.0f} ms per step more"
+    )
 
 
 def save_inputs(folder: str, system: str, costs, network) -> None:

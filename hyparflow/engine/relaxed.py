@@ -196,7 +196,9 @@ def _rows_spec(value):
     if not isinstance(value, tf.IndexedSlices):
         return value
     return tf.IndexedSlicesSpec(
-        shape=tf.get_static_value(value.dense_shape), dtype=value.values.dtype,
-        indices_dtype=value.indices.dtype, dense_shape_dtype=value.dense_shape.dtype,
+        shape=tf.get_static_value(value.dense_shape),
+        dtype=value.values.dtype,
+        indices_dtype=value.indices.dtype,
+        dense_shape_dtype=value.dense_shape.dtype,
         indices_shape=[None],
-    )  # fmt: skip
+    )

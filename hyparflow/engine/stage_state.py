@@ -16,9 +16,17 @@ class TrainingState:
     """
 
     def __init__(
-        self, model, topology, plan, variables: list, guard, split=None, shard_variables=None,
-        experts: int = 1, optimizer_shard=None,
-    ):  # fmt: skip
+        self,
+        model,
+        topology,
+        plan,
+        variables: list,
+        guard,
+        split=None,
+        shard_variables=None,
+        experts: int = 1,
+        optimizer_shard=None,
+    ):
         self.model = model
         self.variables = variables
         self.world = topology.world

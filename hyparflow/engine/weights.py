@@ -105,9 +105,11 @@ def broadcast_owned_weights(model, plan, comm, guard) -> None:
             arrays = None
             if comm.Get_rank() == root:
                 arrays = [np.ascontiguousarray(v.numpy()) for v in group]
-                flat = arrays[0].reshape(-1).view(np.uint8) if len(group) == 1 else (
-                    np.concatenate([a.reshape(-1).view(np.uint8) for a in arrays])
-                )  # fmt: skip
+                flat = (
+                    arrays[0].reshape(-1).view(np.uint8)
+                    if len(group) == 1
+                    else (np.concatenate([a.reshape(-1).view(np.uint8) for a in arrays]))
+                )
             else:
                 flat = np.empty(sum(nbytes(v) for v in group), np.uint8)
             with guard("share trained weights", peer=root):

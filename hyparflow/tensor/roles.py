@@ -104,9 +104,10 @@ def unsplittable(layer, role: str = COLUMN) -> str | None:
 
 
 def check_elementwise(
-    variable, split_by: str = "tensor parallelism", whole: str = "Keep the layer whole "
-    "(tensor_layout)"
-) -> None:  # fmt: skip
+    variable,
+    split_by: str = "tensor parallelism",
+    whole: str = "Keep the layer whole (tensor_layout)",
+) -> None:
     """A shard's regularizer and constraint must give the whole one's values, element by
     element; others (orthogonality, norms over an axis) cannot be cut. `split_by` and `whole`
     say, in the error, what splits the variable and how to keep it whole."""

@@ -26,7 +26,7 @@ from hyparflow.tensor.keras_hub_blocks import (
     split_head_norms,
     splits_by_heads,
     whole_tensor_dropouts,
-)  # fmt: skip
+)
 from hyparflow.tensor.layout import check_divides, lookup, split_axis
 from hyparflow.tensor.roles import (
     CONVS,
@@ -38,12 +38,19 @@ from hyparflow.tensor.roles import (
 from hyparflow.tensor.splits import COLUMN, ROW, VOCAB, TensorLayout
 
 _POOLING = (
-    keras.layers.MaxPooling1D, keras.layers.MaxPooling2D, keras.layers.MaxPooling3D,
-    keras.layers.AveragePooling1D, keras.layers.AveragePooling2D, keras.layers.AveragePooling3D,
-    keras.layers.GlobalAveragePooling1D, keras.layers.GlobalAveragePooling2D,
-    keras.layers.GlobalAveragePooling3D, keras.layers.GlobalMaxPooling1D,
-    keras.layers.GlobalMaxPooling2D, keras.layers.GlobalMaxPooling3D,
-)  # fmt: skip
+    keras.layers.MaxPooling1D,
+    keras.layers.MaxPooling2D,
+    keras.layers.MaxPooling3D,
+    keras.layers.AveragePooling1D,
+    keras.layers.AveragePooling2D,
+    keras.layers.AveragePooling3D,
+    keras.layers.GlobalAveragePooling1D,
+    keras.layers.GlobalAveragePooling2D,
+    keras.layers.GlobalAveragePooling3D,
+    keras.layers.GlobalMaxPooling1D,
+    keras.layers.GlobalMaxPooling2D,
+    keras.layers.GlobalMaxPooling3D,
+)
 
 
 def tensor_layout(model, parts: int, overrides: dict | None = None) -> TensorLayout:
@@ -164,8 +171,11 @@ def pair_cuts(graph) -> set[int]:
     """Node positions of a model's `LayerGraph` where no pipeline stage should begin, because a
     Dense/Conv pair that tensor parallelism would split runs across them (a stage boundary
     there would leave both layers whole)."""
-    return {p for column, row, _ in _pairs(graph, set()) for p in range(
-        column.position + 1, row.position + 1)}  # fmt: skip
+    return {
+        p
+        for column, row, _ in _pairs(graph, set())
+        for p in range(column.position + 1, row.position + 1)
+    }
 
 
 def _pairable(layer, calls, taken, role: str = COLUMN) -> bool:

@@ -40,10 +40,12 @@ SLICEABLE_RANDOM_LAYER_TYPES = (Dropout, Attention, _keras.DropoutRNNCell)
 # Layers (by class, module-qualified: keras_hub is optional) whose only draw is
 # `keras.random.uniform` of shape (batch, 1, ..., 1) from their own SeedGenerator:
 # one number per sample of the tensor they are given.
-PER_SAMPLE_UNIFORM_LAYERS = frozenset({
-    "keras_hub.src.models.swin_transformer.swin_transformer_layers.DropPath",
-    "keras_hub.src.models.mit.mit_layers.DropPath",
-})  # fmt: skip
+PER_SAMPLE_UNIFORM_LAYERS = frozenset(
+    {
+        "keras_hub.src.models.swin_transformer.swin_transformer_layers.DropPath",
+        "keras_hub.src.models.mit.mit_layers.DropPath",
+    }
+)
 
 _install_lock = threading.Lock()
 _keras_functions = {}  # Keras's dropout and uniform, as found when the slicing ones went in
@@ -319,7 +321,9 @@ def _slicing(name: str, replacement):
     return make
 
 
-_SLICING = Replaced([
-    (_keras.tf_random, "dropout", _slicing("dropout", _dropout_in_slice)),
-    (_keras.tf_random, "uniform", _slicing("uniform", _uniform_in_slice)),
-])  # fmt: skip
+_SLICING = Replaced(
+    [
+        (_keras.tf_random, "dropout", _slicing("dropout", _dropout_in_slice)),
+        (_keras.tf_random, "uniform", _slicing("uniform", _uniform_in_slice)),
+    ]
+)

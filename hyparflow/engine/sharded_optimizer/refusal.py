@@ -12,8 +12,17 @@ from hyparflow.engine.gradients.update import inner_optimizer
 # updating the whole variables. Adafactor (row/column factors), Lamb (per-variable trust
 # ratio), Muon (orthogonalised matrices) are not, nor are custom optimizers we cannot read.
 ELEMENTWISE_OPTIMIZERS = (
-    "SGD", "Adam", "AdamW", "Adamax", "Nadam", "RMSprop", "Adagrad", "Adadelta", "Lion", "Ftrl",
-)  # fmt: skip
+    "SGD",
+    "Adam",
+    "AdamW",
+    "Adamax",
+    "Nadam",
+    "RMSprop",
+    "Adagrad",
+    "Adadelta",
+    "Lion",
+    "Ftrl",
+)
 
 
 def refusal(optimizer, strategy, comm_backend: str) -> str | None:

@@ -17,8 +17,12 @@ def agreed_plan(model, strategy, comm):
     uncut = tensor_rules.pair_cuts if strategy.tensor > 1 else None
     if balance == "time":
         agree(comm, _check_timeable, model)
-        plan = agree(comm, lambda: _partition_chunks(model, strategy, balance, uncut)
-                     if comm.Get_rank() == 0 else None)  # fmt: skip
+        plan = agree(
+            comm,
+            lambda: (
+                _partition_chunks(model, strategy, balance, uncut) if comm.Get_rank() == 0 else None
+            ),
+        )
         starts = comm.bcast(
             [s.layers[0] for s in plan.stages[1:]] if plan is not None else None, root=0
         )

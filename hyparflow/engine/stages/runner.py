@@ -78,9 +78,16 @@ class RunnerBase:
     """
 
     def __init__(
-        self, call, variables, *, sparse=(), row_kinds=row_sparse.UNPROBED, added_losses=None,
-        train_scope=None, input_shapes=None,
-    ):  # fmt: skip
+        self,
+        call,
+        variables,
+        *,
+        sparse=(),
+        row_kinds=row_sparse.UNPROBED,
+        added_losses=None,
+        train_scope=None,
+        input_shapes=None,
+    ):
         self.variables = list(variables)
         self.sparse = sorted(sparse)
         # which tables' rows come once per batch: their micro-batches add them row by row

@@ -71,9 +71,9 @@ class SegmentedRunner:
         segment = self.segments[j]
         for variable, grad in zip(segment.variables, segment.take_gradients(), strict=True):
             key = id(variable)
-            self._accumulated[key] = grad if key not in self._accumulated else (
-                self._accumulated[key] + grad
-            )  # fmt: skip
+            self._accumulated[key] = (
+                grad if key not in self._accumulated else (self._accumulated[key] + grad)
+            )
 
     def total(self, variable):
         """The summed gradient of `variable` collected so far (zeros if none)."""

@@ -272,8 +272,11 @@ class StageRunner(RunnerBase):
         routed = self._tally.output_gradient(microbatch)
         if self.is_last:
             return [tf.ones((), tf.float32), routed]
-        return [*output_grads, *([tf.ones((), tf.float32)] if self.has_added_losses else []),
-                routed]  # fmt: skip
+        return [
+            *output_grads,
+            *([tf.ones((), tf.float32)] if self.has_added_losses else []),
+            routed,
+        ]
 
     def _differentiate(self, tape, targets, wrt: list, output_grads) -> list:
         """The gradients of `targets` with respect to `wrt`, given the gradients of the stage's

@@ -62,8 +62,13 @@ class _Slot:
 
 def _stock_call_classes() -> tuple:
     """Keras layers whose own `call` applies `self.activation` last, to its whole output."""
-    return (keras.layers.Dense, keras.layers.EinsumDense, keras.layers.Conv1D,
-            keras.layers.Conv2D, keras.layers.Conv3D)  # fmt: skip
+    return (
+        keras.layers.Dense,
+        keras.layers.EinsumDense,
+        keras.layers.Conv1D,
+        keras.layers.Conv2D,
+        keras.layers.Conv3D,
+    )
 
 
 def hoistable_activation(layer):
@@ -247,11 +252,12 @@ class Taps:
         self.tapped += 1
         # a tap shaped for another dimension than its output's would broadcast, silently
         same = tf.debugging.assert_equal(
-            tf.shape(tap), tf.shape(tensor),
+            tf.shape(tap),
+            tf.shape(tensor),
             message=f"hyparflow: the weight tap of layer {call.layer.name} has another shape "
             "than its output (an output dimension that follows another input dimension than "
             "on the first micro-batch); use schedule='1f1b' for this model",
-        )  # fmt: skip
+        )
         with tf.control_dependencies([same]):
             tapped = tensor + tf.cast(tap, tensor.dtype)
         mask = _keras.keras_mask(tensor)
@@ -287,9 +293,11 @@ def weight_gradients(calls: list[LayerCall], variables: list, saved, output_grad
         floats = [t for t in tree.flatten(outputs) if _is_tensor(t) and t.dtype.is_floating]
         pieces = [tf.cast(next(by_output), t.dtype) for t in floats]
         found = tape.gradient(
-            floats, sources, output_gradients=pieces,
+            floats,
+            sources,
+            output_gradients=pieces,
             unconnected_gradients=tf.UnconnectedGradients.NONE,
-        )  # fmt: skip
+        )
         for variable, grad in zip(own, found, strict=True):
             if grad is not None:
                 grads[positions[id(variable)]].append(grad)
