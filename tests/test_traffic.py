@@ -56,8 +56,8 @@ def test_two_trainers_in_one_process_count_their_own_traffic():
     first, second = (make_trainer(_guide_step_model(), strategy, MPI.COMM_SELF) for _ in "ab")
     assert isinstance(first, CustomStepTrainer) and first.traffic is not second.traffic
     # the parts that issue collectives hold the records of their own trainer's log
-    assert first.splits.batch.traffic is first.traffic.of(GLOBAL_TAG)
-    assert first.splits.dispatch.traffic is first.traffic
+    assert first.sharded_layers.batch.traffic is first.traffic.of(GLOBAL_TAG)
+    assert first.sharded_layers.dispatch.traffic is first.traffic
     x, y = np.ones((4, 3), "float32"), np.zeros((4, 2), "float32")
     first.optimizer_step(GlobalBatch(4, lambda start, stop: (x[start:stop], y[start:stop], None)))
     assert first.traffic.of(TAG).calls == 1

@@ -40,7 +40,7 @@ from hyparflow.engine.keras_semantics.added_losses import (
 )
 from hyparflow.engine.keras_semantics.metrics import ReplicaMetrics, compiled_metrics_update
 from hyparflow.engine.keras_semantics.output_losses import OutputLosses
-from hyparflow.engine.keras_semantics.split_layers import SplitLayers
+from hyparflow.engine.keras_semantics.sharded_layers import ShardedLayers
 from hyparflow.engine.keras_semantics.sync_batchnorm import synchronized_layers
 from hyparflow.engine.sharded_optimizer.checkpoint import ZeroCheckpoint
 from hyparflow.engine.sharded_optimizer.sharded_update import ShardedUpdate
@@ -87,7 +87,7 @@ class Setting:
     """What a rank's parts are built for: its `topology` in the grid, the partitioner's `plan`
     (None: the whole model is the only stage) and the `stages` of it this rank runs, the
     `guard` every blocking wait is watched with (`Guard.use` switches its watchdog), its
-    `splits` (tensor shards, expert shards, sparse mixture dispatch), the model's row-sparse
+    `sharded_layers` (tensor shards, expert shards, sparse mixture dispatch), the model's row-sparse
     variables (`row_kinds`) and the `TrafficLog` its in-graph collectives count in (this
     trainer's alone)."""
 
@@ -97,7 +97,7 @@ class Setting:
     stages: list
     topology: Topology
     guard: Guard
-    splits: SplitLayers
+    sharded_layers: ShardedLayers
     row_kinds: row_sparse.RowKinds
     traffic: TrafficLog  # what the rank's in-graph collectives moved (the profiler reads it)
     comm_backend: str  # sums gradients across replicas: "mpi" or "horovod"
@@ -121,7 +121,7 @@ class TrainerParts:
     walk: PipelineWalk
     gradient_sync: GradientSync
     update: Update
-    sharded: ShardedUpdate | None  # ZeRO-1's sharded optimizer update, if any
+    sharded_update: ShardedUpdate | None  # ZeRO-1's sharded optimizer update, if any
     segment_update: SegmentUpdate | None
     gradient_path: object  # `gradients/path.py`: reduction and update, as the form asks
     stage_state: TrainingState
@@ -132,7 +132,7 @@ def build_parts(model, strategy, comm, plan=None, **options) -> TrainerParts:
     `comm` (collective). `options`: `watchdog_timeout`, `comm_backend` ("mpi" or
     "horovod"), `tensor_layout`, `row_kinds`."""
     setting = _setting(model, strategy, comm, plan, options)
-    with setting.splits.active():  # everything below sees (and traces) shards and experts
+    with setting.sharded_layers.active():  # everything below sees (and traces) shards and experts
         variables = _stage_variables(setting)
         shared = SharedAcrossStages.find(plan, model, variables.all, setting.row_kinds)
         output_losses = OutputLosses(model)  # per-output loss means weighted as Keras's
@@ -142,9 +142,9 @@ def build_parts(model, strategy, comm, plan=None, **options) -> TrainerParts:
             _runner_parts(setting, stage, output_losses, update_metrics, loss_adders)
             for stage in setting.stages
         ]
-        runner, form, segments = _build_runner(setting, runner_parts, variables, shared)
+        runner, form, overlap = _build_runner(setting, runner_parts, variables, shared)
         sync, update, sharded, by_segment = _build_gradient_parts(
-            setting, variables, runner, form, shared, segments
+            setting, variables, runner, form, shared, overlap
         )
         stage_state = _training_state(setting, variables, sharded)
         spans = events.Spans()
@@ -164,7 +164,7 @@ def build_parts(model, strategy, comm, plan=None, **options) -> TrainerParts:
             spans,
             output_losses,
             update_metrics,
-            whole_inputs=plan is None and segments is None,
+            whole_inputs=plan is None and overlap is None,
         )
     moving_statistics = unsynchronized_moving_statistics(variables.layers, strategy.sync_batchnorm)
     return TrainerParts(
@@ -195,14 +195,14 @@ def _setting(model, strategy, comm, plan, options: dict) -> Setting:
     synchronized = bool(synchronized_layers(_layers_of(graphs), strategy.sync_batchnorm))
     tensor_layout = options.get("tensor_layout")
     traffic = TrafficLog()
-    splits = SplitLayers(
+    sharded_layers = ShardedLayers(
         model, strategy, topology, graphs, tensor_layout, guard, synchronized, traffic=traffic
     )
     row_kinds = options.get("row_kinds", row_sparse.UNPROBED)
-    row_kinds = row_kinds.with_shards(model, splits.pieces()[1])
+    row_kinds = row_kinds.with_shards(model, sharded_layers.pieces()[1])
     backend = options.get("comm_backend", "mpi")
     return Setting(
-        model, strategy, plan, stages, topology, guard, splits, row_kinds, traffic, backend
+        model, strategy, plan, stages, topology, guard, sharded_layers, row_kinds, traffic, backend
     )
 
 
@@ -222,7 +222,7 @@ def _runner_parts(setting, stage, output_losses, update_metrics, loss_adders) ->
         loss=output_losses,
         metrics=update_metrics,
         loss_adders=loss_adders,
-        tally=setting.splits.tally,
+        tally=setting.sharded_layers.tally,
         row_kinds=setting.row_kinds,
         traffic=setting.traffic,
     )
@@ -236,7 +236,7 @@ def _training_state(setting, variables, sharded) -> TrainingState:
         setting.plan,
         variables.all,
         setting.guard,
-        *setting.splits.pieces(),
+        *setting.sharded_layers.pieces(),
         experts=setting.strategy.experts,
         optimizer_shard=None if sharded is None else ZeroCheckpoint(sharded),
     )
@@ -281,8 +281,9 @@ def _stage_variables(setting: Setting) -> StageVariables:
 
 
 def _build_runner(setting: Setting, runner_parts, variables, shared) -> tuple:
-    """(the stage's runner, the gradient form its facts call for, its segments: None unless
-    the runner cuts the stage into segments)."""
+    """(the stage's runner, the gradient form its facts call for, its `Overlap`: which
+    variables are final after each segment, None unless the runner cuts the stage into
+    segments)."""
     layout = FlatLayout([variables.all[i] for i in variables.dense])
     facts = _gradient_facts(setting, variables, layout, shared_across_stages=shared is not None)
     form = choose_gradient_form(**facts, overlap_groups=setting.strategy.overlap_groups)
@@ -305,12 +306,12 @@ def _build_runner(setting: Setting, runner_parts, variables, shared) -> tuple:
 
 def _gradient_facts(setting: Setting, variables, layout, shared_across_stages: bool) -> dict:
     """The facts `choose_gradient_form` decides the gradient form from."""
-    strategy, splits, plan = setting.strategy, setting.splits, setting.plan
+    strategy, sharded_layers, plan = setting.strategy, setting.sharded_layers, setting.plan
     # a split backward's weight gradients are final only after the step's last W, and
     # interleaved chunks end their backwards apart: neither is cut into segments; nor is a
     # stage whose router losses one runner tallies
     whole = strategy.schedule in ("zero_bubble", "interleaved") and plan is not None
-    whole = whole or splits.tally is not None
+    whole = whole or sharded_layers.tally is not None
     return dict(
         partitioned=plan is not None,
         replicas=setting.topology.num_replicas,
@@ -323,15 +324,15 @@ def _gradient_facts(setting: Setting, variables, layout, shared_across_stages: b
         tables=len(variables.sparse),
         rows_classified=setting.row_kinds.complete,
         segments=1 if whole else segment_count(strategy, setting.model, variables.all),
-        tensor_split=splits.tensor is not None,
-        expert_split=splits.experts is not None,
+        tensor_split=sharded_layers.tensor is not None,
+        expert_split=sharded_layers.experts is not None,
     )
 
 
-def _build_gradient_parts(setting: Setting, variables, runner, form, shared, segments) -> tuple:
+def _build_gradient_parts(setting: Setting, variables, runner, form, shared, overlap) -> tuple:
     """(reduction across stages and replicas, the optimizer update, ZeRO-1's sharded update
     or None, the update by segment or None), as the gradient `form` asks."""
-    topology, splits, guard = setting.topology, setting.splits, setting.guard
+    topology, sharded_layers, guard = setting.topology, setting.sharded_layers, setting.guard
     gradient_sync = GradientSync(
         topology,
         runner,
@@ -340,8 +341,8 @@ def _build_gradient_parts(setting: Setting, variables, runner, form, shared, seg
         variables.sparse,
         backend=setting.comm_backend,
         shared=shared,
-        overlap=segments if form.overlap else None,
-        experts=splits.experts,
+        overlap=overlap if form.overlap else None,
+        experts=sharded_layers.experts,
         row_kinds=setting.row_kinds,
     )
     update = Update(
@@ -353,24 +354,24 @@ def _build_gradient_parts(setting: Setting, variables, runner, form, shared, seg
         guard=guard,
         merge=gradient_sync.merge,
         layout=runner.layout,
-        split=splits.tensor.variables if splits.tensor else (),
-        expert_split=splits.expert_split(),
+        split=sharded_layers.tensor.variables if sharded_layers.tensor else (),
+        expert_split=sharded_layers.expert_split(),
     )
     # ZeRO-1: the replicas split the optimizer state and its update
     # (engine/sharded_optimizer/sharded_update.py); by segment, each segment is
     # reduce-scattered, its slice updated, its parameters gathered as soon as the last
     # backward has finished it
-    parts = segment_parts(variables.all, segments) if form.update_per_segment else None
+    positions = segment_parts(variables.all, overlap) if form.update_per_segment else None
     sharded = None
     if setting.strategy.shard_optimizer and topology.num_replicas > 1:
         sharded = ShardedUpdate(
-            setting.model, topology, variables.all, update, gradient_sync, segments=parts
+            setting.model, topology, variables.all, update, gradient_sync, segments=positions
         )
     segment_update = None
     if form.update_per_segment:
         replicas = topology.stage_comm if topology.num_replicas > 1 else None
         segment_update = SegmentUpdate(
-            update, runner, segments, replicas=replicas, guard=guard, zero=sharded
+            update, runner, overlap, replicas=replicas, guard=guard, zero=sharded
         )
     return gradient_sync, update, sharded, segment_update
 
@@ -390,7 +391,7 @@ class Trainer:
         self.variables = parts.variables.all
         self.stage_state = parts.stage_state
         self.guard = parts.setting.guard
-        self.splits = parts.setting.splits
+        self.sharded_layers = parts.setting.sharded_layers
         self.traffic = parts.setting.traffic  # the profiler reads it
         self.check_numerics = False
         # Built under hf.scope(): weights of other stages were never allocated on this rank.
@@ -423,13 +424,13 @@ class Trainer:
 
     def layers_active(self) -> contextlib.ExitStack:
         """The layers as this rank runs them: its tensor and expert shards, and keras_hub
-        mixture blocks' experts dispatched sparsely (`SplitLayers`)."""
-        return self.splits.active()
+        mixture blocks' experts dispatched sparsely (`ShardedLayers`)."""
+        return self.sharded_layers.active()
 
     def load_shards(self) -> None:
         """Slice the model's current weights into this rank's tensor and expert shards (each
         fit, evaluate or predict starts from the model as the user holds it)."""
-        self.splits.load()
+        self.sharded_layers.load()
 
     def use_watchdog(self, timeout: float) -> None:
         """Guard blocking MPI waits with a `timeout`-second watchdog (0: none)."""
@@ -440,8 +441,8 @@ class Trainer:
         self.parts.spans.record_into(recorder)
         # each tensor collective, expert exchange or experts' compute, as it ends, is a span
         inner = (
-            (self.splits.tensor, (collectives.TAG,), events.TENSOR),
-            (self.splits.experts, expert_parallel.SPAN_TAGS, events.EXPERTS),
+            (self.sharded_layers.tensor, (collectives.TAG,), events.TENSOR),
+            (self.sharded_layers.experts, expert_parallel.SPAN_TAGS, events.EXPERTS),
         )
         for split, tags, kind in inner:
             if split is not None:
@@ -499,7 +500,7 @@ class Trainer:
     def _microbatches(self, batch: GlobalBatch, training: bool = False) -> list:
         """This replica's micro-batches of `batch` (refused alike on every rank where one
         replica would get no rows while the others wait for it inside the step)."""
-        self.splits.refuse_empty_replicas(batch.size, self.topology.num_replicas, training)
+        self.sharded_layers.refuse_empty_replicas(batch.size, self.topology.num_replicas, training)
         return self.parts.walk.microbatches(batch)
 
     def regularization(self) -> float:
@@ -510,12 +511,14 @@ class Trainer:
         """This step's added losses (`add_loss`, activity regularization) of this replica's
         pipeline, each micro-batch's weighted by its size (collective over the pipeline once
         any stage's layers add losses)."""
-        parts = self.parts.walk.take_added() + self.splits.take_router_parts()
+        parts = self.parts.walk.take_added() + self.sharded_layers.take_router_parts()
         pipeline = self.topology.pipeline_comm
         if self._any_added_losses is None:  # known once every stage has traced its calls
             microbatches_per_batch = self.topology.num_replicas * self.strategy.microbatches
             # router losses and losses built from hf.global_mean are the global batch's
-            exact = {block.name for block in self.splits.dispatch.blocks} | self.splits.batch.users
+            exact = {
+                block.name for block in self.sharded_layers.dispatch.blocks
+            } | self.sharded_layers.batch.users
             inexact = self.parts.loss_adders - exact
             if self.strategy.strict_added_losses:
                 with self.guard("agree on added losses"):
@@ -579,7 +582,7 @@ class Trainer:
     def sync_weights(self) -> None:
         """Give every rank the full model: each stage broadcasts the weights it owns. A model
         built under hf.scope() stays where it is: each rank keeps its own share."""
-        self.splits.store(self.guard)  # first put split weights together
+        self.sharded_layers.store(self.guard)  # first put split weights together
         if self.plan is None or self.holds_share_only:
             return  # replicas stay identical: every one applies the same reduced gradients
         broadcast_owned_weights(self.model, self.plan, self.topology.pipeline_comm, self.guard)
@@ -587,5 +590,5 @@ class Trainer:
     def close(self) -> None:
         self.guard.close()
         self.parts.walk.close()
-        self.splits.free()
+        self.sharded_layers.free()
         self.topology.free()

@@ -57,7 +57,7 @@ def held_report(model, ref) -> dict:
         [model.weights[i].numpy() for i in held], [ref.weights[i].numpy() for i in held]
     )
     trainer = model._hyparflow_trainer[1]
-    shards = trainer.splits.tensor.by_path() if trainer.splits.tensor else {}
+    shards = trainer.sharded_layers.tensor.by_path() if trainer.sharded_layers.tensor else {}
     shard_diffs = []
     for i, v in enumerate(model.weights):
         if v.path in shards:

@@ -35,14 +35,16 @@ def run(case: Case) -> dict:
     trainer = model._hyparflow_trainer[1]  # a new model's: its traffic is this fit's alone
     moved, exchanged = trainer.traffic.of("tensor"), trainer.traffic.of("experts")
     runner = trainer.parts.runner
-    shards = trainer.splits.tensor
+    shards = trainer.sharded_layers.tensor
     return {
         "case": case.id,
         # most traces of one compiled step function (Keras's own: 2 for varying lengths)
         "traces": most_traces(runner),
         "split_backward": getattr(runner, "split", None),
         "refusals": getattr(runner, "refusals", None),
-        "sparse_blocks": len(trainer.splits.dispatch.blocks),  # mixtures dispatched sparsely
+        "sparse_blocks": len(
+            trainer.sharded_layers.dispatch.blocks
+        ),  # mixtures dispatched sparsely
         "weights": relative_difference(model.get_weights(), reference["weights"]),
         "history": history_difference(history.history, reference["history"]),
         "grid_nodes": trainer.topology.nodes,  # host of each grid place
@@ -56,7 +58,9 @@ def run(case: Case) -> dict:
         # expert parallelism: this rank's expert shards and their optimizer slots, and the
         # bytes its routing sums and token exchanges moved
         **(
-            _shard_sizes(model, trainer.splits.experts, "expert_") if trainer.splits.experts else {}
+            _shard_sizes(model, trainer.sharded_layers.experts, "expert_")
+            if trainer.sharded_layers.experts
+            else {}
         ),
         "expert_bytes": exchanged.bytes,
         # bytes the tensor ranks' collectives moved, and what the planner's shares predict

@@ -340,7 +340,7 @@ def _expert_elements_held(experts: int) -> int:
     hf.fit(model, batches, verbose=0, strategy=hf.Strategy("data", experts=experts))
     trainer = model._hyparflow_trainer[1]
     whole = [v for v in expert_weights(model) if not deferred.is_deferred(v)]
-    shards = trainer.splits.experts.variables if trainer.splits.experts else whole
+    shards = trainer.sharded_layers.experts.variables if trainer.sharded_layers.experts else whole
     names = [v.path.replace("/", "_") for v in shards]
     slots = [v for v in model.optimizer.variables if any(n in v.path for n in names)]
     held = {id(v): v for v in [*whole, *shards, *slots]}

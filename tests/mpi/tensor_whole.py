@@ -34,7 +34,7 @@ def run(case: Case) -> dict:
     x, y = whole_models.data(case.model)
     model = whole_models.compiled(case.model, case.optimizer)
     history = fit_in_order(model, x, y, BATCH, EPOCHS, hf.Strategy(**case.strategy_options()))
-    layout = model._hyparflow_trainer[1].splits.tensor.layout
+    layout = model._hyparflow_trainer[1].sharded_layers.tensor.layout
     weights = model.get_weights()
     return {
         "case": case.id,

@@ -30,7 +30,7 @@ def run(case: Case) -> dict:
     model = zoo.compiled(case.model, case.optimizer, case.policy)
     history = fit_in_order(model, x, y, batch_size, epochs, hf.Strategy(**case.strategy_options()))
     trainer = model._hyparflow_trainer[1]
-    zero = trainer.parts.sharded
+    zero = trainer.parts.sharded_update
     # the optimizer's per-element state on this rank, against the unsharded stage's
     slot_elements = sum(
         int(np.prod(v.shape)) for v in model.optimizer.variables if len(v.shape) > 0
@@ -108,7 +108,7 @@ def resumes_two(folder: str) -> dict:
         "segments": relative_difference(results["segments"], results["same"]),
         "on": relative_difference(plain_results["on"], plain_results["same"]),
         "segments_off": relative_difference(segmented_results["off"], segmented_results["same"]),
-        "segment_groups": len(model._hyparflow_trainer[1].parts.sharded.segments),
+        "segment_groups": len(model._hyparflow_trainer[1].parts.sharded_update.segments),
     }
 
 

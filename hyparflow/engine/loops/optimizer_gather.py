@@ -24,8 +24,12 @@ _TAG = 3939  # point-to-point tag of the entries on the world communicator
 def needs_gathering(trainer) -> bool:
     """Whether this layout leaves a partial optimizer on rank 0 (the same on every rank). A
     model built under hf.scope() keeps each rank's share (weights are not gathered either)."""
-    split = trainer.plan is not None or trainer.parts.sharded is not None
-    split = split or trainer.splits.tensor is not None or trainer.splits.experts is not None
+    split = trainer.plan is not None or trainer.parts.sharded_update is not None
+    split = (
+        split
+        or trainer.sharded_layers.tensor is not None
+        or trainer.sharded_layers.experts is not None
+    )
     return split and not trainer.holds_share_only and trainer.topology.world.Get_size() > 1
 
 

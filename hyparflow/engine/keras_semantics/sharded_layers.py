@@ -26,7 +26,7 @@ from hyparflow.tensor import collectives
 from hyparflow.tensor.shards import TensorShards
 
 
-class SplitLayers:
+class ShardedLayers:
     """`tensor`: this rank's `TensorShards` of its stage's split layers (None without tensor
     parallelism, docs/tensor.md); `experts`: its `ExpertShards` of the mixture blocks in
     `graphs` (None unless `strategy.experts` > 1); `dispatch`: the `SparseDispatch` of the
