@@ -511,28 +511,31 @@ class Trainer:
         """This step's added losses (`add_loss`, activity regularization) of this replica's
         pipeline, each micro-batch's weighted by its size (collective over the pipeline once
         any stage's layers add losses)."""
-        parts = self.parts.walk.take_added() + self.sharded_layers.take_router_parts()
+        added = self.parts.walk.take_added() + self.sharded_layers.take_router_losses()
         pipeline = self.topology.pipeline_comm
         if self._any_added_losses is None:  # known once every stage has traced its calls
-            microbatches_per_batch = self.topology.num_replicas * self.strategy.microbatches
-            # router losses and losses built from hf.global_mean are the global batch's
-            exact = {
-                block.name for block in self.sharded_layers.dispatch.blocks
-            } | self.sharded_layers.batch.users
-            inexact = self.parts.loss_adders - exact
-            if self.strategy.strict_added_losses:
-                with self.guard("agree on added losses"):
-                    refuse_unless_batch_means(inexact, microbatches_per_batch, self.topology.world)
-            warn_unless_batch_means(inexact, microbatches_per_batch)
-            with self.guard("agree on added losses"):
-                self._any_added_losses = bool(
-                    pipeline.allreduce(bool(self.parts.runner.has_added_losses), op=mpi_op("LOR"))
-                )
+            self._any_added_losses = self._agree_on_added_losses()
         if not self._any_added_losses:
             return 0.0
-        local = sum(n * float(added) for n, added in parts)
+        local = sum(rows * float(value) for rows, value in added)
         with self.guard("sum added losses over the pipeline"):
             return pipeline.allreduce(local)
+
+    def _agree_on_added_losses(self) -> bool:
+        """Whether any stage's layers add losses (collective over the pipeline), after refusing
+        (`strict_added_losses`) or warning about those that are not means over the batch:
+        router losses and losses built from `hf.global_mean` are the global batch's."""
+        layers = self.sharded_layers
+        microbatches_per_batch = self.topology.num_replicas * self.strategy.microbatches
+        exact = {block.name for block in layers.dispatch.blocks} | layers.batch.users
+        inexact = self.parts.loss_adders - exact
+        if self.strategy.strict_added_losses:
+            with self.guard("agree on added losses"):
+                refuse_unless_batch_means(inexact, microbatches_per_batch, self.topology.world)
+        warn_unless_batch_means(inexact, microbatches_per_batch)
+        adds = bool(self.parts.runner.has_added_losses)
+        with self.guard("agree on added losses"):
+            return bool(self.topology.pipeline_comm.allreduce(adds, op=mpi_op("LOR")))
 
     def _track_loss(self, losses, reg_value: float, added: float = 0.0) -> None:
         """Feed Keras's loss tracker so that its mean equals Keras's (loss + added losses +

@@ -141,7 +141,7 @@ class ShardedLayers:
         """(this rank's expert shards, its expert group), or ((), None) without experts."""
         return (self.experts.variables, self.experts.group) if self.experts else ((), None)
 
-    def take_router_parts(self) -> list:
+    def take_router_losses(self) -> list:
         """The (rows, loss value) of each micro-batch's router losses in the last step (none
         without a tally), as the engine sums added losses."""
         return [] if self.tally is None else self.tally.take_parts()
