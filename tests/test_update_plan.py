@@ -75,9 +75,15 @@ def test_the_update_plan_of_a_stage(
     groups, clipping, per_variable, regularized, loss_scaling, flat, partitioned, split, plan
 ):
     decided = plan_update(
-        groups, clipping=clipping, applies_per_variable=per_variable, regularized=regularized,
-        loss_scaling=loss_scaling, flat=flat, partitioned=partitioned, split_variables=split,
-    )  # fmt: skip
+        groups,
+        clipping=clipping,
+        applies_per_variable=per_variable,
+        regularized=regularized,
+        loss_scaling=loss_scaling,
+        flat=flat,
+        partitioned=partitioned,
+        split_variables=split,
+    )
     assert decided == plan
 
 
@@ -90,12 +96,17 @@ def test_a_segment_updates_group_by_group_and_leaves_the_regularization_to_its_c
     [
         (3, NONE, False, UpdatePlan(EVERYTHING, regularize_first=True, value=FIRST)),
         # a slice alone gives no norm of the model, even where the stage is all of it
-        (3, GLOBAL_STAGE, True,
-         UpdatePlan(EVERYTHING, regularize_first=True, value=FIRST, agree_finite=True,
-                    norm_over=STAGE)),
+        (
+            3,
+            GLOBAL_STAGE,
+            True,
+            UpdatePlan(
+                EVERYTHING, regularize_first=True, value=FIRST, agree_finite=True, norm_over=STAGE
+            ),
+        ),
         (0, NONE, False, UpdatePlan((), regularize_first=True, value=FIRST)),
     ],
-)  # fmt: skip
+)
 def test_zero_updates_its_slices_in_one_call(targets, clipping, loss_scaling, plan):
     assert plan_sharded(targets, clipping=clipping, loss_scaling=loss_scaling) == plan
 

@@ -36,19 +36,27 @@ CALLS = 50  # compiled calls per timing of a collective's host round trip
 
 
 def with_planner_costs(
-    costs: ModelCosts, model, batch_size: int, input_shape=None, tensor_parts: int = 2,
+    costs: ModelCosts,
+    model,
+    batch_size: int,
+    input_shape=None,
+    tensor_parts: int = 2,
     repeats: int = 3,
-) -> ModelCosts:  # fmt: skip
+) -> ModelCosts:
     """`costs` of `model` with each layer's share under `tensor_parts` tensor ranks (per
     sample, at `batch_size` samples of `input_shape`) and the engine's `collective_call` and
     `zero_per_byte` (medians of `repeats` timings)."""
     graph = build_graph(model)
     sample = profile.make_sample(graph, input_shape=input_shape, batch_size=batch_size)
     shares = _tensor_shares(model, graph, sample, tensor_parts)
-    layers = [replace(layer, tensor=share) for layer, share in zip(costs.layers, shares,
-                                                                   strict=True)]  # fmt: skip
-    engine = replace(costs.engine, collective_call=_collective_call_cost(repeats),
-                     zero_per_byte=_zero_host_cost(model, repeats))  # fmt: skip
+    layers = [
+        replace(layer, tensor=share) for layer, share in zip(costs.layers, shares, strict=True)
+    ]
+    engine = replace(
+        costs.engine,
+        collective_call=_collective_call_cost(repeats),
+        zero_per_byte=_zero_host_cost(model, repeats),
+    )
     measured = {**costs.measured, "tensor_parts": tensor_parts}
     return replace(costs, layers=layers, engine=engine, measured=measured)
 
@@ -112,11 +120,19 @@ def _update_seconds(model, sharded: bool, repeats: int) -> float:
     clone.compile(keras.optimizers.deserialize(keras.optimizers.serialize(model.optimizer)))
     variables = list(clone.trainable_variables)
     topology = Topology.create(MPI.COMM_SELF, 1, 1)
-    sync = GradientSync(topology, _HeldGradients(variables), variables,
-                        list(range(len(variables))), [], backend="mpi", shared=None,
-                        overlap=None)  # fmt: skip
-    update = Update(clone, topology, variables, variables, partitioned=False,
-                    guard=_unguarded, merge=sync.merge)  # fmt: skip
+    sync = GradientSync(
+        topology,
+        _HeldGradients(variables),
+        variables,
+        list(range(len(variables))),
+        [],
+        backend="mpi",
+        shared=None,
+        overlap=None,
+    )
+    update = Update(
+        clone, topology, variables, variables, partitioned=False, guard=_unguarded, merge=sync.merge
+    )
     if sharded:
         zero = ShardedUpdate(clone, topology, variables, update, sync)
         return _median_seconds(lambda: zero.apply(zero.reduce().give_up()), repeats)

@@ -46,9 +46,16 @@ def _run(case: Case) -> dict:
     model = compiled(case.model, case.optimizer, case.policy)
     strategy = hf.Strategy(**case.strategy_options())
     history = hf.fit(
-        model, x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
-        validation_data=(vx, vy), strategy=strategy,
-    )  # fmt: skip
+        model,
+        x,
+        y,
+        batch_size=BATCH,
+        epochs=EPOCHS,
+        shuffle=False,
+        verbose=0,
+        validation_data=(vx, vy),
+        strategy=strategy,
+    )
     # where hf.fit left this rank's threads (hyparflow.launch.affinity): one set for all
     threads = {frozenset(os.sched_getaffinity(int(t))) for t in os.listdir("/proc/self/task")}
     predicted = hf.predict(model, vx, batch_size=8, strategy=strategy)
@@ -90,8 +97,12 @@ def _run(case: Case) -> dict:
 
 def _reference_request(case: Case) -> references.Request:
     """The key and training of `case`'s Keras reference (tests/support/references.py)."""
-    key = {"scenario": "equivalence", "model": case.model, "optimizer": case.optimizer,
-           "policy": case.policy}  # fmt: skip
+    key = {
+        "scenario": "equivalence",
+        "model": case.model,
+        "optimizer": case.optimizer,
+        "policy": case.policy,
+    }
     train, validation = data(case.model), data(case.model, n=20, seed=1)
     return key, lambda: _train_reference(case, train, validation)
 
@@ -99,8 +110,14 @@ def _reference_request(case: Case) -> references.Request:
 def _train_reference(case: Case, train: tuple, validation: tuple) -> dict:
     """Plain Keras's fit, predict and evaluate of the case's model: what `_run` compares with."""
     reference = compiled(case.model, case.optimizer, case.policy)
-    history = reference.fit(*train, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
-                            validation_data=validation)  # fmt: skip
+    history = reference.fit(
+        *train,
+        batch_size=BATCH,
+        epochs=EPOCHS,
+        shuffle=False,
+        verbose=0,
+        validation_data=validation,
+    )
     vx, vy = validation
     return {
         "weights": reference.get_weights(),
