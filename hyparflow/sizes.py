@@ -18,8 +18,8 @@ CHUNK_BYTES = 25 * 2**20
 FLAT_BACKWARD_MAX_MEAN_BYTES = 128 * 1024
 
 # Bytes of variables updated per compiled optimizer call when a step's update is grouped
-# (engine/gradients/update.py's GROUP_BYTES): an optimizer given every gradient at once runs all
-# variables' updates side by side, their temporaries (Adam's: about 1.5x the gradients) alive
+# (engine/gradients/update_plan.py's GROUP_BYTES): an optimizer given every gradient at once runs
+# all variables' updates side by side, their temporaries (Adam's: about 1.5x the gradients) alive
 # together; in groups they are one group's, and each group's gradients can go once it is
 # applied. A group closes once it holds this many bytes, so a larger variable is a group of its
 # own (measured on a P=4 rank of 16 MiB kernels: 31 MiB lower peak than groups of 25 MiB, i.e.

@@ -135,8 +135,8 @@ def _update_seconds(model, sharded: bool, repeats: int) -> float:
     )
     if sharded:
         zero = ShardedUpdate(clone, topology, variables, update, sync)
-        return _median_seconds(lambda: zero.apply(zero.reduce()), repeats)
-    return _median_seconds(lambda: update.apply(sync.reduce()), repeats)
+        return _median_seconds(lambda: zero.apply(zero.reduce().give_up()), repeats)
+    return _median_seconds(lambda: update.apply(sync.reduce().give_up()), repeats)
 
 
 def _unguarded(*args, **kwargs):

@@ -4,7 +4,7 @@ This is the one place to update when the engine's buffers change (docs/memory.md
 data-parallel step concatenates its gradients in chunks of `CHUNK_BYTES`
 (`engine/gradients/flat.py`), a pipeline stage of small variables packs its parameters and gradients
 whole, the optimizer updates groups of about `UPDATE_GROUP_BYTES` of variables at a time
-(`engine/gradients/update.py`), ZeRO-1 updates its slice in one call
+(`engine/gradients/update_plan.py`), ZeRO-1 updates its slice in one call
 (`engine/sharded_optimizer/sharded_update.py`), and at each
 epoch's end the stages broadcast their weights in groups of about `CHUNK_BYTES`
 (`engine/weights.py`).

@@ -10,7 +10,7 @@ import os
 import keras
 
 import hyparflow as hf
-from hyparflow.engine.gradients import flat, update
+from hyparflow.engine.gradients import flat, update_plan
 from tests.support import references
 from tests.support.cases import Case
 from tests.support.compare import (
@@ -30,14 +30,14 @@ TRACED = (*STEP_FUNCTIONS, "_infer_fn")
 
 
 def run(case: Case) -> dict:
-    threshold, group_bytes = flat.FLAT_BACKWARD_MAX_MEAN_BYTES, update.GROUP_BYTES
+    threshold, group_bytes = flat.FLAT_BACKWARD_MAX_MEAN_BYTES, update_plan.GROUP_BYTES
     if case.large_variables:
         flat.FLAT_BACKWARD_MAX_MEAN_BYTES = 0  # every variable counts as large
-        update.GROUP_BYTES = 0  # and is updated in a compiled call of its own
+        update_plan.GROUP_BYTES = 0  # and is updated in a compiled call of its own
     try:
         return _run(case)
     finally:
-        flat.FLAT_BACKWARD_MAX_MEAN_BYTES, update.GROUP_BYTES = threshold, group_bytes
+        flat.FLAT_BACKWARD_MAX_MEAN_BYTES, update_plan.GROUP_BYTES = threshold, group_bytes
 
 
 def _run(case: Case) -> dict:

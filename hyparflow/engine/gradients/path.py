@@ -37,11 +37,11 @@ class GradientPath(Protocol):
 
 class WholePath:
     """Reduce after the backward, then step the optimizer: `gradient_sync.reduce()` gives the
-    gradients and `update.apply(gradients)` applies them, or `zero` (a `ShardedUpdate`) does
-    both under ZeRO-1. `update.check_finite` checks them when asked, naming the trainer's
-    `step()`. The walk calls `gradient_sync.on_segment_done` (its overlap with the backward)
-    after each segment. `span(kind)` and `guard(operation)` are the trainer's (they change
-    with its recorder and watchdog)."""
+    gradients and `update.apply` applies them, handed over (`give_up`), or `zero` (a
+    `ShardedUpdate`) does both under ZeRO-1. `update.check_finite` checks them when asked,
+    naming the trainer's `step()`. The walk calls `gradient_sync.on_segment_done` (its
+    overlap with the backward) after each segment. `span(kind)` and `guard(operation)` are
+    the trainer's (they change with its recorder and watchdog)."""
 
     def __init__(self, gradient_sync, update, zero, *, span, guard, step):
         self.gradient_sync, self.update, self.zero = gradient_sync, update, zero
@@ -63,7 +63,8 @@ class WholePath:
         if check_numerics:
             self.update.check_finite(losses, gradients.as_list(), self._step())
         with self._span(events.OPTIMIZER):
-            return self.application.apply(gradients)
+            # the update owns them now: it lets each group's go once applied
+            return self.application.apply(gradients.give_up())
 
 
 class BySegmentPath:

@@ -22,6 +22,7 @@ from hyparflow.comm.allreduce import GradientReducer
 from hyparflow.engine.gradients.flat import FlatLayout
 from hyparflow.engine.gradients.form import segments_for
 from hyparflow.engine.gradients.update import applies_per_variable
+from hyparflow.engine.gradients.update_plan import plan_segment, update_groups
 from hyparflow.engine.weights import nbytes
 from hyparflow.traced import traced
 
@@ -39,7 +40,8 @@ def segment_parts(variables: list, overlap) -> list[list[int]]:
 class SegmentUpdate:
     """Apply a segmented stage's update during its step's last backward.
 
-    `update` is the stage's `Update` (its grouped body, regularization and step counter),
+    `update` is the stage's `Update`, whose `run` applies each part as its `plan_segment`
+    says (update groups at the step's counter, regularization added in each group's call),
     `runner` its `SegmentedRunner`, `overlap` the `gradient_sync.Overlap` plan saying which
     variables are final after which segment. Per step: `begin()`, the walk calls
     `on_segment_done(j)` after each segment of the last backward, `finish()` applies what no
@@ -58,6 +60,7 @@ class SegmentUpdate:
         self.update = update
         self.runner = runner
         self.segment_positions = segment_parts(update.variables, overlap)
+        self._plans = [_segment_plan(update.variables, part) for part in self.segment_positions]
         if zero is not None:
             theirs = [sorted(i for g in groups for i in g.positions) for groups in zero.segments]
             if theirs != [sorted(part) for part in self.segment_positions]:
@@ -118,7 +121,7 @@ class SegmentUpdate:
         else:
             if self._reducer is not None:
                 grads = self._summed(grads, positions)
-            self.update.apply_some(grads, positions, self._step)
+            self.update.run(self._plans[k], grads, step=self._step)
         self._applied.add(k)
 
     def _summed(self, grads: list, positions: list[int]) -> list:
@@ -134,7 +137,13 @@ class SegmentUpdate:
         grads.clear()  # the flat tensor holds them now
         with self._guard("sum a segment's gradients over the replicas"):
             flat = self._reducer.reduce_flat(flat)
-        return layout.unflatten_fn(flat)
+        return list(layout.unflatten_fn(flat))
+
+
+def _segment_plan(variables: list, positions: list[int]):
+    """The update of the variables at `positions` (a part), in update groups."""
+    groups = update_groups([variables[i] for i in positions])
+    return plan_segment([[positions[j] for j in group] for group in groups])
 
 
 def segment_count(strategy, model, variables) -> int:

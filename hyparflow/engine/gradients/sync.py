@@ -24,6 +24,14 @@ class Gradients:
             self.grads = self._merge(self.layout.unflatten_fn(self.flat), self.tables)
         return self.grads
 
+    def give_up(self) -> list:
+        """The gradients, for an update that lets each go once applied: `[flat, *tables]`
+        where they are flat (`layout`), else in variable order. This object holds none after,
+        so the list returned is their only reference."""
+        handed = self.grads if self.layout is None else [self.flat, *self.tables]
+        self.grads, self.flat, self.tables = None, None, []
+        return handed
+
 
 class SharedAcrossStages:
     """The variables the stages of several pipeline ranks use, in one order agreed by every
@@ -53,7 +61,7 @@ class SharedAcrossStages:
         mine = {id(v): i for i, v in enumerate(stage_variables)}
         table_positions = row_sparse.row_sparse_positions(
             shared, _keras.all_layers(model), row_kinds
-        )  # fmt: skip
+        )
         tables = [j in table_positions for j in range(len(shared))]
         return cls(shared, tables, [mine.get(id(v)) for v in shared])
 
@@ -123,9 +131,19 @@ class GradientSync:
     """
 
     def __init__(
-        self, topology, runner, variables, dense, sparse, *, backend, shared, overlap,
-        experts=None, row_kinds=row_sparse.UNPROBED,
-    ):  # fmt: skip
+        self,
+        topology,
+        runner,
+        variables,
+        dense,
+        sparse,
+        *,
+        backend,
+        shared,
+        overlap,
+        experts=None,
+        row_kinds=row_sparse.UNPROBED,
+    ):
         self.topology = topology
         self.runner = runner
         self.variables, self.sparse = variables, sparse
@@ -189,8 +207,11 @@ class GradientSync:
         expert shard's over the replicas holding the same experts."""
         experts = set(self.experts)
         replicated = [i for i in self.dense if i not in experts]
-        summed = dict(zip(replicated, self.replica_reducer.reduce([grads[i] for i in replicated]),
-                          strict=True))  # fmt: skip
+        summed = dict(
+            zip(
+                replicated, self.replica_reducer.reduce([grads[i] for i in replicated]), strict=True
+            )
+        )
         shards = [grads[i] for i in self.experts]
         if self.expert_reducer is not None:
             shards = self.expert_reducer.reduce(shards)

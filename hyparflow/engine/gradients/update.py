@@ -1,4 +1,4 @@
-"""A stage's optimizer update: regularization, loss scale, finite checks, clipping, one call."""
+"""A stage's optimizer update: one executor of an `UpdatePlan` (engine/gradients/update_plan.py)."""
 
 from __future__ import annotations
 
@@ -16,27 +16,16 @@ from hyparflow.engine.gradients import sparse as row_sparse
 from hyparflow.engine.gradients.clipping import RANKS, Clipping, decide_clipping
 from hyparflow.engine.gradients.mpi import mpi_op
 from hyparflow.engine.gradients.shard_clipping import ShardClipping
+from hyparflow.engine.gradients.update_plan import (
+    APART,
+    CALL,
+    FIRST,
+    UpdatePlan,
+    plan_update,
+    update_groups,
+)
 from hyparflow.engine.relaxed import rows_unknown
-from hyparflow.engine.weights import byte_groups
-from hyparflow.sizes import UPDATE_GROUP_BYTES
 from hyparflow.traced import traced
-
-# Bytes of variables per compiled optimizer call of a grouped update (hyparflow/sizes.py).
-GROUP_BYTES = UPDATE_GROUP_BYTES
-
-
-def update_groups(variables, group_bytes: int | None = None) -> list[list[int]]:
-    """Positions of `variables` in `weights.byte_groups` of about `group_bytes` (default
-    `GROUP_BYTES`).
-
-    Example:
-        >>> kernels = [np.zeros(2**20, np.float32) for _ in range(5)]  # 4 MiB each
-        >>> update_groups(kernels)  # groups close at 8 MiB
-        [[0, 1], [2, 3], [4]]
-    """
-    position = {id(v): i for i, v in enumerate(variables)}
-    groups = byte_groups(variables, GROUP_BYTES if group_bytes is None else group_bytes)
-    return [[position[id(v)] for v in group] for group in groups]
 
 
 def applies_per_variable(optimizer) -> bool:
@@ -68,6 +57,25 @@ def apply_clipped(optimizer, grads, variables, norm) -> None:
         inner.global_clipnorm = clip
 
 
+def apply_step(optimizer, grads, variables, norm=None) -> None:
+    """`optimizer.apply`, clipped by the whole model's `norm` where one is given."""
+    if norm is None:
+        optimizer.apply(grads, variables)
+    else:
+        apply_clipped(optimizer, grads, variables, norm)
+
+
+def regularization_in_call(variables) -> tuple:
+    """(the summed regularization of those of `variables` with a regularizer, id -> its
+    gradient), inside a compiled update call; (None, {}) if none has one."""
+    regularized = [v for v in variables if getattr(v, "regularizer", None)]
+    if not regularized:
+        return None, {}
+    with tf.GradientTape() as tape:
+        total = tf.add_n([tf.reduce_sum(v.regularizer(v)) for v in regularized])
+    return total, dict(zip(map(id, regularized), tape.gradient(total, regularized), strict=True))
+
+
 def loss_scale(optimizer) -> float:
     """Keras's dynamic loss scale under mixed_float16 (a LossScaleOptimizer), else 1."""
     if isinstance(optimizer, LossScaleOptimizer):
@@ -81,30 +89,36 @@ class Update:
     Adds the weight regularization of the variables the stage owns (`owned`: a variable
     shared by stages is regularized once), agrees across the pipeline on skipping a step
     whose loss-scaled gradients overflow, clips by the whole model's norm when the optimizer
-    has `global_clipnorm` and the model is `partitioned`, and runs the optimizer as one
-    compiled call. `guard(operation)` watches each blocking collective; `merge(dense, tables)`
-    puts dense gradients and tables' row slices back in variable order; `layout` is the
-    `FlatLayout` of flat gradients (None if they are a list). `split`: the tensor shards;
-    `expert_split`: (expert shards, their expert group's communicator).
+    has `global_clipnorm` and the model is `partitioned`, and runs the optimizer in compiled
+    calls, all as its `UpdatePlan` says (`plan`, from the pure `plan_update`). `guard(operation)`
+    watches each blocking collective; `merge(dense, tables)` puts dense gradients and tables'
+    row slices back in variable order; `layout` is the `FlatLayout` of flat gradients (None if
+    they are a list). `split`: the tensor shards; `expert_split`: (expert shards, their expert
+    group's communicator).
 
-    ZeRO-1's `ShardedUpdate` (engine/sharded_optimizer/sharded_update.py) applies slices of the same
-    gradients and builds on the public parts: `guard`, `split_ids` (ids of split variables),
-    `tensor_comm`, `regularization_and_grads`, `total_regularization`, `sum_over_pipeline`,
-    `agree_finite_for_loss_scaling` and `compiled_update`.
+    `run(plan, grads, target)` is the one way an update runs: the whole stage's (`apply`), a
+    segment's (`SegmentUpdate`) and ZeRO-1's slices' (`ShardedUpdate`, its own `target`).
+    A target offers `build_optimizer()`, `regularize(grads, scale)`, `global_norm(grads, over,
+    scale)`, `update_body(grads, scale, norm=None, *, group, flat, regularize)` (compiled once
+    per group) and `after_update(group, output)`; this object is the stage's own.
     """
 
     def __init__(
-        self, model, topology, variables, owned, *, partitioned: bool, guard, merge, layout=None,
-        split=(), expert_split=((), None),
-    ):  # fmt: skip
-        self.model = model
-        self.topology = topology
-        self.variables = variables
-        self.owned = owned
-        self._partitioned = partitioned
-        self.guard = guard
-        self._merge = merge
-        self._layout = layout
+        self,
+        model,
+        topology,
+        variables,
+        owned,
+        *,
+        partitioned: bool,
+        guard,
+        merge,
+        layout=None,
+        split=(),
+        expert_split=((), None),
+    ):
+        self.model, self.topology, self.variables, self.owned = model, topology, variables, owned
+        self._partitioned, self.guard, self._merge, self._layout = partitioned, guard, merge, layout
         self.regularized = [v for v in owned if getattr(v, "regularizer", None)]
         # Tensor shards (`split`) and expert shards: their regularization and squared norms
         # are parts, summed over the tensor ranks or the expert group; every other variable is
@@ -125,49 +139,143 @@ class Update:
         self._squares_fn = traced(_sum_of_squares, reduce_retracing=True)
         self._shard_clipping = ShardClipping(self.variables, self.split_groups, guard)
         self._reg_values_fn = traced(self._reg_values)
-        self._groups_for: tuple = (None, False)  # (id of the optimizer, whether grouped)
-        self._position_groups: dict = {}  # positions -> their update groups (`apply_some`)
+        self._plan_for: tuple = (None, None)  # (the optimizer, its plan)
         self._compiled: dict = {}
 
     def loss_scale(self) -> float:
         return loss_scale(self.model.optimizer)
 
-    def apply(self, gradients) -> float:
-        """Step the optimizer with the reduced `gradients` (`gradient_sync.Gradients`); return
-        the model's total regularization (collective over the pipeline)."""
-        if self._grouped():
-            return self._apply_grouped(gradients)
-        across_ranks = self.clipping().global_norm_over == RANKS
-        if gradients.layout is None or across_ranks or self.split_ids:
-            return self._apply(gradients.as_list())
-        return self._apply_flat(gradients.flat, gradients.tables)
+    def plan(self) -> UpdatePlan:
+        """How this stage's update runs after its gradients are reduced, for the model's
+        optimizer (`update_plan.plan_update`)."""
+        optimizer = self.model.optimizer
+        if self._plan_for[0] is not optimizer:
+            plan = plan_update(
+                update_groups(self.variables),
+                clipping=self.clipping(),
+                applies_per_variable=applies_per_variable(optimizer),
+                regularized=bool(self.regularized),
+                loss_scaling=isinstance(optimizer, LossScaleOptimizer),
+                flat=self._layout is not None,
+                partitioned=self._partitioned,
+                split_variables=bool(self.split_ids),
+            )
+            self._plan_for = (optimizer, plan)
+        return self._plan_for[1]
 
-    def local_regularization(self) -> float:
-        """This stage's weight regularization (its shards' parts summed over their groups)."""
-        return self.total_regularization(*self._reg_values_fn()) if self.regularized else 0.0
+    def apply(self, grads: list) -> float:
+        """Step the optimizer with the step's reduced gradients, handed over
+        (`Gradients.give_up`: `[flat, *tables]` where they are flat, else in variable order);
+        return the model's total regularization (collective over the pipeline)."""
+        plan = self.plan()
+        if self._layout is not None and not plan.flat:
+            grads = self._listed(*grads)
+        return self.run(plan, grads)
 
-    def apply_some(self, grads: list, positions: list[int], step: int, norm=None) -> None:
-        """The update of the variables at `positions` (`grads` in that order) in update groups,
-        each group's gradients let go once applied, each group seeing optimizer step `step`:
-        the counter is set to it before every group, and the last group of a step leaves it one
-        further, as one `apply` of all would. With `norm`, clipped by that global norm."""
+    def run(self, plan: UpdatePlan, grads: list, target=None, step: int | None = None) -> float:
+        """Run `plan` on `grads`, handed over (each group's are let go once it is applied), for
+        `target` (default: this stage's variables): regularization, the loss-scale agreement,
+        the clipping, then one compiled call per group, each at optimizer step `step` where the
+        plan puts the counter back (default: the optimizer's now). Returns the model's
+        regularization, or 0.0 where the plan leaves it to the caller. Collective as the plan
+        says."""
+        target = self if target is None else target
+        scale = self.loss_scale()
+        value = 0.0
+        if plan.regularize_first and self.regularized:
+            grads, whole, parts = target.regularize(grads, scale)
+            value = self.total_regularization(whole, parts)
+        elif plan.value == APART:
+            value = self.local_regularization()
+        if plan.agree_finite:
+            grads = self.agree_finite_for_loss_scaling(grads)
+        if plan.value in (FIRST, APART):
+            value = self.sum_over_pipeline(value)
+        if plan.clip_shards:
+            clipnorm = inner_optimizer(self.model.optimizer).clipnorm
+            grads = self._shard_clipping.clip(grads, clipnorm, scale)
+        norm = target.global_norm(grads, plan.norm_over, scale) if plan.norm_over else None
+        output = self._apply_groups(plan, grads, target, step, norm)
+        if plan.value == CALL:
+            value = self.sum_over_pipeline(float(output) if self.regularized else 0.0)
+        return value
+
+    def _apply_groups(self, plan: UpdatePlan, grads: list, target, step, norm):
+        """One compiled call per group of `plan`, each taking its gradients out of `grads`
+        (all of them where they arrive flat); the last call's output."""
+        if not plan.groups:  # a stage of only Add/Activation layers has nothing to update
+            return None
+        target.build_optimizer()
+        iterations = self.model.optimizer.iterations
+        if plan.reset_step and step is None:
+            step = int(iterations.numpy())
+        scale = tf.constant(self.loss_scale(), tf.float32)
+        start, output = 0, None
+        for group in plan.groups:
+            count = len(grads) if plan.flat else len(group)
+            taken = grads[start : start + count]
+            grads[start : start + count] = [None] * count  # the group's only reference now
+            start += count
+            if plan.reset_step:
+                iterations.assign(step)
+            update = self.compiled_update(
+                target.update_body,
+                key=(group, plan.flat, plan.regularize_first),
+                group=group,
+                flat=plan.flat,
+                regularize=not plan.regularize_first,
+            )
+            output = update(taken, scale) if norm is None else update(taken, scale, norm)
+            target.after_update(group, output)
+            taken = None
+        return output
+
+    # --- this stage's variables as the target of `run` -----------------------------------------
+    def build_optimizer(self) -> None:
         optimizer = self.model.optimizer
         if not optimizer.built:
             optimizer.build(self.variables)
-        key = tuple(positions)
-        if key not in self._position_groups:
-            groups = update_groups([self.variables[i] for i in positions])
-            self._position_groups[key] = [[positions[j] for j in g] for g in groups]
-        where = dict(zip(positions, range(len(positions)), strict=True))
-        scale = tf.constant(self.loss_scale(), tf.float32)
-        for members in self._position_groups[key]:
-            taken = [grads[where[i]] for i in members]
-            for i in members:
-                grads[where[i]] = None
-            optimizer.iterations.assign(step)
-            update = self.compiled_update(self._group_body, key=tuple(members), group=members)
-            update(taken, scale) if norm is None else update(taken, scale, norm)
-            taken = None
+
+    def regularize(self, grads: list, scale: float) -> tuple:
+        """(`grads` plus the owned variables' regularization gradients (times the loss scale:
+        the stage gradients are of the scaled loss), its whole and split parts)."""
+        whole, parts, reg_grads = self._reg_fn()
+        return self._add_regularization(grads, reg_grads, scale), whole, parts
+
+    def global_norm(self, grads: list, over: str, scale: float):
+        """Keras's global gradient norm of the whole model: over the pipeline and the ranks
+        holding shards (`RANKS`), else of this stage's `grads` (all of the model's)."""
+        if over == RANKS:
+            return self._pipeline_norm(grads)
+        return tf.sqrt(self._squares_fn(grads, tf.constant(scale, tf.float32)))
+
+    def update_body(self, grads, scale, norm=None, *, group, flat, regularize):
+        """One group's update, compiled: `grads` split into views where they arrive flat, the
+        group's regularization gradients added (times the loss scale) if `regularize`, clipped
+        by the whole model's `norm` if given, then `optimizer.apply`. Returns the group's
+        regularization (0 without)."""
+        if flat:
+            grads = self._merge(self._layout.unflatten(grads[0]), grads[1:])
+        variables = [self.variables[i] for i in group]
+        value = tf.constant(0.0)
+        if regularize:
+            total, by_variable = regularization_in_call(variables)
+            if by_variable:
+                value, grads = total, list(grads)
+            for j, v in enumerate(variables):
+                if id(v) in by_variable:
+                    g = tf.convert_to_tensor(grads[j])
+                    grads[j] = g + tf.cast(by_variable[id(v)], g.dtype) * tf.cast(scale, g.dtype)
+        apply_step(self.model.optimizer, grads, variables, norm)
+        return value
+
+    def after_update(self, group, output) -> None:
+        """Nothing: the stage's variables are updated in place."""
+
+    # ----------------------------------------------------------------------------------------
+    def local_regularization(self) -> float:
+        """This stage's weight regularization (its shards' parts summed over their groups)."""
+        return self.total_regularization(*self._reg_values_fn()) if self.regularized else 0.0
 
     def regularization(self) -> float:
         """The model's total weight regularization (collective over the pipeline)."""
@@ -230,35 +338,44 @@ class Update:
             for g in grads
         ]
 
-    def _apply(self, grads: list) -> float:
-        """Add regularization gradients, step the optimizer; return the total regularization."""
-        reg_value = 0.0
-        if self.regularized:
-            whole, parts, reg_grads = self._reg_fn()
-            reg_value = self.total_regularization(whole, parts)
-            # the stage gradients are of the scaled loss
-            grads = self._add_regularization(grads, reg_grads, self.loss_scale())
-        reg_value = self.sum_over_pipeline(reg_value)
-        if isinstance(self.model.optimizer, LossScaleOptimizer):
-            grads = self.agree_finite_for_loss_scaling(grads)
-        clipping = self.clipping()
-        if clipping.shards_by_whole_variable:
-            clip = inner_optimizer(self.model.optimizer).clipnorm
-            grads = self._shard_clipping.clip(grads, clip, self.loss_scale())
-        norm = self._pipeline_norm(grads) if clipping.global_norm_over == RANKS else None
-        if self.variables:  # a stage of only Add/Activation layers has nothing to update
-            self._optimizer_step(grads, norm)
-        return reg_value
-
     def clipping(self) -> Clipping:
         """How the model's optimizer clips this stage's gradients (`clipping.py`): by a global
         norm over the ranks, and split variables (tensor or expert shards) by their whole
-        variables' norms, which `_apply` clips first (`ShardClipping`)."""
+        variables' norms, which `run` clips first (`ShardClipping`)."""
         inner = inner_optimizer(self.model.optimizer)
         return decide_clipping(
-            getattr(inner, "clipnorm", None), getattr(inner, "global_clipnorm", None),
-            partitioned=self._partitioned, split_variables=bool(self.split_ids),
-        )  # fmt: skip
+            getattr(inner, "clipnorm", None),
+            getattr(inner, "global_clipnorm", None),
+            partitioned=self._partitioned,
+            split_variables=bool(self.split_ids),
+        )
+
+    def sum_over_pipeline(self, reg_value: float) -> float:
+        """This stage's regularization summed over its pipeline (collective when any stage has
+        regularizers; as is, if none has)."""
+        if not self._has_regularizers:
+            return reg_value
+        with self.guard("sum regularization over the pipeline"):
+            return self.topology.pipeline_comm.allreduce(reg_value)
+
+    def compiled_update(self, body, key=None, **bound):
+        """`body` as a `tf.function`, traced anew for each optimizer object (a recompiled model
+        gets a new one), the optimizer built first: variables cannot be created in a trace."""
+        optimizer = self.model.optimizer
+        if not optimizer.built:
+            optimizer.build(self.variables)
+        name = (body.__qualname__, key)
+        if name not in self._compiled or self._compiled[name][0] is not optimizer:
+            function = functools.partial(body, **bound) if bound else body
+            # Tables' row counts vary by step: traced with them unknown; any other shape that
+            # varies generalises after a retrace, as Keras does.
+            function = rows_unknown(traced(function, reduce_retracing=True))
+            self._compiled[name] = (optimizer, function)
+        return self._compiled[name][1]
+
+    def _listed(self, flat, *tables) -> list:
+        """Flat gradients as one list in variable order (views of `flat`)."""
+        return self._merge(self._layout.unflatten_fn(flat), list(tables))
 
     def _pipeline_norm(self, grads: list):
         """Keras's global gradient norm of the whole model (its `global_clipnorm`): squares of
@@ -289,86 +406,6 @@ class Update:
             grads[i] = tf.convert_to_tensor(grads[i]) + tf.cast(g, grads[i].dtype) * scale
         return grads
 
-    def _apply_flat(self, flat, tables: list) -> float:
-        """`_apply` for reduced flat gradients, the update one compiled call: split into views,
-        add regularization, step the optimizer. Pipeline stages agree on a loss-scale overflow
-        first (an unpartitioned model's replicas hold the same sums: they see it alike)."""
-        if self._partitioned and isinstance(self.model.optimizer, LossScaleOptimizer):
-            (flat, *tables) = self.agree_finite_for_loss_scaling([flat, *tables])
-        update = self.compiled_update(self._flat_apply_body)
-        value = update(flat, tables, tf.constant(self.loss_scale(), tf.float32))
-        return self.sum_over_pipeline(float(value) if self.regularized else 0.0)
-
-    def sum_over_pipeline(self, reg_value: float) -> float:
-        """This stage's regularization summed over its pipeline (collective when any stage has
-        regularizers; as is, if none has)."""
-        if not self._has_regularizers:
-            return reg_value
-        with self.guard("sum regularization over the pipeline"):
-            return self.topology.pipeline_comm.allreduce(reg_value)
-
-    def _flat_apply_body(self, flat, tables, scale):
-        grads = self._merge(self._layout.unflatten(flat), tables)
-        value = tf.constant(0.0)
-        if self.regularized:  # never tensor shards: their update takes `_apply`
-            whole, parts, reg_grads = self.regularization_and_grads()
-            value = whole + tf.reduce_sum(parts)
-            grads = self._add_regularization(grads, reg_grads, scale)
-        self.model.optimizer.apply(grads, self.variables)
-        return value
-
-    def _optimizer_step(self, grads: list, norm=None) -> None:
-        """The optimizer's update as one compiled call, as Keras's own train step runs it (run
-        eagerly, Keras's optimizers dispatch a few dozen ops per variable); with `norm`,
-        clipped by that global norm instead of the stage's own."""
-        if norm is None:
-            self.compiled_update(self._optimizer_body)(list(grads))
-        else:
-            self.compiled_update(self._clipped_optimizer_body)(list(grads), norm)
-
-    def _optimizer_body(self, grads):
-        self.model.optimizer.apply(grads, self.variables)
-
-    def _clipped_optimizer_body(self, grads, norm):
-        """Keras's `clip_by_global_norm` with the whole model's norm, then the update."""
-        apply_clipped(self.model.optimizer, grads, self.variables, norm)
-
-    # --- the update in groups of variables ------------------------------------------------------
-    def _grouped(self) -> bool:
-        """Whether this step's update runs group by group (`update_groups`): more than one
-        group, an optimizer that applies per variable, and no clipping by a global norm that
-        would have to include regularization gradients first."""
-        optimizer = self.model.optimizer
-        key = id(optimizer)
-        if self._groups_for[0] != key:
-            clipping = self.clipping()
-            groups = update_groups(self.variables)
-            usable = len(groups) > 1 and applies_per_variable(optimizer)
-            usable = usable and not clipping.shards_by_whole_variable  # `_apply` clips them
-            self._groups_for = (key, usable and not (clipping.by_global_norm and self.regularized))
-        return self._groups_for[1]
-
-    def _apply_grouped(self, gradients) -> float:
-        """The optimizer's update group by group, each group's gradients let go once applied
-        (the step counter is put back between groups, so every group sees the same step)."""
-        grads = list(gradients.as_list())
-        gradients.grads = gradients.flat = None  # this list is the last reference
-        gradients.tables = []
-        reg_value = self.sum_over_pipeline(self.local_regularization())
-        norm = None
-        over = self.clipping().global_norm_over  # without regularization (`_grouped`)
-        if over is not None:
-            norm = self._pipeline_norm(grads) if over == RANKS else self._norm(grads)
-        if self.variables:
-            step = int(self.model.optimizer.iterations.numpy())
-            self.apply_some(grads, list(range(len(self.variables))), step, norm)
-        return reg_value
-
-    def _norm(self, grads):
-        """Keras's global gradient norm of `grads` (this stage's, all of the model's)."""
-        scale = tf.constant(self.loss_scale(), tf.float32)
-        return tf.sqrt(self._squares_fn(grads, scale))
-
     def _reg_values(self):
         """(regularization of whole variables, a vector of each group's shards' parts
         (`split_groups`)), without gradients."""
@@ -381,44 +418,6 @@ class Update:
         parts = [total(lambda i, ids=ids: i in ids) for ids, _ in self.split_groups]
         whole = total(lambda i: i not in self.split_ids)
         return whole, (tf.stack(parts) if parts else tf.zeros([0]))
-
-    def _group_body(self, grads, scale, norm=None, *, group):
-        """One group's update: its regularization gradients added (times the loss scale),
-        clipped by the whole model's `norm` if given, then `optimizer.apply`."""
-        variables = [self.variables[i] for i in group]
-        regularized = [v for v in variables if getattr(v, "regularizer", None)]
-        grads = list(grads)
-        if regularized:
-            with tf.GradientTape() as tape:
-                total = tf.add_n([tf.reduce_sum(v.regularizer(v)) for v in regularized])
-            by_variable = dict(
-                zip(map(id, regularized), tape.gradient(total, regularized), strict=True)
-            )
-            for j, v in enumerate(variables):
-                if id(v) in by_variable:
-                    grads[j] = tf.convert_to_tensor(grads[j]) + tf.cast(
-                        by_variable[id(v)], grads[j].dtype
-                    ) * tf.cast(scale, grads[j].dtype)
-        if norm is None:
-            self.model.optimizer.apply(grads, variables)
-        else:
-            apply_clipped(self.model.optimizer, grads, variables, norm)
-
-    def compiled_update(self, body, key=None, **bound):
-        """`body` as a `tf.function`, traced anew for each optimizer object (a recompiled model
-        gets a new one), the optimizer built first: variables cannot be created in a trace."""
-        optimizer = self.model.optimizer
-        if not optimizer.built:
-            optimizer.build(self.variables)
-        name = (body.__name__, key)
-        if name not in self._compiled or self._compiled[name][0] is not optimizer:
-            function = functools.partial(body, **bound) if bound else body
-            # Tables' row counts vary by step: traced with them unknown; any other shape that
-            # varies generalises after a retrace, as Keras does.
-            self._compiled[name] = (
-                optimizer, rows_unknown(traced(function, reduce_retracing=True))
-            )  # fmt: skip
-        return self._compiled[name][1]
 
 
 def inner_optimizer(optimizer):

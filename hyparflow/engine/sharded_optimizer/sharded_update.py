@@ -30,7 +30,8 @@ from hyparflow.comm.allreduce import DEFAULT_BUCKET_BYTES, reduction_dtype
 from hyparflow.engine.gradients import sparse as row_sparse
 from hyparflow.engine.gradients.flat import FlatLayout
 from hyparflow.engine.gradients.mpi import mpi_op
-from hyparflow.engine.gradients.update import apply_clipped
+from hyparflow.engine.gradients.update import apply_step, regularization_in_call
+from hyparflow.engine.gradients.update_plan import plan_segment, plan_sharded
 from hyparflow.engine.sharded_optimizer.layout import (
     ZeroLayout,
     group_by_dtype,
@@ -47,8 +48,9 @@ class _DtypeSlice:
     """The stage's variables of one dtype (in one segment): their layout, this replica's
     extents, its slice, and the bytes a step sends for them."""
 
-    def __init__(self, dtype: str, positions: list[int], variables: list, parts: int, part: int,
-                 name: str):  # fmt: skip
+    def __init__(
+        self, dtype: str, positions: list[int], variables: list, parts: int, part: int, name: str
+    ):
         self.dtype = dtype
         self.positions = positions  # indices in the stage's variable list
         self.layout = ZeroLayout([int(np.prod(variables[i].shape)) for i in positions], parts)
@@ -67,6 +69,29 @@ class _DtypeSlice:
         return reduction_dtype(self.dtype)
 
 
+def _sliced_segments(variables, dense: list[int], segments, comm) -> list[list[_DtypeSlice]]:
+    """The `_DtypeSlice`s of each segment of the `dense` positions (`segments`: lists of
+    positions; None: one), this rank's of `comm`'s parts."""
+    sliced = []
+    for k, members in enumerate(segment_positions(dense, segments)):
+        by_dtype = group_by_dtype([variables[i].dtype for i in members])
+        name = "" if segments is None else f"_s{k}"
+        sliced.append(
+            [
+                _DtypeSlice(
+                    dtype,
+                    [members[j] for j in positions],
+                    variables,
+                    comm.Get_size(),
+                    comm.Get_rank(),
+                    f"hyparflow_zero_{dtype}{name}",
+                )
+                for dtype, positions in by_dtype.items()
+            ]
+        )
+    return sliced
+
+
 class ZeroGradients:
     """A step's gradients under ZeRO: this rank's own (`as_list`, for the finite check), the
     reduced slice of each dtype group (`slices`), the tables' gathered row slices and the
@@ -79,13 +104,22 @@ class ZeroGradients:
     def as_list(self) -> list:
         return self.local
 
+    def give_up(self) -> list:
+        """What `ShardedUpdate.apply` steps, `[*slices, *tables, *experts]`, as their only
+        reference: this object holds none of them after."""
+        handed = [*self.slices, *self.tables, *self.experts]
+        self.slices, self.tables, self.experts = [], [], []
+        return handed
+
 
 class ShardedUpdate:
     """The reduction and optimizer step of a stage whose optimizer state is split over its
     replicas (ZeRO-1), in place of `GradientSync.reduce` and `Update.apply`.
 
-    `update` is the stage's `Update`: its regularization, loss-scale agreement and sums over
-    the pipeline and tensor ranks are reused, so the two paths cannot drift apart.
+    `update` is the stage's `Update`, whose `run` steps this replica's slices with this object
+    as its target (`plan_sharded`, a segment's `plan_segment`): its regularization, loss-scale
+    agreement, sums over the pipeline and tensor ranks and compiled calls are the same, so the
+    two paths cannot drift apart.
     `sync` is the stage's `GradientSync`, whose runner and pipeline sum of shared layers give
     each rank's own gradients, and whose `sparse` positions are the embedding tables (kept
     whole, their slots too), and whose `experts` positions are expert shards (expert
@@ -100,18 +134,14 @@ class ShardedUpdate:
 
     Example:
         zero = ShardedUpdate(model, topology, variables, update, sync)
-        reg_value = zero.apply(zero.reduce())
+        reg_value = zero.apply(zero.reduce().give_up())
     """
 
     def __init__(self, model, topology, variables, update, sync, segments=None):
-        self.model = model
-        self.topology = topology
+        self.model, self.topology, self.variables = model, topology, variables
         self.comm = topology.stage_comm
-        self.variables = variables
-        self.update = update
-        self.sync = sync
-        self._guard = update.guard
-        parts, part = self.comm.Get_size(), self.comm.Get_rank()
+        self.update, self.sync, self._guard = update, sync, update.guard
+        parts = self.comm.Get_size()
         self.table_positions = list(sync.sparse)
         self.tables = [variables[i] for i in self.table_positions]
         self.expert_positions = list(sync.experts)
@@ -119,15 +149,10 @@ class ShardedUpdate:
         whole = set(self.table_positions) | set(self.expert_positions)
         dense = [i for i in range(len(variables)) if i not in whole]
         # one flat vector per dtype of each segment (a whole stage's dense variables by default)
-        self.segments = []
-        for k, members in enumerate(segment_positions(dense, segments)):
-            by_dtype = group_by_dtype([variables[i].dtype for i in members])
-            self.segments.append([
-                _DtypeSlice(dtype, [members[j] for j in positions], variables, parts, part,
-                       f"hyparflow_zero_{dtype}" + ("" if segments is None else f"_s{k}"))
-                for dtype, positions in by_dtype.items()
-            ])  # fmt: skip
+        self.segments = _sliced_segments(variables, dense, segments, self.comm)
         self.groups = [group for groups in self.segments for group in groups]
+        # each segment's groups as positions in `groups`, what `Update.run` updates per call
+        self._segment_indices = _positions_in_order(self.segments)
         # Keras's slot names of the variables updated whole: tables and expert shards
         self.table_prefixes = [
             (v.path.replace("/", "_") + "_", v) for v in [*self.tables, *self.experts]
@@ -149,7 +174,6 @@ class ShardedUpdate:
         # `_squares` (2 a whole table, 3 a tensor-split one, 4 an expert shard)
         self._table_norm = [(2 + (id(v) in split)) if id(v) in owned else None for v in self.tables]
         self._table_norm += [4 if id(v) in owned else None for v in self.experts]
-        self.clips = update.clipping().by_global_norm
         self.sent_bytes = 0
         self.step_bytes = {
             "reduce_scatter": sum(g.reduce_scatter_bytes for g in self.groups),
@@ -216,7 +240,7 @@ class ShardedUpdate:
             with self._guard("reduce-scatter the gradients over the replicas"):
                 self.comm.Reduce_scatter_block(
                     send, received[first : first + count], op=mpi_op("SUM")
-                )  # fmt: skip
+                )
         return received
 
     def _take_gradients(self) -> tuple[list, list]:
@@ -232,9 +256,11 @@ class ShardedUpdate:
             return [None if i in self.table_positions else g for i, g in enumerate(local)], tables
         flat = runner.take_flat_gradients()
         tables = runner.take_sparse_gradients()
-        parts = [(layout, range(len(layout.slots)), flat)] if isinstance(layout, FlatLayout) else (
-            list(zip(layout.chunks, layout.members, flat, strict=True))
-        )  # fmt: skip
+        parts = (
+            [(layout, range(len(layout.slots)), flat)]
+            if isinstance(layout, FlatLayout)
+            else (list(zip(layout.chunks, layout.members, flat, strict=True)))
+        )
         del flat
         local = [None] * len(self.variables)
         dense = sync.dense
@@ -245,28 +271,68 @@ class ShardedUpdate:
         return local, tables
 
     # --- the update --------------------------------------------------------------------------
-    def apply(self, gradients: ZeroGradients) -> float:
-        """Step the optimizer on this replica's slices and all-gather the new parameters into
-        every replica's variables; return the model's total regularization (collective)."""
-        update = self.update
-        slices, tables = gradients.slices, gradients.tables + gradients.experts  # updated whole
-        scale = update.loss_scale()
-        reg_value = 0.0
-        if update.regularized:
-            slices, tables, whole, parts = self._regularize_fn(
-                slices, tables, tf.constant(scale, tf.float32)
-            )
-            reg_value = update.total_regularization(whole, parts)
-        reg_value = update.sum_over_pipeline(reg_value)
-        if isinstance(self.model.optimizer, LossScaleOptimizer):
-            # each rank sees only its slice: every rank of the world must agree on skipping
-            grads = update.agree_finite_for_loss_scaling([*slices, *tables])
-            slices, tables = grads[: len(slices)], grads[len(slices) :]
-        norm = self._global_norm(slices, tables, scale) if self.clips else None
-        if self.groups or self.tables or self.experts:
-            values = self._step(list(slices) + list(tables), norm)
-            self._gather(values)
-        return reg_value
+    def apply(self, grads: list) -> float:
+        """Step the optimizer on this replica's slices (`grads`, handed over by
+        `ZeroGradients.give_up`) and all-gather the new parameters into every replica's
+        variables; return the model's total regularization (collective)."""
+        plan = plan_sharded(
+            len(self.groups) + len(self.tables) + len(self.experts),
+            clipping=self.update.clipping(),
+            loss_scaling=isinstance(self.model.optimizer, LossScaleOptimizer),
+        )
+        return self.update.run(plan, grads, target=self)
+
+    # --- this replica's slices as the target of `Update.run` ----------------------------------
+    def regularize(self, grads: list, scale: float) -> tuple:
+        """(`grads` plus this slice of the regularization gradients, its whole and split
+        parts)."""
+        count = len(self.groups)
+        slices, tables, whole, parts = self._regularize_fn(
+            grads[:count], grads[count:], tf.constant(scale, tf.float32)
+        )
+        return [*slices, *tables], whole, parts
+
+    def global_norm(self, grads: list, over: str, scale: float):
+        count = len(self.groups)
+        return self._global_norm(grads[:count], grads[count:], scale)
+
+    def update_body(self, grads, scale, norm=None, *, group, flat, regularize):
+        """The update of the targets at `group` (slices, then whole tables and expert shards),
+        compiled: the slices loaded from the stage's variables, their regularization gradients
+        added if `regularize`, clipped by the whole model's `norm` if given, then the
+        optimizer's step; the new slice values."""
+        groups, whole = self._targets_at(group)
+        self._load_slices(groups)
+        slices = list(grads[: len(groups)])
+        if regularize:
+            slices = self._regularized_slices(groups, slices, scale)
+        variables = [g.variable for g in groups] + whole
+        apply_step(self.model.optimizer, slices + list(grads[len(groups) :]), variables, norm)
+        return [g.variable.value for g in groups]
+
+    def after_update(self, group, output) -> None:
+        """Give every replica the parameters the call updated."""
+        self._gather(output, self._targets_at(group)[0])
+
+    def _targets_at(self, group) -> tuple[list, list]:
+        """(the slice groups, the tables and expert shards) at positions `group` of
+        `_targets()`."""
+        count, kept_whole = len(self.groups), [*self.tables, *self.experts]
+        return [self.groups[i] for i in group if i < count], [
+            kept_whole[i - count] for i in group if i >= count
+        ]
+
+    def _regularized_slices(self, groups, slices, scale) -> list:
+        """`slices` of `groups` plus their regularization gradients (inside the call)."""
+        members = {id(self.variables[i]) for g in groups for i in g.positions}
+        regularized = [v for v in self.update.regularized if id(v) in members]
+        _, by_variable = regularization_in_call(regularized)
+        if not by_variable:
+            return slices
+        return [
+            self._plus_regularization(g, s, by_variable, scale)
+            for g, s in zip(groups, slices, strict=True)
+        ]
 
     def _regularize(self, slices, tables, scale):
         """`slices` plus this slice of the regularization gradients (times the loss scale, as
@@ -339,14 +405,6 @@ class ShardedUpdate:
             total = self.topology.pipeline_comm.allreduce(whole + split)
         return tf.constant(math.sqrt(total), tf.float32)
 
-    def _step(self, slices, norm):
-        """The optimizer's update of the slices and the tables, one compiled call; the new
-        slice values."""
-        self.build_optimizer()
-        if norm is None:
-            return self.update.compiled_update(self._update_body)(list(slices))
-        return self.update.compiled_update(self._clipped_update_body)(list(slices), norm)
-
     def _load_slices(self, groups=None) -> None:
         """Each slice variable (of `groups`, default all) takes its elements of the stage's
         variables, which are the truth between steps (restores, callbacks and tensor shards
@@ -362,17 +420,6 @@ class ShardedUpdate:
 
     def _targets(self) -> list:
         return [g.variable for g in self.groups] + self.tables + self.experts
-
-    def _update_body(self, slices):
-        self._load_slices()
-        self.model.optimizer.apply(slices, self._targets())
-        return [g.variable.value for g in self.groups]
-
-    def _clipped_update_body(self, slices, norm):
-        """Keras's `clip_by_global_norm` with the whole model's norm, then the update."""
-        self._load_slices()
-        apply_clipped(self.model.optimizer, slices, self._targets(), norm)
-        return [g.variable.value for g in self.groups]
 
     def _gather(self, values, groups=None) -> None:
         """Give every replica the updated parameters (of `groups`, default all): each
@@ -399,43 +446,20 @@ class ShardedUpdate:
     # --- the update of one segment, during the last backward ----------------------------------
     def apply_segment(self, k: int, grads: dict, step: int) -> None:
         """Segment k's update as soon as the last backward has finished it (`SegmentUpdate`):
-        its gradients (`grads`, position -> gradient, let go here) reduce-scattered, its
-        regularization added, this replica's slices stepped at optimizer step `step` (as in
-        `Update.apply_some`), the new parameters all-gathered. Collective over the replicas.
-        Only where no step-wide decision waits for every gradient: no loss scaling and no
-        global clipping (`SegmentUpdate.usable`), no tables (never cut into segments)."""
-        groups = self.segments[k]
+        its gradients (`grads`, position -> gradient, let go here) reduce-scattered, then
+        `Update.run` of `plan_segment`: its regularization added, this replica's slices stepped
+        at optimizer step `step`, the new parameters all-gathered. Collective over the
+        replicas. Only where no step-wide decision waits for every gradient: no loss scaling
+        and no global clipping (`SegmentUpdate.usable`), no tables (never cut into segments)."""
         slices = []
-        for group in groups:
+        for group in self.segments[k]:
             views = [np.asarray(grads.pop(i)).reshape(-1) for i in group.positions]
             received = self._reduce_scatter(group, views)
             views = None  # the segment's gradients can go
             slices.append(tf.cast(tf.constant(received), group.dtype))
             self.sent_bytes += group.reduce_scatter_bytes
-        self.build_optimizer()
-        self.model.optimizer.iterations.assign(step)
-        update = self.update.compiled_update(self._segment_body, key=k, segment=k)
-        values = update(slices, tf.constant(self.update.loss_scale(), tf.float32))
-        self._gather(values, groups)
-
-    def _segment_body(self, slices, scale, *, segment):
-        """Segment `segment`'s slices plus their regularization gradients, then the update."""
-        groups = self.segments[segment]
-        self._load_slices(groups)
-        members = {id(self.variables[i]) for g in groups for i in g.positions}
-        regularized = [v for v in self.update.regularized if id(v) in members]
-        if regularized:
-            with tf.GradientTape() as tape:
-                total = tf.add_n([tf.reduce_sum(v.regularizer(v)) for v in regularized])
-            by_variable = dict(
-                zip(map(id, regularized), tape.gradient(total, regularized), strict=True)
-            )
-            slices = [
-                self._plus_regularization(g, s, by_variable, scale)
-                for g, s in zip(groups, slices, strict=True)
-            ]
-        self.model.optimizer.apply(list(slices), [g.variable for g in groups])
-        return [g.variable.value for g in groups]
+        plan = plan_segment([self._segment_indices[k]])
+        self.update.run(plan, slices, target=self, step=step)
 
     def build_optimizer(self) -> None:
         """Build the model's optimizer for the slice variables (once per optimizer object)."""
@@ -450,3 +474,14 @@ class ShardedUpdate:
             )
         optimizer.build(self._targets())
         self._built_for = optimizer
+
+
+def _positions_in_order(lists: list[list]) -> list[list[int]]:
+    """Each of `lists`' items as positions in their concatenation.
+
+    Example:
+        >>> _positions_in_order([["a", "b"], ["c"]])
+        [[0, 1], [2]]
+    """
+    ends = np.cumsum([len(items) for items in lists]).tolist()
+    return [list(range(end - len(items), end)) for items, end in zip(lists, ends, strict=True)]
