@@ -4,12 +4,12 @@ They sit below both (docs/architecture.md) so that the memory plan counts the ve
 engine uses, with no copy to keep in step.
 """
 
-# Bytes per chunk: a data-parallel step's flat gradients (engine/gradients/flat.py), an allreduce
+# Bytes per bucket: a data-parallel step's flat gradients (engine/gradients/flat.py), an allreduce
 # bucket (comm/allreduce.py's DEFAULT_BUCKET_BYTES), a ZeRO-1 window
 # (engine/sharded_optimizer/sharded_update.py), a group of the weights' broadcast
 # (engine/weights.py). Like PyTorch DDP's default: big enough that per-call latency is amortized,
 # small enough that the first buckets can be reduced while later gradients are still being computed.
-CHUNK_BYTES = 25 * 2**20
+BUCKET_BYTES = 25 * 2**20
 
 # Mean gradient bytes per variable up to which a pipeline stage differentiates one flat
 # tensor per micro-batch (engine/gradients/flat.py's `flat_backward_pays`): a per-variable backward

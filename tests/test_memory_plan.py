@@ -58,8 +58,10 @@ def test_arithmetic():
     assert buffers.held_gradients(replicated, 2**28) == 2**25
     assert buffers.step_buffers(replicated)["segment sum"] == 2**25
     # ZeRO-1 by segment: one segment's gradients, its slice updated, every slice variable kept
-    sharded = buffers.step_buffers(dataclasses.replace(replicated, zero=True), 2, sharded=True)
-    assert "segment sum" not in sharded and sharded["flat gradients"] == buffers.CHUNK_BYTES
+    sharded = buffers.step_buffers(
+        dataclasses.replace(replicated, shard_optimizer=True), 2, sharded=True
+    )
+    assert "segment sum" not in sharded and sharded["flat gradients"] == buffers.BUCKET_BYTES
     assert sharded["slice copies"] == 2**27 + 2 * 2**24
     assert sharded["optimizer update"] == 3 * 2**24 // 2
     for other in ({"by_segment": False}, {"tensor": 2}, {"world": 1}):
@@ -70,7 +72,7 @@ def test_arithmetic():
     assert buffers.exchange_buffers([400, 800], 1, largest=10) == {"weights exchange": 1600}
     big = buffers.StageFacts(2**30, 8, stages=1, replicas=4, microbatches=1, world=4, largest=2**27)
     assert buffers.step_buffers(big, 2) == {  # chunked gradients, update in groups
-        "flat gradients": buffers.CHUNK_BYTES,
+        "flat gradients": buffers.BUCKET_BYTES,
         "optimizer update": 3 * 2**27 // 2,
     }
     sharded = buffers.step_buffers(big, 2, sharded=True)

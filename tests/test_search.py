@@ -215,7 +215,7 @@ def test_recompute_costs_a_forward_and_zero_trades_optimizer_time_for_host_copie
     # 16 variables' pieces (a latency each)
     assert replicated - sharded == pytest.approx(4 * 2**20 * 1e-9 - 16 * SLOW.intra.latency)
     # copying 8 MiB out and back on the host at 1 ns per byte loses more than that saves
-    costs.engine = replace(costs.engine, zero_per_byte=1e-9)
+    costs.engine = replace(costs.engine, sharded_update_per_byte=1e-9)
     costly = Estimator(costs, SLOW, 64)(Candidate(replicas=2, shard_optimizer=True))
     assert costly.step_seconds == pytest.approx(sharded + 8 * 2**20 * 1e-9)
     assert costly.step_seconds > replicated

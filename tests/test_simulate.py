@@ -407,7 +407,7 @@ def test_costs_file_round_trip(tmp_path):
         loss=Affine(1e-5, 1e-7),
         optimizer_fixed=2e-4,
         collective_call=3e-5,
-        zero_per_byte=1e-10,
+        sharded_update_per_byte=1e-10,
     )
     costs.single_process = Affine(0.003, 2e-5)
     costs.fused = Affine(0.001, 1e-5)
@@ -677,7 +677,7 @@ def test_the_planner_times_tensor_shares_and_the_hosts_extra_work(saved_model):
     assert (shares["third"].backward_bytes, shares["head"].forward_bytes) == (128.0, 16.0)
     # ZeRO-1's engine parts, run on one replica, move bytes the plain update does not; a host
     # function's round trip in a compiled call is a few microseconds, at most
-    assert costs.engine.zero_per_byte > 0 and 0 <= costs.engine.collective_call < 1e-3
+    assert costs.engine.sharded_update_per_byte > 0 and 0 <= costs.engine.collective_call < 1e-3
 
 
 def test_plan_auto_on_the_papers_resnet_1001_setting(tmp_path, capsys):

@@ -336,16 +336,16 @@ def test_last_stage_updates_metrics_inside_its_call_once_per_forward(recompute):
     assert float(count.numpy()) == 2 * 4  # two forwards of 4 samples, none doubled
 
 
-def test_chunked_layout_round_trips_and_bounds_each_chunk():
+def test_bucketed_layout_round_trips_and_bounds_each_bucket():
     specs = [tf.TensorSpec((256, 256)), tf.TensorSpec((256,))] * 3 + [tf.TensorSpec((1024, 300))]
-    layout = flat.ChunkedLayout(specs, chunk_bytes=300 * 1024)
+    layout = flat.BucketedLayout(specs, bucket_bytes=300 * 1024)
     largest = max(4 * int(np.prod(s.shape)) for s in specs)
-    assert len(layout.chunks) > 1
-    for chunk in layout.chunks:  # a chunk closes once full: at most one variable over
-        assert 4 * chunk.length <= 300 * 1024 + largest + 64 * (len(chunk.slots) + 1)
+    assert len(layout.buckets) > 1
+    for bucket in layout.buckets:  # a bucket closes once full: at most one variable over
+        assert 4 * bucket.length <= 300 * 1024 + largest + 64 * (len(bucket.slots) + 1)
     grads = [tf.random.normal(s.shape) for s in specs]
     packed = tf.function(layout.flatten)(grads, tf.constant(1.5))
-    assert isinstance(packed, tuple) and len(packed) == len(layout.chunks)
+    assert isinstance(packed, tuple) and len(packed) == len(layout.buckets)
     assert all(np.all(p.numpy()[-flat.TAIL :] == 1.5) for p in packed)  # each tail: data
     for got, want in zip(layout.unflatten_fn(packed), grads, strict=True):
         np.testing.assert_array_equal(got.numpy(), want.numpy())
@@ -371,12 +371,12 @@ def test_fused_step_holds_its_gradients_about_once_not_twice():
     )
     assert run.returncode == 0, run.stderr[-3000:]
     peaks = json.loads(run.stdout.strip().splitlines()[-1])
-    chunked, whole = peaks["chunked"], peaks["whole"]
-    gradient_bytes, chunk_bytes = peaks["gradient_bytes"], peaks["chunk_bytes"]
-    ratios = (chunked / gradient_bytes, whole / gradient_bytes)
+    bucketed, whole = peaks["bucketed"], peaks["whole"]
+    gradient_bytes, bucket_bytes = peaks["gradient_bytes"], peaks["bucket_bytes"]
+    ratios = (bucketed / gradient_bytes, whole / gradient_bytes)
     assert whole > 1.8 * gradient_bytes, ratios  # the measurement sees the whole-model copy
-    assert chunked < gradient_bytes + 4 * chunk_bytes, ratios
-    assert whole - chunked > 0.5 * gradient_bytes, ratios
+    assert bucketed < gradient_bytes + 4 * bucket_bytes, ratios
+    assert whole - bucketed > 0.5 * gradient_bytes, ratios
 
 
 def test_compiled_metrics_built_inside_a_step_leave_it_traced_once():

@@ -16,7 +16,12 @@ import pytest
 import hyparflow as hf
 from hyparflow import model_checks
 from hyparflow.checkpoint.state import join_shards, shard_key, slice_key
-from hyparflow.engine.sharded_optimizer.layout import Extent, ZeroLayout, group_by_dtype, ring_bytes
+from hyparflow.engine.sharded_optimizer.layout import (
+    Extent,
+    SliceLayout,
+    group_by_dtype,
+    ring_bytes,
+)
 from tests.support.cases import Case, two_by_two
 from tests.support.equivalence import assert_within
 from tests.support.mpirun import run_scenario
@@ -27,8 +32,8 @@ MIXED_TOLERANCE = 6e-3  # mixed_float16: unsharded data parallelism is already 5
 
 # --- the pure layout ----------------------------------------------------------------------------
 def test_slices_cover_the_padded_vector_once_in_order():
-    layout = ZeroLayout([6, 3, 4], parts=3)  # 13 elements, padded to 15
-    assert (layout.length, layout.padded, layout.shard_size) == (13, 15, 5)
+    layout = SliceLayout([6, 3, 4], parts=3)  # 13 elements, padded to 15
+    assert (layout.length, layout.padded, layout.slice_size) == (13, 15, 5)
     assert [layout.bounds(r) for r in range(3)] == [(0, 5), (5, 10), (10, 15)]
     assert layout.extents(0) == [Extent(0, 0, 5, 0)]
     assert layout.extents(1) == [Extent(0, 5, 6, 0), Extent(1, 0, 3, 1), Extent(2, 0, 1, 4)]
@@ -36,7 +41,7 @@ def test_slices_cover_the_padded_vector_once_in_order():
     assert [layout.padding(r) for r in range(3)] == [0, 0, 2]
     assert layout.owners(0) == [0, 1] and layout.owners(2) == [1, 2]
     for parts in (1, 2, 3, 4, 7):
-        layout = ZeroLayout([5, 1, 9, 2], parts)
+        layout = SliceLayout([5, 1, 9, 2], parts)
         covered = [
             (p.variable, e)
             for r in range(parts)
@@ -44,7 +49,7 @@ def test_slices_cover_the_padded_vector_once_in_order():
             for e in range(p.start, p.stop)
         ]
         assert covered == [(v, e) for v, n in enumerate([5, 1, 9, 2]) for e in range(n)]
-    assert ZeroLayout([], 2).extents(1) == [] and ZeroLayout([], 2).shard_size == 0
+    assert SliceLayout([], 2).extents(1) == [] and SliceLayout([], 2).slice_size == 0
 
 
 def test_dtype_groups_and_ring_bytes():

@@ -45,7 +45,7 @@ def with_planner_costs(
 ) -> ModelCosts:
     """`costs` of `model` with each layer's share under `tensor_parts` tensor ranks (per
     sample, at `batch_size` samples of `input_shape`) and the engine's `collective_call` and
-    `zero_per_byte` (medians of `repeats` timings)."""
+    `sharded_update_per_byte` (medians of `repeats` timings)."""
     graph = build_graph(model)
     sample = profile.make_sample(graph, input_shape=input_shape, batch_size=batch_size)
     shares = _tensor_shares(model, graph, sample, tensor_parts)
@@ -55,7 +55,7 @@ def with_planner_costs(
     engine = replace(
         costs.engine,
         collective_call=_collective_call_cost(repeats),
-        zero_per_byte=_zero_host_cost(model, repeats),
+        sharded_update_per_byte=_sharded_update_cost(model, repeats),
     )
     measured = {**costs.measured, "tensor_parts": tensor_parts}
     return replace(costs, layers=layers, engine=engine, measured=measured)
@@ -98,14 +98,14 @@ class _HeldGradients:
         return list(self._gradients)
 
 
-def _zero_host_cost(model, repeats: int) -> float:
+def _sharded_update_cost(model, repeats: int) -> float:
     """Seconds per parameter byte that ZeRO-1's reduction and update
     (`engine/sharded_optimizer/sharded_update.py`) add to data parallelism's (`GradientSync`,
     `Update`): both run for real on one replica (MPI.COMM_SELF) of a copy of `model` each, where
     they step the same bytes. 0 where the model cannot be copied (ZeRO-1 is then priced by its
     optimizer and broadcasts alone)."""
     try:
-        sharded, whole = (_update_seconds(model, zero, repeats) for zero in (True, False))
+        sharded, whole = (_update_seconds(model, sharding, repeats) for sharding in (True, False))
     except Exception:  # noqa: BLE001 - a layer Keras cannot clone: not timed
         return 0.0
     return max(0.0, sharded - whole) / max(1, sum(map(nbytes, model.trainable_variables)))
@@ -134,8 +134,10 @@ def _update_seconds(model, sharded: bool, repeats: int) -> float:
         clone, topology, variables, variables, partitioned=False, guard=_unguarded, merge=sync.merge
     )
     if sharded:
-        zero = ShardedUpdate(clone, topology, variables, update, sync)
-        return _median_seconds(lambda: zero.apply(zero.reduce().give_up()), repeats)
+        sharded_update = ShardedUpdate(clone, topology, variables, update, sync)
+        return _median_seconds(
+            lambda: sharded_update.apply(sharded_update.reduce().give_up()), repeats
+        )
     return _median_seconds(lambda: update.apply(sync.reduce().give_up()), repeats)
 
 

@@ -24,9 +24,9 @@ import tensorflow as tf
 from hyparflow.comm.dlpack import ALIGNMENT, is_gpu_device, tensor_device, wrap_host_buffer
 from hyparflow.comm.failure import wait_all
 from hyparflow.comm.hugepages import huge_zeros, promote_tensor
-from hyparflow.sizes import CHUNK_BYTES
+from hyparflow.sizes import BUCKET_BYTES
 
-DEFAULT_BUCKET_BYTES = CHUNK_BYTES  # why this size: hyparflow/sizes.py
+DEFAULT_BUCKET_BYTES = BUCKET_BYTES  # why this size: hyparflow/sizes.py
 
 OPS = ("sum", "mean")
 
@@ -239,15 +239,15 @@ class GradientReducer:
         (`hyparflow.engine.gradients.flat`), whose last piece depends on the step's data so that it
         can never be a folded constant. Its own buffer receives the sums (no copy in or out), in
         slices of `bucket_bytes`: Open MPI reduces 25 MiB slices faster than one 100 MiB call. A
-        tuple or list of such tensors (a `ChunkedLayout`'s chunks) is reduced chunk by
-        chunk, each in place. Returns `flat` (for "mean", divided copies). On a one-rank
+        tuple or list of such tensors (a `BucketedLayout`'s buckets) is reduced bucket by
+        bucket, each in place. Returns `flat` (for "mean", divided copies). On a one-rank
         communicator nothing happens. A tensor on a GPU is never handed to MPI: it is reduced
         in a host copy and the result copied back to its GPU (docs/gpu.md).
         """
         if self.size == 1:
             return flat
         if isinstance(flat, (tuple, list)):
-            return type(flat)(self._reduce_flat_tensor(chunk) for chunk in flat)
+            return type(flat)(self._reduce_flat_tensor(bucket) for bucket in flat)
         return self._reduce_flat_tensor(flat)
 
     def _reduce_flat_tensor(self, flat):

@@ -45,7 +45,7 @@ class TrainingState:
         # tensor rank) its experts
         first_group = topology.replica < experts and topology.shard == 0
         self.writes_pieces = topology.replica == 0 or first_group
-        # ZeRO-1's `ZeroCheckpoint`: each replica saves its slices of the optimizer state
+        # ZeRO-1's `SliceCheckpoint`: each replica saves its slices of the optimizer state
         self.optimizer_shard = optimizer_shard
         self._stage_comm = topology.stage_comm
         self._plan = plan

@@ -30,7 +30,7 @@ from hyparflow.engine.gradients.path import build_gradient_path
 from hyparflow.engine.gradients.segment_update import (
     SegmentUpdate,
     segment_count,
-    segment_parts,
+    segment_positions,
 )
 from hyparflow.engine.gradients.sync import GradientSync, SharedAcrossStages
 from hyparflow.engine.gradients.update import Update
@@ -42,7 +42,7 @@ from hyparflow.engine.keras_semantics.metrics import ReplicaMetrics, compiled_me
 from hyparflow.engine.keras_semantics.output_losses import OutputLosses
 from hyparflow.engine.keras_semantics.sharded_layers import ShardedLayers
 from hyparflow.engine.keras_semantics.sync_batchnorm import synchronized_layers
-from hyparflow.engine.sharded_optimizer.checkpoint import ZeroCheckpoint
+from hyparflow.engine.sharded_optimizer.checkpoint import SliceCheckpoint
 from hyparflow.engine.sharded_optimizer.sharded_update import ShardedUpdate
 from hyparflow.engine.stage_state import TrainingState
 from hyparflow.engine.stages.make_runner import (
@@ -238,7 +238,7 @@ def _training_state(setting, variables, sharded) -> TrainingState:
         setting.guard,
         *setting.sharded_layers.pieces(),
         experts=setting.strategy.experts,
-        optimizer_shard=None if sharded is None else ZeroCheckpoint(sharded),
+        optimizer_shard=None if sharded is None else SliceCheckpoint(sharded),
     )
 
 
@@ -361,7 +361,7 @@ def _build_gradient_parts(setting: Setting, variables, runner, form, shared, ove
     # (engine/sharded_optimizer/sharded_update.py); by segment, each segment is
     # reduce-scattered, its slice updated, its parameters gathered as soon as the last
     # backward has finished it
-    positions = segment_parts(variables.all, overlap) if form.update_per_segment else None
+    positions = segment_positions(variables.all, overlap) if form.update_per_segment else None
     sharded = None
     if setting.strategy.shard_optimizer and topology.num_replicas > 1:
         sharded = ShardedUpdate(
@@ -371,7 +371,7 @@ def _build_gradient_parts(setting: Setting, variables, runner, form, shared, ove
     if form.update_per_segment:
         replicas = topology.stage_comm if topology.num_replicas > 1 else None
         segment_update = SegmentUpdate(
-            update, runner, overlap, replicas=replicas, guard=guard, zero=sharded
+            update, runner, overlap, replicas=replicas, guard=guard, sharded=sharded
         )
     return gradient_sync, update, sharded, segment_update
 

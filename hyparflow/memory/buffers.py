@@ -1,12 +1,12 @@
 """The engine's own buffers on one rank, as the memory plan counts them (pure).
 
 This is the one place to update when the engine's buffers change (docs/memory.md): today a
-data-parallel step concatenates its gradients in chunks of `CHUNK_BYTES`
+data-parallel step concatenates its gradients in buckets of `BUCKET_BYTES`
 (`engine/gradients/flat.py`), a pipeline stage of small variables packs its parameters and gradients
 whole, the optimizer updates groups of about `UPDATE_GROUP_BYTES` of variables at a time
 (`engine/gradients/update_plan.py`), ZeRO-1 updates its slice in one call
 (`engine/sharded_optimizer/sharded_update.py`), and at each
-epoch's end the stages broadcast their weights in groups of about `CHUNK_BYTES`
+epoch's end the stages broadcast their weights in groups of about `BUCKET_BYTES`
 (`engine/weights.py`).
 """
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 # The sizes the engine uses, from the one module both read (no copy to keep in step).
 from hyparflow.sizes import (
-    CHUNK_BYTES,
+    BUCKET_BYTES,
     FLAT_BACKWARD_MAX_MEAN_BYTES,
     MAX_SEGMENTS,
     SEGMENT_BYTES,
@@ -42,7 +42,7 @@ class StageFacts:
     largest: int = 0  # bytes of its largest variable
     tensor: int = 1
     by_segment: bool = False  # Strategy.update_by_segment as resolved (hf.scope(): True)
-    zero: bool = False  # ZeRO-1 (shard_optimizer)
+    shard_optimizer: bool = False  # ZeRO-1
 
 
 def segments(facts: StageFacts) -> int:
@@ -101,15 +101,15 @@ def step_buffers(facts: StageFacts, slots: float = 0.0, sharded: bool = False) -
         if facts.replicas > 1 and not sharded:  # a segment's gradients concatenated to be summed
             buffers["segment sum"] = held_gradients(facts, g)
     elif flat and facts.replicas > 1:
-        # a pipeline stage concatenates its gradients once; the whole model in chunks
-        buffers["flat gradients"] = g if pipelined else min(g, CHUNK_BYTES)
+        # a pipeline stage concatenates its gradients once; the whole model in buckets
+        buffers["flat gradients"] = g if pipelined else min(g, BUCKET_BYTES)
     if facts.microbatches > 1:
         buffers["gradient sum"] = g  # the running sum beside the micro-batch's gradients
     if sharded and facts.replicas > 1:
         # the update of one segment's slice (the whole stage's where it is not cut)
         part = -(-held_gradients(facts, g) // facts.replicas)
         if segments(facts) > 1:  # reduce-scattered through one window's buffer
-            buffers["flat gradients"] = min(held_gradients(facts, g), CHUNK_BYTES)
+            buffers["flat gradients"] = min(held_gradients(facts, g), BUCKET_BYTES)
         buffers["optimizer update"] = int(part * (1 + slots) / 2)
         # every slice variable, plus the received sums of one and their tensor
         buffers["slice copies"] = -(-g // facts.replicas) + 2 * part
@@ -123,7 +123,7 @@ def step_buffers(facts: StageFacts, slots: float = 0.0, sharded: bool = False) -
 def exchange_buffers(owned_bytes: list[int], stage: int, largest: int = 0, itemsize: int = 4):
     """Named bytes of the epoch end's weight exchange on a rank of stage `stage`: each stage
     broadcasts the weights it owns (`owned_bytes`) as raw bytes in groups of about
-    `CHUNK_BYTES` (a larger weight alone, `largest` bytes); the root copies a group and joins
+    `BUCKET_BYTES` (a larger weight alone, `largest` bytes); the root copies a group and joins
     it, a receiver holds one group and the tensor assigned from it.
 
     Example:
@@ -134,7 +134,7 @@ def exchange_buffers(owned_bytes: list[int], stage: int, largest: int = 0, items
     """
     if len(owned_bytes) < 2:
         return {}
-    group = min(max(CHUNK_BYTES, largest), max(owned_bytes))
+    group = min(max(BUCKET_BYTES, largest), max(owned_bytes))
     return {"weights exchange": 2 * group}
 
 

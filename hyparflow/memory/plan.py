@@ -139,7 +139,7 @@ def _rank_memory(shared: _Shared, rank, stage, replica, shard, *, runtime: bool)
     held = shared.held_by(stage)
     models = [shared.stage_models[c] for c in held]
     layout, stage_model = shared.layouts[stage], models[0]  # tensor ranks: one chunk a stage
-    zero = getattr(resolved, "shard_optimizer", False)
+    sharded = getattr(resolved, "shard_optimizer", False)
     weights = _each_once([v for m in models for v in m.weights])  # a layer two chunks call
     unsplit = sum(_nbytes(v) for v in weights if shared.parts(v, layout) == 1)
     trainable = _each_once([v for m in models for v in m.trainable_variables])
@@ -147,7 +147,7 @@ def _rank_memory(shared: _Shared, rank, stage, replica, shard, *, runtime: bool)
     # ZeRO-1 slices the slots over the replicas; expert shards keep theirs whole (1/E)
     expert_bytes = sum(_nbytes(v) // resolved.experts for v in trainable if id(v) in shared.experts)
     own_optimizer = counts.optimizer_bytes(
-        grad_bytes - expert_bytes, shared.slots, resolved.replicas, zero
+        grad_bytes - expert_bytes, shared.slots, resolved.replicas, sharded
     ) + counts.optimizer_bytes(expert_bytes, shared.slots)
     facts = _stage_facts(shared, trainable, layout)
     return RankMemory(
@@ -160,7 +160,7 @@ def _rank_memory(shared: _Shared, rank, stage, replica, shard, *, runtime: bool)
         optimizer=own_optimizer,
         gradients=buffers.held_gradients(facts, grad_bytes),
         activations=_activations(shared, stage, held, layout),
-        step_buffers=buffers.step_buffers(facts, shared.slots, zero),
+        step_buffers=buffers.step_buffers(facts, shared.slots, sharded),
         exchange={
             **buffers.exchange_buffers(shared.owned, stage, max(shared.largest[c] for c in held)),
             **buffers.gather_buffers(_largest_split(shared, stage_model, layout)),
@@ -205,7 +205,7 @@ def _stage_facts(shared: _Shared, trainable, layout) -> buffers.StageFacts:
         largest=max(float32, default=0),
         tensor=t,
         by_segment=shared.by_segment,
-        zero=getattr(resolved, "shard_optimizer", False),
+        shard_optimizer=getattr(resolved, "shard_optimizer", False),
     )
 
 
@@ -258,18 +258,18 @@ def _saving(model, slots: float, strategy, world: int):
     """What each rank copies out after a split fit of an ordinary build so that rank 0's saved
     files carry the whole optimizer state: `sent(rank, own_optimizer_bytes)` -> named bytes.
     Plain data parallelism needs none (every replica holds the whole state)."""
-    zero = bool(getattr(strategy, "shard_optimizer", False))
-    split = strategy.partitions * strategy.tensor > 1 or zero
+    sharded = bool(getattr(strategy, "shard_optimizer", False))
+    split = strategy.partitions * strategy.tensor > 1 or sharded
     trainable = [_nbytes(v) for v in model.trainable_variables]
     whole = counts.optimizer_bytes(sum(trainable), slots)
-    group = int(min(max(max(trainable, default=0) * slots, buffers.CHUNK_BYTES), whole))
+    group = int(min(max(max(trainable, default=0) * slots, buffers.BUCKET_BYTES), whole))
 
     def sent(rank: int, replica: int, own: int) -> dict[str, int]:
         if world == 1 or not split:
             return {}
         if rank == 0:
             return buffers.saving_buffers(whole, group, root=True)
-        return buffers.saving_buffers(own if replica == 0 or zero else 0, group, root=False)
+        return buffers.saving_buffers(own if replica == 0 or sharded else 0, group, root=False)
 
     return sent
 

@@ -106,8 +106,8 @@ class EngineCosts:
     read-out of the logs when callbacks read them (`step_fixed`). Where tensor ranks or
     ZeRO-1 run: an in-graph collective's host round trip beyond the network's time
     (`collective_call`), and ZeRO-1's host work per parameter byte beyond plain data
-    parallelism's update (`zero_per_byte`: its reduce-scatter's buffers, the slice's refresh,
-    the gathered parameters assigned back)."""
+    parallelism's update (`sharded_update_per_byte`: its reduce-scatter's buffers, the slice's
+    refresh, the gathered parameters assigned back)."""
 
     forward_call: float = 0.0
     backward_call: float = 0.0
@@ -118,7 +118,7 @@ class EngineCosts:
     optimizer_per_byte: float = 0.0
     step_fixed: float = 0.0
     collective_call: float = 0.0
-    zero_per_byte: float = 0.0
+    sharded_update_per_byte: float = 0.0
 
     def optimizer(self, variables: int, nbytes: float) -> float:
         """The update of `variables` of `nbytes`; stages without variables skip it."""

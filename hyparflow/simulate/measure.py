@@ -183,8 +183,8 @@ def _stage_step(model, call, variables, x, microbatches, repeats) -> tuple[float
             forward += time.perf_counter() - start
             start = time.perf_counter()
             seeds = [tf.ones_like(y) for y in outputs]
-            zero = tf.UnconnectedGradients.ZERO  # a variable the stage does not use: zeros
-            grads = tape.gradient(outputs, sources, seeds, zero)[: len(variables)]
+            unused = tf.UnconnectedGradients.ZERO  # a variable the stage does not use: zeros
+            grads = tape.gradient(outputs, sources, seeds, unused)[: len(variables)]
             total = grads if total is None else list(map(_summed, total, grads))
             backward += time.perf_counter() - start
         start = time.perf_counter()

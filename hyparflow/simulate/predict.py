@@ -222,13 +222,13 @@ def _reduce_and_update(
 def sharded_update(engine: EngineCosts, stage: StageCost, replicas: int, link: Link) -> float:
     """ZeRO-1's update of a stage (`engine/sharded_optimizer/sharded_update.py`): the optimizer
     steps one flat slice of 1/R of the parameters, the host moves every parameter byte through its
-    buffers (the measured `zero_per_byte`), and each variable's pieces are broadcast by the replicas
-    holding them (a binomial tree each; its bytes are the allreduce's second half, already
-    counted)."""
+    buffers (the measured `sharded_update_per_byte`), and each variable's pieces are broadcast by
+    the replicas holding them (a binomial tree each; its bytes are the allreduce's second half,
+    already counted)."""
     if not stage.variables:
         return 0.0
     broadcasts = stage.variables * math.ceil(math.log2(replicas)) * link.latency
-    host = engine.zero_per_byte * stage.param_bytes
+    host = engine.sharded_update_per_byte * stage.param_bytes
     return engine.optimizer(1, stage.param_bytes / replicas) + host + broadcasts
 
 

@@ -54,11 +54,11 @@ def run(case: Case) -> dict:
         # slots' elements (to compare with the whole model's)
         "split": [s.layer.name for s in shards.layout.splits] if shards else [],
         "dropouts": [d.name for d, _ in shards.layout.dropouts] if shards else [],
-        **(_shard_sizes(model, shards) if shards else {}),
+        **(_slice_sizes(model, shards) if shards else {}),
         # expert parallelism: this rank's expert shards and their optimizer slots, and the
         # bytes its routing sums and token exchanges moved
         **(
-            _shard_sizes(model, trainer.sharded_layers.experts, "expert_")
+            _slice_sizes(model, trainer.sharded_layers.experts, "expert_")
             if trainer.sharded_layers.experts
             else {}
         ),
@@ -90,7 +90,7 @@ def _predicted_bytes(model, case: Case, x, batch_size, epochs) -> float | None:
     return total * epochs / case.replicas
 
 
-def _shard_sizes(model, shards, prefix: str = "") -> dict:
+def _slice_sizes(model, shards, prefix: str = "") -> dict:
     """Elements of this rank's shards, of the whole variables they split, and of the optimizer
     slots built for the shards (Keras names a slot after its variable's path)."""
     names = [s.shard.path.replace("/", "_") for s in shards.shards]

@@ -1,7 +1,7 @@
 """TensorFlow's CPU allocator peak of one fused data-parallel step, measured in a fresh process.
 
 Run as `TF_CPU_ALLOCATOR_USE_BFC=true python -m tests.support.allocator_peak`: prints JSON
-{"chunked", "whole", "gradient_bytes", "chunk_bytes"}. TensorFlow's default CPU allocator keeps no
+{"bucketed", "whole", "gradient_bytes", "bucket_bytes"}. TensorFlow's default CPU allocator keeps no
 statistics unless oneDNN is on (TensorFlow turns it on for CPUs with AVX-512 VNNI or newer); the BFC
 allocator keeps them on any CPU, and its peak counts live bytes. A process of its own, because in a
 long pytest process what earlier tests left in TensorFlow's allocator and threads moves the peak (a
@@ -43,12 +43,12 @@ def allocator_peak_of_one_step(layout) -> tuple[int, int]:
     return peak, 4 * model.count_params()
 
 
-CHUNK_BYTES = 4 * 2**20
+BUCKET_BYTES = 4 * 2**20
 
 if __name__ == "__main__":
-    chunked, gradient_bytes = allocator_peak_of_one_step(
-        lambda m: flat.ChunkedLayout(m.trainable_variables, chunk_bytes=CHUNK_BYTES)
+    bucketed, gradient_bytes = allocator_peak_of_one_step(
+        lambda m: flat.BucketedLayout(m.trainable_variables, bucket_bytes=BUCKET_BYTES)
     )
     whole, _ = allocator_peak_of_one_step(lambda m: flat.FlatLayout(m.trainable_variables))
-    peaks = {"chunked": chunked, "whole": whole, "gradient_bytes": gradient_bytes}
-    print(json.dumps({**peaks, "chunk_bytes": CHUNK_BYTES}))
+    peaks = {"bucketed": bucketed, "whole": whole, "gradient_bytes": gradient_bytes}
+    print(json.dumps({**peaks, "bucket_bytes": BUCKET_BYTES}))

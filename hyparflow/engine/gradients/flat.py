@@ -115,46 +115,46 @@ class FlatLayout:
         return grads
 
 
-class ChunkedLayout:
-    """A `FlatLayout` cut into chunks of about `chunk_bytes`: the flat gradient as a tuple of
-    flat tensors, one per chunk of consecutive variables (a larger variable gets its own).
+class BucketedLayout:
+    """A `FlatLayout` cut into buckets of about `bucket_bytes`: the flat gradient as a tuple of
+    flat tensors, one per bucket of consecutive variables (a larger variable gets its own).
 
     One concat of the whole model needs every per-variable gradient alive beside its output:
-    twice the gradient bytes at the peak. A chunk's concat needs only its own variables'
+    twice the gradient bytes at the peak. A bucket's concat needs only its own variables'
     gradients, which die as soon as it has run, so the step holds the gradients about once
-    (docs/engine.md, "Memory"). Each chunk is a `FlatLayout` of its own (aligned spans, a
+    (docs/engine.md, "Memory"). Each bucket is a `FlatLayout` of its own (aligned spans, a
     data-dependent tail), so `GradientReducer.reduce_flat` reduces each one in place.
 
     Example:
         >>> specs = [tf.TensorSpec((1024, 1024))] * 3 + [tf.TensorSpec((10,))]
-        >>> [len(c.slots) for c in ChunkedLayout(specs, chunk_bytes=8 * 2**20).chunks]
+        >>> [len(c.slots) for c in BucketedLayout(specs, bucket_bytes=8 * 2**20).buckets]
         [2, 2]
     """
 
-    def __init__(self, variables, chunk_bytes: int = DEFAULT_BUCKET_BYTES):
+    def __init__(self, variables, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         specs = list(variables)
         whole = FlatLayout(specs)
         self.usable, self.slots = whole.usable, whole.slots
-        _, buckets = plan_buckets([(tuple(v.shape), tf.float32) for v in specs], chunk_bytes)
+        _, buckets = plan_buckets([(tuple(v.shape), tf.float32) for v in specs], bucket_bytes)
         self.members = [bucket.indices for bucket in buckets]
-        self.chunks = [FlatLayout([specs[i] for i in members]) for members in self.members]
-        self.length = sum(chunk.length for chunk in self.chunks)
+        self.buckets = [FlatLayout([specs[i] for i in members]) for members in self.members]
+        self.length = sum(bucket.length for bucket in self.buckets)
         self.unflatten_fn = traced(self.unflatten)
 
     def zeros(self) -> tuple:
-        return tuple(chunk.zeros() for chunk in self.chunks)
+        return tuple(bucket.zeros() for bucket in self.buckets)
 
     def flatten(self, grads, tail) -> tuple:
-        """One flat tensor per chunk (`FlatLayout.flatten` of its gradients)."""
+        """One flat tensor per bucket (`FlatLayout.flatten` of its gradients)."""
         return tuple(
-            chunk.flatten([grads[i] for i in members], tail)
-            for chunk, members in zip(self.chunks, self.members, strict=True)
+            bucket.flatten([grads[i] for i in members], tail)
+            for bucket, members in zip(self.buckets, self.members, strict=True)
         )
 
     def unflatten(self, flat) -> list:
-        """The gradients in their shapes and order, as views of the chunks (graph ops)."""
+        """The gradients in their shapes and order, as views of the buckets (graph ops)."""
         grads = [None] * len(self.slots)
-        for chunk, members, part in zip(self.chunks, self.members, flat, strict=True):
-            for i, grad in zip(members, chunk.unflatten(part), strict=True):
+        for bucket, members, part in zip(self.buckets, self.members, flat, strict=True):
+            for i, grad in zip(members, bucket.unflatten(part), strict=True):
                 grads[i] = grad
         return grads

@@ -37,21 +37,21 @@ class GradientPath(Protocol):
 
 class WholePath:
     """Reduce after the backward, then step the optimizer: `gradient_sync.reduce()` gives the
-    gradients and `update.apply` applies them, handed over (`give_up`), or `zero` (a
+    gradients and `update.apply` applies them, handed over (`give_up`), or `sharded` (a
     `ShardedUpdate`) does both under ZeRO-1. `update.check_finite` checks them when asked,
     naming the trainer's `step()`. The walk calls `gradient_sync.on_segment_done` (its
     overlap with the backward) after each segment. `span(kind)` and `guard(operation)` are
     the trainer's (they change with its recorder and watchdog)."""
 
-    def __init__(self, gradient_sync, update, zero, *, span, guard, step):
-        self.gradient_sync, self.update, self.zero = gradient_sync, update, zero
-        self.reduction = gradient_sync if zero is None else zero
-        self.application = update if zero is None else zero
+    def __init__(self, gradient_sync, update, sharded, *, span, guard, step):
+        self.gradient_sync, self.update, self.sharded = gradient_sync, update, sharded
+        self.reduction = gradient_sync if sharded is None else sharded
+        self.application = update if sharded is None else sharded
         self._span, self._guard, self._step = span, guard, step
 
     def begin(self, check_numerics: bool):
-        if self.zero is not None:  # a finite check reads the local gradients
-            self.zero.keep_local = check_numerics
+        if self.sharded is not None:  # a finite check reads the local gradients
+            self.sharded.keep_local = check_numerics
         return self.gradient_sync.on_segment_done
 
     def finish(self, losses, check_numerics: bool) -> float:
@@ -88,9 +88,9 @@ class BySegmentPath:
         return self.segment_update.finish()  # applied during the backward (inside its spans)
 
 
-def build_gradient_path(gradient_sync, update, segment_update, zero, *, span, guard, step):
-    """The path for what the trainer built: `zero` (a `ShardedUpdate`, or None) replaces the
+def build_gradient_path(gradient_sync, update, segment_update, sharded, *, span, guard, step):
+    """The path for what the trainer built: `sharded` (a `ShardedUpdate`, or None) replaces the
     reduction and the update; `segment_update` (or None) runs the update by segment.
     `span`, `guard` and `step` as for `WholePath`."""
-    whole = WholePath(gradient_sync, update, zero, span=span, guard=guard, step=step)
+    whole = WholePath(gradient_sync, update, sharded, span=span, guard=guard, step=step)
     return whole if segment_update is None else BySegmentPath(segment_update, whole)

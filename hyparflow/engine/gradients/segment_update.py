@@ -27,9 +27,9 @@ from hyparflow.engine.weights import nbytes
 from hyparflow.traced import traced
 
 
-def segment_parts(variables: list, overlap) -> list[list[int]]:
-    """The positions of a segmented stage's `variables` in the parts its update applies: those
-    final after each segment of the last backward (`overlap.ready_at`), then the rest."""
+def segment_positions(variables: list, overlap) -> list[list[int]]:
+    """The positions of a segmented stage's `variables` in the segments its update applies:
+    those final after each segment of the last backward (`overlap.ready_at`), then the rest."""
     position = {id(v): i for i, v in enumerate(variables)}
     parts = [[position[id(v)] for _, v in overlap.ready_at[j]] for j in sorted(overlap.ready_at)]
     reached = {i for part in parts for i in part}
@@ -50,23 +50,23 @@ class SegmentUpdate:
 
     `replicas`: the stage's replica communicator (None: no replicas), over which each
     segment's gradients are summed before its update; `guard(operation)` watches that wait.
-    `zero`: a ZeRO-1 `ShardedUpdate` built over the same parts (`segment_parts`): each part's
-    gradients reduce-scattered, this replica's slice of it stepped, its parameters
-    all-gathered, so no rank holds more than one part's gradients or more than its slice of
+    `sharded`: a ZeRO-1 `ShardedUpdate` built over the same segments (`segment_positions`):
+    each segment's gradients reduce-scattered, this replica's slice of it stepped, its parameters
+    all-gathered, so no rank holds more than one segment's gradients or more than its slice of
     the optimizer state (the reduce-scatter sums them over the replicas).
     """
 
-    def __init__(self, update, runner, overlap, replicas=None, guard=None, zero=None):
+    def __init__(self, update, runner, overlap, replicas=None, guard=None, sharded=None):
         self.update = update
         self.runner = runner
-        self.segment_positions = segment_parts(update.variables, overlap)
+        self.segment_positions = segment_positions(update.variables, overlap)
         self._plans = [_segment_plan(update.variables, part) for part in self.segment_positions]
-        if zero is not None:
-            theirs = [sorted(i for g in groups for i in g.positions) for groups in zero.segments]
+        if sharded is not None:
+            theirs = [sorted(i for g in groups for i in g.positions) for groups in sharded.segments]
             if theirs != [sorted(part) for part in self.segment_positions]:
                 raise ValueError("the ShardedUpdate was not built over this SegmentUpdate's parts")
-        self.zero = zero
-        summed = replicas is None or zero is not None
+        self.sharded = sharded
+        summed = replicas is None or sharded is not None
         self._reducer = None if summed else GradientReducer(replicas, op="sum")
         self._guard = guard or (lambda operation: contextlib.nullcontext())
         self._layouts: dict = {}  # positions -> (FlatLayout, compiled flatten)
@@ -116,8 +116,8 @@ class SegmentUpdate:
         positions = self.segment_positions[k]
         variables = self.update.variables
         grads = [self.runner.take(variables[i]) for i in positions]
-        if self.zero is not None:
-            self.zero.apply_segment(k, dict(zip(positions, grads, strict=True)), self._step)
+        if self.sharded is not None:
+            self.sharded.apply_segment(k, dict(zip(positions, grads, strict=True)), self._step)
         else:
             if self._reducer is not None:
                 grads = self._summed(grads, positions)

@@ -4,7 +4,7 @@ Each replica saves only the slots of its slice, as ranges of the flattened entri
 unsharded run writes whole (`opt/<i>/<slot>#<start>:<stop>/<shape>`, after the tensor piece's
 `@<t>/<T>:<axis>` where there is one; `checkpoint.reader.LazyState` joins them on reading).
 Restoring takes whole entries, however they were written, and cuts this replica's slice:
-ZeRO on or off, any replica count, pipeline or tensor layout (docs/zero.md).
+ZeRO on or off, any replica count, pipeline or tensor layout (docs/sharded.md).
 """
 
 from __future__ import annotations
@@ -14,24 +14,24 @@ import numpy as np
 from hyparflow.checkpoint.state import slice_key
 
 
-class ZeroCheckpoint:
-    """`checkpoint/stage.py`'s `optimizer_shard` for a `ShardedUpdate` `zero`.
+class SliceCheckpoint:
+    """`checkpoint/stage.py`'s `optimizer_shard` for a `ShardedUpdate` `sharded`.
 
     Example:
-        TrainingState(..., optimizer_shard=ZeroCheckpoint(zero))
+        TrainingState(..., optimizer_shard=SliceCheckpoint(sharded))
     """
 
-    def __init__(self, zero):
-        self.zero = zero
+    def __init__(self, sharded):
+        self.sharded = sharded
 
     def _slot_of(self, name: str):
         """(slice group, table, slot name) of the optimizer variable named `name`: a slot of
         a dtype group's slice or of a variable updated whole (an embedding table, an expert
         shard), or neither (the optimizer's own step, learning rate, loss scale)."""
-        for group in self.zero.groups:
+        for group in self.sharded.groups:
             if name.startswith(group.slot_prefix):
                 return group, None, name[len(group.slot_prefix) :]
-        for prefix, table in sorted(self.zero.table_prefixes, key=lambda p: -len(p[0])):
+        for prefix, table in sorted(self.sharded.table_prefixes, key=lambda p: -len(p[0])):
             if name.startswith(prefix):
                 return None, table, name[len(prefix) :]
         return None, None, None
@@ -44,7 +44,7 @@ class ZeroCheckpoint:
         runs do."""
         index = {v.path: i for i, v in enumerate(model.trainable_variables)}
         state = {}
-        for opt_variable in self.zero.model.optimizer.variables:
+        for opt_variable in self.sharded.model.optimizer.variables:
             group, table, slot = self._slot_of(opt_variable.name)
             value = np.asarray(opt_variable.numpy())
             if group is None:  # the optimizer's own, or a whole table's or expert shard's slot
@@ -57,7 +57,7 @@ class ZeroCheckpoint:
                     state[key] = value
                 continue
             for p in group.extents:
-                variable = self.zero.variables[group.positions[p.variable]]
+                variable = self.sharded.variables[group.positions[p.variable]]
                 piece = split.get(variable.path)
                 if piece is None and shard != 0:
                     continue
@@ -69,7 +69,7 @@ class ZeroCheckpoint:
     def restore_optimizer(self, model, state: dict, split: dict) -> None:
         """Build the optimizer for the slices and load them from a joined checkpoint `state`
         (whole entries, whichever layout wrote them)."""
-        self.zero.build_optimizer()
+        self.sharded.build_optimizer()
         index = {v.path: i for i, v in enumerate(model.trainable_variables)}
         missing = []
 
@@ -82,7 +82,7 @@ class ZeroCheckpoint:
             piece = split.get(variable.path)
             return state[key] if piece is None else piece.cut(state[key])
 
-        for opt_variable in self.zero.model.optimizer.variables:
+        for opt_variable in self.sharded.model.optimizer.variables:
             group, table, slot = self._slot_of(opt_variable.name)
             if table is not None:
                 value = whole(table, slot)
@@ -91,9 +91,9 @@ class ZeroCheckpoint:
                 if value is None:
                     missing.append(opt_variable.name)
             else:
-                value = np.zeros(group.layout.shard_size, opt_variable.dtype)
+                value = np.zeros(group.layout.slice_size, opt_variable.dtype)
                 for p in group.extents:
-                    entry = whole(self.zero.variables[group.positions[p.variable]], slot)
+                    entry = whole(self.sharded.variables[group.positions[p.variable]], slot)
                     if entry is not None:
                         value[p.offset : p.offset + p.size] = np.ravel(entry)[p.start : p.stop]
             if value is not None:

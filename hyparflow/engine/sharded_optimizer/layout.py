@@ -27,12 +27,12 @@ class Extent:
         return self.stop - self.start
 
 
-class ZeroLayout:
+class SliceLayout:
     """The flat vector of variables of `sizes` elements each, cut into `parts` equal slices.
 
     Example:
-        >>> layout = ZeroLayout([6, 3], parts=2)     # 9 elements, padded to 10
-        >>> layout.bounds(1), layout.shard_size, layout.padding(1)
+        >>> layout = SliceLayout([6, 3], parts=2)     # 9 elements, padded to 10
+        >>> layout.bounds(1), layout.slice_size, layout.padding(1)
         ((5, 10), 5, 1)
         >>> layout.extents(1)  # doctest: +NORMALIZE_WHITESPACE
         [Extent(variable=0, start=5, stop=6, offset=0),
@@ -41,7 +41,7 @@ class ZeroLayout:
 
     def __init__(self, sizes: list[int], parts: int):
         if parts < 1:
-            raise ValueError(f"ZeroLayout needs at least one part, got {parts}")
+            raise ValueError(f"SliceLayout needs at least one part, got {parts}")
         self.sizes = [int(s) for s in sizes]
         self.parts = parts
         self.offsets = []
@@ -50,12 +50,12 @@ class ZeroLayout:
             self.offsets.append(total)
             total += size
         self.length = total
-        self.shard_size = -(-total // parts)  # ceil: the last slices carry the padding
-        self.padded = self.shard_size * parts
+        self.slice_size = -(-total // parts)  # ceil: the last slices carry the padding
+        self.padded = self.slice_size * parts
 
     def bounds(self, part: int) -> tuple[int, int]:
         """[start, stop) of slice `part` in the padded flat vector."""
-        return part * self.shard_size, (part + 1) * self.shard_size
+        return part * self.slice_size, (part + 1) * self.slice_size
 
     def extents(self, part: int) -> list[Extent]:
         """The extents of variables that slice `part` holds, in order (padding not included)."""
@@ -69,14 +69,14 @@ class ZeroLayout:
 
     def padding(self, part: int) -> int:
         """Zeros at the end of slice `part` (beyond the last variable)."""
-        return self.shard_size - sum(p.size for p in self.extents(part))
+        return self.slice_size - sum(p.size for p in self.extents(part))
 
     def element_ranges(self, start: int, stop: int) -> list[tuple[int, int, int]]:
         """(variable, its first element, count) of the variables' elements in the flat
         vector's [start, stop), in order; the padding beyond the variables yields nothing.
 
         Example:
-            >>> ZeroLayout([6, 3], parts=2).element_ranges(4, 8)
+            >>> SliceLayout([6, 3], parts=2).element_ranges(4, 8)
             [(0, 4, 2), (1, 0, 2)]
         """
         found = []
@@ -91,7 +91,7 @@ class ZeroLayout:
         part of `variable`, in slice order.
 
         Example:
-            >>> ZeroLayout([6, 3], parts=2).holders(0)
+            >>> SliceLayout([6, 3], parts=2).holders(0)
             [(0, (0, 5)), (1, (5, 6))]
         """
         found = []
@@ -110,11 +110,11 @@ class ZeroLayout:
         ]
 
 
-def segment_positions(dense: list[int], segments) -> list[list[int]]:
+def dense_segment_positions(dense: list[int], segments) -> list[list[int]]:
     """The dense positions of each of `segments` in order, then those of none (None: all one).
 
     Example:
-        >>> segment_positions([0, 1, 3, 4], [[4, 3], [1, 2]])
+        >>> dense_segment_positions([0, 1, 3, 4], [[4, 3], [1, 2]])
         [[3, 4], [1], [0]]
     """
     if segments is None:

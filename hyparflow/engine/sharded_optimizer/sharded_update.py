@@ -3,7 +3,7 @@
 `Strategy(shard_optimizer=True)` (docs/zero.md). A step's gradients are reduce-scattered over
 the stage's replicas (`topology.stage_comm`, one per stage and tensor shard) instead of
 all-reduced: replica r receives the sum of its slice of the stage's flattened gradient
-(`zero_layout.ZeroLayout`), adds the regularization gradients of that slice, clips by the
+(`zero_layout.SliceLayout`), adds the regularization gradients of that slice, clips by the
 whole model's norm (squares summed over replicas, tensor ranks and stages), and runs the user's
 optimizer on one 1-D variable per dtype holding its slice of the parameters, so the optimizer
 builds its slots for that slice alone. The updated slices are then all-gathered into every
@@ -33,10 +33,10 @@ from hyparflow.engine.gradients.mpi import mpi_op
 from hyparflow.engine.gradients.update import apply_step, regularization_in_call
 from hyparflow.engine.gradients.update_plan import plan_segment, plan_sharded
 from hyparflow.engine.sharded_optimizer.layout import (
-    ZeroLayout,
+    SliceLayout,
+    dense_segment_positions,
     group_by_dtype,
     ring_bytes,
-    segment_positions,
 )
 from hyparflow.traced import traced
 
@@ -53,11 +53,11 @@ class _DtypeSlice:
     ):
         self.dtype = dtype
         self.positions = positions  # indices in the stage's variable list
-        self.layout = ZeroLayout([int(np.prod(variables[i].shape)) for i in positions], parts)
+        self.layout = SliceLayout([int(np.prod(variables[i].shape)) for i in positions], parts)
         self.extents = self.layout.extents(part)
         self.padding = self.layout.padding(part)
         self.variable = keras.Variable(
-            np.zeros(self.layout.shard_size, dtype), trainable=True, name=name
+            np.zeros(self.layout.slice_size, dtype), trainable=True, name=name
         )
         self.slot_prefix = self.variable.path.replace("/", "_") + "_"  # Keras's slot names
         padded = self.layout.padded
@@ -73,7 +73,7 @@ def _sliced_segments(variables, dense: list[int], segments, comm) -> list[list[_
     """The `_DtypeSlice`s of each segment of the `dense` positions (`segments`: lists of
     positions; None: one), this rank's of `comm`'s parts."""
     sliced = []
-    for k, members in enumerate(segment_positions(dense, segments)):
+    for k, members in enumerate(dense_segment_positions(dense, segments)):
         by_dtype = group_by_dtype([variables[i].dtype for i in members])
         name = "" if segments is None else f"_s{k}"
         sliced.append(
@@ -133,8 +133,8 @@ class ShardedUpdate:
     of the same gradients would send.
 
     Example:
-        zero = ShardedUpdate(model, topology, variables, update, sync)
-        reg_value = zero.apply(zero.reduce().give_up())
+        sharded = ShardedUpdate(model, topology, variables, update, sync)
+        reg_value = sharded.apply(sharded.reduce().give_up())
     """
 
     def __init__(self, model, topology, variables, update, sync, segments=None):
@@ -225,10 +225,10 @@ class ShardedUpdate:
         layout, parts = group.layout, self.comm.Get_size()
         dtype = group.reduced_dtype
         window = max(1, WINDOW_BYTES // (parts * dtype.itemsize))
-        received = np.empty(layout.shard_size, dtype)
-        buffer = np.empty(parts * min(window, layout.shard_size), dtype)
-        for first in range(0, layout.shard_size, window):
-            count = min(window, layout.shard_size - first)
+        received = np.empty(layout.slice_size, dtype)
+        buffer = np.empty(parts * min(window, layout.slice_size), dtype)
+        for first in range(0, layout.slice_size, window):
+            count = min(window, layout.slice_size - first)
             send = buffer[: parts * count].reshape(parts, count)  # contiguous: no copy for MPI
             for part in range(parts):
                 row = send[part]
@@ -259,7 +259,7 @@ class ShardedUpdate:
         parts = (
             [(layout, range(len(layout.slots)), flat)]
             if isinstance(layout, FlatLayout)
-            else (list(zip(layout.chunks, layout.members, flat, strict=True)))
+            else (list(zip(layout.buckets, layout.members, flat, strict=True)))
         )
         del flat
         local = [None] * len(self.variables)

@@ -25,8 +25,8 @@ class FusedRunner(RunnerBase):
     `variables` and `loss(y, y_pred, sample_weight)` mean what they mean for `StageRunner`;
     `metrics(y, y_pred, sample_weight)`, if given, updates the compiled metrics in the same
     call (`updates_metrics` tells the caller not to). With a `layout` (`FlatLayout` of the
-    dense variables, or `ChunkedLayout`), their gradients are kept as one flat tensor (or a
-    tuple of chunks: `take_flat_gradients`).
+    dense variables, or `BucketedLayout`), their gradients are kept as one flat tensor (or a
+    tuple of buckets: `take_flat_gradients`).
 
     `sparse`, `added_losses`, `train_scope` and `input_shapes` are `RunnerBase`'s options.
 
@@ -85,7 +85,7 @@ class FusedRunner(RunnerBase):
 
     def _accumulate_body(self, inputs, y, sample_weight, scale, rows, totals):
         y_pred, loss, added, grads, sparse = self._gradients(inputs, y, sample_weight, scale, rows)
-        if self.layout is not None:  # one flat tensor, or a tuple of chunks
+        if self.layout is not None:  # one flat tensor, or a tuple of buckets
             return y_pred, loss, added, tf.nest.map_structure(tf.add, totals, grads), sparse
         return y_pred, loss, added, [t + g for t, g in zip(totals, grads, strict=True)], sparse
 

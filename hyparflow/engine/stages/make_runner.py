@@ -9,7 +9,7 @@ import keras
 from hyparflow import _keras
 from hyparflow.checkpoint.state import layers_of_seed_keys, seed_generators
 from hyparflow.engine.gradients import sparse as row_sparse
-from hyparflow.engine.gradients.flat import ChunkedLayout
+from hyparflow.engine.gradients.flat import BucketedLayout
 from hyparflow.engine.gradients.sync import Overlap
 from hyparflow.engine.keras_semantics.added_losses import added_loss
 from hyparflow.engine.keras_semantics.sync_batchnorm import TAG as BATCHNORM_TAG
@@ -103,7 +103,7 @@ def build_runner(parts: RunnerParts, variables, sparse, form, layout):
             variables,
             loss=parts.loss,
             metrics=parts.metrics,
-            layout=ChunkedLayout(layout.slots) if form.flat else None,
+            layout=BucketedLayout(layout.slots) if form.flat else None,
             microbatches=strategy.microbatches,
             **common,
         )

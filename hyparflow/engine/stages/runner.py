@@ -26,7 +26,7 @@ class Runner(Protocol):
     """What the walk and the reduction ask of a stage's runner.
 
     `layout`: None when the gradients come as a list (`take_gradients`), else the `FlatLayout`
-    or `ChunkedLayout` whose flat tensors `take_flat_gradients` returns, the tables' row
+    or `BucketedLayout` whose flat tensors `take_flat_gradients` returns, the tables' row
     slices apart (`take_sparse_gradients`). `flat_backward`: the variables are read from one
     packed tensor during the step, packed by `prepare`. `updates_metrics`: the runner updates
     the compiled metrics itself. `last_added`: the layers' added loss of the last forward or
