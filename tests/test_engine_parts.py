@@ -149,7 +149,7 @@ def test_a_gradient_path_steps_the_optimizer_as_keras_does(sharded):
         step=lambda: 0,
     )
     assert isinstance(path, WholePath)
-    assert path.reduction is (zero or sync) and path.application is (zero or update)
+    assert path.sharded is zero and path.application is (zero or update)
     assert path.begin(check_numerics=True) is None  # no overlap: nothing to call per segment
     penalty = float(sum(model.losses))  # of the weights the step's forward saw
     losses = walk.run(walk.microbatches(_batch(x, y)), BATCH, train=True)

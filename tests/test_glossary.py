@@ -13,6 +13,7 @@ RETIRED = {
     "CHUNK_BYTES": "BUCKET_BYTES",
     "ZeroLayout": "SliceLayout",
     "ZeroCheckpoint": "SliceCheckpoint",
+    "ZeroGradients": "SliceGradients",
     "segment_parts": "segment_positions",
     "take_router_parts": "take_router_losses",
     "zero": "sharded (ZeRO-1's update); 'zero' is only the zero-bubble schedule's",

@@ -45,13 +45,10 @@ class WholePath:
 
     def __init__(self, gradient_sync, update, sharded, *, span, guard, step):
         self.gradient_sync, self.update, self.sharded = gradient_sync, update, sharded
-        self.reduction = gradient_sync if sharded is None else sharded
         self.application = update if sharded is None else sharded
         self._span, self._guard, self._step = span, guard, step
 
     def begin(self, check_numerics: bool):
-        if self.sharded is not None:  # a finite check reads the local gradients
-            self.sharded.keep_local = check_numerics
         return self.gradient_sync.on_segment_done
 
     def finish(self, losses, check_numerics: bool) -> float:
@@ -59,12 +56,18 @@ class WholePath:
             self._span(events.ALLREDUCE),
             self._guard("reduce gradients across stages and replicas"),
         ):
-            gradients = self.reduction.reduce()
+            gradients = self._reduce(check_numerics)
         if check_numerics:
             self.update.check_finite(losses, gradients.as_list(), self._step())
         with self._span(events.OPTIMIZER):
             # the update owns them now: it lets each group's go once applied
             return self.application.apply(gradients.give_up())
+
+    def _reduce(self, check_numerics: bool):
+        """The step's reduced gradients; ZeRO-1 keeps each rank's own too for a finite check."""
+        if self.sharded is None:
+            return self.gradient_sync.reduce()
+        return self.sharded.reduce(keep_local=check_numerics)
 
 
 class BySegmentPath:

@@ -4,7 +4,7 @@ Each replica saves only the slots of its slice, as ranges of the flattened entri
 unsharded run writes whole (`opt/<i>/<slot>#<start>:<stop>/<shape>`, after the tensor piece's
 `@<t>/<T>:<axis>` where there is one; `checkpoint.reader.LazyState` joins them on reading).
 Restoring takes whole entries, however they were written, and cuts this replica's slice:
-ZeRO on or off, any replica count, pipeline or tensor layout (docs/sharded.md).
+ZeRO on or off, any replica count, pipeline or tensor layout (docs/zero.md).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 `Strategy(shard_optimizer=True)` (docs/zero.md). A step's gradients are reduce-scattered over
 the stage's replicas (`topology.stage_comm`, one per stage and tensor shard) instead of
 all-reduced: replica r receives the sum of its slice of the stage's flattened gradient
-(`zero_layout.SliceLayout`), adds the regularization gradients of that slice, clips by the
+(`layout.SliceLayout`), adds the regularization gradients of that slice, clips by the
 whole model's norm (squares summed over replicas, tensor ranks and stages), and runs the user's
 optimizer on one 1-D variable per dtype holding its slice of the parameters, so the optimizer
 builds its slots for that slice alone. The updated slices are then all-gathered into every
@@ -92,7 +92,7 @@ def _sliced_segments(variables, dense: list[int], segments, comm) -> list[list[_
     return sliced
 
 
-class ZeroGradients:
+class SliceGradients:
     """A step's gradients under ZeRO: this rank's own (`as_list`, for the finite check), the
     reduced slice of each dtype group (`slices`), the tables' gathered row slices and the
     expert shards' gradients summed over the ranks holding the same experts (`experts`)."""
@@ -184,11 +184,10 @@ class ShardedUpdate:
         )
         self._regularize_fn = traced(self._regularize, reduce_retracing=True)
         self._squares_fn = traced(self._squares, reduce_retracing=True)
-        self.keep_local = False  # keep each rank's own gradients (the trainer's finite check)
         self._built_for = None
 
     # --- the reduction -----------------------------------------------------------------------
-    def reduce(self) -> ZeroGradients:
+    def reduce(self, keep_local: bool = False) -> SliceGradients:
         """Take this rank's gradients (summed over stages sharing a layer) and reduce-scatter
         them over the stage's replicas: each receives the sums of its slice (collective).
 
@@ -200,7 +199,7 @@ class ShardedUpdate:
         if tables:  # row slices of every replica, in rank order, as without ZeRO
             tables = row_sparse.reduce_rows(self.comm, tables, self.sync.tables_per_batch)
         kept = None
-        if self.keep_local:
+        if keep_local:
             kept = list(local)
             for i, table in zip(self.table_positions, own_tables, strict=True):
                 kept[i] = table
@@ -214,7 +213,7 @@ class ShardedUpdate:
             slices.append(tf.cast(tf.constant(received), group.dtype))
         local = views = None  # the gradients' memory can go
         self.sent_bytes += self.step_bytes["reduce_scatter"]
-        return ZeroGradients(kept, slices, tables, experts)
+        return SliceGradients(kept, slices, tables, experts)
 
     def _reduce_scatter(self, group, views: list) -> np.ndarray:
         """This replica's slice of the sum of `views` (the group's flattened gradients) over
@@ -273,7 +272,7 @@ class ShardedUpdate:
     # --- the update --------------------------------------------------------------------------
     def apply(self, grads: list) -> float:
         """Step the optimizer on this replica's slices (`grads`, handed over by
-        `ZeroGradients.give_up`) and all-gather the new parameters into every replica's
+        `SliceGradients.give_up`) and all-gather the new parameters into every replica's
         variables; return the model's total regularization (collective)."""
         plan = plan_sharded(
             len(self.groups) + len(self.tables) + len(self.experts),
