@@ -61,9 +61,7 @@ def _run(case: Case) -> dict:
         ),
         "reference_optimizer_variables": reference["optimizer_variables"],
         "loss_scale": float(getattr(model.optimizer, "dynamic_scale", 1.0)),
-        "overlap_early_starts": getattr(
-            model._hyparflow_trainer[1].parts.gradient_sync.overlap, "early_starts", None
-        ),
+        "overlap_early_starts": model._hyparflow_trainer[1].parts.gradient_sync.early_starts,
         "segment_updates": getattr(
             model._hyparflow_trainer[1].parts.segment_update, "early_updates", None
         ),

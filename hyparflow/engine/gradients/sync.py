@@ -97,8 +97,6 @@ class Overlap:
     def __init__(self, order: list[int], ready_at: dict):
         self.order = order  # stage variable indices, in the order they become final
         self.ready_at = ready_at  # segment -> [(position in order, variable)]
-        self.started: set[int] = set()
-        self.early_starts = 0  # gradients handed to the reducer during a backward (all steps)
 
     @classmethod
     def plan(cls, sub_plan, variables: list) -> Overlap:
@@ -151,6 +149,9 @@ class GradientSync:
         self.tables_per_batch = row_sparse.per_batch_flags(variables, sparse, row_kinds)
         self.shared = shared  # SharedAcrossStages or None
         self.overlap = overlap  # Overlap or None
+        self._started: set[int] = set()  # this step's positions handed to the reducer early
+        # gradients handed to the reducer during a backward, over all steps (None: no overlap)
+        self.early_starts = None if overlap is None else 0
         held = {id(v) for v in experts.variables} if experts is not None else set()
         self.experts = [i for i in dense if id(variables[i]) in held]
         self.expert_reducer = None
@@ -232,17 +233,17 @@ class GradientSync:
         self.runner.collect(j)
         for position, variable in self.overlap.ready_at.get(j, []):
             self.replica_reducer.start(position, self.runner.total(variable))
-            self.overlap.started.add(position)
-            self.overlap.early_starts += 1
+            self._started.add(position)
+            self.early_starts += 1
 
     def _finish_overlapped_reduction(self) -> list:
         """Start whatever is left (nothing ran, or unused variables), wait, restore order."""
         overlap = self.overlap
         for position, i in enumerate(overlap.order):
-            if position not in overlap.started:
+            if position not in self._started:
                 self.replica_reducer.start(position, self.runner.total(self.variables[i]))
         reduced = self.replica_reducer.finish()
-        overlap.started = set()
+        self._started = set()
         self.runner.reset()
         grads = [None] * len(self.variables)
         for position, i in enumerate(overlap.order):
