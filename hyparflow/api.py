@@ -189,7 +189,7 @@ def _drop_trainer(model) -> None:
     communicators, so nothing left of the failed step can be received by mistake)."""
     cached = getattr(model, _TRAINER_ATTRIBUTE, None) if model is not None else None
     if cached is not None:
-        cached[1].watchdog.close()
+        cached[1].guard.close()
         object.__delattr__(model, _TRAINER_ATTRIBUTE)
 
 
