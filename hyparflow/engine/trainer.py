@@ -85,16 +85,17 @@ class StageVariables:
 @dataclasses.dataclass(frozen=True)
 class Setting:
     """What a rank's parts are built for: its `topology` in the grid, the partitioner's `plan`
-    (None: the whole model is the only stage) and the `stages` of it this rank runs, the
-    `guard` every blocking wait is watched with (`Guard.use` switches its watchdog), its
-    `sharded_layers` (tensor shards, expert shards, sparse mixture dispatch), the model's row-sparse
-    variables (`row_kinds`) and the `TrafficLog` its in-graph collectives count in (this
-    trainer's alone)."""
+    (None: the whole model is the only stage), the `stages` of it this rank runs and their
+    `layers`, the `guard` every blocking wait is watched with (`Guard.use` switches its
+    watchdog), its `sharded_layers` (tensor shards, expert shards, sparse mixture dispatch),
+    the model's row-sparse variables (`row_kinds`) and the `TrafficLog` its in-graph
+    collectives count in (this trainer's alone)."""
 
     model: object
     strategy: object
     plan: object
     stages: list
+    layers: list  # the layers of those stages, each once
     topology: Topology
     guard: Guard
     sharded_layers: ShardedLayers
@@ -192,7 +193,8 @@ def _setting(model, strategy, comm, plan, options: dict) -> Setting:
     guard = Guard(topology.world, options.get("watchdog_timeout", 0.0))
     stages = [None] if plan is None else plan.stages_on(topology.stage)
     graphs = [model] if plan is None else [stage.model for stage in stages]
-    synchronized = bool(synchronized_layers(_layers_of(graphs), strategy.sync_batchnorm))
+    layers = _layers_of(graphs)
+    synchronized = bool(synchronized_layers(layers, strategy.sync_batchnorm))
     tensor_layout = options.get("tensor_layout")
     traffic = TrafficLog()
     sharded_layers = ShardedLayers(
@@ -202,7 +204,17 @@ def _setting(model, strategy, comm, plan, options: dict) -> Setting:
     row_kinds = row_kinds.with_shards(model, sharded_layers.pieces()[1])
     backend = options.get("comm_backend", "mpi")
     return Setting(
-        model, strategy, plan, stages, topology, guard, sharded_layers, row_kinds, traffic, backend
+        model,
+        strategy,
+        plan,
+        stages,
+        layers,
+        topology,
+        guard,
+        sharded_layers,
+        row_kinds,
+        traffic,
+        backend,
     )
 
 
@@ -266,15 +278,13 @@ def _build_walk(
 
 def _stage_variables(setting: Setting) -> StageVariables:
     """The rank's `StageVariables` (of every stage it runs)."""
-    model, plan = setting.model, setting.plan
+    model, plan, layers = setting.model, setting.plan, setting.layers
     if plan is None:
         variables = list(model.trainable_variables)
         owned = list(variables)
-        layers = _keras.all_layers(model)
     else:
         variables = rank_variables(plan, setting.topology.stage)
         owned = owned_variables(plan, setting.topology.stage)
-        layers = _layers_of([stage.model for stage in setting.stages])
     sparse = row_sparse.row_sparse_positions(variables, layers, setting.row_kinds)
     dense = sorted(set(range(len(variables))) - set(sparse))
     return StageVariables(variables, owned, sparse, dense, layers)
