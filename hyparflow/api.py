@@ -285,6 +285,22 @@ def _say_layout(model, resolved, fit_kwargs) -> None:
         print(notice, flush=True)
 
 
+def _say_whole_gradients(trainer, resolved, fit_kwargs) -> None:
+    """Rank 0's line where `shard_gradients` asked for what some stage cannot do: it is not
+    cut into segments, so its gradients are whole until its backward ends (collective)."""
+    if not (resolved.shard_gradients and resolved.replicas > 1):
+        return
+    whole = trainer.agree_any(not trainer.shards_gradients)
+    if whole and fit_kwargs.get("verbose", "auto") != 0 and rank() == 0:
+        print(
+            "hyparflow: shard_gradients: a stage could not be cut into segments (a subclassed "
+            "model or custom train_step, tensor or expert shards, embedding tables or layers "
+            "shared by stages); its gradients are reduce-scattered after its backward, as "
+            "shard_optimizer=True does (docs/zero.md)",
+            flush=True,
+        )
+
+
 def _check_comm(backend: str) -> str:
     """The gradient-reduction backend, checked on every rank (a rank without Horovod stops all)."""
     if not launched():  # one process: no MPI to start (see comm/world.py)
@@ -372,6 +388,7 @@ def _distributed_fit(model, x, y, batch_size, epochs, resolved, options, **kwarg
         inputs=input_arrays(source),
     )
     _say_layout(model, resolved, kwargs)
+    _say_whole_gradients(trainer, resolved, kwargs)
     for notice in model_checks.training_notices(model, resolved) if comm.Get_rank() == 0 else ():
         warnings.warn(notice, stacklevel=3)
     trainer.use_watchdog(timeout)

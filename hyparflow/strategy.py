@@ -118,6 +118,16 @@ class Strategy:
       optimizer and an elementwise one (SGD, Adam, AdamW, RMSprop, ...) without `clipnorm`,
       EMA, gradient accumulation or `exclude_from_weight_decay`. With one replica there is
       nothing to shard: it is accepted and training is the usual one.
+    - `shard_gradients` (False): ZeRO-2 (docs/zero.md), implying `shard_optimizer`: besides
+      the optimizer state, each replica keeps only its 1/replicas slice of the stage's
+      gradients. The stage's backward is cut into segments (as `update_by_segment`), and
+      every micro-batch's backward reduce-scatters each segment's gradients as soon as it
+      has made them, so a rank holds one segment's gradients besides its slices; loss
+      scaling and global clipping then step the slices after the backward, other steps
+      segment by segment. Where the stage cannot be cut (subclassed models and custom
+      `train_step`s, tensor or expert shards, embedding tables, layers shared by stages) or
+      with `check_numerics`, it trains as `shard_optimizer` does (rank 0 says so once).
+      Refused with `update_by_segment=False`. With one replica it changes nothing.
     - `sync_batchnorm` (False): True makes every BatchNormalization layer normalise by the
       statistics of the whole global batch, summed across replicas, as Keras's own
       `BatchNormalization(synchronized=True)` layers always are (then exactly Keras's
@@ -184,6 +194,7 @@ class Strategy:
     tensor: int = 1
     tensor_layout: dict | None = None
     shard_optimizer: bool = False
+    shard_gradients: bool = False
     bind_gpus: bool = False
     update_by_segment: bool | None = None
     memory_per_rank: int | str | None = None
@@ -211,7 +222,13 @@ class Strategy:
                 f"Strategy tensor_layout must be a dict from a regex over variable paths to a "
                 f"tuple of axes, got {type(self.tensor_layout).__name__}."
             )
-        for name in ("shard_optimizer", "bind_gpus", "sparse_experts", "strict_added_losses"):
+        for name in (
+            "shard_optimizer",
+            "shard_gradients",
+            "bind_gpus",
+            "sparse_experts",
+            "strict_added_losses",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Strategy {name}={getattr(self, name)!r} must be True or False.")
         if self.update_by_segment not in (None, True, False):
@@ -219,6 +236,7 @@ class Strategy:
                 f"Strategy update_by_segment={self.update_by_segment!r} must be True, False or "
                 "None (on for models built under hf.scope())."
             )
+        self._check_sharding()
         if isinstance(self.memory_per_rank, str):  # frozen: set once, as bytes
             object.__setattr__(self, "memory_per_rank", byte_size(self.memory_per_rank))
         _check_positive_int("memory_per_rank", self.memory_per_rank, 'pass bytes or "16GiB".')
@@ -240,6 +258,18 @@ class Strategy:
                 f"strategy 'model' is one pipeline, but replicas={self.replicas}; "
                 "use strategy 'hybrid' to replicate the pipeline."
             )
+
+    def _check_sharding(self) -> None:
+        """Each sharding implies the ones before it (frozen: set once, here)."""
+        if not self.shard_gradients:
+            return
+        if self.update_by_segment is False:
+            raise ValueError(
+                "Strategy shard_gradients=True reduce-scatters each segment of the backward as "
+                "it is made, but update_by_segment=False asks for a stage that is not cut into "
+                "segments; drop update_by_segment=False, or use shard_optimizer=True alone."
+            )
+        object.__setattr__(self, "shard_optimizer", True)
 
     def _check_schedule(self) -> None:
         if self.schedule not in SCHEDULES:

@@ -16,7 +16,12 @@ from hyparflow import _keras
 from hyparflow.comm.topology import Topology
 from hyparflow.data.batches import GlobalBatch
 from hyparflow.engine import events
-from hyparflow.engine.gradients.path import BySegmentPath, WholePath, build_gradient_path
+from hyparflow.engine.gradients.path import (
+    BySegmentPath,
+    SegmentHooks,
+    WholePath,
+    build_gradient_path,
+)
 from hyparflow.engine.gradients.sync import GradientSync
 from hyparflow.engine.gradients.update import Update
 from hyparflow.engine.sharded_optimizer.sharded_update import ShardedUpdate
@@ -150,7 +155,8 @@ def test_a_gradient_path_steps_the_optimizer_as_keras_does(sharded):
     )
     assert isinstance(path, WholePath)
     assert path.sharded is zero and path.application is (zero or update)
-    assert path.begin(check_numerics=True) is None  # no overlap: nothing to call per segment
+    # no overlap: nothing to call per segment
+    assert path.begin(check_numerics=True) == SegmentHooks(None, None)
     penalty = float(sum(model.losses))  # of the weights the step's forward saw
     losses = walk.run(walk.microbatches(_batch(x, y)), BATCH, train=True)
     assert path.finish(losses, check_numerics=True) == pytest.approx(penalty, rel=1e-6)
@@ -164,11 +170,12 @@ class _SegmentUpdateDouble:
     def __init__(self, usable):
         self._usable, self.calls = usable, []
 
-    def usable(self):
-        return self._usable
+    def serves(self, check_numerics):
+        return self._usable and not check_numerics
 
     def begin(self):
         self.calls.append("begin")
+        return SegmentHooks(last=self.on_segment_done)
 
     def on_segment_done(self, j):
         self.calls.append(j)
@@ -184,6 +191,7 @@ class _WholeDouble:
 
     def begin(self, check_numerics):
         self.calls.append(("begin", check_numerics))
+        return SegmentHooks()
 
     def finish(self, losses, check_numerics):
         self.calls.append(("finish", check_numerics))
@@ -196,13 +204,13 @@ def test_the_segment_path_serves_the_steps_it_can_and_hands_the_others_to_the_wh
 ):
     segments, whole = _SegmentUpdateDouble(usable), _WholeDouble()
     path = BySegmentPath(segments, whole)
-    hook = path.begin(check_numerics)
+    hooks = path.begin(check_numerics)
     result = path.finish([], check_numerics)
     if usable and not check_numerics:
-        assert hook == segments.on_segment_done and result == 0.5
+        assert hooks.last == segments.on_segment_done and result == 0.5
         assert segments.calls == ["begin", "finish"] and whole.calls == []
     else:
-        assert hook is None and result == 1.5 and segments.calls == []
+        assert hooks == SegmentHooks() and result == 1.5 and segments.calls == []
         assert whole.calls == [("begin", check_numerics), ("finish", check_numerics)]
 
 

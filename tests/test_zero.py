@@ -129,9 +129,20 @@ def test_the_strategy_field_is_checked_and_shown():
         hf.Strategy(shard_optimizer="yes")
 
 
+def test_sharded_gradients_imply_a_sharded_optimizer_and_refuse_whole_stages():
+    strategy = hf.Strategy("data", shard_gradients=True)
+    assert strategy.shard_optimizer and strategy.resolve(4).shard_optimizer
+    assert "shard_gradients=True" in repr(strategy)
+    with pytest.raises(ValueError, match="shard_gradients=1 must be True or False"):
+        hf.Strategy(shard_gradients=1)
+    with pytest.raises(ValueError, match="drop update_by_segment=False"):
+        hf.Strategy("data", shard_gradients=True, update_by_segment=False)
+
+
 # --- training under mpirun ----------------------------------------------------------------------
 ZERO = {"shard_optimizer": True}
 ZERO_BY_SEGMENT = {**ZERO, "update_by_segment": True}
+ZERO2 = {"shard_gradients": True}
 TWO_RANKS = [
     Case("wide_mlp", "adam", "data", replicas=2, **ZERO),  # L2, dropout, LayerNorm
     Case("embedding_mlp", "adam", "data", replicas=2, **ZERO),  # a table kept whole
@@ -142,6 +153,12 @@ TWO_RANKS = [
     # under loss scaling the same segment layout updates after the backward
     Case("wide_mlp", "adam", "data", replicas=2, **ZERO_BY_SEGMENT),
     Case("wide_mlp", "adam", "data", replicas=2, policy="mixed_float16", **ZERO_BY_SEGMENT),
+    # ZeRO-2: every micro-batch's backward reduce-scatters each segment; stepped by segment,
+    # or after the backward where loss scaling or global clipping waits for every slice
+    Case("wide_mlp", "adam", "data", replicas=2, microbatches=2, **ZERO2),
+    Case("wide_mlp", "adam+globalclip", "data", replicas=2, microbatches=2, **ZERO2),
+    Case("wide_mlp", "adam", "data", replicas=2, policy="mixed_float16", **ZERO2),
+    Case("embedding_mlp", "adam", "data", replicas=2, **ZERO2),  # not cut: as ZeRO-1
 ]
 FOUR_RANKS = [
     two_by_two("wide_mlp", "adam", microbatches=2, schedule="1f1b", **ZERO),
@@ -150,6 +167,9 @@ FOUR_RANKS = [
     Case("wide_mlp", "sgd", "data", replicas=4, **ZERO_BY_SEGMENT),
     two_by_two("wide_mlp", "adam", microbatches=2, schedule="zero_bubble", **ZERO),
     two_by_two("wide_mlp", "adam", microbatches=2, schedule="interleaved", **ZERO),
+    two_by_two("wide_mlp", "adam", microbatches=2, schedule="1f1b", **ZERO2),
+    Case("wide_mlp", "adam+globalclip", "data", replicas=4, microbatches=2, **ZERO2),
+    Case("wide_mlp", "adam", "data", replicas=2, tensor=2, **ZERO2),  # not cut: as ZeRO-1
 ]
 
 
@@ -185,12 +205,17 @@ def _check(case: Case, results: list) -> None:
         assert step["reduce_scatter"] == step["allgather"], where
         padding = 8 * case.replicas * r["groups"]  # a slice's padding per flat vector
         assert abs(2 * step["allgather"] - r["allreduce_bytes"]) <= padding, where
-        assert r["sent_bytes"] == r["steps"] * 2 * step["allgather"], where
-        if case.update_by_segment:  # cut into segments, each updated inside the backward but under
-            # loss scaling (one finite check of every gradient first)
+        cut = case.model == "wide_mlp" and case.tensor == 1  # no tables, no tensor shards
+        assert r["shards_gradients"] == (case.shard_gradients and cut), where
+        # ZeRO-2 reduce-scatters every micro-batch's gradients, ZeRO-1 the step's sums
+        scatters = r["backwards"] if r["shards_gradients"] else r["steps"]
+        assert r["sent_bytes"] == (scatters + r["steps"]) * step["allgather"], where
+        if case.update_by_segment or r["shards_gradients"]:  # cut into segments, each updated
+            # inside the backward but where the step waits for every gradient (loss scaling,
+            # global clipping: the latter reads the whole gradient under update_by_segment)
             assert r["groups"] >= 2, where
-            scaled = case.policy == "mixed_float16"
-            assert (r["segment_updates"] > 0) != scaled, (where, r["segment_updates"])
+            waits = case.policy == "mixed_float16" or "globalclip" in case.optimizer
+            assert (r["segment_updates"] > 0) != waits, (where, r["segment_updates"])
 
 
 @pytest.mark.mpi

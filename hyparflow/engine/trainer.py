@@ -333,7 +333,9 @@ def _gradient_facts(setting: Setting, variables, layout, shared_across_stages: b
         shared_across_stages=shared_across_stages,
         tables=len(variables.sparse),
         rows_classified=setting.row_kinds.complete,
-        segments=1 if whole else segment_count(strategy, setting.model, variables.all),
+        segments=1
+        if whole
+        else segment_count(strategy, setting.model, variables.all, setting.topology.num_replicas),
         tensor_split=sharded_layers.tensor is not None,
         expert_split=sharded_layers.experts is not None,
     )
@@ -381,7 +383,13 @@ def _build_gradient_parts(setting: Setting, variables, runner, form, shared, ove
     if form.update_per_segment:
         replicas = topology.stage_comm if topology.num_replicas > 1 else None
         segment_update = SegmentUpdate(
-            update, runner, overlap, replicas=replicas, guard=guard, sharded=sharded
+            update,
+            runner,
+            overlap,
+            replicas=replicas,
+            guard=guard,
+            sharded=sharded,
+            scatter_each_backward=sharded is not None and setting.strategy.shard_gradients,
         )
     return gradient_sync, update, sharded, segment_update
 
@@ -413,6 +421,13 @@ class Trainer:
         )
         self._replica_metrics = ReplicaMetrics(model, self.topology.stage_comm)
         self._log_root = self.topology.grid.rank_of(self.topology.num_stages - 1, 0)
+
+    @property
+    def shards_gradients(self) -> bool:
+        """Whether this stage keeps only its slice of the gradients (ZeRO-2): cut into
+        segments, each reduce-scattered as every backward makes it."""
+        segment_update = self.parts.segment_update
+        return segment_update is not None and segment_update.scatters
 
     @property
     def is_last(self) -> bool:
@@ -475,14 +490,15 @@ class Trainer:
         parts = self.parts
         microbatches = self._microbatches(batch, training=True)
         parts.output_losses.begin(batch.size)
-        on_segment_done = parts.gradient_path.begin(self.check_numerics)
+        hooks = parts.gradient_path.begin(self.check_numerics)
         with parts.spans.step(batch.size, len(microbatches)):
             losses = parts.walk.run(
                 microbatches,
                 batch.size,
                 train=True,
                 loss_scale=parts.update.loss_scale(),
-                on_segment_done=on_segment_done,
+                on_segment_done=hooks.last,
+                on_earlier_segment=hooks.earlier,
             )
             reg_value = parts.gradient_path.finish(losses, self.check_numerics)
         self._track_loss(losses, reg_value, self._added_total())

@@ -55,7 +55,17 @@ def run(case: Case) -> dict:
         "groups": len(zero.groups) if zero else 0,
         # segments updated inside the backward (update_by_segment), all steps
         "segment_updates": getattr(trainer.parts.segment_update, "early_updates", None),
+        "shards_gradients": trainer.shards_gradients,
+        "backwards": _backwards(len(x), batch_size, epochs, trainer.strategy),
     }
+
+
+def _backwards(samples: int, batch_size: int, epochs: int, strategy) -> int:
+    """Each replica's backwards in the fit: a step's micro-batches, fewer in a last batch
+    smaller than micro-batches x replicas (`PipelineWalk.microbatches`)."""
+    sizes = [min(batch_size, samples - start) for start in range(0, samples, batch_size)]
+    per_step = [max(1, min(strategy.microbatches, size // strategy.replicas)) for size in sizes]
+    return epochs * sum(per_step)
 
 
 def refusals() -> dict:

@@ -17,17 +17,24 @@ The trainer's step calls `begin` and `finish` and has no branch per path.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from hyparflow.engine import events
+
+
+class SegmentHooks(NamedTuple):
+    """What the walk calls with j after segment j of a segmented stage's backward: `last` in
+    the step's last backward, `earlier` in the others (None: nothing)."""
+
+    last: Callable[[int], None] | None = None
+    earlier: Callable[[int], None] | None = None
 
 
 class GradientPath(Protocol):
     """What a training step asks of its gradient path."""
 
-    def begin(self, check_numerics: bool) -> Callable[[int], None] | None:
-        """Start a step; return what the walk calls after each segment of the step's last
-        backward (None: nothing)."""
+    def begin(self, check_numerics: bool) -> SegmentHooks:
+        """Start a step; return what the walk calls as each segment of a backward ends."""
         ...
 
     def finish(self, losses, check_numerics: bool) -> float:
@@ -48,8 +55,8 @@ class WholePath:
         self.application = update if sharded is None else sharded
         self._span, self._guard, self._step = span, guard, step
 
-    def begin(self, check_numerics: bool):
-        return self.gradient_sync.on_segment_done
+    def begin(self, check_numerics: bool) -> SegmentHooks:
+        return SegmentHooks(last=self.gradient_sync.on_segment_done)
 
     def finish(self, losses, check_numerics: bool) -> float:
         with (
@@ -78,12 +85,11 @@ class BySegmentPath:
         self.segment_update, self.whole = segment_update, whole
         self._active = False
 
-    def begin(self, check_numerics: bool):
-        self._active = not check_numerics and self.segment_update.usable()
+    def begin(self, check_numerics: bool) -> SegmentHooks:
+        self._active = self.segment_update.serves(check_numerics)
         if not self._active:
             return self.whole.begin(check_numerics)
-        self.segment_update.begin()
-        return self.segment_update.on_segment_done
+        return self.segment_update.begin()
 
     def finish(self, losses, check_numerics: bool) -> float:
         if not self._active:

@@ -21,6 +21,7 @@ from hyparflow import deferred
 from hyparflow.comm.allreduce import GradientReducer
 from hyparflow.engine.gradients.flat import FlatLayout
 from hyparflow.engine.gradients.form import segments_for
+from hyparflow.engine.gradients.path import SegmentHooks
 from hyparflow.engine.gradients.update import applies_per_variable
 from hyparflow.engine.gradients.update_plan import plan_segment, update_groups
 from hyparflow.engine.weights import nbytes
@@ -54,9 +55,24 @@ class SegmentUpdate:
     each segment's gradients reduce-scattered, this replica's slice of it stepped, its parameters
     all-gathered, so no rank holds more than one segment's gradients or more than its slice of
     the optimizer state (the reduce-scatter sums them over the replicas).
+    `scatter_each_backward` (ZeRO-2, `Strategy.shard_gradients`; needs `sharded`): every
+    micro-batch's backward, not only the last, reduce-scatters each part as soon as it is
+    made and adds it to this replica's slices, so the stage never holds more than one
+    segment's gradients besides its slices. Steps whose update waits for every gradient
+    (loss scaling, global clipping) then step the slices after the backward
+    (`ShardedUpdate.apply_received`); the others step each part at the last backward.
     """
 
-    def __init__(self, update, runner, overlap, replicas=None, guard=None, sharded=None):
+    def __init__(
+        self,
+        update,
+        runner,
+        overlap,
+        replicas=None,
+        guard=None,
+        sharded=None,
+        scatter_each_backward=False,
+    ):
         self.update = update
         self.runner = runner
         self.segment_positions = segment_positions(update.variables, overlap)
@@ -66,6 +82,11 @@ class SegmentUpdate:
             if theirs != [sorted(part) for part in self.segment_positions]:
                 raise ValueError("the ShardedUpdate was not built over this SegmentUpdate's parts")
         self.sharded = sharded
+        if scatter_each_backward and sharded is None:
+            raise ValueError("scatter_each_backward reduce-scatters into a ShardedUpdate's slices")
+        self.scatters = scatter_each_backward
+        self._received: dict[int, list] = {}  # ZeRO-2: part -> this replica's summed slices
+        self._immediate = True  # whether each part is stepped at the last backward
         summed = replicas is None or sharded is not None
         self._reducer = None if summed else GradientReducer(replicas, op="sum")
         self._guard = guard or (lambda operation: contextlib.nullcontext())
@@ -88,12 +109,25 @@ class SegmentUpdate:
             self._usable_for = (optimizer, ok)
         return self._usable_for[1]
 
-    def begin(self) -> None:
+    def serves(self, check_numerics: bool) -> bool:
+        """Whether a step runs by segment: never with a finite check (it reads every gradient
+        first); under ZeRO-2 in every other step (what waits for every gradient waits for the
+        slices), else where the optimizer can update in parts (`usable`)."""
+        if check_numerics or not self.update.variables:
+            return False
+        return self.scatters or self.usable()
+
+    def begin(self) -> SegmentHooks:
         """Before the step: its optimizer step and the regularization of the weights as they
-        are (Keras's loss adds it before any update)."""
+        are (Keras's loss adds it before any update); the walk's hooks."""
         self._step = int(self.update.model.optimizer.iterations.numpy())
         self._regularization = self.update.local_regularization()
         self._applied = set()
+        self._immediate = self.usable()
+        self._received = {}
+        return SegmentHooks(
+            last=self.on_segment_done, earlier=self.on_earlier_segment if self.scatters else None
+        )
 
     def on_segment_done(self, j: int) -> None:
         """The last backward finished segment j: apply the variables now final."""
@@ -101,7 +135,15 @@ class SegmentUpdate:
         k = self._part_after.get(j)
         if k is not None and k not in self._applied:
             self._apply(k)
-            self.early_updates += 1
+            self.early_updates += self._immediate
+
+    def on_earlier_segment(self, j: int) -> None:
+        """ZeRO-2, a backward before the step's last finished segment j: its part's gradients
+        so far reduce-scattered into this replica's slices and let go."""
+        self.runner.collect(j)
+        k = self._part_after.get(j)
+        if k is not None:
+            self._scatter(k)
 
     def finish(self) -> float:
         """Apply what is left; return the model's regularization (collective over the
@@ -110,9 +152,31 @@ class SegmentUpdate:
             if k not in self._applied:
                 self._apply(k)
         self.runner.reset()
+        if not self._immediate:  # ZeRO-2 stepping every slice at once
+            received, self._received = self._received, {}
+            return self.sharded.apply_received([r for k in sorted(received) for r in received[k]])
         return self.update.sum_over_pipeline(self._regularization)
 
+    def _scatter(self, k: int) -> None:
+        """ZeRO-2: part k's gradients collected so far reduce-scattered (let go here) and
+        added to this replica's slices of it."""
+        positions = self.segment_positions[k]
+        variables = self.update.variables
+        grads = {i: self.runner.take(variables[i]) for i in positions}
+        received = self.sharded.scatter_segment(k, grads)
+        if k not in self._received:
+            self._received[k] = received
+            return
+        for total, more in zip(self._received[k], received, strict=True):
+            total += more
+
     def _apply(self, k: int) -> None:
+        self._applied.add(k)
+        if self.scatters:
+            self._scatter(k)
+            if self._immediate:
+                self.sharded.step_segment(k, self._received.pop(k), self._step)
+            return
         positions = self.segment_positions[k]
         variables = self.update.variables
         grads = [self.runner.take(variables[i]) for i in positions]
@@ -122,7 +186,6 @@ class SegmentUpdate:
             if self._reducer is not None:
                 grads = self._summed(grads, positions)
             self.update.run(self._plans[k], grads, step=self._step)
-        self._applied.add(k)
 
     def _summed(self, grads: list, positions: list[int]) -> list:
         """`grads` summed over the replicas: concatenated into one fresh flat tensor (which
@@ -146,12 +209,13 @@ def _segment_plan(variables: list, positions: list[int]):
     return plan_segment([[positions[j] for j in group] for group in groups])
 
 
-def segment_count(strategy, model, variables) -> int:
+def segment_count(strategy, model, variables, replicas: int = 1) -> int:
     """How many segments the stage's update runs in (Strategy.update_by_segment; by default
-    segments only for hf.scope() models, which put memory first)."""
+    segments only for hf.scope() models, which put memory first; at least 2 where ZeRO-2
+    reduce-scatters them over `replicas`)."""
     asked = strategy.update_by_segment
     count = segments_for(sum(nbytes(v) for v in variables))
-    if asked is True:
+    if asked is True or (strategy.shard_gradients and replicas > 1):
         return max(2, count)
     if asked is False or not deferred.built_in_scope(model):
         return 1

@@ -209,8 +209,7 @@ class ShardedUpdate:
         slices = []
         for group in self.groups:
             views = [np.asarray(local[i]).reshape(-1) for i in group.positions]  # no copies
-            received = self._reduce_scatter(group, views)
-            slices.append(tf.cast(tf.constant(received), group.dtype))
+            slices.append(_as_slice(self._reduce_scatter(group, views), group))
         local = views = None  # the gradients' memory can go
         self.sent_bytes += self.step_bytes["reduce_scatter"]
         return SliceGradients(kept, slices, tables, experts)
@@ -446,19 +445,42 @@ class ShardedUpdate:
     def apply_segment(self, k: int, grads: dict, step: int) -> None:
         """Segment k's update as soon as the last backward has finished it (`SegmentUpdate`):
         its gradients (`grads`, position -> gradient, let go here) reduce-scattered, then
-        `Update.run` of `plan_segment`: its regularization added, this replica's slices stepped
-        at optimizer step `step`, the new parameters all-gathered. Collective over the
-        replicas. Only where no step-wide decision waits for every gradient: no loss scaling
-        and no global clipping (`SegmentUpdate.usable`), no tables (never cut into segments)."""
-        slices = []
+        `step_segment`. Collective over the replicas. Only where no step-wide decision waits
+        for every gradient: no loss scaling and no global clipping (`SegmentUpdate.usable`),
+        no tables (never cut into segments)."""
+        self.step_segment(k, self.scatter_segment(k, grads), step)
+
+    def scatter_segment(self, k: int, grads: dict) -> list[np.ndarray]:
+        """This replica's slices of segment k's gradients (`grads`, position -> gradient, let
+        go here) summed over the replicas, one array per dtype group in the reduction dtype
+        (collective)."""
+        received = []
         for group in self.segments[k]:
             views = [np.asarray(grads.pop(i)).reshape(-1) for i in group.positions]
-            received = self._reduce_scatter(group, views)
+            received.append(self._reduce_scatter(group, views))
             views = None  # the segment's gradients can go
-            slices.append(tf.cast(tf.constant(received), group.dtype))
             self.sent_bytes += group.reduce_scatter_bytes
+        return received
+
+    def step_segment(self, k: int, received: list, step: int) -> None:
+        """`Update.run` of segment k's `plan_segment` on its slices `received` (let go here):
+        its regularization added, this replica's slices stepped at optimizer step `step`, the
+        new parameters all-gathered."""
+        slices = [_as_slice(r, g) for g, r in zip(self.segments[k], received, strict=True)]
+        received.clear()
         plan = plan_segment([self._segment_indices[k]])
         self.update.run(plan, slices, target=self, step=step)
+
+    def apply_received(self, received: list) -> float:
+        """ZeRO-2's update after the backward: this replica's slices of every group
+        (`received`, in `groups` order, as `scatter_segment` gave them; let go here) stepped
+        as `apply` steps a step's (collective). Stages cut into segments have no tables or
+        expert shards."""
+        if self.tables or self.experts:
+            raise ValueError("slices received by segment leave out tables and expert shards")
+        slices = [_as_slice(r, g) for g, r in zip(self.groups, received, strict=True)]
+        received.clear()
+        return self.apply(slices)
 
     def build_optimizer(self) -> None:
         """Build the model's optimizer for the slice variables (once per optimizer object)."""
@@ -473,6 +495,11 @@ class ShardedUpdate:
             )
         optimizer.build(self._targets())
         self._built_for = optimizer
+
+
+def _as_slice(received: np.ndarray, group: _DtypeSlice):
+    """A group's received sums as a tensor of its variables' dtype."""
+    return tf.cast(tf.constant(received), group.dtype)
 
 
 def _positions_in_order(lists: list[list]) -> list[list[int]]:

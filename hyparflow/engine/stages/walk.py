@@ -134,12 +134,14 @@ class PipelineWalk:
         predict=False,
         loss_scale=1.0,
         on_segment_done=None,
+        on_earlier_segment=None,
     ):
         """Walk this stage's actions for the micro-batches; return the last stage's results.
 
         `loss_scale` multiplies every training micro-batch's loss weight (at every stage:
         losses added in an earlier stage are scaled like the last stage's);
-        `on_segment_done(j)`, if given, runs after each segment of the step's last backward.
+        `on_segment_done(j)`, if given, runs after each segment of the step's last backward,
+        `on_earlier_segment(j)` after each segment of every other backward.
         """
         if not microbatches:
             return []
@@ -147,9 +149,10 @@ class PipelineWalk:
         step.loss_scale = loss_scale
         actions = self._stage_actions(train, len(microbatches))
         backwards = [a.microbatch for a in actions if a.kind is ActionKind.BACKWARD]
-        if backwards and on_segment_done is not None:
+        if backwards:
             # the step's last backward: every gradient of this stage is final after it
-            step.on_segment_done = (backwards[-1], on_segment_done)
+            step.last_backward = backwards[-1]
+            step.on_segment_done, step.on_earlier_segment = on_segment_done, on_earlier_segment
         for action in actions:
             step.act(action)
         step.complete_sends()
@@ -248,7 +251,9 @@ class _Step:
     (the walk's order); each kind of action has its method."""
 
     loss_scale = 1.0
-    on_segment_done: tuple | None = None  # (micro-batch of the step's last backward, callback)
+    last_backward: int | None = None  # the micro-batch of the step's last backward
+    on_segment_done = None  # after each segment of the last backward
+    on_earlier_segment = None  # after each segment of the other backwards
 
     def __init__(self, walk: PipelineWalk, microbatches, global_size: int, *, train, predict):
         self.walk, self.microbatches, self.global_size = walk, microbatches, global_size
@@ -349,13 +354,15 @@ class _Step:
             return self.posted.pop((c, direction, k)).wait(self.microbatches[k].size)
 
     def backward(self, k: int, c: int) -> None:
-        """Micro-batch `k`'s backward through chunk `c`; after the step's last one,
-        `on_segment_done` (as for `PipelineWalk.run`) runs as each segment finishes."""
+        """Micro-batch `k`'s backward through chunk `c`; `on_segment_done` (the step's last)
+        or `on_earlier_segment` (the others; as for `PipelineWalk.run`) runs as each segment
+        finishes."""
         walk, chunk = self.walk, self.walk.chunks[c]
         grads = self.held.pop((ActionKind.BACKWARD, k, c), None)  # None at the model's end
+        hook = self.on_segment_done if k == self.last_backward else self.on_earlier_segment
         with walk.span(events.BACKWARD, k):
-            if self.on_segment_done is not None and self.on_segment_done[0] == k:
-                input_grads = chunk.runner.backward(k, grads, self.on_segment_done[1])
+            if hook is not None:
+                input_grads = chunk.runner.backward(k, grads, hook)
             else:
                 input_grads = chunk.runner.backward(k, grads)
         if not chunk.is_first:
