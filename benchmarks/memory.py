@@ -40,6 +40,9 @@ LAYOUTS = [
     "1,2,1,zero",
     "1,4,1,zero",
     "1,4,1,zero,scope",
+    "1,2,1,zero2",
+    "1,4,1,zero2",
+    "1,4,1,zero2,scope",
     "2,1,2",
     "2,1,2,scope",
 ]
@@ -50,7 +53,8 @@ def label(spec: str) -> str:
     """ "2,1,2,scope" as "P=2 x T=2, hf.scope()"."""
     p, r, t, *flags = spec.split(",")
     axes = [f"{a}={n}" for a, n in zip("PRT", (p, r, t), strict=True) if int(n) > 1]
-    extra = [name for flag, name in (("zero", "ZeRO-1"), ("scope", "hf.scope()")) if flag in flags]
+    named = (("zero", "ZeRO-1"), ("zero2", "ZeRO-2"), ("scope", "hf.scope()"))
+    extra = [name for flag, name in named if flag in flags]
     return ", ".join([" x ".join(axes) or "one process", *extra])
 
 

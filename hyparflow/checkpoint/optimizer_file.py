@@ -31,18 +31,18 @@ def whole_optimizer(model, state):
     return whole
 
 
-def save_whole_state(optimizer, model, state: dict) -> None:
-    """Make `optimizer` write the whole optimizer state `state` (whole entries, taken over)
-    into every file Keras saves (`model.save`, `save_weights`, ModelCheckpoint) until it takes
-    another step (then its own variables, as Keras would). The optimizer those files need is
-    built at the first save, not before: a run that saves nothing never pays for it. The
-    method is swapped on this one object; its own variables keep training."""
+def save_whole_state(optimizer, model, read_state) -> None:
+    """Make `optimizer` write the whole optimizer state that `read_state()` gives (whole
+    entries) into every file Keras saves (`model.save`, `save_weights`, ModelCheckpoint) until
+    it takes another step (then its own variables, as Keras would). The state is read and the
+    optimizer those files need built at the first save, not before: a run that saves nothing
+    never pays for them. The method is swapped on this one object; its own variables keep
+    training."""
     built: list = []
 
     def whole():
         if not built:
-            built.append(whole_optimizer(model, state))
-            state.clear()  # the arrays now live in the built optimizer's variables
+            built.append(whole_optimizer(model, read_state()))
         return built[0]
 
     _write_from(optimizer, whole)

@@ -43,6 +43,7 @@ class StageFacts:
     tensor: int = 1
     by_segment: bool = False  # Strategy.update_by_segment as resolved (hf.scope(): True)
     shard_optimizer: bool = False  # ZeRO-1
+    shard_gradients: bool = False  # ZeRO-2: cut into segments, each scattered per micro-batch
 
 
 def segments(facts: StageFacts) -> int:
@@ -55,9 +56,12 @@ def segments(facts: StageFacts) -> int:
         ...                     by_segment=True))
         4
     """
-    if not facts.by_segment or facts.world == 1 or facts.tensor > 1:
+    if facts.world == 1 or facts.tensor > 1:
         return 1
-    return max(1, min(MAX_SEGMENTS, facts.gradient_bytes // SEGMENT_BYTES))
+    count = min(MAX_SEGMENTS, facts.gradient_bytes // SEGMENT_BYTES)
+    if facts.shard_gradients and facts.replicas > 1:
+        return max(2, count)
+    return max(1, count) if facts.by_segment else 1
 
 
 def held_gradients(facts: StageFacts, gradient_bytes: int) -> int:
@@ -77,7 +81,8 @@ def step_buffers(facts: StageFacts, slots: float = 0.0, sharded: bool = False) -
     group's. `sharded` (ZeRO-1, replicas > 1): this replica's slice variables (a slice of the
     stage), and the update of one segment's slice at a time (the stage's where it is not cut),
     whose received sums and their tensor are each that slice's bytes, and parameters broadcast
-    through one variable's buffer.
+    through one variable's buffer. ZeRO-2 (`shard_gradients`) holds one segment's gradients
+    and, over micro-batches, the sums of its slices instead of the whole stage's.
 
     Example:
         >>> step_buffers(StageFacts(400, 2, stages=1, replicas=2, microbatches=1, world=2))
@@ -103,8 +108,11 @@ def step_buffers(facts: StageFacts, slots: float = 0.0, sharded: bool = False) -
     elif flat and facts.replicas > 1:
         # a pipeline stage concatenates its gradients once; the whole model in buckets
         buffers["flat gradients"] = g if pipelined else min(g, BUCKET_BYTES)
+    zero2 = facts.shard_gradients and facts.replicas > 1 and segments(facts) > 1
     if facts.microbatches > 1:
-        buffers["gradient sum"] = g  # the running sum beside the micro-batch's gradients
+        # the running sum beside the micro-batch's gradients; ZeRO-2 sums this replica's
+        # slices, each segment scattered into them as it is made
+        buffers["gradient sum"] = held_gradients(facts, g) + -(-g // facts.replicas) if zero2 else g
     if sharded and facts.replicas > 1:
         # the update of one segment's slice (the whole stage's where it is not cut)
         part = -(-held_gradients(facts, g) // facts.replicas)
@@ -140,17 +148,17 @@ def exchange_buffers(owned_bytes: list[int], stage: int, largest: int = 0, items
 
 def saving_buffers(held_bytes: int, group_bytes: int, root: bool) -> dict[str, int]:
     """Named bytes of gathering the whole optimizer state on rank 0 after a split fit, so that
-    its saved files carry it (engine/loops/optimizer_gather.py): the slots a rank copies out and
-    sends (`held_bytes`), or on rank 0 every rank's (the whole state), plus one group of raw
-    bytes in transit.
+    its saved files carry it (engine/loops/optimizer_gather.py): the slots a rank copies out
+    (`held_bytes`) and sends, or on rank 0 writes to its disk with every other rank's as they
+    arrive (checkpoint/spill.py), plus one group of raw bytes in transit.
 
     Example:
         >>> saving_buffers(2000, 300, root=True), saving_buffers(0, 300, root=False)
-        ({'optimizer gathered for saving': 2300}, {})
+        ({'optimizer spilled for saving': 2300}, {})
     """
     if not held_bytes:
         return {}
-    name = "optimizer gathered for saving" if root else "optimizer sent for saving"
+    name = "optimizer spilled for saving" if root else "optimizer sent for saving"
     return {name: held_bytes + group_bytes}
 
 

@@ -206,6 +206,7 @@ def _stage_facts(shared: _Shared, trainable, layout) -> buffers.StageFacts:
         tensor=t,
         by_segment=shared.by_segment,
         shard_optimizer=getattr(resolved, "shard_optimizer", False),
+        shard_gradients=getattr(resolved, "shard_gradients", False),
     )
 
 
@@ -217,7 +218,9 @@ def _label(resolved) -> str:
     )
     if resolved.recompute:
         label += ", recompute"
-    if getattr(resolved, "shard_optimizer", False):
+    if getattr(resolved, "shard_gradients", False):
+        label += ", sharded optimizer and gradients"
+    elif getattr(resolved, "shard_optimizer", False):
         label += ", sharded optimizer"
     if getattr(resolved, "experts", 1) > 1:
         label += f", experts over {resolved.experts} replicas"
@@ -261,15 +264,14 @@ def _saving(model, slots: float, strategy, world: int):
     sharded = bool(getattr(strategy, "shard_optimizer", False))
     split = strategy.partitions * strategy.tensor > 1 or sharded
     trainable = [_nbytes(v) for v in model.trainable_variables]
-    whole = counts.optimizer_bytes(sum(trainable), slots)
+    whole = counts.optimizer_bytes(sum(trainable), slots)  # a group is at most all of it
     group = int(min(max(max(trainable, default=0) * slots, buffers.BUCKET_BYTES), whole))
 
     def sent(rank: int, replica: int, own: int) -> dict[str, int]:
         if world == 1 or not split:
             return {}
-        if rank == 0:
-            return buffers.saving_buffers(whole, group, root=True)
-        return buffers.saving_buffers(own if replica == 0 or sharded else 0, group, root=False)
+        writes = own if replica == 0 or sharded else 0  # the first replica writes the slots
+        return buffers.saving_buffers(writes, group, root=rank == 0)
 
     return sent
 

@@ -43,7 +43,7 @@ def data():
 
 def layout(spec: str) -> hf.Strategy:
     """ "P,R,T[,flags]" as the Strategy hf.fit trains with; flags: "zero" (the optimizer's
-    state sharded over the replicas, ZeRO-1), "params" (stages
+    state sharded over the replicas, ZeRO-1), "zero2" (its gradients too), "params" (stages
     balanced by parameters), "scope" (built under hf.scope(), see `measure`), "segment"
     (`update_by_segment=True`; "whole": False), "interleaved" (two model chunks a stage, 4
     micro-batches)."""
@@ -59,6 +59,7 @@ def layout(spec: str) -> hf.Strategy:
         tensor=int(t),
         balance=balance,
         shard_optimizer="zero" in flags,
+        shard_gradients="zero2" in flags,
         update_by_segment=by_segment,
         **chunked,
     )
@@ -80,7 +81,7 @@ def measure(spec: str, shape: str, optimizer: str = "adam") -> dict:
     plan = hf.memory_plan(model, strategy, batch_size=BATCH)
     line = plan.ranks[hf.rank()]
     trainer = getattr(model, "_hyparflow_trainer", (None, None))[1]  # none in one process
-    zero = getattr(trainer, "zero", None)
+    zero = None if trainer is None else trainer.parts.sharded_update
     sent = (
         {}
         if zero is None

@@ -3,20 +3,25 @@
 Each stage's optimizer holds the slots of the variables it updates: its own stage's, its
 tensor pieces (joined along their axis, as the weights are), its ZeRO slices (joined into
 whole slots). Every rank sends its entries, keyed as its checkpoint file keys them, to rank 0
-in groups of `BROADCAST_GROUP_BYTES`; rank 0 keeps them, and the model's optimizer writes them
-into `model.save` and friends through an optimizer built for the whole model at the first save
+in groups of `BROADCAST_GROUP_BYTES`; rank 0 writes them to its disk as they arrive
+(checkpoint/spill.py), so no rank holds the whole optimizer state in memory at the end of a
+fit. At the first save the model's optimizer reads them back, joined, into an optimizer built
+for the whole model, and writes that into `model.save` and friends
 (checkpoint/optimizer_file.py). Data parallelism without ZeRO needs nothing: each replica's
 optimizer is already the whole one.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 from keras import callbacks as keras_callbacks
 
 from hyparflow.checkpoint.optimizer_file import drop_whole_state, save_whole_state
+from hyparflow.checkpoint.spill import Spill
 from hyparflow.checkpoint.state import join_shards, optimizer_state, written_pieces
-from hyparflow.engine.weights import byte_groups
+from hyparflow.engine.weights import byte_groups, nbytes
 
 _TAG = 3939  # point-to-point tag of the entries on the world communicator
 
@@ -77,17 +82,22 @@ class OptimizerGather:
             return
         self.gathered_at = trainer.step
         world, guard = trainer.topology.world, trainer.guard
-        entries = _gather(local_entries(trainer.stage_state), world, guard)
-        if entries is None:
+        spill = _gather(local_entries(trainer.stage_state), world, guard)
+        if spill is None:
             return
         optimizer = trainer.model.optimizer
         drop_whole_state(optimizer)  # the last one goes before the new one is kept
-        save_whole_state(optimizer, trainer.model, join_shards(entries))
+
+        def read_state() -> dict:  # at the first save; the spill's file lives until then
+            return join_shards(spill.arrays())
+
+        save_whole_state(optimizer, trainer.model, read_state)
 
 
-def _gather(entries: dict, comm, guard) -> dict | None:
-    """Every rank's `entries` on rank 0 (None elsewhere): their keys, shapes and dtypes in one
-    small gather, then the raw bytes, group by group."""
+def _gather(entries: dict, comm, guard) -> Spill | None:
+    """Every rank's `entries` in a `Spill` on rank 0's disk (None elsewhere): their keys,
+    shapes and dtypes in one small gather, then the raw bytes, group by group, each written as
+    it arrives (equal entries from several ranks, the step counter, are read back once)."""
     keys = list(entries)
     with guard("gather optimizer state", peer=0):
         specs = comm.gather([(k, entries[k].shape, entries[k].dtype.str) for k in keys], root=0)
@@ -97,17 +107,32 @@ def _gather(entries: dict, comm, guard) -> dict | None:
             with guard("send optimizer state", peer=0):
                 comm.Send(flat, dest=0, tag=_TAG)
         return None
-    merged = dict(entries)
+    spill = Spill()
+    for key in keys:
+        spill.write(key, entries.pop(key))
     for source, spec in enumerate(specs[1:], start=1):
-        arrays = [np.empty(shape, dtype) for _, shape, dtype in spec]
-        for group in byte_groups(arrays):
-            flat = np.empty(sum(a.nbytes for a in group), np.uint8)
-            with guard("receive optimizer state", peer=source):
-                comm.Recv(flat, source=source, tag=_TAG)
-            offset = 0
-            for a in group:
-                a.reshape(-1).view(np.uint8)[:] = flat[offset : offset + a.nbytes]
-                offset += a.nbytes
-        # equal entries from several ranks (the step counter) are kept once
-        merged.update(zip((key for key, _, _ in spec), arrays, strict=True))
-    return merged
+        _receive(spill, spec, source, comm, guard)
+    return spill
+
+
+def _receive(spill: Spill, spec: list, source: int, comm, guard) -> None:
+    """Rank `source`'s entries (`spec`: key, shape, dtype each), in the sender's groups, into
+    `spill`."""
+    shapes = [_Shape(key, tuple(shape), np.dtype(dtype)) for key, shape, dtype in spec]
+    for group in byte_groups(shapes):
+        flat = np.empty(sum(nbytes(a) for a in group), np.uint8)
+        with guard("receive optimizer state", peer=source):
+            comm.Recv(flat, source=source, tag=_TAG)
+        offset = 0
+        for a in group:
+            size = nbytes(a)
+            spill.write(a.key, flat[offset : offset + size].view(a.dtype).reshape(a.shape))
+            offset += size
+
+
+class _Shape(NamedTuple):
+    """An entry's key, shape and dtype, which `byte_groups` groups as the sender's arrays."""
+
+    key: str
+    shape: tuple
+    dtype: np.dtype
