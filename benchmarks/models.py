@@ -1,4 +1,5 @@
-"""The models the benchmarks train: MLPs of equal layers and CIFAR-style ResNets (He et al.).
+"""The models the benchmarks train: MLPs of equal layers, CIFAR-style ResNets (He et al.) and a
+transformer encoder of dense inputs.
 
 `cifar_resnet(depth)` is the ResNet of He et al. 2016 for 32x32 images, the family of the
 HyPar-Flow paper's ResNet-110 (basic blocks, 6n+2 layers: depth 110 = 18 blocks per stage) and
@@ -117,6 +118,33 @@ def cifar_resnet(
     outputs = layers.Dense(classes, activation="softmax", name="classes")(x)
     model = keras.Model(inputs, outputs, name=f"resnet{depth}")
     model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy")
+    return model
+
+
+def transformer(
+    width: int, depth: int, *, heads: int = 4, positions: int = 32, classes: int = 10, seed=0
+):
+    """A transformer encoder over `positions` dense inputs of `width` features: `depth`
+    pre-norm blocks (self-attention of `heads` heads, a 4x-wide GELU feed-forward, residuals),
+    then mean pooling and a softmax; Adam and sparse cross-entropy. No embedding table, so a
+    stage of it can be cut into segments."""
+    import keras
+
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((positions, width))
+    x = inputs
+    for i in range(depth):
+        h = keras.layers.LayerNormalization(name=f"norm_a{i}")(x)
+        h = keras.layers.MultiHeadAttention(heads, width // heads, name=f"attention_{i}")(h, h)
+        x = keras.layers.Add(name=f"residual_a{i}")([x, h])
+        h = keras.layers.LayerNormalization(name=f"norm_f{i}")(x)
+        h = keras.layers.Dense(4 * width, activation="gelu", name=f"up_{i}")(h)
+        h = keras.layers.Dense(width, name=f"down_{i}")(h)
+        x = keras.layers.Add(name=f"residual_f{i}")([x, h])
+    x = keras.layers.GlobalAveragePooling1D()(x)
+    outputs = keras.layers.Dense(classes, activation="softmax", name="classes")(x)
+    model = keras.Model(inputs, outputs, name=f"transformer_{depth}x{width}")
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
     return model
 
 

@@ -41,6 +41,7 @@ FIGURES = {  # report order: key -> module and its arguments
     "precision": "engine_options --option precision",
     "auto": "auto_choice",
     "moe": "moe_dispatch",
+    "sharding": "sharding",
 }
 # Text-printing benchmarks: (title, script, venv, ranks, arguments).
 OTHERS = [

@@ -41,6 +41,8 @@ def test_every_layout_multiplies_to_the_world_and_splits_the_batch():
     assert {"P1 R4 T1 M1", "P2 R2 T1 M4 1f1b recompute zero", "P1 R1 T4 M1"} <= labels
     assert not any(c.partitions == 1 and c.schedule != "gpipe" for c in layouts)
     assert not any(c.replicas == 1 and c.shard_optimizer for c in layouts)
+    assert "P1 R4 T1 M2 zero2" in labels  # ZeRO-2 implies ZeRO-1, never alone
+    assert all(c.shard_optimizer for c in layouts if c.shard_gradients)
 
 
 def test_microbatches_are_powers_of_two_or_multiples_of_the_stages():
@@ -219,6 +221,20 @@ def test_recompute_costs_a_forward_and_zero_trades_optimizer_time_for_host_copie
     costly = Estimator(costs, SLOW, 64)(Candidate(replicas=2, shard_optimizer=True))
     assert costly.step_seconds == pytest.approx(sharded + 8 * 2**20 * 1e-9)
     assert costly.step_seconds > replicated
+
+
+def test_sharded_gradients_cost_a_reduce_scatter_per_micro_batch():
+    """ZeRO-2 reduce-scatters every micro-batch's gradients, each half an allreduce's bytes:
+    with one micro-batch it costs what ZeRO-1 does, with 4 it adds 3 half allreduces."""
+    estimate = Estimator(_costs(param_bytes=2**20), SLOW, 64)
+    for m in (1, 4):
+        zero = estimate(Candidate(replicas=2, microbatches=m, shard_optimizer=True))
+        zero2 = estimate(
+            Candidate(replicas=2, microbatches=m, shard_optimizer=True, shard_gradients=True)
+        )
+        allreduce = SLOW.gradient_allreduce(8 * 2**20, 2, False, 1)
+        extra = zero2.step_seconds - zero.step_seconds
+        assert extra == pytest.approx((m - 1) / 2 * allreduce, abs=1e-12), m
 
 
 def test_tensor_ranks_are_priced_from_measured_shares_or_refused_with_the_reason():

@@ -46,7 +46,8 @@ NETWORK_REPEATS = 5  # per message size: the probe is a sanity figure, not a ben
 # timings per layer, and per stage step, loss and fused step (the simulator's own: 5 and 9);
 # no plain model.fit baseline: only a one-rank prediction needs it
 TIMING_REPEATS = (3, 3)
-SEARCHED = ("microbatches", "schedule", "recompute", "shard_optimizer")  # besides P, R, T
+# besides P, R, T
+SEARCHED = ("microbatches", "schedule", "recompute", "shard_optimizer", "shard_gradients")
 _PLANS_ATTRIBUTE = "_hyparflow_auto_plans"
 _COSTS_ATTRIBUTE = "_hyparflow_auto_costs"
 UNKNOWN_BATCH = (

@@ -10,7 +10,8 @@ Tensor ranks are priced by `auto.tensor_price`: each rank of a group of T pays 1
 split layers' work and weights, plus the allreduces of their activations, from the
 `TensorShare`s the timing measured (costs measured without them refuse T > 1, saying so).
 ZeRO-1 (`shard_optimizer`) is `predict`'s `sharded_update`: a slice's optimizer step plus the
-host copies and broadcasts it costs. A layout the engine cannot run (a batch that does not
+host copies and broadcasts it costs; ZeRO-2 (`shard_gradients`) adds a reduce-scatter per
+micro-batch. A layout the engine cannot run (a batch that does not
 split, more stages than layers) is refused with the reason, so the search lists it among the
 rejected layouts instead of guessing.
 """
@@ -122,6 +123,7 @@ class Estimator:
                 self.global_batch,
                 self.machine,
                 shard_optimizer=c.shard_optimizer,
+                shard_gradients=c.shard_gradients,
             )
         return self._predictions[c]
 

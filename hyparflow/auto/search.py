@@ -39,8 +39,8 @@ MOST_ACTIONS = 4096
 @dataclass(frozen=True)
 class Candidate:
     """One layout: `partitions` x `replicas` x `tensor` ranks, the pipeline's `microbatches`
-    and `schedule` (interleaved: `virtual_stages` chunks per stage), `recompute` and ZeRO-1
-    (`shard_optimizer`)."""
+    and `schedule` (interleaved: `virtual_stages` chunks per stage), `recompute`, ZeRO-1
+    (`shard_optimizer`) and ZeRO-2 (`shard_gradients`, with `shard_optimizer`)."""
 
     partitions: int = 1
     replicas: int = 1
@@ -49,6 +49,7 @@ class Candidate:
     schedule: str = "gpipe"
     recompute: bool = False
     shard_optimizer: bool = False
+    shard_gradients: bool = False
     virtual_stages: int = 1
 
     @property
@@ -66,7 +67,7 @@ class Candidate:
         if self.recompute:
             parts.append("recompute")
         if self.shard_optimizer:
-            parts.append("zero")
+            parts.append("zero2" if self.shard_gradients else "zero")
         return " ".join(parts)
 
     def strategy_options(self) -> dict:
@@ -81,6 +82,7 @@ class Candidate:
             "schedule": self.schedule,
             "recompute": self.recompute,
             "shard_optimizer": self.shard_optimizer,
+            "shard_gradients": self.shard_gradients,
             "virtual_stages": self.virtual_stages,
         }
 
@@ -92,6 +94,7 @@ class Candidate:
             self.microbatches,
             self.recompute,
             self.shard_optimizer,
+            self.shard_gradients,
             self.virtual_stages,
             self.schedule,
         )
@@ -152,6 +155,10 @@ class SearchResult:
         return f"{verdict.candidate.label()} ({rate:,.0f} samples/s, {held} per rank)"
 
 
+# (shard_optimizer, shard_gradients) of a layout with replicas: none, ZeRO-1, ZeRO-2
+SHARDINGS = ((False, False), (True, False), (True, True))
+
+
 def candidates(
     world: int,
     global_batch: int,
@@ -165,9 +172,9 @@ def candidates(
     calls: P x R x T = `world` with at most one stage per layer, micro-batches that split each
     replica's share evenly (powers of two up to `max_microbatches`, and for pipelines P, 2P,
     4P and 8P, Megatron's advice being m >= 4P, while P x m stays within `MOST_ACTIONS`), each
-    pipeline under every schedule with and without recompute, and replicas with and without
-    ZeRO-1. An interleaved pipeline holds `virtual_stages` chunks a stage (P x v at most one per
-    layer; the engine refuses it with tensor ranks)."""
+    pipeline under every schedule with and without recompute, and replicas without ZeRO, with
+    ZeRO-1 and with ZeRO-2. An interleaved pipeline holds `virtual_stages` chunks a stage
+    (P x v at most one per layer; the engine refuses it with tensor ranks)."""
     found = []
     for partitions, replicas, tensor in _factorizations(world):
         if partitions > layers or global_batch % replicas:
@@ -177,12 +184,12 @@ def candidates(
             _microbatch_counts(global_batch // replicas, partitions, max_microbatches),
             tuple(schedules) if pipelined else ("gpipe",),
             (False, True) if pipelined else (False,),  # recompute
-            (False, True) if replicas > 1 else (False,),  # ZeRO-1
+            SHARDINGS if replicas > 1 else SHARDINGS[:1],
         )
-        for option in options:
+        for *option, sharding in options:
             chunks = virtual_stages if option[1] == "interleaved" else 1
             if chunks == 1 or (partitions * chunks <= layers and tensor == 1):
-                found.append(Candidate(partitions, replicas, tensor, *option, chunks))
+                found.append(Candidate(partitions, replicas, tensor, *option, *sharding, chunks))
     return found
 
 

@@ -91,6 +91,7 @@ def predict(
     starts: list[int] | None = None,
     batch_logs: bool = False,
     shard_optimizer: bool = False,
+    shard_gradients: bool = False,
 ) -> Prediction:
     """Predict one training step of `layout` on `global_batch` samples.
 
@@ -98,7 +99,9 @@ def predict(
     fixes where stages begin (layer indices; default: balanced by time). `batch_logs`: a
     callback reads every batch's logs (verbose=1, `ScalingProfiler`), so after each step the
     last stage reads its metrics out and all ranks agree on the logs and on stopping.
-    `shard_optimizer`: ZeRO-1 over the replicas (`sharded_update`).
+    `shard_optimizer`: ZeRO-1 over the replicas (`sharded_update`); `shard_gradients`: ZeRO-2,
+    whose every micro-batch reduce-scatters its gradients (M reduce-scatters a step, each half
+    an allreduce's bytes, instead of one).
 
     For example:
         p = predict(costs, Network(intra=Link(1e-6, 10e9)), Layout(2, 2, 4), 256)
@@ -133,6 +136,7 @@ def predict(
         network=network,
         replicas=layout.replicas,
         shard_optimizer=shard_optimizer,
+        scatters=layout.microbatches if shard_gradients else 1,
     )
     parts = [
         (finish[s] * straggle, *reduce_and_update(stage, layout.stage_nodes(s) > 1))
@@ -208,12 +212,15 @@ def _reduce_and_update(
     network: Network,
     replicas: int,
     shard_optimizer: bool,
+    scatters: int = 1,
 ):
     """A stage's sum of gradients over its `replicas` (over nodes if it `crosses` them, where
-    `flows` reductions share a node's link) and its optimizer update, in seconds."""
+    `flows` reductions share a node's link) and its optimizer update, in seconds. `scatters`:
+    reduce-scatters a step sends (ZeRO-2: one per micro-batch), each half an allreduce."""
     reduce = network.gradient_allreduce(
         stage.param_bytes, replicas, crosses, flows if crosses else 1
     )
+    reduce *= (1 + scatters) / 2
     if shard_optimizer and replicas > 1:
         return reduce, sharded_update(engine, stage, replicas, network.link(crosses))
     return reduce, engine.optimizer(stage.variables, stage.param_bytes)

@@ -1,0 +1,144 @@
+"""Sharding over replicas at R=2: plain data parallel, ZeRO-1 and ZeRO-2, samples/s and bytes.
+
+Run: .venv/bin/python benchmarks/sharding.py [--quick] [--repeats 5]
+     (starts `mpirun -np 2` itself: one core per rank on a 2-core machine)
+
+Two models, Adam, global batch 128, 2 micro-batches: a transformer encoder of dense inputs
+(`transformer`: 4 blocks of width 256, 4 heads, 32 positions, about 3.2 M parameters; no
+embedding table, so the stage can be cut into segments) and an MLP of 4 x Dense(1024)
+(4.2 M parameters). Each layout trains its own model object in one launch, epochs
+interleaved and the order rotated (`interleaved_epochs`); samples/s over the epochs after
+the first, the ratio to plain data parallel paired by round. Bytes per rank: what the
+optimizer state and the step's gradient sums hold (the gradients a ZeRO-2 rank keeps are its
+slices plus one segment's), and what a rank sends per step.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+from benchmarks.harness import cli  # noqa: E402
+from benchmarks.harness.launch import run_worker, write_result  # noqa: E402
+from benchmarks.harness.records import measurement  # noqa: E402
+from benchmarks.harness.stats import paired_ratios  # noqa: E402
+
+FIGURE = "sharding"
+TITLE = "Sharding over replicas: plain data parallel, ZeRO-1 and ZeRO-2 at R=2"
+MIB = 2**20
+LAYOUTS = {  # name -> Strategy keywords beside `kind="data"`
+    "plain": {},
+    "ZeRO-1": {"shard_optimizer": True},
+    "ZeRO-2": {"shard_gradients": True},
+}
+MODELS = ("transformer", "mlp")
+
+
+def _model(name: str, quick: bool):
+    from benchmarks.models import mlp, transformer
+
+    if name == "mlp":
+        return mlp(128 if quick else 1024, 4, optimizer="adam")
+    return transformer(64 if quick else 256, 2 if quick else 4, heads=4, positions=32)
+
+
+def worker(args) -> None:
+    import keras
+
+    import hyparflow as hf
+    from benchmarks.harness.timing import interleaved_epochs
+    from benchmarks.models import synthetic_data
+
+    keras.config.disable_interactive_logging()
+    strategies = {
+        name: hf.Strategy("data", microbatches=2, tune_process=True, **options)
+        for name, options in LAYOUTS.items()
+    }
+    models = {name: _model(args.model, args.quick) for name in LAYOUTS}
+    x, y = synthetic_data(models["plain"], args.batch_size * args.steps)
+    setups = {name: (models[name], strategies[name]) for name in LAYOUTS}
+    seconds = interleaved_epochs(setups, x, y, args.batch_size, args.repeats)
+    write_result(
+        args.worker_out,
+        hf.rank(),
+        {"seconds": seconds, "bytes": {name: _bytes(models[name]) for name in LAYOUTS}},
+    )
+
+
+def _bytes(model) -> dict:
+    """This rank's optimizer state, gradient sums and bytes sent per step under its layout."""
+    import numpy as np
+
+    trainer = model._hyparflow_trainer[1]
+    sharded = trainer.parts.sharded_update
+    slots = sum(int(np.prod(v.shape)) * 4 for v in model.optimizer.variables if len(v.shape))
+    parameters = sum(int(np.prod(v.shape)) * 4 for v in trainer.variables)
+    if sharded is None:  # the ring allreduce of the whole gradient
+        replicas = trainer.topology.num_replicas
+        sent, kept = 2 * (replicas - 1) * parameters // replicas, parameters
+    else:
+        step = sharded.step_bytes
+        scatters = trainer.strategy.microbatches if trainer.shards_gradients else 1
+        sent = scatters * step["reduce_scatter"] + step["allgather"]
+        slices = sum(g.layout.slice_size * 4 for g in sharded.groups)
+        segment = max(sum(g.layout.length * 4 for g in groups) for groups in sharded.segments)
+        # ZeRO-2: its slices of the sums and one segment's gradients; else the whole gradients
+        kept = slices + segment if trainer.shards_gradients else parameters
+    return {"optimizer": slots, "gradients": kept, "sent": sent, "parameters": parameters}
+
+
+def run(args) -> list[dict]:
+    records = []
+    for name in args.models:
+        quick = ["--quick"] if args.quick else []
+        fixed = [*cli.flags(args, *SHAPE, "repeats"), *quick, "--model", name]
+        ranks = run_worker(__file__, fixed, np=2)
+        records += _records(name, args, ranks[0])
+    return records
+
+
+def _records(name: str, args, result: dict) -> list[dict]:
+    seconds, sizes = result["seconds"], result["bytes"]
+    samples = args.batch_size * args.steps
+    setup = f"{name}, R=2, batch {args.batch_size}, M=2"
+    records = []
+    for layout in LAYOUTS:
+        rate = [samples / s for s in seconds[layout]]
+        records.append(measurement(FIGURE, f"{layout}: samples/s ({setup})", rate, "samples/s"))
+        for what in ("optimizer", "gradients", "sent"):
+            value = sizes[layout][what] / MIB
+            unit = "MiB per step" if what == "sent" else "MiB per rank"
+            label = {"optimizer": "optimizer state", "gradients": "gradients held"}.get(what, what)
+            records.append(measurement(FIGURE, f"{layout}: {label} ({setup})", [value], unit))
+        if layout != "plain":
+            ratio = paired_ratios(seconds["plain"], seconds[layout])
+            records.append(
+                measurement(FIGURE, f"{layout} / plain samples/s ({setup})", ratio, "ratio")
+            )
+    print(
+        f"{name}: "
+        + ", ".join(
+            f"{k} {statistics.median(samples / s for s in seconds[k]):.0f}/s" for k in LAYOUTS
+        ),
+        file=sys.stderr,
+    )
+    return records
+
+
+SHAPE = ("batch_size", "steps")
+
+
+def arguments(argv=None):
+    p = cli.parser(__doc__, repeats=5, batch_size=128, steps=8)
+    p.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    p.add_argument("--model", choices=MODELS, help="worker: the model it trains")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.steps = 2
+    return args
+
+
+if __name__ == "__main__":
+    cli.entry(arguments(), worker, run)
