@@ -128,6 +128,16 @@ def _add_memory_options(memory) -> None:
     memory.add_argument("--schedule", default="gpipe", choices=("gpipe", "1f1b", "zero_bubble"))
     memory.add_argument("--recompute", action="store_true", help="recompute activations")
     memory.add_argument(
+        "--shard-optimizer",
+        action="store_true",
+        help="the optimizer state split over the replicas (ZeRO-1, docs/zero.md)",
+    )
+    memory.add_argument(
+        "--shard-gradients",
+        action="store_true",
+        help="the gradients too, reduce-scattered segment by segment (ZeRO-2)",
+    )
+    memory.add_argument(
         "--optimizer", help="count this optimizer's state (e.g. adam) when the file has none"
     )
 
@@ -237,6 +247,8 @@ def _run_memory_plan(args, placement: list[dict] | None) -> int:
             balance=balance,
             recompute=args.recompute,
             tensor=args.tensor,
+            shard_optimizer=args.shard_optimizer,
+            shard_gradients=args.shard_gradients,
         )
         plan = memory_plan(model, strategy, batch_size=args.batch_size or 32)
     except ValueError as error:

@@ -142,14 +142,50 @@ def test_interleaved_ranks_hold_their_chunks_and_each_chunks_micro_batches():
 
 
 def test_sharded_optimizer_divides_by_replicas():
-    @dataclasses.dataclass(frozen=True)
-    class Zero(hf.Strategy):  # until hf.Strategy has the field
-        shard_optimizer: bool = False
-
     model = _model()
-    plain = hf.memory_plan(model, Zero("data", replicas=4), batch_size=8)
-    zero = hf.memory_plan(model, Zero("data", replicas=4, shard_optimizer=True), batch_size=8)
+    plain = hf.memory_plan(model, hf.Strategy("data", replicas=4), batch_size=8)
+    zero = hf.memory_plan(model, hf.Strategy("data", replicas=4, shard_optimizer=True), 8)
     assert zero.ranks[0].optimizer * 4 == pytest.approx(plain.ranks[0].optimizer, abs=4)
+
+
+def test_sharded_gradients_hold_one_segment_and_the_slices_of_the_sums():
+    """ZeRO-2 cuts the stage into segments (at least two) and sums micro-batches into slices:
+    the gradients held are one segment's, the running sum a segment plus a slice."""
+    model = _model()
+    options = dict(replicas=4, microbatches=2, shard_optimizer=True)
+    zero = hf.memory_plan(model, hf.Strategy("data", **options), batch_size=8).ranks[0]
+    zero2 = hf.memory_plan(
+        model, hf.Strategy("data", shard_gradients=True, **options), batch_size=8
+    ).ranks[0]
+    assert zero2.optimizer == zero.optimizer
+    assert zero2.gradients == pytest.approx(zero.gradients / 2, abs=4)  # one of two segments
+    assert zero2.step_buffers["gradient sum"] == pytest.approx(
+        zero.gradients / 2 + zero.gradients / 4, abs=8
+    )
+    assert "sharded optimizer and gradients" in hf.memory_plan(
+        model, hf.Strategy("data", shard_gradients=True, **options), batch_size=8
+    ).summary(print_fn=None)
+
+
+def test_cli_memory_plan_takes_the_sharding_flags(tmp_path, capsys):
+    from hyparflow.cli import main
+
+    path = str(tmp_path / "small.keras")
+    _model().save(path)
+    argv = [
+        "plan",
+        path,
+        "-p",
+        "1",
+        "-r",
+        "2",
+        "--memory",
+        "--batch-size",
+        "8",
+        "--shard-gradients",
+    ]
+    assert main(argv) == 0
+    assert "sharded optimizer and gradients" in capsys.readouterr().out
 
 
 def test_cli_prints_the_memory_plan(tmp_path, capsys):
