@@ -55,7 +55,7 @@ def _check_custom_step_options(model, strategy, name: str) -> None:
     what = f"{type(model).__name__} overrides Model.{name}, which each replica runs itself"
     if strategy.shard_optimizer and strategy.replicas > 1:
         raise ValueError(
-            f"{what}: its optimizer updates whole variables; use shard_optimizer=False."
+            f"{what}: its optimizer updates whole variables; use {strategy.unsharded}."
         )
     synced = _global_batchnorm(model, strategy)
     if synced and strategy.replicas > 1:
@@ -320,7 +320,7 @@ def check_optimizer_unbuilt(model, strategy) -> None:
             if strategy.tensor > 1
             else f"experts={strategy.experts}"
             if strategy.experts > 1
-            else "shard_optimizer=True"
+            else strategy.sharding
         )
         raise ValueError(
             f"{name}: the model's optimizer was already built for whole variables; compile the "

@@ -259,6 +259,25 @@ class Strategy:
                 "use strategy 'hybrid' to replicate the pipeline."
             )
 
+    @property
+    def sharding(self) -> str:
+        """The sharding asked for, as the user wrote it ("" for none), for messages.
+
+        Example:
+            >>> Strategy("data", shard_gradients=True).sharding
+            'shard_gradients=True'
+        """
+        if self.shard_gradients:
+            return "shard_gradients=True"
+        return "shard_optimizer=True" if self.shard_optimizer else ""
+
+    @property
+    def unsharded(self) -> str:
+        """The fields that turn the sharding off, for messages."""
+        if self.shard_gradients:
+            return "shard_gradients=False and shard_optimizer=False"
+        return "shard_optimizer=False"
+
     def _check_sharding(self) -> None:
         """Each sharding implies the ones before it (frozen: set once, here)."""
         if not self.shard_gradients:

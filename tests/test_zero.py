@@ -139,6 +139,21 @@ def test_sharded_gradients_imply_a_sharded_optimizer_and_refuse_whole_stages():
         hf.Strategy("data", shard_gradients=True, update_by_segment=False)
 
 
+def test_refusals_under_sharded_gradients_name_both_fields():
+    from tests.support.custom_steps import GuideStep, build
+
+    zero2 = hf.Strategy("data", replicas=2, shard_gradients=True).resolve(2)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile(optimizer=keras.optimizers.Lamb(), loss="mse")
+    with pytest.raises(ValueError) as error:
+        model_checks.check_sharded_optimizer(model, zero2, "mpi")
+    assert str(error.value).startswith("shard_gradients=True: Lamb does not update")
+    assert "or shard_gradients=False and shard_optimizer=False" in str(error.value)
+    # a custom train_step applies its optimizer to whole variables itself
+    with pytest.raises(ValueError, match="use shard_gradients=False and shard_optimizer=False"):
+        model_checks.check_standard_steps(build(GuideStep), zero2)
+
+
 # --- training under mpirun ----------------------------------------------------------------------
 ZERO = {"shard_optimizer": True}
 ZERO_BY_SEGMENT = {**ZERO, "update_by_segment": True}

@@ -35,7 +35,7 @@ def refusal(optimizer, strategy, comm_backend: str) -> str | None:
         >>> refusal(keras.optimizers.Lamb(), Strategy("data", shard_optimizer=True), "mpi")
         'shard_optimizer=True: Lamb does not update each element ...'
     """
-    name = "shard_optimizer=True"
+    name, off = strategy.sharding, strategy.unsharded
     if comm_backend != "mpi":
         return f"{name} reduce-scatters gradients with MPI; use comm='mpi'."
     if strategy.overlap_groups > 1:
@@ -46,7 +46,7 @@ def refusal(optimizer, strategy, comm_backend: str) -> str | None:
         return (
             f"{name}: {kind} does not update each element from its own gradient and state (or "
             f"hyparflow cannot tell), so a replica cannot update a slice alone; use one of "
-            f"{', '.join(ELEMENTWISE_OPTIMIZERS)}, or shard_optimizer=False."
+            f"{', '.join(ELEMENTWISE_OPTIMIZERS)}, or {off}."
         )
     if decide_clipping(getattr(inner, "clipnorm", None), None).per_variable:
         return (
@@ -56,16 +56,16 @@ def refusal(optimizer, strategy, comm_backend: str) -> str | None:
     if _keras.excludes_from_weight_decay(inner):
         return (
             f"{name}: exclude_from_weight_decay makes weight decay differ by variable, which a "
-            "flat slice cannot tell apart; drop the exclusion, or use shard_optimizer=False."
+            f"flat slice cannot tell apart; drop the exclusion, or use {off}."
         )
     if getattr(inner, "use_ema", False):
         return (
             f"{name}: use_ema keeps a moving average of whole variables that the slices do not "
-            "hold; use use_ema=False, or shard_optimizer=False."
+            f"hold; use use_ema=False, or {off}."
         )
     if (getattr(inner, "gradient_accumulation_steps", None) or 1) > 1:
         return (
             f"{name}: gradient_accumulation_steps accumulates whole gradients; accumulate by a "
-            "larger batch_size (or num_microbatches), or use shard_optimizer=False."
+            f"larger batch_size (or num_microbatches), or use {off}."
         )
     return None
