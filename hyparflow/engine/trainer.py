@@ -305,7 +305,7 @@ def _build_runner(setting: Setting, runner_parts, variables, shared) -> tuple:
     if form.overlap or form.update_per_segment:
         groups = setting.strategy.overlap_groups
         count = groups if groups > 1 else facts["segments"]
-        segmented = build_segmented_runner(runner_parts[0], variables.all, count)
+        segmented = build_segmented_runner(runner_parts[0], variables.all, count, variables.sparse)
         if segmented is not None:
             return segmented[0], form, segmented[1]
         # the stage cannot be cut: reduce after the backward
@@ -338,6 +338,7 @@ def _gradient_facts(setting: Setting, variables, layout, shared_across_stages: b
         else segment_count(strategy, setting.model, variables.all, setting.topology.num_replicas),
         tensor_split=sharded_layers.tensor is not None,
         expert_split=sharded_layers.experts is not None,
+        shard_gradients=strategy.shard_gradients and setting.topology.num_replicas > 1,
     )
 
 
@@ -373,7 +374,11 @@ def _build_gradient_parts(setting: Setting, variables, runner, form, shared, ove
     # (engine/sharded_optimizer/sharded_update.py); by segment, each segment is
     # reduce-scattered, its slice updated, its parameters gathered as soon as the last
     # backward has finished it
-    positions = segment_positions(variables.all, overlap) if form.update_per_segment else None
+    positions = (
+        segment_positions(variables.all, overlap, leave_out=variables.sparse)
+        if form.update_per_segment
+        else None
+    )
     sharded = None
     if setting.strategy.shard_optimizer and topology.num_replicas > 1:
         sharded = ShardedUpdate(
@@ -390,6 +395,7 @@ def _build_gradient_parts(setting: Setting, variables, runner, form, shared, ove
             guard=guard,
             sharded=sharded,
             scatter_each_backward=sharded is not None and setting.strategy.shard_gradients,
+            tables=variables.sparse,
         )
     return gradient_sync, update, sharded, segment_update
 

@@ -56,7 +56,10 @@ def run(case: Case) -> dict:
         # segments updated inside the backward (update_by_segment), all steps
         "segment_updates": getattr(trainer.parts.segment_update, "early_updates", None),
         "shards_gradients": trainer.shards_gradients,
-        "backwards": _backwards(len(x), batch_size, epochs, trainer.strategy),
+        "segments": len(getattr(trainer.parts.runner, "segments", [trainer.parts.runner])),
+        "backwards": trainer.step  # one micro-batch a step (keras_hub's batched datasets)
+        if batch_size is None
+        else _backwards(len(x), batch_size, epochs, trainer.strategy),
     }
 
 

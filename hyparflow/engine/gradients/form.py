@@ -60,6 +60,7 @@ def choose_gradient_form(
     segments: int = 1,
     tensor_split: bool = False,
     expert_split: bool = False,
+    shard_gradients: bool = False,
 ) -> GradientForm:
     """The gradient form of one stage, from facts about it (no TensorFlow, no MPI).
 
@@ -74,7 +75,8 @@ def choose_gradient_form(
       flat backward's per-micro-batch concat costs more than per-variable sums.
     - `shared_across_stages`: a variable of this stage is used by another stage too; those are
       summed per variable over the pipeline first, so the gradients stay a list.
-    - `tables`: number of embedding tables (overlapped segments keep every gradient dense).
+    - `tables`: number of embedding tables (overlapped segments keep every gradient dense;
+      ZeRO-2's segments keep their row slices whole, `shard_gradients`).
     - `rows_classified`: every variable with row-sparse gradients is known before training
       (engine/keras_semantics/sparse_probe.py). Otherwise no flat backward: it differentiates one
       packed tensor, where an unknown variable's row slices would turn dense unseen; per variable
@@ -86,6 +88,8 @@ def choose_gradient_form(
     - `tensor_split`: the stage holds tensor-parallel shards (no update per segment).
     - `expert_split`: the stage holds expert shards, summed over other ranks than the rest:
       a list, reduced after the backward.
+    - `shard_gradients`: ZeRO-2 over the replicas, which reduce-scatters segments and keeps
+      tables whole (engine/gradients/segment_update.py).
 
     Overlap wins where it is asked for and applies (replicas to reduce over MPI, nothing
     shared, no tables); then the update per segment. The caller asks again with
@@ -104,7 +108,7 @@ def choose_gradient_form(
     if expert_split:
         return GradientForm()
     mpi = backend == "mpi"
-    can_cut = not shared_across_stages and not tables
+    can_cut = not shared_across_stages and (not tables or shard_gradients)
     if can_cut and overlap_groups > 1 and replicas > 1 and mpi:
         return GradientForm(overlap=True)
     # with replicas, each segment is summed over them as one flat float32 tensor, over MPI

@@ -28,14 +28,25 @@ from hyparflow.engine.weights import nbytes
 from hyparflow.traced import traced
 
 
-def segment_positions(variables: list, overlap) -> list[list[int]]:
+def segment_positions(variables: list, overlap, leave_out=()) -> list[list[int]]:
     """The positions of a segmented stage's `variables` in the segments its update applies:
-    those final after each segment of the last backward (`overlap.ready_at`), then the rest."""
+    those final after each segment of the last backward (`overlap.ready_at`), then the rest;
+    none of `leave_out` (ZeRO-2's tables, updated whole), and no part left empty."""
+    return [part for _, part in _parts_after(variables, overlap, leave_out)]
+
+
+def _parts_after(variables: list, overlap, leave_out=()) -> list[tuple]:
+    """(the segment after which the part is final, None for the rest; its positions) of each
+    non-empty part of `segment_positions`."""
     position = {id(v): i for i, v in enumerate(variables)}
-    parts = [[position[id(v)] for _, v in overlap.ready_at[j]] for j in sorted(overlap.ready_at)]
-    reached = {i for part in parts for i in part}
-    left = [i for i in range(len(variables)) if i not in reached]
-    return parts + [left] if left else parts
+    out = set(leave_out)
+    parts = [
+        (j, [position[id(v)] for _, v in overlap.ready_at[j] if position[id(v)] not in out])
+        for j in sorted(overlap.ready_at)
+    ]
+    reached = {i for _, part in parts for i in part}
+    left = [i for i in range(len(variables)) if i not in reached and i not in out]
+    return [(j, part) for j, part in [*parts, (None, left)] if part]
 
 
 class SegmentUpdate:
@@ -61,6 +72,9 @@ class SegmentUpdate:
     segment's gradients besides its slices. Steps whose update waits for every gradient
     (loss scaling, global clipping) then step the slices after the backward
     (`ShardedUpdate.apply_received`); the others step each part at the last backward.
+    `tables` (positions of embedding tables; ZeRO-2 only) are in no part: their row slices,
+    whole, are gathered from the replicas after the backward and stepped with the slices, or
+    alone at the step's counter.
     """
 
     def __init__(
@@ -72,10 +86,15 @@ class SegmentUpdate:
         guard=None,
         sharded=None,
         scatter_each_backward=False,
+        tables=(),
     ):
         self.update = update
         self.runner = runner
-        self.segment_positions = segment_positions(update.variables, overlap)
+        self.tables = sorted(tables) if scatter_each_backward else []
+        if tables and not scatter_each_backward:
+            raise ValueError("only ZeRO-2's segments leave embedding tables whole")
+        parts = _parts_after(update.variables, overlap, self.tables)
+        self.segment_positions = [part for _, part in parts]
         self._plans = [_segment_plan(update.variables, part) for part in self.segment_positions]
         if sharded is not None:
             theirs = [sorted(i for g in groups for i in g.positions) for groups in sharded.segments]
@@ -91,7 +110,7 @@ class SegmentUpdate:
         self._reducer = None if summed else GradientReducer(replicas, op="sum")
         self._guard = guard or (lambda operation: contextlib.nullcontext())
         self._layouts: dict = {}  # positions -> (FlatLayout, compiled flatten)
-        self._part_after = {j: k for k, j in enumerate(sorted(overlap.ready_at))}
+        self._part_after = {j: k for k, (j, _) in enumerate(parts) if j is not None}
         self._usable_for: tuple = (None, False)
         self._step = 0
         self._regularization = 0.0
@@ -151,11 +170,21 @@ class SegmentUpdate:
         for k in range(len(self.segment_positions)):
             if k not in self._applied:
                 self._apply(k)
+        tables = self._reduced_tables()
         self.runner.reset()
         if not self._immediate:  # ZeRO-2 stepping every slice at once
             received, self._received = self._received, {}
-            return self.sharded.apply_received([r for k in sorted(received) for r in received[k]])
+            slices = [r for k in sorted(received) for r in received[k]]
+            return self.sharded.apply_received(slices, tables)
+        if tables:
+            self.sharded.step_tables(tables, self._step)
         return self.update.sum_over_pipeline(self._regularization)
+
+    def _reduced_tables(self) -> list:
+        """ZeRO-2: the tables' row slices, gathered from every replica (collective)."""
+        if not self.tables:
+            return []
+        return self.sharded.reduce_tables(self.runner.take_tables())
 
     def _scatter(self, k: int) -> None:
         """ZeRO-2: part k's gradients collected so far reduce-scattered (let go here) and

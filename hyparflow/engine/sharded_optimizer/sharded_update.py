@@ -301,11 +301,12 @@ class ShardedUpdate:
         optimizer's step; the new slice values."""
         groups, whole = self._targets_at(group)
         self._load_slices(groups)
-        slices = list(grads[: len(groups)])
+        slices, kept = list(grads[: len(groups)]), list(grads[len(groups) :])
         if regularize:
             slices = self._regularized_slices(groups, slices, scale)
+            kept = self._regularized_whole(whole, kept, scale)
         variables = [g.variable for g in groups] + whole
-        apply_step(self.model.optimizer, slices + list(grads[len(groups) :]), variables, norm)
+        apply_step(self.model.optimizer, slices + kept, variables, norm)
         return [g.variable.value for g in groups]
 
     def after_update(self, group, output) -> None:
@@ -331,6 +332,21 @@ class ShardedUpdate:
             self._plus_regularization(g, s, by_variable, scale)
             for g, s in zip(groups, slices, strict=True)
         ]
+
+    def _regularized_whole(self, variables, grads, scale) -> list:
+        """`grads` of whole `variables` (tables) plus their regularization gradients, dense
+        where there are some, as one process's tape sums them (inside the call)."""
+        members = {id(v) for v in variables}
+        regularized = [v for v in self.update.regularized if id(v) in members]
+        _, by_variable = regularization_in_call(regularized)
+        added = []
+        for variable, grad in zip(variables, grads, strict=True):
+            reg = by_variable.get(id(variable))
+            if reg is not None:
+                grad = tf.convert_to_tensor(grad)
+                grad = grad + tf.cast(reg, grad.dtype) * tf.cast(scale, grad.dtype)
+            added.append(grad)
+        return added
 
     def _regularize(self, slices, tables, scale):
         """`slices` plus this slice of the regularization gradients (times the loss scale, as
@@ -471,16 +487,28 @@ class ShardedUpdate:
         plan = plan_segment([self._segment_indices[k]])
         self.update.run(plan, slices, target=self, step=step)
 
-    def apply_received(self, received: list) -> float:
+    def apply_received(self, received: list, tables=()) -> float:
         """ZeRO-2's update after the backward: this replica's slices of every group
-        (`received`, in `groups` order, as `scatter_segment` gave them; let go here) stepped
-        as `apply` steps a step's (collective). Stages cut into segments have no tables or
-        expert shards."""
-        if self.tables or self.experts:
-            raise ValueError("slices received by segment leave out tables and expert shards")
+        (`received`, in `groups` order, as `scatter_segment` gave them; let go here) and the
+        tables' gathered row slices stepped as `apply` steps a step's (collective). Stages cut
+        into segments have no expert shards."""
+        if self.experts:
+            raise ValueError("slices received by segment leave out expert shards")
         slices = [_as_slice(r, g) for g, r in zip(self.groups, received, strict=True)]
         received.clear()
-        return self.apply(slices)
+        return self.apply([*slices, *tables])
+
+    def reduce_tables(self, tables: list) -> list:
+        """The tables' row slices (in `tables` order) of every replica, in rank order, as
+        without ZeRO (collective)."""
+        return row_sparse.reduce_rows(self.comm, tables, self.sync.tables_per_batch)
+
+    def step_tables(self, tables: list, step: int) -> None:
+        """ZeRO-2 by segment: the tables' gathered row slices stepped alone at optimizer step
+        `step` (their regularization added in the call), kept whole."""
+        count = len(self.groups)
+        plan = plan_segment([list(range(count, count + len(self.tables)))])
+        self.update.run(plan, list(tables), target=self, step=step)
 
     def build_optimizer(self) -> None:
         """Build the model's optimizer for the slice variables (once per optimizer object)."""

@@ -137,10 +137,11 @@ def build_chunk_runners(parts: list[RunnerParts], variables, sparse, form, layou
     return ChunkRunners(runners, variables, sparse, layout if form.flat else None)
 
 
-def build_segmented_runner(parts: RunnerParts, variables, segments: int):
+def build_segmented_runner(parts: RunnerParts, variables, segments: int, sparse=()):
     """The stage as up to `segments` segments, so reductions overlap the backward: a
     `SegmentedRunner` and its `Overlap` plan, or None when the stage cannot be cut (e.g. a
-    subclassed model or too few layers)."""
+    subclassed model or too few layers). `sparse`: the positions of `variables` that are
+    embedding tables, whose row slices each segment keeps."""
     for count in range(segments, 1, -1):
         try:
             sub = partition(parts.graph, count, balance="params")
@@ -149,6 +150,7 @@ def build_segmented_runner(parts: RunnerParts, variables, segments: int):
             continue
     else:
         return None
+    tables = {id(variables[i]) for i in sparse}
     last = len(sub.stages) - 1
     strategy = parts.strategy
     runners = []
@@ -171,9 +173,15 @@ def build_segmented_runner(parts: RunnerParts, variables, segments: int):
                 added_losses=parts.added_losses(layers),
                 input_shapes=declared_shapes(None, segment),
                 train_scope=parts.batchnorm_scope(layers),
+                sparse=[
+                    i for i, v in enumerate(segment.model.trainable_variables) if id(v) in tables
+                ],
+                row_kinds=parts.row_kinds,
             )
         )
-    return SegmentedRunner(runners, variables), Overlap.plan(sub, variables)
+    per_batch = row_sparse.per_batch_flags(variables, sorted(sparse), parts.row_kinds)
+    segmented = SegmentedRunner(runners, variables, sparse, per_batch)
+    return segmented, Overlap.plan(sub, variables)
 
 
 def seed_variables(model, graph) -> list:

@@ -150,11 +150,14 @@ class RunnerBase:
     def take_gradients(self) -> list:
         """Summed variable gradients of the micro-batches since the last call (zeros if none);
         row slices concatenated for the embedding tables."""
-        if self._totals_are_flat:
-            dense = self.layout.unflatten_fn(self.take_flat_gradients())
-        else:
-            dense, self._grads = self._grads, None
-            if dense is None:
-                dense = self._zero_dense()
+        dense = self.take_dense_gradients()
         tables = self.take_sparse_gradients()
         return row_sparse.in_order(len(self.variables), self.dense, dense, self.sparse, tables)
+
+    def take_dense_gradients(self) -> list:
+        """The summed gradients of the `dense` variables since the last call (zeros if none),
+        in `dense` order; the tables' row slices stay for `take_sparse_gradients`."""
+        if self._totals_are_flat:
+            return list(self.layout.unflatten_fn(self.take_flat_gradients()))
+        dense, self._grads = self._grads, None
+        return self._zero_dense() if dense is None else dense

@@ -11,22 +11,30 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from hyparflow.engine.gradients import sparse as row_sparse
+
 
 class SegmentedRunner:
     """A `Runner` (engine/stages/runner.py) over a chain of segment `StageRunner`s (same results,
     finer steps).
 
     `variables` is the stage's variable list; `take_gradients` returns their gradients in that
-    order, summing the parts of a variable used by several segments.
+    order, summing the parts of a variable used by several segments. `sparse`: the positions
+    of its embedding tables, whose row slices stay in the runners of the segments that hold
+    them (concatenated over micro-batches there) until `take_tables` joins them (`per_batch`:
+    a table's rows come once per batch, and are added); `collect` and `take` move the other
+    variables' sums.
     """
 
     updates_metrics = False  # the trainer updates metrics from the outputs
     layout = None  # gradients stay a list
     flat_backward = False  # nothing to pack before the first forward
 
-    def __init__(self, segments: list, variables: list):
+    def __init__(self, segments: list, variables: list, sparse=(), per_batch=None):
         self.segments = segments
         self.variables = list(variables)
+        self.sparse = sorted(sparse)
+        self._per_batch = per_batch or [False] * len(self.sparse)
         self.is_last = segments[-1].is_last
         self.last_added = None
         self._accumulated: dict[int, object] = {}
@@ -67,9 +75,10 @@ class SegmentedRunner:
         return outputs
 
     def collect(self, j: int) -> None:
-        """Move segment j's summed gradients into the per-variable totals."""
+        """Move segment j's summed gradients (but the tables') into the per-variable totals."""
         segment = self.segments[j]
-        for variable, grad in zip(segment.variables, segment.take_gradients(), strict=True):
+        dense = [segment.variables[i] for i in segment.dense]
+        for variable, grad in zip(dense, segment.take_dense_gradients(), strict=True):
             key = id(variable)
             self._accumulated[key] = (
                 grad if key not in self._accumulated else (self._accumulated[key] + grad)
@@ -85,13 +94,35 @@ class SegmentedRunner:
         grad = self._accumulated.pop(id(variable), None)
         return tf.zeros_like(variable) if grad is None else grad
 
+    def take_tables(self) -> list:
+        """The tables' row slices since the last call, in `sparse` order (no rows where no
+        micro-batch read one)."""
+        found: dict[int, list] = {}
+        for segment in self.segments:
+            tables = [segment.variables[i] for i in segment.sparse]
+            for table, rows in zip(tables, segment.take_sparse_gradients(), strict=True):
+                if not _reads_none(rows):  # a segment holding the table without looking it up
+                    found.setdefault(id(table), []).append(rows)
+        tables = [self.variables[i] for i in self.sparse]
+        return [
+            row_sparse.concat_rows(found.get(id(table), []), table, per_batch)
+            for table, per_batch in zip(tables, self._per_batch, strict=True)
+        ]
+
     def take_gradients(self) -> list:
         for j in range(len(self.segments)):
             self.collect(j)
         grads = [self.total(v) for v in self.variables]
+        for i, table in zip(self.sparse, self.take_tables(), strict=True):
+            grads[i] = table
         self._accumulated = {}
         return grads
 
     def reset(self) -> None:
         """Forget collected totals (after they were handed to the reducer)."""
         self._accumulated = {}
+
+
+def _reads_none(rows) -> bool:
+    """Whether a table's gradient is row slices of no row."""
+    return isinstance(rows, tf.IndexedSlices) and rows.indices.shape[0] == 0
