@@ -294,9 +294,8 @@ def _say_whole_gradients(trainer, resolved, fit_kwargs) -> None:
     if whole and fit_kwargs.get("verbose", "auto") != 0 and rank() == 0:
         print(
             "hyparflow: shard_gradients: a stage could not be cut into segments (a subclassed "
-            "model or custom train_step, tensor or expert shards, embedding tables or layers "
-            "shared by stages); its gradients are reduce-scattered after its backward, as "
-            "shard_optimizer=True does (docs/zero.md)",
+            "model, tensor or expert shards, or layers shared by stages); its gradients are "
+            "reduce-scattered after its backward, as shard_optimizer=True does (docs/zero.md)",
             flush=True,
         )
 

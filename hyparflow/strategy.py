@@ -124,9 +124,10 @@ class Strategy:
       every micro-batch's backward reduce-scatters each segment's gradients as soon as it
       has made them, so a rank holds one segment's gradients besides its slices; loss
       scaling and global clipping then step the slices after the backward, other steps
-      segment by segment. Where the stage cannot be cut (subclassed models and custom
-      `train_step`s, tensor or expert shards, embedding tables, layers shared by stages) or
-      with `check_numerics`, it trains as `shard_optimizer` does (rank 0 says so once).
+      segment by segment; embedding tables stay whole (their row slices gathered after the
+      backward). Where the stage cannot be cut (subclassed models, tensor or expert shards,
+      layers shared by stages) or with `check_numerics`, it trains as `shard_optimizer` does
+      (rank 0 says so once); a custom `train_step` is refused, as with `shard_optimizer`.
       Refused with `update_by_segment=False`. With one replica it changes nothing.
     - `sync_batchnorm` (False): True makes every BatchNormalization layer normalise by the
       statistics of the whole global batch, summed across replicas, as Keras's own

@@ -162,15 +162,16 @@ def saving_buffers(held_bytes: int, group_bytes: int, root: bool) -> dict[str, i
     return {name: held_bytes + group_bytes}
 
 
-def gather_buffers(largest_split: int) -> dict[str, int]:
-    """Named bytes of putting tensor shards back together at an epoch's end
-    (`TensorShards.store`): per split variable, in turn, the gathered pieces, their
-    concatenation and the tensor assigned from it, while the last variable's are being freed
-    (`largest_split`: the whole bytes of the stage's largest split variable; measured 4.4x
-    on the MLP of docs/memory.md, counted 4x).
+def gather_buffers(largest_piece: int) -> dict[str, int]:
+    """Named bytes of putting tensor (or expert) shards back together at an epoch's end
+    (`Shard.store`): per split variable, in turn, this rank's piece copied out, the buffer
+    each owner's piece is broadcast into and the tensor assigned from it into its place
+    (`largest_piece`: the bytes of the stage's largest piece of a split variable). Before
+    pieces were assigned one by one, the gathered pieces and their concatenation took 4x the
+    whole variable (4.4x measured on the MLP of docs/memory.md).
 
     Example:
         >>> gather_buffers(100), gather_buffers(0)
-        ({'shard gather': 400}, {})
+        ({'shard gather': 300}, {})
     """
-    return {"shard gather": 4 * largest_split} if largest_split else {}
+    return {"shard gather": 3 * largest_piece} if largest_piece else {}

@@ -299,10 +299,14 @@ def _owned_bytes(stage_models) -> list[int]:
 
 
 def _largest_split(shared: _Shared, stage_model, layout) -> int:
-    """Whole bytes of the stage's largest variable split over tensor ranks or an expert group
-    (0: none)."""
-    split = [_nbytes(v) for v in stage_model.weights if shared.parts(v, layout) > 1]
-    return max(split, default=0)
+    """Bytes of the largest piece of the stage's variables split over tensor ranks or an
+    expert group (0: none)."""
+    pieces = [
+        _nbytes(v) // shared.parts(v, layout)
+        for v in stage_model.weights
+        if shared.parts(v, layout) > 1
+    ]
+    return max(pieces, default=0)
 
 
 def _nbytes(variable, itemsize: int | None = None) -> int:

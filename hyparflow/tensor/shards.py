@@ -54,10 +54,23 @@ class Shard:
         if deferred.is_deferred(self.whole):
             return
         local = np.ascontiguousarray(np.asarray(self.shard.numpy()))
-        pieces = np.empty((self.parts,) + local.shape, local.dtype)
-        with guard(operation):
-            comm.Allgather(local, pieces)
-        self.whole.assign(np.concatenate(list(pieces), axis=self.axis))
+        piece = np.empty_like(local)
+        target = _keras.stored_value(self.whole)
+        # one piece at a time, each broadcast by its owner and written into its place: the
+        # pieces are never held together, nor a concatenated copy (4x a piece's bytes before)
+        for owner in range(self.parts):
+            if owner == self.index:
+                piece[...] = local
+            with guard(operation):
+                comm.Bcast(piece.reshape(-1).view(np.uint8), root=owner)
+            target[self._place(owner)].assign(piece)
+
+    def _place(self, owner: int) -> tuple:
+        """The index of shard `owner`'s piece in the whole variable."""
+        step = self.whole.shape[self.axis] // self.parts
+        where = [slice(None)] * len(self.whole.shape)
+        where[self.axis] = slice(owner * step, (owner + 1) * step)
+        return tuple(where)
 
 
 class TensorShards:
