@@ -77,8 +77,8 @@ make_base() {
 build_image() {
   ch ch-image --no-cache build --force -f $WORK/Dockerfile -t $IMAGE .
   rm -rf "${OUT:?}/$IMAGE" "$OUT/$IMAGE.sqfs"
-  ch ch-convert -i ch-image $IMAGE "$OUT/$IMAGE"
-  ch ch-convert -i dir "$OUT/$IMAGE" "$OUT/$IMAGE.sqfs"
+  ch ch-convert -i ch-image -o dir $IMAGE "$OUT/$IMAGE"
+  ch ch-convert -i dir -o squash "$OUT/$IMAGE" "$OUT/$IMAGE.sqfs"
   rm -rf "$CH_IMAGE_STORAGE"  # the directory image is the copy kept
 }
 

@@ -37,8 +37,12 @@ timed() {
   echo $((SECONDS - start))
 }
 
-# The losses Keras's progress lines print, one a line (the demo's comparable output).
-losses() { grep -oE ' loss: [0-9.]+' "$LOGS/$1.log" | awk '{print $2}'; }
+# The loss at the end of each epoch: Keras's progress bar at step N/N. Its updates in between
+# are throttled by time, so only the last step's are comparable between runs.
+losses() {
+  sed 's/\x1b\[[0-9;]*m//g' "$LOGS/$1.log" | tr '\r' '\n' | grep -E '^ *([0-9]+)/\1 .* loss: ' |
+    grep -oE ' loss: [0-9.]+' | awk '{print $2}' | uniq
+}
 final_loss() { grep -oE 'final loss: [0-9.e-]+' "$LOGS/$1.log" | awk '{print $3}'; }
 
 same() {  # `same WHAT EXPECTED GOT`: fails unless the two are equal and not empty
@@ -79,7 +83,8 @@ check_bound_script() {
   timed fit-2-inside "${MPIRUN[@]}" -np 2 ch-run --set-env -b "$dir:/mnt" -c /mnt "$IMAGE" -- \
     python fit.py > /dev/null
   same "2-rank losses of the bound script" "$(final_loss fit-2-outside)" "$(final_loss fit-2-inside)"
-  echo "bound script on 2 ranks: loss $(final_loss fit-2-inside) inside and outside"
+  echo "bound script on 2 ranks: loss $(final_loss fit-2-inside) inside and outside;" \
+    "inside: $(grep -h '^python' "$LOGS/fit-2-inside.log")"
   rm -rf "$dir"
 }
 
