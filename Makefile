@@ -11,7 +11,8 @@ export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 export OMPI_MCA_rmaps_base_oversubscribe := 1
 export TF_CPP_MIN_LOG_LEVEL := 2
 
-.PHONY: setup mpi test-tools demo test test-fast test-compat zoo bench lint format containers clean
+.PHONY: setup mpi test-tools demo test test-fast test-compat zoo bench lint format containers clean \
+	image image-test
 
 setup: mpi $(STAMP)
 
@@ -83,6 +84,15 @@ format: setup
 
 containers: setup
 	$(PY) containers/generate.py
+
+# The CPU image from containers/recipe.py, built and run here with Charliecloud (never part of
+# `make test`; docs/containers.md): build/hyparflow-cpu/ and build/hyparflow-cpu.sqfs. The build
+# needs no venv (hpccm gets one of its own); image-test compares the demo inside with `make demo`.
+image:
+	scripts/image_build.sh
+
+image-test: setup
+	scripts/image_test.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

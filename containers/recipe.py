@@ -4,6 +4,9 @@ Generate with `python containers/generate.py` (writes the committed Dockerfiles 
 definitions), or with hpccm's own command line:
     hpccm --recipe containers/recipe.py --userarg variant=gpu --format singularity
 Both build from the repository root (the hyparflow sources are copied from there).
+`--userarg base=IMAGE` swaps the CPU image's base for another apt-based one: `make image` builds
+on a Debian 12 root made locally with debootstrap (scripts/image_build.sh), where no registry
+serves `ubuntu:24.04`. The published recipes keep their base.
 """
 
 from hpccm import Stage
@@ -83,12 +86,14 @@ def python_environment(variant: str) -> list:
     ]
 
 
-def instructions(variant: str) -> list:
-    """Every primitive and building block of the `variant` ("cpu" or "gpu") image, in order."""
+def instructions(variant: str, base: str | None = None) -> list:
+    """Every primitive and building block of the `variant` ("cpu" or "gpu") image, in order;
+    `base` replaces the default base image (an apt-based one: Debian or Ubuntu)."""
     if variant not in PYTHON_PACKAGES:
         raise ValueError(f"variant must be one of {sorted(PYTHON_PACKAGES)}; got {variant!r}")
-    image = CPU_IMAGE if variant == "cpu" else GPU_IMAGE
+    image = base or (CPU_IMAGE if variant == "cpu" else GPU_IMAGE)
     return [
+        # hpccm knows no Debian; its Ubuntu blocks are plain apt-get, which Debian runs as well
         baseimage(image=image, _distro="ubuntu24"),
         label(metadata={"org.opencontainers.image.title": f"hyparflow-{variant}"}),
         *(cpu_mpi() if variant == "cpu" else gpu_mpi()),
@@ -96,10 +101,10 @@ def instructions(variant: str) -> list:
     ]
 
 
-def stage(variant: str) -> Stage:
+def stage(variant: str, base: str | None = None) -> Stage:
     """The image as one hpccm Stage; `str()` of it is the recipe in hpccm's current format."""
     result = Stage()
-    for instruction in instructions(variant):
+    for instruction in instructions(variant, base):
         result += instruction
     return result
 
@@ -111,5 +116,6 @@ if "Stage0" in locals():  # executed by hpccm's command line, which provides Sta
     # hpccm execs a recipe with separate globals and locals, so the functions above cannot see
     # this file's names: run the file again as a real module and add its instructions.
     _recipe = runpy.run_path(inspect.currentframe().f_code.co_filename)
-    for _instruction in _recipe["instructions"](locals().get("USERARG", {}).get("variant", "cpu")):
+    _args = locals().get("USERARG", {})
+    for _instruction in _recipe["instructions"](_args.get("variant", "cpu"), _args.get("base")):
         locals()["Stage0"] += _instruction

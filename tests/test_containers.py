@@ -1,7 +1,9 @@
-"""Container recipes: regenerated files match the committed ones, definitions parse, lint clean.
+"""Container recipes: regenerated files match the committed ones, definitions parse, lint clean,
+and `make image` builds from the same recipe on a local base.
 
-Images cannot be built here (no Apptainer package for Debian 12, no registry access), so these
-tests check the recipes themselves. A missing tool fails the test with the install command.
+Building the image takes minutes, so `make image` and `make image-test` run outside `make test`
+(docs/containers.md); these tests check the recipes and that the targets are wired. A missing
+tool fails the test with the install command.
 """
 
 import importlib
@@ -118,6 +120,56 @@ def test_dockerfiles_lint_clean_at_error_level(variant):
     assert run.returncode == 0, f"hadolint found errors in {path}:\n{run.stdout}{run.stderr}"
     # the linter really read the file: its warnings about hpccm's apt lines name it
     assert "DL3008" in run.stdout
+
+
+LOCAL_BASE = "local/debian12"
+
+
+def _build_script() -> str:
+    return _read(os.path.join(REPO, "scripts", "image_build.sh"))
+
+
+def test_local_base_variant_differs_from_the_published_recipe_only_in_its_base():
+    generate = _generate()
+    hpccm = _require("hpccm", "hpccm")
+    hpccm.config.set_container_format("docker")
+    local = str(generate.recipe.stage("cpu", base=LOCAL_BASE)).splitlines()
+    published = generate.render("cpu", "docker").removeprefix(generate.HEADER).splitlines()
+    assert local[0] == f"FROM {LOCAL_BASE}"
+    assert published[0] == "FROM ubuntu:24.04"
+    assert local[1:] == published[1:]
+
+
+def test_image_build_generates_the_local_variant_with_hpccm():
+    """The build script's own hpccm line, run here: the Dockerfile `make image` builds."""
+    script = _build_script()
+    assert f"BASE={LOCAL_BASE}" in script
+    assert "--userarg variant=cpu base=$BASE" in script
+    command = [_tool("hpccm", "hpccm"), "--recipe", os.path.join(CONTAINERS, "recipe.py")]
+    command += ["--userarg", "variant=cpu", f"base={LOCAL_BASE}", "--format", "docker"]
+    out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+    assert out.startswith(f"FROM {LOCAL_BASE}\n")
+    assert "openmpi-bin" in out and "COPY hyparflow /opt/hyparflow/hyparflow" in out
+
+
+def _make_dry_run(target: str) -> str:
+    run = subprocess.run(["make", "-n", target], cwd=REPO, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    return run.stdout
+
+
+@pytest.mark.parametrize(
+    "target, script", [("image", "image_build.sh"), ("image-test", "image_test.sh")]
+)
+def test_make_image_targets_run_their_scripts(target, script):
+    assert f"scripts/{script}" in _make_dry_run(target)
+    path = os.path.join(REPO, "scripts", script)
+    assert os.access(path, os.X_OK), f"{path} is not executable"
+    subprocess.run(["bash", "-n", path], check=True)  # parses
+
+
+def test_make_test_does_not_build_the_image():
+    assert "image_" not in _make_dry_run("test")
 
 
 def test_unknown_variant_is_refused():
