@@ -42,6 +42,7 @@ FIGURES = {  # report order: key -> module and its arguments
     "auto": "auto_choice",
     "moe": "moe_dispatch",
     "sharding": "sharding",
+    "sharded_memory": "sharded_memory",
 }
 # Text-printing benchmarks: (title, script, venv, ranks, arguments).
 OTHERS = [
