@@ -29,7 +29,10 @@ from tests.support.mpirun import run_scenario
 
 TOLERANCE = 1e-5  # tests/test_engine.py's and test_tensor_parallel.py's
 MIXED_TOLERANCE = 6e-3  # mixed_float16: unsharded data parallelism is already 5.1e-3 off
-HUB_MODELS = {"gpt2", "llama"}  # keras_hub, held to the generated zoo's tolerance
+# Adam on attention models: keras_hub's at the generated zoo's tolerance; the encoder's key
+# biases (true gradient zero, Adam's steps there rounding noise) put plain data parallelism
+# R=4 x M=2 1.0e-4 from Keras (measured 2026-12-03), so ZeRO is held to 3x that
+ATTENTION_TOLERANCE = {"gpt2": tolerances.TOLERANCE, "llama": tolerances.TOLERANCE, "encoder": 3e-4}
 
 
 # --- the pure layout ----------------------------------------------------------------------------
@@ -191,6 +194,10 @@ FOUR_RANKS = [
     two_by_two("wide_mlp", "adam", microbatches=2, schedule="1f1b", **ZERO2),
     Case("wide_mlp", "adam+globalclip", "data", replicas=4, microbatches=2, **ZERO2),
     Case("wide_mlp", "adam", "data", replicas=2, tensor=2, **ZERO2),  # not cut: as ZeRO-1
+    # a transformer block over an embedding table (kept whole, its rows gathered)
+    Case("encoder", "adam", "data", replicas=4, microbatches=2, **ZERO2),
+    two_by_two("encoder", "adam", microbatches=2, schedule="1f1b", **ZERO2),
+    Case("encoder", "adam", "data", replicas=2, tensor=2, **ZERO2),
 ]
 
 
@@ -208,8 +215,7 @@ def four_ranks(tmp_path_factory):
 
 def _check(case: Case, results: list) -> None:
     tol = TOLERANCE if case.policy == "float32" else MIXED_TOLERANCE
-    if case.model in HUB_MODELS:
-        tol = tolerances.TOLERANCE
+    tol = ATTENTION_TOLERANCE.get(case.model, tol)
     ranks = [
         {"rank": rank_result["rank"], **r}
         for rank_result in results
