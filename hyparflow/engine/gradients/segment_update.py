@@ -90,9 +90,9 @@ class SegmentUpdate:
     ):
         self.update = update
         self.runner = runner
-        self.tables = sorted(tables) if scatter_each_backward else []
         if tables and not scatter_each_backward:
             raise ValueError("only ZeRO-2's segments leave embedding tables whole")
+        self.tables = sorted(tables)
         parts = _parts_after(update.variables, overlap, self.tables)
         self.segment_positions = [part for _, part in parts]
         self._plans = [_segment_plan(update.variables, part) for part in self.segment_positions]

@@ -339,14 +339,10 @@ class ShardedUpdate:
         members = {id(v) for v in variables}
         regularized = [v for v in self.update.regularized if id(v) in members]
         _, by_variable = regularization_in_call(regularized)
-        added = []
-        for variable, grad in zip(variables, grads, strict=True):
-            reg = by_variable.get(id(variable))
-            if reg is not None:
-                grad = tf.convert_to_tensor(grad)
-                grad = grad + tf.cast(reg, grad.dtype) * tf.cast(scale, grad.dtype)
-            added.append(grad)
-        return added
+        return [
+            _plus_dense(grad, by_variable.get(id(variable)), scale)
+            for variable, grad in zip(variables, grads, strict=True)
+        ]
 
     def _regularize(self, slices, tables, scale):
         """`slices` plus this slice of the regularization gradients (times the loss scale, as
@@ -358,12 +354,10 @@ class ShardedUpdate:
             self._plus_regularization(group, grad, by_variable, scale)
             for group, grad in zip(self.groups, slices, strict=True)
         ]
-        tables = list(tables)
-        for j, table in enumerate([*self.tables, *self.experts]):
-            reg = by_variable.get(id(table))
-            if reg is not None:
-                grad = tf.convert_to_tensor(tables[j])
-                tables[j] = grad + tf.cast(reg, grad.dtype) * tf.cast(scale, grad.dtype)
+        tables = [
+            _plus_dense(grad, by_variable.get(id(table)), scale)
+            for table, grad in zip([*self.tables, *self.experts], tables, strict=True)
+        ]
         return added, tables, whole, parts
 
     def _plus_regularization(self, group, grad, by_variable: dict, scale):
@@ -462,8 +456,8 @@ class ShardedUpdate:
         """Segment k's update as soon as the last backward has finished it (`SegmentUpdate`):
         its gradients (`grads`, position -> gradient, let go here) reduce-scattered, then
         `step_segment`. Collective over the replicas. Only where no step-wide decision waits
-        for every gradient: no loss scaling and no global clipping (`SegmentUpdate.usable`),
-        no tables (never cut into segments)."""
+        for every gradient: no loss scaling and no global clipping (`SegmentUpdate.usable`);
+        tables are in no segment (ZeRO-2 steps them whole, `step_tables`)."""
         self.step_segment(k, self.scatter_segment(k, grads), step)
 
     def scatter_segment(self, k: int, grads: dict) -> list[np.ndarray]:
@@ -523,6 +517,15 @@ class ShardedUpdate:
             )
         optimizer.build(self._targets())
         self._built_for = optimizer
+
+
+def _plus_dense(grad, reg, scale):
+    """`grad` of a variable kept whole plus its regularization gradient `reg` (None: none)
+    times `scale`, dense, as one process's tape sums them."""
+    if reg is None:
+        return grad
+    grad = tf.convert_to_tensor(grad)
+    return grad + tf.cast(reg, grad.dtype) * tf.cast(scale, grad.dtype)
 
 
 def _as_slice(received: np.ndarray, group: _DtypeSlice):
