@@ -371,6 +371,13 @@ def initialize_deferred(variable) -> None:
     variable._deferred_initialize()
 
 
+def release_value(variable, initializer) -> None:
+    """Drop the backend variable behind `variable` (its memory with it, once nothing else
+    holds it): uninitialised again, `initializer` its deferred initializer."""
+    variable._value = None
+    variable._initializer = initializer
+
+
 def stateless_updates(scope) -> dict:
     """id(variable) -> value of the assignments a StatelessScope collected instead of doing."""
     return scope.state_mapping

@@ -300,6 +300,23 @@ def _say_whole_gradients(trainer, resolved, fit_kwargs) -> None:
         )
 
 
+def _refuse_whole_weights(trainer, resolved) -> None:
+    """`shard_weights` where some stage is not cut into segments: refused on every rank
+    (collective), since that stage would hold every weight (an error, not a notice: a model
+    sharded to fit memory would not fit)."""
+    if not (resolved.shard_weights and resolved.replicas > 1):
+        return
+    if trainer.agree_any(not trainer.shards_weights):
+        raise ValueError(
+            "Strategy shard_weights=True gathers each segment's weights before it runs, but a "
+            "stage could not be cut into segments: a subclassed model (not a layer graph), "
+            "tensor or expert shards, layers shared by stages, a zero-bubble or interleaved "
+            "schedule, or an optimizer step that reads every gradient first with "
+            "check_numerics. Use shard_gradients=True (ZeRO-2), which every model trains "
+            'with, or a layout that cuts the stage (docs/zero.md, "ZeRO-3").'
+        )
+
+
 def _check_comm(backend: str) -> str:
     """The gradient-reduction backend, checked on every rank (a rank without Horovod stops all)."""
     if not launched():  # one process: no MPI to start (see comm/world.py)
@@ -388,6 +405,7 @@ def _distributed_fit(model, x, y, batch_size, epochs, resolved, options, **kwarg
     )
     _say_layout(model, resolved, kwargs)
     _say_whole_gradients(trainer, resolved, kwargs)
+    _refuse_whole_weights(trainer, resolved)
     for notice in model_checks.training_notices(model, resolved) if comm.Get_rank() == 0 else ():
         warnings.warn(notice, stacklevel=3)
     trainer.use_watchdog(timeout)

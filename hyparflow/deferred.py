@@ -224,3 +224,30 @@ def reading(values):
         yield
     finally:
         _reader = previous
+
+
+# --- variables whose value hf.fit keeps elsewhere for a while (ZeRO-3's slices) -----------
+class _HeldElsewhere:
+    """The initializer of a variable let go (`let_go`): placeholders in graphs, as a deferred
+    variable's, and an error saying `reason` when read eagerly."""
+
+    def __init__(self, variable, reason: str):
+        self.variable, self.reason = variable, reason
+
+    def __call__(self, shape, dtype=None):
+        if not tf.executing_eagerly():
+            return tf.zeros(shape, dtype)
+        raise NotHeldError(f"{self.variable.path} is not held now: {self.reason}")
+
+
+def let_go(variables, reason: str) -> None:
+    """Drop the values of `variables` (their memory with them) until `hold` gives them back;
+    an eager read meanwhile raises `NotHeldError` saying `reason`."""
+    for variable in variables:
+        _keras.release_value(variable, _HeldElsewhere(variable, reason))
+
+
+def hold(variable, value) -> None:
+    """Give a variable let go (`let_go`) its `value` again, as a new backing variable."""
+    _keras.set_deferred_initializer(variable, lambda shape, dtype=None: value)
+    _keras.initialize_deferred(variable)

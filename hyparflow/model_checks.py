@@ -12,6 +12,7 @@ from hyparflow.engine.keras_semantics.batch_coupling import COUPLING_TOLERANCE, 
 from hyparflow.engine.keras_semantics.random_slices import unsliceable_random_layers
 from hyparflow.engine.keras_semantics.sync_batchnorm import synchronized_layers
 from hyparflow.engine.sharded_optimizer.refusal import refusal as zero_refusal
+from hyparflow.engine.sharded_optimizer.refusal import weights_refusal
 from hyparflow.engine.stages.structure import model_input_list
 from hyparflow.moe import expert_weights, router_loss_weight, sparse_blocks
 from hyparflow.tensor.roles import check_elementwise
@@ -301,7 +302,9 @@ def check_sharded_optimizer(model, strategy, comm_backend: str) -> None:
     one replica there is nothing to shard, and everything is accepted."""
     if not strategy.shard_optimizer or strategy.replicas == 1:
         return
-    problem = zero_refusal(model.optimizer, strategy, comm_backend)
+    problem = zero_refusal(model.optimizer, strategy, comm_backend) or weights_refusal(
+        model, strategy
+    )
     if problem:
         raise ValueError(problem)
 

@@ -129,6 +129,17 @@ class Strategy:
       layers shared by stages) or with `check_numerics`, it trains as `shard_optimizer` does
       (rank 0 says so once); a custom `train_step` is refused, as with `shard_optimizer`.
       Refused with `update_by_segment=False`. With one replica it changes nothing.
+    - `shard_weights` (False): ZeRO-3, what other frameworks call FSDP (docs/zero.md),
+      implying `shard_gradients`: each replica also keeps only its 1/replicas slice of the
+      stage's weights, which are the truth between steps. Each segment's weights are
+      all-gathered before its forward and again before its backward (which recomputes the
+      forward), and let go after; the gradients are reduce-scattered into the owners'
+      slices as under `shard_gradients`; embedding tables stay whole. While hf.fit trains,
+      the model's sharded variables hold no value (reading one raises `NotHeldError`); the
+      fit's end all-gathers them back. Needs a stage that can be cut into segments
+      (functional or Sequential, no tensor or expert shards, no layers shared by stages) and
+      refuses weight regularizers, per-batch callbacks that read weights and checkpoint
+      callbacks (docs/zero.md, "ZeRO-3"). With one replica it changes nothing.
     - `sync_batchnorm` (False): True makes every BatchNormalization layer normalise by the
       statistics of the whole global batch, summed across replicas, as Keras's own
       `BatchNormalization(synchronized=True)` layers always are (then exactly Keras's
@@ -196,6 +207,7 @@ class Strategy:
     tensor_layout: dict | None = None
     shard_optimizer: bool = False
     shard_gradients: bool = False
+    shard_weights: bool = False
     bind_gpus: bool = False
     update_by_segment: bool | None = None
     memory_per_rank: int | str | None = None
@@ -226,6 +238,7 @@ class Strategy:
         for name in (
             "shard_optimizer",
             "shard_gradients",
+            "shard_weights",
             "bind_gpus",
             "sparse_experts",
             "strict_added_losses",
@@ -268,6 +281,8 @@ class Strategy:
             >>> Strategy("data", shard_gradients=True).sharding
             'shard_gradients=True'
         """
+        if self.shard_weights:
+            return "shard_weights=True"
         if self.shard_gradients:
             return "shard_gradients=True"
         return "shard_optimizer=True" if self.shard_optimizer else ""
@@ -275,17 +290,21 @@ class Strategy:
     @property
     def unsharded(self) -> str:
         """The fields that turn the sharding off, for messages."""
+        if self.shard_weights:
+            return "shard_weights=False, shard_gradients=False and shard_optimizer=False"
         if self.shard_gradients:
             return "shard_gradients=False and shard_optimizer=False"
         return "shard_optimizer=False"
 
     def _check_sharding(self) -> None:
         """Each sharding implies the ones before it (frozen: set once, here)."""
+        if self.shard_weights:
+            object.__setattr__(self, "shard_gradients", True)
         if not self.shard_gradients:
             return
         if self.update_by_segment is False:
             raise ValueError(
-                "Strategy shard_gradients=True reduce-scatters each segment of the backward as "
+                f"Strategy {self.sharding} reduce-scatters each segment of the backward as "
                 "it is made, but update_by_segment=False asks for a stage that is not cut into "
                 "segments; drop update_by_segment=False, or use shard_optimizer=True alone."
             )

@@ -32,7 +32,7 @@ from hyparflow.engine.gradients.segment_update import (
     segment_count,
     segment_positions,
 )
-from hyparflow.engine.gradients.sync import GradientSync, SharedAcrossStages
+from hyparflow.engine.gradients.sync import GradientSync, Overlap, SharedAcrossStages
 from hyparflow.engine.gradients.update import Update
 from hyparflow.engine.keras_semantics.added_losses import (
     refuse_unless_batch_means,
@@ -43,13 +43,15 @@ from hyparflow.engine.keras_semantics.output_losses import OutputLosses
 from hyparflow.engine.keras_semantics.sharded_layers import ShardedLayers
 from hyparflow.engine.keras_semantics.sync_batchnorm import synchronized_layers
 from hyparflow.engine.sharded_optimizer.checkpoint import SliceCheckpoint
-from hyparflow.engine.sharded_optimizer.sharded_update import ShardedUpdate
+from hyparflow.engine.sharded_optimizer.sharded_update import ShardedUpdate, sliced_segments
+from hyparflow.engine.sharded_optimizer.sharded_weights import ShardedWeights
 from hyparflow.engine.stage_state import TrainingState
 from hyparflow.engine.stages.make_runner import (
     RunnerParts,
     build_chunk_runners,
     build_runner,
     build_segmented_runner,
+    cut_stage,
     seed_variables,
     unsynchronized_moving_statistics,
 )
@@ -123,6 +125,7 @@ class TrainerParts:
     gradient_sync: GradientSync
     update: Update
     sharded_update: ShardedUpdate | None  # ZeRO-1's sharded optimizer update, if any
+    sharded_weights: ShardedWeights | None  # ZeRO-3's weight slices, if any
     segment_update: SegmentUpdate | None
     gradient_path: object  # `gradients/path.py`: reduction and update, as the form asks
     stage_state: TrainingState
@@ -143,9 +146,9 @@ def build_parts(model, strategy, comm, plan=None, **options) -> TrainerParts:
             _runner_parts(setting, stage, output_losses, update_metrics, loss_adders)
             for stage in setting.stages
         ]
-        runner, form, overlap = _build_runner(setting, runner_parts, variables, shared)
+        runner, form, overlap, weights = _build_runner(setting, runner_parts, variables, shared)
         sync, update, sharded, by_segment = _build_gradient_parts(
-            setting, variables, runner, form, shared, overlap
+            setting, variables, runner, form, shared, overlap, weights
         )
         stage_state = _training_state(setting, variables, sharded)
         spans = events.Spans()
@@ -181,6 +184,7 @@ def build_parts(model, strategy, comm, plan=None, **options) -> TrainerParts:
         sync,
         update,
         sharded,
+        weights,
         by_segment,
         gradient_path,
         stage_state,
@@ -293,7 +297,8 @@ def _stage_variables(setting: Setting) -> StageVariables:
 def _build_runner(setting: Setting, runner_parts, variables, shared) -> tuple:
     """(the stage's runner, the gradient form its facts call for, its `Overlap`: which
     variables are final after each segment, None unless the runner cuts the stage into
-    segments)."""
+    segments; ZeRO-3's `ShardedWeights`, None unless the strategy shards the weights of a
+    stage cut into segments)."""
     layout = FlatLayout([variables.all[i] for i in variables.dense])
     facts = _gradient_facts(setting, variables, layout, shared_across_stages=shared is not None)
     form = choose_gradient_form(**facts, overlap_groups=setting.strategy.overlap_groups)
@@ -301,17 +306,37 @@ def _build_runner(setting: Setting, runner_parts, variables, shared) -> tuple:
         # no chunk packs a flat backward; the rank's sums flat only to be reduced
         form = dataclasses.replace(form, flat_backward=False)
         runner = build_chunk_runners(runner_parts, variables.all, variables.sparse, form, layout)
-        return runner, form, None
+        return runner, form, None, None
     if form.overlap or form.update_per_segment:
         groups = setting.strategy.overlap_groups
         count = groups if groups > 1 else facts["segments"]
-        segmented = build_segmented_runner(runner_parts[0], variables.all, count, variables.sparse)
-        if segmented is not None:
-            return segmented[0], form, segmented[1]
+        sub = cut_stage(runner_parts[0], count)
+        if sub is not None:
+            overlap = Overlap.plan(sub, variables.all)
+            weights = _sharded_weights(setting, variables, overlap, form)
+            runner = build_segmented_runner(
+                runner_parts[0], variables.all, sub, variables.sparse, weights
+            )
+            return runner, form, overlap, weights
         # the stage cannot be cut: reduce after the backward
         form = choose_gradient_form(**{**facts, "segments": 1})
     runner = build_runner(runner_parts[0], variables.all, variables.sparse, form, layout)
-    return runner, form, None
+    return runner, form, None, None
+
+
+def _sharded_weights(setting: Setting, variables, overlap, form) -> ShardedWeights | None:
+    """ZeRO-3's slices of the stage's weights, cut as its update's segments, or None where
+    the strategy does not shard weights over replicas (or the stage's update is not by
+    segment, which `Trainer.shards_weights` reports)."""
+    topology = setting.topology
+    if not (setting.strategy.shard_weights and topology.num_replicas > 1):
+        return None
+    if not form.update_per_segment:
+        return None
+    positions = segment_positions(variables.all, overlap, leave_out=variables.sparse)
+    dense = [i for i in range(len(variables.all)) if i not in set(variables.sparse)]
+    segments = sliced_segments(variables.all, dense, positions, topology.stage_comm)
+    return ShardedWeights(segments, variables.all, topology.stage_comm, setting.guard)
 
 
 def _gradient_facts(setting: Setting, variables, layout, shared_across_stages: bool) -> dict:
@@ -342,9 +367,12 @@ def _gradient_facts(setting: Setting, variables, layout, shared_across_stages: b
     )
 
 
-def _build_gradient_parts(setting: Setting, variables, runner, form, shared, overlap) -> tuple:
+def _build_gradient_parts(
+    setting: Setting, variables, runner, form, shared, overlap, weights=None
+) -> tuple:
     """(reduction across stages and replicas, the optimizer update, ZeRO-1's sharded update
-    or None, the update by segment or None), as the gradient `form` asks."""
+    or None, the update by segment or None), as the gradient `form` asks; `weights`: ZeRO-3's
+    `ShardedWeights`, whose slices the sharded update steps."""
     topology, sharded_layers, guard = setting.topology, setting.sharded_layers, setting.guard
     gradient_sync = GradientSync(
         topology,
@@ -382,7 +410,14 @@ def _build_gradient_parts(setting: Setting, variables, runner, form, shared, ove
     sharded = None
     if setting.strategy.shard_optimizer and topology.num_replicas > 1:
         sharded = ShardedUpdate(
-            setting.model, topology, variables.all, update, gradient_sync, segments=positions
+            setting.model,
+            topology,
+            variables.all,
+            update,
+            gradient_sync,
+            segments=positions,
+            sliced=None if weights is None else weights.segments,
+            weights_sharded=weights is not None,
         )
     segment_update = None
     if form.update_per_segment:
@@ -427,6 +462,8 @@ class Trainer:
         )
         self._replica_metrics = ReplicaMetrics(model, self.topology.stage_comm)
         self._log_root = self.topology.grid.rank_of(self.topology.num_stages - 1, 0)
+        if parts.sharded_weights is not None:  # the slices start from the model's weights
+            parts.sharded_weights.load()
 
     @property
     def shards_gradients(self) -> bool:
@@ -434,6 +471,11 @@ class Trainer:
         segments, each reduce-scattered as every backward makes it."""
         segment_update = self.parts.segment_update
         return segment_update is not None and segment_update.scatters
+
+    @property
+    def shards_weights(self) -> bool:
+        """Whether this stage holds only its slice of the weights between steps (ZeRO-3)."""
+        return self.parts.sharded_weights is not None
 
     @property
     def is_last(self) -> bool:
@@ -460,8 +502,12 @@ class Trainer:
 
     def load_shards(self) -> None:
         """Slice the model's current weights into this rank's tensor and expert shards (each
-        fit, evaluate or predict starts from the model as the user holds it)."""
+        fit, evaluate or predict starts from the model as the user holds it), and ZeRO-3's
+        slices."""
         self.sharded_layers.load()
+        weights = self.parts.sharded_weights
+        if weights is not None and not weights.released:
+            weights.load()
 
     def use_watchdog(self, timeout: float) -> None:
         """Guard blocking MPI waits with a `timeout`-second watchdog (0: none)."""
@@ -486,7 +532,11 @@ class Trainer:
 
     # --- steps ---------------------------------------------------------------------------
     def train_step(self, batch: GlobalBatch) -> None:
-        """One optimizer step on one global batch (collective over every rank)."""
+        """One optimizer step on one global batch (collective over every rank). ZeRO-3: the
+        slices take the weights first where the variables hold them (the fit's first step,
+        or after `sync_weights` gave them back for callbacks), which then let theirs go."""
+        if self.parts.sharded_weights is not None:
+            self.parts.sharded_weights.release()
         with self.layers_active():
             self.optimizer_step(batch)
 
@@ -616,7 +666,10 @@ class Trainer:
 
     def sync_weights(self) -> None:
         """Give every rank the full model: each stage broadcasts the weights it owns. A model
-        built under hf.scope() stays where it is: each rank keeps its own share."""
+        built under hf.scope() stays where it is: each rank keeps its own share. ZeRO-3's
+        slices are all-gathered back into the variables."""
+        if self.parts.sharded_weights is not None:
+            self.parts.sharded_weights.restore()
         self.sharded_layers.store(self.guard)  # first put split weights together
         if self.plan is None or self.holds_share_only:
             return  # replicas stay identical: every one applies the same reduced gradients

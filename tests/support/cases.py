@@ -46,7 +46,8 @@ _FLAGS = {
     "sync_batchnorm": lambda c: "syncbn" if c.sync_batchnorm else "",
     "one_step": lambda c: "1step" if c.one_step else "",
     "shard_optimizer": lambda c: "zero" if c.shard_optimizer and not c.shard_gradients else "",
-    "shard_gradients": lambda c: "zero2" if c.shard_gradients else "",
+    "shard_gradients": lambda c: "zero2" if c.shard_gradients and not c.shard_weights else "",
+    "shard_weights": lambda c: "zero3" if c.shard_weights else "",
     "update_by_segment": lambda c: {True: "bysegment", False: "whole"}.get(c.update_by_segment, ""),
 }
 _IN_ID = {"partitions", "replicas", "tensor", "microbatches", "schedule"}  # shown before flags

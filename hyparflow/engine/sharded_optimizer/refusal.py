@@ -69,3 +69,18 @@ def refusal(optimizer, strategy, comm_backend: str) -> str | None:
             f"larger batch_size (or num_microbatches), or use {off}."
         )
     return None
+
+
+def weights_refusal(model, strategy) -> str | None:
+    """Why ZeRO-3 (`shard_weights`) cannot train `model` exactly (None if it can): a weight
+    regularizer reads every weight whole at every step, which no rank holds."""
+    if not strategy.shard_weights:
+        return None
+    regularized = [v.path for v in model.trainable_variables if getattr(v, "regularizer", None)]
+    if regularized:
+        return (
+            f"shard_weights=True keeps each weight as slices over the replicas, but "
+            f"{regularized[:3]} have regularizers, which read the whole weight at every step; "
+            "drop the regularizers (or use AdamW's weight_decay), or use shard_gradients=True."
+        )
+    return None

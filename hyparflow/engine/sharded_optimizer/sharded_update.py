@@ -69,7 +69,7 @@ class _DtypeSlice:
         return reduction_dtype(self.dtype)
 
 
-def _sliced_segments(variables, dense: list[int], segments, comm) -> list[list[_DtypeSlice]]:
+def sliced_segments(variables, dense: list[int], segments, comm) -> list[list[_DtypeSlice]]:
     """The `_DtypeSlice`s of each segment of the `dense` positions (`segments`: lists of
     positions; None: one), this rank's of `comm`'s parts."""
     sliced = []
@@ -128,6 +128,10 @@ class ShardedUpdate:
     `SegmentUpdate`):
     each is laid out and sliced apart, so that it can be updated alone as soon as the last
     backward has finished it (`apply_segment`); None: the stage's variables are one.
+    `sliced`: the `sliced_segments` of `segments` made beforehand (ZeRO-3's `ShardedWeights`
+    holds the weights in the same slice variables). `weights_sharded` (ZeRO-3): the slices
+    are the weights between steps, so the update neither loads them from the stage's
+    variables nor all-gathers its results into them.
     `sent_bytes` counts the bytes this rank has sent (ring volume of the reduce-scatters and
     all-gathers); `step_bytes` and `allreduce_bytes` give one step's, and what an allreduce
     of the same gradients would send.
@@ -137,8 +141,19 @@ class ShardedUpdate:
         reg_value = sharded.apply(sharded.reduce().give_up())
     """
 
-    def __init__(self, model, topology, variables, update, sync, segments=None):
+    def __init__(
+        self,
+        model,
+        topology,
+        variables,
+        update,
+        sync,
+        segments=None,
+        sliced=None,
+        weights_sharded=False,
+    ):
         self.model, self.topology, self.variables = model, topology, variables
+        self.weights_sharded = weights_sharded
         self.comm = topology.stage_comm
         self.update, self.sync, self._guard = update, sync, update.guard
         parts = self.comm.Get_size()
@@ -149,7 +164,7 @@ class ShardedUpdate:
         whole = set(self.table_positions) | set(self.expert_positions)
         dense = [i for i in range(len(variables)) if i not in whole]
         # one flat vector per dtype of each segment (a whole stage's dense variables by default)
-        self.segments = _sliced_segments(variables, dense, segments, self.comm)
+        self.segments = sliced or sliced_segments(variables, dense, segments, self.comm)
         self.groups = [group for groups in self.segments for group in groups]
         # each segment's groups as positions in `groups`, what `Update.run` updates per call
         self._segment_indices = _positions_in_order(self.segments)
@@ -300,7 +315,8 @@ class ShardedUpdate:
         added if `regularize`, clipped by the whole model's `norm` if given, then the
         optimizer's step; the new slice values."""
         groups, whole = self._targets_at(group)
-        self._load_slices(groups)
+        if not self.weights_sharded:  # else the slices are the weights
+            self._load_slices(groups)
         slices, kept = list(grads[: len(groups)]), list(grads[len(groups) :])
         if regularize:
             slices = self._regularized_slices(groups, slices, scale)
@@ -310,8 +326,9 @@ class ShardedUpdate:
         return [g.variable.value for g in groups]
 
     def after_update(self, group, output) -> None:
-        """Give every replica the parameters the call updated."""
-        self._gather(output, self._targets_at(group)[0])
+        """Give every replica the parameters the call updated (ZeRO-3: each keeps its slice)."""
+        if not self.weights_sharded:
+            self._gather(output, self._targets_at(group)[0])
 
     def _targets_at(self, group) -> tuple[list, list]:
         """(the slice groups, the tables and expert shards) at positions `group` of

@@ -10,7 +10,6 @@ from hyparflow import _keras
 from hyparflow.checkpoint.state import layers_of_seed_keys, seed_generators
 from hyparflow.engine.gradients import sparse as row_sparse
 from hyparflow.engine.gradients.flat import BucketedLayout
-from hyparflow.engine.gradients.sync import Overlap
 from hyparflow.engine.keras_semantics.added_losses import added_loss
 from hyparflow.engine.keras_semantics.sync_batchnorm import TAG as BATCHNORM_TAG
 from hyparflow.engine.keras_semantics.sync_batchnorm import (
@@ -137,26 +136,33 @@ def build_chunk_runners(parts: list[RunnerParts], variables, sparse, form, layou
     return ChunkRunners(runners, variables, sparse, layout if form.flat else None)
 
 
-def build_segmented_runner(parts: RunnerParts, variables, segments: int, sparse=()):
-    """The stage as up to `segments` segments, so reductions overlap the backward: a
-    `SegmentedRunner` and its `Overlap` plan, or None when the stage cannot be cut (e.g. a
-    subclassed model or too few layers). `sparse`: the positions of `variables` that are
-    embedding tables, whose row slices each segment keeps."""
+def cut_stage(parts: RunnerParts, segments: int):
+    """The stage's sub-plan of up to `segments` contiguous segments (the partitioner's, balanced
+    by parameters), or None when it cannot be cut (e.g. a subclassed model or too few
+    layers)."""
     for count in range(segments, 1, -1):
         try:
-            sub = partition(parts.graph, count, balance="params")
-            break
+            return partition(parts.graph, count, balance="params")
         except ValueError:
             continue
-    else:
-        return None
+    return None
+
+
+def build_segmented_runner(parts: RunnerParts, variables, sub, sparse=(), weights=None):
+    """The stage as the segments of `sub` (`cut_stage`), so reductions overlap the backward:
+    a `SegmentedRunner`. `sparse`: the positions of `variables` that are embedding tables,
+    whose row slices each segment keeps. `weights` (ZeRO-3, a `ShardedWeights`): each segment
+    gathers its other variables from it for every call, and recomputes its forward in the
+    backward."""
     tables = {id(variables[i]) for i in sparse}
     last = len(sub.stages) - 1
     strategy = parts.strategy
+    recompute = strategy.recompute or weights is not None
     runners = []
     for j, segment in enumerate(sub.stages):
         packs = j == last and parts.is_last
         layers = _keras.all_layers(segment.model, include_self=False)
+        own = segment.model.trainable_variables
 
         def call(inputs, training, segment=segment, packs=packs):
             flat = segment.forward(inputs, training=training)
@@ -165,23 +171,23 @@ def build_segmented_runner(parts: RunnerParts, variables, segments: int, sparse=
         runners.append(
             StageRunner(
                 call,
-                segment.model.trainable_variables,
+                own,
                 loss=parts.loss if packs else None,
-                recompute=strategy.recompute,
-                state_variables=(parts.forward_state(segment.model) if strategy.recompute else ()),
+                recompute=recompute,
+                state_variables=(parts.forward_state(segment.model) if recompute else ()),
                 input_grads=j > 0 or not parts.is_first,
                 added_losses=parts.added_losses(layers),
                 input_shapes=declared_shapes(None, segment),
                 train_scope=parts.batchnorm_scope(layers),
-                sparse=[
-                    i for i, v in enumerate(segment.model.trainable_variables) if id(v) in tables
-                ],
+                sparse=[i for i, v in enumerate(own) if id(v) in tables],
                 row_kinds=parts.row_kinds,
+                gather=None
+                if weights is None
+                else weights.gather_for([v for v in own if id(v) not in tables]),
             )
         )
     per_batch = row_sparse.per_batch_flags(variables, sorted(sparse), parts.row_kinds)
-    segmented = SegmentedRunner(runners, variables, sparse, per_batch)
-    return segmented, Overlap.plan(sub, variables)
+    return SegmentedRunner(runners, variables, sparse, per_batch)
 
 
 def seed_variables(model, graph) -> list:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 from typing import Protocol
 
+import keras
 import tensorflow as tf
 
 from hyparflow.engine import relaxed
@@ -87,14 +88,20 @@ class RunnerBase:
         added_losses=None,
         train_scope=None,
         input_shapes=None,
+        gather=None,
     ):
         self.variables = list(variables)
         self.sparse = sorted(sparse)
         # which tables' rows come once per batch: their micro-batches add them row by row
         self._per_batch = row_sparse.per_batch_flags(self.variables, self.sparse, row_kinds)
         self.dense = sorted(set(range(len(self.variables))) - set(self.sparse))
-        # The tf.Variable behind each Keras variable: what a tape can watch and differentiate.
-        self._sources = [getattr(v, "value", v) for v in self.variables]
+        self._gather = gather
+        # The tf.Variable behind each Keras variable: what a tape can watch and differentiate
+        # (none for variables read from `gather`, whose values are let go between steps).
+        gathered = set(self.dense) if gather is not None else set()
+        self._sources = [
+            None if i in gathered else getattr(v, "value", v) for i, v in enumerate(self.variables)
+        ]
         self._sparse_per_microbatch: list[list] = []  # per micro-batch, the row-sparse gradients
         self._added_losses = added_losses
         self._train_scope = train_scope or contextlib.nullcontext
@@ -113,9 +120,27 @@ class RunnerBase:
         self.has_added_losses = True
         return added
 
-    def _infer_body(self, inputs):
-        outputs = self._call(inputs, False)
-        return outputs, self._added()
+    def _infer_body(self, inputs, params):
+        with self.reading(params):
+            outputs = self._call(inputs, False)
+            return outputs, self._added()
+
+    def gathered(self):
+        """The dense variables' values from `gather` (None without one)."""
+        return None if self._gather is None else self._gather()
+
+    @contextlib.contextmanager
+    def reading(self, values):
+        """Inside a trace: the dense variables read `values` (in `dense` order; None: their
+        own), and what the call assigns to any variable (statistics, seeds) is assigned after."""
+        if values is None:
+            yield
+            return
+        dense = [self.variables[i] for i in self.dense]
+        with UpdateRecordingScope(zip(dense, values, strict=True)) as scope:
+            yield
+        for variable, value in scope.updates.values():
+            variable.assign(value)
 
     def _relaxed(self, function, args: tuple, targets: tuple = ()):
         """What to call for `function(*args)`: `function`, once traced with the batch size and
@@ -128,7 +153,8 @@ class RunnerBase:
 
     def infer(self, inputs):
         """Forward without gradients, in inference mode (validation, evaluate, predict)."""
-        outputs, self.last_added = self._relaxed(self._infer_fn, (inputs,))(inputs)
+        args = (inputs, self.gathered())
+        outputs, self.last_added = self._relaxed(self._infer_fn, args)(*args)
         return outputs
 
     def take_sparse_gradients(self) -> list:
@@ -145,7 +171,7 @@ class RunnerBase:
 
     def _zero_dense(self) -> list:
         """Zeros for each dense variable's gradient (no micro-batch summed yet)."""
-        return [tf.zeros_like(self._sources[i]) for i in self.dense]
+        return [tf.zeros(self.variables[i].shape, self.variables[i].dtype) for i in self.dense]
 
     def take_gradients(self) -> list:
         """Summed variable gradients of the micro-batches since the last call (zeros if none);
@@ -161,3 +187,15 @@ class RunnerBase:
             return list(self.layout.unflatten_fn(self.take_flat_gradients()))
         dense, self._grads = self._grads, None
         return self._zero_dense() if dense is None else dense
+
+
+class UpdateRecordingScope(keras.StatelessScope):
+    """A `keras.StatelessScope` that also remembers which variables were assigned in it."""
+
+    def __init__(self, mapping):
+        super().__init__(list(mapping), collect_losses=True, initialize_variables=False)
+        self.updates = {}
+
+    def add_update(self, update):
+        super().add_update(update)
+        self.updates[id(update[0])] = update

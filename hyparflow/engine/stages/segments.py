@@ -87,12 +87,12 @@ class SegmentedRunner:
     def total(self, variable):
         """The summed gradient of `variable` collected so far (zeros if none)."""
         grad = self._accumulated.get(id(variable))
-        return tf.zeros_like(variable) if grad is None else grad
+        return tf.zeros(variable.shape, variable.dtype) if grad is None else grad
 
     def take(self, variable):
         """The summed gradient of `variable` collected so far (zeros if none), let go here."""
         grad = self._accumulated.pop(id(variable), None)
-        return tf.zeros_like(variable) if grad is None else grad
+        return tf.zeros(variable.shape, variable.dtype) if grad is None else grad
 
     def take_tables(self) -> list:
         """The tables' row slices since the last call, in `sparse` order (no rows where no

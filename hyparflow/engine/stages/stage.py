@@ -7,7 +7,6 @@ only that micro-batch's activations alive until its backward (GPipe's activation
 
 from __future__ import annotations
 
-import keras
 import numpy as np
 import tensorflow as tf
 from keras import tree
@@ -67,6 +66,10 @@ class StageRunner(RunnerBase):
     recomputes its activations in the backward (Chen et al. 2016, "Training Deep Nets with
     Sublinear Memory Cost"; GPipe's re-materialization).
 
+    With `gather` (ZeRO-3, a `RunnerBase` option; needs `recompute`), each forward, each
+    backward's recomputation and each inference gathers the dense variables' values afresh
+    and differentiates them: the values live only during that call.
+
     `tally` (a `moe.RouterTally`, GPipe only): the mixture blocks' router losses of a step of
     several micro-batches. Each forward returns the blocks' routing counts and probability
     sums beside its outputs; each backward differentiates the sums with the gradient the
@@ -95,6 +98,8 @@ class StageRunner(RunnerBase):
         **common,
     ):
         super().__init__(call, variables, **common)  # RunnerBase's options
+        if self._gather is not None and (not recompute or layout is not None):
+            raise ValueError("a runner gathering its weights recomputes and keeps lists")
         self._tally = tally
         self._last_routed = ()  # the last forward's routing counts and sums (with a tally)
         self.layout = layout
@@ -141,18 +146,11 @@ class StageRunner(RunnerBase):
             with slice_of(rows), self._train_scope():
                 outputs = self._call(inputs, True)
             return outputs, self._added()
-        views = self.layout.unflatten(params)
-        dense = [self.variables[i] for i in self.dense]  # tables are read as they are
-        scopes = (
-            UpdateRecordingScope(zip(dense, views, strict=True)),
-            slice_of(rows),
-            self._train_scope(),
-        )
-        with scopes[0] as scope, scopes[1], scopes[2]:
+        # gathered values, or views of the flat tensor; tables are read as they are
+        views = params if self._gather is not None else self.layout.unflatten(params)
+        with self.reading(views), slice_of(rows), self._train_scope():
             outputs = self._call(inputs, True)
             added = self._added()  # the scope collects what layers add
-        for variable, value in scope.updates.values():  # statistics, seeds: applied for real
-            variable.assign(value)
         return outputs, added
 
     def _routed(self, scale) -> tuple:
@@ -210,6 +208,10 @@ class StageRunner(RunnerBase):
         params = self._parameters()
         if params is None:
             sources = self._sources
+        elif self._gather is not None:  # per variable, the gathered values in the dense places
+            sources = list(self._sources)
+            for i, value in zip(self.dense, params, strict=True):
+                sources[i] = value
         else:
             sources = [params] + [self._sources[i] for i in self.sparse]
         if tape is not None:
@@ -308,9 +310,7 @@ class StageRunner(RunnerBase):
                 row_sparse.or_empty(var_grads[i], v)
                 for i, v in zip(self.sparse, tables, strict=True)
             ]
-            dense = [
-                tf.convert_to_tensor(_or_zeros(var_grads[i], self._sources[i])) for i in self.dense
-            ]
+            dense = [tf.convert_to_tensor(_or_zeros(var_grads[i], sources[i])) for i in self.dense]
             if self._grads is None:
                 self._grads = dense
             else:
@@ -328,7 +328,9 @@ class StageRunner(RunnerBase):
     def _parameters(self):
         """This step's flat variable values (None unless `flat_backward`), packed at its
         first forward (or `prepare`): variables change only between steps (optimizer,
-        callbacks, restores)."""
+        callbacks, restores). With `gather`, the dense variables' values, gathered afresh."""
+        if self._gather is not None:
+            return self.gathered()
         if not self.flat_backward:
             return None
         if self._params is None:
@@ -338,7 +340,8 @@ class StageRunner(RunnerBase):
     def prepare(self) -> None:
         """Pack this step's flat variable values now (a no-op unless `flat_backward`), e.g. while
         the stage waits for its first activations, instead of at its first forward."""
-        self._parameters()
+        if self._gather is None:  # gathered values live only during a call
+            self._parameters()
 
     @property
     def _totals_are_flat(self) -> bool:
@@ -360,15 +363,3 @@ class StageRunner(RunnerBase):
     def in_flight(self) -> int:
         """Micro-batches forwarded whose backward has not run yet."""
         return len(self._pending)
-
-
-class UpdateRecordingScope(keras.StatelessScope):
-    """A `keras.StatelessScope` that also remembers which variables were assigned in it."""
-
-    def __init__(self, mapping):
-        super().__init__(list(mapping), collect_losses=True, initialize_variables=False)
-        self.updates = {}
-
-    def add_update(self, update):
-        super().add_update(update)
-        self.updates[id(update[0])] = update

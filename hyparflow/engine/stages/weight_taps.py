@@ -34,7 +34,7 @@ import tensorflow as tf
 from keras import tree
 
 from hyparflow import _keras
-from hyparflow.engine.stages.stage import UpdateRecordingScope
+from hyparflow.engine.stages.runner import UpdateRecordingScope
 from hyparflow.intercept import replaced_calls
 
 
