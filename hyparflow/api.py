@@ -301,19 +301,18 @@ def _say_whole_gradients(trainer, resolved, fit_kwargs) -> None:
 
 
 def _refuse_whole_weights(trainer, resolved) -> None:
-    """`shard_weights` where some stage is not cut into segments: refused on every rank
-    (collective), since that stage would hold every weight (an error, not a notice: a model
-    sharded to fit memory would not fit)."""
+    """`shard_weights` where some stage's runner cannot gather its weights per call (the
+    zero-bubble schedule's split backward, interleaved chunks): refused on every rank
+    (collective), since that stage would hold every weight (an error, not a notice: a
+    model sharded to fit memory would not fit)."""
     if not (resolved.shard_weights and resolved.replicas > 1):
         return
     if trainer.agree_any(not trainer.shards_weights):
         raise ValueError(
-            "Strategy shard_weights=True gathers each segment's weights before it runs, but a "
-            "stage could not be cut into segments: a subclassed model (not a layer graph), "
-            "tensor or expert shards, layers shared by stages, a zero-bubble or interleaved "
-            "schedule, or an optimizer step that reads every gradient first with "
-            "check_numerics. Use shard_gradients=True (ZeRO-2), which every model trains "
-            'with, or a layout that cuts the stage (docs/zero.md, "ZeRO-3").'
+            f"Strategy shard_weights=True gathers each stage's weights for every call, which "
+            f"the {resolved.schedule!r} schedule's stages do not run (a split backward, or "
+            "chunks); use schedule='gpipe' or '1f1b', or shard_gradients=True (docs/zero.md, "
+            '"ZeRO-3").'
         )
 
 

@@ -313,27 +313,29 @@ def _build_runner(setting: Setting, runner_parts, variables, shared) -> tuple:
         sub = cut_stage(runner_parts[0], count)
         if sub is not None:
             overlap = Overlap.plan(sub, variables.all)
-            weights = _sharded_weights(setting, variables, overlap, form)
+            positions = segment_positions(variables.all, overlap, leave_out=variables.sparse)
+            weights = _sharded_weights(setting, variables, positions)
             runner = build_segmented_runner(
                 runner_parts[0], variables.all, sub, variables.sparse, weights
             )
             return runner, form, overlap, weights
         # the stage cannot be cut: reduce after the backward
         form = choose_gradient_form(**{**facts, "segments": 1})
-    runner = build_runner(runner_parts[0], variables.all, variables.sparse, form, layout)
-    return runner, form, None, None
+    # ZeRO-3 on a stage that is not cut: its weights gathered whole for each call
+    split_backward = setting.strategy.schedule == "zero_bubble" and setting.plan is not None
+    weights = None if split_backward else _sharded_weights(setting, variables, None)
+    if weights is not None:
+        form = dataclasses.replace(form, flat=False, flat_backward=False)
+    runner = build_runner(runner_parts[0], variables.all, variables.sparse, form, layout, weights)
+    return runner, form, None, weights
 
 
-def _sharded_weights(setting: Setting, variables, overlap, form) -> ShardedWeights | None:
-    """ZeRO-3's slices of the stage's weights, cut as its update's segments, or None where
-    the strategy does not shard weights over replicas (or the stage's update is not by
-    segment, which `Trainer.shards_weights` reports)."""
+def _sharded_weights(setting: Setting, variables, positions) -> ShardedWeights | None:
+    """ZeRO-3's slices of the stage's weights, cut as its update's segments (`positions`;
+    None: one), or None where the strategy does not shard weights over replicas."""
     topology = setting.topology
     if not (setting.strategy.shard_weights and topology.num_replicas > 1):
         return None
-    if not form.update_per_segment:
-        return None
-    positions = segment_positions(variables.all, overlap, leave_out=variables.sparse)
     dense = [i for i in range(len(variables.all)) if i not in set(variables.sparse)]
     segments = sliced_segments(variables.all, dense, positions, topology.stage_comm)
     return ShardedWeights(segments, variables.all, topology.stage_comm, setting.guard)

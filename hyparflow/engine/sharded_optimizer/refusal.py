@@ -73,9 +73,16 @@ def refusal(optimizer, strategy, comm_backend: str) -> str | None:
 
 def weights_refusal(model, strategy) -> str | None:
     """Why ZeRO-3 (`shard_weights`) cannot train `model` exactly (None if it can): a weight
-    regularizer reads every weight whole at every step, which no rank holds."""
+    regularizer reads every weight whole at every step, which no rank holds; expert shards
+    are kept whole by the ranks that compute them."""
     if not strategy.shard_weights:
         return None
+    if strategy.experts > 1:
+        return (
+            "shard_weights=True slices each replica's weights, but experts>1 keeps expert "
+            "shards whole on the ranks that compute them; use shard_gradients=True with "
+            "experts."
+        )
     regularized = [v.path for v in model.trainable_variables if getattr(v, "regularizer", None)]
     if regularized:
         return (

@@ -34,7 +34,8 @@ class ShardedWeights:
     `SliceLayout` and this replica's slice `variable`), gathered over `comm` (the stage's
     replicas); `guard(operation)` watches each wait.
 
-    `sent_bytes` counts the bytes this rank has sent in its all-gathers (ring volume).
+    `sent_bytes` counts the bytes this rank has sent in its all-gathers (ring volume),
+    `restores` the times the variables were given their values back.
 
     Example:
         weights = ShardedWeights(segments, variables, comm, guard)
@@ -54,6 +55,7 @@ class ShardedWeights:
                 self._where[id(variables[i])] = (g, j)
         self.released = False
         self.sent_bytes = 0
+        self.restores = 0
 
     def holds(self, variable) -> bool:
         """Whether `variable` is sliced here (tables and expert shards are not)."""
@@ -90,6 +92,7 @@ class ShardedWeights:
                 deferred.hold(self.variables[i], self._value_in(flat, group, j))
             flat = None
         self.released = False
+        self.restores += 1
 
     def gather_for(self, variables: list):
         """A callable returning the current values of `variables` (each sliced here), in

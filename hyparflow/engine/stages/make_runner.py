@@ -80,10 +80,12 @@ class RunnerParts:
         return list(graph.non_trainable_variables) + seed_variables(self.model, graph)
 
 
-def build_runner(parts: RunnerParts, variables, sparse, form, layout):
+def build_runner(parts: RunnerParts, variables, sparse, form, layout, weights=None):
     """The stage's `FusedRunner` (whole model), `StageRunner` or, under the zero-bubble
     schedule, `SplitStageRunner`, gradients in `form` (`GradientForm`; `layout` the
-    `FlatLayout` of the dense variables when `form.flat`)."""
+    `FlatLayout` of the dense variables when `form.flat`). `weights` (ZeRO-3, a
+    `ShardedWeights`): a `StageRunner` that gathers its other variables from it for every
+    call and recomputes its forward in the backward, its gradients a list."""
     layers = _keras.all_layers(parts.graph)
     strategy = parts.strategy
     whole = parts.model if parts.stage is None else None
@@ -94,6 +96,19 @@ def build_runner(parts: RunnerParts, variables, sparse, form, layout):
         input_shapes=declared_shapes(whole, parts.stage),
         train_scope=parts.batchnorm_scope(layers),
     )
+    if weights is not None:
+        tables = {id(variables[i]) for i in sparse}
+        return StageRunner(
+            parts.call,
+            variables,
+            loss=parts.loss if parts.is_last else None,
+            recompute=True,
+            state_variables=parts.forward_state(parts.graph),
+            input_grads=not parts.is_first,
+            tally=parts.tally,
+            gather=weights.gather_for([v for v in variables if id(v) not in tables]),
+            **common,
+        )
     if parts.stage is None and parts.tally is None:
         # nothing lives between forward and backward: one compiled call
         # Chunks, not one tensor: the step then never holds its gradients twice (flat.py).
