@@ -140,6 +140,10 @@ def test_deferred_variable_entries():
     _keras.set_deferred_initializer(kernel, keras.initializers.Ones())
     _keras.initialize_deferred(kernel)
     assert not _keras.is_uninitialized(kernel) and float(kernel.numpy().sum()) == 6.0
+    _keras.release_value(kernel, keras.initializers.Zeros())  # ZeRO-3 lets values go
+    assert _keras.is_uninitialized(kernel)
+    _keras.initialize_deferred(kernel)
+    assert float(kernel.numpy().sum()) == 0.0
     del waiting[before:]
     with keras.StatelessScope(initialize_variables=False) as scope:
         with _keras.outside_stateless_scope():  # Keras refuses a value in a stateless scope

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from hyparflow import deferred
 from hyparflow.engine.gradients import flat
 from hyparflow.engine.gradients.flat import FlatLayout
 from hyparflow.engine.keras_semantics.metrics import build_outside_the_trace
@@ -109,6 +110,48 @@ def test_flat_layout_gives_the_same_gradients_statistics_and_dropout(runs, recom
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6, atol=1e-7)
     for a, b in zip(plain_stats, stats, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+def test_gathered_weights_give_the_same_gradients_statistics_dropout_and_inference(runs):
+    """ZeRO-3's runner: its variables hold no value (let go), every call reads the values
+    `gather` returns and differentiates them, and what the call assigns (BatchNormalization
+    statistics, Dropout seeds) still reaches the variables that hold values."""
+    model = _model()
+    x, y = _data()
+    values = [tf.constant(v.numpy()) for v in model.trainable_variables]
+    calls = []
+
+    def gather():
+        calls.append(1)
+        return values
+
+    deferred.let_go(model.trainable_variables, "held by the test's gather")
+    with pytest.raises(deferred.NotHeldError, match="held by the test's gather"):
+        model.trainable_variables[0].numpy()
+    call, variables, loss = _calls(model)
+    runner = StageRunner(
+        call, variables, loss, recompute=True, state_variables=_state(model), gather=gather
+    )
+    for k, part in enumerate((slice(0, 8), slice(8, 12))):
+        runner.forward(k, tf.constant(x[part]), (tf.constant(y[part]), None), scale=1.0)
+    for k in (1, 0):
+        runner.backward(k)
+    assert len(calls) == 4  # each forward, each recomputation: the values live only then
+    (plain, plain_stats, _) = runs[True]
+    for a, b in zip(plain, runner.take_gradients(), strict=True):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6, atol=1e-7)
+    for a, v in zip(plain_stats, model.non_trainable_variables, strict=True):
+        np.testing.assert_allclose(a, v.numpy(), rtol=1e-6)
+    inferred = runner.infer(tf.constant(x)).numpy()
+    for variable, value in zip(model.trainable_variables, values, strict=True):
+        deferred.hold(variable, value)
+    np.testing.assert_allclose(model(x, training=False).numpy(), inferred, rtol=1e-6)
+
+
+def test_a_gathering_runner_must_recompute():
+    model = _model()
+    with pytest.raises(ValueError, match="recomputes"):
+        StageRunner(*_calls(model), gather=lambda: [])
 
 
 def test_flat_layout_middle_stage_and_fresh_values_each_step():

@@ -159,10 +159,78 @@ def test_refusals_under_sharded_gradients_name_both_fields():
         model_checks.check_standard_steps(build(GuideStep), zero2)
 
 
+def test_sharded_weights_imply_sharded_gradients_and_optimizer():
+    strategy = hf.Strategy("data", shard_weights=True)
+    assert strategy.shard_gradients and strategy.shard_optimizer
+    assert strategy.resolve(4).shard_weights and strategy.sharding == "shard_weights=True"
+    assert strategy.unsharded.startswith("shard_weights=False, shard_gradients=False")
+    with pytest.raises(ValueError, match="shard_weights=1 must be True or False"):
+        hf.Strategy(shard_weights=1)
+    with pytest.raises(ValueError, match="shard_weights=True reduce-scatters each segment"):
+        hf.Strategy("data", shard_weights=True, update_by_segment=False)
+
+
+def test_refusals_under_sharded_weights():
+    from tests.support.custom_steps import GuideStep, build
+
+    zero3 = hf.Strategy("data", replicas=2, shard_weights=True).resolve(2)
+    model = keras.Sequential(
+        [keras.Input((3,)), keras.layers.Dense(2, kernel_regularizer="l2"), keras.layers.Dense(1)]
+    )
+    model.compile(optimizer="adam", loss="mse")
+    with pytest.raises(ValueError, match=r"dense.*/kernel'\] have regularizers"):
+        model_checks.check_sharded_optimizer(model, zero3, "mpi")
+    model_checks.check_sharded_optimizer(model, zero3.__class__("data", replicas=2), "mpi")
+    experts = dataclasses.replace(zero3, experts=2)
+    with pytest.raises(ValueError, match="experts>1 keeps expert shards whole"):
+        model_checks.check_sharded_optimizer(model, experts, "mpi")
+    with pytest.raises(ValueError, match="use shard_weights=False, shard_gradients=False"):
+        model_checks.check_standard_steps(build(GuideStep), zero3)
+
+
+def test_sharded_weights_round_trip_through_one_replicas_slices():
+    """On one rank (MPI's COMM_SELF, one part): the slices take the values, the variables let
+    theirs go (a read says why), a gather gives them back per variable, and restoring holds
+    them again, unchanged."""
+    from mpi4py import MPI
+
+    from hyparflow.engine.sharded_optimizer.sharded_update import sliced_segments
+    from hyparflow.engine.sharded_optimizer.sharded_weights import ShardedWeights
+
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(2)])
+    variables = model.trainable_variables
+    before = [v.numpy().copy() for v in variables]
+    segments = sliced_segments(variables, [0, 1, 2, 3], [[2, 3], [0, 1]], MPI.COMM_SELF)
+    weights = ShardedWeights(segments, variables, MPI.COMM_SELF, lambda *a, **k: _Quiet())
+    assert [g.positions for g in weights.groups] == [[2, 3], [0, 1]]
+    weights.release()
+    with pytest.raises(hf.NotHeldError, match="shard_weights=True"):
+        variables[0].numpy()
+    gathered = weights.gather_for([variables[3], variables[0]])()
+    np.testing.assert_array_equal(gathered[0].numpy(), before[3])
+    np.testing.assert_array_equal(gathered[1].numpy(), before[0])
+    weights.restore()
+    for variable, value in zip(variables, before, strict=True):
+        np.testing.assert_array_equal(variable.numpy(), value)
+    assert weights.restores == 1 and not weights.released
+
+
+class _Quiet:
+    """A guard that watches nothing (one rank cannot hang)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
 # --- training under mpirun ----------------------------------------------------------------------
 ZERO = {"shard_optimizer": True}
 ZERO_BY_SEGMENT = {**ZERO, "update_by_segment": True}
 ZERO2 = {"shard_gradients": True}
+ZERO3 = {"shard_weights": True}
 TWO_RANKS = [
     Case("wide_mlp", "adam", "data", replicas=2, **ZERO),  # L2, dropout, LayerNorm
     Case("embedding_mlp", "adam", "data", replicas=2, **ZERO),  # a table kept whole
@@ -183,6 +251,13 @@ TWO_RANKS = [
     Case("embedding_mlp", "adam+globalclip", "data", replicas=2, microbatches=2, **ZERO2),
     Case("gpt2", "adam", "data", replicas=2, **ZERO2),  # keras_hub, tied embedding: M=1 only
     Case("llama", "adam", "data", replicas=2, **ZERO2),
+    # ZeRO-3: each segment's weights gathered for its forward and again for its backward,
+    # which recomputes the forward (the same dropout masks); wide_mlp's L2 is refused
+    Case("dropout_mlp", "adam", "data", replicas=2, microbatches=2, **ZERO3),
+    Case("dropout_mlp", "adam", "data", replicas=2, policy="mixed_float16", **ZERO3),
+    Case("embedding_mlp", "adam+globalclip", "data", replicas=2, microbatches=2, **ZERO3),
+    Case("gpt2", "adam", "data", replicas=2, **ZERO3),
+    Case("llama", "adam", "data", replicas=2, **ZERO3),
 ]
 FOUR_RANKS = [
     two_by_two("wide_mlp", "adam", microbatches=2, schedule="1f1b", **ZERO),
@@ -198,6 +273,9 @@ FOUR_RANKS = [
     Case("encoder", "adam", "data", replicas=4, microbatches=2, **ZERO2),
     two_by_two("encoder", "adam", microbatches=2, schedule="1f1b", **ZERO2),
     Case("encoder", "adam", "data", replicas=2, tensor=2, **ZERO2),
+    Case("encoder", "adam", "data", replicas=4, microbatches=2, **ZERO3),
+    two_by_two("encoder", "adam", microbatches=2, schedule="1f1b", **ZERO3),
+    Case("encoder", "adam", "data", replicas=2, tensor=2, **ZERO3),  # not cut: gathered whole
 ]
 
 
@@ -236,9 +314,16 @@ def _check(case: Case, results: list) -> None:
         assert abs(2 * step["allgather"] - r["allreduce_bytes"]) <= padding, where
         cut = case.tensor == 1  # ZeRO-2 cuts the stage unless it holds tensor shards
         assert r["shards_gradients"] == (case.shard_gradients and cut), where
+        assert r["shards_weights"] == case.shard_weights, where
+        assert r["held_after"], where  # the fit's end gives ZeRO-3's variables their values
         # ZeRO-2 reduce-scatters every micro-batch's gradients, ZeRO-1 the step's sums
         scatters = r["backwards"] if r["shards_gradients"] else r["steps"]
-        assert r["sent_bytes"] == (scatters + r["steps"]) * step["allgather"], where
+        if case.shard_weights:  # each keeps its slice: gathered for each forward and backward
+            assert r["sent_bytes"] == scatters * step["reduce_scatter"], where
+            gathers = 2 * r["backwards"] + r["restores"]
+            assert r["gathered_bytes"] == gathers * step["allgather"], (where, r)
+        else:
+            assert r["sent_bytes"] == (scatters + r["steps"]) * step["allgather"], where
         if case.update_by_segment or r["shards_gradients"]:  # cut into segments, each updated
             # inside the backward but where the step waits for every gradient (loss scaling,
             # global clipping: the latter reads the whole gradient under update_by_segment)
@@ -267,6 +352,16 @@ def test_refusals_reach_every_rank(two_ranks):
         assert "Lamb does not update each element" in r["refusals"]["lamb"]
         assert "use global_clipnorm" in r["refusals"]["clipnorm"]
         assert "overlap_groups=1" in r["refusals"]["overlap"]
+        assert "have regularizers" in r["refusals"]["regularizer"]
+
+
+@pytest.mark.mpi
+def test_zero3_trains_a_subclassed_model_as_keras_does(two_ranks):
+    for r in two_ranks:
+        sub = r["subclassed"]
+        assert sub["shards_weights"] and sub["segments"] == 1, sub
+        assert sub["weights"] < TOLERANCE, sub
+        assert abs(sub["slice_elements"] / sub["elements"] - 0.5) < 0.01, sub
 
 
 @pytest.mark.mpi

@@ -1,10 +1,10 @@
-"""ZeRO-1 (`Strategy(shard_optimizer=True)`) under a real mpirun: exactness, slot sizes, bytes,
-refusals and checkpoints that change layout on resume.
+"""ZeRO (`Strategy(shard_optimizer=True)`, `shard_gradients`, `shard_weights`) under a real
+mpirun: exactness, slot sizes, bytes, refusals and checkpoints that change layout on resume.
 
 Usage: `python -m tests.mpi.zero OUT FOLDER CASE_JSON...`. Each case (tests/support/cases.py,
 a zoo model) is trained by hf.fit and compared with Keras's own fit (tests/support/references.py).
-Then, on 2 ranks, the refusals and a resume between ZeRO on and off; on 4 ranks, a resume that
-changes R and P.
+Then, on 2 ranks, the refusals, a subclassed model under ZeRO-3 and a resume between ZeRO on
+and off; on 4 ranks, a resume that changes R and P.
 """
 
 import os
@@ -31,6 +31,7 @@ def run(case: Case) -> dict:
     history = fit_in_order(model, x, y, batch_size, epochs, hf.Strategy(**case.strategy_options()))
     trainer = model._hyparflow_trainer[1]
     zero = trainer.parts.sharded_update
+    weights = trainer.parts.sharded_weights
     # the optimizer's per-element state on this rank, against the unsharded stage's
     slot_elements = sum(
         int(np.prod(v.shape)) for v in model.optimizer.variables if len(v.shape) > 0
@@ -56,11 +57,24 @@ def run(case: Case) -> dict:
         # segments updated inside the backward (update_by_segment), all steps
         "segment_updates": getattr(trainer.parts.segment_update, "early_updates", None),
         "shards_gradients": trainer.shards_gradients,
+        "shards_weights": trainer.shards_weights,
+        "gathered_bytes": weights.sent_bytes if weights else None,
+        "restores": weights.restores if weights else None,
+        "held_after": _held(model),
         "segments": len(getattr(trainer.parts.runner, "segments", [trainer.parts.runner])),
         "backwards": trainer.step  # one micro-batch a step (keras_hub's batched datasets)
         if batch_size is None
         else _backwards(len(x), batch_size, epochs, trainer.strategy),
     }
+
+
+def _held(model) -> bool:
+    """Whether every weight of `model` holds a value (ZeRO-3 gives them back at the end)."""
+    try:
+        model.get_weights()
+    except hf.NotHeldError:
+        return False
+    return True
 
 
 def _backwards(samples: int, batch_size: int, epochs: int, strategy) -> int:
@@ -79,6 +93,7 @@ def refusals() -> dict:
         "lamb": (keras.optimizers.Lamb(), {}),
         "clipnorm": (keras.optimizers.Adam(clipnorm=1.0), {}),
         "overlap": (keras.optimizers.Adam(), {"overlap_groups": 2}),
+        "regularizer": (keras.optimizers.Adam(), {"shard_weights": True}),  # wide_mlp's L2
     }.items():
         model = zoo.seeded_build(zoo.BUILDERS["wide_mlp"])
         model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy")
@@ -89,6 +104,59 @@ def refusals() -> dict:
         except Exception as error:  # noqa: BLE001 - the message is what the test checks
             found[name] = str(error)
     return found
+
+
+class Residual(keras.Model):
+    """A subclassed model (no layer graph to cut): residual Dense blocks, LayerNorm, dropout."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = keras.layers.Dense(16)
+        self.blocks = [
+            (keras.layers.Dense(32, activation="gelu"), keras.layers.Dense(16)) for _ in range(2)
+        ]
+        self.norm = keras.layers.LayerNormalization()
+        self.dropout = keras.layers.Dropout(0.2)
+        self.head = keras.layers.Dense(3, activation="softmax")
+
+    def call(self, x, training=False):
+        h = self.stem(x)
+        for widen, narrow in self.blocks:
+            h = self.norm(h + narrow(self.dropout(widen(h), training=training)))
+        return self.head(h)
+
+
+def _residual():
+    keras.utils.set_random_seed(5)
+    model = Residual()
+    model(np.zeros((1, 6), "float32"))
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="sparse_categorical_crossentropy")
+    return model
+
+
+def subclassed() -> dict:
+    """A subclassed model under ZeRO-3 against Keras's fit from the same seeds: its one stage
+    gathers its weights whole for each call."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 6)).astype("float32")
+    y = rng.integers(0, 3, size=64)
+    reference = _residual()
+    keras.utils.set_random_seed(7)  # the same dropout masks in both runs
+    reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    model = _residual()
+    keras.utils.set_random_seed(7)
+    strategy = hf.Strategy("data", shard_weights=True)
+    fit_in_order(model, x, y, 16, 2, strategy)
+    trainer = model._hyparflow_trainer[1]
+    return {
+        "weights": relative_difference(model.get_weights(), reference.get_weights()),
+        "shards_weights": trainer.shards_weights,
+        "segments": len(getattr(trainer.parts.runner, "segments", [trainer.parts.runner])),
+        "slice_elements": sum(
+            int(np.prod(g.variable.shape)) for g in trainer.parts.sharded_weights.groups
+        ),
+        "elements": sum(int(np.prod(v.shape)) for v in model.trainable_variables),
+    }
 
 
 def resumes_two(folder: str) -> dict:
@@ -154,7 +222,11 @@ def main():
     results = [run(c) for c in cases]
     extra = {}
     if hf.size() == 2:
-        extra = {"refusals": refusals(), "resume": resumes_two(folder)}
+        extra = {
+            "refusals": refusals(),
+            "subclassed": subclassed(),
+            "resume": resumes_two(folder),
+        }
     elif hf.size() == 4:
         extra = {"resume": resumes_four(folder)}
     report({"rank": hf.rank(), "results": results, **extra})
