@@ -5,9 +5,11 @@ Run: .venv/bin/python benchmarks/sharded_memory.py [--quick] [--layouts 1,1,1 1,
 
 The MLP: 1024 inputs, 3 x (Dense(16384, relu), Dense(1024)), 100.7 M parameters, Adam, MSE,
 batch 32, 2 steps. Each rank's peak resident growth from before the model is built to the end
-of `hf.fit`, under TensorFlow's pooled (BFC) allocator; then rank 0's growth while
-`model.save` writes the whole model and optimizer (ordinary builds). Layouts "P,R,T[,flags]":
-"zero" (ZeRO-1), "zero2" (ZeRO-2), "scope" (built under `hf.scope()`).
+of `hf.fit`, under TensorFlow's pooled (BFC) allocator, and to the end of its last training
+step ("training": the weights, gradients and optimizer state the steps hold, before the fit's
+end gathers the whole model back); then rank 0's growth while `model.save` writes the whole
+model and optimizer (ordinary builds). Layouts "P,R,T[,flags]": "zero" (ZeRO-1), "zero2"
+(ZeRO-2), "zero3" (ZeRO-3), "scope" (built under `hf.scope()`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ LAYOUTS = [
     "1,4,1,zero2",
     "1,4,1,zero,scope",
     "1,4,1,zero2,scope",
+    "1,4,1,zero3",
+    "1,4,1,zero3,scope",
 ]
 POOLED = {"TF_CPU_ALLOCATOR_USE_BFC": "true"}
 
@@ -52,6 +56,7 @@ def _strategy(spec: str):
         balance="params",
         shard_optimizer="zero" in flags,
         shard_gradients="zero2" in flags,
+        shard_weights="zero3" in flags,
     )
 
 
@@ -90,30 +95,68 @@ def worker(args) -> None:
     hf.size()  # MPI and TensorFlow imported before measuring
     scope = "scope" in args.layout.split(",")
     with PeakGrowth() as growth:
+        steps = _steps_peak(growth.start)
         model = _model(args.width, scope)
         strategy = _strategy(args.layout) if hf.size() > 1 else "data"
-        hf.fit(model, x, y, batch_size=32, epochs=1, verbose=0, shuffle=False, strategy=strategy)
+        hf.fit(
+            model,
+            x,
+            y,
+            batch_size=32,
+            epochs=1,
+            verbose=0,
+            shuffle=False,
+            strategy=strategy,
+            callbacks=[steps],
+        )
     saving = None
     if hf.rank() == 0 and not scope:  # a hf.scope() model is written by hf.export instead
         with tempfile.TemporaryDirectory() as folder, PeakGrowth() as saved:
             model.save(os.path.join(folder, "model.keras"))
         saving = saved.bytes
-    write_result(args.worker_out, hf.rank(), {"growth": growth.bytes, "save": saving})
+    write_result(
+        args.worker_out,
+        hf.rank(),
+        {"growth": growth.bytes, "training": steps.bytes, "save": saving},
+    )
+
+
+def _steps_peak(start: int):
+    """A Keras callback holding, in `bytes`, the peak resident growth above `start` by the end
+    of each training step."""
+    import keras
+
+    from hyparflow.memory.resident import peak_bytes
+
+    class StepsPeak(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.bytes = 0
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.bytes = max(self.bytes, peak_bytes() - start)
+
+    return StepsPeak()
 
 
 def run(args) -> list[dict]:
-    records, alone = [], None
+    records, alone, alone_training = [], None, None
     for spec in args.layouts:
         ranks = math.prod(int(n) for n in spec.split(",")[:3])
         results = run_worker(
             __file__, ["--layout", spec, "--width", args.width], np=ranks, env=POOLED
         )
         largest = max(r["growth"] for r in results) / MIB
-        alone = largest if spec == "1,1,1" else alone
+        training = max(r["training"] for r in results) / MIB
+        if spec == "1,1,1":
+            alone, alone_training = largest, training
         records.append(measurement(FIGURE, f"{spec}: largest rank's growth", [largest], "MiB"))
+        records.append(measurement(FIGURE, f"{spec}: largest rank's training", [training], "MiB"))
         if alone is not None and spec != "1,1,1":
             ratio = largest / alone
             records.append(measurement(FIGURE, f"{spec}: / one process", [ratio], "ratio"))
+            ratio = training / alone_training
+            records.append(measurement(FIGURE, f"{spec}: training / one process", [ratio], "ratio"))
         if results[0]["save"] is not None:
             save = results[0]["save"] / MIB
             records.append(measurement(FIGURE, f"{spec}: rank 0's model.save", [save], "MiB"))
@@ -122,7 +165,7 @@ def run(args) -> list[dict]:
 
 def arguments(argv=None):
     p = cli.parser(__doc__, repeats=1, width=16384)
-    p.add_argument("--layouts", nargs="+", default=LAYOUTS, help='"P,R,T[,zero|zero2|scope]"')
+    p.add_argument("--layouts", nargs="+", default=LAYOUTS, help='"P,R,T[,zero|zero2|zero3|scope]"')
     p.add_argument("--layout", help="worker: the layout it measures")
     args = p.parse_args(argv)
     if args.quick:

@@ -1,4 +1,4 @@
-"""Sharding over replicas at R=2: plain data parallel, ZeRO-1 and ZeRO-2, samples/s and bytes.
+"""Sharding over replicas at R=2: plain data parallel, ZeRO-1, ZeRO-2 and ZeRO-3, samples/s, bytes.
 
 Run: .venv/bin/python benchmarks/sharding.py [--quick] [--repeats 5]
      (starts `mpirun -np 2` itself: one core per rank on a 2-core machine)
@@ -9,8 +9,10 @@ embedding table, so the stage can be cut into segments) and an MLP of 4 x Dense(
 (4.2 M parameters). Each layout trains its own model object in one launch, epochs
 interleaved and the order rotated (`interleaved_epochs`); samples/s over the epochs after
 the first, the ratio to plain data parallel paired by round. Bytes per rank: what the
-optimizer state and the step's gradient sums hold (the gradients a ZeRO-2 rank keeps are its
-slices plus one segment's), and what a rank sends per step.
+optimizer state, the step's gradient sums and the weights hold (the gradients a ZeRO-2 rank
+keeps are its slices plus one segment's; the weights a ZeRO-3 rank keeps, its slices), and
+what a rank sends per step (ZeRO-3: each micro-batch gathers each segment's weights twice,
+for its forward and for its backward's recomputation).
 """
 
 from __future__ import annotations
@@ -26,12 +28,13 @@ from benchmarks.harness.records import measurement  # noqa: E402
 from benchmarks.harness.stats import paired_ratios  # noqa: E402
 
 FIGURE = "sharding"
-TITLE = "Sharding over replicas: plain data parallel, ZeRO-1 and ZeRO-2 at R=2"
+TITLE = "Sharding over replicas: plain data parallel, ZeRO-1, ZeRO-2 and ZeRO-3 at R=2"
 MIB = 2**20
 LAYOUTS = {  # name -> Strategy keywords beside `kind="data"`
     "plain": {},
     "ZeRO-1": {"shard_optimizer": True},
     "ZeRO-2": {"shard_gradients": True},
+    "ZeRO-3": {"shard_weights": True},
 }
 MODELS = ("transformer", "mlp")
 
@@ -81,12 +84,21 @@ def _bytes(model) -> dict:
     else:
         step = sharded.step_bytes
         scatters = trainer.strategy.microbatches if trainer.shards_gradients else 1
-        sent = scatters * step["reduce_scatter"] + step["allgather"]
+        # ZeRO-3 gathers each segment for each forward and backward instead of once a step
+        gathers = 2 * trainer.strategy.microbatches if trainer.shards_weights else 1
+        sent = scatters * step["reduce_scatter"] + gathers * step["allgather"]
         slices = sum(g.layout.slice_size * 4 for g in sharded.groups)
         segment = max(sum(g.layout.length * 4 for g in groups) for groups in sharded.segments)
         # ZeRO-2: its slices of the sums and one segment's gradients; else the whole gradients
         kept = slices + segment if trainer.shards_gradients else parameters
-    return {"optimizer": slots, "gradients": kept, "sent": sent, "parameters": parameters}
+    weights = slices if sharded is not None and trainer.shards_weights else parameters
+    return {
+        "optimizer": slots,
+        "gradients": kept,
+        "weights": weights,
+        "sent": sent,
+        "parameters": parameters,
+    }
 
 
 def run(args) -> list[dict]:
@@ -107,10 +119,14 @@ def _records(name: str, args, result: dict) -> list[dict]:
     for layout in LAYOUTS:
         rate = [samples / s for s in seconds[layout]]
         records.append(measurement(FIGURE, f"{layout}: samples/s ({setup})", rate, "samples/s"))
-        for what in ("optimizer", "gradients", "sent"):
+        for what in ("optimizer", "gradients", "weights", "sent"):
             value = sizes[layout][what] / MIB
             unit = "MiB per step" if what == "sent" else "MiB per rank"
-            label = {"optimizer": "optimizer state", "gradients": "gradients held"}.get(what, what)
+            label = {
+                "optimizer": "optimizer state",
+                "gradients": "gradients held",
+                "weights": "weights held between steps",
+            }.get(what, what)
             records.append(measurement(FIGURE, f"{layout}: {label} ({setup})", [value], unit))
         if layout != "plain":
             ratio = paired_ratios(seconds["plain"], seconds[layout])

@@ -140,6 +140,8 @@ def _make_trainer(
         layout = layouts[stage]
     if deferred.any_deferred(model):  # built under hf.scope(): allocate this rank's share only
         elsewhere = held_elsewhere(model, plan, stage, layout, resolved.experts)
+        if _allocates_slices_only(resolved):  # ZeRO-3: the trainer allocates its slices
+            elsewhere += list(model.trainable_variables)
         agree(comm, _materialize_share, model, elsewhere, restoring)
     agree(comm, model_checks.check_sample_coupling, model, resolved, inputs)
     # which variables' gradients are row slices, per sample or per batch (refused: both)
@@ -155,6 +157,14 @@ def _make_trainer(
     )
     object.__setattr__(model, _TRAINER_ATTRIBUTE, (key, trainer))  # not a tracked attribute
     return trainer
+
+
+def _allocates_slices_only(resolved) -> bool:
+    """Whether a model built under hf.scope() keeps its trainable variables unallocated for
+    the trainer, which gives each rank its slices of them alone (ZeRO-3 over replicas, with
+    no tensor or expert shards, whose pieces are cut from the whole variables)."""
+    sliced = resolved.shard_weights and resolved.replicas > 1
+    return sliced and resolved.tensor == 1 and resolved.experts == 1
 
 
 _SHARE_TRAINED = "_hyparflow_share_trained"

@@ -138,6 +138,11 @@ def _add_memory_options(memory) -> None:
         help="the gradients too, reduce-scattered segment by segment (ZeRO-2)",
     )
     memory.add_argument(
+        "--shard-weights",
+        action="store_true",
+        help="the weights too, gathered for each segment's calls (ZeRO-3, FSDP)",
+    )
+    memory.add_argument(
         "--optimizer", help="count this optimizer's state (e.g. adam) when the file has none"
     )
 
@@ -249,6 +254,7 @@ def _run_memory_plan(args, placement: list[dict] | None) -> int:
             tensor=args.tensor,
             shard_optimizer=args.shard_optimizer,
             shard_gradients=args.shard_gradients,
+            shard_weights=args.shard_weights,
         )
         plan = memory_plan(model, strategy, batch_size=args.batch_size or 32)
     except ValueError as error:

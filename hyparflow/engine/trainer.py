@@ -464,8 +464,11 @@ class Trainer:
         )
         self._replica_metrics = ReplicaMetrics(model, self.topology.stage_comm)
         self._log_root = self.topology.grid.rank_of(self.topology.num_stages - 1, 0)
-        if parts.sharded_weights is not None:  # the slices start from the model's weights
-            parts.sharded_weights.load()
+        weights = parts.sharded_weights
+        if weights is not None:  # the slices start from the model's weights
+            # built under hf.scope(): what is not sliced (tables) is allocated whole here
+            deferred.materialize(v for v in self.variables if not weights.holds(v))
+            weights.load()
 
     @property
     def shards_gradients(self) -> bool:

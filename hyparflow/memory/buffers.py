@@ -44,6 +44,7 @@ class StageFacts:
     by_segment: bool = False  # Strategy.update_by_segment as resolved (hf.scope(): True)
     shard_optimizer: bool = False  # ZeRO-1
     shard_gradients: bool = False  # ZeRO-2: cut into segments, each scattered per micro-batch
+    shard_weights: bool = False  # ZeRO-3: each segment's weights gathered for each call
 
 
 def segments(facts: StageFacts) -> int:
@@ -82,7 +83,8 @@ def step_buffers(facts: StageFacts, slots: float = 0.0, sharded: bool = False) -
     stage), and the update of one segment's slice at a time (the stage's where it is not cut),
     whose received sums and their tensor are each that slice's bytes, and parameters broadcast
     through one variable's buffer. ZeRO-2 (`shard_gradients`) holds one segment's gradients
-    and, over micro-batches, the sums of its slices instead of the whole stage's.
+    and, over micro-batches, the sums of its slices instead of the whole stage's. ZeRO-3
+    (`shard_weights`) adds one segment's gathered weights, twice (received, then read out).
 
     Example:
         >>> step_buffers(StageFacts(400, 2, stages=1, replicas=2, microbatches=1, world=2))
@@ -108,6 +110,10 @@ def step_buffers(facts: StageFacts, slots: float = 0.0, sharded: bool = False) -
     elif flat and facts.replicas > 1:
         # a pipeline stage concatenates its gradients once; the whole model in buckets
         buffers["flat gradients"] = g if pipelined else min(g, BUCKET_BYTES)
+    if facts.shard_weights and facts.replicas > 1:
+        # one segment's weights gathered (the whole stage's where it is not cut): the flat
+        # vector received and the variables' tensors read out of it
+        buffers["gathered weights"] = 2 * held_gradients(facts, g)
     zero2 = facts.shard_gradients and facts.replicas > 1 and segments(facts) > 1
     if facts.microbatches > 1:
         # the running sum beside the micro-batch's gradients; ZeRO-2 sums this replica's
@@ -119,6 +125,9 @@ def step_buffers(facts: StageFacts, slots: float = 0.0, sharded: bool = False) -
         if segments(facts) > 1:  # reduce-scattered through one window's buffer
             buffers["flat gradients"] = min(held_gradients(facts, g), BUCKET_BYTES)
         buffers["optimizer update"] = int(part * (1 + slots) / 2)
+        if facts.shard_weights:  # the slices are the weights: received sums, no broadcast
+            buffers["slice copies"] = 2 * part
+            return buffers
         # every slice variable, plus the received sums of one and their tensor
         buffers["slice copies"] = -(-g // facts.replicas) + 2 * part
         buffers["parameter broadcast"] = 2 * facts.largest

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import keras
 import numpy as np
 
-from hyparflow import deferred
+from hyparflow import _keras, deferred
 from hyparflow.comm.topology import Grid
 from hyparflow.memory import buffers, counts
 from hyparflow.memory.slots import optimizer_slots
@@ -81,6 +81,7 @@ class _Shared:
     per_sample: list  # per stage: layout -> (layer output bytes, received input bytes)
     layouts: list  # per stage: its tensor layout, or None without tensor parallelism
     experts: frozenset  # ids of the expert kernels split over `resolved.experts` replicas
+    tables: frozenset  # ids of embedding tables (kept whole by ZeRO)
     slots: float
     owned: list[int]
     largest: list[int]
@@ -124,6 +125,7 @@ def _shared_facts(model, resolved, world, batch_size, whole_model, notes) -> _Sh
         experts=frozenset(map(id, expert_weights(model)))
         if getattr(resolved, "experts", 1) > 1
         else frozenset(),
+        tables=_tables(model),
         slots=slots,
         owned=_owned_bytes(stage_models),
         largest=[max((_nbytes(v) for v in m.weights), default=0) for m in stage_models],
@@ -150,12 +152,23 @@ def _rank_memory(shared: _Shared, rank, stage, replica, shard, *, runtime: bool)
         grad_bytes - expert_bytes, shared.slots, resolved.replicas, sharded
     ) + counts.optimizer_bytes(expert_bytes, shared.slots)
     facts = _stage_facts(shared, trainable, layout)
+    held_weights = sum(_nbytes(v) // shared.parts(v, layout) for v in weights)
+    gathered_back = {}
+    if _slices_weights(resolved) and not shared.whole_model:
+        # ZeRO-3 under hf.scope(): each rank allocates its slices of the dense weights
+        dense = sum(
+            _nbytes(v) // shared.parts(v, layout)
+            for v in trainable
+            if id(v) not in shared.tables and id(v) not in shared.experts
+        )
+        held_weights -= dense - -(-dense // resolved.replicas)
+        gathered_back = {"weights gathered back": dense}  # the fit's end gives them back
     return RankMemory(
         rank=rank,
         stage=stage,
         replica=replica,
         shard=shard,
-        weights=sum(_nbytes(v) // shared.parts(v, layout) for v in weights),
+        weights=held_weights,
         model_copy=shared.whole - unsplit if shared.whole_model else 0,
         optimizer=own_optimizer,
         gradients=buffers.held_gradients(facts, grad_bytes),
@@ -167,7 +180,7 @@ def _rank_memory(shared: _Shared, rank, stage, replica, shard, *, runtime: bool)
             **shared.saving(rank, replica, own_optimizer),
         }
         if shared.whole_model
-        else {},  # a hf.scope() model keeps its stage: nothing is gathered
+        else gathered_back,  # a hf.scope() model keeps its stage (ZeRO-3 but gathers it)
         runtime=RUNTIME_BYTES if runtime else 0,
     )
 
@@ -184,6 +197,20 @@ def _activations(shared: _Shared, stage: int, held: list[int], layout) -> int:
         return counts.chunk_activation_bytes(actions, per_chunk, shared.samples, resolved.recompute)
     flight = counts.in_flight(resolved.schedule, resolved.partitions, resolved.microbatches, stage)
     return counts.activation_bytes(*per_chunk[0], shared.samples, flight, resolved.recompute)
+
+
+def _slices_weights(resolved) -> bool:
+    """Whether the replicas hold slices of the weights (ZeRO-3)."""
+    return getattr(resolved, "shard_weights", False) and resolved.replicas > 1
+
+
+def _tables(model) -> frozenset:
+    """Ids of the model's embedding tables, which ZeRO keeps whole."""
+    return frozenset(
+        id(_keras.table_variable(layer))
+        for layer in _keras.all_layers(model)
+        if _keras.has_table_variable(layer)
+    )
 
 
 def _each_once(variables: list) -> list:
@@ -207,6 +234,7 @@ def _stage_facts(shared: _Shared, trainable, layout) -> buffers.StageFacts:
         by_segment=shared.by_segment,
         shard_optimizer=getattr(resolved, "shard_optimizer", False),
         shard_gradients=getattr(resolved, "shard_gradients", False),
+        shard_weights=getattr(resolved, "shard_weights", False),
     )
 
 
@@ -218,7 +246,9 @@ def _label(resolved) -> str:
     )
     if resolved.recompute:
         label += ", recompute"
-    if getattr(resolved, "shard_gradients", False):
+    if getattr(resolved, "shard_weights", False):
+        label += ", sharded optimizer, gradients and weights"
+    elif getattr(resolved, "shard_gradients", False):
         label += ", sharded optimizer and gradients"
     elif getattr(resolved, "shard_optimizer", False):
         label += ", sharded optimizer"

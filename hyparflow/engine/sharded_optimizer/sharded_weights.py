@@ -63,21 +63,36 @@ class ShardedWeights:
 
     def load(self) -> None:
         """Each slice takes its elements of the variables (the truth while they hold values:
-        restores, `set_weights` and callbacks write those)."""
+        restores, `set_weights` and callbacks write those), one variable at a time; a
+        variable built under hf.scope() and never held gives its initial value."""
         for group in self.groups:
-            values = [tf.reshape(self.variables[i], [-1]) for i in group.positions]
-            flat = tf.concat(values, axis=0) if values else tf.zeros([0], group.dtype)
-            start, stop = group.layout.bounds(self.comm.Get_rank())
-            padded = tf.pad(flat, [[0, group.layout.padded - group.layout.length]])
-            group.variable.assign(padded[start:stop])
+            extents = []
+            for p in group.extents:
+                variable = self.variables[group.positions[p.variable]]
+                value = (
+                    deferred.initial_value(variable) if deferred.is_deferred(variable) else variable
+                )
+                extents.append(tf.reshape(value, [-1])[p.start : p.stop])
+                value = None
+            if group.padding:
+                extents.append(tf.zeros([group.padding], group.dtype))
+            group.variable.assign(
+                tf.concat(extents, axis=0) if extents else tf.zeros([0], group.dtype)
+            )
 
     def release(self) -> None:
         """Copy the variables' values into the slices, then let the variables go (their
-        memory with them): the slices are the weights until `restore`."""
+        memory with them): the slices are the weights until `restore`. Variables built
+        under hf.scope() and never held stay as they are."""
         if self.released:
             return
         self.load()
-        held = [self.variables[i] for group in self.groups for i in group.positions]
+        held = [
+            self.variables[i]
+            for group in self.groups
+            for i in group.positions
+            if not deferred.is_deferred(self.variables[i])
+        ]
         deferred.let_go(held, _WHILE_TRAINING)
         self.released = True
 
