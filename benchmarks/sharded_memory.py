@@ -7,7 +7,9 @@ The MLP: 1024 inputs, 3 x (Dense(16384, relu), Dense(1024)), 100.7 M parameters,
 batch 32, 2 steps. Each rank's peak resident growth from before the model is built to the end
 of `hf.fit`, under TensorFlow's pooled (BFC) allocator, and to the end of its last training
 step ("training": the weights, gradients and optimizer state the steps hold, before the fit's
-end gathers the whole model back); then rank 0's growth while `model.save` writes the whole
+end gathers the whole model back), both as resident growth and as the most bytes TensorFlow's
+allocator had in use ("allocated": tensors and variables, not numpy's or MPI's buffers, nor
+what the allocator keeps pooled); then rank 0's growth while `model.save` writes the whole
 model and optimizer (ordinary builds). Layouts "P,R,T[,flags]": "zero" (ZeRO-1), "zero2"
 (ZeRO-2), "zero3" (ZeRO-3), "scope" (built under `hf.scope()`).
 """
@@ -85,6 +87,7 @@ def worker(args) -> None:
     import tempfile
 
     import numpy as np
+    import tensorflow as tf
 
     import hyparflow as hf
     from hyparflow.memory.resident import PeakGrowth
@@ -94,6 +97,7 @@ def worker(args) -> None:
     y = rng.normal(size=(64, 1024)).astype("float32")
     hf.size()  # MPI and TensorFlow imported before measuring
     scope = "scope" in args.layout.split(",")
+    tf.config.experimental.reset_memory_stats("CPU:0")
     with PeakGrowth() as growth:
         steps = _steps_peak(growth.start)
         model = _model(args.width, scope)
@@ -117,30 +121,40 @@ def worker(args) -> None:
     write_result(
         args.worker_out,
         hf.rank(),
-        {"growth": growth.bytes, "training": steps.bytes, "save": saving},
+        {
+            "growth": growth.bytes,
+            "training": steps.bytes,
+            "allocated": steps.allocated,
+            "save": saving,
+        },
     )
 
 
 def _steps_peak(start: int):
-    """A Keras callback holding, in `bytes`, the peak resident growth above `start` by the end
-    of each training step."""
+    """A Keras callback holding, by the end of each training step, the peak resident growth
+    above `start` (`bytes`) and the most bytes TensorFlow's allocator has had in use since
+    its statistics were last reset (`allocated`: tensors and variables, not numpy's or MPI's
+    buffers, nor what the allocator keeps pooled)."""
     import keras
+    import tensorflow as tf
 
     from hyparflow.memory.resident import peak_bytes
 
     class StepsPeak(keras.callbacks.Callback):
         def __init__(self):
             super().__init__()
-            self.bytes = 0
+            self.bytes = self.allocated = 0
 
         def on_train_batch_end(self, batch, logs=None):
             self.bytes = max(self.bytes, peak_bytes() - start)
+            in_use = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+            self.allocated = max(self.allocated, in_use)
 
     return StepsPeak()
 
 
 def run(args) -> list[dict]:
-    records, alone, alone_training = [], None, None
+    records, alone, alone_training, alone_allocated = [], None, None, None
     for spec in args.layouts:
         ranks = math.prod(int(n) for n in spec.split(",")[:3])
         results = run_worker(
@@ -148,15 +162,21 @@ def run(args) -> list[dict]:
         )
         largest = max(r["growth"] for r in results) / MIB
         training = max(r["training"] for r in results) / MIB
+        allocated = max(r["allocated"] for r in results) / MIB
         if spec == "1,1,1":
-            alone, alone_training = largest, training
+            alone, alone_training, alone_allocated = largest, training, allocated
         records.append(measurement(FIGURE, f"{spec}: largest rank's growth", [largest], "MiB"))
         records.append(measurement(FIGURE, f"{spec}: largest rank's training", [training], "MiB"))
+        name = f"{spec}: largest rank's training, allocated"
+        records.append(measurement(FIGURE, name, [allocated], "MiB"))
         if alone is not None and spec != "1,1,1":
             ratio = largest / alone
             records.append(measurement(FIGURE, f"{spec}: / one process", [ratio], "ratio"))
             ratio = training / alone_training
             records.append(measurement(FIGURE, f"{spec}: training / one process", [ratio], "ratio"))
+            ratio = allocated / alone_allocated
+            name = f"{spec}: training, allocated / one process"
+            records.append(measurement(FIGURE, name, [ratio], "ratio"))
         if results[0]["save"] is not None:
             save = results[0]["save"] / MIB
             records.append(measurement(FIGURE, f"{spec}: rank 0's model.save", [save], "MiB"))

@@ -310,22 +310,6 @@ def _say_whole_gradients(trainer, resolved, fit_kwargs) -> None:
         )
 
 
-def _refuse_whole_weights(trainer, resolved) -> None:
-    """`shard_weights` where some stage's runner cannot gather its weights per call (the
-    zero-bubble schedule's split backward, interleaved chunks): refused on every rank
-    (collective), since that stage would hold every weight (an error, not a notice: a
-    model sharded to fit memory would not fit)."""
-    if not (resolved.shard_weights and resolved.replicas > 1):
-        return
-    if trainer.agree_any(not trainer.shards_weights):
-        raise ValueError(
-            f"Strategy shard_weights=True gathers each stage's weights for every call, which "
-            f"the {resolved.schedule!r} schedule's stages do not run (a split backward, or "
-            "chunks); use schedule='gpipe' or '1f1b', or shard_gradients=True (docs/zero.md, "
-            '"ZeRO-3").'
-        )
-
-
 def _check_comm(backend: str) -> str:
     """The gradient-reduction backend, checked on every rank (a rank without Horovod stops all)."""
     if not launched():  # one process: no MPI to start (see comm/world.py)
@@ -414,7 +398,6 @@ def _distributed_fit(model, x, y, batch_size, epochs, resolved, options, **kwarg
     )
     _say_layout(model, resolved, kwargs)
     _say_whole_gradients(trainer, resolved, kwargs)
-    _refuse_whole_weights(trainer, resolved)
     for notice in model_checks.training_notices(model, resolved) if comm.Get_rank() == 0 else ():
         warnings.warn(notice, stacklevel=3)
     trainer.use_watchdog(timeout)

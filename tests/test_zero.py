@@ -181,6 +181,12 @@ def test_refusals_under_sharded_weights():
     with pytest.raises(ValueError, match=r"dense.*/kernel'\] have regularizers"):
         model_checks.check_sharded_optimizer(model, zero3, "mpi")
     model_checks.check_sharded_optimizer(model, zero3.__class__("data", replicas=2), "mpi")
+    for schedule in ("zero_bubble", "interleaved"):
+        split = hf.Strategy(
+            "hybrid", partitions=2, replicas=2, shard_weights=True, schedule=schedule
+        )
+        with pytest.raises(ValueError, match=f"the '{schedule}' schedule's stages do not run"):
+            model_checks.check_sharded_optimizer(model, split.resolve(4), "mpi")
     experts = dataclasses.replace(zero3, experts=2)
     with pytest.raises(ValueError, match="experts>1 keeps expert shards whole"):
         model_checks.check_sharded_optimizer(model, experts, "mpi")

@@ -47,7 +47,14 @@ NETWORK_REPEATS = 5  # per message size: the probe is a sanity figure, not a ben
 # no plain model.fit baseline: only a one-rank prediction needs it
 TIMING_REPEATS = (3, 3)
 # besides P, R, T
-SEARCHED = ("microbatches", "schedule", "recompute", "shard_optimizer", "shard_gradients")
+SEARCHED = (
+    "microbatches",
+    "schedule",
+    "recompute",
+    "shard_optimizer",
+    "shard_gradients",
+    "shard_weights",
+)
 _PLANS_ATTRIBUTE = "_hyparflow_auto_plans"
 _COSTS_ATTRIBUTE = "_hyparflow_auto_costs"
 UNKNOWN_BATCH = (

@@ -11,7 +11,8 @@ split layers' work and weights, plus the allreduces of their activations, from t
 `TensorShare`s the timing measured (costs measured without them refuse T > 1, saying so).
 ZeRO-1 (`shard_optimizer`) is `predict`'s `sharded_update`: a slice's optimizer step plus the
 host copies and broadcasts it costs; ZeRO-2 (`shard_gradients`) adds a reduce-scatter per
-micro-batch. A layout the engine cannot run (a batch that does not
+micro-batch; ZeRO-3 (`shard_weights`) two all-gathers per micro-batch and the recomputed
+forward. A layout the engine cannot run (a batch that does not
 split, more stages than layers) is refused with the reason, so the search lists it among the
 rejected layouts instead of guessing.
 """
@@ -72,20 +73,21 @@ class Estimator:
         batch = self.global_batch / (candidate.replicas * m)
         if p == 1 and costs.fused is not None:  # the engine's one-call step
             return m * costs.fused.at(batch)
-        whole = self._whole[(candidate.recompute, candidate.tensor)].at(batch)
+        key = (_recomputes(candidate), candidate.tensor)
+        whole = self._whole[key].at(batch)
         through = whole
         if candidate.schedule == "zero_bubble":
-            through -= self._weight[(candidate.recompute, candidate.tensor)].at(batch)
+            through -= self._weight[key].at(batch)
         return max(through, m * whole / p)
 
     def _costs(self, candidate: Candidate) -> ModelCosts:
         """The costs one rank of `candidate` pays per layer, recomputing or tensor-split
         (priced once each; a ValueError, if they cannot be, once too)."""
-        key = (candidate.recompute, candidate.tensor)
+        key = (_recomputes(candidate), candidate.tensor)
         if key not in self._priced:
             try:
                 costs = tensor_costs(
-                    self._layer_costs(candidate.recompute),
+                    self._layer_costs(key[0]),
                     candidate.tensor,
                     self.network,
                     self._tensor_crosses_nodes(candidate.tensor),
@@ -124,8 +126,15 @@ class Estimator:
                 self.machine,
                 shard_optimizer=c.shard_optimizer,
                 shard_gradients=c.shard_gradients,
+                shard_weights=c.shard_weights,
             )
         return self._predictions[c]
+
+
+def _recomputes(candidate: Candidate) -> bool:
+    """Whether the layout's stages run their forward again in the backward: `recompute`, or
+    ZeRO-3, whose segments gather their weights again to recompute."""
+    return candidate.recompute or candidate.shard_weights
 
 
 def _whole(costs: ModelCosts) -> Affine:

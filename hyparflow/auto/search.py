@@ -40,7 +40,8 @@ MOST_ACTIONS = 4096
 class Candidate:
     """One layout: `partitions` x `replicas` x `tensor` ranks, the pipeline's `microbatches`
     and `schedule` (interleaved: `virtual_stages` chunks per stage), `recompute`, ZeRO-1
-    (`shard_optimizer`) and ZeRO-2 (`shard_gradients`, with `shard_optimizer`)."""
+    (`shard_optimizer`), ZeRO-2 (`shard_gradients`, with `shard_optimizer`) and ZeRO-3
+    (`shard_weights`, with both)."""
 
     partitions: int = 1
     replicas: int = 1
@@ -50,6 +51,7 @@ class Candidate:
     recompute: bool = False
     shard_optimizer: bool = False
     shard_gradients: bool = False
+    shard_weights: bool = False
     virtual_stages: int = 1
 
     @property
@@ -67,7 +69,9 @@ class Candidate:
         if self.recompute:
             parts.append("recompute")
         if self.shard_optimizer:
-            parts.append("zero2" if self.shard_gradients else "zero")
+            parts.append(
+                "zero3" if self.shard_weights else "zero2" if self.shard_gradients else "zero"
+            )
         return " ".join(parts)
 
     def strategy_options(self) -> dict:
@@ -83,6 +87,7 @@ class Candidate:
             "recompute": self.recompute,
             "shard_optimizer": self.shard_optimizer,
             "shard_gradients": self.shard_gradients,
+            "shard_weights": self.shard_weights,
             "virtual_stages": self.virtual_stages,
         }
 
@@ -95,6 +100,7 @@ class Candidate:
             self.recompute,
             self.shard_optimizer,
             self.shard_gradients,
+            self.shard_weights,
             self.virtual_stages,
             self.schedule,
         )
@@ -155,8 +161,9 @@ class SearchResult:
         return f"{verdict.candidate.label()} ({rate:,.0f} samples/s, {held} per rank)"
 
 
-# (shard_optimizer, shard_gradients) of a layout with replicas: none, ZeRO-1, ZeRO-2
-SHARDINGS = ((False, False), (True, False), (True, True))
+# (shard_optimizer, shard_gradients, shard_weights) of a layout with replicas: none, ZeRO-1,
+# ZeRO-2, ZeRO-3
+SHARDINGS = ((False, False, False), (True, False, False), (True, True, False), (True, True, True))
 
 
 def candidates(
@@ -188,6 +195,9 @@ def candidates(
         )
         for *option, sharding in options:
             chunks = virtual_stages if option[1] == "interleaved" else 1
+            split_backward = pipelined and option[1] in ("zero_bubble", "interleaved")
+            if sharding[2] and split_backward:  # ZeRO-3 runs no such stage (refused)
+                continue
             if chunks == 1 or (partitions * chunks <= layers and tensor == 1):
                 found.append(Candidate(partitions, replicas, tensor, *option, *sharding, chunks))
     return found

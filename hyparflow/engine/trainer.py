@@ -321,9 +321,9 @@ def _build_runner(setting: Setting, runner_parts, variables, shared) -> tuple:
             return runner, form, overlap, weights
         # the stage cannot be cut: reduce after the backward
         form = choose_gradient_form(**{**facts, "segments": 1})
-    # ZeRO-3 on a stage that is not cut: its weights gathered whole for each call
-    split_backward = setting.strategy.schedule == "zero_bubble" and setting.plan is not None
-    weights = None if split_backward else _sharded_weights(setting, variables, None)
+    # ZeRO-3 on a stage that is not cut: its weights gathered whole for each call (refused
+    # up front with the zero-bubble and interleaved schedules: model_checks)
+    weights = _sharded_weights(setting, variables, None)
     if weights is not None:
         form = dataclasses.replace(form, flat=False, flat_backward=False)
     runner = build_runner(runner_parts[0], variables.all, variables.sparse, form, layout, weights)

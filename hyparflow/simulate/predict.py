@@ -92,6 +92,7 @@ def predict(
     batch_logs: bool = False,
     shard_optimizer: bool = False,
     shard_gradients: bool = False,
+    shard_weights: bool = False,
 ) -> Prediction:
     """Predict one training step of `layout` on `global_batch` samples.
 
@@ -101,7 +102,9 @@ def predict(
     last stage reads its metrics out and all ranks agree on the logs and on stopping.
     `shard_optimizer`: ZeRO-1 over the replicas (`sharded_update`); `shard_gradients`: ZeRO-2,
     whose every micro-batch reduce-scatters its gradients (M reduce-scatters a step, each half
-    an allreduce's bytes, instead of one).
+    an allreduce's bytes, instead of one); `shard_weights`: ZeRO-3, whose every micro-batch
+    all-gathers the weights twice (its forward, its backward's recomputation: pass costs that
+    recompute) and whose update gathers nothing.
 
     For example:
         p = predict(costs, Network(intra=Link(1e-6, 10e9)), Layout(2, 2, 4), 256)
@@ -136,7 +139,8 @@ def predict(
         network=network,
         replicas=layout.replicas,
         shard_optimizer=shard_optimizer,
-        scatters=layout.microbatches if shard_gradients else 1,
+        scatters=layout.microbatches if shard_gradients or shard_weights else 1,
+        gathers=2 * layout.microbatches if shard_weights else 1,
     )
     parts = [
         (finish[s] * straggle, *reduce_and_update(stage, layout.stage_nodes(s) > 1))
@@ -213,14 +217,17 @@ def _reduce_and_update(
     replicas: int,
     shard_optimizer: bool,
     scatters: int = 1,
+    gathers: int = 1,
 ):
     """A stage's sum of gradients over its `replicas` (over nodes if it `crosses` them, where
     `flows` reductions share a node's link) and its optimizer update, in seconds. `scatters`:
-    reduce-scatters a step sends (ZeRO-2: one per micro-batch), each half an allreduce."""
+    reduce-scatters a step sends (ZeRO-2: one per micro-batch), `gathers` its all-gathers of
+    the weights (ZeRO-1: one after the update; ZeRO-3: two per micro-batch), each half an
+    allreduce."""
     reduce = network.gradient_allreduce(
         stage.param_bytes, replicas, crosses, flows if crosses else 1
     )
-    reduce *= (1 + scatters) / 2
+    reduce *= (gathers + scatters) / 2
     if shard_optimizer and replicas > 1:
         return reduce, sharded_update(engine, stage, replicas, network.link(crosses))
     return reduce, engine.optimizer(stage.variables, stage.param_bytes)

@@ -74,9 +74,17 @@ def refusal(optimizer, strategy, comm_backend: str) -> str | None:
 def weights_refusal(model, strategy) -> str | None:
     """Why ZeRO-3 (`shard_weights`) cannot train `model` exactly (None if it can): a weight
     regularizer reads every weight whole at every step, which no rank holds; expert shards
-    are kept whole by the ranks that compute them."""
+    are kept whole by the ranks that compute them; the zero-bubble and interleaved schedules
+    run stages whose calls do not gather."""
     if not strategy.shard_weights:
         return None
+    pipelined = (strategy.partitions or 1) > 1
+    if pipelined and strategy.schedule in ("zero_bubble", "interleaved"):
+        return (
+            f"shard_weights=True gathers each stage's weights for every call, which the "
+            f"{strategy.schedule!r} schedule's stages do not run (a split backward, or chunks); "
+            "use schedule='gpipe' or '1f1b', or shard_gradients=True."
+        )
     if strategy.experts > 1:
         return (
             "shard_weights=True slices each replica's weights, but experts>1 keeps expert "

@@ -64,21 +64,20 @@ class ShardedWeights:
     def load(self) -> None:
         """Each slice takes its elements of the variables (the truth while they hold values:
         restores, `set_weights` and callbacks write those), one variable at a time; a
-        variable built under hf.scope() and never held gives its initial value."""
+        variable built under hf.scope() and never held gives its initial value. The elements
+        are copied out (numpy): a TensorFlow slice may share its whole variable's buffer, and
+        a slice variable assigned from it would keep that buffer alive."""
         for group in self.groups:
-            extents = []
+            values = np.zeros(group.layout.slice_size, group.dtype)
             for p in group.extents:
                 variable = self.variables[group.positions[p.variable]]
-                value = (
+                held = (
                     deferred.initial_value(variable) if deferred.is_deferred(variable) else variable
                 )
-                extents.append(tf.reshape(value, [-1])[p.start : p.stop])
-                value = None
-            if group.padding:
-                extents.append(tf.zeros([group.padding], group.dtype))
-            group.variable.assign(
-                tf.concat(extents, axis=0) if extents else tf.zeros([0], group.dtype)
-            )
+                flat = np.asarray(held).reshape(-1)
+                values[p.offset : p.offset + p.size] = flat[p.start : p.stop]
+                held = flat = None
+            group.variable.assign(values)
 
     def release(self) -> None:
         """Copy the variables' values into the slices, then let the variables go (their
