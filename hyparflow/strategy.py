@@ -133,13 +133,15 @@ class Strategy:
       implying `shard_gradients`: each replica also keeps only its 1/replicas slice of the
       stage's weights, which are the truth between steps. Each segment's weights are
       all-gathered before its forward and again before its backward (which recomputes the
-      forward), and let go after; the gradients are reduce-scattered into the owners'
-      slices as under `shard_gradients`; embedding tables stay whole. While hf.fit trains,
-      the model's sharded variables hold no value (reading one raises `NotHeldError`); the
-      fit's end all-gathers them back. Needs a stage that can be cut into segments
-      (functional or Sequential, no tensor or expert shards, no layers shared by stages) and
-      refuses weight regularizers, per-batch callbacks that read weights and checkpoint
-      callbacks (docs/zero.md, "ZeRO-3"). With one replica it changes nothing.
+      forward), and let go after; gradients are reduce-scattered into the owners' slices as
+      under `shard_gradients`; embedding tables stay whole. A stage that cannot be cut
+      (subclassed models, tensor shards) is one segment, gathered whole for each call. While
+      hf.fit trains, the model's sharded variables hold no value (reading one raises
+      `NotHeldError`); each epoch's end (and a checkpoint's save) gives them back, so
+      callbacks, checkpoints and the model after the fit see the whole weights. A model
+      built under `hf.scope()` allocates only its slices. Refused: weight regularizers,
+      expert parallelism, the zero-bubble and interleaved schedules with a pipeline, and a
+      custom `train_step`. With one replica it changes nothing.
     - `sync_batchnorm` (False): True makes every BatchNormalization layer normalise by the
       statistics of the whole global batch, summed across replicas, as Keras's own
       `BatchNormalization(synchronized=True)` layers always are (then exactly Keras's

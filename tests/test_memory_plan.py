@@ -167,6 +167,35 @@ def test_sharded_gradients_hold_one_segment_and_the_slices_of_the_sums():
     ).summary(print_fn=None)
 
 
+def test_sharded_weights_hold_slices_under_scope_and_gather_a_segment():
+    """ZeRO-3: a hf.scope() model's rank holds 1/R of its dense weights, gathers one segment's
+    (twice: received, read out) for each call and gets the whole weights back at the fit's
+    end; an ordinary build holds them whole from its build; an embedding table stays whole."""
+    with hf.scope():
+        tokens = keras.Input((4,), dtype="int32")
+        h = keras.layers.Flatten()(keras.layers.Embedding(50, 8)(tokens))
+        h = keras.layers.Dense(32, activation="relu")(h)
+        model = keras.Model(tokens, keras.layers.Dense(4)(h), name="small")
+        model.compile("adam", "mse")
+    table = 50 * 8 * 4
+    dense = (32 * 32 + 32 + 32 * 4 + 4) * 4
+    options = dict(replicas=4, shard_optimizer=True, shard_gradients=True)
+    zero2 = hf.memory_plan(model, hf.Strategy("data", **options), batch_size=8).ranks[0]
+    zero3 = hf.memory_plan(
+        model, hf.Strategy("data", shard_weights=True, **options), batch_size=8
+    ).ranks[0]
+    assert zero2.weights == table + dense
+    assert zero3.weights == pytest.approx(table + dense / 4, abs=16)  # a slice's padding
+    assert zero3.exchange == {"weights gathered back": dense}
+    assert zero3.step_buffers["gathered weights"] == 2 * zero3.gradients
+    assert "parameter broadcast" not in zero3.step_buffers
+    ordinary = hf.memory_plan(
+        model, hf.Strategy("data", shard_weights=True, **options), 8, whole_model=True
+    )
+    assert ordinary.ranks[0].weights == table + dense
+    assert "sharded optimizer, gradients and weights" in ordinary.summary(print_fn=None)
+
+
 def test_cli_memory_plan_takes_the_sharding_flags(tmp_path, capsys):
     from hyparflow.cli import main
 
@@ -186,6 +215,8 @@ def test_cli_memory_plan_takes_the_sharding_flags(tmp_path, capsys):
     ]
     assert main(argv) == 0
     assert "sharded optimizer and gradients" in capsys.readouterr().out
+    assert main([*argv[:-1], "--shard-weights"]) == 0
+    assert "sharded optimizer, gradients and weights" in capsys.readouterr().out
 
 
 def test_cli_prints_the_memory_plan(tmp_path, capsys):

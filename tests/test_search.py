@@ -43,6 +43,11 @@ def test_every_layout_multiplies_to_the_world_and_splits_the_batch():
     assert not any(c.replicas == 1 and c.shard_optimizer for c in layouts)
     assert "P1 R4 T1 M2 zero2" in labels  # ZeRO-2 implies ZeRO-1, never alone
     assert all(c.shard_optimizer for c in layouts if c.shard_gradients)
+    assert "P1 R4 T1 M2 zero3" in labels  # ZeRO-3 implies both
+    assert all(c.shard_gradients for c in layouts if c.shard_weights)
+    # its stages gather for each call: none under a split backward or chunks
+    split = ("zero_bubble", "interleaved")
+    assert not any(c.shard_weights and c.partitions > 1 and c.schedule in split for c in layouts)
 
 
 def test_microbatches_are_powers_of_two_or_multiples_of_the_stages():
@@ -235,6 +240,21 @@ def test_sharded_gradients_cost_a_reduce_scatter_per_micro_batch():
         allreduce = SLOW.gradient_allreduce(8 * 2**20, 2, False, 1)
         extra = zero2.step_seconds - zero.step_seconds
         assert extra == pytest.approx((m - 1) / 2 * allreduce, abs=1e-12), m
+
+
+def test_sharded_weights_cost_two_gathers_per_micro_batch_and_a_recomputed_forward():
+    """ZeRO-3 all-gathers the weights for each micro-batch's forward and backward, none after
+    the update (ZeRO-2's one): 2M - 1 half allreduces more than ZeRO-2, and its stages
+    recompute their forward, as `recompute=True` prices it."""
+    estimate = Estimator(_costs(param_bytes=2**20), SLOW, 64)
+    allreduce = SLOW.gradient_allreduce(8 * 2**20, 2, False, 1)
+    for m in (1, 4):
+        zero2 = Candidate(replicas=2, microbatches=m, shard_optimizer=True, shard_gradients=True)
+        zero3 = replace(zero2, shard_weights=True)
+        extra = estimate(zero3).step_seconds - estimate(zero2).step_seconds
+        recomputed = estimate.bound(zero3) - estimate.bound(zero2)
+        assert recomputed > 0, m
+        assert extra == pytest.approx((2 * m - 1) / 2 * allreduce + recomputed, rel=1e-6), m
 
 
 def test_tensor_ranks_are_priced_from_measured_shares_or_refused_with_the_reason():

@@ -383,7 +383,8 @@ def test_checkpoints_resume_across_zero_on_off_and_replica_counts(two_ranks):
         assert resume["files"] == ["stage-0-replica-1.npz", "stage-0.npz"]
         assert resume["segment_groups"] >= 2, resume
         # ZeRO -> off, -> 1 replica, -> by segment; off -> ZeRO; ZeRO by segment -> off
-        for name in ("off", "model2", "segments", "on", "segments_off"):
+        names = ("off", "model2", "segments", "on", "segments_off")
+        for name in (*names, "zero3_on", "zero3_off", "zero3_zero1"):
             assert resume[name] < 1e-6, f"rank {r['rank']}: {name} resume differs, {resume}"
 
 

@@ -161,8 +161,8 @@ def subclassed() -> dict:
 
 def resumes_two(folder: str) -> dict:
     """A ZeRO checkpoint resumed with ZeRO, without it, as a pipeline (R 2 -> 1) and with ZeRO
-    by segment (slices of each segment); an unsharded one resumed with ZeRO, a ZeRO by segment
-    one without ZeRO."""
+    by segment (slices of each segment); an unsharded one resumed with ZeRO and ZeRO-3, a ZeRO
+    by segment one without ZeRO, a ZeRO-3 one without ZeRO and with ZeRO-1."""
     zero = hf.Strategy("data", shard_optimizer=True)
     by_segment = hf.Strategy("data", shard_optimizer=True, update_by_segment=True)
     train(folder, strategy=zero, epochs=2, dropout=0.0)
@@ -178,7 +178,16 @@ def resumes_two(folder: str) -> dict:
     )
     plain = folder + "-plain"
     train(plain, strategy=hf.Strategy("data"), epochs=2, dropout=0.0)
-    plain_results, _ = _resume_each(plain, {"same": hf.Strategy("data"), "on": zero})
+    zero3 = hf.Strategy("data", shard_weights=True)
+    plain_results, _ = _resume_each(
+        plain, {"same": hf.Strategy("data"), "on": zero, "zero3": zero3}
+    )
+    # ZeRO-3 saves whole weights (given back for the save) and its optimizer slices
+    sharded = folder + "-zero3"
+    train(sharded, strategy=zero3, epochs=2, dropout=0.0)
+    zero3_results, _ = _resume_each(
+        sharded, {"same": zero3, "off": hf.Strategy("data"), "zero1": zero}
+    )
     segmented = folder + "-segments"
     model, _ = train(segmented, strategy=by_segment, epochs=2, dropout=0.0)
     segmented_results, _ = _resume_each(segmented, {"same": by_segment, "off": hf.Strategy("data")})
@@ -189,6 +198,9 @@ def resumes_two(folder: str) -> dict:
         "segments": relative_difference(results["segments"], results["same"]),
         "on": relative_difference(plain_results["on"], plain_results["same"]),
         "segments_off": relative_difference(segmented_results["off"], segmented_results["same"]),
+        "zero3_on": relative_difference(plain_results["zero3"], plain_results["same"]),
+        "zero3_off": relative_difference(zero3_results["off"], zero3_results["same"]),
+        "zero3_zero1": relative_difference(zero3_results["zero1"], zero3_results["same"]),
         "segment_groups": len(model._hyparflow_trainer[1].parts.sharded_update.segments),
     }
 
