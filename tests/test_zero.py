@@ -288,13 +288,13 @@ FOUR_RANKS = [
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     folder = str(tmp_path_factory.mktemp("zero2") / "ckpt")
-    return run_scenario("zero", 2, folder, *(c.to_json() for c in TWO_RANKS), timeout=400)
+    return run_scenario("zero", 2, folder, *(c.to_json() for c in TWO_RANKS), timeout=600)
 
 
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory):
     folder = str(tmp_path_factory.mktemp("zero4") / "ckpt")
-    return run_scenario("zero", 4, folder, *(c.to_json() for c in FOUR_RANKS), timeout=500)
+    return run_scenario("zero", 4, folder, *(c.to_json() for c in FOUR_RANKS), timeout=700)
 
 
 def _check(case: Case, results: list) -> None:
@@ -345,14 +345,14 @@ def _check(case: Case, results: list) -> None:
 
 
 @pytest.mark.mpi
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("case", TWO_RANKS, ids=str)
 def test_zero_matches_keras_with_a_slice_of_the_optimizer_state(two_ranks, case):
     _check(case, two_ranks)
 
 
 @pytest.mark.mpi
-@pytest.mark.timeout(500)
+@pytest.mark.timeout(700)
 @pytest.mark.parametrize("case", FOUR_RANKS, ids=str)
 def test_zero_with_pipeline_and_tensor_ranks_matches_keras(four_ranks, case):
     _check(case, four_ranks)

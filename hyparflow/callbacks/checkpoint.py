@@ -69,8 +69,10 @@ class Checkpoint(keras.callbacks.Callback):
 
     def save(self, epoch: int, batch: int) -> str:
         """Save now (collective: every rank's callback calls it at the same point)."""
+        trainer = self._require_trainer()
+        trainer.give_back_weights()  # ZeRO-3: the variables hold values while they are saved
         self.last_saved = store.save(
-            self._require_trainer().stage_state,
+            trainer.stage_state,
             self.directory,
             epoch=epoch,
             batch=batch,

@@ -482,6 +482,13 @@ class Trainer:
         """Whether this stage holds only its slice of the weights between steps (ZeRO-3)."""
         return self.parts.sharded_weights is not None
 
+    def give_back_weights(self) -> None:
+        """ZeRO-3: the model's variables get their values back, all-gathered from the slices
+        (collective over the replicas; nothing where they hold them, or without ZeRO-3); the
+        next step lets them go again."""
+        if self.parts.sharded_weights is not None:
+            self.parts.sharded_weights.restore()
+
     @property
     def is_last(self) -> bool:
         return self.topology.is_last_stage
@@ -673,8 +680,7 @@ class Trainer:
         """Give every rank the full model: each stage broadcasts the weights it owns. A model
         built under hf.scope() stays where it is: each rank keeps its own share. ZeRO-3's
         slices are all-gathered back into the variables."""
-        if self.parts.sharded_weights is not None:
-            self.parts.sharded_weights.restore()
+        self.give_back_weights()
         self.sharded_layers.store(self.guard)  # first put split weights together
         if self.plan is None or self.holds_share_only:
             return  # replicas stay identical: every one applies the same reduced gradients
