@@ -134,14 +134,23 @@ def test_the_strategy_field_is_checked_and_shown():
         hf.Strategy(shard_optimizer="yes")
 
 
-def test_sharded_gradients_imply_a_sharded_optimizer_and_refuse_whole_stages():
-    strategy = hf.Strategy("data", shard_gradients=True)
-    assert strategy.shard_optimizer and strategy.resolve(4).shard_optimizer
-    assert "shard_gradients=True" in repr(strategy)
-    with pytest.raises(ValueError, match="shard_gradients=1 must be True or False"):
-        hf.Strategy(shard_gradients=1)
+@pytest.mark.parametrize(
+    "field, implied",
+    [
+        ("shard_gradients", ("shard_optimizer",)),
+        ("shard_weights", ("shard_gradients", "shard_optimizer")),
+    ],
+)
+def test_each_sharding_implies_the_ones_before_it_and_refuses_whole_stages(field, implied):
+    strategy = hf.Strategy("data", **{field: True})
+    for name in implied:
+        assert getattr(strategy, name) and getattr(strategy.resolve(4), name), name
+    assert strategy.sharding == f"{field}=True" and f"{field}=True" in repr(strategy)
+    assert strategy.unsharded.startswith(f"{field}=False")
+    with pytest.raises(ValueError, match=f"{field}=1 must be True or False"):
+        hf.Strategy(**{field: 1})
     with pytest.raises(ValueError, match="drop update_by_segment=False"):
-        hf.Strategy("data", shard_gradients=True, update_by_segment=False)
+        hf.Strategy("data", update_by_segment=False, **{field: True})
 
 
 def test_refusals_under_sharded_gradients_name_both_fields():
@@ -157,17 +166,6 @@ def test_refusals_under_sharded_gradients_name_both_fields():
     # a custom train_step applies its optimizer to whole variables itself
     with pytest.raises(ValueError, match="use shard_gradients=False and shard_optimizer=False"):
         model_checks.check_standard_steps(build(GuideStep), zero2)
-
-
-def test_sharded_weights_imply_sharded_gradients_and_optimizer():
-    strategy = hf.Strategy("data", shard_weights=True)
-    assert strategy.shard_gradients and strategy.shard_optimizer
-    assert strategy.resolve(4).shard_weights and strategy.sharding == "shard_weights=True"
-    assert strategy.unsharded.startswith("shard_weights=False, shard_gradients=False")
-    with pytest.raises(ValueError, match="shard_weights=1 must be True or False"):
-        hf.Strategy(shard_weights=1)
-    with pytest.raises(ValueError, match="shard_weights=True reduce-scatters each segment"):
-        hf.Strategy("data", shard_weights=True, update_by_segment=False)
 
 
 def test_refusals_under_sharded_weights():

@@ -42,6 +42,7 @@ class StageFacts:
     largest: int = 0  # bytes of its largest variable
     tensor: int = 1
     by_segment: bool = False  # Strategy.update_by_segment as resolved (hf.scope(): True)
+    cuttable: bool = True  # a layer graph (a subclassed model is one segment)
     shard_optimizer: bool = False  # ZeRO-1
     shard_gradients: bool = False  # ZeRO-2: cut into segments, each scattered per micro-batch
     shard_weights: bool = False  # ZeRO-3: each segment's weights gathered for each call
@@ -57,7 +58,7 @@ def segments(facts: StageFacts) -> int:
         ...                     by_segment=True))
         4
     """
-    if facts.world == 1 or facts.tensor > 1:
+    if facts.world == 1 or facts.tensor > 1 or not facts.cuttable:
         return 1
     count = min(MAX_SEGMENTS, facts.gradient_bytes // SEGMENT_BYTES)
     if facts.shard_gradients and facts.replicas > 1:

@@ -77,6 +77,7 @@ class _Shared:
     world: int
     whole_model: bool
     by_segment: bool
+    cuttable: bool  # a layer graph, which segments can cut (else one segment)
     stage_models: list
     per_sample: list  # per stage: layout -> (layer output bytes, received input bytes)
     layouts: list  # per stage: its tensor layout, or None without tensor parallelism
@@ -106,6 +107,7 @@ def _shared_facts(model, resolved, world, batch_size, whole_model, notes) -> _Sh
     """The model-wide facts of the plan, computed once for all ranks."""
     t = resolved.tensor
     stage_models, per_sample = _stages(model, resolved, notes)
+    cuttable = per_sample is not _UNCUT
     optimizer = getattr(model, "optimizer", None)
     if optimizer is None:
         notes.append("the model is not compiled: no optimizer state counted")
@@ -116,6 +118,7 @@ def _shared_facts(model, resolved, world, batch_size, whole_model, notes) -> _Sh
         world=world,
         whole_model=whole_model,
         by_segment=(not whole_model) if asked is None else asked,
+        cuttable=cuttable,
         stage_models=stage_models,
         per_sample=per_sample,
         layouts=[
@@ -232,6 +235,7 @@ def _stage_facts(shared: _Shared, trainable, layout) -> buffers.StageFacts:
         largest=max(float32, default=0),
         tensor=t,
         by_segment=shared.by_segment,
+        cuttable=shared.cuttable,
         shard_optimizer=getattr(resolved, "shard_optimizer", False),
         shard_gradients=getattr(resolved, "shard_gradients", False),
         shard_weights=getattr(resolved, "shard_weights", False),
@@ -262,6 +266,11 @@ def _schedule(resolved) -> str:
     return f"interleaved (v={resolved.virtual_stages})" if interleaved else resolved.schedule
 
 
+# The activations of a model that is not a layer graph: not counted, and it cannot be cut into
+# segments (`buffers.segments`)
+_UNCUT = [lambda layout: (0, 0)]
+
+
 def _stages(model, strategy, notes) -> tuple[list, list]:
     """Each stage's Keras model (each model chunk's, interleaved) and a function giving its
     activation bytes per sample (layer outputs, received inputs) under a tensor layout."""
@@ -270,7 +279,7 @@ def _stages(model, strategy, notes) -> tuple[list, list]:
             graph = build_graph(model)
         except ValueError:
             notes.append("not a graph of layers: activations not counted")
-            return [model], [lambda layout: (0, 0)]
+            return [model], _UNCUT
         nodes = graph.nodes
         inputs = sum(graph.tensors[i].bytes_per_sample for i in graph.inputs)
         return [model], [lambda layout: (_outputs(graph, nodes, layout), inputs)]
