@@ -366,11 +366,13 @@ def test_refusals_reach_every_rank(two_ranks):
 
 
 @pytest.mark.mpi
-def test_zero3_trains_a_subclassed_model_as_keras_does(two_ranks):
+def test_zero3_trains_validates_and_evaluates_a_subclassed_model_as_keras_does(two_ranks):
     for r in two_ranks:
         sub = r["subclassed"]
         assert sub["shards_weights"] and sub["segments"] == 1, sub
         assert sub["weights"] < TOLERANCE, sub
+        assert sub["history"] < TOLERANCE, sub  # val_loss: the runner's inference gathers too
+        assert sub["evaluated"] < TOLERANCE, sub
         assert abs(sub["slice_elements"] / sub["elements"] - 0.5) < 0.01, sub
 
 

@@ -135,21 +135,28 @@ def _residual():
 
 
 def subclassed() -> dict:
-    """A subclassed model under ZeRO-3 against Keras's fit from the same seeds: its one stage
-    gathers its weights whole for each call."""
+    """A subclassed model under ZeRO-3 against Keras's fit from the same seeds, validation
+    included, then `hf.evaluate` on the trained model: its one stage gathers its weights whole
+    for each call."""
     rng = np.random.default_rng(0)
     x = rng.normal(size=(64, 6)).astype("float32")
     y = rng.integers(0, 3, size=64)
+    validation = (x[:32] * 0.5, y[:32])
     reference = _residual()
     keras.utils.set_random_seed(7)  # the same dropout masks in both runs
-    reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    expected = reference.fit(
+        x, y, batch_size=16, epochs=2, shuffle=False, verbose=0, validation_data=validation
+    )
     model = _residual()
     keras.utils.set_random_seed(7)
     strategy = hf.Strategy("data", shard_weights=True)
-    fit_in_order(model, x, y, 16, 2, strategy)
+    history = fit_in_order(model, x, y, 16, 2, strategy, validation_data=validation)
+    evaluated = hf.evaluate(model, x, y, batch_size=16, verbose=0, strategy=strategy)
     trainer = model._hyparflow_trainer[1]
     return {
         "weights": relative_difference(model.get_weights(), reference.get_weights()),
+        "history": history_difference(history.history, expected.history),
+        "evaluated": abs(evaluated - reference.evaluate(x, y, batch_size=16, verbose=0)),
         "shards_weights": trainer.shards_weights,
         "segments": len(getattr(trainer.parts.runner, "segments", [trainer.parts.runner])),
         "slice_elements": sum(
