@@ -373,6 +373,8 @@ def test_zero3_trains_validates_and_evaluates_a_subclassed_model_as_keras_does(t
         assert sub["weights"] < TOLERANCE, sub
         assert sub["history"] < TOLERANCE, sub  # val_loss: the runner's inference gathers too
         assert sub["evaluated"] < TOLERANCE, sub
+        # the profiler's gather spans: one segment gathered for each forward and backward
+        assert sub["gather_spans"] == 2 * sub["recorded_steps"] > 0 and sub["inside"], sub
         assert abs(sub["slice_elements"] / sub["elements"] - 0.5) < 0.01, sub
 
 

@@ -24,6 +24,7 @@ COLORS = {
     events.OPTIMIZER: "#937860",
     events.TENSOR: "#DA8BC3",
     events.EXPERTS: "#8C613C",
+    events.GATHER: "#4C9F70",
 }
 IDLE_COLOR = "#E6E6E6"
 LEGEND_NAMES = {events.RECV: "recv (waiting)"}

@@ -144,6 +144,9 @@ class ScalingProfiler(keras.callbacks.Callback):
         if strategy.experts > 1:
             layout["experts"] = strategy.experts
             self._inner += (events.EXPERTS,)
+        if trainer.shards_weights:  # ZeRO-3's gathers of weights, inside compute
+            layout["shard_weights"] = True
+            self._inner += (events.GATHER,)
         ranks = []
         for r in range(layout["world_size"]):
             stage, replica = topo.grid.coords(r)
@@ -154,7 +157,10 @@ class ScalingProfiler(keras.callbacks.Callback):
             layout["virtual_stages"] = strategy.virtual_stages
         self._recorder = Recorder()
         trainer.attach_recorder(self._recorder)
-        self._traffic_start = {kind: _moved(trainer.traffic, kind) for kind in self._inner}
+        # the in-graph collectives' traffic (ZeRO-3's gathers are MPI calls the spans time)
+        self._traffic_start = {
+            kind: _moved(trainer.traffic, kind) for kind in self._inner if kind in _TAGS
+        }
         return layout, ranks
 
     def on_train_batch_begin(self, batch, logs=None):

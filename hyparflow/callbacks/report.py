@@ -20,9 +20,9 @@ TIME_COLUMNS = (
     ("optimizer", "optimizer"),
     ("idle", "idle"),
 )
-# With tensor or expert parallelism their collectives get columns after compute (which
-# excludes them).
-INNER_COLUMNS = (("tensor", "tensor"), ("experts", "experts"))
+# With tensor or expert parallelism their collectives, with ZeRO-3 its gathers of weights, get
+# columns after compute (which excludes them).
+INNER_COLUMNS = (("tensor", "tensor"), ("experts", "experts"), ("gather", "gather"))
 KIND_NAMES = {
     "data": "data parallel",
     "model": "model parallel",

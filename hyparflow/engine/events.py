@@ -28,7 +28,10 @@ TENSOR = "tensor"
 # Expert parallelism's exchanges (tokens to their experts' ranks and back, and the routing
 # counts' allreduce), recorded only with `experts` > 1; inside forward and backward spans too.
 EXPERTS = "experts"
-INNER = (TENSOR, EXPERTS)  # kinds whose spans lie inside compute spans
+# ZeRO-3's all-gathers of a segment's weights before its forward and its backward's
+# recomputation (`Strategy.shard_weights`), inside forward and backward spans too.
+GATHER = "gather"
+INNER = (TENSOR, EXPERTS, GATHER)  # kinds whose spans lie inside compute spans
 
 
 @dataclass(frozen=True)

@@ -146,12 +146,14 @@ def build_parts(model, strategy, comm, plan=None, **options) -> TrainerParts:
             _runner_parts(setting, stage, output_losses, update_metrics, loss_adders)
             for stage in setting.stages
         ]
-        runner, form, overlap, weights = _build_runner(setting, runner_parts, variables, shared)
+        spans = events.Spans()
+        runner, form, overlap, weights = _build_runner(
+            setting, runner_parts, variables, shared, spans
+        )
         sync, update, sharded, by_segment = _build_gradient_parts(
             setting, variables, runner, form, shared, overlap, weights
         )
         stage_state = _training_state(setting, variables, sharded)
-        spans = events.Spans()
         gradient_path = build_gradient_path(
             sync,
             update,
@@ -294,11 +296,11 @@ def _stage_variables(setting: Setting) -> StageVariables:
     return StageVariables(variables, owned, sparse, dense, layers)
 
 
-def _build_runner(setting: Setting, runner_parts, variables, shared) -> tuple:
+def _build_runner(setting: Setting, runner_parts, variables, shared, spans) -> tuple:
     """(the stage's runner, the gradient form its facts call for, its `Overlap`: which
     variables are final after each segment, None unless the runner cuts the stage into
     segments; ZeRO-3's `ShardedWeights`, None unless the strategy shards the weights of a
-    stage cut into segments)."""
+    stage cut into segments, its gathers timed into `spans`)."""
     layout = FlatLayout([variables.all[i] for i in variables.dense])
     facts = _gradient_facts(setting, variables, layout, shared_across_stages=shared is not None)
     form = choose_gradient_form(**facts, overlap_groups=setting.strategy.overlap_groups)
@@ -314,7 +316,7 @@ def _build_runner(setting: Setting, runner_parts, variables, shared) -> tuple:
         if sub is not None:
             overlap = Overlap.plan(sub, variables.all)
             positions = segment_positions(variables.all, overlap, leave_out=variables.sparse)
-            weights = _sharded_weights(setting, variables, positions)
+            weights = _sharded_weights(setting, variables, positions, spans)
             runner = build_segmented_runner(
                 runner_parts[0], variables.all, sub, variables.sparse, weights
             )
@@ -323,14 +325,14 @@ def _build_runner(setting: Setting, runner_parts, variables, shared) -> tuple:
         form = choose_gradient_form(**{**facts, "segments": 1})
     # ZeRO-3 on a stage that is not cut: its weights gathered whole for each call (refused
     # up front with the zero-bubble and interleaved schedules: model_checks)
-    weights = _sharded_weights(setting, variables, None)
+    weights = _sharded_weights(setting, variables, None, spans)
     if weights is not None:
         form = dataclasses.replace(form, flat=False, flat_backward=False)
     runner = build_runner(runner_parts[0], variables.all, variables.sparse, form, layout, weights)
     return runner, form, None, weights
 
 
-def _sharded_weights(setting: Setting, variables, positions) -> ShardedWeights | None:
+def _sharded_weights(setting: Setting, variables, positions, spans) -> ShardedWeights | None:
     """ZeRO-3's slices of the stage's weights, cut as its update's segments (`positions`;
     None: one), or None where the strategy does not shard weights over replicas."""
     topology = setting.topology
@@ -338,7 +340,9 @@ def _sharded_weights(setting: Setting, variables, positions) -> ShardedWeights |
         return None
     dense = [i for i in range(len(variables.all)) if i not in set(variables.sparse)]
     segments = sliced_segments(variables.all, dense, positions, topology.stage_comm)
-    return ShardedWeights(segments, variables.all, topology.stage_comm, setting.guard)
+    return ShardedWeights(
+        segments, variables.all, topology.stage_comm, setting.guard, span=spans.span
+    )
 
 
 def _gradient_facts(setting: Setting, variables, layout, shared_across_stages: bool) -> dict:

@@ -14,6 +14,7 @@ import numpy as np
 
 import hyparflow as hf
 from hyparflow.checkpoint import manifest
+from hyparflow.engine import events
 from tests.mpi.reliability import BATCH, EPOCHS, _resume_each, train
 from tests.support import references, zoo
 from tests.support.cases import Case
@@ -154,6 +155,7 @@ def subclassed() -> dict:
     evaluated = hf.evaluate(model, x, y, batch_size=16, verbose=0, strategy=strategy)
     trainer = model._hyparflow_trainer[1]
     return {
+        **_gather_spans(model, x, y, strategy),
         "weights": relative_difference(model.get_weights(), reference.get_weights()),
         "history": history_difference(history.history, expected.history),
         "evaluated": abs(evaluated - reference.evaluate(x, y, batch_size=16, verbose=0)),
@@ -164,6 +166,22 @@ def subclassed() -> dict:
         ),
         "elements": sum(int(np.prod(v.shape)) for v in model.trainable_variables),
     }
+
+
+def _gather_spans(model, x, y, strategy) -> dict:
+    """One more epoch recorded (as the profiler records it): how many gather spans its steps
+    hold, how many steps, and whether each gather lies inside a forward or backward span."""
+    trainer = model._hyparflow_trainer[1]
+    recorder = events.Recorder()
+    trainer.attach_recorder(recorder)
+    fit_in_order(model, x, y, 16, 1, strategy)
+    trainer.attach_recorder(None)
+    records = recorder.take()
+    spans = [s for record in records for s in record.spans]
+    gathers = [s for s in spans if s.kind == events.GATHER]
+    compute = [s for s in spans if s.kind in events.COMPUTE]
+    inside = [any(c.start <= g.start <= g.end <= c.end for c in compute) for g in gathers]
+    return {"gather_spans": len(gathers), "recorded_steps": len(records), "inside": all(inside)}
 
 
 def resumes_two(folder: str) -> dict:

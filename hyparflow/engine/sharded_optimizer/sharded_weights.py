@@ -16,10 +16,13 @@ al., VLDB 2023) gathers a unit's parameters in the same places.
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import tensorflow as tf
 
 from hyparflow import deferred
+from hyparflow.engine import events
 
 _WHILE_TRAINING = (
     "hf.fit holds this weight as slices spread over the replicas while it trains "
@@ -32,7 +35,8 @@ class ShardedWeights:
     """The stage's dense weights as this replica's slices of `segments` (`sliced_segments`:
     per segment, a `_DtypeSlice` per dtype, with positions in `variables`, their
     `SliceLayout` and this replica's slice `variable`), gathered over `comm` (the stage's
-    replicas); `guard(operation)` watches each wait.
+    replicas); `guard(operation)` watches each wait, `span(kind)` times each gather
+    (`events.Spans.span`: recorded inside a training step's forward and backward).
 
     `sent_bytes` counts the bytes this rank has sent in its all-gathers (ring volume),
     `restores` the times the variables were given their values back.
@@ -45,8 +49,9 @@ class ShardedWeights:
         weights.restore()                 # collective: the variables hold values again
     """
 
-    def __init__(self, segments: list, variables: list, comm, guard):
+    def __init__(self, segments: list, variables: list, comm, guard, span=None):
         self.segments, self.variables, self.comm = segments, variables, comm
+        self._span = span or (lambda kind: contextlib.nullcontext())
         self.groups = [group for groups in segments for group in groups]
         self._guard = guard
         self._where = {}  # id(variable) -> (its group's index, its index in the group)
@@ -124,7 +129,7 @@ class ShardedWeights:
         """The group's whole padded flat vector: every replica's slice, in rank order."""
         mine = np.ascontiguousarray(group.variable.numpy())
         whole = np.empty(group.layout.padded, mine.dtype)
-        with self._guard("all-gather the weights over the replicas"):
+        with self._span(events.GATHER), self._guard("all-gather the weights over the replicas"):
             # bytes, so that any dtype travels (MPI has no float16 or bfloat16)
             self.comm.Allgather(mine.view(np.uint8), whole.view(np.uint8))
         self.sent_bytes += group.allgather_bytes
