@@ -459,8 +459,7 @@ class Trainer:
         self.sharded_layers = parts.setting.sharded_layers
         self.traffic = parts.setting.traffic  # the profiler reads it
         self.check_numerics = False
-        # Built under hf.scope(): weights of other stages were never allocated on this rank.
-        self.holds_share_only = any(deferred.is_deferred(v) for v in model.variables)
+        weights = parts.sharded_weights
         self._any_added_losses = None  # whether any stage's layers add losses (agreed once)
         # Compiled like Keras's own step: metric updates and results are a call each.
         self._loss_tracker_fn = traced(
@@ -468,11 +467,17 @@ class Trainer:
         )
         self._replica_metrics = ReplicaMetrics(model, self.topology.stage_comm)
         self._log_root = self.topology.grid.rank_of(self.topology.num_stages - 1, 0)
-        weights = parts.sharded_weights
         if weights is not None:  # the slices start from the model's weights
             # built under hf.scope(): what is not sliced (tables) is allocated whole here
             deferred.materialize(v for v in self.variables if not weights.holds(v))
             weights.load()
+        # Built under hf.scope(): weights of other stages were never allocated on this rank
+        # (ZeRO-3's slices of its own stage are all given back at the fit's end)
+        self.holds_share_only = any(
+            deferred.is_deferred(v)
+            for v in model.variables
+            if weights is None or not weights.holds(v)
+        )
 
     @property
     def shards_gradients(self) -> bool:
