@@ -379,6 +379,13 @@ def test_zero3_trains_validates_and_evaluates_a_subclassed_model_as_keras_does(t
 
 
 @pytest.mark.mpi
+def test_zero3_under_scope_trains_as_keras_and_saves_the_whole_optimizer(two_ranks):
+    for r in two_ranks:
+        assert r["scoped"]["weights"] < TOLERANCE, r["scoped"]
+    assert two_ranks[0]["scoped"]["slots"] < TOLERANCE, two_ranks[0]["scoped"]
+
+
+@pytest.mark.mpi
 def test_checkpoints_resume_across_zero_on_off_and_replica_counts(two_ranks):
     for r in two_ranks:
         resume = r["resume"]

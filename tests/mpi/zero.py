@@ -7,6 +7,7 @@ Then, on 2 ranks, the refusals, a subclassed model under ZeRO-3 and a resume bet
 and off; on 4 ranks, a resume that changes R and P.
 """
 
+import contextlib
 import os
 
 import keras
@@ -168,6 +169,40 @@ def subclassed() -> dict:
     }
 
 
+def _small_mlp(scope: bool):
+    keras.utils.set_random_seed(0)
+    optimizer = keras.optimizers.Adam(1e-2)  # before the scope (docs/big_models.md)
+    with hf.scope() if scope else contextlib.nullcontext():
+        inputs = keras.Input((8,))
+        h = keras.layers.Dense(32, activation="relu")(inputs)
+        h = keras.layers.Dense(32, activation="relu")(h)
+        model = keras.Model(inputs, keras.layers.Dense(3)(h))
+        model.compile(optimizer, "mse")
+    return model
+
+
+def scoped(folder: str) -> dict:
+    """ZeRO-3 on a model built under hf.scope() (each rank allocates its slices only) against
+    Keras's fit, and rank 0's model.save after it: the whole weights and optimizer state."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 8)).astype("float32")
+    y = rng.normal(size=(64, 3)).astype("float32")
+    reference = _small_mlp(scope=False)
+    reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    model = _small_mlp(scope=True)
+    fit_in_order(model, x, y, 16, 2, hf.Strategy("data", shard_weights=True))
+    found = {"weights": relative_difference(model.get_weights(), reference.get_weights())}
+    if hf.rank() == 0:
+        path = os.path.join(folder + "-scoped", "model.keras")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        model.save(path)
+        saved = keras.saving.load_model(path).optimizer.variables
+        found["slots"] = relative_difference(
+            [v.numpy() for v in saved], [v.numpy() for v in reference.optimizer.variables]
+        )
+    return found
+
+
 def _gather_spans(model, x, y, strategy) -> dict:
     """One more epoch recorded (as the profiler records it): how many gather spans its steps
     hold, how many steps, and whether each gather lies inside a forward or backward span."""
@@ -262,6 +297,7 @@ def main():
         extra = {
             "refusals": refusals(),
             "subclassed": subclassed(),
+            "scoped": scoped(folder),
             "resume": resumes_two(folder),
         }
     elif hf.size() == 4:
