@@ -70,6 +70,8 @@ def _add_plan_command(commands):
         help="split a saved model into pipeline stages and print the plan (plan --auto: "
         "search every layout of N ranks, hyparflow plan --auto --help)",
         description="Split a saved Keras model into balanced pipeline stages; print the table.",
+        epilog=_auto_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     plan.add_argument(
         "model", help="a saved Keras model (.keras file), or module:function that builds one"
@@ -112,6 +114,13 @@ def _add_plan_command(commands):
         "(with --replicas and --tensor: the whole grid) as hf.fit places them (docs/nodes.md)",
     )
     plan.set_defaults(run=_run_plan)
+
+
+def _auto_help() -> str:
+    """`plan --auto`'s own options, shown under `plan --help` (its parser is auto/command.py's)."""
+    from hyparflow.auto import command as auto_command
+
+    return f"hyparflow plan --auto: the planner\n\n{auto_command.plan_parser().format_help()}"
 
 
 def _add_memory_options(memory) -> None:

@@ -11,6 +11,7 @@ import sys
 from hyparflow.auto import measure_launch
 from hyparflow.auto.estimate import Estimator
 from hyparflow.auto.measure import entries, table
+from hyparflow.auto.network_default import assumed_network, network_given
 from hyparflow.auto.search import Candidate, SearchResult, candidates, search
 from hyparflow.simulate import command as simulate_command
 from hyparflow.simulate.predict import Machine
@@ -37,6 +38,11 @@ def add_arguments(parser) -> None:
     )
 
 
+NETWORK_TITLE = (
+    "network (optional: without these, this machine's is measured and nodes are assumed "
+    "linked at 2 us, 12 GB/s, as stderr says)"
+)
+
 # simulate's options that fix one layout; the planner searches them
 FIXED_LAYOUT = {
     "partitions",
@@ -57,7 +63,7 @@ def plan_parser() -> argparse.ArgumentParser:
         "priced by the scaling model and, with a model, its memory plan; print the fastest "
         "that fits, its rivals, and why the others lost (docs/auto.md).",
     )
-    simulate_command.add_arguments(parser, hidden=FIXED_LAYOUT)
+    simulate_command.add_arguments(parser, hidden=FIXED_LAYOUT, network_title=NETWORK_TITLE)
     parser.add_argument("--auto", action="store_true", required=True, help="search layouts")
     parser.add_argument("--ranks", type=int, required=True, help="the world size N")
     parser.add_argument(
@@ -129,7 +135,8 @@ def run(args, memory_of, measure=None, name="hyparflow simulate") -> int:
     layouts and returns their `auto.measure.Measured`, printed after the report. `name`: the
     command the user typed, which errors begin with."""
     try:
-        (costs, model), network = simulate_command.costs_of(args), simulate_command.network_of(args)
+        network = _network(args)
+        costs, model = simulate_command.costs_of(args)
     except (OSError, ValueError, RuntimeError) as error:
         print(f"{name}: {error}", file=sys.stderr)
         return 1
@@ -157,6 +164,19 @@ def run(args, memory_of, measure=None, name="hyparflow simulate") -> int:
         return 1
     _print(result, args, None if measure is None else measure(result))
     return 0
+
+
+def _network(args):
+    """The network the command line gives, or (said on stderr) this machine's measured with
+    a default between nodes (`network_default.py`)."""
+    if network_given(args):
+        return simulate_command.network_of(args)
+    network, line = assumed_network()
+    print(line, file=sys.stderr)
+    if args.save_network:
+        with open(args.save_network, "w") as f:
+            json.dump(network.to_dict(), f, indent=1)
+    return network
 
 
 def _print(result: SearchResult, args, measured: list | None) -> None:

@@ -33,9 +33,10 @@ COLUMNS = (
 )
 
 
-def add_arguments(parser, hidden=frozenset()) -> None:
+def add_arguments(parser, hidden=frozenset(), network_title=None) -> None:
     """The `simulate` subcommand's options; those whose destination is in `hidden` are taken
-    but left out of the help (`plan --auto` fixes the layout itself)."""
+    but left out of the help (`plan --auto` fixes the layout itself); `network_title` replaces
+    the network group's (`plan --auto` measures one when none is given)."""
 
     def add(*flags, **options):
         action = parser.add_argument(*flags, **options)
@@ -63,7 +64,8 @@ def add_arguments(parser, hidden=frozenset()) -> None:
         "(verbose=1, ScalingProfiler): the loop shares them after each step")
     add("--json", action="store_true", help="print the predictions as JSON")
     net = parser.add_argument_group(
-        "network (Hockney alpha-beta links; one is required: --latency with --bandwidth, "
+        network_title
+        or "network (Hockney alpha-beta links; one is required: --latency with --bandwidth, "
         "--network FILE or --measure-network)"
     ).add_argument
     net("--latency", type=float, help="inter-node latency in seconds, e.g. 2e-6")
