@@ -320,12 +320,12 @@ def _run_simulate(args) -> int:
     return command.run(args)
 
 
-def _memory_of(model, batch_size: int):
+def _memory_of(model, batch_size: int, whole_model: bool | None = None):
     """The planner's bytes of a layout (auto/choose.py), imported only with a model: it
-    imports Keras."""
+    imports Keras. `whole_model`: as `hf.memory_plan` takes it (None: the model's build)."""
     from hyparflow.auto.choose import memory_of
 
-    return memory_of(model, batch_size)
+    return memory_of(model, batch_size, whole_model=whole_model)
 
 
 def _launch_facts():

@@ -321,9 +321,10 @@ def _strategy_of(strategy: Strategy, candidate: Candidate) -> Strategy:
     return dataclasses.replace(strategy, **candidate.strategy_options())
 
 
-def memory_of(model, batch_size: int, base: Strategy | None = None):
+def memory_of(model, batch_size: int, base: Strategy | None = None, whole_model=None):
     """A function of a layout: its peak bytes on the fullest rank, the memory plan of `model`
-    under `base` (default: Strategy's defaults) with the layout's fields."""
+    under `base` (default: Strategy's defaults) with the layout's fields; `whole_model` as
+    `memory_plan` takes it (None: from the model's build)."""
     from hyparflow.memory import memory_plan  # imports Keras: only with a model
 
     base = base or Strategy()
@@ -331,6 +332,7 @@ def memory_of(model, batch_size: int, base: Strategy | None = None):
     @functools.cache
     def memory(candidate: Candidate) -> int:
         strategy = _strategy_of(base, candidate)
-        return memory_plan(model, strategy, batch_size=batch_size).largest.total
+        plan = memory_plan(model, strategy, batch_size=batch_size, whole_model=whole_model)
+        return plan.largest.total
 
     return memory

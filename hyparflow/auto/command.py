@@ -43,6 +43,13 @@ NETWORK_TITLE = (
     "linked at 2 us, 12 GB/s, as stderr says)"
 )
 
+BUILD_LINES = {
+    "scope": "memory: counted for a model built under hf.scope() (each rank allocates only its "
+    "share); --build ordinary counts one built outside it (every rank also holds it whole)",
+    "ordinary": "memory: counted for a model built outside hf.scope() (every rank holds it whole "
+    "besides its share); --build scope counts one built under it (each rank allocates its share)",
+}
+
 # simulate's options that fix one layout; the planner searches them
 FIXED_LAYOUT = {
     "partitions",
@@ -71,6 +78,14 @@ def plan_parser() -> argparse.ArgumentParser:
         type=byte_size,
         metavar="SIZE",
         help="the budget per rank, e.g. 16GiB (needs the model)",
+    )
+    parser.add_argument(
+        "--build",
+        choices=("scope", "ordinary"),
+        help="how hf.fit's model will be built, for the memory side: under hf.scope() (each "
+        "rank allocates its share) or outside it (every rank holds the whole model too); "
+        "default: the model's own build, and scope for a saved file (read here without its "
+        "weights); the output says which",
     )
     measure = parser.add_argument_group("measuring the top layouts (docs/auto.md)").add_argument
     measure(
@@ -136,14 +151,14 @@ def run(args, memory_of, measure=None, name="hyparflow simulate") -> int:
     command the user typed, which errors begin with."""
     try:
         network = _network(args)
-        costs, model = simulate_command.costs_of(args)
+        costs, model = _costs_of(args)
     except (OSError, ValueError, RuntimeError) as error:
         print(f"{name}: {error}", file=sys.stderr)
         return 1
     if model is not None:  # timed here: the tensor shares and host costs too
         costs = _with_planner_costs(costs, model, args)
     machine = Machine(args.cores_per_node or costs.measured.get("cores"), args.jitter)
-    memory = None if model is None else memory_of(model, args.batch_size)
+    memory = None if model is None else memory_of(model, args.batch_size, _whole_model(model, args))
     budget = args.memory
     if budget is not None and memory is None:
         print(
@@ -164,6 +179,36 @@ def run(args, memory_of, measure=None, name="hyparflow simulate") -> int:
         return 1
     _print(result, args, None if measure is None else measure(result))
     return 0
+
+
+def _costs_of(args):
+    """(costs, model): a costs file's (no model), or the model's timed here: layer by layer
+    (`simulate/by_layer.py`) where it holds no weights (a saved file, read without them, or a
+    build under hf.scope()), else whole (`simulate/measure.py`), as `hyparflow simulate` does."""
+    if args.source.endswith(".json"):
+        return simulate_command.costs_of(args)
+    from hyparflow.deferred import any_deferred  # imports Keras: only with a model
+    from hyparflow.partitioner.source import load_architecture
+
+    model = load_architecture(args.source, args.custom_objects)
+    if any_deferred(model):
+        from hyparflow.simulate.by_layer import measure_by_layer
+
+        return simulate_command.model_costs(model, args, measure_by_layer), model
+    from hyparflow.simulate.measure import measure_model
+
+    return simulate_command.model_costs(model, args, measure_model), model
+
+
+def _whole_model(model, args) -> bool:
+    """Whether each rank's memory counts the whole model besides its share (`--build
+    ordinary`) or only its share (`--build scope`); the default is the model's own build (a
+    saved file counts as rebuilt under hf.scope()), said on stderr."""
+    from hyparflow.deferred import any_deferred
+
+    build = getattr(args, "build", None) or ("scope" if any_deferred(model) else "ordinary")
+    print(BUILD_LINES[build], file=sys.stderr)
+    return build == "ordinary"
 
 
 def _network(args):

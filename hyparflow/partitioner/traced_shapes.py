@@ -85,7 +85,18 @@ def _batch_size(inputs) -> int:
 
 def _traced_shapes(graph: LayerGraph, specs: list) -> dict[int, tuple]:
     """Every node output's static shape in one trace of the graph for `specs` (never run)."""
-    shapes: dict[int, tuple] = {}
+    try:
+        found = traced_specs(graph, specs)
+    except Exception:  # noqa: BLE001 - a length read as a Python int: nothing known here
+        return {}
+    return {t: tuple(spec.shape.as_list()) for t, spec in found.items() if t not in graph.inputs}
+
+
+def traced_specs(graph: LayerGraph, specs: list) -> dict[int, tf.TensorSpec]:
+    """Every tensor's static shape and dtype (the inputs' `specs`, then each node output's)
+    in one trace of the graph (never run: a model built under hf.scope() reads placeholders,
+    so no weight is allocated). Raises what the trace raises."""
+    found = dict(zip(graph.inputs, specs, strict=True))
 
     def forward(*inputs):
         values = dict(zip(graph.inputs, inputs, strict=True))
@@ -94,11 +105,8 @@ def _traced_shapes(graph: LayerGraph, specs: list) -> dict[int, tuple]:
             values.update(zip(node.outputs, outputs, strict=True))
             for t, output in zip(node.outputs, outputs, strict=True):
                 if hasattr(output, "shape"):
-                    shapes[t] = tuple(tf.TensorShape(output.shape).as_list())
+                    found[t] = tf.TensorSpec(output.shape, output.dtype)
         return []
 
-    try:
-        traced(forward).get_concrete_function(*specs)
-    except Exception:  # noqa: BLE001 - a length read as a Python int: nothing known here
-        return {}
-    return shapes
+    traced(forward).get_concrete_function(*specs)
+    return found

@@ -171,17 +171,23 @@ def _network_line(network: Network, machine: Machine) -> str:
 def costs_of(args) -> tuple[ModelCosts, object]:  # and the model timed (None: a costs file)
     if args.source.endswith(".json"):
         return ModelCosts.load(args.source), None
-    if len(args.profile_batch_sizes) != 2:
-        raise ValueError("--profile-batch-sizes takes two sizes, e.g. 16,64")
     from hyparflow.simulate.measure import measure_model  # imports Keras: only now
 
     model = load_model(args.source, args.custom_objects)
+    return model_costs(model, args, measure_model), model
+
+
+def model_costs(model, args, measure) -> ModelCosts:
+    """`measure(model, batch_sizes, input_shape)` at `--profile-batch-sizes` and
+    `--input-shape`, saved to `--save-costs` if given; the model must be compiled."""
+    if len(args.profile_batch_sizes) != 2:
+        raise ValueError("--profile-batch-sizes takes two sizes, e.g. 16,64")
     if getattr(model, "optimizer", None) is None:
         raise ValueError(f"{args.source} was saved without compiling; compile it, then save")
-    costs = measure_model(model, tuple(args.profile_batch_sizes), args.input_shape)
+    costs = measure(model, tuple(args.profile_batch_sizes), args.input_shape)
     if args.save_costs:
         costs.save(args.save_costs)
-    return costs, model
+    return costs
 
 
 def network_of(args) -> Network:

@@ -1,0 +1,159 @@
+"""A model's `ModelCosts` without running the model: each distinct layer built alone and timed.
+
+`measure.py` runs the whole model, so it needs its weights: a model built under `hf.scope()`
+holds none, and a large one would not fit in one process anyway. Here the graph is traced once
+at the data's shapes (placeholders for weights, nothing allocated), which gives every node's
+input shapes. Nodes are grouped by what their time depends on (`layer_key`: the layer's class,
+its config without its name, its inputs' shapes and dtypes and its call's other arguments),
+and each group's first layer is copied from its config, built alone at those shapes, timed
+forward and forward plus backward at two batch sizes, and freed before the next: repeated
+blocks are timed once, and the memory held is the largest layer's, never the model's.
+
+What a stage pays around its layers (a call's launch, the optimizer per variable and per
+byte, summing micro-batches) does not depend on the model's size: `engine_proxy.py` times it
+on a small stand-in with the model's optimizer. The loss is the model's own, timed on outputs
+of the traced shapes. The whole model's one-call step and plain `model.fit` are not timed
+(`fused` and `single_process` stay None: the scaling model prices P = 1 from the layers).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import platform
+import time
+from dataclasses import replace
+
+import keras
+import tensorflow as tf
+
+from hyparflow import _keras
+from hyparflow.partitioner import cost, profile
+from hyparflow.partitioner.graph import build_graph
+from hyparflow.partitioner.traced_shapes import traced_specs
+from hyparflow.simulate.costs import Affine, LayerCost, ModelCosts
+from hyparflow.simulate.engine_proxy import engine_costs
+from hyparflow.simulate.measure import _median_seconds, _nbytes, zero_targets
+from hyparflow.traced import traced
+
+REPEATS = 3  # timings of each distinct layer at each batch size; the fastest counts
+
+
+def measure_by_layer(model, batch_sizes, input_shape=None, repeats=REPEATS) -> ModelCosts:
+    """`ModelCosts` of a compiled functional or Sequential `model` (built under `hf.scope()`
+    or not; its weights are never read) at two `batch_sizes` of inputs shaped `input_shape`
+    (as `profile.make_sample` takes it; None: the model's own)."""
+    if getattr(model, "optimizer", None) is None:
+        raise ValueError("measure_by_layer needs a compiled model (model.compile(...) first)")
+    small, large = sorted(int(b) for b in batch_sizes)
+    if small == large:
+        raise ValueError(f"batch_sizes needs two different sizes, got {batch_sizes}")
+    started = time.perf_counter()
+    graph = build_graph(model)
+    specs = {b: _specs(graph, input_shape, b) for b in (small, large)}
+    timed, seen, layers = {}, set(), []
+    for node in graph.nodes:
+        key = layer_key(node, specs[small])
+        if key not in timed:
+            timed[key] = _time_alone(node, {b: specs[b] for b in (small, large)}, repeats)
+        owned = node.is_layer and id(node.operation) not in seen  # parameters at first call
+        seen.add(id(node.operation))
+        variables = list(node.operation.trainable_variables) if owned else []
+        forward, backward = timed[key]
+        layers.append(
+            LayerCost(node.name, forward, backward, sum(map(_nbytes, variables)), len(variables))
+        )
+    engine = replace(engine_costs(model.optimizer), loss=_loss_cost(model, graph, specs, repeats))
+    measured = {
+        "host": platform.node(),
+        "cores": os.cpu_count(),
+        "tensorflow": tf.__version__,
+        "intra_op_threads": os.environ.get("TF_NUM_INTRAOP_THREADS", "default"),
+        "batch_sizes": [small, large],
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "by_layer": {"distinct": len(timed), "seconds": time.perf_counter() - started},
+    }
+    cuts = [float(c) for c in cost.cut_bytes_per_sample(graph)]
+    return ModelCosts(model.name, layers, cuts, engine, None, measured, None)
+
+
+def _specs(graph, input_shape, batch: int) -> dict:
+    """Every tensor's spec at `batch` samples of inputs shaped `input_shape`."""
+    sample = profile.make_sample(graph, input_shape=input_shape, batch_size=batch)
+    return traced_specs(graph, [tf.TensorSpec(x.shape, x.dtype) for x in sample])
+
+
+def layer_key(node, specs: dict) -> str:
+    """What a node's time depends on: its operation's class and config (without the name,
+    which differs between repeated blocks), its inputs' shapes and dtypes, and its call's other
+    arguments. Nodes with equal keys take equal times."""
+    operation = node.operation
+    try:
+        config = operation.get_config()
+    except (NotImplementedError, TypeError):  # an operation that cannot say: its own key
+        config = {"id": id(operation)}
+    config = {k: v for k, v in config.items() if k != "name"}
+    labels = {kt_id: f"<{_spec_text(specs[t])}>" for kt_id, t in node.argument_tensors.items()}
+    args, kwargs = node.arguments.fill_in(labels)
+    kind = f"{type(operation).__module__}.{type(operation).__qualname__}"
+    return json.dumps([kind, config, repr(args), repr(sorted(kwargs.items()))], default=repr)
+
+
+def _spec_text(spec) -> str:
+    return f"{spec.dtype.name}{spec.shape.as_list()[1:]}" if hasattr(spec, "shape") else repr(spec)
+
+
+def _time_alone(node, specs: dict, repeats: int) -> tuple[Affine, Affine]:
+    """The forward and backward lines of `node`'s layer, copied from its config and built
+    alone at the shapes of `specs` (batch size -> tensor specs); the copy is freed after."""
+    operation = _fresh(node.operation)
+    call = profile.node_call(node, operation)
+    inputs = {b: [_random(s[t]) for t in node.inputs] for b, s in specs.items()}
+    call(inputs[min(inputs)])  # builds the copy's weights
+    variables = list(getattr(operation, "trainable_variables", []))
+    forward = traced(lambda xs: call(xs))
+    both = profile.forward_backward(call, variables)
+    empty = traced(lambda xs: [tf.identity(x) for x in xs])
+    seconds = {}
+    for batch, xs in inputs.items():
+        overhead = profile.best_time(empty, xs, repeats)
+        f = max(0.0, profile.best_time(forward, xs, repeats) - overhead)
+        fb = max(f, profile.best_time(both, xs, repeats) - overhead)
+        seconds[batch] = (f, fb - f)
+    del operation, call, variables, forward, both, inputs
+    gc.collect()  # the copy's weights go before the next layer's are made
+    (small, a), (large, b) = sorted(seconds.items())
+    return Affine.through(small, a[0], large, b[0]), Affine.through(small, a[1], large, b[1])
+
+
+def _fresh(operation):
+    """A new layer like `operation`, weights unbuilt (`operation` itself if it has none:
+    a keras.ops call or a layer without weights runs as it is)."""
+    if not getattr(operation, "weights", None):
+        return operation
+    return operation.__class__.from_config(operation.get_config())
+
+
+def _random(spec):
+    """A tensor of `spec`: normal floats, zeros for integers (safe for lookups), True masks."""
+    shape = spec.shape.as_list()
+    if spec.dtype.is_floating:
+        return tf.random.normal(shape, dtype=spec.dtype)
+    if spec.dtype == tf.bool:
+        return tf.ones(shape, tf.bool)
+    return tf.zeros(shape, spec.dtype)
+
+
+def _loss_cost(model, graph, specs: dict, repeats: int) -> Affine:
+    """The compiled loss on random outputs of the traced shapes, at both batch sizes."""
+    loss = _keras.compiled_loss(model)
+    seconds = {}
+    for batch, found in specs.items():
+        outputs = [_random(found[t]) for t in graph.outputs]
+        y_pred = keras.tree.pack_sequence_as(graph.root.output, outputs)
+        y = zero_targets(model, y_pred)
+        seconds[batch] = _median_seconds(traced(lambda a, b: loss(a, b, None)), repeats, y, y_pred)
+    (small, a), (large, b) = sorted(seconds.items())
+    return Affine.through(small, a, large, b)
+
