@@ -107,13 +107,21 @@ def _spec_text(spec) -> str:
 def _time_alone(node, specs: dict, repeats: int) -> tuple[Affine, Affine]:
     """The forward and backward lines of `node`'s layer, copied from its config and built
     alone at the shapes of `specs` (batch size -> tensor specs); the copy is freed after."""
+    seconds = _seconds_alone(node, specs, repeats)
+    gc.collect()  # the copy's weights go before the next layer's are made
+    (small, a), (large, b) = sorted(seconds.items())
+    return Affine.through(small, a[0], large, b[0]), Affine.through(small, a[1], large, b[1])
+
+
+def _seconds_alone(node, specs: dict, repeats: int) -> dict:
+    """Batch size -> (forward, backward) seconds of a fresh copy of `node`'s layer, each less
+    an empty compiled call's."""
     operation = _fresh(node.operation)
     call = profile.node_call(node, operation)
     inputs = {b: [_random(s[t]) for t in node.inputs] for b, s in specs.items()}
     call(inputs[min(inputs)])  # builds the copy's weights
-    variables = list(getattr(operation, "trainable_variables", []))
-    forward = traced(lambda xs: call(xs))
-    both = profile.forward_backward(call, variables)
+    forward = traced(call)
+    both = profile.forward_backward(call, list(getattr(operation, "trainable_variables", [])))
     empty = traced(lambda xs: [tf.identity(x) for x in xs])
     seconds = {}
     for batch, xs in inputs.items():
@@ -121,10 +129,7 @@ def _time_alone(node, specs: dict, repeats: int) -> tuple[Affine, Affine]:
         f = max(0.0, profile.best_time(forward, xs, repeats) - overhead)
         fb = max(f, profile.best_time(both, xs, repeats) - overhead)
         seconds[batch] = (f, fb - f)
-    del operation, call, variables, forward, both, inputs
-    gc.collect()  # the copy's weights go before the next layer's are made
-    (small, a), (large, b) = sorted(seconds.items())
-    return Affine.through(small, a[0], large, b[0]), Affine.through(small, a[1], large, b[1])
+    return seconds
 
 
 def _fresh(operation):
@@ -156,4 +161,3 @@ def _loss_cost(model, graph, specs: dict, repeats: int) -> Affine:
         seconds[batch] = _median_seconds(traced(lambda a, b: loss(a, b, None)), repeats, y, y_pred)
     (small, a), (large, b) = sorted(seconds.items())
     return Affine.through(small, a, large, b)
-
