@@ -73,6 +73,7 @@ def plan_parser() -> argparse.ArgumentParser:
     simulate_command.add_arguments(parser, hidden=FIXED_LAYOUT, network_title=NETWORK_TITLE)
     parser.add_argument("--auto", action="store_true", required=True, help="search layouts")
     parser.add_argument("--ranks", type=int, required=True, help="the world size N")
+    parser.set_defaults(profile_batch_sizes=None)  # default: one rank's share, and a quarter
     parser.add_argument(
         "--memory",
         type=byte_size,
@@ -119,6 +120,10 @@ def plan(argv, memory_of, launch_facts) -> int:
     parser = plan_parser()
     args = parser.parse_args(argv)
     args.auto = args.ranks
+    if args.profile_batch_sizes is None:  # the micro-batches the layouts run, as hf.fit times
+        from hyparflow.auto.choose import timing_batches
+
+        args.profile_batch_sizes = list(timing_batches(args.batch_size, args.ranks))
     if not args.measure:
         return run(args, memory_of, name=parser.prog)
     if args.measure_steps < 1:

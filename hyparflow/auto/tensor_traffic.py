@@ -61,7 +61,9 @@ def tensor_shares(graph, layout, inputs: list, traced_only: bool = False) -> lis
     tally = _Tally(len(graph.nodes))
     if traced_only:
         specs = [tf.TensorSpec(x.shape, x.dtype) for x in inputs]
-        traced(lambda *xs: _walk(graph, layout, list(xs), tally)).get_concrete_function(*specs)
+        walk = traced(lambda *xs: _walk(graph, layout, list(xs), tally))
+        with keras.StatelessScope():  # a Dropout's seed update is recorded, not assigned
+            walk.get_concrete_function(*specs)
     else:
         with profile.preserved_state(graph.model):
             _walk(graph, layout, inputs, tally)

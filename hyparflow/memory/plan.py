@@ -38,6 +38,7 @@ def memory_plan(
     num_microbatches=None,
     whole_model: bool | None = None,
     runtime: bool = True,
+    splits: dict | None = None,
 ) -> MemoryPlan:
     """Predict the peak bytes of every rank when `hf.fit(model, ..., strategy=strategy)`
     trains `model` with global batches of `batch_size` (docs/memory.md).
@@ -48,7 +49,9 @@ def memory_plan(
     `hf.scope`) adds the user's whole model, which every rank then holds besides its stage,
     and the epoch end's exchange of every stage's weights; `False` (a `hf.scope()` model,
     detected when None) counts only what the rank materialises. `runtime=False` leaves out
-    TensorFlow's own measured constant.
+    TensorFlow's own measured constant. `splits`: a dict the caller keeps across the plans of
+    one model (the planner's hundreds of layouts), so that each stage split and its tensor
+    layouts are made once.
 
     For example:
         plan = hf.memory_plan(model, hf.Strategy("model", partitions=4), batch_size=64)
@@ -61,7 +64,7 @@ def memory_plan(
     world = (strategy.partitions or 1) * (strategy.replicas or 1) * strategy.tensor
     resolved = strategy.resolve(world)
     notes = []
-    shared = _shared_facts(model, resolved, world, batch_size, whole_model, notes)
+    shared = _shared_facts(model, resolved, world, batch_size, whole_model, notes, splits)
     grid = Grid(resolved.partitions, resolved.replicas, resolved.tensor)
     ranks = [
         _rank_memory(shared, rank, *grid.coords3(rank), runtime=runtime) for rank in range(world)
@@ -101,10 +104,9 @@ class _Shared:
         return list(range(stage, len(self.stage_models), self.resolved.partitions))
 
 
-def _shared_facts(model, resolved, world, batch_size, whole_model, notes) -> _Shared:
+def _shared_facts(model, resolved, world, batch_size, whole_model, notes, splits) -> _Shared:
     """The model-wide facts of the plan, computed once for all ranks."""
-    t = resolved.tensor
-    stage_models, per_sample = _stages(model, resolved, notes)
+    stage_models, per_sample, layouts = _split(model, resolved, notes, splits)
     optimizer = getattr(model, "optimizer", None)
     if optimizer is None:
         notes.append("the model is not compiled: no optimizer state counted")
@@ -117,10 +119,7 @@ def _shared_facts(model, resolved, world, batch_size, whole_model, notes) -> _Sh
         by_segment=(not whole_model) if asked is None else asked,
         stage_models=stage_models,
         per_sample=per_sample,
-        layouts=[
-            tensor_rules.tensor_layout(m, t, resolved.tensor_layout) if t > 1 else None
-            for m in stage_models
-        ],
+        layouts=layouts,
         experts=frozenset(map(id, expert_weights(model)))
         if getattr(resolved, "experts", 1) > 1
         else frozenset(),
@@ -230,6 +229,26 @@ def _label(resolved) -> str:
 def _schedule(resolved) -> str:
     interleaved = resolved.schedule == "interleaved" and resolved.partitions > 1
     return f"interleaved (v={resolved.virtual_stages})" if interleaved else resolved.schedule
+
+
+def _split(model, resolved, notes, splits: dict | None) -> tuple[list, list, list]:
+    """Each stage's model, activation bytes (`_stages`) and tensor layout, from `splits` (a
+    caller's dict) where an earlier plan made them; its notes are said again."""
+    chunks = resolved.virtual_stages if resolved.schedule == "interleaved" else 1
+    t = resolved.tensor
+    key = (resolved.partitions, chunks, t, repr(resolved.balance), repr(resolved.tensor_layout))
+    splits = {} if splits is None else splits
+    if key not in splits:
+        said = []
+        stage_models, per_sample = _stages(model, resolved, said)
+        layouts = [
+            tensor_rules.tensor_layout(m, t, resolved.tensor_layout) if t > 1 else None
+            for m in stage_models
+        ]
+        splits[key] = (stage_models, per_sample, layouts, said)
+    *made, said = splits[key]
+    notes += said
+    return tuple(made)
 
 
 def _stages(model, strategy, notes) -> tuple[list, list]:

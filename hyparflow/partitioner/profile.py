@@ -14,6 +14,7 @@ from hyparflow.partitioner.graph import LayerGraph
 from hyparflow.traced import traced
 
 DEFAULT_PROFILE_BATCH = 32
+SLOW_CALL_SECONDS = 0.1  # a call this long is timed once (`best_time`)
 
 
 def make_sample(graph: LayerGraph, sample=None, input_shape=None, batch_size=None) -> list:
@@ -172,16 +173,25 @@ def forward_backward(call, variables):
 
 
 def best_time(function, inputs, repeats):
-    """Fastest of `repeats` timings: interference on a shared machine only ever adds time."""
-    calls = _calibrate(function, inputs)
+    """Fastest of `repeats` timings: interference on a shared machine only ever adds time.
+    A call of `SLOW_CALL_SECONDS` or more is timed once: noise is small beside it, and each
+    repeat would cost as long (a large model's layer, timed alone)."""
+    calls, single = _calibrated(function, inputs)
+    if single >= SLOW_CALL_SECONDS:
+        return single
     return min(_time_calls(function, inputs, calls) for _ in range(repeats))
 
 
 def _calibrate(function, inputs) -> int:
     """Trace and warm up `function`; returns how many calls make one timing of >= ~2 ms."""
+    return _calibrated(function, inputs)[0]
+
+
+def _calibrated(function, inputs) -> tuple[int, float]:
+    """`_calibrate`'s count of calls, and the seconds of one call."""
     _sync(function(inputs))
     single = _time_calls(function, inputs, 1)
-    return int(min(20, max(1, 2e-3 / max(single, 1e-9))))
+    return int(min(20, max(1, 2e-3 / max(single, 1e-9)))), single
 
 
 def _time_calls(function, inputs, calls) -> float:

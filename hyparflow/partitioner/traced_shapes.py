@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import keras
 import tensorflow as tf
 
 from hyparflow.partitioner.graph import LayerGraph
@@ -95,7 +96,8 @@ def _traced_shapes(graph: LayerGraph, specs: list) -> dict[int, tuple]:
 def traced_specs(graph: LayerGraph, specs: list) -> dict[int, tf.TensorSpec]:
     """Every tensor's static shape and dtype (the inputs' `specs`, then each node output's)
     in one trace of the graph (never run: a model built under hf.scope() reads placeholders,
-    so no weight is allocated). Raises what the trace raises."""
+    so no weight is allocated; a stateless scope keeps its variables unassigned). Raises what
+    the trace raises."""
     found = dict(zip(graph.inputs, specs, strict=True))
 
     def forward(*inputs):
@@ -108,5 +110,6 @@ def traced_specs(graph: LayerGraph, specs: list) -> dict[int, tf.TensorSpec]:
                     found[t] = tf.TensorSpec(output.shape, output.dtype)
         return []
 
-    traced(forward).get_concrete_function(*specs)
+    with keras.StatelessScope():  # a Dropout's seed update is recorded, not assigned
+        traced(forward).get_concrete_function(*specs)
     return found

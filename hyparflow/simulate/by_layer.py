@@ -133,9 +133,9 @@ def _seconds_alone(node, specs: dict, repeats: int) -> dict:
 
 
 def _fresh(operation):
-    """A new layer like `operation`, weights unbuilt (`operation` itself if it has none:
-    a keras.ops call or a layer without weights runs as it is)."""
-    if not getattr(operation, "weights", None):
+    """A new layer like `operation`, its variables unbuilt (`operation` itself if it has none:
+    a keras.ops call or a layer without state runs as it is; a Dropout's seed is state)."""
+    if not getattr(operation, "variables", None):
         return operation
     return operation.__class__.from_config(operation.get_config())
 

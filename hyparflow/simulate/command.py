@@ -80,7 +80,8 @@ def add_arguments(parser, hidden=frozenset(), network_title=None) -> None:
     model("--custom-objects", metavar="MODULE", help=CUSTOM_OBJECTS_HELP)
     model("--save-costs", help="write the measured costs to this JSON file")
     model("--profile-batch-sizes", type=_ints, default=[16, 64],
-          help="two batch sizes to time the layers at (default 16,64)")
+          help="two batch sizes to time the layers at (default 16,64; plan --auto: "
+          "a quarter of one rank's share of the batch, and all of it)")
     model("--input-shape", type=_shape, help='e.g. "32,32,3" (unknown dimensions)')
     # fmt: on
 
