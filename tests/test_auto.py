@@ -137,6 +137,21 @@ def test_a_budget_that_rules_out_data_parallelism_is_kept(two_ranks):
 
 
 @pytest.mark.mpi
+def test_a_model_built_under_hf_scope_is_planned_and_trains_exactly(two_ranks):
+    """Issue 66: it was left data parallel ("holds no weights to time"), the one layout that
+    holds all of it; now timed layer by layer, its pick fits the budget."""
+    picks = [r["deferred"] for r in two_ranks.results]
+    assert len({p["strategy"] for p in picks}) == 1, picks
+    for p in picks:
+        assert p["data_bytes"] > p["budget"] >= p["bytes"], p
+        assert p["label"] != "P1 R2 T1 M1" and p["held"] > 0, p
+        assert p["weights"] < TOLERANCE and p["history"] < TOLERANCE, p
+    lines = two_ranks.stdout[0].splitlines()
+    assert any(line.startswith(f"hyparflow auto: {picks[0]['label']}") for line in lines)
+    assert not any("hf.scope()" in line for line in lines), lines
+
+
+@pytest.mark.mpi
 def test_a_budget_nothing_fits_is_refused_on_every_rank(two_ranks):
     refused = [r["budget"]["refused"] for r in two_ranks.results]
     assert all(r["budget"]["timed_once"] for r in two_ranks.results)
