@@ -348,7 +348,12 @@ def memory_of(model, batch_size: int, base: Strategy | None = None, whole_model=
     def memory(candidate: Candidate) -> int:
         strategy = _strategy_of(base, candidate)
         plan = memory_plan(
-            model, strategy, batch_size=batch_size, whole_model=whole_model, splits=splits
+            model,
+            strategy,
+            batch_size=batch_size,
+            whole_model=whole_model,
+            splits=splits,
+            every_replica=False,  # the largest rank is among the first two replicas
         )
         return plan.largest.total
 

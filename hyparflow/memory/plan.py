@@ -39,6 +39,7 @@ def memory_plan(
     whole_model: bool | None = None,
     runtime: bool = True,
     splits: dict | None = None,
+    every_replica: bool = True,
 ) -> MemoryPlan:
     """Predict the peak bytes of every rank when `hf.fit(model, ..., strategy=strategy)`
     trains `model` with global batches of `batch_size` (docs/memory.md).
@@ -51,7 +52,9 @@ def memory_plan(
     detected when None) counts only what the rank materialises. `runtime=False` leaves out
     TensorFlow's own measured constant. `splits`: a dict the caller keeps across the plans of
     one model (the planner's hundreds of layouts), so that each stage split and its tensor
-    layouts are made once.
+    layouts are made once. `every_replica=False` lists replicas 0 and 1 only (ranks are
+    replica-major): every later replica's bytes equal replica 1's, since only the first
+    replica writes the optimizer state at a save, so `largest` is the same (the planner's).
 
     For example:
         plan = hf.memory_plan(model, hf.Strategy("model", partitions=4), batch_size=64)
@@ -66,8 +69,9 @@ def memory_plan(
     notes = []
     shared = _shared_facts(model, resolved, world, batch_size, whole_model, notes, splits)
     grid = Grid(resolved.partitions, resolved.replicas, resolved.tensor)
+    shown = world if every_replica else min(world, 2 * grid.partitions * grid.tensor)
     ranks = [
-        _rank_memory(shared, rank, *grid.coords3(rank), runtime=runtime) for rank in range(world)
+        _rank_memory(shared, rank, *grid.coords3(rank), runtime=runtime) for rank in range(shown)
     ]
     return MemoryPlan(model.name, _label(resolved), batch_size, ranks, notes)
 
