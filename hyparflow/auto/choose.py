@@ -205,23 +205,31 @@ def _measure(model, request: Request, world: int):
     """(This rank's costs of `model` at the micro-batch sizes the layouts will run, None), or
     (None, why it could not be timed)."""
     from hyparflow.auto.planner_costs import with_planner_costs  # TensorFlow: only now
-    from hyparflow.simulate.by_layer import measure_by_layer
-    from hyparflow.simulate.measure import measure_model
 
     small, large = timing_batches(request.global_batch, world)
     try:
-        if any_deferred(model):  # no weights to run: each distinct layer alone, at its shapes
-            costs = measure_by_layer(model, (small, large), request.input_shape, TIMING_REPEATS[0])
-        else:
-            costs = measure_model(
-                model, (small, large), request.input_shape, (), repeats=TIMING_REPEATS
-            )
+        costs = _timed(model, (small, large), request.input_shape)
         costs = with_planner_costs(
             costs, model, small, request.input_shape, least_factor(world), TIMING_REPEATS[1]
         )
     except Exception as error:  # noqa: BLE001 - any failure: data parallelism, said why
         return None, f"{type(error).__name__}: {error}"
     return costs, None
+
+
+def _timed(model, batches, input_shape):
+    """`model`'s costs: whole (`measure_model`, its stage splits run), or layer by layer
+    (`by_layer`) where it holds no weights to run (hf.scope()) or running its stages fails
+    (keras_hub's Llama: TensorFlow's tape cannot differentiate one of its stage splits)."""
+    from hyparflow.simulate.by_layer import measure_by_layer
+    from hyparflow.simulate.measure import measure_model
+
+    if not any_deferred(model):
+        try:
+            return measure_model(model, batches, input_shape, (), repeats=TIMING_REPEATS)
+        except Exception:  # noqa: BLE001 - timed layer by layer instead; if that fails, said
+            pass
+    return measure_by_layer(model, batches, input_shape, TIMING_REPEATS[0])
 
 
 def timing_batches(global_batch: int, world: int) -> tuple[int, int]:

@@ -28,7 +28,7 @@ from dataclasses import replace
 import keras
 import tensorflow as tf
 
-from hyparflow import _keras
+from hyparflow import _keras, deferred
 from hyparflow.partitioner import cost, profile
 from hyparflow.partitioner.graph import build_graph
 from hyparflow.partitioner.traced_shapes import traced_specs
@@ -91,7 +91,7 @@ def layer_key(node, specs: dict) -> str:
     operation = node.operation
     try:
         config = operation.get_config()
-    except (NotImplementedError, TypeError):  # an operation that cannot say: its own key
+    except Exception:  # noqa: BLE001 - one that cannot say (keras_hub's Llama block): its own key
         config = {"id": id(operation)}
     config = {k: v for k, v in config.items() if k != "name"}
     labels = {kt_id: f"<{_spec_text(specs[t])}>" for kt_id, t in node.argument_tensors.items()}
@@ -117,6 +117,17 @@ def _seconds_alone(node, specs: dict, repeats: int) -> dict:
     """Batch size -> (forward, backward) seconds of a fresh copy of `node`'s layer, each less
     an empty compiled call's."""
     operation = _fresh(node.operation)
+    own = operation is node.operation  # a Dropout's seed, a layer timed in place: put back
+    saved = [(v, v.numpy()) for v in getattr(operation, "variables", [])] if own else []
+    try:
+        return _timings(node, operation, specs, repeats)
+    finally:
+        for variable, value in saved:
+            variable.assign(value)
+
+
+def _timings(node, operation, specs: dict, repeats: int) -> dict:
+    """`_seconds_alone`'s timings of `operation` in `node`'s place."""
     call = profile.node_call(node, operation)
     inputs = {b: [_random(s[t]) for t in node.inputs] for b, s in specs.items()}
     call(inputs[min(inputs)])  # builds the copy's weights
@@ -134,10 +145,22 @@ def _seconds_alone(node, specs: dict, repeats: int) -> dict:
 
 def _fresh(operation):
     """A new layer like `operation`, its variables unbuilt (`operation` itself if it has none:
-    a keras.ops call or a layer without state runs as it is; a Dropout's seed is state)."""
-    if not getattr(operation, "variables", None):
+    a keras.ops call or a layer without state runs as it is; a Dropout's seed is state). A
+    layer whose config cannot rebuild it (keras_hub 0.2x's Llama block misses a field of its
+    own config) is timed as it is where it holds its weights (its state put back after);
+    else this raises ValueError."""
+    variables = list(getattr(operation, "variables", []))
+    if not variables:
         return operation
-    return operation.__class__.from_config(operation.get_config())
+    try:
+        return operation.__class__.from_config(operation.get_config())
+    except Exception as error:  # noqa: BLE001 - any: said below, or the layer itself timed
+        if any(deferred.is_deferred(v) for v in variables):
+            raise ValueError(
+                f"layer {operation.name!r} cannot be rebuilt from its config to be timed "
+                f"({type(error).__name__}: {error}) and holds no weights (hf.scope())"
+            ) from error
+        return operation
 
 
 def _random(spec):
