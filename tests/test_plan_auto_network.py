@@ -66,3 +66,20 @@ def test_plan_auto_with_no_network_measures_this_machines(tmp_path, capsys):
         network = json.load(f)
     assert network["inter"] == {"latency": 2e-6, "bandwidth": 12e9}
     assert network["intra"] != network["inter"]
+
+
+def test_layouts_over_the_budget_are_one_line_of_the_report():
+    from hyparflow.auto.command import report
+    from hyparflow.auto.search import Candidate, Estimate, search
+
+    sizes = {(1, 4, 1): 3 << 30, (1, 2, 2): 5 << 30, (2, 2, 1): 1 << 30, (4, 1, 1): 1 << 29}
+    layouts = [Candidate(p, r, t) for p, r, t in sizes]
+
+    def estimate(c):
+        if c.partitions == 4:
+            raise ValueError("cannot split")
+        return Estimate(1.0, sizes[c.partitions, c.replicas, c.tensor])
+
+    text = report(search(layouts, estimate, 64, budget_bytes=2 << 30))
+    assert "rejected 2: over the budget per rank (they need 3.00 GiB to 5.00 GiB)" in text
+    assert "rejected 1: cannot split" in text and text.count("rejected") == 2

@@ -12,7 +12,7 @@ from hyparflow.auto import measure_launch
 from hyparflow.auto.estimate import Estimator
 from hyparflow.auto.measure import entries, table
 from hyparflow.auto.network_default import assumed_network, network_given
-from hyparflow.auto.search import Candidate, SearchResult, candidates, search
+from hyparflow.auto.search import Candidate, SearchResult, candidates, search, size_text
 from hyparflow.simulate import command as simulate_command
 from hyparflow.simulate.predict import Machine
 from hyparflow.units import byte_size
@@ -268,7 +268,11 @@ def report(result: SearchResult) -> str:
         )
     if len(result.ranked) > SHOWN:
         lines.append(f"... and {len(result.ranked) - SHOWN} slower layouts")
-    reasons = collections.Counter(verdict.reason for verdict in result.rejected)
+    sized = [v.estimate.bytes_per_rank for v in result.rejected if v.estimate is not None]
+    if sized:  # over the budget: one line, not one per size
+        low, high = size_text(min(sized)), size_text(max(sized))
+        lines.append(f"rejected {len(sized)}: over the budget per rank (they need {low} to {high})")
+    reasons = collections.Counter(v.reason for v in result.rejected if v.estimate is None)
     lines += [f"rejected {count}: {reason}" for reason, count in sorted(reasons.items())]
     return "\n".join(lines)
 
