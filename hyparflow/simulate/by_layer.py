@@ -42,7 +42,8 @@ REPEATS = 3  # timings of each distinct layer at each batch size; the fastest co
 
 def measure_by_layer(model, batch_sizes, input_shape=None, repeats=REPEATS) -> ModelCosts:
     """`ModelCosts` of a compiled functional or Sequential `model` (built under `hf.scope()`
-    or not; its weights are never read) at two `batch_sizes` of inputs shaped `input_shape`
+    or not; each layer is timed on a copy, so its weights are not read, but for a layer whose
+    config cannot rebuild it, `_fresh`) at two `batch_sizes` of inputs shaped `input_shape`
     (as `profile.make_sample` takes it; None: the model's own)."""
     if getattr(model, "optimizer", None) is None:
         raise ValueError("measure_by_layer needs a compiled model (model.compile(...) first)")
