@@ -35,7 +35,20 @@ class Unsendable(NamedTuple):
 
 def unsendable_tensors(graph: LayerGraph) -> dict[int, Unsendable]:
     """Tensor index -> why it cannot cross a stage boundary (its traced shape against its
-    declared one), for every tensor a trace of `graph` shows; empty where the trace fails."""
+    declared one), for every tensor a trace of `graph` shows; empty where the trace fails.
+    Kept on the model: a graph of it numbers its tensors alike, and a large model's trace
+    takes seconds, which every split of it (the planner makes dozens) would repeat."""
+    kept = getattr(graph.model, _KEPT, None)
+    if kept is None:
+        kept = _unsendable(graph)
+        object.__setattr__(graph.model, _KEPT, kept)  # not a tracked attribute
+    return dict(kept)
+
+
+_KEPT = "_hyparflow_unsendable_tensors"
+
+
+def _unsendable(graph: LayerGraph) -> dict[int, Unsendable]:
     inputs = [graph.tensors[t].keras_tensor for t in graph.inputs]
     if any(kt.sparse or getattr(kt, "ragged", False) for kt in inputs):
         return {}
