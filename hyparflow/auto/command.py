@@ -12,7 +12,7 @@ from hyparflow.auto import measure_launch
 from hyparflow.auto.estimate import Estimator
 from hyparflow.auto.measure import entries, table
 from hyparflow.auto.network_default import assumed_network, network_given
-from hyparflow.auto.search import Candidate, SearchResult, candidates, search, size_text
+from hyparflow.auto.search import Candidate, SearchResult, candidates, rate_text, search, size_text
 from hyparflow.simulate import command as simulate_command
 from hyparflow.simulate.predict import Machine
 from hyparflow.units import byte_size
@@ -260,10 +260,10 @@ def report(result: SearchResult) -> str:
     lines = [result.line(), _against_data_parallel(result), ""]
     lines.append(f"{'layout':30}{'step ms':>10}{'samples/s':>12}{'GiB/rank':>10}")
     for verdict in result.ranked[:SHOWN]:
-        guess = verdict.estimate
+        guess, rate = verdict.estimate, rate_text(result.samples_per_second(verdict))
         lines.append(
             f"{verdict.candidate.label():30}{guess.step_seconds * 1e3:10.2f}"
-            f"{result.samples_per_second(verdict):12,.0f}{guess.bytes_per_rank / 2**30:10.2f}"
+            f"{rate:>12}{guess.bytes_per_rank / 2**30:10.2f}"
             f"  {verdict.reason or 'the pick'}"
         )
     if len(result.ranked) > SHOWN:
@@ -291,9 +291,8 @@ def _against_data_parallel(result: SearchResult) -> str:
         return "data parallelism: no layout of it fits or runs"
     speedup = result.speedup(plain)
     rate = result.samples_per_second(plain)
-    return (
-        f"data parallelism: {plain.candidate.label()} at {rate:,.0f} samples/s; pick {speedup:.2f}x"
-    )
+    label = plain.candidate.label()
+    return f"data parallelism: {label} at {rate_text(rate)} samples/s; pick {speedup:.2f}x"
 
 
 def to_dict(result: SearchResult) -> dict:
