@@ -38,6 +38,9 @@ from hyparflow.simulate.measure import _median_seconds, _nbytes, zero_targets
 from hyparflow.traced import traced
 
 REPEATS = 3  # timings of each distinct layer at each batch size; the fastest counts
+# a layer this slow at the larger batch is all per-sample work (its launch costs microseconds):
+# the smaller batch is its share of the larger's time, not timed again (seconds each on CPUs)
+ALL_PER_SAMPLE_SECONDS = 0.5
 
 
 def measure_by_layer(model, batch_sizes, input_shape=None, repeats=REPEATS) -> ModelCosts:
@@ -136,7 +139,12 @@ def _timings(node, operation, specs: dict, repeats: int) -> dict:
     both = profile.forward_backward(call, list(getattr(operation, "trainable_variables", [])))
     empty = traced(lambda xs: [tf.identity(x) for x in xs])
     seconds = {}
-    for batch, xs in inputs.items():
+    for batch in sorted(inputs, reverse=True):  # the largest first: it may serve for both
+        if seconds and sum(seconds[max(seconds)]) >= ALL_PER_SAMPLE_SECONDS:
+            large = max(seconds)
+            seconds[batch] = tuple(t * batch / large for t in seconds[large])
+            continue
+        xs = inputs[batch]
         overhead = profile.best_time(empty, xs, repeats)
         f = max(0.0, profile.best_time(forward, xs, repeats) - overhead)
         fb = max(f, profile.best_time(both, xs, repeats) - overhead)
