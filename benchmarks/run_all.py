@@ -43,6 +43,7 @@ FIGURES = {  # report order: key -> module and its arguments
     "moe": "moe_dispatch",
     "sharding": "sharding",
     "sharded_memory": "sharded_memory",
+    "planning": "planning_cost",
 }
 # Text-printing benchmarks: (title, script, venv, ranks, arguments).
 OTHERS = [

@@ -70,6 +70,8 @@ def _add_plan_command(commands):
         help="split a saved model into pipeline stages and print the plan (plan --auto: "
         "search every layout of N ranks, hyparflow plan --auto --help)",
         description="Split a saved Keras model into balanced pipeline stages; print the table.",
+        epilog=_auto_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     plan.add_argument(
         "model", help="a saved Keras model (.keras file), or module:function that builds one"
@@ -112,6 +114,13 @@ def _add_plan_command(commands):
         "(with --replicas and --tensor: the whole grid) as hf.fit places them (docs/nodes.md)",
     )
     plan.set_defaults(run=_run_plan)
+
+
+def _auto_help() -> str:
+    """`plan --auto`'s own options, shown under `plan --help` (its parser is auto/command.py's)."""
+    from hyparflow.auto import command as auto_command
+
+    return f"hyparflow plan --auto: the planner\n\n{auto_command.plan_parser().format_help()}"
 
 
 def _add_memory_options(memory) -> None:
@@ -317,12 +326,12 @@ def _run_simulate(args) -> int:
     return command.run(args)
 
 
-def _memory_of(model, batch_size: int):
+def _memory_of(model, batch_size: int, whole_model: bool | None = None):
     """The planner's bytes of a layout (auto/choose.py), imported only with a model: it
-    imports Keras."""
+    imports Keras. `whole_model`: as `hf.memory_plan` takes it (None: the model's build)."""
     from hyparflow.auto.choose import memory_of
 
-    return memory_of(model, batch_size)
+    return memory_of(model, batch_size, whole_model=whole_model)
 
 
 def _launch_facts():

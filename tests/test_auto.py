@@ -11,6 +11,7 @@ from hyparflow.auto.choose import _keeping_user_fields, why_unplannable
 from hyparflow.auto.search import candidates
 from hyparflow.data.sources import fit_sources, input_shapes, nominal_batch_size
 from tests.support.mpirun import launch
+from tests.support.tolerances import TOLERANCE as HUB_TOLERANCE
 
 TOLERANCE = 1e-5
 
@@ -65,10 +66,10 @@ def test_what_cannot_be_timed_is_named():
             return x
 
     assert "not a layer graph" in why_unplannable(Subclassed())
-    with hf.scope():
+    with hf.scope():  # planned layer by layer (tests/test_by_layer.py)
         inputs = keras.Input((4,))
         deferred = keras.Model(inputs, keras.layers.Dense(2)(inputs))
-    assert "hf.scope()" in why_unplannable(deferred)
+    assert why_unplannable(deferred) is None
     inputs = keras.Input((4,))
     assert why_unplannable(keras.Model(inputs, keras.layers.Dense(2)(inputs))) is None
 
@@ -134,6 +135,36 @@ def test_a_budget_that_rules_out_data_parallelism_is_kept(two_ranks):
         budget = r["budget"]
         assert budget["data_bytes"] > budget["budget"] >= budget["bytes"], budget
         assert budget["label"] != "P1 R2 T1 M1" and budget["weights"] < TOLERANCE, budget
+
+
+@pytest.mark.mpi
+def test_a_model_built_under_hf_scope_is_planned_and_trains_exactly(two_ranks):
+    """Issue 66: it was left data parallel ("holds no weights to time"), the one layout that
+    holds all of it; now timed layer by layer, its pick fits the budget."""
+    picks = [r["deferred"] for r in two_ranks.results]
+    assert len({p["strategy"] for p in picks}) == 1, picks
+    for p in picks:
+        assert p["data_bytes"] > p["budget"] >= p["bytes"], p
+        assert p["label"] != "P1 R2 T1 M1" and p["held"] > 0, p
+        assert p["weights"] < TOLERANCE and p["history"] < TOLERANCE, p
+    lines = two_ranks.stdout[0].splitlines()
+    assert any(line.startswith(f"hyparflow auto: {picks[0]['label']}") for line in lines)
+    assert not any("hf.scope()" in line for line in lines), lines
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(900)
+def test_keras_hub_causal_lms_are_planned_at_their_data_shapes_and_train_exactly():
+    """Issue 66: GPT-2's and Llama's inputs {"token_ids", "padding_mask"} have unknown
+    lengths; the default strategy times them at the data's and names a pick, not a fallback."""
+    run = launch("hub_auto", 2, timeout=800)
+    assert run.returncode == 0 and all(run.results), run.describe()
+    for result in run.results:
+        for family, found in result.items():
+            assert found["label"], (family, found)
+            assert found["excess"] < 1 and found["history"] < HUB_TOLERANCE, (family, found)
+    said = [x for x in run.stdout[0].splitlines() if x.startswith("hyparflow auto:")]
+    assert len(said) == 2 and not any("data parallel over" in x for x in said), said
 
 
 @pytest.mark.mpi

@@ -119,6 +119,36 @@ def test_plan_counts_weights_slots_and_shards():
     assert split.to_dict()["largest_bytes"] == split.largest.total
 
 
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"partitions": 2, "replicas": 3, "microbatches": 2},
+        {"partitions": 1, "replicas": 4, "tensor": 2, "shard_optimizer": True},
+        {"partitions": 2, "replicas": 3, "tensor": 2, "shard_gradients": True},
+    ],
+)
+def test_the_planners_plans_reuse_splits_and_keep_the_largest_rank(fields):
+    """`splits` and `every_replica=False` (the planner's) give the same largest rank, for an
+    ordinary build (rank 0 writes the saved state) and for one under hf.scope()."""
+    kind = "hybrid" if fields["partitions"] > 1 else "data"
+    for model in (_model(), _scoped_model()):
+        full = hf.memory_plan(model, hf.Strategy(kind, **fields), batch_size=12)
+        splits = {}
+        for _ in range(2):  # the second reads the split the first made
+            quick = hf.memory_plan(
+                model, hf.Strategy(kind, **fields), 12, splits=splits, every_replica=False
+            )
+            assert quick.largest.total == full.largest.total
+            assert len([k for k in splits if k != "sizes"]) == 1  # one split, made once
+        grid = fields["partitions"] * fields.get("tensor", 1)
+        assert len(quick.ranks) == 2 * grid < len(full.ranks)
+
+
+def _scoped_model():
+    with hf.scope():
+        return _model()
+
+
 def test_interleaved_ranks_hold_their_chunks_and_each_chunks_micro_batches():
     x = keras.Input((16,))
     h = x

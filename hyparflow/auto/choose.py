@@ -2,7 +2,9 @@
 
 The steps (docs/auto.md), each a collective that ends every rank alike if one fails:
 1. rank 0 times the model (`simulate.measure.measure_model`, short: each layer's forward and
-   backward at two batch sizes, the engine's costs), while the others sleep;
+   backward at two batch sizes, the engine's costs; a model built under hf.scope(), which
+   holds no weights to run, `simulate.by_layer`: each distinct layer built alone), while the
+   others sleep;
 2. ranks 0 and a neighbour on its node, then rank 0 and a rank on another node, ping-pong and
    allreduce (`simulate.netbench`, a fraction of a second);
 3. rank 0 searches every layout (`search`) priced by the scaling model (`estimate`), each
@@ -133,8 +135,6 @@ def _kept(model, name: str) -> dict:
 
 def why_unplannable(model) -> str | None:
     """Why the planner cannot time `model` (then data parallelism is the layout), or None."""
-    if any_deferred(model):
-        return "a model built under hf.scope() holds no weights to time; give a layout"
     try:
         root_functional(model)
     except ValueError:
@@ -212,20 +212,43 @@ def _measure(model, request: Request, world: int):
     """(This rank's costs of `model` at the micro-batch sizes the layouts will run, None), or
     (None, why it could not be timed)."""
     from hyparflow.auto.planner_costs import with_planner_costs  # TensorFlow: only now
-    from hyparflow.simulate.measure import measure_model
 
-    small = max(1, request.global_batch // (4 * world))
-    large = max(small + 1, request.global_batch // world)
+    small, large = timing_batches(request.global_batch, world)
     try:
-        costs = measure_model(
-            model, (small, large), request.input_shape, fit_batch_sizes=(), repeats=TIMING_REPEATS
-        )
+        costs = _timed(model, (small, large), request.input_shape)
         costs = with_planner_costs(
             costs, model, small, request.input_shape, least_factor(world), TIMING_REPEATS[1]
         )
     except Exception as error:  # noqa: BLE001 - any failure: data parallelism, said why
         return None, f"{type(error).__name__}: {error}"
     return costs, None
+
+
+def _timed(model, batches, input_shape):
+    """`model`'s costs: whole (`measure_model`, its stage splits run), or layer by layer
+    (`by_layer`) where it holds no weights to run (hf.scope()) or running its stages fails
+    (keras_hub's Llama: TensorFlow's tape cannot differentiate one of its stage splits)."""
+    from hyparflow.simulate.by_layer import measure_by_layer
+    from hyparflow.simulate.measure import measure_model
+
+    if not any_deferred(model):
+        try:
+            return measure_model(model, batches, input_shape, (), repeats=TIMING_REPEATS)
+        except Exception:  # noqa: BLE001 - timed layer by layer instead; if that fails, said
+            pass
+    return measure_by_layer(model, batches, input_shape, TIMING_REPEATS[0])
+
+
+def timing_batches(global_batch: int, world: int) -> tuple[int, int]:
+    """The two batch sizes a model is timed at: a quarter of one rank's share of the global
+    batch and all of it (at least 1 and 2), the micro-batches its layouts run.
+
+    Example:
+        >>> timing_batches(64, 4), timing_batches(64, 64)
+        ((4, 16), (1, 2))
+    """
+    small = max(1, global_batch // (4 * world))
+    return small, max(small + 1, global_batch // world)
 
 
 def least_factor(world: int) -> int:
@@ -328,16 +351,25 @@ def _strategy_of(strategy: Strategy, candidate: Candidate) -> Strategy:
     return dataclasses.replace(strategy, **candidate.strategy_options())
 
 
-def memory_of(model, batch_size: int, base: Strategy | None = None):
+def memory_of(model, batch_size: int, base: Strategy | None = None, whole_model=None):
     """A function of a layout: its peak bytes on the fullest rank, the memory plan of `model`
-    under `base` (default: Strategy's defaults) with the layout's fields."""
+    under `base` (default: Strategy's defaults) with the layout's fields; `whole_model` as
+    `memory_plan` takes it (None: from the model's build)."""
     from hyparflow.memory import memory_plan  # imports Keras: only with a model
 
-    base = base or Strategy()
+    base, splits = base or Strategy(), {}  # each stage split made once for all layouts
 
     @functools.cache
     def memory(candidate: Candidate) -> int:
         strategy = _strategy_of(base, candidate)
-        return memory_plan(model, strategy, batch_size=batch_size).largest.total
+        plan = memory_plan(
+            model,
+            strategy,
+            batch_size=batch_size,
+            whole_model=whole_model,
+            splits=splits,
+            every_replica=False,  # the largest rank is among the first two replicas
+        )
+        return plan.largest.total
 
     return memory

@@ -11,7 +11,8 @@ import sys
 from hyparflow.auto import measure_launch
 from hyparflow.auto.estimate import Estimator
 from hyparflow.auto.measure import entries, table
-from hyparflow.auto.search import Candidate, SearchResult, candidates, search
+from hyparflow.auto.network_default import assumed_network, network_given
+from hyparflow.auto.search import Candidate, SearchResult, candidates, rate_text, search, size_text
 from hyparflow.simulate import command as simulate_command
 from hyparflow.simulate.predict import Machine
 from hyparflow.units import byte_size
@@ -37,6 +38,18 @@ def add_arguments(parser) -> None:
     )
 
 
+NETWORK_TITLE = (
+    "network (optional: without these, this machine's is measured and nodes are assumed "
+    "linked at 2 us, 12 GB/s, as stderr says)"
+)
+
+BUILD_LINES = {
+    "scope": "memory: counted for a model built under hf.scope() (each rank allocates only its "
+    "share); --build ordinary counts one built outside it (every rank also holds it whole)",
+    "ordinary": "memory: counted for a model built outside hf.scope() (every rank holds it whole "
+    "besides its share); --build scope counts one built under it (each rank allocates its share)",
+}
+
 # simulate's options that fix one layout; the planner searches them
 FIXED_LAYOUT = {
     "partitions",
@@ -57,14 +70,23 @@ def plan_parser() -> argparse.ArgumentParser:
         "priced by the scaling model and, with a model, its memory plan; print the fastest "
         "that fits, its rivals, and why the others lost (docs/auto.md).",
     )
-    simulate_command.add_arguments(parser, hidden=FIXED_LAYOUT)
+    simulate_command.add_arguments(parser, hidden=FIXED_LAYOUT, network_title=NETWORK_TITLE)
     parser.add_argument("--auto", action="store_true", required=True, help="search layouts")
     parser.add_argument("--ranks", type=int, required=True, help="the world size N")
+    parser.set_defaults(profile_batch_sizes=None)  # default: one rank's share, and a quarter
     parser.add_argument(
         "--memory",
         type=byte_size,
         metavar="SIZE",
         help="the budget per rank, e.g. 16GiB (needs the model)",
+    )
+    parser.add_argument(
+        "--build",
+        choices=("scope", "ordinary"),
+        help="how hf.fit's model will be built, for the memory side: under hf.scope() (each "
+        "rank allocates its share) or outside it (every rank holds the whole model too); "
+        "default: the model's own build, and scope for a saved file (read here without its "
+        "weights); the output says which",
     )
     measure = parser.add_argument_group("measuring the top layouts (docs/auto.md)").add_argument
     measure(
@@ -98,6 +120,10 @@ def plan(argv, memory_of, launch_facts) -> int:
     parser = plan_parser()
     args = parser.parse_args(argv)
     args.auto = args.ranks
+    if args.profile_batch_sizes is None:  # the micro-batches the layouts run, as hf.fit times
+        from hyparflow.auto.choose import timing_batches
+
+        args.profile_batch_sizes = list(timing_batches(args.batch_size, args.ranks))
     if not args.measure:
         return run(args, memory_of, name=parser.prog)
     if args.measure_steps < 1:
@@ -129,14 +155,15 @@ def run(args, memory_of, measure=None, name="hyparflow simulate") -> int:
     layouts and returns their `auto.measure.Measured`, printed after the report. `name`: the
     command the user typed, which errors begin with."""
     try:
-        (costs, model), network = simulate_command.costs_of(args), simulate_command.network_of(args)
+        network = _network(args)
+        costs, model = _costs_of(args)
     except (OSError, ValueError, RuntimeError) as error:
         print(f"{name}: {error}", file=sys.stderr)
         return 1
     if model is not None:  # timed here: the tensor shares and host costs too
         costs = _with_planner_costs(costs, model, args)
     machine = Machine(args.cores_per_node or costs.measured.get("cores"), args.jitter)
-    memory = None if model is None else memory_of(model, args.batch_size)
+    memory = None if model is None else memory_of(model, args.batch_size, _whole_model(model, args))
     budget = args.memory
     if budget is not None and memory is None:
         print(
@@ -157,6 +184,49 @@ def run(args, memory_of, measure=None, name="hyparflow simulate") -> int:
         return 1
     _print(result, args, None if measure is None else measure(result))
     return 0
+
+
+def _costs_of(args):
+    """(costs, model): a costs file's (no model), or the model's timed here: layer by layer
+    (`simulate/by_layer.py`) where it holds no weights (a saved file, read without them, or a
+    build under hf.scope()), else whole (`simulate/measure.py`), as `hyparflow simulate` does."""
+    if args.source.endswith(".json"):
+        return simulate_command.costs_of(args)
+    from hyparflow.deferred import any_deferred  # imports Keras: only with a model
+    from hyparflow.partitioner.source import load_architecture
+
+    model = load_architecture(args.source, args.custom_objects)
+    if any_deferred(model):
+        from hyparflow.simulate.by_layer import measure_by_layer
+
+        return simulate_command.model_costs(model, args, measure_by_layer), model
+    from hyparflow.simulate.measure import measure_model
+
+    return simulate_command.model_costs(model, args, measure_model), model
+
+
+def _whole_model(model, args) -> bool:
+    """Whether each rank's memory counts the whole model besides its share (`--build
+    ordinary`) or only its share (`--build scope`); the default is the model's own build (a
+    saved file counts as rebuilt under hf.scope()), said on stderr."""
+    from hyparflow.deferred import any_deferred
+
+    build = getattr(args, "build", None) or ("scope" if any_deferred(model) else "ordinary")
+    print(BUILD_LINES[build], file=sys.stderr)
+    return build == "ordinary"
+
+
+def _network(args):
+    """The network the command line gives, or (said on stderr) this machine's measured with
+    a default between nodes (`network_default.py`)."""
+    if network_given(args):
+        return simulate_command.network_of(args)
+    network, line = assumed_network()
+    print(line, file=sys.stderr)
+    if args.save_network:
+        with open(args.save_network, "w") as f:
+            json.dump(network.to_dict(), f, indent=1)
+    return network
 
 
 def _print(result: SearchResult, args, measured: list | None) -> None:
@@ -190,15 +260,19 @@ def report(result: SearchResult) -> str:
     lines = [result.line(), _against_data_parallel(result), ""]
     lines.append(f"{'layout':30}{'step ms':>10}{'samples/s':>12}{'GiB/rank':>10}")
     for verdict in result.ranked[:SHOWN]:
-        guess = verdict.estimate
+        guess, rate = verdict.estimate, rate_text(result.samples_per_second(verdict))
         lines.append(
             f"{verdict.candidate.label():30}{guess.step_seconds * 1e3:10.2f}"
-            f"{result.samples_per_second(verdict):12,.0f}{guess.bytes_per_rank / 2**30:10.2f}"
+            f"{rate:>12}{guess.bytes_per_rank / 2**30:10.2f}"
             f"  {verdict.reason or 'the pick'}"
         )
     if len(result.ranked) > SHOWN:
         lines.append(f"... and {len(result.ranked) - SHOWN} slower layouts")
-    reasons = collections.Counter(verdict.reason for verdict in result.rejected)
+    sized = [v.estimate.bytes_per_rank for v in result.rejected if v.estimate is not None]
+    if sized:  # over the budget: one line, not one per size
+        low, high = size_text(min(sized)), size_text(max(sized))
+        lines.append(f"rejected {len(sized)}: over the budget per rank (they need {low} to {high})")
+    reasons = collections.Counter(v.reason for v in result.rejected if v.estimate is None)
     lines += [f"rejected {count}: {reason}" for reason, count in sorted(reasons.items())]
     return "\n".join(lines)
 
@@ -217,9 +291,8 @@ def _against_data_parallel(result: SearchResult) -> str:
         return "data parallelism: no layout of it fits or runs"
     speedup = result.speedup(plain)
     rate = result.samples_per_second(plain)
-    return (
-        f"data parallelism: {plain.candidate.label()} at {rate:,.0f} samples/s; pick {speedup:.2f}x"
-    )
+    label = plain.candidate.label()
+    return f"data parallelism: {label} at {rate_text(rate)} samples/s; pick {speedup:.2f}x"
 
 
 def to_dict(result: SearchResult) -> dict:

@@ -6,7 +6,9 @@ around them. Tensor ranks and ZeRO-1 add what it does not time: each layer's `Te
 function, as `comm/in_graph.py` runs MPI), and ZeRO-1's host work per step beyond plain data
 parallelism's (`engine/sharded_optimizer/sharded_update.py` moves every gradient and parameter byte
 through host buffers), timed on the engine's own reduction and update. `with_planner_costs` adds
-them to the `ModelCosts`, which `tensor_price.py` and `simulate.predict` read.
+them to the `ModelCosts`, which `tensor_price.py` and `simulate.predict` read. Costs timed layer
+by layer (`simulate/by_layer.py`, a model whose weights are never read) take the shares from a
+trace of the graph and ZeRO-1's host cost from the engine's stand-in model (`engine_proxy.py`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from hyparflow.engine.weights import nbytes
 from hyparflow.partitioner import profile
 from hyparflow.partitioner.graph import build_graph
 from hyparflow.simulate.costs import ModelCosts, TensorShare
+from hyparflow.simulate.engine_proxy import proxy_model
 from hyparflow.tensor import tensor_layout
 from hyparflow.traced import traced
 
@@ -46,28 +49,32 @@ def with_planner_costs(
     """`costs` of `model` with each layer's share under `tensor_parts` tensor ranks (per
     sample, at `batch_size` samples of `input_shape`) and the engine's `collective_call` and
     `sharded_update_per_byte` (medians of `repeats` timings)."""
+    by_layer = "by_layer" in costs.measured  # the model's weights are never read: traced
     graph = build_graph(model)
     sample = profile.make_sample(graph, input_shape=input_shape, batch_size=batch_size)
-    shares = _tensor_shares(model, graph, sample, tensor_parts)
+    shares = _tensor_shares(model, graph, sample, tensor_parts, by_layer)
     layers = [
         replace(layer, tensor=share) for layer, share in zip(costs.layers, shares, strict=True)
     ]
     engine = replace(
         costs.engine,
         collective_call=_collective_call_cost(repeats),
-        sharded_update_per_byte=_sharded_update_cost(model, repeats),
+        sharded_update_per_byte=_sharded_update_cost(
+            proxy_model(model.optimizer) if by_layer else model, repeats
+        ),
     )
     measured = {**costs.measured, "tensor_parts": tensor_parts}
     return replace(costs, layers=layers, engine=engine, measured=measured)
 
 
-def _tensor_shares(model, graph, sample, parts: int) -> list[TensorShare]:
-    """Each node's `TensorShare` under `parts` tensor ranks (none where no layout splits)."""
+def _tensor_shares(model, graph, sample, parts: int, traced_only: bool) -> list[TensorShare]:
+    """Each node's `TensorShare` under `parts` tensor ranks (none where no layout splits);
+    `traced_only`: from a trace of the graph, not a run."""
     try:
         layout = tensor_layout(model, parts)
     except ValueError:  # hf.fit refuses this T for the model: nothing splits
         return [TensorShare()] * len(graph.nodes)
-    return tensor_shares(graph, layout, sample)
+    return tensor_shares(graph, layout, sample, traced_only)
 
 
 def _collective_call_cost(repeats: int) -> float:

@@ -158,7 +158,7 @@ class SearchResult:
     def _describe(self, verdict: Verdict) -> str:
         held = size_text(verdict.estimate.bytes_per_rank)
         rate = self.samples_per_second(verdict)
-        return f"{verdict.candidate.label()} ({rate:,.0f} samples/s, {held} per rank)"
+        return f"{verdict.candidate.label()} ({rate_text(rate)} samples/s, {held} per rank)"
 
 
 # (shard_optimizer, shard_gradients, shard_weights) of a layout with replicas: none, ZeRO-1,
@@ -272,6 +272,17 @@ def _microbatch_counts(share: int, partitions: int, most: int) -> list[int]:
     counts = {1 << k for k in range(most.bit_length())}
     counts |= {partitions * k for k in (1, 2, 4, 8) if partitions * partitions * k <= MOST_ACTIONS}
     return sorted(m for m in counts if m <= share and share % m == 0)
+
+
+def rate_text(rate: float) -> str:
+    """Samples/s with thousands separated, two significant digits below 10 (a large model
+    on CPUs trains a fraction of a sample per second).
+
+    Example:
+        >>> rate_text(12345.6), rate_text(0.1234)
+        ('12,346', '0.12')
+    """
+    return f"{rate:,.0f}" if rate >= 10 else f"{rate:.2g}"
 
 
 def size_text(nbytes: int) -> str:

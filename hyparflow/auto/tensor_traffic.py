@@ -17,6 +17,7 @@ import math
 
 import keras
 import numpy as np
+import tensorflow as tf
 from keras import tree
 
 from hyparflow.engine.weights import nbytes
@@ -25,6 +26,7 @@ from hyparflow.partitioner import profile
 from hyparflow.partitioner.graph import numpy_dtype
 from hyparflow.simulate.costs import TensorShare
 from hyparflow.tensor.splits import COLUMN, ROW, VOCAB
+from hyparflow.traced import traced
 
 # an all-gather sends each rank (T-1)/T of the result, half what a ring allreduce of it sends
 GATHER_SHARE = 0.5
@@ -50,15 +52,21 @@ class _Tally:
         self.calls[self.node, direction] += 1
 
 
-def tensor_shares(graph, layout, inputs: list) -> list[TensorShare]:
+def tensor_shares(graph, layout, inputs: list, traced_only: bool = False) -> list[TensorShare]:
     """Each node's `TensorShare` under `layout` (a `TensorLayout` of `graph`'s model), per
-    sample of `inputs` (a batch of the model's inputs)."""
+    sample of `inputs` (a batch of the model's inputs). `traced_only`: the graph is traced at
+    the inputs' shapes, not run (a model built under hf.scope() holds no weights to run; the
+    bytes are the same, but a cast copy of an input without gradient then counts)."""
     batch = int(inputs[0].shape[0])
-    tally, trained = _Tally(len(graph.nodes)), _trained_tensors(graph)
-    with profile.preserved_state(graph.model), _counting(layout, tally):
-        for node, values in profile.node_inputs_in_order(graph, inputs):
-            tally.node = node.position  # the node runs when the walk resumes
-            tally.free = [v for t, v in zip(node.inputs, values, strict=True) if t not in trained]
+    tally = _Tally(len(graph.nodes))
+    if traced_only:
+        specs = [tf.TensorSpec(x.shape, x.dtype) for x in inputs]
+        walk = traced(lambda *xs: _walk(graph, layout, list(xs), tally))
+        with keras.StatelessScope():  # a Dropout's seed update is recorded, not assigned
+            walk.get_concrete_function(*specs)
+    else:
+        with profile.preserved_state(graph.model):
+            _walk(graph, layout, inputs, tally)
     split = {id(v): v for s in layout.splits for v, _ in s.axes.values()}
     shares, seen = [], set()
     for node in graph.nodes:
@@ -80,6 +88,16 @@ def tensor_shares(graph, layout, inputs: list) -> list[TensorShare]:
             )
         )
     return shares
+
+
+def _walk(graph, layout, inputs: list, tally: _Tally) -> list:
+    """Run (or trace) every node once, counting the exchanges of its split layers."""
+    trained = _trained_tensors(graph)
+    with _counting(layout, tally):
+        for node, values in profile.node_inputs_in_order(graph, inputs):
+            tally.node = node.position  # the node runs when the walk resumes
+            tally.free = [v for t, v in zip(node.inputs, values, strict=True) if t not in trained]
+    return []
 
 
 def _trained_tensors(graph) -> set[int]:

@@ -38,6 +38,8 @@ def memory_plan(
     num_microbatches=None,
     whole_model: bool | None = None,
     runtime: bool = True,
+    splits: dict | None = None,
+    every_replica: bool = True,
 ) -> MemoryPlan:
     """Predict the peak bytes of every rank when `hf.fit(model, ..., strategy=strategy)`
     trains `model` with global batches of `batch_size` (docs/memory.md).
@@ -48,7 +50,12 @@ def memory_plan(
     `hf.scope`) adds the user's whole model, which every rank then holds besides its stage,
     and the epoch end's exchange of every stage's weights; `False` (a `hf.scope()` model,
     detected when None) counts only what the rank materialises. `runtime=False` leaves out
-    TensorFlow's own measured constant.
+    TensorFlow's own measured constant. `splits`: a dict the caller keeps across the plans of
+    one model (the planner's hundreds of layouts), so that each stage split, its tensor
+    layouts and the variables' sizes are made once. `every_replica=False` lists replicas 0
+    and 1 only (ranks are replica-major): every later replica's bytes equal replica 1's,
+    since only the first replica writes the optimizer state at a save, so `largest` is the
+    same (the planner's).
 
     For example:
         plan = hf.memory_plan(model, hf.Strategy("model", partitions=4), batch_size=64)
@@ -61,10 +68,11 @@ def memory_plan(
     world = (strategy.partitions or 1) * (strategy.replicas or 1) * strategy.tensor
     resolved = strategy.resolve(world)
     notes = []
-    shared = _shared_facts(model, resolved, world, batch_size, whole_model, notes)
+    shared = _shared_facts(model, resolved, world, batch_size, whole_model, notes, splits)
     grid = Grid(resolved.partitions, resolved.replicas, resolved.tensor)
+    shown = world if every_replica else min(world, 2 * grid.partitions * grid.tensor)
     ranks = [
-        _rank_memory(shared, rank, *grid.coords3(rank), runtime=runtime) for rank in range(world)
+        _rank_memory(shared, rank, *grid.coords3(rank), runtime=runtime) for rank in range(shown)
     ]
     return MemoryPlan(model.name, _label(resolved), batch_size, ranks, notes)
 
@@ -89,11 +97,18 @@ class _Shared:
     whole: int
     samples: int
     saving: Callable[[int, int, int], dict[str, int]]
+    split: dict  # id(layout) -> ids of the variables it splits (every rank reads them)
+    sizes: dict  # id(variable) -> (elements, bytes per element), read once per plan
+
+    def nbytes(self, variable, itemsize: int | None = None) -> int:
+        """`_nbytes(variable, itemsize)` of a model variable, from `sizes`."""
+        elements, own = self.sizes.get(id(variable)) or _size(variable)
+        return elements * (own if itemsize is None else itemsize)
 
     def parts(self, variable, layout) -> int:
         """How many ranks split `variable`: the tensor ranks where `layout` (a stage's tensor
         layout) splits it, the expert group for an expert kernel, else 1."""
-        if layout is not None and layout.split_of(variable) is not None:
+        if layout is not None and id(variable) in self.split[id(layout)]:
             return self.resolved.tensor
         return self.resolved.experts if id(variable) in self.experts else 1
 
@@ -103,11 +118,16 @@ class _Shared:
         return list(range(stage, len(self.stage_models), self.resolved.partitions))
 
 
-def _shared_facts(model, resolved, world, batch_size, whole_model, notes) -> _Shared:
+def _shared_facts(model, resolved, world, batch_size, whole_model, notes, splits) -> _Shared:
     """The model-wide facts of the plan, computed once for all ranks."""
-    t = resolved.tensor
-    stage_models, per_sample = _stages(model, resolved, notes)
+    stage_models, per_sample, layouts = _split(model, resolved, notes, splits)
     cuttable = per_sample is not _UNCUT
+    sizes = _sizes(model, splits)
+
+    def nbytes(variable) -> int:
+        elements, itemsize = sizes.get(id(variable)) or _size(variable)
+        return elements * itemsize
+
     optimizer = getattr(model, "optimizer", None)
     if optimizer is None:
         notes.append("the model is not compiled: no optimizer state counted")
@@ -121,21 +141,29 @@ def _shared_facts(model, resolved, world, batch_size, whole_model, notes) -> _Sh
         cuttable=cuttable,
         stage_models=stage_models,
         per_sample=per_sample,
-        layouts=[
-            tensor_rules.tensor_layout(m, t, resolved.tensor_layout) if t > 1 else None
-            for m in stage_models
-        ],
+        layouts=layouts,
         experts=frozenset(map(id, expert_weights(model)))
         if getattr(resolved, "experts", 1) > 1
         else frozenset(),
-        tables=_tables(model),
+        tables=_tables(model, splits),
         slots=slots,
-        owned=_owned_bytes(stage_models),
-        largest=[max((_nbytes(v) for v in m.weights), default=0) for m in stage_models],
-        whole=sum(_nbytes(v) for v in model.weights),
+        owned=_owned_bytes(stage_models, nbytes),
+        largest=[max((nbytes(v) for v in m.weights), default=0) for m in stage_models],
+        whole=sum(map(nbytes, model.weights)),
         samples=counts.microbatch_size(batch_size, resolved.replicas, resolved.microbatches),
         saving=_saving(model, slots, resolved, world),
+        split={id(lay): {key for s in lay.splits for key in s.axes} for lay in layouts if lay},
+        sizes=sizes,
     )
+
+
+def _sizes(model, splits: dict | None) -> dict:
+    """id(variable) -> (elements, bytes per element) of `model`'s weights, kept in `splits`."""
+    if splits is None:
+        return {id(v): _size(v) for v in model.weights}
+    if "sizes" not in splits:
+        splits["sizes"] = {id(v): _size(v) for v in model.weights}
+    return splits["sizes"]
 
 
 def _rank_memory(shared: _Shared, rank, stage, replica, shard, *, runtime: bool) -> RankMemory:
@@ -146,21 +174,22 @@ def _rank_memory(shared: _Shared, rank, stage, replica, shard, *, runtime: bool)
     layout, stage_model = shared.layouts[stage], models[0]  # tensor ranks: one chunk a stage
     sharded = getattr(resolved, "shard_optimizer", False)
     weights = _each_once([v for m in models for v in m.weights])  # a layer two chunks call
-    unsplit = sum(_nbytes(v) for v in weights if shared.parts(v, layout) == 1)
+    unsplit = sum(shared.nbytes(v) for v in weights if shared.parts(v, layout) == 1)
     trainable = _each_once([v for m in models for v in m.trainable_variables])
-    grad_bytes = sum(_nbytes(v) // shared.parts(v, layout) for v in trainable)
+    grad_bytes = sum(shared.nbytes(v) // shared.parts(v, layout) for v in trainable)
     # ZeRO-1 slices the slots over the replicas; expert shards keep theirs whole (1/E)
-    expert_bytes = sum(_nbytes(v) // resolved.experts for v in trainable if id(v) in shared.experts)
+    experts = [v for v in trainable if id(v) in shared.experts]
+    expert_bytes = sum(shared.nbytes(v) // resolved.experts for v in experts)
     own_optimizer = counts.optimizer_bytes(
         grad_bytes - expert_bytes, shared.slots, resolved.replicas, sharded
     ) + counts.optimizer_bytes(expert_bytes, shared.slots)
     facts = _stage_facts(shared, trainable, layout)
-    held_weights = sum(_nbytes(v) // shared.parts(v, layout) for v in weights)
+    held_weights = sum(shared.nbytes(v) // shared.parts(v, layout) for v in weights)
     gathered_back = {}
     if _slices_weights(resolved) and not shared.whole_model:
         # ZeRO-3 under hf.scope(): each rank allocates its slices of the dense weights
         dense = sum(
-            _nbytes(v) // shared.parts(v, layout)
+            shared.nbytes(v) // shared.parts(v, layout)
             for v in trainable
             if id(v) not in shared.tables and id(v) not in shared.experts
         )
@@ -207,13 +236,18 @@ def _slices_weights(resolved) -> bool:
     return getattr(resolved, "shard_weights", False) and resolved.replicas > 1
 
 
-def _tables(model) -> frozenset:
-    """Ids of the model's embedding tables, which ZeRO keeps whole."""
-    return frozenset(
+def _tables(model, splits: dict | None) -> frozenset:
+    """Ids of the model's embedding tables, which ZeRO keeps whole (kept in `splits`)."""
+    if splits is not None and "tables" in splits:
+        return splits["tables"]
+    found = frozenset(
         id(_keras.table_variable(layer))
         for layer in _keras.all_layers(model)
         if _keras.has_table_variable(layer)
     )
+    if splits is not None:
+        splits["tables"] = found
+    return found
 
 
 def _each_once(variables: list) -> list:
@@ -223,7 +257,7 @@ def _each_once(variables: list) -> list:
 def _stage_facts(shared: _Shared, trainable, layout) -> buffers.StageFacts:
     """The facts the step's gradient and update buffers depend on, for one rank's stage."""
     resolved, t = shared.resolved, shared.resolved.tensor
-    float32 = [_nbytes(v, itemsize=4) // shared.parts(v, layout) for v in trainable]
+    float32 = [shared.nbytes(v, itemsize=4) // shared.parts(v, layout) for v in trainable]
     return buffers.StageFacts(
         gradient_bytes=sum(float32),
         variables=len(trainable),
@@ -269,6 +303,26 @@ def _schedule(resolved) -> str:
 # The activations of a model that is not a layer graph: not counted, and it cannot be cut into
 # segments (`buffers.segments`)
 _UNCUT = [lambda layout: (0, 0)]
+
+
+def _split(model, resolved, notes, splits: dict | None) -> tuple[list, list, list]:
+    """Each stage's model, activation bytes (`_stages`) and tensor layout, from `splits` (a
+    caller's dict) where an earlier plan made them; its notes are said again."""
+    chunks = resolved.virtual_stages if resolved.schedule == "interleaved" else 1
+    t = resolved.tensor
+    key = (resolved.partitions, chunks, t, repr(resolved.balance), repr(resolved.tensor_layout))
+    splits = {} if splits is None else splits
+    if key not in splits:
+        said = []
+        stage_models, per_sample = _stages(model, resolved, said)
+        layouts = [
+            tensor_rules.tensor_layout(m, t, resolved.tensor_layout) if t > 1 else None
+            for m in stage_models
+        ]
+        splits[key] = (stage_models, per_sample, layouts, said)
+    *made, said = splits[key]
+    notes += said
+    return tuple(made)
 
 
 def _stages(model, strategy, notes) -> tuple[list, list]:
@@ -327,13 +381,14 @@ def _outputs(graph, nodes, layout) -> int:
     return total
 
 
-def _owned_bytes(stage_models) -> list[int]:
-    """Bytes of the weights each stage owns (first uses), which it broadcasts at an epoch's end."""
+def _owned_bytes(stage_models, nbytes=None) -> list[int]:
+    """Bytes of the weights each stage owns (first uses), which it broadcasts at an epoch's
+    end; `nbytes(variable)` gives a variable's (default `_nbytes`)."""
     seen, owned = set(), []
     for m in stage_models:
         mine = [v for v in m.weights if id(v) not in seen]
         seen.update(id(v) for v in mine)
-        owned.append(sum(_nbytes(v) for v in mine))
+        owned.append(sum(map(nbytes or _nbytes, mine)))
     return owned
 
 
@@ -341,7 +396,7 @@ def _largest_split(shared: _Shared, stage_model, layout) -> int:
     """Bytes of the largest piece of the stage's variables split over tensor ranks or an
     expert group (0: none)."""
     pieces = [
-        _nbytes(v) // shared.parts(v, layout)
+        shared.nbytes(v) // shared.parts(v, layout)
         for v in stage_model.weights
         if shared.parts(v, layout) > 1
     ]
@@ -349,7 +404,11 @@ def _largest_split(shared: _Shared, stage_model, layout) -> int:
 
 
 def _nbytes(variable, itemsize: int | None = None) -> int:
-    if itemsize is None:
-        dtype = numpy_dtype(keras.backend.standardize_dtype(variable.dtype))
-        itemsize = np.dtype(dtype).itemsize
-    return int(np.prod(variable.shape, dtype=np.int64)) * itemsize
+    elements, own = _size(variable)
+    return elements * (own if itemsize is None else itemsize)
+
+
+def _size(variable) -> tuple[int, int]:
+    """(elements, bytes per element) of `variable`."""
+    dtype = numpy_dtype(keras.backend.standardize_dtype(variable.dtype))
+    return int(np.prod(variable.shape, dtype=np.int64)), np.dtype(dtype).itemsize

@@ -14,6 +14,7 @@ from hyparflow.partitioner.graph import LayerGraph
 from hyparflow.traced import traced
 
 DEFAULT_PROFILE_BATCH = 32
+SLOW_CALL_SECONDS = 0.1  # a call this long is timed once (`best_time`)
 
 
 def make_sample(graph: LayerGraph, sample=None, input_shape=None, batch_size=None) -> list:
@@ -76,12 +77,12 @@ def _shapes_by_name(graph: LayerGraph, input_shape: dict) -> list:
 def node_times(graph: LayerGraph, inputs: list, repeats: int = 5) -> np.ndarray:
     """Seconds of forward plus backward of each node on `inputs` (training mode), each compiled
     alone with tf.function; the cost of an empty compiled call is subtracted."""
-    overhead = _best_time(traced(lambda xs: [tf.identity(x) for x in xs]), inputs, repeats)
+    overhead = best_time(traced(lambda xs: [tf.identity(x) for x in xs]), inputs, repeats)
     times = np.zeros(len(graph.nodes))
     with preserved_state(graph.model):
         for node, node_inputs in node_inputs_in_order(graph, inputs):
-            step = _forward_backward(node_call(node), _trainable(node.operation))
-            times[node.position] = max(0.0, _best_time(step, node_inputs, repeats) - overhead)
+            step = forward_backward(node_call(node), _trainable(node.operation))
+            times[node.position] = max(0.0, best_time(step, node_inputs, repeats) - overhead)
     return times
 
 
@@ -107,7 +108,7 @@ def stage_times(stages, inputs: list, model, repeats: int = 5) -> list[float]:
     steps, stage_inputs = [], []
     with preserved_state(model):
         for stage in stages:
-            step = _forward_backward(
+            step = forward_backward(
                 lambda xs, m=stage.model: _as_list(m(xs, training=True)),
                 stage.model.trainable_variables,
             )
@@ -133,10 +134,11 @@ def preserved_state(model):
             variable.assign(value)
 
 
-def node_call(node):
-    """Function running one node on the list of its input tensors, in training mode."""
+def node_call(node, operation=None):
+    """Function running one node on the list of its input tensors, in training mode; with
+    `operation`, that one in the node's place (a copy of its layer, built alone)."""
     positions = {t: i for i, t in enumerate(node.inputs)}
-    operation = node.operation
+    operation = node.operation if operation is None else operation
 
     def call(inputs):
         lookup = {kt_id: inputs[positions[t]] for kt_id, t in node.argument_tensors.items()}
@@ -149,7 +151,7 @@ def node_call(node):
     return call
 
 
-def _forward_backward(call, variables):
+def forward_backward(call, variables):
     """Compiled forward and backward: gradients of all outputs (seeded with ones) with respect
     to the floating-point inputs and `variables`."""
 
@@ -170,17 +172,26 @@ def _forward_backward(call, variables):
     return step
 
 
-def _best_time(function, inputs, repeats):
-    """Fastest of `repeats` timings: interference on a shared machine only ever adds time."""
-    calls = _calibrate(function, inputs)
+def best_time(function, inputs, repeats):
+    """Fastest of `repeats` timings: interference on a shared machine only ever adds time.
+    A call of `SLOW_CALL_SECONDS` or more is timed once: noise is small beside it, and each
+    repeat would cost as long (a large model's layer, timed alone)."""
+    calls, single = _calibrated(function, inputs)
+    if single >= SLOW_CALL_SECONDS:
+        return single
     return min(_time_calls(function, inputs, calls) for _ in range(repeats))
 
 
 def _calibrate(function, inputs) -> int:
     """Trace and warm up `function`; returns how many calls make one timing of >= ~2 ms."""
+    return _calibrated(function, inputs)[0]
+
+
+def _calibrated(function, inputs) -> tuple[int, float]:
+    """`_calibrate`'s count of calls, and the seconds of one call."""
     _sync(function(inputs))
     single = _time_calls(function, inputs, 1)
-    return int(min(20, max(1, 2e-3 / max(single, 1e-9))))
+    return int(min(20, max(1, 2e-3 / max(single, 1e-9)))), single
 
 
 def _time_calls(function, inputs, calls) -> float:

@@ -10,9 +10,11 @@ folder first, as `python -m` does.
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import sys
 import warnings
+import zipfile
 
 CUSTOM_OBJECTS_HELP = (
     "import this module (e.g. mypkg.layers) before loading the model: its custom layers, "
@@ -50,6 +52,31 @@ def load_model(source: str, custom_objects: str | None = None, compile: bool = T
     except TypeError as error:  # Keras's "Could not locate class ..." for a custom object
         hint = "" if custom_objects else " (custom objects? pass --custom-objects MODULE)"
         raise ValueError(f"cannot load {source!r}{hint}: {error}") from error
+
+
+def load_architecture(source: str, custom_objects: str | None = None):
+    """The model at `source` without its weights, for planning: a `.keras` file's architecture
+    and compile arguments rebuilt under `hf.scope()` (nothing allocated, the weights file never
+    read), or `module:function` called as it is (built under hf.scope() or not, as it does)."""
+    if _is_builder(source) or not zipfile.is_zipfile(source):
+        return load_model(source, custom_objects)
+    import keras
+
+    from hyparflow.deferred import scope
+
+    objects = _public_objects(custom_objects) if custom_objects else None
+    with zipfile.ZipFile(source) as archive:
+        config = json.loads(archive.read("config.json"))
+    compiled = config.pop("compile_config", None)
+    try:
+        with scope():
+            model = keras.saving.deserialize_keras_object(config, custom_objects=objects)
+            if compiled:  # compile() itself: compile_from_config would build the optimizer
+                model.compile(**keras.saving.deserialize_keras_object(compiled, objects))
+    except TypeError as error:  # Keras's "Could not locate class ..." for a custom object
+        hint = "" if custom_objects else " (custom objects? pass --custom-objects MODULE)"
+        raise ValueError(f"cannot load {source!r}{hint}: {error}") from error
+    return model
 
 
 def _is_builder(source: str) -> bool:

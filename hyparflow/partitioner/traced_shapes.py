@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import keras
 import tensorflow as tf
 
 from hyparflow.partitioner.graph import LayerGraph
@@ -34,7 +35,20 @@ class Unsendable(NamedTuple):
 
 def unsendable_tensors(graph: LayerGraph) -> dict[int, Unsendable]:
     """Tensor index -> why it cannot cross a stage boundary (its traced shape against its
-    declared one), for every tensor a trace of `graph` shows; empty where the trace fails."""
+    declared one), for every tensor a trace of `graph` shows; empty where the trace fails.
+    Kept on the model: a graph of it numbers its tensors alike, and a large model's trace
+    takes seconds, which every split of it (the planner makes dozens) would repeat."""
+    kept = getattr(graph.model, _KEPT, None)
+    if kept is None:
+        kept = _unsendable(graph)
+        object.__setattr__(graph.model, _KEPT, kept)  # not a tracked attribute
+    return dict(kept)
+
+
+_KEPT = "_hyparflow_unsendable_tensors"
+
+
+def _unsendable(graph: LayerGraph) -> dict[int, Unsendable]:
     inputs = [graph.tensors[t].keras_tensor for t in graph.inputs]
     if any(kt.sparse or getattr(kt, "ragged", False) for kt in inputs):
         return {}
@@ -85,7 +99,19 @@ def _batch_size(inputs) -> int:
 
 def _traced_shapes(graph: LayerGraph, specs: list) -> dict[int, tuple]:
     """Every node output's static shape in one trace of the graph for `specs` (never run)."""
-    shapes: dict[int, tuple] = {}
+    try:
+        found = traced_specs(graph, specs)
+    except Exception:  # noqa: BLE001 - a length read as a Python int: nothing known here
+        return {}
+    return {t: tuple(spec.shape.as_list()) for t, spec in found.items() if t not in graph.inputs}
+
+
+def traced_specs(graph: LayerGraph, specs: list) -> dict[int, tf.TensorSpec]:
+    """Every tensor's static shape and dtype (the inputs' `specs`, then each node output's)
+    in one trace of the graph (never run: a model built under hf.scope() reads placeholders,
+    so no weight is allocated; a stateless scope keeps its variables unassigned). Raises what
+    the trace raises."""
+    found = dict(zip(graph.inputs, specs, strict=True))
 
     def forward(*inputs):
         values = dict(zip(graph.inputs, inputs, strict=True))
@@ -94,11 +120,9 @@ def _traced_shapes(graph: LayerGraph, specs: list) -> dict[int, tuple]:
             values.update(zip(node.outputs, outputs, strict=True))
             for t, output in zip(node.outputs, outputs, strict=True):
                 if hasattr(output, "shape"):
-                    shapes[t] = tuple(tf.TensorShape(output.shape).as_list())
+                    found[t] = tf.TensorSpec(output.shape, output.dtype)
         return []
 
-    try:
+    with keras.StatelessScope():  # a Dropout's seed update is recorded, not assigned
         traced(forward).get_concrete_function(*specs)
-    except Exception:  # noqa: BLE001 - a length read as a Python int: nothing known here
-        return {}
-    return shapes
+    return found

@@ -33,9 +33,10 @@ COLUMNS = (
 )
 
 
-def add_arguments(parser, hidden=frozenset()) -> None:
+def add_arguments(parser, hidden=frozenset(), network_title=None) -> None:
     """The `simulate` subcommand's options; those whose destination is in `hidden` are taken
-    but left out of the help (`plan --auto` fixes the layout itself)."""
+    but left out of the help (`plan --auto` fixes the layout itself); `network_title` replaces
+    the network group's (`plan --auto` measures one when none is given)."""
 
     def add(*flags, **options):
         action = parser.add_argument(*flags, **options)
@@ -63,7 +64,8 @@ def add_arguments(parser, hidden=frozenset()) -> None:
         "(verbose=1, ScalingProfiler): the loop shares them after each step")
     add("--json", action="store_true", help="print the predictions as JSON")
     net = parser.add_argument_group(
-        "network (Hockney alpha-beta links; one is required: --latency with --bandwidth, "
+        network_title
+        or "network (Hockney alpha-beta links; one is required: --latency with --bandwidth, "
         "--network FILE or --measure-network)"
     ).add_argument
     net("--latency", type=float, help="inter-node latency in seconds, e.g. 2e-6")
@@ -78,7 +80,8 @@ def add_arguments(parser, hidden=frozenset()) -> None:
     model("--custom-objects", metavar="MODULE", help=CUSTOM_OBJECTS_HELP)
     model("--save-costs", help="write the measured costs to this JSON file")
     model("--profile-batch-sizes", type=_ints, default=[16, 64],
-          help="two batch sizes to time the layers at (default 16,64)")
+          help="two batch sizes to time the layers at (default 16,64; plan --auto: "
+          "a quarter of one rank's share of the batch, and all of it)")
     model("--input-shape", type=_shape, help='e.g. "32,32,3" (unknown dimensions)')
     # fmt: on
 
@@ -169,17 +172,23 @@ def _network_line(network: Network, machine: Machine) -> str:
 def costs_of(args) -> tuple[ModelCosts, object]:  # and the model timed (None: a costs file)
     if args.source.endswith(".json"):
         return ModelCosts.load(args.source), None
-    if len(args.profile_batch_sizes) != 2:
-        raise ValueError("--profile-batch-sizes takes two sizes, e.g. 16,64")
     from hyparflow.simulate.measure import measure_model  # imports Keras: only now
 
     model = load_model(args.source, args.custom_objects)
+    return model_costs(model, args, measure_model), model
+
+
+def model_costs(model, args, measure) -> ModelCosts:
+    """`measure(model, batch_sizes, input_shape)` at `--profile-batch-sizes` and
+    `--input-shape`, saved to `--save-costs` if given; the model must be compiled."""
+    if len(args.profile_batch_sizes) != 2:
+        raise ValueError("--profile-batch-sizes takes two sizes, e.g. 16,64")
     if getattr(model, "optimizer", None) is None:
         raise ValueError(f"{args.source} was saved without compiling; compile it, then save")
-    costs = measure_model(model, tuple(args.profile_batch_sizes), args.input_shape)
+    costs = measure(model, tuple(args.profile_batch_sizes), args.input_shape)
     if args.save_costs:
         costs.save(args.save_costs)
-    return costs, model
+    return costs
 
 
 def network_of(args) -> Network:

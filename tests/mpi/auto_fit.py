@@ -1,5 +1,6 @@
 """`strategy="auto"` under a real mpirun: the planner's pick, agreed by every rank, trains
-exactly as Keras does; a budget moves it off data parallelism; what cannot be timed stays data
+exactly as Keras does; a budget moves it off data parallelism, for a model built under
+hf.scope() too; what cannot be timed stays data
 parallel; a budget nothing fits is refused on every rank.
 
 Usage: `python -m tests.mpi.auto_fit OUT`.
@@ -9,6 +10,7 @@ import keras
 import numpy as np
 
 import hyparflow as hf
+from hyparflow import deferred
 from hyparflow.auto.choose import last_choice
 from tests.support.compare import history_difference, relative_difference
 from tests.support.fits import fit_in_order
@@ -138,6 +140,40 @@ def nothing_fits(model, x, y, batch) -> str:
     return "trained"
 
 
+def deferred_under_budget(x, y) -> dict:
+    """The weight-heavy MLP built under hf.scope(), with a budget below data parallelism's
+    bytes (and above a pipeline's over the ranks): the planner times it layer by layer (it
+    holds no weights to run), and the pick trains what Keras trains, on the weights each rank
+    holds."""
+    world = hf.size()
+    with hf.scope():
+        model = weight_heavy()
+    plain = hf.memory_plan(model, hf.Strategy("data", replicas=world), BATCH).largest.total
+    piped = hf.memory_plan(model, hf.Strategy("model", partitions=world), BATCH).largest.total
+    budget = (plain + piped) // 2
+    reference = keras_reference(x, y)
+    history = hf.fit(
+        model,
+        x,
+        y,
+        batch_size=BATCH,
+        epochs=EPOCHS,
+        shuffle=False,
+        verbose=2,
+        strategy=hf.Strategy(memory_per_rank=budget),
+    )
+    held = [i for i, v in enumerate(model.weights) if not deferred.is_deferred(v)]
+    mine = [model.weights[i].numpy() for i in held]
+    return {
+        **picked(model),
+        "budget": budget,
+        "data_bytes": plain,
+        "held": len(held),
+        "weights": relative_difference(mine, [reference["weights"][i] for i in held]),
+        "history": history_difference(history.history, reference["history"]),
+    }
+
+
 def subclassed(x, y) -> str:
     model = Subclassed()
     model.compile("sgd", "mse")
@@ -173,6 +209,7 @@ def main():
         {
             "open": open_auto(x, y),
             "budget": under_budget(x, y),
+            "deferred": deferred_under_budget(x, y),
             "subclassed": subclassed(x, y),
             "unknown_batch": unknown_batch(x, y),
             "untimeable": untimeable(x, y),
