@@ -139,7 +139,7 @@ def test_the_planners_plans_reuse_splits_and_keep_the_largest_rank(fields):
                 model, hf.Strategy(kind, **fields), 12, splits=splits, every_replica=False
             )
             assert quick.largest.total == full.largest.total
-            assert len([k for k in splits if k != "sizes"]) == 1  # one split, made once
+            assert len([k for k in splits if k not in ("sizes", "tables")]) == 1  # made once
         grid = fields["partitions"] * fields.get("tensor", 1)
         assert len(quick.ranks) == 2 * grid < len(full.ranks)
 
