@@ -644,7 +644,8 @@ def test_simulate_auto_keeps_layouts_within_the_memory_budget(saved_model, capsy
     model = keras.saving.load_model(saved_model)
     for layout in every[:3]:  # the bytes are the memory plan's, of a hf.scope() build: what
         # plan --auto assumes for a saved file, read without its weights (issue 66)
-        options = {k: layout[k] for k in (*LAYOUT_FIELDS, "shard_gradients", "virtual_stages")}
+        fields = (*LAYOUT_FIELDS, "shard_gradients", "shard_weights", "virtual_stages")
+        options = {k: layout[k] for k in fields}
         plan = memory_plan(model, Strategy(**options), batch_size=16, whole_model=False)
         assert layout["memory_per_rank_bytes"] == plan.largest.total
     sizes = sorted(r["memory_per_rank_bytes"] for r in every)
