@@ -6,18 +6,8 @@ import pytest
 
 from hyparflow import cli
 from hyparflow.auto.network_default import DEFAULT_LINK, assumed_network
-from hyparflow.simulate.costs import Affine, LayerCost, ModelCosts
 from hyparflow.simulate.network import Link
-
-
-def _costs(path):
-    ModelCosts(
-        name="uniform",
-        layers=[
-            LayerCost(f"l{i}", Affine(0.0, 1e-4), Affine(0.0, 2e-4), 4000, 2) for i in range(4)
-        ],
-        cut_bytes=[0.0, 1000.0, 1000.0, 1000.0, 0.0],
-    ).save(path)
+from tests.support.measure_models import save_uniform_costs
 
 
 def _measured():
@@ -56,7 +46,7 @@ def test_plan_auto_with_no_network_measures_this_machines(tmp_path, capsys):
     """The real probe: `mpirun` of two ranks, as --measure-network runs it; the pick spans
     two nodes, so the link between them is the default, and stderr says both."""
     path, saved = str(tmp_path / "costs.json"), str(tmp_path / "network.json")
-    _costs(path)
+    save_uniform_costs(path)
     argv = ["plan", "--auto", path, "--ranks", "4", "--batch", "8", "--nodes", "2"]
     assert cli.main([*argv, "--json", "--save-network", saved]) == 0
     captured = capsys.readouterr()

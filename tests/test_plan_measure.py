@@ -15,9 +15,9 @@ from hyparflow.auto import measure_launch, measure_worker
 from hyparflow.auto.measure import Measured, entries, error_line, median_rate, table, top
 from hyparflow.auto.search import Candidate, Estimate, search
 from hyparflow.launch.command import Facts, Launch
-from hyparflow.simulate.costs import Affine, LayerCost, ModelCosts
 from tests.support.cases import LAYOUT_FIELDS
 from tests.support.doc_commands import commands
+from tests.support.measure_models import save_uniform_costs
 from tests.support.mpirun import LAUNCHES, MPI_ENV, REPO, sharing
 from tests.support.mpirun import Launch as Launched
 
@@ -228,19 +228,9 @@ def _runs(pid: int, cmdline: bytes) -> bool:
         return False
 
 
-def _costs(path):
-    ModelCosts(
-        name="uniform",
-        layers=[
-            LayerCost(f"l{i}", Affine(0.0, 1e-4), Affine(0.0, 2e-4), 4000, 2) for i in range(4)
-        ],
-        cut_bytes=[0.0, 1000.0, 1000.0, 1000.0, 0.0],
-    ).save(path)
-
-
 def test_a_costs_file_has_nothing_to_train(tmp_path, capsys):
     path = str(tmp_path / "costs.json")
-    _costs(path)
+    save_uniform_costs(path)
     argv = ["plan", "--auto", path, "--ranks", "2", "--batch", "8", *NETWORK]
     assert cli.main([*argv, "--measure"]) == 1
     assert "--measure trains the model" in capsys.readouterr().err
@@ -251,7 +241,7 @@ def test_a_costs_file_has_nothing_to_train(tmp_path, capsys):
 
 def test_the_report_and_json_gain_the_measured_layouts_and_keep_their_keys(tmp_path, capsys):
     path = str(tmp_path / "costs.json")
-    _costs(path)
+    save_uniform_costs(path)
     args = auto_command.plan_parser().parse_args(
         [path, "--auto", "--ranks", "2", "--batch", "8", *NETWORK, "--json"]
     )

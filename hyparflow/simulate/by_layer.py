@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import gc
 import json
-import os
-import platform
 import time
 from dataclasses import replace
 
@@ -34,7 +32,12 @@ from hyparflow.partitioner.graph import build_graph
 from hyparflow.partitioner.traced_shapes import traced_specs
 from hyparflow.simulate.costs import Affine, LayerCost, ModelCosts
 from hyparflow.simulate.engine_proxy import engine_costs
-from hyparflow.simulate.measure import _median_seconds, _nbytes, zero_targets
+from hyparflow.simulate.measure import (
+    median_seconds,
+    timing_facts,
+    variable_bytes,
+    zero_targets,
+)
 from hyparflow.traced import traced
 
 REPEATS = 3  # timings of each distinct layer at each batch size; the fastest counts
@@ -66,16 +69,13 @@ def measure_by_layer(model, batch_sizes, input_shape=None, repeats=REPEATS) -> M
         variables = list(node.operation.trainable_variables) if owned else []
         forward, backward = timed[key]
         layers.append(
-            LayerCost(node.name, forward, backward, sum(map(_nbytes, variables)), len(variables))
+            LayerCost(
+                node.name, forward, backward, sum(map(variable_bytes, variables)), len(variables)
+            )
         )
     engine = replace(engine_costs(model.optimizer), loss=_loss_cost(model, graph, specs, repeats))
     measured = {
-        "host": platform.node(),
-        "cores": os.cpu_count(),
-        "tensorflow": tf.__version__,
-        "intra_op_threads": os.environ.get("TF_NUM_INTRAOP_THREADS", "default"),
-        "batch_sizes": [small, large],
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        **timing_facts(small, large),
         "by_layer": {"distinct": len(timed), "seconds": time.perf_counter() - started},
     }
     cuts = [float(c) for c in cost.cut_bytes_per_sample(graph)]
@@ -190,6 +190,6 @@ def _loss_cost(model, graph, specs: dict, repeats: int) -> Affine:
         outputs = [_random(found[t]) for t in graph.outputs]
         y_pred = keras.tree.pack_sequence_as(graph.root.output, outputs)
         y = zero_targets(model, y_pred)
-        seconds[batch] = _median_seconds(traced(lambda a, b: loss(a, b, None)), repeats, y, y_pred)
+        seconds[batch] = median_seconds(traced(lambda a, b: loss(a, b, None)), repeats, y, y_pred)
     (small, a), (large, b) = sorted(seconds.items())
     return Affine.through(small, a, large, b)

@@ -68,7 +68,7 @@ def measure_model(
         fit = _fit_stages(model, samples, slopes, stage_repeats)
         loss = _loss_cost(model, samples, stage_repeats)
         fused = _fused_cost(model, samples, stage_repeats)
-        read_out = _median_seconds(_read_metrics, stage_repeats, model)
+        read_out = median_seconds(_read_metrics, stage_repeats, model)
     f, b, o = fit["forward"], fit["backward"], fit["optimizer"]
     layers, seen = [], set()
     for node in graph.nodes:  # a layer's parameters count at its first call
@@ -81,7 +81,7 @@ def measure_model(
                 node.name,
                 Affine(f[1], float(f[2] * slope)),
                 Affine(b[1], float(b[2] * slope)),
-                sum(_nbytes(v) for v in variables),
+                sum(variable_bytes(v) for v in variables),
                 len(variables),
             )
         )
@@ -89,12 +89,7 @@ def measure_model(
     single = fit_step(model, sizes, input_shape=input_shape) if sizes else None
     cpu, wall = time.process_time() - started[0], time.perf_counter() - started[1]
     measured = {
-        "host": platform.node(),
-        "cores": os.cpu_count(),
-        "tensorflow": tf.__version__,
-        "intra_op_threads": os.environ.get("TF_NUM_INTRAOP_THREADS", "default"),
-        "batch_sizes": [small, large],
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        **timing_facts(small, large),
         # about 1 on an otherwise idle core; lower: other jobs shared it, timings inflated
         "cpu_share": cpu / wall,
         # the stage fit's coefficients (see _fit_stages), the last its relative residual
@@ -134,7 +129,7 @@ def _fit_stages(model, samples, slopes, repeats) -> dict:
     small, large = sorted(samples)
     rows = {"forward": [], "backward": [], "optimizer": []}  # (factors, seconds)
     for a, b, call, variables, before in stages:
-        nbytes, work = sum(_nbytes(v) for v in variables), slopes[a:b].sum()
+        nbytes, work = sum(variable_bytes(v) for v in variables), slopes[a:b].sum()
         for batch, micro in ((small, 4), (small, 1), (large, 1)):
             f, bwd, opt = _stage_step(
                 model, call, variables, before(samples[batch]), micro, repeats
@@ -248,7 +243,7 @@ def _fused_cost(model, samples, repeats) -> Affine:
 def _affine(function, arguments: dict, repeats: int) -> Affine:
     """The line through the median seconds of `function(*arguments[batch])` at two batches."""
     (small, a), (large, b) = sorted(
-        (k, _median_seconds(function, repeats, *v)) for k, v in arguments.items()
+        (k, median_seconds(function, repeats, *v)) for k, v in arguments.items()
     )
     return Affine.through(small, a, large, b)
 
@@ -324,12 +319,26 @@ def model_input(model, inputs):
     return keras.tree.pack_sequence_as(model.input, list(inputs))
 
 
-def _median_seconds(function, repeats, *args) -> float:
+def timing_facts(small: int, large: int) -> dict:
+    """Where and how costs were timed: this host, its cores, TensorFlow, its threads, the two
+    batch sizes and the date (`ModelCosts.measured`)."""
+    return {
+        "host": platform.node(),
+        "cores": os.cpu_count(),
+        "tensorflow": tf.__version__,
+        "intra_op_threads": os.environ.get("TF_NUM_INTRAOP_THREADS", "default"),
+        "batch_sizes": [small, large],
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+def median_seconds(function, repeats, *args) -> float:
     """Median seconds of `repeats` calls of `function(*args)` after a warm-up (tracing) one."""
     function(*args)
     return statistics.median(timeit.repeat(lambda: function(*args), number=1, repeat=repeats))
 
 
-def _nbytes(variable) -> int:
+def variable_bytes(variable) -> int:
+    """Bytes of `variable` (bfloat16 counted as the float16 numpy has)."""
     dtype = keras.backend.standardize_dtype(variable.dtype).replace("bfloat16", "float16")
     return math.prod(variable.shape) * np.dtype(dtype).itemsize
