@@ -35,6 +35,9 @@ PLAN = [
 ]  # fmt: skip
 
 
+worker = None  # no MPI worker: each size is planned by a `hyparflow plan --auto` process
+
+
 def scoped_transformer():
     """The transformer of `PLANNING_WIDTH` and `PLANNING_BLOCKS` (environment), under hf.scope()."""
     import keras
@@ -118,4 +121,4 @@ def arguments(argv=None):
 
 
 if __name__ == "__main__":
-    cli.entry(arguments(), None, run)
+    cli.entry(arguments(), worker, run)
