@@ -338,8 +338,7 @@ def _sharded_weights(setting: Setting, variables, positions, spans) -> ShardedWe
     topology = setting.topology
     if not (setting.strategy.shard_weights and topology.num_replicas > 1):
         return None
-    dense = [i for i in range(len(variables.all)) if i not in set(variables.sparse)]
-    segments = sliced_segments(variables.all, dense, positions, topology.stage_comm)
+    segments = sliced_segments(variables.all, variables.dense, positions, topology.stage_comm)
     return ShardedWeights(
         segments, variables.all, topology.stage_comm, setting.guard, span=spans.span
     )

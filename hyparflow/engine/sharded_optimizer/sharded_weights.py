@@ -66,19 +66,24 @@ class ShardedWeights:
         """Whether `variable` is sliced here (tables and expert shards are not)."""
         return id(variable) in self._where
 
-    def load(self) -> None:
+    def load(self, initial: bool = True) -> None:
         """Each slice takes its elements of the variables (the truth while they hold values:
         restores, `set_weights` and callbacks write those), one variable at a time; a
-        variable built under hf.scope() and never held gives its initial value. The elements
-        are copied out (numpy): a TensorFlow slice may share its whole variable's buffer, and
-        a slice variable assigned from it would keep that buffer alive."""
+        variable built under hf.scope() and never held gives its initial value (`initial`;
+        else its elements stay as the slice has them: nothing can have written it since).
+        The elements are copied out (numpy): a TensorFlow slice may share its whole
+        variable's buffer, and a slice variable assigned from it would keep that buffer
+        alive."""
         for group in self.groups:
             values = np.zeros(group.layout.slice_size, group.dtype)
+            if not initial:
+                values[:] = group.variable.numpy()
             for p in group.extents:
                 variable = self.variables[group.positions[p.variable]]
-                held = (
-                    deferred.initial_value(variable) if deferred.is_deferred(variable) else variable
-                )
+                never_held = deferred.is_deferred(variable)
+                if never_held and not initial:
+                    continue
+                held = deferred.initial_value(variable) if never_held else variable
                 flat = np.asarray(held).reshape(-1)
                 values[p.offset : p.offset + p.size] = flat[p.start : p.stop]
                 held = flat = None
@@ -90,7 +95,7 @@ class ShardedWeights:
         under hf.scope() and never held stay as they are."""
         if self.released:
             return
-        self.load()
+        self.load(initial=False)  # the initial values of those never held were loaded first
         held = [
             self.variables[i]
             for group in self.groups
