@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -102,8 +103,7 @@ class _Shared:
 
     def nbytes(self, variable, itemsize: int | None = None) -> int:
         """`_nbytes(variable, itemsize)` of a model variable, from `sizes`."""
-        elements, own = self.sizes.get(id(variable)) or _size(variable)
-        return elements * (own if itemsize is None else itemsize)
+        return _nbytes(variable, itemsize, self.sizes)
 
     def parts(self, variable, layout) -> int:
         """How many ranks split `variable`: the tensor ranks where `layout` (a stage's tensor
@@ -122,12 +122,8 @@ def _shared_facts(model, resolved, world, batch_size, whole_model, notes, splits
     """The model-wide facts of the plan, computed once for all ranks."""
     stage_models, per_sample, layouts = _split(model, resolved, notes, splits)
     cuttable = per_sample is not _UNCUT
-    sizes = _sizes(model, splits)
-
-    def nbytes(variable) -> int:
-        elements, itemsize = sizes.get(id(variable)) or _size(variable)
-        return elements * itemsize
-
+    sizes = _kept(splits, "sizes", lambda: {id(v): _size(v) for v in model.weights})
+    nbytes = functools.partial(_nbytes, sizes=sizes)
     optimizer = getattr(model, "optimizer", None)
     if optimizer is None:
         notes.append("the model is not compiled: no optimizer state counted")
@@ -145,7 +141,7 @@ def _shared_facts(model, resolved, world, batch_size, whole_model, notes, splits
         experts=frozenset(map(id, expert_weights(model)))
         if getattr(resolved, "experts", 1) > 1
         else frozenset(),
-        tables=_tables(model, splits),
+        tables=_kept(splits, "tables", lambda: _tables(model)),
         slots=slots,
         owned=_owned_bytes(stage_models, nbytes),
         largest=[max((nbytes(v) for v in m.weights), default=0) for m in stage_models],
@@ -157,13 +153,13 @@ def _shared_facts(model, resolved, world, batch_size, whole_model, notes, splits
     )
 
 
-def _sizes(model, splits: dict | None) -> dict:
-    """id(variable) -> (elements, bytes per element) of `model`'s weights, kept in `splits`."""
+def _kept(splits: dict | None, key: str, make):
+    """`make()`, kept in `splits` under `key` (made once across the plans that share it)."""
     if splits is None:
-        return {id(v): _size(v) for v in model.weights}
-    if "sizes" not in splits:
-        splits["sizes"] = {id(v): _size(v) for v in model.weights}
-    return splits["sizes"]
+        return make()
+    if key not in splits:
+        splits[key] = make()
+    return splits[key]
 
 
 def _rank_memory(shared: _Shared, rank, stage, replica, shard, *, runtime: bool) -> RankMemory:
@@ -236,18 +232,13 @@ def _slices_weights(resolved) -> bool:
     return getattr(resolved, "shard_weights", False) and resolved.replicas > 1
 
 
-def _tables(model, splits: dict | None) -> frozenset:
-    """Ids of the model's embedding tables, which ZeRO keeps whole (kept in `splits`)."""
-    if splits is not None and "tables" in splits:
-        return splits["tables"]
-    found = frozenset(
+def _tables(model) -> frozenset:
+    """Ids of the model's embedding tables, which ZeRO keeps whole."""
+    return frozenset(
         id(_keras.table_variable(layer))
         for layer in _keras.all_layers(model)
         if _keras.has_table_variable(layer)
     )
-    if splits is not None:
-        splits["tables"] = found
-    return found
 
 
 def _each_once(variables: list) -> list:
@@ -403,8 +394,10 @@ def _largest_split(shared: _Shared, stage_model, layout) -> int:
     return max(pieces, default=0)
 
 
-def _nbytes(variable, itemsize: int | None = None) -> int:
-    elements, own = _size(variable)
+def _nbytes(variable, itemsize: int | None = None, sizes: dict | None = None) -> int:
+    """Bytes of `variable` (at `itemsize` bytes an element if given), its size read from
+    `sizes` (id -> `_size`) where that holds it."""
+    elements, own = (sizes or {}).get(id(variable)) or _size(variable)
     return elements * (own if itemsize is None else itemsize)
 
 
