@@ -14,7 +14,9 @@ __version__ = "0.1.0"
 # as before, while `hyparflow run` and `python -m hyparflow.run` start without TensorFlow.
 _WHERE = {
     "NotHeldError": "hyparflow.deferred",
+    "PREEMPTED_STATUS": "hyparflow.launch.preemption",
     "Plan": "hyparflow.partitioner",
+    "Preempted": "hyparflow.launch.preemption",
     "Strategy": "hyparflow.strategy",
     "bind_gpus": "hyparflow.devices",
     "callbacks": None,  # a subpackage
@@ -34,7 +36,9 @@ _WHERE = {
 
 __all__ = [
     "NotHeldError",
+    "PREEMPTED_STATUS",
     "Plan",
+    "Preempted",
     "Strategy",
     "bind_gpus",
     "callbacks",
@@ -60,6 +64,7 @@ if TYPE_CHECKING:  # what static tools and IDEs see
     from hyparflow.deferred import NotHeldError, scope
     from hyparflow.devices import bind_gpus
     from hyparflow.engine.keras_semantics.global_batch import global_mean
+    from hyparflow.launch.preemption import PREEMPTED_STATUS, Preempted
     from hyparflow.memory import memory_plan
     from hyparflow.partitioner import Plan
     from hyparflow.strategy import Strategy

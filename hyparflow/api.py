@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import warnings
@@ -413,20 +414,23 @@ def _epochs(trainer, sources, epochs: int, resumed, kwargs):
     (resume's first epoch, first batch and callback states) starts, with hf.fit's `kwargs`."""
     source, validation_source = sources
     initial_epoch, start_batch, callback_states = resumed
-    return fit_loop(
-        trainer,
-        source,
-        epochs=epochs,
-        initial_epoch=initial_epoch,
-        start_batch=start_batch,
-        callback_states=callback_states,
-        steps_per_epoch=kwargs.get("steps_per_epoch"),
-        callbacks=kwargs.get("callbacks"),
-        verbose=kwargs.get("verbose", "auto"),
-        validation_source=validation_source,
-        validation_steps=kwargs.get("validation_steps"),
-        validation_freq=kwargs.get("validation_freq", 1),
-    )
+    with contextlib.ExitStack() as signals:  # preemption (hf.callbacks.Checkpoint)
+        for saver in checkpoint_callbacks(kwargs):
+            signals.enter_context(saver.catching_signals())
+        return fit_loop(
+            trainer,
+            source,
+            epochs=epochs,
+            initial_epoch=initial_epoch,
+            start_batch=start_batch,
+            callback_states=callback_states,
+            steps_per_epoch=kwargs.get("steps_per_epoch"),
+            callbacks=kwargs.get("callbacks"),
+            verbose=kwargs.get("verbose", "auto"),
+            validation_source=validation_source,
+            validation_steps=kwargs.get("validation_steps"),
+            validation_freq=kwargs.get("validation_freq", 1),
+        )
 
 
 def evaluate(

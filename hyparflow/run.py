@@ -2,14 +2,18 @@
 
 Inside a Slurm allocation it runs `srun --mpi=pmix`, elsewhere `mpirun`; it binds ranks to
 cores, sizes TensorFlow's thread pools, prints the exact command and runs it, returning its
-exit status (docs/launch.md). The command itself is built by `hyparflow.launch.command`; this
-module gathers the facts of this machine, parses the options and runs the command. It imports
-neither TensorFlow nor MPI, so it starts in a fraction of a second.
+exit status (docs/launch.md). With `--max-restarts K` it launches again after a failure, on
+the hosts that still answer (`hyparflow.launch.elastic`). A SIGTERM asks the ranks to checkpoint
+and stop (`hyparflow.launch.preemption`). The command itself is built by
+`hyparflow.launch.command`; this module gathers the facts of this machine, parses the options,
+probes hosts and runs the commands. It imports neither TensorFlow nor MPI, so it starts in a
+fraction of a second.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shlex
 import shutil
@@ -18,11 +22,15 @@ import subprocess
 import sys
 import threading
 
+from hyparflow.launch import elastic
 from hyparflow.launch.command import LAUNCHERS, Facts, Launch, LaunchError, Options, build
+from hyparflow.launch.earlier_lines import EarlierLaunches
 from hyparflow.launch.origin import LAUNCHED_BY
+from hyparflow.launch.preemption import FORWARDED_AS
 from hyparflow.launch.tensorflow_logs import RepeatFilter, could_become_log_line
 
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+PROBE_SECONDS = 60.0  # a host whose probe has not started `true` by then counts as lost
 ALL_LOGS = ("TF_CPP_MIN_LOG_LEVEL", "0")  # set by the user: every rank's C++ log lines, repeats too
 DRAIN_SECONDS = 5.0  # for the last of standard error once the launcher has exited
 _FLAGS = {"--dry-run", "--oversubscribe", "--no-bind"}  # hyparflow run's options without a value
@@ -38,6 +46,8 @@ _VALUE_OPTIONS = {
     "-c",
     "--launcher",
     "--launcher-args",
+    "--max-restarts",
+    "--min-ranks",
 }
 
 
@@ -59,31 +69,117 @@ def main(argv: list[str] | None = None, prog: str = "python -m hyparflow.run") -
             "it; the launcher's own options go before the script",
             file=sys.stderr,
         )
+    options = Options(
+        program=tuple(program),
+        ranks=args.ranks,
+        hosts=args.hosts,
+        hostfile=args.hostfile,
+        oversubscribe=args.oversubscribe,
+        cpus_per_rank=args.cpus_per_rank,
+        launcher=args.launcher,
+        launcher_args=tuple(w for text in args.launcher_args for w in shlex.split(text)),
+        bind=not args.no_bind,
+        restart=0 if args.max_restarts else None,
+    )
     try:
-        launch = build(
-            Options(
-                program=tuple(program),
-                ranks=args.ranks,
-                hosts=args.hosts,
-                hostfile=args.hostfile,
-                oversubscribe=args.oversubscribe,
-                cpus_per_rank=args.cpus_per_rank,
-                launcher=args.launcher,
-                launcher_args=tuple(w for text in args.launcher_args for w in shlex.split(text)),
-                bind=not args.no_bind,
-            ),
-            facts_here(),
-        )
+        if args.max_restarts < 0 or args.min_ranks < 1:
+            raise LaunchError("--max-restarts must be 0 or more, --min-ranks 1 or more")
+        launch = build(options, facts_here())
     except LaunchError as error:
         parser.print_usage(sys.stderr)
         print(f"{prog}: error: {error}", file=sys.stderr)
         return 2
+    _announce(prog, launch)
+    if args.dry_run:
+        return 0
+    if not args.max_restarts:
+        return run(launch)
+    return Restarts(prog, options, args.max_restarts, args.min_ranks).supervise(launch)
+
+
+def _announce(prog: str, launch: Launch) -> None:
     for note in launch.notes:
         print(f"{prog}: {note}", file=sys.stderr)
     print(launch.line(), flush=True)
-    if args.dry_run:
-        return 0
-    return run(launch)
+
+
+class Restarts:
+    """`--max-restarts K`: after a failed launch, probe the job's hosts and launch again on
+    those that answer, up to K times (`hyparflow.launch.elastic` decides)."""
+
+    def __init__(self, prog: str, options: Options, max_restarts: int, min_ranks: int):
+        self.prog, self.options = prog, options
+        self.max_restarts, self.min_ranks = max_restarts, min_ranks
+        self.lines = EarlierLaunches()
+
+    def supervise(self, launch: Launch) -> int:
+        """Run `launch`, and the relaunches its failures call for; the last one's status."""
+        options, restarts = self.options, 0
+        while True:
+            signals: list[int] = []
+            status = run(launch, earlier=self.lines, signals=signals)
+            self._say_held_back()
+            reason = elastic.why_not_restart(status, restarts, self.max_restarts, bool(signals))
+            if reason is not None:
+                if status != 0:
+                    self._say(f"not relaunching: {reason}")
+                return status
+            restarts += 1
+            try:
+                options, launch = self._next(options, launch, restarts, status)
+            except LaunchError as error:
+                self._say(f"not relaunching: {error}")
+                return status
+
+    def _next(self, options: Options, launch: Launch, restarts: int, status: int):
+        """The options and command of the next launch, on the hosts that answer."""
+        facts = facts_here()
+        hosts = elastic.job_hosts(options, facts, _slurm_nodes(facts.environ))
+        lost = [h.name for h in hosts or [] if not _answers(launch, h.name, options, facts)]
+        alive = {h.name for h in hosts or []} - set(lost)
+        after = elastic.relaunched(options, hosts, alive, launch.launcher, self.min_ranks)
+        after = dataclasses.replace(after, restart=restarts)
+        self._say(elastic.restart_line(restarts, self.max_restarts, status, lost, after))
+        relaunch = build(after, facts)
+        _announce(self.prog, relaunch)
+        return after, relaunch
+
+    def _say_held_back(self) -> None:
+        held_back = self.lines.next_launch()
+        if held_back:
+            self._say(f"{held_back} line(s) of standard error as an earlier launch's, not shown")
+
+    def _say(self, text: str) -> None:
+        print(f"{self.prog}: {text}", file=sys.stderr, flush=True)
+
+
+def _answers(launch: Launch, host: str, options: Options, facts: Facts) -> bool:
+    """Whether the launcher can still start a process on `host` (its probe starts `true`)."""
+    argv = elastic.probe_argv(launch.launcher, host, options.launcher_args)
+    env = {**facts.environ, **launch.env}
+    try:
+        probe = subprocess.run(
+            argv,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            timeout=PROBE_SECONDS,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return probe.returncode == 0
+
+
+def _slurm_nodes(environ) -> list[str]:
+    """The allocation's node names (`scontrol show hostnames`), empty outside Slurm."""
+    nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
+    if not nodelist or shutil.which("scontrol") is None:
+        return []
+    listed = subprocess.run(
+        ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=False
+    )
+    return listed.stdout.split() if listed.returncode == 0 else []
 
 
 def split_arguments(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -157,12 +253,19 @@ def usable_cores() -> int:
     return max(1, len(cores))
 
 
-def run(launch: Launch) -> int:
-    """Run the command with its variables added to this environment; SIGINT, SIGTERM and SIGHUP
-    sent to this process are passed on. Returns its exit status (128 + N when killed by signal N).
+def run(launch: Launch, earlier: EarlierLaunches | None = None, signals=None) -> int:
+    """Run the command with its variables added to this environment. Returns its exit status
+    (128 + N when killed by signal N).
+
+    SIGINT and SIGHUP sent to this process are passed on. A first SIGTERM is passed on as
+    SIGUSR1, which mpirun forwards to the ranks (a SIGTERM it turns into SIGKILL a second
+    later): an `hf.fit` with a checkpoint callback then saves its step and exits with status 75
+    (`hyparflow.launch.preemption`); a second SIGTERM is passed on as it is. Each signal
+    received is appended to `signals`, if given.
 
     The job's standard error shows each of TensorFlow's C++ log lines once, not once per rank
-    (`tensorflow_logs`), unless `TF_CPP_MIN_LOG_LEVEL=0` asks for all of them.
+    (`tensorflow_logs`), unless `TF_CPP_MIN_LOG_LEVEL=0` asks for all of them; with `earlier`,
+    no line an earlier launch showed.
     """
     marked = {**os.environ, **launch.env, LAUNCHED_BY: "hyparflow run"}  # for hints (api.py)
     every_line = marked.get(ALL_LOGS[0]) == ALL_LOGS[1]
@@ -172,13 +275,14 @@ def run(launch: Launch) -> int:
     relay = None
     if process.stderr is not None:
         relay = threading.Thread(
-            target=relay_errors, args=(process.stderr, sys.stderr), daemon=True
+            target=relay_errors, args=(process.stderr, sys.stderr, earlier), daemon=True
         )
         relay.start()
+    received = [] if signals is None else signals
     previous = {}
     try:
         for number in FORWARDED_SIGNALS:
-            previous[number] = signal.signal(number, lambda n, _: process.send_signal(n))
+            previous[number] = signal.signal(number, _forwarder(process, received))
     except ValueError:  # not the main thread: signals reach the launcher's group anyway
         pass
     try:
@@ -191,20 +295,38 @@ def run(launch: Launch) -> int:
     return status if status >= 0 else 128 - status
 
 
-def relay_errors(source, target) -> None:
+def _forwarder(process, received: list):
+    """The handler passing a signal on to `process`: the first SIGTERM as SIGUSR1."""
+
+    def forward(number, _frame) -> None:
+        first_term = number == signal.SIGTERM and signal.SIGTERM not in received
+        received.append(number)
+        process.send_signal(FORWARDED_AS if first_term else number)
+
+    return forward
+
+
+def relay_errors(source, target, earlier: EarlierLaunches | None = None) -> None:
     """Copy the job's standard error from `source` (a binary pipe) to `target` as it comes,
-    leaving out TensorFlow's C++ log lines already shown. An unfinished line is passed on at
-    once unless it may become such a line (a progress bar's `\\r` is not held back)."""
+    leaving out TensorFlow's C++ log lines already shown, and the lines `earlier` launches
+    showed. An unfinished line is passed on at once unless it may become such a line (a
+    progress bar's `\\r` is not held back)."""
     repeats, pending = RepeatFilter(), b""
     out = getattr(target, "buffer", None)
     for chunk in iter(lambda: os.read(source.fileno(), 65536), b""):
         *lines, pending = (pending + chunk).split(b"\n")
-        kept = [line + b"\n" for line in lines if repeats.keep(line.decode(errors="replace"))]
+        kept = [line + b"\n" for line in lines if _shown(line, repeats, earlier)]
         if pending and not could_become_log_line(pending.decode(errors="replace")):
             kept.append(pending)
             pending = b""
         _write(target, out, b"".join(kept))
     _write(target, out, pending)
+
+
+def _shown(line: bytes, repeats: RepeatFilter, earlier: EarlierLaunches | None) -> bool:
+    if not repeats.keep(line.decode(errors="replace")):
+        return False
+    return earlier is None or earlier.keep(line)
 
 
 def _write(target, out, data: bytes) -> None:
@@ -296,6 +418,22 @@ def _add_launcher_options(parser) -> None:
     )
     parser.add_argument(
         "--dry-run", action="store_true", help="print the command and exit without running it"
+    )
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="K",
+        help="after a failed launch, probe the job's hosts and launch again on those that "
+        "answer, with the ranks they hold, up to K times (the script resumes with "
+        "hf.fit(..., resume=True)); default 0",
+    )
+    parser.add_argument(
+        "--min-ranks",
+        type=int,
+        default=1,
+        metavar="M",
+        help="with --max-restarts: do not relaunch on fewer than M ranks (default 1)",
     )
 
 

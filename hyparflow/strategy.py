@@ -425,7 +425,7 @@ class Strategy:
             raise ValueError(
                 f"tensor={self.tensor} does not divide the world size {world_size}; launch a "
                 f"multiple of {self.tensor} ranks or pass tensor= one of "
-                f"{divisors(world_size)}."
+                f"{divisors(world_size)}." + auto_hint(world_size)
             )
         total, world_size = world_size, world_size // self.tensor
         partitions, replicas = self.partitions, self.replicas
@@ -445,11 +445,11 @@ class Strategy:
                 partitions = 1
             if partitions is None:
                 partitions = _exact_quotient(
-                    world_size, replicas, spelling.replicas, spelling.partitions
+                    world_size, replicas, spelling.replicas, spelling.partitions, total
                 )
             if replicas is None:
                 replicas = _exact_quotient(
-                    world_size, partitions, spelling.partitions, spelling.replicas
+                    world_size, partitions, spelling.partitions, spelling.replicas, total
                 )
         if partitions * replicas != world_size:
             product = partitions * replicas * self.tensor
@@ -458,12 +458,12 @@ class Strategy:
             raise ValueError(
                 f"partitions ({partitions}) x replicas ({replicas}){tensor} = {product} "
                 f"but the job has {total} MPI ranks; launch with `{launch}` or change "
-                f"{spelling.partitions}/{spelling.replicas}."
+                f"{spelling.partitions}/{spelling.replicas}." + auto_hint(total)
             )
         if replicas % self.experts:
             raise ValueError(
                 f"experts={self.experts} does not divide the {replicas} replicas of this "
-                f"{total}-rank job; pass experts= one of {divisors(replicas)}."
+                f"{total}-rank job; pass experts= one of {divisors(replicas)}." + auto_hint(total)
             )
         kind = self.kind
         if kind == "auto":
@@ -471,16 +471,25 @@ class Strategy:
         return dataclasses.replace(self, kind=kind, partitions=partitions, replicas=replicas)
 
 
+def auto_hint(ranks: int) -> str:
+    """The fix for a fixed layout that a job's ranks no longer fit (after a restart on fewer
+    nodes, say): let the planner pick one."""
+    return (
+        f' Or pass strategy="auto": hyparflow then picks a layout for the {ranks} ranks it has '
+        "(a fixed layout may not fit the ranks a restart finds)."
+    )
+
+
 def divisors(n: int) -> list[int]:
     """Every count that splits `n` evenly (what a misfit tensor= or split should be)."""
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _exact_quotient(world_size: int, divisor: int, name: str, other: str) -> int:
+def _exact_quotient(world_size: int, divisor: int, name: str, other: str, total: int) -> int:
     if world_size % divisor:
         raise ValueError(
             f"{name}={divisor} does not divide the world size {world_size}; launch a multiple "
-            f"of {divisor} ranks or pass {other} explicitly."
+            f"of {divisor} ranks or pass {other} explicitly." + auto_hint(total)
         )
     return world_size // divisor
 

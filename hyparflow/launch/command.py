@@ -25,6 +25,9 @@ ROOT_VARIABLES = ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM")
 LAUNCHERS = ("auto", "mpirun", "srun")
 OPEN_MPI_OVERSUBSCRIBE = "OMPI_MCA_rmaps_base_oversubscribe"  # Open MPI's own switch
 MAX_INTEROP_THREADS = 2  # hyparflow runs one compiled call at a time per rank
+# with --max-restarts, every rank's environment says which launch it is: 0, then 1, 2, ...
+# (torchrun's TORCHELASTIC_RESTART_COUNT plays this part)
+RESTART_VARIABLE = "HYPARFLOW_RESTART"
 
 
 class LaunchError(ValueError):
@@ -44,6 +47,7 @@ class Options:
     launcher: str = "auto"
     launcher_args: tuple[str, ...] = ()
     bind: bool = True
+    restart: int | None = None  # which launch of a job with --max-restarts (None: without)
 
 
 @dataclass(frozen=True)
@@ -342,6 +346,9 @@ def _mpirun(options: Options, facts: Facts, ranks: int, program: list[str]) -> L
         notes.append(_unbound(options, ranks, offered, crowded, per_rank, over=over))
     added = _threads(env, per_rank)
     names = list(THREAD_VARIABLES)
+    if options.restart is not None:
+        added[RESTART_VARIABLE] = str(options.restart)
+        names.append(RESTART_VARIABLE)
     if facts.root:  # Open MPI refuses root unless told twice
         added.update({name: "1" for name in ROOT_VARIABLES if name not in env})
         names += ROOT_VARIABLES
@@ -429,4 +436,7 @@ def _srun(options: Options, facts: Facts, ranks: int, program: list[str]) -> Lau
         argv.append("--cpu-bind=cores")
     argv.append("--kill-on-bad-exit=1")  # like mpirun: a failed rank ends the job
     argv += [*options.launcher_args, *program]
-    return Launch("srun", tuple(argv), _threads(env, per_rank), tuple(notes))
+    added = _threads(env, per_rank)
+    if options.restart is not None:  # srun passes the whole environment on
+        added[RESTART_VARIABLE] = str(options.restart)
+    return Launch("srun", tuple(argv), added, tuple(notes))
