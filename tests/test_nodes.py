@@ -4,8 +4,6 @@ TCP on the loopback interface between nodes, and a node killed mid-epoch."""
 
 import json
 import os
-import signal
-import time
 
 import pytest
 from hypothesis import given
@@ -13,12 +11,11 @@ from hypothesis import strategies as st
 
 from hyparflow.callbacks.report import format_report
 from hyparflow.callbacks.summary import load_summary
-from hyparflow.checkpoint import manifest
 from hyparflow.comm.placement import crossings, place
 from hyparflow.comm.topology import Grid
 from tests.support import nodes
 from tests.support.cases import Case, run_cases
-from tests.support.mpirun import launch, run_scenario
+from tests.support.mpirun import launch
 
 TOLERANCE = 1e-5  # as tests/test_engine.py
 
@@ -192,60 +189,3 @@ def test_shared_memory_inside_a_node_tcp_on_loopback_between_and_the_profiler_na
             (p, "vader" if hosts[p] == hosts[rank] else "tcp") for p in range(4) if p != rank
         }, stderr[-2000:]
         assert result["tcp_peers"] and set(result["tcp_peers"]) == {"127.0.0.1"}
-
-
-def _kill_node_when_stopped(pids_folder: str, killed: dict):
-    """`on_start` for the doomed run: once both ranks of node B have stopped, SIGKILL them and
-    their node's daemon (Open MPI's orted, their parent): the whole node goes."""
-
-    def on_start(process, scratch):
-        folder = pids_folder.replace("{scratch}", scratch)
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and process.poll() is None:
-            found = os.listdir(folder) if os.path.isdir(folder) else []
-            if len([f for f in found if f.endswith(".json")]) == 2:
-                break
-            time.sleep(0.2)
-        else:
-            return  # the job ended (or stalled) before node B stopped: the test says so
-        pids = []
-        for name in sorted(f for f in os.listdir(folder) if f.endswith(".json")):
-            with open(os.path.join(folder, name)) as f:
-                pids.append(json.load(f))
-        for victim in {p["daemon"] for p in pids} | {p["pid"] for p in pids}:
-            os.kill(victim, signal.SIGKILL)
-        killed.update(at=time.monotonic(), ranks=[int(n[:-5]) for n in sorted(os.listdir(folder))])
-
-    return on_start
-
-
-@pytest.mark.mpi
-@pytestmark_nodes
-def test_a_killed_node_ends_the_job_and_the_survivor_resumes_exactly(tmp_path):
-    folder, killed = str(tmp_path / "checkpoints"), {}
-    pids = os.path.join("{scratch}", "pids")
-    doomed = launch(
-        "nodes",
-        4,
-        "doomed",
-        folder,
-        timeout=300,
-        mpirun=nodes.mpirun(HOSTS),
-        env={"HF_NODE_PIDS": pids},
-        on_start=_kill_node_when_stopped(pids, killed),
-    )
-    ended = time.monotonic()
-    assert killed.get("ranks") == [2, 3], doomed.describe()  # node B: ranks 2 and 3, by slot
-    assert doomed.returncode not in (0, -9), doomed.describe()  # ended by the loss, not timeout
-    assert ended - killed["at"] < 30, ended - killed["at"]  # within the run's 30 s watchdog
-    assert all(r is None for r in doomed.results)
-    # node B stopped after step 7 of 12: the last complete checkpoint is step 6
-    assert [step for step, _ in manifest.complete_checkpoints(folder)][-1] == 6
-    for r in run_scenario(
-        "nodes", 2, "survivor", folder, timeout=300, mpirun=nodes.mpirun("nodeA:2")
-    ):
-        assert r["host"] == "nodeA"
-        # step 6 is epoch 1, batch 2 (4 batches an epoch); History has epoch 0 from the
-        # checkpoint (checkpoint/callback_state.py)
-        assert r["epochs"] == [0, 1, 2]
-        assert r["weights"] < TOLERANCE, r  # 2 stages x 2 replicas resumed as 2 stages

@@ -9,7 +9,7 @@ Usage (under `hyparflow run`): `python -m tests.mpi.elastic OUT MODE STRATEGY FO
              can signal it mid-epoch
 STRATEGY: auto (strategy="auto"), pipeline (hf.Strategy(partitions=2)) or tensor
 (hf.Strategy(tensor=2)). Rank 0 appends each step it trains to FOLDER/steps.jsonl: the launch
-(HYPARFLOW_RESTART), the world size, epoch, batch and time.
+(HYPARFLOW_RESTART), the layout, epoch, batch and time.
 """
 
 import json
@@ -33,12 +33,21 @@ STRATEGIES = {
 }
 
 
+def layout(model) -> list[int]:
+    """The (partitions, replicas, tensor) hf.fit resolved for `model`."""
+    grid = model._hyparflow_trainer[1].topology.grid
+    return [grid.partitions, grid.replicas, grid.tensor]
+
+
 class StepLog(keras.callbacks.Callback):
     """Rank 0 appends one line per trained step to `path`."""
 
     def __init__(self, path: str):
         super().__init__()
-        self.path, self.epoch = path, 0
+        self.path, self.epoch, self.layout = path, 0, None
+
+    def on_train_begin(self, logs=None):
+        self.layout = layout(self.model)
 
     def on_epoch_begin(self, epoch, logs=None):
         self.epoch = epoch
@@ -48,7 +57,7 @@ class StepLog(keras.callbacks.Callback):
             return
         line = {
             "restart": int(os.environ.get("HYPARFLOW_RESTART", "-1")),
-            "world": hf.size(),
+            "layout": self.layout,
             "epoch": self.epoch,
             "batch": batch,
             "time": time.time(),
@@ -107,7 +116,7 @@ def main():
     reference.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
     report(
         {
-            "world": hf.size(),
+            "layout": layout(model),
             "restart": int(os.environ.get("HYPARFLOW_RESTART", "-1")),
             "epochs": history.epoch,
             "weights": relative_difference(model.get_weights(), reference.get_weights()),

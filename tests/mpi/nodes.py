@@ -5,11 +5,7 @@ Usage: `python -m tests.mpi.nodes OUT MODE ...` with MODE one of
                    or real-model scenario
   wiring LOG_DIR   a profiled hybrid fit (2 stages x 2 replicas), then a message between every
                    pair of ranks; this rank's host and its TCP peers' addresses
-  doomed FOLDER    train 2 stages x 2 replicas with checkpoints; at global batch 7 the ranks on
-                   node B write their pid and their node daemon's pid to $HF_NODE_PIDS and
-                   stop, for the test to kill that node (the others block in MPI)
-  survivor FOLDER  resume the latest complete checkpoint as 2 stages on 2 ranks; compare the
-                   weights with Keras's uninterrupted fit
+(A lost node, relaunched on the one left: tests/mpi/elastic.py, which uses `StopNode`.)
 """
 
 import json
@@ -25,17 +21,15 @@ import hyparflow as hf
 from tests.mpi import equivalence, real_models
 from tests.mpi.reliability import model_with_dropout
 from tests.support.cases import Case
-from tests.support.compare import relative_difference
-from tests.support.fits import fit_in_order
 from tests.support.models import data
 from tests.support.report import args, report, run_or_abort
 
-EPOCHS, BATCH, SAMPLES, DOOMED_NODE = 3, 16, 64, "nodeB"
+BATCH, SAMPLES = 16, 64
 
 
 def mlp():
     """tests/mpi/reliability.py's model, without dropout: its masks would differ between the
-    killed run's layout and the survivor's."""
+    killed launch's layout and the relaunch's (tests/mpi/elastic.py)."""
     return model_with_dropout(0.0)
 
 
@@ -91,39 +85,6 @@ def main():
         # (lazily: a peer on another node gets its TCP connection at the first message)
         hosts = MPI.COMM_WORLD.alltoall([socket.gethostname()] * MPI.COMM_WORLD.Get_size())
         report({"host": socket.gethostname(), "hosts": hosts, "tcp_peers": tcp_peers()})
-    elif mode == "doomed":
-        (folder,) = rest
-        hf.fit(
-            mlp(),
-            x,
-            y,
-            batch_size=BATCH,
-            epochs=EPOCHS,
-            shuffle=False,
-            verbose=0,
-            strategy=hf.Strategy("hybrid", partitions=2, replicas=2),
-            callbacks=[
-                hf.callbacks.Checkpoint(folder, every_n_steps=2),
-                StopNode(DOOMED_NODE, 7, os.environ["HF_NODE_PIDS"]),
-            ],
-            watchdog_timeout=30,
-        )
-        report({"finished": True})  # must never happen
-    elif mode == "survivor":
-        (folder,) = rest
-        model = mlp()
-        history = fit_in_order(
-            model, x, y, BATCH, EPOCHS, hf.Strategy("model", partitions=2), resume_from=folder
-        )
-        reference = mlp()
-        reference.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
-        report(
-            {
-                "host": socket.gethostname(),
-                "epochs": history.epoch,
-                "weights": relative_difference(model.get_weights(), reference.get_weights()),
-            }
-        )
 
 
 if __name__ == "__main__":

@@ -7,9 +7,11 @@ launcher prefix that tests/support/mpirun.py's `launch` takes.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
+import signal
 import subprocess
 
 from tests.support.mpirun import REPO
@@ -19,6 +21,37 @@ SCRIPT = os.path.join(REPO, "scripts", "emulated_nodes.sh")
 _BTL_LINE = re.compile(
     r"\[([^:\]]+):\d+\] mca: bml: Using (\w+) btl for send to \[\[\d+,\d+\],(\d+)\] on node (\S+)"
 )
+
+
+def environment(down: str) -> dict[str, str]:
+    """The emulated nodes' launch agent and loopback settings as OMPI_MCA_* variables (what
+    `emulated_nodes.sh --environment` prints), for any mpirun; a host named by a file in the
+    folder `down` refuses new processes."""
+    printed = subprocess.run(
+        ["sh", SCRIPT, "--environment"], capture_output=True, text=True, check=True
+    ).stdout
+    settings = dict(line.removeprefix("export ").split("=", 1) for line in printed.splitlines())
+    return {name: value.strip("'") for name, value in settings.items()} | {
+        "EMULATED_NODES_DOWN": down
+    }
+
+
+def kill_node_of(pid: int) -> list[int]:
+    """SIGKILL every process of `pid`'s emulated node (its UTS namespace): the node's Open MPI
+    daemon and its ranks, as if the node had lost power. Returns their pids."""
+    node = os.readlink(f"/proc/{pid}/ns/uts")
+    victims = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.readlink(f"/proc/{entry}/ns/uts") == node:
+                    victims.append(int(entry))
+            except OSError:  # gone meanwhile, or not ours to read
+                continue
+    for victim in victims:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim, signal.SIGKILL)
+    return victims
 
 
 def skip_reason() -> str | None:
