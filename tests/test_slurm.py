@@ -11,6 +11,7 @@ import os
 import shlex
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -140,3 +141,73 @@ def test_a_fresh_cluster_ignores_one_left_running(slurm):
         fresh.stop()
     assert not os.path.exists(fresh.root)
     assert all(proc.poll() is not None for proc in fresh.daemons.values())
+
+
+REQUEUE = os.path.join(REPO, "examples", "slurm", "requeue.sbatch")
+
+
+def _state(slurm, job: str) -> str:
+    """The job's state letters (R, PD, ...) as squeue shows them; empty once it is gone."""
+    return slurm.run(["squeue", "-h", "-j", job, "-o", "%t"], timeout=30).stdout.strip()
+
+
+def _node_state(slurm) -> str:
+    return slurm.run(["sinfo", "-h", "-N", "-o", "%t"], timeout=30).stdout.strip()
+
+
+def test_the_requeue_script_checkpoints_on_sigterm_and_its_next_run_resumes(slurm, tmp_path):
+    """examples/slurm/requeue.sbatch: `scancel --signal=TERM --batch` (as --signal=B:TERM
+    does before a time limit) reaches hyparflow run through the script's trap; the job saves
+    its step, exits 75 and requeues itself, and its second run finishes with no step redone."""
+    out, job, log = tmp_path / "out", tmp_path / "job", tmp_path / "job.out"
+    out.mkdir()
+    job.mkdir()
+    scenario = ["python", "-m", "tests.mpi.elastic", str(out), "preempt", "auto", str(job)]
+    allocation = "--nodes=1 --ntasks=2 --ntasks-per-node=2 --cpus-per-task=1 --time=10"
+    path = f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"  # hyparflow, python
+    exports = f"--export=ALL,PATH={path},HF_RANK_PIDS={tmp_path / 'pids'}"
+    sbatch = ["sbatch", "--parsable", *shlex.split(allocation), exports, f"--output={log}"]
+    submitted = slurm.run([*sbatch, REQUEUE, *scenario], cwd=REPO, timeout=60)
+    assert submitted.returncode == 0, submitted.stderr
+    number = submitted.stdout.strip().split(";")[0]
+    steps = job / "steps.jsonl"
+
+    def describe() -> str:
+        job_log = log.read_text() if log.exists() else "(no job output)"
+        return f"{job_log[-5000:]}\n{slurm.logs()}"
+
+    def wait_for(done, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not done():
+            if time.monotonic() > deadline:
+                slurm.run(["scancel", number], timeout=30)
+                pytest.fail(f"job {number} stalled\n{describe()}")
+            time.sleep(0.2)
+
+    def trained() -> list:
+        return (
+            [json.loads(line) for line in steps.read_text().splitlines()] if steps.exists() else []
+        )
+
+    try:
+        wait_for(lambda: len(trained()) >= 5, 300)  # mid-epoch: 8 steps of 0.25 s an epoch
+        signalled = slurm.run(["scancel", "--signal=TERM", "--batch", number], timeout=30)
+        assert signalled.returncode == 0, signalled.stderr
+        wait_for(lambda: _state(slurm, number) == "PD", 120)  # requeued by the script
+        # Slurm holds a requeued job back for about two minutes; once the node has cleaned up
+        # after the first run, the test cluster's admin lets it go at once
+        wait_for(lambda: _node_state(slurm) == "idle", 120)
+        slurm.run(["scontrol", "update", f"JobId={number}", "StartTime=now"], timeout=30)
+        wait_for(lambda: _state(slurm, number) == "" and out.joinpath("rank1.json").exists(), 300)
+    finally:
+        slurm.run(["scancel", number], timeout=30)
+    text = log.read_text()
+    assert "hyparflow: preempted (SIGUSR1): saved" in text, describe()
+    assert f"requeueing job {number}" in text and "run 1, on" in text, describe()
+    assert [(s["epoch"], s["batch"]) for s in trained()] == [
+        (e, b) for e in range(3) for b in range(8)
+    ], describe()  # every step once: the second run redid none
+    for rank in (0, 1):
+        result = json.loads(out.joinpath(f"rank{rank}.json").read_text())
+        assert result["epochs"] == [0, 1, 2]
+        assert result["weights"] < TOLERANCE, result
