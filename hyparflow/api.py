@@ -245,7 +245,8 @@ def fit(
     partitioning and any number of ranks: the strategy is resolved for the ranks there are
     ("auto" plans again), and `batch_size`, the global batch, stays the same. While it trains,
     a Checkpoint callback takes SIGTERM as preemption: every rank saves the current step and
-    `hf.Preempted` (exit status 75) is raised (docs/reliability.md). `check_numerics=True` stops every rank on NaN/Inf data, loss or gradients.
+    `hf.Preempted` (exit status 75) is raised (docs/reliability.md).
+    `check_numerics=True` stops every rank on NaN/Inf data, loss or gradients.
     `check_data` (default True) compares a digest of the data across ranks before training
     (data/fingerprint.py): each rank reads its share from its own copy, so the copies must match.
     `watchdog_timeout` (seconds, default $HYPARFLOW_WATCHDOG_TIMEOUT or 300; 0 disables) ends

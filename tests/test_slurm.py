@@ -201,10 +201,13 @@ def test_the_requeue_script_checkpoints_on_sigterm_and_its_next_run_resumes(slur
         wait_for(lambda: _state(slurm, number) == "" and out.joinpath("rank1.json").exists(), 300)
     finally:
         slurm.run(["scancel", number], timeout=30)
-    text = log.read_text()
+    _check_resumed_with_no_step_redone(log.read_text(), number, trained(), out, describe)
+
+
+def _check_resumed_with_no_step_redone(text, number, trained, out, describe) -> None:
     assert "hyparflow: preempted (SIGUSR1): saved" in text, describe()
     assert f"requeueing job {number}" in text and "run 1, on" in text, describe()
-    assert [(s["epoch"], s["batch"]) for s in trained()] == [
+    assert [(s["epoch"], s["batch"]) for s in trained] == [
         (e, b) for e in range(3) for b in range(8)
     ], describe()  # every step once: the second run redid none
     for rank in (0, 1):
