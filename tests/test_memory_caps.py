@@ -81,3 +81,21 @@ def test_model_is_deferred_in_the_plan():
     model = wide_mlp(64, 2, scope=True)
     assert hf.memory_plan(model, layout("2,1,1"), batch_size=BATCH).ranks[0].model_copy == 0
     keras.backend.clear_session()
+
+
+def test_the_default_strategy_picks_a_layout_each_ranks_cap_holds(reference):
+    """hf.fit's default strategy on a model built under hf.scope() whose data-parallel layout
+    does not fit each rank's cgroup: the planner reads each rank's room under its own cap
+    (auto/choose.py, `share_per_rank`), picks a layout that fits it, and trains with the loss
+    of an uncapped process."""
+    room = int(MARGIN * _predicted("2,1,1,params,scope"))
+    cap = reference["base"] + room
+    assert _predicted("1,2,1,scope") > room  # the premise: plain replicas cannot fit
+    run, outcomes = cgroup.launch_capped(
+        "memory_checks", 2, cap, "measure", "auto,scope", SHAPE, env=POOLED_ALLOCATOR_ENV
+    )
+    assert run.returncode == 0, (cap / MIB, outcomes, run.describe())
+    for result, outcome in zip(run.results, outcomes, strict=True):
+        assert result["layout"] != [1, 2, 1] or result["sharding"], result  # not plain replicas
+        assert outcome.peak <= cap and not outcome.killed_for_memory, (outcome, cap / MIB)
+        assert result["loss"] == pytest.approx(reference["loss"], rel=1e-4), result

@@ -11,7 +11,15 @@ import pytest
 import hyparflow as hf
 from hyparflow import schedule
 from hyparflow.memory import buffers, counts
-from hyparflow.memory.limits import cgroup_paths, memory_limit, memory_room, parse_limit
+from hyparflow.memory.limits import (
+    CgroupRoom,
+    cgroup_paths,
+    cgroup_room,
+    memory_limit,
+    memory_room,
+    parse_limit,
+    share_per_rank,
+)
 from hyparflow.memory.slots import optimizer_slots
 from tests.support import cgroup
 from tests.support.mpirun import POOLED_ALLOCATOR_ENV, run_scenario
@@ -304,8 +312,33 @@ def test_memory_room_is_the_tightest_limit_minus_its_usage(tmp_path):
     proc = tmp_path / "cgroup"
     proc.write_text("4:memory:/jobs/7\n0::/\n")
     assert memory_room(str(tmp_path), str(proc)) == 768 * MIB
+    rank = job / "rank1"  # a cgroup per rank inside the job's, without a limit of its own
+    rank.mkdir()
+    (rank / "memory.limit_in_bytes").write_text("9223372036854771712\n")
+    (rank / "memory.usage_in_bytes").write_text("1048576\n")
+    proc.write_text("4:memory:/jobs/7/rank1\n0::/\n")
+    assert cgroup_room(str(tmp_path), str(proc)) == CgroupRoom(
+        "/jobs/7/rank1", "/jobs/7", 768 * MIB
+    )
     (job / "memory.limit_in_bytes").write_text("9223372036854771712\n")
     assert memory_room(str(tmp_path), str(proc)) is None  # no limit anywhere
+
+
+@pytest.mark.parametrize(
+    ("found", "share"),
+    [
+        ([(0, CgroupRoom("/job", "/job", 900))] * 3, 300),  # one cgroup for the node's ranks
+        ([(0, CgroupRoom("/job/r0", "/job", 900)), (0, CgroupRoom("/job/r1", "/job", 900))], 450),
+        ([(0, CgroupRoom("/r0", "/r0", 900)), (0, CgroupRoom("/r1", "/r1", 500))], 500),  # own
+        ([(0, CgroupRoom("/job", "/job", 900)), (1, CgroupRoom("/job", "/job", 600))], 600),
+        ([(0, CgroupRoom("/job", "/job", 900)), (0, None)], 900),  # the other has no limit
+        ([(0, None), (1, None)], None),
+    ],
+)
+def test_each_rank_gets_its_cgroups_room_shared_by_the_ranks_inside_it(found, share):
+    """A Slurm job's ranks share its cgroup's room; ranks with a cgroup each do not; the
+    planner's budget is the least share over the ranks (auto/choose.py)."""
+    assert share_per_rank(found) == share
 
 
 @pytest.mark.skipif(cgroup.skip_reason() is not None, reason=str(cgroup.skip_reason()))

@@ -37,7 +37,7 @@ from hyparflow.auto.search import (
 from hyparflow.comm.agree import agree
 from hyparflow.comm.topology import node_map
 from hyparflow.deferred import any_deferred
-from hyparflow.memory.limits import memory_limit
+from hyparflow.memory.limits import cgroup_room, share_per_rank
 from hyparflow.partitioner.graph import root_functional
 from hyparflow.simulate.network import Link, Network
 from hyparflow.simulate.predict import Machine
@@ -159,7 +159,7 @@ def _choose(comm, model, request: Request) -> Choice:
     network = _probe(comm, nodes)
     probed = time.perf_counter()
     on_node = nodes.count(nodes[0])
-    budget = request.strategy.memory_per_rank or _cgroup_share(on_node)
+    budget = request.strategy.memory_per_rank or _cgroup_share(comm, nodes)
     layout = (world, request.global_batch, on_node if max(nodes) > 0 else None)
     result = _on_rank_zero(comm, _search, model, request, layout, costs, network, budget)
     result = comm.bcast(result, root=0)
@@ -298,11 +298,19 @@ def _pingpong(comm, partner: int | None) -> dict | None:
         pair.Free()
 
 
-def _cgroup_share(ranks_on_node: int) -> int | None:
-    """Bytes per rank of this process's cgroup limit (None without one), shared by the ranks
-    of the node."""
-    limit = memory_limit()
-    return None if limit is None else limit // ranks_on_node
+# of the room a cgroup leaves, what the plan may fill: it measured up to 17% low on engine
+# ranks (what grows outside TensorFlow's allocator, docs/memory.md), and a rank over its
+# cgroup's limit is killed, not slowed
+CGROUP_HEADROOM = 0.8
+
+
+def _cgroup_share(comm, nodes: list[int]) -> int | None:
+    """Bytes each rank may still take under the cgroup limits (None without any): a cgroup's
+    room shared by the ranks of the node inside it, the least over ranks, less the plan's
+    error (`CGROUP_HEADROOM`). Collective."""
+    mine = (nodes[comm.Get_rank()], cgroup_room())
+    share = share_per_rank(comm.allgather(mine))
+    return None if share is None else int(share * CGROUP_HEADROOM)
 
 
 def _search(model, request: Request, layout, costs, network, budget) -> SearchResult:

@@ -1,9 +1,12 @@
 """This process's memory limit and the room left under it: the tightest cgroup (v1 or v2)
-limit over its cgroup's ancestors."""
+limit over its cgroup's ancestors; and each rank's share of the room when ranks share a
+cgroup (a Slurm job's) or have one each."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 # cgroup v1 writes "no limit" as the largest page-aligned signed 64-bit value
 _UNLIMITED = 2**62
@@ -34,6 +37,26 @@ def memory_room(root: str = "/sys/fs/cgroup", proc: str = "/proc/self/cgroup") -
         room = memory_room()
         plan.largest.total > room if room is not None else False
     """
+    found = cgroup_room(root, proc)
+    return None if found is None else found.room
+
+
+@dataclass(frozen=True)
+class CgroupRoom:
+    """Where a process's memory room is smallest: its own cgroup, the (ancestor) cgroup whose
+    limit minus usage is least, and that room in bytes."""
+
+    own: str
+    limiting: str
+    room: int
+
+
+def cgroup_room(root: str = "/sys/fs/cgroup", proc: str = "/proc/self/cgroup") -> CgroupRoom | None:
+    """This process's `CgroupRoom`, or None where no limit is set or readable.
+
+    For example:
+        found = cgroup_room()  # CgroupRoom(own="/job/7/rank0", limiting="/job/7", room=...)
+    """
     found = _controller(root, proc)
     if found is None:
         return None
@@ -50,8 +73,41 @@ def memory_room(root: str = "/sys/fs/cgroup", proc: str = "/proc/self/cgroup") -
         except (OSError, ValueError):
             continue
         if limit is not None:
-            rooms.append(limit - usage)
-    return min(rooms) if rooms else None
+            rooms.append((limit - usage, "/" + "/".join(parts[:depth])))
+    if not rooms:
+        return None
+    room, limiting = min(rooms)
+    return CgroupRoom("/" + "/".join(parts), limiting, room)
+
+
+def share_per_rank(found: Sequence[tuple[int, CgroupRoom | None]]) -> int | None:
+    """The bytes every rank may still take: each rank's room shared by the ranks of its node
+    inside the same limiting cgroup, the smallest over ranks. `found`: (node, its CgroupRoom
+    or None) per rank; None when no rank has a limit.
+
+    Example:
+        >>> shared = [(0, CgroupRoom("/job", "/job", 800)), (0, CgroupRoom("/job", "/job", 800))]
+        >>> share_per_rank(shared)  # a Slurm job's cgroup, two ranks in it
+        400
+        >>> own = [(0, CgroupRoom("/r0", "/r0", 800)), (0, CgroupRoom("/r1", "/r1", 700))]
+        >>> share_per_rank(own)  # a cgroup each
+        700
+    """
+    shares = []
+    for node, room in found:
+        if room is None:
+            continue
+        inside = sum(
+            1
+            for other_node, other in found
+            if other_node == node and other is not None and _within(other.own, room.limiting)
+        )
+        shares.append(room.room // max(1, inside))
+    return min(shares) if shares else None
+
+
+def _within(path: str, ancestor: str) -> bool:
+    return path == ancestor or path.startswith(ancestor.rstrip("/") + "/")
 
 
 def _controller(root: str, proc: str):

@@ -14,6 +14,7 @@ import keras
 import numpy as np
 
 import hyparflow as hf
+from hyparflow.auto.choose import last_choice
 from hyparflow.memory.resident import PeakGrowth, resident_bytes
 from tests.support.report import args, report, run_or_abort
 
@@ -46,7 +47,9 @@ def layout(spec: str) -> hf.Strategy:
     state sharded over the replicas, ZeRO-1), "zero2" (its gradients too), "params" (stages
     balanced by parameters), "scope" (built under hf.scope(), see `measure`), "segment"
     (`update_by_segment=True`; "whole": False), "interleaved" (two model chunks a stage, 4
-    micro-batches)."""
+    micro-batches). "auto[,scope]": the planner picks the layout (hf.fit's default)."""
+    if spec.split(",")[0] == "auto":  # the planner's pick (hf.fit's default)
+        return hf.Strategy()
     p, r, t, *flags = spec.split(",")
     kind = "data" if int(p) == 1 else ("model" if int(r) == 1 else "hybrid")
     balance = "params" if "params" in flags else "layers"
@@ -78,6 +81,8 @@ def measure(spec: str, shape: str, optimizer: str = "adam") -> dict:
         history = hf.fit(
             model, x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False, strategy=strategy
         )
+    if strategy.leaves_layout_open() and hf.size() > 1:
+        strategy = last_choice(model, hf.size()).strategy  # what the planner picked
     plan = hf.memory_plan(model, strategy, batch_size=BATCH)
     line = plan.ranks[hf.rank()]
     trainer = getattr(model, "_hyparflow_trainer", (None, None))[1]  # none in one process
@@ -89,6 +94,8 @@ def measure(spec: str, shape: str, optimizer: str = "adam") -> dict:
     )
     return {
         "spec": spec,
+        "layout": [strategy.partitions, strategy.replicas, strategy.tensor],
+        "sharding": strategy.sharding,
         "growth": growth.bytes,
         "exact_peak": growth.exact,
         "base": base,
