@@ -25,6 +25,10 @@ CPUS = 2
 # sooner (it keeps its sleep under half of MinJobAge, Slurm's sbatch.c): with the default 300 s a
 # 12 s job is seen done after 42 s. 4 s keeps it polling every 2 s.
 MIN_JOB_AGE = 4
+# A requeued job may start again once its first run's credential has expired (slurm.conf(5),
+# AuthInfo's cred_expire, 120 s by default); starting it sooner fails with "Job credential
+# revoked". 30 s is still far longer than any step takes to launch here.
+CRED_EXPIRE = 30
 
 SLURM_CONF = """\
 ClusterName={cluster}
@@ -35,7 +39,7 @@ SlurmctldPort={ctld_port}
 SlurmdPort={slurmd_port}
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={munge_socket}
+AuthInfo=socket={munge_socket},cred_expire={cred_expire}
 StateSaveLocation={root}/state
 SlurmdSpoolDir={root}/spool
 TmpFS={root}/tmp
@@ -180,6 +184,7 @@ def start_cluster(extra_env: dict | None = None) -> SlurmCluster:
                 root=root,
                 cpus=CPUS,
                 min_job_age=MIN_JOB_AGE,
+                cred_expire=CRED_EXPIRE,
                 # job ids name PMIx's per-step folders: never reuse an earlier cluster's
                 first_job=random.randrange(1000, 1_000_000),
             )
