@@ -171,6 +171,18 @@ def slurm_counts(text: str) -> list[int]:
     return counts
 
 
+def slurm_slots(environ: Mapping[str, str]) -> list[int] | None:
+    """The ranks each node of the Slurm allocation holds: its tasks, else its CPUs; None where
+    Slurm says neither.
+
+    Example:
+        >>> slurm_slots({"SLURM_TASKS_PER_NODE": "2(x2)", "SLURM_JOB_CPUS_PER_NODE": "8(x2)"})
+        [2, 2]
+    """
+    counts = environ.get("SLURM_TASKS_PER_NODE") or environ.get("SLURM_JOB_CPUS_PER_NODE")
+    return slurm_counts(counts) if counts else None
+
+
 def fill_slots(slots: Sequence[int], ranks: int) -> list[int]:
     """How many of `ranks` land on each host when each is filled up to its slots in turn
     (Open MPI's default mapping); the ranks beyond all slots are not counted.
@@ -283,6 +295,11 @@ def _threads(env: Mapping[str, str], per_rank: int) -> dict[str, str]:
     return {name: str(value) for name, value in wanted.items() if name not in env}
 
 
+def _restart(options: Options) -> dict[str, str]:
+    """The variable telling the ranks which launch of a job with --max-restarts this is."""
+    return {} if options.restart is None else {RESTART_VARIABLE: str(options.restart)}
+
+
 def _mpirun_hosts(options: Options, facts: Facts) -> tuple[list[_Host], list[str], str]:
     """The hosts mpirun fills, its host arguments, and a phrase naming their slots."""
     env = facts.environ
@@ -306,8 +323,7 @@ def _mpirun_hosts(options: Options, facts: Facts) -> tuple[list[_Host], list[str
         )
     if _in_slurm(env):
         cpus = slurm_counts(env.get("SLURM_JOB_CPUS_PER_NODE") or str(facts.cores))
-        tasks = env.get("SLURM_TASKS_PER_NODE")
-        slots = slurm_counts(tasks) if tasks else cpus
+        slots = slurm_slots(env) or cpus
         hosts = [
             _Host(f"Slurm node {i}", c, s) for i, (c, s) in enumerate(zip(cpus, slots, strict=True))
         ]
@@ -346,9 +362,9 @@ def _mpirun(options: Options, facts: Facts, ranks: int, program: list[str]) -> L
         notes.append(_unbound(options, ranks, offered, crowded, per_rank, over=over))
     added = _threads(env, per_rank)
     names = list(THREAD_VARIABLES)
-    if options.restart is not None:
-        added[RESTART_VARIABLE] = str(options.restart)
-        names.append(RESTART_VARIABLE)
+    restart = _restart(options)
+    added.update(restart)
+    names += list(restart)  # its name, when there is one
     if facts.root:  # Open MPI refuses root unless told twice
         added.update({name: "1" for name in ROOT_VARIABLES if name not in env})
         names += ROOT_VARIABLES
@@ -436,7 +452,5 @@ def _srun(options: Options, facts: Facts, ranks: int, program: list[str]) -> Lau
         argv.append("--cpu-bind=cores")
     argv.append("--kill-on-bad-exit=1")  # like mpirun: a failed rank ends the job
     argv += [*options.launcher_args, *program]
-    added = _threads(env, per_rank)
-    if options.restart is not None:  # srun passes the whole environment on
-        added[RESTART_VARIABLE] = str(options.restart)
+    added = {**_threads(env, per_rank), **_restart(options)}  # srun passes them all on
     return Launch("srun", tuple(argv), added, tuple(notes))

@@ -19,7 +19,7 @@ from hyparflow.launch.command import (
     Options,
     parse_hostfile,
     parse_hosts,
-    slurm_counts,
+    slurm_slots,
 )
 from hyparflow.launch.preemption import PREEMPTED_STATUS
 
@@ -49,10 +49,7 @@ def job_hosts(options: Options, facts: Facts, slurm_nodes: Sequence[str]) -> lis
         listed = parse_hostfile(facts.read_text(options.hostfile))
         return [Host(name, facts.cores if slots is None else slots) for name, slots in listed]
     if slurm_nodes:
-        tasks = facts.environ.get("SLURM_TASKS_PER_NODE") or facts.environ.get(
-            "SLURM_JOB_CPUS_PER_NODE", ""
-        )
-        counts = slurm_counts(tasks) if tasks else [1] * len(slurm_nodes)
+        counts = slurm_slots(facts.environ) or [1] * len(slurm_nodes)
         return [Host(name, count) for name, count in zip(slurm_nodes, counts, strict=False)]
     return None
 

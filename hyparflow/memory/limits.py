@@ -62,9 +62,7 @@ def cgroup_room(root: str = "/sys/fs/cgroup", proc: str = "/proc/self/cgroup") -
         return None
     mount, path, names = found
     rooms = []
-    parts = [p for p in path.split("/") if p]
-    for depth in range(len(parts), -1, -1):
-        directory = os.path.join(mount, *parts[:depth])
+    for cgroup, directory in _ancestors(mount, path):
         try:
             with open(os.path.join(directory, names[0])) as f:
                 limit = parse_limit(f.read())
@@ -73,11 +71,19 @@ def cgroup_room(root: str = "/sys/fs/cgroup", proc: str = "/proc/self/cgroup") -
         except (OSError, ValueError):
             continue
         if limit is not None:
-            rooms.append((limit - usage, "/" + "/".join(parts[:depth])))
+            rooms.append((limit - usage, cgroup))
     if not rooms:
         return None
     room, limiting = min(rooms)
-    return CgroupRoom("/" + "/".join(parts), limiting, room)
+    return CgroupRoom(next(_ancestors(mount, path))[0], limiting, room)
+
+
+def _ancestors(mount: str, path: str):
+    """(cgroup path, its folder under `mount`) for the cgroup at `path` and each ancestor up
+    to the mount's root, innermost first."""
+    parts = [p for p in path.split("/") if p]
+    for depth in range(len(parts), -1, -1):
+        yield "/" + "/".join(parts[:depth]), os.path.join(mount, *parts[:depth])
 
 
 def share_per_rank(found: Sequence[tuple[int, CgroupRoom | None]]) -> int | None:
@@ -164,9 +170,7 @@ def _tightest(mount: str, path: str, name: str) -> int | None:
     """The smallest limit from the cgroup at `path` up to the mount's root. Inside a cgroup
     namespace the path may not exist under the mount, which then is the cgroup itself."""
     limits = []
-    parts = [p for p in path.split("/") if p]
-    for depth in range(len(parts), -1, -1):
-        directory = os.path.join(mount, *parts[:depth])
+    for _, directory in _ancestors(mount, path):
         try:
             with open(os.path.join(directory, name)) as f:
                 limits.append(parse_limit(f.read()))
