@@ -127,7 +127,9 @@ class Strategy:
       segment by segment; embedding tables stay whole (their row slices gathered after the
       backward). Where the stage cannot be cut (subclassed models, tensor or expert shards,
       layers shared by stages) or with `check_numerics`, it trains as `shard_optimizer` does
-      (rank 0 says so once); a custom `train_step` is refused, as with `shard_optimizer`.
+      (rank 0 says so once). Under a custom `train_step` (or `compute_loss`) the compiled
+      optimizer's `apply` steps this replica's slice, from the whole gradients the step's
+      tape makes (docs/zero.md, "A model's own step").
       Refused with `update_by_segment=False`. With one replica it changes nothing.
     - `shard_weights` (False): ZeRO-3, what other frameworks call FSDP (docs/zero.md),
       implying `shard_gradients`: each replica also keeps only its 1/replicas slice of the
@@ -141,7 +143,8 @@ class Strategy:
       callbacks, checkpoints and the model after the fit see the whole weights. A model
       built under `hf.scope()` allocates only its slices. Refused: weight regularizers,
       expert parallelism, the zero-bubble and interleaved schedules with a pipeline, and a
-      custom `train_step`. With one replica it changes nothing.
+      custom `train_step` (its tape differentiates the whole variables). With one replica it
+      changes nothing.
     - `sync_batchnorm` (False): True makes every BatchNormalization layer normalise by the
       statistics of the whole global batch, summed across replicas, as Keras's own
       `BatchNormalization(synchronized=True)` layers always are (then exactly Keras's

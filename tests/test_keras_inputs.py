@@ -9,6 +9,7 @@ import pytest
 from tests.mpi.data_inputs import CASES, EVALUATED, EVERY_CASE, REFUSED, WAYS_IN
 from tests.mpi.data_inputs import PER_OUTPUT_LOSS_WEIGHTS as LOSS_WEIGHTS
 from tests.support.custom_steps import CASES as CUSTOM_STEPS
+from tests.support.custom_steps import MIXED_TOLERANCE, SHARDED, SHARDED_REFUSED
 from tests.support.custom_steps import REFUSED as CUSTOM_REFUSED
 from tests.support.mpirun import run_scenario
 
@@ -101,6 +102,35 @@ def test_a_custom_step_that_cannot_equal_keras_is_refused(outcomes, case):
     strategy, _, says = CUSTOM_REFUSED[case]
     result = outcomes[0][f"{strategy}:{case}"]
     assert result["error"] is not None and says in result["error"], result
+
+
+REPLICA_LAUNCHES = ["outcomes", "hybrid_outcomes"]  # every rank a replica: R=2 and R=4
+
+
+@pytest.mark.timeout(1000)
+@pytest.mark.parametrize("launch", REPLICA_LAUNCHES)
+@pytest.mark.parametrize("case", sorted(SHARDED))
+def test_a_custom_step_trains_as_keras_with_a_slice_of_the_optimizer_state(request, launch, case):
+    """ZeRO-1/2 under the model's own step: its optimizer's apply steps each replica's slice
+    (sharded_optimizer/in_step.py), which holds 1/R of Adam's slots, up to padding."""
+    results, ranks = request.getfixturevalue(launch)
+    result = results[f"sharded:{case}"]
+    tolerance = MIXED_TOLERANCE if "mixed" in case else TOLERANCE
+    assert result["weights"] < tolerance and result["history"] < tolerance, result
+    assert abs(result["slot_ratio"] - 1 / len(ranks)) < 0.02, result
+    assert result["unpatched"], result
+    assert all(r["results"] == ranks[0]["results"] for r in ranks)
+
+
+@pytest.mark.timeout(1000)
+@pytest.mark.parametrize("launch", REPLICA_LAUNCHES)
+@pytest.mark.parametrize("case", sorted(SHARDED_REFUSED))
+def test_a_custom_step_that_sharding_cannot_train_is_refused(request, launch, case):
+    results, ranks = request.getfixturevalue(launch)
+    says = SHARDED_REFUSED[case][2]
+    for rank in ranks:
+        error = {r["case"]: r for r in rank["results"]}[f"sharded:{case}"]["error"]
+        assert error is not None and says in error, (rank["rank"], error)
 
 
 @pytest.mark.timeout(1000)

@@ -3,10 +3,12 @@
 A compiled step calls MPI from inside its graph (synchronised BatchNormalization's sums,
 tensor-parallel layers' allreduces) through `tf.numpy_function`. TensorFlow may run
 independent ops in any order, but every rank must enter a communicator's collectives in the
-same one, so each new collective waits for the last one created in its graph (creation order
-is the same on every rank: the graph is traced from the same code). The graph itself holds
-that last collective, in an attribute: it lives and goes with the graph. Each collective
-counts its calls, bytes and seconds in the `Traffic` record its caller passes
+same one, so each new collective takes the output of the last one created in its graph as an
+input it ignores (creation order is the same on every rank: the graph is traced from the same
+code). A data edge, not a control dependency: Grappler's dependency optimizer dropped such
+control edges between two collectives, and two ranks then ran them in different orders. The
+graph itself holds that last collective, in an attribute: it lives and goes with the graph.
+Each collective counts its calls, bytes and seconds in the `Traffic` record its caller passes
 (`comm/traffic.py`: the caller's trainer owns the records).
 """
 
@@ -36,9 +38,7 @@ def allreduce(comm, tensor, record: Traffic):
         record.record(start, time.perf_counter(), total.nbytes)
         return total.astype(array.dtype, copy=False)
 
-    return _ordered(
-        lambda: tf.numpy_function(reduce, [tensor], tensor.dtype, stateful=True), tensor.shape
-    )
+    return _ordered(reduce, [tensor], tensor.dtype, tensor.shape)
 
 
 def allgather(comm, tensor, axis: int, record: Traffic):
@@ -57,7 +57,26 @@ def allgather(comm, tensor, axis: int, record: Traffic):
     shape = tensor.shape.as_list() if tensor.shape.rank is not None else None
     if shape is not None and shape[axis] is not None:
         shape[axis] *= size
-    return _ordered(lambda: tf.numpy_function(gather, [tensor], tensor.dtype, stateful=True), shape)
+    return _ordered(gather, [tensor], tensor.dtype, shape)
+
+
+def reduce_scatter(comm, tensor, record: Traffic):
+    """This rank's block of the 1-D `tensor` summed over the ranks of `comm`: rank r receives
+    elements [r·n/R, (r+1)·n/R) of the sum (n, the length, a multiple of R; no gradient);
+    counted in `record`."""
+    size = comm.Get_size()
+
+    def scatter(array):
+        send = _wire(array)
+        received = np.empty(send.size // size, send.dtype)
+        start = time.perf_counter()
+        comm.Reduce_scatter_block(send, received, op=_sum())
+        record.record(start, time.perf_counter(), send.nbytes)
+        return received.astype(array.dtype, copy=False)
+
+    length = tensor.shape[0]
+    shape = [None if length is None else length // size]
+    return _ordered(scatter, [tensor], tensor.dtype, shape)
 
 
 def exchange(comm, counts, tensors: list, record: Traffic, expected=None, timed=None) -> tuple:
@@ -94,25 +113,28 @@ def exchange(comm, counts, tensors: list, record: Traffic, expected=None, timed=
 
     known = tf.zeros([0], tf.int32) if expected is None else expected
 
-    def make():
-        dtypes = [tf.int32] + [t.dtype for t in tensors]
-        return tf.numpy_function(swap, [counts, known, *tensors], dtypes, stateful=True)
-
-    outputs = _ordered(make, None)
+    dtypes = [tf.int32] + [t.dtype for t in tensors]
+    outputs = _ordered(swap, [counts, known, *tensors], dtypes, None)
     outputs[0].set_shape([size])
     for tensor, received in zip(tensors, outputs[1:], strict=True):
         received.set_shape([None] + tensor.shape.as_list()[1:])
     return outputs[0], outputs[1:]
 
 
-def _ordered(make, shape):
+def _ordered(function, inputs: list, dtypes, shape):
+    """`tf.numpy_function(function, inputs, dtypes)`, run after the last collective created in
+    the graph (its output an extra input `function` does not see), then the last one itself.
+    Several outputs (`exchange`): the first stands for the op."""
     graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
     previous = getattr(graph, _LAST_COLLECTIVE, None)
-    with tf.control_dependencies([previous] if previous is not None else []):
-        result = make()
+    after = [] if previous is None else [previous]
+    count = len(inputs)
+    result = tf.numpy_function(
+        lambda *arrays: function(*arrays[:count]), [*inputs, *after], dtypes, stateful=True
+    )
     if shape is not None:
         result.set_shape(shape)
-    if graph is not None:  # a list of outputs (`exchange`): the first stands for the op
+    if graph is not None:
         setattr(graph, _LAST_COLLECTIVE, result[0] if isinstance(result, list) else result)
     return result
 
@@ -121,6 +143,12 @@ def _wire(array):
     """A contiguous copy MPI can reduce in place."""
     dtype = array.dtype if array.dtype.type in _MPI_FLOATS else np.float32
     return np.array(array, dtype=dtype, copy=True)
+
+
+def _sum():
+    from mpi4py import MPI  # deferred, as in `_in_place`
+
+    return MPI.SUM
 
 
 def _in_place():

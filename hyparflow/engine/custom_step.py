@@ -5,8 +5,10 @@ the Keras guide's "Customizing what happens in fit()"). Under pure data parallel
 model lives on every rank, so each replica can run the model's own step on its share of the
 global batch, as Horovod does: while the step is traced, every optimizer of the model has its
 `apply` wrapped so that the gradients are summed over the replicas, each weighted by its share
-of the global batch, before the update. Metric states are summed over the replicas for the logs
-(`ReplicaMetrics`). docs/engine.md, "Custom training steps", says when this equals Keras.
+of the global batch, before the update (under ZeRO-1/2 the compiled optimizer's apply steps
+this replica's slice instead: sharded_optimizer/in_step.py). Metric states are summed over the
+replicas for the logs (`ReplicaMetrics`). docs/engine.md, "Custom training steps", says when
+this equals Keras.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from hyparflow.comm.agree import AgreedError
 from hyparflow.comm.in_graph import allreduce
 from hyparflow.data.batches import split_bounds, split_sizes
 from hyparflow.engine.keras_semantics.random_slices import slice_of
+from hyparflow.engine.sharded_optimizer.in_step import SlicedApply
 from hyparflow.engine.trainer import Trainer
 from hyparflow.intercept import Replaced
 from hyparflow.traced import traced
@@ -81,15 +84,21 @@ def _averaged_apply(apply, comm, traffic, weight, grads, trainable_variables=Non
 
 
 @contextlib.contextmanager
-def averaged_gradients(optimizers, comm, traffic, weight):
+def averaged_gradients(optimizers, comm, traffic, weight, sliced=None):
     """While active (around a call that may trace the step), each of `optimizers` applies the
     replicas' weighted sum of the gradients it is given (its allreduces counted in `traffic`);
-    afterwards they are as they were."""
+    `sliced` (ZeRO-1/2, a `SlicedApply`), if given, replaces its optimizer's apply by one that
+    steps this replica's slice. Afterwards they are as they were."""
 
     def averaging(apply):
         return functools.partial(_averaged_apply, apply, comm, traffic, weight)
 
-    with Replaced((opt, "apply", averaging) for opt in optimizers):  # these instances only
+    def replacing(optimizer):
+        if sliced is not None and optimizer is sliced.optimizer:
+            return lambda apply: sliced.replacing(apply, weight)
+        return averaging
+
+    with Replaced((opt, "apply", replacing(opt)) for opt in optimizers):  # these instances only
         yield
 
 
@@ -123,15 +132,25 @@ class CustomStepTrainer(Trainer):
         if self.topology.num_replicas > 1:
             _refuse_row_slices(model, self.parts.setting.row_kinds)
         self._equal_shares = needs_equal_shares(model)
+        self._sliced = self._sliced_apply()
         self._returned = None  # what the last step returned (Keras's logs of that batch)
         self._matches: dict = {}
         self._train_fn = traced(self._train_body, reduce_retracing=True)
         self._test_fn = traced(model.test_step, reduce_retracing=True)
 
+    def _sliced_apply(self) -> SlicedApply | None:
+        """ZeRO-1/2: the compiled optimizer's apply over this replica's slices, its state
+        built for them alone (None without sharding)."""
+        sharded = self.parts.sharded_update
+        if sharded is None:
+            return None
+        sharded.build_optimizer()
+        return SlicedApply(sharded, self.topology.stage_comm, self.traffic.of(TAG))
+
     def _train_body(self, data, weight, rows):
         optimizers = optimizers_of(self.model)
         sums = averaged_gradients(
-            optimizers, self.topology.stage_comm, self.traffic.of(TAG), weight
+            optimizers, self.topology.stage_comm, self.traffic.of(TAG), weight, self._sliced
         )
         # dropout: this share's rows of the global batch's masks, as the engine's own step
         with sums, slice_of(rows):

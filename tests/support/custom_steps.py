@@ -68,17 +68,25 @@ class TwoOptimizers(keras.Model):
         return {"step_loss": self.tracker.result()}
 
 
-def build(kind):
+def build(kind, policy="float32", **adam):
+    """`kind` over one seeded layer graph; compiled with Adam(0.01, **adam) unless it is
+    `TwoOptimizers`; its layers' dtype policy `policy` (mixed_float16: a loss-scale
+    optimizer)."""
     keras.utils.set_random_seed(3)
-    inputs = keras.Input((6,))
-    hidden = keras.layers.Dense(8, activation="tanh")(inputs)
-    hidden = keras.layers.Dropout(0.3)(hidden)  # each replica takes its rows of Keras's mask
-    model = kind(inputs, keras.layers.Dense(3, activation="softmax")(hidden))
+    keras.config.set_dtype_policy(policy)
+    try:
+        inputs = keras.Input((6,))
+        hidden = keras.layers.Dense(8, activation="tanh")(inputs)
+        hidden = keras.layers.Dropout(0.3)(hidden)  # each replica takes its rows of Keras's mask
+        outputs = keras.layers.Dense(3, activation="softmax", dtype="float32")(hidden)
+        model = kind(inputs, outputs)
+    finally:
+        keras.config.set_dtype_policy("float32")
     if kind is TwoOptimizers:
         model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9))
     else:
         model.compile(
-            optimizer=keras.optimizers.Adam(0.01),
+            optimizer=keras.optimizers.Adam(0.01, **adam),
             loss="sparse_categorical_crossentropy",
             metrics=["accuracy"],
         )
@@ -163,6 +171,89 @@ REFUSED = {  # name: (strategy, samples, what the error says)
     # its optimizer would get the replicas' row slices summed densely (engine/custom_step.py)
     "custom_train_step_table": ("data", 70, "receive row-sparse gradients"),
 }
+
+
+SHARDED = {  # name: (model class, build options, Strategy options); on 2 and on 4 ranks
+    "custom_train_step_shard_optimizer": (GuideStep, {}, {"shard_optimizer": True}),
+    "custom_train_step_shard_gradients": (GuideStep, {}, {"shard_gradients": True}),
+    # clipped by the whole model's norm, which each replica's slice alone does not know
+    "custom_train_step_global_clipnorm": (
+        GuideStep,
+        {"global_clipnorm": 0.05},
+        {"shard_gradients": True},
+    ),
+    # Keras's own step scales the loss: the replicas agree on skipping an overflowing step
+    "custom_compute_loss_mixed_float16": (
+        OwnLoss,
+        {"policy": "mixed_float16"},
+        {"shard_gradients": True},
+    ),
+}
+MIXED_TOLERANCE = 6e-3  # tests/test_zero.py's: unsharded data parallelism is as far from Keras
+
+
+def sharded(name: str) -> dict:
+    """Keras, then `hf.fit` (data, every rank a replica) with the optimizer state sharded, from
+    one seed; 64 samples in batches of 16, which split evenly over 2 or 4 replicas."""
+    kind, build_options, sharding = SHARDED[name]
+    x, y = X[:64], Y[:64]
+    options = dict(batch_size=16, epochs=2, shuffle=False, verbose=0)
+    strategy = hf.Strategy("data", **sharding)
+    runs = []
+    for fit in (
+        lambda m: m.fit(x, y, **options),
+        lambda m: hf.fit(m, x, y, **options, strategy=strategy),
+    ):
+        model = build(kind, **build_options)
+        keras.utils.set_random_seed(7)  # the same dropout masks in both runs
+        runs.append((model, fit(model).history))
+    (ref, ref_history), (model, history) = runs
+    slots = sum(int(np.prod(v.shape)) for v in model.optimizer.variables if len(v.shape) > 0)
+    weights = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+    return {
+        "case": f"sharded:{name}",
+        "weights": relative_difference(model.get_weights(), ref.get_weights()),
+        "history": history_difference(history, ref_history),
+        "slot_ratio": slots / (2 * weights),  # Adam: two slots per element
+        "unpatched": "apply" not in vars(model.optimizer),
+    }
+
+
+SHARDED_REFUSED = {  # name: (model class, Strategy options, what the error says)
+    "custom_train_step_shard_weights": (
+        GuideStep,
+        {"shard_weights": True},
+        "its tape differentiates",
+    ),
+    # the compiled optimizer updates two of the four variables: its slices span all four
+    "custom_step_two_optimizers_shard_gradients": (
+        TwoOptimizers,
+        {"shard_gradients": True},
+        "applies its compiled optimizer to 2 variables",
+    ),
+}
+
+
+def sharded_refused(name: str) -> dict:
+    kind, sharding, _ = SHARDED_REFUSED[name]
+    try:
+        hf.fit(
+            build(kind),
+            X[:64],
+            Y[:64],
+            batch_size=16,
+            verbose=0,
+            strategy=hf.Strategy("data", **sharding),
+        )
+        error = None
+    except ValueError as raised:
+        error = str(raised)
+    return {"case": f"sharded:{name}", "error": error}
+
+
+def sharded_results() -> list[dict]:
+    """The sharded cases and refusals (run by each launch: every rank a replica)."""
+    return [sharded(name) for name in SHARDED] + [sharded_refused(name) for name in SHARDED_REFUSED]
 
 
 def results() -> list[dict]:

@@ -42,17 +42,17 @@ def applies_per_variable(optimizer) -> bool:
     )
 
 
-def apply_clipped(optimizer, grads, variables, norm) -> None:
-    """`optimizer.apply` after Keras's `clip_by_global_norm` by `norm`, the whole model's
-    gradient norm (a stage, a group or a slice alone would clip by its own). NaN if `norm` is
-    not finite, as Keras's."""
+def apply_clipped(optimizer, grads, variables, norm, apply=None) -> None:
+    """`optimizer.apply` (or `apply`, that method as it was before a replacement) after Keras's
+    `clip_by_global_norm` by `norm`, the whole model's gradient norm (a stage, a group or a
+    slice alone would clip by its own). NaN if `norm` is not finite, as Keras's."""
     inner = inner_optimizer(optimizer)
     clip = inner.global_clipnorm
     scale = clip * ops.minimum(1.0 / norm, 1.0 / clip) + (norm - norm)
     inner.global_clipnorm = None
     try:
         # a table's row slices times the scale become dense, as in Keras's own clipping
-        optimizer.apply([g * tf.cast(scale, g.dtype) for g in grads], variables)
+        (apply or optimizer.apply)([g * tf.cast(scale, g.dtype) for g in grads], variables)
     finally:
         inner.global_clipnorm = clip
 

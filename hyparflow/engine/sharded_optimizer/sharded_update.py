@@ -316,7 +316,7 @@ class ShardedUpdate:
         optimizer's step; the new slice values."""
         groups, whole = self._targets_at(group)
         if not self.weights_sharded:  # else the slices are the weights
-            self._load_slices(groups)
+            self.load_slices(groups)
         slices, kept = list(grads[: len(groups)]), list(grads[len(groups) :])
         if regularize:
             slices = self._regularized_slices(groups, slices, scale)
@@ -430,7 +430,7 @@ class ShardedUpdate:
             total = self.topology.pipeline_comm.allreduce(whole + split)
         return tf.constant(math.sqrt(total), tf.float32)
 
-    def _load_slices(self, groups=None) -> None:
+    def load_slices(self, groups=None) -> None:
         """Each slice variable (of `groups`, default all) takes its elements of the stage's
         variables, which are the truth between steps (restores, callbacks and tensor shards
         write those)."""

@@ -1,0 +1,126 @@
+"""ZeRO-1 and ZeRO-2 under a model's own step: its optimizer's `apply`, compiled inside that
+step, updates this replica's slice.
+
+A step of the model's own (engine/custom_step.py: an overridden `train_step`, or Keras's step
+around an overridden `compute_loss`) makes whole gradients with its own tape and hands them to
+the compiled optimizer's `apply`. While the step is traced, that `apply` is replaced by
+`SlicedApply`: the gradients, each replica's weighted by its share of the global batch, are
+flattened into the stage's slice groups (`ShardedUpdate.groups`, one flat vector per dtype)
+and reduce-scattered; under loss scaling the replicas agree on whether any slice overflowed;
+`global_clipnorm` clips by the whole model's norm (squares summed over the replicas); the
+optimizer steps this replica's slice variables, for which alone it built its state; the new
+slices are all-gathered into the variables, which stay the truth between steps. Checkpoints
+and the fit's end read the same slices as under the engine's own step (`SliceCheckpoint`).
+
+The step's own gradients are whole, since its tape makes them: `shard_gradients` shards only
+their reduced sums. `shard_weights` is refused (model_checks): the step's tape differentiates
+the variables themselves, so they must hold their whole values.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import tensorflow as tf
+from keras.optimizers import LossScaleOptimizer
+
+from hyparflow.comm.in_graph import allgather, allreduce, reduce_scatter
+from hyparflow.engine.gradients.update import apply_clipped, inner_optimizer
+
+
+class SlicedApply:
+    """The replacement of the compiled optimizer's `apply` in a model's own step, over
+    `sharded`'s slices (a `ShardedUpdate` of the whole model, one replica's); its collectives
+    run over `comm` (the replicas) and count in `traffic`.
+
+    Example:
+        sliced = SlicedApply(sharded, comm, traffic)
+        with Replaced([(optimizer, "apply", lambda apply: sliced.replacing(apply, weight))]):
+            model.train_step(data)  # traced: its optimizer.apply steps this replica's slice
+    """
+
+    def __init__(self, sharded, comm, traffic):
+        self.sharded = sharded
+        self.optimizer = sharded.model.optimizer
+        self.variables = list(sharded.variables)
+        self.comm, self.traffic = comm, traffic
+
+    def replacing(self, apply, weight):
+        """What stands for `apply` (the optimizer's method) while a step is traced, this
+        replica's gradients weighted by `weight` (a tensor: its share of the global batch)."""
+        return functools.partial(self._apply, apply, weight)
+
+    def _apply(self, apply, weight, grads, trainable_variables=None):
+        grads = self._in_stage_order(list(grads), trainable_variables)
+        groups = self.sharded.groups
+        slices = [self._reduced(group, grads, weight) for group in groups]
+        if isinstance(self.optimizer, LossScaleOptimizer):
+            slices = self._agreed_overflow(slices)
+        self.sharded.load_slices()  # the variables are the truth between steps
+        targets = [group.variable for group in groups]
+        if inner_optimizer(self.optimizer).global_clipnorm:
+            apply_clipped(self.optimizer, slices, targets, self._global_norm(slices), apply)
+        else:
+            apply(slices, targets)
+        for group in groups:
+            self._gather(group)
+
+    def _in_stage_order(self, grads: list, variables) -> list:
+        """`grads` of `variables` (None: the model's trainable variables) in the stage's order;
+        a step that applies the optimizer to other variables, or gives a variable no
+        gradient, is an error (raised alike on every replica, while tracing)."""
+        variables = self.variables if variables is None else list(variables)
+        given = {id(v): g for v, g in zip(variables, grads, strict=True)}
+        missing = [v.path for v in self.variables if given.get(id(v)) is None]
+        if missing or len(given) != len(self.variables):
+            raise ValueError(
+                f"{self.sharded.model.__class__.__name__}'s own step applies its compiled "
+                f"optimizer to {len(given)} variables, not to each of the model's "
+                f"{len(self.variables)} trainable variables with a gradient (missing: "
+                f"{missing[:3]}); sharding its state (shard_optimizer, shard_gradients) slices "
+                "it over all of them, so each step must apply it to all of them at once. Apply "
+                "it to self.trainable_variables, or leave the optimizer state unsharded."
+            )
+        return [tf.convert_to_tensor(given[id(v)]) for v in self.variables]
+
+    def _reduced(self, group, grads: list, weight):
+        """This replica's slice of `group`'s flattened gradients, weighted and summed over the
+        replicas, in the group's dtype."""
+        wire = group.reduced_dtype
+        flat = [tf.reshape(tf.cast(grads[i], wire), [-1]) for i in group.positions]
+        flat.append(tf.zeros([group.layout.padded - group.layout.length], wire))
+        weighted = tf.concat(flat, axis=0) * tf.cast(weight, wire)
+        return tf.cast(reduce_scatter(self.comm, weighted, self.traffic), group.dtype)
+
+    def _agreed_overflow(self, slices: list) -> list:
+        """`slices`, all NaN on every replica where any replica's holds a non-finite value:
+        the loss-scale optimizer then skips the step and lowers its scale everywhere, as one
+        process does when any gradient overflows."""
+        counts = [tf.reduce_sum(tf.cast(~tf.math.is_finite(s), tf.float32)) for s in slices]
+        overflowed = allreduce(self.comm, tf.reshape(tf.add_n(counts), [1]), self.traffic)[0] > 0
+        return [tf.where(overflowed, tf.fill(tf.shape(s), _nan(s.dtype)), s) for s in slices]
+
+    def _global_norm(self, slices: list):
+        """The whole model's gradient norm, unscaled (Keras's clipping reads the gradients the
+        loss-scale optimizer has divided by its scale): the slices' squares summed over the
+        replicas (their padding is zeros)."""
+        squares = tf.add_n([tf.reduce_sum(tf.square(tf.cast(s, tf.float32))) for s in slices])
+        total = allreduce(self.comm, tf.reshape(squares, [1]), self.traffic)[0]
+        scale = 1.0
+        if isinstance(self.optimizer, LossScaleOptimizer):
+            scale = tf.cast(self.optimizer.scale_loss(tf.constant(1.0)), tf.float32)
+        return tf.sqrt(total) / scale
+
+    def _gather(self, group) -> None:
+        """Every replica's updated slice of `group`, all-gathered, assigned to its variables."""
+        whole = allgather(self.comm, group.variable.value, 0, self.traffic)
+        layout = group.layout
+        for j, i in enumerate(group.positions):
+            variable = self.variables[i]
+            start = layout.offsets[j]
+            part = whole[start : start + layout.sizes[j]]
+            variable.assign(tf.reshape(part, variable.shape))
+
+
+def _nan(dtype):
+    return tf.constant(float("nan"), dtype)
