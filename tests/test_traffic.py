@@ -8,7 +8,7 @@ from mpi4py import MPI
 
 import hyparflow as hf
 from hyparflow.comm import in_graph
-from hyparflow.comm.in_graph import allgather, allreduce, exchange
+from hyparflow.comm.in_graph import allgather, allreduce, exchange, reduce_scatter
 from hyparflow.comm.traffic import Traffic, TrafficLog
 from hyparflow.data.batches import GlobalBatch
 from hyparflow.engine.custom_step import TAG, CustomStepTrainer, make_trainer
@@ -29,6 +29,31 @@ def test_each_collective_counts_only_in_the_record_it_is_given():
     # the module keeps no records of its own to count into besides
     held = {name: v for name, v in vars(in_graph).items() if not name.startswith("__")}
     assert not [v for v in held.values() if isinstance(v, (dict, Traffic, TrafficLog))]
+
+
+def test_collectives_in_a_graph_run_in_the_order_they_were_made_by_a_data_edge():
+    """Every rank must enter collectives in one order: each collective op takes the previous
+    one's output as an input (a control edge was dropped by Grappler; two ranks then ran two
+    collectives in different orders and hung). A variable passed in is read in its place."""
+    record = TrafficLog().of("tensor")
+    variable = tf.Variable(tf.ones([4]))
+
+    @tf.function
+    def step(x):
+        first = reduce_scatter(MPI.COMM_SELF, x, record)
+        second = allgather(MPI.COMM_SELF, variable, 0, record)  # independent of `first`
+        third = allreduce(MPI.COMM_SELF, x, record)
+        return first, second, third
+
+    graph = step.get_concrete_function(tf.TensorSpec([4], tf.float32)).graph
+    calls = [op for op in graph.get_operations() if op.type == "PyFunc"]
+    assert len(calls) == 3
+    for earlier, later in zip(calls, calls[1:], strict=False):
+        assert earlier.outputs[0].name in [t.name for t in later.inputs], (earlier, later)
+    first, second, third = step(tf.constant([1.0, 2.0, 3.0, 4.0]))
+    assert first.numpy().tolist() == [1.0, 2.0, 3.0, 4.0] and first.shape == [4]  # one rank
+    assert second.numpy().tolist() == [1.0] * 4 and third.numpy().tolist() == [1.0, 2.0, 3.0, 4.0]
+    assert record.calls == 3
 
 
 def test_a_listener_hears_the_calls_of_its_tags_until_cleared():
