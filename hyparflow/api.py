@@ -11,7 +11,7 @@ import numpy as np
 
 from hyparflow import _keras, checkpoint, deferred, devices, model_checks
 from hyparflow.auto.choose import Request, last_choice, planned_strategy
-from hyparflow.comm.agree import AgreedError, agree
+from hyparflow.comm.agree import AgreedError, agree, failure_comm, is_agreed
 from hyparflow.comm.backends import check_backend
 from hyparflow.comm.failure import run_collectively
 from hyparflow.comm.topology import Grid, placed
@@ -30,6 +30,7 @@ from hyparflow.engine.custom_step import make_trainer
 from hyparflow.engine.keras_semantics.sparse_probe import probe_row_kinds
 from hyparflow.engine.loops.epochs import evaluate_loop, fit_loop, predict_loop
 from hyparflow.engine.stages.agreed_plan import agreed_plan
+from hyparflow.engine.trainer import gather_back
 from hyparflow.engine.weights import held_elsewhere
 from hyparflow.launch.origin import relaunch_command
 from hyparflow.memory.one_process import check_fits_one_process
@@ -191,8 +192,30 @@ def _materialize_share(model, keep_deferred, restoring: bool) -> None:
 
 def _run(comm, work, model=None):
     """Run a collective loop: an error on any rank is raised on every rank (comm/failure.py);
-    `model`'s trainer, whose messages may be half-sent, is then dropped."""
-    return run_collectively(comm, work, on_failure=lambda: _drop_trainer(model))
+    `model`'s trainer, whose messages may be half-sent, is then dropped. Under ZeRO-3 the
+    model's variables first get their values back from the slices (`_give_back_weights`)."""
+
+    def recover():
+        _give_back_weights(comm, model)
+        _drop_trainer(model)
+
+    try:
+        return run_collectively(comm, work, on_failure=recover)
+    except Exception as error:
+        if is_agreed(error):  # raised at one point everywhere, or after `recover`
+            _give_back_weights(comm, model)
+        raise
+
+
+def _give_back_weights(comm, model) -> None:
+    """After a failed step on every rank: ZeRO-3's variables take their values from the slices,
+    over a duplicate of `comm` that the step did not use (collective over `comm`'s ranks;
+    nothing where no trainer holds slices)."""
+    cached = getattr(model, _TRAINER_ATTRIBUTE, None) if model is not None else None
+    if cached is None:
+        gather_back(failure_comm(comm), None, None)  # the others may hold slices
+    else:
+        cached[1].give_back_weights_after_failure(failure_comm(comm))
 
 
 def _drop_trainer(model) -> None:

@@ -386,6 +386,18 @@ def test_zero3_under_scope_trains_as_keras_and_saves_the_whole_optimizer(two_ran
 
 
 @pytest.mark.mpi
+def test_a_failed_zero3_fit_raises_everywhere_and_gives_the_weights_back(two_ranks):
+    """Rank 1 fails after 3 of 4 steps; every rank raises, and the model's variables hold the
+    weights of those 3 steps (all-gathered from the slices over a communicator the failed step
+    did not use), as Keras's fit on the first 3 batches."""
+    for r in two_ranks:
+        failed = r["failed_step"]
+        assert failed["error"] is not None and "injected failure after step 3" in failed["error"]
+        assert isinstance(failed["weights"], float), failed  # else NotHeldError's message
+        assert failed["weights"] < TOLERANCE, failed
+
+
+@pytest.mark.mpi
 def test_checkpoints_resume_across_zero_on_off_and_replica_counts(two_ranks):
     for r in two_ranks:
         resume = r["resume"]

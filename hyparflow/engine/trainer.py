@@ -497,6 +497,15 @@ class Trainer:
         if self.parts.sharded_weights is not None:
             self.parts.sharded_weights.restore()
 
+    def give_back_weights_after_failure(self, clean) -> None:
+        """ZeRO-3 after a step failed on every rank: the variables get their values back from
+        the slices, all-gathered over this stage's replicas split out of `clean` (a duplicate
+        of the fit's communicator that no failed step used: the stage's own may be left
+        mid-collective). Collective over `clean`: every rank calls it, with a trainer that
+        shards weights or not, and only if all of them hold slices do they gather."""
+        weights = self.parts.sharded_weights
+        gather_back(clean, weights, self.topology.stage_comm)
+
     @property
     def is_last(self) -> bool:
         return self.topology.is_last_stage
@@ -699,3 +708,25 @@ class Trainer:
         self.parts.walk.close()
         self.sharded_layers.free()
         self.topology.free()
+
+
+def gather_back(clean, weights, replicas) -> None:
+    """`weights.restore` over the replica group of `replicas` split out of `clean`, if every
+    rank of `clean` holds released slices (`weights` None: this rank holds none); collective
+    over `clean`."""
+    held = int(weights is not None and weights.released)
+    if not clean.allreduce(held, op=_mpi_min()):
+        return
+    # one color per replica group: the rank in `clean` of its replica 0
+    first = replicas.Get_group().Translate_ranks([0], clean.Get_group())[0]
+    group = clean.Split(color=first, key=replicas.Get_rank())
+    try:
+        weights.restore(over=group)
+    finally:
+        group.Free()
+
+
+def _mpi_min():
+    from mpi4py import MPI  # on use: importing it starts MPI
+
+    return MPI.MIN

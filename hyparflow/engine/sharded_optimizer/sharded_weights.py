@@ -105,13 +105,14 @@ class ShardedWeights:
         deferred.let_go(held, _WHILE_TRAINING)
         self.released = True
 
-    def restore(self) -> None:
+    def restore(self, over=None) -> None:
         """Give the variables their values again, all-gathered from the slices one group at a
-        time (collective over the replicas)."""
+        time (collective over the replicas: `comm`, or `over`, a communicator of the same
+        replicas in the same order that no failed step has left mid-collective)."""
         if not self.released:
             return
         for group in self.groups:
-            flat = self._all_gathered(group)
+            flat = self._all_gathered(group, over or self.comm)
             for j, i in enumerate(group.positions):
                 deferred.hold(self.variables[i], self._value_in(flat, group, j))
             flat = None
@@ -125,18 +126,19 @@ class ShardedWeights:
         wanted = sorted({g for g, _ in places})
 
         def gather() -> list:
-            flats = {g: self._all_gathered(self.groups[g]) for g in wanted}
+            flats = {g: self._all_gathered(self.groups[g], self.comm) for g in wanted}
             return [self._value_in(flats[g], self.groups[g], j) for g, j in places]
 
         return gather
 
-    def _all_gathered(self, group) -> np.ndarray:
-        """The group's whole padded flat vector: every replica's slice, in rank order."""
+    def _all_gathered(self, group, comm) -> np.ndarray:
+        """The group's whole padded flat vector: every replica's slice, in rank order over
+        `comm`."""
         mine = np.ascontiguousarray(group.variable.numpy())
         whole = np.empty(group.layout.padded, mine.dtype)
         with self._span(events.GATHER), self._guard("all-gather the weights over the replicas"):
             # bytes, so that any dtype travels (MPI has no float16 or bfloat16)
-            self.comm.Allgather(mine.view(np.uint8), whole.view(np.uint8))
+            comm.Allgather(mine.view(np.uint8), whole.view(np.uint8))
         self.sent_bytes += group.allgather_bytes
         return whole
 
