@@ -127,7 +127,7 @@ def _ordered(function, inputs: list, dtypes, shape):
     Several outputs (`exchange`): the first stands for the op."""
     graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
     previous = getattr(graph, _LAST_COLLECTIVE, None)
-    after = [] if previous is None else [previous]
+    after = [] if previous is None else [_token(previous)]
     count = len(inputs)
     result = tf.numpy_function(
         lambda *arrays: function(*arrays[:count]), [*inputs, *after], dtypes, stateful=True
@@ -137,6 +137,15 @@ def _ordered(function, inputs: list, dtypes, shape):
     if graph is not None:
         setattr(graph, _LAST_COLLECTIVE, result[0] if isinstance(result, list) else result)
     return result
+
+
+def _token(previous):
+    """What of `previous` the next collective takes: its first element, so that it is not
+    copied whole to the host for a function that ignores it (where its size is unknown or
+    0, all of it: an empty slice of a known shape could be folded into a constant)."""
+    flat = tf.reshape(previous, [-1])
+    known = flat.shape[0]
+    return flat[:1] if known else flat
 
 
 def _wire(array):
