@@ -24,6 +24,7 @@ import functools
 import tensorflow as tf
 from keras.optimizers import LossScaleOptimizer
 
+from hyparflow.comm.agree import AgreedError
 from hyparflow.comm.in_graph import allgather, allreduce, reduce_scatter
 from hyparflow.engine.gradients.update import apply_clipped, inner_optimizer
 
@@ -73,13 +74,15 @@ class SlicedApply:
         given = {id(v): g for v, g in zip(variables, grads, strict=True)}
         missing = [v.path for v in self.variables if given.get(id(v)) is None]
         if missing or len(given) != len(self.variables):
-            raise ValueError(
-                f"{self.sharded.model.__class__.__name__}'s own step applies its compiled "
-                f"optimizer to {len(given)} variables, not to each of the model's "
-                f"{len(self.variables)} trainable variables with a gradient (missing: "
-                f"{missing[:3]}); sharding its state (shard_optimizer, shard_gradients) slices "
-                "it over all of them, so each step must apply it to all of them at once. Apply "
-                "it to self.trainable_variables, or leave the optimizer state unsharded."
+            raise AgreedError(  # every replica traces the same step: raised alike everywhere
+                ValueError(
+                    f"{self.sharded.model.__class__.__name__}'s own step applies its compiled "
+                    f"optimizer to {len(given)} variables, not to each of the model's "
+                    f"{len(self.variables)} trainable variables with a gradient (missing: "
+                    f"{missing[:3]}); sharding its state (shard_optimizer, shard_gradients) slices "
+                    "it over all of them, so each step must apply it to all of them at once. Apply "
+                    "it to self.trainable_variables, or leave the optimizer state unsharded."
+                )
             )
         return [tf.convert_to_tensor(given[id(v)]) for v in self.variables]
 
