@@ -286,43 +286,6 @@ def resumes_four(folder: str) -> dict:
     }
 
 
-class _FailOnRank(keras.callbacks.Callback):
-    """Raises on rank `rank` alone after `steps` steps, the others carrying on into the next."""
-
-    def __init__(self, rank: int, steps: int):
-        super().__init__()
-        self.rank, self.steps = rank, steps
-
-    def on_train_batch_end(self, batch, logs=None):
-        if hf.rank() == self.rank and batch + 1 == self.steps:
-            raise RuntimeError(f"injected failure after step {self.steps}")
-
-
-def failed_step() -> dict:
-    """ZeRO-3 when one rank fails mid-epoch (rank 1, after 3 of 4 steps): every rank raises,
-    and the variables, let go while training, take their values from the slices: those of
-    Keras's fit after the 3 steps."""
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(64, 8)).astype("float32")
-    y = rng.normal(size=(64, 3)).astype("float32")
-    reference = _small_mlp(scope=False)
-    reference.fit(x[:48], y[:48], batch_size=16, epochs=1, shuffle=False, verbose=0)
-    model = _small_mlp(scope=False)
-    try:
-        hf.fit(
-            model, x, y, batch_size=16, epochs=1, shuffle=False, verbose=0,
-            strategy=hf.Strategy("data", shard_weights=True), callbacks=[_FailOnRank(1, 3)],
-        )  # fmt: skip
-        error = None
-    except Exception as raised:  # noqa: BLE001 - the message is what the test checks
-        error = str(raised)
-    try:
-        weights = relative_difference(model.get_weights(), reference.get_weights())
-    except hf.NotHeldError as not_held:
-        weights = str(not_held)
-    return {"error": error, "weights": weights}
-
-
 def main():
     folder, *cases = args()
     keras.config.disable_interactive_logging()
@@ -335,7 +298,6 @@ def main():
             "refusals": refusals(),
             "subclassed": subclassed(),
             "scoped": scoped(folder),
-            "failed_step": failed_step(),
             "resume": resumes_two(folder),
         }
     elif hf.size() == 4:

@@ -1,0 +1,55 @@
+"""ZeRO-3 when one rank fails mid-epoch, in a launch of its own (`python -m tests.mpi.zero_failure
+OUT`): after a peer left a collective half-entered, hf.fit's communicator is not fit for another
+fit in the same processes (docs/zero.md, "Not done"), so nothing may run after it in them.
+"""
+
+import keras
+import numpy as np
+
+import hyparflow as hf
+from tests.mpi.zero import _small_mlp
+from tests.support.compare import relative_difference
+from tests.support.report import args, report
+
+
+class _FailOnRank(keras.callbacks.Callback):
+    """Raises on rank `rank` alone after `steps` steps, the others carrying on into the next."""
+
+    def __init__(self, rank: int, steps: int):
+        super().__init__()
+        self.rank, self.steps = rank, steps
+
+    def on_train_batch_end(self, batch, logs=None):
+        if hf.rank() == self.rank and batch + 1 == self.steps:
+            raise RuntimeError(f"injected failure after step {self.steps}")
+
+
+def failed_step() -> dict:
+    """ZeRO-3 when one rank fails mid-epoch (rank 1, after 3 of 4 steps): every rank raises,
+    and the variables, let go while training, take their values from the slices: those of
+    Keras's fit after the 3 steps."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 8)).astype("float32")
+    y = rng.normal(size=(64, 3)).astype("float32")
+    reference = _small_mlp(scope=False)
+    reference.fit(x[:48], y[:48], batch_size=16, epochs=1, shuffle=False, verbose=0)
+    model = _small_mlp(scope=False)
+    try:
+        hf.fit(
+            model, x, y, batch_size=16, epochs=1, shuffle=False, verbose=0,
+            strategy=hf.Strategy("data", shard_weights=True), callbacks=[_FailOnRank(1, 3)],
+        )  # fmt: skip
+        error = None
+    except Exception as raised:  # noqa: BLE001 - the message is what the test checks
+        error = str(raised)
+    try:
+        weights = relative_difference(model.get_weights(), reference.get_weights())
+    except hf.NotHeldError as not_held:
+        weights = str(not_held)
+    return {"error": error, "weights": weights}
+
+
+if __name__ == "__main__":
+    args()
+    keras.config.disable_interactive_logging()
+    report({"rank": hf.rank(), "failed_step": failed_step()})
