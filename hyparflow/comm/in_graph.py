@@ -34,7 +34,7 @@ def allreduce(comm, tensor, record: Traffic):
     def reduce(array):
         total = _wire(array)
         start = time.perf_counter()
-        comm.Allreduce(_in_place(), total)
+        comm.Allreduce(_mpi("IN_PLACE"), total)
         record.record(start, time.perf_counter(), total.nbytes)
         return total.astype(array.dtype, copy=False)
 
@@ -70,7 +70,7 @@ def reduce_scatter(comm, tensor, record: Traffic):
         send = _wire(array)
         received = np.empty(send.size // size, send.dtype)
         start = time.perf_counter()
-        comm.Reduce_scatter_block(send, received, op=_sum())
+        comm.Reduce_scatter_block(send, received, op=_mpi("SUM"))
         record.record(start, time.perf_counter(), send.nbytes)
         return received.astype(array.dtype, copy=False)
 
@@ -154,14 +154,9 @@ def _wire(array):
     return np.array(array, dtype=dtype, copy=True)
 
 
-def _sum():
-    from mpi4py import MPI  # deferred, as in `_in_place`
-
-    return MPI.SUM
-
-
-def _in_place():
+def _mpi(name: str):
+    """`MPI.<name>` ("SUM", "IN_PLACE")."""
     # mpi4py's import starts MPI: deferred so that importing hyparflow never starts it.
     from mpi4py import MPI
 
-    return MPI.IN_PLACE
+    return getattr(MPI, name)

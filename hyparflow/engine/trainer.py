@@ -715,7 +715,7 @@ def gather_back(clean, weights, replicas) -> None:
     rank of `clean` holds released slices (`weights` None: this rank holds none); collective
     over `clean`."""
     held = int(weights is not None and weights.released)
-    if not clean.allreduce(held, op=_mpi_min()):
+    if not clean.allreduce(held, op=mpi_op("MIN")):
         return
     # one color per replica group: the rank in `clean` of its replica 0
     first = replicas.Get_group().Translate_ranks([0], clean.Get_group())[0]
@@ -724,9 +724,3 @@ def gather_back(clean, weights, replicas) -> None:
         weights.restore(over=group)
     finally:
         group.Free()
-
-
-def _mpi_min():
-    from mpi4py import MPI  # on use: importing it starts MPI
-
-    return MPI.MIN
