@@ -74,16 +74,20 @@ def _train_if_claimed(key: dict, train: Callable[[], dict]) -> dict | None:
     if os.path.exists(path) or not _claim(path):
         return None
     result = train()
-    with open(path + ".tmp", "wb") as f:
+    temporary = f"{path}.{os.getpid()}.tmp"
+    with open(temporary, "wb") as f:
         pickle.dump(result, f)
-    os.replace(path + ".tmp", path)
+    os.replace(temporary, path)
     return result
 
 
 def _claim(path: str) -> bool:
-    """True for the one rank of this launch that creates `path`'s claim file. A launch's ranks
-    share their parent (mpirun), so a claim left by a launch that failed holds no later one."""
-    claim = f"{path}.{os.getppid()}.claim"
+    """True for the one rank of this launch that creates `path`'s claim file. The claim names
+    the launch (PMIx's namespace: one per mpirun, the same on every emulated node, where each
+    node's ranks have their own daemon for a parent), so a claim left by a launch that failed
+    holds no later one."""
+    launch = os.environ.get("PMIX_NAMESPACE") or str(os.getppid())
+    claim = f"{path}.{launch}.claim"
     try:
         os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
     except FileExistsError:
