@@ -58,12 +58,14 @@ test-fast: setup
 	$(PY) -m pytest -m "not mpi" $(WORKERS_OPTION)
 
 # Every keras_hub family in data, pipeline and tensor layouts on 2 ranks (tests/test_hub_zoo.py;
-# `make test` runs a family of each kind) and tests/test_real_models.py with its zoo-only
-# families (ZOO_ONLY: the hybrid layouts too), then docs/models.md's table from the results
-# written to build/hub_zoo.json (scripts/zoo_table.py), whether or not every family passed.
+# `make test` runs three kinds), and the cases `make test` leaves out of tests/test_real_models.py,
+# tests/test_tensor_parallel.py and the planner's keras_hub test (tests/support/zoo_only.py),
+# then docs/models.md's table from the results written to build/hub_zoo.json
+# (scripts/zoo_table.py), whether or not every family passed.
+ZOO_TESTS := tests/test_hub_zoo.py tests/test_real_models.py tests/test_tensor_parallel.py \
+	tests/test_auto.py::test_keras_hub_causal_lms_are_planned_at_their_data_shapes_and_train_exactly
 zoo: setup
-	@HF_ZOO=all $(PY) -m pytest -m mpi tests/test_hub_zoo.py tests/test_real_models.py \
-		-p no:cacheprovider -rf; rc=$$?; \
+	@HF_ZOO=all $(PY) -m pytest -m mpi $(ZOO_TESTS) -p no:cacheprovider -rf; rc=$$?; \
 	$(PY) scripts/zoo_table.py; exit $$rc
 
 # TensorFlow 2.17 + tensorflow-io + Horovod 0.28.1 (source build) in .venv-compat.

@@ -5,6 +5,8 @@ run in one process in milliseconds. Training runs under a real `mpirun`: each ca
 model of tests/support/zoo.py with hf.fit and with Keras's own fit and compares weights and
 History (tests/mpi/real_models.py), and also reports which layers were split and the elements
 of its shards and of their optimizer slots, so a layout that silently split nothing fails.
+The keras_hub families that only `make zoo` trains (tests/support/zoo_only.py) are split here
+under `make zoo` too.
 """
 
 import json
@@ -22,6 +24,7 @@ from tests.mpi.real_models import TRAFFIC_CHECKED
 from tests.support import zoo
 from tests.support.cases import Case, two_stages
 from tests.support.equivalence import assert_within, launched
+from tests.support.zoo_only import in_this_run
 
 TOLERANCE = 1e-5
 
@@ -218,6 +221,7 @@ TWO_RANKS = [
     Case("falcon", "sgd", "data", tensor=2),
     Case("wide_mlp", "adam+clipnorm", "data", tensor=2, policy="mixed_float16"),
 ]
+TWO_RANKS = in_this_run(TWO_RANKS)  # Mistral and the others under `make zoo` only
 FOUR_RANKS = [
     two_stages("wide_mlp", "adam", tensor=2, microbatches=2, schedule="1f1b"),
     two_stages("wide_mlp", "sgd+globalclip", tensor=2, microbatches=2, recompute=True),

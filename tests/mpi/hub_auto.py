@@ -1,8 +1,8 @@
 """keras_hub's GPT-2 and Llama under hf.fit's default strategy (issue 66): their data is a dict
 of unknown lengths, which the planner times at the data's shapes; the pick trains as Keras does.
 
-Usage: `python -m tests.mpi.hub_auto OUT`. The Keras references are the zoo's
-(tests/mpi/hub_zoo.py), shared by the session.
+Usage: `python -m tests.mpi.hub_auto OUT FAMILY...` (hub_zoo's names: GPT2, Llama). The Keras
+references are the zoo's (tests/mpi/hub_zoo.py), shared by the session.
 """
 
 import keras
@@ -13,10 +13,8 @@ from hyparflow.auto.choose import last_choice
 from tests.mpi.hub_zoo import request
 from tests.support import hub_zoo, references
 from tests.support.compare import history_difference, relative_difference
-from tests.support.report import report, run_or_abort
+from tests.support.report import args, report, run_or_abort
 from tests.support.tolerances import tolerance
-
-FAMILIES = ("GPT2", "Llama")
 
 
 def trained(family: str) -> dict:
@@ -40,9 +38,10 @@ def trained(family: str) -> dict:
 
 def main():
     keras.config.disable_interactive_logging()
-    references.prefetch([request(family) for family in FAMILIES])
+    families = args()
+    references.prefetch([request(family) for family in families])
     found = {}
-    for family in FAMILIES:
+    for family in families:
         found[family] = trained(family)
         keras.backend.clear_session()
     report(found)
