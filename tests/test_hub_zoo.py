@@ -20,7 +20,7 @@ from tests.support.cases import Case, selected
 from tests.support.hub_zoo import BATCHNORM, FAMILIES, LEFT_OUT, REFUSED, hub_families
 from tests.support.mpirun import REPO, launch
 from tests.support.tolerances import FLOOR_CAP, TOLERANCE, tolerance
-from tests.support.zoo_only import ZOO_ENV
+from tests.support.zoo_only import ZOO_ENV, full_zoo
 
 # a sequence-to-sequence model, a vision transformer and an image and text model: the last two
 # look their position embeddings up with indices broadcast over the batch (issue 62). A causal
@@ -46,7 +46,7 @@ def layouts(family: str) -> dict[str, Case]:
 
 # HF_ZOO=all: every family; HF_ZOO=ViT,T5: those; unset: the slice
 _CHOSEN = os.environ.get(ZOO_ENV, "")
-FAMILY_NAMES = list(FAMILIES) if _CHOSEN == "all" else _CHOSEN.split(",") if _CHOSEN else SLICE
+FAMILY_NAMES = list(FAMILIES) if full_zoo() else _CHOSEN.split(",") if _CHOSEN else SLICE
 CASES = [case for family in FAMILY_NAMES for case in layouts(family).values()]
 LAYOUT = {case.id: name for f in FAMILIES for name, case in layouts(f).items()}
 
