@@ -119,12 +119,8 @@ def test_gathered_weights_give_the_same_gradients_statistics_dropout_and_inferen
     model = _model()
     x, y = _data()
     values = [tf.constant(v.numpy()) for v in model.trainable_variables]
-    calls = []
-
-    def gather():
-        calls.append(1)
-        return values
-
+    gather = _Values(values)
+    calls = gather.calls
     deferred.let_go(model.trainable_variables, "held by the test's gather")
     with pytest.raises(deferred.NotHeldError, match="held by the test's gather"):
         model.trainable_variables[0].numpy()
@@ -146,6 +142,70 @@ def test_gathered_weights_give_the_same_gradients_statistics_dropout_and_inferen
     for variable, value in zip(model.trainable_variables, values, strict=True):
         deferred.hold(variable, value)
     np.testing.assert_allclose(model(x, training=False).numpy(), inferred, rtol=1e-6)
+
+
+class _Values:
+    """A `WeightSource` of fixed values that counts its calls."""
+
+    def __init__(self, values):
+        self.values, self.calls = values, []
+
+    def __call__(self):
+        self.calls.append(1)
+        return self.values
+
+    def prefetch(self):
+        pass
+
+
+@pytest.mark.parametrize(
+    "order, gathers, reused",
+    [
+        # each backward right after its forward (1F1B at P=1): no recomputation, no gather
+        (("F0", "B0", "F1", "B1"), 2, 2),
+        # the last forward's backward comes first: only that one is reused
+        (("F0", "F1", "B1", "B0"), 3, 1),
+        # another micro-batch's backward first: the kept tape is let go, both recompute
+        (("F0", "F1", "B0", "B1"), 4, 0),
+    ],
+)
+def test_a_reused_forward_gives_the_recomputed_gradients_and_saves_its_gather(
+    runs, order, gathers, reused
+):
+    """ZeRO-3's last segment (`reuse_forward`): a backward that follows its own forward
+    differentiates the kept tape; any other forward or backward first lets the tape go, and
+    the backward recomputes, with the same Dropout masks and statistics either way."""
+    model = _model()
+    x, y = _data()
+    values = [tf.constant(v.numpy()) for v in model.trainable_variables]
+    deferred.let_go(model.trainable_variables, "held by the test's gather")
+    gather = _Values(values)
+    runner = StageRunner(
+        *_calls(model),
+        recompute=True,
+        state_variables=_state(model),
+        gather=gather,
+        reuse_forward=True,
+    )
+    parts = (slice(0, 8), slice(8, 12))
+    for action in order:
+        k = int(action[1])
+        if action[0] == "F":
+            runner.forward(k, tf.constant(x[parts[k]]), (tf.constant(y[parts[k]]), None))
+        else:
+            runner.backward(k)
+    assert (len(gather.calls), runner.reused_forwards) == (gathers, reused)
+    (plain, plain_stats, _) = runs[True]
+    for a, b in zip(plain, runner.take_gradients(), strict=True):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6, atol=1e-7)
+    for a, v in zip(plain_stats, model.non_trainable_variables, strict=True):
+        np.testing.assert_allclose(a, v.numpy(), rtol=1e-6)
+
+
+def test_reusing_a_forward_needs_recompute():
+    model = _model()
+    with pytest.raises(ValueError, match="reuse_forward saves a recomputation"):
+        StageRunner(*_calls(model), reuse_forward=True)
 
 
 def test_a_gathering_runner_must_recompute():

@@ -17,6 +17,7 @@ from hyparflow.callbacks.clock import ClockAligner
 from hyparflow.callbacks.summary import SUMMARY_FILE, RunSummary, write_summary
 from hyparflow.engine import events
 from hyparflow.engine.events import Recorder
+from hyparflow.engine.sharded_optimizer import sharded_weights
 from hyparflow.moe import expert_parallel
 from hyparflow.tensor import collectives
 
@@ -263,6 +264,8 @@ class ScalingProfiler(keras.callbacks.Callback):
             moved = {tag: [n - s for n, s in zip(now[tag], start[tag], strict=True)] for tag in now}
             calls, nbytes, _ = moved[_TAGS[kind][0]]  # the category's collectives, all of them
             mine[kind] = {"calls": calls, "bytes": nbytes}
+            if kind == events.GATHER:  # ZeRO-3's gathers ran ahead: how much compute hid
+                mine[kind]["hidden"] = _hidden_share(*moved[_TAGS[kind][0]], *moved[_TAGS[kind][1]])
             if kind == events.EXPERTS:  # dispatch, compute and combine apart
                 mine[kind]["phases"] = {
                     phase: _phase_totals(*moved[tag])
@@ -324,6 +327,7 @@ class ScalingProfiler(keras.callbacks.Callback):
 _TAGS = {
     events.TENSOR: (collectives.TAG,),
     events.EXPERTS: (expert_parallel.TAG, *expert_parallel.PHASE_TAGS.values()),
+    events.GATHER: (sharded_weights.TRANSFER_TAG, sharded_weights.WAIT_TAG),
 }
 
 
@@ -333,6 +337,12 @@ def _moved(traffic, kind: str) -> dict:
     experts' phases."""
     records = {tag: traffic.of(tag) for tag in _TAGS[kind]}
     return {tag: (r.calls, r.bytes, r.seconds) for tag, r in records.items()}
+
+
+def _hidden_share(calls, nbytes, seconds, _waits, _none, waited) -> dict:
+    """The gathers' time on their thread and the share of it the steps did not wait for."""
+    hidden = None if seconds <= 0 else max(0.0, 1.0 - waited / seconds)
+    return {"ms": 1000.0 * seconds, "waited_ms": 1000.0 * waited, "share": hidden}
 
 
 def _phase_totals(calls: int, nbytes: int, seconds: float) -> dict:

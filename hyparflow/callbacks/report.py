@@ -147,8 +147,9 @@ def format_report(summary: dict) -> str:
 
 
 def _collective_lines(ranks: list) -> list[str]:
-    """A line per category of in-graph collectives (tensor, experts): calls and bytes a rank
-    moved over the fit, and the mean size of one, the busiest rank's."""
+    """A line per category of in-graph collectives (tensor, experts, ZeRO-3's gathers): calls
+    and bytes a rank moved over the fit, and the mean size of one, the busiest rank's; for
+    the gathers also how much of their time compute hid."""
     found = ranks[0].get("collectives") or {} if ranks else {}
     lines = []
     for kind in found:
@@ -159,6 +160,12 @@ def _collective_lines(ranks: list) -> list[str]:
             f"{kind.capitalize()} collectives (busiest rank, whole fit): {calls:,} calls, "
             f"{nbytes / 2**20:,.2f} MiB{each}"
         )
+        hidden = busiest.get("hidden")
+        if hidden and hidden["share"] is not None:  # ZeRO-3's gathers, run ahead
+            lines.append(
+                f"  transfers {hidden['ms']:,.1f} ms, steps waited {hidden['waited_ms']:,.1f} ms: "
+                f"compute hid {100 * hidden['share']:.0f}% of the gather time"
+            )
         phases = busiest.get("phases") or {}
         if phases:  # experts: dispatch, compute, combine
             lines.append("  " + "; ".join(_phase_text(p, v) for p, v in phases.items()))

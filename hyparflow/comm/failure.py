@@ -94,6 +94,16 @@ def wait_all(requests, statuses=None) -> None:
         _active.wait(requests, statuses)
 
 
+def wait_until(done) -> None:
+    """Poll `done()` until it is true (a result another thread makes), leaving with
+    `PeerFailed` if the running loop's failure channel hears of a failure meanwhile."""
+    idle = Idle(_active.sharing if _active is not None else False)
+    while not done():
+        if _active is not None:
+            _active.check()
+        idle()
+
+
 def arrive(comm) -> None:
     """Before a blocking collective on `comm`: meet the other ranks, or raise `PeerFailed`."""
     if _active is not None:
@@ -152,6 +162,12 @@ def watched(comm):
     """`comm` (same handle) whose blocking collectives first `arrive`, so a peer's failure
     reaches a rank waiting in them."""
     return _watched_class()(comm)
+
+
+def unwatched(comm):
+    """`comm` (same handle) whose collectives do not meet first: for a thread other than the
+    one the failure channel watches (comm/background.py)."""
+    return _mpi().Intracomm(comm)
 
 
 def _watched_class():

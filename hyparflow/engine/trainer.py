@@ -340,7 +340,12 @@ def _sharded_weights(setting: Setting, variables, positions, spans) -> ShardedWe
         return None
     segments = sliced_segments(variables.all, variables.dense, positions, topology.stage_comm)
     return ShardedWeights(
-        segments, variables.all, topology.stage_comm, setting.guard, span=spans.span
+        segments,
+        variables.all,
+        topology.stage_comm,
+        setting.guard,
+        span=spans.span,
+        traffic=setting.traffic,
     )
 
 
@@ -706,6 +711,8 @@ class Trainer:
     def close(self) -> None:
         self.guard.close()
         self.parts.walk.close()
+        if self.parts.sharded_weights is not None:
+            self.parts.sharded_weights.close()
         self.sharded_layers.free()
         self.topology.free()
 

@@ -16,6 +16,7 @@ import numpy as np
 import hyparflow as hf
 from hyparflow.checkpoint import manifest
 from hyparflow.engine import events
+from hyparflow.engine.sharded_optimizer import sharded_weights
 from tests.mpi.reliability import BATCH, EPOCHS, _resume_each, train
 from tests.support import references, zoo
 from tests.support.cases import Case
@@ -62,12 +63,23 @@ def run(case: Case) -> dict:
         "shards_weights": trainer.shards_weights,
         "gathered_bytes": weights.sent_bytes if weights else None,
         "restores": weights.restores if weights else None,
+        # ZeRO-3: backwards that followed their forward and differentiated its kept tape, not
+        # gathering the last segment again; what that segment's gather sends
+        "reused": _last_segment(trainer).reused_forwards if weights else None,
+        "last_segment_bytes": sum(g.allgather_bytes for g in weights.segments[-1])
+        if weights
+        else None,
         "held_after": _held(model),
         "segments": len(getattr(trainer.parts.runner, "segments", [trainer.parts.runner])),
         "backwards": trainer.step  # one micro-batch a step (keras_hub's batched datasets)
         if batch_size is None
         else _backwards(len(x), batch_size, epochs, trainer.strategy),
     }
+
+
+def _last_segment(trainer):
+    """The runner of the stage's last segment (the stage's own where it is not cut)."""
+    return getattr(trainer.parts.runner, "segments", [trainer.parts.runner])[-1]
 
 
 def _held(model) -> bool:
@@ -216,7 +228,16 @@ def _gather_spans(model, x, y, strategy) -> dict:
     gathers = [s for s in spans if s.kind == events.GATHER]
     compute = [s for s in spans if s.kind in events.COMPUTE]
     inside = [any(c.start <= g.start <= g.end <= c.end for c in compute) for g in gathers]
-    return {"gather_spans": len(gathers), "recorded_steps": len(records), "inside": all(inside)}
+    transfers = trainer.traffic.of(sharded_weights.TRANSFER_TAG)
+    waits = trainer.traffic.of(sharded_weights.WAIT_TAG)
+    return {
+        "gather_spans": len(gathers),
+        "recorded_steps": len(records),
+        "inside": all(inside),
+        "transfers": transfers.calls,
+        "waits": waits.calls,
+        "steps": trainer.step,
+    }
 
 
 def resumes_two(folder: str) -> dict:

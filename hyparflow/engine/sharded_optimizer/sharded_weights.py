@@ -17,13 +17,20 @@ al., VLDB 2023) gathers a unit's parameters in the same places.
 from __future__ import annotations
 
 import contextlib
+import time
+from functools import partial
 
 import numpy as np
 import tensorflow as tf
 
 from hyparflow import deferred
+from hyparflow.comm.background import BackgroundCollectives
+from hyparflow.comm.failure import unwatched as _unwatched
+from hyparflow.comm.traffic import TrafficLog
 from hyparflow.engine import events
 
+TRANSFER_TAG = "gather"  # the steps' all-gathers of weights, on the gather thread
+WAIT_TAG = "gather/wait"  # the steps' waits for them: the part compute did not hide
 _WHILE_TRAINING = (
     "hf.fit holds this weight as slices spread over the replicas while it trains "
     "(Strategy shard_weights=True); the fit's end gives it back. Read weights after hf.fit, "
@@ -39,7 +46,9 @@ class ShardedWeights:
     (`events.Spans.span`: recorded inside a training step's forward and backward).
 
     `sent_bytes` counts the bytes this rank has sent in its all-gathers (ring volume),
-    `restores` the times the variables were given their values back.
+    `restores` the times the variables were given their values back. `traffic` (a
+    `TrafficLog`) gets the steps' gathers (`TRANSFER_TAG`: calls, bytes, seconds on the gather
+    thread) and their waits (`WAIT_TAG`: seconds the step waited for them).
 
     Example:
         weights = ShardedWeights(segments, variables, comm, guard)
@@ -49,7 +58,7 @@ class ShardedWeights:
         weights.restore()                 # collective: the variables hold values again
     """
 
-    def __init__(self, segments: list, variables: list, comm, guard, span=None):
+    def __init__(self, segments: list, variables: list, comm, guard, span=None, traffic=None):
         self.segments, self.variables, self.comm = segments, variables, comm
         self._span = span or (lambda kind: contextlib.nullcontext())
         self.groups = [group for groups in segments for group in groups]
@@ -61,6 +70,12 @@ class ShardedWeights:
         self.released = False
         self.sent_bytes = 0
         self.restores = 0
+        # the gathers of training steps run on a thread of their own, over a duplicate of
+        # `comm` made at the first; `traffic` counts them (TRANSFER_TAG) and the time the
+        # steps waited for them (WAIT_TAG): the rest of their time compute hid
+        self._ahead = self._ahead_comm = None
+        traffic = traffic or TrafficLog()
+        self._transfers, self._waits = traffic.of(TRANSFER_TAG), traffic.of(WAIT_TAG)
 
     def holds(self, variable) -> bool:
         """Whether `variable` is sliced here (tables and expert shards are not)."""
@@ -119,28 +134,65 @@ class ShardedWeights:
         self.released = False
         self.restores += 1
 
-    def gather_for(self, variables: list):
-        """A callable returning the current values of `variables` (each sliced here), in
-        order, all-gathered from the replicas' slices (collective when called)."""
+    def gather_for(self, variables: list) -> WeightGather:
+        """What returns the current values of `variables` (each sliced here), in order,
+        all-gathered from the replicas' slices (collective when called), and can start that
+        gather ahead (`WeightGather.prefetch`)."""
         places = [self._where[id(v)] for v in variables]
-        wanted = sorted({g for g, _ in places})
+        return WeightGather(self, places)
 
-        def gather() -> list:
-            flats = {g: self._all_gathered(self.groups[g], self.comm) for g in wanted}
-            return [self._value_in(flats[g], self.groups[g], j) for g, j in places]
+    def start_gathers(self, numbers: list) -> list:
+        """Start all-gathering groups `numbers` on the gather thread, in order: their
+        futures, each of the group's whole padded flat vector (`finish_gathers` waits)."""
+        if self._ahead is None:
+            self._ahead = BackgroundCollectives("hyparflow-gather")
+            self._ahead_comm = _unwatched(self.comm.Dup())
+        started = []
+        for g in numbers:
+            group = self.groups[g]
+            mine = np.ascontiguousarray(group.variable.numpy())
+            started.append(self._ahead.submit(partial(self._transfer, group, mine)))
+        return started
 
-        return gather
+    def finish_gathers(self, started: list) -> list:
+        """The flat vectors of `started` (`start_gathers`), once the thread has them; the
+        wait is the gather time compute did not hide (timed as a gather span)."""
+        begin = time.perf_counter()
+        with self._span(events.GATHER), self._guard("all-gather the weights over the replicas"):
+            flats = [self._ahead.wait(future) for future in started]
+        self._waits.record(begin, time.perf_counter(), 0)
+        return flats
+
+    def _transfer(self, group, mine: np.ndarray) -> np.ndarray:
+        """On the gather thread: the group's whole padded flat vector over its communicator."""
+        begin = time.perf_counter()
+        whole = np.empty(group.layout.padded, mine.dtype)
+        # bytes, so that any dtype travels (MPI has no float16 or bfloat16)
+        self._ahead_comm.Allgather(mine.view(np.uint8), whole.view(np.uint8))
+        self.sent_bytes += group.allgather_bytes
+        self._transfers.record(begin, time.perf_counter(), group.allgather_bytes)
+        return whole
+
+    def close(self) -> None:
+        """Stop the gather thread and free its communicator (collective where one exists)."""
+        if self._ahead is not None:
+            self._ahead.stop()
+            self._ahead_comm.Free()
+            self._ahead = self._ahead_comm = None
 
     def _all_gathered(self, group, comm) -> np.ndarray:
         """The group's whole padded flat vector: every replica's slice, in rank order over
-        `comm`."""
+        `comm` (blocking, on this thread: the restores)."""
         mine = np.ascontiguousarray(group.variable.numpy())
         whole = np.empty(group.layout.padded, mine.dtype)
-        with self._span(events.GATHER), self._guard("all-gather the weights over the replicas"):
-            # bytes, so that any dtype travels (MPI has no float16 or bfloat16)
+        with self._guard("all-gather the weights over the replicas"):
             comm.Allgather(mine.view(np.uint8), whole.view(np.uint8))
         self.sent_bytes += group.allgather_bytes
         return whole
+
+    def value_in(self, flat: np.ndarray, g: int, j: int):
+        """Variable j of group `g` as a tensor of its shape, read out of the group's `flat`."""
+        return self._value_in(flat, self.groups[g], j)
 
     def _value_in(self, flat: np.ndarray, group, j: int):
         """Variable j of `group` as a tensor of its shape, read out of the group's `flat`."""
@@ -148,3 +200,26 @@ class ShardedWeights:
         start = group.layout.offsets[j]
         values = flat[start : start + group.layout.sizes[j]].reshape(tuple(variable.shape))
         return tf.constant(values)
+
+
+class WeightGather:
+    """The current values of some variables of a `ShardedWeights` (`places`: each one's group
+    and index in it), all-gathered from the replicas' slices when called (collective: every
+    replica calls it alike). `prefetch()` starts that gather on the gather thread, so that
+    it runs while the caller computes something else; the next call then waits for it."""
+
+    def __init__(self, weights: ShardedWeights, places: list):
+        self._weights, self._places = weights, places
+        self._groups = sorted({g for g, _ in places})
+        self._started = None
+
+    def prefetch(self) -> None:
+        """Start the gather now (nothing if one is started and not taken yet)."""
+        if self._started is None:
+            self._started = self._weights.start_gathers(self._groups)
+
+    def __call__(self) -> list:
+        self.prefetch()
+        started, self._started = self._started, None
+        flats = dict(zip(self._groups, self._weights.finish_gathers(started), strict=True))
+        return [self._weights.value_in(flats[g], g, j) for g, j in self._places]

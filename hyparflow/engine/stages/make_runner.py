@@ -85,7 +85,8 @@ def build_runner(parts: RunnerParts, variables, sparse, form, layout, weights=No
     schedule, `SplitStageRunner`, gradients in `form` (`GradientForm`; `layout` the
     `FlatLayout` of the dense variables when `form.flat`). `weights` (ZeRO-3, a
     `ShardedWeights`): a `StageRunner` that gathers its other variables from it for every
-    call and recomputes its forward in the backward, its gradients a list."""
+    call and recomputes its forward in the backward (but where the backward comes right after
+    it: `reuse_forward`), its gradients a list."""
     layers = _keras.all_layers(parts.graph)
     strategy = parts.strategy
     whole = parts.model if parts.stage is None else None
@@ -107,6 +108,7 @@ def build_runner(parts: RunnerParts, variables, sparse, form, layout, weights=No
             input_grads=not parts.is_first,
             tally=parts.tally,
             gather=weights.gather_for([v for v in variables if id(v) not in tables]),
+            reuse_forward=True,
             **common,
         )
     if parts.stage is None and parts.tally is None:
@@ -168,7 +170,7 @@ def build_segmented_runner(parts: RunnerParts, variables, sub, sparse=(), weight
     a `SegmentedRunner`. `sparse`: the positions of `variables` that are embedding tables,
     whose row slices each segment keeps. `weights` (ZeRO-3, a `ShardedWeights`): each segment
     gathers its other variables from it for every call, and recomputes its forward in the
-    backward."""
+    backward, but the last segment's, whose backward comes right after it (`reuse_forward`)."""
     tables = {id(variables[i]) for i in sparse}
     last = len(sub.stages) - 1
     strategy = parts.strategy
@@ -199,6 +201,8 @@ def build_segmented_runner(parts: RunnerParts, variables, sub, sparse=(), weight
                 gather=None
                 if weights is None
                 else weights.gather_for([v for v in own if id(v) not in tables]),
+                # ZeRO-3: the last segment's backward follows its forward at once
+                reuse_forward=weights is not None and j == last,
             )
         )
     per_batch = row_sparse.per_batch_flags(variables, sorted(sparse), parts.row_kinds)

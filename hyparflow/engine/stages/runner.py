@@ -58,6 +58,17 @@ class Runner(Protocol):
     def take_gradients(self) -> list: ...
 
 
+class WeightSource(Protocol):
+    """Where a runner reads its dense variables' values from when they hold none between
+    calls (ZeRO-3: `ShardedWeights.gather_for`, an all-gather of the replicas' slices)."""
+
+    def __call__(self) -> list:
+        """The values now, in the runner's `dense` order (collective)."""
+
+    def prefetch(self) -> None:
+        """Start getting them, so that the next call finds them ready."""
+
+
 class RunnerBase:
     """The part of a runner that is the same whether forward and backward are one compiled call
     (`FusedRunner`) or a taped forward and a later backward (`StageRunner`).
@@ -75,7 +86,8 @@ class RunnerBase:
     once, before its first call, with the batch size and the varying lengths unknown, instead of
     once per micro-batch shape (or, for a model that cannot take a length unknown, once per
     length: `relaxed.Traces`); without them (None), it traces as the data comes, at most twice
-    (`reduce_retracing`, as Keras's own train function).
+    (`reduce_retracing`, as Keras's own train function). `gather` (a `WeightSource`): the
+    dense variables hold no values between calls, and each call reads them from it.
     """
 
     def __init__(
@@ -124,6 +136,12 @@ class RunnerBase:
         with self.reading(params):
             outputs = self._call(inputs, False)
             return outputs, self._added()
+
+    def prefetch(self) -> None:
+        """Start getting the dense variables' values for the next call from `gather`, so that
+        the transfer runs while something else computes; nothing without one."""
+        if self._gather is not None:
+            self._gather.prefetch()
 
     def gathered(self):
         """The dense variables' values from `gather` (None without one)."""

@@ -40,11 +40,27 @@ class SegmentedRunner:
         self._accumulated: dict[int, object] = {}
 
     def forward(self, microbatch: int, inputs, targets=None, scale=1.0, rows=None):
-        for segment in self.segments[:-1]:
+        for segment in self.segments:  # a kept tape is not held through the others' forwards
+            segment.drop_kept_forwards()
+        last = len(self.segments) - 1
+        for j, segment in enumerate(self.segments[:-1]):
+            self._gather_ahead(j, j + 1)
             inputs = segment.forward(microbatch, inputs, scale=scale, rows=rows)
+        self._gather_ahead(last)
         outputs = self.segments[-1].forward(microbatch, inputs, targets, scale, rows)
         self.last_added = tf.add_n([s.last_added for s in self.segments])
         return outputs
+
+    def _gather_ahead(self, *numbers: int, microbatch=None) -> None:
+        """ZeRO-3: start the weight gathers of segments `numbers`, in order, so that the next
+        one's transfer runs while this one computes (FSDP's prefetch); with `microbatch`, only
+        those whose backward of it will gather (it recomputes). Nothing for segments that do
+        not gather."""
+        for j in numbers:
+            if microbatch is None:
+                self.segments[j].prefetch()
+            else:
+                self.segments[j].prefetch_backward(microbatch)
 
     @property
     def has_added_losses(self) -> bool:
@@ -60,6 +76,7 @@ class SegmentedRunner:
         """Backward through the segments, last first; `on_segment_done(j)` after segment j."""
         grads = output_grads
         for j in reversed(range(len(self.segments))):
+            self._gather_ahead(j, *([j - 1] if j else []), microbatch=microbatch)
             grads = self.segments[j].backward(microbatch, grads)
             if on_segment_done is not None:
                 on_segment_done(j)
@@ -68,8 +85,11 @@ class SegmentedRunner:
         return grads
 
     def infer(self, inputs):
-        for segment in self.segments[:-1]:
+        last = len(self.segments) - 1
+        for j, segment in enumerate(self.segments[:-1]):
+            self._gather_ahead(j, j + 1)
             inputs = segment.infer(inputs)
+        self._gather_ahead(last)
         outputs = self.segments[-1].infer(inputs)
         self.last_added = tf.add_n([s.last_added for s in self.segments])
         return outputs

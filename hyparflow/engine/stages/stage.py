@@ -70,6 +70,14 @@ class StageRunner(RunnerBase):
     backward's recomputation and each inference gathers the dense variables' values afresh
     and differentiates them: the values live only during that call.
 
+    `reuse_forward=True` (with `recompute`) runs each forward under a tape as well and keeps
+    it until this runner's next forward or backward (or `drop_kept_forwards`): where that is
+    the same micro-batch's backward, it differentiates the tape instead of recomputing, and
+    (with `gather`) gathers nothing. It
+    saves a forward and a gather where the backward follows its forward at once (the last
+    segment of a stage, the last stage under 1F1B) and holds nothing a recomputation would
+    not: the kept activations and gathered values are what the backward needs next.
+
     `tally` (a `moe.RouterTally`, GPipe only): the mixture blocks' router losses of a step of
     several micro-batches. Each forward returns the blocks' routing counts and probability
     sums beside its outputs; each backward differentiates the sums with the gradient the
@@ -95,11 +103,17 @@ class StageRunner(RunnerBase):
         layout=None,
         flat_backward=True,
         tally=None,
+        reuse_forward=False,
         **common,
     ):
         super().__init__(call, variables, **common)  # RunnerBase's options
         if self._gather is not None and (not recompute or layout is not None):
             raise ValueError("a runner gathering its weights recomputes and keeps lists")
+        if reuse_forward and not recompute:
+            raise ValueError("reuse_forward saves a recomputation: it needs recompute=True")
+        self.reuse_forward = reuse_forward
+        self._kept_forwards = {}  # micro-batch -> (tape, what to differentiate), reuse_forward
+        self.reused_forwards = 0  # backwards that differentiated their forward's kept tape
         self._tally = tally
         self._last_routed = ()  # the last forward's routing counts and sums (with a tally)
         self.layout = layout
@@ -187,9 +201,15 @@ class StageRunner(RunnerBase):
         """
         scale = tf.constant(scale, tf.float32)
         rows = None if rows is None else tf.constant(rows, tf.int32)
+        self.drop_kept_forwards()
         if self.recompute:
             snapshot = [np.array(v.numpy()) for v in self.state_variables]
-            result, _ = self._taped_forward(inputs, targets, scale, rows, tape=None)
+            if self.reuse_forward:
+                with tf.GradientTape(watch_accessed_variables=False) as tape:
+                    result, differentiate = self._taped_forward(inputs, targets, scale, rows, tape)
+                self._kept_forwards[microbatch] = (tape, differentiate)
+            else:
+                result, _ = self._taped_forward(inputs, targets, scale, rows, tape=None)
             self._pending[microbatch] = (None, (inputs, targets, scale, rows, snapshot))
             if self._last_routed:
                 self._tally.forwarded(microbatch, *self._last_routed)
@@ -230,6 +250,17 @@ class StageRunner(RunnerBase):
             floats.append(added)
         return result, (inputs, watched, sources, floats + self._kept(routed))
 
+    def prefetch_backward(self, microbatch: int) -> None:
+        """`prefetch` for the backward of `microbatch`, where it will gather: it recomputes
+        its forward (no kept tape)."""
+        if self.recompute and microbatch not in self._kept_forwards:
+            self.prefetch()
+
+    def drop_kept_forwards(self) -> None:
+        """Let the kept forwards' tapes go (`reuse_forward`): another forward is about to run,
+        so their backwards will recompute instead of holding them meanwhile."""
+        self._kept_forwards.clear()
+
     def _kept(self, routed: tuple) -> list:
         """The routed sums to differentiate (their gradient from the tally); the counts and
         sums, for `forward` to hand the tally."""
@@ -258,7 +289,12 @@ class StageRunner(RunnerBase):
         inputs, None for integer inputs. The micro-batch's activations are released here.
         """
         tape, kept = self._pending.pop(microbatch)
-        if tape is None:
+        reused = self._kept_forwards.pop(microbatch, None)
+        self.drop_kept_forwards()  # another micro-batch's: not held through this backward
+        if reused is not None:
+            tape, kept = reused
+            self.reused_forwards += 1
+        elif tape is None:
             tape, kept = self._recomputed(*kept)
         inputs, watched, sources, targets = kept
         output_grads = self._with_routed_gradient(microbatch, output_grads)
