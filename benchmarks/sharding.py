@@ -12,7 +12,10 @@ the first, the ratio to plain data parallel paired by round. Bytes per rank: wha
 optimizer state, the step's gradient sums and the weights hold (the gradients a ZeRO-2 rank
 keeps are its slices plus one segment's; the weights a ZeRO-3 rank keeps, its slices), and
 what a rank sends per step (ZeRO-3: each micro-batch gathers each segment's weights twice,
-for its forward and for its backward's recomputation).
+for its forward and for its backward's recomputation, but the last segment's once: its
+backward follows its forward under 1F1B and differentiates that forward's tape). Every layout
+runs the 1F1B order: at one stage it only orders each micro-batch's backward right after its
+forward.
 """
 
 from __future__ import annotations
@@ -56,7 +59,9 @@ def worker(args) -> None:
 
     keras.config.disable_interactive_logging()
     strategies = {
-        name: hf.Strategy("data", microbatches=2, tune_process=True, **options)
+        # 1F1B: each micro-batch's backward right after its forward, as plain data
+        # parallelism's fused runner does; ZeRO-3's last segment then reuses its forward
+        name: hf.Strategy("data", microbatches=2, schedule="1f1b", tune_process=True, **options)
         for name, options in LAYOUTS.items()
     }
     models = {name: _model(args.model, args.quick) for name in LAYOUTS}
@@ -84,9 +89,13 @@ def _bytes(model) -> dict:
     else:
         step = sharded.step_bytes
         scatters = trainer.strategy.microbatches if trainer.shards_gradients else 1
-        # ZeRO-3 gathers each segment for each forward and backward instead of once a step
+        # ZeRO-3 gathers each segment for each forward and backward instead of once a step,
+        # but the last segment's backward, which follows its forward (1F1B), gathers nothing
         gathers = 2 * trainer.strategy.microbatches if trainer.shards_weights else 1
         sent = scatters * step["reduce_scatter"] + gathers * step["allgather"]
+        if trainer.shards_weights:
+            last = sum(g.allgather_bytes for g in sharded.segments[-1])
+            sent -= trainer.strategy.microbatches * last
         slices = sum(g.layout.slice_size * 4 for g in sharded.groups)
         segment = max(sum(g.layout.length * 4 for g in groups) for groups in sharded.segments)
         # ZeRO-2: its slices of the sums and one segment's gradients; else the whole gradients

@@ -530,10 +530,12 @@ FOUR_RANKS = [
     Case("equal_stages", "sgd", "hybrid", partitions=2, replicas=2, microbatches=2, schedule="1f1b")
 ]
 # collectives inside compute, in the 2-rank launch: tensor parallelism (two Dense pairs split
-# column then row) and expert parallelism (a Mixtral's experts split over 2 replicas)
+# column then row), expert parallelism (a Mixtral's experts split over 2 replicas) and
+# ZeRO-3's gathers of weights (their waits; the gathers run ahead on a thread)
 INNER = [
     Case("dense_pairs", "sgd", "data", tensor=2),
     Case("mixtral", "sgd", "data", replicas=2, experts=2),
+    Case("equal_stages_wide", "sgd", "data", replicas=2, microbatches=2, shard_weights=True),
 ]
 
 
@@ -730,7 +732,7 @@ def _assert_expert_phases(moved: dict) -> None:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("case", INNER, ids=str)
 def test_tensor_collectives_and_expert_exchanges_are_their_own_category(profiled_runs, case):
-    category = "tensor" if case.tensor > 1 else "experts"
+    category = "tensor" if case.tensor > 1 else "experts" if case.experts > 1 else "gather"
     kind_ms = scalars.KIND_MS[category]
     ranks = profiled_runs[case.id]
     log_dir = ranks[0]["log_dir"]
@@ -758,7 +760,10 @@ def test_tensor_collectives_and_expert_exchanges_are_their_own_category(profiled
     assert _png_size(os.path.join(log_dir, gantt.GANTT_FILE))
 
     result = summary.load_summary(os.path.join(log_dir, summary.SUMMARY_FILE))
-    assert result["layout"][category] == 2
+    if category == "gather":
+        assert result["layout"]["shard_weights"] is True
+    else:
+        assert result["layout"][category] == 2
     assert result["layout"]["kind"] == ("tensor" if category == "tensor" else "data")
     for row in [*result["ranks"], result["job"]]:
         ms = row["ms_per_step"]
@@ -769,10 +774,16 @@ def test_tensor_collectives_and_expert_exchanges_are_their_own_category(profiled
         assert moved["calls"] > 0 and moved["bytes"] > 0, row
         if category == "experts":
             _assert_expert_phases(moved)
+        if category == "gather":  # the transfers' time, and the share of it nobody waited for
+            hidden = moved["hidden"]
+            assert hidden["ms"] > 0 and 0 <= hidden["share"] <= 1, row
+            assert hidden["share"] == pytest.approx(1 - hidden["waited_ms"] / hidden["ms"]), row
     text = report.format_report(result)
     header = next(line.split() for line in text.splitlines() if line.startswith("rank"))
     assert header[header.index("compute") + 1] == category
     assert f"{category.capitalize()} collectives (busiest rank, whole fit):" in text
     if category == "experts":
         assert "dispatch " in text and "; compute " in text and "; combine " in text, text
+    if category == "gather":
+        assert "of the gather time" in text and "compute hid" in text, text
     print(f"{case}: ms per step {result['job']['ms_per_step']}")

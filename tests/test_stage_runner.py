@@ -17,6 +17,7 @@ from hyparflow.engine.gradients.flat import FlatLayout
 from hyparflow.engine.keras_semantics.metrics import build_outside_the_trace
 from hyparflow.engine.relaxed import declared_shapes
 from hyparflow.engine.stages.fused import FusedRunner
+from hyparflow.engine.stages.segments import SegmentedRunner
 from hyparflow.engine.stages.stage import StageRunner
 from tests.support.mpirun import POOLED_ALLOCATOR_ENV
 
@@ -505,3 +506,57 @@ def test_compiled_metrics_built_inside_a_step_leave_it_traced_once():
     want.update_state(y, model(x))
     want.update_state(y, model(x))
     np.testing.assert_allclose(metrics.result()["mae"], want.result(), rtol=1e-6)
+
+
+class _Logged(_Values):
+    """A `WeightSource` that logs each gather and prefetch by its segment's name."""
+
+    def __init__(self, values, name, log):
+        super().__init__(values)
+        self.name, self.log = name, log
+
+    def __call__(self):
+        self.log.append(f"gather {self.name}")
+        return super().__call__()
+
+    def prefetch(self):
+        self.log.append(f"prefetch {self.name}")
+
+
+def test_a_segment_starts_the_next_gather_once_its_own_is_read_out():
+    """ZeRO-3's prefetch through `SegmentedRunner`: forward, the next segment's gather starts
+    as soon as the current one has its values (so it runs while that one computes, and no
+    third segment's is in flight); backward, the earlier segment's, which recomputes, starts
+    at once where the last segment reuses its forward's tape."""
+    keras.utils.set_random_seed(3)
+    first, second = keras.layers.Dense(4), keras.layers.Dense(2)
+    first.build((None, 3))
+    second.build((None, 4))
+    log = []
+    segments = []
+    for j, (layer, loss) in enumerate([(first, None), (second, _mean_square)]):
+        values = [tf.constant(v.numpy()) for v in layer.trainable_variables]
+        segments.append(
+            StageRunner(
+                lambda inputs, training, layer=layer: layer(inputs),
+                layer.trainable_variables,
+                loss,
+                recompute=True,
+                gather=_Logged(values, f"s{j}", log),
+                reuse_forward=j == 1,
+                input_grads=j > 0,
+            )
+        )
+    deferred.let_go([*first.trainable_variables, *second.trainable_variables], "gathered")
+    runner = SegmentedRunner(segments, [*first.trainable_variables, *second.trainable_variables])
+    x = tf.constant(np.ones((2, 3), "float32"))
+    runner.forward(0, x, (tf.zeros((2, 2)), None))
+    assert log == ["gather s0", "prefetch s1", "gather s1"]
+    log.clear()
+    runner.backward(0)
+    assert log == ["prefetch s0", "gather s0"]  # s1 reused its tape, s0 recomputes
+    assert segments[1].reused_forwards == 1
+
+
+def _mean_square(y, y_pred, sample_weight):
+    return tf.reduce_mean(tf.square(y - y_pred))

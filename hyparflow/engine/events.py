@@ -109,6 +109,8 @@ class Recorder:
             yield
             return
         start = self.clock()
+        if microbatch is None:  # a span inside another (a gather's wait) is of its micro-batch
+            microbatch = self._microbatch
         outer, self._microbatch = self._microbatch, microbatch
         try:
             yield

@@ -108,6 +108,7 @@ class RunnerBase:
         self._per_batch = row_sparse.per_batch_flags(self.variables, self.sparse, row_kinds)
         self.dense = sorted(set(range(len(self.variables))) - set(self.sparse))
         self._gather = gather
+        self._after_gather = None  # what to start once the next gather is read out
         # The tf.Variable behind each Keras variable: what a tape can watch and differentiate
         # (none for variables read from `gather`, whose values are let go between steps).
         gathered = set(self.dense) if gather is not None else set()
@@ -137,15 +138,32 @@ class RunnerBase:
             outputs = self._call(inputs, False)
             return outputs, self._added()
 
+    @property
+    def gathers(self) -> bool:
+        """Whether each call reads the dense variables' values from `gather`."""
+        return self._gather is not None
+
     def prefetch(self) -> None:
         """Start getting the dense variables' values for the next call from `gather`, so that
         the transfer runs while something else computes; nothing without one."""
         if self._gather is not None:
             self._gather.prefetch()
 
+    def after_gather(self, action) -> None:
+        """Run `action()` once, as soon as the next call has its values from `gather` (e.g.
+        start the next runner's `prefetch`: after, not before, this one's values are read
+        out, so that at most two runners' gathered weights exist at once)."""
+        self._after_gather = action
+
     def gathered(self):
         """The dense variables' values from `gather` (None without one)."""
-        return None if self._gather is None else self._gather()
+        if self._gather is None:
+            return None
+        values = self._gather()
+        action, self._after_gather = self._after_gather, None
+        if action is not None:
+            action()
+        return values
 
     @contextlib.contextmanager
     def reading(self, values):

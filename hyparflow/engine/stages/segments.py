@@ -9,6 +9,8 @@ hands its variables' summed gradients to the reducer.
 
 from __future__ import annotations
 
+from functools import partial
+
 import tensorflow as tf
 
 from hyparflow.engine.gradients import sparse as row_sparse
@@ -42,25 +44,28 @@ class SegmentedRunner:
     def forward(self, microbatch: int, inputs, targets=None, scale=1.0, rows=None):
         for segment in self.segments:  # a kept tape is not held through the others' forwards
             segment.drop_kept_forwards()
-        last = len(self.segments) - 1
         for j, segment in enumerate(self.segments[:-1]):
-            self._gather_ahead(j, j + 1)
+            self._gather_next_after(j, self.segments[j + 1].prefetch)
             inputs = segment.forward(microbatch, inputs, scale=scale, rows=rows)
-        self._gather_ahead(last)
         outputs = self.segments[-1].forward(microbatch, inputs, targets, scale, rows)
         self.last_added = tf.add_n([s.last_added for s in self.segments])
         return outputs
 
-    def _gather_ahead(self, *numbers: int, microbatch=None) -> None:
-        """ZeRO-3: start the weight gathers of segments `numbers`, in order, so that the next
-        one's transfer runs while this one computes (FSDP's prefetch); with `microbatch`, only
-        those whose backward of it will gather (it recomputes). Nothing for segments that do
-        not gather."""
-        for j in numbers:
-            if microbatch is None:
-                self.segments[j].prefetch()
-            else:
-                self.segments[j].prefetch_backward(microbatch)
+    def _gather_next_after(self, j: int, start, backward_of=None) -> None:
+        """ZeRO-3's prefetch (FSDP's): `start()` the next segment's weight gather once segment
+        j has read its own out, so that it runs while segment j computes, and a rank holds
+        one segment's gathered weights and the next one's transfer, not three; at once where
+        segment j gathers nothing in this call (the backward of micro-batch `backward_of`
+        that differentiates its kept forward)."""
+        gathers = (
+            self.segments[j].gathers
+            if backward_of is None
+            else self.segments[j].gathers_in_backward(backward_of)
+        )
+        if gathers:
+            self.segments[j].after_gather(start)
+        else:
+            start()
 
     @property
     def has_added_losses(self) -> bool:
@@ -76,7 +81,9 @@ class SegmentedRunner:
         """Backward through the segments, last first; `on_segment_done(j)` after segment j."""
         grads = output_grads
         for j in reversed(range(len(self.segments))):
-            self._gather_ahead(j, *([j - 1] if j else []), microbatch=microbatch)
+            if j:
+                earlier = partial(self.segments[j - 1].prefetch_backward, microbatch)
+                self._gather_next_after(j, earlier, microbatch)
             grads = self.segments[j].backward(microbatch, grads)
             if on_segment_done is not None:
                 on_segment_done(j)
@@ -85,11 +92,9 @@ class SegmentedRunner:
         return grads
 
     def infer(self, inputs):
-        last = len(self.segments) - 1
         for j, segment in enumerate(self.segments[:-1]):
-            self._gather_ahead(j, j + 1)
+            self._gather_next_after(j, self.segments[j + 1].prefetch)
             inputs = segment.infer(inputs)
-        self._gather_ahead(last)
         outputs = self.segments[-1].infer(inputs)
         self.last_added = tf.add_n([s.last_added for s in self.segments])
         return outputs

@@ -250,10 +250,14 @@ class StageRunner(RunnerBase):
             floats.append(added)
         return result, (inputs, watched, sources, floats + self._kept(routed))
 
+    def gathers_in_backward(self, microbatch: int) -> bool:
+        """Whether the backward of `microbatch` gathers: it recomputes its forward (no kept
+        tape)."""
+        return self.gathers and self.recompute and microbatch not in self._kept_forwards
+
     def prefetch_backward(self, microbatch: int) -> None:
-        """`prefetch` for the backward of `microbatch`, where it will gather: it recomputes
-        its forward (no kept tape)."""
-        if self.recompute and microbatch not in self._kept_forwards:
+        """`prefetch` for the backward of `microbatch`, where it will gather."""
+        if self.gathers_in_backward(microbatch):
             self.prefetch()
 
     def drop_kept_forwards(self) -> None:
