@@ -760,6 +760,14 @@ def test_tensor_collectives_and_expert_exchanges_are_their_own_category(profiled
     assert _png_size(os.path.join(log_dir, gantt.GANTT_FILE))
 
     result = summary.load_summary(os.path.join(log_dir, summary.SUMMARY_FILE))
+    _assert_category_in_summary(result, category)
+    print(f"{case}: ms per step {result['job']['ms_per_step']}")
+
+
+def _assert_category_in_summary(result: dict, category: str) -> None:
+    """`profile.json` and the report: the category's layout entry, its milliseconds per
+    step, each rank's calls and bytes (the experts' phases, the gathers' hidden share) and
+    the report's column and lines."""
     if category == "gather":
         assert result["layout"]["shard_weights"] is True
     else:
@@ -786,4 +794,3 @@ def test_tensor_collectives_and_expert_exchanges_are_their_own_category(profiled
         assert "dispatch " in text and "; compute " in text and "; combine " in text, text
     if category == "gather":
         assert "of the gather time" in text and "compute hid" in text, text
-    print(f"{case}: ms per step {result['job']['ms_per_step']}")
