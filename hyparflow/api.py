@@ -16,7 +16,7 @@ from hyparflow.comm.backends import check_backend
 from hyparflow.comm.failure import run_collectively
 from hyparflow.comm.topology import Grid, placed
 from hyparflow.comm.watchdog import resolve_timeout
-from hyparflow.comm.world import launched, rank, size, world
+from hyparflow.comm.world import launched, loops_comm, rank, retire_loops_comm, size, world
 from hyparflow.data import make_source
 from hyparflow.data.fingerprint import data_digest, differing_ranks, mismatch_message
 from hyparflow.data.sources import (
@@ -193,11 +193,13 @@ def _materialize_share(model, keep_deferred, restoring: bool) -> None:
 def _run(comm, work, model=None):
     """Run a collective loop: an error on any rank is raised on every rank (comm/failure.py);
     `model`'s trainer, whose messages may be half-sent, is then dropped. Under ZeRO-3 the
-    model's variables first get their values back from the slices (`_give_back_weights`)."""
+    model's variables first get their values back from the slices (`_give_back_weights`),
+    and the next loop runs on a fresh communicator (`retire_loops_comm`)."""
 
     def recover():
         _give_back_weights(comm, model)
         _drop_trainer(model)
+        retire_loops_comm()  # a rank may have left a collective on it half-entered
 
     try:
         return run_collectively(comm, work, on_failure=recover)
@@ -386,7 +388,7 @@ def _check_fit_keys(fit_kwargs) -> None:
 def _distributed_fit(model, x, y, batch_size, epochs, resolved, options, **kwargs):
     """hf.fit on more than one rank; `options["planning"]`: an open "auto" strategy to plan
     the layout from (None: `resolved` is the layout)."""
-    comm = world()
+    comm = loops_comm()
     agree(comm, _check_fit_keys, kwargs)
     devices.prepare(comm, resolved.bind_gpus)  # one GPU per rank; CUDA-aware MPI or staging
     timeout = agree(comm, resolve_timeout, options["watchdog_timeout"])
@@ -486,7 +488,7 @@ def evaluate(
         keras_options = dict(sample_weight=sample_weight, steps=steps, callbacks=callbacks)
         keras_options.update(return_dict=return_dict, verbose=verbose)
         return _in_keras(model.evaluate, resolved, x, batch_size, y, **keras_options)
-    comm = world()
+    comm = loops_comm()
     devices.prepare(comm, resolved.bind_gpus)
     source = agree(comm, make_source, x, y, sample_weight, batch_size=batch_size)
     trainer = _make_trainer(model, resolved, comm, inputs=input_arrays(source))
@@ -529,7 +531,7 @@ def predict(
     )
     if size() == 1:
         return _in_keras(model.predict, resolved, x, batch_size, steps=steps, verbose=verbose)
-    comm = world()
+    comm = loops_comm()
     devices.prepare(comm, resolved.bind_gpus)
     source = agree(comm, make_source, x, batch_size=batch_size)
     trainer = _make_trainer(model, resolved, comm, needs_loss=False, inputs=input_arrays(source))

@@ -397,15 +397,17 @@ def test_zero3_under_scope_trains_as_keras_and_saves_the_whole_optimizer(two_ran
 
 @pytest.mark.mpi
 @pytest.mark.timeout(300)
-def test_a_failed_zero3_fit_raises_everywhere_and_gives_the_weights_back():
+def test_a_failed_zero3_fit_raises_everywhere_gives_the_weights_back_and_fits_again():
     """Rank 1 fails after 3 of 4 steps; every rank raises, and the model's variables hold the
     weights of those 3 steps (all-gathered from the slices over a communicator the failed step
-    did not use), as Keras's fit on the first 3 batches. Its own processes: not pooled."""
+    did not use), as Keras's fit on the first 3 batches. A second hf.fit in the same processes
+    then trains as Keras does. Its own processes: not pooled."""
     for r in run_scenario("zero_failure", 2, timeout=240, pooled=False):
         failed = r["failed_step"]
         assert failed["error"] is not None and "injected failure after step 3" in failed["error"]
         assert isinstance(failed["weights"], float), failed  # else NotHeldError's message
         assert failed["weights"] < TOLERANCE, failed
+        assert r["fit_after"]["weights"] < TOLERANCE, r["fit_after"]
 
 
 @pytest.mark.mpi

@@ -37,6 +37,26 @@ def world():
     return MPI.COMM_WORLD
 
 
+_LOOPS: list = []  # hyparflow's duplicate of the world, while no failed loop has left it
+
+
+def loops_comm():
+    """The communicator hyparflow's collective loops (hf.fit, evaluate, predict) run on: a
+    duplicate of the world, made at the first call (collective), so that what a loop leaves
+    half-done when a rank fails (a nonblocking barrier other ranks entered, comm/failure.py)
+    never meets a collective on the world, the user's or the next loop's. After such a failure
+    `retire_loops_comm` drops it, and the next call duplicates the world anew."""
+    if not _LOOPS:
+        _LOOPS.append(world().Dup())
+    return _LOOPS[0]
+
+
+def retire_loops_comm() -> None:
+    """Forget the loops' communicator after a loop failed on some ranks mid-collective. It is
+    not freed: requests the failure left on it stay pending forever."""
+    _LOOPS.clear()
+
+
 def rank() -> int:
     """This process's rank in the MPI world (0 when run without a launcher).
 
