@@ -411,15 +411,23 @@ def test_a_failed_zero3_fit_raises_everywhere_gives_the_weights_back_and_fits_ag
 
 
 @pytest.mark.mpi
-def test_checkpoints_resume_across_zero_on_off_and_replica_counts(two_ranks):
+def test_checkpoints_resume_across_zero_on_off_and_replica_counts_and_zero3_saves_slices(
+    two_ranks,
+):
     for r in two_ranks:
         resume = r["resume"]
         assert resume["files"] == ["stage-0-replica-1.npz", "stage-0.npz"]
         assert resume["segment_groups"] >= 2, resume
         # ZeRO -> off, -> 1 replica, -> by segment; off -> ZeRO; ZeRO by segment -> off
         names = ("off", "model2", "segments", "on", "segments_off")
-        for name in (*names, "zero3_on", "zero3_off", "zero3_zero1"):
+        zero3 = ("zero3_on", "zero3_off", "zero3_zero1", "zero3_inside", "zero3_inside_off")
+        for name in (*names, *zero3):
             assert resume[name] < 1e-6, f"rank {r['rank']}: {name} resume differs, {resume}"
+        # ZeRO-3 inside an epoch: each replica wrote its slices of the weights (as ranges of
+        # the flattened entries, which the resumes above joined), nobody a whole one
+        keys = resume["zero3_inside_keys"]
+        assert sorted(keys) == ["stage-0-replica-1.npz", "stage-0.npz"], keys
+        assert all(k["whole"] == 0 and k["ranges"] > 0 for k in keys.values()), keys
 
 
 @pytest.mark.mpi

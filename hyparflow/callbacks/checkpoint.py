@@ -112,7 +112,7 @@ class Checkpoint(keras.callbacks.Callback):
     def save(self, epoch: int, batch: int) -> str:
         """Save now (collective: every rank's callback calls it at the same point)."""
         trainer = self._require_trainer()
-        trainer.give_back_weights()  # ZeRO-3: the variables hold values while they are saved
+        # ZeRO-3 inside an epoch: each replica saves its slices of the weights, gathering none
         self.last_saved = store.save(
             trainer.stage_state,
             self.directory,

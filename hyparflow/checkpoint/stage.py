@@ -32,7 +32,9 @@ class StageState(Protocol):
     shard_variables: dict  # path -> the shard variable holding this rank's part of it
     # None, or (ZeRO-1) this replica's slice of the optimizer state: `optimizer_state(model,
     # split, shard, replica)` gives its entries, `restore_optimizer(model, state, split)` loads
-    # them; then every replica writes a file
+    # them; then every replica writes a file. Under ZeRO-3 also its slices of the weights the
+    # slices hold now: `weights_state(model, split, shard)`, and `holds_slices(variable)` says
+    # which (they are not read whole)
     optimizer_shard: Any
 
     def guard(self, operation: str) -> AbstractContextManager: ...

@@ -98,18 +98,24 @@ def _stage_state(stage: StageState) -> dict:
     """What this stage owns: its weights, its optimizer slots, its layers' seed states. A tensor
     rank, or an expert group position, writes its pieces of split variables; whole ones only
     the first tensor rank of replica 0 writes. Under ZeRO-1 each replica writes its slices of
-    the slots, replica 0 also the rest."""
+    the slots, replica 0 also the rest; under ZeRO-3, while the slices hold the weights, its
+    slices of those too."""
     model, split = stage.model, stage.split
     first = stage.shard == 0 and stage.replica == 0
     sharded = getattr(stage, "optimizer_shard", None)
     state = {}
     if sharded is not None and stage.variables and model.optimizer.built:
         state.update(sharded.optimizer_state(model, split, stage.shard, stage.replica))
+    if sharded is not None:  # ZeRO-3 inside an epoch: every replica its slices of the weights
+        state.update(sharded.weights_state(model, split, stage.shard))
     if not stage.writes_pieces:
         return state
     written = written_pieces(split, stage.shard, stage.replica)  # the first rank: every piece
     for i in stage.owned_weight_indices():
         path = model.weights[i].path
+        held = stage.shard_variables.get(path, model.weights[i])
+        if sharded is not None and sharded.holds_slices(held):
+            continue  # in the replicas' slices, written above
         if path in written:  # a rank's own shard is its piece
             state[split[path].key(f"w/{i}")] = np.asarray(stage.shard_variables[path].numpy())
         elif first:

@@ -153,7 +153,7 @@ def build_parts(model, strategy, comm, plan=None, **options) -> TrainerParts:
         sync, update, sharded, by_segment = _build_gradient_parts(
             setting, variables, runner, form, shared, overlap, weights
         )
-        stage_state = _training_state(setting, variables, sharded)
+        stage_state = _training_state(setting, variables, sharded, weights)
         gradient_path = build_gradient_path(
             sync,
             update,
@@ -246,8 +246,9 @@ def _runner_parts(setting, stage, output_losses, update_metrics, loss_adders) ->
     )
 
 
-def _training_state(setting, variables, sharded) -> TrainingState:
-    """The stage as checkpoints save and restore it (ZeRO-1: with its optimizer slices)."""
+def _training_state(setting, variables, sharded, weights) -> TrainingState:
+    """The stage as checkpoints save and restore it (ZeRO-1: with its optimizer slices;
+    ZeRO-3: with its weights' slices while they are let go)."""
     return TrainingState(
         setting.model,
         setting.topology,
@@ -256,7 +257,7 @@ def _training_state(setting, variables, sharded) -> TrainingState:
         setting.guard,
         *setting.sharded_layers.pieces(),
         experts=setting.strategy.experts,
-        optimizer_shard=None if sharded is None else SliceCheckpoint(sharded),
+        optimizer_shard=None if sharded is None else SliceCheckpoint(sharded, weights),
     )
 
 

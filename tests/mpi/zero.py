@@ -9,9 +9,11 @@ and off; on 4 ranks, a resume that changes R and P.
 
 import contextlib
 import os
+import shutil
 
 import keras
 import numpy as np
+from mpi4py import MPI
 
 import hyparflow as hf
 from hyparflow.checkpoint import manifest
@@ -263,12 +265,15 @@ def resumes_two(folder: str) -> dict:
     plain_results, _ = _resume_each(
         plain, {"same": hf.Strategy("data"), "on": zero, "zero3": zero3}
     )
-    # ZeRO-3 saves whole weights (given back for the save) and its optimizer slices
+    # ZeRO-3 saves whole weights at an epoch's end (given back for the callbacks) and its
+    # optimizer slices; inside an epoch each replica its slices of the weights too
     sharded = folder + "-zero3"
     train(sharded, strategy=zero3, epochs=2, dropout=0.0)
     zero3_results, _ = _resume_each(
         sharded, {"same": zero3, "off": hf.Strategy("data"), "zero1": zero}
     )
+    inside = _inside_epoch(sharded, step=6)  # of 4 steps an epoch: the second one's middle
+    inside_results, _ = _resume_each(inside["folder"], {"same": zero3, "off": hf.Strategy("data")})
     segmented = folder + "-segments"
     model, _ = train(segmented, strategy=by_segment, epochs=2, dropout=0.0)
     segmented_results, _ = _resume_each(segmented, {"same": by_segment, "off": hf.Strategy("data")})
@@ -282,8 +287,32 @@ def resumes_two(folder: str) -> dict:
         "zero3_on": relative_difference(plain_results["zero3"], plain_results["same"]),
         "zero3_off": relative_difference(zero3_results["off"], zero3_results["same"]),
         "zero3_zero1": relative_difference(zero3_results["zero1"], zero3_results["same"]),
+        # resumed from inside the epoch, to the weights resumed from its end
+        "zero3_inside": relative_difference(inside_results["same"], zero3_results["same"]),
+        "zero3_inside_off": relative_difference(inside_results["off"], zero3_results["same"]),
+        "zero3_inside_keys": inside["keys"],
         "segment_groups": len(model._hyparflow_trainer[1].parts.sharded_update.segments),
     }
+
+
+def _inside_epoch(directory: str, step: int) -> dict:
+    """The checkpoint of `step` in `directory`, copied alone into a folder of its own (so that
+    it is the latest there), and its files' weight keys: per file, how many are whole
+    entries and how many flat ranges (`w/<i>#<start>:<stop>/<shape>`)."""
+    source = os.path.join(directory, f"ckpt-{step:09d}")
+    target = f"{directory}-step-{step}"
+    if hf.rank() == 0:
+        shutil.copytree(source, os.path.join(target, os.path.basename(source)))
+    MPI.COMM_WORLD.Barrier()
+    keys = {}
+    for name in sorted(n for n in os.listdir(source) if n.endswith(".npz")):
+        with np.load(os.path.join(source, name)) as archive:
+            weights = [k for k in archive.files if k.startswith("w/")]
+        keys[name] = {
+            "whole": sum("#" not in k for k in weights),
+            "ranges": sum("#" in k for k in weights),
+        }
+    return {"folder": target, "keys": keys}
 
 
 def resumes_four(folder: str) -> dict:

@@ -1,10 +1,14 @@
-"""What checkpoints see of a ZeRO-1 stage: each replica's slices of the optimizer slots.
+"""What checkpoints see of a ZeRO stage: each replica's slices of the optimizer slots, and
+under ZeRO-3 of the weights while the slices hold them.
 
 Each replica saves only the slots of its slice, as ranges of the flattened entries that an
 unsharded run writes whole (`opt/<i>/<slot>#<start>:<stop>/<shape>`, after the tensor piece's
 `@<t>/<T>:<axis>` where there is one; `checkpoint.reader.LazyState` joins them on reading).
-Restoring takes whole entries, however they were written, and cuts this replica's slice:
-ZeRO on or off, any replica count, pipeline or tensor layout (docs/zero.md).
+Under ZeRO-3, while the model's variables are let go (a checkpoint inside an epoch), each
+replica saves its slices of the weights the same way (`w/<i>#<start>:<stop>/<shape>`), so no
+rank gathers them to save. Restoring takes whole entries, however they were written, and cuts
+this replica's slice: ZeRO on or off, any replica count, pipeline or tensor layout
+(docs/zero.md).
 """
 
 from __future__ import annotations
@@ -21,8 +25,35 @@ class SliceCheckpoint:
         TrainingState(..., optimizer_shard=SliceCheckpoint(sharded))
     """
 
-    def __init__(self, sharded):
+    def __init__(self, sharded, weights=None):
         self.sharded = sharded
+        self.weights = weights  # ZeRO-3's `ShardedWeights`, or None
+
+    def holds_slices(self, variable) -> bool:
+        """Whether `variable`'s value is now only in the replicas' slices (ZeRO-3 while
+        training: `weights_state` writes it, and the variable cannot be read)."""
+        return self.weights is not None and self.weights.released and self.weights.holds(variable)
+
+    def weights_state(self, model, split: dict, shard: int) -> dict:
+        """This replica's slices of the weights the slices hold now (`holds_slices`), as
+        ranges of the flattened `w/<i>` entries (`slice_key`; a tensor piece's of its piece's
+        key); nothing where the variables hold their values."""
+        if self.weights is None or not self.weights.released:
+            return {}
+        index = {v.path: i for i, v in enumerate(model.weights)}
+        state = {}
+        for group in self.weights.groups:
+            value = np.asarray(group.variable.numpy())
+            for p in group.extents:
+                variable = self.weights.variables[group.positions[p.variable]]
+                piece = split.get(variable.path)
+                if piece is None and shard != 0:
+                    continue  # a whole variable: the first tensor rank's replicas write it
+                key = f"w/{index[variable.path]}"
+                key = key if piece is None else piece.key(key)
+                key = slice_key(key, p.start, p.stop, tuple(variable.shape))
+                state[key] = value[p.offset : p.offset + p.size]
+        return state
 
     def _slot_of(self, name: str):
         """(slice group, table, slot name) of the optimizer variable named `name`: a slot of
