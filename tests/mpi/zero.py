@@ -195,14 +195,21 @@ def _small_mlp(scope: bool):
     return model
 
 
-def scoped(folder: str) -> dict:
-    """ZeRO-3 on a model built under hf.scope() (each rank allocates its slices only) against
-    Keras's fit, and rank 0's model.save after it: the whole weights and optimizer state."""
-    rng = np.random.default_rng(0)
+def small_mlp_trained(seed: int):
+    """64 random samples (`seed`) of 8 features and 3 targets, and the small MLP Keras's fit
+    trained on them for 2 epochs of 4 batches, in order."""
+    rng = np.random.default_rng(seed)
     x = rng.normal(size=(64, 8)).astype("float32")
     y = rng.normal(size=(64, 3)).astype("float32")
     reference = _small_mlp(scope=False)
     reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    return x, y, reference
+
+
+def scoped(folder: str) -> dict:
+    """ZeRO-3 on a model built under hf.scope() (each rank allocates its slices only) against
+    Keras's fit, and rank 0's model.save after it: the whole weights and optimizer state."""
+    x, y, reference = small_mlp_trained(seed=0)
     model = _small_mlp(scope=True)
     fit_in_order(model, x, y, 16, 2, hf.Strategy("data", shard_weights=True))
     found = {"weights": relative_difference(model.get_weights(), reference.get_weights())}

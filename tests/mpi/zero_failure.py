@@ -7,7 +7,7 @@ import keras
 import numpy as np
 
 import hyparflow as hf
-from tests.mpi.zero import _small_mlp
+from tests.mpi.zero import _small_mlp, small_mlp_trained
 from tests.support.compare import relative_difference
 from tests.support.report import args, report
 
@@ -53,11 +53,7 @@ def fit_after_failure() -> dict:
     """After `failed_step`, in the same processes: a fresh model trains under ZeRO-3 to Keras's
     weights (before the loops got a communicator of their own, this fit hung: its first
     collective met a barrier the failed step left half-entered)."""
-    rng = np.random.default_rng(1)
-    x = rng.normal(size=(64, 8)).astype("float32")
-    y = rng.normal(size=(64, 3)).astype("float32")
-    reference = _small_mlp(scope=False)
-    reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    x, y, reference = small_mlp_trained(seed=1)
     model = _small_mlp(scope=False)
     strategy = hf.Strategy("data", shard_weights=True)
     hf.fit(model, x, y, batch_size=16, epochs=2, shuffle=False, verbose=0, strategy=strategy)
