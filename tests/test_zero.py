@@ -437,5 +437,10 @@ def test_checkpoints_resume_across_tensor_pipeline_and_replica_counts(four_ranks
         assert resume["files"] == [
             f"stage-0-shard-{t}{'-replica-1' if rep else ''}.npz" for t in (0, 1) for rep in (1, 0)
         ]
-        for name in ("data4", "hybrid", "off"):
+        for name in ("data4", "hybrid", "off", "zero3_inside", "zero3_inside_data4"):
             assert resume[name] < 1e-6, f"rank {r['rank']}: {name} resume differs, {resume}"
+        # ZeRO-3 inside an epoch: every rank's file holds its slices of its pieces (shard 0's
+        # also of the whole variables), none a whole weight
+        keys = resume["zero3_inside_keys"]
+        assert len(keys) == 4, keys
+        assert all(k["whole"] == 0 and k["ranges"] > 0 for k in keys.values()), keys

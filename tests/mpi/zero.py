@@ -345,6 +345,25 @@ def resumes_four(folder: str) -> dict:
     return {
         "files": files,
         **{k: relative_difference(v, results["same"]) for k, v in results.items() if k != "same"},
+        **_zero3_inside_epoch_with_tensor_ranks(folder),
+    }
+
+
+def _zero3_inside_epoch_with_tensor_ranks(folder: str) -> dict:
+    """A ZeRO-3 R=2 x T=2 checkpoint inside an epoch (each replica's slices of its tensor
+    pieces, and shard 0's of the whole variables) resumed as saved and as R=4 without ZeRO,
+    against the unsharded R=2 x T=2 run's checkpoint of the same step."""
+    zero3 = hf.Strategy("data", replicas=2, tensor=2, shard_weights=True)
+    plain = hf.Strategy("data", replicas=2, tensor=2)
+    train(folder + "-zero3", strategy=zero3, epochs=2, dropout=0.0)
+    train(folder + "-plain", strategy=plain, epochs=2, dropout=0.0)
+    inside = _inside_epoch(folder + "-zero3", step=6)
+    results, _ = _resume_each(inside["folder"], {"same": zero3, "data4": hf.Strategy("data")})
+    expected, _ = _resume_each(_inside_epoch(folder + "-plain", step=6)["folder"], {"same": plain})
+    return {
+        "zero3_inside": relative_difference(results["same"], expected["same"]),
+        "zero3_inside_data4": relative_difference(results["data4"], expected["same"]),
+        "zero3_inside_keys": inside["keys"],
     }
 
 
