@@ -55,8 +55,12 @@ class BackgroundCollectives:
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            call, future = item
-            try:
-                future.set_result(call())
-            except BaseException as error:  # noqa: BLE001 - handed to the waiting thread
-                future.set_exception(error)
+            _run_one(*item)
+            item = None  # the call's buffers and result go with their waiter, not stay here
+
+
+def _run_one(call, future: Future) -> None:
+    try:
+        future.set_result(call())
+    except BaseException as error:  # noqa: BLE001 - handed to the waiting thread
+        future.set_exception(error)
