@@ -1,7 +1,10 @@
 """BackgroundCollectives on one process: calls run in order on a thread of their own, and
 their results and errors reach the waiting thread."""
 
+import gc
 import threading
+import time
+import weakref
 
 import pytest
 
@@ -34,4 +37,30 @@ def test_an_error_on_the_thread_is_raised_where_the_result_is_waited_for():
     with pytest.raises(ZeroDivisionError):
         ahead.wait(failed)
     assert ahead.wait(after) == "still runs"
+    ahead.stop()
+
+
+class _Result:
+    """A call's result that can be watched with a weak reference."""
+
+
+def test_the_thread_keeps_nothing_of_a_call_once_its_result_is_handed_over():
+    """A gathered vector must not outlive its waiter in the thread (it is a segment's weights):
+    once the result is taken, the thread holds no reference to it while it waits for more."""
+    ahead = BackgroundCollectives("test-ahead")
+    made = []
+
+    def call():
+        result = _Result()
+        made.append(weakref.ref(result))
+        return result
+
+    future = ahead.submit(call)
+    ahead.wait(future)
+    future = None
+    deadline = time.monotonic() + 5.0  # the thread lets go right after handing it over
+    while made[0]() is not None and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.01)
+    assert made[0]() is None
     ahead.stop()
