@@ -126,10 +126,10 @@ class ShardedWeights:
         replicas in the same order that no failed step has left mid-collective)."""
         if not self.released:
             return
-        for group in self.groups:
+        for g, group in enumerate(self.groups):
             flat = self._all_gathered(group, over or self.comm)
             for j, i in enumerate(group.positions):
-                deferred.hold(self.variables[i], self._value_in(flat, group, j))
+                deferred.hold(self.variables[i], self.value_in(flat, g, j))
             flat = None
         self.released = False
         self.restores += 1
@@ -192,10 +192,7 @@ class ShardedWeights:
 
     def value_in(self, flat: np.ndarray, g: int, j: int):
         """Variable j of group `g` as a tensor of its shape, read out of the group's `flat`."""
-        return self._value_in(flat, self.groups[g], j)
-
-    def _value_in(self, flat: np.ndarray, group, j: int):
-        """Variable j of `group` as a tensor of its shape, read out of the group's `flat`."""
+        group = self.groups[g]
         variable = self.variables[group.positions[j]]
         start = group.layout.offsets[j]
         values = flat[start : start + group.layout.sizes[j]].reshape(tuple(variable.shape))
