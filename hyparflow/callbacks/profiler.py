@@ -265,7 +265,8 @@ class ScalingProfiler(keras.callbacks.Callback):
             calls, nbytes, _ = moved[_TAGS[kind][0]]  # the category's collectives, all of them
             mine[kind] = {"calls": calls, "bytes": nbytes}
             if kind == events.GATHER:  # ZeRO-3's gathers ran ahead: how much compute hid
-                mine[kind]["hidden"] = _hidden_share(*moved[_TAGS[kind][0]], *moved[_TAGS[kind][1]])
+                transfers, waits = (moved[tag] for tag in _TAGS[kind])
+                mine[kind]["hidden"] = _hidden_share(transfers[2], waits[2])
             if kind == events.EXPERTS:  # dispatch, compute and combine apart
                 mine[kind]["phases"] = {
                     phase: _phase_totals(*moved[tag])
@@ -339,8 +340,9 @@ def _moved(traffic, kind: str) -> dict:
     return {tag: (r.calls, r.bytes, r.seconds) for tag, r in records.items()}
 
 
-def _hidden_share(calls, nbytes, seconds, _waits, _none, waited) -> dict:
-    """The gathers' time on their thread and the share of it the steps did not wait for."""
+def _hidden_share(seconds: float, waited: float) -> dict:
+    """The gathers' `seconds` on their thread, the steps' `waited` for them, and the share of
+    the gathers' time the steps did not wait for."""
     hidden = None if seconds <= 0 else max(0.0, 1.0 - waited / seconds)
     return {"ms": 1000.0 * seconds, "waited_ms": 1000.0 * waited, "share": hidden}
 

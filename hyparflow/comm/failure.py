@@ -65,8 +65,12 @@ class FailureChannel:
     def wait(self, requests, statuses=None) -> None:
         """`MPI.Request.Waitall(requests, statuses)` that leaves when another rank fails."""
         mpi = _mpi()
+        self.until(lambda: mpi.Request.Testall(requests, statuses))
+
+    def until(self, done) -> None:
+        """Poll `done()` until it is true, leaving with `PeerFailed` when another rank fails."""
         idle = Idle(self.sharing)
-        while not mpi.Request.Testall(requests, statuses):
+        while not done():
             self.check()
             idle()
 
@@ -97,10 +101,11 @@ def wait_all(requests, statuses=None) -> None:
 def wait_until(done) -> None:
     """Poll `done()` until it is true (a result another thread makes), leaving with
     `PeerFailed` if the running loop's failure channel hears of a failure meanwhile."""
-    idle = Idle(_active.sharing if _active is not None else False)
+    if _active is not None:
+        _active.until(done)
+        return
+    idle = Idle(False)
     while not done():
-        if _active is not None:
-            _active.check()
         idle()
 
 

@@ -40,19 +40,11 @@ class SliceCheckpoint:
         key); nothing where the variables hold their values."""
         if self.weights is None or not self.weights.released:
             return {}
-        index = {v.path: i for i, v in enumerate(model.weights)}
+        keys = {v.path: f"w/{i}" for i, v in enumerate(model.weights)}
         state = {}
         for group in self.weights.groups:
             value = np.asarray(group.variable.numpy())
-            for p in group.extents:
-                variable = self.weights.variables[group.positions[p.variable]]
-                piece = split.get(variable.path)
-                if piece is None and shard != 0:
-                    continue  # a whole variable: the first tensor rank's replicas write it
-                key = f"w/{index[variable.path]}"
-                key = key if piece is None else piece.key(key)
-                key = slice_key(key, p.start, p.stop, tuple(variable.shape))
-                state[key] = value[p.offset : p.offset + p.size]
+            state.update(_slice_entries(group, self.weights.variables, value, split, shard, keys))
         return state
 
     def _slot_of(self, name: str):
@@ -87,14 +79,8 @@ class SliceCheckpoint:
                         key = _key(index, table, slot, piece)
                     state[key] = value
                 continue
-            for p in group.extents:
-                variable = self.sharded.variables[group.positions[p.variable]]
-                piece = split.get(variable.path)
-                if piece is None and shard != 0:
-                    continue
-                key = _key(index, variable, slot, piece)
-                key = slice_key(key, p.start, p.stop, tuple(variable.shape))
-                state[key] = value[p.offset : p.offset + p.size]
+            keys = {path: f"opt/{i}/{slot}" for path, i in index.items()}
+            state.update(_slice_entries(group, self.sharded.variables, value, split, shard, keys))
         return state
 
     def restore_optimizer(self, model, state: dict, split: dict) -> None:
@@ -135,6 +121,24 @@ class SliceCheckpoint:
                 "different optimizer. Compile with the optimizer it was trained with, or start "
                 "without resume."
             )
+
+
+def _slice_entries(group, variables: list, value, split: dict, shard: int, keys: dict) -> dict:
+    """This replica's `value` (its slice of `group`'s flat vector) as ranges of the flattened
+    entries of the variables it overlaps (`slice_key`): `keys[path]` names a whole variable's
+    entry, a tensor piece's is its piece's key. Whole variables are written by the first
+    tensor rank's replicas only (every tensor rank holds them alike)."""
+    state = {}
+    for p in group.extents:
+        variable = variables[group.positions[p.variable]]
+        piece = split.get(variable.path)
+        if piece is None and shard != 0:
+            continue
+        key = keys[variable.path] if piece is None else piece.key(keys[variable.path])
+        state[slice_key(key, p.start, p.stop, tuple(variable.shape))] = value[
+            p.offset : p.offset + p.size
+        ]
+    return state
 
 
 def _key(index: dict, variable, slot: str, piece) -> str:

@@ -166,10 +166,7 @@ class ShardedWeights:
     def _transfer(self, group, mine: np.ndarray) -> np.ndarray:
         """On the gather thread: the group's whole padded flat vector over its communicator."""
         begin = time.perf_counter()
-        whole = np.empty(group.layout.padded, mine.dtype)
-        # bytes, so that any dtype travels (MPI has no float16 or bfloat16)
-        self._ahead_comm.Allgather(mine.view(np.uint8), whole.view(np.uint8))
-        self.sent_bytes += group.allgather_bytes
+        whole = self._joined(group, mine, self._ahead_comm)
         self._transfers.record(begin, time.perf_counter(), group.allgather_bytes)
         return whole
 
@@ -184,9 +181,15 @@ class ShardedWeights:
         """The group's whole padded flat vector: every replica's slice, in rank order over
         `comm` (blocking, on this thread: the restores)."""
         mine = np.ascontiguousarray(group.variable.numpy())
-        whole = np.empty(group.layout.padded, mine.dtype)
         with self._guard("all-gather the weights over the replicas"):
-            comm.Allgather(mine.view(np.uint8), whole.view(np.uint8))
+            return self._joined(group, mine, comm)
+
+    def _joined(self, group, mine: np.ndarray, comm) -> np.ndarray:
+        """The group's whole padded flat vector, every replica's slice (`mine` this one's)
+        in rank order over `comm`."""
+        whole = np.empty(group.layout.padded, mine.dtype)
+        # bytes, so that any dtype travels (MPI has no float16 or bfloat16)
+        comm.Allgather(mine.view(np.uint8), whole.view(np.uint8))
         self.sent_bytes += group.allgather_bytes
         return whole
 

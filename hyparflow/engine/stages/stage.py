@@ -73,10 +73,10 @@ class StageRunner(RunnerBase):
     `reuse_forward=True` (with `recompute`) runs each forward under a tape as well and keeps
     it until this runner's next forward or backward (or `drop_kept_forwards`): where that is
     the same micro-batch's backward, it differentiates the tape instead of recomputing, and
-    (with `gather`) gathers nothing. It
-    saves a forward and a gather where the backward follows its forward at once (the last
-    segment of a stage, the last stage under 1F1B) and holds nothing a recomputation would
-    not: the kept activations and gathered values are what the backward needs next.
+    (with `gather`) gathers nothing. It saves a forward and a gather where the backward
+    follows its forward at once (the last segment of a stage, the last stage under 1F1B) and
+    holds nothing a recomputation would not: the kept activations and gathered values are
+    what the backward needs next.
 
     `tally` (a `moe.RouterTally`, GPipe only): the mixture blocks' router losses of a step of
     several micro-batches. Each forward returns the blocks' routing counts and probability
@@ -261,8 +261,8 @@ class StageRunner(RunnerBase):
             self.prefetch()
 
     def drop_kept_forwards(self) -> None:
-        """Let the kept forwards' tapes go (`reuse_forward`): another forward is about to run,
-        so their backwards will recompute instead of holding them meanwhile."""
+        """Let the kept forwards' tapes go (`reuse_forward`): another forward or backward is
+        about to run, so their backwards will recompute instead of holding them meanwhile."""
         self._kept_forwards.clear()
 
     def _kept(self, routed: tuple) -> list:
