@@ -371,11 +371,26 @@ def initialize_deferred(variable) -> None:
     variable._deferred_initialize()
 
 
-def release_value(variable, initializer) -> None:
-    """Drop the backend variable behind `variable` (its memory with it, once nothing else
-    holds it): uninitialised again, `initializer` its deferred initializer."""
-    variable._value = None
-    variable._initializer = initializer
+def backing(variable):
+    """The backend variable (a tf.Variable) behind Keras `variable`, None while uninitialised."""
+    return variable._value
+
+
+def set_backing(variable, backend_variable) -> None:
+    """Put `backend_variable` behind Keras `variable` in place of its own (deferred.take_over:
+    a backing that can be emptied and filled again)."""
+    variable._value = backend_variable
+    variable._initializer = None
+
+
+# Keras's compiled steps, kept on the model and traced again when None
+COMPILED_STEPS = ("train_function", "test_function", "predict_function")
+
+
+def forget_compiled_steps(model) -> None:
+    """Make Keras trace its fit, evaluate and predict steps again at their next use."""
+    for name in COMPILED_STEPS:
+        setattr(model, name, None)
 
 
 def stateless_updates(scope) -> dict:

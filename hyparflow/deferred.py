@@ -15,6 +15,11 @@ compiling makes some: an optimizer's step counter and learning rate. While hf.sc
 `keras.Variable.__init__` makes such a variable anyway (`_from_value`): a non-trainable one (a
 counter, a rate, a state) is created with its value, which is small and already in memory; a
 trainable one is a weight, deferred like those made by initializers, its value its initializer.
+
+ZeRO-3 lets a built variable's value go between steps and gives it back (`take_over`,
+`let_go`, `hold`): the Keras variable gets a backing tf.Variable of TensorFlow's own
+`ResourceVariable` class (private: `tensorflow.python.ops`) whose shape is left open, so that
+one resource can be emptied and filled again under every step traced over it.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import threading
 
 import keras
 import tensorflow as tf
+from tensorflow.python.ops.resource_variable_ops import ResourceVariable
 
 from hyparflow import _keras
 
@@ -227,27 +233,72 @@ def reading(values):
 
 
 # --- variables whose value hf.fit keeps elsewhere for a while (ZeRO-3's slices) -----------
-class _HeldElsewhere:
-    """The initializer of a variable let go (`let_go`): placeholders in graphs, as a deferred
-    variable's, and an error saying `reason` when read eagerly."""
+class _Emptiable(ResourceVariable):
+    """The tf.Variable behind a Keras variable whose value hf.fit keeps elsewhere at times
+    (`take_over`): its shape is left open, so that `assign` can empty it (its memory freed)
+    and fill it again while it stays the same resource, which steps traced over it keep
+    reading; reads inside a trace have the Keras variable's shape (Keras's layers need it), and
+    an eager read of it empty raises `NotHeldError` with the reason."""
 
-    def __init__(self, variable, reason: str):
-        self.variable, self.reason = variable, reason
-
-    def __call__(self, shape, dtype=None):
+    def _read_variable_op(self, no_copy=False):
+        if tf.executing_eagerly() and not self.filled():
+            raise NotHeldError(f"{self.owner} is not held now: {self.reason}")
+        value = super()._read_variable_op(no_copy=no_copy)
         if not tf.executing_eagerly():
-            return tf.zeros(shape, dtype)
-        raise NotHeldError(f"{self.variable.path} is not held now: {self.reason}")
+            value.set_shape(self.full_shape)
+        return value
+
+    def empty(self) -> None:
+        """Drop the value (eagerly or inside a trace)."""
+        self.assign(tf.zeros([0], self.dtype))
+
+    def filled(self) -> bool:
+        """Whether it holds a value now (eagerly: the resource's own shape, which the
+        variable's static one, left open, does not tell)."""
+        shape = tf.raw_ops.VariableShape(input=self.handle)
+        return int(tf.reduce_prod(shape)) == self.full_shape.num_elements()
 
 
-def let_go(variables, reason: str) -> None:
-    """Drop the values of `variables` (their memory with them) until `hold` gives them back;
-    an eager read meanwhile raises `NotHeldError` saying `reason`."""
+def _emptiable(variable, reason: str) -> _Emptiable:
+    """A backing for Keras `variable`: holding its value, or empty where it holds none."""
+    if is_deferred(variable):
+        value = tf.zeros([0], variable.dtype)
+    else:
+        value = _keras.backing(variable).read_value()
+    backing = _Emptiable(
+        initial_value=value,
+        shape=tf.TensorShape(None),
+        dtype=variable.dtype,
+        trainable=variable.trainable,
+        name=variable.name,
+    )
+    backing.full_shape = tf.TensorShape(variable.shape)
+    backing.owner, backing.reason = variable.path, reason
+    return backing
+
+
+def take_over(variables, reason: str) -> None:
+    """Give each of `variables` a backing that `let_go` can empty and `hold` fill again, once
+    (a deferred one starts empty; the others keep their values). Steps traced before over the
+    old backings read those: the caller lets them go (e.g. Keras's compiled steps)."""
     for variable in variables:
-        _keras.release_value(variable, _HeldElsewhere(variable, reason))
+        if not isinstance(_keras.backing(variable), _Emptiable):
+            _keras.set_backing(variable, _emptiable(variable, reason))
+
+
+def is_let_go(variable) -> bool:
+    """Whether `variable` holds no value now because hf.fit keeps it elsewhere (`let_go`)."""
+    backing = _keras.backing(variable)
+    return isinstance(backing, _Emptiable) and not backing.filled()
+
+
+def let_go(variables) -> None:
+    """Drop the values of `variables` (taken over: `take_over`), their memory with them, until
+    `hold` gives them back; an eager read meanwhile raises `NotHeldError`."""
+    for variable in variables:
+        _keras.backing(variable).empty()
 
 
 def hold(variable, value) -> None:
-    """Give a variable let go (`let_go`) its `value` again, as a new backing variable."""
-    _keras.set_deferred_initializer(variable, lambda shape, dtype=None: value)
-    _keras.initialize_deferred(variable)
+    """Give a variable let go (`let_go`) its `value` again, in the same backing."""
+    _keras.backing(variable).assign(tf.convert_to_tensor(value, variable.dtype))

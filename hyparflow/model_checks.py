@@ -54,13 +54,6 @@ def check_standard_steps(model, strategy=None) -> None:
 def _check_custom_step_options(model, strategy, name: str) -> None:
     """What a replica running the model's own step cannot do exactly."""
     what = f"{type(model).__name__} overrides Model.{name}, which each replica runs itself"
-    if strategy.shard_weights and strategy.replicas > 1:
-        raise ValueError(
-            f"{what}: its tape differentiates the model's variables, which must then hold their "
-            "whole values, and shard_weights=True keeps them as slices; use "
-            "shard_gradients=True (or shard_optimizer=True): the step's optimizer then updates "
-            "this replica's slice of its state."
-        )
     synced = _global_batchnorm(model, strategy)
     if synced and strategy.replicas > 1:
         raise ValueError(

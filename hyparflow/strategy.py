@@ -141,10 +141,11 @@ class Strategy:
       hf.fit trains, the model's sharded variables hold no value (reading one raises
       `NotHeldError`); each epoch's end (and a checkpoint's save) gives them back, so
       callbacks, checkpoints and the model after the fit see the whole weights. A model
-      built under `hf.scope()` allocates only its slices. Refused: weight regularizers,
-      expert parallelism, the zero-bubble and interleaved schedules with a pipeline, and a
-      custom `train_step` (its tape differentiates the whole variables). With one replica it
-      changes nothing.
+      built under `hf.scope()` allocates only its slices. A custom `train_step` gets the
+      whole weights gathered into the variables for each step, and let go after it.
+      Refused: weight regularizers, expert parallelism, the zero-bubble and interleaved
+      schedules with a pipeline, and a custom step that applies a second optimizer. With
+      one replica it changes nothing.
     - `sync_batchnorm` (False): True makes every BatchNormalization layer normalise by the
       statistics of the whole global batch, summed across replicas, as Keras's own
       `BatchNormalization(synchronized=True)` layers always are (then exactly Keras's

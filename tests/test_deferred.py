@@ -17,6 +17,7 @@ import tempfile
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import hyparflow as hf
 from hyparflow import deferred
@@ -265,3 +266,33 @@ def test_one_process_refuses_what_its_memory_limit_cannot_hold(monkeypatch):
     assert deferred.any_deferred(model)  # nothing was allocated
     monkeypatch.setattr(one_process, "memory_room", lambda: None)  # no limit: it trains
     hf.fit(model, np.ones((4, 512)), np.ones((4, 512)), verbose=0)
+
+
+def test_a_variable_taken_over_is_emptied_and_filled_in_one_backing():
+    """ZeRO-3 (deferred.take_over): a variable let go frees its value and raises on an eager
+    read; a step traced before keeps working after it is filled again, reading the new value
+    (the backing is the same resource), and Keras's layers see its static shape."""
+    layer = keras.layers.Dense(2, kernel_initializer="ones", use_bias=False)
+    x = tf.ones((1, 3))
+    layer(x)
+    kernel = layer.kernel
+    deferred.take_over([kernel], "kept by the test")
+    step = tf.function(lambda: layer(x))
+    np.testing.assert_allclose(step().numpy(), [[3.0, 3.0]])
+    deferred.let_go([kernel])
+    assert deferred.is_let_go(kernel)
+    with pytest.raises(hf.NotHeldError, match="kernel is not held now: kept by the test"):
+        kernel.numpy()
+    deferred.hold(kernel, np.full((3, 2), 2.0, "float32"))
+    assert not deferred.is_let_go(kernel)
+    np.testing.assert_allclose(step().numpy(), [[6.0, 6.0]])  # the same trace, the new value
+
+    @tf.function
+    def filled_for_one_call(value):
+        kernel.assign(value)
+        out = layer(x)
+        deferred.let_go([kernel])  # inside the trace too
+        return out
+
+    np.testing.assert_allclose(filled_for_one_call(tf.ones((3, 2))).numpy(), [[3.0, 3.0]])
+    assert deferred.is_let_go(kernel)

@@ -111,14 +111,17 @@ REPLICA_LAUNCHES = ["outcomes", "hybrid_outcomes"]  # every rank a replica: R=2 
 @pytest.mark.parametrize("launch", REPLICA_LAUNCHES)
 @pytest.mark.parametrize("case", sorted(SHARDED))
 def test_a_custom_step_trains_as_keras_with_a_slice_of_the_optimizer_state(request, launch, case):
-    """ZeRO-1/2 under the model's own step: its optimizer's apply steps each replica's slice
-    (sharded_optimizer/in_step.py), which holds 1/R of Adam's slots, up to padding."""
+    """ZeRO-1/2/3 under the model's own step: its optimizer's apply steps each replica's slice
+    (sharded_optimizer/in_step.py), which holds 1/R of Adam's slots, up to padding; under
+    ZeRO-3 the variables hold the weights inside each step alone."""
     results, ranks = request.getfixturevalue(launch)
     result = results[f"sharded:{case}"]
     tolerance = MIXED_TOLERANCE if "mixed" in case else TOLERANCE
     assert result["weights"] < tolerance and result["history"] < tolerance, result
     assert abs(result["slot_ratio"] - 1 / len(ranks)) < 0.02, result
     assert result["unpatched"], result
+    # ZeRO-3: between steps the weights are only the replicas' slices
+    assert set(result["held_between_steps"]) == {"shard_weights" not in case}, result
     assert all(r["results"] == ranks[0]["results"] for r in ranks)
 
 

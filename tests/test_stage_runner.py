@@ -122,7 +122,8 @@ def test_gathered_weights_give_the_same_gradients_statistics_dropout_and_inferen
     values = [tf.constant(v.numpy()) for v in model.trainable_variables]
     gather = _Values(values)
     calls = gather.calls
-    deferred.let_go(model.trainable_variables, "held by the test's gather")
+    deferred.take_over(model.trainable_variables, "held by the test's gather")
+    deferred.let_go(model.trainable_variables)
     with pytest.raises(deferred.NotHeldError, match="held by the test's gather"):
         model.trainable_variables[0].numpy()
     call, variables, loss = _calls(model)
@@ -179,7 +180,8 @@ def test_a_reused_forward_gives_the_recomputed_gradients_and_saves_its_gather(
     model = _model()
     x, y = _data()
     values = [tf.constant(v.numpy()) for v in model.trainable_variables]
-    deferred.let_go(model.trainable_variables, "held by the test's gather")
+    deferred.take_over(model.trainable_variables, "held by the test's gather")
+    deferred.let_go(model.trainable_variables)
     gather = _Values(values)
     runner = StageRunner(
         *_calls(model),
@@ -547,7 +549,8 @@ def test_a_segment_starts_the_next_gather_once_its_own_is_read_out():
                 input_grads=j > 0,
             )
         )
-    deferred.let_go([*first.trainable_variables, *second.trainable_variables], "gathered")
+    deferred.take_over([*first.trainable_variables, *second.trainable_variables], "gathered")
+    deferred.let_go([*first.trainable_variables, *second.trainable_variables])
     runner = SegmentedRunner(segments, [*first.trainable_variables, *second.trainable_variables])
     x = tf.constant(np.ones((2, 3), "float32"))
     runner.forward(0, x, (tf.zeros((2, 2)), None))

@@ -5,7 +5,7 @@ the Keras guide's "Customizing what happens in fit()"). Under pure data parallel
 model lives on every rank, so each replica can run the model's own step on its share of the
 global batch, as Horovod does: while the step is traced, every optimizer of the model has its
 `apply` wrapped so that the gradients are summed over the replicas, each weighted by its share
-of the global batch, before the update (under ZeRO-1/2 the compiled optimizer's apply steps
+of the global batch, before the update (under ZeRO-1/2/3 the compiled optimizer's apply steps
 this replica's slice instead: sharded_optimizer/in_step.py). Metric states are summed over the
 replicas for the logs (`ReplicaMetrics`). docs/engine.md, "Custom training steps", says when
 this equals Keras.
@@ -83,6 +83,20 @@ def _averaged_apply(apply, comm, traffic, weight, grads, trainable_variables=Non
     return apply(grads, trainable_variables, **kwargs)
 
 
+def _refused_under_slices(optimizer, *args, **kwargs):
+    """Under shard_weights the variables hold the gathered weights for one step only, so an
+    update by any optimizer but the sliced one would be lost: refused alike on every replica,
+    while the step is traced."""
+    raise AgreedError(
+        ValueError(
+            f"The model's own step applies {type(optimizer).__name__} ({optimizer.name}), which "
+            "is not its compiled optimizer; under shard_weights=True only the compiled "
+            "optimizer's update reaches the slices that hold the weights between steps. Use "
+            "shard_gradients=True, or one compiled optimizer."
+        )
+    )
+
+
 @contextlib.contextmanager
 def averaged_gradients(optimizers, comm, traffic, weight, sliced=None):
     """While active (around a call that may trace the step), each of `optimizers` applies the
@@ -96,6 +110,8 @@ def averaged_gradients(optimizers, comm, traffic, weight, sliced=None):
     def replacing(optimizer):
         if sliced is not None and optimizer is sliced.optimizer:
             return lambda apply: sliced.replacing(apply, weight)
+        if sliced is not None and sliced.slices_only:
+            return lambda apply: functools.partial(_refused_under_slices, optimizer)
         return averaging
 
     with Replaced((opt, "apply", replacing(opt)) for opt in optimizers):  # these instances only
@@ -145,7 +161,8 @@ class CustomStepTrainer(Trainer):
         if sharded is None:
             return None
         sharded.build_optimizer()
-        return SlicedApply(sharded, self.topology.stage_comm, self.traffic.of(TAG))
+        comm, traffic = self.topology.stage_comm, self.traffic.of(TAG)
+        return SlicedApply(sharded, comm, traffic, slices_only=self.shards_weights)
 
     def _train_body(self, data, weight, rows):
         optimizers = optimizers_of(self.model)
@@ -153,8 +170,19 @@ class CustomStepTrainer(Trainer):
             optimizers, self.topology.stage_comm, self.traffic.of(TAG), weight, self._sliced
         )
         # dropout: this share's rows of the global batch's masks, as the engine's own step
-        with sums, slice_of(rows):
+        with sums, slice_of(rows), self._filled():
             return self.model.train_step(data)
+
+    @contextlib.contextmanager
+    def _filled(self):
+        """Inside a trace, under ZeRO-3: the variables hold the gathered weights for the
+        step, and nothing after it (nothing otherwise)."""
+        if not self.shards_weights:
+            yield
+            return
+        self._sliced.fill()
+        yield
+        self._sliced.empty()
 
     def _share(self, batch):
         """This replica's (data, share of the global batch, [offset, global size]), or an
@@ -196,7 +224,7 @@ class CustomStepTrainer(Trainer):
         """The model's `test_step` on this replica's share (it adds its own regularization)."""
         del reg_value
         data, _, _ = self._share(batch)
-        self._returned = _any_batch_size(self._test_fn, data)
+        self._returned = _any_batch_size(self._test_fn, data)  # weights held: after sync_weights
 
     def logs(self) -> dict:
         """As Keras's fit: the metrics' results (states summed over the replicas) when the step

@@ -476,6 +476,8 @@ class Trainer:
             # built under hf.scope(): what is not sliced (tables) is allocated whole here
             deferred.materialize(v for v in self.variables if not weights.holds(v))
             weights.load()
+            weights.take_over()
+            _keras.forget_compiled_steps(model)  # traced over the backings just replaced
         # Built under hf.scope(): weights of other stages were never allocated on this rank
         # (ZeRO-3's slices of its own stage are all given back at the fit's end)
         self.holds_share_only = any(

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import contextlib
 
+from hyparflow._keras import COMPILED_STEPS
 from hyparflow.moe.keras_hub_blocks import SparseDispatch
 
-_STEPS = ("train_function", "test_function", "predict_function")  # Keras's compiled steps
 _SPARSE_STEPS = "_hyparflow_sparse_steps"  # ids of the steps compiled around the sparse calls
 
 
@@ -28,12 +28,12 @@ def sparse_in_keras(model, sparse: bool = True):
     with SparseDispatch(chosen) as dispatch:
         if dispatch.blocks:
             kept = getattr(model, _SPARSE_STEPS, set())
-            for name in _STEPS:  # compiled around the dense calls: Keras traces again
+            for name in COMPILED_STEPS:  # compiled around the dense calls: Keras traces again
                 if getattr(model, name) is not None and id(getattr(model, name)) not in kept:
                     setattr(model, name, None)
         try:
             yield dispatch
         finally:
             if dispatch.blocks:
-                steps = {id(getattr(model, name)) for name in _STEPS}
+                steps = {id(getattr(model, name)) for name in COMPILED_STEPS}
                 object.__setattr__(model, _SPARSE_STEPS, steps - {id(None)})

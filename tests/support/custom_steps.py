@@ -68,6 +68,23 @@ class TwoOptimizers(keras.Model):
         return {"step_loss": self.tracker.result()}
 
 
+class ExtraUpdate(keras.Model):
+    """Its compiled optimizer updates every variable, then a second optimizer the head again."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.extra_optimizer = keras.optimizers.SGD(0.01)
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(y=y, y_pred=self(x, training=True))
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply(grads, self.trainable_variables)
+        self.extra_optimizer.apply(grads[2:], self.trainable_variables[2:])
+        return {}
+
+
 def build(kind, policy="float32", **adam):
     """`kind` over one seeded layer graph; compiled with Adam(0.01, **adam) unless it is
     `TwoOptimizers`; its layers' dtype policy `policy` (mixed_float16: a loss-scale
@@ -188,6 +205,18 @@ SHARDED = {  # name: (model class, build options, Strategy options); on 2 and on
         {"policy": "mixed_float16"},
         {"shard_gradients": True},
     ),
+    # ZeRO-3: the step's variables hold the gathered weights for the step alone
+    "custom_train_step_shard_weights": (GuideStep, {}, {"shard_weights": True}),
+    "custom_train_step_shard_weights_global_clipnorm": (
+        GuideStep,
+        {"global_clipnorm": 0.05},
+        {"shard_weights": True},
+    ),
+    "custom_compute_loss_shard_weights_mixed_float16": (
+        OwnLoss,
+        {"policy": "mixed_float16"},
+        {"shard_weights": True},
+    ),
 }
 MIXED_TOLERANCE = 6e-3  # tests/test_zero.py's: unsharded data parallelism is as far from Keras
 
@@ -199,10 +228,10 @@ def sharded(name: str) -> dict:
     x, y = X[:64], Y[:64]
     options = dict(batch_size=16, epochs=2, shuffle=False, verbose=0)
     strategy = hf.Strategy("data", **sharding)
-    runs = []
+    runs, probe = [], _HeldBetweenSteps()
     for fit in (
         lambda m: m.fit(x, y, **options),
-        lambda m: hf.fit(m, x, y, **options, strategy=strategy),
+        lambda m: hf.fit(m, x, y, **options, strategy=strategy, callbacks=[probe]),
     ):
         model = build(kind, **build_options)
         keras.utils.set_random_seed(7)  # the same dropout masks in both runs
@@ -216,14 +245,32 @@ def sharded(name: str) -> dict:
         "history": history_difference(history, ref_history),
         "slot_ratio": slots / (2 * weights),  # Adam: two slots per element
         "unpatched": "apply" not in vars(model.optimizer),
+        "held_between_steps": probe.held,
     }
 
 
+class _HeldBetweenSteps(keras.callbacks.Callback):
+    """Whether the model's first weight could be read after each training batch (ZeRO-3
+    keeps it as slices over the replicas between steps)."""
+
+    def __init__(self):
+        super().__init__()
+        self.held = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        try:
+            self.model.trainable_variables[0].numpy()
+            self.held.append(True)
+        except hf.NotHeldError:
+            self.held.append(False)
+
+
 SHARDED_REFUSED = {  # name: (model class, Strategy options, what the error says)
-    "custom_train_step_shard_weights": (
-        GuideStep,
+    # ZeRO-3: the second optimizer's update would be lost when the step lets the weights go
+    "custom_step_extra_update_shard_weights": (
+        ExtraUpdate,
         {"shard_weights": True},
-        "its tape differentiates",
+        "only the compiled optimizer's update reaches the slices",
     ),
     # the compiled optimizer updates two of the four variables: its slices span all four
     "custom_step_two_optimizers_shard_gradients": (

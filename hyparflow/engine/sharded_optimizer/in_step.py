@@ -13,8 +13,12 @@ slices are all-gathered into the variables, which stay the truth between steps. 
 and the fit's end read the same slices as under the engine's own step (`SliceCheckpoint`).
 
 The step's own gradients are whole, since its tape makes them: `shard_gradients` shards only
-their reduced sums. `shard_weights` is refused (model_checks): the step's tape differentiates
-the variables themselves, so they must hold their whole values.
+their reduced sums. Under `shard_weights` (ZeRO-3) the variables hold nothing between steps
+(`ShardedWeights.release`): the step begins by all-gathering the slices into them (`fill`), so
+that its tape differentiates them as Keras's step does, and ends by emptying them (`empty`);
+the variables' backings stay the same resources (`deferred.take_over`), so the step is traced
+once. A step so holds the whole weights and gradients for a moment, as ZeRO-3 on a stage that
+is not cut does, and only its slices between steps.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import functools
 import tensorflow as tf
 from keras.optimizers import LossScaleOptimizer
 
+from hyparflow import deferred
 from hyparflow.comm.agree import AgreedError
 from hyparflow.comm.in_graph import allgather, allreduce, reduce_scatter
 from hyparflow.engine.gradients.update import apply_clipped, inner_optimizer
@@ -32,7 +37,9 @@ from hyparflow.engine.gradients.update import apply_clipped, inner_optimizer
 class SlicedApply:
     """The replacement of the compiled optimizer's `apply` in a model's own step, over
     `sharded`'s slices (a `ShardedUpdate` of the whole model, one replica's); its collectives
-    run over `comm` (the replicas) and count in `traffic`.
+    run over `comm` (the replicas) and count in `traffic`. `slices_only` (ZeRO-3): the slices
+    are the weights between steps, and the variables hold values only inside the step
+    (`fill`, `empty`).
 
     Example:
         sliced = SlicedApply(sharded, comm, traffic)
@@ -40,11 +47,23 @@ class SlicedApply:
             model.train_step(data)  # traced: its optimizer.apply steps this replica's slice
     """
 
-    def __init__(self, sharded, comm, traffic):
+    def __init__(self, sharded, comm, traffic, slices_only: bool = False):
         self.sharded = sharded
         self.optimizer = sharded.model.optimizer
         self.variables = list(sharded.variables)
         self.comm, self.traffic = comm, traffic
+        self.slices_only = slices_only
+
+    def fill(self) -> None:
+        """Inside a trace (ZeRO-3): the variables take their values, all-gathered from the
+        replicas' slices, for the step that follows."""
+        for group in self.sharded.groups:
+            self._gather(group)
+
+    def empty(self) -> None:
+        """Inside a trace (ZeRO-3): the sliced variables let their values go again."""
+        groups = self.sharded.groups
+        deferred.let_go([self.variables[i] for group in groups for i in group.positions])
 
     def replacing(self, apply, weight):
         """What stands for `apply` (the optimizer's method) while a step is traced, this
@@ -57,13 +76,14 @@ class SlicedApply:
         slices = [self._reduced(group, grads, weight) for group in groups]
         if isinstance(self.optimizer, LossScaleOptimizer):
             slices = self._agreed_overflow(slices)
-        self.sharded.load_slices()  # the variables are the truth between steps
+        if not self.slices_only:
+            self.sharded.load_slices()  # the variables are the truth between steps
         targets = [group.variable for group in groups]
         if inner_optimizer(self.optimizer).global_clipnorm:
             apply_clipped(self.optimizer, slices, targets, self._global_norm(slices), apply)
         else:
             apply(slices, targets)
-        for group in groups:
+        for group in groups:  # the step may read them after its update, as in Keras's
             self._gather(group)
 
     def _in_stage_order(self, grads: list, variables) -> list:

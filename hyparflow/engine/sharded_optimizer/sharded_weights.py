@@ -84,40 +84,41 @@ class ShardedWeights:
     def load(self, initial: bool = True) -> None:
         """Each slice takes its elements of the variables (the truth while they hold values:
         restores, `set_weights` and callbacks write those), one variable at a time; a
-        variable built under hf.scope() and never held gives its initial value (`initial`;
-        else its elements stay as the slice has them: nothing can have written it since).
-        The elements are copied out (numpy): a TensorFlow slice may share its whole
+        variable built under hf.scope() and never held gives its initial value (`initial`),
+        and one let go leaves the slice's elements as they are (nothing can have written it
+        since). The elements are copied out (numpy): a TensorFlow slice may share its whole
         variable's buffer, and a slice variable assigned from it would keep that buffer
         alive."""
         for group in self.groups:
-            values = np.zeros(group.layout.slice_size, group.dtype)
-            if not initial:
-                values[:] = group.variable.numpy()
+            values = np.array(group.variable.numpy(), group.dtype)
             for p in group.extents:
                 variable = self.variables[group.positions[p.variable]]
-                never_held = deferred.is_deferred(variable)
-                if never_held and not initial:
+                held = _held_value(variable, initial)
+                if held is None:
                     continue
-                held = deferred.initial_value(variable) if never_held else variable
                 flat = np.asarray(held).reshape(-1)
                 values[p.offset : p.offset + p.size] = flat[p.start : p.stop]
                 held = flat = None
             group.variable.assign(values)
 
+    def take_over(self) -> None:
+        """The sliced variables get backings that can be emptied and filled again
+        (`deferred.take_over`; those never held start empty, their values in the slices: call
+        after `load`), so that steps traced over them stay valid through every `release`
+        and `restore`."""
+        deferred.take_over(self._sliced_variables(), _WHILE_TRAINING)
+
+    def _sliced_variables(self) -> list:
+        return [self.variables[i] for group in self.groups for i in group.positions]
+
     def release(self) -> None:
         """Copy the variables' values into the slices, then let the variables go (their
-        memory with them): the slices are the weights until `restore`. Variables built
-        under hf.scope() and never held stay as they are."""
+        memory with them): the slices are the weights until `restore`."""
         if self.released:
             return
-        self.load(initial=False)  # the initial values of those never held were loaded first
-        held = [
-            self.variables[i]
-            for group in self.groups
-            for i in group.positions
-            if not deferred.is_deferred(self.variables[i])
-        ]
-        deferred.let_go(held, _WHILE_TRAINING)
+        self.load(initial=False)
+        self.take_over()  # nothing where done already
+        deferred.let_go(self._sliced_variables())
         self.released = True
 
     def restore(self, over=None) -> None:
@@ -200,6 +201,16 @@ class ShardedWeights:
         start = group.layout.offsets[j]
         values = flat[start : start + group.layout.sizes[j]].reshape(tuple(variable.shape))
         return tf.constant(values)
+
+
+def _held_value(variable, initial: bool):
+    """What `ShardedWeights.load` copies from `variable`: its value, its initial value where
+    it was never held (and `initial`), or None where the slice keeps its elements."""
+    if deferred.is_let_go(variable):
+        return None
+    if deferred.is_deferred(variable):
+        return deferred.initial_value(variable) if initial else None
+    return variable
 
 
 class WeightGather:
