@@ -367,6 +367,36 @@ def _zero3_inside_epoch_with_tensor_ranks(folder: str) -> dict:
     }
 
 
+class _PredictAtEpochEnd(keras.callbacks.Callback):
+    """Calls Keras's own `model.predict` at every epoch's end (traced over the weights the
+    epoch's end gives back), keeping how far it is from an eager call of the model."""
+
+    def __init__(self, x):
+        super().__init__()
+        self.x, self.gaps = x, []
+
+    def on_epoch_end(self, epoch, logs=None):
+        predicted = self.model.predict(self.x, verbose=0)
+        self.gaps.append(relative_difference([predicted], [self.model(self.x).numpy()]))
+
+
+def keras_predict_around() -> dict:
+    """Keras's `model.predict`, compiled before a ZeRO-3 fit and during it, reads the trained
+    weights afterwards (ZeRO-3 puts new backend variables behind the model's weights, which
+    a step compiled over the old ones would go on reading)."""
+    x, y, _ = small_mlp_trained(seed=1)
+    model = _small_mlp(scope=False)
+    before = model.predict(x, verbose=0)  # Keras compiles and keeps its predict step
+    probe = _PredictAtEpochEnd(x)
+    fit_in_order(model, x, y, 16, 2, hf.Strategy("data", shard_weights=True), callbacks=[probe])
+    after = model.predict(x, verbose=0)
+    return {
+        "during": probe.gaps,
+        "after": relative_difference([after], [model(x).numpy()]),
+        "trained": relative_difference([after], [before]),
+    }
+
+
 def main():
     folder, *cases = args()
     keras.config.disable_interactive_logging()
@@ -379,6 +409,7 @@ def main():
             "refusals": refusals(),
             "subclassed": subclassed(),
             "scoped": scoped(folder),
+            "predict": keras_predict_around(),
             "resume": resumes_two(folder),
         }
     elif hf.size() == 4:
