@@ -59,11 +59,13 @@ test-fast: setup
 
 # Every keras_hub family in data, pipeline and tensor layouts on 2 ranks (tests/test_hub_zoo.py;
 # `make test` runs three kinds), and the cases `make test` leaves out of tests/test_real_models.py,
-# tests/test_tensor_parallel.py and the planner's keras_hub test (tests/support/zoo_only.py),
+# tests/test_tensor_parallel.py, tests/test_zero.py (issue 65's ZeRO matrix) and the planner's
+# keras_hub test (tests/support/zoo_only.py),
 # then docs/models.md's table from the results written to build/hub_zoo.json
 # (scripts/zoo_table.py), whether or not every family passed.
 ZOO_TESTS := tests/test_hub_zoo.py tests/test_real_models.py tests/test_tensor_parallel.py \
-	tests/test_auto.py::test_keras_hub_causal_lms_are_planned_at_their_data_shapes_and_train_exactly
+	tests/test_auto.py::test_keras_hub_causal_lms_are_planned_at_their_data_shapes_and_train_exactly \
+	tests/test_zero.py
 zoo: setup
 	@HF_ZOO=all $(PY) -m pytest -m mpi $(ZOO_TESTS) -p no:cacheprovider -rf; rc=$$?; \
 	$(PY) scripts/zoo_table.py; exit $$rc

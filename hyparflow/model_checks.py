@@ -7,7 +7,6 @@ import numpy as np
 from keras import tree
 
 from hyparflow import _keras
-from hyparflow.engine.custom_step import own_steps
 from hyparflow.engine.keras_semantics.batch_coupling import COUPLING_TOLERANCE, sample_coupling
 from hyparflow.engine.keras_semantics.random_slices import unsliceable_random_layers
 from hyparflow.engine.keras_semantics.sync_batchnorm import synchronized_layers
@@ -15,6 +14,7 @@ from hyparflow.engine.sharded_optimizer.refusal import refusal as zero_refusal
 from hyparflow.engine.sharded_optimizer.refusal import weights_refusal
 from hyparflow.engine.stages.structure import model_input_list
 from hyparflow.moe import expert_weights, router_loss_weight, sparse_blocks
+from hyparflow.own_steps import own_steps
 from hyparflow.tensor.roles import check_elementwise
 
 

@@ -234,6 +234,21 @@ def test_sharded_weights_hold_slices_under_scope_and_gather_a_segment():
     assert "sharded optimizer, gradients and weights" in ordinary.summary(print_fn=None)
 
 
+def test_a_model_with_its_own_train_step_is_planned_as_one_segment():
+    """Its own tape makes whole gradients, and under ZeRO-3 its step gathers the whole model
+    (engine/custom_step.py): the plan holds one segment where the same layer graph has two."""
+    from tests.support.custom_steps import GuideStep, build
+
+    def planned(kind):
+        model = build(kind)
+        strategy = hf.Strategy("data", replicas=2, shard_weights=True, update_by_segment=True)
+        return hf.memory_plan(model, strategy, batch_size=8).ranks[0]
+
+    graph, own = planned(keras.Model), planned(GuideStep)
+    assert own.gradients == pytest.approx(2 * graph.gradients, abs=8)  # all, not a segment
+    assert own.step_buffers["gathered weights"] == 2 * own.gradients  # the whole model
+
+
 def test_cli_memory_plan_takes_the_sharding_flags(tmp_path, capsys):
     from hyparflow.cli import main
 

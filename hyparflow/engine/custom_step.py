@@ -28,15 +28,10 @@ from hyparflow.engine.keras_semantics.random_slices import slice_of
 from hyparflow.engine.sharded_optimizer.in_step import SlicedApply
 from hyparflow.engine.trainer import Trainer
 from hyparflow.intercept import Replaced
+from hyparflow.own_steps import own_steps
 from hyparflow.traced import traced
 
-OWN_STEPS = ("train_step", "test_step", "compute_loss")
 TAG = "custom_step"  # the tag of its traffic record in the trainer's `TrafficLog`
-
-
-def own_steps(model) -> list[str]:
-    """The names among `OWN_STEPS` that `model`'s class overrides."""
-    return [n for n in OWN_STEPS if getattr(type(model), n, None) is not getattr(keras.Model, n)]
 
 
 def needs_equal_shares(model) -> bool:

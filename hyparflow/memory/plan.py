@@ -15,6 +15,7 @@ from hyparflow.memory import buffers, counts
 from hyparflow.memory.slots import optimizer_slots
 from hyparflow.memory.table import MemoryPlan, RankMemory
 from hyparflow.moe import expert_weights
+from hyparflow.own_steps import own_steps
 from hyparflow.partitioner import partition
 from hyparflow.partitioner.graph import build_graph, numpy_dtype
 from hyparflow.schedule import make_schedule
@@ -121,7 +122,8 @@ class _Shared:
 def _shared_facts(model, resolved, world, batch_size, whole_model, notes, splits) -> _Shared:
     """The model-wide facts of the plan, computed once for all ranks."""
     stage_models, per_sample, layouts = _split(model, resolved, notes, splits)
-    cuttable = per_sample is not _UNCUT
+    # a model's own step differentiates the whole model with its own tape: one segment
+    cuttable = per_sample is not _UNCUT and not own_steps(model)
     sizes = _kept(splits, "sizes", lambda: {id(v): _size(v) for v in model.weights})
     nbytes = functools.partial(_nbytes, sizes=sizes)
     optimizer = getattr(model, "optimizer", None)
