@@ -11,7 +11,8 @@ end gathers the whole model back), both as resident growth and as the most bytes
 allocator had in use ("allocated": tensors and variables, not numpy's or MPI's buffers, nor
 what the allocator keeps pooled); then rank 0's growth while `model.save` writes the whole
 model and optimizer (ordinary builds). Layouts "P,R,T[,flags]": "zero" (ZeRO-1), "zero2"
-(ZeRO-2), "zero3" (ZeRO-3), "scope" (built under `hf.scope()`).
+(ZeRO-2), "zero3" (ZeRO-3), "scope" (built under `hf.scope()`), "custom" (the same layers in a
+model with its own `train_step`, the Keras guide's, which each replica runs).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ LAYOUTS = [
     "1,4,1,zero3",
     "1,4,1,zero3,scope",
 ]
+CUSTOM_LAYOUTS = ["1,1,1,custom", "1,4,1,zero2,custom", "1,4,1,zero3,custom,scope"]
 POOLED = {"TF_CPU_ALLOCATOR_USE_BFC": "true"}
 
 
@@ -62,7 +64,7 @@ def _strategy(spec: str):
     )
 
 
-def _model(width: int, scope: bool):
+def _model(width: int, scope: bool, custom: bool = False):
     import contextlib
 
     import keras
@@ -71,15 +73,33 @@ def _model(width: int, scope: bool):
 
     keras.utils.set_random_seed(0)
     optimizer = keras.optimizers.Adam(1e-4)  # before the scope (docs/big_models.md)
+    kind = _own_step_model() if custom else keras.Model
     with hf.scope() if scope else contextlib.nullcontext():
         inputs = keras.Input((1024,))
         h = inputs
         for _ in range(3):
             h = keras.layers.Dense(width, activation="relu")(h)
             h = keras.layers.Dense(1024)(h)
-        model = keras.Model(inputs, h, name=f"mlp_3x{width}")
+        model = kind(inputs, h, name=f"mlp_3x{width}")
         model.compile(optimizer, "mse")
     return model
+
+
+def _own_step_model():
+    """A model class with the Keras guide's `train_step`: its tape, its optimizer's apply."""
+    import keras
+    import tensorflow as tf
+
+    class OwnStep(keras.Model):
+        def train_step(self, data):
+            x, y = data
+            with tf.GradientTape() as tape:
+                loss = self.compute_loss(y=y, y_pred=self(x, training=True))
+            grads = tape.gradient(loss, self.trainable_variables)
+            self.optimizer.apply(grads, self.trainable_variables)
+            return {"loss": loss}
+
+    return OwnStep
 
 
 def worker(args) -> None:
@@ -96,11 +116,12 @@ def worker(args) -> None:
     x = rng.normal(size=(64, 1024)).astype("float32")
     y = rng.normal(size=(64, 1024)).astype("float32")
     hf.size()  # MPI and TensorFlow imported before measuring
-    scope = "scope" in args.layout.split(",")
+    flags = args.layout.split(",")
+    scope = "scope" in flags
     tf.config.experimental.reset_memory_stats("CPU:0")
     with PeakGrowth() as growth:
         steps = _steps_peak(growth.start)
-        model = _model(args.width, scope)
+        model = _model(args.width, scope, custom="custom" in flags)
         strategy = _strategy(args.layout) if hf.size() > 1 else "data"
         hf.fit(
             model,
@@ -163,13 +184,13 @@ def run(args) -> list[dict]:
         largest = max(r["growth"] for r in results) / MIB
         training = max(r["training"] for r in results) / MIB
         allocated = max(r["allocated"] for r in results) / MIB
-        if spec == "1,1,1":
+        if math.prod(int(n) for n in spec.split(",")[:3]) == 1:  # one process (custom too)
             alone, alone_training, alone_allocated = largest, training, allocated
         records.append(measurement(FIGURE, f"{spec}: largest rank's growth", [largest], "MiB"))
         records.append(measurement(FIGURE, f"{spec}: largest rank's training", [training], "MiB"))
         name = f"{spec}: largest rank's training, allocated"
         records.append(measurement(FIGURE, name, [allocated], "MiB"))
-        if alone is not None and spec != "1,1,1":
+        if alone is not None and ranks > 1:
             ratio = largest / alone
             records.append(measurement(FIGURE, f"{spec}: / one process", [ratio], "ratio"))
             ratio = training / alone_training
@@ -185,7 +206,12 @@ def run(args) -> list[dict]:
 
 def arguments(argv=None):
     p = cli.parser(__doc__, repeats=1, width=16384)
-    p.add_argument("--layouts", nargs="+", default=LAYOUTS, help='"P,R,T[,zero|zero2|zero3|scope]"')
+    p.add_argument(
+        "--layouts",
+        nargs="+",
+        default=LAYOUTS + CUSTOM_LAYOUTS,
+        help='"P,R,T[,zero|zero2|zero3|scope|custom]"',
+    )
     p.add_argument("--layout", help="worker: the layout it measures")
     args = p.parse_args(argv)
     if args.quick:

@@ -373,8 +373,8 @@ def _check(case: Case, results: list) -> None:
         # ZeRO-2 cuts the stage unless it holds tensor shards; a pipeline stage may not be cut
         # (an embedding table alone, a layer another stage shares): it keeps whole gradients
         cut = r["segments"] > 1
-        assert cut or case.tensor > 1 or case.partitions > 1, where
         sharded_gradients = case.shard_gradients or case.shard_weights  # each implies it
+        assert cut or not sharded_gradients or case.tensor > 1 or case.partitions > 1, where
         assert r["shards_gradients"] == (sharded_gradients and cut), where
         assert r["shards_weights"] == case.shard_weights, where
         assert r["held_after"], where  # the fit's end gives ZeRO-3's variables their values

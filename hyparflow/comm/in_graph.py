@@ -52,7 +52,9 @@ def allgather(comm, tensor, axis: int, record: Traffic):
         start = time.perf_counter()
         comm.Allgather(mine, parts)
         record.record(start, time.perf_counter(), mine.nbytes)
-        return np.concatenate(list(parts), axis=axis).astype(array.dtype, copy=False)
+        # along axis 0 the received blocks are already in place: no second whole copy
+        joined = parts.reshape((-1, *array.shape[1:])) if axis == 0 else np.concatenate(parts, axis)
+        return joined.astype(array.dtype, copy=False)
 
     shape = tensor.shape.as_list() if tensor.shape.rank is not None else None
     if shape is not None and shape[axis] is not None:
