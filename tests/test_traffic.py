@@ -8,7 +8,7 @@ from mpi4py import MPI
 
 import hyparflow as hf
 from hyparflow.comm import in_graph
-from hyparflow.comm.in_graph import allgather, allreduce, exchange, reduce_scatter
+from hyparflow.comm.in_graph import allgather, allreduce, collective, exchange
 from hyparflow.comm.traffic import Traffic, TrafficLog
 from hyparflow.data.batches import GlobalBatch
 from hyparflow.engine.custom_step import TAG, CustomStepTrainer, make_trainer
@@ -40,7 +40,7 @@ def test_collectives_in_a_graph_run_in_the_order_they_were_made_by_a_data_edge()
 
     @tf.function
     def step(x):
-        first = reduce_scatter(MPI.COMM_SELF, x, record)
+        first = collective(lambda a: a.copy(), [x], tf.float32, [4], record, nbytes=16)
         second = allgather(MPI.COMM_SELF, variable, 0, record)  # independent of `first`
         third = allreduce(MPI.COMM_SELF, x, record)
         return first, second, third

@@ -62,23 +62,18 @@ def allgather(comm, tensor, axis: int, record: Traffic):
     return _ordered(gather, [tensor], tensor.dtype, shape)
 
 
-def reduce_scatter(comm, tensor, record: Traffic):
-    """This rank's block of the 1-D `tensor` summed over the ranks of `comm`: rank r receives
-    elements [r·n/R, (r+1)·n/R) of the sum (n, the length, a multiple of R; no gradient);
-    counted in `record`."""
-    size = comm.Get_size()
+def collective(function, tensors: list, dtype, shape, record: Traffic, nbytes: int):
+    """`function(*arrays)` (numpy in, one array out, of `dtype` and `shape`), a collective of
+    the caller's own run in this graph's order of collectives (e.g. a windowed
+    reduce-scatter); counted in `record` as `nbytes` sent."""
 
-    def scatter(array):
-        send = _wire(array)
-        received = np.empty(send.size // size, send.dtype)
+    def timed(*arrays):
         start = time.perf_counter()
-        comm.Reduce_scatter_block(send, received, op=_mpi("SUM"))
-        record.record(start, time.perf_counter(), send.nbytes)
-        return received.astype(array.dtype, copy=False)
+        result = function(*arrays)
+        record.record(start, time.perf_counter(), nbytes)
+        return result
 
-    length = tensor.shape[0]
-    shape = [None if length is None else length // size]
-    return _ordered(scatter, [tensor], tensor.dtype, shape)
+    return _ordered(timed, tensors, dtype, shape)
 
 
 def exchange(comm, counts, tensors: list, record: Traffic, expected=None, timed=None) -> tuple:

@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import tensorflow as tf
 from keras.optimizers import LossScaleOptimizer
 
 from hyparflow import deferred
 from hyparflow.comm.agree import AgreedError
-from hyparflow.comm.in_graph import allgather, allreduce, reduce_scatter
+from hyparflow.comm.in_graph import allgather, allreduce, collective
 from hyparflow.engine.gradients.update import apply_clipped, inner_optimizer
 
 
@@ -107,13 +108,21 @@ class SlicedApply:
         return [tf.convert_to_tensor(given[id(v)]) for v in self.variables]
 
     def _reduced(self, group, grads: list, weight):
-        """This replica's slice of `group`'s flattened gradients, weighted and summed over the
-        replicas, in the group's dtype."""
+        """This replica's slice of `group`'s gradients, weighted and summed over the replicas,
+        in the group's dtype: reduce-scattered in the engine's windows straight from the
+        gradients (no flat copy of them: `ShardedUpdate.reduce_scatter`)."""
         wire = group.reduced_dtype
-        flat = [tf.reshape(tf.cast(grads[i], wire), [-1]) for i in group.positions]
-        flat.append(tf.zeros([group.layout.padded - group.layout.length], wire))
-        weighted = tf.concat(flat, axis=0) * tf.cast(weight, wire)
-        return tf.cast(reduce_scatter(self.comm, weighted, self.traffic), group.dtype)
+        parts = [tf.cast(grads[i], wire) for i in group.positions]
+
+        def scatter(*arrays):
+            views = [np.reshape(a, -1) for a in arrays[:-1]]
+            return self.sharded.reduce_scatter(group, views, float(arrays[-1]))
+
+        inputs = [*parts, tf.cast(weight, wire)]
+        nbytes = group.reduce_scatter_bytes
+        shape = [group.layout.slice_size]
+        sliced = collective(scatter, inputs, tf.as_dtype(wire), shape, self.traffic, nbytes)
+        return tf.cast(sliced, group.dtype)
 
     def _agreed_overflow(self, slices: list) -> list:
         """`slices`, all NaN on every replica where any replica's holds a non-finite value:

@@ -229,12 +229,18 @@ class ShardedUpdate:
         self.sent_bytes += self.step_bytes["reduce_scatter"]
         return SliceGradients(kept, slices, tables, experts)
 
-    def _reduce_scatter(self, group, views: list) -> np.ndarray:
-        """This replica's slice of the sum of `views` (the group's flattened gradients) over
-        the replicas, reduce-scattered window by window: each call sends every replica its
-        next `window` elements, so the buffers hold about WINDOW_BYTES, never a second copy of
-        the gradients (nor the whole-size temporary MPI's reduce-then-scatter keeps on one
-        rank)."""
+    def reduce_scatter(self, group, views: list, scale: float = 1.0) -> np.ndarray:
+        """This replica's slice of the sum over the replicas of `views` (the group's flattened
+        gradients, in its positions' order), each replica's multiplied by its `scale`: the
+        engine's windows, for a model's own step (`in_step.SlicedApply`, inside the graph)."""
+        return self._reduce_scatter(group, views, scale)
+
+    def _reduce_scatter(self, group, views: list, scale: float = 1.0) -> np.ndarray:
+        """This replica's slice of the sum of `views` (the group's flattened gradients, times
+        `scale`) over the replicas, reduce-scattered window by window: each call sends every
+        replica its next `window` elements, so the buffers hold about WINDOW_BYTES, never a
+        second copy of the gradients (nor the whole-size temporary MPI's reduce-then-scatter
+        keeps on one rank)."""
         layout, parts = group.layout, self.comm.Get_size()
         dtype = group.reduced_dtype
         window = max(1, WINDOW_BYTES // (parts * dtype.itemsize))
@@ -250,6 +256,8 @@ class ShardedUpdate:
                 for j, begin, size in layout.element_ranges(start, start + count):
                     position = layout.offsets[j] + begin - start
                     row[position : position + size] = views[j][begin : begin + size]
+            if scale != 1.0:
+                send *= scale
             with self._guard("reduce-scatter the gradients over the replicas"):
                 self.comm.Reduce_scatter_block(
                     send, received[first : first + count], op=mpi_op("SUM")
