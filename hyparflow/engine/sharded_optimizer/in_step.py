@@ -56,8 +56,8 @@ class SlicedApply:
         self.slices_only = slices_only
 
     def fill(self) -> None:
-        """Inside a trace (ZeRO-3): the variables take their values, all-gathered from the
-        replicas' slices, for the step that follows."""
+        """Inside a trace: the variables take the slices' current values, all-gathered from
+        the replicas (ZeRO-3's step begins with it; every sharded step ends its update so)."""
         for group in self.sharded.groups:
             self._gather(group)
 
@@ -84,8 +84,7 @@ class SlicedApply:
             apply_clipped(self.optimizer, slices, targets, self._global_norm(slices), apply)
         else:
             apply(slices, targets)
-        for group in groups:  # the step may read them after its update, as in Keras's
-            self._gather(group)
+        self.fill()  # the step may read its weights after its update, as in Keras's
 
     def _in_stage_order(self, grads: list, variables) -> list:
         """`grads` of `variables` (None: the model's trainable variables) in the stage's order;

@@ -224,23 +224,18 @@ class ShardedUpdate:
         slices = []
         for group in self.groups:
             views = [np.asarray(local[i]).reshape(-1) for i in group.positions]  # no copies
-            slices.append(_as_slice(self._reduce_scatter(group, views), group))
+            slices.append(_as_slice(self.reduce_scatter(group, views), group))
         local = views = None  # the gradients' memory can go
         self.sent_bytes += self.step_bytes["reduce_scatter"]
         return SliceGradients(kept, slices, tables, experts)
 
     def reduce_scatter(self, group, views: list, scale: float = 1.0) -> np.ndarray:
-        """This replica's slice of the sum over the replicas of `views` (the group's flattened
-        gradients, in its positions' order), each replica's multiplied by its `scale`: the
-        engine's windows, for a model's own step (`in_step.SlicedApply`, inside the graph)."""
-        return self._reduce_scatter(group, views, scale)
-
-    def _reduce_scatter(self, group, views: list, scale: float = 1.0) -> np.ndarray:
-        """This replica's slice of the sum of `views` (the group's flattened gradients, times
-        `scale`) over the replicas, reduce-scattered window by window: each call sends every
-        replica its next `window` elements, so the buffers hold about WINDOW_BYTES, never a
-        second copy of the gradients (nor the whole-size temporary MPI's reduce-then-scatter
-        keeps on one rank)."""
+        """This replica's slice of the sum of `views` (the group's flattened gradients, in its
+        positions' order, each replica's times its `scale`) over the replicas, reduce-scattered
+        window by window: each call sends every replica its next `window` elements, so the
+        buffers hold about WINDOW_BYTES, never a second copy of the gradients (nor the
+        whole-size temporary MPI's reduce-then-scatter keeps on one rank). The engine's step
+        calls it, and a model's own step inside its graph (`in_step.SlicedApply`)."""
         layout, parts = group.layout, self.comm.Get_size()
         dtype = group.reduced_dtype
         window = max(1, WINDOW_BYTES // (parts * dtype.itemsize))
@@ -492,7 +487,7 @@ class ShardedUpdate:
         received = []
         for group in self.segments[k]:
             views = [np.asarray(grads.pop(i)).reshape(-1) for i in group.positions]
-            received.append(self._reduce_scatter(group, views))
+            received.append(self.reduce_scatter(group, views))
             views = None  # the segment's gradients can go
             self.sent_bytes += group.reduce_scatter_bytes
         return received
