@@ -3,19 +3,18 @@
 Run: .venv/bin/python benchmarks/sharding.py [--quick] [--repeats 5]
      (starts `mpirun -np 2` itself: one core per rank on a 2-core machine)
 
-Two models, Adam, global batch 128, 2 micro-batches: a transformer encoder of dense inputs
-(`transformer`: 4 blocks of width 256, 4 heads, 32 positions, about 3.2 M parameters; no
-embedding table, so the stage can be cut into segments) and an MLP of 4 x Dense(1024)
-(4.2 M parameters). Each layout trains its own model object in one launch, epochs
-interleaved and the order rotated (`interleaved_epochs`); samples/s over the epochs after
-the first, the ratio to plain data parallel paired by round. Bytes per rank: what the
-optimizer state, the step's gradient sums and the weights hold (the gradients a ZeRO-2 rank
-keeps are its slices plus one segment's; the weights a ZeRO-3 rank keeps, its slices), and
-what a rank sends per step (ZeRO-3: each micro-batch gathers each segment's weights twice,
-for its forward and for its backward's recomputation, but the last segment's once: its
-backward follows its forward under 1F1B and differentiates that forward's tape). Every layout
-runs the 1F1B order: at one stage it only orders each micro-batch's backward right after its
-forward.
+Two models, Adam, global batch 128, 1 micro-batch (the default) and 2, each a run of its own: a
+transformer encoder of dense inputs (`transformer`: 4 blocks of width 256, 4 heads, 32
+positions, about 3.2 M parameters; no embedding table, so the stage can be cut into segments)
+and an MLP of 4 x Dense(1024) (4.2 M parameters). Each layout trains its own model object in
+one launch, epochs interleaved and the order rotated (`interleaved_epochs`); samples/s over the
+epochs after the first, the ratio to plain data parallel paired by round. Bytes per rank: what
+the optimizer state, the step's gradient sums and the weights hold (the gradients a ZeRO-2 rank
+keeps are its slices plus one segment's; the weights a ZeRO-3 rank keeps, its slices), and what
+a rank sends per step (ZeRO-3: each micro-batch gathers each segment's weights twice, for its
+forward and for its backward's recomputation, but the last segment's once: its backward follows
+its forward under 1F1B and differentiates that forward's tape). Every layout runs the 1F1B
+order: at one stage it only orders each micro-batch's backward right after its forward.
 """
 
 from __future__ import annotations
@@ -61,7 +60,13 @@ def worker(args) -> None:
     strategies = {
         # 1F1B: each micro-batch's backward right after its forward, as plain data
         # parallelism's fused runner does; ZeRO-3's last segment then reuses its forward
-        name: hf.Strategy("data", microbatches=2, schedule="1f1b", tune_process=True, **options)
+        name: hf.Strategy(
+            "data",
+            microbatches=args.microbatches[0],
+            schedule="1f1b",
+            tune_process=True,
+            **options,
+        )
         for name, options in LAYOUTS.items()
     }
     models = {name: _model(args.model, args.quick) for name in LAYOUTS}
@@ -113,17 +118,18 @@ def _bytes(model) -> dict:
 def run(args) -> list[dict]:
     records = []
     for name in args.models:
-        quick = ["--quick"] if args.quick else []
-        fixed = [*cli.flags(args, *SHAPE, "repeats"), *quick, "--model", name]
-        ranks = run_worker(__file__, fixed, np=2)
-        records += _records(name, args, ranks[0])
+        for microbatches in args.microbatches:
+            quick = ["--quick"] if args.quick else []
+            fixed = [*cli.flags(args, *SHAPE, "repeats"), *quick, "--model", name]
+            ranks = run_worker(__file__, [*fixed, "--microbatches", microbatches], np=2)
+            records += _records(name, microbatches, args, ranks[0])
     return records
 
 
-def _records(name: str, args, result: dict) -> list[dict]:
+def _records(name: str, microbatches: int, args, result: dict) -> list[dict]:
     seconds, sizes = result["seconds"], result["bytes"]
     samples = args.batch_size * args.steps
-    setup = f"{name}, R=2, batch {args.batch_size}, M=2"
+    setup = f"{name}, R=2, batch {args.batch_size}, M={microbatches}"
     records = []
     for layout in LAYOUTS:
         rate = [samples / s for s in seconds[layout]]
@@ -143,7 +149,7 @@ def _records(name: str, args, result: dict) -> list[dict]:
                 measurement(FIGURE, f"{layout} / plain samples/s ({setup})", ratio, "ratio")
             )
     print(
-        f"{name}: "
+        f"{name}, M={microbatches}: "
         + ", ".join(
             f"{k} {statistics.median(samples / s for s in seconds[k]):.0f}/s" for k in LAYOUTS
         ),
@@ -159,6 +165,13 @@ def arguments(argv=None):
     p = cli.parser(__doc__, repeats=5, batch_size=128, steps=8)
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     p.add_argument("--model", choices=MODELS, help="worker: the model it trains")
+    p.add_argument(
+        "--microbatches",
+        type=int,
+        nargs="+",
+        default=[1, 2],
+        help="micro-batches per replica, each a run of its own (1: Strategy's default)",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.steps = 2

@@ -30,7 +30,7 @@ from hyparflow.engine.custom_step import make_trainer
 from hyparflow.engine.keras_semantics.sparse_probe import probe_row_kinds
 from hyparflow.engine.loops.epochs import evaluate_loop, fit_loop, predict_loop
 from hyparflow.engine.stages.agreed_plan import agreed_plan
-from hyparflow.engine.trainer import gather_back
+from hyparflow.engine.trainer import give_back_after_failure
 from hyparflow.engine.weights import held_elsewhere
 from hyparflow.launch.origin import relaunch_command
 from hyparflow.memory.one_process import check_fits_one_process
@@ -215,7 +215,7 @@ def _give_back_weights(comm, model) -> None:
     nothing where no trainer holds slices)."""
     cached = getattr(model, _TRAINER_ATTRIBUTE, None) if model is not None else None
     if cached is None:
-        gather_back(failure_comm(comm), None, None)  # the others may hold slices
+        give_back_after_failure(failure_comm(comm))  # the others may hold slices
     else:
         cached[1].give_back_weights_after_failure(failure_comm(comm))
 

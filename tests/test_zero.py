@@ -481,16 +481,20 @@ def test_keras_predict_compiled_before_or_during_a_zero3_fit_reads_the_trained_w
 
 @pytest.mark.mpi
 @pytest.mark.timeout(300)
-def test_a_failed_zero3_fit_raises_everywhere_gives_the_weights_back_and_fits_again():
-    """Rank 1 fails after 3 of 4 steps; every rank raises, and the model's variables hold the
-    weights of those 3 steps (all-gathered from the slices over a communicator the failed step
-    did not use), as Keras's fit on the first 3 batches. A second hf.fit in the same processes
-    then trains as Keras does. Its own processes: not pooled."""
+def test_a_failed_zero3_or_tensor_fit_raises_everywhere_gives_the_weights_back_and_fits_again():
+    """Rank 1 fails after 3 of 4 steps, under ZeRO-3 and under T=2; every rank raises, and the
+    model's variables hold the weights of those 3 steps (all-gathered from the slices, or put
+    together from the tensor shards, over a communicator the failed step did not use), as
+    Keras's fit on the first 3 batches; after each step a callback found them holding nothing
+    (the slices or shards are the weights while the fit trains). A second hf.fit in the same
+    processes then trains as Keras does. Its own processes: not pooled."""
     for r in run_scenario("zero_failure", 2, timeout=240, pooled=False):
-        failed = r["failed_step"]
-        assert failed["error"] is not None and "injected failure after step 3" in failed["error"]
-        assert isinstance(failed["weights"], float), failed  # else NotHeldError's message
-        assert failed["weights"] < TOLERANCE, failed
+        for failed in (r["failed_step"], r["failed_tensor_step"]):
+            assert failed["error"] is not None, failed
+            assert "injected failure after step 3" in failed["error"], failed
+            assert isinstance(failed["weights"], float), failed  # else NotHeldError's message
+            assert failed["weights"] < TOLERANCE, failed
+            assert failed["held_in_steps"] and not any(failed["held_in_steps"]), failed
         assert r["fit_after"]["weights"] < TOLERANCE, r["fit_after"]
 
 

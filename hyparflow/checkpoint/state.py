@@ -188,12 +188,18 @@ def written_pieces(split: dict, shard: int, replica: int) -> dict:
 
 
 def optimizer_state(model, optimizer, split=None) -> dict:
+    """The values of the optimizer's variables, keyed as `optimizer_slots` keys them."""
+    slots = optimizer_slots(model, optimizer, split)
+    return {key: np.asarray(variable.numpy()) for key, variable in slots.items()}
+
+
+def optimizer_slots(model, optimizer, split=None) -> dict:
     """The optimizer's variables, keyed by model variable index and slot name. `split` maps the
     path of each variable this rank holds a part of to its `Piece`: their slots are pieces."""
     split = split or {}
     prefixes = _slot_prefixes(model)
     paths = [v.path for v in model.trainable_variables]
-    state = {}
+    slots = {}
     for variable in optimizer.variables:
         name = variable.name
         for prefix, index in prefixes:
@@ -201,11 +207,11 @@ def optimizer_state(model, optimizer, split=None) -> dict:
                 key = f"opt/{index}/{name[len(prefix) :]}"
                 if paths[index] in split:
                     key = split[paths[index]].key(key)
-                state[key] = np.asarray(variable.numpy())
+                slots[key] = variable
                 break
         else:
-            state[f"opt/{name}"] = np.asarray(variable.numpy())
-    return state
+            slots[f"opt/{name}"] = variable
+    return slots
 
 
 def restore_optimizer(model, optimizer, variables, state: dict, split=None):

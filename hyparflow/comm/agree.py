@@ -61,6 +61,19 @@ def failure_comm(comm):
     return _failure_comms[key]
 
 
+def same_ranks(clean, comm):
+    """The ranks of `comm`, in its order, as a new communicator split out of `clean` (a
+    duplicate of a communicator they all belong to that no failed step used); None where
+    `comm` is None: this rank joins none. Collective over `clean`; the caller frees it."""
+    from mpi4py import MPI  # on use: importing it initialises MPI (docs/architecture.md)
+
+    if comm is None:
+        clean.Split(color=MPI.UNDEFINED, key=0)
+        return None
+    first = comm.Get_group().Translate_ranks([0], clean.Get_group())[0]  # one color a group
+    return clean.Split(color=first, key=comm.Get_rank())
+
+
 def all_failed(comm, error: BaseException, timeout: float = FAILURE_AGREEMENT_SECONDS) -> bool:
     """After `error` in the middle of collective work: whether every rank of `comm` failed as
     well (then each may raise its error normally), waiting at most `timeout` seconds. A rank

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 
 import tensorflow as tf
 
 from hyparflow import _keras, deferred
+from hyparflow.comm.agree import same_ranks
 from hyparflow.comm.topology import Topology
 from hyparflow.comm.traffic import TrafficLog
 from hyparflow.comm.watchdog import Guard
@@ -40,7 +42,7 @@ from hyparflow.engine.keras_semantics.added_losses import (
 )
 from hyparflow.engine.keras_semantics.metrics import ReplicaMetrics, compiled_metrics_update
 from hyparflow.engine.keras_semantics.output_losses import OutputLosses
-from hyparflow.engine.keras_semantics.sharded_layers import ShardedLayers
+from hyparflow.engine.keras_semantics.sharded_layers import ShardedLayers, store_after_failure
 from hyparflow.engine.keras_semantics.sync_batchnorm import synchronized_layers
 from hyparflow.engine.sharded_optimizer.checkpoint import SliceCheckpoint
 from hyparflow.engine.sharded_optimizer.sharded_update import ShardedUpdate, sliced_segments
@@ -477,7 +479,11 @@ class Trainer:
             deferred.materialize(v for v in self.variables if not weights.holds(v))
             weights.load()
             weights.take_over()
-            _keras.forget_compiled_steps(model)  # traced over the backings just replaced
+        self.sharded_layers.take_over()  # the split wholes are let go while fit trains
+        _keras.forget_compiled_steps(model)  # traced over the backings just replaced
+        # graphs traced before (Keras's steps, the model checks' probes) are reference cycles
+        # that hold the old backings' resources, the weights' first copy: free them now
+        gc.collect()
         # Built under hf.scope(): weights of other stages were never allocated on this rank
         # (ZeRO-3's slices of its own stage are all given back at the fit's end)
         self.holds_share_only = any(
@@ -506,13 +512,15 @@ class Trainer:
             self.parts.sharded_weights.restore()
 
     def give_back_weights_after_failure(self, clean) -> None:
-        """ZeRO-3 after a step failed on every rank: the variables get their values back from
-        the slices, all-gathered over this stage's replicas split out of `clean` (a duplicate
-        of the fit's communicator that no failed step used: the stage's own may be left
-        mid-collective). Collective over `clean`: every rank calls it, with a trainer that
-        shards weights or not, and only if all of them hold slices do they gather."""
+        """After a step failed on every rank: the variables get their values back from ZeRO-3's
+        slices, all-gathered over this stage's replicas, then from the tensor and expert
+        shards, each over groups of the same ranks split out of `clean` (a duplicate of the
+        fit's communicator that no failed step used: the stage's own may be left
+        mid-collective). Collective over `clean`: every rank calls it (`give_back_after_failure`
+        where a rank has no trainer)."""
         weights = self.parts.sharded_weights
         gather_back(clean, weights, self.topology.stage_comm)
+        store_after_failure(clean, self.sharded_layers)
 
     @property
     def is_last(self) -> bool:
@@ -574,6 +582,7 @@ class Trainer:
         or after `sync_weights` gave them back for callbacks), which then let theirs go."""
         if self.parts.sharded_weights is not None:
             self.parts.sharded_weights.release()
+        self.sharded_layers.release()  # the shards are the split weights until `sync_weights`
         with self.layers_active():
             self.optimizer_step(batch)
 
@@ -727,10 +736,15 @@ def gather_back(clean, weights, replicas) -> None:
     held = int(weights is not None and weights.released)
     if not clean.allreduce(held, op=mpi_op("MIN")):
         return
-    # one color per replica group: the rank in `clean` of its replica 0
-    first = replicas.Get_group().Translate_ranks([0], clean.Get_group())[0]
-    group = clean.Split(color=first, key=replicas.Get_rank())
+    group = same_ranks(clean, replicas)
     try:
         weights.restore(over=group)
     finally:
         group.Free()
+
+
+def give_back_after_failure(clean) -> None:
+    """`Trainer.give_back_weights_after_failure` on a rank that holds no trainer: it joins the
+    others' collectives over `clean` and gives nothing."""
+    gather_back(clean, None, None)
+    store_after_failure(clean, None)

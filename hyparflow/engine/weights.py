@@ -84,14 +84,15 @@ def byte_groups(variables, group_bytes: int = BROADCAST_GROUP_BYTES) -> list[lis
     return groups + ([current] if current else [])
 
 
-def _numpy_dtype(v):
+def numpy_dtype(v):
+    """`v`'s dtype as numpy's (a variable's, or an array's)."""
     dtype = v.dtype
     return dtype if isinstance(dtype, np.dtype) else tf.as_dtype(dtype).as_numpy_dtype
 
 
 def nbytes(v) -> int:
     """Bytes of `v`'s values (a variable, or anything with `shape` and `dtype`)."""
-    return int(np.prod(v.shape)) * np.dtype(_numpy_dtype(v)).itemsize
+    return int(np.prod(v.shape)) * np.dtype(numpy_dtype(v)).itemsize
 
 
 def broadcast_owned_weights(model, plan, comm, guard) -> None:
@@ -118,7 +119,7 @@ def broadcast_owned_weights(model, plan, comm, guard) -> None:
                 offset = 0
                 for v in group:
                     size = nbytes(v)
-                    v.assign(flat[offset : offset + size].view(_numpy_dtype(v)).reshape(v.shape))
+                    v.assign(flat[offset : offset + size].view(numpy_dtype(v)).reshape(v.shape))
                     offset += size
             del arrays, flat
 

@@ -5,7 +5,9 @@ variable (its slice, with the variable's path, so optimizer slots and checkpoint
 Keras does); while `active()` the layers hold the shards instead and split layers run their
 tensor-parallel call. Everything the engine compiles is traced inside the context, so steps
 train the shards, and outside it the model is the user's whole one: `store()` gathers the
-shards into it and `load()` slices it into the shards.
+shards into it and `load()` slices it into the shards. While hf.fit trains, the whole
+variables hold nothing (`release`, `deferred.let_go`): the shards are the weights until
+`store()` gives the wholes their values again, so a rank never holds both.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import inspect
 
 import keras
 import numpy as np
+import tensorflow as tf
 from keras import ops
 
 from hyparflow import _keras, deferred
@@ -23,6 +26,11 @@ from hyparflow.intercept import instead, replaced_calls
 from hyparflow.tensor.collectives import copy_to_shards, gather_from_shards, reduce_from_shards
 from hyparflow.tensor.layout import bounds
 from hyparflow.tensor.splits import COLUMN, ROW, VOCAB
+
+_WHILE_TRAINING = (
+    "hf.fit holds this weight as shards spread over the tensor (or expert) ranks while it "
+    "trains; the epoch's end gives it back. Read weights at epoch ends or after hf.fit."
+)
 
 
 class Shard:
@@ -43,9 +51,25 @@ class Shard:
 
     def load(self) -> None:
         """Cut the whole variable's value into the shard (a whole that was never allocated,
-        under hf.scope(), leaves the shard as it is: the shard is the truth)."""
-        if not deferred.is_deferred(self.whole):
+        under hf.scope(), or that is let go while the fit trains, leaves the shard as it is:
+        the shard is the truth)."""
+        if not (deferred.is_deferred(self.whole) or deferred.is_let_go(self.whole)):
             self.shard.assign(self.shard_of_whole())
+
+    def take_over(self) -> None:
+        """Give the whole variable a backing that `release` can empty and `store` fill again
+        (`deferred.take_over`): steps traced over it stay valid. Keras's compiled steps traced
+        over the old one must be dropped by the caller."""
+        if not deferred.is_deferred(self.whole):
+            deferred.take_over([self.whole], _WHILE_TRAINING)
+
+    def release(self) -> None:
+        """Take the whole variable's value into the shard (a callback may have set it), then
+        let the whole go, its memory with it, until `store` (nothing where it holds none)."""
+        if deferred.is_deferred(self.whole) or deferred.is_let_go(self.whole):
+            return
+        self.load()
+        deferred.let_go([self.whole])
 
     def store(self, comm, guard, operation: str) -> None:
         """Put the shards of the `parts` ranks of `comm` together into the whole variable
@@ -53,6 +77,8 @@ class Shard:
         rank holds the whole: nothing is gathered."""
         if deferred.is_deferred(self.whole):
             return
+        if deferred.is_let_go(self.whole):  # the pieces below fill all of it
+            deferred.hold(self.whole, tf.zeros(self.whole.shape, self.whole.dtype))
         local = np.ascontiguousarray(np.asarray(self.shard.numpy()))
         piece = np.empty_like(local)
         target = _keras.stored_value(self.whole)

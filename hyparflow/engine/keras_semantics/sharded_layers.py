@@ -8,7 +8,9 @@ import contextlib
 
 import numpy as np
 
+from hyparflow import deferred
 from hyparflow.checkpoint.state import Piece
+from hyparflow.comm.agree import same_ranks
 from hyparflow.comm.in_graph import allreduce
 from hyparflow.engine.keras_semantics import global_batch
 from hyparflow.engine.keras_semantics.global_batch import BatchGroup, batch_group
@@ -125,6 +127,35 @@ class ShardedLayers:
         for shards in self._shards():
             shards.store(guard)
 
+    def take_over(self) -> None:
+        """The split whole variables get backings that `release` can empty and `store` fill
+        again (`Shard.take_over`); the caller drops Keras's steps traced over the old ones."""
+        for shard in self._each_shard():
+            shard.take_over()
+
+    def release(self) -> None:
+        """Take the whole weights' values into the shards, then let the wholes go until
+        `store`: while hf.fit trains, the shards are the weights (nothing where let go)."""
+        for shard in self._each_shard():
+            shard.release()
+
+    def any_released(self) -> bool:
+        """Whether some whole variable holds nothing now (released, not yet stored)."""
+        return any(deferred.is_let_go(shard.whole) for shard in self._each_shard())
+
+    def shard_groups(self) -> dict:
+        """Kind ("tensor", "experts") -> (the communicator its shards are split over, its
+        `Shard`s), for the kinds of shards this rank holds."""
+        groups = {}
+        if self.tensor is not None:
+            groups["tensor"] = (self.tensor.comm, self.tensor.shards)
+        if self.experts is not None:
+            groups["experts"] = (self.experts.group, self.experts.shards)
+        return groups
+
+    def _each_shard(self) -> list:
+        return [shard for shards in self._shards() for shard in shards.shards]
+
     def pieces(self) -> tuple[dict, dict]:
         """(path -> `Piece` of this rank, path -> its shard variable) of every variable split
         over tensor ranks or an expert group, as checkpoints key them."""
@@ -167,3 +198,29 @@ def _router_tally(model, strategy, replicas, guard):
         return total
 
     return RouterTally(replica_sum)
+
+
+def store_after_failure(clean, layers) -> None:
+    """After a step failed on every rank: `layers.store` (a `ShardedLayers`; None where this
+    rank holds none) over groups of the same ranks split out of `clean`, a duplicate of the
+    fit's communicator that no failed step used (the shards' own may be left mid-collective),
+    where some rank let its whole variables go and every rank holds its layers (a group with
+    a member missing could not put its shards together). Collective over `clean`."""
+    flags = clean.allgather((layers is not None, layers is not None and layers.any_released()))
+    if not (all(has for has, _ in flags) and any(released for _, released in flags)):
+        return
+    groups = layers.shard_groups() if layers is not None else {}
+    for kind in ("tensor", "experts"):
+        comm, shards = groups.get(kind, (None, ()))
+        group = same_ranks(clean, comm)
+        if group is None:
+            continue
+        try:
+            for shard in shards:
+                shard.store(group, _unguarded, f"gather {kind} shards")
+        finally:
+            group.Free()
+
+
+def _unguarded(operation: str):
+    return contextlib.nullcontext()

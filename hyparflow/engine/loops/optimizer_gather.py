@@ -20,8 +20,8 @@ from keras import callbacks as keras_callbacks
 
 from hyparflow.checkpoint.optimizer_file import drop_whole_state, save_whole_state
 from hyparflow.checkpoint.spill import Spill
-from hyparflow.checkpoint.state import join_shards, optimizer_state, written_pieces
-from hyparflow.engine.weights import byte_groups, nbytes
+from hyparflow.checkpoint.state import join_shards, optimizer_slots, written_pieces
+from hyparflow.engine.weights import byte_groups, nbytes, numpy_dtype
 
 _TAG = 3939  # point-to-point tag of the entries on the world communicator
 
@@ -39,7 +39,8 @@ def needs_gathering(trainer) -> bool:
 
 
 def local_entries(stage) -> dict:
-    """This rank's share of the optimizer state, as its checkpoint file holds it."""
+    """This rank's share of the optimizer state, as its checkpoint file holds it: arrays, or
+    the optimizer's variables themselves, read one at a time as they are sent (`_array`)."""
     model, sharded = stage.model, stage.optimizer_shard
     if not stage.variables or not model.optimizer.built:
         return {}
@@ -47,7 +48,7 @@ def local_entries(stage) -> dict:
         return sharded.optimizer_state(model, stage.split, stage.shard, stage.replica)
     if not stage.writes_pieces:  # the same as replica 0's (or its expert group's)
         return {}
-    slots = optimizer_state(
+    slots = optimizer_slots(
         model, model.optimizer, written_pieces(stage.split, stage.shard, stage.replica)
     )  # the pieces it does not write keyed whole, which only the first rank keeps
     first = stage.shard == 0 and stage.replica == 0
@@ -99,17 +100,18 @@ def _gather(entries: dict, comm, guard) -> Spill | None:
     shapes and dtypes in one small gather, then the raw bytes, group by group, each written as
     it arrives (equal entries from several ranks, the step counter, are read back once)."""
     keys = list(entries)
+    specs = [(k, tuple(entries[k].shape), np.dtype(numpy_dtype(entries[k])).str) for k in keys]
     with guard("gather optimizer state", peer=0):
-        specs = comm.gather([(k, entries[k].shape, entries[k].dtype.str) for k in keys], root=0)
-    if comm.Get_rank() != 0:
-        for group in byte_groups([np.ascontiguousarray(entries[k]) for k in keys]):
-            flat = np.concatenate([a.reshape(-1).view(np.uint8) for a in group])
+        specs = comm.gather(specs, root=0)
+    if comm.Get_rank() != 0:  # each group's values read as it goes: one group's copy at a time
+        for group in byte_groups([entries[k] for k in keys]):
+            flat = np.concatenate([_array(a).reshape(-1).view(np.uint8) for a in group])
             with guard("send optimizer state", peer=0):
                 comm.Send(flat, dest=0, tag=_TAG)
         return None
     spill = Spill()
     for key in keys:
-        spill.write(key, entries.pop(key))
+        spill.write(key, _array(entries.pop(key)))
     for source, spec in enumerate(specs[1:], start=1):
         _receive(spill, spec, source, comm, guard)
     return spill
@@ -128,6 +130,11 @@ def _receive(spill: Spill, spec: list, source: int, comm, guard) -> None:
             size = nbytes(a)
             spill.write(a.key, flat[offset : offset + size].view(a.dtype).reshape(a.shape))
             offset += size
+
+
+def _array(entry) -> np.ndarray:
+    """An entry's values: an array as it is, a variable's read now (a copy)."""
+    return entry if isinstance(entry, np.ndarray) else np.asarray(entry.numpy(), order="C")
 
 
 class _Shape(NamedTuple):
