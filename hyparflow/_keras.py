@@ -412,6 +412,48 @@ def outside_stateless_scope():
         global_state.set_global_attribute("stateless_scope", scope)
 
 
+def current_stateless_scope():
+    """Keras's open `StatelessScope`, or None."""
+    from keras.src.backend.common.stateless_scope import get_stateless_scope
+
+    return get_stateless_scope()
+
+
+# Keras's global attributes that shape a layer's call besides the stateless scope: the call
+# context (the `training` a model hands down) and the autocast scope (mixed precision). A
+# ZeRO-3 layer boundary recomputes its call in the backward, outside the forward's `__call__`
+# (engine/stages/layer_gathering.py), and replays them.
+_CALL_STATE = ("current_call_ctx", "autocast_scope")
+
+
+def call_state() -> dict:
+    """The Keras call state now (`_CALL_STATE`'s global attributes)."""
+    from keras.src.backend.common import global_state
+
+    return {name: global_state.get_global_attribute(name) for name in _CALL_STATE}
+
+
+@contextlib.contextmanager
+def calling_under(state: dict):
+    """Keras's call state set to `state` (from `call_state`) for a while, then put back."""
+    from keras.src.backend.common import global_state
+
+    before = call_state()
+    for name, value in state.items():
+        global_state.set_global_attribute(name, value)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            global_state.set_global_attribute(name, value)
+
+
+def own_loss(layer, loss) -> None:
+    """`Layer._loss_ids`: count `loss`, added to the open stateless scope, as `layer`'s own
+    (a ZeRO-3 layer boundary hands out the losses its call added as new tensors)."""
+    layer._loss_ids.add(id(loss))
+
+
 # --- the .keras file (hyparflow/checkpoint/export.py) --------------------------------------
 # Keras writes a `.keras` zip's weights into memory first unless psutil says the host lacks
 # memory (it does not see cgroup limits); the export writes the same three members itself,

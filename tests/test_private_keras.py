@@ -325,3 +325,31 @@ def test_a_planted_private_use_is_found(tmp_path, line):
     assert [use.split(" ")[0] for use in _private_uses(tmp_path)] == [
         f"engine{os.sep}planted.py:{1 + line.count(chr(10)) + 1}"
     ]
+
+
+def test_call_state_entries():
+    """What a ZeRO-3 layer boundary replays: the stateless scope, the call context and the
+    autocast scope a layer's call ran under; and a loss counted as a layer's own."""
+    layer = keras.layers.Dense(2)
+    layer.build((None, 3))
+    seen = {}
+
+    class Probe(keras.layers.Layer):
+        def call(self, x, training=None):
+            seen.update(_keras.call_state())
+            return x
+
+    Probe(dtype="mixed_float16")(np.zeros((1, 3), "float32"), training=True)
+    assert seen["current_call_ctx"].training is True
+    assert seen["autocast_scope"].dtype == "float16"
+    assert _keras.call_state()["current_call_ctx"] is None  # reset after the call
+    with _keras.calling_under(seen):
+        assert _keras.call_state()["current_call_ctx"] is seen["current_call_ctx"]
+    assert _keras.call_state()["current_call_ctx"] is None
+    assert _keras.current_stateless_scope() is None
+    with keras.StatelessScope(collect_losses=True) as scope:
+        assert _keras.current_stateless_scope() is scope
+        loss = keras.ops.ones(())
+        scope.add_loss(loss)
+        _keras.own_loss(layer, loss)
+        assert _keras.own_losses(layer) == [loss]

@@ -437,14 +437,28 @@ def test_zero3_trains_validates_and_evaluates_a_subclassed_model_as_keras_does(r
         assert sub["weights"] < TOLERANCE, sub
         assert sub["history"] < TOLERANCE, sub  # val_loss: the runner's inference gathers too
         assert sub["evaluated"] < TOLERANCE, sub
-        # the profiler's gather spans: one segment, gathered for each forward; its backward
-        # follows at once and differentiates the forward's tape (no second gather)
-        assert sub["gather_spans"] == sub["recorded_steps"] > 0 and sub["inside"], sub
-        # every gather ran on the gather thread and was waited for once: each step's, each
-        # validation batch's (2 per epoch, 2 epochs) and each evaluated batch's (4)
-        assert sub["transfers"] == sub["waits"] == sub["steps"] + 4 + 4, sub
+        # not cut: each layer gathers its own weights inside the step's graph, around each of
+        # its calls (8 a forward: the stem, 2 x 2 block layers, the shared norm twice, the
+        # head), again in the backward, which recomputes it and reduce-scatters its gradients;
+        # each step waits for all of each gather; no gather runs on the gather thread
+        calls = 8
+        inferences = 4 + 4  # the validation batches (2 per epoch, 2 epochs), the evaluated (4)
+        assert sub["transfers"] == sub["waits"] == calls * (2 * sub["steps"] + inferences), sub
+        assert sub["scatters"] == calls * sub["steps"], sub
+        assert sub["gather_spans"] == 0 and sub["recorded_steps"] > 0, sub
         assert abs(sub["slice_elements"] / sub["elements"] - 1 / len(ranks)) < 0.01, sub
         assert abs(sub["slot_elements"] / (2 * sub["elements"]) - 1 / len(ranks)) < 0.01, sub
+
+
+@pytest.mark.mpi
+def test_zero3_layers_of_a_subclassed_model_replay_their_calls_in_the_backward(two_ranks):
+    """Blocks whose sublayers take `training` from the call context, normalise over the
+    global batch (synchronised) and add a loss, beside an embedding table kept whole: each
+    block's backward recomputes its call as its forward ran it."""
+    for r in two_ranks:
+        blocks = r["blocks"]
+        assert blocks["weights"] < TOLERANCE, blocks
+        assert blocks["scatters"] == 3 * blocks["steps"] > 0, blocks  # two blocks, the head
 
 
 @pytest.mark.mpi

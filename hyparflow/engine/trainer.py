@@ -48,6 +48,7 @@ from hyparflow.engine.sharded_optimizer.checkpoint import SliceCheckpoint
 from hyparflow.engine.sharded_optimizer.sharded_update import ShardedUpdate, sliced_segments
 from hyparflow.engine.sharded_optimizer.sharded_weights import ShardedWeights
 from hyparflow.engine.stage_state import TrainingState
+from hyparflow.engine.stages.layer_gathering import LayerGathering, layer_positions
 from hyparflow.engine.stages.make_runner import (
     RunnerParts,
     build_chunk_runners,
@@ -326,13 +327,32 @@ def _build_runner(setting: Setting, runner_parts, variables, shared, spans) -> t
             return runner, form, overlap, weights
         # the stage cannot be cut: reduce after the backward
         form = choose_gradient_form(**{**facts, "segments": 1})
-    # ZeRO-3 on a stage that is not cut: its weights gathered whole for each call (refused
+    # ZeRO-3 on a stage that is not cut: the whole model's layers gather their own weights in
+    # its graph; a pipeline stage or tensor shards are gathered whole for each call (refused
     # up front with the zero-bubble and interleaved schedules: model_checks)
-    weights = _sharded_weights(setting, variables, None, spans)
+    gathering = None
+    if _gathers_by_layer(setting, runner_parts[0]):
+        positions = layer_positions(setting.model, variables.all, variables.dense)
+        weights = _sharded_weights(setting, variables, positions, spans)
+        comm = setting.topology.stage_comm
+        gathering = LayerGathering(setting.model, weights, comm, setting.guard, setting.traffic)
+    else:
+        weights = _sharded_weights(setting, variables, None, spans)
     if weights is not None:
         form = dataclasses.replace(form, flat=False, flat_backward=False)
-    runner = build_runner(runner_parts[0], variables.all, variables.sparse, form, layout, weights)
+    runner = build_runner(
+        runner_parts[0], variables.all, variables.sparse, form, layout, weights, gathering
+    )
     return runner, form, None, weights
+
+
+def _gathers_by_layer(setting: Setting, parts) -> bool:
+    """Whether ZeRO-3 gathers the stage's weights layer by layer inside its graph: the whole
+    model (no pipeline), its layers whole (no tensor shards, no router tally)."""
+    strategy, topology = setting.strategy, setting.topology
+    sharded = strategy.shard_weights and topology.num_replicas > 1
+    whole = parts.stage is None and setting.sharded_layers.tensor is None
+    return sharded and whole and parts.tally is None
 
 
 def _sharded_weights(setting: Setting, variables, positions, spans) -> ShardedWeights | None:

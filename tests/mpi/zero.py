@@ -19,6 +19,7 @@ import hyparflow as hf
 from hyparflow.checkpoint import manifest
 from hyparflow.engine import events
 from hyparflow.engine.sharded_optimizer import sharded_weights
+from hyparflow.engine.stages import layer_gathering
 from tests.mpi.reliability import BATCH, EPOCHS, _resume_each, train
 from tests.support import references, zoo
 from tests.support.cases import Case
@@ -192,6 +193,73 @@ def subclassed(shard: str) -> dict:
     return {**found, **_gather_spans(model, x, y, strategy)}  # one more epoch, recorded
 
 
+class TokenBlock(keras.layers.Layer):
+    """A block whose sublayers take `training` from Keras's call context, normalise over the
+    global batch and add a loss: what a layer's recomputation must replay."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(16, activation="gelu")
+        self.norm = keras.layers.BatchNormalization(synchronized=True)
+        self.dropout = keras.layers.Dropout(0.3)
+
+    def call(self, x):
+        h = self.dropout(self.norm(self.dense(x)))
+        self.add_loss(1e-2 * keras.ops.mean(keras.ops.square(keras.ops.cast(h, "float32"))))
+        return x + h
+
+
+class Tokens(keras.Model):
+    """A subclassed model over token ids: an embedding table (kept whole), two blocks, a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = keras.layers.Embedding(40, 16)
+        self.blocks = [TokenBlock() for _ in range(2)]
+        self.head = keras.layers.Dense(3, activation="softmax")
+
+    def call(self, ids, training=False):
+        h = keras.ops.mean(self.embed(ids), axis=1)
+        for block in self.blocks:
+            h = block(h, training=training)
+        return self.head(h)
+
+
+def _tokens():
+    keras.utils.set_random_seed(5)
+    model = Tokens()
+    model(np.zeros((1, 5), "int32"))
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="sparse_categorical_crossentropy")
+    return model
+
+
+def subclassed_blocks(policy: str, shard=None) -> dict:
+    """`Tokens` under ZeRO-3 (`shard`: other Strategy flags) against Keras's fit from the same
+    seeds, in `policy`: its blocks gather their weights around their calls and recompute them
+    in the backward."""
+    shard = {"shard_weights": True} if shard is None else shard
+    rng = np.random.default_rng(1)
+    x = rng.integers(0, 40, size=(64, 5)).astype("int32")
+    y = rng.integers(0, 3, size=64)
+    previous = keras.config.dtype_policy().name
+    keras.config.set_dtype_policy(policy)
+    try:
+        reference = _tokens()
+        keras.utils.set_random_seed(7)
+        reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+        model = _tokens()
+        keras.utils.set_random_seed(7)
+        fit_in_order(model, x, y, 16, 2, hf.Strategy("data", **shard))
+    finally:
+        keras.config.set_dtype_policy(previous)
+    trainer = model._hyparflow_trainer[1]
+    return {
+        "weights": relative_difference(model.get_weights(), reference.get_weights()),
+        "scatters": trainer.traffic.of(layer_gathering.SCATTER_TAG).calls,
+        "steps": trainer.step,
+    }
+
+
 def _small_mlp(scope: bool):
     keras.utils.set_random_seed(0)
     optimizer = keras.optimizers.Adam(1e-2)  # before the scope (docs/big_models.md)
@@ -248,7 +316,9 @@ def _gather_spans(model, x, y, strategy) -> dict:
     inside = [any(c.start <= g.start <= g.end <= c.end for c in compute) for g in gathers]
     transfers = trainer.traffic.of(sharded_weights.TRANSFER_TAG)
     waits = trainer.traffic.of(sharded_weights.WAIT_TAG)
+    scatters = trainer.traffic.of(layer_gathering.SCATTER_TAG)
     return {
+        "scatters": scatters.calls,
         "gather_spans": len(gathers),
         "recorded_steps": len(records),
         "inside": all(inside),
@@ -418,6 +488,7 @@ def main():
             "refusals": refusals(),
             "subclassed": subclassed("shard_weights"),
             "subclassed_zero2": subclassed("shard_gradients"),
+            "blocks": subclassed_blocks("float32"),
             "scoped": scoped(folder),
             "predict": keras_predict_around(),
             "resume": resumes_two(folder),

@@ -33,6 +33,7 @@ from hyparflow import deferred
 from hyparflow.comm.agree import AgreedError
 from hyparflow.comm.in_graph import allgather, allreduce, collective
 from hyparflow.engine.gradients.update import apply_clipped, inner_optimizer
+from hyparflow.engine.sharded_optimizer.sharded_update import windowed_reduce_scatter
 
 
 class SlicedApply:
@@ -109,13 +110,14 @@ class SlicedApply:
     def _reduced(self, group, grads: list, weight):
         """This replica's slice of `group`'s gradients, weighted and summed over the replicas,
         in the group's dtype: reduce-scattered in the engine's windows straight from the
-        gradients (no flat copy of them: `ShardedUpdate.reduce_scatter`)."""
+        gradients (no flat copy of them: `windowed_reduce_scatter`)."""
         wire = group.reduced_dtype
+        guard = self.sharded.update.guard
         parts = [tf.cast(grads[i], wire) for i in group.positions]
 
         def scatter(*arrays):
             views = [np.reshape(a, -1) for a in arrays[:-1]]
-            return self.sharded.reduce_scatter(group, views, float(arrays[-1]))
+            return windowed_reduce_scatter(self.comm, group, views, float(arrays[-1]), guard)
 
         inputs = [*parts, tf.cast(weight, wire)]
         nbytes = group.reduce_scatter_bytes

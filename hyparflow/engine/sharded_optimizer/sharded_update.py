@@ -92,6 +92,37 @@ def sliced_segments(variables, dense: list[int], segments, comm) -> list[list[_D
     return sliced
 
 
+def windowed_reduce_scatter(comm, group, views: list, scale: float, guard) -> np.ndarray:
+    """This replica's slice of the sum of `views` (`group`'s flattened gradients, in its
+    positions' order, each replica's times its `scale`) over the replicas of `comm`,
+    reduce-scattered window by window: each call sends every replica its next `window`
+    elements, so the buffers hold about WINDOW_BYTES, never a second copy of the gradients (nor
+    the whole-size temporary MPI's reduce-then-scatter keeps on one rank); `guard(operation)`
+    watches each wait. The engine's step calls it (`ShardedUpdate`), a model's own step inside
+    its graph (`in_step.SlicedApply`), and a layer's backward under ZeRO-3 on a stage not cut
+    into segments (`layer_gathering.LayerGathering`)."""
+    layout, parts = group.layout, comm.Get_size()
+    dtype = group.reduced_dtype
+    window = max(1, WINDOW_BYTES // (parts * dtype.itemsize))
+    received = np.empty(layout.slice_size, dtype)
+    buffer = np.empty(parts * min(window, layout.slice_size), dtype)
+    for first in range(0, layout.slice_size, window):
+        count = min(window, layout.slice_size - first)
+        send = buffer[: parts * count].reshape(parts, count)  # contiguous: no copy for MPI
+        for part in range(parts):
+            row = send[part]
+            row[:] = 0  # the padding
+            start = layout.bounds(part)[0] + first
+            for j, begin, size in layout.element_ranges(start, start + count):
+                position = layout.offsets[j] + begin - start
+                row[position : position + size] = views[j][begin : begin + size]
+        if scale != 1.0:
+            send *= scale
+        with guard("reduce-scatter the gradients over the replicas"):
+            comm.Reduce_scatter_block(send, received[first : first + count], op=mpi_op("SUM"))
+    return received
+
+
 class SliceGradients:
     """A step's gradients under ZeRO: this rank's own (`as_list`, for the finite check), the
     reduced slice of each dtype group (`slices`), the tables' gathered row slices and the
@@ -208,7 +239,10 @@ class ShardedUpdate:
 
         The gradients are read where they lie (views of the runner's tensors) and sent window
         by window, so the step holds them once (`keep_local`: keep them after, for the
-        trainer's finite check)."""
+        trainer's finite check). A runner whose backward gave the slices already
+        (`slice_gradients`: ZeRO-3's `LayerGathering`) hands them over as they are."""
+        if self.sync.runner.slice_gradients:
+            return self._slices_from_backward(keep_local)
         local, tables = self._take_gradients()
         own_tables = tables
         if tables:  # row slices of every replica, in rank order, as without ZeRO
@@ -224,40 +258,39 @@ class ShardedUpdate:
         slices = []
         for group in self.groups:
             views = [np.asarray(local[i]).reshape(-1) for i in group.positions]  # no copies
-            slices.append(_as_slice(self.reduce_scatter(group, views), group))
+            slices.append(_as_slice(self._reduce_scatter(group, views), group))
         local = views = None  # the gradients' memory can go
         self.sent_bytes += self.step_bytes["reduce_scatter"]
         return SliceGradients(kept, slices, tables, experts)
 
-    def reduce_scatter(self, group, views: list, scale: float = 1.0) -> np.ndarray:
-        """This replica's slice of the sum of `views` (the group's flattened gradients, in its
-        positions' order, each replica's times its `scale`) over the replicas, reduce-scattered
-        window by window: each call sends every replica its next `window` elements, so the
-        buffers hold about WINDOW_BYTES, never a second copy of the gradients (nor the
-        whole-size temporary MPI's reduce-then-scatter keeps on one rank). The engine's step
-        calls it, and a model's own step inside its graph (`in_step.SlicedApply`)."""
-        layout, parts = group.layout, self.comm.Get_size()
-        dtype = group.reduced_dtype
-        window = max(1, WINDOW_BYTES // (parts * dtype.itemsize))
-        received = np.empty(layout.slice_size, dtype)
-        buffer = np.empty(parts * min(window, layout.slice_size), dtype)
-        for first in range(0, layout.slice_size, window):
-            count = min(window, layout.slice_size - first)
-            send = buffer[: parts * count].reshape(parts, count)  # contiguous: no copy for MPI
-            for part in range(parts):
-                row = send[part]
-                row[:] = 0  # the padding
-                start = layout.bounds(part)[0] + first
-                for j, begin, size in layout.element_ranges(start, start + count):
-                    position = layout.offsets[j] + begin - start
-                    row[position : position + size] = views[j][begin : begin + size]
-            if scale != 1.0:
-                send *= scale
-            with self._guard("reduce-scatter the gradients over the replicas"):
-                self.comm.Reduce_scatter_block(
-                    send, received[first : first + count], op=mpi_op("SUM")
-                )
-        return received
+    def _slices_from_backward(self, keep_local: bool) -> SliceGradients:
+        """The slices the runner's backward reduce-scattered, and the tables' row slices of
+        every replica; `keep_local`: each variable's elements in this replica's slices, for
+        the finite check (each element is checked on the replica holding it)."""
+        runner = self.sync.runner
+        slices = [
+            tf.cast(s, g.dtype)
+            for s, g in zip(runner.take_slice_gradients(), self.groups, strict=True)
+        ]
+        tables = runner.take_sparse_gradients()
+        kept = self._elements_by_variable(slices, tables) if keep_local else None
+        if tables:
+            tables = row_sparse.reduce_rows(self.comm, tables, self.sync.tables_per_batch)
+        return SliceGradients(kept, slices, tables)
+
+    def _elements_by_variable(self, slices: list, tables: list) -> list:
+        """Per variable, its elements in this replica's `slices` (the tables' own gradients)."""
+        parts = [[] for _ in self.variables]
+        for group, values in zip(self.groups, slices, strict=True):
+            for p in group.extents:
+                parts[group.positions[p.variable]].append(values[p.offset : p.offset + p.size])
+        kept = [tf.concat(found, 0) if found else tf.zeros([0]) for found in parts]
+        for i, table in zip(self.table_positions, tables, strict=True):
+            kept[i] = table
+        return kept
+
+    def _reduce_scatter(self, group, views: list) -> np.ndarray:
+        return windowed_reduce_scatter(self.comm, group, views, 1.0, self._guard)
 
     def _take_gradients(self) -> tuple[list, list]:
         """(each variable's gradient, None for tables; the tables' row slices). Flat gradients
@@ -487,7 +520,7 @@ class ShardedUpdate:
         received = []
         for group in self.segments[k]:
             views = [np.asarray(grads.pop(i)).reshape(-1) for i in group.positions]
-            received.append(self.reduce_scatter(group, views))
+            received.append(self._reduce_scatter(group, views))
             views = None  # the segment's gradients can go
             self.sent_bytes += group.reduce_scatter_bytes
         return received

@@ -167,7 +167,7 @@ class ShardedWeights:
     def _transfer(self, group, mine: np.ndarray) -> np.ndarray:
         """On the gather thread: the group's whole padded flat vector over its communicator."""
         begin = time.perf_counter()
-        whole = self._joined(group, mine, self._ahead_comm)
+        whole = self.joined(group, mine, self._ahead_comm)
         self._transfers.record(begin, time.perf_counter(), group.allgather_bytes)
         return whole
 
@@ -183,9 +183,9 @@ class ShardedWeights:
         `comm` (blocking, on this thread: the restores)."""
         mine = np.ascontiguousarray(group.variable.numpy())
         with self._guard("all-gather the weights over the replicas"):
-            return self._joined(group, mine, comm)
+            return self.joined(group, mine, comm)
 
-    def _joined(self, group, mine: np.ndarray, comm) -> np.ndarray:
+    def joined(self, group, mine: np.ndarray, comm) -> np.ndarray:
         """The group's whole padded flat vector, every replica's slice (`mine` this one's)
         in rank order over `comm`."""
         whole = np.empty(group.layout.padded, mine.dtype)

@@ -22,6 +22,7 @@ class ChunkRunners:
     as one flat tensor, else None (the chunks themselves always keep lists)."""
 
     flat_backward = False  # each chunk packs nothing: its gradients come as a list
+    slice_gradients = False  # each variable's gradient, whole
 
     def __init__(self, runners, variables, sparse, layout=None):
         self.runners = list(runners)

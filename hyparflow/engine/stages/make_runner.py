@@ -80,13 +80,14 @@ class RunnerParts:
         return list(graph.non_trainable_variables) + seed_variables(self.model, graph)
 
 
-def build_runner(parts: RunnerParts, variables, sparse, form, layout, weights=None):
+def build_runner(parts: RunnerParts, variables, sparse, form, layout, weights=None, gathering=None):
     """The stage's `FusedRunner` (whole model), `StageRunner` or, under the zero-bubble
     schedule, `SplitStageRunner`, gradients in `form` (`GradientForm`; `layout` the
     `FlatLayout` of the dense variables when `form.flat`). `weights` (ZeRO-3, a
     `ShardedWeights`): a `StageRunner` that gathers its other variables from it for every
     call and recomputes its forward in the backward (but where the backward comes right after
-    it: `reuse_forward`), its gradients a list."""
+    it: `reuse_forward`), its gradients a list; or, with `gathering` (its `LayerGathering`),
+    one whose layers gather their own weights inside its graph, its gradients slices."""
     layers = _keras.all_layers(parts.graph)
     strategy = parts.strategy
     whole = parts.model if parts.stage is None else None
@@ -97,6 +98,16 @@ def build_runner(parts: RunnerParts, variables, sparse, form, layout, weights=No
         input_shapes=declared_shapes(whole, parts.stage),
         train_scope=parts.batchnorm_scope(layers),
     )
+    if gathering is not None:
+        return StageRunner(
+            parts.call,
+            variables,
+            loss=parts.loss if parts.is_last else None,
+            metrics=parts.metrics if parts.is_last else None,
+            input_grads=not parts.is_first,
+            layer_gathering=gathering,
+            **common,
+        )
     if weights is not None:
         tables = {id(variables[i]) for i in sparse}
         return StageRunner(

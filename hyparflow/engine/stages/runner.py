@@ -30,7 +30,9 @@ class Runner(Protocol):
     or `BucketedLayout` whose flat tensors `take_flat_gradients` returns, the tables' row
     slices apart (`take_sparse_gradients`). `flat_backward`: the variables are read from one
     packed tensor during the step, packed by `prepare`. `updates_metrics`: the runner updates
-    the compiled metrics itself. `last_added`: the layers' added loss of the last forward or
+    the compiled metrics itself. `slice_gradients`: the dense variables' gradients come as
+    this replica's slices, already summed over the replicas (`take_slice_gradients`; ZeRO-3's
+    `LayerGathering`). `last_added`: the layers' added loss of the last forward or
     inference; `has_added_losses` once any call added one.
     """
 
@@ -38,6 +40,7 @@ class Runner(Protocol):
     layout: object | None
     flat_backward: bool
     updates_metrics: bool
+    slice_gradients: bool
     last_added: tf.Tensor | None
 
     @property
@@ -88,6 +91,9 @@ class RunnerBase:
     length: `relaxed.Traces`); without them (None), it traces as the data comes, at most twice
     (`reduce_retracing`, as Keras's own train function). `gather` (a `WeightSource`): the
     dense variables hold no values between calls, and each call reads them from it.
+    `layer_gathering` (a `LayerGathering`): they hold none either, and each call reads this
+    replica's slices, which its layers gather around their own calls inside the graph; the
+    backward then gives the slices' gradients (`slice_gradients`).
     """
 
     def __init__(
@@ -101,6 +107,7 @@ class RunnerBase:
         train_scope=None,
         input_shapes=None,
         gather=None,
+        layer_gathering=None,
     ):
         self.variables = list(variables)
         self.sparse = sorted(sparse)
@@ -108,10 +115,12 @@ class RunnerBase:
         self._per_batch = row_sparse.per_batch_flags(self.variables, self.sparse, row_kinds)
         self.dense = sorted(set(range(len(self.variables))) - set(self.sparse))
         self._gather = gather
+        self._layer_gathering = layer_gathering
+        self.slice_gradients = layer_gathering is not None
         self._after_gather = None  # what to start once the next gather is read out
         # The tf.Variable behind each Keras variable: what a tape can watch and differentiate
-        # (none for variables read from `gather`, whose values are let go between steps).
-        gathered = set(self.dense) if gather is not None else set()
+        # (none for variables gathered, whose values are let go between steps).
+        gathered = set(self.dense) if gather or layer_gathering else set()
         self._sources = [
             None if i in gathered else getattr(v, "value", v) for i, v in enumerate(self.variables)
         ]
@@ -165,12 +174,22 @@ class RunnerBase:
             action()
         return values
 
+    def slices(self) -> list:
+        """This replica's slices of the dense variables now (with a `layer_gathering`)."""
+        return self._layer_gathering.slices()
+
     @contextlib.contextmanager
-    def reading(self, values):
+    def reading(self, values, replay=contextlib.nullcontext):
         """Inside a trace: the dense variables read `values` (in `dense` order; None: their
-        own), and what the call assigns to any variable (statistics, seeds) is assigned after."""
+        own), and what the call assigns to any variable (statistics, seeds) is assigned after.
+        With a `layer_gathering`, `values` are the slices its layers gather from, and
+        `replay()` the contexts their recomputations run in."""
         if values is None:
             yield
+            return
+        if self._layer_gathering is not None:
+            with self._layer_gathering.reading(values, replay):
+                yield
             return
         dense = [self.variables[i] for i in self.dense]
         with UpdateRecordingScope(zip(dense, values, strict=True)) as scope:
@@ -189,7 +208,7 @@ class RunnerBase:
 
     def infer(self, inputs):
         """Forward without gradients, in inference mode (validation, evaluate, predict)."""
-        args = (inputs, self.gathered())
+        args = (inputs, self.slices() if self.slice_gradients else self.gathered())
         outputs, self.last_added = self._relaxed(self._infer_fn, args)(*args)
         return outputs
 

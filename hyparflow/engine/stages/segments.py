@@ -31,6 +31,7 @@ class SegmentedRunner:
     updates_metrics = False  # the trainer updates metrics from the outputs
     layout = None  # gradients stay a list
     flat_backward = False  # nothing to pack before the first forward
+    slice_gradients = False  # each variable's gradient, whole
 
     def __init__(self, segments: list, variables: list, sparse=(), per_batch=None):
         self.segments = segments

@@ -7,6 +7,8 @@ only that micro-batch's activations alive until its backward (GPipe's activation
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import tensorflow as tf
 from keras import tree
@@ -109,6 +111,8 @@ class StageRunner(RunnerBase):
         super().__init__(call, variables, **common)  # RunnerBase's options
         if self._gather is not None and (not recompute or layout is not None):
             raise ValueError("a runner gathering its weights recomputes and keeps lists")
+        if self.slice_gradients and (recompute or layout is not None):
+            raise ValueError("a runner whose layers gather recomputes nothing and keeps lists")
         if reuse_forward and not recompute:
             raise ValueError("reuse_forward saves a recomputation: it needs recompute=True")
         self.reuse_forward = reuse_forward
@@ -160,12 +164,20 @@ class StageRunner(RunnerBase):
             with slice_of(rows), self._train_scope():
                 outputs = self._call(inputs, True)
             return outputs, self._added()
-        # gathered values, or views of the flat tensor; tables are read as they are
-        views = params if self._gather is not None else self.layout.unflatten(params)
-        with self.reading(views), slice_of(rows), self._train_scope():
+        # gathered values or slices, or views of the flat tensor; tables are read as they are
+        gathers = self._gather is not None or self.slice_gradients
+        views = params if gathers else self.layout.unflatten(params)
+        replay = lambda: self._replayed(rows)  # noqa: E731 - a boundary's recomputation
+        with self.reading(views, replay), slice_of(rows), self._train_scope():
             outputs = self._call(inputs, True)
             added = self._added()  # the scope collects what layers add
         return outputs, added
+
+    @contextlib.contextmanager
+    def _replayed(self, rows):
+        """The contexts of a training call, entered again (a layer boundary's recomputation)."""
+        with slice_of(rows), self._train_scope():
+            yield
 
     def _routed(self, scale) -> tuple:
         """Inside a training forward's trace: the tally's (counts, sums, sums times `scale`) of
@@ -228,6 +240,8 @@ class StageRunner(RunnerBase):
         params = self._parameters()
         if params is None:
             sources = self._sources
+        elif self.slice_gradients:  # the slices, then the tables
+            sources = [*params, *[self._sources[i] for i in self.sparse]]
         elif self._gather is not None:  # per variable, the gathered values in the dense places
             sources = list(self._sources)
             for i, value in zip(self.dense, params, strict=True):
@@ -340,7 +354,20 @@ class StageRunner(RunnerBase):
     def _accumulate(self, var_grads: list, sources: list) -> None:
         """Add one micro-batch's variable gradients (None where unconnected) to the step's."""
         tables = [self.variables[i] for i in self.sparse]
-        if self.flat_backward:
+        if self.slice_gradients:
+            count = len(sources) - len(tables)
+            slices = [
+                _or_zeros(g, s) for g, s in zip(var_grads[:count], sources[:count], strict=True)
+            ]
+            sparse = [
+                row_sparse.or_empty(g, v) for g, v in zip(var_grads[count:], tables, strict=True)
+            ]
+            self._grads = (
+                slices
+                if self._grads is None
+                else [a + g for a, g in zip(self._grads, slices, strict=True)]
+            )
+        elif self.flat_backward:
             flat = _or_zeros(var_grads[0], sources[0])
             sparse = [row_sparse.or_empty(g, v) for g, v in zip(var_grads[1:], tables, strict=True)]
             self._grads = flat if self._grads is None else self._grads + flat
@@ -371,6 +398,8 @@ class StageRunner(RunnerBase):
         callbacks, restores). With `gather`, the dense variables' values, gathered afresh."""
         if self._gather is not None:
             return self.gathered()
+        if self.slice_gradients:
+            return self.slices()
         if not self.flat_backward:
             return None
         if self._params is None:
@@ -386,6 +415,19 @@ class StageRunner(RunnerBase):
     @property
     def _totals_are_flat(self) -> bool:
         return self.flat_backward
+
+    def take_dense_gradients(self) -> list:
+        if self.slice_gradients:
+            raise ValueError("this runner's gradients are slices: take_slice_gradients")
+        return super().take_dense_gradients()
+
+    def take_slice_gradients(self) -> list:
+        """This replica's slice of each group's gradient (`slice_gradients`), summed over the
+        micro-batches since the last call and over the replicas (zeros if none)."""
+        grads, self._grads = self._grads, None
+        if grads is None:
+            return [tf.zeros_like(s) for s in self.slices()]
+        return grads
 
     def take_flat_gradients(self):
         """The dense variables' summed gradients as the layout's one flat tensor (needs a

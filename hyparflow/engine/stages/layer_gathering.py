@@ -1,0 +1,336 @@
+"""ZeRO-3 on a stage that is not cut into segments (a subclassed model): each layer gathers its
+weights around its own call, inside the step's graph.
+
+A stage the partitioner cannot cut runs as one compiled call, so the engine cannot gather
+between segments (`ShardedWeights.gather_for`). Instead, while the call is traced, the model's
+weights read from a `GatheringScope` (a `keras.StatelessScope`) that all-gathers a slice group
+the first time one of its variables is read, inside the graph (`comm/in_graph.py`), and each
+of the model's direct layers that owns weights becomes a recompute boundary (FSDP's unit):
+its call runs as a `tf.custom_gradient` whose forward gathers the layer's weights, computes and
+lets them go, and whose backward gathers them again, recomputes the call under a tape and
+reduce-scatters the weight gradients into this replica's slices (the all-gather's gradient).
+A rank so holds one layer's gathered weights and gradients at a time besides its slices,
+and the step's gradients come out already summed over the replicas, as slices.
+
+Each layer's slice group holds its variables (`layer_positions`); the variables no direct
+layer owns (the model's own) form the last group, gathered where first read. A gather waits
+for the layer's inputs (a data edge), so that the graph cannot gather every layer at once
+ahead of the compute. The recomputation replays the forward exactly: the same Keras call
+context (training), autocast scope, random and statistics state (the values the forward read),
+and the runner's own contexts (dropout rows of the global batch, synchronised statistics).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import numpy as np
+import tensorflow as tf
+from keras import tree
+
+from hyparflow import _keras
+from hyparflow.comm.in_graph import collective
+from hyparflow.engine.sharded_optimizer.sharded_update import windowed_reduce_scatter
+from hyparflow.engine.sharded_optimizer.sharded_weights import TRANSFER_TAG, WAIT_TAG
+from hyparflow.engine.stages.runner import UpdateRecordingScope
+from hyparflow.intercept import replaced_calls
+
+SCATTER_TAG = "gather/scatter"  # the layers' backward reduce-scatters of weight gradients
+
+
+def layer_positions(model, variables: list, dense: list[int]) -> list[list[int]]:
+    """The `dense` positions of `variables` grouped by the model's direct layers that own them
+    (each variable with the first layer that holds it), then those no direct layer holds; no
+    group left empty."""
+    where = {id(variables[i]): i for i in dense}
+    groups, seen = [], set()
+    for layer in _keras.all_layers(model, include_self=False, recursive=False):
+        own = [where[id(v)] for v in layer.trainable_variables if id(v) in where]
+        own = [i for i in dict.fromkeys(own) if i not in seen]
+        seen.update(own)
+        if own:
+            groups.append(sorted(own))
+    rest = [i for i in dense if i not in seen]
+    return groups + ([rest] if rest else [])
+
+
+class LayerGathering:
+    """The in-graph gathers of a `ShardedWeights` whose groups are `layer_positions` of
+    `model`'s `variables`, over `comm` (the stage's replicas); `guard(operation)` watches each
+    wait, `traffic` (a `TrafficLog`) counts the gathers (`TRANSFER_TAG`, and `WAIT_TAG`: the
+    step waits for all of each) and the reduce-scatters (`SCATTER_TAG`).
+
+    Example:
+        gathering = LayerGathering(model, weights, comm, guard, traffic)
+        with gathering.reading(slices, replay):  # inside the trace of the stage's call
+            outputs = model(x, training=True)
+    """
+
+    def __init__(self, model, weights, comm, guard, traffic):
+        self.weights, self.comm, self._guard = weights, comm, guard
+        self.groups = weights.groups
+        self._transfers, self._waits = traffic.of(TRANSFER_TAG), traffic.of(WAIT_TAG)
+        self._scatters = traffic.of(SCATTER_TAG)
+        self._group_of = {}
+        for g, group in enumerate(self.groups):
+            for i in group.positions:
+                self._group_of[id(weights.variables[i])] = g
+        owners = _keras.all_layers(model, include_self=False, recursive=False)
+        self.layers = [layer for layer in owners if self._owns_weights(layer)]
+        self.scattered_bytes = 0  # bytes this rank sent in the steps' reduce-scatters
+
+    def _owns_weights(self, layer) -> bool:
+        return any(id(v) in self._group_of for v in layer.trainable_variables)
+
+    def group_of(self, variable) -> int | None:
+        """The slice group holding `variable`, None where it is not sliced (a table)."""
+        return self._group_of.get(id(variable))
+
+    def slices(self) -> list:
+        """This replica's slice of each group, now (the step's graph reads them as inputs)."""
+        return [group.variable.value for group in self.groups]
+
+    @contextlib.contextmanager
+    def reading(self, slices: list, replay=contextlib.nullcontext):
+        """Inside a trace: the sliced variables read values gathered from `slices` (one tensor
+        per group) where first read, each direct layer owning weights runs as a boundary
+        (recomputing its call in the backward under `replay()`, the caller's contexts), and
+        what the call assigns to any variable is assigned after."""
+        scope = GatheringScope(self, slices, replay=replay)
+        calls = replaced_calls(
+            (layer, lambda call, layer=layer: self._bounded(layer, call)) for layer in self.layers
+        )
+        with calls, scope:
+            yield
+        for variable, value in scope.updates.values():
+            variable.assign(value)
+
+    def gathered(self, g: int, slice_tensor, after: list) -> list:
+        """Group g's variables' values, all-gathered from every replica's `slice_tensor` once
+        the tensors `after` exist (differentiable: the gradient is reduce-scattered)."""
+        group = self.groups[g]
+        tokens = [tf.reshape(t, [-1])[:1] for t in after if t is not None]
+        whole = self._differentiable_gather(g)(slice_tensor, *tokens)
+        layout = group.layout
+        return [
+            tf.reshape(
+                whole[layout.offsets[j] : layout.offsets[j] + layout.sizes[j]],
+                self.weights.variables[i].shape,
+            )
+            for j, i in enumerate(group.positions)
+        ]
+
+    def _differentiable_gather(self, g: int):
+        group = self.groups[g]
+
+        @tf.custom_gradient
+        def gather(slice_tensor, *tokens):
+            whole = self._all_gathered(group, slice_tensor, tokens)
+
+            def scatter(upstream):
+                return (self._reduce_scattered(group, upstream), *[None] * len(tokens))
+
+            return whole, scatter
+
+        return gather
+
+    def _all_gathered(self, group, slice_tensor, tokens):
+        def gather(mine, *ignored):  # counted in `weights.sent_bytes`
+            begin = time.perf_counter()
+            with self._guard("all-gather a layer's weights over the replicas"):
+                whole = self.weights.joined(group, np.ascontiguousarray(mine), self.comm)
+            # the layer's call waits for its gather, which waits for the layer's inputs:
+            # compute hides none of it (the profiler's share)
+            self._waits.record(begin, time.perf_counter(), 0)
+            return whole
+
+        return collective(
+            gather,
+            [slice_tensor, *tokens],
+            tf.as_dtype(group.dtype),
+            [group.layout.padded],
+            self._transfers,
+            group.allgather_bytes,
+        )
+
+    def _reduce_scattered(self, group, upstream):
+        """This replica's slice of the sum over the replicas of `upstream` (the gradient of the
+        group's padded whole vector), in the group's dtype."""
+        wire = group.reduced_dtype
+
+        def scatter(whole):
+            views = [
+                whole[group.layout.offsets[j] : group.layout.offsets[j] + size]
+                for j, size in enumerate(group.layout.sizes)
+            ]
+            self.scattered_bytes += group.reduce_scatter_bytes
+            return windowed_reduce_scatter(self.comm, group, views, 1.0, self._guard)
+
+        upstream = tf.cast(tf.convert_to_tensor(upstream), wire)
+        sliced = collective(
+            scatter,
+            [upstream],
+            tf.as_dtype(wire),
+            [group.layout.slice_size],
+            self._scatters,
+            group.reduce_scatter_bytes,
+        )
+        return tf.cast(sliced, group.dtype)
+
+    def _bounded(self, layer, call):
+        """What stands for `layer.call` while a call is traced: a recompute boundary where the
+        current scope gathers (and none is open yet), else the call itself."""
+
+        def bounded(*args, **kwargs):
+            scope = _keras.current_stateless_scope()
+            if not isinstance(scope, GatheringScope) or scope.inside_boundary:
+                return call(*args, **kwargs)
+            return _Boundary(self, layer, call, scope).run(args, kwargs)
+
+        return bounded
+
+
+class GatheringScope(UpdateRecordingScope):
+    """A `keras.StatelessScope` whose sliced variables read values all-gathered from `slices`
+    (one tensor per group of `gathering`) where first read, once the tensors `after` exist;
+    variables it does not map read `parent`'s values (None: their own). `mapping` gives
+    variables values up front (a boundary's replayed state); `inside_boundary`: a boundary's
+    scope, in which layers' calls are not bounded again."""
+
+    def __init__(
+        self,
+        gathering: LayerGathering,
+        slices: list,
+        *,
+        after=(),
+        parent=None,
+        mapping=(),
+        inside_boundary=False,
+        replay=contextlib.nullcontext,
+    ):
+        super().__init__(mapping)
+        self.gathering, self.slices, self.after = gathering, list(slices), list(after)
+        self.parent, self.inside_boundary, self.replay = parent, inside_boundary, replay
+
+    def get_current_value(self, variable):
+        value = super().get_current_value(variable)
+        if value is not None:
+            return value
+        g = self.gathering.group_of(variable)
+        if g is None:
+            return None if self.parent is None else self.parent.get_current_value(variable)
+        group = self.gathering.groups[g]
+        values = self.gathering.gathered(g, self.slices[g], self.after)
+        for i, gathered in zip(group.positions, values, strict=True):
+            self.state_mapping[id(self.gathering.weights.variables[i])] = gathered
+        return self.state_mapping[id(variable)]
+
+
+class _Boundary:
+    """One traced call of a direct layer under a `GatheringScope` (`outer`): FSDP's unit."""
+
+    def __init__(self, gathering: LayerGathering, layer, call, outer: GatheringScope):
+        self.gathering, self.layer, self.call, self.outer = gathering, layer, call, outer
+        self.state = _state_variables(layer)
+        self.keras_state = _keras.call_state()
+
+    def run(self, args, kwargs):
+        flat = tree.flatten((args, kwargs))
+        floats = [k for k, t in enumerate(flat) if _is_float_tensor(t)]
+        # the state the forward reads, replayed by the recomputation (read through `outer`)
+        state_values = [tf.convert_to_tensor(v.value) for v in self.state]
+        count = len(floats)
+
+        def rebuilt(inputs):
+            items = list(flat)
+            for k, tensor in zip(floats, inputs, strict=True):
+                items[k] = tensor
+            return tree.pack_sequence_as((args, kwargs), items)
+
+        @tf.custom_gradient
+        def bounded(*tensors):
+            inputs, slices = tensors[:count], tensors[count:]
+            outputs, losses = self._forward(rebuilt, inputs, slices)
+            results = [*tree.flatten(outputs), *losses]
+
+            def backward(*upstream, variables=None):
+                return self._backward(rebuilt, inputs, slices, state_values, upstream, variables)
+
+            return results, backward
+
+        results = bounded(*[flat[k] for k in floats], *self.outer.slices)
+        outputs_count = len(results) - self._losses_count
+        for owner, loss in zip(self._loss_owners, results[outputs_count:], strict=True):
+            self.outer.add_loss(loss)
+            _keras.own_loss(owner, loss)
+        return tree.pack_sequence_as(self._structure, results[:outputs_count])
+
+    def _scope(self, slices, after, **options) -> GatheringScope:
+        return GatheringScope(self.gathering, slices, after=after, inside_boundary=True, **options)
+
+    def _forward(self, rebuilt, inputs, slices) -> tuple:
+        """The call on gathered weights; its assignments handed to the outer scope; (outputs,
+        the losses its layers added)."""
+        scope = self._scope(slices, inputs, parent=self.outer)
+        with scope:
+            args, kwargs = rebuilt(inputs)
+            outputs = self.call(*args, **kwargs)
+            owned = self._added_losses()
+        for update in scope.updates.values():
+            self.outer.add_update(update)
+        self._structure = outputs
+        self._loss_owners = [owner for owner, _ in owned]
+        self._losses_count = len(owned)
+        return outputs, [loss for _, loss in owned]
+
+    def _added_losses(self) -> list:
+        """(layer, loss) of each loss the layer and its sublayers added in the current scope."""
+        return [
+            (owner, loss)
+            for owner in _keras.all_layers(self.layer)
+            for loss in _keras.own_losses(owner)
+        ]
+
+    def _backward(self, rebuilt, inputs, slices, state_values, upstream, variables):
+        """The boundary's gradients: the weights gathered again once the upstream gradients
+        exist, the call recomputed under a tape from the forward's state, differentiated."""
+        variables = list(variables or [])
+        mapping = list(zip(self.state, state_values, strict=True))
+        with (
+            _keras.calling_under(self.keras_state),
+            self.outer.replay(),
+            tf.GradientTape(watch_accessed_variables=False) as tape,
+        ):
+            tape.watch([*inputs, *slices, *variables])
+            with self._scope(slices, list(upstream), mapping=mapping):
+                args, kwargs = rebuilt(inputs)
+                outputs = self.call(*args, **kwargs)
+                losses = [loss for _, loss in self._added_losses()]
+        results = [*tree.flatten(outputs), *losses]
+        pairs = [(r, u) for r, u in zip(results, upstream, strict=True) if u is not None]
+        pairs = [(r, u) for r, u in pairs if r.dtype.is_floating]
+        grads = tape.gradient(
+            [r for r, _ in pairs],
+            [*inputs, *slices, *variables],
+            output_gradients=[u for _, u in pairs],
+            unconnected_gradients=tf.UnconnectedGradients.NONE,
+        )
+        count = len(inputs) + len(slices)
+        if variables:
+            return grads[:count], grads[count:]
+        return grads[:count]
+
+
+def _is_float_tensor(value) -> bool:
+    return tf.is_tensor(value) and value.dtype.is_floating
+
+
+def _state_variables(layer) -> list:
+    """What a call of `layer` may read and change besides its weights: its non-trainable
+    variables (statistics) and its seed generators' states."""
+    found = {id(v): v for v in layer.non_trainable_variables}
+    for sub in _keras.all_layers(layer):
+        for generator in _keras.seed_generators(sub):
+            found.setdefault(id(generator.state), generator.state)
+    return list(found.values())
