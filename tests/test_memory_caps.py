@@ -15,6 +15,11 @@ hf.fit's default strategy under the caps: the planner reads each rank's room und
 cgroup and picks a layout that fits (measured: P=2, peaks 1,155 and 1,279 MiB under a
 1,673 MiB cap, where data parallelism's plan is 1,678 MiB of growth alone).
 
+A subclassed model (no layer graph: no plan of its activations, no segments) under ZeRO-3:
+each of its layers gathers its weights around its own call (docs/zero.md, "A model that is
+not cut"), so four ranks train it in a cap that one process's need exceeds by SUBCLASSED_SPLIT,
+the cap derived from that need, measured in the same run, not from the plan.
+
 Not here: ZeRO-1 fitting where plain replicas cannot. Under hf.scope() plain replicas update
 segment by segment and hold about one segment of gradients, while ZeRO-1 reduce-scatters every
 gradient at once: at R=4 (2048 x 32) ZeRO-1's ranks grew 2,221-2,445 MiB against plain
@@ -47,6 +52,10 @@ def _predicted(spec: str) -> int:
     width, depth = (int(v) for v in SHAPE.split(","))
     model = wide_mlp(width, depth, scope=True)
     return hf.memory_plan(model, layout(spec), batch_size=BATCH, whole_model=False).largest.total
+
+
+SUBCLASSED = "1,4,1,zero3,subclassed,scope"
+SUBCLASSED_SPLIT = 1.5  # one process needs 1.5x the room the cap leaves each rank
 
 
 @pytest.fixture(scope="module")
@@ -104,3 +113,33 @@ def test_the_default_strategy_picks_a_layout_each_ranks_cap_holds(reference):
         assert result["layout"] != [1, 2, 1] or result["sharding"], result  # not plain replicas
         assert outcome.peak <= cap and not outcome.killed_for_memory, (outcome, cap / MIB)
         assert result["loss"] == pytest.approx(reference["loss"], rel=1e-4), result
+
+
+def test_a_subclassed_model_one_process_cannot_fit_trains_on_four_ranks_under_zero3():
+    """Issue 65: the subclassed MLP, one uncapped process measured; then, in a cap that
+    leaves each rank 1/SUBCLASSED_SPLIT of that process's need, one process is refused and
+    four ranks with sharded weights train with its loss, each under the cap."""
+    run, (outcome,) = cgroup.launch_capped(
+        "memory_checks", 1, "16G", "measure", "1,1,1,subclassed", SHAPE, env=POOLED_ALLOCATOR_ENV
+    )
+    assert run.returncode == 0 and run.results[0], run.describe()
+    alone = run.results[0]
+    base = outcome.peak - alone["growth"]
+    cap = base + int(alone["growth"] / SUBCLASSED_SPLIT)
+    run, (capped,) = cgroup.launch_capped(
+        "memory_checks",
+        1,
+        cap,
+        "measure",
+        "1,1,1,subclassed,scope",
+        SHAPE,
+        env=POOLED_ALLOCATOR_ENV,
+    )
+    assert not capped.killed_for_memory and "MemoryError" in run.stderr[0], run.describe()
+    run, outcomes = cgroup.launch_capped(
+        "memory_checks", 4, cap, "measure", SUBCLASSED, SHAPE, env=POOLED_ALLOCATOR_ENV
+    )
+    assert run.returncode == 0, (cap / MIB, outcomes, run.describe())
+    for result, outcome in zip(run.results, outcomes, strict=True):
+        assert outcome.peak <= cap and not outcome.killed_for_memory, (outcome, cap / MIB)
+        assert result["loss"] == pytest.approx(alone["loss"], rel=1e-4), result

@@ -6,6 +6,7 @@ import sys
 import warnings
 
 import keras
+import numpy as np
 import pytest
 
 import hyparflow as hf
@@ -207,8 +208,8 @@ def test_sharded_gradients_hold_one_segment_and_the_slices_of_the_sums():
 
 def test_sharded_weights_hold_slices_under_scope_and_gather_a_segment():
     """ZeRO-3: a hf.scope() model's rank holds 1/R of its dense weights, gathers one segment's
-    (twice: received, read out) for each call and gets the whole weights back at the fit's
-    end; an ordinary build holds them whole from its build; an embedding table stays whole."""
+    (twice: received, read out) for each call and keeps its slices after the fit; an ordinary
+    build holds them whole from its build; an embedding table stays whole."""
     with hf.scope():
         tokens = keras.Input((4,), dtype="int32")
         h = keras.layers.Flatten()(keras.layers.Embedding(50, 8)(tokens))
@@ -224,7 +225,7 @@ def test_sharded_weights_hold_slices_under_scope_and_gather_a_segment():
     ).ranks[0]
     assert zero2.weights == table + dense
     assert zero3.weights == pytest.approx(table + dense / 4, abs=16)  # a slice's padding
-    assert zero3.exchange == {"weights gathered back": dense}
+    assert zero3.exchange == {}
     assert zero3.step_buffers["gathered weights"] == 2 * zero3.gradients
     assert "parameter broadcast" not in zero3.step_buffers
     ordinary = hf.memory_plan(
@@ -232,6 +233,23 @@ def test_sharded_weights_hold_slices_under_scope_and_gather_a_segment():
     )
     assert ordinary.ranks[0].weights == table + dense
     assert "sharded optimizer, gradients and weights" in ordinary.summary(print_fn=None)
+
+
+def test_a_subclassed_model_under_zero3_is_planned_a_layer_at_a_time():
+    """Its layers gather their weights around their own calls and reduce-scatter their
+    gradients in the backward: a rank holds its gradients' slices and one layer's whole
+    gradient, and gathers one layer (twice: received, read out), not the whole model."""
+    from tests.mpi.memory_checks import wide_mlp
+
+    model = wide_mlp(256, 4, subclassed=True)
+    largest = 256 * 256 * 4
+    total = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables)
+    rank = hf.memory_plan(model, hf.Strategy("data", replicas=4, shard_weights=True), 8).ranks[0]
+    assert rank.gradients == pytest.approx(total / 4 + largest, abs=8)
+    assert rank.step_buffers["gathered weights"] == 2 * largest
+    zero2 = hf.memory_plan(model, hf.Strategy("data", replicas=4, shard_gradients=True), 8)
+    assert zero2.ranks[0].gradients == total  # not cut: whole until the backward ends
+    keras.backend.clear_session()
 
 
 def test_a_model_with_its_own_train_step_is_planned_as_one_segment():

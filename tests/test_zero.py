@@ -476,9 +476,11 @@ def test_zero2_trains_a_subclassed_model_as_keras_does(request, launch):
 
 
 @pytest.mark.mpi
-def test_zero3_under_scope_trains_as_keras_and_saves_the_whole_optimizer(two_ranks):
+def test_zero3_under_scope_keeps_the_slices_and_exports_the_whole_model_and_optimizer(two_ranks):
     for r in two_ranks:
-        assert r["scoped"]["weights"] < TOLERANCE, r["scoped"]
+        assert "hf.export" in r["scoped"]["held"], r["scoped"]  # slices kept after the fit
+        assert r["scoped"]["evaluated"] < TOLERANCE, r["scoped"]
+    assert two_ranks[0]["scoped"]["weights"] < TOLERANCE, two_ranks[0]["scoped"]
     assert two_ranks[0]["scoped"]["slots"] < TOLERANCE, two_ranks[0]["scoped"]
 
 

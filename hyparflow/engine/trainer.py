@@ -362,14 +362,19 @@ def _sharded_weights(setting: Setting, variables, positions, spans) -> ShardedWe
     if not (setting.strategy.shard_weights and topology.num_replicas > 1):
         return None
     segments = sliced_segments(variables.all, variables.dense, positions, topology.stage_comm)
-    return ShardedWeights(
+    weights = ShardedWeights(
         segments,
         variables.all,
         topology.stage_comm,
         setting.guard,
         span=spans.span,
         traffic=setting.traffic,
+        keeps_slices=deferred.built_in_scope(setting.model),
     )
+    # built under hf.scope(): what is not sliced (tables) is allocated whole here, before a
+    # runner reads its variables
+    deferred.materialize(v for v in variables.all if not weights.holds(v))
+    return weights
 
 
 def _gradient_facts(setting: Setting, variables, layout, shared_across_stages: bool) -> dict:
@@ -495,8 +500,6 @@ class Trainer:
         self._replica_metrics = ReplicaMetrics(model, self.topology.stage_comm)
         self._log_root = self.topology.grid.rank_of(self.topology.num_stages - 1, 0)
         if weights is not None:  # the slices start from the model's weights
-            # built under hf.scope(): what is not sliced (tables) is allocated whole here
-            deferred.materialize(v for v in self.variables if not weights.holds(v))
             weights.load()
             weights.take_over()
         self.sharded_layers.take_over()  # the split wholes are let go while fit trains
@@ -504,9 +507,9 @@ class Trainer:
         # graphs traced before (Keras's steps, the model checks' probes) are reference cycles
         # that hold the old backings' resources, the weights' first copy: free them now
         gc.collect()
-        # Built under hf.scope(): weights of other stages were never allocated on this rank
-        # (ZeRO-3's slices of its own stage are all given back at the fit's end)
-        self.holds_share_only = any(
+        # Built under hf.scope(): weights of other stages were never allocated on this rank,
+        # and under ZeRO-3 each replica keeps its slices after the fit too
+        self.holds_share_only = (weights is not None and weights.keeps_slices) or any(
             deferred.is_deferred(v)
             for v in model.variables
             if weights is None or not weights.holds(v)
@@ -526,10 +529,12 @@ class Trainer:
 
     def give_back_weights(self) -> None:
         """ZeRO-3: the model's variables get their values back, all-gathered from the slices
-        (collective over the replicas; nothing where they hold them, or without ZeRO-3); the
-        next step lets them go again."""
-        if self.parts.sharded_weights is not None:
-            self.parts.sharded_weights.restore()
+        (collective over the replicas; nothing where they hold them, or without ZeRO-3, or
+        where a model built under hf.scope() keeps its slices); the next step lets them go
+        again."""
+        weights = self.parts.sharded_weights
+        if weights is not None and not weights.keeps_slices:
+            weights.restore()
 
     def give_back_weights_after_failure(self, clean) -> None:
         """After a step failed on every rank: the variables get their values back from ZeRO-3's

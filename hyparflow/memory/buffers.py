@@ -46,6 +46,7 @@ class StageFacts:
     shard_optimizer: bool = False  # ZeRO-1
     shard_gradients: bool = False  # ZeRO-2: cut into segments, each scattered per micro-batch
     shard_weights: bool = False  # ZeRO-3: each segment's weights gathered for each call
+    by_layer: bool = False  # a subclassed model: ZeRO-3 gathers each layer around its call
 
 
 def segments(facts: StageFacts) -> int:
@@ -68,8 +69,15 @@ def segments(facts: StageFacts) -> int:
 
 def held_gradients(facts: StageFacts, gradient_bytes: int) -> int:
     """Of a step's `gradient_bytes`, those alive at once: a segment's where the stage updates
-    segment by segment, else all."""
+    segment by segment; under ZeRO-3 by layer, this replica's slices and the largest
+    variable's whole gradient (a layer's, being reduce-scattered); else all."""
+    if _gathers_by_layer(facts):
+        return -(-gradient_bytes // facts.replicas) + facts.largest
     return -(-gradient_bytes // segments(facts))
+
+
+def _gathers_by_layer(facts: StageFacts) -> bool:
+    return facts.by_layer and facts.shard_weights and facts.replicas > 1
 
 
 def step_buffers(facts: StageFacts, slots: float = 0.0, sharded: bool = False) -> dict[str, int]:
@@ -112,9 +120,10 @@ def step_buffers(facts: StageFacts, slots: float = 0.0, sharded: bool = False) -
         # a pipeline stage concatenates its gradients once; the whole model in buckets
         buffers["flat gradients"] = g if pipelined else min(g, BUCKET_BYTES)
     if facts.shard_weights and facts.replicas > 1:
-        # one segment's weights gathered (the whole stage's where it is not cut): the flat
-        # vector received and the variables' tensors read out of it
-        buffers["gathered weights"] = 2 * held_gradients(facts, g)
+        # one segment's weights gathered (the whole stage's where it is not cut, one layer's
+        # where it gathers by layer): the flat vector received and the tensors read out of it
+        unit = facts.largest if _gathers_by_layer(facts) else held_gradients(facts, g)
+        buffers["gathered weights"] = 2 * unit
     zero2 = facts.shard_gradients and facts.replicas > 1 and segments(facts) > 1
     if facts.microbatches > 1:
         # the running sum beside the micro-batch's gradients; ZeRO-2 sums this replica's

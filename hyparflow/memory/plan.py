@@ -88,6 +88,7 @@ class _Shared:
     whole_model: bool
     by_segment: bool
     cuttable: bool  # a layer graph, which segments can cut (else one segment)
+    subclassed: bool  # no layer graph and no step of its own: ZeRO-3 gathers it layer by layer
     stage_models: list
     per_sample: list  # per stage: layout -> (layer output bytes, received input bytes)
     layouts: list  # per stage: its tensor layout, or None without tensor parallelism
@@ -137,6 +138,7 @@ def _shared_facts(model, resolved, world, batch_size, whole_model, notes, splits
         whole_model=whole_model,
         by_segment=(not whole_model) if asked is None else asked,
         cuttable=cuttable,
+        subclassed=per_sample is _UNCUT and not own_steps(model),
         stage_models=stage_models,
         per_sample=per_sample,
         layouts=layouts,
@@ -183,7 +185,6 @@ def _rank_memory(shared: _Shared, rank, stage, replica, shard, *, runtime: bool)
     ) + counts.optimizer_bytes(expert_bytes, shared.slots)
     facts = _stage_facts(shared, trainable, layout)
     held_weights = sum(shared.nbytes(v) // shared.parts(v, layout) for v in weights)
-    gathered_back = {}
     if _slices_weights(resolved) and not shared.whole_model:
         # ZeRO-3 under hf.scope(): each rank allocates its slices of the dense weights
         dense = sum(
@@ -191,8 +192,7 @@ def _rank_memory(shared: _Shared, rank, stage, replica, shard, *, runtime: bool)
             for v in trainable
             if id(v) not in shared.tables and id(v) not in shared.experts
         )
-        held_weights -= dense - -(-dense // resolved.replicas)
-        gathered_back = {"weights gathered back": dense}  # the fit's end gives them back
+        held_weights -= dense - -(-dense // resolved.replicas)  # kept sliced after the fit too
     return RankMemory(
         rank=rank,
         stage=stage,
@@ -210,7 +210,7 @@ def _rank_memory(shared: _Shared, rank, stage, replica, shard, *, runtime: bool)
             **shared.saving(rank, replica, own_optimizer),
         }
         if shared.whole_model
-        else gathered_back,  # a hf.scope() model keeps its stage (ZeRO-3 but gathers it)
+        else {},  # a hf.scope() model keeps its stage (under ZeRO-3, its slices)
         runtime=RUNTIME_BYTES if runtime else 0,
     )
 
@@ -263,6 +263,7 @@ def _stage_facts(shared: _Shared, trainable, layout) -> buffers.StageFacts:
         tensor=t,
         by_segment=shared.by_segment,
         cuttable=shared.cuttable,
+        by_layer=shared.subclassed and resolved.partitions == 1 and t == 1,
         shard_optimizer=getattr(resolved, "shard_optimizer", False),
         shard_gradients=getattr(resolved, "shard_gradients", False),
         shard_weights=getattr(resolved, "shard_weights", False),

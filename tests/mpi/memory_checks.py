@@ -21,20 +21,41 @@ from tests.support.report import args, report, run_or_abort
 INPUTS, CLASSES, SAMPLES, BATCH = 256, 10, 128, 32
 
 
-def wide_mlp(width: int, depth: int, optimizer: str = "adam", scope: bool = False):
+def wide_mlp(
+    width: int, depth: int, optimizer: str = "adam", scope: bool = False, subclassed=False
+):
     """A weight-heavy MLP: `depth` Dense(width) layers (width² parameters each) on 256
     inputs, so weights and optimizer state dominate and activations are small; built under
-    `hf.scope()` (no weight allocated until hf.fit) with `scope`."""
+    `hf.scope()` (no weight allocated until hf.fit) with `scope`; the same layers in a
+    subclassed model (no layer graph) with `subclassed`."""
     keras.utils.set_random_seed(0)
     optimizer = keras.optimizers.get(optimizer)  # before the scope (docs/big_models.md)
     with hf.scope() if scope else contextlib.nullcontext():
-        x = keras.Input((INPUTS,))
-        h = x
-        for _ in range(depth):
-            h = keras.layers.Dense(width, activation="relu")(h)
-        model = keras.Model(x, keras.layers.Dense(CLASSES)(h), name=f"mlp{width}x{depth}")
+        if subclassed:
+            model = WideMLP(width, depth)
+            model(keras.Input((INPUTS,)))
+        else:
+            x = keras.Input((INPUTS,))
+            h = x
+            for _ in range(depth):
+                h = keras.layers.Dense(width, activation="relu")(h)
+            model = keras.Model(x, keras.layers.Dense(CLASSES)(h), name=f"mlp{width}x{depth}")
         model.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     return model
+
+
+class WideMLP(keras.Model):
+    """`wide_mlp`'s layers as a subclassed model."""
+
+    def __init__(self, width: int, depth: int):
+        super().__init__(name=f"subclassed_mlp{width}x{depth}")
+        self.hidden = [keras.layers.Dense(width, activation="relu") for _ in range(depth)]
+        self.head = keras.layers.Dense(CLASSES)
+
+    def call(self, x):
+        for layer in self.hidden:
+            x = layer(x)
+        return self.head(x)
 
 
 def data():
@@ -44,7 +65,8 @@ def data():
 
 def layout(spec: str) -> hf.Strategy:
     """ "P,R,T[,flags]" as the Strategy hf.fit trains with; flags: "zero" (the optimizer's
-    state sharded over the replicas, ZeRO-1), "zero2" (its gradients too), "params" (stages
+    state sharded over the replicas, ZeRO-1), "zero2" (its gradients too), "zero3" (its
+    weights too), "subclassed" (the model, see `measure`), "params" (stages
     balanced by parameters), "scope" (built under hf.scope(), see `measure`), "segment"
     (`update_by_segment=True`; "whole": False), "interleaved" (two model chunks a stage, 4
     micro-batches). "auto[,scope]": the planner picks the layout (hf.fit's default)."""
@@ -63,6 +85,7 @@ def layout(spec: str) -> hf.Strategy:
         balance=balance,
         shard_optimizer="zero" in flags,
         shard_gradients="zero2" in flags,
+        shard_weights="zero3" in flags,
         update_by_segment=by_segment,
         **chunked,
     )
@@ -77,7 +100,8 @@ def measure(spec: str, shape: str, optimizer: str = "adam") -> dict:
     hf.size()  # MPI and TensorFlow's imports are done before measuring
     base = resident_bytes()
     with PeakGrowth() as growth:
-        model = wide_mlp(width, depth, optimizer, scope="scope" in spec.split(","))
+        flags = spec.split(",")
+        model = wide_mlp(width, depth, optimizer, "scope" in flags, "subclassed" in flags)
         history = hf.fit(
             model, x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False, strategy=strategy
         )

@@ -285,18 +285,27 @@ def small_mlp_trained(seed: int):
 
 def scoped(folder: str) -> dict:
     """ZeRO-3 on a model built under hf.scope() (each rank allocates its slices only) against
-    Keras's fit, and rank 0's model.save after it: the whole weights and optimizer state."""
+    Keras's fit: after the fit each replica still holds only its slices (reading a weight says
+    how to write the model), `hf.evaluate` gathers them, and the checkpoint `hf.export` writes
+    holds the whole weights and optimizer state."""
     x, y, reference = small_mlp_trained(seed=0)
     model = _small_mlp(scope=True)
-    fit_in_order(model, x, y, 16, 2, hf.Strategy("data", shard_weights=True))
-    found = {"weights": relative_difference(model.get_weights(), reference.get_weights())}
+    saved = folder + "-scoped"
+    strategy = hf.Strategy("data", shard_weights=True)
+    fit_in_order(model, x, y, 16, 2, strategy, callbacks=[hf.callbacks.Checkpoint(saved)])
+    try:
+        model.get_weights()
+        found = {"held": None}
+    except hf.NotHeldError as error:
+        found = {"held": str(error)}
+    evaluated = hf.evaluate(model, x, y, batch_size=16, verbose=0, strategy=strategy)
+    found["evaluated"] = abs(evaluated - reference.evaluate(x, y, batch_size=16, verbose=0))
     if hf.rank() == 0:
-        path = os.path.join(folder + "-scoped", "model.keras")
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        model.save(path)
-        saved = keras.saving.load_model(path).optimizer.variables
+        exported = keras.saving.load_model(hf.export(saved, saved + "/model.keras"))
+        found["weights"] = relative_difference(exported.get_weights(), reference.get_weights())
         found["slots"] = relative_difference(
-            [v.numpy() for v in saved], [v.numpy() for v in reference.optimizer.variables]
+            [v.numpy() for v in exported.optimizer.variables],
+            [v.numpy() for v in reference.optimizer.variables],
         )
     return found
 

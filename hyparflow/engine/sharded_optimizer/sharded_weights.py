@@ -36,6 +36,13 @@ _WHILE_TRAINING = (
     "(Strategy shard_weights=True); the fit's end gives it back. Read weights after hf.fit, "
     "or train with shard_weights=False where a callback must read them during the fit."
 )
+_KEPT_SLICED = (
+    "the model was built under hf.scope() and trained with Strategy shard_weights=True, so "
+    "each replica keeps only its slices of the weights, during hf.fit and after it (the "
+    "whole model may not fit one rank). hf.evaluate and hf.predict gather them as they run; "
+    "to write the whole model, save with hf.callbacks.Checkpoint and write one file with "
+    "hf.export(checkpoint_dir, path), one variable at a time."
+)
 
 
 class ShardedWeights:
@@ -45,6 +52,9 @@ class ShardedWeights:
     replicas); `guard(operation)` watches each wait, `span(kind)` times each gather
     (`events.Spans.span`: recorded inside a training step's forward and backward).
 
+    `keeps_slices` (a model built under hf.scope()): the trainer never gives the whole
+    weights back but after a failed step (`restore` is the caller's choice), and a read of a
+    let-go variable says so.
     `sent_bytes` counts the bytes this rank has sent in its all-gathers (ring volume),
     `restores` the times the variables were given their values back. `traffic` (a
     `TrafficLog`) gets the steps' gathers (`TRANSFER_TAG`: calls, bytes, seconds on the gather
@@ -58,8 +68,18 @@ class ShardedWeights:
         weights.restore()                 # collective: the variables hold values again
     """
 
-    def __init__(self, segments: list, variables: list, comm, guard, span=None, traffic=None):
+    def __init__(
+        self,
+        segments: list,
+        variables: list,
+        comm,
+        guard,
+        span=None,
+        traffic=None,
+        keeps_slices: bool = False,
+    ):
         self.segments, self.variables, self.comm = segments, variables, comm
+        self.keeps_slices = keeps_slices
         self._span = span or (lambda kind: contextlib.nullcontext())
         self.groups = [group for groups in segments for group in groups]
         self._guard = guard
@@ -106,7 +126,8 @@ class ShardedWeights:
         (`deferred.take_over`; those never held start empty, their values in the slices: call
         after `load`), so that steps traced over them stay valid through every `release`
         and `restore`."""
-        deferred.take_over(self._sliced_variables(), _WHILE_TRAINING)
+        reason = _KEPT_SLICED if self.keeps_slices else _WHILE_TRAINING
+        deferred.take_over(self._sliced_variables(), reason)
 
     def _sliced_variables(self) -> list:
         return [self.variables[i] for group in self.groups for i in group.positions]
