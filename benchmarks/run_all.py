@@ -43,6 +43,9 @@ FIGURES = {  # report order: key -> module and its arguments
     "moe": "moe_dispatch",
     "sharding": "sharding",
     "sharded_memory": "sharded_memory",
+    "sharded_memory_transformer": (
+        "sharded_memory --model transformer --layouts 1,1,1 1,4,1,zero3,scope 1,4,1,zero3"
+    ),
     "planning": "planning_cost",
 }
 # Text-printing benchmarks: (title, script, venv, ranks, arguments).

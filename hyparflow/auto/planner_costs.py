@@ -97,6 +97,7 @@ class _HeldGradients:
     all that the update paths read of a runner."""
 
     layout = None  # gradients as a list, not flat
+    slice_gradients = False  # each variable's whole gradient, to be reduced
 
     def __init__(self, variables):
         self._gradients = [tf.zeros_like(v) for v in variables]

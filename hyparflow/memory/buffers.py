@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from hyparflow.sizes import (
     BUCKET_BYTES,
     FLAT_BACKWARD_MAX_MEAN_BYTES,
+    MAX_GATHERED_SEGMENTS,
     MAX_SEGMENTS,
     SEGMENT_BYTES,
     UPDATE_GROUP_BYTES,
@@ -52,7 +53,8 @@ class StageFacts:
 def segments(facts: StageFacts) -> int:
     """Segments whose updates a stage applies one by one during its last backward
     (engine/gradients/segment_update.py, `Strategy.update_by_segment`): one per `SEGMENT_BYTES` of
-    gradients, at most `MAX_SEGMENTS`; 1 where the stage is not cut.
+    gradients, at most `MAX_SEGMENTS` (`MAX_GATHERED_SEGMENTS` under ZeRO-3); 1 where the stage
+    is not cut.
 
     Example:
         >>> segments(StageFacts(64 * 2**20, 8, stages=4, replicas=1, microbatches=1, world=4,
@@ -61,7 +63,9 @@ def segments(facts: StageFacts) -> int:
     """
     if facts.world == 1 or facts.tensor > 1 or not facts.cuttable:
         return 1
-    count = min(MAX_SEGMENTS, facts.gradient_bytes // SEGMENT_BYTES)
+    gathered = facts.shard_weights and facts.replicas > 1  # ZeRO-3: smaller segments
+    most = MAX_GATHERED_SEGMENTS if gathered else MAX_SEGMENTS
+    count = min(most, facts.gradient_bytes // SEGMENT_BYTES)
     if facts.shard_gradients and facts.replicas > 1:
         return max(2, count)
     return max(1, count) if facts.by_segment else 1

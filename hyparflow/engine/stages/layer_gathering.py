@@ -78,7 +78,6 @@ class LayerGathering:
                 self._group_of[id(weights.variables[i])] = g
         owners = _keras.all_layers(model, include_self=False, recursive=False)
         self.layers = [layer for layer in owners if self._owns_weights(layer)]
-        self.scattered_bytes = 0  # bytes this rank sent in the steps' reduce-scatters
 
     def _owns_weights(self, layer) -> bool:
         return any(id(v) in self._group_of for v in layer.trainable_variables)
@@ -164,7 +163,6 @@ class LayerGathering:
                 whole[group.layout.offsets[j] : group.layout.offsets[j] + size]
                 for j, size in enumerate(group.layout.sizes)
             ]
-            self.scattered_bytes += group.reduce_scatter_bytes
             return windowed_reduce_scatter(self.comm, group, views, 1.0, self._guard)
 
         upstream = tf.cast(tf.convert_to_tensor(upstream), wire)
@@ -234,12 +232,15 @@ class _Boundary:
         self.gathering, self.layer, self.call, self.outer = gathering, layer, call, outer
         self.state = _state_variables(layer)
         self.keras_state = _keras.call_state()
+        # what the traced forward made: its outputs' structure, the layers that added losses
+        self._structure, self._loss_owners = None, []
 
     def run(self, args, kwargs):
         flat = tree.flatten((args, kwargs))
         floats = [k for k, t in enumerate(flat) if _is_float_tensor(t)]
-        # the state the forward reads, replayed by the recomputation (read through `outer`)
-        state_values = [tf.convert_to_tensor(v.value) for v in self.state]
+        # the state the forward reads, replayed by the recomputation: `outer`'s values (what
+        # an earlier call assigned), in the variables' own dtype (no autocast)
+        state_values = [self._current(v) for v in self.state]
         count = len(floats)
 
         def rebuilt(inputs):
@@ -260,11 +261,15 @@ class _Boundary:
             return results, backward
 
         results = bounded(*[flat[k] for k in floats], *self.outer.slices)
-        outputs_count = len(results) - self._losses_count
+        outputs_count = len(results) - len(self._loss_owners)
         for owner, loss in zip(self._loss_owners, results[outputs_count:], strict=True):
             self.outer.add_loss(loss)
             _keras.own_loss(owner, loss)
         return tree.pack_sequence_as(self._structure, results[:outputs_count])
+
+    def _current(self, variable):
+        value = self.outer.get_current_value(variable)
+        return tf.convert_to_tensor(_keras.stored_value(variable) if value is None else value)
 
     def _scope(self, slices, after, **options) -> GatheringScope:
         return GatheringScope(self.gathering, slices, after=after, inside_boundary=True, **options)
@@ -281,7 +286,6 @@ class _Boundary:
             self.outer.add_update(update)
         self._structure = outputs
         self._loss_owners = [owner for owner, _ in owned]
-        self._losses_count = len(owned)
         return outputs, [loss for _, loss in owned]
 
     def _added_losses(self) -> list:
