@@ -134,13 +134,7 @@ def transformer(
     inputs = keras.Input((positions, width))
     x = inputs
     for i in range(depth):
-        h = keras.layers.LayerNormalization(name=f"norm_a{i}")(x)
-        h = keras.layers.MultiHeadAttention(heads, width // heads, name=f"attention_{i}")(h, h)
-        x = keras.layers.Add(name=f"residual_a{i}")([x, h])
-        h = keras.layers.LayerNormalization(name=f"norm_f{i}")(x)
-        h = keras.layers.Dense(4 * width, activation="gelu", name=f"up_{i}")(h)
-        h = keras.layers.Dense(width, name=f"down_{i}")(h)
-        x = keras.layers.Add(name=f"residual_f{i}")([x, h])
+        x = encoder_block(x, i, width, heads)
     x = keras.layers.GlobalAveragePooling1D()(x)
     outputs = keras.layers.Dense(classes, activation="softmax", name="classes")(x)
     model = keras.Model(inputs, outputs, name=f"transformer_{depth}x{width}")
@@ -156,3 +150,17 @@ def synthetic_data(model, samples: int, seed: int = 1):
     x = rng.normal(size=(samples, *model.input_shape[1:])).astype("float32")
     classes = model.output_shape[-1]
     return x, rng.integers(0, classes, size=samples)
+
+
+def encoder_block(x, i: int, width: int, heads: int):
+    """Block `i` of a pre-norm encoder on `x`: self-attention of `heads` heads and a GELU
+    feed-forward of 4 x `width`, each residual."""
+    import keras
+
+    h = keras.layers.LayerNormalization(name=f"norm_a{i}")(x)
+    h = keras.layers.MultiHeadAttention(heads, width // heads, name=f"attention_{i}")(h, h)
+    x = keras.layers.Add(name=f"residual_a{i}")([x, h])
+    h = keras.layers.LayerNormalization(name=f"norm_f{i}")(x)
+    h = keras.layers.Dense(4 * width, activation="gelu", name=f"up_{i}")(h)
+    h = keras.layers.Dense(width, name=f"down_{i}")(h)
+    return keras.layers.Add(name=f"residual_f{i}")([x, h])

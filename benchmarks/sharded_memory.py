@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from benchmarks.harness import cli  # noqa: E402
 from benchmarks.harness.launch import run_worker, write_result  # noqa: E402
 from benchmarks.harness.records import measurement  # noqa: E402
+from benchmarks.models import encoder_block  # noqa: E402
 
 FIGURE, MIB = "sharded_memory", 2**20
 TITLE = "Memory of a 100M-parameter MLP per layout: largest rank against one process, and the save"
@@ -138,26 +139,13 @@ def _transformer(scope: bool, custom: bool = False):
         positions = keras_hub.layers.PositionEmbedding(LENGTH, name="positions")(x)
         x = keras.layers.Add(name="embedded")([x, positions])
         for i in range(DEPTH):
-            x = _block(x, i)
+            x = encoder_block(x, i, WIDTH, HEADS)
         x = keras.layers.LayerNormalization(name="norm_out")(x)
         logits = keras.layers.Dense(VOCAB, name="logits")(x)
         model = kind(tokens, logits, name=f"transformer_{DEPTH}x{WIDTH}")
         loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
         model.compile(optimizer, loss)
     return model
-
-
-def _block(x, i: int):
-    """One pre-norm encoder block: self-attention and a GELU feed-forward, each residual."""
-    import keras
-
-    h = keras.layers.LayerNormalization(name=f"norm_a{i}")(x)
-    h = keras.layers.MultiHeadAttention(HEADS, WIDTH // HEADS, name=f"attention_{i}")(h, h)
-    x = keras.layers.Add(name=f"residual_a{i}")([x, h])
-    h = keras.layers.LayerNormalization(name=f"norm_f{i}")(x)
-    h = keras.layers.Dense(4 * WIDTH, activation="gelu", name=f"up_{i}")(h)
-    h = keras.layers.Dense(WIDTH, name=f"down_{i}")(h)
-    return keras.layers.Add(name=f"residual_f{i}")([x, h])
 
 
 def _build(args, flags: list):
