@@ -8,6 +8,7 @@ only that micro-batch's activations alive until its backward (GPipe's activation
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import numpy as np
 import tensorflow as tf
@@ -167,7 +168,7 @@ class StageRunner(RunnerBase):
         # gathered values or slices, or views of the flat tensor; tables are read as they are
         gathers = self._gather is not None or self.slice_gradients
         views = params if gathers else self.layout.unflatten(params)
-        replay = lambda: self._replayed(rows)  # noqa: E731 - a boundary's recomputation
+        replay = functools.partial(self._replayed, rows)  # a boundary's recomputation
         with self.reading(views, replay), slice_of(rows), self._train_scope():
             outputs = self._call(inputs, True)
             added = self._added()  # the scope collects what layers add
