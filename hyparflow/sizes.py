@@ -39,3 +39,9 @@ MAX_SEGMENTS = 8
 # the allocator's peak was 0.308-0.311 of one process's with 8 segments, 0.261 with 14, 0.250
 # with 24.
 MAX_GATHERED_SEGMENTS = 32
+
+
+def most_segments(gathered: bool) -> int:
+    """The most segments a stage is cut into: `MAX_GATHERED_SEGMENTS` where ZeRO-3 gathers
+    each one whole (`gathered`: weights sharded over several replicas), else `MAX_SEGMENTS`."""
+    return MAX_GATHERED_SEGMENTS if gathered else MAX_SEGMENTS

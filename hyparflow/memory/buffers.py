@@ -18,10 +18,9 @@ from dataclasses import dataclass
 from hyparflow.sizes import (
     BUCKET_BYTES,
     FLAT_BACKWARD_MAX_MEAN_BYTES,
-    MAX_GATHERED_SEGMENTS,
-    MAX_SEGMENTS,
     SEGMENT_BYTES,
     UPDATE_GROUP_BYTES,
+    most_segments,
 )
 
 
@@ -47,7 +46,7 @@ class StageFacts:
     shard_optimizer: bool = False  # ZeRO-1
     shard_gradients: bool = False  # ZeRO-2: cut into segments, each scattered per micro-batch
     shard_weights: bool = False  # ZeRO-3: each segment's weights gathered for each call
-    by_layer: bool = False  # a subclassed model: ZeRO-3 gathers each layer around its call
+    by_layer: bool = False  # ZeRO-3 on a subclassed model: each layer gathered around its call
 
 
 def segments(facts: StageFacts) -> int:
@@ -64,8 +63,7 @@ def segments(facts: StageFacts) -> int:
     if facts.world == 1 or facts.tensor > 1 or not facts.cuttable:
         return 1
     gathered = facts.shard_weights and facts.replicas > 1  # ZeRO-3: smaller segments
-    most = MAX_GATHERED_SEGMENTS if gathered else MAX_SEGMENTS
-    count = min(most, facts.gradient_bytes // SEGMENT_BYTES)
+    count = min(most_segments(gathered), facts.gradient_bytes // SEGMENT_BYTES)
     if facts.shard_gradients and facts.replicas > 1:
         return max(2, count)
     return max(1, count) if facts.by_segment else 1
@@ -75,13 +73,9 @@ def held_gradients(facts: StageFacts, gradient_bytes: int) -> int:
     """Of a step's `gradient_bytes`, those alive at once: a segment's where the stage updates
     segment by segment; under ZeRO-3 by layer, this replica's slices and the largest
     variable's whole gradient (a layer's, being reduce-scattered); else all."""
-    if _gathers_by_layer(facts):
+    if facts.by_layer:
         return -(-gradient_bytes // facts.replicas) + facts.largest
     return -(-gradient_bytes // segments(facts))
-
-
-def _gathers_by_layer(facts: StageFacts) -> bool:
-    return facts.by_layer and facts.shard_weights and facts.replicas > 1
 
 
 def step_buffers(facts: StageFacts, slots: float = 0.0, sharded: bool = False) -> dict[str, int]:
@@ -126,7 +120,7 @@ def step_buffers(facts: StageFacts, slots: float = 0.0, sharded: bool = False) -
     if facts.shard_weights and facts.replicas > 1:
         # one segment's weights gathered (the whole stage's where it is not cut, one layer's
         # where it gathers by layer): the flat vector received and the tensors read out of it
-        unit = facts.largest if _gathers_by_layer(facts) else held_gradients(facts, g)
+        unit = facts.largest if facts.by_layer else held_gradients(facts, g)
         buffers["gathered weights"] = 2 * unit
     zero2 = facts.shard_gradients and facts.replicas > 1 and segments(facts) > 1
     if facts.microbatches > 1:

@@ -263,7 +263,10 @@ def _stage_facts(shared: _Shared, trainable, layout) -> buffers.StageFacts:
         tensor=t,
         by_segment=shared.by_segment,
         cuttable=shared.cuttable,
-        by_layer=shared.subclassed and resolved.partitions == 1 and t == 1,
+        by_layer=shared.subclassed
+        and resolved.partitions == 1
+        and t == 1
+        and _slices_weights(resolved),
         shard_optimizer=getattr(resolved, "shard_optimizer", False),
         shard_gradients=getattr(resolved, "shard_gradients", False),
         shard_weights=getattr(resolved, "shard_weights", False),

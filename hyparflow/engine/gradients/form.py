@@ -30,22 +30,21 @@ class GradientForm:
 
 
 # Segments of `update_per_segment` (`segments_for`); why these sizes: hyparflow/sizes.py.
-SEGMENT_BYTES, MAX_SEGMENTS = sizes.SEGMENT_BYTES, sizes.MAX_SEGMENTS
-MAX_GATHERED_SEGMENTS = sizes.MAX_GATHERED_SEGMENTS  # ZeRO-3's
+SEGMENT_BYTES = sizes.SEGMENT_BYTES
 
 
-def segments_for(gradient_bytes: int, most: int = MAX_SEGMENTS) -> int:
+def segments_for(gradient_bytes: int, gathered: bool = False) -> int:
     """Segments a stage's backward is cut into so that it updates segment by segment: one per
-    `SEGMENT_BYTES` of gradients, at most `most` (1: not cut; ZeRO-3 gathers each whole and
-    allows `MAX_GATHERED_SEGMENTS`).
+    `SEGMENT_BYTES` of gradients, at most `sizes.most_segments(gathered)` (1: not cut;
+    `gathered`: ZeRO-3 gathers each whole, and allows more).
 
     Example:
         >>> segments_for(64 * 2**20), segments_for(20 * 2**20), segments_for(2**30)
         (4, 1, 8)
-        >>> segments_for(2**30, MAX_GATHERED_SEGMENTS)
+        >>> segments_for(2**30, gathered=True)
         32
     """
-    return max(1, min(most, gradient_bytes // SEGMENT_BYTES))
+    return max(1, min(sizes.most_segments(gathered), gradient_bytes // SEGMENT_BYTES))
 
 
 def choose_gradient_form(

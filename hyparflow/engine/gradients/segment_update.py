@@ -20,7 +20,7 @@ import tensorflow as tf
 from hyparflow import deferred
 from hyparflow.comm.allreduce import GradientReducer
 from hyparflow.engine.gradients.flat import FlatLayout
-from hyparflow.engine.gradients.form import MAX_GATHERED_SEGMENTS, MAX_SEGMENTS, segments_for
+from hyparflow.engine.gradients.form import segments_for
 from hyparflow.engine.gradients.path import SegmentHooks
 from hyparflow.engine.gradients.update import applies_per_variable
 from hyparflow.engine.gradients.update_plan import plan_segment, update_groups
@@ -244,8 +244,7 @@ def segment_count(strategy, model, variables, replicas: int = 1) -> int:
     reduce-scatters them over `replicas`; more allowed where ZeRO-3 gathers each one whole)."""
     asked = strategy.update_by_segment
     gathered = strategy.shard_weights and replicas > 1
-    most = MAX_GATHERED_SEGMENTS if gathered else MAX_SEGMENTS
-    count = segments_for(sum(nbytes(v) for v in variables), most)
+    count = segments_for(sum(nbytes(v) for v in variables), gathered)
     if asked is True or (strategy.shard_gradients and replicas > 1):
         return max(2, count)
     if asked is False or not deferred.built_in_scope(model):

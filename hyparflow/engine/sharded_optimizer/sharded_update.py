@@ -268,10 +268,7 @@ class ShardedUpdate:
         every replica; `keep_local`: each variable's elements in this replica's slices, for
         the finite check (each element is checked on the replica holding it)."""
         runner = self.sync.runner
-        slices = [
-            tf.cast(s, g.dtype)
-            for s, g in zip(runner.take_slice_gradients(), self.groups, strict=True)
-        ]
+        slices = runner.take_slice_gradients()  # in their groups' dtypes
         tables = runner.take_sparse_gradients()
         kept = self._elements_by_variable(slices, tables) if keep_local else None
         if tables:

@@ -102,8 +102,7 @@ class LayerGathering:
         )
         with calls, scope:
             yield
-        for variable, value in scope.updates.values():
-            variable.assign(value)
+        scope.assign_updates()
 
     def gathered(self, g: int, slice_tensor, after: list) -> list:
         """Group g's variables' values, all-gathered from every replica's `slice_tensor` once

@@ -194,8 +194,7 @@ class RunnerBase:
         dense = [self.variables[i] for i in self.dense]
         with UpdateRecordingScope(zip(dense, values, strict=True)) as scope:
             yield
-        for variable, value in scope.updates.values():
-            variable.assign(value)
+        scope.assign_updates()
 
     def _relaxed(self, function, args: tuple, targets: tuple = ()):
         """What to call for `function(*args)`: `function`, once traced with the batch size and
@@ -254,3 +253,8 @@ class UpdateRecordingScope(keras.StatelessScope):
     def add_update(self, update):
         super().add_update(update)
         self.updates[id(update[0])] = update
+
+    def assign_updates(self) -> None:
+        """Do the assignments the scope collected (after it is left)."""
+        for variable, value in self.updates.values():
+            variable.assign(value)
