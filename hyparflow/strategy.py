@@ -136,12 +136,15 @@ class Strategy:
       stage's weights, which are the truth between steps. Each segment's weights are
       all-gathered before its forward and again before its backward (which recomputes the
       forward), and let go after; gradients are reduce-scattered into the owners' slices as
-      under `shard_gradients`; embedding tables stay whole. A stage that cannot be cut
-      (subclassed models, tensor shards) is one segment, gathered whole for each call. While
+      under `shard_gradients`; embedding tables stay whole. A subclassed model (no layer
+      graph to cut) gathers each of its layers' weights around that layer's call, inside the
+      step, and recomputes the call in its backward; a stage with tensor shards is one
+      segment, gathered whole for each call. While
       hf.fit trains, the model's sharded variables hold no value (reading one raises
       `NotHeldError`); each epoch's end (and a checkpoint's save) gives them back, so
       callbacks, checkpoints and the model after the fit see the whole weights. A model
-      built under `hf.scope()` allocates only its slices. A custom `train_step` gets the
+      built under `hf.scope()` allocates only its slices, and keeps them after the fit (read
+      its weights through a checkpoint and `hf.export`). A custom `train_step` gets the
       whole weights gathered into the variables for each step, and let go after it.
       Refused: weight regularizers, expert parallelism, the zero-bubble and interleaved
       schedules with a pipeline, and a custom step that applies a second optimizer. With

@@ -462,6 +462,17 @@ def test_zero3_layers_of_a_subclassed_model_replay_their_calls_in_the_backward(t
 
 
 @pytest.mark.mpi
+def test_zero3_layers_recompute_float16_as_plain_data_parallelism_does(two_ranks):
+    """Under mixed_float16, without graph rewrites (which round two graphs of one computation
+    differently): ZeRO-3's gathered, recomputed layers train as plain data parallelism."""
+    for r in two_ranks:
+        mixed = r["mixed_blocks"]
+        assert mixed["weights"] < 1e-6, mixed
+        assert mixed["applied"][0] == mixed["applied"][1] > 0, mixed  # the same steps skipped
+        assert mixed["scatters"] > 0, mixed
+
+
+@pytest.mark.mpi
 @pytest.mark.parametrize("launch", ["two_ranks", "four_ranks"])
 def test_zero2_trains_a_subclassed_model_as_keras_does(request, launch):
     """Not cut into segments, its gradients stay whole until the backward ends (as ZeRO-1);
