@@ -142,6 +142,46 @@ def transformer(
     return model
 
 
+def subclassed_transformer(
+    width: int, depth: int, *, heads: int = 4, positions: int = 32, classes: int = 10, seed=0
+):
+    """`transformer`'s layers in a subclassed model (no layer graph to cut): its blocks are
+    layers of their own, each a unit ZeRO-3 gathers around its call."""
+    import keras
+
+    class Block(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.norm_a = keras.layers.LayerNormalization()
+            self.attention = keras.layers.MultiHeadAttention(heads, width // heads)
+            self.norm_f = keras.layers.LayerNormalization()
+            self.up = keras.layers.Dense(4 * width, activation="gelu")
+            self.down = keras.layers.Dense(width)
+
+        def call(self, x):
+            h = self.norm_a(x)
+            x = x + self.attention(h, h)
+            return x + self.down(self.up(self.norm_f(x)))
+
+    class Encoder(keras.Model):
+        def __init__(self):
+            super().__init__(name=f"subclassed_transformer_{depth}x{width}")
+            self.blocks = [Block(name=f"block_{i}") for i in range(depth)]
+            self.pool = keras.layers.GlobalAveragePooling1D()
+            self.head = keras.layers.Dense(classes, activation="softmax", name="classes")
+
+        def call(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return self.head(self.pool(x))
+
+    keras.utils.set_random_seed(seed)
+    model = Encoder()
+    model(keras.ops.zeros((1, positions, width)))
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    return model
+
+
 def synthetic_data(model, samples: int, seed: int = 1):
     """Random inputs of the model's input shape and integer labels for its classes."""
     import numpy as np

@@ -41,7 +41,8 @@ FIGURES = {  # report order: key -> module and its arguments
     "precision": "engine_options --option precision",
     "auto": "auto_choice",
     "moe": "moe_dispatch",
-    "sharding": "sharding",
+    "sharding": "sharding --models transformer mlp",
+    "sharding_subclassed": "sharding --models subclassed --microbatches 1",
     "sharded_memory": "sharded_memory",
     "sharded_memory_transformer": (
         "sharded_memory --model transformer --layouts 1,1,1 1,4,1,zero3,scope 1,4,1,zero3"

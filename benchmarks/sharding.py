@@ -6,15 +6,19 @@ Run: .venv/bin/python benchmarks/sharding.py [--quick] [--repeats 5]
 Two models, Adam, global batch 128, 1 micro-batch (the default) and 2, each a run of its own: a
 transformer encoder of dense inputs (`transformer`: 4 blocks of width 256, 4 heads, 32
 positions, about 3.2 M parameters; no embedding table, so the stage can be cut into segments)
-and an MLP of 4 x Dense(1024) (4.2 M parameters). Each layout trains its own model object in
+and an MLP of 4 x Dense(1024) (4.2 M parameters); and, with `--models subclassed`, the same
+transformer as a subclassed model (no layer graph: ZeRO-3 gathers each block around its call
+inside the step, `engine/stages/layer_gathering.py`). Each layout trains its own model object in
 one launch, epochs interleaved and the order rotated (`interleaved_epochs`); samples/s over the
 epochs after the first, the ratio to plain data parallel paired by round. Bytes per rank: what
 the optimizer state, the step's gradient sums and the weights hold (the gradients a ZeRO-2 rank
 keeps are its slices plus one segment's; the weights a ZeRO-3 rank keeps, its slices), and what
 a rank sends per step (ZeRO-3: each micro-batch gathers each segment's weights twice, for its
 forward and for its backward's recomputation, but the last segment's once: its backward follows
-its forward under 1F1B and differentiates that forward's tape). Every layout runs the 1F1B
-order: at one stage it only orders each micro-batch's backward right after its forward.
+its forward under 1F1B and differentiates that forward's tape; the subclassed model's blocks
+gather for each forward and backward). Every layout runs the 1F1B order: at one stage it only
+orders each micro-batch's backward right after its forward. "Compute hid": the share of
+ZeRO-3's gather time on the gather thread that its steps did not wait for, over the run.
 """
 
 from __future__ import annotations
@@ -38,15 +42,16 @@ LAYOUTS = {  # name -> Strategy keywords beside `kind="data"`
     "ZeRO-2": {"shard_gradients": True},
     "ZeRO-3": {"shard_weights": True},
 }
-MODELS = ("transformer", "mlp")
+MODELS = ("transformer", "mlp", "subclassed")
 
 
 def _model(name: str, quick: bool):
-    from benchmarks.models import mlp, transformer
+    from benchmarks.models import mlp, subclassed_transformer, transformer
 
     if name == "mlp":
         return mlp(128 if quick else 1024, 4, optimizer="adam")
-    return transformer(64 if quick else 256, 2 if quick else 4, heads=4, positions=32)
+    build = subclassed_transformer if name == "subclassed" else transformer
+    return build(64 if quick else 256, 2 if quick else 4, heads=4, positions=32)
 
 
 def worker(args) -> None:
@@ -70,14 +75,29 @@ def worker(args) -> None:
         for name, options in LAYOUTS.items()
     }
     models = {name: _model(args.model, args.quick) for name in LAYOUTS}
-    x, y = synthetic_data(models["plain"], args.batch_size * args.steps)
+    shaped = _model("transformer", args.quick) if args.model == "subclassed" else models["plain"]
+    x, y = synthetic_data(shaped, args.batch_size * args.steps)  # a layer graph's input shape
     setups = {name: (models[name], strategies[name]) for name in LAYOUTS}
     seconds = interleaved_epochs(setups, x, y, args.batch_size, args.repeats)
     write_result(
         args.worker_out,
         hf.rank(),
-        {"seconds": seconds, "bytes": {name: _bytes(models[name]) for name in LAYOUTS}},
+        {
+            "seconds": seconds,
+            "bytes": {name: _bytes(models[name]) for name in LAYOUTS},
+            "hidden": _hidden(models["ZeRO-3"]),
+        },
     )
+
+
+def _hidden(model) -> float:
+    """The share of ZeRO-3's gather time (on the gather thread) its steps did not wait for,
+    over the whole run: the profiler's "compute hid" figure."""
+    from hyparflow.engine.sharded_optimizer.sharded_weights import TRANSFER_TAG, WAIT_TAG
+
+    traffic = model._hyparflow_trainer[1].traffic
+    gathered, waited = traffic.of(TRANSFER_TAG).seconds, traffic.of(WAIT_TAG).seconds
+    return max(0.0, 1.0 - waited / gathered) if gathered > 0 else 0.0
 
 
 def _bytes(model) -> dict:
@@ -98,7 +118,8 @@ def _bytes(model) -> dict:
         # but the last segment's backward, which follows its forward (1F1B), gathers nothing
         gathers = 2 * trainer.strategy.microbatches if trainer.shards_weights else 1
         sent = scatters * step["reduce_scatter"] + gathers * step["allgather"]
-        if trainer.shards_weights:
+        # (a subclassed model's layers gather in its graph: each one's backward gathers too)
+        if trainer.shards_weights and not trainer.parts.runner.slice_gradients:
             last = sum(g.allgather_bytes for g in sharded.segments[-1])
             sent -= trainer.strategy.microbatches * last
         slices = sum(g.layout.slice_size * 4 for g in sharded.groups)
@@ -148,6 +169,8 @@ def _records(name: str, microbatches: int, args, result: dict) -> list[dict]:
             records.append(
                 measurement(FIGURE, f"{layout} / plain samples/s ({setup})", ratio, "ratio")
             )
+    hidden = [100 * result["hidden"]]
+    records.append(measurement(FIGURE, f"ZeRO-3: gather time compute hid ({setup})", hidden, "%"))
     print(
         f"{name}, M={microbatches}: "
         + ", ".join(
@@ -175,6 +198,7 @@ def arguments(argv=None):
     args = p.parse_args(argv)
     if args.quick:
         args.steps = 2
+    args.title = f"{TITLE} ({', '.join(args.models)})"
     return args
 
 

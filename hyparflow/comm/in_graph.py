@@ -76,6 +76,13 @@ def collective(function, tensors: list, dtype, shape, record: Traffic, nbytes: i
     return _ordered(timed, tensors, dtype, shape)
 
 
+def in_order(function, tensors: list, dtype, shape):
+    """`function(*arrays)` (numpy in, one array out) run in this graph's order of collectives
+    without being one: a call that starts a collective on another thread (whose collectives
+    must begin in one order on every rank too); uncounted (the thread counts its own)."""
+    return _ordered(function, tensors, dtype, shape)
+
+
 def exchange(comm, counts, tensors: list, record: Traffic, expected=None, timed=None) -> tuple:
     """Rows sent to each rank of `comm` and rows received from each, all-to-all: the leading
     `counts[j]` rows of every tensor in `tensors` (after those for ranks before `j`) go to rank

@@ -91,7 +91,8 @@ def step_buffers(facts: StageFacts, slots: float = 0.0, sharded: bool = False) -
     whose received sums and their tensor are each that slice's bytes, and parameters broadcast
     through one variable's buffer. ZeRO-2 (`shard_gradients`) holds one segment's gradients
     and, over micro-batches, the sums of its slices instead of the whole stage's. ZeRO-3
-    (`shard_weights`) adds one segment's gathered weights, twice (received, then read out).
+    (`shard_weights`) adds one segment's gathered weights, twice (received, then read out);
+    by layer, the largest variable three times (the next layer's gathered ahead).
 
     Example:
         >>> step_buffers(StageFacts(400, 2, stages=1, replicas=2, microbatches=1, world=2))
@@ -118,10 +119,13 @@ def step_buffers(facts: StageFacts, slots: float = 0.0, sharded: bool = False) -
         # a pipeline stage concatenates its gradients once; the whole model in buckets
         buffers["flat gradients"] = g if pipelined else min(g, BUCKET_BYTES)
     if facts.shard_weights and facts.replicas > 1:
-        # one segment's weights gathered (the whole stage's where it is not cut, one layer's
-        # where it gathers by layer): the flat vector received and the tensors read out of it
-        unit = facts.largest if facts.by_layer else held_gradients(facts, g)
-        buffers["gathered weights"] = 2 * unit
+        # one segment's weights gathered (the whole stage's where it is not cut): the flat
+        # vector received and the tensors read out of it; by layer, also the next layer's,
+        # gathered ahead
+        if facts.by_layer:
+            buffers["gathered weights"] = 3 * facts.largest
+        else:
+            buffers["gathered weights"] = 2 * held_gradients(facts, g)
     zero2 = facts.shard_gradients and facts.replicas > 1 and segments(facts) > 1
     if facts.microbatches > 1:
         # the running sum beside the micro-batch's gradients; ZeRO-2 sums this replica's

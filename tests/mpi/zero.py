@@ -368,6 +368,7 @@ def _gather_spans(model, x, y, strategy) -> dict:
     scatters = trainer.traffic.of(layer_gathering.SCATTER_TAG)
     return {
         "scatters": scatters.calls,
+        "ahead": trainer.traffic.of(layer_gathering.AHEAD_TAG).calls,
         "gather_spans": len(gathers),
         "recorded_steps": len(records),
         "inside": all(inside),

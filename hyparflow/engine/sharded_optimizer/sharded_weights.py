@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from concurrent.futures import Future
 from functools import partial
 
 import numpy as np
@@ -166,15 +167,17 @@ class ShardedWeights:
     def start_gathers(self, numbers: list) -> list:
         """Start all-gathering groups `numbers` on the gather thread, in order: their
         futures, each of the group's whole padded flat vector (`finish_gathers` waits)."""
+        return [self.start_gather(g, self.groups[g].variable.numpy()) for g in numbers]
+
+    def start_gather(self, g: int, mine: np.ndarray) -> Future:
+        """Start all-gathering group g on the gather thread, `mine` this replica's slice (an
+        array of the caller's that nothing else writes meanwhile): the future of the group's
+        whole padded flat vector."""
         if self._ahead is None:
             self._ahead = BackgroundCollectives("hyparflow-gather")
             self._ahead_comm = _unwatched(self.comm.Dup())
-        started = []
-        for g in numbers:
-            group = self.groups[g]
-            mine = np.ascontiguousarray(group.variable.numpy())
-            started.append(self._ahead.submit(partial(self._transfer, group, mine)))
-        return started
+        mine = np.ascontiguousarray(mine)
+        return self._ahead.submit(partial(self._transfer, self.groups[g], mine))
 
     def finish_gathers(self, started: list) -> list:
         """The flat vectors of `started` (`start_gathers`), once the thread has them; the
