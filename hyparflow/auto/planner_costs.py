@@ -112,20 +112,33 @@ def _sharded_update_cost(model, repeats: int) -> float:
     `Update`): both run for real on one replica (MPI.COMM_SELF) of a copy of `model` each, where
     they step the same bytes. 0 where the model cannot be copied (ZeRO-1 is then priced by its
     optimizer and broadcasts alone)."""
-    try:
-        sharded, whole = (_update_seconds(model, sharding, repeats) for sharding in (True, False))
-    except Exception:  # noqa: BLE001 - a layer Keras cannot clone: not timed
-        return 0.0
+    seconds = []
+    for sharded in (True, False):  # one copy at a time
+        clone = _copy(model)
+        if clone is None:
+            return 0.0
+        seconds.append(_update_seconds(clone, sharded, repeats))
+    sharded, whole = seconds
     return max(0.0, sharded - whole) / max(1, sum(map(nbytes, model.trainable_variables)))
 
 
-def _update_seconds(model, sharded: bool, repeats: int) -> float:
-    """Median seconds of one reduction and update of a fresh copy of `model` on one replica:
-    ZeRO-1's (`sharded`) or data parallelism's."""
+def _copy(model):
+    """A fresh copy of `model` compiled with an unbuilt copy of its optimizer; None where Keras
+    cannot clone it (a subclassed model without its config, a layer that cannot be rebuilt:
+    only that is caught, so that a failure of the timing itself is not priced at 0)."""
+    try:
+        clone = keras.models.clone_model(model)
+    except (TypeError, ValueError, NotImplementedError):
+        return None
+    clone.compile(keras.optimizers.deserialize(keras.optimizers.serialize(model.optimizer)))
+    return clone
+
+
+def _update_seconds(clone, sharded: bool, repeats: int) -> float:
+    """Median seconds of one reduction and update of `clone` (a fresh copy of a model) on one
+    replica: ZeRO-1's (`sharded`) or data parallelism's."""
     from mpi4py import MPI  # on use: importing it initialises MPI
 
-    clone = keras.models.clone_model(model)  # with an unbuilt copy of the optimizer
-    clone.compile(keras.optimizers.deserialize(keras.optimizers.serialize(model.optimizer)))
     variables = list(clone.trainable_variables)
     topology = Topology.create(MPI.COMM_SELF, 1, 1)
     sync = GradientSync(
