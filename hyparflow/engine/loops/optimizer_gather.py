@@ -99,7 +99,7 @@ class OptimizerGather:
         trainable variables)."""
         trainer = self.trainer
         spill = _gather(entries, trainer.topology.world, trainer.guard)
-        if spill is None:
+        if spill is None or not spill.nbytes:  # not rank 0, or an optimizer never built
             return
         drop_whole_state(optimizer)  # the last one goes before the new one is kept
 

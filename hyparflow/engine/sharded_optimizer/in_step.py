@@ -1,16 +1,18 @@
-"""ZeRO-1 and ZeRO-2 under a model's own step: its optimizer's `apply`, compiled inside that
+"""ZeRO-1, 2 and 3 under a model's own step: an optimizer's `apply`, compiled inside that
 step, updates this replica's slice.
 
 A step of the model's own (engine/custom_step.py: an overridden `train_step`, or Keras's step
 around an overridden `compute_loss`) makes whole gradients with its own tape and hands them to
-the compiled optimizer's `apply`. While the step is traced, that `apply` is replaced by
-`SlicedApply`: the gradients, each replica's weighted by its share of the global batch, are
-flattened into the stage's slice groups (`ShardedUpdate.groups`, one flat vector per dtype)
-and reduce-scattered; under loss scaling the replicas agree on whether any slice overflowed;
-`global_clipnorm` clips by the whole model's norm (squares summed over the replicas); the
-optimizer steps this replica's slice variables, for which alone it built its state; the new
-slices are all-gathered into the variables, which stay the truth between steps. Checkpoints
-and the fit's end read the same slices as under the engine's own step (`SliceCheckpoint`).
+an optimizer's `apply`. While the step is traced, that `apply` is replaced by a `SlicedApply`
+(each optimizer its own: step_optimizers.py): the gradients, each replica's weighted by its
+share of the global batch, are flattened into the slice groups of the variables it applies
+(the stage's `ShardedUpdate.groups` for the compiled optimizer on every variable, else its
+`OptimizerSlices`; one flat vector per dtype) and reduce-scattered; under loss scaling the
+replicas agree on whether any slice overflowed; `global_clipnorm` clips by the norm of the
+variables applied (squares summed over the replicas); the optimizer steps this replica's
+slice variables, for which alone it built its state; the new slices are all-gathered into the
+variables, which stay the truth between steps. Checkpoints and the fit's end read the slices
+through a `SliceCheckpoint`, as under the engine's own step.
 
 The step's own gradients are whole, since its tape makes them: `shard_gradients` shards only
 their reduced sums. Under `shard_weights` (ZeRO-3) the variables hold nothing between steps
