@@ -9,6 +9,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 from keras import ops
+from mpi4py import MPI
 
 import hyparflow as hf
 from tests.support.compare import history_difference, relative_difference
@@ -326,6 +327,7 @@ def sharded(name: str) -> dict:
         "weights": relative_difference(model.get_weights(), ref.get_weights()),
         "history": history_difference(history, ref_history),
         "slot_ratios": slot_ratios(model, ref),
+        "saved_optimizers": saved_difference(model, ref),
         "unpatched": all("apply" not in vars(o) for o in _optimizers(model)),
         "held_between_steps": probe.held,
     }
@@ -340,6 +342,38 @@ def slot_ratios(model, reference) -> list:
         if total:
             ratios.append(_slot_elements(mine) / total)
     return ratios
+
+
+def saved_difference(model, reference) -> float:
+    """How far the optimizer slots in rank 0's saved files (each optimizer's
+    `save_own_variables`, what `model.save` and `save_weights` write) are from Keras's, every
+    optimizer's, whole; infinite where a shape differs (the same number on every rank). The
+    scalars are left out: a loss-scale optimizer's own step counter and rate share their
+    checkpoint keys (`opt/<name>`) with its inner optimizer's, so they are written as the
+    inner one's (as before several optimizers were sliced)."""
+    difference = None
+    if hf.rank() == 0:
+        written = [_slots(_written(o)) for o in _optimizers(model)]
+        expected = [_slots(o.variables) for o in _optimizers(reference)]
+        shapes = [[a.shape for a in state] for state in written + expected]
+        half = len(written)
+        same = shapes[:half] == shapes[half:]
+        difference = float("inf")
+        if same:
+            difference = max(
+                relative_difference(a, b) for a, b in zip(written, expected, strict=True)
+            )
+    return MPI.COMM_WORLD.bcast(difference)
+
+
+def _slots(values) -> list:
+    return [np.asarray(v) for v in values if len(v.shape) > 0]
+
+
+def _written(optimizer) -> list:
+    store = {}
+    optimizer.save_own_variables(store)
+    return [np.asarray(store[key]) for key in sorted(store, key=int)]
 
 
 def _slot_elements(optimizer) -> int:
