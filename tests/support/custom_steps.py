@@ -77,6 +77,20 @@ class LambHead(TwoOptimizers):
         self.head_optimizer = keras.optimizers.Lamb(0.01)
 
 
+class OneOptimizerTwice(TwoOptimizers):
+    """`TwoOptimizers` whose attribute Adam updates the first layer, then the head: one
+    optimizer on two sets of variables (Keras's own fails at the second)."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = ops.mean(keras.losses.sparse_categorical_crossentropy(y, self(x, training=True)))
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.head_optimizer.apply(grads[:2], self.trainable_variables[:2])
+        self.head_optimizer.apply(grads[2:], self.trainable_variables[2:])
+        return {}
+
+
 class ExtraUpdate(keras.Model):
     """Its compiled optimizer updates every variable, then a second optimizer the head again."""
 
@@ -407,6 +421,12 @@ SHARDED_REFUSED = {  # name: (model class, Strategy options, what the error says
         LambHead,
         {"shard_gradients": True},
         "Lamb does not update each element",
+    ),
+    # its state is built once, for the slices of one set of variables
+    "custom_step_one_optimizer_twice_shard_optimizer": (
+        OneOptimizerTwice,
+        {"shard_optimizer": True},
+        "to 2 variables that are not the 2 it applied it to before",
     ),
 }
 

@@ -52,7 +52,9 @@ class StepOptimizers:
         self._refusal = refusal
         self._on_compiled = on_compiled or (lambda slices: None)
         self._applies: dict = {}  # id(optimizer) -> its SlicedApply
-        self._rewritten = False  # in a trace: the variables changed since the weight slices
+        # in a trace under ZeRO-3: an update since the weight slices last were (fill, or the
+        # compiled optimizer on every variable) wrote the variables
+        self._rewritten = False
 
     def others(self) -> list:
         """The `OptimizerSlices` of every optimizer the step applies but the compiled one."""
@@ -99,15 +101,18 @@ class StepOptimizers:
             raise AgreedError(
                 ValueError(
                     f"The model's own step applies {type(optimizer).__name__} "
-                    f"({optimizer.name}) to {len(variables)} variables, and elsewhere to "
-                    f"{len(applied.variables)}; sharding its state builds it once, for the "
-                    "slices of one set of variables. Apply each optimizer to one set of "
-                    "variables (an optimizer per set), or leave the optimizer state unsharded."
+                    f"({optimizer.name}) to {len(variables)} variables that are not the "
+                    f"{len(applied.variables)} it applied it to before; sharding its state "
+                    "builds it once, for the slices of one set of variables. Apply each "
+                    "optimizer to one set of variables (an optimizer per set), or leave the "
+                    "optimizer state unsharded."
                 )
             )
         return applied
 
     def _made_for(self, optimizer, variables: list) -> SlicedApply:
+        """`optimizer`'s `SlicedApply` over `variables`, its state built (refused, alike on
+        every replica, where it cannot be sliced or was built before)."""
         why = self._refusal(optimizer)
         if why:
             raise AgreedError(ValueError(why))
