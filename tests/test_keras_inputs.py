@@ -129,6 +129,14 @@ def test_a_custom_step_trains_as_keras_with_a_slice_of_the_optimizer_state(reque
     assert all(r["results"] == ranks[0]["results"] for r in ranks)
 
 
+def test_a_sharded_custom_step_resumes_as_an_unsharded_one(outcomes):
+    """`ExtraUpdate` under ZeRO-3 resumed from an hf checkpoint (the compiled optimizer's
+    slices restored) trains on as the same model resumed without sharding."""
+    result = outcomes[0]["sharded:custom_step_extra_update_resumed_shard_weights"]
+    assert result["batches_run"] == [4, 4], result  # each resumed for the second epoch alone
+    assert result["weights"] < TOLERANCE, result
+
+
 @pytest.mark.timeout(1000)
 @pytest.mark.parametrize("launch", REPLICA_LAUNCHES)
 @pytest.mark.parametrize("case", sorted(SHARDED_REFUSED))

@@ -5,6 +5,9 @@ each case is built twice from one seed, trained by Keras in this process and by 
 the weights, the History and `hf.evaluate`'s logs are compared.
 """
 
+import shutil
+import tempfile
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -399,6 +402,17 @@ def _optimizers(model) -> list:
     return [model.optimizer, *(o for o in _others(model) if o is not model.optimizer)]
 
 
+class _Batches(keras.callbacks.Callback):
+    """How many training batches a fit ran."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.count += 1
+
+
 class _HeldBetweenSteps(keras.callbacks.Callback):
     """Whether the model's first weight could be read after each training batch (ZeRO-3
     keeps it as slices over the replicas between steps)."""
@@ -448,6 +462,43 @@ def sharded_refused(name: str) -> dict:
         # where each rank trains other references first
         error = str(raised).split(" (missing:")[0]
     return {"case": f"sharded:{name}", "error": error}
+
+
+def resumed(sharding: dict) -> tuple[list, int]:
+    """`ExtraUpdate` trained for an epoch with an `hf.callbacks.Checkpoint`, then resumed from
+    it for a second, under `sharding`: its weights (its compiled optimizer restored, its
+    attribute one, in no checkpoint, fresh: sharded or not) and the batches the resumed fit
+    trained."""
+    folder = MPI.COMM_WORLD.bcast(tempfile.mkdtemp() if hf.rank() == 0 else None)
+    strategy = hf.Strategy("data", **sharding)
+    options = dict(batch_size=16, shuffle=False, verbose=0, strategy=strategy)
+    try:
+        for epochs in (1, 2):
+            model = build(ExtraUpdate)
+            keras.utils.set_random_seed(7)
+            callbacks, batches = [hf.callbacks.Checkpoint(folder)], _Batches()
+            hf.fit(
+                model,
+                X[:64],
+                Y[:64],
+                epochs=epochs,
+                callbacks=[*callbacks, batches],
+                resume=True,
+                **options,
+            )
+    finally:
+        MPI.COMM_WORLD.barrier()
+        if hf.rank() == 0:
+            shutil.rmtree(folder, ignore_errors=True)
+    return model.get_weights(), batches.count
+
+
+def resume_results() -> list[dict]:
+    """A resumed ZeRO-3 custom step of two optimizers against the same resumed unsharded."""
+    (plain, plain_batches), (sliced, batches) = resumed({}), resumed({"shard_weights": True})
+    case = "sharded:custom_step_extra_update_resumed_shard_weights"
+    weights = relative_difference(sliced, plain)
+    return [{"case": case, "weights": weights, "batches_run": [batches, plain_batches]}]
 
 
 def sharded_results() -> list[dict]:
