@@ -249,8 +249,11 @@ class _Emptiable(ResourceVariable):
         return value
 
     def empty(self) -> None:
-        """Drop the value (eagerly or inside a trace)."""
-        self.assign(tf.zeros([0], self.dtype))
+        """Drop the value (eagerly or inside a trace). The empty value keeps the variable's
+        rank: Grappler infers a resource's shape from the values a graph assigns to it, and
+        an empty vector would make it drop the reshape of a 2-D read to a vector as
+        redundant (a model's own step under ZeRO-3 flattens its variables to load slices)."""
+        self.assign(tf.zeros([0, *self.full_shape[1:]], self.dtype))
 
     def filled(self) -> bool:
         """Whether it holds a value now (eagerly: the resource's own shape, which the
@@ -262,7 +265,7 @@ class _Emptiable(ResourceVariable):
 def _emptiable(variable, reason: str) -> _Emptiable:
     """A backing for Keras `variable`: holding its value, or empty where it holds none."""
     if is_deferred(variable):
-        value = tf.zeros([0], variable.dtype)
+        value = tf.zeros([0, *variable.shape[1:]], variable.dtype)  # as `empty` leaves it
     else:
         value = _keras.backing(variable).read_value()
     backing = _Emptiable(

@@ -127,8 +127,9 @@ class Strategy:
       segment by segment; embedding tables stay whole (their row slices gathered after the
       backward). Where the stage cannot be cut (subclassed models, tensor or expert shards,
       layers shared by stages) or with `check_numerics`, it trains as `shard_optimizer` does
-      (rank 0 says so once). Under a custom `train_step` (or `compute_loss`) the compiled
-      optimizer's `apply` steps this replica's slice, from the whole gradients the step's
+      (rank 0 says so once). Under a custom `train_step` (or `compute_loss`) each optimizer
+      it applies (the compiled one, those held as attributes: a GAN's two) steps this
+      replica's slice of the variables it is applied to, from the whole gradients the step's
       tape makes (docs/zero.md, "A model's own step").
       Refused with `update_by_segment=False`. With one replica it changes nothing.
     - `shard_weights` (False): ZeRO-3, what other frameworks call FSDP (docs/zero.md),
@@ -145,10 +146,10 @@ class Strategy:
       callbacks, checkpoints and the model after the fit see the whole weights. A model
       built under `hf.scope()` allocates only its slices, and keeps them after the fit (read
       its weights through a checkpoint and `hf.export`). A custom `train_step` gets the
-      whole weights gathered into the variables for each step, and let go after it.
-      Refused: weight regularizers, expert parallelism, the zero-bubble and interleaved
-      schedules with a pipeline, and a custom step that applies a second optimizer. With
-      one replica it changes nothing.
+      whole weights gathered into the variables for each step, and let go after it; each
+      optimizer it applies steps its own slices, as under `shard_gradients`. Refused: weight
+      regularizers, expert parallelism, the zero-bubble and interleaved schedules with a
+      pipeline. With one replica it changes nothing.
     - `sync_batchnorm` (False): True makes every BatchNormalization layer normalise by the
       statistics of the whole global batch, summed across replicas, as Keras's own
       `BatchNormalization(synchronized=True)` layers always are (then exactly Keras's

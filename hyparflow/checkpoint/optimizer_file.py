@@ -23,26 +23,31 @@ from hyparflow.checkpoint.state import _slot_prefixes, restore_optimizer
 _OWN_SAVE = "save_own_variables"
 
 
-def whole_optimizer(model, state):
-    """A fresh optimizer configured as `model.optimizer`, built for the model's trainable
-    variables and holding the whole entries of `state` (every slot, the step counter)."""
-    whole = keras.optimizers.deserialize(keras.optimizers.serialize(model.optimizer))
-    restore_optimizer(model, whole, list(model.trainable_variables), state)
+def whole_optimizer(model, state, optimizer=None, variables=None):
+    """A fresh optimizer configured as `optimizer` (default `model.optimizer`), built for
+    `variables` (default the model's trainable variables: a model's own step may apply an
+    optimizer to part of them) and holding the whole entries of `state` (every slot, the step
+    counter)."""
+    optimizer = model.optimizer if optimizer is None else optimizer
+    whole = keras.optimizers.deserialize(keras.optimizers.serialize(optimizer))
+    variables = model.trainable_variables if variables is None else variables
+    restore_optimizer(model, whole, list(variables), state)
     return whole
 
 
-def save_whole_state(optimizer, model, read_state) -> None:
+def save_whole_state(optimizer, model, read_state, variables=None) -> None:
     """Make `optimizer` write the whole optimizer state that `read_state()` gives (whole
     entries) into every file Keras saves (`model.save`, `save_weights`, ModelCheckpoint) until
     it takes another step (then its own variables, as Keras would). The state is read and the
     optimizer those files need built at the first save, not before: a run that saves nothing
     never pays for them. The method is swapped on this one object; its own variables keep
-    training."""
+    training. `variables`: those a whole `optimizer` is built for (default the model's
+    trainable variables)."""
     built: list = []
 
     def whole():
         if not built:
-            built.append(whole_optimizer(model, read_state()))
+            built.append(whole_optimizer(model, read_state(), optimizer, variables))
         return built[0]
 
     _write_from(optimizer, whole)

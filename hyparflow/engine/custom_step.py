@@ -5,8 +5,9 @@ the Keras guide's "Customizing what happens in fit()"). Under pure data parallel
 model lives on every rank, so each replica can run the model's own step on its share of the
 global batch, as Horovod does: while the step is traced, every optimizer of the model has its
 `apply` wrapped so that the gradients are summed over the replicas, each weighted by its share
-of the global batch, before the update (under ZeRO-1/2/3 the compiled optimizer's apply steps
-this replica's slice instead: sharded_optimizer/in_step.py). Metric states are summed over the
+of the global batch, before the update (under ZeRO-1/2/3 each optimizer's apply steps this
+replica's slices of the variables it is applied to instead: sharded_optimizer/
+step_optimizers.py). Metric states are summed over the
 replicas for the logs (`ReplicaMetrics`). docs/engine.md, "Custom training steps", says when
 this equals Keras.
 """
@@ -25,7 +26,9 @@ from hyparflow.comm.agree import AgreedError
 from hyparflow.comm.in_graph import allreduce
 from hyparflow.data.batches import split_bounds, split_sizes
 from hyparflow.engine.keras_semantics.random_slices import slice_of
-from hyparflow.engine.sharded_optimizer.in_step import SlicedApply
+from hyparflow.engine.sharded_optimizer.checkpoint import SliceCheckpoint
+from hyparflow.engine.sharded_optimizer.refusal import refusal
+from hyparflow.engine.sharded_optimizer.step_optimizers import StepOptimizers
 from hyparflow.engine.trainer import Trainer
 from hyparflow.intercept import Replaced
 from hyparflow.own_steps import own_steps
@@ -78,36 +81,18 @@ def _averaged_apply(apply, comm, traffic, weight, grads, trainable_variables=Non
     return apply(grads, trainable_variables, **kwargs)
 
 
-def _refused_under_slices(optimizer, *args, **kwargs):
-    """Under shard_weights the variables hold the gathered weights for one step only, so an
-    update by any optimizer but the sliced one would be lost: refused alike on every replica,
-    while the step is traced."""
-    raise AgreedError(
-        ValueError(
-            f"The model's own step applies {type(optimizer).__name__} ({optimizer.name}), which "
-            "is not its compiled optimizer; under shard_weights=True only the compiled "
-            "optimizer's update reaches the slices that hold the weights between steps. Use "
-            "shard_gradients=True, or one compiled optimizer."
-        )
-    )
-
-
 @contextlib.contextmanager
 def averaged_gradients(optimizers, comm, traffic, weight, sliced=None):
     """While active (around a call that may trace the step), each of `optimizers` applies the
     replicas' weighted sum of the gradients it is given (its allreduces counted in `traffic`);
-    `sliced` (ZeRO-1/2, a `SlicedApply`), if given, replaces its optimizer's apply by one that
-    steps this replica's slice. Afterwards they are as they were."""
-
-    def averaging(apply):
-        return functools.partial(_averaged_apply, apply, comm, traffic, weight)
+    `sliced` (ZeRO-1/2/3, a `StepOptimizers`), if given, replaces every optimizer's apply by
+    one that steps this replica's slices of the variables it is applied to. Afterwards they
+    are as they were."""
 
     def replacing(optimizer):
-        if sliced is not None and optimizer is sliced.optimizer:
-            return lambda apply: sliced.replacing(apply, weight)
-        if sliced is not None and sliced.slices_only:
-            return lambda apply: functools.partial(_refused_under_slices, optimizer)
-        return averaging
+        if sliced is not None:
+            return lambda apply: sliced.replacing(optimizer, apply, weight)
+        return lambda apply: functools.partial(_averaged_apply, apply, comm, traffic, weight)
 
     with Replaced((opt, "apply", replacing(opt)) for opt in optimizers):  # these instances only
         yield
@@ -149,15 +134,40 @@ class CustomStepTrainer(Trainer):
         self._train_fn = traced(self._train_body, reduce_retracing=True)
         self._test_fn = traced(model.test_step, reduce_retracing=True)
 
-    def _sliced_apply(self) -> SlicedApply | None:
-        """ZeRO-1/2: the compiled optimizer's apply over this replica's slices, its state
-        built for them alone (None without sharding)."""
+    def _sliced_apply(self) -> StepOptimizers | None:
+        """ZeRO-1/2/3: every optimizer the step applies steps this replica's slices of the
+        variables it is applied to, its state built for them alone (None without sharding)."""
         sharded = self.parts.sharded_update
         if sharded is None:
             return None
-        sharded.build_optimizer()
         comm, traffic = self.topology.stage_comm, self.traffic.of(TAG)
-        return SlicedApply(sharded, comm, traffic, slices_only=self.shards_weights)
+        backend = self.parts.setting.comm_backend
+        return StepOptimizers(
+            sharded,
+            comm,
+            traffic,
+            self.guard,
+            lambda optimizer: refusal(optimizer, self.strategy, backend),
+            slices_only=self.shards_weights,
+            on_compiled=self._compiled_on_part,
+        )
+
+    def _compiled_on_part(self, slices) -> None:
+        """The step applies the compiled optimizer to part of the model: checkpoints and the
+        fit's end read its state from its own slices (`slices`)."""
+        weights = self.parts.sharded_weights
+        self.stage_state.optimizer_shard = SliceCheckpoint(slices, weights, slices.variables)
+
+    def sliced_optimizers(self) -> list:
+        """(optimizer, `SliceCheckpoint`) of each optimizer the model's own step applies but
+        the compiled one, each holding this replica's slices of its state (the fit's end
+        gathers them whole: loops/optimizer_gather.py)."""
+        if self._sliced is None:
+            return []
+        return [
+            (slices.optimizer, SliceCheckpoint(slices, built_for=slices.variables))
+            for slices in self._sliced.others()
+        ]
 
     def _train_body(self, data, weight, rows):
         optimizers = optimizers_of(self.model)

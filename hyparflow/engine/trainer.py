@@ -728,6 +728,12 @@ class Trainer:
         with self.guard("agree on stopping"):
             return bool(self.topology.world.allreduce(bool(flag), op=mpi_op("LOR")))
 
+    def sliced_optimizers(self) -> list:
+        """(optimizer, `SliceCheckpoint`) of each optimizer but the compiled one whose state
+        this replica holds slices of: none under the engine's own step
+        (`CustomStepTrainer`'s model may apply several)."""
+        return []
+
     def finalize_variables(self) -> None:
         """What Keras's fit does once training ends: the optimizer's last word on the variables
         (with `use_ema=True`, their moving averages), on each stage's own variables."""

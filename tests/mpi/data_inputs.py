@@ -299,7 +299,8 @@ if __name__ == "__main__":
     references.prefetch(requests(kinds))  # each reference trained by one rank
     results = [result for name, case in CASES.items() for result in run(kinds, name, case)]
     results += custom_steps.results() if "data" in kinds else []  # own train_step, compute_loss
-    results += custom_steps.sharded_results()  # and under ZeRO-1/2, every rank a replica
+    results += custom_steps.sharded_results()  # and under ZeRO-1/2/3, every rank a replica
+    results += custom_steps.resume_results() if "data" in kinds else []  # from a checkpoint
     results += per_output([kind for kind in kinds if kind != "tensor"])
     results += [r for name, case in EVALUATED.items() for r in evaluated(kinds, name, case)]
     every = [kind for kind in kinds if kind in EVERY_CASE]

@@ -21,6 +21,7 @@ from keras import callbacks as keras_callbacks
 from hyparflow.checkpoint.optimizer_file import drop_whole_state, save_whole_state
 from hyparflow.checkpoint.spill import Spill
 from hyparflow.checkpoint.state import join_shards, optimizer_slots, written_pieces
+from hyparflow.engine.custom_step import optimizers_of
 from hyparflow.engine.weights import byte_groups, nbytes, numpy_dtype
 
 _TAG = 3939  # point-to-point tag of the entries on the world communicator
@@ -66,13 +67,16 @@ def saves_files(trainer, callbacks) -> bool:
 
 class OptimizerGather:
     """Rank 0's whole optimizer state for the files a fit saves, gathered from `trainer`'s
-    ranks at most once a step. Made at the start of a fit, it first forgets the state an
-    earlier fit gathered (training is about to change the optimizer)."""
+    ranks at most once a step: the compiled optimizer's, and each other optimizer a model's
+    own step steps by slices (`CustomStepTrainer.sliced_optimizers`). Made at the start of a
+    fit, it first forgets the state an earlier fit gathered (training is about to change the
+    optimizers)."""
 
     def __init__(self, trainer):
         self.trainer = trainer
         self.gathered_at = None  # the trainer's step at the last gather
-        drop_whole_state(getattr(trainer.model, "optimizer", None))
+        for optimizer in optimizers_of(trainer.model):
+            drop_whole_state(optimizer)
 
     def gather(self) -> None:
         """Collective over every rank: rank 0's saved files get the whole optimizer state
@@ -82,17 +86,27 @@ class OptimizerGather:
         if not needs_gathering(trainer) or self.gathered_at == trainer.step:
             return
         self.gathered_at = trainer.step
-        world, guard = trainer.topology.world, trainer.guard
-        spill = _gather(local_entries(trainer.stage_state), world, guard)
-        if spill is None:
+        stage = trainer.stage_state
+        built_for = getattr(stage.optimizer_shard, "built_for", None)
+        self._keep(trainer.model.optimizer, local_entries(stage), built_for)
+        for optimizer, part in trainer.sliced_optimizers():
+            entries = part.optimizer_state(trainer.model, stage.split, stage.shard, stage.replica)
+            self._keep(optimizer, entries, part.built_for)
+
+    def _keep(self, optimizer, entries: dict, built_for) -> None:
+        """Every rank's `entries` of `optimizer`'s state on rank 0's disk, which rank 0's
+        `optimizer` writes whole into saved files (built for `built_for`; None: the model's
+        trainable variables)."""
+        trainer = self.trainer
+        spill = _gather(entries, trainer.topology.world, trainer.guard)
+        if spill is None or not spill.nbytes:  # not rank 0, or an optimizer never built
             return
-        optimizer = trainer.model.optimizer
         drop_whole_state(optimizer)  # the last one goes before the new one is kept
 
         def read_state() -> dict:  # at the first save; the spill's file lives until then
             return join_shards(spill.arrays())
 
-        save_whole_state(optimizer, trainer.model, read_state)
+        save_whole_state(optimizer, trainer.model, read_state, built_for)
 
 
 def _gather(entries: dict, comm, guard) -> Spill | None:

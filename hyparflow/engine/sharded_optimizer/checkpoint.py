@@ -19,15 +19,19 @@ from hyparflow.checkpoint.state import slice_key
 
 
 class SliceCheckpoint:
-    """`checkpoint/stage.py`'s `optimizer_shard` for a `ShardedUpdate` `sharded`.
+    """`checkpoint/stage.py`'s `optimizer_shard` for a `ShardedUpdate` `sharded` (or the
+    `OptimizerSlices` of one optimizer of a model's own step). `built_for`: the variables a
+    whole optimizer of this state is built for (None: the model's trainable variables; a
+    model's own step may apply an optimizer to part of them).
 
     Example:
         TrainingState(..., optimizer_shard=SliceCheckpoint(sharded))
     """
 
-    def __init__(self, sharded, weights=None):
+    def __init__(self, sharded, weights=None, built_for=None):
         self.sharded = sharded
         self.weights = weights  # ZeRO-3's `ShardedWeights`, or None
+        self.built_for = built_for
 
     def holds_slices(self, variable) -> bool:
         """Whether `variable`'s value is now only in the replicas' slices (ZeRO-3 while
@@ -67,7 +71,7 @@ class SliceCheckpoint:
         runs do."""
         index = {v.path: i for i, v in enumerate(model.trainable_variables)}
         state = {}
-        for opt_variable in self.sharded.model.optimizer.variables:
+        for opt_variable in self.sharded.optimizer.variables:
             group, table, slot = self._slot_of(opt_variable.name)
             value = np.asarray(opt_variable.numpy())
             if group is None:  # the optimizer's own, or a whole table's or expert shard's slot
@@ -99,7 +103,7 @@ class SliceCheckpoint:
             piece = split.get(variable.path)
             return state[key] if piece is None else piece.cut(state[key])
 
-        for opt_variable in self.sharded.model.optimizer.variables:
+        for opt_variable in self.sharded.optimizer.variables:
             group, table, slot = self._slot_of(opt_variable.name)
             if table is not None:
                 value = whole(table, slot)

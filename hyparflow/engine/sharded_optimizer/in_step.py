@@ -1,16 +1,18 @@
-"""ZeRO-1 and ZeRO-2 under a model's own step: its optimizer's `apply`, compiled inside that
+"""ZeRO-1, 2 and 3 under a model's own step: an optimizer's `apply`, compiled inside that
 step, updates this replica's slice.
 
 A step of the model's own (engine/custom_step.py: an overridden `train_step`, or Keras's step
 around an overridden `compute_loss`) makes whole gradients with its own tape and hands them to
-the compiled optimizer's `apply`. While the step is traced, that `apply` is replaced by
-`SlicedApply`: the gradients, each replica's weighted by its share of the global batch, are
-flattened into the stage's slice groups (`ShardedUpdate.groups`, one flat vector per dtype)
-and reduce-scattered; under loss scaling the replicas agree on whether any slice overflowed;
-`global_clipnorm` clips by the whole model's norm (squares summed over the replicas); the
-optimizer steps this replica's slice variables, for which alone it built its state; the new
-slices are all-gathered into the variables, which stay the truth between steps. Checkpoints
-and the fit's end read the same slices as under the engine's own step (`SliceCheckpoint`).
+an optimizer's `apply`. While the step is traced, that `apply` is replaced by a `SlicedApply`
+(each optimizer its own: step_optimizers.py): the gradients, each replica's weighted by its
+share of the global batch, are flattened into the slice groups of the variables it applies
+(the stage's `ShardedUpdate.groups` for the compiled optimizer on every variable, else its
+`OptimizerSlices`; one flat vector per dtype) and reduce-scattered; under loss scaling the
+replicas agree on whether any slice overflowed; `global_clipnorm` clips by the norm of the
+variables applied (squares summed over the replicas); the optimizer steps this replica's
+slice variables, for which alone it built its state; the new slices are all-gathered into the
+variables, which stay the truth between steps. Checkpoints and the fit's end read the slices
+through a `SliceCheckpoint`, as under the engine's own step.
 
 The step's own gradients are whole, since its tape makes them: `shard_gradients` shards only
 their reduced sums. Under `shard_weights` (ZeRO-3) the variables hold nothing between steps
@@ -37,23 +39,25 @@ from hyparflow.engine.sharded_optimizer.sharded_update import windowed_reduce_sc
 
 
 class SlicedApply:
-    """The replacement of the compiled optimizer's `apply` in a model's own step, over
-    `sharded`'s slices (a `ShardedUpdate` of the whole model, one replica's); its collectives
-    run over `comm` (the replicas) and count in `traffic`. `slices_only` (ZeRO-3): the slices
-    are the weights between steps, and the variables hold values only inside the step
-    (`fill`, `empty`).
+    """The replacement of an optimizer's `apply` in a model's own step, over `slices`' slices
+    (the trainer's `ShardedUpdate` of the whole model for its compiled optimizer, or an
+    `OptimizerSlices`: either has `optimizer`, `variables`, `groups` and `load_slices`); its
+    collectives run over `comm` (the replicas), count in `traffic`, and are watched by
+    `guard(operation)`. `slices_only` (ZeRO-3, the whole model's slices): the slices are the
+    weights between steps, and the variables hold values only inside the step (`fill`,
+    `empty`).
 
     Example:
-        sliced = SlicedApply(sharded, comm, traffic)
+        sliced = SlicedApply(sharded, comm, traffic, guard)
         with Replaced([(optimizer, "apply", lambda apply: sliced.replacing(apply, weight))]):
             model.train_step(data)  # traced: its optimizer.apply steps this replica's slice
     """
 
-    def __init__(self, sharded, comm, traffic, slices_only: bool = False):
-        self.sharded = sharded
-        self.optimizer = sharded.model.optimizer
-        self.variables = list(sharded.variables)
-        self.comm, self.traffic = comm, traffic
+    def __init__(self, slices, comm, traffic, guard, slices_only: bool = False):
+        self.sharded = slices
+        self.optimizer = slices.optimizer
+        self.variables = list(slices.variables)
+        self.comm, self.traffic, self.guard = comm, traffic, guard
         self.slices_only = slices_only
 
     def fill(self) -> None:
@@ -88,21 +92,21 @@ class SlicedApply:
         self.fill()  # the step may read its weights after its update, as in Keras's
 
     def _in_stage_order(self, grads: list, variables) -> list:
-        """`grads` of `variables` (None: the model's trainable variables) in the stage's order;
-        a step that applies the optimizer to other variables, or gives a variable no
-        gradient, is an error (raised alike on every replica, while tracing)."""
+        """`grads` of `variables` (None: all of the slices' variables) in the slices' order; a
+        variable given no gradient is an error (raised alike on every replica, while
+        tracing)."""
         variables = self.variables if variables is None else list(variables)
         given = {id(v): g for v, g in zip(variables, grads, strict=True)}
         missing = [v.path for v in self.variables if given.get(id(v)) is None]
-        if missing or len(given) != len(self.variables):
+        if missing:
             raise AgreedError(  # every replica traces the same step: raised alike everywhere
                 ValueError(
-                    f"{self.sharded.model.__class__.__name__}'s own step applies its compiled "
-                    f"optimizer to {len(given)} variables, not to each of the model's "
-                    f"{len(self.variables)} trainable variables with a gradient (missing: "
-                    f"{missing[:3]}); sharding its state (shard_optimizer, shard_gradients) slices "
-                    "it over all of them, so each step must apply it to all of them at once. Apply "
-                    "it to self.trainable_variables, or leave the optimizer state unsharded."
+                    f"The model's own step applies {type(self.optimizer).__name__} "
+                    f"({self.optimizer.name}) with no gradient for some of its variables "
+                    f"(missing: {missing[:3]}); sharding its state (shard_optimizer, "
+                    "shard_gradients, shard_weights) reduce-scatters a gradient for each one. "
+                    "Apply it only to variables with gradients, or leave the optimizer state "
+                    "unsharded."
                 )
             )
         return [tf.convert_to_tensor(given[id(v)]) for v in self.variables]
@@ -112,7 +116,7 @@ class SlicedApply:
         in the group's dtype: reduce-scattered in the engine's windows straight from the
         gradients (no flat copy of them: `windowed_reduce_scatter`)."""
         wire = group.reduced_dtype
-        guard = self.sharded.update.guard
+        guard = self.guard
         parts = [tf.cast(grads[i], wire) for i in group.positions]
 
         def scatter(*arrays):

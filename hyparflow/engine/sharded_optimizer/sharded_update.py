@@ -69,9 +69,12 @@ class _DtypeSlice:
         return reduction_dtype(self.dtype)
 
 
-def sliced_segments(variables, dense: list[int], segments, comm) -> list[list[_DtypeSlice]]:
+def sliced_segments(
+    variables, dense: list[int], segments, comm, prefix: str = "hyparflow_zero"
+) -> list[list[_DtypeSlice]]:
     """The `_DtypeSlice`s of each segment of the `dense` positions (`segments`: lists of
-    positions; None: one), this rank's of `comm`'s parts."""
+    positions; None: one), this rank's of `comm`'s parts; their variables are named
+    `prefix`, dtype and segment (each optimizer's slot names begin with them)."""
     sliced = []
     for k, members in enumerate(dense_segment_positions(dense, segments)):
         by_dtype = group_by_dtype([variables[i].dtype for i in members])
@@ -84,7 +87,7 @@ def sliced_segments(variables, dense: list[int], segments, comm) -> list[list[_D
                     variables,
                     comm.Get_size(),
                     comm.Get_rank(),
-                    f"hyparflow_zero_{dtype}{name}",
+                    f"{prefix}_{dtype}{name}",
                 )
                 for dtype, positions in by_dtype.items()
             ]
@@ -231,6 +234,11 @@ class ShardedUpdate:
         self._regularize_fn = traced(self._regularize, reduce_retracing=True)
         self._squares_fn = traced(self._squares, reduce_retracing=True)
         self._built_for = None
+
+    @property
+    def optimizer(self):
+        """The optimizer that steps these slices: the model's compiled one."""
+        return self.model.optimizer
 
     # --- the reduction -----------------------------------------------------------------------
     def reduce(self, keep_local: bool = False) -> SliceGradients:
@@ -467,14 +475,7 @@ class ShardedUpdate:
         """Each slice variable (of `groups`, default all) takes its elements of the stage's
         variables, which are the truth between steps (restores, callbacks and tensor shards
         write those)."""
-        for group in self.groups if groups is None else groups:
-            extents = [
-                tf.reshape(self.variables[group.positions[p.variable]], [-1])[p.start : p.stop]
-                for p in group.extents
-            ]
-            if group.padding:
-                extents.append(tf.zeros([group.padding], group.dtype))
-            group.variable.assign(tf.concat(extents, axis=0))
+        load_slices(self.groups if groups is None else groups, self.variables)
 
     def _targets(self) -> list:
         return [g.variable for g in self.groups] + self.tables + self.experts
@@ -567,6 +568,20 @@ class ShardedUpdate:
             )
         optimizer.build(self._targets())
         self._built_for = optimizer
+
+
+def load_slices(groups: list, variables: list) -> None:
+    """Each slice variable of `groups` takes its elements of `variables` (the positions'
+    list), its padding zeros."""
+    for group in groups:
+        extents = [
+            tf.reshape(variables[group.positions[p.variable]], [-1])[p.start : p.stop]
+            for p in group.extents
+        ]
+        if group.padding:
+            extents.append(tf.zeros([group.padding], group.dtype))
+
+        group.variable.assign(tf.concat(extents, axis=0))
 
 
 def _plus_dense(grad, reg, scale):
