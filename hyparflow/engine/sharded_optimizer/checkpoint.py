@@ -13,9 +13,14 @@ this replica's slice: ZeRO on or off, any replica count, pipeline or tensor layo
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from hyparflow.checkpoint.state import slice_key
+
+if TYPE_CHECKING:
+    from hyparflow.engine.sharded_optimizer.optimizer_slices import SliceSet
 
 
 class SliceCheckpoint:
@@ -28,7 +33,7 @@ class SliceCheckpoint:
         TrainingState(..., optimizer_shard=SliceCheckpoint(sharded))
     """
 
-    def __init__(self, sharded, weights=None, built_for=None):
+    def __init__(self, sharded: SliceSet, weights=None, built_for=None):
         self.sharded = sharded
         self.weights = weights  # ZeRO-3's `ShardedWeights`, or None
         self.built_for = built_for

@@ -26,6 +26,7 @@ is not cut does, and only its slices between steps.
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import numpy as np
 import tensorflow as tf
@@ -36,6 +37,9 @@ from hyparflow.comm.agree import AgreedError
 from hyparflow.comm.in_graph import allgather, allreduce, collective
 from hyparflow.engine.gradients.update import apply_clipped, inner_optimizer
 from hyparflow.engine.sharded_optimizer.sharded_update import windowed_reduce_scatter
+
+if TYPE_CHECKING:
+    from hyparflow.engine.sharded_optimizer.optimizer_slices import SliceSet
 
 
 class SlicedApply:
@@ -53,7 +57,7 @@ class SlicedApply:
             model.train_step(data)  # traced: its optimizer.apply steps this replica's slice
     """
 
-    def __init__(self, slices, comm, traffic, guard, slices_only: bool = False):
+    def __init__(self, slices: SliceSet, comm, traffic, guard, slices_only: bool = False):
         self.sharded = slices
         self.optimizer = slices.optimizer
         self.variables = list(slices.variables)

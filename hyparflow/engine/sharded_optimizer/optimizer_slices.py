@@ -12,7 +12,24 @@ loads the slices from them (`load_slices`) and all-gathers the new slices back i
 
 from __future__ import annotations
 
+from typing import Any, Protocol
+
 from hyparflow.engine.sharded_optimizer.sharded_update import load_slices, sliced_segments
+
+
+class SliceSet(Protocol):
+    """One optimizer's slices of some variables, as `in_step.SlicedApply` steps them and
+    `checkpoint.SliceCheckpoint` saves them: a stage's `ShardedUpdate` (its compiled
+    optimizer) or an `OptimizerSlices` (any optimizer of a model's own step)."""
+
+    optimizer: Any  # the Keras optimizer whose state is built for the slices
+    variables: list  # the variables sliced, in the groups' positions
+    groups: list  # per dtype (and segment), this replica's slice and its layout
+    table_prefixes: list  # (slot name prefix, table) of the tables kept whole
+
+    def load_slices(self) -> None: ...
+
+    def build_optimizer(self) -> None: ...
 
 
 class OptimizerSlices:

@@ -580,7 +580,6 @@ def load_slices(groups: list, variables: list) -> None:
         ]
         if group.padding:
             extents.append(tf.zeros([group.padding], group.dtype))
-
         group.variable.assign(tf.concat(extents, axis=0))
 
 
